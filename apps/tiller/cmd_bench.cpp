@@ -1,0 +1,147 @@
+// tiller bench collectives: bus bandwidth of all_gather, reduce_scatter and broadcast through
+// tiller's Communicator, measured the way nccl-tests and ../shared/bench/peer_bench.py do
+// (warm-up, then the mean of back-to-back ops, host-timed until the last completes), so the two
+// can be compared in one run. Prints one JSON object on rank 0.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+#include "tiller/dist/mpi_env.h"
+
+namespace tiller::cli {
+namespace {
+
+struct BenchOptions {
+  std::vector<int> sizes_mb{64, 128, 256, 512, 1024};
+  int warmup = 3;
+  int iters = 10;
+  std::string backend = "auto";
+  std::string dtype = "bf16";
+  double timeout_s = 120;
+  std::string out;
+};
+
+at::ScalarType parse_dtype(const std::string& d) {
+  if (d == "bf16") return at::kBFloat16;
+  if (d == "fp32") return at::kFloat;
+  if (d == "fp16") return at::kHalf;
+  throw ConfigError(fmt::format("--dtype '{}': use bf16, fp16 or fp32", d));
+}
+
+int run_collectives(const BenchOptions& o, int* argc, char*** argv) {
+  dist::MpiEnv env(argc, argv);
+  log::init(env.rank(), "bench", log::Level::kInfo);
+  const int gpus = at::detail::getCUDAHooks().getNumGPUs();
+  std::string backend = o.backend;
+  if (backend == "auto") backend = dist::MpiEnv::have_nccl() && gpus > 0 ? "nccl" : "mpi";
+  if (backend != "nccl" && backend != "mpi") throw ConfigError("--backend: use auto, nccl or mpi");
+
+  auto world = env.world(o.timeout_s);
+  std::unique_ptr<dist::Communicator> nccl;
+  at::TensorOptions opts = at::TensorOptions().dtype(parse_dtype(o.dtype));
+  if (backend == "nccl") {
+    TILLER_CHECK(gpus > 0, "--backend nccl: no CUDA device is visible on rank {}", env.rank());
+    auto nodes = env.node_map(0, false, o.timeout_s);
+    int local = 0;
+    for (const auto& n : nodes.nodes) {
+      for (std::size_t i = 0; i < n.ranks.size(); ++i) {
+        if (n.ranks[i] == env.rank()) local = static_cast<int>(i);
+      }
+    }
+    const int device = local % gpus;
+    nccl = dist::MpiEnv::nccl(*world, device, "bench", o.timeout_s);
+    opts = opts.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  }
+  dist::Communicator& comm = nccl ? *nccl : *world;
+  const int w = comm.size();
+  const std::int64_t elem = at::elementSize(parse_dtype(o.dtype));
+
+  nlohmann::ordered_json results = nlohmann::ordered_json::array();
+  nlohmann::ordered_json flat = nlohmann::ordered_json::object();
+  for (int mb : o.sizes_mb) {
+    // n elements in all (a multiple of w): the full buffer is mb MiB, as in peer_bench.py.
+    const std::int64_t n = (static_cast<std::int64_t>(mb) * 1024 * 1024 / elem) / w * w;
+    auto shard = at::randn({n / w}, opts);
+    auto full = at::empty({n}, opts);
+    auto buf = at::randn({n}, opts);
+    struct Op {
+      const char* name;
+      std::function<dist::WorkPtr()> issue;
+      double bus_factor;
+    };
+    const double ring = static_cast<double>(w - 1) / w;
+    std::vector<Op> ops = {
+        {"all_gather", [&] { return comm.all_gather(shard, full); }, ring},
+        {"broadcast", [&] { return comm.broadcast(buf, 0); }, 1.0},
+        {"reduce_scatter", [&] { return comm.reduce_scatter(full, shard); }, ring},
+    };
+    for (auto& op : ops) {
+      for (int i = 0; i < o.warmup; ++i) op.issue()->wait();
+      // Every rank starts timing together, then ops go back to back; the last one's completion
+      // (ops on one communicator complete in order) ends the timing.
+      auto flag = at::zeros({1}, at::kInt);
+      world->all_reduce(flag)->wait();
+      auto t0 = std::chrono::steady_clock::now();
+      std::vector<dist::WorkPtr> works;
+      for (int i = 0; i < o.iters; ++i) works.push_back(op.issue());
+      for (auto& wk : works) wk->wait();
+      double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / o.iters;
+      // The slowest rank's time is the collective's time.
+      auto t = at::full({1}, dt, at::kDouble);
+      world->all_reduce(t, dist::ReduceOp::kMax)->wait();
+      dt = t.item<double>();
+      const double bytes = static_cast<double>(n * elem);
+      const double algbw = bytes / dt / 1e9;
+      const double busbw = algbw * op.bus_factor;
+      results.push_back({{"op", op.name}, {"size_mb", mb}, {"time_ms", dt * 1e3}, {"algbw_GBps", algbw},
+                         {"busbw_GBps", busbw}});
+      flat[fmt::format("{}_{}MB_busbw_GBps", op.name, mb)] = std::round(busbw * 10) / 10;
+    }
+  }
+  if (env.rank() == 0) {
+    nlohmann::ordered_json out = {{"bench", "collectives"}, {"backend", comm.backend()}, {"world", w},
+                          {"dtype", o.dtype},       {"iters", o.iters},        {"warmup", o.warmup},
+                          {"results", results}};
+    out.update(flat);
+    const std::string text = out.dump();
+    std::printf("%s\n", text.c_str());
+    std::fflush(stdout);
+    if (!o.out.empty()) {
+      std::ofstream f(o.out);
+      if (!(f << text << "\n")) throw IoError(fmt::format("--out {}: cannot write the results", o.out));
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
+  auto* bench = app.add_subcommand("bench", "Benchmarks; each prints JSON");
+  bench->require_subcommand(1);
+  auto* coll = bench->add_subcommand(
+      "collectives", "Bus bandwidth of all_gather, reduce_scatter, broadcast (run under mpirun, one rank per GPU)");
+  auto o = std::make_shared<BenchOptions>();
+  coll->add_option("--sizes-mb", o->sizes_mb, "Buffer sizes in MiB")->delimiter(',');
+  coll->add_option("--warmup", o->warmup, "Warm-up ops per measurement")->check(CLI::Range(0, 1000));
+  coll->add_option("--iters", o->iters, "Timed ops per measurement")->check(CLI::Range(1, 100000));
+  coll->add_option("--backend", o->backend, "auto (NCCL when GPUs are visible), nccl or mpi");
+  coll->add_option("--dtype", o->dtype, "bf16, fp16 or fp32");
+  coll->add_option("--timeout", o->timeout_s, "Deadline of each op, seconds");
+  coll->add_option("--out", o->out, "Also write the JSON here");
+  coll->callback([&run, o, &argc, &argv] {
+    run = [o, &argc, &argv] { return run_collectives(*o, &argc, &argv); };
+  });
+}
+
+}  // namespace tiller::cli

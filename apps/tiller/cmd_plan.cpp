@@ -1,0 +1,67 @@
+#include <cstdio>
+#include <sstream>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "tiller/core/config.h"
+#include "tiller/core/error.h"
+#include "tiller/dist/rank_plan.h"
+
+namespace tiller::cli {
+namespace {
+
+std::vector<int> parse_node_gpus(const std::string& list) {
+  std::vector<int> out;
+  std::stringstream ss(list);
+  for (std::string item; std::getline(ss, item, ',');) {
+    try {
+      std::size_t used = 0;
+      int v = std::stoi(item, &used);
+      if (used != item.size() || v < 1) throw std::invalid_argument(item);
+      out.push_back(v);
+    } catch (const std::exception&) {
+      throw ConfigError(fmt::format("--node-gpus '{}': '{}' is not a positive GPU count; write e.g. 8,8,4", list, item));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app, Runner& run) {
+  auto* cmd = app.add_subcommand("plan", "Show which rank does what for a config, and the mpirun line to launch it");
+  struct Options {
+    std::string config;
+    std::vector<std::string> overrides;
+    int nodes = 1;
+    int gpus_per_node = 8;
+    std::string node_gpus;
+  };
+  auto o = std::make_shared<Options>();
+  cmd->add_option("-c,--config", o->config, "Job config (YAML)")->required();
+  cmd->add_option("--set", o->overrides, "Override a key: --set engines.tp=2 (repeatable)");
+  cmd->add_option("--nodes", o->nodes, "Number of nodes")->check(CLI::Range(1, 100000));
+  cmd->add_option("--gpus-per-node", o->gpus_per_node, "GPUs on each node")->check(CLI::Range(1, 1024));
+  cmd->add_option("--node-gpus", o->node_gpus, "GPUs per node for uneven nodes, e.g. 8,8,4 (overrides --nodes)");
+  cmd->callback([&run, o] {
+    run = [o] {
+      JobConfig config = load_config(o->config, o->overrides);
+      std::vector<int> gpus = o->node_gpus.empty() ? std::vector<int>(o->nodes, o->gpus_per_node)
+                                                   : parse_node_gpus(o->node_gpus);
+      const int world = dist::required_world_size(config);
+      dist::NodeMap nodes = dist::NodeMap::fill_by_slot(gpus, world);
+      dist::RankPlan plan = dist::make_rank_plan(config, nodes);
+      auto launch = dist::mpirun_command(gpus, world, o->config, o->overrides);
+      std::string out = fmt::format("# {}: {} ranks = {}\n\n", o->config, world, dist::world_size_breakdown(config));
+      out += plan.table();
+      if (!launch.hostfile.empty()) out += "\nhostfile 'hosts' (replace nodeN with your host names):\n" + launch.hostfile;
+      out += "\nlaunch:\n  " + launch.command + "\n";
+      std::fputs(out.c_str(), stdout);
+      return 0;
+    };
+  });
+}
+
+}  // namespace tiller::cli

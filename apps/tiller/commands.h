@@ -1,0 +1,19 @@
+// The subcommands of `tiller`. Each registers its options on the CLI11 app and returns the
+// function that runs it. Private to apps/tiller.
+#pragma once
+
+#include <functional>
+
+namespace CLI {
+class App;
+}
+
+namespace tiller::cli {
+
+using Runner = std::function<int()>;
+
+void add_plan_command(CLI::App& app, Runner& run);
+void add_config_command(CLI::App& app, Runner& run);
+void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv);
+
+}  // namespace tiller::cli

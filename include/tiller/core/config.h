@@ -1,0 +1,186 @@
+// The job configuration: one YAML file, read into typed structs. Every key, its type, default,
+// allowed range and documentation are declared once (src/core/config_schema.cpp); loading, the
+// `--set a.b=c` overrides, `tiller config` printing and docs/config.md all come from that one list.
+//
+// Errors (all ConfigError, one line): an unknown key names its path, file, line and the closest
+// valid key; a value of the wrong type or out of range names the key, the value and what is allowed.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tiller {
+
+struct RunConfig {
+  std::string name = "tiller";
+  std::int64_t seed = 42;
+  std::string output_dir = "out";
+};
+
+struct ClusterConfig {
+  std::int64_t gpus_per_node = 0;  // 0: detect (CUDA device count)
+  std::string device = "auto";     // auto | cuda | cpu
+  std::string backend = "auto";    // auto | nccl | mpi
+};
+
+// One trainer role (actor, critic, ref, reward): a ZeRO-3 group of `gpus` ranks, or colocated in
+// the processes of another role.
+struct RoleConfig {
+  bool enabled = true;
+  std::string model;            // HF directory; "" means the actor's model (ref) or none
+  std::int64_t gpus = 1;        // ranks in the role's group (ignored when colocated)
+  std::string colocate_with;    // "" or the name of another role whose ranks this role shares
+  std::string dtype = "bf16";   // compute dtype: bf16 | fp32
+  bool gradient_checkpointing = true;
+  bool replicate = false;       // frozen roles only: replicate instead of ZeRO-3 sharding
+};
+
+struct RolesConfig {
+  RoleConfig actor;
+  RoleConfig critic;
+  // By default the reference model lives in the actor's processes, and no reward model runs
+  // (reward.type is a rule).
+  RoleConfig ref = [] {
+    RoleConfig r;
+    r.colocate_with = "actor";
+    return r;
+  }();
+  RoleConfig reward = [] {
+    RoleConfig r;
+    r.enabled = false;
+    return r;
+  }();
+};
+
+struct EnginesConfig {
+  std::int64_t count = 1;
+  std::int64_t tp = 1;
+  std::string model;  // "" = the actor's model
+  std::int64_t max_num_seqs = 256;
+  std::int64_t max_batched_tokens = 8192;
+  std::int64_t kv_block_size = 16;
+  double gpu_memory_fraction = 0.85;
+  std::int64_t port = 50051;
+  std::int64_t sync_bucket_mb = 256;
+};
+
+struct RolloutConfig {
+  std::int64_t batch_size = 128;  // prompts per step
+  std::int64_t n_samples_per_prompt = 1;
+  std::int64_t max_prompt_tokens = 1024;
+  std::int64_t max_new_tokens = 1024;
+  double temperature = 1.0;
+  double top_p = 1.0;
+  std::int64_t top_k = -1;
+  std::int64_t micro_batch_tokens = 16384;
+};
+
+struct AlgoConfig {
+  std::string advantage_estimator = "gae";  // gae | reinforce | rloo | reinforce_baseline | group_norm | dr_grpo
+  double gamma = 1.0;
+  double lambd = 0.95;
+  double clip_eps_low = 0.2;
+  double clip_eps_high = 0.2;
+  double dual_clip = 0.0;
+  double value_clip = 0.2;
+  double kl_coef = 0.01;
+  std::string kl_estimator = "k1";  // k1 | k2 | k3
+  bool kl_in_reward = true;
+  double target_kl = 0.0;
+  double entropy_coef = 0.0;
+  bool whiten_advantages = true;
+  std::int64_t ppo_epochs = 1;
+};
+
+struct DataConfig {
+  std::string prompts;
+  std::string input_key = "input";
+  std::string label_key = "label";
+  std::string input_template;
+  bool apply_chat_template = false;
+  bool shuffle = true;
+  std::int64_t max_samples = 0;
+};
+
+struct RewardConfig {
+  std::string type = "rule";  // model | rule | remote
+  std::string rule = "math_answer";
+  std::string remote_address;
+  double clip = 10.0;
+  bool normalize = false;
+};
+
+struct TrainConfig {
+  std::int64_t num_steps = 100;
+  std::int64_t train_batch_size = 128;
+  std::int64_t micro_batch_tokens = 16384;
+  double actor_lr = 1e-6;
+  double critic_lr = 9e-6;
+  double weight_decay = 0.0;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.95;
+  double adam_eps = 1e-8;
+  double max_grad_norm = 1.0;
+  std::string lr_schedule = "constant";  // constant | linear | cosine
+  std::int64_t warmup_steps = 0;
+  double min_lr_ratio = 0.1;
+};
+
+struct CheckpointConfig {
+  std::string dir;
+  std::int64_t every_steps = 0;
+  std::int64_t keep_last = 2;
+  bool resume = true;
+  bool save_hf = false;
+};
+
+struct LoggingConfig {
+  std::string level = "info";
+  std::int64_t every_steps = 1;
+  std::string metrics_jsonl;
+  std::string chrome_trace;
+};
+
+struct TimeoutsConfig {
+  double collective_s = 600.0;
+  double startup_s = 300.0;
+  double generate_s = 1800.0;
+  double weight_sync_s = 300.0;
+  double rpc_s = 60.0;
+};
+
+struct JobConfig {
+  RunConfig run;
+  ClusterConfig cluster;
+  RolesConfig roles;
+  EnginesConfig engines;
+  RolloutConfig rollout;
+  AlgoConfig algo;
+  DataConfig data;
+  RewardConfig reward;
+  TrainConfig train;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+  TimeoutsConfig timeouts;
+
+  // Cross-key checks that no single key's range can express (e.g. ref colocated with itself).
+  void validate() const;
+};
+
+// Loads `path`, then applies `overrides` ("a.b=c", values in YAML syntax) in order, then validates.
+JobConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// The same from YAML text; `origin` names it in errors (a file name or "<string>").
+JobConfig parse_config(const std::string& yaml_text, const std::string& origin,
+                       const std::vector<std::string>& overrides = {});
+// Applies one "a.b=c" override to `config` (no validate()).
+void apply_override(JobConfig& config, const std::string& assignment);
+
+// The effective config as YAML (every key, including defaults).
+std::string to_yaml(const JobConfig& config);
+// docs/config.md, generated from the schema.
+std::string config_reference_markdown();
+// Every valid key path ("roles.actor.gpus", ...), in schema order.
+std::vector<std::string> config_keys();
+
+}  // namespace tiller

@@ -1,0 +1,91 @@
+// The rank plan: which world rank does what. A pure function of (config, node map): every rank
+// computes the same plan from the same inputs, so no rank has to tell the others.
+//
+// Layout rules:
+//  - rank 0 is the controller (no GPU);
+//  - each engine's TP group sits on one node (a TP group split across nodes is a performance
+//    cliff), on consecutive GPUs; engines are placed first, best fit, preferring later nodes;
+//  - trainer roles (actor, critic, ref, reward) then take the remaining ranks in rank order; a
+//    role with colocate_with shares the ranks (and GPUs) of the role it names;
+//  - a rank's GPU index is its position among the worker ranks of its node.
+// An impossible request throws ConfigError saying what to change.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tiller/core/config.h"
+
+namespace tiller::dist {
+
+// Which world ranks run on which node, and how many GPUs each node has.
+struct NodeMap {
+  struct Node {
+    std::string host;        // for messages; may be empty
+    std::vector<int> ranks;  // world ranks on this node, ascending
+    int gpus = 0;            // GPUs on this node; -1: CPU run (any number of ranks, no GPU index)
+  };
+  std::vector<Node> nodes;  // ordered by their lowest rank
+
+  int world_size() const;
+  // The placement `mpirun --map-by slot` makes from a hostfile whose node i has gpus[i] slots,
+  // plus one on node 0 for the controller: ranks fill node 0 first, then node 1, ...
+  // Throws ConfigError if the nodes have fewer slots than world_size.
+  static NodeMap fill_by_slot(const std::vector<int>& gpus_per_node, int world_size);
+};
+
+struct RoleGroup {
+  std::string role;                    // "actor", "critic", "ref", "reward"
+  std::vector<int> ranks;              // the group's world ranks, ascending; group rank i = ranks[i]
+  std::string colocated_with;          // "" or the role whose ranks these are
+};
+
+struct EngineGroup {
+  int index = 0;
+  int node = 0;
+  std::vector<int> ranks;  // TP rank i = ranks[i], consecutive GPUs of `node`
+};
+
+struct RankAssignment {
+  int rank = 0;
+  int node = 0;
+  int gpu = -1;                     // -1: the controller, or a CPU run
+  std::vector<std::string> roles;   // "controller", trainer roles, or "engine"
+  int engine = -1;                  // engine index, or -1
+  int engine_tp_rank = -1;
+
+  // "controller", "actor+ref", "engine1.tp0": the log prefix of this rank.
+  std::string label() const;
+};
+
+struct RankPlan {
+  int world_size = 0;
+  int controller = 0;
+  std::vector<RoleGroup> groups;       // enabled trainer roles in the order actor, critic, ref, reward
+  std::vector<EngineGroup> engines;
+  std::vector<RankAssignment> ranks;   // indexed by world rank
+
+  // The group of `role`, or nullptr if the role is disabled.
+  const RoleGroup* group(std::string_view role) const;
+  // A human-readable table of every rank and a summary of the groups.
+  std::string table() const;
+};
+
+// Ranks the config needs: 1 controller + non-colocated trainer roles' gpus + engines x tp.
+int required_world_size(const JobConfig& config);
+// One line saying where required_world_size comes from, e.g. "1 controller + 4 actor + 8 engine (2 x TP 4)".
+std::string world_size_breakdown(const JobConfig& config);
+
+RankPlan make_rank_plan(const JobConfig& config, const NodeMap& nodes);
+
+// The mpirun line that launches `tiller train` with this plan's placement (see NodeMap::fill_by_slot),
+// and the hostfile it reads (empty for one node). `config_path` and `overrides` are passed through.
+struct LaunchCommand {
+  std::string hostfile;  // "node0 slots=9\nnode1 slots=8\n"
+  std::string command;
+};
+LaunchCommand mpirun_command(const std::vector<int>& gpus_per_node, int world_size, const std::string& config_path,
+                             const std::vector<std::string>& overrides);
+
+}  // namespace tiller::dist

@@ -1,0 +1,24 @@
+// tiller: the public API in one include.
+//
+// A trainer that links tiller::tiller can run the same launcher as the `tiller` binary, after
+// registering its own pieces:
+//   int main(int argc, char** argv) { return tiller::run_main(argc, argv); }
+#pragma once
+
+#include "tiller/core/config.h"
+#include "tiller/core/deadline.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+#include "tiller/dist/communicator.h"
+#include "tiller/dist/mpi_env.h"
+#include "tiller/dist/rank_plan.h"
+
+namespace tiller {
+
+// The `tiller` command line (plan, config, bench, ...). Any exception becomes one line on
+// stderr and a non-zero exit code (2 for config and usage errors).
+int run_main(int argc, char** argv);
+
+inline const char* version() { return "0.1.0"; }
+
+}  // namespace tiller

@@ -1,0 +1,8 @@
+# Sourced by the GPU scripts. NVLink multicast off everywhere: on shared GPUs it can take the
+# host's GPUs out of service. mpirun gets the same variables through -x in the scripts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+tiller_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+gpu_build=${TILLER_GPU_BUILD:-$tiller_root/build-gpu}
+python=${PYTHON:-python3}

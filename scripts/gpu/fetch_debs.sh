@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Run HERE (a Debian machine with network), not on the GPU host: downloads the Debian bookworm
+# .deb files of what the GPU host lacks into .gpu/debs (git-ignored). Pass `.gpu` in the device
+# tool's `carry`; scripts/gpu/build.sh unpacks them with dpkg -x into .gpu/prefix.
+# Packages: PCRE2 headers (tokenizers). gRPC C++ joins this list with the engine service.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+packages=(libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3)
+mkdir -p "$here/.gpu/debs"
+cd "$here/.gpu/debs"
+apt-get download "${packages[@]}"
+ls -la

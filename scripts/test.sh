@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Sets up and builds (scripts/setup.sh, idempotent), then runs every test label: unit, mpi, e2e,
+# and gpu (which skips cleanly without GPUs). Extra arguments go to ctest, e.g. -L unit.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+start=$(date +%s)
+bash "$here/scripts/setup.sh"
+built=$(date +%s)
+echo "setup + build: $((built - start)) s"
+# MPI as root (CI containers) and more ranks than cores need these; harmless elsewhere.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+ctest --test-dir "$here/build" -j2 --output-on-failure --timeout 900 "$@"
+echo "tests: $(( $(date +%s) - built )) s"

@@ -1,0 +1,376 @@
+#include "tiller/core/config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include <yaml-cpp/yaml.h>
+
+#include "config_schema.h"
+#include "tiller/core/error.h"
+
+namespace tiller {
+namespace {
+
+using config_schema::Field;
+using config_schema::Kind;
+
+const Field* find_field(const std::string& path) {
+  for (const Field& f : config_schema::fields()) {
+    if (f.path == path) return &f;
+  }
+  return nullptr;
+}
+
+bool is_section(const std::string& path) {
+  const std::string prefix = path + ".";
+  for (const Field& f : config_schema::fields()) {
+    if (f.path.compare(0, prefix.size(), prefix) == 0) return true;
+  }
+  return false;
+}
+
+std::vector<std::string> split_path(const std::string& path) {
+  std::vector<std::string> parts;
+  std::stringstream ss(path);
+  for (std::string part; std::getline(ss, part, '.');) parts.push_back(part);
+  return parts;
+}
+
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// The valid key (or section) closest to `path` among those of the same depth and parent; if the
+// parent itself is valid only its children are considered, so "roles.actor.gpu" suggests
+// "roles.actor.gpus" and not "roles.critic.gpus".
+std::string closest_key(const std::string& path) {
+  const auto parts = split_path(path);
+  const std::size_t depth = parts.size();
+  std::string parent;
+  for (std::size_t i = 0; i + 1 < depth; ++i) parent += (i ? "." : "") + parts[i];
+  const bool parent_valid = parent.empty() || is_section(parent);
+  std::string best;
+  std::size_t best_d = SIZE_MAX;
+  for (const Field& f : config_schema::fields()) {
+    auto fp = split_path(f.path);
+    if (fp.size() < depth) continue;
+    std::string candidate;
+    for (std::size_t i = 0; i < depth; ++i) candidate += (i ? "." : "") + fp[i];
+    if (parent_valid && candidate.compare(0, parent.size(), parent) != 0) continue;
+    std::size_t d = edit_distance(path, candidate);
+    if (d < best_d) {
+      best_d = d;
+      best = candidate;
+    }
+  }
+  return best;
+}
+
+std::string format_double(double v) { return fmt::format("{}", v); }
+
+std::string range_text(const Field& f) {
+  if (f.min && f.max) return fmt::format("[{}, {}]", format_double(*f.min), format_double(*f.max));
+  if (f.min) return fmt::format(">= {}", format_double(*f.min));
+  if (f.max) return fmt::format("<= {}", format_double(*f.max));
+  return "";
+}
+
+std::string choices_text(const Field& f) {
+  std::string out;
+  for (const auto& c : f.choices) out += (out.empty() ? "" : ", ") + (c.empty() ? std::string("\"\"") : c);
+  return out;
+}
+
+// Sets field `f` of `config` from a YAML scalar. `where` is "file:line" or "--set".
+void assign(JobConfig& config, const Field& f, const YAML::Node& value, const std::string& where) {
+  const std::string shown = value.IsScalar() ? value.Scalar() : std::string();
+  auto fail = [&](const std::string& why) {
+    throw ConfigError(fmt::format("{}: {} {}", where, f.path, why));
+  };
+  if (value.IsNull() && f.kind != Kind::kString) fail("needs a value (" + std::string(kind_name(f.kind)) + ")");
+  if (!value.IsNull() && !value.IsScalar()) fail(fmt::format("must be a {}, not a list or mapping", kind_name(f.kind)));
+  void* target = f.get(config);
+  auto check_range = [&](double v) {
+    if ((f.min && v < *f.min) || (f.max && v > *f.max)) {
+      fail(fmt::format("= {} is out of range: must be in {}", shown, range_text(f)));
+    }
+  };
+  switch (f.kind) {
+    case Kind::kBool: {
+      bool v;
+      if (!YAML::convert<bool>::decode(value, v)) fail(fmt::format("= '{}' is not a bool (true or false)", shown));
+      *static_cast<bool*>(target) = v;
+      break;
+    }
+    case Kind::kInt: {
+      long long v;
+      if (!YAML::convert<long long>::decode(value, v)) fail(fmt::format("= '{}' is not an integer", shown));
+      check_range(static_cast<double>(v));
+      *static_cast<std::int64_t*>(target) = v;
+      break;
+    }
+    case Kind::kDouble: {
+      double v;
+      if (!YAML::convert<double>::decode(value, v) || !std::isfinite(v)) {
+        fail(fmt::format("= '{}' is not a number", shown));
+      }
+      check_range(v);
+      *static_cast<double*>(target) = v;
+      break;
+    }
+    case Kind::kString: {
+      std::string v = value.IsNull() ? std::string() : value.Scalar();
+      if (!f.choices.empty() && std::find(f.choices.begin(), f.choices.end(), v) == f.choices.end()) {
+        fail(fmt::format("= '{}' is not one of {}", v, choices_text(f)));
+      }
+      *static_cast<std::string*>(target) = v;
+      break;
+    }
+  }
+}
+
+void load_map(JobConfig& config, const YAML::Node& map, const std::string& prefix, const std::string& origin) {
+  for (auto it = map.begin(); it != map.end(); ++it) {
+    const YAML::Node& key = it->first;
+    const std::string where = fmt::format("{}:{}", origin, key.Mark().line + 1);
+    if (!key.IsScalar()) throw ConfigError(fmt::format("{}: keys must be plain names", where));
+    const std::string path = prefix.empty() ? key.Scalar() : prefix + "." + key.Scalar();
+    if (const Field* f = find_field(path)) {
+      assign(config, *f, it->second, where);
+    } else if (is_section(path)) {
+      if (it->second.IsNull()) continue;  // "critic:" with nothing under it
+      if (!it->second.IsMap()) {
+        throw ConfigError(fmt::format("{}: '{}' is a section and must be a mapping of keys", where, path));
+      }
+      load_map(config, it->second, path, origin);
+    } else {
+      throw ConfigError(fmt::format("{}: unknown key '{}'; did you mean '{}'?", where, path, closest_key(path)));
+    }
+  }
+}
+
+bool is_trainer_role(const std::string& name) {
+  return name == "actor" || name == "critic" || name == "ref" || name == "reward";
+}
+
+const RoleConfig& role_by_name(const JobConfig& c, const std::string& name) {
+  if (name == "actor") return c.roles.actor;
+  if (name == "critic") return c.roles.critic;
+  if (name == "ref") return c.roles.ref;
+  return c.roles.reward;
+}
+
+}  // namespace
+
+void JobConfig::validate() const {
+  if (!roles.actor.enabled) throw ConfigError("roles.actor.enabled: the actor cannot be disabled");
+  if (!roles.actor.colocate_with.empty()) {
+    throw ConfigError("roles.actor.colocate_with: the actor owns its ranks; colocate the other roles with it instead");
+  }
+  for (const char* name : {"critic", "ref", "reward"}) {
+    const RoleConfig& r = role_by_name(*this, name);
+    if (!r.enabled || r.colocate_with.empty()) continue;
+    const std::string& target = r.colocate_with;
+    if (target == name) throw ConfigError(fmt::format("roles.{}.colocate_with: a role cannot be colocated with itself", name));
+    if (!is_trainer_role(target) || !role_by_name(*this, target).enabled) {
+      throw ConfigError(fmt::format("roles.{}.colocate_with = '{}': that role is disabled; enable it or colocate with 'actor'",
+                                    name, target));
+    }
+    if (!role_by_name(*this, target).colocate_with.empty()) {
+      throw ConfigError(fmt::format(
+          "roles.{}.colocate_with = '{}': '{}' is itself colocated with '{}'; colocate with '{}' directly", name, target,
+          target, role_by_name(*this, target).colocate_with, role_by_name(*this, target).colocate_with));
+    }
+  }
+  const bool uses_critic = algo.advantage_estimator == "gae";
+  if (uses_critic && !roles.critic.enabled) {
+    throw ConfigError("algo.advantage_estimator = gae needs a critic; set roles.critic.enabled=true or choose "
+                      "reinforce, rloo, reinforce_baseline, group_norm or dr_grpo");
+  }
+  if (!uses_critic && roles.critic.enabled) {
+    throw ConfigError(fmt::format("algo.advantage_estimator = {} does not use a critic; set roles.critic.enabled=false",
+                                  algo.advantage_estimator));
+  }
+  const bool group_baseline = algo.advantage_estimator == "rloo" || algo.advantage_estimator == "group_norm" ||
+                              algo.advantage_estimator == "dr_grpo" || algo.advantage_estimator == "reinforce_baseline";
+  if (group_baseline && rollout.n_samples_per_prompt < 2) {
+    throw ConfigError(fmt::format("algo.advantage_estimator = {} compares samples of one prompt; set "
+                                  "rollout.n_samples_per_prompt >= 2 (it is {})",
+                                  algo.advantage_estimator, rollout.n_samples_per_prompt));
+  }
+  if (reward.type == "model" && !roles.reward.enabled) {
+    throw ConfigError("reward.type = model needs the reward role; set roles.reward.enabled=true and roles.reward.model");
+  }
+  if (reward.type != "model" && roles.reward.enabled) {
+    throw ConfigError(fmt::format("reward.type = {} does not use a reward model; set roles.reward.enabled=false "
+                                  "or reward.type=model", reward.type));
+  }
+  if (reward.type == "remote" && reward.remote_address.empty()) {
+    throw ConfigError("reward.type = remote needs reward.remote_address (host:port)");
+  }
+  const std::int64_t samples = rollout.batch_size * rollout.n_samples_per_prompt;
+  if (samples % train.train_batch_size != 0) {
+    throw ConfigError(fmt::format("train.train_batch_size = {} must divide rollout.batch_size x "
+                                  "rollout.n_samples_per_prompt = {}",
+                                  train.train_batch_size, samples));
+  }
+  if (algo.dual_clip != 0.0 && algo.dual_clip <= 1.0) {
+    throw ConfigError(fmt::format("algo.dual_clip = {} must be 0 (off) or > 1", format_double(algo.dual_clip)));
+  }
+}
+
+void apply_override(JobConfig& config, const std::string& assignment) {
+  const auto eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    throw ConfigError(fmt::format("--set '{}': expected key=value, e.g. --set rollout.batch_size=512", assignment));
+  }
+  const std::string path = assignment.substr(0, eq);
+  const std::string text = assignment.substr(eq + 1);
+  const Field* f = find_field(path);
+  if (f == nullptr) {
+    if (is_section(path)) {
+      throw ConfigError(fmt::format("--set {}: '{}' is a section; set one of its keys, e.g. {}", path, path,
+                                    closest_key(path + ".x")));
+    }
+    throw ConfigError(fmt::format("--set {}: unknown key '{}'; did you mean '{}'?", path, path, closest_key(path)));
+  }
+  YAML::Node value;
+  try {
+    value = text.empty() ? YAML::Node(YAML::NodeType::Null) : YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(fmt::format("--set {}: cannot parse value '{}': {}", path, text, e.msg));
+  }
+  if (f->kind == Kind::kString && value.IsScalar()) value = YAML::Node(text);  // keep "007" as written
+  assign(config, *f, value, "--set");
+}
+
+JobConfig parse_config(const std::string& yaml_text, const std::string& origin,
+                       const std::vector<std::string>& overrides) {
+  JobConfig config;
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(fmt::format("{}:{}: invalid YAML: {}", origin, e.mark.line + 1, e.msg));
+  }
+  if (root.IsDefined() && !root.IsNull()) {
+    if (!root.IsMap()) throw ConfigError(fmt::format("{}: the config must be a mapping of sections", origin));
+    load_map(config, root, "", origin);
+  }
+  for (const auto& o : overrides) apply_override(config, o);
+  config.validate();
+  return config;
+}
+
+JobConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError(fmt::format("{}: cannot open the config file (does it exist?)", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_config(ss.str(), path, overrides);
+}
+
+std::string to_yaml(const JobConfig& config) {
+  JobConfig& c = const_cast<JobConfig&>(config);  // Field::get is non-const; nothing is written
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  std::vector<std::string> open;  // sections currently open
+  for (const Field& f : config_schema::fields()) {
+    auto parts = split_path(f.path);
+    std::vector<std::string> sec(parts.begin(), parts.end() - 1);
+    std::size_t common = 0;
+    while (common < open.size() && common < sec.size() && open[common] == sec[common]) ++common;
+    while (open.size() > common) {
+      out << YAML::EndMap;
+      open.pop_back();
+    }
+    while (open.size() < sec.size()) {
+      out << YAML::Key << sec[open.size()] << YAML::Value << YAML::BeginMap;
+      open.push_back(sec[open.size()]);
+    }
+    out << YAML::Key << parts.back() << YAML::Value;
+    void* p = f.get(c);
+    switch (f.kind) {
+      case Kind::kBool: out << *static_cast<bool*>(p); break;
+      case Kind::kInt: out << static_cast<long long>(*static_cast<std::int64_t*>(p)); break;
+      case Kind::kDouble: out << format_double(*static_cast<double*>(p)); break;
+      case Kind::kString: out << YAML::DoubleQuoted << *static_cast<std::string*>(p); break;
+    }
+  }
+  while (!open.empty()) {
+    out << YAML::EndMap;
+    open.pop_back();
+  }
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+std::string config_reference_markdown() {
+  JobConfig defaults;
+  std::string md =
+      "# Configuration reference\n\n"
+      "A tiller job is one YAML file with the sections below. Every key is optional; the default is\n"
+      "shown. `--set a.b=c` on the command line overrides any key (the value in YAML syntax), and\n"
+      "`tiller config -c FILE [--set ...]` prints the effective config.\n\n"
+      "An unknown key is an error that names the key path, file and line and the closest valid key;\n"
+      "a value of the wrong type or out of range names the key, the value and what is allowed.\n\n"
+      "This page is generated from the schema in `src/core/config_schema.cpp` by\n"
+      "`tiller config --reference`; a unit test fails when it is out of date.\n";
+  for (const auto& s : config_schema::sections()) {
+    std::string rows;
+    for (const Field& f : config_schema::fields()) {
+      auto parts = split_path(f.path);
+      std::string sec;
+      for (std::size_t i = 0; i + 1 < parts.size(); ++i) sec += (i ? "." : "") + parts[i];
+      if (sec != s.path) continue;
+      void* p = f.get(defaults);
+      std::string def;
+      switch (f.kind) {
+        case Kind::kBool: def = *static_cast<bool*>(p) ? "true" : "false"; break;
+        case Kind::kInt: def = std::to_string(*static_cast<std::int64_t*>(p)); break;
+        case Kind::kDouble: def = format_double(*static_cast<double*>(p)); break;
+        case Kind::kString: def = "\"" + *static_cast<std::string*>(p) + "\""; break;
+      }
+      std::string allowed = f.choices.empty() ? range_text(f) : "one of " + choices_text(f);
+      rows += fmt::format("| `{}` | {} | `{}` | {} | {} |\n", f.path, kind_name(f.kind), def, allowed, f.doc);
+    }
+    md += fmt::format("\n## `{}`\n\n{}\n", s.path, s.doc);
+    if (!rows.empty()) {
+      md += "\n| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n" + rows;
+    }
+  }
+  md +=
+      "\n## Checks across keys\n\n"
+      "- The actor is always enabled and never colocated; a colocated role names an enabled role that is not\n"
+      "  itself colocated.\n"
+      "- `algo.advantage_estimator: gae` needs the critic; the other estimators need it disabled. Group\n"
+      "  baselines (rloo, reinforce_baseline, group_norm, dr_grpo) need `rollout.n_samples_per_prompt >= 2`.\n"
+      "- `reward.type: model` needs the reward role enabled, and the other types need it disabled;\n"
+      "  `reward.type: remote` needs `reward.remote_address`.\n"
+      "- `train.train_batch_size` divides `rollout.batch_size x rollout.n_samples_per_prompt`.\n"
+      "- `algo.dual_clip` is 0 (off) or greater than 1.\n"
+      "- The rank plan (`tiller plan`) checks that the roles and engines fit the nodes; see docs/architecture.md.\n";
+  return md;
+}
+
+std::vector<std::string> config_keys() {
+  std::vector<std::string> keys;
+  for (const Field& f : config_schema::fields()) keys.push_back(f.path);
+  return keys;
+}
+
+}  // namespace tiller

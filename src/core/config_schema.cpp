@@ -1,0 +1,250 @@
+#include "config_schema.h"
+
+#include <type_traits>
+
+namespace tiller::config_schema {
+namespace {
+
+template <typename T>
+constexpr Kind kind_of() {
+  if constexpr (std::is_same_v<T, bool>) return Kind::kBool;
+  else if constexpr (std::is_same_v<T, std::int64_t>) return Kind::kInt;
+  else if constexpr (std::is_same_v<T, double>) return Kind::kDouble;
+  else {
+    static_assert(std::is_same_v<T, std::string>, "config fields are bool, int64, double or string");
+    return Kind::kString;
+  }
+}
+
+class Builder {
+ public:
+  template <typename Get>
+  Field& add(std::string path, Get get, std::string doc) {
+    using T = std::remove_pointer_t<decltype(get(std::declval<JobConfig&>()))>;
+    fields_.push_back(Field{std::move(path), kind_of<T>(),
+                            [get](JobConfig& c) -> void* { return get(c); }, std::move(doc),
+                            std::nullopt, std::nullopt, {}});
+    return fields_.back();
+  }
+  std::vector<Field> take() { return std::move(fields_); }
+
+ private:
+  std::vector<Field> fields_;
+};
+
+#define TILLER_FIELD(expr) [](JobConfig& c) { return &c.expr; }
+
+void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&)) {
+  const std::string p = "roles." + name + ".";
+  b.add(p + "enabled", [get](JobConfig& c) { return &get(c).enabled; },
+        "Whether the " + name + " role runs at all (the actor always does; the critic only for GAE).");
+  b.add(p + "model", [get](JobConfig& c) { return &get(c).model; },
+        "Hugging Face model directory. Empty: the actor's model (ref), or none.");
+  b.add(p + "gpus", [get](JobConfig& c) { return &get(c).gpus; },
+        "Ranks (one GPU each) in this role's ZeRO-3 group. Ignored when colocated.")
+      .range(1, 4096);
+  b.add(p + "colocate_with", [get](JobConfig& c) { return &get(c).colocate_with; },
+        "Empty, or another role (actor, critic, ref, reward) whose ranks this role shares; "
+        "colocated roles run one after the other on the same GPUs.")
+      .one_of({"", "actor", "critic", "ref", "reward"});
+  b.add(p + "dtype", [get](JobConfig& c) { return &get(c).dtype; },
+        "Compute dtype of the role's forward and backward passes.")
+      .one_of({"bf16", "fp32"});
+  b.add(p + "gradient_checkpointing", [get](JobConfig& c) { return &get(c).gradient_checkpointing; },
+        "Recompute each transformer block in the backward pass instead of storing activations.");
+  b.add(p + "replicate", [get](JobConfig& c) { return &get(c).replicate; },
+        "Frozen roles (ref, reward) only: hold a full replica on every rank instead of ZeRO-3 shards.");
+}
+
+std::vector<Field> build() {
+  Builder b;
+  b.add("run.name", TILLER_FIELD(run.name), "Name of the run, used in logs and output paths.");
+  b.add("run.seed", TILLER_FIELD(run.seed), "Seed for data shuffling, sampling and initialisation.")
+      .range(0, std::nullopt);
+  b.add("run.output_dir", TILLER_FIELD(run.output_dir), "Directory for metrics, traces and exports.");
+
+  b.add("cluster.gpus_per_node", TILLER_FIELD(cluster.gpus_per_node),
+        "GPUs on each node. 0: detect with the CUDA device count (on CPU: one slot per rank).")
+      .range(0, 1024);
+  b.add("cluster.device", TILLER_FIELD(cluster.device),
+        "Where roles compute. auto: CUDA when this build and the node have it, else CPU.")
+      .one_of({"auto", "cuda", "cpu"});
+  b.add("cluster.backend", TILLER_FIELD(cluster.backend),
+        "Communicator backend. auto: NCCL on CUDA, MPI on CPU.")
+      .one_of({"auto", "nccl", "mpi"});
+
+  add_role(b, "actor", +[](JobConfig& c) -> RoleConfig& { return c.roles.actor; });
+  add_role(b, "critic", +[](JobConfig& c) -> RoleConfig& { return c.roles.critic; });
+  add_role(b, "ref", +[](JobConfig& c) -> RoleConfig& { return c.roles.ref; });
+  add_role(b, "reward", +[](JobConfig& c) -> RoleConfig& { return c.roles.reward; });
+
+  b.add("engines.count", TILLER_FIELD(engines.count), "Number of inference engines.").range(0, 4096);
+  b.add("engines.tp", TILLER_FIELD(engines.tp),
+        "Tensor-parallel size of each engine: its ranks always sit on one node.")
+      .range(1, 64);
+  b.add("engines.model", TILLER_FIELD(engines.model), "Model the engines start from. Empty: the actor's.");
+  b.add("engines.max_num_seqs", TILLER_FIELD(engines.max_num_seqs),
+        "Most sequences one engine decodes at once.").range(1, 1 << 20);
+  b.add("engines.max_batched_tokens", TILLER_FIELD(engines.max_batched_tokens),
+        "Most tokens one engine step processes (prefill chunks + decodes).").range(16, 1 << 24);
+  b.add("engines.kv_block_size", TILLER_FIELD(engines.kv_block_size), "Tokens per paged KV-cache block.")
+      .range(1, 1024);
+  b.add("engines.gpu_memory_fraction", TILLER_FIELD(engines.gpu_memory_fraction),
+        "Fraction of GPU memory an engine may use for weights and KV cache.")
+      .range(0.05, 1.0);
+  b.add("engines.port", TILLER_FIELD(engines.port), "First gRPC port; engine i listens on port + i.")
+      .range(1, 65535);
+  b.add("engines.sync_bucket_mb", TILLER_FIELD(engines.sync_bucket_mb),
+        "Largest bucket of the weight broadcast from the actor to the engines, in MiB.")
+      .range(1, 65536);
+
+  b.add("rollout.batch_size", TILLER_FIELD(rollout.batch_size), "Prompts per PPO step.").range(1, std::nullopt);
+  b.add("rollout.n_samples_per_prompt", TILLER_FIELD(rollout.n_samples_per_prompt),
+        "Completions sampled for each prompt.").range(1, 1024);
+  b.add("rollout.max_prompt_tokens", TILLER_FIELD(rollout.max_prompt_tokens),
+        "Prompts longer than this are truncated from the left.").range(1, std::nullopt);
+  b.add("rollout.max_new_tokens", TILLER_FIELD(rollout.max_new_tokens), "Most tokens generated per completion.")
+      .range(1, std::nullopt);
+  b.add("rollout.temperature", TILLER_FIELD(rollout.temperature), "Sampling temperature (0: greedy).")
+      .range(0.0, 100.0);
+  b.add("rollout.top_p", TILLER_FIELD(rollout.top_p), "Nucleus sampling threshold (1: off).").range(0.0, 1.0);
+  b.add("rollout.top_k", TILLER_FIELD(rollout.top_k), "Top-k sampling (-1: off).").range(-1, std::nullopt);
+  b.add("rollout.micro_batch_tokens", TILLER_FIELD(rollout.micro_batch_tokens),
+        "Token budget of one packed scoring micro-batch (log-probs, values, rewards).")
+      .range(1, std::nullopt);
+
+  b.add("algo.advantage_estimator", TILLER_FIELD(algo.advantage_estimator),
+        "gae (PPO with a critic), reinforce (REINFORCE++), rloo, reinforce_baseline, group_norm (GRPO), dr_grpo.")
+      .one_of({"gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo"});
+  b.add("algo.gamma", TILLER_FIELD(algo.gamma), "Discount factor.").range(0.0, 1.0);
+  b.add("algo.lambd", TILLER_FIELD(algo.lambd), "GAE lambda.").range(0.0, 1.0);
+  b.add("algo.clip_eps_low", TILLER_FIELD(algo.clip_eps_low), "PPO ratio clip below 1.").range(0.0, 1.0);
+  b.add("algo.clip_eps_high", TILLER_FIELD(algo.clip_eps_high), "PPO ratio clip above 1 (asymmetric clip).")
+      .range(0.0, 10.0);
+  b.add("algo.dual_clip", TILLER_FIELD(algo.dual_clip), "Dual-clip constant c > 1 for negative advantages (0: off).")
+      .range(0.0, 100.0);
+  b.add("algo.value_clip", TILLER_FIELD(algo.value_clip), "Value-loss clip range (0: off).").range(0.0, 100.0);
+  b.add("algo.kl_coef", TILLER_FIELD(algo.kl_coef), "Initial KL coefficient against the reference model.")
+      .range(0.0, 100.0);
+  b.add("algo.kl_estimator", TILLER_FIELD(algo.kl_estimator), "KL estimator: k1, k2 or k3.")
+      .one_of({"k1", "k2", "k3"});
+  b.add("algo.kl_in_reward", TILLER_FIELD(algo.kl_in_reward),
+        "true: KL penalty in the per-token reward (PPO); false: KL as a loss term (GRPO).");
+  b.add("algo.target_kl", TILLER_FIELD(algo.target_kl), "Adaptive KL controller target (0: fixed kl_coef).")
+      .range(0.0, 100.0);
+  b.add("algo.entropy_coef", TILLER_FIELD(algo.entropy_coef), "Entropy bonus coefficient.").range(0.0, 10.0);
+  b.add("algo.whiten_advantages", TILLER_FIELD(algo.whiten_advantages), "Normalise advantages over the batch.");
+  b.add("algo.ppo_epochs", TILLER_FIELD(algo.ppo_epochs), "Passes over each rollout batch.").range(1, 100);
+
+  b.add("data.prompts", TILLER_FIELD(data.prompts), "JSONL file of prompts.");
+  b.add("data.input_key", TILLER_FIELD(data.input_key), "JSON key of the prompt text.");
+  b.add("data.label_key", TILLER_FIELD(data.label_key), "JSON key of the label given to rule rewards.");
+  b.add("data.input_template", TILLER_FIELD(data.input_template),
+        "Template with one {} where the prompt goes (empty: the prompt as is).");
+  b.add("data.apply_chat_template", TILLER_FIELD(data.apply_chat_template),
+        "Wrap each prompt in the tokenizer's chat format (ChatML, Llama-3).");
+  b.add("data.shuffle", TILLER_FIELD(data.shuffle), "Shuffle prompts each epoch with run.seed.");
+  b.add("data.max_samples", TILLER_FIELD(data.max_samples), "Use at most this many prompts (0: all).")
+      .range(0, std::nullopt);
+
+  b.add("reward.type", TILLER_FIELD(reward.type),
+        "model (the reward role scores), rule (a registered function), remote (a gRPC reward service).")
+      .one_of({"model", "rule", "remote"});
+  b.add("reward.rule", TILLER_FIELD(reward.rule), "Registered rule reward used when reward.type is rule.");
+  b.add("reward.remote_address", TILLER_FIELD(reward.remote_address),
+        "host:port of the remote reward service when reward.type is remote.");
+  b.add("reward.clip", TILLER_FIELD(reward.clip), "Rewards are clipped to [-clip, clip] (0: off).")
+      .range(0.0, std::nullopt);
+  b.add("reward.normalize", TILLER_FIELD(reward.normalize), "Normalise rewards with running mean and std.");
+
+  b.add("train.num_steps", TILLER_FIELD(train.num_steps), "PPO steps to run.").range(1, std::nullopt);
+  b.add("train.train_batch_size", TILLER_FIELD(train.train_batch_size), "Samples per optimizer step.")
+      .range(1, std::nullopt);
+  b.add("train.micro_batch_tokens", TILLER_FIELD(train.micro_batch_tokens),
+        "Token budget of one packed training micro-batch per rank.").range(1, std::nullopt);
+  b.add("train.actor_lr", TILLER_FIELD(train.actor_lr), "Actor learning rate.").range(0.0, 1.0);
+  b.add("train.critic_lr", TILLER_FIELD(train.critic_lr), "Critic learning rate.").range(0.0, 1.0);
+  b.add("train.weight_decay", TILLER_FIELD(train.weight_decay), "AdamW weight decay (not on norms and biases).")
+      .range(0.0, 1.0);
+  b.add("train.adam_beta1", TILLER_FIELD(train.adam_beta1), "AdamW beta1.").range(0.0, 1.0);
+  b.add("train.adam_beta2", TILLER_FIELD(train.adam_beta2), "AdamW beta2.").range(0.0, 1.0);
+  b.add("train.adam_eps", TILLER_FIELD(train.adam_eps), "AdamW epsilon.").range(0.0, 1.0);
+  b.add("train.max_grad_norm", TILLER_FIELD(train.max_grad_norm), "Global gradient-norm clip (0: off).")
+      .range(0.0, std::nullopt);
+  b.add("train.lr_schedule", TILLER_FIELD(train.lr_schedule), "constant, linear or cosine, after the warmup.")
+      .one_of({"constant", "linear", "cosine"});
+  b.add("train.warmup_steps", TILLER_FIELD(train.warmup_steps), "Linear warmup in optimizer steps.")
+      .range(0, std::nullopt);
+  b.add("train.min_lr_ratio", TILLER_FIELD(train.min_lr_ratio), "Floor of linear/cosine decay, as a fraction of the LR.")
+      .range(0.0, 1.0);
+
+  b.add("checkpoint.dir", TILLER_FIELD(checkpoint.dir), "Checkpoint directory (empty: no checkpoints).");
+  b.add("checkpoint.every_steps", TILLER_FIELD(checkpoint.every_steps), "Save every N steps (0: only at the end).")
+      .range(0, std::nullopt);
+  b.add("checkpoint.keep_last", TILLER_FIELD(checkpoint.keep_last), "Checkpoints kept; older ones are deleted.")
+      .range(1, std::nullopt);
+  b.add("checkpoint.resume", TILLER_FIELD(checkpoint.resume), "Resume from the newest checkpoint in dir, if any.");
+  b.add("checkpoint.save_hf", TILLER_FIELD(checkpoint.save_hf), "Also export the actor as HF safetensors at each save.");
+
+  b.add("logging.level", TILLER_FIELD(logging.level), "Log level; the TILLER_LOG_LEVEL environment variable wins.")
+      .one_of({"trace", "debug", "info", "warn", "error", "off"});
+  b.add("logging.every_steps", TILLER_FIELD(logging.every_steps), "Log metrics every N steps.").range(1, std::nullopt);
+  b.add("logging.metrics_jsonl", TILLER_FIELD(logging.metrics_jsonl), "Append per-step metrics to this JSONL file.");
+  b.add("logging.chrome_trace", TILLER_FIELD(logging.chrome_trace), "Write a Chrome trace of every rank's phases here.");
+
+  b.add("timeouts.collective_s", TILLER_FIELD(timeouts.collective_s),
+        "Deadline of one collective (all-gather, reduce-scatter, ...); a miss aborts the communicator.")
+      .range(0.001, std::nullopt);
+  b.add("timeouts.startup_s", TILLER_FIELD(timeouts.startup_s),
+        "Deadline for communicator creation and engine start-up.").range(0.001, std::nullopt);
+  b.add("timeouts.generate_s", TILLER_FIELD(timeouts.generate_s), "Deadline of one rollout's generation.")
+      .range(0.001, std::nullopt);
+  b.add("timeouts.weight_sync_s", TILLER_FIELD(timeouts.weight_sync_s), "Deadline of one weight sync to the engines.")
+      .range(0.001, std::nullopt);
+  b.add("timeouts.rpc_s", TILLER_FIELD(timeouts.rpc_s), "Deadline of one control RPC (health, stats, abort).")
+      .range(0.001, std::nullopt);
+  return b.take();
+}
+
+#undef TILLER_FIELD
+
+}  // namespace
+
+const std::vector<Field>& fields() {
+  static const std::vector<Field> kFields = build();
+  return kFields;
+}
+
+const std::vector<Section>& sections() {
+  static const std::vector<Section> kSections = {
+      {"run", "Identity of the run."},
+      {"cluster", "The machines: GPUs per node, device and communicator backend."},
+      {"roles", "The trainer roles. Each is a ZeRO-3 group of ranks, or colocated with another role."},
+      {"roles.actor", "The policy being trained; source of the weight sync."},
+      {"roles.critic", "The value model (PPO with GAE only)."},
+      {"roles.ref", "The frozen reference policy for the KL penalty."},
+      {"roles.reward", "The reward model (when reward.type is model)."},
+      {"engines", "The inference-engine pool. Each engine is a TP group inside one node."},
+      {"rollout", "Generation: prompts per step, samples per prompt, sampling."},
+      {"algo", "The RL algorithm: advantages, losses, KL."},
+      {"data", "The prompt dataset."},
+      {"reward", "Where rewards come from."},
+      {"train", "Optimisation of the actor and critic."},
+      {"checkpoint", "Sharded checkpoints and HF export."},
+      {"logging", "Logs, metrics and traces."},
+      {"timeouts", "Deadlines of blocking calls, in seconds. None waits forever."},
+  };
+  return kSections;
+}
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::kBool: return "bool";
+    case Kind::kInt: return "int";
+    case Kind::kDouble: return "float";
+    case Kind::kString: return "string";
+  }
+  return "?";
+}
+
+}  // namespace tiller::config_schema

@@ -1,0 +1,45 @@
+// The config schema: every key of JobConfig, declared once. Private to src/core.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tiller/core/config.h"
+
+namespace tiller::config_schema {
+
+enum class Kind { kBool, kInt, kDouble, kString };
+
+struct Field {
+  std::string path;  // "roles.actor.gpus"
+  Kind kind;
+  std::function<void*(JobConfig&)> get;  // points at the field inside a JobConfig
+  std::string doc;
+  std::optional<double> min;
+  std::optional<double> max;
+  std::vector<std::string> choices;  // strings only; empty = any string
+
+  Field& range(std::optional<double> lo, std::optional<double> hi) {
+    min = lo;
+    max = hi;
+    return *this;
+  }
+  Field& one_of(std::vector<std::string> c) {
+    choices = std::move(c);
+    return *this;
+  }
+};
+
+// The sections in order, with one line of documentation each.
+struct Section {
+  std::string path;
+  std::string doc;
+};
+
+const std::vector<Field>& fields();
+const std::vector<Section>& sections();
+const char* kind_name(Kind k);
+
+}  // namespace tiller::config_schema

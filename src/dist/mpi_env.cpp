@@ -1,0 +1,111 @@
+#include "tiller/dist/mpi_env.h"
+
+#include <mpi.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+
+#include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <fmt/format.h>
+
+#include "mpi_communicator.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+
+namespace tiller::dist {
+namespace {
+std::atomic<bool> g_alive{false};
+constexpr int kHostBytes = 64;
+}  // namespace
+
+MpiEnv::MpiEnv(int* argc, char*** argv) {
+  TILLER_CHECK(!g_alive.exchange(true), "MpiEnv created twice; create one at the start of main");
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  TILLER_CHECK(!initialized, "MPI was already initialised outside tiller::dist::MpiEnv");
+  int provided = 0;
+  MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+  if (provided < MPI_THREAD_FUNNELED) {
+    MPI_Finalize();
+    throw CommError(fmt::format("the MPI library gives thread level {}; tiller needs at least MPI_THREAD_FUNNELED",
+                                provided));
+  }
+  // Errors come back as return codes, which tiller turns into CommError with context.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  char host[MPI_MAX_PROCESSOR_NAME] = {};
+  int len = 0;
+  MPI_Get_processor_name(host, &len);
+  hostname_.assign(host, len);
+}
+
+MpiEnv::~MpiEnv() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+  g_alive = false;
+}
+
+bool MpiEnv::launched_by_mpirun() const {
+  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
+         std::getenv("PMIX_RANK") != nullptr;
+}
+
+NodeMap MpiEnv::node_map(int gpus_per_node, bool cpu_run, double timeout_s) const {
+  auto world_comm = world(timeout_s);
+  // Everyone alive and here first (bounded), then the node split (blocking, but all ranks are at it).
+  auto ping = at::zeros({1}, at::kInt);
+  world_comm->all_reduce(ping)->wait();
+  MPI_Comm node_comm = MPI_COMM_NULL;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node_comm);
+  // The node's id is its lowest world rank: node-comm rank 0 (keys are world ranks).
+  MPI_Group node_group, world_group;
+  MPI_Comm_group(node_comm, &node_group);
+  MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+  int zero = 0, leader = -1;
+  MPI_Group_translate_ranks(node_group, 1, &zero, world_group, &leader);
+  MPI_Group_free(&node_group);
+  MPI_Group_free(&world_group);
+  MPI_Comm_free(&node_comm);
+
+  int gpus = -1;
+  if (!cpu_run) gpus = gpus_per_node > 0 ? gpus_per_node : at::detail::getCUDAHooks().getNumGPUs();
+  // Per rank: leader, gpus, then the host name in kHostBytes bytes.
+  constexpr int kInts = 2 + kHostBytes / 4;
+  auto mine = at::zeros({kInts}, at::kInt);
+  mine[0] = leader;
+  mine[1] = gpus;
+  std::memcpy(mine.data_ptr<int>() + 2, hostname_.data(), std::min<std::size_t>(hostname_.size(), kHostBytes - 1));
+  auto all = at::empty({kInts * size_}, at::kInt);
+  world_comm->all_gather(mine, all)->wait();
+
+  std::map<int, NodeMap::Node> by_leader;
+  for (int r = 0; r < size_; ++r) {
+    const int* row = all.data_ptr<int>() + r * kInts;
+    auto& node = by_leader[row[0]];
+    node.ranks.push_back(r);
+    node.gpus = row[1];
+    node.host = std::string(reinterpret_cast<const char*>(row + 2));
+  }
+  NodeMap map;
+  for (auto& [leader_rank, node] : by_leader) map.nodes.push_back(std::move(node));
+  return map;
+}
+
+std::unique_ptr<Communicator> MpiEnv::world(double timeout_s) const {
+  return make_mpi_communicator(MPI_COMM_WORLD, "world", timeout_s);
+}
+
+void MpiEnv::abort_job(int code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+}  // namespace tiller::dist

@@ -1,0 +1,275 @@
+#include "tiller/dist/rank_plan.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include <fmt/format.h>
+
+#include "tiller/core/error.h"
+
+namespace tiller::dist {
+namespace {
+
+struct RoleRef {
+  const char* name;
+  const RoleConfig* cfg;
+};
+
+std::vector<RoleRef> trainer_roles(const JobConfig& c) {
+  return {{"actor", &c.roles.actor}, {"critic", &c.roles.critic}, {"ref", &c.roles.ref}, {"reward", &c.roles.reward}};
+}
+
+std::string join_ints(const std::vector<int>& v) {
+  // Ranges compress: 1,2,3,4,7 -> "1-4,7"
+  std::string out;
+  for (std::size_t i = 0; i < v.size();) {
+    std::size_t j = i;
+    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
+    if (!out.empty()) out += ",";
+    out += j > i ? fmt::format("{}-{}", v[i], v[j]) : std::to_string(v[i]);
+    i = j + 1;
+  }
+  return out;
+}
+
+std::string node_name(const NodeMap& nodes, int n) {
+  const auto& host = nodes.nodes[n].host;
+  return host.empty() ? fmt::format("node {}", n) : fmt::format("node {} ({})", n, host);
+}
+
+}  // namespace
+
+int NodeMap::world_size() const {
+  int n = 0;
+  for (const auto& node : nodes) n += static_cast<int>(node.ranks.size());
+  return n;
+}
+
+NodeMap NodeMap::fill_by_slot(const std::vector<int>& gpus_per_node, int world_size) {
+  if (gpus_per_node.empty()) throw ConfigError("the node list is empty; give at least one node");
+  int slots = 1;
+  for (int g : gpus_per_node) {
+    if (g < 1) throw ConfigError(fmt::format("every node needs at least one GPU (got {})", g));
+    slots += g;
+  }
+  if (world_size > slots) {
+    throw ConfigError(fmt::format("the config needs {} ranks but {} node(s) with {} GPUs in all offer {} slots "
+                                  "(one per GPU + one for the controller); add nodes or use fewer GPUs per role",
+                                  world_size, gpus_per_node.size(), slots - 1, slots));
+  }
+  NodeMap map;
+  int rank = 0;
+  for (std::size_t n = 0; n < gpus_per_node.size(); ++n) {
+    Node node;
+    node.host = fmt::format("node{}", n);
+    node.gpus = gpus_per_node[n];
+    const int node_slots = gpus_per_node[n] + (n == 0 ? 1 : 0);
+    for (int s = 0; s < node_slots && rank < world_size; ++s) node.ranks.push_back(rank++);
+    map.nodes.push_back(std::move(node));
+  }
+  return map;
+}
+
+std::string RankAssignment::label() const {
+  std::string out;
+  for (const auto& r : roles) {
+    if (!out.empty()) out += "+";
+    out += r == "engine" ? fmt::format("engine{}.tp{}", engine, engine_tp_rank) : r;
+  }
+  return out.empty() ? "idle" : out;
+}
+
+const RoleGroup* RankPlan::group(std::string_view role) const {
+  for (const auto& g : groups) {
+    if (g.role == role) return &g;
+  }
+  return nullptr;
+}
+
+std::string RankPlan::table() const {
+  std::string out = fmt::format("{:>5}  {:>4}  {:>3}  {}\n", "rank", "node", "gpu", "role");
+  for (const auto& a : ranks) {
+    out += fmt::format("{:>5}  {:>4}  {:>3}  {}\n", a.rank, a.node, a.gpu < 0 ? std::string("-") : std::to_string(a.gpu),
+                       a.label());
+  }
+  out += "\ngroups:\n";
+  out += fmt::format("  controller  rank {}\n", controller);
+  for (const auto& g : groups) {
+    out += fmt::format("  {:<10}  ranks {} ({} rank{}){}\n", g.role, join_ints(g.ranks), g.ranks.size(),
+                       g.ranks.size() == 1 ? "" : "s",
+                       g.colocated_with.empty() ? std::string() : fmt::format(", colocated with {}", g.colocated_with));
+  }
+  for (const auto& e : engines) {
+    out += fmt::format("  engine {:<3}  ranks {} on node {} (TP {})\n", e.index, join_ints(e.ranks), e.node,
+                       e.ranks.size());
+  }
+  return out;
+}
+
+int required_world_size(const JobConfig& config) {
+  long long n = 1 + config.engines.count * config.engines.tp;
+  for (const auto& r : trainer_roles(config)) {
+    if (r.cfg->enabled && r.cfg->colocate_with.empty()) n += r.cfg->gpus;
+  }
+  if (n > (1LL << 30)) throw ConfigError(fmt::format("the config asks for {} ranks; that is not a cluster", n));
+  return static_cast<int>(n);
+}
+
+std::string world_size_breakdown(const JobConfig& config) {
+  std::string out = "1 controller";
+  for (const auto& r : trainer_roles(config)) {
+    if (!r.cfg->enabled) continue;
+    if (r.cfg->colocate_with.empty()) {
+      out += fmt::format(" + {} {}", r.cfg->gpus, r.name);
+    } else {
+      out += fmt::format(" + {} (colocated with {})", r.name, r.cfg->colocate_with);
+    }
+  }
+  if (config.engines.count > 0) {
+    out += fmt::format(" + {} engine ({} x TP {})", config.engines.count * config.engines.tp, config.engines.count,
+                       config.engines.tp);
+  }
+  return out;
+}
+
+RankPlan make_rank_plan(const JobConfig& config, const NodeMap& nodes) {
+  config.validate();
+  const int world = nodes.world_size();
+  const int needed = required_world_size(config);
+  if (world != needed) {
+    throw ConfigError(fmt::format("the config needs {} ranks ({}) but {} were launched; launch with mpirun -np {} "
+                                  "(tiller plan prints the full command) or change roles.*.gpus / engines.*",
+                                  needed, world_size_breakdown(config), world, needed));
+  }
+  RankPlan plan;
+  plan.world_size = world;
+  plan.controller = 0;
+  plan.ranks.resize(world);
+
+  // Every rank's node, and the worker (non-controller) ranks of each node in rank order.
+  std::vector<std::vector<int>> workers(nodes.nodes.size());
+  std::vector<int> seen(world, 0);
+  for (std::size_t n = 0; n < nodes.nodes.size(); ++n) {
+    const auto& node = nodes.nodes[n];
+    for (int r : node.ranks) {
+      TILLER_CHECK(r >= 0 && r < world && !seen[r], "node map: rank {} is missing, repeated or out of range", r);
+      seen[r] = 1;
+      plan.ranks[r].rank = r;
+      plan.ranks[r].node = static_cast<int>(n);
+      if (r != plan.controller) workers[n].push_back(r);
+    }
+    std::sort(workers[n].begin(), workers[n].end());
+    if (node.gpus >= 0 && static_cast<int>(workers[n].size()) > node.gpus) {
+      throw ConfigError(fmt::format("{} runs {} worker ranks but has {} GPUs; put at most {} ranks (+1 for the "
+                                    "controller on the first node) in its hostfile slots",
+                                    node_name(nodes, static_cast<int>(n)), workers[n].size(), node.gpus, node.gpus));
+    }
+  }
+  plan.ranks[plan.controller].roles = {"controller"};
+  // GPU index: position among the node's worker ranks (the controller holds none).
+  for (std::size_t n = 0; n < nodes.nodes.size(); ++n) {
+    for (std::size_t i = 0; i < workers[n].size(); ++i) {
+      plan.ranks[workers[n][i]].gpu = nodes.nodes[n].gpus >= 0 ? static_cast<int>(i) : -1;
+    }
+  }
+
+  // Engines first, best fit: the node with the fewest free ranks that still holds a TP group,
+  // later nodes on ties (the controller's node is first and keeps the trainers). Each engine
+  // takes the node's last free ranks, which are consecutive GPUs.
+  std::vector<std::vector<int>> free_ranks = workers;
+  const int tp = static_cast<int>(config.engines.tp);
+  for (int e = 0; e < config.engines.count; ++e) {
+    int best = -1;
+    for (int n = static_cast<int>(free_ranks.size()) - 1; n >= 0; --n) {
+      const int f = static_cast<int>(free_ranks[n].size());
+      if (f >= tp && (best < 0 || f < static_cast<int>(free_ranks[best].size()))) best = n;
+    }
+    if (best < 0) {
+      std::string free_list;
+      int most = 0;
+      for (std::size_t n = 0; n < free_ranks.size(); ++n) {
+        free_list += fmt::format("{}node {}: {}", free_list.empty() ? "" : ", ", n, free_ranks[n].size());
+        most = std::max(most, static_cast<int>(free_ranks[n].size()));
+      }
+      throw ConfigError(fmt::format(
+          "{} engines x TP {} need {} GPUs on one node for each engine; after placing {}, the nodes have at most {} "
+          "free ({}); use engines.tp <= {}, fewer engines, or nodes with more GPUs",
+          config.engines.count, tp, tp, e, most, free_list, std::max(most, 1)));
+    }
+    EngineGroup group;
+    group.index = e;
+    group.node = best;
+    auto& f = free_ranks[best];
+    group.ranks.assign(f.end() - tp, f.end());
+    f.erase(f.end() - tp, f.end());
+    plan.engines.push_back(std::move(group));
+  }
+  // Engines were numbered in placement order; renumber so that engine indices rise with node
+  // and GPU index (engine 0 on the first GPUs of its node), which is how users read the table.
+  std::vector<std::vector<int>> blocks;
+  for (const auto& g : plan.engines) blocks.push_back(g.ranks);
+  std::sort(blocks.begin(), blocks.end(), [&](const std::vector<int>& a, const std::vector<int>& b) {
+    return std::make_pair(plan.ranks[a[0]].node, a[0]) < std::make_pair(plan.ranks[b[0]].node, b[0]);
+  });
+  for (std::size_t e = 0; e < blocks.size(); ++e) {
+    auto& group = plan.engines[e];
+    group.ranks = blocks[e];
+    group.node = plan.ranks[blocks[e][0]].node;
+    for (int i = 0; i < tp; ++i) {
+      auto& a = plan.ranks[group.ranks[i]];
+      a.roles.push_back("engine");
+      a.engine = static_cast<int>(e);
+      a.engine_tp_rank = i;
+    }
+  }
+
+  // Trainer roles take what is left, in rank order.
+  std::vector<int> left;
+  for (const auto& f : free_ranks) left.insert(left.end(), f.begin(), f.end());
+  std::sort(left.begin(), left.end());
+  std::size_t next = 0;
+  for (const auto& r : trainer_roles(config)) {
+    if (!r.cfg->enabled || !r.cfg->colocate_with.empty()) continue;
+    RoleGroup g;
+    g.role = r.name;
+    g.ranks.assign(left.begin() + next, left.begin() + next + r.cfg->gpus);
+    next += r.cfg->gpus;
+    for (int rank : g.ranks) plan.ranks[rank].roles.push_back(r.name);
+    plan.groups.push_back(std::move(g));
+  }
+  TILLER_CHECK(next == left.size(), "rank plan: {} ranks left unassigned", left.size() - next);
+  for (const auto& r : trainer_roles(config)) {
+    if (!r.cfg->enabled || r.cfg->colocate_with.empty()) continue;
+    const RoleGroup* host = plan.group(r.cfg->colocate_with);
+    TILLER_CHECK(host != nullptr, "rank plan: {} colocated with missing role {}", r.name, r.cfg->colocate_with);
+    RoleGroup g{r.name, host->ranks, r.cfg->colocate_with};
+    for (int rank : g.ranks) plan.ranks[rank].roles.push_back(r.name);
+    plan.groups.push_back(std::move(g));
+  }
+  // Keep groups in the fixed role order whatever the colocation.
+  std::stable_sort(plan.groups.begin(), plan.groups.end(), [](const RoleGroup& a, const RoleGroup& b) {
+    auto order = [](const std::string& n) { return n == "actor" ? 0 : n == "critic" ? 1 : n == "ref" ? 2 : 3; };
+    return order(a.role) < order(b.role);
+  });
+  return plan;
+}
+
+LaunchCommand mpirun_command(const std::vector<int>& gpus_per_node, int world_size, const std::string& config_path,
+                             const std::vector<std::string>& overrides) {
+  LaunchCommand out;
+  std::string cmd = fmt::format("mpirun -np {}", world_size);
+  if (gpus_per_node.size() > 1) {
+    for (std::size_t n = 0; n < gpus_per_node.size(); ++n) {
+      out.hostfile += fmt::format("node{} slots={}\n", n, gpus_per_node[n] + (n == 0 ? 1 : 0));
+    }
+    cmd += " --hostfile hosts --map-by slot";
+  }
+  // Multicast off everywhere: NVLink SHARP can take shared GPUs down (see docs/gpu.md).
+  cmd += " --bind-to none -x NCCL_NVLS_ENABLE=0 -x TORCH_SYMM_MEM_DISABLE_MULTICAST=1 -x NVSHMEM_DISABLE_NVLS=1";
+  cmd += fmt::format(" tiller train -c {}", config_path);
+  for (const auto& o : overrides) cmd += fmt::format(" --set {}", o);
+  out.command = cmd;
+  return out;
+}
+
+}  // namespace tiller::dist

@@ -1,0 +1,177 @@
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "tiller/core/config.h"
+#include "tiller/core/error.h"
+
+namespace tiller {
+namespace {
+
+// The message of the ConfigError that `f` throws ("" if none).
+template <typename F>
+std::string config_error(F&& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Config, EmptyFileGivesDefaults) {
+  JobConfig c = parse_config("", "empty.yaml");
+  EXPECT_EQ(c.run.name, "tiller");
+  EXPECT_EQ(c.roles.actor.gpus, 1);
+  EXPECT_EQ(c.roles.ref.colocate_with, "actor");
+  EXPECT_FALSE(c.roles.reward.enabled);
+  EXPECT_DOUBLE_EQ(c.timeouts.collective_s, 600.0);
+}
+
+TEST(Config, ReadsEveryKind) {
+  JobConfig c = parse_config(R"(
+run: {name: exp1, seed: 7}
+roles:
+  actor: {model: /m/qwen, gpus: 4, dtype: fp32, gradient_checkpointing: false}
+  critic: {enabled: false}
+algo: {advantage_estimator: group_norm, kl_coef: 0.05}
+rollout: {batch_size: 8, n_samples_per_prompt: 4}
+train: {train_batch_size: 16}
+timeouts: {collective_s: 1.5}
+)",
+                             "t.yaml");
+  EXPECT_EQ(c.run.name, "exp1");
+  EXPECT_EQ(c.run.seed, 7);
+  EXPECT_EQ(c.roles.actor.model, "/m/qwen");
+  EXPECT_EQ(c.roles.actor.gpus, 4);
+  EXPECT_EQ(c.roles.actor.dtype, "fp32");
+  EXPECT_FALSE(c.roles.actor.gradient_checkpointing);
+  EXPECT_FALSE(c.roles.critic.enabled);
+  EXPECT_EQ(c.algo.advantage_estimator, "group_norm");
+  EXPECT_DOUBLE_EQ(c.algo.kl_coef, 0.05);
+  EXPECT_DOUBLE_EQ(c.timeouts.collective_s, 1.5);
+}
+
+TEST(Config, UnknownKeyNamesPathFileLineAndClosestKey) {
+  auto msg = config_error([] { parse_config("run:\n  name: x\nroles:\n  actor:\n    gpu: 4\n", "job.yaml"); });
+  EXPECT_EQ(msg, "job.yaml:5: unknown key 'roles.actor.gpu'; did you mean 'roles.actor.gpus'?");
+  msg = config_error([] { parse_config("rollut:\n  batch_size: 4\n", "job.yaml"); });
+  EXPECT_EQ(msg, "job.yaml:1: unknown key 'rollut'; did you mean 'rollout'?");
+  msg = config_error([] { parse_config("roles:\n  actr:\n    gpus: 4\n", "job.yaml"); });
+  EXPECT_EQ(msg, "job.yaml:2: unknown key 'roles.actr'; did you mean 'roles.actor'?");
+}
+
+TEST(Config, WrongTypeNamesKeyAndValue) {
+  auto msg = config_error([] { parse_config("roles:\n  actor:\n    gpus: four\n", "j.yaml"); });
+  EXPECT_EQ(msg, "j.yaml:3: roles.actor.gpus = 'four' is not an integer");
+  msg = config_error([] { parse_config("data:\n  shuffle: maybe\n", "j.yaml"); });
+  EXPECT_EQ(msg, "j.yaml:2: data.shuffle = 'maybe' is not a bool (true or false)");
+  msg = config_error([] { parse_config("rollout:\n  temperature: hot\n", "j.yaml"); });
+  EXPECT_EQ(msg, "j.yaml:2: rollout.temperature = 'hot' is not a number");
+  msg = config_error([] { parse_config("roles:\n  actor:\n    gpus: [1, 2]\n", "j.yaml"); });
+  EXPECT_EQ(msg, "j.yaml:3: roles.actor.gpus must be a int, not a list or mapping");
+  msg = config_error([] { parse_config("roles: 3\n", "j.yaml"); });
+  EXPECT_EQ(msg, "j.yaml:1: 'roles' is a section and must be a mapping of keys");
+}
+
+TEST(Config, OutOfRangeAndChoices) {
+  auto msg = config_error([] { parse_config("engines:\n  tp: 0\n", "j.yaml"); });
+  EXPECT_EQ(msg, "j.yaml:2: engines.tp = 0 is out of range: must be in [1, 64]");
+  msg = config_error([] { parse_config("rollout:\n  top_p: 1.5\n", "j.yaml"); });
+  EXPECT_EQ(msg, "j.yaml:2: rollout.top_p = 1.5 is out of range: must be in [0, 1]");
+  msg = config_error([] { parse_config("algo:\n  kl_estimator: k4\n", "j.yaml"); });
+  EXPECT_EQ(msg, "j.yaml:2: algo.kl_estimator = 'k4' is not one of k1, k2, k3");
+}
+
+TEST(Config, InvalidYamlNamesLine) {
+  auto msg = config_error([] { parse_config("run:\n  name: [unclosed\n", "j.yaml"); });
+  EXPECT_NE(msg.find("j.yaml:"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("invalid YAML"), std::string::npos) << msg;
+}
+
+TEST(Config, SetOverridesAnyKey) {
+  JobConfig c = parse_config("rollout:\n  batch_size: 4\n", "j.yaml",
+                             {"rollout.batch_size=512", "roles.actor.model=/x/y", "run.name=007", "data.shuffle=false",
+                              "algo.gamma=0.5", "checkpoint.dir="});
+  EXPECT_EQ(c.rollout.batch_size, 512);
+  EXPECT_EQ(c.roles.actor.model, "/x/y");
+  EXPECT_EQ(c.run.name, "007");  // a string stays as written
+  EXPECT_FALSE(c.data.shuffle);
+  EXPECT_DOUBLE_EQ(c.algo.gamma, 0.5);
+  EXPECT_EQ(c.checkpoint.dir, "");
+}
+
+TEST(Config, SetErrors) {
+  EXPECT_EQ(config_error([] { parse_config("", "j.yaml", {"roles.actor.gpu=3"}); }),
+            "--set roles.actor.gpu: unknown key 'roles.actor.gpu'; did you mean 'roles.actor.gpus'?");
+  EXPECT_EQ(config_error([] { parse_config("", "j.yaml", {"rollout.batch_size"}); }),
+            "--set 'rollout.batch_size': expected key=value, e.g. --set rollout.batch_size=512");
+  EXPECT_EQ(config_error([] { parse_config("", "j.yaml", {"engines.tp=-2"}); }),
+            "--set: engines.tp = -2 is out of range: must be in [1, 64]");
+  auto msg = config_error([] { parse_config("", "j.yaml", {"roles.actor=3"}); });
+  EXPECT_NE(msg.find("'roles.actor' is a section"), std::string::npos) << msg;
+}
+
+TEST(Config, CrossKeyChecks) {
+  EXPECT_NE(config_error([] { parse_config("algo: {advantage_estimator: gae}\nroles: {critic: {enabled: false}}", "j"); })
+                .find("needs a critic"),
+            std::string::npos);
+  EXPECT_NE(config_error([] { parse_config("algo: {advantage_estimator: rloo}\nroles: {critic: {enabled: false}}", "j"); })
+                .find("n_samples_per_prompt >= 2"),
+            std::string::npos);
+  EXPECT_NE(config_error([] { parse_config("reward: {type: model}", "j"); }).find("needs the reward role"),
+            std::string::npos);
+  EXPECT_NE(config_error([] { parse_config("roles: {critic: {colocate_with: critic}}", "j"); }).find("itself"),
+            std::string::npos);
+  EXPECT_NE(config_error([] { parse_config("roles: {critic: {colocate_with: ref}}", "j"); })
+                .find("'ref' is itself colocated with 'actor'"),
+            std::string::npos);
+  EXPECT_NE(config_error([] { parse_config("rollout: {batch_size: 3}\ntrain: {train_batch_size: 2}", "j"); })
+                .find("must divide"),
+            std::string::npos);
+}
+
+TEST(Config, EffectiveYamlRoundTrips) {
+  JobConfig a = parse_config("run: {name: \"a: b\"}\nroles: {actor: {gpus: 3}}\nalgo: {kl_coef: 0.125}", "j.yaml",
+                             {"rollout.temperature=0.7"});
+  std::string text = to_yaml(a);
+  JobConfig b = parse_config(text, "printed.yaml");
+  EXPECT_EQ(text, to_yaml(b));
+  EXPECT_EQ(b.run.name, "a: b");
+  EXPECT_EQ(b.roles.actor.gpus, 3);
+  EXPECT_DOUBLE_EQ(b.rollout.temperature, 0.7);
+  // Every key appears in the printed config.
+  for (const auto& key : config_keys()) {
+    auto last = key.substr(key.rfind('.') + 1);
+    EXPECT_NE(text.find(last + ":"), std::string::npos) << key;
+  }
+}
+
+TEST(Config, ReferenceDocIsUpToDate) {
+  std::ifstream in(std::string(TILLER_SOURCE_DIR) + "/docs/config.md");
+  ASSERT_TRUE(in) << "docs/config.md is missing";
+  std::stringstream ss;
+  ss << in.rdbuf();
+  EXPECT_EQ(ss.str(), config_reference_markdown())
+      << "docs/config.md is stale: regenerate it with `build/bin/tiller config --reference > docs/config.md`";
+}
+
+TEST(Config, EveryShippedConfigLoads) {
+  int n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(std::string(TILLER_SOURCE_DIR) + "/configs")) {
+    if (entry.path().extension() != ".yaml") continue;
+    EXPECT_NO_THROW(load_config(entry.path().string())) << entry.path();
+    ++n;
+  }
+  EXPECT_GE(n, 2);
+}
+
+TEST(Config, MissingFile) {
+  EXPECT_EQ(config_error([] { load_config("/nonexistent/x.yaml"); }),
+            "/nonexistent/x.yaml: cannot open the config file (does it exist?)");
+}
+
+}  // namespace
+}  // namespace tiller

@@ -1,0 +1,69 @@
+#include <cstdlib>
+
+#include <gtest/gtest.h>
+
+#include "tiller/core/deadline.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+
+namespace tiller {
+namespace {
+
+TEST(Error, CheckNamesFileLineAndMessage) {
+  try {
+    int gpus = 3;
+    TILLER_CHECK(gpus % 2 == 0, "gpus = {} must be even", gpus);
+    FAIL();
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_EQ(m.rfind("tests/core/error_test.cpp:", 0), 0u) << m;
+    EXPECT_NE(m.find(": gpus = 3 must be even"), std::string::npos) << m;
+  }
+  try {
+    TILLER_CHECK(1 + 1 == 3);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("check '1 + 1 == 3' failed"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Error, TypesAndExitCodes) {
+  EXPECT_EQ(exit_code_for(ConfigError("x")), 2);
+  EXPECT_EQ(exit_code_for(TimeoutError("x")), 1);
+  EXPECT_EQ(exit_code_for(std::runtime_error("x")), 1);
+  // A timeout is a communication error; callers may catch either.
+  EXPECT_THROW(throw TimeoutError("t"), CommError);
+}
+
+TEST(Deadline, ExpiresAndNever) {
+  EXPECT_TRUE(Deadline::after_seconds(0).expired());
+  EXPECT_FALSE(Deadline::after_seconds(60).expired());
+  EXPECT_GT(Deadline::after_seconds(60).remaining_seconds(), 59);
+  EXPECT_FALSE(Deadline::never().expired());
+  EXPECT_TRUE(Deadline::never().is_never());
+}
+
+TEST(Logging, LevelsFromConfigAndEnvironment) {
+  EXPECT_EQ(log::parse_level("debug"), log::Level::kDebug);
+  EXPECT_THROW(log::parse_level("loud"), ConfigError);
+  unsetenv("TILLER_LOG_LEVEL");
+  log::init(3, "actor", log::Level::kWarn);
+  EXPECT_EQ(log::level(), log::Level::kWarn);
+  setenv("TILLER_LOG_LEVEL", "error", 1);
+  log::init(3, "actor", log::Level::kInfo);
+  EXPECT_EQ(log::level(), log::Level::kError);
+  unsetenv("TILLER_LOG_LEVEL");
+}
+
+TEST(Logging, PrefixCarriesRankAndRole) {
+  ::testing::internal::CaptureStderr();
+  log::init(5, "critic", log::Level::kInfo);
+  log::info("value loss {}", 0.5);
+  log::debug("hidden");
+  std::string out = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(out.find("[5 critic] value loss 0.5"), std::string::npos) << out;
+  EXPECT_EQ(out.find("hidden"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace tiller

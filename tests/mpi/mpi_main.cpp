@@ -1,0 +1,93 @@
+// gtest main for multi-rank tests: every rank runs every test; the exit code is agreed by an
+// all-reduce so that one failing rank fails the whole run and no rank is left waiting.
+// TILLER_TEST_BACKEND=nccl runs the same tests on NCCL (one GPU per rank), or exits 77 (ctest's
+// skip) when this build or machine has no GPUs for it.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <gtest/gtest.h>
+
+#include "mpi_env_for_tests.h"
+#include "tiller/core/logging.h"
+
+namespace tiller::test {
+MpiTestEnv& mpi_test_env() {
+  static MpiTestEnv e;
+  return e;
+}
+
+namespace {
+// On ranks other than 0 the default printer is removed; this prints their failures, with the rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (!r.failed()) return;
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::fprintf(stderr, "[rank %d] FAILED %s.%s at %s:%d\n%s\n", rank_, info ? info->test_suite_name() : "?",
+                 info ? info->name() : "?", r.file_name() ? r.file_name() : "?", r.line_number(), r.message());
+  }
+
+ private:
+  int rank_;
+};
+}  // namespace
+}  // namespace tiller::test
+
+int main(int argc, char** argv) {
+  using namespace tiller;
+  ::testing::InitGoogleTest(&argc, argv);
+  dist::MpiEnv env(&argc, &argv);
+  log::init(env.rank(), "test", log::Level::kWarn);
+  const char* b = std::getenv("TILLER_TEST_BACKEND");
+  const std::string backend = b ? b : "mpi";
+  auto world = env.world(60.0);
+  auto& t = test::mpi_test_env();
+  t.env = &env;
+  t.world = world.get();
+  t.comm = world.get();
+  t.device = at::TensorOptions();
+
+  std::unique_ptr<dist::Communicator> nccl;
+  if (backend == "nccl") {
+    const int gpus = at::detail::getCUDAHooks().getNumGPUs();
+    auto nodes = env.node_map(0, false, 60.0);
+    int local = 0, on_node = 1;
+    for (const auto& n : nodes.nodes) {
+      for (std::size_t i = 0; i < n.ranks.size(); ++i) {
+        if (n.ranks[i] == env.rank()) {
+          local = static_cast<int>(i);
+          on_node = static_cast<int>(n.ranks.size());
+        }
+      }
+    }
+    // Agreed by all ranks: skip unless every rank has its own GPU.
+    auto ok = at::full({1}, (dist::MpiEnv::have_nccl() && gpus >= on_node) ? 1 : 0, at::kInt);
+    world->all_reduce(ok, dist::ReduceOp::kMin)->wait();
+    if (ok.item<int>() == 0) {
+      if (env.rank() == 0) {
+        std::printf("SKIP: NCCL tests need this GPU build and one GPU per rank (have_nccl=%d, %d GPUs for %d ranks)\n",
+                    dist::MpiEnv::have_nccl() ? 1 : 0, gpus, on_node);
+      }
+      return 77;
+    }
+    nccl = dist::MpiEnv::nccl(*world, local, "world.nccl", 60.0);
+    t.comm = nccl.get();
+    t.device = at::TensorOptions().device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local)));
+  }
+
+  if (env.rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new test::RankFailurePrinter(env.rank()));
+  }
+  int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  auto flag = at::full({1}, failed, at::kInt);
+  world->all_reduce(flag, dist::ReduceOp::kMax)->wait();
+  nccl.reset();
+  const int code = flag.item<int>();
+  if (env.rank() == 0) std::printf("[rank 0] %s on all ranks\n", code ? "FAILED" : "PASSED");
+  return code;
+}
