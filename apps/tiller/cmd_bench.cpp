@@ -1,7 +1,8 @@
 // tiller bench collectives: bus bandwidth of all_gather, reduce_scatter and broadcast through
 // tiller's Communicator, measured the way nccl-tests and ../shared/bench/peer_bench.py do
 // (warm-up, then the mean of back-to-back ops, host-timed until the last completes), so the two
-// can be compared in one run. Prints one JSON object on rank 0.
+// can be compared in one run. Reports the slowest rank's time and rank 0's (the peer's
+// definition), and the host time to issue one op. Prints one JSON object on rank 0.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -94,18 +95,27 @@ int run_collectives(const BenchOptions& o, int* argc, char*** argv) {
       auto t0 = std::chrono::steady_clock::now();
       std::vector<dist::WorkPtr> works;
       for (int i = 0; i < o.iters; ++i) works.push_back(op.issue());
+      // Host time to issue one op: if it nears the op's time, the wrapper starves the GPU.
+      const double issue = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / o.iters;
       for (auto& wk : works) wk->wait();
       double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / o.iters;
-      // The slowest rank's time is the collective's time.
-      auto t = at::full({1}, dt, at::kDouble);
+      // Two definitions of the op's time: the slowest rank's (what the collective costs the
+      // group; the default) and rank 0's (how peer_bench.py and nccl-tests time it; for a
+      // broadcast rank 0 is the root, which finishes first).
+      auto t = at::tensor(std::vector<double>{dt, issue}, at::kDouble);
+      auto rank0 = t.clone();
       world->all_reduce(t, dist::ReduceOp::kMax)->wait();
-      dt = t.item<double>();
+      world->broadcast(rank0, 0)->wait();
+      dt = t[0].item<double>();
+      const double issue_max = t[1].item<double>();
+      const double dt0 = rank0[0].item<double>();
       const double bytes = static_cast<double>(n * elem);
-      const double algbw = bytes / dt / 1e9;
-      const double busbw = algbw * op.bus_factor;
-      results.push_back({{"op", op.name}, {"size_mb", mb}, {"time_ms", dt * 1e3}, {"algbw_GBps", algbw},
-                         {"busbw_GBps", busbw}});
+      const double busbw = bytes / dt / 1e9 * op.bus_factor;
+      const double busbw0 = bytes / dt0 / 1e9 * op.bus_factor;
+      results.push_back({{"op", op.name}, {"size_mb", mb}, {"time_ms", dt * 1e3}, {"rank0_time_ms", dt0 * 1e3},
+                         {"issue_us", issue_max * 1e6}, {"busbw_GBps", busbw}, {"rank0_busbw_GBps", busbw0}});
       flat[fmt::format("{}_{}MB_busbw_GBps", op.name, mb)] = std::round(busbw * 10) / 10;
+      flat[fmt::format("{}_{}MB_rank0_busbw_GBps", op.name, mb)] = std::round(busbw0 * 10) / 10;
     }
   }
   if (env.rank() == 0) {

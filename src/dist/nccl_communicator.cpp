@@ -7,6 +7,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <list>
 #include <mutex>
 #include <thread>
@@ -22,9 +24,9 @@
 namespace tiller::dist {
 namespace {
 
-#define TILLER_CUDA_OK(expr)                                                                      \
-  do {                                                                                            \
-    cudaError_t err_ = (expr);                                                                    \
+#define TILLER_CUDA_OK(expr)                                                                          \
+  do {                                                                                                \
+    cudaError_t err_ = (expr);                                                                        \
     if (err_ != cudaSuccess) throw CommError(fmt::format("{}: {}", #expr, cudaGetErrorString(err_))); \
   } while (0)
 
@@ -58,63 +60,196 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 
 const char* op_name(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : op == ReduceOp::kMax ? "max" : "min"; }
 
-// Shared by the communicator, its Works and the watchdog.
+// Spin (yielding the core) for the first 2 ms, which covers most collectives, then sleep in
+// steps of at most 50 us: a completion is seen within ~50 us and a long wait burns no core.
+template <typename Poll, typename OnExpired>
+void poll_until(Poll&& poll, Deadline deadline, OnExpired&& on_expired) {
+  const auto start = std::chrono::steady_clock::now();
+  auto nap = std::chrono::microseconds(5);
+  while (!poll()) {
+    if (deadline.expired()) on_expired();
+    if (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(2)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(50));
+    }
+  }
+}
+
+// Events are reused: creating two per op costs host time on every collective.
+class EventPool {
+ public:
+  explicit EventPool(int device) : device_(device) {}
+  ~EventPool() {
+    for (auto e : free_) cudaEventDestroy(e);
+  }
+  cudaEvent_t take() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        cudaEvent_t e = free_.back();
+        free_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    cudaSetDevice(device_);
+    TILLER_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+  void give(cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(e);
+  }
+
+ private:
+  int device_;
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;
+};
+
+// A thread that runs jobs in order. Its state is shared with the thread, so a launcher stuck
+// inside NCCL can be abandoned (detached) without freeing what it uses.
+class Launcher {
+ public:
+  Launcher() : s_(std::make_shared<State>()) {
+    auto s = s_;
+    std::thread([s] { run(*s); }).detach();
+  }
+  ~Launcher() {
+    {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      s_->stop = true;
+    }
+    s_->cv.notify_all();
+    if (abandoned_) return;
+    // Wait for the queued jobs; a thread stuck inside NCCL is left behind.
+    std::unique_lock<std::mutex> lock(s_->mu);
+    if (!s_->exit_cv.wait_for(lock, std::chrono::seconds(10), [this] { return s_->exited; })) {
+      log::error("NCCL launcher thread is stuck inside NCCL; leaving it behind (the process should exit)");
+    }
+  }
+  // The thread may be stuck inside NCCL: do not wait for it on destruction.
+  void abandon() { abandoned_ = true; }
+  void post(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      s_->jobs.push_back(std::move(job));
+    }
+    s_->cv.notify_one();
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::condition_variable exit_cv;
+    std::deque<std::function<void()>> jobs;
+    bool stop = false;
+    bool exited = false;
+  };
+  static void run(State& s) {
+    std::unique_lock<std::mutex> lock(s.mu);
+    while (true) {
+      // Stay awake briefly after a job: collectives come in bursts (ZeRO-3 layers, benchmarks).
+      if (s.jobs.empty() && !s.stop) {
+        lock.unlock();
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+        while (std::chrono::steady_clock::now() < until) {
+          std::this_thread::yield();
+          std::lock_guard<std::mutex> peek(s.mu);
+          if (!s.jobs.empty() || s.stop) break;
+        }
+        lock.lock();
+        s.cv.wait(lock, [&] { return !s.jobs.empty() || s.stop; });
+      }
+      if (s.jobs.empty() && s.stop) break;
+      auto job = std::move(s.jobs.front());
+      s.jobs.pop_front();
+      lock.unlock();
+      job();
+      lock.lock();
+    }
+    s.exited = true;
+    s.exit_cv.notify_all();
+  }
+  std::shared_ptr<State> s_;
+  bool abandoned_ = false;
+};
+
+// Shared by the communicator, its Works, its launcher jobs and the watchdog.
 struct NcclGroup {
   ncclComm_t comm = nullptr;
   int device = 0;
   int rank = 0;
   int size = 1;
   std::string name;
-  std::mutex mu;  // guards aborted/abort_reason and the pending list
+  std::timed_mutex nccl_mu;  // held around every NCCL call on `comm` (launcher, abort, async-error poll)
+  std::mutex mu;             // guards aborted and abort_reason
   bool aborted = false;
   std::string abort_reason;
 
-  // Aborts once; the first reason wins. ncclCommAbort may be called from any thread.
-  void abort(const std::string& reason) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (aborted) return;
-    aborted = true;
-    abort_reason = reason;
-    log::error("{}", reason);
-    if (comm != nullptr) ncclCommAbort(comm);
-  }
   std::string describe(const std::string& op, std::uint64_t seq) const {
     return fmt::format("{} #{} on group '{}' (nccl, rank {} of {}, cuda:{})", op, seq, name, rank, size, device);
   }
+  bool is_aborted() {
+    std::lock_guard<std::mutex> lock(mu);
+    return aborted;
+  }
+  std::string reason() {
+    std::lock_guard<std::mutex> lock(mu);
+    return abort_reason;
+  }
+  // Records the first reason and aborts the NCCL communicator, freeing kernels stuck in it. If a
+  // launcher is stuck inside an NCCL call, NCCL must not be torn down under it: that is logged.
+  void abort(const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (aborted) return;
+      aborted = true;
+      abort_reason = why;
+    }
+    log::error("{}", why);
+    std::unique_lock<std::timed_mutex> lock(nccl_mu, std::chrono::seconds(1));
+    if (!lock.owns_lock()) {
+      log::error("communicator '{}' (rank {}) is stuck inside an NCCL call on the host; not aborting it under the "
+                 "call. Exit the process so mpirun tears the job down",
+                 name, rank);
+      return;
+    }
+    if (comm != nullptr) {
+      cudaSetDevice(device);
+      ncclCommAbort(comm);
+      comm = nullptr;
+    }
+  }
 };
+
+enum Phase : int { kQueued = 0, kLaunched = 1, kFailed = 2 };
 
 struct OpState {
   std::string op;
   std::uint64_t seq = 0;
   Deadline deadline = Deadline::never();
-  cudaEvent_t done = nullptr;
+  std::shared_ptr<EventPool> events;
+  cudaEvent_t ready = nullptr;  // recorded on the caller's stream at issue
+  cudaEvent_t done = nullptr;   // recorded on the communicator's stream after the NCCL call
   std::vector<at::Tensor> keep;  // alive until the op is complete
+  std::atomic<int> phase{kQueued};
   std::atomic<bool> complete{false};
+  std::string error;  // set before phase becomes kFailed
   ~OpState() {
-    if (done != nullptr) cudaEventDestroy(done);
+    // Events of an op that never completed (aborted) may still be referenced by the GPU.
+    if (complete.load()) {
+      events->give(ready);
+      events->give(done);
+    } else {
+      if (ready) cudaEventDestroy(ready);
+      if (done) cudaEventDestroy(done);
+    }
   }
 };
-
-// Polls `group`'s async state until it is not ncclInProgress; aborts at the deadline.
-void wait_ready(NcclGroup& g, const std::string& what, Deadline deadline) {
-  ncclResult_t state = ncclInProgress;
-  while (true) {
-    ncclResult_t rc = ncclCommGetAsyncError(g.comm, &state);
-    if (rc != ncclSuccess) state = rc;
-    if (state != ncclInProgress) break;
-    if (deadline.expired()) {
-      std::string reason = fmt::format("{} missed its deadline; the communicator is aborted", what);
-      g.abort(reason);
-      throw TimeoutError(reason);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-  if (state != ncclSuccess) {
-    std::string reason = fmt::format("{} failed: {} ({})", what, ncclGetErrorString(state), ncclGetLastError(g.comm));
-    g.abort(reason);
-    throw CommError(reason);
-  }
-}
 
 class NcclWork final : public Work {
  public:
@@ -123,33 +258,19 @@ class NcclWork final : public Work {
   void wait() override { wait(op_->deadline); }
 
   void wait(Deadline deadline) override {
-    while (!is_completed()) {
-      if (deadline.expired()) {
-        std::string reason = fmt::format("{} missed its deadline; the communicator is aborted. A rank hung, died, "
-                                         "or called a different op; check the other ranks' logs",
-                                         group_->describe(op_->op, op_->seq));
-        group_->abort(reason);
-        throw TimeoutError(reason);
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(5));
-    }
+    poll_until([this] { return is_completed(); }, deadline, [this] { time_out(); });
   }
 
   void wait_on_stream() override {
-    {
-      std::lock_guard<std::mutex> lock(group_->mu);
-      if (group_->aborted) throw CommError(group_->abort_reason);
-    }
+    // The completion event exists once the launcher has made the NCCL call.
+    poll_until([this] { return launched(); }, op_->deadline, [this] { time_out(); });
     cudaSetDevice(group_->device);
     TILLER_CUDA_OK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(group_->device).stream(), op_->done, 0));
   }
 
   bool is_completed() override {
     if (op_->complete.load()) return true;
-    {
-      std::lock_guard<std::mutex> lock(group_->mu);
-      if (group_->aborted) throw CommError(group_->abort_reason);
-    }
+    if (!launched()) return false;
     cudaSetDevice(group_->device);
     cudaError_t q = cudaEventQuery(op_->done);
     if (q == cudaSuccess) {
@@ -157,31 +278,91 @@ class NcclWork final : public Work {
       return true;
     }
     if (q != cudaErrorNotReady) {
-      std::string reason = fmt::format("{}: CUDA error {}", group_->describe(op_->op, op_->seq), cudaGetErrorString(q));
-      group_->abort(reason);
-      throw CommError(reason);
+      std::string why = fmt::format("{}: CUDA error {}", group_->describe(op_->op, op_->seq), cudaGetErrorString(q));
+      group_->abort(why);
+      throw CommError(why);
     }
-    ncclResult_t async = ncclSuccess;
-    ncclCommGetAsyncError(group_->comm, &async);
-    if (async != ncclSuccess && async != ncclInProgress) {
-      std::string reason = fmt::format("{}: NCCL error {}", group_->describe(op_->op, op_->seq), ncclGetErrorString(async));
-      group_->abort(reason);
-      throw CommError(reason);
-    }
+    if (group_->is_aborted()) throw CommError(group_->reason());
     return false;
   }
 
  private:
+  // True once the NCCL call was made; throws if it failed or the communicator was aborted.
+  bool launched() {
+    const int phase = op_->phase.load();
+    if (phase == kFailed) throw CommError(op_->error);
+    if (phase == kQueued && group_->is_aborted()) throw CommError(group_->reason());
+    return phase == kLaunched;
+  }
+  [[noreturn]] void time_out() {
+    std::string why = fmt::format("{} missed its deadline{}; the communicator is aborted. A rank hung, died, or called "
+                                  "a different op; check the other ranks' logs",
+                                  group_->describe(op_->op, op_->seq),
+                                  op_->phase.load() == kQueued ? " (stuck before NCCL enqueued it)" : "");
+    group_->abort(why);
+    throw TimeoutError(group_->reason() == why ? why : why + " (first: " + group_->reason() + ")");
+  }
+
   std::shared_ptr<NcclGroup> group_;
   std::shared_ptr<OpState> op_;
 };
 
+ncclConfig_t blocking_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 1;  // calls run on the launcher thread, which may block
+  return config;
+}
+
+// Runs `call` (an NCCL call returning ncclResult_t) on `launcher` and waits for it until
+// `deadline`. On a miss the launcher is presumed stuck inside NCCL: the group is marked aborted
+// and TimeoutError says so. Everything the job touches is owned by the job.
+template <typename Call>
+void run_on_launcher(Launcher& launcher, const std::shared_ptr<NcclGroup>& group, const std::string& what,
+                     Deadline deadline, Call call) {
+  struct Result {
+    std::atomic<bool> done{false};
+    ncclResult_t rc = ncclSuccess;
+  };
+  auto result = std::make_shared<Result>();
+  launcher.post([result, group, call]() mutable {
+    std::lock_guard<std::timed_mutex> lock(group->nccl_mu);
+    cudaSetDevice(group->device);
+    result->rc = call();
+    result->done = true;
+  });
+  poll_until([&] { return result->done.load(); }, deadline, [&] {
+    const std::string why = fmt::format("{} missed its deadline: a rank did not join or NCCL is stuck on the host; "
+                                        "the communicator is unusable and the process must exit",
+                                        what);
+    {
+      std::lock_guard<std::mutex> lock(group->mu);
+      if (!group->aborted) {
+        group->aborted = true;
+        group->abort_reason = why;
+      }
+    }
+    launcher.abandon();
+    log::error("{}", why);
+    throw TimeoutError(why);
+  });
+  if (result->rc != ncclSuccess) {
+    throw CommError(fmt::format("{} failed: {}", what, ncclGetErrorString(result->rc)));
+  }
+}
+
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(std::shared_ptr<NcclGroup> group, double timeout_s) : group_(std::move(group)), timeout_(timeout_s) {
+  // Takes a group whose comm is not yet created: `create` makes it on the launcher thread, by
+  // `create_deadline`. Ops get timeout_s each.
+  template <typename Create>
+  NcclCommunicator(std::shared_ptr<NcclGroup> group, double timeout_s, const std::string& what,
+                   Deadline create_deadline, Create create)
+      : group_(std::move(group)), timeout_(timeout_s) {
+    events_ = std::make_shared<EventPool>(group_->device);
+    launcher_ = std::make_unique<Launcher>();
+    run_on_launcher(*launcher_, group_, what, create_deadline, create);
     cudaSetDevice(group_->device);
     TILLER_CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    TILLER_CUDA_OK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     watchdog_ = std::thread([this] { watch(); });
   }
 
@@ -191,28 +372,28 @@ class NcclCommunicator final : public Communicator {
       stop_ = true;
     }
     watch_cv_.notify_all();
-    watchdog_.join();
-    cudaSetDevice(group_->device);
-    bool aborted;
-    {
-      std::lock_guard<std::mutex> lock(group_->mu);
-      aborted = group_->aborted;
-    }
-    if (!aborted) {
-      // Finish what is pending, then release. Bounded: a stuck finalize is aborted.
+    if (watchdog_.joinable()) watchdog_.join();
+    if (!group_->is_aborted()) {
+      // Finish what is pending, then release; bounded, a stuck one is abandoned.
       try {
-        ncclResult_t rc = ncclCommFinalize(group_->comm);
-        if (rc == ncclSuccess || rc == ncclInProgress) {
-          wait_ready(*group_, fmt::format("destroying communicator '{}'", group_->name), Deadline::after_seconds(timeout_));
-        }
-        ncclCommDestroy(group_->comm);
+        NcclGroup* g = group_.get();
+        run_on_launcher(*launcher_, group_, fmt::format("destroying communicator '{}'", g->name),
+                        Deadline::after_seconds(timeout_), [g] {
+                          ncclResult_t rc = ncclCommFinalize(g->comm);
+                          if (rc == ncclSuccess) rc = ncclCommDestroy(g->comm);
+                          g->comm = nullptr;
+                          return rc;
+                        });
       } catch (const std::exception& e) {
         log::error("{}", e.what());
       }
     }
+    // After an abort the launcher may be stuck inside NCCL, using the stream: leave both.
+    const bool stuck = group_->is_aborted();
+    if (stuck) launcher_->abandon();
+    launcher_.reset();
     pending_.clear();
-    cudaEventDestroy(ready_);
-    cudaStreamDestroy(stream_);
+    if (stream_ != nullptr && !stuck) cudaStreamDestroy(stream_);
   }
 
   int rank() const override { return group_->rank; }
@@ -221,10 +402,7 @@ class NcclCommunicator final : public Communicator {
   const char* backend() const override { return "nccl"; }
   void set_timeout(double seconds) override { timeout_ = seconds; }
   double timeout() const override { return timeout_; }
-  bool aborted() const override {
-    std::lock_guard<std::mutex> lock(group_->mu);
-    return group_->aborted;
-  }
+  bool aborted() const override { return group_->is_aborted(); }
 
   WorkPtr all_gather(const at::Tensor& input, const at::Tensor& output) override {
     check(input, "all_gather", "input");
@@ -234,9 +412,10 @@ class NcclCommunicator final : public Communicator {
                  input.numel(), output.numel());
     TILLER_CHECK(input.scalar_type() == output.scalar_type(), "all_gather on '{}': input and output dtypes differ", name());
     auto in = input.contiguous();
-    return launch("all_gather", {in, output}, [&](cudaStream_t s) {
-      return ncclAllGather(in.data_ptr(), output.data_ptr(), in.numel(), nccl_type(in.scalar_type(), false),
-                           group_->comm, s);
+    const auto type = nccl_type(in.scalar_type(), false);
+    return launch("all_gather", {in, output}, [in = in.data_ptr(), out = output.data_ptr(), n = in.numel(), type](
+                                                  ncclComm_t c, cudaStream_t s) {
+      return ncclAllGather(in, out, n, type, c, s);
     });
   }
 
@@ -249,19 +428,20 @@ class NcclCommunicator final : public Communicator {
     TILLER_CHECK(input.scalar_type() == output.scalar_type(), "reduce_scatter on '{}': input and output dtypes differ",
                  name());
     auto in = input.contiguous();
-    return launch(std::string("reduce_scatter(") + op_name(op) + ")", {in, output}, [&](cudaStream_t s) {
-      return ncclReduceScatter(in.data_ptr(), output.data_ptr(), output.numel(), nccl_type(in.scalar_type(), true),
-                               nccl_op(op), group_->comm, s);
-    });
+    const auto type = nccl_type(in.scalar_type(), true);
+    return launch(std::string("reduce_scatter(") + op_name(op) + ")", {in, output},
+                  [in = in.data_ptr(), out = output.data_ptr(), n = output.numel(), type, r = nccl_op(op)](
+                      ncclComm_t c, cudaStream_t s) { return ncclReduceScatter(in, out, n, type, r, c, s); });
   }
 
   WorkPtr all_reduce(const at::Tensor& tensor, ReduceOp op) override {
     check(tensor, "all_reduce", "tensor");
     TILLER_CHECK(tensor.is_contiguous(), "all_reduce on '{}': the tensor must be contiguous", name());
-    return launch(std::string("all_reduce(") + op_name(op) + ")", {tensor}, [&](cudaStream_t s) {
-      return ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor.scalar_type(), true),
-                           nccl_op(op), group_->comm, s);
-    });
+    const auto type = nccl_type(tensor.scalar_type(), true);
+    return launch(std::string("all_reduce(") + op_name(op) + ")", {tensor},
+                  [p = tensor.data_ptr(), n = tensor.numel(), type, r = nccl_op(op)](ncclComm_t c, cudaStream_t s) {
+                    return ncclAllReduce(p, p, n, type, r, c, s);
+                  });
   }
 
   WorkPtr broadcast(const at::Tensor& tensor, int root) override {
@@ -269,59 +449,66 @@ class NcclCommunicator final : public Communicator {
     TILLER_CHECK(tensor.is_contiguous(), "broadcast on '{}': the tensor must be contiguous", name());
     TILLER_CHECK(root >= 0 && root < size(), "broadcast on '{}': root {} is not a rank of a group of {}", name(), root,
                  size());
-    return launch(fmt::format("broadcast(root {})", root), {tensor}, [&](cudaStream_t s) {
-      return ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor.scalar_type(), false),
-                           root, group_->comm, s);
-    });
+    const auto type = nccl_type(tensor.scalar_type(), false);
+    return launch(fmt::format("broadcast(root {})", root), {tensor},
+                  [p = tensor.data_ptr(), n = tensor.numel(), type, root](ncclComm_t c, cudaStream_t s) {
+                    return ncclBroadcast(p, p, n, type, root, c, s);
+                  });
   }
 
   WorkPtr send(const at::Tensor& tensor, int peer) override {
     check(tensor, "send", "tensor");
     check_peer(peer, "send");
     auto t = tensor.contiguous();
-    return launch(fmt::format("send(to {})", peer), {t}, [&](cudaStream_t s) {
-      return ncclSend(t.data_ptr(), t.numel(), nccl_type(t.scalar_type(), false), peer, group_->comm, s);
-    });
+    const auto type = nccl_type(t.scalar_type(), false);
+    return launch(fmt::format("send(to {})", peer), {t},
+                  [p = t.data_ptr(), n = t.numel(), type, peer](ncclComm_t c, cudaStream_t s) {
+                    return ncclSend(p, n, type, peer, c, s);
+                  });
   }
 
   WorkPtr recv(const at::Tensor& tensor, int peer) override {
     check(tensor, "recv", "tensor");
     check_peer(peer, "recv");
     TILLER_CHECK(tensor.is_contiguous(), "recv on '{}': the tensor must be contiguous", name());
-    return launch(fmt::format("recv(from {})", peer), {tensor}, [&](cudaStream_t s) {
-      return ncclRecv(tensor.data_ptr(), tensor.numel(), nccl_type(tensor.scalar_type(), false), peer, group_->comm, s);
-    });
+    const auto type = nccl_type(tensor.scalar_type(), false);
+    return launch(fmt::format("recv(from {})", peer), {tensor},
+                  [p = tensor.data_ptr(), n = tensor.numel(), type, peer](ncclComm_t c, cudaStream_t s) {
+                    return ncclRecv(p, n, type, peer, c, s);
+                  });
   }
 
   std::unique_ptr<Communicator> split(int color, int key, const std::string& new_name) override {
     throw_if_aborted("split");
-    cudaSetDevice(group_->device);
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    ncclComm_t out = nullptr;
-    const std::string what = group_->describe("split", seq_);
-    ncclResult_t rc = ncclCommSplit(group_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &out, &config);
-    if (rc != ncclSuccess && rc != ncclInProgress) {
-      throw CommError(fmt::format("{} failed: {}", what, ncclGetErrorString(rc)));
-    }
-    wait_ready(*group_, what, Deadline::after_seconds(timeout_));
-    if (color < 0 || out == nullptr) return nullptr;
-    auto g = std::make_shared<NcclGroup>();
-    g->comm = out;
-    g->device = group_->device;
-    g->name = new_name;
-    wait_ready(*g, fmt::format("split of '{}' into '{}'", name(), new_name), Deadline::after_seconds(timeout_));
-    ncclCommUserRank(out, &g->rank);
-    ncclCommCount(out, &g->size);
-    return std::make_unique<NcclCommunicator>(std::move(g), timeout_);
+    const std::string what = group_->describe("split into '" + new_name + "'", seq_++);
+    auto child = std::make_shared<NcclGroup>();
+    child->device = group_->device;
+    child->name = new_name;
+    // The split runs on this communicator's launcher (it is a call on the parent), in order
+    // with the ops already queued.
+    auto out = std::make_shared<ncclComm_t>(nullptr);
+    const Deadline deadline = Deadline::after_seconds(timeout_);
+    NcclGroup* parent = group_.get();
+    run_on_launcher(*launcher_, group_, what, deadline, [parent, color, key, out] {
+      if (parent->comm == nullptr) return ncclInvalidUsage;
+      ncclConfig_t config = blocking_config();
+      return ncclCommSplit(parent->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, out.get(), &config);
+    });
+    if (color < 0 || *out == nullptr) return nullptr;
+    NcclGroup* c = child.get();
+    return std::make_unique<NcclCommunicator>(child, timeout_, what, deadline, [c, comm = *out] {
+      c->comm = comm;
+      ncclResult_t rc = ncclCommUserRank(comm, &c->rank);
+      if (rc == ncclSuccess) rc = ncclCommCount(comm, &c->size);
+      return rc;
+    });
   }
 
  private:
   void throw_if_aborted(const std::string& op) const {
-    std::lock_guard<std::mutex> lock(group_->mu);
-    if (group_->aborted) {
+    if (group_->is_aborted()) {
       throw CommError(fmt::format("{} on group '{}' (rank {}): the communicator was aborted earlier: {}", op, name(),
-                                  rank(), group_->abort_reason));
+                                  rank(), group_->reason()));
     }
   }
 
@@ -336,34 +523,44 @@ class NcclCommunicator final : public Communicator {
                  "of {}", op, name(), peer, size());
   }
 
-  template <typename Launch>
-  WorkPtr launch(const std::string& op, std::vector<at::Tensor> keep, Launch&& call) {
+  // Queues `call(comm, stream)` on the launcher, ordered after the work already on the caller's
+  // current stream.
+  template <typename Call>
+  WorkPtr launch(const std::string& op, std::vector<at::Tensor> keep, Call&& call) {
     throw_if_aborted(op);
     auto state = std::make_shared<OpState>();
     state->op = op;
     state->seq = seq_++;
     state->deadline = Deadline::after_seconds(timeout_);
     state->keep = std::move(keep);
+    state->events = events_;
+    state->ready = events_->take();
+    state->done = events_->take();
     cudaSetDevice(group_->device);
-    TILLER_CUDA_OK(cudaEventCreateWithFlags(&state->done, cudaEventDisableTiming));
-    // The op runs after everything already queued on the caller's stream.
-    cudaStream_t caller = c10::cuda::getCurrentCUDAStream(group_->device).stream();
-    TILLER_CUDA_OK(cudaEventRecord(ready_, caller));
-    TILLER_CUDA_OK(cudaStreamWaitEvent(stream_, ready_, 0));
-    const std::string what = group_->describe(op, state->seq);
-    ncclResult_t rc = call(stream_);
-    if (rc == ncclInProgress) {
-      wait_ready(*group_, what, state->deadline);
-    } else if (rc != ncclSuccess) {
-      std::string reason = fmt::format("{} failed: {} ({})", what, ncclGetErrorString(rc), ncclGetLastError(group_->comm));
-      group_->abort(reason);
-      throw CommError(reason);
-    }
-    TILLER_CUDA_OK(cudaEventRecord(state->done, stream_));
+    TILLER_CUDA_OK(cudaEventRecord(state->ready, c10::cuda::getCurrentCUDAStream(group_->device).stream()));
     {
       std::lock_guard<std::mutex> lock(watch_mu_);
       pending_.push_back(state);
     }
+    launcher_->post([g = group_, state, stream = stream_, call = std::forward<Call>(call)]() mutable {
+      std::lock_guard<std::timed_mutex> lock(g->nccl_mu);
+      if (g->comm == nullptr || g->is_aborted()) {
+        state->error = g->describe(state->op, state->seq) + ": the communicator was aborted: " + g->reason();
+        state->phase = kFailed;
+        return;
+      }
+      cudaSetDevice(g->device);
+      cudaStreamWaitEvent(stream, state->ready, 0);
+      ncclResult_t rc = call(g->comm, stream);
+      if (rc != ncclSuccess) {
+        state->error = fmt::format("{} failed: {} ({})", g->describe(state->op, state->seq), ncclGetErrorString(rc),
+                                   ncclGetLastError(g->comm));
+        state->phase = kFailed;
+        return;
+      }
+      cudaEventRecord(state->done, stream);
+      state->phase = kLaunched;
+    });
     return std::make_shared<NcclWork>(group_, state);
   }
 
@@ -376,26 +573,34 @@ class NcclCommunicator final : public Communicator {
       watch_cv_.wait_for(lock, std::chrono::milliseconds(100));
       for (auto it = pending_.begin(); it != pending_.end();) {
         auto& s = **it;
-        if (s.complete.load() || cudaEventQuery(s.done) == cudaSuccess) {
-          s.complete = true;
+        const int phase = s.phase.load();
+        if (phase == kFailed || s.complete.load() || (phase == kLaunched && cudaEventQuery(s.done) == cudaSuccess)) {
+          if (phase == kLaunched) s.complete = true;
           it = pending_.erase(it);
           continue;
         }
         if (s.deadline.expired()) {
+          lock.unlock();
           group_->abort(fmt::format("watchdog: {} missed its deadline; the communicator is aborted. A rank hung, "
                                     "died, or called a different op; check the other ranks' logs",
                                     group_->describe(s.op, s.seq)));
+          lock.lock();
           pending_.clear();
           break;
         }
         ++it;
       }
-      if (!pending_.empty()) {
+      if (!pending_.empty() && !group_->is_aborted()) {
         ncclResult_t async = ncclSuccess;
-        ncclCommGetAsyncError(group_->comm, &async);
+        {
+          std::unique_lock<std::timed_mutex> nccl(group_->nccl_mu, std::try_to_lock);
+          if (nccl.owns_lock() && group_->comm != nullptr) ncclCommGetAsyncError(group_->comm, &async);
+        }
         if (async != ncclSuccess && async != ncclInProgress) {
+          lock.unlock();
           group_->abort(fmt::format("watchdog: NCCL error on group '{}' (rank {}): {}", group_->name, group_->rank,
                                     ncclGetErrorString(async)));
+          lock.lock();
           pending_.clear();
         }
       }
@@ -406,7 +611,8 @@ class NcclCommunicator final : public Communicator {
   double timeout_;
   std::uint64_t seq_ = 0;
   cudaStream_t stream_ = nullptr;
-  cudaEvent_t ready_ = nullptr;
+  std::shared_ptr<EventPool> events_;  // shared with pending ops, which may outlive this
+  std::unique_ptr<Launcher> launcher_;
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;
   std::list<std::shared_ptr<OpState>> pending_;
@@ -435,17 +641,13 @@ std::unique_ptr<Communicator> make_nccl_communicator(Communicator& over, int dev
   g->rank = over.rank();
   g->size = over.size();
   g->name = name;
-  TILLER_CUDA_OK(cudaSetDevice(device));
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  ncclResult_t rc = ncclCommInitRankConfig(&g->comm, g->size, id, g->rank, &config);
-  if (rc != ncclSuccess && rc != ncclInProgress) {
-    throw CommError(fmt::format("ncclCommInitRankConfig for '{}' (rank {} of {}, cuda:{}): {}", name, g->rank, g->size,
-                                device, ncclGetErrorString(rc)));
-  }
-  wait_ready(*g, fmt::format("creating NCCL communicator '{}' (rank {} of {}, cuda:{})", name, g->rank, g->size, device),
-             deadline);
-  return std::make_unique<NcclCommunicator>(std::move(g), timeout_s);
+  const std::string what = fmt::format("creating NCCL communicator '{}' (rank {} of {}, cuda:{})", name, g->rank,
+                                       g->size, device);
+  NcclGroup* raw = g.get();  // the job is owned by the launcher, which shares ownership of g
+  return std::make_unique<NcclCommunicator>(g, timeout_s, what, deadline, [raw, id] {
+    ncclConfig_t config = blocking_config();
+    return ncclCommInitRankConfig(&raw->comm, raw->size, id, raw->rank, &config);
+  });
 }
 
 }  // namespace tiller::dist

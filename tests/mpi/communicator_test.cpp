@@ -194,9 +194,14 @@ TEST(Communicator, SkippedCollectiveTimesOutOnEveryRank) {
   hang->set_timeout(timeout);
   const int skipper = p - 1;
   auto x = at::ones({16}, on_device(at::kFloat));
+  const bool nccl = std::string(comm().backend()) == "nccl";
+  // Warm up: NCCL sets up its connections on the host during a communicator's first ops. After
+  // this, the hang below is the usual one: kernels spinning on a peer that never arrives.
+  hang->all_reduce(x)->wait();
+  if (me == 0) hang->send(x, skipper)->wait();
+  if (me == skipper) hang->recv(x, 0)->wait();
   const auto t0 = std::chrono::steady_clock::now();
   std::string message;
-  const bool nccl = std::string(comm().backend()) == "nccl";
   try {
     if (me != skipper) {
       hang->all_reduce(x)->wait();
