@@ -51,7 +51,10 @@ int run_collectives(const BenchOptions& o, int* argc, char*** argv) {
   std::unique_ptr<dist::Communicator> nccl;
   at::TensorOptions opts = at::TensorOptions().dtype(parse_dtype(o.dtype));
   if (backend == "nccl") {
-    TILLER_CHECK(gpus > 0, "--backend nccl: no CUDA device is visible on rank {}", env.rank());
+    if (gpus == 0) {
+      throw ConfigError(fmt::format("--backend nccl: no CUDA device is visible on rank {} ({}); use --backend mpi "
+                                    "or run the GPU build on a GPU node", env.rank(), env.hostname()));
+    }
     auto nodes = env.node_map(0, false, o.timeout_s);
     int local = 0;
     for (const auto& n : nodes.nodes) {

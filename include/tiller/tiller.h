@@ -10,6 +10,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
+#include "tiller/dist/groups.h"
 #include "tiller/dist/mpi_env.h"
 #include "tiller/dist/rank_plan.h"
 

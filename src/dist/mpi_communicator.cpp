@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "checks.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 
@@ -340,7 +341,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   WorkPtr send(const at::Tensor& tensor, int peer) override {
-    check_peer(peer, "send");
+    check_peer(*this, peer, "send");
     auto w = begin_p2p(fmt::format("send(to {})", peer), send_seq_[peer]);
     check_tensor(tensor, "tensor", "send");
     auto t = tensor.contiguous().view({-1});
@@ -351,7 +352,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   WorkPtr recv(const at::Tensor& tensor, int peer) override {
-    check_peer(peer, "recv");
+    check_peer(*this, peer, "recv");
     auto w = begin_p2p(fmt::format("recv(from {})", peer), recv_seq_[peer]);
     check_tensor(tensor, "tensor", "recv");
     TILLER_CHECK(tensor.is_contiguous(), "recv on '{}': the tensor must be contiguous", name());
@@ -408,10 +409,6 @@ class MpiCommunicator final : public Communicator {
   void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op) const {
     TILLER_CHECK(a.scalar_type() == b.scalar_type(), "{} on '{}': input is {} but output is {}", op, name(),
                  c10::toString(a.scalar_type()), c10::toString(b.scalar_type()));
-  }
-  void check_peer(int peer, const char* op) const {
-    TILLER_CHECK(peer >= 0 && peer < size() && peer != rank(), "{} on '{}': peer {} is not another rank of a group "
-                 "of {}", op, name(), peer, size());
   }
 
   static void post_send(MpiWork& w, const at::Tensor& t, int peer, int tag, MPI_Comm comm) {

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <map>
 
 #include <ATen/ATen.h>
@@ -44,15 +45,15 @@ MpiEnv::MpiEnv(int* argc, char*** argv) {
 }
 
 MpiEnv::~MpiEnv() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  // Unwinding from an error: other ranks may be inside a collective, where MPI_Finalize could wait
+  // for them forever. Leave MPI as it is; when this process exits without finalizing, mpirun
+  // tears the whole job down, which is what an error should do.
+  if (std::uncaught_exceptions() == 0) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+  }
   g_alive = false;
-}
-
-bool MpiEnv::launched_by_mpirun() const {
-  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
-         std::getenv("PMIX_RANK") != nullptr;
 }
 
 NodeMap MpiEnv::node_map(int gpus_per_node, bool cpu_run, double timeout_s) const {

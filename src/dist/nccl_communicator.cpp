@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <fmt/format.h>
 
+#include "checks.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 
@@ -458,7 +459,7 @@ class NcclCommunicator final : public Communicator {
 
   WorkPtr send(const at::Tensor& tensor, int peer) override {
     check(tensor, "send", "tensor");
-    check_peer(peer, "send");
+    check_peer(*this, peer, "send");
     auto t = tensor.contiguous();
     const auto type = nccl_type(t.scalar_type(), false);
     return launch(fmt::format("send(to {})", peer), {t},
@@ -469,7 +470,7 @@ class NcclCommunicator final : public Communicator {
 
   WorkPtr recv(const at::Tensor& tensor, int peer) override {
     check(tensor, "recv", "tensor");
-    check_peer(peer, "recv");
+    check_peer(*this, peer, "recv");
     TILLER_CHECK(tensor.is_contiguous(), "recv on '{}': the tensor must be contiguous", name());
     const auto type = nccl_type(tensor.scalar_type(), false);
     return launch(fmt::format("recv(from {})", peer), {tensor},
@@ -517,10 +518,6 @@ class NcclCommunicator final : public Communicator {
     TILLER_CHECK(t.is_cuda() && t.get_device() == group_->device, "{} on '{}' (nccl backend): {} is on {}, expected "
                  "cuda:{}; the NCCL backend takes tensors on its own device", op, name(), what, t.device().str(),
                  group_->device);
-  }
-  void check_peer(int peer, const char* op) const {
-    TILLER_CHECK(peer >= 0 && peer < size() && peer != rank(), "{} on '{}': peer {} is not another rank of a group "
-                 "of {}", op, name(), peer, size());
   }
 
   // Queues `call(comm, stream)` on the launcher, ordered after the work already on the caller's

@@ -1,7 +1,8 @@
 // The MPI bootstrap: MPI_Init_thread, the node map, and communicators over MPI ranks.
 //
 // One MpiEnv per process, created first thing in main (MPI is initialised once per process;
-// creating a second MpiEnv while one lives is an error). Its destructor finalizes MPI.
+// creating a second MpiEnv while one lives is an error). Its destructor finalizes MPI, except
+// while an exception unwinds: then the process exits unfinalized and mpirun ends the job.
 #pragma once
 
 #include <memory>
@@ -23,7 +24,6 @@ class MpiEnv {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  bool launched_by_mpirun() const;
   const std::string& hostname() const { return hostname_; }
 
   // Collective over the world: which ranks share a node (MPI_Comm_split_type shared), with each
