@@ -201,8 +201,22 @@ class MpiWork final : public Work {
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(MPI_Comm parent, const std::string& name, double timeout_s) : timeout_(timeout_s) {
-    MPI_Comm_dup(parent, &coll_);
-    MPI_Comm_dup(parent, &p2p_);
+    // Collective over `parent`; non-blocking duplication, so a missing rank is a timeout.
+    MPI_Request requests[2];
+    MPI_Comm_idup(parent, &coll_, &requests[0]);
+    MPI_Comm_idup(parent, &p2p_, &requests[1]);
+    const Deadline deadline = Deadline::after_seconds(timeout_s);
+    for (int done = 0; !done;) {
+      MPI_Testall(2, requests, &done, MPI_STATUSES_IGNORE);
+      if (!done && deadline.expired()) {
+        int rank = -1;
+        MPI_Comm_rank(parent, &rank);
+        throw TimeoutError(fmt::format("creating communicator '{}' (mpi, rank {}): not every rank joined within {}s; "
+                                       "a rank hung or died before it; check the other ranks' logs",
+                                       name, rank, timeout_s));
+      }
+      if (!done) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
     group_ = std::make_shared<GroupState>();
     group_->name = name;
     MPI_Comm_rank(coll_, &group_->rank);
