@@ -55,14 +55,7 @@ int run_collectives(const BenchOptions& o, int* argc, char*** argv) {
       throw ConfigError(fmt::format("--backend nccl: no CUDA device is visible on rank {} ({}); use --backend mpi "
                                     "or run the GPU build on a GPU node", env.rank(), env.hostname()));
     }
-    auto nodes = env.node_map(0, false, o.timeout_s);
-    int local = 0;
-    for (const auto& n : nodes.nodes) {
-      for (std::size_t i = 0; i < n.ranks.size(); ++i) {
-        if (n.ranks[i] == env.rank()) local = static_cast<int>(i);
-      }
-    }
-    const int device = local % gpus;
+    const int device = env.node_map(0, false, o.timeout_s).local_position(env.rank()).index % gpus;
     nccl = dist::MpiEnv::nccl(*world, device, "bench", o.timeout_s);
     opts = opts.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
   }

@@ -45,6 +45,16 @@ int NodeMap::world_size() const {
   return n;
 }
 
+NodeMap::LocalPosition NodeMap::local_position(int rank) const {
+  for (const auto& node : nodes) {
+    for (std::size_t i = 0; i < node.ranks.size(); ++i) {
+      if (node.ranks[i] == rank) return {static_cast<int>(i), static_cast<int>(node.ranks.size())};
+    }
+  }
+  TILLER_CHECK(false, "node map: rank {} is on no node", rank);
+  return {};
+}
+
 NodeMap NodeMap::fill_by_slot(const std::vector<int>& gpus_per_node, int world_size) {
   if (gpus_per_node.empty()) throw ConfigError("the node list is empty; give at least one node");
   int slots = 1;

@@ -268,6 +268,15 @@ TEST(RankPlan, PlanIsDeterministic) {
   EXPECT_EQ(plan_on(c, {8, 8, 8}).table(), plan_on(c, {8, 8, 8}).table());
 }
 
+TEST(RankPlan, LocalPosition) {
+  NodeMap nodes = NodeMap::fill_by_slot({2, 2}, 5);  // node 0: ranks 0-2, node 1: ranks 3-4
+  EXPECT_EQ(nodes.local_position(2).index, 2);
+  EXPECT_EQ(nodes.local_position(2).ranks_on_node, 3);
+  EXPECT_EQ(nodes.local_position(4).index, 1);
+  EXPECT_EQ(nodes.local_position(4).ranks_on_node, 2);
+  EXPECT_THROW(nodes.local_position(5), Error);
+}
+
 TEST(RankPlan, MpirunCommand) {
   auto launch = mpirun_command({8, 8}, 17, "configs/x.yaml", {"rollout.batch_size=512"});
   EXPECT_EQ(launch.hostfile, "node0 slots=9\nnode1 slots=8\n");

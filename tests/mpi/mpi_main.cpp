@@ -53,16 +53,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<dist::Communicator> nccl;
   if (backend == "nccl") {
     const int gpus = at::detail::getCUDAHooks().getNumGPUs();
-    auto nodes = env.node_map(0, false, 60.0);
-    int local = 0, on_node = 1;
-    for (const auto& n : nodes.nodes) {
-      for (std::size_t i = 0; i < n.ranks.size(); ++i) {
-        if (n.ranks[i] == env.rank()) {
-          local = static_cast<int>(i);
-          on_node = static_cast<int>(n.ranks.size());
-        }
-      }
-    }
+    const auto pos = env.node_map(0, false, 60.0).local_position(env.rank());
+    const int local = pos.index, on_node = pos.ranks_on_node;
     // Agreed by all ranks: skip unless every rank has its own GPU.
     auto ok = at::full({1}, (dist::MpiEnv::have_nccl() && gpus >= on_node) ? 1 : 0, at::kInt);
     world->all_reduce(ok, dist::ReduceOp::kMin)->wait();

@@ -29,6 +29,13 @@ struct NodeMap {
   std::vector<Node> nodes;  // ordered by their lowest rank
 
   int world_size() const;
+  // `rank`'s index among the ranks of its node, and how many ranks that node runs.
+  // Throws if `rank` is on no node.
+  struct LocalPosition {
+    int index = 0;
+    int ranks_on_node = 0;
+  };
+  LocalPosition local_position(int rank) const;
   // The placement `mpirun --map-by slot` makes from a hostfile whose node i has gpus[i] slots,
   // plus one on node 0 for the controller: ranks fill node 0 first, then node 1, ...
   // Throws ConfigError if the nodes have fewer slots than world_size.
