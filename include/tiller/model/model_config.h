@@ -1,0 +1,80 @@
+// The shape of a decoder-only transformer of the Llama / Qwen2 / Qwen3 / Mistral families, read
+// from (and written as) a Hugging Face `config.json`, or taken from a named preset.
+//
+// Both config dialects of transformers are read: `rope_theta` + `rope_scaling` (4.x, and every
+// published Qwen/Llama checkpoint) and `rope_parameters` (5.x). Anything the model code does
+// not implement (another activation, MoE, partial rotary, ...) is rejected with the key named,
+// never silently ignored.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tiller::model {
+
+enum class Family { kLlama, kQwen2, kQwen3, kMistral };
+
+const char* family_name(Family f);  // "llama", "qwen2", ... (HF model_type)
+
+struct RopeScaling {
+  std::string type = "default";  // default | linear | dynamic | llama3 | yarn
+  double factor = 1.0;
+  int64_t original_max_position_embeddings = 0;  // 0: max_position_embeddings
+  double low_freq_factor = 1.0;                  // llama3
+  double high_freq_factor = 4.0;                 // llama3
+  double beta_fast = 32.0;                       // yarn
+  double beta_slow = 1.0;                        // yarn
+  double attention_factor = 0.0;                 // yarn; 0: 0.1 ln(factor) + 1
+  bool truncate = true;                          // yarn: integer correction range
+};
+
+struct ModelConfig {
+  Family family = Family::kLlama;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  int64_t max_position_embeddings = 4096;
+  bool attention_bias = false;  // bias on q, k and v projections (Qwen2)
+  bool qk_norm = false;         // RMSNorm over head_dim on q and k before RoPE (Qwen3)
+  bool tie_word_embeddings = false;
+  // Per layer: 0 = full causal attention, w > 0 = each token sees itself and the w-1 before it.
+  std::vector<int64_t> layer_window;
+  int64_t bos_token_id = -1;
+  std::vector<int64_t> eos_token_ids;
+  int64_t pad_token_id = -1;
+  double initializer_range = 0.02;
+  std::string torch_dtype = "float32";  // what the checkpoint stores
+
+  int64_t q_size() const { return num_heads * head_dim; }
+  int64_t kv_size() const { return num_kv_heads * head_dim; }
+};
+
+// Reads DIR/config.json (or the file itself). Throws ConfigError naming the file and key.
+ModelConfig load_model_config(const std::string& dir_or_file);
+// Parses config.json text; `where` names the source in errors.
+ModelConfig parse_model_config(const std::string& json_text, const std::string& where);
+// The config.json that transformers loads as this model. With `value_head` the architecture is
+// XForSequenceClassification with num_labels 1 (the `score` head), else XForCausalLM.
+std::string to_hf_config_json(const ModelConfig& cfg, bool value_head = false);
+
+// Consistency checks (divisibility, positivity); throws ConfigError prefixed with `where`.
+void validate(const ModelConfig& cfg, const std::string& where);
+
+// Architecture presets for tests and benchmarks: qwen2-0.5b, qwen2-1.5b, qwen2-7b (the published
+// shapes), and tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral (a few hundred thousand
+// parameters). Throws ConfigError listing the names for an unknown one.
+ModelConfig preset(const std::string& name);
+std::vector<std::string> preset_names();
+
+// Parameter count of the causal LM (lm_head counted once when tied).
+int64_t num_parameters(const ModelConfig& cfg);
+
+}  // namespace tiller::model

@@ -1,0 +1,105 @@
+// The functional decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral).
+//
+// Functions, not modules: each takes the config, the weights it needs (views owned elsewhere,
+// see weights.h) and a packed batch, and returns tensors. All run under autograd when the
+// weights require grad. Compute happens in the weights' dtype; norms, softmax and RoPE tables in
+// fp32, as Hugging Face does.
+//
+// A packed batch is B sequences concatenated into one token row (no padding): cu_seqlens marks
+// the boundaries, positions restart at 0 for each sequence (or continue after a cache).
+//
+// Callers that own block-level storage (the ZeRO-3 trainer) drive the pieces themselves:
+//   ctx = make_block_context(cfg, rope, batch, dtype);
+//   x = embed(w.embed, batch.tokens);
+//   for i: x = block_forward(cfg, i, w.layers[i], x, ctx);
+//   h = final_norm(cfg, w.final_norm, x);   // then token_logprobs(h, ...) or values(h, ...)
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "tiller/model/attention.h"
+#include "tiller/model/model_config.h"
+#include "tiller/model/weights.h"
+
+namespace tiller::model {
+
+struct PackedBatch {
+  at::Tensor tokens;      // int64 [T]
+  at::Tensor positions;   // int64 [T]
+  at::Tensor cu_seqlens;  // int32 [B+1]
+  std::vector<int64_t> seq_lens;
+
+  int64_t num_tokens() const { return tokens.defined() ? tokens.size(0) : 0; }
+  int64_t num_seqs() const { return static_cast<int64_t>(seq_lens.size()); }
+  // Packs token lists; positions start at `start_positions[i]` (default 0) for sequence i.
+  static PackedBatch pack(const std::vector<std::vector<int64_t>>& seqs, at::Device device,
+                          const std::vector<int64_t>& start_positions = {});
+};
+
+// RoPE frequencies for a config (default, linear, dynamic NTK, llama3 and yarn scaling, computed
+// the way transformers computes them).
+class Rope {
+ public:
+  explicit Rope(const ModelConfig& cfg);
+  // cos and sin tables [T, head_dim] for `positions`, in `dtype`, on positions' device.
+  // `seq_lens` (the packing) matters only to dynamic NTK scaling, which is applied per sequence.
+  std::pair<at::Tensor, at::Tensor> tables(const at::Tensor& positions, at::ScalarType dtype,
+                                           const std::vector<int64_t>& seq_lens = {}) const;
+  const at::Tensor& inv_freq() const { return inv_freq_; }  // [head_dim / 2], fp32, CPU
+  double attention_scaling() const { return attention_scaling_; }
+
+ private:
+  ModelConfig cfg_;
+  at::Tensor inv_freq_;
+  double attention_scaling_ = 1.0;
+};
+
+// Contiguous per-sequence K/V of every layer: the cache of the reference generator (the engine
+// has its own paged cache). k[layer][seq] is [len, kv_heads, head_dim].
+struct DenseKvCache {
+  std::vector<std::vector<at::Tensor>> k, v;
+  std::vector<int64_t> lens;  // cached tokens per sequence
+  DenseKvCache(int64_t layers, int64_t seqs);
+};
+
+// What every block of one forward shares: RoPE tables, the attention layout, the cache.
+struct BlockContext {
+  at::Tensor cos, sin;
+  VarlenSpec attn;
+  AttentionBackend backend = AttentionBackend::kAuto;
+  DenseKvCache* cache = nullptr;  // when set, new K/V are appended to it and attention covers it
+};
+BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
+                                at::ScalarType dtype, DenseKvCache* cache = nullptr,
+                                AttentionBackend backend = AttentionBackend::kAuto);
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens);
+// One transformer block: x [T, hidden] -> [T, hidden].
+at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
+                         BlockContext& ctx);
+at::Tensor final_norm(const ModelConfig& cfg, const at::Tensor& weight, const at::Tensor& x);
+
+// Embedding, every block and the final norm: [T, hidden].
+at::Tensor forward_hidden(const ModelConfig& cfg, const ModelWeights& w, const PackedBatch& batch,
+                          DenseKvCache* cache = nullptr, AttentionBackend backend = AttentionBackend::kAuto);
+
+// Full logits [T, vocab] in fp32. Only for short inputs and tests: prefer token_logprobs.
+at::Tensor logits(const at::Tensor& hidden, const at::Tensor& lm_head);
+
+// log softmax(hidden @ lm_head^T / temperature)[t, targets[t]] for every row t, [T] in fp32
+// (fp64 for fp64 inputs).
+// Computed `chunk_rows` rows at a time in forward and again in backward (a custom autograd
+// function), so at most chunk_rows x vocab fp32 logits exist at once. When `entropy` is given it
+// receives the entropy of each row's distribution (not differentiated).
+at::Tensor token_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& targets,
+                          double temperature = 1.0, int64_t chunk_rows = 1024, at::Tensor* entropy = nullptr);
+
+// Scalar value per row from the `score` head, fp32 [T].
+at::Tensor values(const at::Tensor& hidden, const at::Tensor& score);
+
+}  // namespace tiller::model

@@ -1,0 +1,80 @@
+// The parameters of the functional transformer, as structs of tensor views.
+//
+// The model code never owns parameters: the trainer binds views into its gathered ZeRO-3 block
+// buffers, the engine binds its tensor-parallel shards, `tiller generate` binds a checkpoint's
+// mapped tensors. `parameter_specs` is the one canonical list of names (Hugging Face names) and
+// shapes that every owner of storage builds from.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "tiller/model/model_config.h"
+#include "tiller/model/safetensors.h"
+
+namespace tiller::model {
+
+// Which output head the model carries: the LM head (tied to the embedding when the config says
+// so) or the scalar value head of critic and reward models (HF's `score`, [1, hidden], no bias).
+enum class Head { kLm, kValue };
+
+struct LayerWeights {
+  at::Tensor input_norm;                // [hidden]
+  at::Tensor q_proj, k_proj, v_proj;    // [q_size|kv_size, hidden]
+  at::Tensor q_bias, k_bias, v_bias;    // undefined unless attention_bias
+  at::Tensor q_norm, k_norm;            // [head_dim]; undefined unless qk_norm
+  at::Tensor o_proj;                    // [hidden, q_size]
+  at::Tensor post_attn_norm;            // [hidden]
+  at::Tensor gate_proj, up_proj;        // [intermediate, hidden]
+  at::Tensor down_proj;                 // [hidden, intermediate]
+};
+
+struct ModelWeights {
+  at::Tensor embed;  // [vocab, hidden]
+  std::vector<LayerWeights> layers;
+  at::Tensor final_norm;  // [hidden]
+  at::Tensor lm_head;     // [vocab, hidden]; the embedding itself when tied; undefined for kValue
+  at::Tensor score;       // [1, hidden]; kValue only
+};
+
+struct ParamSpec {
+  std::string name;            // HF name, e.g. "model.layers.3.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;
+  int layer = -1;              // block index, or -1 for embedding / final norm / heads
+  bool no_decay = false;       // norms and biases: no weight decay
+  bool is_norm = false;        // initialised to ones
+};
+
+// Every parameter in a fixed order: embedding, the blocks in order, final norm, head.
+// With a tied LM head there is no "lm_head.weight" entry.
+std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg, Head head = Head::kLm);
+
+// Binds named tensors (HF names) into a ModelWeights, checking that every parameter is present
+// with the right shape; `where` names the source in errors. Extra names are ignored (an actor
+// checkpoint loaded as a critic has an lm_head that the critic does not use).
+ModelWeights bind_weights(const ModelConfig& cfg, const NamedTensors& named, Head head, const std::string& where);
+
+// The inverse of bind_weights: HF names -> the bound tensors (tied lm_head left out).
+NamedTensors named_weights(const ModelConfig& cfg, const ModelWeights& w, Head head);
+
+// Fresh parameters the way transformers initialises them: normal(0, initializer_range) for
+// matrices and the embedding, ones for norms, zeros for biases; deterministic for a seed.
+NamedTensors init_weights(const ModelConfig& cfg, Head head, uint64_t seed, at::ScalarType dtype);
+
+// Loads a checkpoint directory (config.json + safetensors) as `dtype` on `device`.
+// Returns owned tensors (copies, unless CPU and the dtype matches: then views of the mapping).
+struct LoadedModel {
+  ModelConfig config;
+  NamedTensors tensors;
+  ModelWeights weights;
+};
+LoadedModel load_model(const std::string& dir, Head head, at::ScalarType dtype, at::Device device);
+
+// Writes config.json and the safetensors (sharded above max_shard_bytes) that transformers loads.
+void save_model(const std::string& dir, const ModelConfig& cfg, const ModelWeights& w, Head head,
+                uint64_t max_shard_bytes = 5ull << 30);
+
+}  // namespace tiller::model

@@ -1,0 +1,550 @@
+// Byte-level BPE from a Hugging Face tokenizer.json, following the `tokenizers` pipeline:
+// added tokens split out -> normalizer -> pre-tokenizer -> BPE model -> post-processor.
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+#include <utf8proc.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <unordered_map>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "model/utf8.h"
+#include "tiller/core/error.h"
+#include "tiller/model/tokenizer.h"
+
+namespace tiller::model {
+namespace {
+
+using nlohmann::json;
+
+// --- byte <-> character map of GPT-2's byte-level BPE ------------------------------------------
+struct ByteMap {
+  std::string byte_to_text[256];
+  std::unordered_map<uint32_t, uint8_t> char_to_byte;
+  ByteMap() {
+    int extra = 0;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+      const uint32_t cp = printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + extra++);
+      byte_to_text[b] = utf8::encode(cp);
+      char_to_byte[cp] = static_cast<uint8_t>(b);
+    }
+  }
+};
+const ByteMap& byte_map() {
+  static const ByteMap m;
+  return m;
+}
+
+// --- PCRE2 (Unicode properties on: \p{L}, \s over Unicode, ...) ---------------------------------
+class Regex {
+ public:
+  Regex(const std::string& pattern, const std::string& where) {
+    int err = 0;
+    PCRE2_SIZE off = 0;
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &err,
+                          &off, nullptr);
+    if (!code_) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(err, msg, sizeof msg);
+      throw ConfigError(fmt::format("{}: regex /{}/ does not compile at offset {}: {}", where, pattern, off,
+                                    reinterpret_cast<const char*>(msg)));
+    }
+    pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // falls back to the interpreter when JIT is unavailable
+  }
+  ~Regex() { pcre2_code_free(code_); }
+  Regex(const Regex&) = delete;
+  Regex& operator=(const Regex&) = delete;
+
+  // Non-overlapping matches [begin, end) left to right.
+  std::vector<std::pair<size_t, size_t>> find_all(const std::string& s) const {
+    std::vector<std::pair<size_t, size_t>> out;
+    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
+    size_t pos = 0;
+    while (pos <= s.size()) {
+      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, 0, md, nullptr);
+      if (rc < 0) break;
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+      if (ov[1] == ov[0]) {  // empty match: step over one character
+        pos = ov[0] + std::max<size_t>(1, utf8::char_len(s, ov[0]));
+        continue;
+      }
+      out.emplace_back(ov[0], ov[1]);
+      pos = ov[1];
+    }
+    pcre2_match_data_free(md);
+    return out;
+  }
+
+ private:
+  pcre2_code* code_ = nullptr;
+};
+
+// The pre-tokenizer of GPT-2 (ByteLevel with use_regex).
+constexpr const char* kGpt2Pattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+enum class Behavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
+
+Behavior parse_behavior(const std::string& b, const std::string& where) {
+  if (b == "Removed") return Behavior::kRemoved;
+  if (b == "Isolated") return Behavior::kIsolated;
+  if (b == "MergedWithPrevious") return Behavior::kMergedWithPrevious;
+  if (b == "MergedWithNext") return Behavior::kMergedWithNext;
+  if (b == "Contiguous") return Behavior::kContiguous;
+  throw ConfigError(fmt::format("{}: split behavior '{}' is unknown", where, b));
+}
+
+// Splits `s` by the matches of a regex according to `behavior` (the `tokenizers` semantics).
+std::vector<std::string> split_by(const std::string& s, const std::vector<std::pair<size_t, size_t>>& matches,
+                                  Behavior behavior, bool invert) {
+  struct Span {
+    size_t b, e;
+    bool match;
+  };
+  std::vector<Span> spans;
+  size_t prev = 0;
+  for (auto [b, e] : matches) {
+    if (b > prev) spans.push_back({prev, b, invert});
+    spans.push_back({b, e, !invert});
+    prev = e;
+  }
+  if (prev < s.size()) spans.push_back({prev, s.size(), invert});
+  std::vector<std::string> out;
+  auto text = [&](const Span& sp) { return s.substr(sp.b, sp.e - sp.b); };
+  switch (behavior) {
+    case Behavior::kRemoved:
+      for (const auto& sp : spans)
+        if (!sp.match) out.push_back(text(sp));
+      break;
+    case Behavior::kIsolated:
+      for (const auto& sp : spans) out.push_back(text(sp));
+      break;
+    case Behavior::kMergedWithPrevious: {
+      bool prev_ok = false;
+      for (const auto& sp : spans) {
+        if (sp.match && prev_ok) out.back() += text(sp);
+        else out.push_back(text(sp));
+        prev_ok = !sp.match;
+      }
+      break;
+    }
+    case Behavior::kMergedWithNext: {
+      bool pending = false;
+      for (const auto& sp : spans) {
+        if (pending) out.back() += text(sp);
+        else out.push_back(text(sp));
+        pending = sp.match;
+      }
+      break;
+    }
+    case Behavior::kContiguous: {
+      bool last_match = false;
+      for (const auto& sp : spans) {
+        if (sp.match && last_match) out.back() += text(sp);
+        else out.push_back(text(sp));
+        last_match = sp.match;
+      }
+      break;
+    }
+  }
+  out.erase(std::remove_if(out.begin(), out.end(), [](const std::string& x) { return x.empty(); }), out.end());
+  return out;
+}
+
+struct PreTokenizerStep {
+  enum Kind { kByteLevel, kSplit } kind = kSplit;
+  bool add_prefix_space = false;
+  std::shared_ptr<Regex> regex;  // ByteLevel with use_regex, or Split
+  Behavior behavior = Behavior::kIsolated;
+  bool invert = false;
+};
+
+struct AddedToken {
+  int64_t id;
+  std::string content;
+  bool special, single_word, lstrip, rstrip, normalized;
+};
+
+// A piece of input: plain text, or an added token already identified.
+struct Segment {
+  std::string text;
+  int64_t added_id = -1;
+};
+
+bool is_word_byte(unsigned char c) { return std::isalnum(c) || c == '_' || c >= 0x80; }
+
+class BpeTokenizer final : public Tokenizer {
+ public:
+  BpeTokenizer(const json& j, const std::string& where) : where_(where) {
+    load_model(j.at("model"));
+    load_added(j.value("added_tokens", json::array()));
+    load_normalizer(j.contains("normalizer") ? j["normalizer"] : json());
+    load_pre_tokenizer(j.contains("pre_tokenizer") ? j["pre_tokenizer"] : json(), "pre_tokenizer");
+    load_post_processor(j.contains("post_processor") ? j["post_processor"] : json(), "post_processor");
+    load_decoder(j.contains("decoder") ? j["decoder"] : json(), "decoder");
+  }
+
+  std::vector<int64_t> encode(const std::string& text, bool add_special_tokens) const override {
+    std::vector<int64_t> ids;
+    for (const Segment& raw : split_added(text, /*normalized=*/false)) {
+      if (raw.added_id >= 0) {
+        ids.push_back(raw.added_id);
+        continue;
+      }
+      for (const Segment& seg : split_added(normalize(raw.text), /*normalized=*/true)) {
+        if (seg.added_id >= 0) {
+          ids.push_back(seg.added_id);
+          continue;
+        }
+        for (const std::string& word : pre_tokenize(seg.text)) bpe(word, ids);
+      }
+    }
+    if (add_special_tokens && !template_.empty()) {
+      std::vector<int64_t> out;
+      for (const auto& item : template_) {
+        if (item.empty()) out.insert(out.end(), ids.begin(), ids.end());
+        else out.insert(out.end(), item.begin(), item.end());
+      }
+      return out;
+    }
+    return ids;
+  }
+
+  std::string decode(const std::vector<int64_t>& ids, bool skip_special_tokens) const override {
+    std::string bytes;
+    const auto& bm = byte_map();
+    for (int64_t id : ids) {
+      if (id < 0 || id >= vocab_size()) throw ConfigError(fmt::format("decode: token id {} is outside the vocabulary [0, {})", id, vocab_size()));
+      if (skip_special_tokens && is_special(id)) continue;
+      const std::string& tok = id_to_token_[id];
+      if (!byte_level_decoder_) {
+        bytes += tok;
+        continue;
+      }
+      // Every character must be a mapped byte; otherwise the token's own bytes are used.
+      std::string mapped;
+      bool all = true;
+      for (size_t i = 0; i < tok.size() && all;) {
+        uint32_t cp = 0;
+        const size_t n = utf8::decode(tok, i, &cp);
+        auto it = bm.char_to_byte.find(cp);
+        if (n == 0 || it == bm.char_to_byte.end()) all = false;
+        else mapped.push_back(static_cast<char>(it->second));
+        i += std::max<size_t>(n, 1);
+      }
+      bytes += all ? mapped : tok;
+    }
+    return utf8::lossy(bytes);
+  }
+
+  int64_t vocab_size() const override { return static_cast<int64_t>(id_to_token_.size()); }
+  std::optional<int64_t> token_to_id(const std::string& token) const override {
+    for (const auto& a : added_)
+      if (a.content == token) return a.id;
+    auto it = vocab_.find(token);
+    if (it == vocab_.end()) return std::nullopt;
+    return it->second;
+  }
+  std::string id_to_token(int64_t id) const override {
+    TILLER_CHECK(id >= 0 && id < vocab_size(), "token id {} is outside the vocabulary", id);
+    return id_to_token_[id];
+  }
+  bool is_special(int64_t id) const override { return special_ids_.count(id) > 0; }
+
+ private:
+  [[noreturn]] void unsupported(const std::string& key, const std::string& what) const {
+    throw ConfigError(fmt::format("{}: {} {} is not supported by tiller's byte-level BPE tokenizer", where_, key, what));
+  }
+
+  void load_model(const json& m) {
+    const std::string type = m.value("type", "BPE");
+    if (type != "BPE") unsupported("model.type", "'" + type + "'");
+    if (m.value("byte_fallback", false))
+      unsupported("model.byte_fallback", "true (a SentencePiece-style BPE; use its tokenizer.model)");
+    if (m.contains("continuing_subword_prefix") && !m["continuing_subword_prefix"].is_null() &&
+        !m["continuing_subword_prefix"].get<std::string>().empty())
+      unsupported("model.continuing_subword_prefix", "");
+    if (m.contains("end_of_word_suffix") && !m["end_of_word_suffix"].is_null() &&
+        !m["end_of_word_suffix"].get<std::string>().empty())
+      unsupported("model.end_of_word_suffix", "");
+    if (m.contains("dropout") && !m["dropout"].is_null() && m["dropout"].get<double>() > 0)
+      unsupported("model.dropout", "(BPE dropout)");
+    ignore_merges_ = m.value("ignore_merges", false);
+    if (!m.contains("vocab") || !m["vocab"].is_object()) throw ConfigError(fmt::format("{}: model.vocab is missing", where_));
+    int64_t max_id = -1;
+    for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
+      const int64_t id = it.value().get<int64_t>();
+      if (id < 0) throw ConfigError(fmt::format("{}: model.vocab['{}'] has negative id {}", where_, it.key(), id));
+      vocab_[it.key()] = id;
+      max_id = std::max(max_id, id);
+    }
+    id_to_token_.assign(max_id + 1, "");
+    for (const auto& [tok, id] : vocab_) id_to_token_[id] = tok;
+    if (m.contains("unk_token") && m["unk_token"].is_string()) {
+      auto it = vocab_.find(m["unk_token"].get<std::string>());
+      if (it != vocab_.end()) unk_id_ = it->second;
+    }
+    const json& merges = m.value("merges", json::array());
+    for (size_t r = 0; r < merges.size(); ++r) {
+      std::string a, b;
+      if (merges[r].is_string()) {
+        const std::string s = merges[r].get<std::string>();
+        const size_t sp = s.find(' ');
+        if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos)
+          throw ConfigError(fmt::format("{}: model.merges[{}] '{}' is not two tokens", where_, r, s));
+        a = s.substr(0, sp);
+        b = s.substr(sp + 1);
+      } else if (merges[r].is_array() && merges[r].size() == 2) {
+        a = merges[r][0].get<std::string>();
+        b = merges[r][1].get<std::string>();
+      } else {
+        throw ConfigError(fmt::format("{}: model.merges[{}] is neither \"a b\" nor [a, b]", where_, r));
+      }
+      auto ia = vocab_.find(a), ib = vocab_.find(b), iab = vocab_.find(a + b);
+      if (ia == vocab_.end() || ib == vocab_.end() || iab == vocab_.end())
+        throw ConfigError(fmt::format("{}: model.merges[{}] ('{}' '{}') uses a token missing from model.vocab", where_, r, a, b));
+      merges_.emplace(pair_key(ia->second, ib->second), std::make_pair(static_cast<int64_t>(r), iab->second));
+    }
+  }
+
+  void load_added(const json& arr) {
+    for (const auto& a : arr) {
+      AddedToken t{a.at("id").get<int64_t>(), a.at("content").get<std::string>(), a.value("special", false),
+                   a.value("single_word", false), a.value("lstrip", false), a.value("rstrip", false),
+                   a.value("normalized", false)};
+      if (t.content.empty()) throw ConfigError(fmt::format("{}: added token {} has empty content", where_, t.id));
+      if (t.id >= static_cast<int64_t>(id_to_token_.size())) id_to_token_.resize(t.id + 1);
+      id_to_token_[t.id] = t.content;
+      if (t.special) special_ids_.insert({t.id, true});
+      added_.push_back(t);
+    }
+  }
+
+  void load_normalizer(const json& n) {
+    if (n.is_null()) return;
+    const std::string type = n.value("type", "");
+    if (type == "Sequence") {
+      for (const auto& s : n.at("normalizers")) load_normalizer(s);
+    } else if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
+      normalizers_.push_back(type);
+    } else {
+      unsupported("normalizer", "'" + type + "'");
+    }
+  }
+
+  void load_pre_tokenizer(const json& p, const std::string& key) {
+    if (p.is_null()) return;
+    const std::string type = p.value("type", "");
+    if (type == "Sequence") {
+      const auto& list = p.at("pretokenizers");
+      for (size_t i = 0; i < list.size(); ++i) load_pre_tokenizer(list[i], fmt::format("{}.pretokenizers[{}]", key, i));
+    } else if (type == "ByteLevel") {
+      PreTokenizerStep s;
+      s.kind = PreTokenizerStep::kByteLevel;
+      s.add_prefix_space = p.value("add_prefix_space", false);
+      if (p.value("use_regex", true)) s.regex = std::make_shared<Regex>(kGpt2Pattern, where_);
+      steps_.push_back(s);
+    } else if (type == "Split") {
+      PreTokenizerStep s;
+      s.kind = PreTokenizerStep::kSplit;
+      const json& pat = p.at("pattern");
+      if (pat.contains("Regex")) {
+        s.regex = std::make_shared<Regex>(pat["Regex"].get<std::string>(), where_ + " " + key);
+      } else if (pat.contains("String")) {
+        s.regex = std::make_shared<Regex>(quote_meta(pat["String"].get<std::string>()), where_ + " " + key);
+      } else {
+        throw ConfigError(fmt::format("{}: {}.pattern needs Regex or String", where_, key));
+      }
+      s.behavior = parse_behavior(p.value("behavior", "Isolated"), where_ + " " + key);
+      s.invert = p.value("invert", false);
+      steps_.push_back(s);
+    } else if (type == "Digits") {
+      PreTokenizerStep s;
+      s.kind = PreTokenizerStep::kSplit;
+      const bool individual = p.value("individual_digits", false);
+      s.regex = std::make_shared<Regex>(individual ? R"(\p{N})" : R"(\p{N}+)", where_);
+      s.behavior = Behavior::kIsolated;
+      steps_.push_back(s);
+    } else {
+      unsupported(key, "'" + type + "'");
+    }
+  }
+
+  void load_post_processor(const json& p, const std::string& key) {
+    if (p.is_null()) return;
+    const std::string type = p.value("type", "");
+    if (type == "Sequence") {
+      const auto& list = p.at("processors");
+      for (size_t i = 0; i < list.size(); ++i) load_post_processor(list[i], fmt::format("{}.processors[{}]", key, i));
+    } else if (type == "ByteLevel") {
+      // Only adjusts offsets; ids are unchanged.
+    } else if (type == "TemplateProcessing") {
+      const json& specials = p.value("special_tokens", json::object());
+      for (const auto& item : p.at("single")) {
+        if (item.contains("Sequence")) {
+          template_.push_back({});
+        } else if (item.contains("SpecialToken")) {
+          const std::string name = item["SpecialToken"].at("id").get<std::string>();
+          if (!specials.contains(name)) throw ConfigError(fmt::format("{}: {} names special token '{}' it does not define", where_, key, name));
+          auto ids = specials[name].at("ids").get<std::vector<int64_t>>();
+          if (ids.empty()) continue;
+          template_.push_back(ids);
+        }
+      }
+    } else {
+      unsupported(key, "'" + type + "'");
+    }
+  }
+
+  void load_decoder(const json& d, const std::string& key) {
+    if (d.is_null()) return;
+    const std::string type = d.value("type", "");
+    if (type == "ByteLevel") byte_level_decoder_ = true;
+    else if (type == "Sequence" && d.contains("decoders") && d["decoders"].size() == 1) load_decoder(d["decoders"][0], key);
+    else unsupported(key, "'" + type + "'");
+  }
+
+  static std::string quote_meta(const std::string& s) { return "\\Q" + s + "\\E"; }
+  static uint64_t pair_key(int64_t a, int64_t b) { return (static_cast<uint64_t>(a) << 32) | static_cast<uint64_t>(b); }
+
+  std::string normalize(const std::string& s) const {
+    std::string out = s;
+    for (const auto& n : normalizers_) {
+      const auto* in = reinterpret_cast<const utf8proc_uint8_t*>(out.c_str());
+      utf8proc_uint8_t* r = n == "NFC" ? utf8proc_NFC(in) : n == "NFD" ? utf8proc_NFD(in) : n == "NFKC" ? utf8proc_NFKC(in) : utf8proc_NFKD(in);
+      if (!r) throw ConfigError(fmt::format("{}: {} normalization failed (input is not valid UTF-8)", where_, n));
+      out.assign(reinterpret_cast<const char*>(r));
+      std::free(r);
+    }
+    return out;
+  }
+
+  // Leftmost-longest matches of the added tokens whose `normalized` flag equals `normalized`.
+  std::vector<Segment> split_added(const std::string& text, bool normalized) const {
+    std::vector<Segment> out;
+    size_t start = 0, pos = 0;
+    while (pos < text.size()) {
+      const AddedToken* best = nullptr;
+      for (const auto& a : added_) {
+        if (a.normalized != normalized || a.content.size() > text.size() - pos) continue;
+        if ((!best || a.content.size() > best->content.size()) && text.compare(pos, a.content.size(), a.content) == 0) {
+          if (a.single_word) {
+            const size_t e = pos + a.content.size();
+            if ((pos > 0 && is_word_byte(text[pos - 1])) || (e < text.size() && is_word_byte(text[e]))) continue;
+          }
+          best = &a;
+        }
+      }
+      if (!best) {
+        pos += std::max<size_t>(1, utf8::char_len(text, pos));
+        continue;
+      }
+      size_t b = pos, e = pos + best->content.size();
+      if (best->lstrip)
+        while (b > start && std::isspace(static_cast<unsigned char>(text[b - 1]))) --b;
+      if (best->rstrip)
+        while (e < text.size() && std::isspace(static_cast<unsigned char>(text[e]))) ++e;
+      if (b > start) out.push_back({text.substr(start, b - start), -1});
+      out.push_back({"", best->id});
+      start = pos = e;
+    }
+    if (start < text.size()) out.push_back({text.substr(start), -1});
+    return out;
+  }
+
+  std::vector<std::string> pre_tokenize(const std::string& text) const {
+    std::vector<std::string> pieces{text};
+    for (const auto& step : steps_) {
+      std::vector<std::string> next;
+      for (std::string piece : pieces) {
+        if (step.kind == PreTokenizerStep::kByteLevel) {
+          if (step.add_prefix_space && piece.rfind(' ', 0) != 0) piece = " " + piece;
+          std::vector<std::string> words{piece};
+          if (step.regex) words = split_by(piece, step.regex->find_all(piece), Behavior::kIsolated, false);
+          for (const auto& w : words) {
+            std::string mapped;
+            for (unsigned char c : w) mapped += byte_map().byte_to_text[c];
+            next.push_back(std::move(mapped));
+          }
+        } else {
+          for (auto& w : split_by(piece, step.regex->find_all(piece), step.behavior, step.invert)) next.push_back(std::move(w));
+        }
+      }
+      pieces = std::move(next);
+    }
+    return pieces;
+  }
+
+  void bpe(const std::string& word, std::vector<int64_t>& ids) const {
+    if (word.empty()) return;
+    if (ignore_merges_) {
+      auto it = vocab_.find(word);
+      if (it != vocab_.end()) {
+        ids.push_back(it->second);
+        return;
+      }
+    }
+    std::vector<int64_t> sym;
+    for (size_t i = 0; i < word.size();) {
+      const size_t n = std::max<size_t>(1, utf8::char_len(word, i));
+      auto it = vocab_.find(word.substr(i, n));
+      if (it != vocab_.end()) sym.push_back(it->second);
+      else if (unk_id_ >= 0) sym.push_back(unk_id_);
+      i += n;
+    }
+    // Merge the lowest-ranked adjacent pair (leftmost on ties) until none applies.
+    while (sym.size() > 1) {
+      int64_t best_rank = -1, best_id = -1;
+      size_t best_pos = 0;
+      for (size_t i = 0; i + 1 < sym.size(); ++i) {
+        auto it = merges_.find(pair_key(sym[i], sym[i + 1]));
+        if (it != merges_.end() && (best_rank < 0 || it->second.first < best_rank)) {
+          best_rank = it->second.first;
+          best_id = it->second.second;
+          best_pos = i;
+        }
+      }
+      if (best_rank < 0) break;
+      sym[best_pos] = best_id;
+      sym.erase(sym.begin() + best_pos + 1);
+    }
+    ids.insert(ids.end(), sym.begin(), sym.end());
+  }
+
+  std::string where_;
+  std::unordered_map<std::string, int64_t> vocab_;
+  std::vector<std::string> id_to_token_;
+  std::unordered_map<uint64_t, std::pair<int64_t, int64_t>> merges_;  // pair -> (rank, merged id)
+  bool ignore_merges_ = false;
+  int64_t unk_id_ = -1;
+  std::vector<AddedToken> added_;
+  std::map<int64_t, bool> special_ids_;
+  std::vector<std::string> normalizers_;
+  std::vector<PreTokenizerStep> steps_;
+  std::vector<std::vector<int64_t>> template_;  // an empty entry stands for the sequence itself
+  bool byte_level_decoder_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> make_bpe_tokenizer(const std::string& json_text, const std::string& where) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::exception& e) {
+    throw ConfigError(fmt::format("{}: not valid JSON ({})", where, e.what()));
+  }
+  try {
+    return std::make_unique<BpeTokenizer>(j, where);
+  } catch (const json::exception& e) {
+    throw ConfigError(fmt::format("{}: unexpected structure ({})", where, e.what()));
+  }
+}
+
+}  // namespace tiller::model

@@ -1,0 +1,103 @@
+// Log-probabilities of given tokens without materialising [T, vocab] fp32 logits: forward and
+// backward both walk the rows in chunks and recompute each chunk's logits (a 150k vocabulary
+// times 16k packed tokens would otherwise be ~10 GB per copy).
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <ATen/ATen.h>
+
+#include "tiller/core/error.h"
+#include "tiller/model/transformer.h"
+
+namespace tiller::model {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct ChunkResult {
+  at::Tensor logprobs;  // [rows]
+  at::Tensor entropy;   // [rows] or undefined
+};
+
+// fp32 at least; fp64 inputs stay fp64 (gradient checks).
+at::ScalarType compute_type(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+ChunkResult chunk_forward(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, double temperature,
+                          bool want_entropy) {
+  at::Tensor z = at::matmul(h, w.t()).to(compute_type(h));
+  if (temperature != 1.0) z = z / temperature;
+  at::Tensor lse = at::logsumexp(z, -1);
+  ChunkResult r;
+  r.logprobs = z.gather(1, targets.unsqueeze(1)).squeeze(1) - lse;
+  if (want_entropy) {
+    at::Tensor logp = z - lse.unsqueeze(1);
+    r.entropy = -(logp.exp() * logp).sum(-1);
+  }
+  return r;
+}
+
+struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                            const at::Tensor& targets, double temperature, int64_t chunk, at::Tensor* entropy) {
+    const int64_t rows = hidden.size(0);
+    at::Tensor out = at::empty({rows}, hidden.options().dtype(compute_type(hidden)));
+    at::Tensor ent;
+    if (entropy) ent = at::empty({rows}, out.options());
+    for (int64_t s = 0; s < rows; s += chunk) {
+      const int64_t n = std::min(chunk, rows - s);
+      ChunkResult r = chunk_forward(hidden.narrow(0, s, n), weight, targets.narrow(0, s, n), temperature, entropy);
+      out.narrow(0, s, n).copy_(r.logprobs);
+      if (entropy) ent.narrow(0, s, n).copy_(r.entropy);
+    }
+    if (entropy) *entropy = ent;
+    ctx->save_for_backward({hidden, weight, targets});
+    ctx->saved_data["temperature"] = temperature;
+    ctx->saved_data["chunk"] = chunk;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& hidden = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& targets = saved[2];
+    const double temperature = ctx->saved_data["temperature"].toDouble();
+    const int64_t chunk = ctx->saved_data["chunk"].toInt();
+    const at::ScalarType ct = compute_type(hidden);
+    const at::Tensor g = grads[0].to(ct);
+    const bool need_h = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    const int64_t rows = hidden.size(0);
+    at::Tensor grad_h = need_h ? at::empty_like(hidden) : at::Tensor();
+    at::Tensor grad_w = need_w ? at::zeros(weight.sizes(), weight.options().dtype(ct)) : at::Tensor();
+    for (int64_t s = 0; s < rows; s += chunk) {
+      const int64_t n = std::min(chunk, rows - s);
+      at::Tensor h = hidden.narrow(0, s, n);
+      at::Tensor z = at::matmul(h, weight.t()).to(ct);
+      if (temperature != 1.0) z = z / temperature;
+      // d logp[t] / d z = onehot(target) - softmax(z)
+      at::Tensor gs = g.narrow(0, s, n);
+      at::Tensor dz = at::softmax(z, -1).mul_(-gs.unsqueeze(1));
+      dz.scatter_add_(1, targets.narrow(0, s, n).unsqueeze(1), gs.unsqueeze(1));
+      if (temperature != 1.0) dz.div_(temperature);
+      if (need_h) grad_h.narrow(0, s, n).copy_(at::matmul(dz.to(weight.scalar_type()), weight));
+      if (need_w) grad_w.add_(at::matmul(dz.t(), h.to(ct)));
+    }
+    return {grad_h, need_w ? grad_w.to(weight.scalar_type()) : at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor token_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& targets,
+                          double temperature, int64_t chunk_rows, at::Tensor* entropy) {
+  TILLER_CHECK(hidden.dim() == 2 && lm_head.dim() == 2 && hidden.size(1) == lm_head.size(1),
+               "token_logprobs: hidden [T, H] and lm_head [V, H] expected");
+  TILLER_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0), "token_logprobs: {} targets for {} rows",
+               targets.numel(), hidden.size(0));
+  TILLER_CHECK(temperature > 0, "temperature must be > 0, got {}", temperature);
+  TILLER_CHECK(chunk_rows > 0, "chunk_rows must be > 0");
+  return ChunkedLogProbs::apply(hidden, lm_head, targets.to(at::kLong), temperature, chunk_rows, entropy);
+}
+
+}  // namespace tiller::model

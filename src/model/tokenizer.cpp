@@ -1,0 +1,68 @@
+#include "tiller/model/tokenizer.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "tiller/core/error.h"
+
+namespace tiller::model {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p);
+  if (!in) throw IoError(fmt::format("{}: cannot open", p.string()));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// tokenizer_config.json names special tokens as strings or as {"content": ...} objects.
+std::optional<std::string> token_text(const json& cfg, const char* key) {
+  if (!cfg.contains(key) || cfg[key].is_null()) return std::nullopt;
+  if (cfg[key].is_string()) return cfg[key].get<std::string>();
+  if (cfg[key].is_object() && cfg[key].contains("content")) return cfg[key]["content"].get<std::string>();
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir) {
+  const fs::path d(dir);
+  std::unique_ptr<Tokenizer> tok;
+  if (fs::exists(d / "tokenizer.json")) {
+    tok = make_bpe_tokenizer(read_file(d / "tokenizer.json"), (d / "tokenizer.json").string());
+  } else if (fs::exists(d / "tokenizer.model")) {
+    tok = make_sentencepiece_tokenizer((d / "tokenizer.model").string());
+  } else {
+    throw IoError(fmt::format("{}: no tokenizer.json or tokenizer.model", dir));
+  }
+  const fs::path cfg_path = d / "tokenizer_config.json";
+  if (fs::exists(cfg_path)) {
+    json cfg;
+    try {
+      cfg = json::parse(read_file(cfg_path));
+    } catch (const json::exception& e) {
+      throw ConfigError(fmt::format("{}: not valid JSON ({})", cfg_path.string(), e.what()));
+    }
+    auto resolve = [&](const char* key, std::optional<int64_t>& slot) {
+      auto text = token_text(cfg, key);
+      if (!text) return;
+      auto id = tok->token_to_id(*text);
+      if (!id) throw ConfigError(fmt::format("{}: {} '{}' is not in the vocabulary", cfg_path.string(), key, *text));
+      slot = id;
+    };
+    resolve("bos_token", tok->bos_id);
+    resolve("eos_token", tok->eos_id);
+    resolve("pad_token", tok->pad_id);
+  }
+  return tok;
+}
+
+}  // namespace tiller::model

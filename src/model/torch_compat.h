@@ -1,0 +1,31 @@
+// The one place where tiller reaches into libtorch API that differs between the versions it
+// builds against (2.11 on the GPU host, 2.13 on the CPU machines). Everything else uses the API
+// both share.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include <ATen/ATen.h>
+
+namespace tiller::compat {
+
+// ATen's varlen flash attention (aten::_flash_attention_forward). 2.13 appends block_table and
+// num_splits to the signature; both versions take the leading arguments used here, with the
+// trailing ones defaulted. Returns the output [Tq, heads, head_dim]; differentiable through
+// aten::_flash_attention_backward.
+inline at::Tensor flash_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
+                                         int64_t max_k, double scale, int64_t window_left) {
+  std::optional<int64_t> left, right;
+  if (window_left >= 0) {
+    left = window_left;
+    right = 0;
+  }
+  return std::get<0>(at::_flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, /*dropout_p=*/0.0,
+                                                  /*is_causal=*/true, /*return_debug_mask=*/false, scale, left,
+                                                  right));
+}
+
+}  // namespace tiller::compat

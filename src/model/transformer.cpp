@@ -1,0 +1,164 @@
+#include "tiller/model/transformer.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "tiller/core/error.h"
+
+namespace tiller::model {
+
+PackedBatch PackedBatch::pack(const std::vector<std::vector<int64_t>>& seqs, at::Device device,
+                              const std::vector<int64_t>& start_positions) {
+  TILLER_CHECK(start_positions.empty() || start_positions.size() == seqs.size(),
+               "{} start positions for {} sequences", start_positions.size(), seqs.size());
+  PackedBatch b;
+  std::vector<int64_t> tokens, positions;
+  std::vector<int32_t> cu{0};
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int64_t start = start_positions.empty() ? 0 : start_positions[i];
+    for (size_t j = 0; j < seqs[i].size(); ++j) {
+      tokens.push_back(seqs[i][j]);
+      positions.push_back(start + static_cast<int64_t>(j));
+    }
+    b.seq_lens.push_back(static_cast<int64_t>(seqs[i].size()));
+    TILLER_CHECK(tokens.size() < (1u << 31), "a packed batch holds at most 2^31 tokens");
+    cu.push_back(static_cast<int32_t>(tokens.size()));
+  }
+  const auto n = static_cast<int64_t>(tokens.size());
+  b.tokens = at::from_blob(tokens.data(), {n}, at::kLong).to(device);
+  b.positions = at::from_blob(positions.data(), {n}, at::kLong).to(device);
+  b.cu_seqlens = at::from_blob(cu.data(), {static_cast<int64_t>(cu.size())}, at::kInt).to(device);
+  if (device.is_cpu()) {  // from_blob does not copy for CPU -> CPU
+    b.tokens = b.tokens.clone();
+    b.positions = b.positions.clone();
+    b.cu_seqlens = b.cu_seqlens.clone();
+  }
+  return b;
+}
+
+DenseKvCache::DenseKvCache(int64_t layers, int64_t seqs)
+    : k(layers, std::vector<at::Tensor>(seqs)), v(layers, std::vector<at::Tensor>(seqs)), lens(seqs, 0) {}
+
+BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
+                                at::ScalarType dtype, DenseKvCache* cache, AttentionBackend backend) {
+  BlockContext ctx;
+  std::tie(ctx.cos, ctx.sin) = rope.tables(batch.positions, dtype, batch.seq_lens);
+  ctx.backend = backend;
+  ctx.cache = cache;
+  if (!cache) {
+    ctx.attn = VarlenSpec::self(batch.cu_seqlens, batch.seq_lens);
+    return ctx;
+  }
+  TILLER_CHECK(static_cast<int64_t>(cache->lens.size()) == batch.num_seqs(), "cache has {} sequences, batch {}",
+               cache->lens.size(), batch.num_seqs());
+  VarlenSpec& s = ctx.attn;
+  s.cu_q = batch.cu_seqlens;
+  s.lens_q = batch.seq_lens;
+  std::vector<int32_t> cu_k{0};
+  for (size_t i = 0; i < batch.seq_lens.size(); ++i) {
+    const int64_t lk = cache->lens[i] + batch.seq_lens[i];
+    s.lens_k.push_back(lk);
+    s.max_q = std::max(s.max_q, batch.seq_lens[i]);
+    s.max_k = std::max(s.max_k, lk);
+    cu_k.push_back(cu_k.back() + static_cast<int32_t>(lk));
+  }
+  s.cu_k = at::from_blob(cu_k.data(), {static_cast<int64_t>(cu_k.size())}, at::kInt).clone().to(batch.tokens.device());
+  return ctx;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor xf = x.scalar_type() == at::kDouble ? x : x.to(at::kFloat);  // fp32 at least, as HF
+  at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens) { return at::embedding(embedding, tokens); }
+
+namespace {
+
+// x * cos + rotate_half(x) * sin, with cos/sin [T, D] broadcast over heads.
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
+}
+
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {}) {
+  return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
+}
+
+// Appends this layer's new K/V per sequence to the cache; returns the packed keys/values the
+// attention reads (cache + new, sequence by sequence).
+std::pair<at::Tensor, at::Tensor> append_to_cache(DenseKvCache& cache, int64_t layer, const at::Tensor& k,
+                                                  const at::Tensor& v, const std::vector<int64_t>& lens_q) {
+  std::vector<at::Tensor> ks, vs;
+  int64_t offset = 0;
+  for (size_t i = 0; i < lens_q.size(); ++i) {
+    at::Tensor nk = k.narrow(0, offset, lens_q[i]), nv = v.narrow(0, offset, lens_q[i]);
+    offset += lens_q[i];
+    at::Tensor& ck = cache.k[layer][i];
+    at::Tensor& cv = cache.v[layer][i];
+    ck = ck.defined() ? at::cat({ck, nk}, 0) : nk.clone();
+    cv = cv.defined() ? at::cat({cv, nv}, 0) : nv.clone();
+    ks.push_back(ck);
+    vs.push_back(cv);
+  }
+  return {at::cat(ks, 0), at::cat(vs, 0)};
+}
+
+}  // namespace
+
+at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
+                         BlockContext& ctx) {
+  const int64_t t = x.size(0);
+  at::Tensor h = rms_norm(x, w.input_norm, cfg.rms_norm_eps);
+  at::Tensor q = project(h, w.q_proj, w.q_bias).view({t, cfg.num_heads, cfg.head_dim});
+  at::Tensor k = project(h, w.k_proj, w.k_bias).view({t, cfg.num_kv_heads, cfg.head_dim});
+  at::Tensor v = project(h, w.v_proj, w.v_bias).view({t, cfg.num_kv_heads, cfg.head_dim});
+  if (cfg.qk_norm) {
+    q = rms_norm(q, w.q_norm, cfg.rms_norm_eps);
+    k = rms_norm(k, w.k_norm, cfg.rms_norm_eps);
+  }
+  q = apply_rope(q, ctx.cos, ctx.sin);
+  k = apply_rope(k, ctx.cos, ctx.sin);
+  VarlenSpec spec = ctx.attn;
+  spec.window = cfg.layer_window[layer];
+  at::Tensor keys = k, vals = v;
+  if (ctx.cache) {
+    std::tie(keys, vals) = append_to_cache(*ctx.cache, layer, k, v, spec.lens_q);
+    if (layer == cfg.num_layers - 1)
+      for (size_t i = 0; i < spec.lens_q.size(); ++i) ctx.cache->lens[i] += spec.lens_q[i];
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
+  at::Tensor attn = varlen_attention(q, keys, vals, spec, scale, ctx.backend).reshape({t, cfg.q_size()});
+  at::Tensor y = x + project(attn, w.o_proj);
+  h = rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps);
+  at::Tensor mlp = project(at::silu(project(h, w.gate_proj)) * project(h, w.up_proj), w.down_proj);
+  return y + mlp;
+}
+
+at::Tensor final_norm(const ModelConfig& cfg, const at::Tensor& weight, const at::Tensor& x) {
+  return rms_norm(x, weight, cfg.rms_norm_eps);
+}
+
+at::Tensor forward_hidden(const ModelConfig& cfg, const ModelWeights& w, const PackedBatch& batch, DenseKvCache* cache,
+                          AttentionBackend backend) {
+  TILLER_CHECK(static_cast<int64_t>(w.layers.size()) == cfg.num_layers, "weights have {} layers, config {}",
+               w.layers.size(), cfg.num_layers);
+  const Rope rope(cfg);
+  BlockContext ctx = make_block_context(cfg, rope, batch, w.embed.scalar_type(), cache, backend);
+  at::Tensor x = embed(w.embed, batch.tokens);
+  for (int64_t i = 0; i < cfg.num_layers; ++i) x = block_forward(cfg, i, w.layers[i], x, ctx);
+  return final_norm(cfg, w.final_norm, x);
+}
+
+at::Tensor logits(const at::Tensor& hidden, const at::Tensor& lm_head) {
+  return at::matmul(hidden, lm_head.t()).to(at::kFloat);
+}
+
+at::Tensor values(const at::Tensor& hidden, const at::Tensor& score) {
+  return at::matmul(hidden, score.t()).squeeze(-1).to(at::kFloat);
+}
+
+}  // namespace tiller::model

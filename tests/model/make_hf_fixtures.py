@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Makes the Hugging Face fixtures tiller's model tests compare against, with the real libraries
+(transformers, tokenizers, safetensors, sentencepiece; CPU, fp32).
+
+  make_hf_fixtures.py OUT_DIR
+
+OUT_DIR/models/<name>/       random tiny Llama, Qwen2, Qwen3, Mistral checkpoints (sharded
+                             safetensors + index) and a Qwen2 value model (score head)
+OUT_DIR/models/reference.json  per model: input ids, greedy continuations, value-head scores
+OUT_DIR/models/<name>/reference_logits.safetensors  fp32 logits of each input
+OUT_DIR/tokenizers/<name>/   byte-level BPE tokenizer.json files trained on local text, and a
+                             SentencePiece model
+OUT_DIR/tokenizers/reference.json  per tokenizer: the corpus, its ids and decodings
+
+Skips the work when OUT_DIR/stamp holds this script's hash.
+"""
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+OUT = Path(sys.argv[1])
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+STAMP = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+if (OUT / "stamp").exists() and (OUT / "stamp").read_text() == STAMP:
+    print(f"fixtures in {OUT} are current")
+    sys.exit(0)
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+torch.manual_seed(0)
+
+# --- tokenizers ---------------------------------------------------------------------------------
+CORPUS = [
+    "Hello, world! This is a test.",
+    "naïve café résumé — Ærøskøbing, Straße, façade",
+    "cafe\u0301 vs café (decomposed vs composed)",
+    "今天天气很好，我们去公园散步吧。日本語のテキストも。한국어 문장.",
+    "👩‍👩‍👧‍👦 family, 🏳️‍🌈 flag, 👍🏽 thumbs, 🤖 robot",
+    "a  b   c    d\t\te\n\n\nf  \n  g   ",
+    "line1\r\nline2\r\n\tindented\r\n",
+    "1234567890 3.14159 2024-11-21 +1 (555) 010-9999 1,000,000",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>",
+    "text<|endoftext|>more text<|endoftext|>",
+    "I'm sure they'll say it's fine, we've done what you'd DON'T",
+    "def f(x):\n    return x**2  # square\n",
+    "before  <sep>  after<sep>end",
+    "zebra zebras azebra zebra.",
+    "",
+    " ",
+    "\n",
+    "Ünïcödé ∑∫√ ∞ ≠ ≈ ← → ⊂ ⊃",
+    "مرحبا بالعالم שלום עולם नमस्ते दुनिया",
+    "Pneumonoultramicroscopicsilicovolcanoconiosis",
+    "\u00a0non-breaking\u00a0space and\u2003em space",
+    "   leading and trailing   ",
+]
+
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def training_text():
+    lines = []
+    for p in sorted(REPO.glob("docs/*.md")) + [REPO / "README.md"]:
+        lines += p.read_text(encoding="utf-8").splitlines()
+    return lines + CORPUS * 20
+
+
+def make_bpe(kind):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    if kind == "llama3":
+        tok = Tokenizer(models.BPE(ignore_merges=True))
+    else:
+        tok = Tokenizer(models.BPE())
+    if kind == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        specials = ["<|endoftext|>"]
+    elif kind == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(training_text(), trainer=trainer)
+    if kind == "llama3":
+        bos = tok.token_to_id("<|begin_of_text|>")
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+                                          special_tokens=[("<|begin_of_text|>", bos)])])
+        tok.add_tokens([AddedToken("<sep>", lstrip=True, rstrip=True, special=False)])
+        config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    elif kind == "qwen2":
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    else:
+        tok.add_tokens([AddedToken("zebra", single_word=True, normalized=False)])
+        config = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    return tok, config
+
+
+def write_tokenizers(root):
+    ref = {}
+    for kind in ["gpt2", "qwen2", "llama3"]:
+        tok, config = make_bpe(kind)
+        d = root / kind
+        d.mkdir(parents=True, exist_ok=True)
+        tok.save(str(d / "tokenizer.json"))
+        if kind == "gpt2":
+            # The older serialisation of merges ("a b" strings) that most published files use.
+            doc = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+            doc["model"]["merges"] = [" ".join(m) if isinstance(m, list) else m for m in doc["model"]["merges"]]
+            (d / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+            from tokenizers import Tokenizer
+            tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        (d / "tokenizer_config.json").write_text(json.dumps(config))
+        cases = []
+        for text in CORPUS:
+            ids = tok.encode(text, add_special_tokens=False).ids
+            cases.append({"text": text, "ids": ids,
+                          "ids_with_special": tok.encode(text, add_special_tokens=True).ids,
+                          "decoded": tok.decode(ids, skip_special_tokens=False),
+                          "decoded_skip_special": tok.decode(ids, skip_special_tokens=True)})
+        ref[kind] = {"vocab_size": tok.get_vocab_size(with_added_tokens=True), "cases": cases}
+
+    import sentencepiece as spm
+    d = root / "sentencepiece"
+    d.mkdir(parents=True, exist_ok=True)
+    text_file = d / "train.txt"
+    text_file.write_text("\n".join(l for l in training_text() if l.strip()), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(text_file), model_prefix=str(d / "tokenizer"), vocab_size=600,
+                                   model_type="bpe", character_coverage=1.0, byte_fallback=True,
+                                   bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    text_file.unlink()
+    (d / "tokenizer.vocab").unlink()
+    sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+    plain = [t for t in CORPUS if "<" not in t]
+    ref["sentencepiece"] = {"vocab_size": sp.get_piece_size(),
+                            "cases": [{"text": t, "ids": sp.encode(t), "decoded": sp.decode(sp.encode(t))} for t in plain]}
+    (root / "reference.json").write_text(json.dumps(ref, ensure_ascii=False, indent=1), encoding="utf-8")
+
+
+# --- models -------------------------------------------------------------------------------------
+def model_configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, initializer_range=0.1,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return {
+        # Llama 3.1 style: llama3 RoPE scaling, untied embeddings.
+        "llama": LlamaConfig(**common, max_position_embeddings=64, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 16}),
+        # Qwen2: qkv bias, tied embeddings, linear RoPE scaling.
+        "qwen2": Qwen2Config(**common, max_position_embeddings=64, tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}),
+        # Qwen3: q/k norm, head_dim decoupled from hidden/heads, yarn.
+        "qwen3": Qwen3Config(**{**common, "num_key_value_heads": 1}, head_dim=32, max_position_embeddings=64,
+                             tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                              "original_max_position_embeddings": 16}),
+        # Mistral: sliding window shorter than the inputs, dynamic NTK past max_position_embeddings.
+        "mistral": MistralConfig(**common, max_position_embeddings=16, sliding_window=8, tie_word_embeddings=False,
+                                 rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+    }
+
+
+def randomize(model):
+    # Non-trivial values everywhere (norm weights and biases too), so every parameter matters.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+
+
+def write_models(root):
+    from transformers import AutoModelForCausalLM, Qwen2ForSequenceClassification
+    inputs = [[5, 17, 42, 99, 7], list(range(10, 27)), [int(x) for x in torch.randint(3, 300, (24,))]]
+    ref = {}
+    for name, cfg in model_configs().items():
+        cfg._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        randomize(model)
+        d = root / name
+        model.save_pretrained(str(d), max_shard_size="60KB")
+        logits = {}
+        with torch.no_grad():
+            for i, ids in enumerate(inputs):
+                logits[f"logits_{i}"] = model(torch.tensor([ids])).logits[0].contiguous()
+            greedy = []
+            for ids in inputs[:2]:
+                out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0, min_new_tokens=12)
+                greedy.append(out[0, len(ids):].tolist())
+        save_file(logits, str(d / "reference_logits.safetensors"))
+        ref[name] = {"inputs": inputs, "greedy": greedy}
+
+    cfg = model_configs()["qwen2"]
+    cfg.num_labels = 1
+    cfg._attn_implementation = "eager"
+    vm = Qwen2ForSequenceClassification(cfg).eval()
+    randomize(vm)
+    d = root / "qwen2-value"
+    vm.save_pretrained(str(d), max_shard_size="60KB")
+    with torch.no_grad():
+        scores = [float(vm(torch.tensor([ids])).logits[0, 0]) for ids in inputs]
+    ref["qwen2-value"] = {"inputs": inputs, "scores": scores}
+    (root / "reference.json").write_text(json.dumps(ref, indent=1))
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    write_tokenizers(OUT / "tokenizers")
+    write_models(OUT / "models")
+    (OUT / "stamp").write_text(STAMP)
+    print(f"fixtures written to {OUT}")
