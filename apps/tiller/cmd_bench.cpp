@@ -148,6 +148,7 @@ void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   coll->callback([&run, o, &argc, &argv] {
     run = [o, &argc, &argv] { return run_collectives(*o, &argc, &argv); };
   });
+  add_bench_forward(bench, run);
 }
 
 }  // namespace tiller::cli

@@ -15,5 +15,7 @@ using Runner = std::function<int()>;
 void add_plan_command(CLI::App& app, Runner& run);
 void add_config_command(CLI::App& app, Runner& run);
 void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv);
+void add_bench_forward(CLI::App* bench, Runner& run);
+void add_model_commands(CLI::App& app, Runner& run);
 
 }  // namespace tiller::cli

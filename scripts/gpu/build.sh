@@ -12,6 +12,12 @@ if compgen -G "$tiller_root/.gpu/debs/*.deb" > /dev/null; then
   for f in "$tiller_root"/.gpu/debs/*.deb; do dpkg -x "$f" "$prefix"; done
 fi
 
+# The Python side of the model tests (make_hf_fixtures.py) needs sentencepiece; the host has no
+# network, so its wheel travels in .gpu/wheels (scripts/gpu/fetch_debs.sh fetches it).
+if ! $python -c 'import sentencepiece' 2>/dev/null && compgen -G "$tiller_root/.gpu/wheels/*.whl" > /dev/null; then
+  $python -m pip install -q --no-index --find-links "$tiller_root/.gpu/wheels" sentencepiece
+fi
+
 torch_prefix=$($python -c 'import torch; print(torch.utils.cmake_prefix_path)')
 nccl_root=$($python -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
 echo "gpu build: torch $($python -c 'import torch; print(torch.__version__, torch.version.cuda)'), nccl at ${nccl_root:-system}"

@@ -2,11 +2,17 @@
 # Run HERE (a Debian machine with network), not on the GPU host: downloads the Debian bookworm
 # .deb files of what the GPU host lacks into .gpu/debs (git-ignored). Pass `.gpu` in the device
 # tool's `carry`; scripts/gpu/build.sh unpacks them with dpkg -x into .gpu/prefix.
-# Packages: PCRE2 headers (tokenizers). gRPC C++ joins this list with the engine service.
+# Packages: PCRE2, utf8proc and SentencePiece (tokenizers). gRPC C++ joins this list with the
+# engine service.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
-packages=(libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3)
+packages=(libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3
+          libutf8proc-dev libutf8proc2 libsentencepiece-dev libsentencepiece0 libprotobuf-lite32)
 mkdir -p "$here/.gpu/debs"
 cd "$here/.gpu/debs"
 apt-get download "${packages[@]}"
 ls -la
+# The sentencepiece wheel for the host's Python (3.12), for the model tests' fixture script.
+mkdir -p "$here/.gpu/wheels"
+python3 -m pip download sentencepiece --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux2014_x86_64 -d "$here/.gpu/wheels" -q

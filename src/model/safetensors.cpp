@@ -308,7 +308,11 @@ void fsync_dir(const fs::path& dir) {
   }
 }
 
-// Writes to path + ".tmp" and fsyncs; the caller renames.
+// The temporary name of `path` while it is written: unique per process, so two writers never
+// share (and truncate) one file.
+std::string tmp_name(const std::string& path) { return path + ".tmp." + std::to_string(::getpid()); }
+
+// Writes to tmp_name(path) and fsyncs; the caller renames.
 void write_file_tmp(const std::string& path, const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
   json header = json::object();
   json meta = json::object();
@@ -329,7 +333,7 @@ void write_file_tmp(const std::string& path, const NamedTensors& tensors, const 
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');
-  const std::string tmp = path + ".tmp";
+  const std::string tmp = tmp_name(path);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw IoError(fmt::format("{}: cannot create: {}", tmp, errno_text()));
   try {
@@ -349,7 +353,7 @@ void write_file_tmp(const std::string& path, const NamedTensors& tensors, const 
 }
 
 void commit(const std::string& path) {
-  const std::string tmp = path + ".tmp";
+  const std::string tmp = tmp_name(path);
   if (::rename(tmp.c_str(), path.c_str()) != 0) throw IoError(fmt::format("{}: rename failed: {}", path, errno_text()));
 }
 
@@ -392,7 +396,7 @@ void write_checkpoint(const std::string& dir, const NamedTensors& tensors, uint6
     for (size_t i = 0; i < n; ++i)
       for (const auto& [name, _] : shards[i]) wm[name] = files[i];
     idx["weight_map"] = wm;
-    std::ofstream out(index.string() + ".tmp");
+    std::ofstream out(tmp_name(index.string()));
     out << idx.dump(2) << "\n";
     out.close();
     if (!out) throw IoError(fmt::format("{}: write failed", index.string()));

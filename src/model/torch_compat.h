@@ -29,3 +29,23 @@ inline at::Tensor flash_attention_varlen(const at::Tensor& q, const at::Tensor& 
 }
 
 }  // namespace tiller::compat
+
+#include <ATen/DeviceAccelerator.h>
+
+namespace tiller::compat {
+
+// Blocks until everything queued on the device has run (CUDA: cudaDeviceSynchronize).
+inline void synchronize(const at::Device& d) {
+  if (!d.is_cpu()) at::accelerator::synchronizeDevice(d.index() < 0 ? 0 : d.index());
+}
+
+// Peak bytes the caching allocator handed out on `d` since the last reset; 0 on CPU.
+inline int64_t peak_allocated_bytes(const at::Device& d) {
+  if (d.is_cpu()) return 0;
+  return at::accelerator::getDeviceStats(d.index() < 0 ? 0 : d.index()).allocated_bytes[0].peak;
+}
+inline void reset_peak(const at::Device& d) {
+  if (!d.is_cpu()) at::accelerator::resetPeakStats(d.index() < 0 ? 0 : d.index());
+}
+
+}  // namespace tiller::compat

@@ -2,6 +2,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <optional>
+
+#include <unistd.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -128,15 +131,18 @@ NamedTensors named_weights(const ModelConfig& c, const ModelWeights& w, Head hea
   return out;
 }
 
-NamedTensors init_weights(const ModelConfig& c, Head head, uint64_t seed, at::ScalarType dtype) {
-  at::Generator gen = at::detail::createCPUGenerator(seed);
+NamedTensors init_weights(const ModelConfig& c, Head head, uint64_t seed, at::ScalarType dtype, at::Device device) {
+  std::optional<at::Generator> gen;
+  if (device.is_cpu()) gen = at::detail::createCPUGenerator(seed);
+  else at::manual_seed(seed);  // the device's default generator
+  const auto opts = at::TensorOptions().device(device);
   NamedTensors out;
   for (const ParamSpec& spec : parameter_specs(c, head)) {
     at::Tensor t;
-    if (spec.is_norm) t = at::ones(spec.shape, at::kFloat);
-    else if (spec.no_decay) t = at::zeros(spec.shape, at::kFloat);  // biases
-    else t = at::normal(0.0, c.initializer_range, spec.shape, gen, at::TensorOptions().dtype(at::kFloat));
-    out[spec.name] = t.to(dtype);
+    if (spec.is_norm) t = at::ones(spec.shape, opts.dtype(dtype));
+    else if (spec.no_decay) t = at::zeros(spec.shape, opts.dtype(dtype));  // biases
+    else t = at::normal(0.0, c.initializer_range, spec.shape, gen, opts.dtype(at::kFloat)).to(dtype);
+    out[spec.name] = t;
   }
   return out;
 }
@@ -166,12 +172,12 @@ void save_model(const std::string& dir, const ModelConfig& c, const ModelWeights
   write_checkpoint(dir, named, max_shard_bytes);
   const std::string cfg_path = dir + "/config.json";
   {
-    std::ofstream f(cfg_path + ".tmp");
+    std::ofstream f(cfg_path + ".tmp." + std::to_string(::getpid()));
     f << to_hf_config_json(out, head == Head::kValue);
     f.close();
     if (!f) throw IoError(fmt::format("{}: write failed", cfg_path));
   }
-  std::filesystem::rename(cfg_path + ".tmp", cfg_path, ec);
+  std::filesystem::rename(cfg_path + ".tmp." + std::to_string(::getpid()), cfg_path, ec);
   if (ec) throw IoError(fmt::format("{}: rename failed: {}", cfg_path, ec.message()));
 }
 

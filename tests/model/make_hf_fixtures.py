@@ -157,11 +157,15 @@ def write_tokenizers(root):
 
 
 # --- models -------------------------------------------------------------------------------------
+def common_config():
+    return dict(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, initializer_range=0.1,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
 def model_configs():
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, initializer_range=0.1,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = common_config()
     return {
         # Llama 3.1 style: llama3 RoPE scaling, untied embeddings.
         "llama": LlamaConfig(**common, max_position_embeddings=64, tie_word_embeddings=False,
@@ -215,6 +219,31 @@ def write_models(root):
                 greedy.append(out[0, len(ids):].tolist())
         save_file(logits, str(d / "reference_logits.safetensors"))
         ref[name] = {"inputs": inputs, "greedy": greedy}
+
+    # A chat model with the qwen2 tokenizer, for `tiller generate` end to end (check_cli.py).
+    from tokenizers import Tokenizer
+    from transformers import Qwen2Config
+    tok = Tokenizer.from_file(str(OUT / "tokenizers" / "qwen2" / "tokenizer.json"))
+    eos = tok.token_to_id("<|im_end|>")
+    cfg = Qwen2Config(**{**common_config(), "vocab_size": tok.get_vocab_size(), "eos_token_id": eos},
+                      max_position_embeddings=256, tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    randomize(model)
+    d = root / "qwen2-chat"
+    model.save_pretrained(str(d))
+    for f in ["tokenizer.json", "tokenizer_config.json"]:
+        (d / f).write_bytes((OUT / "tokenizers" / "qwen2" / f).read_bytes())
+    prompts = ["What is 2+2?", "Write a haiku about autumn leaves.", "naïve café 你好 👍🏽"]
+    prompt_ids, greedy = [], []
+    with torch.no_grad():
+        for p in prompts:
+            ids = tok.encode(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n").ids
+            out = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
+            prompt_ids.append(ids)
+            greedy.append(out[0, len(ids):].tolist())
+    ref["qwen2-chat"] = {"prompts": prompts, "prompt_ids": prompt_ids, "greedy": greedy,
+                         "responses": [tok.decode(g, skip_special_tokens=True) for g in greedy]}
 
     cfg = model_configs()["qwen2"]
     cfg.num_labels = 1

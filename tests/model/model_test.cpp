@@ -1,6 +1,7 @@
 // The functional transformer against Hugging Face transformers (fixtures made by
 // make_hf_fixtures.py): logits, greedy continuations, value heads; plus the pieces that the
 // trainer and engine build on (packing, KV cache, chunked log-probs, attention).
+#include <cstdlib>
 #include <filesystem>
 
 #include <ATen/ATen.h>
@@ -240,7 +241,9 @@ TEST(Weights, ShapeMismatchIsNamed) {
 // Writes checkpoints for check_hf_load.py (run by ctest after this test): a fixture re-saved by
 // tiller in other shards, and a fresh random model with tiller's own logits of fixed inputs.
 TEST(HfWrite, CheckpointsForTransformers) {
-  const std::string out = test::scratch_dir() + "/hf_written";
+  // Its own directory per caller: ctest runs this test twice, possibly at the same time.
+  const char* env = std::getenv("TILLER_HF_WRITE_DIR");
+  const std::string out = env ? env : test::scratch_dir() + "/hf_written_unit";
   fs::remove_all(out);
   LoadedModel m = load_model(model_dir("qwen3"), Head::kLm, at::kFloat, at::kCPU);
   save_model(out + "/qwen3", m.config, m.weights, Head::kLm, /*max_shard_bytes=*/100000);

@@ -61,8 +61,10 @@ ModelWeights bind_weights(const ModelConfig& cfg, const NamedTensors& named, Hea
 NamedTensors named_weights(const ModelConfig& cfg, const ModelWeights& w, Head head);
 
 // Fresh parameters the way transformers initialises them: normal(0, initializer_range) for
-// matrices and the embedding, ones for norms, zeros for biases; deterministic for a seed.
-NamedTensors init_weights(const ModelConfig& cfg, Head head, uint64_t seed, at::ScalarType dtype);
+// matrices and the embedding, ones for norms, zeros for biases; deterministic for a seed and
+// device type. Generated on `device` (a 7B model is not drawn on the host first).
+NamedTensors init_weights(const ModelConfig& cfg, Head head, uint64_t seed, at::ScalarType dtype,
+                          at::Device device = at::kCPU);
 
 // Loads a checkpoint directory (config.json + safetensors) as `dtype` on `device`.
 // Returns owned tensors (copies, unless CPU and the dtype matches: then views of the mapping).

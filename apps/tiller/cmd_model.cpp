@@ -1,0 +1,271 @@
+// tiller tokenize | generate | init-model: the model subsystem from the command line.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "tiller/core/error.h"
+#include "tiller/model/chat_template.h"
+#include "tiller/model/generate.h"
+#include "tiller/model/tokenizer.h"
+#include "tiller/model/weights.h"
+
+namespace tiller::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError(fmt::format("{}: cannot open", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+at::ScalarType parse_model_dtype(const std::string& d) {
+  if (d == "fp32") return at::kFloat;
+  if (d == "bf16") return at::kBFloat16;
+  if (d == "fp16") return at::kHalf;
+  throw ConfigError(fmt::format("--dtype '{}': use fp32, bf16 or fp16", d));
+}
+
+at::Device parse_device(const std::string& d) {
+  if (d == "cpu") return at::kCPU;
+  if (d == "cuda" || d.rfind("cuda:", 0) == 0) return at::Device(d);
+  throw ConfigError(fmt::format("--device '{}': use cpu or cuda[:N]", d));
+}
+
+// --- tokenize -----------------------------------------------------------------------------------
+struct TokenizeOptions {
+  std::string tokenizer, text, file;
+  bool add_special = false;
+};
+
+int run_tokenize(const TokenizeOptions& o) {
+  auto tok = model::load_tokenizer(o.tokenizer);
+  const std::string text = o.file.empty() ? o.text : read_all(o.file);
+  const auto ids = tok->encode(text, o.add_special);
+  json tokens = json::array();
+  for (int64_t id : ids) tokens.push_back(tok->id_to_token(id));
+  json out{{"ids", ids}, {"num_tokens", ids.size()}, {"tokens", tokens}};
+  std::printf("%s\n", out.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+  return 0;
+}
+
+// --- generate -----------------------------------------------------------------------------------
+struct GenerateOptions {
+  std::string model, tokenizer, prompts, out, input_key = "prompt", chat_template = "none", input_template;
+  std::string device = "cpu", dtype = "fp32";
+  model::SamplingParams sampling;
+  std::vector<int64_t> stop_ids;
+  bool ignore_eos = false;
+  int64_t batch_size = 16;
+};
+
+// eos ids from config.json, generation_config.json and the tokenizer.
+std::vector<int64_t> eos_ids(const std::string& dir, const model::ModelConfig& cfg, const model::Tokenizer& tok) {
+  std::vector<int64_t> ids = cfg.eos_token_ids;
+  const fs::path gen = fs::path(dir) / "generation_config.json";
+  if (fs::exists(gen)) {
+    json g;
+    try {
+      g = json::parse(read_all(gen.string()));
+    } catch (const json::exception& e) {
+      throw ConfigError(fmt::format("{}: not valid JSON ({})", gen.string(), e.what()));
+    }
+    if (g.contains("eos_token_id") && g["eos_token_id"].is_number_integer()) ids.push_back(g["eos_token_id"]);
+    if (g.contains("eos_token_id") && g["eos_token_id"].is_array())
+      for (const auto& e : g["eos_token_id"]) ids.push_back(e.get<int64_t>());
+  }
+  if (tok.eos_id) ids.push_back(*tok.eos_id);
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
+}
+
+struct Prompt {
+  std::string text;
+  std::vector<int64_t> ids;
+};
+
+std::vector<Prompt> read_prompts(const GenerateOptions& o, const model::Tokenizer& tok) {
+  std::ifstream in(o.prompts);
+  if (!in) throw ConfigError(fmt::format("{}: cannot open the prompts file", o.prompts));
+  const model::ChatFormat format = model::parse_chat_format(o.chat_template, tok);
+  std::vector<Prompt> out;
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = fmt::format("{}:{}", o.prompts, n);
+    json j;
+    try {
+      j = json::parse(line);
+    } catch (const json::exception&) {
+      throw ConfigError(fmt::format("{}: not a JSON object (one prompt per line)", where));
+    }
+    if (!j.is_object() || !j.contains(o.input_key))
+      throw ConfigError(fmt::format("{}: no key '{}' (choose the field with --input-key)", where, o.input_key));
+    const json& v = j[o.input_key];
+    std::vector<model::ChatMessage> messages;
+    if (v.is_string()) {
+      std::string s = v.get<std::string>();
+      if (!o.input_template.empty()) s = model::apply_input_template(o.input_template, s);
+      messages.push_back({"user", s});
+    } else if (v.is_array()) {
+      if (format == model::ChatFormat::kNone)
+        throw ConfigError(fmt::format("{}: '{}' is a conversation; pass --chat-template auto|chatml|llama3", where, o.input_key));
+      for (const auto& m : v) {
+        if (!m.is_object() || !m.contains("role") || !m.contains("content") || !m["content"].is_string())
+          throw ConfigError(fmt::format("{}: messages need 'role' and 'content' strings", where));
+        messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+      }
+    } else {
+      throw ConfigError(fmt::format("{}: '{}' must be a string or a list of messages", where, o.input_key));
+    }
+    Prompt p;
+    if (format == model::ChatFormat::kNone) {
+      p.text = messages[0].content;
+      p.ids = tok.encode(p.text, /*add_special_tokens=*/true);
+    } else {
+      p.text = model::apply_chat_template(format, messages, /*add_generation_prompt=*/true);
+      p.ids = tok.encode(p.text, /*add_special_tokens=*/false);  // the template carries BOS
+    }
+    if (p.ids.empty()) throw ConfigError(fmt::format("{}: the prompt encodes to no tokens", where));
+    out.push_back(std::move(p));
+  }
+  if (out.empty()) throw ConfigError(fmt::format("{}: no prompts", o.prompts));
+  return out;
+}
+
+int run_generate(GenerateOptions o) {
+  const at::Device device = parse_device(o.device);
+  const at::ScalarType dtype = parse_model_dtype(o.dtype);
+  model::LoadedModel m = model::load_model(o.model, model::Head::kLm, dtype, device);
+  auto tok = model::load_tokenizer(o.tokenizer.empty() ? o.model : o.tokenizer);
+  if (tok->vocab_size() > m.config.vocab_size)
+    throw ConfigError(fmt::format("the tokenizer has {} tokens but the model's vocab_size is {}", tok->vocab_size(),
+                                  m.config.vocab_size));
+  const auto prompts = read_prompts(o, *tok);
+  o.sampling.stop_token_ids = o.stop_ids;
+  if (!o.ignore_eos)
+    for (int64_t e : eos_ids(o.model, m.config, *tok)) o.sampling.stop_token_ids.push_back(e);
+  std::vector<std::vector<int64_t>> ids;
+  for (const auto& p : prompts) ids.push_back(p.ids);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto completions = model::generate(m.config, m.weights, ids, o.sampling, o.batch_size);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  std::FILE* out = stdout;
+  const std::string tmp = o.out + ".tmp";
+  if (!o.out.empty()) {
+    out = std::fopen(tmp.c_str(), "w");
+    if (!out) throw IoError(fmt::format("{}: cannot write", tmp));
+  }
+  int64_t generated = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto& c = completions[i];
+    generated += static_cast<int64_t>(c.tokens.size());
+    json j{{"index", i},
+           {"prompt", prompts[i].text},
+           {"prompt_ids", prompts[i].ids},
+           {"response", tok->decode(c.tokens, /*skip_special_tokens=*/true)},
+           {"response_ids", c.tokens},
+           {"logprobs", c.logprobs},
+           {"finish_reason", c.finish_reason}};
+    std::fprintf(out, "%s\n", j.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+  }
+  if (out != stdout) {
+    const bool ok = std::fflush(out) == 0 && fsync(fileno(out)) == 0;
+    std::fclose(out);
+    if (!ok) throw IoError(fmt::format("{}: write failed", tmp));
+    fs::rename(tmp, o.out);
+  }
+  std::fprintf(stderr, "tiller generate: %zu prompts, %lld tokens in %.1f s (%.1f tokens/s)\n", prompts.size(),
+               static_cast<long long>(generated), secs, generated / std::max(secs, 1e-9));
+  return 0;
+}
+
+// --- init-model ---------------------------------------------------------------------------------
+struct InitOptions {
+  std::string preset, out, dtype = "bf16", tokenizer_from;
+  uint64_t seed = 0;
+  bool value_head = false;
+};
+
+int run_init(const InitOptions& o) {
+  model::ModelConfig cfg = model::preset(o.preset);
+  const model::Head head = o.value_head ? model::Head::kValue : model::Head::kLm;
+  model::NamedTensors t = model::init_weights(cfg, head, o.seed, parse_model_dtype(o.dtype));
+  model::save_model(o.out, cfg, model::bind_weights(cfg, t, head, o.preset), head);
+  if (!o.tokenizer_from.empty()) {
+    for (const char* f : {"tokenizer.json", "tokenizer.model", "tokenizer_config.json"}) {
+      const fs::path src = fs::path(o.tokenizer_from) / f;
+      if (fs::exists(src)) fs::copy_file(src, fs::path(o.out) / f, fs::copy_options::overwrite_existing);
+    }
+  }
+  std::printf("%s\n", json{{"preset", o.preset}, {"out", o.out}, {"parameters", model::num_parameters(cfg)}}.dump().c_str());
+  return 0;
+}
+
+}  // namespace
+
+void add_model_commands(CLI::App& app, Runner& run) {
+  auto* tk = app.add_subcommand("tokenize", "Encode text with a model's tokenizer; prints ids as JSON");
+  auto to = std::make_shared<TokenizeOptions>();
+  tk->add_option("--tokenizer", to->tokenizer, "Directory with tokenizer.json or tokenizer.model")->required();
+  auto* text = tk->add_option("--text", to->text, "Text to encode");
+  auto* file = tk->add_option("--file", to->file, "Encode this file's contents");
+  text->excludes(file);
+  tk->add_flag("--add-special-tokens", to->add_special, "Apply the tokenizer's template (e.g. BOS)");
+  tk->callback([&run, to, text, file] {
+    if (text->count() + file->count() != 1) throw CLI::ValidationError("tokenize", "give --text or --file");
+    run = [to] { return run_tokenize(*to); };
+  });
+
+  auto* gen = app.add_subcommand("generate", "Sample from a checkpoint with the reference sampler; writes JSONL");
+  auto go = std::make_shared<GenerateOptions>();
+  gen->add_option("--model", go->model, "HF model directory (config.json + safetensors)")->required();
+  gen->add_option("--prompts", go->prompts, "JSONL file, one prompt per line")->required();
+  gen->add_option("--out", go->out, "Write JSONL here (default: stdout)");
+  gen->add_option("--tokenizer", go->tokenizer, "Tokenizer directory (default: --model)");
+  gen->add_option("--input-key", go->input_key, "Field holding the prompt (a string or a list of messages)");
+  gen->add_option("--chat-template", go->chat_template, "none, auto, chatml or llama3");
+  gen->add_option("--input-template", go->input_template, "Template with one {} for the prompt, e.g. 'Q: {}\\nA:'");
+  gen->add_flag("--greedy", go->sampling.greedy, "Greedy decoding");
+  gen->add_option("--temperature", go->sampling.temperature, "Sampling temperature (> 0)");
+  gen->add_option("--top-p", go->sampling.top_p, "Nucleus sampling mass (0, 1]");
+  gen->add_option("--top-k", go->sampling.top_k, "Keep the k most likely tokens (0: off)");
+  gen->add_option("--min-p", go->sampling.min_p, "Drop tokens below min_p x the top probability");
+  gen->add_option("--seed", go->sampling.seed, "Prompt i samples with seed + i");
+  gen->add_option("--max-new-tokens", go->sampling.max_new_tokens, "Tokens to generate at most")->required();
+  gen->add_option("--stop-token-ids", go->stop_ids, "Extra stop tokens")->delimiter(',');
+  gen->add_flag("--ignore-eos", go->ignore_eos, "Do not stop at the model's eos tokens");
+  gen->add_option("--batch-size", go->batch_size, "Prompts per batch")->check(CLI::Range(1, 1 << 20));
+  gen->add_option("--device", go->device, "cpu or cuda[:N]");
+  gen->add_option("--dtype", go->dtype, "fp32, bf16 or fp16");
+  gen->callback([&run, go] { run = [go] { return run_generate(*go); }; });
+
+  auto* init = app.add_subcommand("init-model", "Write a randomly initialised HF checkpoint of a preset shape");
+  auto io = std::make_shared<InitOptions>();
+  init->add_option("--preset", io->preset, "qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral")->required();
+  init->add_option("--out", io->out, "Output directory")->required();
+  init->add_option("--dtype", io->dtype, "bf16, fp16 or fp32");
+  init->add_option("--seed", io->seed, "Random seed");
+  init->add_flag("--value-head", io->value_head, "A value model (score head) instead of a causal LM");
+  init->add_option("--tokenizer-from", io->tokenizer_from, "Copy tokenizer files from this directory");
+  init->callback([&run, io] { run = [io] { return run_init(*io); }; });
+}
+
+}  // namespace tiller::cli

@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""`tiller tokenize` and `tiller generate` end to end against the Hugging Face references.
+
+  check_cli.py TILLER_BINARY FIXTURES_DIR SCRATCH_DIR
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+tiller, fixtures, scratch = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+scratch.mkdir(parents=True, exist_ok=True)
+failures = []
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what)
+    if not ok:
+        failures.append(what)
+
+
+# tokenize: ids equal the tokenizers library's for every corpus text of every file.
+tok_ref = json.loads((fixtures / "tokenizers" / "reference.json").read_text(encoding="utf-8"))
+for name in ["gpt2", "qwen2", "llama3"]:
+    for i, case in enumerate(tok_ref[name]["cases"]):
+        f = scratch / "text.txt"
+        f.write_bytes(case["text"].encode("utf-8"))
+        out = subprocess.run([tiller, "tokenize", "--tokenizer", str(fixtures / "tokenizers" / name), "--file", str(f)],
+                             capture_output=True, check=True)
+        got = json.loads(out.stdout)["ids"]
+        if got != case["ids"]:
+            check(False, f"tokenize {name} case {i}: {got} != {case['ids']}")
+check(not failures, "tokenize: every corpus text of gpt2, qwen2, llama3")
+
+# generate: chat template, tokenization, greedy decoding, eos handling and decoding.
+ref = json.loads((fixtures / "models" / "reference.json").read_text())["qwen2-chat"]
+prompts = scratch / "prompts.jsonl"
+prompts.write_text("".join(json.dumps({"question": p}) + "\n" for p in ref["prompts"]), encoding="utf-8")
+out_file = scratch / "out.jsonl"
+subprocess.run([tiller, "generate", "--model", str(fixtures / "models" / "qwen2-chat"), "--prompts", str(prompts),
+                "--input-key", "question", "--chat-template", "auto", "--greedy", "--max-new-tokens", "10",
+                "--batch-size", "2", "--out", str(out_file)], check=True)
+rows = [json.loads(l) for l in out_file.read_text(encoding="utf-8").splitlines()]
+check(len(rows) == len(ref["prompts"]), f"generate wrote {len(rows)} rows")
+for i, row in enumerate(rows):
+    check(row["prompt_ids"] == ref["prompt_ids"][i], f"prompt {i}: chat template + tokenizer give HF's prompt ids")
+    check(row["response_ids"] == ref["greedy"][i], f"prompt {i}: greedy ids {row['response_ids']} == HF {ref['greedy'][i]}")
+    check(row["response"] == ref["responses"][i], f"prompt {i}: response text equals HF's decode")
+    check(len(row["logprobs"]) == len(row["response_ids"]) and all(lp <= 0 for lp in row["logprobs"]),
+          f"prompt {i}: one log-prob <= 0 per token")
+    stopped = bool(row["response_ids"]) and row["response_ids"][-1] == ref["greedy"][i][-1] and len(ref["greedy"][i]) < 10
+    check(row["finish_reason"] == ("stop" if stopped else "length"), f"prompt {i}: finish_reason {row['finish_reason']}")
+sys.exit(1 if failures else 0)
