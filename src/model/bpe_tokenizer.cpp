@@ -177,7 +177,37 @@ struct Segment {
   int64_t added_id = -1;
 };
 
-bool is_word_byte(unsigned char c) { return std::isalnum(c) || c == '_' || c >= 0x80; }
+// Rust's char::is_alphanumeric() || '_' and char::is_whitespace(), which `tokenizers` uses for
+// single_word and lstrip/rstrip, by Unicode category.
+bool is_word_char(uint32_t cp) {
+  if (cp == '_') return true;
+  const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(cp));
+  return (cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_LO) ||
+         (cat >= UTF8PROC_CATEGORY_ND && cat <= UTF8PROC_CATEGORY_NO);
+}
+bool is_space_char(uint32_t cp) {
+  if ((cp >= 9 && cp <= 13) || cp == 0x85) return true;
+  const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(cp));
+  return cat == UTF8PROC_CATEGORY_ZS || cat == UTF8PROC_CATEGORY_ZL || cat == UTF8PROC_CATEGORY_ZP;
+}
+// The character ending just before byte `i` of s, and where it starts.
+uint32_t char_before(const std::string& s, size_t i, size_t* start) {
+  size_t b = i - 1;
+  while (b > 0 && (static_cast<unsigned char>(s[b]) & 0xC0) == 0x80) --b;
+  uint32_t cp = 0xFFFD;
+  if (utf8::decode(s, b, &cp) != i - b) cp = 0xFFFD;
+  *start = b;
+  return cp;
+}
+uint32_t char_at(const std::string& s, size_t i, size_t* len) {
+  uint32_t cp = 0xFFFD;
+  *len = utf8::decode(s, i, &cp);
+  if (*len == 0) {
+    *len = 1;
+    cp = 0xFFFD;
+  }
+  return cp;
+}
 
 class BpeTokenizer final : public Tokenizer {
  public:
@@ -436,7 +466,9 @@ class BpeTokenizer final : public Tokenizer {
         if ((!best || a.content.size() > best->content.size()) && text.compare(pos, a.content.size(), a.content) == 0) {
           if (a.single_word) {
             const size_t e = pos + a.content.size();
-            if ((pos > 0 && is_word_byte(text[pos - 1])) || (e < text.size() && is_word_byte(text[e]))) continue;
+            size_t at = 0;
+            if (pos > 0 && is_word_char(char_before(text, pos, &at))) continue;
+            if (e < text.size() && is_word_char(char_at(text, e, &at))) continue;
           }
           best = &a;
         }
@@ -446,10 +478,11 @@ class BpeTokenizer final : public Tokenizer {
         continue;
       }
       size_t b = pos, e = pos + best->content.size();
+      size_t at = 0;
       if (best->lstrip)
-        while (b > start && std::isspace(static_cast<unsigned char>(text[b - 1]))) --b;
+        while (b > start && is_space_char(char_before(text, b, &at))) b = at;
       if (best->rstrip)
-        while (e < text.size() && std::isspace(static_cast<unsigned char>(text[e]))) ++e;
+        while (e < text.size() && is_space_char(char_at(text, e, &at))) e += at;
       if (b > start) out.push_back({text.substr(start, b - start), -1});
       out.push_back({"", best->id});
       start = pos = e;
