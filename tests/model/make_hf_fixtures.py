@@ -60,6 +60,7 @@ CORPUS = [
     "Pneumonoultramicroscopicsilicovolcanoconiosis",
     "\u00a0non-breaking\u00a0space and\u2003em space",
     "   leading and trailing   ",
+    "a\u0085b c x\u200bz  \u180e y \u2028line\u2029para\u000bvt\u000cff",
 ]
 
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
