@@ -42,9 +42,42 @@ const ByteMap& byte_map() {
 }
 
 // --- PCRE2 (Unicode properties on: \p{L}, \s over Unicode, ...) ---------------------------------
+
+// `tokenizers` runs its patterns through Oniguruma, whose \s is exactly \t \n \v \f \r, U+0085
+// and the Z categories. PCRE2's \s also takes its horizontal-space list (U+180E, the Mongolian
+// vowel separator, is Cf today), so \s and \S are spelled out. \S inside a class has no such
+// spelling and is refused.
+std::string oniguruma_spaces(const std::string& pattern, const std::string& where) {
+  static const std::string kSpace = R"(\t\n\x0B\f\r\x{85}\p{Z})";
+  std::string out;
+  bool in_class = false;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    if (c == '\\' && i + 1 < pattern.size()) {
+      const char n = pattern[++i];
+      if (n == 's') out += in_class ? kSpace : "[" + kSpace + "]";
+      else if (n == 'S' && !in_class) out += "[^" + kSpace + "]";
+      else if (n == 'S') throw ConfigError(fmt::format("{}: regex /{}/ uses \\S inside a character class", where, pattern));
+      else out += std::string{c, n};
+      continue;
+    }
+    if (c == '[' && !in_class) {
+      in_class = true;
+      out += c;
+      if (i + 1 < pattern.size() && pattern[i + 1] == '^') out += pattern[++i];
+      if (i + 1 < pattern.size() && pattern[i + 1] == ']') out += pattern[++i];  // a literal ] first
+      continue;
+    }
+    if (c == ']' && in_class) in_class = false;
+    out += c;
+  }
+  return out;
+}
+
 class Regex {
  public:
-  Regex(const std::string& pattern, const std::string& where) {
+  Regex(const std::string& source, const std::string& where) {
+    const std::string pattern = oniguruma_spaces(source, where);
     int err = 0;
     PCRE2_SIZE off = 0;
     code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &err,
@@ -52,7 +85,7 @@ class Regex {
     if (!code_) {
       PCRE2_UCHAR msg[256];
       pcre2_get_error_message(err, msg, sizeof msg);
-      throw ConfigError(fmt::format("{}: regex /{}/ does not compile at offset {}: {}", where, pattern, off,
+      throw ConfigError(fmt::format("{}: regex /{}/ does not compile at offset {}: {}", where, source, off,
                                     reinterpret_cast<const char*>(msg)));
     }
     pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // falls back to the interpreter when JIT is unavailable
@@ -440,7 +473,16 @@ class BpeTokenizer final : public Tokenizer {
     else unsupported(key, "'" + type + "'");
   }
 
-  static std::string quote_meta(const std::string& s) { return "\\Q" + s + "\\E"; }
+  // A literal for PCRE2: ASCII punctuation escaped one by one (no \Q..\E, which the \s rewrite
+  // would not respect).
+  static std::string quote_meta(const std::string& s) {
+    std::string out;
+    for (char c : s) {
+      if (static_cast<unsigned char>(c) < 0x80 && !std::isalnum(static_cast<unsigned char>(c))) out += '\\';
+      out += c;
+    }
+    return out;
+  }
   static uint64_t pair_key(int64_t a, int64_t b) { return (static_cast<uint64_t>(a) << 32) | static_cast<uint64_t>(b); }
 
   std::string normalize(const std::string& s) const {

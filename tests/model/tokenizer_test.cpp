@@ -84,6 +84,9 @@ TEST(Tokenizer, UnsupportedComponentsAreRejectedByName) {
   EXPECT_NE(error("{nope").find("not valid JSON"), std::string::npos);
   auto tok = make_bpe_tokenizer("{" + model + "}", "t");
   EXPECT_EQ(tok->encode("abab"), (std::vector<int64_t>{2, 2}));
+  // A String split pattern is a literal, backslashes and brackets included.
+  auto lit = make_bpe_tokenizer("{" + model + R"(,"pre_tokenizer":{"type":"Split","pattern":{"String":"b\\s["},"behavior":"Removed"}})", "t");
+  EXPECT_EQ(lit->encode("ab\\s[ab"), (std::vector<int64_t>{0, 2}));
   EXPECT_THROW(tok->decode({7}), ConfigError);
 }
 
