@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
 #include <unistd.h>
 
@@ -15,6 +14,7 @@
 
 #include "commands.h"
 #include "tiller/core/error.h"
+#include "tiller/core/files.h"
 #include "tiller/model/chat_template.h"
 #include "tiller/model/generate.h"
 #include "tiller/model/tokenizer.h"
@@ -27,11 +27,9 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(fmt::format("{}: cannot open", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  auto text = read_file(path);
+  if (!text) throw ConfigError(fmt::format("{}: cannot open", path));
+  return *text;
 }
 
 at::ScalarType parse_model_dtype(const std::string& d) {

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <map>
 #include <sstream>
 
@@ -10,6 +9,7 @@
 
 #include "config_schema.h"
 #include "tiller/core/error.h"
+#include "tiller/core/files.h"
 
 namespace tiller {
 namespace {
@@ -277,11 +277,9 @@ JobConfig parse_config(const std::string& yaml_text, const std::string& origin,
 }
 
 JobConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(fmt::format("{}: cannot open the config file (does it exist?)", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return parse_config(ss.str(), path, overrides);
+  const auto text = read_file(path);
+  if (!text) throw ConfigError(fmt::format("{}: cannot open the config file (does it exist?)", path));
+  return parse_config(*text, path, overrides);
 }
 
 std::string to_yaml(const JobConfig& config) {

@@ -1,13 +1,12 @@
 #include "tiller/model/model_config.h"
 
 #include <cmath>
-#include <fstream>
-#include <sstream>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "tiller/core/error.h"
+#include "tiller/core/files.h"
 
 namespace tiller::model {
 namespace {
@@ -163,11 +162,9 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
 ModelConfig load_model_config(const std::string& dir_or_file) {
   std::string path = dir_or_file;
   if (path.size() < 5 || path.compare(path.size() - 5, 5, ".json") != 0) path += "/config.json";
-  std::ifstream in(path);
-  if (!in) throw ConfigError(fmt::format("{}: cannot open the model config (is this a Hugging Face model directory?)", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return parse_model_config(ss.str(), path);
+  const auto text = read_file(path);
+  if (!text) throw ConfigError(fmt::format("{}: cannot open the model config (is this a Hugging Face model directory?)", path));
+  return parse_model_config(*text, path);
 }
 
 void validate(const ModelConfig& c, const std::string& where) {

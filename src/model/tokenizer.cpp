@@ -1,13 +1,12 @@
 #include "tiller/model/tokenizer.h"
 
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "tiller/core/error.h"
+#include "tiller/core/files.h"
 
 namespace tiller::model {
 namespace {
@@ -15,12 +14,10 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p);
-  if (!in) throw IoError(fmt::format("{}: cannot open", p.string()));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+std::string read_or_throw(const fs::path& p) {
+  auto text = read_file(p.string());
+  if (!text) throw IoError(fmt::format("{}: cannot open", p.string()));
+  return *text;
 }
 
 // tokenizer_config.json names special tokens as strings or as {"content": ...} objects.
@@ -37,7 +34,7 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir) {
   const fs::path d(dir);
   std::unique_ptr<Tokenizer> tok;
   if (fs::exists(d / "tokenizer.json")) {
-    tok = make_bpe_tokenizer(read_file(d / "tokenizer.json"), (d / "tokenizer.json").string());
+    tok = make_bpe_tokenizer(read_or_throw(d / "tokenizer.json"), (d / "tokenizer.json").string());
   } else if (fs::exists(d / "tokenizer.model")) {
     tok = make_sentencepiece_tokenizer((d / "tokenizer.model").string());
   } else {
@@ -47,7 +44,7 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir) {
   if (fs::exists(cfg_path)) {
     json cfg;
     try {
-      cfg = json::parse(read_file(cfg_path));
+      cfg = json::parse(read_or_throw(cfg_path));
     } catch (const json::exception& e) {
       throw ConfigError(fmt::format("{}: not valid JSON ({})", cfg_path.string(), e.what()));
     }

@@ -50,7 +50,7 @@ CORPUS = [
     "I'm sure they'll say it's fine, we've done what you'd DON'T",
     "def f(x):\n    return x**2  # square\n",
     "before  <sep>  after<sep>end",
-    "zebra zebras azebra zebra. ézebra zebraé 1zebra —zebra— _zebra",
+    "qzx qzxs aqzx qzx. éqzx qzxé 1qzx —qzx— _qzx (qzx)",
     "x\u3000<sep>\u00a0y <sep>\u2003",
     "",
     " ",
@@ -73,7 +73,8 @@ def training_text():
     lines = []
     for p in sorted(REPO.glob("docs/*.md")) + [REPO / "README.md"]:
         lines += p.read_text(encoding="utf-8").splitlines()
-    return lines + CORPUS * 20
+    # The single_word added token stays out of training, so that it gets an id of its own.
+    return lines + [t for t in CORPUS if "qzx" not in t] * 20
 
 
 def make_bpe(kind):
@@ -112,7 +113,7 @@ def make_bpe(kind):
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
         config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
     else:
-        tok.add_tokens([AddedToken("zebra", single_word=True, normalized=False)])
+        tok.add_tokens([AddedToken("qzx", single_word=True, normalized=False)])
         config = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
     return tok, config
 

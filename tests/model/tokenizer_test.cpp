@@ -1,5 +1,7 @@
 // Tokenizers against the `tokenizers` and `sentencepiece` libraries (reference encodings made by
 // make_hf_fixtures.py from files trained on local text), and prompt templating.
+#include <algorithm>
+
 #include <gtest/gtest.h>
 
 #include "fixtures.h"
@@ -45,6 +47,21 @@ TEST(Tokenizer, SpecialTokensFromTokenizerConfig) {
   auto l = load_tokenizer(tok_dir("llama3"));
   EXPECT_EQ(l->bos_id, l->token_to_id("<|begin_of_text|>"));
   EXPECT_FALSE(l->is_special(*l->token_to_id("<sep>")));
+}
+
+TEST(Tokenizer, SingleWordAddedTokenOnlyStandsAlone) {
+  auto tok = load_tokenizer(tok_dir("gpt2"));
+  const auto id = tok->token_to_id("qzx");
+  ASSERT_TRUE(id);
+  EXPECT_GE(*id, 1200);  // added, not learned
+  auto count = [&](const std::string& text) {
+    const auto ids = tok->encode(text);
+    return std::count(ids.begin(), ids.end(), *id);
+  };
+  EXPECT_EQ(count("qzx"), 1);
+  EXPECT_EQ(count("a qzx."), 1);
+  EXPECT_EQ(count("(qzx) \xE2\x80\x94qzx\xE2\x80\x94"), 2);  // punctuation around it is no word
+  EXPECT_EQ(count("aqzx qzxs _qzx 1qzx \xC3\xA9qzx"), 0);     // letters, digits, '_' and é are
 }
 
 TEST(Tokenizer, SentencePieceEqualsTheLibrary) {
