@@ -17,5 +17,7 @@ void add_config_command(CLI::App& app, Runner& run);
 void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_bench_forward(CLI::App* bench, Runner& run);
 void add_model_commands(CLI::App& app, Runner& run);
+void add_zero_commands(CLI::App& app, Runner& run);
+void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv);
 
 }  // namespace tiller::cli

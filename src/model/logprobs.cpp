@@ -36,6 +36,33 @@ ChunkResult chunk_forward(const at::Tensor& h, const at::Tensor& w, const at::Te
   return r;
 }
 
+// d logp[t] / d z = onehot(target) - softmax(z), chunk by chunk with recomputed logits. The
+// weight gradient's matmul runs in the weight dtype (bf16 on tensor cores) and accumulates over
+// chunks in fp32.
+std::pair<at::Tensor, at::Tensor> backward_chunks(const at::Tensor& hidden, const at::Tensor& weight,
+                                                  const at::Tensor& targets, const at::Tensor& grad, double temperature,
+                                                  int64_t chunk, bool need_h, bool need_w) {
+  const at::ScalarType ct = compute_type(hidden);
+  const at::Tensor g = grad.to(ct);
+  const int64_t rows = hidden.size(0);
+  at::Tensor grad_h = need_h ? at::empty_like(hidden) : at::Tensor();
+  at::Tensor grad_w = need_w ? at::zeros(weight.sizes(), weight.options().dtype(ct)) : at::Tensor();
+  for (int64_t s = 0; s < rows; s += chunk) {
+    const int64_t n = std::min(chunk, rows - s);
+    at::Tensor h = hidden.narrow(0, s, n);
+    at::Tensor z = at::matmul(h, weight.t()).to(ct);
+    if (temperature != 1.0) z = z / temperature;
+    at::Tensor gs = g.narrow(0, s, n);
+    at::Tensor dz = at::softmax(z, -1).mul_(-gs.unsqueeze(1));
+    dz.scatter_add_(1, targets.narrow(0, s, n).unsqueeze(1), gs.unsqueeze(1));
+    if (temperature != 1.0) dz.div_(temperature);
+    const at::Tensor dzw = dz.to(weight.scalar_type());
+    if (need_h) grad_h.narrow(0, s, n).copy_(at::matmul(dzw, weight));
+    if (need_w) grad_w.add_(at::matmul(dzw.t(), h));
+  }
+  return {grad_h, need_w ? grad_w.to(weight.scalar_type()) : at::Tensor()};
+}
+
 struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, double temperature, int64_t chunk, at::Tensor* entropy) {
@@ -58,36 +85,24 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor& hidden = saved[0];
-    const at::Tensor& weight = saved[1];
-    const at::Tensor& targets = saved[2];
-    const double temperature = ctx->saved_data["temperature"].toDouble();
-    const int64_t chunk = ctx->saved_data["chunk"].toInt();
-    const at::ScalarType ct = compute_type(hidden);
-    const at::Tensor g = grads[0].to(ct);
-    const bool need_h = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
-    const int64_t rows = hidden.size(0);
-    at::Tensor grad_h = need_h ? at::empty_like(hidden) : at::Tensor();
-    at::Tensor grad_w = need_w ? at::zeros(weight.sizes(), weight.options().dtype(ct)) : at::Tensor();
-    for (int64_t s = 0; s < rows; s += chunk) {
-      const int64_t n = std::min(chunk, rows - s);
-      at::Tensor h = hidden.narrow(0, s, n);
-      at::Tensor z = at::matmul(h, weight.t()).to(ct);
-      if (temperature != 1.0) z = z / temperature;
-      // d logp[t] / d z = onehot(target) - softmax(z)
-      at::Tensor gs = g.narrow(0, s, n);
-      at::Tensor dz = at::softmax(z, -1).mul_(-gs.unsqueeze(1));
-      dz.scatter_add_(1, targets.narrow(0, s, n).unsqueeze(1), gs.unsqueeze(1));
-      if (temperature != 1.0) dz.div_(temperature);
-      if (need_h) grad_h.narrow(0, s, n).copy_(at::matmul(dz.to(weight.scalar_type()), weight));
-      if (need_w) grad_w.add_(at::matmul(dz.t(), h.to(ct)));
-    }
-    return {grad_h, need_w ? grad_w.to(weight.scalar_type()) : at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+    auto [grad_h, grad_w] = backward_chunks(saved[0], saved[1], saved[2], grads[0],
+                                                    ctx->saved_data["temperature"].toDouble(),
+                                                    ctx->saved_data["chunk"].toInt(), ctx->needs_input_grad(0),
+                                                    ctx->needs_input_grad(1));
+    return {grad_h, grad_w, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
+
+std::pair<at::Tensor, at::Tensor> token_logprobs_backward(const at::Tensor& hidden, const at::Tensor& lm_head,
+                                                          const at::Tensor& targets, const at::Tensor& grad,
+                                                          double temperature, int64_t chunk_rows, bool need_hidden,
+                                                          bool need_weight) {
+  TILLER_CHECK(grad.dim() == 1 && grad.size(0) == hidden.size(0), "token_logprobs_backward: {} gradients for {} rows",
+               grad.numel(), hidden.size(0));
+  return backward_chunks(hidden, lm_head, targets.to(at::kLong), grad, temperature, chunk_rows, need_hidden, need_weight);
+}
 
 at::Tensor token_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& targets,
                           double temperature, int64_t chunk_rows, at::Tensor* entropy) {

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tiller/core/error.h"
+#include "tiller/core/files.h"
 
 namespace tiller::model {
 namespace fs = std::filesystem;
@@ -300,14 +301,6 @@ void write_all(int fd, const void* data, size_t n, const std::string& path) {
   }
 }
 
-void fsync_dir(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
 // The temporary name of `path` while it is written: unique per process, so two writers never
 // share (and truncate) one file.
 std::string tmp_name(const std::string& path) { return path + ".tmp." + std::to_string(::getpid()); }
@@ -362,7 +355,7 @@ void commit(const std::string& path) {
 void write_safetensors(const std::string& path, const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
   write_file_tmp(path, tensors, metadata);
   commit(path);
-  fsync_dir(fs::path(path).parent_path().empty() ? fs::path(".") : fs::path(path).parent_path());
+  fsync_dir(fs::path(path).parent_path().string());
 }
 
 void write_checkpoint(const std::string& dir, const NamedTensors& tensors, uint64_t max_shard_bytes) {

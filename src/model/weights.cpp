@@ -1,16 +1,15 @@
 #include "tiller/model/weights.h"
 
 #include <filesystem>
-#include <fstream>
 #include <optional>
 
-#include <unistd.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "tiller/core/error.h"
+#include "tiller/core/files.h"
 
 namespace tiller::model {
 namespace {
@@ -108,6 +107,23 @@ ModelWeights bind_weights(const ModelConfig& c, const NamedTensors& named, Head 
   return w;
 }
 
+LayerWeights bind_layer(const ModelConfig& c, int64_t layer, const NamedTensors& named, const std::string& where) {
+  TILLER_CHECK(layer >= 0 && layer < c.num_layers, "{}: layer {} outside [0, {})", where, layer, c.num_layers);
+  LayerWeights w;
+  const std::string prefix = layer_name(layer, "");
+  for (const auto& f : kLayerFields) {
+    auto it = named.find(prefix + f.suffix);
+    if (it != named.end()) w.*(f.member) = it->second;
+  }
+  const bool complete = w.input_norm.defined() && w.q_proj.defined() && w.k_proj.defined() && w.v_proj.defined() &&
+                        w.o_proj.defined() && w.post_attn_norm.defined() && w.gate_proj.defined() &&
+                        w.up_proj.defined() && w.down_proj.defined() &&
+                        (!c.attention_bias || (w.q_bias.defined() && w.k_bias.defined() && w.v_bias.defined())) &&
+                        (!c.qk_norm || (w.q_norm.defined() && w.k_norm.defined()));
+  if (!complete) throw IoError(fmt::format("{}: layer {} lacks parameters its config needs", where, layer));
+  return w;
+}
+
 NamedTensors named_weights(const ModelConfig& c, const ModelWeights& w, Head head) {
   NamedTensors out;
   for (const ParamSpec& spec : parameter_specs(c, head)) {
@@ -170,15 +186,7 @@ void save_model(const std::string& dir, const ModelConfig& c, const ModelWeights
   const at::ScalarType st = named.begin()->second.scalar_type();
   out.torch_dtype = st == at::kBFloat16 ? "bfloat16" : st == at::kHalf ? "float16" : "float32";
   write_checkpoint(dir, named, max_shard_bytes);
-  const std::string cfg_path = dir + "/config.json";
-  {
-    std::ofstream f(cfg_path + ".tmp." + std::to_string(::getpid()));
-    f << to_hf_config_json(out, head == Head::kValue);
-    f.close();
-    if (!f) throw IoError(fmt::format("{}: write failed", cfg_path));
-  }
-  std::filesystem::rename(cfg_path + ".tmp." + std::to_string(::getpid()), cfg_path, ec);
-  if (ec) throw IoError(fmt::format("{}: rename failed: {}", cfg_path, ec.message()));
+  write_file_atomic(dir + "/config.json", to_hf_config_json(out, head == Head::kValue));
 }
 
 }  // namespace tiller::model

@@ -40,6 +40,15 @@ std::vector<at::Tensor> FlatLayout::views(const at::Tensor& full) const {
   return out;
 }
 
+void FlatLayout::zero_padding(at::Tensor& full) const {
+  int64_t end = 0;
+  for (const auto& p : params_) {
+    if (p.offset > end) full.narrow(0, end, p.offset - end).zero_();
+    end = p.offset + p.numel;
+  }
+  if (padded_numel() > end) full.narrow(0, end, padded_numel() - end).zero_();
+}
+
 std::vector<ShardPiece> FlatLayout::pieces(int rank) const {
   TILLER_CHECK(rank >= 0 && rank < world_, "rank {} outside [0, {})", rank, world_);
   const int64_t lo = rank * shard_numel_, hi = lo + shard_numel_;

@@ -23,15 +23,20 @@ namespace {
 class RankFailurePrinter : public ::testing::EmptyTestEventListener {
  public:
   explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  // The name is kept from OnTestStart: asking UnitTest for the current test from inside
+  // OnTestPartResult would take a mutex gtest already holds there, and deadlock.
+  void OnTestStart(const ::testing::TestInfo& info) override {
+    test_ = std::string(info.test_suite_name()) + "." + info.name();
+  }
   void OnTestPartResult(const ::testing::TestPartResult& r) override {
     if (!r.failed()) return;
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::fprintf(stderr, "[rank %d] FAILED %s.%s at %s:%d\n%s\n", rank_, info ? info->test_suite_name() : "?",
-                 info ? info->name() : "?", r.file_name() ? r.file_name() : "?", r.line_number(), r.message());
+    std::fprintf(stderr, "[rank %d] FAILED %s at %s:%d\n%s\n", rank_, test_.c_str(),
+                 r.file_name() ? r.file_name() : "?", r.line_number(), r.message());
   }
 
  private:
   int rank_;
+  std::string test_ = "?";
 };
 }  // namespace
 }  // namespace tiller::test

@@ -70,16 +70,28 @@ TEST(ShardAdamW, ShardedStepsEqualUnshardedAdamW) {
   at::Tensor full = at::randn({1000});
   at::Tensor mask = (at::arange(1000) % 3 != 0).to(at::kFloat);
   at::Tensor ref = full.clone(), m = at::zeros({1000}), v = at::zeros({1000});
-  std::vector<at::Tensor> masters;
+  // Four "ranks", each with its own optimizer over its quarter, two shards per rank (uneven).
+  std::vector<at::Tensor> masters, grads;
   std::vector<ShardAdamW> opts;
   for (int r = 0; r < 4; ++r) {
-    masters.push_back(full.narrow(0, r * 250, 250).clone());
-    opts.emplace_back(masters.back(), mask.narrow(0, r * 250, 250), c);
+    opts.emplace_back(c);
+    for (auto [b, n] : {std::pair<int64_t, int64_t>{r * 250, 101}, {r * 250 + 101, 149}}) {
+      masters.push_back(full.narrow(0, b, n).clone());
+      grads.push_back(at::zeros({n}));
+      opts[r].add(masters.back(), mask.narrow(0, b, n), grads.back());
+    }
   }
   for (int t = 1; t <= 5; ++t) {
     at::Tensor g = at::randn({1000});
     const double lr = 1e-2 * t;
-    for (int r = 0; r < 4; ++r) opts[r].step(g.narrow(0, r * 250, 250).clone(), lr);
+    const double clip = t == 3 ? 0.5 : 1.0;  // a clipped step: the optimizer scales the gradients
+    int64_t at_ = 0;
+    for (auto& gr : grads) {
+      gr.copy_(g.narrow(0, at_, gr.numel()));
+      at_ += gr.numel();
+    }
+    for (auto& o : opts) o.step(lr, clip);
+    g = g * clip;
     // Decayed and undecayed elements follow the reference separately.
     at::Tensor rd = ref.clone(), md = m.clone(), vd = v.clone();
     reference_adamw(rd, md, vd, g, t, lr, c, true);

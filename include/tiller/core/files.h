@@ -10,4 +10,11 @@ namespace tiller {
 // file is for in its own error).
 std::optional<std::string> read_file(const std::string& path);
 
+// Writes `text` to path + ".tmp.<pid>", fsyncs, renames it over `path` and fsyncs the directory:
+// readers see the old file or the new one, never a partial one. Throws IoError naming the path.
+void write_file_atomic(const std::string& path, const std::string& text);
+
+// fsync of a directory, so renames and creations inside it survive a crash. Best effort.
+void fsync_dir(const std::string& dir);
+
 }  // namespace tiller

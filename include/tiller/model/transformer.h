@@ -99,6 +99,14 @@ at::Tensor logits(const at::Tensor& hidden, const at::Tensor& lm_head);
 at::Tensor token_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& targets,
                           double temperature = 1.0, int64_t chunk_rows = 1024, at::Tensor* entropy = nullptr);
 
+// The backward of token_logprobs outside autograd: from d loss / d logprobs ([T]) to
+// (d hidden, d lm_head), recomputing the logits chunk by chunk. For callers that recompute the
+// head themselves (the ZeRO-3 trainer); a gradient not asked for is undefined.
+std::pair<at::Tensor, at::Tensor> token_logprobs_backward(const at::Tensor& hidden, const at::Tensor& lm_head,
+                                                          const at::Tensor& targets, const at::Tensor& grad,
+                                                          double temperature = 1.0, int64_t chunk_rows = 1024,
+                                                          bool need_hidden = true, bool need_weight = true);
+
 // Scalar value per row from the `score` head, fp32 [T].
 at::Tensor values(const at::Tensor& hidden, const at::Tensor& score);
 

@@ -57,6 +57,10 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg, Head head = Head:
 // checkpoint loaded as a critic has an lm_head that the critic does not use).
 ModelWeights bind_weights(const ModelConfig& cfg, const NamedTensors& named, Head head, const std::string& where);
 
+// Binds the parameters of block `layer` alone (the ZeRO-3 trainer binds one gathered block at a
+// time); same checks as bind_weights.
+LayerWeights bind_layer(const ModelConfig& cfg, int64_t layer, const NamedTensors& named, const std::string& where);
+
 // The inverse of bind_weights: HF names -> the bound tensors (tied lm_head left out).
 NamedTensors named_weights(const ModelConfig& cfg, const ModelWeights& w, Head head);
 

@@ -47,6 +47,8 @@ class FlatLayout {
 
   // Views of every parameter (in params() order, shaped) inside a full buffer of padded_numel().
   std::vector<at::Tensor> views(const at::Tensor& full) const;
+  // Zeroes the alignment gaps and the tail padding of a full buffer (the parameters are left alone).
+  void zero_padding(at::Tensor& full) const;
   // The pieces of parameters inside rank r's shard, in shard order.
   std::vector<ShardPiece> pieces(int rank) const;
   // 1 where weight decay applies in rank r's shard, 0 on no-decay parameters and padding.

@@ -1,13 +1,16 @@
 // AdamW on fp32 master shards, and learning-rate schedules.
 //
 // The update is PyTorch's AdamW (decoupled weight decay: p *= 1 - lr * wd, then the Adam step
-// with bias correction), applied elementwise, so a shard updates exactly as the same elements of
-// the unsharded parameter would. Weight decay is masked per element (norms, biases and padding
-// take none; FlatLayout::decay_mask).
+// with bias correction), run by ATen's fused multi-tensor kernel (aten::_fused_adamw_, the kernel
+// behind torch.optim.AdamW(fused=True), on CPU and CUDA) over every shard of a rank at once. It
+// is elementwise, so a shard updates as the same elements of the unsharded parameter would.
+// Weight decay is masked per element: norms, biases and padding take none (FlatLayout::decay_mask);
+// each shard is split into its runs of decayed and undecayed elements once, at add().
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -24,25 +27,42 @@ struct AdamWConfig {
   double weight_decay = 0.0;
 };
 
-// The optimizer state of one shard. Not thread-safe; device of the master shard.
+// The optimizer state of a rank's shards. Not thread-safe; state lives on each master's device.
 class ShardAdamW {
  public:
-  // `master`: fp32 parameters (updated in place); `decay_mask`: same size, 1 where decay applies.
-  ShardAdamW(at::Tensor master, at::Tensor decay_mask, AdamWConfig cfg);
+  explicit ShardAdamW(AdamWConfig cfg) : cfg_(cfg) {}
 
-  // One step with learning rate `lr`; `grad` is fp32 and the size of the shard.
-  void step(const at::Tensor& grad, double lr);
+  // Registers an fp32 shard, updated in place by step(); `decay_mask` (same numel) is 1 where
+  // weight decay applies. Returns the shard's index. Its gradients must stay at the same storage
+  // for every step (the trainer's fp32 gradient accumulators).
+  size_t add(at::Tensor master, const at::Tensor& decay_mask, at::Tensor grad);
+
+  // One step with learning rate `lr`; gradients are multiplied by `grad_factor` first (global-norm
+  // clipping) and are garbage afterwards.
+  void step(double lr, double grad_factor = 1.0);
 
   int64_t steps() const { return steps_; }
-  const at::Tensor& master() const { return master_; }
-  const at::Tensor& exp_avg() const { return exp_avg_; }
-  const at::Tensor& exp_avg_sq() const { return exp_avg_sq_; }
-  // Restores the state saved from exp_avg(), exp_avg_sq() and steps() (checkpoints).
-  void load_state(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, int64_t steps);
+  size_t size() const { return shards_.size(); }
+  const at::Tensor& master(size_t i) const { return shards_[i].master; }
+  const at::Tensor& exp_avg(size_t i) const { return shards_[i].exp_avg; }
+  const at::Tensor& exp_avg_sq(size_t i) const { return shards_[i].exp_avg_sq; }
+  // Restores the moments saved from exp_avg(i) / exp_avg_sq(i), and the step count (checkpoints).
+  void load_state(size_t i, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq);
+  void set_steps(int64_t steps);
+  // Bytes of optimizer state (moments) held by this rank.
+  int64_t state_bytes() const;
 
  private:
-  at::Tensor master_, mask_, exp_avg_, exp_avg_sq_;
+  struct Shard {
+    at::Tensor master, grad, exp_avg, exp_avg_sq;
+  };
+  // Aligned runs of one shard, as views: the lists the fused kernel takes, per decay kind.
+  struct Group {
+    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+  };
   AdamWConfig cfg_;
+  std::vector<Shard> shards_;
+  Group decayed_, undecayed_;
   int64_t steps_ = 0;
 };
 

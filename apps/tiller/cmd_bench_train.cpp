@@ -1,0 +1,181 @@
+// tiller bench train: ZeRO-3 training throughput of a preset shape, one rank per GPU under
+// mpirun. Each step is a forward and backward of --micro-batch sequences of --seq random tokens
+// per rank (the loss is the mean token log-prob), then clipping and AdamW: the same work as
+// ../shared/bench/peer_bench.py fsdp, which scripts/gpu/bench_train.sh runs beside it.
+//
+// Reported from the slowest rank, median over the timed steps: seconds per step, tokens/s/GPU,
+// MFU with the peer's formula (6 x non-embedding-head parameters + causal attention, against
+// 989 TFLOP/s), peak memory, and where the step's time goes: optimizer; exposed communication
+// (GPU time compute stood waiting for a gather or reduce-scatter, from CUDA events); the rest is
+// compute, of which recomputation is estimated as the blocks' forward share of the FLOPs.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+
+#include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "model/torch_compat.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+#include "tiller/dist/communicator.h"
+#include "tiller/dist/mpi_env.h"
+#include "tiller/model/transformer.h"
+#include "tiller/model/weights.h"
+#include "tiller/zero/sharded_model.h"
+
+namespace tiller::cli {
+namespace {
+
+struct TrainBenchOptions {
+  std::string model = "qwen2-1.5b";
+  int64_t seq = 2048;
+  int64_t micro_batch = 4;
+  int steps = 6;  // the first two are warm-up, as in the peer
+  std::string backend = "auto";
+  double timeout_s = 300;
+  int64_t chunk_rows = 2048;
+  std::string out;
+};
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
+  dist::MpiEnv env(argc, argv);
+  log::init(env.rank(), "bench", log::Level::kWarn);
+  const int gpus = at::detail::getCUDAHooks().getNumGPUs();
+  std::string backend = o.backend;
+  if (backend == "auto") backend = dist::MpiEnv::have_nccl() && gpus > 0 ? "nccl" : "mpi";
+  if (backend != "nccl" && backend != "mpi") throw ConfigError("--backend: use auto, nccl or mpi");
+  if (o.steps < 3) throw ConfigError("--steps: at least 3 (two warm-up steps are not timed)");
+  auto world = env.world(o.timeout_s);
+  std::unique_ptr<dist::Communicator> nccl;
+  at::Device dev = at::kCPU;
+  if (backend == "nccl") {
+    if (gpus == 0) throw ConfigError(fmt::format("--backend nccl: no CUDA device on rank {}", env.rank()));
+    const int local = env.node_map(0, false, o.timeout_s).local_position(env.rank()).index % gpus;
+    nccl = dist::MpiEnv::nccl(*world, local, "bench.train", o.timeout_s);
+    dev = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local));
+  }
+  dist::Communicator& comm = nccl ? *nccl : *world;
+
+  const model::ModelConfig cfg = model::preset(o.model);
+  zero::ShardedModelOptions mo;
+  mo.compute_dtype = dev.is_cuda() ? at::kBFloat16 : at::kFloat;
+  mo.device = dev;
+  mo.max_grad_norm = 1.0;
+  mo.logprob_chunk_rows = o.chunk_rows;
+  mo.measure_waits = true;
+  zero::ShardedModel model(cfg, comm, mo);
+  {
+    const model::NamedTensors init = model::init_weights(cfg, model::Head::kLm, 1, mo.compute_dtype, dev);
+    model.load(init, o.model);
+  }
+
+  std::vector<std::vector<int64_t>> seqs;
+  at::Generator gen = at::detail::createCPUGenerator(100 + comm.rank());
+  for (int64_t i = 0; i < o.micro_batch; ++i) {
+    at::Tensor t = at::randint(0, cfg.vocab_size, {o.seq}, gen, at::kLong);
+    seqs.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + o.seq);
+  }
+  const model::PackedBatch batch = model::PackedBatch::pack(seqs, dev);
+  const at::Tensor targets = batch.tokens.roll(-1);
+
+  std::vector<double> step_s, fwd_bwd_s, opt_s, wait_s;
+  compat::reset_peak(dev);
+  for (int s = 0; s < o.steps; ++s) {
+    compat::synchronize(dev);
+    const auto t0 = Clock::now();
+    model.token_logprobs(batch, targets).mean().neg().backward();
+    compat::synchronize(dev);
+    const double fb = since(t0);
+    const auto t1 = Clock::now();
+    model.step(1e-5);
+    compat::synchronize(dev);
+    const double opt = since(t1), total = since(t0);
+    const double waited = model.take_wait_seconds();
+    if (s < 2) continue;
+    step_s.push_back(total);
+    fwd_bwd_s.push_back(fb);
+    opt_s.push_back(opt);
+    wait_s.push_back(waited);
+  }
+  // The slowest rank's medians.
+  at::Tensor t = at::tensor({median(step_s), median(fwd_bwd_s), median(opt_s), median(wait_s),
+                             static_cast<double>(compat::peak_allocated_bytes(dev))},
+                            at::kDouble);
+  world->all_reduce(t, dist::ReduceOp::kMax)->wait();
+  const double step = t[0].item<double>(), fb = t[1].item<double>(), opt = t[2].item<double>(),
+               waited = t[3].item<double>(), peak = t[4].item<double>();
+
+  const int64_t tokens = o.seq * o.micro_batch;
+  const int64_t nparam = model::num_parameters(cfg);
+  const int64_t emb = cfg.vocab_size * cfg.hidden_size;
+  const double flops_tok = 6.0 * static_cast<double>(nparam - (cfg.tie_word_embeddings ? 0 : emb)) +
+                           6.0 * cfg.num_layers * cfg.hidden_size * o.seq;
+  const double tok_s = tokens / step;
+  // Recomputation: one more forward of the blocks (2 x block parameters per token + attention),
+  // out of forward + recompute + backward of blocks plus the head's 4 passes.
+  const double block_params = static_cast<double>(nparam - emb - cfg.hidden_size);
+  const double block_fwd = 2.0 * block_params + 2.0 * cfg.num_layers * cfg.hidden_size * o.seq;
+  const double head_flops = 2.0 * static_cast<double>(emb) * 4;
+  const double compute = std::max(0.0, fb - waited);
+  nlohmann::ordered_json r;
+  r["bench"] = "train";
+  r["model"] = o.model;
+  r["params_B"] = nparam / 1e9;
+  r["world"] = comm.size();
+  r["backend"] = comm.backend();
+  r["seq"] = o.seq;
+  r["mbs"] = o.micro_batch;
+  r["steps_timed"] = o.steps - 2;
+  r["step_s"] = step;
+  r["tokens_per_s_per_gpu"] = tok_s;
+  r["mfu_vs_989"] = flops_tok * tok_s / 989e12;
+  r["peak_mem_GiB"] = peak / double(1 << 30);
+  nlohmann::ordered_json b;
+  b["forward_backward_s"] = fb;
+  b["exposed_comm_s"] = waited;
+  b["compute_s"] = compute;
+  b["recompute_est_s"] = compute * block_fwd / (4 * block_fwd + head_flops);
+  b["optimizer_s"] = opt;
+  r["breakdown"] = b;
+  if (env.rank() == 0) {
+    const std::string text = r.dump();
+    std::printf("%s\n", text.c_str());
+    if (!o.out.empty()) {
+      std::ofstream f(o.out);
+      if (!(f << text << "\n")) throw IoError(fmt::format("--out {}: cannot write the results", o.out));
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
+  auto* tr = bench->add_subcommand("train", "ZeRO-3 training steps of a preset shape (under mpirun, one rank per GPU)");
+  auto o = std::make_shared<TrainBenchOptions>();
+  tr->add_option("--model", o->model, "Preset shape: qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny-*");
+  tr->add_option("--seq", o->seq, "Tokens per sequence")->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
+  tr->add_option("--micro-batch", o->micro_batch, "Sequences per rank per step")->check(CLI::Range(1, 4096));
+  tr->add_option("--steps", o->steps, "Steps, the first two untimed")->check(CLI::Range(3, 10000));
+  tr->add_option("--backend", o->backend, "auto (NCCL when GPUs are visible), nccl or mpi");
+  tr->add_option("--chunk-rows", o->chunk_rows, "Rows per log-prob chunk")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  tr->add_option("--timeout", o->timeout_s, "Deadline of each collective, seconds");
+  tr->add_option("--out", o->out, "Also write the JSON here");
+  tr->callback([&run, o, &argc, &argv] { run = [o, &argc, &argv] { return run_train_bench(*o, &argc, &argv); }; });
+}
+
+}  // namespace tiller::cli

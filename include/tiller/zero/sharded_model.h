@@ -1,0 +1,134 @@
+// ShardedModel: one role's model (actor, critic, reference, reward) held ZeRO-3 style over the
+// role's communicator.
+//
+// Storage. The model is cut into units (flat_layout.h: the embedding, each block, the final norm
+// and head). Each rank holds 1/N of every unit: the compute-dtype shard that all-gathers feed
+// (bf16 on GPU), and, when trainable, the fp32 master shard, the fp32 gradient accumulator and
+// the two AdamW moments. In fp32 compute the master shard is the compute shard.
+//
+// Forward. A unit is all-gathered into a transient full buffer right before it is used, the
+// next unit's gather is issued on the communication stream before the current unit computes,
+// and each buffer is released after use: the whole model is never gathered, the extra memory is
+// about two units. Under autograd each unit runs inside a custom autograd function that keeps
+// only its input (block-level activation checkpointing). Its backward re-gathers the unit (the
+// next unit to backpropagate is prefetched meanwhile), recomputes it, backpropagates, and
+// reduce-scatters the gradient in fp32 into this rank's accumulator; the reduce-scatter of unit
+// i completes while unit i-1 backpropagates. Gradients accumulate over micro-batches until step().
+// A tied LM head reuses the embedding unit: its gradient reaches the embedding shard twice.
+//
+// Collective contract: every rank of the group calls forward functions, backward (through
+// autograd) and step() the same number of times in the same order, each with its own batch (an
+// empty batch is allowed). Frozen roles with `replicate` hold the whole model on every rank and
+// communicate nothing in forward.
+//
+// Threading: one thread at a time; autograd's backward may run on its device thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "tiller/model/model_config.h"
+#include "tiller/model/transformer.h"
+#include "tiller/model/weights.h"
+#include "tiller/zero/optimizer.h"
+
+namespace tiller::dist {
+class Communicator;
+}
+
+namespace tiller::zero {
+
+struct ShardedModelOptions {
+  model::Head head = model::Head::kLm;
+  at::ScalarType compute_dtype = at::kBFloat16;
+  at::Device device = at::kCPU;
+  bool trainable = true;    // false: a frozen role; no master, gradients or optimizer state
+  bool replicate = false;   // frozen only: every rank holds the whole model (small models)
+  AdamWConfig adamw;
+  double max_grad_norm = 1.0;  // <= 0: no clipping
+  int64_t logprob_chunk_rows = 1024;
+  model::AttentionBackend attention = model::AttentionBackend::kAuto;
+  // Benchmarks: record how long compute waits for gathers and reductions (CUDA events on the
+  // compute stream; host time on CPU); read with take_wait_seconds().
+  bool measure_waits = false;
+};
+
+struct StepResult {
+  double grad_norm = 0;     // global L2 norm before clipping
+  double clip_factor = 1;   // what gradients were scaled by
+  bool skipped = false;     // non-finite gradient norm: no update (agreed by every rank)
+};
+
+// Bytes this rank holds for the model between steps (not counting transient gathered units).
+struct ShardMemory {
+  int64_t parameters = 0;  // compute shard + fp32 master
+  int64_t gradients = 0;
+  int64_t optimizer = 0;
+  int64_t total() const { return parameters + gradients + optimizer; }
+};
+
+class ShardedModel {
+ public:
+  // Not collective. `comm` must outlive the model (unused when replicated).
+  ShardedModel(const model::ModelConfig& cfg, dist::Communicator& comm, ShardedModelOptions opts);
+  ~ShardedModel();
+  ShardedModel(const ShardedModel&) = delete;
+  ShardedModel& operator=(const ShardedModel&) = delete;
+
+  // Fills this rank's shards from full named tensors (HF names; any device and dtype; only this
+  // rank's pieces are read, so views of a memory-mapped checkpoint cost no copy). IoError names
+  // `where` and the tensor when one is missing or misshapen. Not collective.
+  void load(const model::NamedTensors& named, const std::string& where);
+  // load() from an HF checkpoint directory, memory-mapped.
+  void load_hf(const std::string& dir);
+
+  // Per-token log-probs of `targets` ([T], targets[t] follows token t) under softmax(logits / T),
+  // fp32 [T]; differentiable when autograd is on and the model trainable. `entropy`, if given,
+  // receives each row's entropy (not differentiable). Collective.
+  at::Tensor token_logprobs(const model::PackedBatch& batch, const at::Tensor& targets, double temperature = 1.0,
+                            at::Tensor* entropy = nullptr);
+  // Value-head outputs, fp32 [T] (Head::kValue). Collective.
+  at::Tensor values(const model::PackedBatch& batch);
+
+  // Waits for every gradient, clips by the global norm (one all-reduce), runs AdamW with `lr`,
+  // refreshes the compute shards and zeroes the gradients. Collective.
+  StepResult step(double lr);
+  void zero_grad();
+  int64_t steps() const;
+  // Exposed communication since the last call (measure_waits): seconds the compute stream stood
+  // waiting for a gather or reduce-scatter. Synchronises the device.
+  double take_wait_seconds();
+
+  // The full parameters (HF names, fp32 masters when trainable), gathered on every rank; for
+  // tests, small models and export. Collective.
+  model::NamedTensors gather_parameters();
+
+  // Checkpoints: see checkpoint.h.
+  struct UnitState {
+    std::string name;
+    at::Tensor master;          // fp32 (trainable) or the compute shard (frozen)
+    at::Tensor exp_avg, exp_avg_sq;  // undefined when frozen
+  };
+  std::vector<UnitState> unit_states() const;
+  void load_unit_state(size_t unit, const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq);
+  void set_steps(int64_t steps);
+
+  const model::ModelConfig& config() const;
+  dist::Communicator& communicator() const;
+  // The HF directory load_hf() read, "" otherwise (recorded in checkpoints).
+  const std::string& source_model() const;
+  const ShardedModelOptions& options() const;
+  int rank() const;   // in the layout (0 when replicated)
+  int world() const;  // shards per unit (1 when replicated)
+  ShardMemory memory() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tiller::zero

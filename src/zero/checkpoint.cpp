@@ -1,0 +1,256 @@
+#include "tiller/zero/checkpoint.h"
+
+#include <exception>
+#include <filesystem>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "tiller/core/error.h"
+#include "tiller/core/files.h"
+#include "tiller/core/logging.h"
+#include "tiller/dist/communicator.h"
+#include "tiller/model/safetensors.h"
+#include "tiller/model/weights.h"
+#include "tiller/zero/flat_layout.h"
+#include "tiller/zero/sharded_model.h"
+
+namespace tiller::zero {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+constexpr const char* kFormat = "tiller-zero-1";
+
+std::string rank_file(const std::string& dir, int rank) { return fmt::format("{}/rank_{:05d}.safetensors", dir, rank); }
+const char* head_name(model::Head h) { return h == model::Head::kLm ? "lm" : "value"; }
+
+// Every rank says whether it failed; returns the lowest failing group rank, or -1. Collective.
+int first_failure(ShardedModel& m, bool failed) {
+  dist::Communicator& comm = m.communicator();
+  const auto opts = at::TensorOptions().dtype(at::kInt).device(m.options().device);
+  at::Tensor t = at::full({1}, failed ? comm.size() - comm.rank() : 0, opts);
+  comm.all_reduce(t, dist::ReduceOp::kMax)->wait();
+  const int v = t.cpu().item<int>();
+  return v == 0 ? -1 : comm.size() - v;
+}
+
+// Runs `f`; returns the error text ("" on success) so that every rank can reach the agreement.
+template <class F>
+std::string attempt(F&& f, std::exception_ptr* keep = nullptr) {
+  try {
+    f();
+    return {};
+  } catch (const std::exception& e) {
+    if (keep) *keep = std::current_exception();
+    return e.what()[0] ? e.what() : "unknown error";
+  }
+}
+
+json read_meta(const std::string& dir) {
+  const auto text = read_file(dir + "/meta.json");
+  if (!text)
+    throw IoError(fmt::format("{}: no meta.json; not a tiller checkpoint, or its save never completed", dir));
+  json meta;
+  try {
+    meta = json::parse(*text);
+  } catch (const std::exception& e) {
+    throw IoError(fmt::format("{}/meta.json: not valid JSON: {}", dir, e.what()));
+  }
+  if (!meta.is_object() || meta.value("format", "") != kFormat)
+    throw IoError(fmt::format("{}/meta.json: format is not {}", dir, kFormat));
+  return meta;
+}
+
+// DIR, or DIR.old when a save was interrupted between moving DIR aside and renaming DIR.tmp.
+std::string resolve(const std::string& dir) {
+  if (!fs::exists(dir + "/meta.json") && fs::exists(dir + ".old/meta.json")) {
+    log::warn("{}: incomplete; loading {}.old, left by an interrupted save", dir, dir);
+    return dir + ".old";
+  }
+  return dir;
+}
+
+void save_rng(model::NamedTensors& out, const at::Device& device) {
+  out["rng.cpu"] = at::detail::getDefaultCPUGenerator().get_state();
+  if (device.is_cuda()) out["rng.cuda"] = at::globalContext().defaultGenerator(device).get_state();
+}
+void load_rng(const model::SafetensorsFile& f, const at::Device& device) {
+  if (f.contains("rng.cpu")) {
+    at::Generator g = at::detail::getDefaultCPUGenerator();  // a handle sharing the default's state
+    g.set_state(f.tensor("rng.cpu").clone());
+  }
+  if (device.is_cuda() && f.contains("rng.cuda")) {
+    at::Generator g = at::globalContext().defaultGenerator(device);
+    g.set_state(f.tensor("rng.cuda").clone());
+  }
+}
+
+}  // namespace
+
+void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOptions& options) {
+  dist::Communicator& comm = model.communicator();
+  const int me = comm.rank();
+  const std::string tmp = dir + ".tmp", old = dir + ".old";
+  std::string err;
+  if (me == 0) err = attempt([&] {
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+  });
+  int bad = first_failure(model, !err.empty());
+  if (bad >= 0) throw IoError(fmt::format("checkpoint {}: cannot create {}: {}", dir, tmp, err.empty() ? "see rank 0" : err));
+
+  const auto states = model.unit_states();
+  err = attempt([&] {
+    if (!model.options().replicate || me == 0) {
+      model::NamedTensors tensors;
+      for (const auto& s : states) {
+        tensors[s.name + ".master"] = s.master;
+        if (s.exp_avg.defined()) {
+          tensors[s.name + ".exp_avg"] = s.exp_avg;
+          tensors[s.name + ".exp_avg_sq"] = s.exp_avg_sq;
+        }
+      }
+      save_rng(tensors, model.options().device);
+      model::write_safetensors(rank_file(tmp, model.rank()), tensors,
+                               {{"rank", std::to_string(model.rank())}, {"world", std::to_string(model.world())}});
+    }
+    if (options.after_write) options.after_write(me);
+  });
+  bad = first_failure(model, !err.empty());
+  if (bad >= 0) {
+    if (me == 0) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+    }
+    first_failure(model, false);  // every rank leaves once the temporary directory is gone
+    throw IoError(fmt::format("checkpoint {}: rank {} failed to write its shard{}; the previous checkpoint is untouched",
+                              dir, bad, err.empty() ? "" : ": " + err));
+  }
+
+  if (me == 0) err = attempt([&] {
+    const auto& o = model.options();
+    json meta;
+    meta["format"] = kFormat;
+    meta["world"] = model.world();
+    meta["steps"] = model.steps();
+    meta["head"] = head_name(o.head);
+    meta["trainable"] = o.trainable;
+    meta["compute_dtype"] = c10::toString(o.compute_dtype);
+    meta["source_model"] = options.source_model.empty() ? model.source_model() : options.source_model;
+    json units = json::array();
+    for (const auto& s : states) units.push_back({{"name", s.name}, {"shard_numel", s.master.numel()}});
+    meta["units"] = units;
+    write_file_atomic(tmp + "/config.json", model::to_hf_config_json(model.config(), o.head == model::Head::kValue));
+    write_file_atomic(tmp + "/meta.json", meta.dump(2));
+    fsync_dir(tmp);
+    if (fs::exists(dir)) {
+      fs::remove_all(old);
+      fs::rename(dir, old);
+    }
+    fs::rename(tmp, dir);
+    fsync_dir(fs::path(dir).parent_path().string());
+    fs::remove_all(old);
+  });
+  bad = first_failure(model, !err.empty());
+  if (bad >= 0) throw IoError(fmt::format("checkpoint {}: commit failed: {}", dir, err.empty() ? "see rank 0" : err));
+}
+
+void load_checkpoint(ShardedModel& model, const std::string& dir_in) {
+  std::exception_ptr error;
+  const std::string err = attempt([&] {
+    const std::string dir = resolve(dir_in);
+    const json meta = read_meta(dir);
+    const auto& o = model.options();
+    const int world = meta.value("world", 0);
+    if (world != model.world())
+      throw ConfigError(fmt::format("{}: saved by a group of {} ranks, this group has {}; resume with the same world "
+                                    "size, or `tiller export` it and start from the HF directory",
+                                    dir, world, model.world()));
+    if (meta.value("head", "") != head_name(o.head))
+      throw ConfigError(fmt::format("{}: holds a model with the {} head, this role needs the {} head", dir,
+                                    meta.value("head", "?"), head_name(o.head)));
+    if (o.trainable && !meta.value("trainable", false))
+      throw ConfigError(fmt::format("{}: saved by a frozen model, without optimizer state; load it as a frozen role "
+                                    "or start training from an HF directory", dir));
+    const auto states = model.unit_states();
+    const json& units = meta.at("units");
+    if (units.size() != states.size())
+      throw ConfigError(fmt::format("{}: {} units, this model has {}; is it the same model shape?", dir, units.size(),
+                                    states.size()));
+    for (size_t i = 0; i < states.size(); ++i) {
+      if (units[i].value("name", "") != states[i].name || units[i].value("shard_numel", int64_t{-1}) != states[i].master.numel())
+        throw ConfigError(fmt::format("{}: unit {} ({}) has {} elements per rank, this model's {} has {}; is it the same "
+                                      "model shape?", dir, i, units[i].value("name", "?"),
+                                      units[i].value("shard_numel", int64_t{-1}), states[i].name, states[i].master.numel()));
+    }
+    const std::string path = rank_file(dir, model.rank());
+    if (!fs::exists(path)) throw IoError(fmt::format("{}: missing; the checkpoint is incomplete", path));
+    model::SafetensorsFile f(path);
+    for (size_t i = 0; i < states.size(); ++i) {
+      const std::string& n = states[i].name;
+      at::Tensor master = f.tensor(n + ".master");
+      at::Tensor ea, eas;
+      if (o.trainable) {
+        ea = f.tensor(n + ".exp_avg");
+        eas = f.tensor(n + ".exp_avg_sq");
+      }
+      if (master.numel() != states[i].master.numel())
+        throw IoError(fmt::format("{}: '{}.master' has {} elements, expected {}", path, n, master.numel(),
+                                  states[i].master.numel()));
+      model.load_unit_state(i, master, ea, eas);
+    }
+    model.set_steps(meta.value("steps", int64_t{0}));
+    load_rng(f, o.device);
+  }, &error);
+  const int bad = first_failure(model, !err.empty());
+  if (bad < 0) return;
+  if (error) std::rethrow_exception(error);
+  throw IoError(fmt::format("checkpoint {}: rank {} failed to load it (its message names the cause)", dir_in, bad));
+}
+
+int64_t checkpoint_steps(const std::string& dir) { return read_meta(resolve(dir)).value("steps", int64_t{0}); }
+
+void export_hf(const std::string& checkpoint_dir, const std::string& out_dir, at::ScalarType dtype) {
+  const std::string dir = resolve(checkpoint_dir);
+  const json meta = read_meta(dir);
+  const model::ModelConfig cfg = model::load_model_config(dir + "/config.json");
+  const model::Head head = meta.value("head", "lm") == "value" ? model::Head::kValue : model::Head::kLm;
+  const int world = meta.value("world", 0);
+  if (world <= 0) throw IoError(fmt::format("{}/meta.json: world size {} is not valid", dir, world));
+  std::vector<model::SafetensorsFile> files;
+  for (int r = 0; r < world; ++r) {
+    const std::string path = rank_file(dir, r);
+    if (!fs::exists(path)) throw IoError(fmt::format("{}: missing; the checkpoint is incomplete", path));
+    files.emplace_back(path);
+  }
+  model::NamedTensors named;
+  for (const auto& layout : model_layouts(cfg, head, world)) {
+    std::vector<at::Tensor> parts;
+    for (auto& f : files) parts.push_back(f.tensor(layout.name() + ".master"));
+    at::Tensor full = at::cat(parts);
+    if (full.numel() != layout.padded_numel())
+      throw IoError(fmt::format("{}: unit {} has {} elements over {} ranks, config.json implies {}", dir, layout.name(),
+                                full.numel(), world, layout.padded_numel()));
+    full = full.to(dtype);
+    const auto views = layout.views(full);
+    for (size_t i = 0; i < views.size(); ++i) named[layout.params()[i].spec.name] = views[i];
+  }
+  model::save_model(out_dir, cfg, model::bind_weights(cfg, named, head, dir), head);
+  const std::string source = meta.value("source_model", "");
+  if (source.empty() || !fs::is_directory(source)) return;
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                           "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja"}) {
+    const fs::path src = fs::path(source) / name;
+    if (!fs::exists(src)) continue;
+    std::error_code ec;
+    fs::copy_file(src, fs::path(out_dir) / name, fs::copy_options::overwrite_existing, ec);
+    if (ec) throw IoError(fmt::format("{}: cannot copy to {}: {}", src.string(), out_dir, ec.message()));
+  }
+}
+
+}  // namespace tiller::zero

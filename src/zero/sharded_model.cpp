@@ -1,0 +1,593 @@
+#include "tiller/zero/sharded_model.h"
+
+#include <chrono>
+#include <cmath>
+#include <map>
+
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
+#include <c10/core/Event.h>
+#include <fmt/format.h>
+
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+#include "tiller/dist/communicator.h"
+#include "tiller/model/safetensors.h"
+#include "tiller/zero/flat_layout.h"
+
+namespace tiller::zero {
+
+using model::NamedTensors;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+constexpr int64_t kF32 = sizeof(float);
+}
+
+// Units and segments share indices: 0 is the embedding, 1 + i is block i, L + 1 is the head
+// (final norm and lm_head or score). The head segment of a tied LM also uses unit 0.
+struct ShardedModel::Impl {
+  struct Unit {
+    FlatLayout layout;
+    at::Tensor shard;   // compute dtype: what all-gathers read
+    at::Tensor master;  // fp32; the shard itself in fp32 compute; undefined when frozen
+    at::Tensor grad;    // fp32 accumulator; undefined when frozen
+    bool grad_fresh = true;  // nothing accumulated since zero_grad: the next reduce-scatter writes
+  };
+  struct Gathered {
+    at::Tensor full;
+    dist::WorkPtr work;  // null once waited for
+  };
+  struct Reduction {
+    dist::WorkPtr work;
+    at::Tensor out;  // the reduced shard; added into the accumulator unless it is the accumulator
+    size_t unit = 0;
+  };
+
+  model::ModelConfig cfg;
+  dist::Communicator& comm;
+  ShardedModelOptions opts;
+  int rank = 0, world = 1;
+  bool local = true;  // one shard per unit: no collectives
+  std::vector<Unit> units;
+  std::unique_ptr<ShardAdamW> adam;
+  model::Rope rope;
+  at::Tensor anchor;  // requires grad: makes every segment's output part of the graph
+  std::map<size_t, Gathered> gathered;
+  std::vector<Reduction> reducing_prev, reducing_cur;
+  std::string source;  // HF directory loaded from
+  std::vector<std::pair<c10::Event, c10::Event>> waits;  // measure_waits on GPU: around each stream wait
+  double host_wait_s = 0;                                 // measure_waits on CPU
+
+  // Orders the compute stream after `w` (measuring how long it stands, when asked to).
+  void wait_for(dist::Work& w) {
+    if (!opts.measure_waits) return w.wait_on_stream();
+    if (opts.device.is_cpu()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      w.wait_on_stream();
+      host_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      return;
+    }
+    const c10::Stream stream = at::accelerator::getCurrentStream(opts.device.index());
+    c10::Event before(opts.device.type(), c10::EventFlag::BACKEND_DEFAULT);
+    c10::Event after(opts.device.type(), c10::EventFlag::BACKEND_DEFAULT);
+    before.record(stream);
+    w.wait_on_stream();
+    after.record(stream);
+    waits.emplace_back(std::move(before), std::move(after));
+  }
+
+  Impl(const model::ModelConfig& c, dist::Communicator& cm, ShardedModelOptions o)
+      : cfg(c), comm(cm), opts(o), rope(c) {}
+
+  size_t head_unit() const { return units.size() - 1; }
+  bool tied_lm() const { return opts.head == model::Head::kLm && cfg.tie_word_embeddings; }
+  std::vector<size_t> segment_units(size_t s) const {
+    if (s == head_unit() && tied_lm()) return {s, 0};
+    return {s};
+  }
+  at::TensorOptions f32() const { return at::TensorOptions().dtype(at::kFloat).device(opts.device); }
+
+  // --- gathering ---
+  void prefetch(size_t u) {
+    if (local || gathered.count(u)) return;
+    Gathered g;
+    g.full = at::empty({units[u].layout.padded_numel()}, units[u].shard.options());
+    g.work = comm.all_gather(units[u].shard, g.full);
+    gathered.emplace(u, std::move(g));
+  }
+  void prefetch_segment(size_t s) {
+    for (size_t u : segment_units(s)) prefetch(u);
+  }
+  at::Tensor acquire(size_t u) {
+    if (local) return units[u].shard;
+    prefetch(u);
+    Gathered& g = gathered.at(u);
+    if (g.work) {
+      wait_for(*g.work);
+      g.work.reset();
+    }
+    return g.full;
+  }
+  void release_segment(size_t s) {
+    for (size_t u : segment_units(s)) gathered.erase(u);
+  }
+  NamedTensors named_views(size_t u, const at::Tensor& full) const {
+    NamedTensors out;
+    const auto views = units[u].layout.views(full);
+    for (size_t i = 0; i < views.size(); ++i) out.emplace(units[u].layout.params()[i].spec.name, views[i]);
+    return out;
+  }
+
+  // --- gradient reduction ---
+  void finish(std::vector<Reduction>& rs) {
+    for (auto& r : rs) {
+      wait_for(*r.work);
+      if (!r.out.is_same(units[r.unit].grad)) units[r.unit].grad.add_(r.out);
+    }
+    rs.clear();
+  }
+  // Called when a segment's backward starts: the reductions two segments back must be done.
+  void rotate_reductions() {
+    finish(reducing_prev);
+    std::swap(reducing_prev, reducing_cur);
+  }
+  // `grads` in the unit's parameter order; undefined entries are zero.
+  void reduce(size_t u, const std::vector<at::Tensor>& grads) {
+    Unit& unit = units[u];
+    at::Tensor flat = at::empty({unit.layout.padded_numel()}, f32());
+    unit.layout.zero_padding(flat);
+    const auto views = unit.layout.views(flat);
+    for (size_t i = 0; i < views.size(); ++i) {
+      if (grads[i].defined()) views[i].copy_(grads[i]);
+      else views[i].zero_();
+    }
+    if (local) {
+      if (unit.grad_fresh) unit.grad.copy_(flat);
+      else unit.grad.add_(flat);
+      unit.grad_fresh = false;
+      return;
+    }
+    Reduction r;
+    r.unit = u;
+    r.out = unit.grad_fresh ? unit.grad : at::empty({unit.layout.shard_numel()}, f32());
+    unit.grad_fresh = false;
+    r.work = comm.reduce_scatter(flat, r.out, dist::ReduceOp::kSum);
+    reducing_cur.push_back(std::move(r));
+  }
+
+  // --- the segments' computations ---
+  model::BlockContext block_context(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cu,
+                                    const std::vector<int64_t>& lens) const {
+    model::BlockContext ctx;
+    ctx.cos = cos;
+    ctx.sin = sin;
+    ctx.attn = model::VarlenSpec::self(cu, lens);
+    ctx.backend = opts.attention;
+    return ctx;
+  }
+  at::Tensor run_block(int64_t layer, const NamedTensors& w, const at::Tensor& x, model::BlockContext& ctx) const {
+    if (x.size(0) == 0) return x.clone();
+    return model::block_forward(cfg, layer, model::bind_layer(cfg, layer, w, "unit layers." + std::to_string(layer)),
+                                x, ctx);
+  }
+  at::Tensor lm_weight(const NamedTensors& head, const NamedTensors& embed) const {
+    return tied_lm() ? embed.at("model.embed_tokens.weight") : head.at("lm_head.weight");
+  }
+
+  // Forward of each segment, without autograd: gather (and prefetch the next), compute, release.
+  at::Tensor embed_forward(const at::Tensor& tokens) {
+    prefetch_segment(0);
+    prefetch_segment(1);
+    at::Tensor x = model::embed(named_views(0, acquire(0)).at("model.embed_tokens.weight"), tokens);
+    release_segment(0);
+    return x;
+  }
+  at::Tensor block_forward(int64_t layer, const at::Tensor& x, model::BlockContext& ctx) {
+    const size_t s = static_cast<size_t>(layer) + 1;
+    prefetch_segment(s);
+    prefetch_segment(s + 1);
+    at::Tensor y = run_block(layer, named_views(s, acquire(s)), x, ctx);
+    release_segment(s);
+    return y;
+  }
+  at::Tensor lm_head_forward(const at::Tensor& x, const at::Tensor& targets, double temperature, at::Tensor* entropy) {
+    const size_t s = head_unit();
+    prefetch_segment(s);
+    const NamedTensors head = named_views(s, acquire(s));
+    const NamedTensors embed = tied_lm() ? named_views(0, acquire(0)) : NamedTensors{};
+    at::Tensor h = model::final_norm(cfg, head.at("model.norm.weight"), x);
+    at::Tensor out = model::token_logprobs(h, lm_weight(head, embed), targets, temperature, opts.logprob_chunk_rows, entropy);
+    release_segment(s);
+    return out;
+  }
+  at::Tensor value_head_forward(const at::Tensor& x) {
+    const size_t s = head_unit();
+    const NamedTensors head = named_views(s, acquire(s));
+    at::Tensor out = model::values(model::final_norm(cfg, head.at("model.norm.weight"), x), head.at("score.weight"));
+    release_segment(s);
+    return out;
+  }
+};
+
+namespace {
+
+using Impl = ShardedModel::Impl;
+
+Impl* impl_of(AutogradContext* ctx) {
+  return reinterpret_cast<Impl*>(static_cast<intptr_t>(ctx->saved_data["impl"].toInt()));
+}
+
+// Leaves sharing storage with `views`, for recomputation under autograd.
+std::vector<at::Tensor> leaves(const std::vector<at::Tensor>& views) {
+  std::vector<at::Tensor> out;
+  out.reserve(views.size());
+  for (const auto& v : views) out.push_back(v.detach().requires_grad_(true));
+  return out;
+}
+NamedTensors named(const FlatLayout& layout, const std::vector<at::Tensor>& ts) {
+  NamedTensors out;
+  for (size_t i = 0; i < ts.size(); ++i) out.emplace(layout.params()[i].spec.name, ts[i]);
+  return out;
+}
+// Gradients of `out` (with incoming gradient `grad_out`) w.r.t. `inputs`; undefined where unused.
+variable_list grads_of(const at::Tensor& out, const variable_list& inputs, const at::Tensor& grad_out) {
+  if (!out.requires_grad()) return variable_list(inputs.size());
+  return torch::autograd::grad({out}, inputs, {grad_out}, /*retain_graph=*/false, /*create_graph=*/false,
+                               /*allow_unused=*/true);
+}
+
+// Segment 0: token ids -> embeddings.
+struct EmbedSegment : public torch::autograd::Function<EmbedSegment> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, const at::Tensor& tokens) {
+    ctx->saved_data["impl"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(m));
+    ctx->save_for_backward({tokens});
+    return m->embed_forward(tokens);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    Impl* m = impl_of(ctx);
+    const at::Tensor tokens = ctx->get_saved_variables()[0];
+    m->rotate_reductions();
+    const auto views = m->units[0].layout.views(m->acquire(0));
+    auto params = leaves(views);
+    at::Tensor y;
+    {
+      at::AutoGradMode on(true);
+      y = model::embed(params[0], tokens);
+    }
+    m->reduce(0, grads_of(y, params, grads[0]));
+    m->release_segment(0);
+    return {at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Segment 1 + layer: one transformer block.
+struct BlockSegment : public torch::autograd::Function<BlockSegment> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, int64_t layer,
+                            const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& cu, const std::vector<int64_t>& lens) {
+    ctx->saved_data["impl"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(m));
+    ctx->saved_data["layer"] = layer;
+    ctx->saved_data["lens"] = lens;
+    ctx->save_for_backward({x, cos, sin, cu});
+    auto bctx = m->block_context(cos, sin, cu, lens);
+    return m->block_forward(layer, x, bctx);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    Impl* m = impl_of(ctx);
+    const int64_t layer = ctx->saved_data["layer"].toInt();
+    const auto lens = ctx->saved_data["lens"].toIntVector();
+    const auto saved = ctx->get_saved_variables();
+    const size_t s = static_cast<size_t>(layer) + 1;
+    m->prefetch_segment(s);
+    m->prefetch_segment(s - 1);
+    m->rotate_reductions();
+    const FlatLayout& layout = m->units[s].layout;
+    auto params = leaves(layout.views(m->acquire(s)));
+    at::Tensor x = saved[0].detach().requires_grad_(true);
+    at::Tensor y;
+    {
+      at::AutoGradMode on(true);
+      auto bctx = m->block_context(saved[1], saved[2], saved[3], lens);
+      y = m->run_block(layer, named(layout, params), x, bctx);
+    }
+    variable_list inputs = params;
+    inputs.push_back(x);
+    variable_list g = grads_of(y, inputs, grads[0]);
+    at::Tensor gx = g.back();
+    g.pop_back();
+    m->reduce(s, g);
+    m->release_segment(s);
+    if (!gx.defined()) gx = at::zeros_like(saved[0]);
+    return {at::Tensor(), at::Tensor(), at::Tensor(), gx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The last segment, LM head: final norm -> log-probs of the targets. Its backward does not
+// re-run the chunked log-prob forward: token_logprobs_backward recomputes the logits itself.
+struct LmHeadSegment : public torch::autograd::Function<LmHeadSegment> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, const at::Tensor& x,
+                            const at::Tensor& targets, double temperature, at::Tensor* entropy) {
+    ctx->saved_data["impl"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(m));
+    ctx->saved_data["temperature"] = temperature;
+    ctx->save_for_backward({x, targets});
+    return m->lm_head_forward(x, targets, temperature, entropy);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    Impl* m = impl_of(ctx);
+    const auto saved = ctx->get_saved_variables();
+    const size_t s = m->head_unit();
+    m->prefetch_segment(s);
+    m->prefetch_segment(s - 1);
+    m->rotate_reductions();
+    const FlatLayout& hl = m->units[s].layout;
+    auto head = leaves(hl.views(m->acquire(s)));
+    const NamedTensors embed = m->tied_lm() ? m->named_views(0, m->acquire(0)) : NamedTensors{};
+    const NamedTensors head_named = named(hl, head);
+    at::Tensor x = saved[0].detach().requires_grad_(true);
+    at::Tensor norm_w = head_named.at("model.norm.weight");
+    at::Tensor h;
+    {
+      at::AutoGradMode on(true);
+      h = model::final_norm(m->cfg, norm_w, x);
+    }
+    const at::Tensor w = m->lm_weight(head_named, embed).detach();
+    auto [gh, gw] = model::token_logprobs_backward(h.detach(), w, saved[1], grads[0],
+                                                   ctx->saved_data["temperature"].toDouble(),
+                                                   m->opts.logprob_chunk_rows, true, true);
+    variable_list g = grads_of(h, {x, norm_w}, gh);
+    std::vector<at::Tensor> head_grads(head.size());
+    for (size_t i = 0; i < head.size(); ++i) {
+      const std::string& name = hl.params()[i].spec.name;
+      if (name == "model.norm.weight") head_grads[i] = g[1];
+      else if (name == "lm_head.weight") head_grads[i] = gw;
+    }
+    m->reduce(s, head_grads);
+    if (m->tied_lm()) m->reduce(0, {gw});
+    m->release_segment(s);
+    at::Tensor gx = g[0].defined() ? g[0] : at::zeros_like(saved[0]);
+    return {at::Tensor(), at::Tensor(), gx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The last segment, value head: final norm -> score.
+struct ValueHeadSegment : public torch::autograd::Function<ValueHeadSegment> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, const at::Tensor& x) {
+    ctx->saved_data["impl"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(m));
+    ctx->save_for_backward({x});
+    return m->value_head_forward(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    Impl* m = impl_of(ctx);
+    const at::Tensor x0 = ctx->get_saved_variables()[0];
+    const size_t s = m->head_unit();
+    m->prefetch_segment(s);
+    m->prefetch_segment(s - 1);
+    m->rotate_reductions();
+    const FlatLayout& hl = m->units[s].layout;
+    auto head = leaves(hl.views(m->acquire(s)));
+    const NamedTensors hn = named(hl, head);
+    at::Tensor x = x0.detach().requires_grad_(true);
+    at::Tensor y;
+    {
+      at::AutoGradMode on(true);
+      y = model::values(model::final_norm(m->cfg, hn.at("model.norm.weight"), x), hn.at("score.weight"));
+    }
+    variable_list inputs = head;
+    inputs.push_back(x);
+    variable_list g = grads_of(y, inputs, grads[0]);
+    at::Tensor gx = g.back();
+    g.pop_back();
+    m->reduce(s, g);
+    m->release_segment(s);
+    return {at::Tensor(), at::Tensor(), gx.defined() ? gx : at::zeros_like(x0)};
+  }
+};
+
+}  // namespace
+
+ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& comm, ShardedModelOptions opts)
+    : impl_(std::make_unique<Impl>(cfg, comm, opts)) {
+  Impl& m = *impl_;
+  TILLER_CHECK(!(opts.replicate && opts.trainable), "replicate is for frozen roles (reference, reward) only");
+  TILLER_CHECK(opts.device.is_cpu() || opts.device.has_index(), "ShardedModel needs a device with an index (cuda:N)");
+  TILLER_CHECK(opts.compute_dtype == at::kFloat || opts.compute_dtype == at::kBFloat16 || opts.compute_dtype == at::kHalf,
+               "compute dtype {} is not supported: use bf16 or fp32", c10::toString(opts.compute_dtype));
+  m.world = opts.replicate ? 1 : comm.size();
+  m.rank = opts.replicate ? 0 : comm.rank();
+  m.local = m.world == 1;
+  const auto shard_options = at::TensorOptions().dtype(opts.compute_dtype).device(opts.device);
+  if (opts.trainable) m.adam = std::make_unique<ShardAdamW>(opts.adamw);
+  for (auto& layout : model_layouts(cfg, opts.head, m.world)) {
+    Impl::Unit u{std::move(layout), {}, {}, {}, true};
+    const int64_t n = u.layout.shard_numel();
+    u.shard = at::zeros({n}, shard_options);
+    if (opts.trainable) {
+      u.master = opts.compute_dtype == at::kFloat ? u.shard : at::zeros({n}, m.f32());
+      u.grad = at::zeros({n}, m.f32());
+      m.adam->add(u.master, u.layout.decay_mask(m.rank, m.f32()), u.grad);
+    }
+    m.units.push_back(std::move(u));
+  }
+  m.anchor = at::zeros({}, m.f32()).requires_grad_(true);
+}
+
+ShardedModel::~ShardedModel() = default;
+
+void ShardedModel::load(const NamedTensors& named, const std::string& where) {
+  Impl& m = *impl_;
+  for (auto& u : m.units) {
+    at::Tensor& dst = u.master.defined() ? u.master : u.shard;
+    u.layout.fill_shard(m.rank, named, dst, where);
+    if (!dst.is_same(u.shard)) u.shard.copy_(dst);
+  }
+}
+
+void ShardedModel::load_hf(const std::string& dir) {
+  model::CheckpointReader reader(dir);
+  load(reader.all(), dir);
+  impl_->source = dir;
+}
+
+at::Tensor ShardedModel::token_logprobs(const model::PackedBatch& batch, const at::Tensor& targets, double temperature,
+                                        at::Tensor* entropy) {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.opts.head == model::Head::kLm, "token_logprobs needs the LM head; this model has a value head");
+  TILLER_CHECK(targets.dim() == 1 && targets.size(0) == batch.num_tokens(), "{} targets for {} tokens", targets.numel(),
+               batch.num_tokens());
+  TILLER_CHECK(temperature > 0, "temperature must be > 0, got {}", temperature);
+  model::BlockContext bctx =
+      model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
+  const at::Tensor tgt = targets.to(at::kLong);
+  if (m.opts.trainable && at::GradMode::is_enabled()) {
+    at::Tensor x = EmbedSegment::apply(m.anchor, &m, batch.tokens);
+    for (int64_t i = 0; i < m.cfg.num_layers; ++i)
+      x = BlockSegment::apply(m.anchor, &m, i, x, bctx.cos, bctx.sin, batch.cu_seqlens, batch.seq_lens);
+    return LmHeadSegment::apply(m.anchor, &m, x, tgt, temperature, entropy);
+  }
+  at::NoGradGuard no_grad;
+  at::Tensor x = m.embed_forward(batch.tokens);
+  for (int64_t i = 0; i < m.cfg.num_layers; ++i) x = m.block_forward(i, x, bctx);
+  return m.lm_head_forward(x, tgt, temperature, entropy);
+}
+
+at::Tensor ShardedModel::values(const model::PackedBatch& batch) {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.opts.head == model::Head::kValue, "values needs the value head; this model has an LM head");
+  model::BlockContext bctx =
+      model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
+  if (m.opts.trainable && at::GradMode::is_enabled()) {
+    at::Tensor x = EmbedSegment::apply(m.anchor, &m, batch.tokens);
+    for (int64_t i = 0; i < m.cfg.num_layers; ++i)
+      x = BlockSegment::apply(m.anchor, &m, i, x, bctx.cos, bctx.sin, batch.cu_seqlens, batch.seq_lens);
+    return ValueHeadSegment::apply(m.anchor, &m, x);
+  }
+  at::NoGradGuard no_grad;
+  at::Tensor x = m.embed_forward(batch.tokens);
+  for (int64_t i = 0; i < m.cfg.num_layers; ++i) x = m.block_forward(i, x, bctx);
+  return m.value_head_forward(x);
+}
+
+StepResult ShardedModel::step(double lr) {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.opts.trainable, "step() on a frozen model");
+  m.finish(m.reducing_prev);
+  m.finish(m.reducing_cur);
+  std::vector<at::Tensor> grads;
+  for (auto& u : m.units) grads.push_back(u.grad);
+  at::Tensor sq = at::stack(at::_foreach_norm(grads)).pow(2).sum().reshape({1}).to(at::kDouble);
+  if (!m.local) m.comm.all_reduce(sq, dist::ReduceOp::kSum)->wait();
+  StepResult r;
+  r.grad_norm = std::sqrt(sq.item<double>());
+  if (!std::isfinite(r.grad_norm)) {
+    r.skipped = true;
+    r.clip_factor = 0;
+    log::warn("step {} skipped: the gradient norm is {}", m.adam->steps() + 1, r.grad_norm);
+    zero_grad();
+    return r;
+  }
+  r.clip_factor = clip_coefficient(r.grad_norm, m.opts.max_grad_norm);
+  m.adam->step(lr, r.clip_factor);
+  for (auto& u : m.units)
+    if (!u.master.is_same(u.shard)) u.shard.copy_(u.master);
+  zero_grad();
+  return r;
+}
+
+void ShardedModel::zero_grad() {
+  Impl& m = *impl_;
+  if (!m.opts.trainable) return;
+  m.finish(m.reducing_prev);
+  m.finish(m.reducing_cur);
+  for (auto& u : m.units) {
+    u.grad.zero_();
+    u.grad_fresh = true;
+  }
+}
+
+double ShardedModel::take_wait_seconds() {
+  Impl& m = *impl_;
+  double s = m.host_wait_s;
+  for (auto& [before, after] : m.waits) {
+    after.synchronize();
+    s += before.elapsedTime(after) / 1e3;
+  }
+  m.waits.clear();
+  m.host_wait_s = 0;
+  return s;
+}
+
+int64_t ShardedModel::steps() const { return impl_->adam ? impl_->adam->steps() : 0; }
+
+NamedTensors ShardedModel::gather_parameters() {
+  Impl& m = *impl_;
+  NamedTensors out;
+  for (auto& u : m.units) {
+    const at::Tensor& src = u.master.defined() ? u.master : u.shard;
+    at::Tensor full = src;
+    if (!m.local) {
+      full = at::empty({u.layout.padded_numel()}, src.options());
+      m.comm.all_gather(src, full)->wait();
+    }
+    const auto views = u.layout.views(full);
+    for (size_t i = 0; i < views.size(); ++i) out.emplace(u.layout.params()[i].spec.name, views[i].clone());
+  }
+  return out;
+}
+
+std::vector<ShardedModel::UnitState> ShardedModel::unit_states() const {
+  const Impl& m = *impl_;
+  std::vector<UnitState> out;
+  for (size_t i = 0; i < m.units.size(); ++i) {
+    const auto& u = m.units[i];
+    UnitState s{u.layout.name(), u.master.defined() ? u.master : u.shard, {}, {}};
+    if (m.adam) {
+      s.exp_avg = m.adam->exp_avg(i);
+      s.exp_avg_sq = m.adam->exp_avg_sq(i);
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+void ShardedModel::load_unit_state(size_t i, const at::Tensor& master, const at::Tensor& exp_avg,
+                                   const at::Tensor& exp_avg_sq) {
+  Impl& m = *impl_;
+  TILLER_CHECK(i < m.units.size(), "no unit {}", i);
+  auto& u = m.units[i];
+  at::Tensor& dst = u.master.defined() ? u.master : u.shard;
+  TILLER_CHECK(master.numel() == dst.numel(), "unit {}: {} saved elements for a shard of {}", u.layout.name(),
+               master.numel(), dst.numel());
+  dst.copy_(master.reshape({-1}));
+  if (!dst.is_same(u.shard)) u.shard.copy_(dst);
+  if (m.adam) m.adam->load_state(i, exp_avg, exp_avg_sq);
+}
+
+void ShardedModel::set_steps(int64_t steps) {
+  if (impl_->adam) impl_->adam->set_steps(steps);
+}
+
+const model::ModelConfig& ShardedModel::config() const { return impl_->cfg; }
+dist::Communicator& ShardedModel::communicator() const { return impl_->comm; }
+const std::string& ShardedModel::source_model() const { return impl_->source; }
+const ShardedModelOptions& ShardedModel::options() const { return impl_->opts; }
+int ShardedModel::rank() const { return impl_->rank; }
+int ShardedModel::world() const { return impl_->world; }
+
+ShardMemory ShardedModel::memory() const {
+  const Impl& m = *impl_;
+  ShardMemory r;
+  for (const auto& u : m.units) {
+    r.parameters += u.shard.numel() * u.shard.element_size();
+    if (u.master.defined() && !u.master.is_same(u.shard)) r.parameters += u.master.numel() * kF32;
+    if (u.grad.defined()) r.gradients += u.grad.numel() * kF32;
+  }
+  if (m.adam) r.optimizer = m.adam->state_bytes();
+  return r;
+}
+
+}  // namespace tiller::zero

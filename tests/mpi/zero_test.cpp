@@ -1,0 +1,427 @@
+// ZeRO-3 equivalence: N optimizer steps of ShardedModel training over the group equal the same
+// steps of plain, unsharded training (model functions + autograd + a written-out AdamW) on the
+// union of every rank's data, computed in-process on each rank. Also: memory per rank, frozen and
+// replicated roles, checkpoints (resume equality, atomicity, refusals) and HF export.
+// MPI backend on CPU in fp32 (tight tolerances); NCCL on GPUs in bf16 (tolerances for bf16).
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "mpi_env_for_tests.h"
+#include "tiller/core/error.h"
+#include "tiller/core/files.h"
+#include "tiller/model/safetensors.h"
+#include "tiller/model/transformer.h"
+#include "tiller/model/weights.h"
+#include "tiller/zero/checkpoint.h"
+#include "tiller/zero/flat_layout.h"
+#include "tiller/zero/optimizer.h"
+#include "tiller/zero/sharded_model.h"
+
+namespace tiller::test {
+namespace {
+
+namespace fs = std::filesystem;
+using model::Head;
+using model::ModelConfig;
+using model::NamedTensors;
+using zero::ShardedModel;
+
+dist::Communicator& comm() { return *mpi_test_env().comm; }
+at::Device device() { return mpi_test_env().device.device(); }
+bool on_gpu() { return device().is_cuda(); }
+at::ScalarType compute_dtype() { return on_gpu() ? at::kBFloat16 : at::kFloat; }
+
+// A directory every rank names the same (one host: the tests run under one mpirun).
+std::string scratch(const std::string& what) {
+  return fmt::format("{}/zero_{}_{}_np{}", TILLER_TEST_SCRATCH, what, comm().backend(), comm().size());
+}
+
+ModelConfig config(const std::string& preset) {
+  ModelConfig c = model::preset(preset);
+  c.initializer_range = 0.1;  // larger weights: log-probs and gradients far from uniform
+  return c;
+}
+
+struct MicroBatch {
+  std::vector<std::vector<int64_t>> seqs;
+  std::vector<int64_t> targets;
+  std::vector<float> weights;  // per token: the "advantages" of the loss
+};
+
+// Deterministic data for (step, rank, index): 1-3 sequences of 1-12 tokens; rank `empty_rank`
+// gets an empty micro-batch at index 1 of step 1 (the lockstep rule: every rank takes part).
+MicroBatch micro_batch(const ModelConfig& c, int step, int rank, int index, int world) {
+  MicroBatch mb;
+  if (step == 1 && index == 1 && rank == world - 1) return mb;
+  std::mt19937_64 rng(1000003ull * step + 1009ull * rank + index);
+  const int n = 1 + static_cast<int>(rng() % 3);
+  for (int s = 0; s < n; ++s) {
+    std::vector<int64_t> seq(1 + rng() % 12);
+    for (auto& t : seq) {
+      t = static_cast<int64_t>(rng() % c.vocab_size);
+      mb.targets.push_back(static_cast<int64_t>(rng() % c.vocab_size));
+      mb.weights.push_back(static_cast<float>(static_cast<int64_t>(rng() % 2001) - 1000) / 1000.0f);
+    }
+    mb.seqs.push_back(std::move(seq));
+  }
+  return mb;
+}
+
+// The loss of one micro-batch, given the model output [T] (log-probs or values): nonlinear in the
+// output so the head's gradient is not constant.
+at::Tensor loss_of(const at::Tensor& out, const MicroBatch& mb, int64_t total_tokens) {
+  at::Tensor w = at::tensor(mb.weights, at::kFloat).to(out.device());
+  if (mb.weights.empty()) return out.sum() * 0;
+  return ((w * out).sum() + 0.1 * out.pow(2).sum()) / static_cast<double>(total_tokens);
+}
+
+int64_t tokens_in(const MicroBatch& mb) { return static_cast<int64_t>(mb.targets.size()); }
+
+at::Tensor forward(ShardedModel& m, const MicroBatch& mb) {
+  const auto batch = model::PackedBatch::pack(mb.seqs, device());
+  if (m.options().head == Head::kValue) return m.values(batch);
+  return m.token_logprobs(batch, at::tensor(mb.targets, at::kLong).to(device()));
+}
+
+// Plain training of the whole model in fp32 with autograd (no recomputation, no sharding) and
+// PyTorch's AdamW written out per parameter.
+struct Reference {
+  ModelConfig cfg;
+  Head head;
+  NamedTensors params, exp_avg, exp_avg_sq;
+  zero::AdamWConfig adam;
+  int64_t t = 0;
+
+  Reference(const ModelConfig& c, Head h, const NamedTensors& init, zero::AdamWConfig a) : cfg(c), head(h), adam(a) {
+    for (const auto& [n, p] : init) {
+      params[n] = p.detach().to(device(), at::kFloat).clone().requires_grad_(true);
+      exp_avg[n] = at::zeros_like(params[n]);
+      exp_avg_sq[n] = at::zeros_like(params[n]);
+    }
+  }
+  at::Tensor forward(const MicroBatch& mb) {
+    const auto w = model::bind_weights(cfg, params, head, "reference");
+    const auto batch = model::PackedBatch::pack(mb.seqs, device());
+    at::Tensor h = model::forward_hidden(cfg, w, batch);
+    if (head == Head::kValue) return model::values(h, w.score);
+    return model::token_logprobs(h, w.lm_head, at::tensor(mb.targets, at::kLong).to(device()));
+  }
+  // Returns the gradient norm before clipping.
+  double step(const std::vector<MicroBatch>& all, int64_t total_tokens, double lr, double max_norm) {
+    at::Tensor loss = at::zeros({}, params.begin()->second.options());
+    for (const auto& mb : all)
+      if (!mb.seqs.empty()) loss = loss + loss_of(forward(mb), mb, total_tokens);
+    for (auto& [n, p] : params) p.mutable_grad() = at::Tensor();
+    loss.backward();
+    double sq = 0;
+    for (auto& [n, p] : params)
+      if (p.grad().defined()) sq += p.grad().pow(2).sum().item<double>();
+    const double norm = std::sqrt(sq);
+    const double clip = zero::clip_coefficient(norm, max_norm);
+    ++t;
+    const double bc1 = 1 - std::pow(adam.beta1, t), bc2 = 1 - std::pow(adam.beta2, t);
+    c10::AutoGradMode no_grad(false);
+    for (const auto& spec : model::parameter_specs(cfg, head)) {
+      at::Tensor& p = params.at(spec.name);
+      at::Tensor g = p.grad().defined() ? p.grad() * clip : at::zeros_like(p);
+      if (!spec.no_decay) p.mul_(1 - lr * adam.weight_decay);
+      exp_avg[spec.name].mul_(adam.beta1).add_(g, 1 - adam.beta1);
+      exp_avg_sq[spec.name].mul_(adam.beta2).addcmul_(g, g, 1 - adam.beta2);
+      p.sub_(lr / bc1 * exp_avg[spec.name] / (exp_avg_sq[spec.name].sqrt() / std::sqrt(bc2) + adam.eps));
+    }
+    return norm;
+  }
+};
+
+zero::ShardedModelOptions options(Head head, zero::AdamWConfig adam, double max_norm) {
+  zero::ShardedModelOptions o;
+  o.head = head;
+  o.compute_dtype = compute_dtype();
+  o.device = device();
+  o.adamw = adam;
+  o.max_grad_norm = max_norm;
+  o.logprob_chunk_rows = 5;  // several chunks per micro-batch
+  return o;
+}
+
+struct Diff {
+  double max_abs = 0;      // over every parameter
+  double update_rel = 0;   // |(got - init) - (want - init)| / |want - init|, Frobenius over the model
+};
+Diff compare(const NamedTensors& got, const NamedTensors& want, const NamedTensors& init) {
+  Diff d;
+  double num = 0, den = 0;
+  for (const auto& [n, w] : want) {
+    at::Tensor g = got.at(n).to(at::kCPU, at::kDouble), wd = w.detach().to(at::kCPU, at::kDouble);
+    at::Tensor i0 = init.at(n).to(at::kCPU, at::kDouble);
+    d.max_abs = std::max(d.max_abs, (g - wd).abs().max().item<double>());
+    num += (g - wd).pow(2).sum().item<double>();
+    den += (wd - i0).pow(2).sum().item<double>();
+  }
+  d.update_rel = std::sqrt(num / std::max(den, 1e-30));
+  return d;
+}
+
+// Trains `steps` steps on both sides and checks after each one.
+void expect_sharded_equals_unsharded(const std::string& preset, Head head) {
+  const ModelConfig cfg = config(preset);
+  // eps well above the rounding noise of gradients that are zero in exact arithmetic (k_proj's
+  // bias: softmax ignores a constant added to every key), where Adam's m / sqrt(v) would turn
+  // noise into full-size updates of random sign. The update formula itself is checked
+  // elementwise in tests/zero/layout_optimizer_test.cpp.
+  const zero::AdamWConfig adam{0.9, 0.95, 1e-4, 0.1};
+  const double max_norm = 0.3;  // clips some steps
+  const NamedTensors init = model::init_weights(cfg, head, 5, at::kFloat);
+  ShardedModel m(cfg, comm(), options(head, adam, max_norm));
+  m.load(init, "init");
+  Reference ref(cfg, head, init, adam);
+  const zero::LrSchedule sched{"cosine", 1, 4, 0.1};
+  const int world = comm().size(), me = comm().rank();
+  const double base_lr = on_gpu() ? 3e-3 : 1e-2;
+  bool clipped = false;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<MicroBatch> all;
+    int64_t total = 0;
+    for (int r = 0; r < world; ++r)
+      for (int i = 0; i < 2; ++i) {
+        all.push_back(micro_batch(cfg, step, r, i, world));
+        total += tokens_in(all.back());
+      }
+    for (int i = 0; i < 2; ++i) {
+      const MicroBatch& mb = all[static_cast<size_t>(me * 2 + i)];
+      loss_of(forward(m, mb), mb, total).backward();
+    }
+    const double lr = base_lr * sched.factor(step);
+    const zero::StepResult r = m.step(lr);
+    const double ref_norm = ref.step(all, total, lr, max_norm);
+    clipped |= r.clip_factor < 1;
+    EXPECT_FALSE(r.skipped);
+    EXPECT_NEAR(r.grad_norm, ref_norm, ref_norm * (on_gpu() ? 3e-2 : 1e-5)) << preset << " step " << step;
+    const Diff d = compare(m.gather_parameters(), ref.params, init);
+    if (on_gpu()) {
+      EXPECT_LT(d.update_rel, 0.15) << preset << " step " << step << " (max abs " << d.max_abs << ")";
+    } else {
+      EXPECT_LT(d.max_abs, 2e-6) << preset << " step " << step;
+      EXPECT_LT(d.update_rel, 1e-4) << preset << " step " << step;
+    }
+    if (me == 0)
+      std::printf("[zero] %s %s step %d: grad norm %.6g (reference %.6g), update rel err %.3g, max |diff| %.3g\n",
+                  preset.c_str(), head == Head::kLm ? "lm" : "value", step, r.grad_norm, ref_norm, d.update_rel,
+                  d.max_abs);
+  }
+  EXPECT_TRUE(clipped) << "no step clipped: the test does not cover clipping";
+  EXPECT_EQ(m.steps(), 3);
+}
+
+TEST(Zero, ShardedTrainingEqualsUnshardedTiedLm) { expect_sharded_equals_unsharded("tiny-qwen2", Head::kLm); }
+TEST(Zero, ShardedTrainingEqualsUnshardedUntiedLm) { expect_sharded_equals_unsharded("tiny-qwen3", Head::kLm); }
+TEST(Zero, ShardedTrainingEqualsUnshardedValueHead) { expect_sharded_equals_unsharded("tiny-llama", Head::kValue); }
+
+TEST(Zero, MemoryPerRankIsOneNth) {
+  const ModelConfig cfg = config("tiny-llama");
+  const int n = comm().size();
+  ShardedModel m(cfg, comm(), options(Head::kLm, {}, 1.0));
+  const zero::ShardMemory mem = m.memory();
+  // The whole model's bytes: compute copy (+ fp32 master unless fp32), gradient, two moments.
+  const int64_t params = model::num_parameters(cfg);
+  const int64_t per_param = (compute_dtype() == at::kFloat ? 4 : 2 + 4) + 4 + 8;
+  const int64_t units = cfg.num_layers + 2;
+  const double full = static_cast<double>(params * per_param);
+  // Padding: each parameter starts on a 64-element boundary, each unit rounds up to 64 x N.
+  const double slack = static_cast<double>((static_cast<int64_t>(model::parameter_specs(cfg).size()) * 64 + units * 64 * n) * per_param) / n;
+  EXPECT_GE(static_cast<double>(mem.total()), full / n);
+  EXPECT_LE(static_cast<double>(mem.total()), full / n + slack);
+  EXPECT_EQ(mem.gradients, mem.optimizer / 2);
+  if (comm().rank() == 0)
+    std::printf("[zero] %d ranks: %lld bytes per rank for a model of %lld bytes (x N = %.4f of it)\n", n,
+                static_cast<long long>(mem.total()), static_cast<long long>(full),
+                static_cast<double>(mem.total()) * n / full);
+
+  zero::ShardedModelOptions frozen = options(Head::kLm, {}, 1.0);
+  frozen.trainable = false;
+  ShardedModel f(cfg, comm(), frozen);
+  EXPECT_EQ(f.memory().gradients + f.memory().optimizer, 0);
+  EXPECT_LE(static_cast<double>(f.memory().parameters),
+            static_cast<double>(params * at::elementSize(compute_dtype())) / n + slack);
+}
+
+TEST(Zero, FrozenShardedAndReplicatedForwardEqualTheReference) {
+  const ModelConfig cfg = config("tiny-qwen2");
+  const NamedTensors init = model::init_weights(cfg, Head::kLm, 9, at::kFloat);
+  zero::ShardedModelOptions o = options(Head::kLm, {}, 1.0);
+  o.trainable = false;
+  ShardedModel sharded(cfg, comm(), o);
+  o.replicate = true;
+  ShardedModel replicated(cfg, comm(), o);
+  sharded.load(init, "init");
+  replicated.load(init, "init");
+  EXPECT_EQ(replicated.world(), 1);
+  const MicroBatch mb = micro_batch(cfg, 7, comm().rank(), 0, comm().size());
+  at::Tensor entropy;
+  const auto batch = model::PackedBatch::pack(mb.seqs, device());
+  const at::Tensor targets = at::tensor(mb.targets, at::kLong).to(device());
+  at::Tensor a = sharded.token_logprobs(batch, targets, 0.7, &entropy);
+  at::Tensor b = replicated.token_logprobs(batch, targets, 0.7);
+  EXPECT_FALSE(a.requires_grad());
+  EXPECT_TRUE(at::equal(a, b)) << "sharded and replicated frozen models differ";
+  // The unsharded model in the same compute dtype.
+  NamedTensors cast;
+  for (const auto& [n, t] : init) cast[n] = t.to(device(), compute_dtype());
+  const auto w = model::bind_weights(cfg, cast, Head::kLm, "reference");
+  at::Tensor want_entropy;
+  at::Tensor want = model::token_logprobs(model::forward_hidden(cfg, w, batch), w.lm_head, targets, 0.7, 1024, &want_entropy);
+  EXPECT_LT((a - want).abs().max().item<double>(), on_gpu() ? 1e-2 : 1e-5);
+  EXPECT_LT((entropy - want_entropy).abs().max().item<double>(), on_gpu() ? 1e-2 : 1e-5);
+}
+
+// Trains `steps` steps of fixed data, starting at `first`.
+void train(ShardedModel& m, const ModelConfig& cfg, int first, int steps) {
+  for (int s = first; s < first + steps; ++s) {
+    const MicroBatch mb = micro_batch(cfg, 10 + s, comm().rank(), 0, comm().size());
+    loss_of(forward(m, mb), mb, 20).backward();
+    m.step(1e-2);
+  }
+}
+
+void expect_same_parameters(const NamedTensors& a, const NamedTensors& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [n, t] : a) {
+    if (on_gpu()) {  // flash attention's backward accumulates with atomics: not bitwise repeatable
+      EXPECT_LT((t - b.at(n)).abs().max().item<double>(), 1e-3) << what << ": " << n;
+    } else {
+      EXPECT_TRUE(at::equal(t, b.at(n))) << what << ": " << n;
+    }
+  }
+}
+
+TEST(Zero, ResumeContinuesAsIfNeverStopped) {
+  const ModelConfig cfg = config("tiny-qwen2");
+  const std::string dir = scratch("resume");
+  const auto o = options(Head::kLm, {0.9, 0.95, 1e-8, 0.05}, 0.5);
+  ShardedModel a(cfg, comm(), o);
+  a.load(model::init_weights(cfg, Head::kLm, 3, at::kFloat), "init");
+  train(a, cfg, 0, 2);
+  zero::save_checkpoint(a, dir);
+  EXPECT_EQ(zero::checkpoint_steps(dir), 2);
+  EXPECT_FALSE(fs::exists(dir + ".tmp"));
+  train(a, cfg, 2, 2);
+
+  ShardedModel b(cfg, comm(), o);
+  b.load(model::init_weights(cfg, Head::kLm, 99, at::kFloat), "other init");
+  zero::load_checkpoint(b, dir);
+  EXPECT_EQ(b.steps(), 2);
+  train(b, cfg, 2, 2);
+  expect_same_parameters(b.gather_parameters(), a.gather_parameters(), "resumed vs uninterrupted");
+  EXPECT_EQ(b.steps(), 4);
+}
+
+TEST(Zero, FailedSaveLeavesThePreviousCheckpoint) {
+  const ModelConfig cfg = config("tiny-llama");
+  const std::string dir = scratch("atomic");
+  const int last = comm().size() - 1;
+  ShardedModel m(cfg, comm(), options(Head::kLm, {}, 1.0));
+  m.load(model::init_weights(cfg, Head::kLm, 4, at::kFloat), "init");
+  train(m, cfg, 0, 1);
+  zero::save_checkpoint(m, dir);
+  const NamedTensors saved = m.gather_parameters();
+  train(m, cfg, 1, 1);
+  zero::SaveOptions fail;
+  fail.after_write = [&](int rank) {
+    if (rank == last) throw IoError("disk full (injected)");
+  };
+  try {
+    zero::save_checkpoint(m, dir, fail);
+    ADD_FAILURE() << "the save did not fail";
+  } catch (const IoError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(fmt::format("rank {} failed to write its shard", last)), std::string::npos) << msg;
+    EXPECT_NE(msg.find("previous checkpoint is untouched"), std::string::npos) << msg;
+  }
+  EXPECT_FALSE(fs::exists(dir + ".tmp"));
+  EXPECT_EQ(zero::checkpoint_steps(dir), 1);
+  ShardedModel back(cfg, comm(), options(Head::kLm, {}, 1.0));
+  zero::load_checkpoint(back, dir);
+  expect_same_parameters(back.gather_parameters(), saved, "after a failed save");
+}
+
+TEST(Zero, LoadRefusesWhatDoesNotFit) {
+  const ModelConfig cfg = config("tiny-llama");
+  const std::string dir = scratch("refuse");
+  ShardedModel m(cfg, comm(), options(Head::kLm, {}, 1.0));
+  zero::save_checkpoint(m, dir);
+  auto expect_error = [&](ShardedModel& into, const std::string& needle) {
+    try {
+      zero::load_checkpoint(into, dir);
+      ADD_FAILURE() << "loaded; expected: " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  ShardedModel other(config("tiny-qwen3"), comm(), options(Head::kLm, {}, 1.0));
+  expect_error(other, "is it the same model shape?");
+  ShardedModel critic(cfg, comm(), options(Head::kValue, {}, 1.0));
+  expect_error(critic, "with the lm head, this role needs the value head");
+  comm().all_reduce(at::zeros({1}, mpi_test_env().device.dtype(at::kFloat)))->wait();  // every rank has read
+  if (comm().rank() == 0) {
+    auto meta = nlohmann::json::parse(*read_file(dir + "/meta.json"));
+    meta["world"] = comm().size() + 1;
+    write_file_atomic(dir + "/meta.json", meta.dump());
+  }
+  comm().all_reduce(at::zeros({1}, mpi_test_env().device.dtype(at::kFloat)))->wait();
+  expect_error(m, fmt::format("saved by a group of {} ranks, this group has {}", comm().size() + 1, comm().size()));
+}
+
+TEST(Zero, ExportRoundTripsBothHeads) {
+  for (Head head : {Head::kLm, Head::kValue}) {
+    const ModelConfig cfg = config("tiny-qwen2");
+    const std::string dir = scratch(head == Head::kLm ? "export_lm" : "export_value");
+    ShardedModel m(cfg, comm(), options(head, {}, 1.0));
+    m.load(model::init_weights(cfg, head, 6, at::kFloat), "init");
+    train(m, cfg, 0, 1);
+    zero::save_checkpoint(m, dir + "/ckpt");
+    const NamedTensors params = m.gather_parameters();
+    if (comm().rank() != 0) continue;  // export is one process
+    zero::export_hf(dir + "/ckpt", dir + "/hf", at::kFloat);
+    const auto loaded = model::load_model(dir + "/hf", head, at::kFloat, at::kCPU);
+    ASSERT_EQ(loaded.tensors.size(), params.size());
+    for (const auto& [n, t] : params) EXPECT_TRUE(at::equal(loaded.tensors.at(n), t.cpu().to(at::kFloat))) << n;
+  }
+}
+
+// Writes a trained, exported model and the logits tiller computes for it; tests/zero/export_check.sh
+// then checks them with transformers. Runs only when TILLER_ZERO_EXPORT_DIR is set.
+TEST(ZeroExport, CheckpointForTransformers) {
+  const char* out = std::getenv("TILLER_ZERO_EXPORT_DIR");
+  if (!out) GTEST_SKIP() << "TILLER_ZERO_EXPORT_DIR is not set";
+  const ModelConfig cfg = config("tiny-qwen2");
+  ShardedModel m(cfg, comm(), options(Head::kLm, {}, 1.0));
+  m.load(model::init_weights(cfg, Head::kLm, 8, at::kFloat), "init");
+  train(m, cfg, 0, 2);
+  zero::save_checkpoint(m, std::string(out) + "/ckpt");
+  const NamedTensors params = m.gather_parameters();
+  if (comm().rank() != 0) return;
+  const std::vector<std::vector<int64_t>> inputs{{1, 5, 9, 200, 31}, {7, 7, 7, 400, 2, 3, 11, 12}};
+  NamedTensors fp32;
+  for (const auto& [n, t] : params) fp32[n] = t.cpu().to(at::kFloat);
+  const auto w = model::bind_weights(cfg, fp32, Head::kLm, "trained");
+  NamedTensors logits;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const auto batch = model::PackedBatch::pack({inputs[i]}, at::kCPU);
+    logits["logits_" + std::to_string(i)] = model::logits(model::forward_hidden(cfg, w, batch), w.lm_head);
+  }
+  model::write_safetensors(std::string(out) + "/reference_logits.safetensors", logits);
+  nlohmann::json manifest;
+  manifest["inputs"] = inputs;
+  manifest["models"] = {"hf"};
+  write_file_atomic(std::string(out) + "/manifest.json", manifest.dump());
+}
+
+}  // namespace
+}  // namespace tiller::test
