@@ -67,10 +67,10 @@ BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const 
   return ctx;
 }
 
+// ATen's rms_norm: one fused kernel each way on CUDA, statistics in fp32 for half types (as HF;
+// the weight is applied before rounding to the input type rather than after).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor xf = x.scalar_type() == at::kDouble ? x : x.to(at::kFloat);  // fp32 at least, as HF
-  at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return weight * normed.to(x.scalar_type());
+  return at::rms_norm(x, {x.size(-1)}, weight, eps);
 }
 
 at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens) { return at::embedding(embedding, tokens); }
@@ -113,9 +113,25 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
                          BlockContext& ctx) {
   const int64_t t = x.size(0);
   at::Tensor h = rms_norm(x, w.input_norm, cfg.rms_norm_eps);
-  at::Tensor q = project(h, w.q_proj, w.q_bias).view({t, cfg.num_heads, cfg.head_dim});
-  at::Tensor k = project(h, w.k_proj, w.k_bias).view({t, cfg.num_kv_heads, cfg.head_dim});
-  at::Tensor v = project(h, w.v_proj, w.v_bias).view({t, cfg.num_kv_heads, cfg.head_dim});
+  at::Tensor q, k, v;
+  if (w.qkv_proj.defined()) {
+    const at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias);
+    q = qkv.narrow(1, 0, cfg.q_size());
+    k = qkv.narrow(1, cfg.q_size(), cfg.kv_size());
+    v = qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size());
+    if (!w.qkv_bias.defined() && w.q_bias.defined()) {
+      q = q + w.q_bias;
+      k = k + w.k_bias;
+      v = v + w.v_bias;
+    }
+  } else {
+    q = project(h, w.q_proj, w.q_bias);
+    k = project(h, w.k_proj, w.k_bias);
+    v = project(h, w.v_proj, w.v_bias);
+  }
+  q = q.view({t, cfg.num_heads, cfg.head_dim});
+  k = k.view({t, cfg.num_kv_heads, cfg.head_dim});
+  v = v.view({t, cfg.num_kv_heads, cfg.head_dim});
   if (cfg.qk_norm) {
     q = rms_norm(q, w.q_norm, cfg.rms_norm_eps);
     k = rms_norm(k, w.k_norm, cfg.rms_norm_eps);
@@ -134,7 +150,14 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   at::Tensor attn = varlen_attention(q, keys, vals, spec, scale, ctx.backend).reshape({t, cfg.q_size()});
   at::Tensor y = x + project(attn, w.o_proj);
   h = rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps);
-  at::Tensor mlp = project(at::silu(project(h, w.gate_proj)) * project(h, w.up_proj), w.down_proj);
+  at::Tensor act;
+  if (w.gate_up_proj.defined()) {
+    const at::Tensor gu = project(h, w.gate_up_proj);
+    act = at::silu(gu.narrow(1, 0, cfg.intermediate_size)) * gu.narrow(1, cfg.intermediate_size, cfg.intermediate_size);
+  } else {
+    act = at::silu(project(h, w.gate_proj)) * project(h, w.up_proj);
+  }
+  at::Tensor mlp = project(act, w.down_proj);
   return y + mlp;
 }
 

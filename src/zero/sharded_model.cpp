@@ -31,12 +31,21 @@ constexpr int64_t kF32 = sizeof(float);
 // Units and segments share indices: 0 is the embedding, 1 + i is block i, L + 1 is the head
 // (final norm and lm_head or score). The head segment of a tied LM also uses unit 0.
 struct ShardedModel::Impl {
+  // What the model binds from a unit's flat buffer: one parameter, or parameters lying back to
+  // back that the block multiplies as one matrix (q|k|v weights, their biases, gate|up).
+  struct Slot {
+    int64_t offset = 0, numel = 0;
+    std::vector<int64_t> shape;
+    std::vector<size_t> params;  // layout params covered, in order
+    std::string fused;           // "", "qkv_proj", "qkv_bias" or "gate_up_proj"
+  };
   struct Unit {
     FlatLayout layout;
     at::Tensor shard;   // compute dtype: what all-gathers read
     at::Tensor master;  // fp32; the shard itself in fp32 compute; undefined when frozen
     at::Tensor grad;    // fp32 accumulator; undefined when frozen
     bool grad_fresh = true;  // nothing accumulated since zero_grad: the next reduce-scatter writes
+    std::vector<Slot> slots;
   };
   struct Gathered {
     at::Tensor full;
@@ -116,6 +125,70 @@ struct ShardedModel::Impl {
   void release_segment(size_t s) {
     for (size_t u : segment_units(s)) gathered.erase(u);
   }
+  static std::vector<Slot> make_slots(const FlatLayout& layout) {
+    static const std::vector<std::pair<std::string, std::vector<std::string>>> kFusions = {
+        {"qkv_proj", {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"}},
+        {"qkv_bias", {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}},
+        {"gate_up_proj", {"mlp.gate_proj.weight", "mlp.up_proj.weight"}}};
+    const auto& ps = layout.params();
+    auto ends_with = [](const std::string& a, const std::string& b) {
+      return a.size() >= b.size() && a.compare(a.size() - b.size(), b.size(), b) == 0;
+    };
+    std::vector<Slot> out;
+    for (size_t i = 0; i < ps.size();) {
+      size_t n = 1;
+      std::string fused;
+      for (const auto& [name, parts] : kFusions) {
+        bool ok = i + parts.size() <= ps.size();
+        for (size_t j = 0; ok && j < parts.size(); ++j)
+          ok = ends_with(ps[i + j].spec.name, "." + parts[j]) &&
+               (j == 0 || ps[i + j].offset == ps[i + j - 1].offset + ps[i + j - 1].numel);
+        if (ok) {
+          n = parts.size();
+          fused = name;
+          break;
+        }
+      }
+      Slot s{ps[i].offset, 0, ps[i].spec.shape, {}, fused};
+      for (size_t j = i; j < i + n; ++j) {
+        s.numel += ps[j].numel;
+        s.params.push_back(j);
+      }
+      if (n > 1) s.shape[0] = s.numel / (s.shape.size() > 1 ? s.shape[1] : 1);
+      out.push_back(std::move(s));
+      i += n;
+    }
+    return out;
+  }
+  std::vector<at::Tensor> slot_views(size_t u, const at::Tensor& full) const {
+    std::vector<at::Tensor> out;
+    for (const auto& s : units[u].slots) out.push_back(full.narrow(0, s.offset, s.numel).view(s.shape));
+    return out;
+  }
+  // The layer's weights from slot tensors (views or leaves): fused slots bound as such, and
+  // narrowed into their parameters.
+  model::LayerWeights layer_weights(int64_t layer, size_t u, const std::vector<at::Tensor>& ts) const {
+    NamedTensors named;
+    model::LayerWeights lw;
+    const auto& ps = units[u].layout.params();
+    for (size_t k = 0; k < ts.size(); ++k) {
+      const Slot& s = units[u].slots[k];
+      int64_t row = 0;
+      for (size_t j : s.params) {
+        const int64_t rows = ps[j].spec.shape[0];
+        named.emplace(ps[j].spec.name, s.params.size() == 1 ? ts[k] : ts[k].narrow(0, row, rows));
+        row += rows;
+      }
+    }
+    lw = model::bind_layer(cfg, layer, named, "unit layers." + std::to_string(layer));
+    for (size_t k = 0; k < ts.size(); ++k) {
+      const std::string& f = units[u].slots[k].fused;
+      if (f == "qkv_proj") lw.qkv_proj = ts[k];
+      else if (f == "qkv_bias") lw.qkv_bias = ts[k];
+      else if (f == "gate_up_proj") lw.gate_up_proj = ts[k];
+    }
+    return lw;
+  }
   NamedTensors named_views(size_t u, const at::Tensor& full) const {
     NamedTensors out;
     const auto views = units[u].layout.views(full);
@@ -136,15 +209,17 @@ struct ShardedModel::Impl {
     finish(reducing_prev);
     std::swap(reducing_prev, reducing_cur);
   }
-  // `grads` in the unit's parameter order; undefined entries are zero.
+  // `grads` per slot (for units without fused slots: per parameter); undefined entries are zero.
   void reduce(size_t u, const std::vector<at::Tensor>& grads) {
     Unit& unit = units[u];
+    TILLER_CHECK(grads.size() == unit.slots.size(), "unit {}: {} gradients for {} slots", unit.layout.name(),
+                 grads.size(), unit.slots.size());
     at::Tensor flat = at::empty({unit.layout.padded_numel()}, f32());
     unit.layout.zero_padding(flat);
-    const auto views = unit.layout.views(flat);
-    for (size_t i = 0; i < views.size(); ++i) {
-      if (grads[i].defined()) views[i].copy_(grads[i]);
-      else views[i].zero_();
+    for (size_t i = 0; i < grads.size(); ++i) {
+      at::Tensor view = flat.narrow(0, unit.slots[i].offset, unit.slots[i].numel).view(unit.slots[i].shape);
+      if (grads[i].defined()) view.copy_(grads[i]);
+      else view.zero_();
     }
     if (local) {
       if (unit.grad_fresh) unit.grad.copy_(flat);
@@ -170,10 +245,10 @@ struct ShardedModel::Impl {
     ctx.backend = opts.attention;
     return ctx;
   }
-  at::Tensor run_block(int64_t layer, const NamedTensors& w, const at::Tensor& x, model::BlockContext& ctx) const {
+  at::Tensor run_block(int64_t layer, const std::vector<at::Tensor>& slots, const at::Tensor& x,
+                       model::BlockContext& ctx) const {
     if (x.size(0) == 0) return x.clone();
-    return model::block_forward(cfg, layer, model::bind_layer(cfg, layer, w, "unit layers." + std::to_string(layer)),
-                                x, ctx);
+    return model::block_forward(cfg, layer, layer_weights(layer, static_cast<size_t>(layer) + 1, slots), x, ctx);
   }
   at::Tensor lm_weight(const NamedTensors& head, const NamedTensors& embed) const {
     return tied_lm() ? embed.at("model.embed_tokens.weight") : head.at("lm_head.weight");
@@ -191,7 +266,7 @@ struct ShardedModel::Impl {
     const size_t s = static_cast<size_t>(layer) + 1;
     prefetch_segment(s);
     prefetch_segment(s + 1);
-    at::Tensor y = run_block(layer, named_views(s, acquire(s)), x, ctx);
+    at::Tensor y = run_block(layer, slot_views(s, acquire(s)), x, ctx);
     release_segment(s);
     return y;
   }
@@ -286,14 +361,13 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     m->prefetch_segment(s);
     m->prefetch_segment(s - 1);
     m->rotate_reductions();
-    const FlatLayout& layout = m->units[s].layout;
-    auto params = leaves(layout.views(m->acquire(s)));
+    auto params = leaves(m->slot_views(s, m->acquire(s)));
     at::Tensor x = saved[0].detach().requires_grad_(true);
     at::Tensor y;
     {
       at::AutoGradMode on(true);
       auto bctx = m->block_context(saved[1], saved[2], saved[3], lens);
-      y = m->run_block(layer, named(layout, params), x, bctx);
+      y = m->run_block(layer, params, x, bctx);
     }
     variable_list inputs = params;
     inputs.push_back(x);
@@ -403,7 +477,8 @@ ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& co
   const auto shard_options = at::TensorOptions().dtype(opts.compute_dtype).device(opts.device);
   if (opts.trainable) m.adam = std::make_unique<ShardAdamW>(opts.adamw);
   for (auto& layout : model_layouts(cfg, opts.head, m.world)) {
-    Impl::Unit u{std::move(layout), {}, {}, {}, true};
+    Impl::Unit u{std::move(layout), {}, {}, {}, true, {}};
+    u.slots = Impl::make_slots(u.layout);
     const int64_t n = u.layout.shard_numel();
     u.shard = at::zeros({n}, shard_options);
     if (opts.trainable) {
