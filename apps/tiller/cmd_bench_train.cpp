@@ -13,6 +13,8 @@
 #include <cstdio>
 #include <fstream>
 
+#include <torch/csrc/autograd/profiler_kineto.h>
+
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <CLI/CLI.hpp>
@@ -41,6 +43,30 @@ struct TrainBenchOptions {
   double timeout_s = 300;
   int64_t chunk_rows = 2048;
   std::string out;
+  std::string profile;  // Chrome trace of rank 0's last step
+};
+
+// Kineto (the engine of torch.profiler) around one step: CPU ops and CUDA kernels.
+class StepProfiler {
+ public:
+  explicit StepProfiler(bool on) : on_(on) {
+    if (!on_) return;
+    namespace p = torch::profiler::impl;
+    const p::ProfilerConfig cfg(p::ProfilerState::KINETO);
+    const std::set<p::ActivityType> acts{p::ActivityType::CPU, p::ActivityType::CUDA};
+    torch::autograd::profiler::prepareProfiler(cfg, acts);
+    torch::autograd::profiler::enableProfiler(cfg, acts);
+  }
+  void save(const std::string& path) {
+    if (on_) torch::autograd::profiler::disableProfiler()->save(path);
+    on_ = false;
+  }
+  ~StepProfiler() {
+    if (on_) torch::autograd::profiler::disableProfiler();
+  }
+
+ private:
+  bool on_;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -96,6 +122,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   compat::reset_peak(dev);
   for (int s = 0; s < o.steps; ++s) {
     compat::synchronize(dev);
+    StepProfiler profiler(!o.profile.empty() && s == o.steps - 1 && comm.rank() == 0);
     const auto t0 = Clock::now();
     model.token_logprobs(batch, targets).mean().neg().backward();
     compat::synchronize(dev);
@@ -104,6 +131,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
     model.step(1e-5);
     compat::synchronize(dev);
     const double opt = since(t1), total = since(t0);
+    profiler.save(o.profile);
     const double waited = model.take_wait_seconds();
     if (s < 2) continue;
     step_s.push_back(total);
@@ -175,6 +203,7 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   tr->add_option("--chunk-rows", o->chunk_rows, "Rows per log-prob chunk")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   tr->add_option("--timeout", o->timeout_s, "Deadline of each collective, seconds");
   tr->add_option("--out", o->out, "Also write the JSON here");
+  tr->add_option("--profile", o->profile, "Write a Chrome trace (torch.profiler format) of rank 0's last step here");
   tr->callback([&run, o, &argc, &argv] { run = [o, &argc, &argv] { return run_train_bench(*o, &argc, &argv); }; });
 }
 

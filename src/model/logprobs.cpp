@@ -50,10 +50,11 @@ std::pair<at::Tensor, at::Tensor> backward_chunks(const at::Tensor& hidden, cons
   for (int64_t s = 0; s < rows; s += chunk) {
     const int64_t n = std::min(chunk, rows - s);
     at::Tensor h = hidden.narrow(0, s, n);
-    at::Tensor z = at::matmul(h, weight.t()).to(ct);
-    if (temperature != 1.0) z = z / temperature;
+    at::Tensor z = at::matmul(h, weight.t());
+    if (temperature != 1.0) z = z.to(ct) / temperature;
     at::Tensor gs = g.narrow(0, s, n);
-    at::Tensor dz = at::softmax(z, -1).mul_(-gs.unsqueeze(1));
+    // softmax reads the weight-dtype logits and writes fp32: no separate fp32 copy of z.
+    at::Tensor dz = at::softmax(z, -1, ct).mul_(-gs.unsqueeze(1));
     dz.scatter_add_(1, targets.narrow(0, s, n).unsqueeze(1), gs.unsqueeze(1));
     if (temperature != 1.0) dz.div_(temperature);
     const at::Tensor dzw = dz.to(weight.scalar_type());
