@@ -115,10 +115,11 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   at::Tensor h = rms_norm(x, w.input_norm, cfg.rms_norm_eps);
   at::Tensor q, k, v;
   if (w.qkv_proj.defined()) {
-    const at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias);
-    q = qkv.narrow(1, 0, cfg.q_size());
-    k = qkv.narrow(1, cfg.q_size(), cfg.kv_size());
-    v = qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size());
+    // split (not narrow): its backward is one concatenation, not a zero-filled buffer per part.
+    const auto parts = project(h, w.qkv_proj, w.qkv_bias).split_with_sizes({cfg.q_size(), cfg.kv_size(), cfg.kv_size()}, 1);
+    q = parts[0];
+    k = parts[1];
+    v = parts[2];
     if (!w.qkv_bias.defined() && w.q_bias.defined()) {
       q = q + w.q_bias;
       k = k + w.k_bias;
@@ -152,8 +153,7 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   h = rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps);
   at::Tensor act;
   if (w.gate_up_proj.defined()) {
-    const at::Tensor gu = project(h, w.gate_up_proj);
-    act = at::silu(gu.narrow(1, 0, cfg.intermediate_size)) * gu.narrow(1, cfg.intermediate_size, cfg.intermediate_size);
+    act = swiglu(project(h, w.gate_up_proj));
   } else {
     act = at::silu(project(h, w.gate_proj)) * project(h, w.up_proj);
   }

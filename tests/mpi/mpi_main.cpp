@@ -2,9 +2,16 @@
 // all-reduce so that one failing rank fails the whole run and no rank is left waiting.
 // TILLER_TEST_BACKEND=nccl runs the same tests on NCCL (one GPU per rank), or exits 77 (ctest's
 // skip) when this build or machine has no GPUs for it.
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+
+#if defined(__linux__) && defined(__x86_64__)
+#include <dlfcn.h>
+#include <ucontext.h>
+#include <unistd.h>
+#endif
 
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
@@ -38,6 +45,43 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
   int rank_;
   std::string test_ = "?";
 };
+#if defined(__linux__) && defined(__x86_64__)
+// A crash names where it happened, even a call through a null pointer (which leaves no frame for
+// a backtrace): the faulting instruction and the return address on top of the stack, as module +
+// offset for addr2line.
+void describe(const char* what, uintptr_t addr) {
+  Dl_info info{};
+  char line[512];
+  int n;
+  if (addr && dladdr(reinterpret_cast<void*>(addr), &info) && info.dli_fname) {
+    n = std::snprintf(line, sizeof line, "  %s: %s(+0x%lx) %s\n", what, info.dli_fname,
+                      static_cast<unsigned long>(addr - reinterpret_cast<uintptr_t>(info.dli_fbase)),
+                      info.dli_sname ? info.dli_sname : "");
+  } else {
+    n = std::snprintf(line, sizeof line, "  %s: 0x%lx\n", what, static_cast<unsigned long>(addr));
+  }
+  if (n > 0) (void)!::write(2, line, static_cast<size_t>(n));
+}
+void on_crash(int sig, siginfo_t*, void* context) {
+  const auto* uc = static_cast<ucontext_t*>(context);
+  const uintptr_t rip = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RIP]);
+  const uintptr_t rsp = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RSP]);
+  (void)!::write(2, "tiller test: fatal signal\n", 26);
+  describe("at", rip);
+  describe("return address", rsp ? *reinterpret_cast<const uintptr_t*>(rsp) : 0);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+void install_crash_reporter() {
+  struct sigaction sa {};
+  sa.sa_sigaction = on_crash;
+  sa.sa_flags = SA_SIGINFO;
+  sigaction(SIGSEGV, &sa, nullptr);
+  sigaction(SIGBUS, &sa, nullptr);
+}
+#else
+void install_crash_reporter() {}
+#endif
 }  // namespace
 }  // namespace tiller::test
 
@@ -45,6 +89,7 @@ int main(int argc, char** argv) {
   using namespace tiller;
   ::testing::InitGoogleTest(&argc, argv);
   dist::MpiEnv env(&argc, &argv);
+  test::install_crash_reporter();  // after MPI_Init, which installs its own handlers
   log::init(env.rank(), "test", log::Level::kWarn);
   const char* b = std::getenv("TILLER_TEST_BACKEND");
   const std::string backend = b ? b : "mpi";

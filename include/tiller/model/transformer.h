@@ -78,6 +78,9 @@ BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const 
                                 AttentionBackend backend = AttentionBackend::kAuto);
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// silu(gate) * up from [T, 2I] = [gate | up], as one autograd node whose backward writes the
+// [T, 2I] gradient in place (no per-half zero-filled buffers).
+at::Tensor swiglu(const at::Tensor& gate_up);
 at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens);
 // One transformer block: x [T, hidden] -> [T, hidden].
 at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
