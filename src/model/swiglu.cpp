@@ -1,6 +1,5 @@
-// SwiGLU on the fused gate|up projection: silu(g) * u, with a hand-written backward
-//   d g = d act * u * silu'(g),   d u = d act * silu(g)
-// written straight into the two halves of one [T, 2I] gradient.
+// SwiGLU, silu(g) * u, with a hand-written backward of two elementwise kernels:
+//   d u = d act * silu(g),   d g = silu'(g) * (d act * u)
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <ATen/ATen.h>
@@ -15,28 +14,25 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct SwiGlu : public torch::autograd::Function<SwiGlu> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_up) {
-    ctx->save_for_backward({gate_up});
-    const int64_t half = gate_up.size(-1) / 2;
-    return at::silu(gate_up.narrow(-1, 0, half)).mul_(gate_up.narrow(-1, half, half));
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    return at::silu(gate).mul_(up);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor gate_up = ctx->get_saved_variables()[0];
-    const int64_t half = gate_up.size(-1) / 2;
-    const at::Tensor g = gate_up.narrow(-1, 0, half), u = gate_up.narrow(-1, half, half);
-    at::Tensor d = at::empty_like(gate_up, at::MemoryFormat::Contiguous);
-    at::Tensor dg = d.narrow(-1, 0, half), du = d.narrow(-1, half, half);
-    at::mul_out(du, grads[0], at::silu(g));
-    at::silu_backward_out(dg, grads[0] * u, g);
-    return {d};
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& g = saved[0];
+    const at::Tensor& u = saved[1];
+    at::Tensor du = grads[0] * at::silu(g);
+    at::Tensor dg = at::silu_backward(grads[0] * u, g);
+    return {dg, du};
   }
 };
 
 }  // namespace
 
-at::Tensor swiglu(const at::Tensor& gate_up) {
-  TILLER_CHECK(gate_up.size(-1) % 2 == 0, "swiglu: last dimension {} is odd", gate_up.size(-1));
-  return SwiGlu::apply(gate_up);
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  TILLER_CHECK(gate.sizes() == up.sizes(), "swiglu: gate and up shapes differ");
+  return SwiGlu::apply(gate, up);
 }
 
 }  // namespace tiller::model

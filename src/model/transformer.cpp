@@ -40,10 +40,21 @@ PackedBatch PackedBatch::pack(const std::vector<std::vector<int64_t>>& seqs, at:
 DenseKvCache::DenseKvCache(int64_t layers, int64_t seqs)
     : k(layers, std::vector<at::Tensor>(seqs)), v(layers, std::vector<at::Tensor>(seqs)), lens(seqs, 0) {}
 
+void expand_rope_tables(const ModelConfig& cfg, BlockContext& ctx) {
+  const int64_t t = ctx.cos.size(0), d = ctx.cos.size(1), half = d / 2;
+  const at::Tensor sin_signed = at::cat({-ctx.sin.narrow(1, 0, half), ctx.sin.narrow(1, half, d - half)}, 1);
+  auto expand = [&](const at::Tensor& table, int64_t heads) { return table.unsqueeze(1).expand({t, heads, d}).contiguous(); };
+  ctx.q_cos = expand(ctx.cos, cfg.num_heads);
+  ctx.q_sin = expand(sin_signed, cfg.num_heads);
+  ctx.k_cos = expand(ctx.cos, cfg.num_kv_heads);
+  ctx.k_sin = expand(sin_signed, cfg.num_kv_heads);
+}
+
 BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
                                 at::ScalarType dtype, DenseKvCache* cache, AttentionBackend backend) {
   BlockContext ctx;
   std::tie(ctx.cos, ctx.sin) = rope.tables(batch.positions, dtype, batch.seq_lens);
+  expand_rope_tables(cfg, ctx);
   ctx.backend = backend;
   ctx.cache = cache;
   if (!cache) {
@@ -77,11 +88,10 @@ at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens) { return
 
 namespace {
 
-// x * cos + rotate_half(x) * sin, with cos/sin [T, D] broadcast over heads.
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-  return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
+// x * cos + rotate_half(x) * sin, as x * cos + roll(x, D/2) * sin_signed with tables already
+// expanded over the heads (contiguous operands: vectorized kernels, three per call).
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed) {
+  return at::addcmul(x * cos, x.roll(x.size(-1) / 2, -1), sin_signed);
 }
 
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {}) {
@@ -113,23 +123,9 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
                          BlockContext& ctx) {
   const int64_t t = x.size(0);
   at::Tensor h = rms_norm(x, w.input_norm, cfg.rms_norm_eps);
-  at::Tensor q, k, v;
-  if (w.qkv_proj.defined()) {
-    // split (not narrow): its backward is one concatenation, not a zero-filled buffer per part.
-    const auto parts = project(h, w.qkv_proj, w.qkv_bias).split_with_sizes({cfg.q_size(), cfg.kv_size(), cfg.kv_size()}, 1);
-    q = parts[0];
-    k = parts[1];
-    v = parts[2];
-    if (!w.qkv_bias.defined() && w.q_bias.defined()) {
-      q = q + w.q_bias;
-      k = k + w.k_bias;
-      v = v + w.v_bias;
-    }
-  } else {
-    q = project(h, w.q_proj, w.q_bias);
-    k = project(h, w.k_proj, w.k_bias);
-    v = project(h, w.v_proj, w.v_bias);
-  }
+  at::Tensor q = project(h, w.q_proj, w.q_bias);
+  at::Tensor k = project(h, w.k_proj, w.k_bias);
+  at::Tensor v = project(h, w.v_proj, w.v_bias);
   q = q.view({t, cfg.num_heads, cfg.head_dim});
   k = k.view({t, cfg.num_kv_heads, cfg.head_dim});
   v = v.view({t, cfg.num_kv_heads, cfg.head_dim});
@@ -137,8 +133,8 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
     q = rms_norm(q, w.q_norm, cfg.rms_norm_eps);
     k = rms_norm(k, w.k_norm, cfg.rms_norm_eps);
   }
-  q = apply_rope(q, ctx.cos, ctx.sin);
-  k = apply_rope(k, ctx.cos, ctx.sin);
+  q = apply_rope(q, ctx.q_cos, ctx.q_sin);
+  k = apply_rope(k, ctx.k_cos, ctx.k_sin);
   VarlenSpec spec = ctx.attn;
   spec.window = cfg.layer_window[layer];
   at::Tensor keys = k, vals = v;
@@ -151,12 +147,7 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   at::Tensor attn = varlen_attention(q, keys, vals, spec, scale, ctx.backend).reshape({t, cfg.q_size()});
   at::Tensor y = x + project(attn, w.o_proj);
   h = rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps);
-  at::Tensor act;
-  if (w.gate_up_proj.defined()) {
-    act = swiglu(project(h, w.gate_up_proj));
-  } else {
-    act = at::silu(project(h, w.gate_proj)) * project(h, w.up_proj);
-  }
+  at::Tensor act = swiglu(project(h, w.gate_proj), project(h, w.up_proj));
   at::Tensor mlp = project(act, w.down_proj);
   return y + mlp;
 }

@@ -123,10 +123,10 @@ void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOpti
   });
   bad = first_failure(model, !err.empty());
   if (bad >= 0) {
-    if (me == 0) {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-    }
+    // The throwing overloads only: on the GPU host libtorch.so exports its own
+    // std::filesystem::remove_all(path, error_code&), which the dynamic linker binds first and
+    // which crashes.
+    if (me == 0) attempt([&] { fs::remove_all(tmp); });
     first_failure(model, false);  // every rank leaves once the temporary directory is gone
     throw IoError(fmt::format("checkpoint {}: rank {} failed to write its shard{}; the previous checkpoint is untouched",
                               dir, bad, err.empty() ? "" : ": " + err));
@@ -247,9 +247,8 @@ void export_hf(const std::string& checkpoint_dir, const std::string& out_dir, at
                            "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja"}) {
     const fs::path src = fs::path(source) / name;
     if (!fs::exists(src)) continue;
-    std::error_code ec;
-    fs::copy_file(src, fs::path(out_dir) / name, fs::copy_options::overwrite_existing, ec);
-    if (ec) throw IoError(fmt::format("{}: cannot copy to {}: {}", src.string(), out_dir, ec.message()));
+    const std::string err = attempt([&] { fs::copy_file(src, fs::path(out_dir) / name, fs::copy_options::overwrite_existing); });
+    if (!err.empty()) throw IoError(fmt::format("{}: cannot copy to {}: {}", src.string(), out_dir, err));
   }
 }
 

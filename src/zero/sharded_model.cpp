@@ -31,13 +31,11 @@ constexpr int64_t kF32 = sizeof(float);
 // Units and segments share indices: 0 is the embedding, 1 + i is block i, L + 1 is the head
 // (final norm and lm_head or score). The head segment of a tied LM also uses unit 0.
 struct ShardedModel::Impl {
-  // What the model binds from a unit's flat buffer: one parameter, or parameters lying back to
-  // back that the block multiplies as one matrix (q|k|v weights, their biases, gate|up).
+  // What the model binds from a unit's flat buffer, and what backward returns gradients for.
   struct Slot {
     int64_t offset = 0, numel = 0;
     std::vector<int64_t> shape;
     std::vector<size_t> params;  // layout params covered, in order
-    std::string fused;           // "", "qkv_proj", "qkv_bias" or "gate_up_proj"
   };
   struct Unit {
     FlatLayout layout;
@@ -125,39 +123,12 @@ struct ShardedModel::Impl {
   void release_segment(size_t s) {
     for (size_t u : segment_units(s)) gathered.erase(u);
   }
+  // One slot per parameter. (Fused slots, several parameters bound as one matrix, were tried for
+  // q|k|v and gate|up: the GEMMs gained less than the strided elementwise kernels after them lost.)
   static std::vector<Slot> make_slots(const FlatLayout& layout) {
-    static const std::vector<std::pair<std::string, std::vector<std::string>>> kFusions = {
-        {"qkv_proj", {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"}},
-        {"qkv_bias", {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}},
-        {"gate_up_proj", {"mlp.gate_proj.weight", "mlp.up_proj.weight"}}};
-    const auto& ps = layout.params();
-    auto ends_with = [](const std::string& a, const std::string& b) {
-      return a.size() >= b.size() && a.compare(a.size() - b.size(), b.size(), b) == 0;
-    };
     std::vector<Slot> out;
-    for (size_t i = 0; i < ps.size();) {
-      size_t n = 1;
-      std::string fused;
-      for (const auto& [name, parts] : kFusions) {
-        bool ok = i + parts.size() <= ps.size();
-        for (size_t j = 0; ok && j < parts.size(); ++j)
-          ok = ends_with(ps[i + j].spec.name, "." + parts[j]) &&
-               (j == 0 || ps[i + j].offset == ps[i + j - 1].offset + ps[i + j - 1].numel);
-        if (ok) {
-          n = parts.size();
-          fused = name;
-          break;
-        }
-      }
-      Slot s{ps[i].offset, 0, ps[i].spec.shape, {}, fused};
-      for (size_t j = i; j < i + n; ++j) {
-        s.numel += ps[j].numel;
-        s.params.push_back(j);
-      }
-      if (n > 1) s.shape[0] = s.numel / (s.shape.size() > 1 ? s.shape[1] : 1);
-      out.push_back(std::move(s));
-      i += n;
-    }
+    const auto& ps = layout.params();
+    for (size_t i = 0; i < ps.size(); ++i) out.push_back({ps[i].offset, ps[i].numel, ps[i].spec.shape, {i}});
     return out;
   }
   std::vector<at::Tensor> slot_views(size_t u, const at::Tensor& full) const {
@@ -165,29 +136,12 @@ struct ShardedModel::Impl {
     for (const auto& s : units[u].slots) out.push_back(full.narrow(0, s.offset, s.numel).view(s.shape));
     return out;
   }
-  // The layer's weights from slot tensors (views or leaves): fused slots bound as such, and
-  // narrowed into their parameters.
+  // The layer's weights from slot tensors (views or leaves).
   model::LayerWeights layer_weights(int64_t layer, size_t u, const std::vector<at::Tensor>& ts) const {
     NamedTensors named;
-    model::LayerWeights lw;
     const auto& ps = units[u].layout.params();
-    for (size_t k = 0; k < ts.size(); ++k) {
-      const Slot& s = units[u].slots[k];
-      int64_t row = 0;
-      for (size_t j : s.params) {
-        const int64_t rows = ps[j].spec.shape[0];
-        named.emplace(ps[j].spec.name, s.params.size() == 1 ? ts[k] : ts[k].narrow(0, row, rows));
-        row += rows;
-      }
-    }
-    lw = model::bind_layer(cfg, layer, named, "unit layers." + std::to_string(layer));
-    for (size_t k = 0; k < ts.size(); ++k) {
-      const std::string& f = units[u].slots[k].fused;
-      if (f == "qkv_proj") lw.qkv_proj = ts[k];
-      else if (f == "qkv_bias") lw.qkv_bias = ts[k];
-      else if (f == "gate_up_proj") lw.gate_up_proj = ts[k];
-    }
-    return lw;
+    for (size_t k = 0; k < ts.size(); ++k) named.emplace(ps[units[u].slots[k].params[0]].spec.name, ts[k]);
+    return model::bind_layer(cfg, layer, named, "unit layers." + std::to_string(layer));
   }
   NamedTensors named_views(size_t u, const at::Tensor& full) const {
     NamedTensors out;
@@ -236,11 +190,14 @@ struct ShardedModel::Impl {
   }
 
   // --- the segments' computations ---
-  model::BlockContext block_context(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cu,
+  // The context of a block from the tensors BlockSegment saves: RoPE tables and the packing.
+  model::BlockContext block_context(const std::vector<at::Tensor>& rope, const at::Tensor& cu,
                                     const std::vector<int64_t>& lens) const {
     model::BlockContext ctx;
-    ctx.cos = cos;
-    ctx.sin = sin;
+    ctx.q_cos = rope[0];
+    ctx.q_sin = rope[1];
+    ctx.k_cos = rope[2];
+    ctx.k_sin = rope[3];
     ctx.attn = model::VarlenSpec::self(cu, lens);
     ctx.backend = opts.attention;
     return ctx;
@@ -343,13 +300,12 @@ struct EmbedSegment : public torch::autograd::Function<EmbedSegment> {
 // Segment 1 + layer: one transformer block.
 struct BlockSegment : public torch::autograd::Function<BlockSegment> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, int64_t layer,
-                            const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                            const at::Tensor& cu, const std::vector<int64_t>& lens) {
+                            const at::Tensor& x, const model::BlockContext* block) {
     ctx->saved_data["impl"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(m));
     ctx->saved_data["layer"] = layer;
-    ctx->saved_data["lens"] = lens;
-    ctx->save_for_backward({x, cos, sin, cu});
-    auto bctx = m->block_context(cos, sin, cu, lens);
+    ctx->saved_data["lens"] = block->attn.lens_q;
+    ctx->save_for_backward({x, block->q_cos, block->q_sin, block->k_cos, block->k_sin, block->attn.cu_q});
+    model::BlockContext bctx = *block;
     return m->block_forward(layer, x, bctx);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -366,7 +322,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     at::Tensor y;
     {
       at::AutoGradMode on(true);
-      auto bctx = m->block_context(saved[1], saved[2], saved[3], lens);
+      auto bctx = m->block_context({saved[1], saved[2], saved[3], saved[4]}, saved[5], lens);
       y = m->run_block(layer, params, x, bctx);
     }
     variable_list inputs = params;
@@ -377,7 +333,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     m->reduce(s, g);
     m->release_segment(s);
     if (!gx.defined()) gx = at::zeros_like(saved[0]);
-    return {at::Tensor(), at::Tensor(), at::Tensor(), gx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {at::Tensor(), at::Tensor(), at::Tensor(), gx, at::Tensor()};
   }
 };
 
@@ -521,7 +477,7 @@ at::Tensor ShardedModel::token_logprobs(const model::PackedBatch& batch, const a
   if (m.opts.trainable && at::GradMode::is_enabled()) {
     at::Tensor x = EmbedSegment::apply(m.anchor, &m, batch.tokens);
     for (int64_t i = 0; i < m.cfg.num_layers; ++i)
-      x = BlockSegment::apply(m.anchor, &m, i, x, bctx.cos, bctx.sin, batch.cu_seqlens, batch.seq_lens);
+      x = BlockSegment::apply(m.anchor, &m, i, x, &bctx);
     return LmHeadSegment::apply(m.anchor, &m, x, tgt, temperature, entropy);
   }
   at::NoGradGuard no_grad;
@@ -538,7 +494,7 @@ at::Tensor ShardedModel::values(const model::PackedBatch& batch) {
   if (m.opts.trainable && at::GradMode::is_enabled()) {
     at::Tensor x = EmbedSegment::apply(m.anchor, &m, batch.tokens);
     for (int64_t i = 0; i < m.cfg.num_layers; ++i)
-      x = BlockSegment::apply(m.anchor, &m, i, x, bctx.cos, bctx.sin, batch.cu_seqlens, batch.seq_lens);
+      x = BlockSegment::apply(m.anchor, &m, i, x, &bctx);
     return ValueHeadSegment::apply(m.anchor, &m, x);
   }
   at::NoGradGuard no_grad;

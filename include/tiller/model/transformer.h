@@ -68,7 +68,10 @@ struct DenseKvCache {
 
 // What every block of one forward shares: RoPE tables, the attention layout, the cache.
 struct BlockContext {
-  at::Tensor cos, sin;
+  at::Tensor cos, sin;                    // [T, head_dim]
+  // The tables as the blocks use them: expanded over query / key heads, contiguous, with
+  // rotate_half folded into sin (first half negated); see expand_rope_tables.
+  at::Tensor q_cos, q_sin, k_cos, k_sin;  // [T, heads, head_dim]
   VarlenSpec attn;
   AttentionBackend backend = AttentionBackend::kAuto;
   DenseKvCache* cache = nullptr;  // when set, new K/V are appended to it and attention covers it
@@ -77,10 +80,12 @@ BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const 
                                 at::ScalarType dtype, DenseKvCache* cache = nullptr,
                                 AttentionBackend backend = AttentionBackend::kAuto);
 
+// Fills q_cos .. k_sin from cos and sin (make_block_context calls it).
+void expand_rope_tables(const ModelConfig& cfg, BlockContext& ctx);
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-// silu(gate) * up from [T, 2I] = [gate | up], as one autograd node whose backward writes the
-// [T, 2I] gradient in place (no per-half zero-filled buffers).
-at::Tensor swiglu(const at::Tensor& gate_up);
+// silu(gate) * up as one autograd node (its backward: two fused elementwise kernels).
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens);
 // One transformer block: x [T, hidden] -> [T, hidden].
 at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,

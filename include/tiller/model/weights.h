@@ -30,11 +30,6 @@ struct LayerWeights {
   at::Tensor post_attn_norm;            // [hidden]
   at::Tensor gate_proj, up_proj;        // [intermediate, hidden]
   at::Tensor down_proj;                 // [hidden, intermediate]
-  // Optional fused views, used instead of the separate ones when defined (an owner whose storage
-  // holds q, k, v, or gate and up, back to back binds them; one GEMM instead of two or three):
-  at::Tensor qkv_proj;      // [q_size + 2 kv_size, hidden]
-  at::Tensor qkv_bias;      // [q_size + 2 kv_size]; may be undefined while q_bias etc. are defined
-  at::Tensor gate_up_proj;  // [2 intermediate, hidden]
 };
 
 struct ModelWeights {
