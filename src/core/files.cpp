@@ -7,6 +7,8 @@
 #include <sstream>
 
 #include <fcntl.h>
+#include <ftw.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -21,6 +23,17 @@ std::optional<std::string> read_file(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+namespace {
+int remove_entry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
+}  // namespace
+
+void remove_tree(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return;  // absent
+  if (::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
+    throw IoError(fmt::format("{}: cannot remove: {}", path, std::strerror(errno)));
 }
 
 void fsync_dir(const std::string& dir) {

@@ -1,5 +1,8 @@
 #include "tiller/zero/checkpoint.h"
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 
@@ -98,7 +101,7 @@ void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOpti
   const std::string tmp = dir + ".tmp", old = dir + ".old";
   std::string err;
   if (me == 0) err = attempt([&] {
-    fs::remove_all(tmp);
+    remove_tree(tmp);
     fs::create_directories(tmp);
   });
   int bad = first_failure(model, !err.empty());
@@ -123,10 +126,7 @@ void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOpti
   });
   bad = first_failure(model, !err.empty());
   if (bad >= 0) {
-    // The throwing overloads only: on the GPU host libtorch.so exports its own
-    // std::filesystem::remove_all(path, error_code&), which the dynamic linker binds first and
-    // which crashes.
-    if (me == 0) attempt([&] { fs::remove_all(tmp); });
+    if (me == 0) attempt([&] { remove_tree(tmp); });
     first_failure(model, false);  // every rank leaves once the temporary directory is gone
     throw IoError(fmt::format("checkpoint {}: rank {} failed to write its shard{}; the previous checkpoint is untouched",
                               dir, bad, err.empty() ? "" : ": " + err));
@@ -148,13 +148,17 @@ void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOpti
     write_file_atomic(tmp + "/config.json", model::to_hf_config_json(model.config(), o.head == model::Head::kValue));
     write_file_atomic(tmp + "/meta.json", meta.dump(2));
     fsync_dir(tmp);
+    auto move = [](const std::string& from, const std::string& to) {
+      if (::rename(from.c_str(), to.c_str()) != 0)
+        throw IoError(fmt::format("cannot rename {} to {}: {}", from, to, std::strerror(errno)));
+    };
     if (fs::exists(dir)) {
-      fs::remove_all(old);
-      fs::rename(dir, old);
+      remove_tree(old);
+      move(dir, old);
     }
-    fs::rename(tmp, dir);
+    move(tmp, dir);
     fsync_dir(fs::path(dir).parent_path().string());
-    fs::remove_all(old);
+    remove_tree(old);
   });
   bad = first_failure(model, !err.empty());
   if (bad >= 0) throw IoError(fmt::format("checkpoint {}: commit failed: {}", dir, err.empty() ? "see rank 0" : err));

@@ -14,6 +14,11 @@ std::optional<std::string> read_file(const std::string& path);
 // readers see the old file or the new one, never a partial one. Throws IoError naming the path.
 void write_file_atomic(const std::string& path, const std::string& text);
 
+// Removes a file or a directory tree (no error if absent); throws IoError naming what could not
+// be removed. (Not std::filesystem::remove_all: on the GPU host libtorch.so exports its own
+// std::filesystem symbols, which the dynamic linker binds first and which crash.)
+void remove_tree(const std::string& path);
+
 // fsync of a directory, so renames and creations inside it survive a crash. Best effort.
 void fsync_dir(const std::string& dir);
 
