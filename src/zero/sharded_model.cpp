@@ -12,6 +12,7 @@
 #include <c10/core/Event.h>
 #include <fmt/format.h>
 
+#include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
@@ -419,6 +420,24 @@ struct ValueHeadSegment : public torch::autograd::Function<ValueHeadSegment> {
 };
 
 }  // namespace
+
+ShardedModelOptions role_options(const std::string& name, const RoleConfig& role, const TrainConfig& train,
+                                 bool trainable, model::Head head, at::Device device) {
+  ShardedModelOptions o;
+  o.head = head;
+  o.device = device;
+  o.trainable = trainable;
+  if (role.dtype == "bf16") o.compute_dtype = at::kBFloat16;
+  else if (role.dtype == "fp32") o.compute_dtype = at::kFloat;
+  else throw ConfigError(fmt::format("roles.{}.dtype '{}': use bf16 or fp32", name, role.dtype));
+  if (role.replicate && trainable)
+    throw ConfigError(fmt::format("roles.{}.replicate: only frozen roles (ref, reward) can be replicated; a trained "
+                                  "role is always sharded", name));
+  o.replicate = role.replicate;
+  o.adamw = {train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay};
+  o.max_grad_norm = train.max_grad_norm;
+  return o;
+}
 
 ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& comm, ShardedModelOptions opts)
     : impl_(std::make_unique<Impl>(cfg, comm, opts)) {

@@ -7,6 +7,7 @@
 #include "tiller/core/error.h"
 #include "tiller/zero/flat_layout.h"
 #include "tiller/zero/optimizer.h"
+#include "tiller/zero/sharded_model.h"
 
 namespace tiller::zero {
 namespace {
@@ -123,6 +124,30 @@ TEST(LrSchedule, WarmupThenDecayToTheMinimum) {
   EXPECT_THROW(LrSchedule::from_config(t), ConfigError);
   EXPECT_DOUBLE_EQ(clip_coefficient(10.0, 1.0), 1.0 / (10.0 + 1e-6));
   EXPECT_DOUBLE_EQ(clip_coefficient(0.5, 1.0), 1.0);
+}
+
+TEST(RoleOptions, FromTheJobConfig) {
+  RoleConfig role;
+  TrainConfig train;
+  train.weight_decay = 0.1;
+  train.adam_beta2 = 0.999;
+  train.max_grad_norm = 0.5;
+  const auto o = role_options("actor", role, train, true, model::Head::kLm, at::kCPU);
+  EXPECT_EQ(o.compute_dtype, at::kBFloat16);
+  EXPECT_DOUBLE_EQ(o.adamw.weight_decay, 0.1);
+  EXPECT_DOUBLE_EQ(o.adamw.beta2, 0.999);
+  EXPECT_DOUBLE_EQ(o.max_grad_norm, 0.5);
+  role.replicate = true;
+  EXPECT_TRUE(role_options("ref", role, train, false, model::Head::kLm, at::kCPU).replicate);
+  try {
+    role_options("actor", role, train, true, model::Head::kLm, at::kCPU);
+    ADD_FAILURE() << "a trained role was replicated";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("roles.actor.replicate"), std::string::npos) << e.what();
+  }
+  role.replicate = false;
+  role.dtype = "fp8";
+  EXPECT_THROW(role_options("critic", role, train, true, model::Head::kValue, at::kCPU), ConfigError);
 }
 
 }  // namespace

@@ -35,6 +35,11 @@
 #include "tiller/model/weights.h"
 #include "tiller/zero/optimizer.h"
 
+namespace tiller {
+struct RoleConfig;
+struct TrainConfig;
+}  // namespace tiller
+
 namespace tiller::dist {
 class Communicator;
 }
@@ -55,6 +60,12 @@ struct ShardedModelOptions {
   // compute stream; host time on CPU); read with take_wait_seconds().
   bool measure_waits = false;
 };
+
+// The options of role `name` from the job config: roles.<name>.dtype and .replicate, and train.*
+// for AdamW and clipping (the learning rate is given to step()). ConfigError names the key when
+// replicate is asked of a trainable role or the dtype is unknown.
+ShardedModelOptions role_options(const std::string& name, const RoleConfig& role, const TrainConfig& train,
+                                 bool trainable, model::Head head, at::Device device);
 
 struct StepResult {
   double grad_norm = 0;     // global L2 norm before clipping
