@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include "model/torch_compat.h"
 #include "tiller/core/error.h"
 #include "tiller/model/transformer.h"
 
@@ -41,7 +42,7 @@ ChunkResult chunk_forward(const at::Tensor& h, const at::Tensor& w, const at::Te
 // chunks in fp32.
 std::pair<at::Tensor, at::Tensor> backward_chunks(const at::Tensor& hidden, const at::Tensor& weight,
                                                   const at::Tensor& targets, const at::Tensor& grad, double temperature,
-                                                  int64_t chunk, bool need_h, bool need_w) {
+                                                  int64_t chunk, bool need_h, bool need_w, bool fp32_w = false) {
   const at::ScalarType ct = compute_type(hidden);
   const at::Tensor g = grad.to(ct);
   const int64_t rows = hidden.size(0);
@@ -59,9 +60,10 @@ std::pair<at::Tensor, at::Tensor> backward_chunks(const at::Tensor& hidden, cons
     if (temperature != 1.0) dz.div_(temperature);
     const at::Tensor dzw = dz.to(weight.scalar_type());
     if (need_h) grad_h.narrow(0, s, n).copy_(at::matmul(dzw, weight));
-    if (need_w) grad_w.add_(at::matmul(dzw.t(), h));
+    if (need_w) compat::addmm_accumulate(grad_w, dzw.t(), h);
   }
-  return {grad_h, need_w ? grad_w.to(weight.scalar_type()) : at::Tensor()};
+  if (!need_w) return {grad_h, at::Tensor()};
+  return {grad_h, fp32_w ? grad_w : grad_w.to(weight.scalar_type())};
 }
 
 struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
@@ -99,10 +101,11 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
 std::pair<at::Tensor, at::Tensor> token_logprobs_backward(const at::Tensor& hidden, const at::Tensor& lm_head,
                                                           const at::Tensor& targets, const at::Tensor& grad,
                                                           double temperature, int64_t chunk_rows, bool need_hidden,
-                                                          bool need_weight) {
+                                                          bool need_weight, bool fp32_weight_grad) {
   TILLER_CHECK(grad.dim() == 1 && grad.size(0) == hidden.size(0), "token_logprobs_backward: {} gradients for {} rows",
                grad.numel(), hidden.size(0));
-  return backward_chunks(hidden, lm_head, targets.to(at::kLong), grad, temperature, chunk_rows, need_hidden, need_weight);
+  return backward_chunks(hidden, lm_head, targets.to(at::kLong), grad, temperature, chunk_rows, need_hidden, need_weight,
+                         fp32_weight_grad);
 }
 
 at::Tensor token_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& targets,

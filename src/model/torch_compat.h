@@ -49,3 +49,17 @@ inline void reset_peak(const at::Device& d) {
 }
 
 }  // namespace tiller::compat
+
+namespace tiller::compat {
+
+// acc (fp32) += a @ b for a, b in acc's dtype or in bf16/fp16: on CUDA one GEMM that accumulates
+// in fp32 in its epilogue (aten::addmm.dtype_out, PyTorch >= 2.8); elsewhere a product and an add.
+inline void addmm_accumulate(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
+  if (acc.is_cuda() && a.scalar_type() != acc.scalar_type()) {
+    at::addmm_out(acc, acc, a, b, acc.scalar_type());
+  } else {
+    acc.add_(at::matmul(a, b));
+  }
+}
+
+}  // namespace tiller::compat

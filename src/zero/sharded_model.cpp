@@ -159,7 +159,13 @@ struct ShardedModel::Impl {
     }
     rs.clear();
   }
-  // Called when a segment's backward starts: the reductions two segments back must be done.
+  // Called when segment s's backward starts: its units and the next segment to backpropagate
+  // (s - 1) are gathered, and the reductions two segments back must be done.
+  void begin_backward(size_t s) {
+    prefetch_segment(s);
+    if (s > 0) prefetch_segment(s - 1);
+    rotate_reductions();
+  }
   void rotate_reductions() {
     finish(reducing_prev);
     std::swap(reducing_prev, reducing_cur);
@@ -171,11 +177,18 @@ struct ShardedModel::Impl {
                  grads.size(), unit.slots.size());
     at::Tensor flat = at::empty({unit.layout.padded_numel()}, f32());
     unit.layout.zero_padding(flat);
+    // One multi-tensor launch converts every gradient to fp32 into the flat buffer.
+    std::vector<at::Tensor> dst, src;
     for (size_t i = 0; i < grads.size(); ++i) {
       at::Tensor view = flat.narrow(0, unit.slots[i].offset, unit.slots[i].numel).view(unit.slots[i].shape);
-      if (grads[i].defined()) view.copy_(grads[i]);
-      else view.zero_();
+      if (!grads[i].defined()) {
+        view.zero_();
+      } else {
+        dst.push_back(view);
+        src.push_back(grads[i]);
+      }
     }
+    if (!dst.empty()) at::_foreach_copy_(dst, src);
     if (local) {
       if (unit.grad_fresh) unit.grad.copy_(flat);
       else unit.grad.add_(flat);
@@ -251,6 +264,10 @@ namespace {
 
 using Impl = ShardedModel::Impl;
 
+// The model travels with the autograd node as an integer (the model must outlive its graphs).
+void remember(AutogradContext* ctx, Impl* m) {
+  ctx->saved_data["impl"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(m));
+}
 Impl* impl_of(AutogradContext* ctx) {
   return reinterpret_cast<Impl*>(static_cast<intptr_t>(ctx->saved_data["impl"].toInt()));
 }
@@ -277,14 +294,14 @@ variable_list grads_of(const at::Tensor& out, const variable_list& inputs, const
 // Segment 0: token ids -> embeddings.
 struct EmbedSegment : public torch::autograd::Function<EmbedSegment> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, const at::Tensor& tokens) {
-    ctx->saved_data["impl"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(m));
+    remember(ctx, m);
     ctx->save_for_backward({tokens});
     return m->embed_forward(tokens);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     Impl* m = impl_of(ctx);
     const at::Tensor tokens = ctx->get_saved_variables()[0];
-    m->rotate_reductions();
+    m->begin_backward(0);
     const auto views = m->units[0].layout.views(m->acquire(0));
     auto params = leaves(views);
     at::Tensor y;
@@ -302,7 +319,7 @@ struct EmbedSegment : public torch::autograd::Function<EmbedSegment> {
 struct BlockSegment : public torch::autograd::Function<BlockSegment> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, int64_t layer,
                             const at::Tensor& x, const model::BlockContext* block) {
-    ctx->saved_data["impl"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(m));
+    remember(ctx, m);
     ctx->saved_data["layer"] = layer;
     ctx->saved_data["lens"] = block->attn.lens_q;
     ctx->save_for_backward({x, block->q_cos, block->q_sin, block->k_cos, block->k_sin, block->attn.cu_q});
@@ -315,9 +332,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     const auto lens = ctx->saved_data["lens"].toIntVector();
     const auto saved = ctx->get_saved_variables();
     const size_t s = static_cast<size_t>(layer) + 1;
-    m->prefetch_segment(s);
-    m->prefetch_segment(s - 1);
-    m->rotate_reductions();
+    m->begin_backward(s);
     auto params = leaves(m->slot_views(s, m->acquire(s)));
     at::Tensor x = saved[0].detach().requires_grad_(true);
     at::Tensor y;
@@ -343,7 +358,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
 struct LmHeadSegment : public torch::autograd::Function<LmHeadSegment> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, const at::Tensor& x,
                             const at::Tensor& targets, double temperature, at::Tensor* entropy) {
-    ctx->saved_data["impl"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(m));
+    remember(ctx, m);
     ctx->saved_data["temperature"] = temperature;
     ctx->save_for_backward({x, targets});
     return m->lm_head_forward(x, targets, temperature, entropy);
@@ -352,9 +367,7 @@ struct LmHeadSegment : public torch::autograd::Function<LmHeadSegment> {
     Impl* m = impl_of(ctx);
     const auto saved = ctx->get_saved_variables();
     const size_t s = m->head_unit();
-    m->prefetch_segment(s);
-    m->prefetch_segment(s - 1);
-    m->rotate_reductions();
+    m->begin_backward(s);
     const FlatLayout& hl = m->units[s].layout;
     auto head = leaves(hl.views(m->acquire(s)));
     const NamedTensors embed = m->tied_lm() ? m->named_views(0, m->acquire(0)) : NamedTensors{};
@@ -369,7 +382,7 @@ struct LmHeadSegment : public torch::autograd::Function<LmHeadSegment> {
     const at::Tensor w = m->lm_weight(head_named, embed).detach();
     auto [gh, gw] = model::token_logprobs_backward(h.detach(), w, saved[1], grads[0],
                                                    ctx->saved_data["temperature"].toDouble(),
-                                                   m->opts.logprob_chunk_rows, true, true);
+                                                   m->opts.logprob_chunk_rows, true, true, /*fp32_weight_grad=*/true);
     variable_list g = grads_of(h, {x, norm_w}, gh);
     std::vector<at::Tensor> head_grads(head.size());
     for (size_t i = 0; i < head.size(); ++i) {
@@ -388,7 +401,7 @@ struct LmHeadSegment : public torch::autograd::Function<LmHeadSegment> {
 // The last segment, value head: final norm -> score.
 struct ValueHeadSegment : public torch::autograd::Function<ValueHeadSegment> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, const at::Tensor& x) {
-    ctx->saved_data["impl"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(m));
+    remember(ctx, m);
     ctx->save_for_backward({x});
     return m->value_head_forward(x);
   }
@@ -396,9 +409,7 @@ struct ValueHeadSegment : public torch::autograd::Function<ValueHeadSegment> {
     Impl* m = impl_of(ctx);
     const at::Tensor x0 = ctx->get_saved_variables()[0];
     const size_t s = m->head_unit();
-    m->prefetch_segment(s);
-    m->prefetch_segment(s - 1);
-    m->rotate_reductions();
+    m->begin_backward(s);
     const FlatLayout& hl = m->units[s].layout;
     auto head = leaves(hl.views(m->acquire(s)));
     const NamedTensors hn = named(hl, head);
@@ -418,6 +429,18 @@ struct ValueHeadSegment : public torch::autograd::Function<ValueHeadSegment> {
     return {at::Tensor(), at::Tensor(), gx.defined() ? gx : at::zeros_like(x0)};
   }
 };
+
+// Embedding and blocks: [T, hidden]; as autograd segments when `graph`.
+at::Tensor run_trunk(Impl& m, const model::PackedBatch& batch, model::BlockContext& bctx, bool graph) {
+  if (graph) {
+    at::Tensor x = EmbedSegment::apply(m.anchor, &m, batch.tokens);
+    for (int64_t i = 0; i < m.cfg.num_layers; ++i) x = BlockSegment::apply(m.anchor, &m, i, x, &bctx);
+    return x;
+  }
+  at::Tensor x = m.embed_forward(batch.tokens);
+  for (int64_t i = 0; i < m.cfg.num_layers; ++i) x = m.block_forward(i, x, bctx);
+  return x;
+}
 
 }  // namespace
 
@@ -493,16 +516,11 @@ at::Tensor ShardedModel::token_logprobs(const model::PackedBatch& batch, const a
   model::BlockContext bctx =
       model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
   const at::Tensor tgt = targets.to(at::kLong);
-  if (m.opts.trainable && at::GradMode::is_enabled()) {
-    at::Tensor x = EmbedSegment::apply(m.anchor, &m, batch.tokens);
-    for (int64_t i = 0; i < m.cfg.num_layers; ++i)
-      x = BlockSegment::apply(m.anchor, &m, i, x, &bctx);
-    return LmHeadSegment::apply(m.anchor, &m, x, tgt, temperature, entropy);
-  }
-  at::NoGradGuard no_grad;
-  at::Tensor x = m.embed_forward(batch.tokens);
-  for (int64_t i = 0; i < m.cfg.num_layers; ++i) x = m.block_forward(i, x, bctx);
-  return m.lm_head_forward(x, tgt, temperature, entropy);
+  const bool graph = m.opts.trainable && at::GradMode::is_enabled();
+  c10::AutoGradMode grad_mode(graph);  // a frozen model records no graph even under autograd
+  at::Tensor x = run_trunk(m, batch, bctx, graph);
+  return graph ? LmHeadSegment::apply(m.anchor, &m, x, tgt, temperature, entropy)
+               : m.lm_head_forward(x, tgt, temperature, entropy);
 }
 
 at::Tensor ShardedModel::values(const model::PackedBatch& batch) {
@@ -510,16 +528,10 @@ at::Tensor ShardedModel::values(const model::PackedBatch& batch) {
   TILLER_CHECK(m.opts.head == model::Head::kValue, "values needs the value head; this model has an LM head");
   model::BlockContext bctx =
       model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
-  if (m.opts.trainable && at::GradMode::is_enabled()) {
-    at::Tensor x = EmbedSegment::apply(m.anchor, &m, batch.tokens);
-    for (int64_t i = 0; i < m.cfg.num_layers; ++i)
-      x = BlockSegment::apply(m.anchor, &m, i, x, &bctx);
-    return ValueHeadSegment::apply(m.anchor, &m, x);
-  }
-  at::NoGradGuard no_grad;
-  at::Tensor x = m.embed_forward(batch.tokens);
-  for (int64_t i = 0; i < m.cfg.num_layers; ++i) x = m.block_forward(i, x, bctx);
-  return m.value_head_forward(x);
+  const bool graph = m.opts.trainable && at::GradMode::is_enabled();
+  c10::AutoGradMode grad_mode(graph);  // a frozen model records no graph even under autograd
+  at::Tensor x = run_trunk(m, batch, bctx, graph);
+  return graph ? ValueHeadSegment::apply(m.anchor, &m, x) : m.value_head_forward(x);
 }
 
 StepResult ShardedModel::step(double lr) {

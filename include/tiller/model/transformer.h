@@ -109,11 +109,14 @@ at::Tensor token_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head, c
 
 // The backward of token_logprobs outside autograd: from d loss / d logprobs ([T]) to
 // (d hidden, d lm_head), recomputing the logits chunk by chunk. For callers that recompute the
-// head themselves (the ZeRO-3 trainer); a gradient not asked for is undefined.
+// head themselves (the ZeRO-3 trainer); a gradient not asked for is undefined. The weight
+// gradient accumulates over chunks in fp32 and is returned in the weight's dtype, or in fp32 with
+// `fp32_weight_grad`.
 std::pair<at::Tensor, at::Tensor> token_logprobs_backward(const at::Tensor& hidden, const at::Tensor& lm_head,
                                                           const at::Tensor& targets, const at::Tensor& grad,
                                                           double temperature = 1.0, int64_t chunk_rows = 1024,
-                                                          bool need_hidden = true, bool need_weight = true);
+                                                          bool need_hidden = true, bool need_weight = true,
+                                                          bool fp32_weight_grad = false);
 
 // Scalar value per row from the `score` head, fp32 [T].
 at::Tensor values(const at::Tensor& hidden, const at::Tensor& score);
