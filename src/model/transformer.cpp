@@ -40,21 +40,10 @@ PackedBatch PackedBatch::pack(const std::vector<std::vector<int64_t>>& seqs, at:
 DenseKvCache::DenseKvCache(int64_t layers, int64_t seqs)
     : k(layers, std::vector<at::Tensor>(seqs)), v(layers, std::vector<at::Tensor>(seqs)), lens(seqs, 0) {}
 
-void expand_rope_tables(const ModelConfig& cfg, BlockContext& ctx) {
-  const int64_t t = ctx.cos.size(0), d = ctx.cos.size(1), half = d / 2;
-  const at::Tensor sin_signed = at::cat({-ctx.sin.narrow(1, 0, half), ctx.sin.narrow(1, half, d - half)}, 1);
-  auto expand = [&](const at::Tensor& table, int64_t heads) { return table.unsqueeze(1).expand({t, heads, d}).contiguous(); };
-  ctx.q_cos = expand(ctx.cos, cfg.num_heads);
-  ctx.q_sin = expand(sin_signed, cfg.num_heads);
-  ctx.k_cos = expand(ctx.cos, cfg.num_kv_heads);
-  ctx.k_sin = expand(sin_signed, cfg.num_kv_heads);
-}
-
 BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
                                 at::ScalarType dtype, DenseKvCache* cache, AttentionBackend backend) {
   BlockContext ctx;
   std::tie(ctx.cos, ctx.sin) = rope.tables(batch.positions, dtype, batch.seq_lens);
-  expand_rope_tables(cfg, ctx);
   ctx.backend = backend;
   ctx.cache = cache;
   if (!cache) {
@@ -87,12 +76,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens) { return at::embedding(embedding, tokens); }
 
 namespace {
-
-// x * cos + rotate_half(x) * sin, as x * cos + roll(x, D/2) * sin_signed with tables already
-// expanded over the heads (contiguous operands: vectorized kernels, three per call).
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed) {
-  return at::addcmul(x * cos, x.roll(x.size(-1) / 2, -1), sin_signed);
-}
 
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {}) {
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
@@ -133,8 +116,8 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
     q = rms_norm(q, w.q_norm, cfg.rms_norm_eps);
     k = rms_norm(k, w.k_norm, cfg.rms_norm_eps);
   }
-  q = apply_rope(q, ctx.q_cos, ctx.q_sin);
-  k = apply_rope(k, ctx.k_cos, ctx.k_sin);
+  q = apply_rope(q, ctx.cos, ctx.sin);
+  k = apply_rope(k, ctx.cos, ctx.sin);
   VarlenSpec spec = ctx.attn;
   spec.window = cfg.layer_window[layer];
   at::Tensor keys = k, vals = v;

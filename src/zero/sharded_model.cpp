@@ -205,13 +205,11 @@ struct ShardedModel::Impl {
 
   // --- the segments' computations ---
   // The context of a block from the tensors BlockSegment saves: RoPE tables and the packing.
-  model::BlockContext block_context(const std::vector<at::Tensor>& rope, const at::Tensor& cu,
+  model::BlockContext block_context(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cu,
                                     const std::vector<int64_t>& lens) const {
     model::BlockContext ctx;
-    ctx.q_cos = rope[0];
-    ctx.q_sin = rope[1];
-    ctx.k_cos = rope[2];
-    ctx.k_sin = rope[3];
+    ctx.cos = cos;
+    ctx.sin = sin;
     ctx.attn = model::VarlenSpec::self(cu, lens);
     ctx.backend = opts.attention;
     return ctx;
@@ -322,7 +320,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     remember(ctx, m);
     ctx->saved_data["layer"] = layer;
     ctx->saved_data["lens"] = block->attn.lens_q;
-    ctx->save_for_backward({x, block->q_cos, block->q_sin, block->k_cos, block->k_sin, block->attn.cu_q});
+    ctx->save_for_backward({x, block->cos, block->sin, block->attn.cu_q});
     model::BlockContext bctx = *block;
     return m->block_forward(layer, x, bctx);
   }
@@ -338,7 +336,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     at::Tensor y;
     {
       at::AutoGradMode on(true);
-      auto bctx = m->block_context({saved[1], saved[2], saved[3], saved[4]}, saved[5], lens);
+      auto bctx = m->block_context(saved[1], saved[2], saved[3], lens);
       y = m->run_block(layer, params, x, bctx);
     }
     variable_list inputs = params;

@@ -68,10 +68,7 @@ struct DenseKvCache {
 
 // What every block of one forward shares: RoPE tables, the attention layout, the cache.
 struct BlockContext {
-  at::Tensor cos, sin;                    // [T, head_dim]
-  // The tables as the blocks use them: expanded over query / key heads, contiguous, with
-  // rotate_half folded into sin (first half negated); see expand_rope_tables.
-  at::Tensor q_cos, q_sin, k_cos, k_sin;  // [T, heads, head_dim]
+  at::Tensor cos, sin;  // [T, head_dim]
   VarlenSpec attn;
   AttentionBackend backend = AttentionBackend::kAuto;
   DenseKvCache* cache = nullptr;  // when set, new K/V are appended to it and attention covers it
@@ -80,8 +77,9 @@ BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const 
                                 at::ScalarType dtype, DenseKvCache* cache = nullptr,
                                 AttentionBackend backend = AttentionBackend::kAuto);
 
-// Fills q_cos .. k_sin from cos and sin (make_block_context calls it).
-void expand_rope_tables(const ModelConfig& cfg, BlockContext& ctx);
+// x * cos + rotate_half(x) * sin for x [T, heads, head_dim] and tables [T, head_dim], as one
+// autograd node (one fused kernel each way on CUDA).
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // silu(gate) * up as one autograd node (its backward: two fused elementwise kernels).

@@ -1,0 +1,20 @@
+// CUDA kernels of the model with a plain C++ interface (raw pointers, a cudaStream_t passed as
+// void*), so that no CUDA header reaches the C++ side. Built only in the GPU build
+// (TILLER_HAVE_CUDA_KERNELS); callers fall back to ATen ops elsewhere.
+#pragma once
+
+#include <cstdint>
+
+namespace tiller::model::cuda {
+
+enum class DType { kBFloat16, kHalf, kFloat };
+
+// Rotary embedding of x [tokens, heads, dim] (inner dim contiguous; token and head strides
+// given) with HF tables cos, sin [tokens, dim] (contiguous), into out [tokens, heads, dim]
+// (contiguous). Forward: out = x * cos + rotate_half(x) * sin. With `backward`, x is the output
+// gradient and out receives the input gradient, the transpose: g * cos + rotate_half^T(g * sin).
+// Math in fp32. All pointers of `dtype`.
+void rope(DType dtype, const void* x, const void* cos, const void* sin, void* out, int64_t tokens, int64_t heads,
+          int64_t dim, int64_t x_token_stride, int64_t x_head_stride, bool backward, void* stream);
+
+}  // namespace tiller::model::cuda

@@ -1,0 +1,88 @@
+// Autograd nodes with hand-written backwards for the memory-bound parts of a block:
+//  - SwiGLU, silu(g) * u:  d u = d act * silu(g),  d g = silu'(g) * (d act * u)
+//  - RoPE, x * cos + rotate_half(x) * sin: one fused CUDA kernel each way in the GPU build
+//    (src/model/cuda/rope.cu), the same formulas in ATen ops elsewhere.
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <ATen/ATen.h>
+
+#ifdef TILLER_HAVE_CUDA_KERNELS
+#include <c10/cuda/CUDAStream.h>
+
+#include "model/cuda/kernels.h"
+#endif
+
+#include "tiller/core/error.h"
+#include "tiller/model/transformer.h"
+
+namespace tiller::model {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct SwiGlu : public torch::autograd::Function<SwiGlu> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    return at::silu(gate).mul_(up);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& g = saved[0];
+    const at::Tensor& u = saved[1];
+    at::Tensor du = grads[0] * at::silu(g);
+    at::Tensor dg = at::silu_backward(grads[0] * u, g);
+    return {dg, du};
+  }
+};
+
+// x [T, H, D]; cos, sin [T, D]. Forward: x c + rotate_half(x) s. Backward (x is then the output
+// gradient g): g c + rotate_half^T(g s), where rotate_half^T(y) = [y2, -y1].
+at::Tensor rope_apply(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (x.is_cuda() && x.dim() == 3 && x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
+      cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
+      (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat)) {
+    at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    const auto dtype = x.scalar_type() == at::kBFloat16 ? cuda::DType::kBFloat16
+                       : x.scalar_type() == at::kHalf   ? cuda::DType::kHalf
+                                                        : cuda::DType::kFloat;
+    cuda::rope(dtype, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), x.size(0), x.size(1), x.size(2),
+               x.stride(0), x.stride(1), backward, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    return out;
+  }
+#endif
+  const int64_t half = x.size(-1) / 2;
+  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+  const at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
+  if (!backward) return x * c + at::cat({-x2, x1}, -1) * s;
+  const at::Tensor gs = x * s;
+  return x * c + at::cat({gs.narrow(-1, half, half), -gs.narrow(-1, 0, half)}, -1);
+}
+
+struct RopeNode : public torch::autograd::Function<RopeNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return rope_apply(x, cos, sin, false);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return {rope_apply(grads[0], saved[0], saved[1], true), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TILLER_CHECK(x.dim() == 3 && cos.dim() == 2 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
+                   sin.sizes() == cos.sizes(),
+               "apply_rope: x [T, H, D] and tables [T, D] expected");
+  return RopeNode::apply(x, cos.to(x.scalar_type()), sin.to(x.scalar_type()));
+}
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  TILLER_CHECK(gate.sizes() == up.sizes(), "swiglu: gate and up shapes differ");
+  return SwiGlu::apply(gate, up);
+}
+
+}  // namespace tiller::model
