@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #include <fmt/format.h>
 
@@ -236,7 +237,11 @@ struct OpState {
   std::shared_ptr<EventPool> events;
   cudaEvent_t ready = nullptr;  // recorded on the caller's stream at issue
   cudaEvent_t done = nullptr;   // recorded on the communicator's stream after the NCCL call
-  std::vector<at::Tensor> keep;  // alive until the op is complete
+  // Alive until the op is on the communicator's stream; from then on the caching allocator keeps
+  // their memory from reuse until the stream passes the op (recordStream at issue). Holding them
+  // until completion instead would keep every buffer until the watchdog's next poll (100 ms):
+  // gigabytes of gathered units and gradient buffers in a ZeRO-3 step.
+  std::vector<at::Tensor> keep;
   std::atomic<int> phase{kQueued};
   std::atomic<bool> complete{false};
   std::string error;  // set before phase becomes kFailed
@@ -529,6 +534,9 @@ class NcclCommunicator final : public Communicator {
     state->op = op;
     state->seq = seq_++;
     state->deadline = Deadline::after_seconds(timeout_);
+    const auto comm_stream = c10::cuda::getStreamFromExternal(stream_, static_cast<c10::DeviceIndex>(group_->device));
+    for (const auto& t : keep)
+      if (t.defined() && t.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), comm_stream);
     state->keep = std::move(keep);
     state->events = events_;
     state->ready = events_->take();
@@ -543,6 +551,7 @@ class NcclCommunicator final : public Communicator {
       std::lock_guard<std::timed_mutex> lock(g->nccl_mu);
       if (g->comm == nullptr || g->is_aborted()) {
         state->error = g->describe(state->op, state->seq) + ": the communicator was aborted: " + g->reason();
+        state->keep.clear();
         state->phase = kFailed;
         return;
       }
@@ -556,6 +565,7 @@ class NcclCommunicator final : public Communicator {
         return;
       }
       cudaEventRecord(state->done, stream);
+      state->keep.clear();  // on the stream now: recordStream protects the memory
       state->phase = kLaunched;
     });
     return std::make_shared<NcclWork>(group_, state);

@@ -15,7 +15,9 @@
 // stream after the work already queued on the caller's current stream. Work::wait() blocks the
 // calling host thread until the operation is complete, or its deadline passes;
 // Work::wait_on_stream() only orders the caller's stream after it, so compute can overlap. The
-// tensors passed in must stay untouched until the op completes; the Work keeps them alive.
+// tensors passed in must stay untouched until the op completes; they may be dropped at once (the
+// op keeps them alive until it is queued; NCCL then has the caching allocator hold their memory
+// back until the communicator's stream has passed the op).
 // NCCL send/recv: a send may not complete until the peer's recv runs, so two ranks that exchange
 // data must order their send and recv oppositely. Dropping a Work without waiting is allowed (the NCCL watchdog still enforces its
 // deadline); its errors then surface at the next call.
