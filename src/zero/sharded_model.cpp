@@ -32,19 +32,12 @@ constexpr int64_t kF32 = sizeof(float);
 // Units and segments share indices: 0 is the embedding, 1 + i is block i, L + 1 is the head
 // (final norm and lm_head or score). The head segment of a tied LM also uses unit 0.
 struct ShardedModel::Impl {
-  // What the model binds from a unit's flat buffer, and what backward returns gradients for.
-  struct Slot {
-    int64_t offset = 0, numel = 0;
-    std::vector<int64_t> shape;
-    std::vector<size_t> params;  // layout params covered, in order
-  };
   struct Unit {
     FlatLayout layout;
     at::Tensor shard;   // compute dtype: what all-gathers read
     at::Tensor master;  // fp32; the shard itself in fp32 compute; undefined when frozen
     at::Tensor grad;    // fp32 accumulator; undefined when frozen
     bool grad_fresh = true;  // nothing accumulated since zero_grad: the next reduce-scatter writes
-    std::vector<Slot> slots;
   };
   struct Gathered {
     at::Tensor full;
@@ -124,24 +117,11 @@ struct ShardedModel::Impl {
   void release_segment(size_t s) {
     for (size_t u : segment_units(s)) gathered.erase(u);
   }
-  // One slot per parameter. (Fused slots, several parameters bound as one matrix, were tried for
-  // q|k|v and gate|up: the GEMMs gained less than the strided elementwise kernels after them lost.)
-  static std::vector<Slot> make_slots(const FlatLayout& layout) {
-    std::vector<Slot> out;
-    const auto& ps = layout.params();
-    for (size_t i = 0; i < ps.size(); ++i) out.push_back({ps[i].offset, ps[i].numel, ps[i].spec.shape, {i}});
-    return out;
-  }
-  std::vector<at::Tensor> slot_views(size_t u, const at::Tensor& full) const {
-    std::vector<at::Tensor> out;
-    for (const auto& s : units[u].slots) out.push_back(full.narrow(0, s.offset, s.numel).view(s.shape));
-    return out;
-  }
-  // The layer's weights from slot tensors (views or leaves).
+  // The layer's weights from per-parameter tensors (views of a gathered unit, or leaves over them).
   model::LayerWeights layer_weights(int64_t layer, size_t u, const std::vector<at::Tensor>& ts) const {
     NamedTensors named;
     const auto& ps = units[u].layout.params();
-    for (size_t k = 0; k < ts.size(); ++k) named.emplace(ps[units[u].slots[k].params[0]].spec.name, ts[k]);
+    for (size_t k = 0; k < ts.size(); ++k) named.emplace(ps[k].spec.name, ts[k]);
     return model::bind_layer(cfg, layer, named, "unit layers." + std::to_string(layer));
   }
   NamedTensors named_views(size_t u, const at::Tensor& full) const {
@@ -170,21 +150,21 @@ struct ShardedModel::Impl {
     finish(reducing_prev);
     std::swap(reducing_prev, reducing_cur);
   }
-  // `grads` per slot (for units without fused slots: per parameter); undefined entries are zero.
+  // `grads` per parameter of the unit, in layout order; undefined entries are zero.
   void reduce(size_t u, const std::vector<at::Tensor>& grads) {
     Unit& unit = units[u];
-    TILLER_CHECK(grads.size() == unit.slots.size(), "unit {}: {} gradients for {} slots", unit.layout.name(),
-                 grads.size(), unit.slots.size());
+    TILLER_CHECK(grads.size() == unit.layout.params().size(), "unit {}: {} gradients for {} parameters",
+                 unit.layout.name(), grads.size(), unit.layout.params().size());
     at::Tensor flat = at::empty({unit.layout.padded_numel()}, f32());
     unit.layout.zero_padding(flat);
+    const auto views = unit.layout.views(flat);
     // One multi-tensor launch converts every gradient to fp32 into the flat buffer.
     std::vector<at::Tensor> dst, src;
     for (size_t i = 0; i < grads.size(); ++i) {
-      at::Tensor view = flat.narrow(0, unit.slots[i].offset, unit.slots[i].numel).view(unit.slots[i].shape);
       if (!grads[i].defined()) {
-        view.zero_();
+        views[i].zero_();
       } else {
-        dst.push_back(view);
+        dst.push_back(views[i]);
         src.push_back(grads[i]);
       }
     }
@@ -214,10 +194,10 @@ struct ShardedModel::Impl {
     ctx.backend = opts.attention;
     return ctx;
   }
-  at::Tensor run_block(int64_t layer, const std::vector<at::Tensor>& slots, const at::Tensor& x,
+  at::Tensor run_block(int64_t layer, const std::vector<at::Tensor>& params, const at::Tensor& x,
                        model::BlockContext& ctx) const {
     if (x.size(0) == 0) return x.clone();
-    return model::block_forward(cfg, layer, layer_weights(layer, static_cast<size_t>(layer) + 1, slots), x, ctx);
+    return model::block_forward(cfg, layer, layer_weights(layer, static_cast<size_t>(layer) + 1, params), x, ctx);
   }
   at::Tensor lm_weight(const NamedTensors& head, const NamedTensors& embed) const {
     return tied_lm() ? embed.at("model.embed_tokens.weight") : head.at("lm_head.weight");
@@ -235,7 +215,7 @@ struct ShardedModel::Impl {
     const size_t s = static_cast<size_t>(layer) + 1;
     prefetch_segment(s);
     prefetch_segment(s + 1);
-    at::Tensor y = run_block(layer, slot_views(s, acquire(s)), x, ctx);
+    at::Tensor y = run_block(layer, units[s].layout.views(acquire(s)), x, ctx);
     release_segment(s);
     return y;
   }
@@ -331,7 +311,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     const auto saved = ctx->get_saved_variables();
     const size_t s = static_cast<size_t>(layer) + 1;
     m->begin_backward(s);
-    auto params = leaves(m->slot_views(s, m->acquire(s)));
+    auto params = leaves(m->units[s].layout.views(m->acquire(s)));
     at::Tensor x = saved[0].detach().requires_grad_(true);
     at::Tensor y;
     {
@@ -473,8 +453,7 @@ ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& co
   const auto shard_options = at::TensorOptions().dtype(opts.compute_dtype).device(opts.device);
   if (opts.trainable) m.adam = std::make_unique<ShardAdamW>(opts.adamw);
   for (auto& layout : model_layouts(cfg, opts.head, m.world)) {
-    Impl::Unit u{std::move(layout), {}, {}, {}, true, {}};
-    u.slots = Impl::make_slots(u.layout);
+    Impl::Unit u{std::move(layout), {}, {}, {}, true};
     const int64_t n = u.layout.shard_numel();
     u.shard = at::zeros({n}, shard_options);
     if (opts.trainable) {
