@@ -21,6 +21,9 @@
 // empty batch is allowed). Frozen roles with `replicate` hold the whole model on every rank and
 // communicate nothing in forward.
 //
+// Lifetime: a graph built by a forward refers to the model; backpropagate or drop it before the
+// model is destroyed.
+//
 // Threading: one thread at a time; autograd's backward may run on its device thread.
 #pragma once
 
