@@ -1,0 +1,74 @@
+#include "tiller/engine/scheduler.h"
+
+#include <algorithm>
+
+#include "tiller/core/error.h"
+
+namespace tiller::engine {
+namespace {
+
+// Tokens the sequence computes this step given `budget`, or 0 if it cannot run.
+int64_t step_tokens(const SchedulerLimits& limits, const SeqState& s, int64_t budget) {
+  const int64_t want = s.num_tokens - s.num_computed;
+  TILLER_CHECK(want > 0, "sequence {} has nothing to compute ({} tokens, {} computed)", s.id, s.num_tokens,
+               s.num_computed);
+  if (limits.chunked_prefill) return std::min(want, budget);
+  return want <= budget ? want : 0;
+}
+
+}  // namespace
+
+StepPlan schedule(const SchedulerLimits& limits, const std::vector<SeqState>& running,
+                  const std::vector<SeqState>& waiting, const KvBlockManager& kv) {
+  TILLER_CHECK(limits.max_num_seqs > 0 && limits.max_batched_tokens > 0, "scheduler limits must be positive");
+  StepPlan plan;
+  int64_t budget = limits.max_batched_tokens;
+  int64_t free = kv.num_free();
+  std::vector<const SeqState*> active;
+  for (const auto& s : running) {
+    TILLER_CHECK(s.table && s.table->tokens == s.num_computed, "running sequence {} without a matching block table",
+                 s.id);
+    active.push_back(&s);
+  }
+  for (size_t i = 0; i < active.size();) {
+    const SeqState& s = *active[i];
+    const int64_t n = step_tokens(limits, s, budget);
+    if (n == 0) break;  // the budget is spent: the rest keep their blocks and wait a step
+    const int64_t need = kv.blocks_needed(*s.table, n);
+    while (need > free && active.back() != &s) {
+      free += kv.blocks_freed_by(*active.back()->table);
+      plan.preempted.push_back(active.back()->id);
+      active.pop_back();
+    }
+    if (need > free) {
+      free += kv.blocks_freed_by(*s.table);
+      plan.preempted.push_back(s.id);
+      active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
+      continue;
+    }
+    free -= need;
+    budget -= n;
+    plan.chunks.push_back({s.id, s.num_computed, n});
+    ++i;
+  }
+  if (plan.preempted.empty()) {
+    int64_t seqs = static_cast<int64_t>(active.size());
+    for (const auto& w : waiting) {
+      TILLER_CHECK(w.num_computed == 0 && !w.table, "waiting sequence {} holds KV state", w.id);
+      if (budget == 0 || seqs >= limits.max_num_seqs) break;
+      const int64_t n = step_tokens(limits, w, budget);
+      if (n == 0) break;
+      const int64_t need = kv.blocks_for(n);
+      if (need > free) break;
+      free -= need;
+      budget -= n;
+      ++seqs;
+      plan.admitted.push_back(w.id);
+      plan.chunks.push_back({w.id, 0, n});
+    }
+  }
+  for (const auto& c : plan.chunks) plan.num_tokens += c.count;
+  return plan;
+}
+
+}  // namespace tiller::engine
