@@ -32,34 +32,12 @@ struct BenchOptions {
   std::string out;
 };
 
-at::ScalarType parse_dtype(const std::string& d) {
-  if (d == "bf16") return at::kBFloat16;
-  if (d == "fp32") return at::kFloat;
-  if (d == "fp16") return at::kHalf;
-  throw ConfigError(fmt::format("--dtype '{}': use bf16, fp16 or fp32", d));
-}
-
 int run_collectives(const BenchOptions& o, int* argc, char*** argv) {
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), "bench", log::Level::kInfo);
-  const int gpus = at::detail::getCUDAHooks().getNumGPUs();
-  std::string backend = o.backend;
-  if (backend == "auto") backend = dist::MpiEnv::have_nccl() && gpus > 0 ? "nccl" : "mpi";
-  if (backend != "nccl" && backend != "mpi") throw ConfigError("--backend: use auto, nccl or mpi");
-
-  auto world = env.world(o.timeout_s);
-  std::unique_ptr<dist::Communicator> nccl;
-  at::TensorOptions opts = at::TensorOptions().dtype(parse_dtype(o.dtype));
-  if (backend == "nccl") {
-    if (gpus == 0) {
-      throw ConfigError(fmt::format("--backend nccl: no CUDA device is visible on rank {} ({}); use --backend mpi "
-                                    "or run the GPU build on a GPU node", env.rank(), env.hostname()));
-    }
-    const int device = env.node_map(0, false, o.timeout_s).local_position(env.rank()).index % gpus;
-    nccl = dist::MpiEnv::nccl(*world, device, "bench", o.timeout_s);
-    opts = opts.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
-  }
-  dist::Communicator& comm = nccl ? *nccl : *world;
+  BenchComm bc = open_bench_comm(env, o.backend, o.timeout_s, "bench");
+  at::TensorOptions opts = at::TensorOptions().dtype(parse_dtype(o.dtype)).device(bc.device);
+  dist::Communicator& comm = bc.comm();
   const int w = comm.size();
   const std::int64_t elem = at::elementSize(parse_dtype(o.dtype));
 
@@ -87,7 +65,7 @@ int run_collectives(const BenchOptions& o, int* argc, char*** argv) {
       // Every rank starts timing together, then ops go back to back; the last one's completion
       // (ops on one communicator complete in order) ends the timing.
       auto flag = at::zeros({1}, at::kInt);
-      world->all_reduce(flag)->wait();
+      bc.world->all_reduce(flag)->wait();
       auto t0 = std::chrono::steady_clock::now();
       std::vector<dist::WorkPtr> works;
       for (int i = 0; i < o.iters; ++i) works.push_back(op.issue());
@@ -100,8 +78,8 @@ int run_collectives(const BenchOptions& o, int* argc, char*** argv) {
       // broadcast rank 0 is the root, which finishes first).
       auto t = at::tensor(std::vector<double>{dt, issue}, at::kDouble);
       auto rank0 = t.clone();
-      world->all_reduce(t, dist::ReduceOp::kMax)->wait();
-      world->broadcast(rank0, 0)->wait();
+      bc.world->all_reduce(t, dist::ReduceOp::kMax)->wait();
+      bc.world->broadcast(rank0, 0)->wait();
       dt = t[0].item<double>();
       const double issue_max = t[1].item<double>();
       const double dt0 = rank0[0].item<double>();
@@ -131,6 +109,32 @@ int run_collectives(const BenchOptions& o, int* argc, char*** argv) {
 }
 
 }  // namespace
+
+c10::ScalarType parse_dtype(const std::string& d) {
+  if (d == "bf16") return at::kBFloat16;
+  if (d == "fp32") return at::kFloat;
+  if (d == "fp16") return at::kHalf;
+  throw ConfigError(fmt::format("--dtype '{}': use bf16, fp16 or fp32", d));
+}
+
+BenchComm open_bench_comm(dist::MpiEnv& env, const std::string& backend_opt, double timeout_s, const std::string& name) {
+  const int gpus = at::detail::getCUDAHooks().getNumGPUs();
+  std::string backend = backend_opt;
+  if (backend == "auto") backend = dist::MpiEnv::have_nccl() && gpus > 0 ? "nccl" : "mpi";
+  if (backend != "nccl" && backend != "mpi") throw ConfigError("--backend: use auto, nccl or mpi");
+  BenchComm bc;
+  bc.world = env.world(timeout_s);
+  if (backend == "nccl") {
+    if (gpus == 0) {
+      throw ConfigError(fmt::format("--backend nccl: no CUDA device is visible on rank {} ({}); use --backend mpi "
+                                    "or run the GPU build on a GPU node", env.rank(), env.hostname()));
+    }
+    const int local = env.node_map(0, false, timeout_s).local_position(env.rank()).index % gpus;
+    bc.nccl = dist::MpiEnv::nccl(*bc.world, local, name, timeout_s);
+    bc.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local));
+  }
+  return bc;
+}
 
 void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   auto* bench = app.add_subcommand("bench", "Benchmarks; each prints JSON");

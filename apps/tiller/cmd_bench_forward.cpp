@@ -124,8 +124,7 @@ int run_forward(const ForwardOptions& o) {
   } else {
     dev = at::Device(o.device);
   }
-  const at::ScalarType dtype = o.dtype == "bf16" ? at::kBFloat16 : o.dtype == "fp32" ? at::kFloat : at::kHalf;
-  if (o.dtype != "bf16" && o.dtype != "fp32" && o.dtype != "fp16") throw ConfigError("--dtype: use bf16, fp16 or fp32");
+  const at::ScalarType dtype = parse_dtype(o.dtype);
   const double peak = matmul_tflops(dev, dtype);
   nlohmann::ordered_json out;
   out["bench"] = "forward";

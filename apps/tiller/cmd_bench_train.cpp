@@ -16,7 +16,6 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <ATen/ATen.h>
-#include <ATen/detail/CUDAHooksInterface.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -80,21 +79,10 @@ double median(std::vector<double> v) {
 int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), "bench", log::Level::kWarn);
-  const int gpus = at::detail::getCUDAHooks().getNumGPUs();
-  std::string backend = o.backend;
-  if (backend == "auto") backend = dist::MpiEnv::have_nccl() && gpus > 0 ? "nccl" : "mpi";
-  if (backend != "nccl" && backend != "mpi") throw ConfigError("--backend: use auto, nccl or mpi");
   if (o.steps < 3) throw ConfigError("--steps: at least 3 (two warm-up steps are not timed)");
-  auto world = env.world(o.timeout_s);
-  std::unique_ptr<dist::Communicator> nccl;
-  at::Device dev = at::kCPU;
-  if (backend == "nccl") {
-    if (gpus == 0) throw ConfigError(fmt::format("--backend nccl: no CUDA device on rank {}", env.rank()));
-    const int local = env.node_map(0, false, o.timeout_s).local_position(env.rank()).index % gpus;
-    nccl = dist::MpiEnv::nccl(*world, local, "bench.train", o.timeout_s);
-    dev = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local));
-  }
-  dist::Communicator& comm = nccl ? *nccl : *world;
+  BenchComm bc = open_bench_comm(env, o.backend, o.timeout_s, "bench.train");
+  dist::Communicator& comm = bc.comm();
+  const at::Device dev = bc.device;
 
   const model::ModelConfig cfg = model::preset(o.model);
   zero::ShardedModelOptions mo;
@@ -143,7 +131,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   at::Tensor t = at::tensor({median(step_s), median(fwd_bwd_s), median(opt_s), median(wait_s),
                              static_cast<double>(compat::peak_allocated_bytes(dev))},
                             at::kDouble);
-  world->all_reduce(t, dist::ReduceOp::kMax)->wait();
+  bc.world->all_reduce(t, dist::ReduceOp::kMax)->wait();
   const double step = t[0].item<double>(), fb = t[1].item<double>(), opt = t[2].item<double>(),
                waited = t[3].item<double>(), peak = t[4].item<double>();
 

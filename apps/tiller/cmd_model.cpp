@@ -32,13 +32,6 @@ std::string read_all(const std::string& path) {
   return *text;
 }
 
-at::ScalarType parse_model_dtype(const std::string& d) {
-  if (d == "fp32") return at::kFloat;
-  if (d == "bf16") return at::kBFloat16;
-  if (d == "fp16") return at::kHalf;
-  throw ConfigError(fmt::format("--dtype '{}': use fp32, bf16 or fp16", d));
-}
-
 at::Device parse_device(const std::string& d) {
   if (d == "cpu") return at::kCPU;
   if (d == "cuda" || d.rfind("cuda:", 0) == 0) return at::Device(d);
@@ -149,7 +142,7 @@ std::vector<Prompt> read_prompts(const GenerateOptions& o, const model::Tokenize
 
 int run_generate(GenerateOptions o) {
   const at::Device device = parse_device(o.device);
-  const at::ScalarType dtype = parse_model_dtype(o.dtype);
+  const at::ScalarType dtype = parse_dtype(o.dtype);
   model::LoadedModel m = model::load_model(o.model, model::Head::kLm, dtype, device);
   auto tok = model::load_tokenizer(o.tokenizer.empty() ? o.model : o.tokenizer);
   if (tok->vocab_size() > m.config.vocab_size)
@@ -205,7 +198,7 @@ struct InitOptions {
 int run_init(const InitOptions& o) {
   model::ModelConfig cfg = model::preset(o.preset);
   const model::Head head = o.value_head ? model::Head::kValue : model::Head::kLm;
-  model::NamedTensors t = model::init_weights(cfg, head, o.seed, parse_model_dtype(o.dtype));
+  model::NamedTensors t = model::init_weights(cfg, head, o.seed, parse_dtype(o.dtype));
   model::save_model(o.out, cfg, model::bind_weights(cfg, t, head, o.preset), head);
   if (!o.tokenizer_from.empty()) {
     for (const char* f : {"tokenizer.json", "tokenizer.model", "tokenizer_config.json"}) {

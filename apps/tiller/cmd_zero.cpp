@@ -17,11 +17,7 @@ struct ExportOptions {
 };
 
 int run_export(const ExportOptions& o) {
-  at::ScalarType dtype;
-  if (o.dtype == "bf16") dtype = at::kBFloat16;
-  else if (o.dtype == "fp32") dtype = at::kFloat;
-  else if (o.dtype == "fp16") dtype = at::kHalf;
-  else throw ConfigError(fmt::format("--dtype '{}': use bf16, fp16 or fp32", o.dtype));
+  const at::ScalarType dtype = parse_dtype(o.dtype);
   zero::export_hf(o.checkpoint, o.to, dtype);
   std::printf("exported %s (step %lld) to %s as %s\n", o.checkpoint.c_str(),
               static_cast<long long>(zero::checkpoint_steps(o.checkpoint)), o.to.c_str(), o.dtype.c_str());

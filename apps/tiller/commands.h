@@ -3,6 +3,14 @@
 #pragma once
 
 #include <functional>
+#include <memory>
+#include <string>
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include "tiller/dist/communicator.h"
+#include "tiller/dist/mpi_env.h"
 
 namespace CLI {
 class App;
@@ -11,6 +19,19 @@ class App;
 namespace tiller::cli {
 
 using Runner = std::function<int()>;
+
+// --dtype bf16 | fp16 | fp32; ConfigError otherwise.
+c10::ScalarType parse_dtype(const std::string& dtype);
+
+// The communicator a benchmark runs on: --backend auto (NCCL when this build and the node have
+// GPUs), nccl or mpi; under NCCL one GPU per rank by local rank. ConfigError names the cause.
+struct BenchComm {
+  std::unique_ptr<dist::Communicator> world;
+  std::unique_ptr<dist::Communicator> nccl;
+  c10::Device device = c10::kCPU;
+  dist::Communicator& comm() const { return nccl ? *nccl : *world; }
+};
+BenchComm open_bench_comm(dist::MpiEnv& env, const std::string& backend, double timeout_s, const std::string& name);
 
 void add_plan_command(CLI::App& app, Runner& run);
 void add_config_command(CLI::App& app, Runner& run);

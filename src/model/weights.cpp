@@ -47,7 +47,7 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& c, Head head) {
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const int l = static_cast<int>(i);
     s.push_back({layer_name(i, "input_layernorm.weight"), {h}, l, true, true});
-    // q, k, v weights (and biases) back to back: flat owners can bind them as one matrix.
+    // q, k, v weights back to back, then their biases.
     s.push_back({layer_name(i, "self_attn.q_proj.weight"), {c.q_size(), h}, l, false, false});
     s.push_back({layer_name(i, "self_attn.k_proj.weight"), {c.kv_size(), h}, l, false, false});
     s.push_back({layer_name(i, "self_attn.v_proj.weight"), {c.kv_size(), h}, l, false, false});
