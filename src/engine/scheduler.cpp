@@ -52,17 +52,18 @@ StepPlan schedule(const SchedulerLimits& limits, const std::vector<SeqState>& ru
     ++i;
   }
   if (plan.preempted.empty()) {
-    int64_t seqs = static_cast<int64_t>(active.size());
+    int64_t seats = 0;
+    for (const SeqState* s : active) seats += s->seats;
     for (const auto& w : waiting) {
       TILLER_CHECK(w.num_computed == 0 && !w.table, "waiting sequence {} holds KV state", w.id);
-      if (budget == 0 || seqs >= limits.max_num_seqs) break;
+      if (budget == 0 || seats + w.seats > limits.max_num_seqs) break;
       const int64_t n = step_tokens(limits, w, budget);
       if (n == 0) break;
       const int64_t need = kv.blocks_for(n);
       if (need > free) break;
       free -= need;
       budget -= n;
-      ++seqs;
+      seats += w.seats;
       plan.admitted.push_back(w.id);
       plan.chunks.push_back({w.id, 0, n});
     }

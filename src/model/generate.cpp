@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "tiller/core/error.h"
+#include "tiller/model/sampling.h"
 #include "tiller/model/transformer.h"
 
 namespace tiller::model {
@@ -18,35 +19,6 @@ void SamplingParams::validate() const {
   if (!(min_p >= 0 && min_p < 1)) throw ConfigError(fmt::format("min_p must be in [0, 1), got {}", min_p));
   if (max_new_tokens < 1) throw ConfigError(fmt::format("max_new_tokens must be >= 1, got {}", max_new_tokens));
 }
-
-namespace {
-
-// One row of fp32 logits -> (token, log-prob under softmax(logits / T)).
-std::pair<int64_t, float> sample_row(const at::Tensor& row, const SamplingParams& p, at::Generator& gen) {
-  if (p.greedy) {
-    const int64_t tok = row.argmax().item<int64_t>();
-    return {tok, at::log_softmax(row, 0)[tok].item<float>()};
-  }
-  at::Tensor z = row / p.temperature;
-  at::Tensor logp = at::log_softmax(z, 0);
-  at::Tensor probs = logp.exp();
-  at::Tensor filtered = probs.clone();
-  if (p.top_k > 0 && p.top_k < row.size(0)) {
-    const double kth = std::get<0>(probs.topk(p.top_k)).min().item<double>();
-    filtered.masked_fill_(probs < kth, 0);
-  }
-  if (p.min_p > 0) filtered.masked_fill_(probs < p.min_p * probs.max().item<double>(), 0);
-  if (p.top_p < 1) {
-    auto [sorted, idx] = filtered.sort(0, /*descending=*/true);
-    at::Tensor before = sorted.cumsum(0) - sorted;  // mass strictly above each token
-    at::Tensor drop = before >= p.top_p * sorted.sum();
-    filtered.index_put_({idx.masked_select(drop)}, 0.0);
-  }
-  const int64_t tok = at::multinomial(filtered, 1, false, gen).item<int64_t>();
-  return {tok, logp[tok].item<float>()};
-}
-
-}  // namespace
 
 std::vector<Completion> generate(const ModelConfig& cfg, const ModelWeights& w,
                                  const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& params,
@@ -64,8 +36,6 @@ std::vector<Completion> generate(const ModelConfig& cfg, const ModelWeights& w,
   std::vector<Completion> out(prompts.size());
   for (size_t start = 0; start < prompts.size(); start += batch_size) {
     const size_t n = std::min(prompts.size() - start, static_cast<size_t>(batch_size));
-    std::vector<at::Generator> gens;
-    for (size_t i = 0; i < n; ++i) gens.push_back(at::detail::createCPUGenerator(params.seed + start + i));
     DenseKvCache cache(cfg.num_layers, static_cast<int64_t>(n));
     std::vector<std::vector<int64_t>> step(prompts.begin() + start, prompts.begin() + start + n);
     std::vector<size_t> live(n);  // batch slot -> prompt index within the batch
@@ -77,12 +47,19 @@ std::vector<Completion> generate(const ModelConfig& cfg, const ModelWeights& w,
       PackedBatch batch = PackedBatch::pack(step, device, starts);
       at::Tensor h = forward_hidden(cfg, w, batch, &cache);
       at::Tensor last_rows = (batch.cu_seqlens.narrow(0, 1, batch.num_seqs()).to(at::kLong) - 1);
-      at::Tensor last = logits(h.index_select(0, last_rows), w.lm_head).to(at::kCPU);
+      SamplingRows rows;
+      for (size_t s = 0; s < live.size(); ++s)
+        rows.add(params.greedy ? 0.0f : static_cast<float>(params.temperature), static_cast<float>(params.top_p),
+                 params.top_k, static_cast<float>(params.min_p),
+                 sampling_uniform(params.seed + start + live[s], static_cast<int64_t>(out[start + live[s]].tokens.size())));
+      SampledTokens drawn = sample_tokens(logits(h.index_select(0, last_rows), w.lm_head), rows);
+      at::Tensor tokens = drawn.tokens.cpu(), logprobs = drawn.logprobs.cpu();
       std::vector<size_t> keep;
       std::vector<std::vector<int64_t>> next;
       for (size_t s = 0; s < live.size(); ++s) {
         Completion& c = out[start + live[s]];
-        auto [tok, lp] = sample_row(last[s], params, gens[live[s]]);
+        const int64_t tok = tokens[s].item<int64_t>();
+        const float lp = logprobs[s].item<float>();
         c.tokens.push_back(tok);
         c.logprobs.push_back(lp);
         const bool stop = std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(), tok) !=

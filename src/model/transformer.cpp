@@ -40,6 +40,27 @@ PackedBatch PackedBatch::pack(const std::vector<std::vector<int64_t>>& seqs, at:
 DenseKvCache::DenseKvCache(int64_t layers, int64_t seqs)
     : k(layers, std::vector<at::Tensor>(seqs)), v(layers, std::vector<at::Tensor>(seqs)), lens(seqs, 0) {}
 
+// Appends this layer's new K/V per sequence; attention reads the packed cache + new, sequence by
+// sequence. The lengths advance after the last layer.
+at::Tensor DenseKvCache::attend(int64_t layer, const at::Tensor& q, const at::Tensor& nk_all, const at::Tensor& nv_all,
+                                const VarlenSpec& spec, double scale, AttentionBackend backend) {
+  std::vector<at::Tensor> ks, vs;
+  int64_t offset = 0;
+  for (size_t i = 0; i < spec.lens_q.size(); ++i) {
+    at::Tensor nk = nk_all.narrow(0, offset, spec.lens_q[i]), nv = nv_all.narrow(0, offset, spec.lens_q[i]);
+    offset += spec.lens_q[i];
+    at::Tensor& ck = k[layer][i];
+    at::Tensor& cv = v[layer][i];
+    ck = ck.defined() ? at::cat({ck, nk}, 0) : nk.clone();
+    cv = cv.defined() ? at::cat({cv, nv}, 0) : nv.clone();
+    ks.push_back(ck);
+    vs.push_back(cv);
+  }
+  if (layer == static_cast<int64_t>(k.size()) - 1)
+    for (size_t i = 0; i < spec.lens_q.size(); ++i) lens[i] += spec.lens_q[i];
+  return varlen_attention(q, at::cat(ks, 0), at::cat(vs, 0), spec, scale, backend);
+}
+
 BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
                                 at::ScalarType dtype, DenseKvCache* cache, AttentionBackend backend) {
   BlockContext ctx;
@@ -81,25 +102,6 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
 
-// Appends this layer's new K/V per sequence to the cache; returns the packed keys/values the
-// attention reads (cache + new, sequence by sequence).
-std::pair<at::Tensor, at::Tensor> append_to_cache(DenseKvCache& cache, int64_t layer, const at::Tensor& k,
-                                                  const at::Tensor& v, const std::vector<int64_t>& lens_q) {
-  std::vector<at::Tensor> ks, vs;
-  int64_t offset = 0;
-  for (size_t i = 0; i < lens_q.size(); ++i) {
-    at::Tensor nk = k.narrow(0, offset, lens_q[i]), nv = v.narrow(0, offset, lens_q[i]);
-    offset += lens_q[i];
-    at::Tensor& ck = cache.k[layer][i];
-    at::Tensor& cv = cache.v[layer][i];
-    ck = ck.defined() ? at::cat({ck, nk}, 0) : nk.clone();
-    cv = cv.defined() ? at::cat({cv, nv}, 0) : nv.clone();
-    ks.push_back(ck);
-    vs.push_back(cv);
-  }
-  return {at::cat(ks, 0), at::cat(vs, 0)};
-}
-
 }  // namespace
 
 at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
@@ -120,18 +122,16 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   k = apply_rope(k, ctx.cos, ctx.sin);
   VarlenSpec spec = ctx.attn;
   spec.window = cfg.layer_window[layer];
-  at::Tensor keys = k, vals = v;
-  if (ctx.cache) {
-    std::tie(keys, vals) = append_to_cache(*ctx.cache, layer, k, v, spec.lens_q);
-    if (layer == cfg.num_layers - 1)
-      for (size_t i = 0; i < spec.lens_q.size(); ++i) ctx.cache->lens[i] += spec.lens_q[i];
-  }
   const double scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
-  at::Tensor attn = varlen_attention(q, keys, vals, spec, scale, ctx.backend).reshape({t, cfg.q_size()});
-  at::Tensor y = x + project(attn, w.o_proj);
+  at::Tensor attn = ctx.cache ? ctx.cache->attend(layer, q, k, v, spec, scale, ctx.backend)
+                              : varlen_attention(q, k, v, spec, scale, ctx.backend);
+  at::Tensor o = project(attn.reshape({t, cfg.q_size()}), w.o_proj);
+  if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(o);
+  at::Tensor y = x + o;
   h = rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps);
   at::Tensor act = swiglu(project(h, w.gate_proj), project(h, w.up_proj));
   at::Tensor mlp = project(act, w.down_proj);
+  if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(mlp);
   return y + mlp;
 }
 

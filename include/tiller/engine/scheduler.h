@@ -13,11 +13,12 @@
 //     its tokens later), until the blocks suffice or the sequence itself is the newest: then it is
 //     preempted.
 //  3. Waiting sequences are admitted first come, first served while the token budget,
-//     max_num_seqs and the free blocks allow, never skipping one that does not fit, and not in a
-//     step that preempted.
+//     max_num_seqs (counted in seats) and the free blocks allow, never skipping one that does
+//     not fit, and not in a step that preempted.
 // The engine must refuse up front a request whose tokens could never fit: more blocks than the
-// cache, or, without chunked prefill, prompt + max_new_tokens over max_batched_tokens (a
-// preempted sequence is recomputed, generated tokens included, in one step).
+// cache, more seats than max_num_seqs, or, without chunked prefill, prompt + max_new_tokens over
+// max_batched_tokens (a preempted sequence is recomputed, generated tokens included, in one
+// step).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +39,9 @@ struct SeqState {
   int64_t num_tokens = 0;    // prompt + generated so far
   int64_t num_computed = 0;  // tokens whose K/V are in the cache: table->tokens when running, 0 waiting
   const BlockTable* table = nullptr;  // running sequences only
+  // Sequences this one counts as against max_num_seqs: n for a prompt whose n samples fork from
+  // it once its prefill is done, else 1.
+  int64_t seats = 1;
 };
 
 // Tokens [start, start + count) of sequence `id` are computed this step.

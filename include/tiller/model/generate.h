@@ -1,6 +1,6 @@
 // Reference sampling straight from the functional model (a dense per-sequence KV cache, one
 // batch at a time). It is slow next to the engine and exists to be the engine's reference:
-// same sampling rules, same reported log-probs.
+// the same sampler (sampling.h), so equal logits give equal tokens and log-probs.
 //
 // Log-probs: each sampled token's log-probability under softmax(logits / temperature) of the
 // full vocabulary (before top-k/top-p/min-p truncation); with greedy decoding, temperature 1.
@@ -22,7 +22,7 @@ struct SamplingParams {
   double top_p = 1.0;        // (0, 1]
   int64_t top_k = 0;         // 0: off
   double min_p = 0.0;        // [0, 1)
-  uint64_t seed = 0;         // request i of a batch uses seed + i
+  uint64_t seed = 0;         // prompt i (sample i of an engine request) draws with seed + i
   int64_t max_new_tokens = 128;
   std::vector<int64_t> stop_token_ids;
 

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -58,12 +59,29 @@ class Rope {
   double attention_scaling_ = 1.0;
 };
 
+// Where a block's attention finds the keys and values of earlier tokens. Implemented by the
+// reference generator's DenseKvCache and by the engine's paged cache.
+class KvCache {
+ public:
+  virtual ~KvCache() = default;
+  // Stores this step's k and v [T, kv_heads, head_dim] of `layer` (packed as spec.lens_q says)
+  // and returns the causal attention of q [T, heads, head_dim] over each sequence's cached
+  // tokens followed by the new ones: [T, heads, head_dim]. `spec` carries the query layout and
+  // the key lengths (cached + new) that the BlockContext was made with.
+  virtual at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const VarlenSpec& spec, double scale, AttentionBackend backend) = 0;
+};
+
 // Contiguous per-sequence K/V of every layer: the cache of the reference generator (the engine
 // has its own paged cache). k[layer][seq] is [len, kv_heads, head_dim].
-struct DenseKvCache {
+class DenseKvCache : public KvCache {
+ public:
+  DenseKvCache(int64_t layers, int64_t seqs);
+  at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const VarlenSpec& spec, double scale, AttentionBackend backend) override;
+
   std::vector<std::vector<at::Tensor>> k, v;
   std::vector<int64_t> lens;  // cached tokens per sequence
-  DenseKvCache(int64_t layers, int64_t seqs);
 };
 
 // What every block of one forward shares: RoPE tables, the attention layout, the cache.
@@ -71,7 +89,10 @@ struct BlockContext {
   at::Tensor cos, sin;  // [T, head_dim]
   VarlenSpec attn;
   AttentionBackend backend = AttentionBackend::kAuto;
-  DenseKvCache* cache = nullptr;  // when set, new K/V are appended to it and attention covers it
+  KvCache* cache = nullptr;  // when set, new K/V go into it and attention covers it
+  // Tensor parallelism: o_proj and down_proj then hold a slice of their input features, so their
+  // outputs are partial sums that this sums over the group, in place, before the residual add.
+  std::function<void(at::Tensor&)> reduce_partial_sums;
 };
 BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
                                 at::ScalarType dtype, DenseKvCache* cache = nullptr,
@@ -85,7 +106,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // silu(gate) * up as one autograd node (its backward: two fused elementwise kernels).
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens);
-// One transformer block: x [T, hidden] -> [T, hidden].
+// One transformer block: x [T, hidden] -> [T, hidden]. Head counts and the MLP width come from
+// `cfg`; a tensor-parallel rank passes a config with its local counts (see reduce_partial_sums).
 at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
                          BlockContext& ctx);
 at::Tensor final_norm(const ModelConfig& cfg, const at::Tensor& weight, const at::Tensor& x);

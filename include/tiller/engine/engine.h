@@ -1,0 +1,137 @@
+// The inference engine: continuous batching over a paged KV cache.
+//
+// An Engine owns one model replica (or, with tensor parallelism, this rank's shard of it), the KV
+// cache, the block manager and the queues. Each step() asks the scheduler which sequences run
+// (decodes first, chunked prefill, preemption by recomputation), runs one packed forward over
+// all of them, samples every sequence whose tokens are all computed, and returns the samples that
+// finished. A request with n samples is prefilled once: its n samples then fork the prompt's KV
+// blocks (copy-on-write) and decode independently.
+//
+// Tensor parallelism: every rank of the TP group builds an Engine over the same group. Rank 0
+// (the leader) takes requests and runs step(); it broadcasts each step's batch to the others,
+// which run follow() until the leader calls shutdown(). All ranks run the same forward; the
+// row-parallel outputs are all-reduced through the communicator.
+//
+// Threading: not thread-safe; one thread drives an Engine (the gRPC service runs it on its loop
+// thread). Errors: an invalid request throws InvalidRequest from add() and changes nothing;
+// anything else that throws leaves the engine unusable.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tiller/core/error.h"
+#include "tiller/engine/scheduler.h"
+#include "tiller/model/generate.h"
+#include "tiller/model/model_config.h"
+#include "tiller/model/weights.h"
+
+namespace tiller::dist {
+class Communicator;
+}
+
+namespace tiller::engine {
+
+// A request the engine refuses (bad token id, lengths over the limits, bad sampling parameters):
+// the message names the field and the limit. The gRPC service answers INVALID_ARGUMENT.
+class InvalidRequest : public Error {
+ public:
+  using Error::Error;
+};
+
+struct EngineOptions {
+  std::string device = "cpu";   // "cpu" or "cuda:N"
+  std::string dtype = "auto";   // bf16 | fp16 | fp32; auto: bf16 on CUDA, fp32 on CPU
+  int64_t block_size = 16;      // tokens per KV block
+  // KV cache size: num_blocks when > 0, else kv_cache_gb when > 0, else (CUDA) this fraction of
+  // the memory free after the weights are loaded, or (CPU) 1 GiB.
+  int64_t num_blocks = 0;
+  double kv_cache_gb = 0;
+  double gpu_memory_fraction = 0.85;
+  int64_t max_model_len = 0;    // prompt + new tokens; 0: the config's max_position_embeddings
+  SchedulerLimits limits;
+  bool cuda_graphs = true;      // decode steps replay captured CUDA graphs (CUDA only)
+};
+
+struct Request {
+  uint64_t id = 0;                 // unique among the engine's live requests
+  std::vector<int64_t> prompt;
+  model::SamplingParams params;    // sample j draws with params.seed + j
+  int64_t n = 1;                   // samples of this prompt
+};
+
+struct SampleOutput {
+  uint64_t request_id = 0;
+  int64_t sample = 0;              // 0 .. n-1
+  std::vector<int64_t> tokens;     // generated ids; the stop token included when one ended it
+  std::vector<float> logprobs;     // one per generated token (see sampling.h)
+  std::string finish_reason;       // "stop", "length" or "abort"
+  int64_t prompt_tokens = 0;
+  int64_t preemptions = 0;         // times this sample was preempted and recomputed
+};
+
+struct EngineStats {
+  int64_t running = 0, waiting = 0;           // sequences
+  int64_t kv_blocks_total = 0, kv_blocks_free = 0;
+  int64_t steps = 0, prompt_tokens = 0, generated_tokens = 0, preemptions = 0;
+  int64_t requests_finished = 0;
+  double seconds_in_steps = 0;                // wall time inside step()
+};
+
+class Engine {
+ public:
+  // Takes the model's weights (this rank's TP shard of them when `tp` has more than one rank;
+  // see load_engine_weights) on the options' device. `tp` may be null (no tensor parallelism)
+  // and must outlive the engine.
+  Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const EngineOptions& opts,
+         dist::Communicator* tp = nullptr);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const model::ModelConfig& config() const;
+  const EngineOptions& options() const;
+  int64_t max_model_len() const;
+
+  // Leader only. Validates and queues a request; throws InvalidRequest (nothing queued).
+  void add(Request r);
+  // Leader only. Drops a live request: its unfinished samples come back from the next step()
+  // with finish_reason "abort". False when no live request has the id.
+  bool abort(uint64_t id);
+  // Leader only. Runs one step if there is work; returns the samples that finished in it.
+  std::vector<SampleOutput> step();
+  bool has_work() const;
+  EngineStats stats() const;
+
+  // Leader, TP > 1: tells the followers the leader is alive while there is no work (they give up
+  // after the communicator's timeout without a message). No-op without TP.
+  void heartbeat();
+  // Leader: ends follow() on every other rank. Called by the destructor if not before.
+  void shutdown();
+  // Followers: runs the leader's steps until shutdown(). Throws TimeoutError when the leader is
+  // silent for longer than the communicator's timeout.
+  void follow();
+  bool is_leader() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Loads an HF checkpoint directory for an engine: this rank's tensor-parallel slice of every
+// parameter (q/k/v, gate/up and their biases by output rows; o_proj and down_proj by input
+// columns; norms, embedding and LM head whole), in `dtype` (see EngineOptions) on `device`.
+// Throws ConfigError when the heads or the MLP width do not divide by tp_size.
+struct EngineWeights {
+  model::ModelConfig config;       // the checkpoint's (global) config
+  model::ModelWeights weights;     // this rank's slices
+};
+EngineWeights load_engine_weights(const std::string& dir, int tp_rank, int tp_size, const std::string& dtype,
+                                  const std::string& device);
+// The same slicing applied to weights already in memory (tests, and the weight sync's layout).
+model::ModelWeights slice_for_tp(const model::ModelConfig& cfg, const model::ModelWeights& full, int tp_rank,
+                                 int tp_size);
+
+}  // namespace tiller::engine

@@ -1,0 +1,403 @@
+#include "tiller/engine/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#ifdef TILLER_HAVE_CUDA_KERNELS
+#include <cuda_runtime_api.h>
+#endif
+
+#include "engine/model_runner.h"
+#include "engine/step_batch.h"
+#include "tiller/core/logging.h"
+#include "tiller/dist/communicator.h"
+#include "tiller/engine/kv_block_manager.h"
+#include "tiller/model/sampling.h"
+
+namespace tiller::engine {
+namespace {
+
+// Messages from the TP leader to its followers: a header {kind, words} then the words.
+enum class Message : int64_t { kStep = 1, kHeartbeat = 2, kShutdown = 3 };
+
+struct Sequence {
+  int64_t id = 0;           // engine-wide, in arrival order: the scheduler's age
+  uint64_t request = 0;
+  int64_t sample = 0;
+  int64_t pending_forks = 0;  // n - 1 until the prompt's first token is sampled
+  std::vector<int64_t> tokens;  // prompt + generated
+  int64_t prompt_len = 0;
+  std::vector<float> logprobs;
+  BlockTable table;
+  int64_t num_computed = 0;
+  int64_t preemptions = 0;
+};
+
+struct RequestState {
+  Request req;
+  int64_t live = 0;  // sequences not finished (forks count once created)
+};
+
+void insert_by_age(std::vector<int64_t>& ids, int64_t id) {
+  ids.insert(std::upper_bound(ids.begin(), ids.end(), id), id);
+}
+
+void erase_id(std::vector<int64_t>& ids, int64_t id) {
+  auto it = std::find(ids.begin(), ids.end(), id);
+  if (it != ids.end()) ids.erase(it);
+}
+
+size_t free_device_bytes(const at::Device& device) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (device.is_cuda()) {
+    size_t free = 0, total = 0;
+    TILLER_CHECK(cudaMemGetInfo(&free, &total) == cudaSuccess, "cudaMemGetInfo failed on {}", device.str());
+    return free;
+  }
+#endif
+  (void)device;
+  return 0;
+}
+
+}  // namespace
+
+struct Engine::Impl {
+  model::ModelConfig cfg;
+  EngineOptions opts;
+  dist::Communicator* tp = nullptr;
+  std::unique_ptr<ModelRunner> runner;
+  std::unique_ptr<KvBlockManager> kv;
+  int64_t max_model_len = 0;
+  bool shut_down = false;
+
+  std::map<int64_t, Sequence> seqs;
+  std::vector<int64_t> running, waiting;  // ids, oldest first
+  std::map<uint64_t, RequestState> requests;
+  std::vector<SampleOutput> aborted;  // returned by the next step()
+  int64_t next_id = 0;
+  EngineStats stats;
+
+  bool leader() const { return !tp || tp->rank() == 0; }
+  bool tensor_parallel() const { return tp && tp->size() > 1; }
+  at::Device device() const { return runner->device(); }
+
+  void broadcast(Message kind, std::vector<int64_t> words);
+  void validate(const Request& r) const;
+  SampleOutput finish(Sequence& s, const char* reason);
+};
+
+void Engine::Impl::broadcast(Message kind, std::vector<int64_t> words) {
+  if (!tensor_parallel()) return;
+  const at::Device where = std::string(tp->backend()) == "nccl" ? device() : at::Device(at::kCPU);
+  std::vector<int64_t> head{static_cast<int64_t>(kind), static_cast<int64_t>(words.size())};
+  at::Tensor h = at::from_blob(head.data(), {2}, at::kLong).to(where, false, /*copy=*/true);
+  tp->broadcast(h, 0)->wait();
+  if (words.empty()) return;
+  at::Tensor w = at::from_blob(words.data(), {static_cast<int64_t>(words.size())}, at::kLong).to(where, false, true);
+  tp->broadcast(w, 0)->wait();
+}
+
+void Engine::Impl::validate(const Request& r) const {
+  auto bad = [&](const std::string& what) {
+    throw InvalidRequest(fmt::format("request {}: {}", r.id, what));
+  };
+  if (requests.count(r.id)) bad("the id is already in use by a live request");
+  if (r.prompt.empty()) bad("the prompt is empty");
+  for (size_t i = 0; i < r.prompt.size(); ++i)
+    if (r.prompt[i] < 0 || r.prompt[i] >= cfg.vocab_size)
+      bad(fmt::format("prompt token {} is {}, outside the vocabulary [0, {})", i, r.prompt[i], cfg.vocab_size));
+  for (int64_t id : r.params.stop_token_ids)
+    if (id < 0 || id >= cfg.vocab_size)
+      bad(fmt::format("stop token id {} is outside the vocabulary [0, {})", id, cfg.vocab_size));
+  try {
+    r.params.validate();
+  } catch (const ConfigError& e) {
+    bad(e.what());
+  }
+  if (r.n < 1 || r.n > opts.limits.max_num_seqs)
+    bad(fmt::format("n = {} samples; allowed 1 to max_num_seqs = {}", r.n, opts.limits.max_num_seqs));
+  const auto prompt = static_cast<int64_t>(r.prompt.size());
+  const int64_t total = prompt + r.params.max_new_tokens;
+  if (total > max_model_len)
+    bad(fmt::format("prompt ({}) + max_new_tokens ({}) = {} exceeds max_model_len {}", prompt,
+                    r.params.max_new_tokens, total, max_model_len));
+  if (kv->blocks_for(total) > kv->num_blocks())
+    bad(fmt::format("{} tokens need {} KV blocks; the cache has {}", total, kv->blocks_for(total), kv->num_blocks()));
+  if (!opts.limits.chunked_prefill && total > opts.limits.max_batched_tokens)
+    bad(fmt::format("prompt + max_new_tokens = {} exceeds max_batched_tokens {} (chunked prefill is off)", total,
+                    opts.limits.max_batched_tokens));
+}
+
+SampleOutput Engine::Impl::finish(Sequence& s, const char* reason) {
+  SampleOutput o;
+  o.request_id = s.request;
+  o.sample = s.sample;
+  o.tokens.assign(s.tokens.begin() + s.prompt_len, s.tokens.end());
+  o.logprobs = std::move(s.logprobs);
+  o.finish_reason = reason;
+  o.prompt_tokens = s.prompt_len;
+  o.preemptions = s.preemptions;
+  kv->release(s.table);
+  auto it = requests.find(s.request);
+  // An unforked prompt finishing early takes its pending samples with it (abort only).
+  it->second.live -= 1 + s.pending_forks;
+  if (it->second.live <= 0) {
+    requests.erase(it);
+    ++stats.requests_finished;
+  }
+  return o;
+}
+
+Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const EngineOptions& opts,
+               dist::Communicator* tp)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.cfg = cfg;
+  m.opts = opts;
+  m.tp = tp;
+  const int tp_size = tp ? tp->size() : 1;
+  if (cfg.num_heads % tp_size || cfg.num_kv_heads % tp_size || cfg.intermediate_size % tp_size)
+    throw ConfigError(fmt::format("tensor parallel size {} must divide the attention heads ({}), the KV heads ({}) "
+                                  "and the MLP width ({})",
+                                  tp_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size));
+  const at::Device device(opts.device);
+  m.runner = std::make_unique<ModelRunner>(cfg, std::move(weights), device, opts.block_size, tp);
+  int64_t blocks = opts.num_blocks;
+  if (blocks <= 0 && opts.kv_cache_gb > 0)
+    blocks = static_cast<int64_t>(opts.kv_cache_gb * (1ull << 30)) / m.runner->block_bytes();
+  if (blocks <= 0 && device.is_cuda())
+    blocks = static_cast<int64_t>(static_cast<double>(free_device_bytes(device)) * opts.gpu_memory_fraction) /
+             m.runner->block_bytes();
+  if (blocks <= 0) blocks = static_cast<int64_t>(1ull << 30) / m.runner->block_bytes();
+  if (m.tensor_parallel()) {  // every rank of the group holds the same number of blocks
+    at::Tensor b = at::full({1}, blocks, at::kLong);
+    if (std::string(tp->backend()) == "nccl") b = b.to(device);
+    tp->all_reduce(b, dist::ReduceOp::kMin)->wait();
+    blocks = b.item<int64_t>();
+  }
+  m.runner->allocate_cache(blocks);
+  m.kv = std::make_unique<KvBlockManager>(blocks, opts.block_size);
+  m.max_model_len = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
+  m.stats.kv_blocks_total = blocks;
+  log::info("engine: {} KV blocks of {} tokens ({:.2f} GiB), max_model_len {}, tp {}", blocks, opts.block_size,
+                  static_cast<double>(blocks * m.runner->block_bytes()) / (1ull << 30), m.max_model_len, tp_size);
+}
+
+Engine::~Engine() {
+  try {
+    if (impl_ && impl_->leader()) shutdown();
+  } catch (const std::exception& e) {
+    log::warn("engine shutdown: {}", e.what());
+  }
+}
+
+const model::ModelConfig& Engine::config() const { return impl_->cfg; }
+const EngineOptions& Engine::options() const { return impl_->opts; }
+int64_t Engine::max_model_len() const { return impl_->max_model_len; }
+bool Engine::is_leader() const { return impl_->leader(); }
+
+void Engine::add(Request r) {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.leader() && !m.shut_down, "add() on a TP follower or after shutdown()");
+  m.validate(r);
+  Sequence s;
+  s.id = m.next_id++;
+  s.request = r.id;
+  s.pending_forks = r.n - 1;
+  s.tokens = r.prompt;
+  s.prompt_len = static_cast<int64_t>(r.prompt.size());
+  RequestState state;
+  state.live = r.n;
+  state.req = std::move(r);
+  m.requests.emplace(state.req.id, std::move(state));
+  m.waiting.push_back(s.id);
+  m.seqs.emplace(s.id, std::move(s));
+}
+
+bool Engine::abort(uint64_t id) {
+  Impl& m = *impl_;
+  if (!m.requests.count(id)) return false;
+  std::vector<int64_t> ids;
+  for (const auto& [sid, s] : m.seqs)
+    if (s.request == id) ids.push_back(sid);
+  for (int64_t sid : ids) {
+    Sequence& s = m.seqs.at(sid);
+    const int64_t forks = s.pending_forks;
+    m.aborted.push_back(m.finish(s, "abort"));
+    for (int64_t j = 1; j <= forks; ++j) {  // samples that never forked
+      SampleOutput o;
+      o.request_id = id;
+      o.sample = j;
+      o.finish_reason = "abort";
+      o.prompt_tokens = m.aborted.back().prompt_tokens;
+      m.aborted.push_back(std::move(o));
+    }
+    erase_id(m.running, sid);
+    erase_id(m.waiting, sid);
+    m.seqs.erase(sid);
+  }
+  return true;
+}
+
+bool Engine::has_work() const { return !impl_->seqs.empty() || !impl_->aborted.empty(); }
+
+EngineStats Engine::stats() const {
+  EngineStats s = impl_->stats;
+  s.running = static_cast<int64_t>(impl_->running.size());
+  s.waiting = static_cast<int64_t>(impl_->waiting.size());
+  s.kv_blocks_free = impl_->kv->num_free();
+  return s;
+}
+
+std::vector<SampleOutput> Engine::step() {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.leader() && !m.shut_down, "step() on a TP follower or after shutdown()");
+  std::vector<SampleOutput> done = std::move(m.aborted);
+  m.aborted.clear();
+  if (m.seqs.empty()) return done;
+  const auto t0 = std::chrono::steady_clock::now();
+
+  std::vector<SeqState> running, waiting;
+  for (int64_t id : m.running) {
+    const Sequence& s = m.seqs.at(id);
+    running.push_back({id, static_cast<int64_t>(s.tokens.size()), s.num_computed, &s.table, 1 + s.pending_forks});
+  }
+  for (int64_t id : m.waiting) {
+    const Sequence& s = m.seqs.at(id);
+    waiting.push_back({id, static_cast<int64_t>(s.tokens.size()), 0, nullptr, 1 + s.pending_forks});
+  }
+  const StepPlan plan = schedule(m.opts.limits, running, waiting, *m.kv);
+  for (int64_t id : plan.preempted) {
+    Sequence& s = m.seqs.at(id);
+    m.kv->release(s.table);
+    s.num_computed = 0;
+    ++s.preemptions;
+    ++m.stats.preemptions;
+    erase_id(m.running, id);
+    insert_by_age(m.waiting, id);
+  }
+  for (int64_t id : plan.admitted) {
+    erase_id(m.waiting, id);
+    insert_by_age(m.running, id);
+  }
+  TILLER_CHECK(!plan.chunks.empty(), "the scheduler found nothing to run ({} running, {} waiting, {} free blocks)",
+               m.running.size(), m.waiting.size(), m.kv->num_free());
+
+  StepBatch b;
+  struct Draw {
+    int64_t seq;
+    int64_t fork;  // 0: the sequence itself; j > 0: its j-th new sample
+  };
+  std::vector<Draw> draws;
+  for (const auto& c : plan.chunks) {
+    Sequence& s = m.seqs.at(c.id);
+    TILLER_CHECK(c.start == s.num_computed, "chunk of sequence {} starts at {}, {} computed", c.id, c.start,
+                 s.num_computed);
+    TILLER_CHECK(m.kv->append(s.table, c.count, b.copies), "no KV blocks for a scheduled chunk of sequence {}", c.id);
+    const int64_t row0 = b.num_tokens();
+    for (int64_t j = 0; j < c.count; ++j) {
+      b.tokens.push_back(s.tokens[c.start + j]);
+      b.positions.push_back(c.start + j);
+    }
+    b.lens_q.push_back(c.count);
+    b.lens_k.push_back(c.start + c.count);
+    b.tables.push_back(s.table.blocks);
+    if (c.start + c.count < static_cast<int64_t>(s.tokens.size())) continue;  // prefill continues next step
+    const model::SamplingParams& p = m.requests.at(s.request).req.params;
+    const auto generated = static_cast<int64_t>(s.tokens.size()) - s.prompt_len;
+    for (int64_t j = 0; j <= s.pending_forks; ++j) {
+      b.sample_rows.push_back(row0 + c.count - 1);
+      b.sampling.add(p.greedy ? 0.0f : static_cast<float>(p.temperature), static_cast<float>(p.top_p), p.top_k,
+                     static_cast<float>(p.min_p), model::sampling_uniform(p.seed + s.sample + j, generated));
+      draws.push_back({c.id, j});
+    }
+  }
+  m.broadcast(Message::kStep, b.encode());
+  const ModelRunner::Sampled drawn = m.runner->run(b, /*sample=*/true);
+  for (const auto& c : plan.chunks) {
+    Sequence& s = m.seqs.at(c.id);
+    s.num_computed += c.count;
+    if (c.start == 0 && s.preemptions == 0) m.stats.prompt_tokens += std::min(c.count, s.prompt_len);
+  }
+  // Forks first: they copy the parent's tokens before the parent's own draw is appended.
+  std::vector<int64_t> sampled;
+  for (size_t i = 0; i < draws.size(); ++i) {
+    if (draws[i].fork == 0) continue;
+    Sequence& parent = m.seqs.at(draws[i].seq);
+    Sequence child;
+    child.id = m.next_id++;
+    child.request = parent.request;
+    child.sample = parent.sample + draws[i].fork;
+    child.tokens = parent.tokens;
+    child.prompt_len = parent.prompt_len;
+    child.table = m.kv->fork(parent.table);
+    child.num_computed = parent.num_computed;
+    child.tokens.push_back(drawn.tokens[i]);
+    child.logprobs.push_back(drawn.logprobs[i]);
+    sampled.push_back(child.id);
+    m.running.push_back(child.id);  // the newest: ids only grow
+    m.seqs.emplace(child.id, std::move(child));
+  }
+  for (size_t i = 0; i < draws.size(); ++i) {
+    if (draws[i].fork != 0) continue;
+    Sequence& s = m.seqs.at(draws[i].seq);
+    s.pending_forks = 0;
+    s.tokens.push_back(drawn.tokens[i]);
+    s.logprobs.push_back(drawn.logprobs[i]);
+    sampled.push_back(s.id);
+  }
+  m.stats.generated_tokens += static_cast<int64_t>(draws.size());
+  for (int64_t id : sampled) {
+    Sequence& s = m.seqs.at(id);
+    const model::SamplingParams& p = m.requests.at(s.request).req.params;
+    const int64_t last = s.tokens.back();
+    const char* reason = nullptr;
+    if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), last) != p.stop_token_ids.end()) reason = "stop";
+    else if (static_cast<int64_t>(s.tokens.size()) - s.prompt_len >= p.max_new_tokens) reason = "length";
+    if (!reason) continue;
+    done.push_back(m.finish(s, reason));
+    erase_id(m.running, id);
+    m.seqs.erase(id);
+  }
+  ++m.stats.steps;
+  m.stats.seconds_in_steps += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return done;
+}
+
+void Engine::heartbeat() {
+  if (impl_->leader() && !impl_->shut_down) impl_->broadcast(Message::kHeartbeat, {});
+}
+
+void Engine::shutdown() {
+  Impl& m = *impl_;
+  if (!m.leader() || m.shut_down) return;
+  m.shut_down = true;
+  m.broadcast(Message::kShutdown, {});
+}
+
+void Engine::follow() {
+  Impl& m = *impl_;
+  TILLER_CHECK(!m.leader(), "follow() on the TP leader");
+  const at::Device where = std::string(m.tp->backend()) == "nccl" ? m.device() : at::Device(at::kCPU);
+  for (;;) {
+    at::Tensor head = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(where));
+    m.tp->broadcast(head, 0)->wait();
+    head = head.cpu();
+    const auto kind = static_cast<Message>(head[0].item<int64_t>());
+    const int64_t words = head[1].item<int64_t>();
+    if (kind == Message::kShutdown) return;
+    if (kind == Message::kHeartbeat) continue;
+    TILLER_CHECK(kind == Message::kStep && words > 0, "engine follower: unknown message kind {}",
+                 static_cast<int64_t>(kind));
+    at::Tensor body = at::empty({words}, at::TensorOptions().dtype(at::kLong).device(where));
+    m.tp->broadcast(body, 0)->wait();
+    body = body.cpu();
+    const auto* p = body.data_ptr<int64_t>();
+    m.runner->run(StepBatch::decode(std::vector<int64_t>(p, p + words)), /*sample=*/false);
+  }
+}
+
+}  // namespace tiller::engine

@@ -1,0 +1,93 @@
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include "tiller/core/error.h"
+#include "tiller/engine/engine.h"
+
+namespace tiller::engine {
+namespace {
+
+// Rows (dim 0) or columns (dim 1) [rank * n / size, (rank + 1) * n / size) of a matrix or bias.
+at::Tensor part(const at::Tensor& t, int64_t dim, int rank, int size) {
+  if (!t.defined() || size == 1) return t;
+  const int64_t n = t.size(dim) / size;
+  return t.narrow(dim, rank * n, n).contiguous();
+}
+
+at::Tensor place(const at::Tensor& t, at::ScalarType dtype, at::Device device) {
+  return t.defined() ? t.to(device, dtype) : t;
+}
+
+at::ScalarType engine_dtype(const std::string& name, const at::Device& device) {
+  if (name == "auto") return device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  if (name == "bf16") return at::kBFloat16;
+  if (name == "fp16") return at::kHalf;
+  if (name == "fp32") return at::kFloat;
+  throw ConfigError(fmt::format("engine dtype '{}': use auto, bf16, fp16 or fp32", name));
+}
+
+}  // namespace
+
+model::ModelWeights slice_for_tp(const model::ModelConfig& cfg, const model::ModelWeights& full, int rank, int size) {
+  if (cfg.num_heads % size || cfg.num_kv_heads % size || cfg.intermediate_size % size)
+    throw ConfigError(fmt::format("tensor parallel size {} must divide the attention heads ({}), the KV heads ({}) "
+                                  "and the MLP width ({})",
+                                  size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size));
+  TILLER_CHECK(rank >= 0 && rank < size, "tp rank {} of {}", rank, size);
+  model::ModelWeights w;
+  w.embed = full.embed;
+  w.final_norm = full.final_norm;
+  w.lm_head = full.lm_head;
+  for (const auto& l : full.layers) {
+    model::LayerWeights s = l;
+    s.q_proj = part(l.q_proj, 0, rank, size);
+    s.k_proj = part(l.k_proj, 0, rank, size);
+    s.v_proj = part(l.v_proj, 0, rank, size);
+    s.q_bias = part(l.q_bias, 0, rank, size);
+    s.k_bias = part(l.k_bias, 0, rank, size);
+    s.v_bias = part(l.v_bias, 0, rank, size);
+    s.o_proj = part(l.o_proj, 1, rank, size);
+    s.gate_proj = part(l.gate_proj, 0, rank, size);
+    s.up_proj = part(l.up_proj, 0, rank, size);
+    s.down_proj = part(l.down_proj, 1, rank, size);
+    w.layers.push_back(std::move(s));
+  }
+  return w;
+}
+
+EngineWeights load_engine_weights(const std::string& dir, int tp_rank, int tp_size, const std::string& dtype,
+                                  const std::string& device_name) {
+  const at::Device device(device_name);
+  const at::ScalarType dt = engine_dtype(dtype, device);
+  // On the host first (views of the mapped files when the dtype matches), so that only this
+  // rank's slices reach the device.
+  model::LoadedModel m = model::load_model(dir, model::Head::kLm, dt, at::kCPU);
+  const model::ModelWeights sliced = slice_for_tp(m.config, m.weights, tp_rank, tp_size);
+  EngineWeights out;
+  out.config = m.config;
+  model::ModelWeights& w = out.weights;
+  w.embed = place(sliced.embed, dt, device);
+  w.final_norm = place(sliced.final_norm, dt, device);
+  w.lm_head = m.config.tie_word_embeddings ? w.embed : place(sliced.lm_head, dt, device);
+  for (const auto& l : sliced.layers) {
+    model::LayerWeights d;
+    d.input_norm = place(l.input_norm, dt, device);
+    d.q_proj = place(l.q_proj, dt, device);
+    d.k_proj = place(l.k_proj, dt, device);
+    d.v_proj = place(l.v_proj, dt, device);
+    d.q_bias = place(l.q_bias, dt, device);
+    d.k_bias = place(l.k_bias, dt, device);
+    d.v_bias = place(l.v_bias, dt, device);
+    d.q_norm = place(l.q_norm, dt, device);
+    d.k_norm = place(l.k_norm, dt, device);
+    d.o_proj = place(l.o_proj, dt, device);
+    d.post_attn_norm = place(l.post_attn_norm, dt, device);
+    d.gate_proj = place(l.gate_proj, dt, device);
+    d.up_proj = place(l.up_proj, dt, device);
+    d.down_proj = place(l.down_proj, dt, device);
+    w.layers.push_back(std::move(d));
+  }
+  return out;
+}
+
+}  // namespace tiller::engine

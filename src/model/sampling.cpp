@@ -1,0 +1,114 @@
+#include "tiller/model/sampling.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+
+#include "tiller/core/error.h"
+
+namespace tiller::model {
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Host floats -> device tensor [rows, n] without a synchronising pageable copy on CUDA.
+at::Tensor upload(const std::vector<float>& host, int64_t rows, at::Device device) {
+  at::Tensor t = at::empty({rows, static_cast<int64_t>(host.size()) / rows},
+                           at::TensorOptions().dtype(at::kFloat).pinned_memory(device.is_cuda()));
+  std::copy(host.begin(), host.end(), t.data_ptr<float>());
+  return device.is_cpu() ? t : t.to(device, /*non_blocking=*/true);
+}
+
+}  // namespace
+
+float sampling_uniform(uint64_t seed, int64_t index) {
+  const uint64_t x = splitmix64(splitmix64(seed) ^ static_cast<uint64_t>(index));
+  return static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
+}
+
+void SamplingRows::add(float t, float p, int64_t k, float m, float u) {
+  temperature.push_back(t);
+  top_p.push_back(p);
+  top_k.push_back(k);
+  min_p.push_back(m);
+  uniform.push_back(u);
+}
+
+void SamplingRows::clear() {
+  temperature.clear();
+  top_p.clear();
+  top_k.clear();
+  min_p.clear();
+  uniform.clear();
+}
+
+SampledTokens sample_tokens(const at::Tensor& logits, const SamplingRows& rows) {
+  TILLER_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "sample_tokens takes fp32 [B, vocab] logits");
+  const int64_t b = logits.size(0), vocab = logits.size(1);
+  TILLER_CHECK(rows.size() == b && rows.top_p.size() == rows.temperature.size() &&
+                   rows.top_k.size() == rows.temperature.size() && rows.min_p.size() == rows.temperature.size() &&
+                   rows.uniform.size() == rows.temperature.size(),
+               "{} sampling rows for {} logit rows", rows.size(), b);
+  SampledTokens out;
+  if (b == 0) {
+    out.tokens = at::empty({0}, logits.options().dtype(at::kLong));
+    out.logprobs = at::empty({0}, logits.options());
+    return out;
+  }
+  bool any_sample = false, any_top_p = false, any_min_p = false;
+  int64_t max_k = 0;
+  // Rows of the parameter table: temperature (1 for greedy), greedy flag, top_p, min_p, u, k.
+  std::vector<float> host(static_cast<size_t>(6 * b));
+  for (int64_t i = 0; i < b; ++i) {
+    const bool sample = rows.temperature[i] > 0;
+    const bool top_k = sample && rows.top_k[i] > 0 && rows.top_k[i] < vocab;
+    any_sample |= sample;
+    any_top_p |= sample && rows.top_p[i] < 1;
+    any_min_p |= sample && rows.min_p[i] > 0;
+    if (top_k) max_k = std::max(max_k, rows.top_k[i]);
+    host[i] = sample ? rows.temperature[i] : 1.0f;
+    host[b + i] = sample ? 0.0f : 1.0f;
+    host[2 * b + i] = sample ? rows.top_p[i] : 1.0f;
+    host[3 * b + i] = sample ? rows.min_p[i] : 0.0f;
+    host[4 * b + i] = rows.uniform[i];
+    host[5 * b + i] = top_k ? static_cast<float>(rows.top_k[i]) : 0.0f;
+  }
+  at::Tensor greedy_tokens = logits.argmax(1);
+  if (!any_sample) {
+    out.tokens = greedy_tokens;
+    out.logprobs = logits.gather(1, greedy_tokens.unsqueeze(1)).squeeze(1) - at::logsumexp(logits, {1});
+    return out;
+  }
+  at::Tensor params = upload(host, 6, logits.device());
+  at::Tensor z = logits / params[0].unsqueeze(1);
+  at::Tensor logp = at::log_softmax(z, 1);
+  at::Tensor probs = logp.exp();
+  at::Tensor kept = probs;
+  if (max_k > 0) {
+    at::Tensor k = params[5].unsqueeze(1);
+    at::Tensor top = std::get<0>(probs.topk(max_k, 1));  // descending
+    at::Tensor kth = top.gather(1, (k.clamp(1, static_cast<double>(max_k)) - 1).to(at::kLong));
+    kept = kept.masked_fill(probs < at::where(k > 0, kth, at::zeros_like(kth)), 0);
+  }
+  if (any_min_p) kept = kept.masked_fill(probs < params[3].unsqueeze(1) * std::get<0>(probs.max(1, true)), 0);
+  if (any_top_p) {
+    at::Tensor top_p = params[2].unsqueeze(1);
+    auto [sorted, order] = kept.sort(1, /*descending=*/true);
+    at::Tensor before = sorted.cumsum(1) - sorted;  // kept mass strictly above each token
+    at::Tensor drop = (before >= top_p * sorted.sum(1, true)).logical_and_(top_p < 1);
+    kept = kept.masked_fill(at::zeros_like(drop).scatter_(1, order, drop), 0);
+  }
+  at::Tensor cum = kept.cumsum(1);
+  at::Tensor target = params[4].unsqueeze(1) * cum.narrow(1, vocab - 1, 1);
+  at::Tensor drawn = (cum <= target).sum(1).clamp_max(vocab - 1);
+  out.tokens = at::where(params[1] > 0, greedy_tokens, drawn);
+  out.logprobs = logp.gather(1, out.tokens.unsqueeze(1)).squeeze(1);
+  return out;
+}
+
+}  // namespace tiller::model

@@ -1,0 +1,275 @@
+// The engine against the reference generator and the trainer's forward (fp32 on CPU), and under
+// load: shared prompts, preemption, concurrency, aborts and bad requests.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include "tiller/engine/engine.h"
+#include "tiller/model/generate.h"
+#include "tiller/model/transformer.h"
+
+namespace tiller::engine {
+namespace {
+
+using model::SamplingParams;
+
+struct TinyModel {
+  model::ModelConfig cfg;
+  model::NamedTensors named;
+  model::ModelWeights weights;
+};
+
+// Random weights, drawn wide enough that the logits have clear winners (greedy decoding is then
+// not at the mercy of rounding differences between the engine's and the reference's paths).
+TinyModel tiny(const std::string& preset, uint64_t seed = 1) {
+  TinyModel m;
+  m.cfg = model::preset(preset);
+  m.cfg.initializer_range = 0.25;
+  m.named = model::init_weights(m.cfg, model::Head::kLm, seed, at::kFloat);
+  m.weights = model::bind_weights(m.cfg, m.named, model::Head::kLm, preset);
+  return m;
+}
+
+EngineOptions small_options(int64_t num_blocks = 256) {
+  EngineOptions o;
+  o.block_size = 4;
+  o.num_blocks = num_blocks;
+  o.limits.max_num_seqs = 8;
+  o.limits.max_batched_tokens = 24;  // long prompts are chunked
+  return o;
+}
+
+std::vector<std::vector<int64_t>> prompts(int count, uint64_t seed, int64_t vocab, int max_len = 40) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<int64_t>> out;
+  for (int i = 0; i < count; ++i) {
+    std::vector<int64_t> p(1 + rng() % max_len);
+    for (auto& t : p) t = static_cast<int64_t>(rng() % static_cast<uint64_t>(vocab - 1));
+    out.push_back(p);
+  }
+  return out;
+}
+
+// Runs the engine until every request is done; outputs by (request, sample).
+std::map<std::pair<uint64_t, int64_t>, SampleOutput> run_all(Engine& e) {
+  std::map<std::pair<uint64_t, int64_t>, SampleOutput> out;
+  for (int steps = 0; e.has_work(); ++steps) {
+    EXPECT_LT(steps, 100000) << "the engine does not finish";
+    if (steps >= 100000) break;
+    for (auto& o : e.step()) out[{o.request_id, o.sample}] = std::move(o);
+  }
+  return out;
+}
+
+// The trainer's view: log-probs at `temperature` of every generated token, from one forward of
+// prompt + completion.
+at::Tensor trainer_logprobs(const TinyModel& m, const std::vector<int64_t>& prompt, const std::vector<int64_t>& gen,
+                            double temperature, at::Tensor* argmax = nullptr) {
+  c10::AutoGradMode no_grad(false);
+  std::vector<int64_t> seq = prompt;
+  seq.insert(seq.end(), gen.begin(), gen.end());
+  at::Tensor h = model::forward_hidden(m.cfg, m.weights, model::PackedBatch::pack({seq}, at::kCPU));
+  const auto p = static_cast<int64_t>(prompt.size()), g = static_cast<int64_t>(gen.size());
+  at::Tensor rows = h.narrow(0, p - 1, g);
+  if (argmax) *argmax = model::logits(rows, m.weights.lm_head).argmax(1);
+  return model::token_logprobs(rows, m.weights.lm_head, at::tensor(gen, at::kLong), temperature);
+}
+
+class EngineFamily : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EngineFamily, GreedyEqualsReferenceAndTrainerArgmax) {
+  TinyModel m = tiny(GetParam());
+  if (GetParam() == "tiny-mistral") m.cfg.layer_window = {0, 6};  // a sliding window shorter than the sequences
+  Engine e(m.cfg, m.weights, small_options());
+  const auto ps = prompts(10, 5, m.cfg.vocab_size);
+  SamplingParams g;
+  g.greedy = true;
+  g.max_new_tokens = 12;
+  for (size_t i = 0; i < ps.size(); ++i) e.add({i, ps[i], g, 1});
+  auto out = run_all(e);
+  const auto ref = model::generate(m.cfg, m.weights, ps, g, /*batch_size=*/3);
+  ASSERT_EQ(out.size(), ps.size());
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const SampleOutput& o = out.at({i, 0});
+    EXPECT_EQ(o.tokens, ref[i].tokens) << "prompt " << i;
+    EXPECT_EQ(o.finish_reason, "length");
+    at::Tensor argmax;
+    at::Tensor lp = trainer_logprobs(m, ps[i], o.tokens, 1.0, &argmax);
+    for (size_t j = 0; j < o.tokens.size(); ++j) {
+      EXPECT_EQ(o.tokens[j], argmax[j].item<int64_t>()) << "prompt " << i << " token " << j;
+      EXPECT_NEAR(o.logprobs[j], lp[j].item<double>(), 2e-5) << "prompt " << i << " token " << j;
+    }
+  }
+  EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, EngineFamily, ::testing::Values("tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-mistral"));
+
+TEST(Engine, SampledTokensEqualReferenceAndLogprobsEqualTrainer) {
+  TinyModel m = tiny("tiny-qwen2");
+  Engine e(m.cfg, m.weights, small_options());
+  const auto ps = prompts(8, 9, m.cfg.vocab_size);
+  SamplingParams p;
+  p.temperature = 0.8;
+  p.top_p = 0.9;
+  p.top_k = 40;
+  p.min_p = 0.02;
+  p.seed = 1234;
+  p.max_new_tokens = 10;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    SamplingParams pi = p;
+    pi.seed = p.seed + i;  // the reference gives prompt i seed + i
+    e.add({100 + i, ps[i], pi, 1});
+  }
+  auto out = run_all(e);
+  const auto ref = model::generate(m.cfg, m.weights, ps, p, 4);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const SampleOutput& o = out.at({100 + i, 0});
+    EXPECT_EQ(o.tokens, ref[i].tokens) << "prompt " << i;
+    at::Tensor lp = trainer_logprobs(m, ps[i], o.tokens, 0.8);
+    for (size_t j = 0; j < o.tokens.size(); ++j)
+      EXPECT_NEAR(o.logprobs[j], lp[j].item<double>(), 2e-5) << "prompt " << i << " token " << j;
+  }
+}
+
+TEST(Engine, SamplesOfAPromptShareItsBlocksAndSurvivePreemption) {
+  TinyModel m = tiny("tiny-llama");
+  // 14 blocks of 4 tokens: four 30-token samples of one prompt cannot all be cached at once.
+  EngineOptions o = small_options(14);
+  Engine e(m.cfg, m.weights, o);
+  const std::vector<int64_t> prompt = prompts(1, 3, m.cfg.vocab_size, 1)[0];
+  std::vector<int64_t> long_prompt(10);
+  for (size_t i = 0; i < long_prompt.size(); ++i) long_prompt[i] = 7 + static_cast<int64_t>(i);
+  SamplingParams p;
+  p.temperature = 1.0;
+  p.seed = 77;
+  p.max_new_tokens = 20;
+  e.add({1, long_prompt, p, 4});
+  auto out = run_all(e);
+  EXPECT_GT(e.stats().preemptions, 0) << "the cache was meant to be too small for all samples at once";
+  // Sample j draws with seed + j: the reference with the prompt repeated gives prompt j seed + j.
+  const auto ref = model::generate(m.cfg, m.weights, std::vector<std::vector<int64_t>>(4, long_prompt), p, 4);
+  std::set<std::vector<int64_t>> distinct;
+  for (int64_t j = 0; j < 4; ++j) {
+    const SampleOutput& s = out.at({1, j});
+    EXPECT_EQ(s.tokens, ref[static_cast<size_t>(j)].tokens) << "sample " << j;
+    EXPECT_EQ(s.tokens.size(), 20u);
+    EXPECT_EQ(s.prompt_tokens, 10);
+    distinct.insert(s.tokens);
+  }
+  EXPECT_GT(distinct.size(), 1u) << "samples with different seeds came out identical";
+  EXPECT_EQ(e.stats().kv_blocks_free, 14);
+  (void)prompt;
+}
+
+TEST(Engine, ManyConcurrentRequestsOfMixedLengthsAllComplete) {
+  TinyModel m = tiny("tiny-qwen3");
+  EngineOptions o = small_options(60);
+  o.limits.max_num_seqs = 12;
+  o.limits.max_batched_tokens = 32;
+  Engine e(m.cfg, m.weights, o);
+  std::mt19937_64 rng(21);
+  const auto ps = prompts(50, 22, m.cfg.vocab_size, 60);
+  std::map<uint64_t, std::pair<int64_t, SamplingParams>> asked;
+  int64_t added = 0;
+  std::map<std::pair<uint64_t, int64_t>, SampleOutput> out;
+  // Requests keep arriving while the engine runs.
+  for (size_t i = 0; i < ps.size() || e.has_work();) {
+    for (int k = 0; k < 3 && i < ps.size(); ++k, ++i) {
+      SamplingParams p;
+      p.greedy = rng() % 4 == 0;
+      p.temperature = 0.5 + static_cast<double>(rng() % 100) / 100;
+      p.top_k = static_cast<int64_t>(rng() % 3) * 20;
+      p.seed = rng();
+      p.max_new_tokens = 1 + static_cast<int64_t>(rng() % 40);
+      if (rng() % 3 == 0) p.stop_token_ids = {static_cast<int64_t>(rng() % 512), static_cast<int64_t>(rng() % 512)};
+      const int64_t n = 1 + static_cast<int64_t>(rng() % 3);
+      e.add({i, ps[i], p, n});
+      asked[i] = {n, p};
+      added += n;
+    }
+    for (auto& r : e.step()) out[{r.request_id, r.sample}] = std::move(r);
+  }
+  ASSERT_EQ(static_cast<int64_t>(out.size()), added);
+  for (const auto& [key, r] : out) {
+    const auto& [n, p] = asked.at(key.first);
+    EXPECT_LT(key.second, n);
+    EXPECT_EQ(r.tokens.size(), r.logprobs.size());
+    EXPECT_EQ(r.prompt_tokens, static_cast<int64_t>(ps[key.first].size()));
+    const bool stopped = !r.tokens.empty() && std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(),
+                                                        r.tokens.back()) != p.stop_token_ids.end();
+    if (r.finish_reason == "stop") EXPECT_TRUE(stopped) << key.first;
+    else EXPECT_EQ(static_cast<int64_t>(r.tokens.size()), p.max_new_tokens) << key.first;
+    for (size_t j = 0; j + 1 < r.tokens.size(); ++j)  // no stop token before the end
+      EXPECT_EQ(std::count(p.stop_token_ids.begin(), p.stop_token_ids.end(), r.tokens[j]), 0) << key.first;
+  }
+  const EngineStats s = e.stats();
+  EXPECT_EQ(s.kv_blocks_free, s.kv_blocks_total);
+  EXPECT_EQ(s.running + s.waiting, 0);
+  EXPECT_EQ(s.requests_finished, 50);
+}
+
+TEST(Engine, AbortEndsEverySampleOfTheRequest) {
+  TinyModel m = tiny("tiny-qwen2");
+  Engine e(m.cfg, m.weights, small_options());
+  SamplingParams p;
+  p.max_new_tokens = 50;
+  e.add({1, {1, 2, 3}, p, 3});
+  e.add({2, {4, 5}, p, 1});
+  e.step();
+  e.step();
+  EXPECT_TRUE(e.abort(1));
+  EXPECT_FALSE(e.abort(1));
+  auto out = run_all(e);
+  for (int64_t j = 0; j < 3; ++j) EXPECT_EQ(out.at({1, j}).finish_reason, "abort");
+  EXPECT_EQ(out.at({2, 0}).tokens.size(), 50u);
+  EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
+}
+
+TEST(Engine, InvalidRequestsAreRefusedAndTheEngineKeepsServing) {
+  TinyModel m = tiny("tiny-qwen2");
+  Engine e(m.cfg, m.weights, small_options(32));
+  SamplingParams ok;
+  ok.max_new_tokens = 4;
+  auto refused = [&](Request r, const std::string& says) {
+    try {
+      e.add(std::move(r));
+      ADD_FAILURE() << "accepted; expected: " << says;
+    } catch (const InvalidRequest& err) {
+      EXPECT_NE(std::string(err.what()).find(says), std::string::npos) << err.what();
+    }
+  };
+  refused({1, {}, ok, 1}, "prompt is empty");
+  refused({1, {1, 512}, ok, 1}, "outside the vocabulary");
+  refused({1, {1, -3}, ok, 1}, "outside the vocabulary");
+  SamplingParams p = ok;
+  p.temperature = -1;
+  refused({1, {1}, p, 1}, "temperature");
+  p = ok;
+  p.top_p = 1.5;
+  refused({1, {1}, p, 1}, "top_p");
+  p = ok;
+  p.max_new_tokens = 0;
+  refused({1, {1}, p, 1}, "max_new_tokens");
+  p = ok;
+  p.stop_token_ids = {9999};
+  refused({1, {1}, p, 1}, "stop token id");
+  refused({1, {1}, ok, 0}, "samples");
+  refused({1, {1}, ok, 9}, "samples");
+  p = ok;
+  p.max_new_tokens = 200;  // 32 blocks of 4 tokens hold 128
+  refused({1, {1}, p, 1}, "KV blocks");
+  p.max_new_tokens = 5000;
+  refused({1, {1}, p, 1}, "max_model_len");
+  e.add({1, {1, 2}, ok, 1});
+  refused({1, {3}, ok, 1}, "already in use");
+  auto out = run_all(e);
+  EXPECT_EQ(out.at({1, 0}).tokens.size(), 4u);
+}
+
+}  // namespace
+}  // namespace tiller::engine
