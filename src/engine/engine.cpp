@@ -15,6 +15,7 @@
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/engine/kv_block_manager.h"
+#include "tiller/model/weights.h"
 #include "tiller/model/sampling.h"
 
 namespace tiller::engine {
@@ -198,6 +199,7 @@ const model::ModelConfig& Engine::config() const { return impl_->cfg; }
 const EngineOptions& Engine::options() const { return impl_->opts; }
 int64_t Engine::max_model_len() const { return impl_->max_model_len; }
 bool Engine::is_leader() const { return impl_->leader(); }
+int Engine::tp_size() const { return impl_->tp ? impl_->tp->size() : 1; }
 
 void Engine::add(Request r) {
   Impl& m = *impl_;

@@ -3,6 +3,7 @@
 
 #include "tiller/core/error.h"
 #include "tiller/engine/engine.h"
+#include "tiller/engine/engine_weights.h"
 
 namespace tiller::engine {
 namespace {

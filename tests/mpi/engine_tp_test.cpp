@@ -8,6 +8,7 @@
 
 #include "mpi_env_for_tests.h"
 #include "tiller/engine/engine.h"
+#include "tiller/engine/engine_weights.h"
 #include "tiller/model/weights.h"
 
 namespace tiller::test {

@@ -24,12 +24,14 @@
 
 #include "tiller/core/error.h"
 #include "tiller/engine/scheduler.h"
-#include "tiller/model/generate.h"
 #include "tiller/model/model_config.h"
-#include "tiller/model/weights.h"
+#include "tiller/model/sampling_params.h"
 
 namespace tiller::dist {
 class Communicator;
+}
+namespace tiller::model {
+struct ModelWeights;  // tiller/model/weights.h
 }
 
 namespace tiller::engine {
@@ -83,7 +85,7 @@ struct EngineStats {
 class Engine {
  public:
   // Takes the model's weights (this rank's TP shard of them when `tp` has more than one rank;
-  // see load_engine_weights) on the options' device. `tp` may be null (no tensor parallelism)
+  // see engine_weights.h) on the options' device. `tp` may be null (no tensor parallelism)
   // and must outlive the engine.
   Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const EngineOptions& opts,
          dist::Communicator* tp = nullptr);
@@ -94,6 +96,7 @@ class Engine {
   const model::ModelConfig& config() const;
   const EngineOptions& options() const;
   int64_t max_model_len() const;
+  int tp_size() const;
 
   // Leader only. Validates and queues a request; throws InvalidRequest (nothing queued).
   void add(Request r);
@@ -119,19 +122,5 @@ class Engine {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
-
-// Loads an HF checkpoint directory for an engine: this rank's tensor-parallel slice of every
-// parameter (q/k/v, gate/up and their biases by output rows; o_proj and down_proj by input
-// columns; norms, embedding and LM head whole), in `dtype` (see EngineOptions) on `device`.
-// Throws ConfigError when the heads or the MLP width do not divide by tp_size.
-struct EngineWeights {
-  model::ModelConfig config;       // the checkpoint's (global) config
-  model::ModelWeights weights;     // this rank's slices
-};
-EngineWeights load_engine_weights(const std::string& dir, int tp_rank, int tp_size, const std::string& dtype,
-                                  const std::string& device);
-// The same slicing applied to weights already in memory (tests, and the weight sync's layout).
-model::ModelWeights slice_for_tp(const model::ModelConfig& cfg, const model::ModelWeights& full, int tp_rank,
-                                 int tp_size);
 
 }  // namespace tiller::engine

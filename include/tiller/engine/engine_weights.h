@@ -1,0 +1,25 @@
+// An engine's weights: this rank's tensor-parallel slice of each parameter.
+#pragma once
+
+#include <string>
+
+#include "tiller/model/model_config.h"
+#include "tiller/model/weights.h"
+
+namespace tiller::engine {
+
+// Loads an HF checkpoint directory for an engine: this rank's tensor-parallel slice of every
+// parameter (q/k/v, gate/up and their biases by output rows; o_proj and down_proj by input
+// columns; norms, embedding and LM head whole), in `dtype` (see EngineOptions) on `device`.
+// Throws ConfigError when the heads or the MLP width do not divide by tp_size.
+struct EngineWeights {
+  model::ModelConfig config;       // the checkpoint's (global) config
+  model::ModelWeights weights;     // this rank's slices
+};
+EngineWeights load_engine_weights(const std::string& dir, int tp_rank, int tp_size, const std::string& dtype,
+                                  const std::string& device);
+// The same slicing applied to weights already in memory (tests, and the weight sync's layout).
+model::ModelWeights slice_for_tp(const model::ModelConfig& cfg, const model::ModelWeights& full, int tp_rank,
+                                 int tp_size);
+
+}  // namespace tiller::engine

@@ -1,0 +1,123 @@
+// The engine's gRPC service (proto/tiller/engine.proto) around one Engine, and the client that
+// talks to it (the controller's, and `tiller generate --engine`).
+//
+// EngineServer: a loop thread owns the Engine and is the only thread that calls it; gRPC handler
+// threads post commands to it and wait for their answers with a deadline. Under tensor
+// parallelism only the TP leader serves; the other ranks run Engine::follow().
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tiller/core/deadline.h"
+#include "tiller/engine/engine.h"
+
+namespace tiller::engine {
+
+struct ServerOptions {
+  std::string address = "0.0.0.0:50051";  // host:port to bind; port 0 picks a free one
+  std::string token;                      // shared secret required in "x-tiller-token"; empty: none
+  double max_wait_seconds = 600;          // cap on waits inside a call (Begin/End, aborts)
+  double heartbeat_seconds = 1;           // TP: how often an idle leader tells the followers it lives
+};
+
+class EngineServer {
+ public:
+  // Binds and starts serving at once. Throws IoError naming the address when it cannot bind.
+  // `engine` must outlive the server.
+  EngineServer(Engine& engine, const ServerOptions& opts);
+  ~EngineServer();  // shutdown()
+  EngineServer(const EngineServer&) = delete;
+  EngineServer& operator=(const EngineServer&) = delete;
+
+  int port() const;  // the bound port
+  // Stops accepting calls, ends open streams (their requests are aborted) and the loop thread.
+  // Thread-safe; idempotent.
+  void shutdown();
+  // Blocks until shutdown() was called (by another thread or a signal handler's thread).
+  void wait();
+  // The loop thread's failure, if it died (empty while healthy).
+  std::string error() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct ClientOptions {
+  std::string address;           // host:port
+  std::string token;             // sent as "x-tiller-token" when not empty
+  double timeout_seconds = 60;   // deadline of each unary call
+};
+
+struct ServerHealth {
+  std::string status;            // "serving" or "updating_weights"
+  uint64_t weight_version = 0;
+  std::string model_type;
+  int64_t vocab_size = 0, max_model_len = 0;
+  int tp_size = 1;
+};
+
+struct ServerStats {
+  EngineStats engine;
+  double kv_cache_usage = 0;
+  double tokens_per_second = 0;
+  uint64_t weight_version = 0;
+};
+
+// A generation result as the client sees it: a sample, or a request the server refused.
+struct ClientResult {
+  SampleOutput sample;           // when error_code == 0
+  uint64_t weight_version = 0;
+  int error_code = 0;            // a grpc::StatusCode; the request_id is in sample.request_id
+  std::string error;
+};
+
+// One Generate stream: send requests at any time, receive results as they finish.
+// send() and next() may run on different threads; each alone is not thread-safe.
+class GenerateSession {
+ public:
+  ~GenerateSession();  // cancels the stream if still open
+  // Throws CommError when the stream has failed.
+  void send(const Request& r, uint64_t min_weight_version = 0);
+  void abort(uint64_t request_id);
+  // The next result; false once the stream has ended and every result was taken. Throws
+  // TimeoutError past `deadline`, CommError when the stream failed.
+  bool next(ClientResult& out, Deadline deadline);
+  // No more requests: the server ends the stream after the last result.
+  void close_sends();
+
+ private:
+  friend class EngineClient;
+  struct Impl;
+  explicit GenerateSession(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Errors: CommError naming the address and the gRPC status (UNAVAILABLE: is the engine
+// running?), TimeoutError past a deadline. Thread-safe (gRPC channels are).
+class EngineClient {
+ public:
+  explicit EngineClient(const ClientOptions& opts);
+  ~EngineClient();
+
+  // Opens a stream that lives until `deadline`.
+  std::unique_ptr<GenerateSession> open_session(Deadline deadline);
+  // Sends every request on one stream and returns every sample (in finishing order). A refused
+  // request throws InvalidRequest with the server's message (the others are aborted).
+  std::vector<SampleOutput> generate(const std::vector<Request>& requests, Deadline deadline);
+
+  ServerHealth health();
+  ServerStats stats();
+  std::vector<uint64_t> abort(const std::vector<uint64_t>& request_ids);
+  uint64_t begin_weight_update(uint64_t version, bool abort_running = false);
+  uint64_t end_weight_update(uint64_t version);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tiller::engine

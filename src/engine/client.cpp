@@ -1,0 +1,243 @@
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include <fmt/format.h>
+#include <grpcpp/grpcpp.h>
+
+#include "engine/proto_convert.h"
+#include "tiller/engine.grpc.pb.h"
+#include "tiller/engine/server.h"
+
+namespace tiller::engine {
+namespace {
+
+namespace pb = ::tiller::engine::v1;
+
+std::chrono::system_clock::time_point wall(Deadline d) {
+  if (d.is_never()) return std::chrono::system_clock::time_point::max();
+  return std::chrono::system_clock::now() +
+         std::chrono::duration_cast<std::chrono::system_clock::duration>(
+             std::chrono::duration<double>(d.remaining_seconds()));
+}
+
+[[noreturn]] void raise(const std::string& address, const char* what, const grpc::Status& st) {
+  const std::string msg = fmt::format("engine {}: {} failed: {} ({})", address, what, st.error_message(),
+                                      static_cast<int>(st.error_code()));
+  if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) throw TimeoutError(msg);
+  if (st.error_code() == grpc::StatusCode::INVALID_ARGUMENT) throw InvalidRequest(msg);
+  if (st.error_code() == grpc::StatusCode::UNAVAILABLE) throw CommError(msg + "; is the engine running at that address?");
+  throw CommError(msg);
+}
+
+}  // namespace
+
+struct GenerateSession::Impl {
+  std::string address;
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<pb::GenerateStreamRequest, pb::GenerateStreamResponse>> rw;
+  std::mutex write_mu;
+  std::thread reader;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<ClientResult> results;
+  bool ended = false;
+  grpc::Status status;
+  bool sends_closed = false;
+
+  void read_all() {
+    pb::GenerateStreamResponse r;
+    while (rw->Read(&r)) {
+      ClientResult c;
+      if (r.has_sample()) {
+        c.sample = from_proto(r.sample());
+        c.weight_version = r.sample().weight_version();
+      } else {
+        c.sample.request_id = r.error().request_id();
+        c.error_code = r.error().code();
+        c.error = r.error().message();
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        results.push_back(std::move(c));
+      }
+      cv.notify_all();
+    }
+    grpc::Status st = rw->Finish();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      status = st;
+      ended = true;
+    }
+    cv.notify_all();
+  }
+};
+
+GenerateSession::GenerateSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+GenerateSession::~GenerateSession() {
+  if (!impl_) return;
+  impl_->ctx.TryCancel();
+  if (impl_->reader.joinable()) impl_->reader.join();
+}
+
+void GenerateSession::send(const Request& r, uint64_t min_weight_version) {
+  pb::GenerateStreamRequest req;
+  to_proto(r, min_weight_version, *req.mutable_generate());
+  std::lock_guard<std::mutex> lock(impl_->write_mu);
+  if (impl_->sends_closed || !impl_->rw->Write(req))
+    throw CommError(fmt::format("engine {}: the Generate stream is closed", impl_->address));
+}
+
+void GenerateSession::abort(uint64_t request_id) {
+  pb::GenerateStreamRequest req;
+  req.set_abort_request_id(request_id);
+  std::lock_guard<std::mutex> lock(impl_->write_mu);
+  if (!impl_->sends_closed) impl_->rw->Write(req);
+}
+
+void GenerateSession::close_sends() {
+  std::lock_guard<std::mutex> lock(impl_->write_mu);
+  if (impl_->sends_closed) return;
+  impl_->sends_closed = true;
+  impl_->rw->WritesDone();
+}
+
+bool GenerateSession::next(ClientResult& out, Deadline deadline) {
+  Impl& m = *impl_;
+  std::unique_lock<std::mutex> lock(m.mu);
+  const bool ready = m.cv.wait_until(lock, deadline.is_never() ? std::chrono::steady_clock::time_point::max()
+                                                               : deadline.at(),
+                                     [&] { return !m.results.empty() || m.ended; });
+  if (!ready) throw TimeoutError(fmt::format("engine {}: no result before the deadline", m.address));
+  if (!m.results.empty()) {
+    out = std::move(m.results.front());
+    m.results.pop_front();
+    return true;
+  }
+  if (!m.status.ok()) raise(m.address, "Generate", m.status);
+  return false;
+}
+
+struct EngineClient::Impl {
+  ClientOptions opts;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<pb::Engine::Stub> stub;
+
+  void prepare(grpc::ClientContext& ctx, Deadline d) const {
+    ctx.set_deadline(wall(d));
+    if (!opts.token.empty()) ctx.AddMetadata("x-tiller-token", opts.token);
+  }
+  Deadline unary() const { return Deadline::after_seconds(opts.timeout_seconds); }
+};
+
+EngineClient::EngineClient(const ClientOptions& opts) : impl_(std::make_unique<Impl>()) {
+  impl_->opts = opts;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(64 << 20);
+  impl_->channel = grpc::CreateCustomChannel(opts.address, grpc::InsecureChannelCredentials(), args);
+  impl_->stub = pb::Engine::NewStub(impl_->channel);
+}
+
+EngineClient::~EngineClient() = default;
+
+std::unique_ptr<GenerateSession> EngineClient::open_session(Deadline deadline) {
+  auto s = std::make_unique<GenerateSession::Impl>();
+  s->address = impl_->opts.address;
+  impl_->prepare(s->ctx, deadline);
+  s->rw = impl_->stub->Generate(&s->ctx);
+  GenerateSession::Impl* raw = s.get();
+  s->reader = std::thread([raw] { raw->read_all(); });
+  return std::unique_ptr<GenerateSession>(new GenerateSession(std::move(s)));
+}
+
+std::vector<SampleOutput> EngineClient::generate(const std::vector<Request>& requests, Deadline deadline) {
+  auto session = open_session(deadline);
+  for (const auto& r : requests) session->send(r);
+  session->close_sends();
+  std::vector<SampleOutput> out;
+  ClientResult c;
+  while (session->next(c, deadline)) {
+    if (c.error_code != 0) throw InvalidRequest(c.error);
+    out.push_back(std::move(c.sample));
+  }
+  return out;
+}
+
+ServerHealth EngineClient::health() {
+  grpc::ClientContext ctx;
+  impl_->prepare(ctx, impl_->unary());
+  pb::HealthResponse r;
+  grpc::Status st = impl_->stub->Health(&ctx, pb::HealthRequest(), &r);
+  if (!st.ok()) raise(impl_->opts.address, "Health", st);
+  ServerHealth h;
+  h.status = r.status();
+  h.weight_version = r.weight_version();
+  h.model_type = r.model_type();
+  h.vocab_size = r.vocab_size();
+  h.max_model_len = r.max_model_len();
+  h.tp_size = r.tp_size();
+  return h;
+}
+
+ServerStats EngineClient::stats() {
+  grpc::ClientContext ctx;
+  impl_->prepare(ctx, impl_->unary());
+  pb::StatsResponse r;
+  grpc::Status st = impl_->stub->Stats(&ctx, pb::StatsRequest(), &r);
+  if (!st.ok()) raise(impl_->opts.address, "Stats", st);
+  ServerStats s;
+  s.engine.running = r.running();
+  s.engine.waiting = r.waiting();
+  s.engine.kv_blocks_total = r.kv_blocks_total();
+  s.engine.kv_blocks_free = r.kv_blocks_free();
+  s.engine.steps = r.steps();
+  s.engine.prompt_tokens = r.prompt_tokens();
+  s.engine.generated_tokens = r.generated_tokens();
+  s.engine.preemptions = r.preemptions();
+  s.engine.requests_finished = r.requests_finished();
+  s.kv_cache_usage = r.kv_cache_usage();
+  s.tokens_per_second = r.tokens_per_second();
+  s.weight_version = r.weight_version();
+  return s;
+}
+
+std::vector<uint64_t> EngineClient::abort(const std::vector<uint64_t>& ids) {
+  grpc::ClientContext ctx;
+  impl_->prepare(ctx, impl_->unary());
+  pb::AbortRequest req;
+  req.mutable_request_ids()->Add(ids.begin(), ids.end());
+  pb::AbortResponse r;
+  grpc::Status st = impl_->stub->Abort(&ctx, req, &r);
+  if (!st.ok()) raise(impl_->opts.address, "Abort", st);
+  return {r.aborted().begin(), r.aborted().end()};
+}
+
+uint64_t EngineClient::begin_weight_update(uint64_t version, bool abort_running) {
+  grpc::ClientContext ctx;
+  impl_->prepare(ctx, impl_->unary());
+  pb::BeginWeightUpdateRequest req;
+  req.set_version(version);
+  req.set_abort_running(abort_running);
+  pb::WeightUpdateResponse r;
+  grpc::Status st = impl_->stub->BeginWeightUpdate(&ctx, req, &r);
+  if (!st.ok()) raise(impl_->opts.address, "BeginWeightUpdate", st);
+  return r.weight_version();
+}
+
+uint64_t EngineClient::end_weight_update(uint64_t version) {
+  grpc::ClientContext ctx;
+  impl_->prepare(ctx, impl_->unary());
+  pb::EndWeightUpdateRequest req;
+  req.set_version(version);
+  pb::WeightUpdateResponse r;
+  grpc::Status st = impl_->stub->EndWeightUpdate(&ctx, req, &r);
+  if (!st.ok()) raise(impl_->opts.address, "EndWeightUpdate", st);
+  return r.weight_version();
+}
+
+}  // namespace tiller::engine

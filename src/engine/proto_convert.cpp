@@ -1,0 +1,59 @@
+#include "engine/proto_convert.h"
+
+namespace tiller::engine {
+
+Request from_proto(const v1::GenerateRequest& g, uint64_t fallback_seed) {
+  Request r;
+  r.id = g.request_id();
+  r.prompt.assign(g.prompt_token_ids().begin(), g.prompt_token_ids().end());
+  r.n = g.n() == 0 ? 1 : g.n();
+  const v1::SamplingParams& p = g.params();
+  r.params.greedy = p.greedy() || p.temperature() == 0;
+  r.params.temperature = r.params.greedy ? 1.0 : p.temperature();
+  r.params.top_p = p.top_p() == 0 ? 1.0 : p.top_p();
+  r.params.top_k = p.top_k();
+  r.params.min_p = p.min_p();
+  r.params.seed = p.has_seed() ? p.seed() : fallback_seed;
+  r.params.max_new_tokens = p.max_new_tokens();
+  r.params.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  return r;
+}
+
+void to_proto(const Request& r, uint64_t min_weight_version, v1::GenerateRequest& g) {
+  g.set_request_id(r.id);
+  g.mutable_prompt_token_ids()->Add(r.prompt.begin(), r.prompt.end());
+  g.set_n(static_cast<int32_t>(r.n));
+  g.set_min_weight_version(min_weight_version);
+  v1::SamplingParams* p = g.mutable_params();
+  p->set_greedy(r.params.greedy);
+  p->set_temperature(r.params.greedy ? 0.0f : static_cast<float>(r.params.temperature));
+  p->set_top_p(static_cast<float>(r.params.top_p));
+  p->set_top_k(r.params.top_k);
+  p->set_min_p(static_cast<float>(r.params.min_p));
+  p->set_seed(r.params.seed);
+  p->set_max_new_tokens(r.params.max_new_tokens);
+  p->mutable_stop_token_ids()->Add(r.params.stop_token_ids.begin(), r.params.stop_token_ids.end());
+}
+
+void to_proto(const SampleOutput& o, uint64_t weight_version, v1::SampleResult& s) {
+  s.set_request_id(o.request_id);
+  s.set_sample(static_cast<int32_t>(o.sample));
+  s.mutable_token_ids()->Add(o.tokens.begin(), o.tokens.end());
+  s.mutable_logprobs()->Add(o.logprobs.begin(), o.logprobs.end());
+  s.set_finish_reason(o.finish_reason);
+  s.set_prompt_tokens(o.prompt_tokens);
+  s.set_weight_version(weight_version);
+}
+
+SampleOutput from_proto(const v1::SampleResult& s) {
+  SampleOutput o;
+  o.request_id = s.request_id();
+  o.sample = s.sample();
+  o.tokens.assign(s.token_ids().begin(), s.token_ids().end());
+  o.logprobs.assign(s.logprobs().begin(), s.logprobs().end());
+  o.finish_reason = s.finish_reason();
+  o.prompt_tokens = s.prompt_tokens();
+  return o;
+}
+
+}  // namespace tiller::engine

@@ -1,0 +1,19 @@
+// Engine types <-> the wire messages of proto/tiller/engine.proto (server and client share it).
+#pragma once
+
+#include <cstdint>
+
+#include "tiller/engine.pb.h"
+#include "tiller/engine/engine.h"
+
+namespace tiller::engine {
+
+// Proto defaults mean: temperature 0 -> greedy, top_p 0 -> 1, n 0 -> 1, no seed -> `fallback_seed`.
+// Values are carried over unchecked otherwise: Engine::add validates them.
+Request from_proto(const v1::GenerateRequest& g, uint64_t fallback_seed);
+void to_proto(const Request& r, uint64_t min_weight_version, v1::GenerateRequest& g);
+
+void to_proto(const SampleOutput& o, uint64_t weight_version, v1::SampleResult& s);
+SampleOutput from_proto(const v1::SampleResult& s);
+
+}  // namespace tiller::engine

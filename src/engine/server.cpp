@@ -1,0 +1,443 @@
+#include "tiller/engine/server.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include <fmt/format.h>
+#include <grpcpp/grpcpp.h>
+
+#include "engine/proto_convert.h"
+#include "tiller/core/logging.h"
+#include "tiller/engine/engine.h"
+#include "tiller/engine.grpc.pb.h"
+
+namespace tiller::engine {
+namespace {
+
+namespace pb = ::tiller::engine::v1;
+using Clock = std::chrono::steady_clock;
+
+// One Generate stream's outbox: the loop thread fills it, the handler thread writes it out.
+struct StreamState {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<pb::GenerateStreamResponse> out;
+  int64_t live = 0;          // requests sent and not yet fully answered
+  bool reader_done = false;  // the client finished sending (or the read failed)
+  bool closed = false;       // the handler is gone: drop further results
+
+  void push(pb::GenerateStreamResponse r, bool request_done) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (closed) return;
+      out.push_back(std::move(r));
+      if (request_done) --live;
+    }
+    cv.notify_all();
+  }
+};
+
+struct Route {
+  std::shared_ptr<StreamState> stream;
+  int64_t remaining = 0;  // samples not yet returned
+};
+
+}  // namespace
+
+struct EngineServer::Impl final : pb::Engine::Service {
+  Engine& engine;
+  ServerOptions opts;
+  std::unique_ptr<grpc::Server> server;
+  int bound_port = 0;
+
+  // The loop thread's inbox.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> inbox;
+  bool stopping = false;
+  std::string failure;
+
+  // Loop-thread state (only the loop thread touches these).
+  std::map<uint64_t, Route> routes;
+  bool paused = false;
+  uint64_t pending_version = 0;
+  std::mt19937_64 seeds{std::random_device{}()};
+  std::deque<std::pair<Clock::time_point, int64_t>> rate_window;
+
+  // Snapshot for Stats/Health, written by the loop thread.
+  mutable std::mutex snap_mu;
+  EngineStats snap;
+  double tokens_per_second = 0;
+  uint64_t weight_version = 0;
+  bool updating = false;
+
+  std::thread loop;
+  std::mutex done_mu;
+  std::condition_variable done_cv;
+  bool shut = false;
+  bool loop_ended = false;
+
+  Impl(Engine& e, const ServerOptions& o) : engine(e), opts(o) {}
+
+  grpc::Status check_token(grpc::ServerContext* ctx) const {
+    if (opts.token.empty()) return grpc::Status::OK;
+    const auto& md = ctx->client_metadata();
+    auto it = md.find("x-tiller-token");
+    if (it == md.end() || std::string(it->second.data(), it->second.size()) != opts.token)
+      return {grpc::StatusCode::UNAUTHENTICATED, "missing or wrong x-tiller-token"};
+    return grpc::Status::OK;
+  }
+
+  void post(std::function<void()> f) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      inbox.push_back(std::move(f));
+    }
+    cv.notify_all();
+  }
+
+  // Runs `f` on the loop thread and waits for its result until the call's deadline.
+  template <typename T>
+  grpc::Status call(grpc::ServerContext* ctx, std::function<T()> f, T& result) {
+    auto task = std::make_shared<std::packaged_task<T()>>(std::move(f));
+    std::future<T> fut = task->get_future();
+    post([task] { (*task)(); });
+    auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(opts.max_wait_seconds));
+    const auto client = ctx->deadline();
+    if (client < std::chrono::system_clock::time_point::max())
+      until = std::min(until, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                 client - std::chrono::system_clock::now()));
+    while (fut.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (stopping) return {grpc::StatusCode::UNAVAILABLE, "the engine is shutting down"};
+      }
+      if (Clock::now() >= until) return {grpc::StatusCode::DEADLINE_EXCEEDED, "the engine did not answer in time"};
+    }
+    try {
+      result = fut.get();
+    } catch (const InvalidRequest& e) {
+      return {grpc::StatusCode::INVALID_ARGUMENT, e.what()};
+    } catch (const std::exception& e) {
+      return {grpc::StatusCode::FAILED_PRECONDITION, e.what()};
+    }
+    return grpc::Status::OK;
+  }
+
+  // --- loop thread ---
+  void add_request(const pb::GenerateRequest& g, const std::shared_ptr<StreamState>& stream) {
+    auto refuse = [&](grpc::StatusCode code, const std::string& msg) {
+      pb::GenerateStreamResponse r;
+      auto* e = r.mutable_error();
+      e->set_request_id(g.request_id());
+      e->set_code(static_cast<int32_t>(code));
+      e->set_message(msg);
+      stream->push(std::move(r), true);
+    };
+    if (g.min_weight_version() > weight_version)
+      return refuse(grpc::StatusCode::FAILED_PRECONDITION,
+                    fmt::format("request {}: needs weight version >= {}, the engine has {}", g.request_id(),
+                                g.min_weight_version(), weight_version));
+    if (routes.count(g.request_id()))
+      return refuse(grpc::StatusCode::INVALID_ARGUMENT,
+                    fmt::format("request {}: the id is already in use by a live request", g.request_id()));
+    Request req = from_proto(g, seeds());
+    try {
+      engine.add(req);
+    } catch (const InvalidRequest& e) {
+      return refuse(grpc::StatusCode::INVALID_ARGUMENT, e.what());
+    }
+    routes[req.id] = {stream, req.n};
+  }
+
+  void deliver(const std::vector<SampleOutput>& outs) {
+    for (const auto& o : outs) {
+      auto it = routes.find(o.request_id);
+      if (it == routes.end()) continue;
+      pb::GenerateStreamResponse r;
+      to_proto(o, weight_version, *r.mutable_sample());
+      const bool last = --it->second.remaining == 0;
+      it->second.stream->push(std::move(r), last);
+      if (last) routes.erase(it);
+    }
+  }
+
+  void stream_closed(const std::shared_ptr<StreamState>& stream) {
+    std::vector<uint64_t> ids;
+    for (const auto& [id, route] : routes)
+      if (route.stream == stream) ids.push_back(id);
+    for (uint64_t id : ids) {
+      engine.abort(id);
+      routes.erase(id);
+    }
+  }
+
+  void update_snapshot() {
+    const EngineStats s = engine.stats();
+    const auto now = Clock::now();
+    rate_window.emplace_back(now, s.generated_tokens);
+    while (rate_window.size() > 2 && now - rate_window.front().first > std::chrono::seconds(5)) rate_window.pop_front();
+    double rate = 0;
+    const double span = std::chrono::duration<double>(now - rate_window.front().first).count();
+    if (span > 0) rate = static_cast<double>(s.generated_tokens - rate_window.front().second) / span;
+    std::lock_guard<std::mutex> lock(snap_mu);
+    snap = s;
+    tokens_per_second = rate;
+    updating = paused;
+  }
+
+  void run_loop() {
+    auto last_beat = Clock::now();
+    try {
+      for (;;) {
+        std::deque<std::function<void()>> work;
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          const bool busy = !paused && engine.has_work();
+          if (!busy && inbox.empty() && !stopping)
+            cv.wait_for(lock, std::chrono::duration<double>(opts.heartbeat_seconds));
+          if (stopping) break;
+          work.swap(inbox);
+        }
+        for (auto& f : work) f();
+        if (!paused && engine.has_work()) {
+          deliver(engine.step());
+        } else if (Clock::now() - last_beat > std::chrono::duration<double>(opts.heartbeat_seconds)) {
+          engine.heartbeat();
+          last_beat = Clock::now();
+        }
+        update_snapshot();
+      }
+      for (auto& [id, route] : routes) engine.abort(id);
+      deliver(engine.step());
+      engine.shutdown();
+    } catch (const std::exception& e) {
+      log::error("engine loop failed: {}", e.what());
+      std::lock_guard<std::mutex> lock(mu);
+      failure = e.what();
+      stopping = true;
+    }
+    // Wake every stream handler: nothing more will come.
+    for (auto& [id, route] : routes) {
+      std::lock_guard<std::mutex> lock(route.stream->mu);
+      route.stream->closed = true;
+      route.stream->cv.notify_all();
+    }
+    {
+      std::lock_guard<std::mutex> lock(done_mu);
+      loop_ended = true;
+    }
+    done_cv.notify_all();
+  }
+
+  // --- handlers (gRPC threads) ---
+  grpc::Status Generate(grpc::ServerContext* ctx,
+                        grpc::ServerReaderWriter<pb::GenerateStreamResponse, pb::GenerateStreamRequest>* rw) override {
+    if (auto st = check_token(ctx); !st.ok()) return st;
+    auto stream = std::make_shared<StreamState>();
+    std::thread reader([&] {
+      pb::GenerateStreamRequest req;
+      while (rw->Read(&req)) {
+        if (req.has_generate()) {
+          {
+            std::lock_guard<std::mutex> lock(stream->mu);
+            ++stream->live;
+          }
+          post([this, g = req.generate(), stream] { add_request(g, stream); });
+        } else if (req.kind_case() == pb::GenerateStreamRequest::kAbortRequestId) {
+          post([this, id = req.abort_request_id(), stream] {
+            auto it = routes.find(id);
+            if (it != routes.end() && it->second.stream == stream) engine.abort(id);
+          });
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(stream->mu);
+        stream->reader_done = true;
+      }
+      stream->cv.notify_all();
+    });
+    bool ok = true;
+    for (;;) {
+      std::unique_lock<std::mutex> lock(stream->mu);
+      stream->cv.wait_for(lock, std::chrono::milliseconds(100), [&] {
+        return !stream->out.empty() || (stream->reader_done && stream->live == 0) || stream->closed;
+      });
+      if (!stream->out.empty()) {
+        pb::GenerateStreamResponse r = std::move(stream->out.front());
+        stream->out.pop_front();
+        lock.unlock();
+        if (!rw->Write(r)) {
+          ok = false;
+          break;
+        }
+        continue;
+      }
+      if ((stream->reader_done && stream->live == 0) || stream->closed) break;
+      if (ctx->IsCancelled()) {
+        ok = false;
+        break;
+      }
+      lock.unlock();
+      std::lock_guard<std::mutex> g(mu);
+      if (stopping) {
+        ok = false;
+        break;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(stream->mu);
+      stream->closed = true;
+    }
+    post([this, stream] { stream_closed(stream); });
+    if (!ok) ctx->TryCancel();  // unblocks the reader's Read
+    reader.join();
+    if (!ok) return {grpc::StatusCode::CANCELLED, "the stream ended before every result was sent"};
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Abort(grpc::ServerContext* ctx, const pb::AbortRequest* req, pb::AbortResponse* resp) override {
+    if (auto st = check_token(ctx); !st.ok()) return st;
+    std::vector<uint64_t> ids(req->request_ids().begin(), req->request_ids().end()), done;
+    auto st = call<std::vector<uint64_t>>(ctx, [this, ids] {
+      std::vector<uint64_t> hit;
+      for (uint64_t id : ids)
+        if (engine.abort(id)) hit.push_back(id);
+      return hit;
+    }, done);
+    for (uint64_t id : done) resp->add_aborted(id);
+    return st;
+  }
+
+  grpc::Status Health(grpc::ServerContext* ctx, const pb::HealthRequest*, pb::HealthResponse* resp) override {
+    if (auto st = check_token(ctx); !st.ok()) return st;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!failure.empty()) return {grpc::StatusCode::INTERNAL, "engine failed: " + failure};
+    }
+    std::lock_guard<std::mutex> lock(snap_mu);
+    resp->set_status(updating ? "updating_weights" : "serving");
+    resp->set_weight_version(weight_version);
+    resp->set_model_type(model::family_name(engine.config().family));
+    resp->set_vocab_size(engine.config().vocab_size);
+    resp->set_max_model_len(engine.max_model_len());
+    resp->set_tp_size(engine.tp_size());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Stats(grpc::ServerContext* ctx, const pb::StatsRequest*, pb::StatsResponse* resp) override {
+    if (auto st = check_token(ctx); !st.ok()) return st;
+    std::lock_guard<std::mutex> lock(snap_mu);
+    resp->set_running(snap.running);
+    resp->set_waiting(snap.waiting);
+    resp->set_kv_blocks_total(snap.kv_blocks_total);
+    resp->set_kv_blocks_free(snap.kv_blocks_free);
+    resp->set_kv_cache_usage(snap.kv_blocks_total
+                                 ? 1.0 - static_cast<double>(snap.kv_blocks_free) / static_cast<double>(snap.kv_blocks_total)
+                                 : 0.0);
+    resp->set_tokens_per_second(tokens_per_second);
+    resp->set_steps(snap.steps);
+    resp->set_prompt_tokens(snap.prompt_tokens);
+    resp->set_generated_tokens(snap.generated_tokens);
+    resp->set_preemptions(snap.preemptions);
+    resp->set_requests_finished(snap.requests_finished);
+    resp->set_weight_version(weight_version);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status BeginWeightUpdate(grpc::ServerContext* ctx, const pb::BeginWeightUpdateRequest* req,
+                                 pb::WeightUpdateResponse* resp) override {
+    if (auto st = check_token(ctx); !st.ok()) return st;
+    uint64_t v = 0;
+    auto st = call<uint64_t>(ctx, [this, version = req->version(), abort_running = req->abort_running()] {
+      if (paused) throw InvalidRequest(fmt::format("a weight update to version {} is already in progress", pending_version));
+      if (version <= weight_version)
+        throw InvalidRequest(fmt::format("version {} is not newer than the current {}", version, weight_version));
+      if (abort_running) {
+        for (auto& [id, route] : routes) engine.abort(id);
+        deliver(engine.step());  // returns the aborted samples to their streams
+      }
+      paused = true;
+      pending_version = version;
+      update_snapshot();
+      return weight_version;
+    }, v);
+    resp->set_weight_version(v);
+    return st;
+  }
+
+  grpc::Status EndWeightUpdate(grpc::ServerContext* ctx, const pb::EndWeightUpdateRequest* req,
+                               pb::WeightUpdateResponse* resp) override {
+    if (auto st = check_token(ctx); !st.ok()) return st;
+    uint64_t v = 0;
+    auto st = call<uint64_t>(ctx, [this, version = req->version()] {
+      if (!paused) throw InvalidRequest("no weight update is in progress");
+      if (version != pending_version)
+        throw InvalidRequest(fmt::format("version {} does not match the update in progress ({})", version, pending_version));
+      paused = false;
+      {
+        std::lock_guard<std::mutex> lock(snap_mu);
+        weight_version = version;
+      }
+      update_snapshot();
+      return weight_version;
+    }, v);
+    resp->set_weight_version(v);
+    return st;
+  }
+};
+
+EngineServer::EngineServer(Engine& engine, const ServerOptions& opts) : impl_(std::make_unique<Impl>(engine, opts)) {
+  TILLER_CHECK(engine.is_leader(), "only the TP leader serves");
+  Impl& m = *impl_;
+  grpc::ServerBuilder b;
+  b.AddListeningPort(opts.address, grpc::InsecureServerCredentials(), &m.bound_port);
+  b.RegisterService(&m);
+  b.SetMaxReceiveMessageSize(64 << 20);
+  b.SetMaxSendMessageSize(64 << 20);
+  m.server = b.BuildAndStart();
+  if (!m.server || m.bound_port == 0)
+    throw IoError(fmt::format("engine server: cannot listen on '{}' (in use, or not a host:port?)", opts.address));
+  m.loop = std::thread([&m] { m.run_loop(); });
+  log::info("engine serving on port {}{}", m.bound_port, opts.token.empty() ? "" : " (token required)");
+}
+
+EngineServer::~EngineServer() { shutdown(); }
+
+int EngineServer::port() const { return impl_->bound_port; }
+
+std::string EngineServer::error() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->failure;
+}
+
+void EngineServer::shutdown() {
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(m.done_mu);
+    if (m.shut) return;
+    m.shut = true;
+  }
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.stopping = true;
+  }
+  m.cv.notify_all();
+  m.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  if (m.loop.joinable()) m.loop.join();
+  m.done_cv.notify_all();
+}
+
+void EngineServer::wait() {
+  std::unique_lock<std::mutex> lock(impl_->done_mu);
+  impl_->done_cv.wait(lock, [&] { return impl_->shut || impl_->loop_ended; });
+}
+
+}  // namespace tiller::engine

@@ -1,0 +1,222 @@
+// The gRPC service on a real socket: many concurrent streams, malformed requests, the token,
+// weight-update control, aborts and deadlines.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <map>
+#include <random>
+#include <thread>
+
+#include <ATen/ATen.h>
+
+#include "tiller/engine/engine.h"
+#include "tiller/engine/server.h"
+#include "tiller/model/generate.h"
+#include "tiller/model/weights.h"
+
+namespace tiller::engine {
+namespace {
+
+struct Served {
+  model::ModelConfig cfg;
+  model::NamedTensors named;
+  model::ModelWeights weights;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<EngineServer> server;
+  std::string address;
+
+  explicit Served(const std::string& token = "") {
+    cfg = model::preset("tiny-qwen2");
+    cfg.initializer_range = 0.25;
+    named = model::init_weights(cfg, model::Head::kLm, 4, at::kFloat);
+    weights = model::bind_weights(cfg, named, model::Head::kLm, "tiny");
+    EngineOptions o;
+    o.block_size = 8;
+    o.num_blocks = 128;
+    o.limits.max_num_seqs = 16;
+    engine = std::make_unique<Engine>(cfg, weights, o);
+    ServerOptions so;
+    so.address = "127.0.0.1:0";
+    so.token = token;
+    server = std::make_unique<EngineServer>(*engine, so);
+    address = "127.0.0.1:" + std::to_string(server->port());
+  }
+};
+
+Request greedy_request(uint64_t id, std::vector<int64_t> prompt, int64_t max_new) {
+  Request r;
+  r.id = id;
+  r.prompt = std::move(prompt);
+  r.params.greedy = true;
+  r.params.max_new_tokens = max_new;
+  return r;
+}
+
+TEST(EngineService, ConcurrentStreamsAllCompleteWithTheReferenceTokens) {
+  Served s;
+  const int clients = 4, per_client = 12;
+  std::vector<std::vector<int64_t>> prompts;
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < clients * per_client; ++i) {
+    std::vector<int64_t> p(1 + rng() % 30);
+    for (auto& t : p) t = static_cast<int64_t>(rng() % 500);
+    prompts.push_back(p);
+  }
+  std::vector<std::vector<SampleOutput>> got(clients);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < clients; ++c) {
+    threads.emplace_back([&, c] {
+      EngineClient client({s.address});
+      std::vector<Request> rs;
+      for (int i = 0; i < per_client; ++i) {
+        const int k = c * per_client + i;
+        rs.push_back(greedy_request(static_cast<uint64_t>(k), prompts[k], 4 + k % 9));
+      }
+      got[c] = client.generate(rs, Deadline::after_seconds(120));
+    });
+  }
+  for (auto& t : threads) t.join();
+  model::SamplingParams g;
+  g.greedy = true;
+  for (int c = 0; c < clients; ++c) {
+    ASSERT_EQ(got[c].size(), static_cast<size_t>(per_client));
+    for (const auto& o : got[c]) {
+      const auto k = static_cast<size_t>(o.request_id);
+      g.max_new_tokens = 4 + static_cast<int64_t>(k) % 9;
+      const auto ref = model::generate(s.cfg, s.weights, {prompts[k]}, g);
+      EXPECT_EQ(o.tokens, ref[0].tokens) << "request " << k;
+      EXPECT_EQ(o.finish_reason, "length");
+    }
+  }
+  EngineClient client({s.address});
+  const ServerStats st = client.stats();
+  EXPECT_EQ(st.engine.requests_finished, clients * per_client);
+  EXPECT_EQ(st.engine.running + st.engine.waiting, 0);
+  EXPECT_EQ(st.engine.kv_blocks_free, st.engine.kv_blocks_total);
+  const ServerHealth h = client.health();
+  EXPECT_EQ(h.status, "serving");
+  EXPECT_EQ(h.vocab_size, 512);
+}
+
+TEST(EngineService, MalformedRequestsAreRefusedAndTheServerKeepsServing) {
+  Served s;
+  EngineClient client({s.address});
+  auto session = client.open_session(Deadline::after_seconds(60));
+  std::mt19937_64 rng(17);
+  int sent = 0;
+  for (uint64_t i = 0; i < 200; ++i) {
+    Request r = greedy_request(1000 + i, {1, 2, 3}, 3);
+    switch (rng() % 9) {  // one broken field each
+      case 0: r.prompt.clear(); break;
+      case 1: r.prompt.push_back(static_cast<int64_t>(512 + rng() % 100000)); break;
+      case 2: r.prompt[0] = -static_cast<int64_t>(1 + rng() % 1000); break;
+      case 3: r.params.greedy = false; r.params.temperature = -static_cast<double>(rng() % 5) - 0.5; break;
+      case 4: r.params.top_p = 1.0 + static_cast<double>(rng() % 100) / 10; break;
+      case 5: r.params.max_new_tokens = -static_cast<int64_t>(rng() % 5); break;
+      case 6: r.n = 1000 + static_cast<int64_t>(rng() % 1000); break;
+      case 7: r.params.max_new_tokens = 100000; break;
+      case 8: r.params.stop_token_ids = {100000}; break;
+    }
+    session->send(r);
+    ++sent;
+  }
+  session->send(greedy_request(7, {4, 5, 6}, 5));  // a good one among them
+  session->close_sends();
+  int refused = 0, served = 0;
+  ClientResult c;
+  while (session->next(c, Deadline::after_seconds(60))) {
+    if (c.error_code != 0) {
+      EXPECT_EQ(c.error_code, 3) << c.error;  // INVALID_ARGUMENT
+      EXPECT_NE(c.error.find("request " + std::to_string(c.sample.request_id)), std::string::npos) << c.error;
+      ++refused;
+    } else {
+      EXPECT_EQ(c.sample.request_id, 7u);
+      EXPECT_EQ(c.sample.tokens.size(), 5u);
+      ++served;
+    }
+  }
+  EXPECT_EQ(refused, sent);
+  EXPECT_EQ(served, 1);
+  EXPECT_EQ(client.health().status, "serving");
+  // A NaN temperature and a refused request through the convenience call.
+  Request nan = greedy_request(8, {1}, 2);
+  nan.params.greedy = false;
+  nan.params.temperature = std::nan("");
+  EXPECT_THROW(client.generate({nan}, Deadline::after_seconds(30)), InvalidRequest);
+  EXPECT_EQ(client.generate({greedy_request(9, {1, 2}, 2)}, Deadline::after_seconds(30)).size(), 1u);
+}
+
+TEST(EngineService, TokenIsRequiredWhenConfigured) {
+  Served s("s3cret");
+  EngineClient none({s.address});
+  EXPECT_THROW(none.health(), CommError);
+  EngineClient wrong({s.address, "nope"});
+  EXPECT_THROW(wrong.generate({greedy_request(1, {1}, 1)}, Deadline::after_seconds(30)), CommError);
+  EngineClient right({s.address, "s3cret"});
+  EXPECT_EQ(right.health().status, "serving");
+  EXPECT_EQ(right.generate({greedy_request(1, {1}, 2)}, Deadline::after_seconds(30)).size(), 1u);
+}
+
+TEST(EngineService, WeightUpdatesPauseServingAndVersionTheResults) {
+  Served s;
+  EngineClient client({s.address});
+  EXPECT_EQ(client.begin_weight_update(3), 0u);
+  EXPECT_EQ(client.health().status, "updating_weights");
+  EXPECT_THROW(client.begin_weight_update(4), InvalidRequest);  // one at a time
+  EXPECT_THROW(client.end_weight_update(5), InvalidRequest);    // not the version begun
+  // Requests sent during the update wait for it.
+  auto session = client.open_session(Deadline::after_seconds(60));
+  session->send(greedy_request(1, {1, 2, 3}, 4));
+  session->close_sends();
+  ClientResult c;
+  EXPECT_THROW(session->next(c, Deadline::after_seconds(0.5)), TimeoutError);
+  EXPECT_EQ(client.end_weight_update(3), 3u);
+  ASSERT_TRUE(session->next(c, Deadline::after_seconds(30)));
+  EXPECT_EQ(c.error_code, 0) << c.error;
+  EXPECT_EQ(c.weight_version, 3u);
+  EXPECT_EQ(client.stats().weight_version, 3u);
+  EXPECT_THROW(client.begin_weight_update(2), InvalidRequest);  // not newer
+  // A request that needs a newer version than the engine has is refused, not served stale.
+  auto s2 = client.open_session(Deadline::after_seconds(30));
+  s2->send(greedy_request(2, {1}, 2), /*min_weight_version=*/4);
+  s2->close_sends();
+  ASSERT_TRUE(s2->next(c, Deadline::after_seconds(30)));
+  EXPECT_EQ(c.error_code, 9) << "FAILED_PRECONDITION expected";  // FAILED_PRECONDITION
+}
+
+TEST(EngineService, AbortAndStreamCancellationFreeTheEngine) {
+  Served s;
+  EngineClient client({s.address});
+  {
+    auto session = client.open_session(Deadline::after_seconds(60));
+    // Long enough (and together over the cache's 1024 tokens) to be running for seconds.
+    session->send(greedy_request(1, {1, 2}, 1000));
+    session->send(greedy_request(2, {3}, 1000));
+    // Wait until both run, then abort one by RPC; drop the stream with the other still running.
+    for (int i = 0; i < 200 && client.stats().engine.running < 2; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    EXPECT_EQ(client.abort({1, 99}), std::vector<uint64_t>{1});
+    ClientResult c;
+    ASSERT_TRUE(session->next(c, Deadline::after_seconds(30)));
+    EXPECT_EQ(c.sample.request_id, 1u);
+    EXPECT_EQ(c.sample.finish_reason, "abort");
+  }
+  for (int i = 0; i < 300 && client.stats().engine.running + client.stats().engine.waiting > 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const ServerStats st = client.stats();
+  EXPECT_EQ(st.engine.running + st.engine.waiting, 0) << "the cancelled stream's request still runs";
+  EXPECT_EQ(st.engine.kv_blocks_free, st.engine.kv_blocks_total);
+}
+
+TEST(EngineService, UnreachableServerAndDeadlinesAreClearErrors) {
+  EngineClient client({"127.0.0.1:1", "", 2.0});
+  try {
+    client.health();
+    ADD_FAILURE() << "no error";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("127.0.0.1:1"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace tiller::engine
