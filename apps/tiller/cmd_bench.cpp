@@ -35,7 +35,7 @@ struct BenchOptions {
 int run_collectives(const BenchOptions& o, int* argc, char*** argv) {
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), "bench", log::Level::kInfo);
-  BenchComm bc = open_bench_comm(env, o.backend, o.timeout_s, "bench");
+  RankComm bc = open_rank_comm(env, o.backend, o.timeout_s, "bench");
   at::TensorOptions opts = at::TensorOptions().dtype(parse_dtype(o.dtype)).device(bc.device);
   dist::Communicator& comm = bc.comm();
   const int w = comm.size();
@@ -117,12 +117,12 @@ c10::ScalarType parse_dtype(const std::string& d) {
   throw ConfigError(fmt::format("--dtype '{}': use bf16, fp16 or fp32", d));
 }
 
-BenchComm open_bench_comm(dist::MpiEnv& env, const std::string& backend_opt, double timeout_s, const std::string& name) {
+RankComm open_rank_comm(dist::MpiEnv& env, const std::string& backend_opt, double timeout_s, const std::string& name) {
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
   std::string backend = backend_opt;
   if (backend == "auto") backend = dist::MpiEnv::have_nccl() && gpus > 0 ? "nccl" : "mpi";
   if (backend != "nccl" && backend != "mpi") throw ConfigError("--backend: use auto, nccl or mpi");
-  BenchComm bc;
+  RankComm bc;
   bc.world = env.world(timeout_s);
   if (backend == "nccl") {
     if (gpus == 0) {

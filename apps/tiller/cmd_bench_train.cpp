@@ -80,7 +80,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), "bench", log::Level::kWarn);
   if (o.steps < 3) throw ConfigError("--steps: at least 3 (two warm-up steps are not timed)");
-  BenchComm bc = open_bench_comm(env, o.backend, o.timeout_s, "bench.train");
+  RankComm bc = open_rank_comm(env, o.backend, o.timeout_s, "bench.train");
   dist::Communicator& comm = bc.comm();
   const at::Device dev = bc.device;
 

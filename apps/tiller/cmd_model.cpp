@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -14,7 +15,9 @@
 
 #include "commands.h"
 #include "tiller/core/error.h"
+#include "tiller/core/deadline.h"
 #include "tiller/core/files.h"
+#include "tiller/engine/server.h"
 #include "tiller/model/chat_template.h"
 #include "tiller/model/generate.h"
 #include "tiller/model/tokenizer.h"
@@ -63,7 +66,46 @@ struct GenerateOptions {
   std::vector<int64_t> stop_ids;
   bool ignore_eos = false;
   int64_t batch_size = 16;
+  std::string engine, engine_token_file;  // generate on a running engine instead
+  double engine_timeout_s = 600;
 };
+
+// The same completions from a running engine (`tiller engine`): one stream, prompt i as request i
+// with seed + i, so a greedy or seeded run equals the reference's.
+std::vector<model::Completion> generate_on_engine(const GenerateOptions& o, const model::ModelConfig& cfg,
+                                                  const std::vector<std::vector<int64_t>>& ids) {
+  engine::ClientOptions co;
+  co.address = o.engine;
+  if (!o.engine_token_file.empty()) {
+    std::ifstream in(o.engine_token_file);
+    if (!in || !std::getline(in, co.token) || co.token.empty())
+      throw ConfigError(fmt::format("--engine-token-file {}: cannot read a token from its first line", o.engine_token_file));
+  } else if (const char* env = std::getenv("TILLER_ENGINE_TOKEN")) {
+    co.token = env;
+  }
+  engine::EngineClient client(co);
+  const engine::ServerHealth h = client.health();
+  if (h.vocab_size != cfg.vocab_size)
+    throw ConfigError(fmt::format("the engine at {} serves a model with vocab_size {}, --model {} has {}: not the same model",
+                                  o.engine, h.vocab_size, o.model, cfg.vocab_size));
+  std::vector<engine::Request> reqs;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    engine::Request r;
+    r.id = i;
+    r.prompt = ids[i];
+    r.params = o.sampling;
+    r.params.seed = o.sampling.seed + i;
+    reqs.push_back(std::move(r));
+  }
+  std::vector<model::Completion> out(ids.size());
+  for (auto& s : client.generate(reqs, Deadline::after_seconds(o.engine_timeout_s))) {
+    model::Completion& c = out.at(s.request_id);
+    c.tokens = std::move(s.tokens);
+    c.logprobs = std::move(s.logprobs);
+    c.finish_reason = s.finish_reason;
+  }
+  return out;
+}
 
 // eos ids from config.json, generation_config.json and the tokenizer.
 std::vector<int64_t> eos_ids(const std::string& dir, const model::ModelConfig& cfg, const model::Tokenizer& tok) {
@@ -141,9 +183,9 @@ std::vector<Prompt> read_prompts(const GenerateOptions& o, const model::Tokenize
 }
 
 int run_generate(GenerateOptions o) {
-  const at::Device device = parse_device(o.device);
-  const at::ScalarType dtype = parse_dtype(o.dtype);
-  model::LoadedModel m = model::load_model(o.model, model::Head::kLm, dtype, device);
+  model::LoadedModel m;
+  if (o.engine.empty()) m = model::load_model(o.model, model::Head::kLm, parse_dtype(o.dtype), parse_device(o.device));
+  else m.config = model::load_model_config(o.model);  // the engine holds the weights
   auto tok = model::load_tokenizer(o.tokenizer.empty() ? o.model : o.tokenizer);
   if (tok->vocab_size() > m.config.vocab_size)
     throw ConfigError(fmt::format("the tokenizer has {} tokens but the model's vocab_size is {}", tok->vocab_size(),
@@ -155,7 +197,8 @@ int run_generate(GenerateOptions o) {
   std::vector<std::vector<int64_t>> ids;
   for (const auto& p : prompts) ids.push_back(p.ids);
   const auto t0 = std::chrono::steady_clock::now();
-  const auto completions = model::generate(m.config, m.weights, ids, o.sampling, o.batch_size);
+  const auto completions = o.engine.empty() ? model::generate(m.config, m.weights, ids, o.sampling, o.batch_size)
+                                            : generate_on_engine(o, m.config, ids);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   std::FILE* out = stdout;
@@ -225,7 +268,8 @@ void add_model_commands(CLI::App& app, Runner& run) {
     run = [to] { return run_tokenize(*to); };
   });
 
-  auto* gen = app.add_subcommand("generate", "Sample from a checkpoint with the reference sampler; writes JSONL");
+  auto* gen = app.add_subcommand(
+      "generate", "Sample from a checkpoint with the reference sampler, or on a running engine (--engine); writes JSONL");
   auto go = std::make_shared<GenerateOptions>();
   gen->add_option("--model", go->model, "HF model directory (config.json + safetensors)")->required();
   gen->add_option("--prompts", go->prompts, "JSONL file, one prompt per line")->required();
@@ -246,6 +290,10 @@ void add_model_commands(CLI::App& app, Runner& run) {
   gen->add_option("--batch-size", go->batch_size, "Prompts per batch")->check(CLI::Range(1, 1 << 20));
   gen->add_option("--device", go->device, "cpu or cuda[:N]");
   gen->add_option("--dtype", go->dtype, "fp32, bf16 or fp16");
+  gen->add_option("--engine", go->engine, "host:port of a running `tiller engine` to generate on");
+  gen->add_option("--engine-token-file", go->engine_token_file,
+                  "File with the engine's shared secret (default: $TILLER_ENGINE_TOKEN)");
+  gen->add_option("--engine-timeout", go->engine_timeout_s, "Seconds the engine may take for all prompts");
   gen->callback([&run, go] { run = [go] { return run_generate(*go); }; });
 
   auto* init = app.add_subcommand("init-model", "Write a randomly initialised HF checkpoint of a preset shape");

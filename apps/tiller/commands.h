@@ -23,21 +23,23 @@ using Runner = std::function<int()>;
 // --dtype bf16 | fp16 | fp32; ConfigError otherwise.
 c10::ScalarType parse_dtype(const std::string& dtype);
 
-// The communicator a benchmark runs on: --backend auto (NCCL when this build and the node have
-// GPUs), nccl or mpi; under NCCL one GPU per rank by local rank. ConfigError names the cause.
-struct BenchComm {
+// The world communicator of a command (benchmarks, the engine's TP group): backend auto (NCCL
+// when this build and the node have GPUs), nccl or mpi; under NCCL one GPU per rank by local
+// rank. ConfigError names the cause.
+struct RankComm {
   std::unique_ptr<dist::Communicator> world;
   std::unique_ptr<dist::Communicator> nccl;
   c10::Device device = c10::kCPU;
   dist::Communicator& comm() const { return nccl ? *nccl : *world; }
 };
-BenchComm open_bench_comm(dist::MpiEnv& env, const std::string& backend, double timeout_s, const std::string& name);
+RankComm open_rank_comm(dist::MpiEnv& env, const std::string& backend, double timeout_s, const std::string& name);
 
 void add_plan_command(CLI::App& app, Runner& run);
 void add_config_command(CLI::App& app, Runner& run);
 void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_bench_forward(CLI::App* bench, Runner& run);
 void add_model_commands(CLI::App& app, Runner& run);
+void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_zero_commands(CLI::App& app, Runner& run);
 void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv);
 

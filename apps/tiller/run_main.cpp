@@ -18,6 +18,7 @@ int run_main(int argc, char** argv) {
     cli::add_config_command(app, run);
     cli::add_bench_command(app, run, argc, argv);
     cli::add_model_commands(app, run);
+    cli::add_engine_command(app, run, argc, argv);
     cli::add_zero_commands(app, run);
     try {
       app.parse(argc, argv);

@@ -1,0 +1,148 @@
+// tiller engine: one inference engine behind its gRPC service (under mpirun for --tp > 1).
+#include <pthread.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+#include "tiller/engine/engine.h"
+#include "tiller/engine/engine_weights.h"
+#include "tiller/engine/server.h"
+
+namespace tiller::cli {
+namespace {
+
+struct EngineCmdOptions {
+  std::string model, host = "0.0.0.0", device = "auto", dtype = "auto", token_file;
+  int port = 50051;
+  int tp = 1;
+  engine::EngineOptions engine;
+  bool no_chunked_prefill = false;
+  double timeout_s = 120;
+};
+
+std::string read_token(const std::string& file) {
+  if (file.empty()) {
+    const char* env = std::getenv("TILLER_ENGINE_TOKEN");
+    return env ? env : "";
+  }
+  std::ifstream in(file);
+  if (!in) throw ConfigError(fmt::format("--token-file {}: cannot read it", file));
+  std::string token;
+  std::getline(in, token);
+  if (token.empty()) throw ConfigError(fmt::format("--token-file {}: the first line is empty", file));
+  return token;
+}
+
+int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
+  // SIGINT/SIGTERM go to one waiting thread (below): block them before any thread starts.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  dist::MpiEnv env(argc, argv);
+  log::init(env.rank(), env.rank() == 0 ? "engine" : "engine.tp", log::Level::kInfo);
+  if (env.size() != o.tp)
+    throw ConfigError(fmt::format("--tp {} needs exactly {} ranks (mpirun -np {}); this job has {}", o.tp, o.tp, o.tp,
+                                  env.size()));
+  const int gpus = at::detail::getCUDAHooks().getNumGPUs();
+  RankComm rc;
+  if (o.tp > 1) {
+    rc = open_rank_comm(env, o.device == "cpu" ? "mpi" : "auto", o.timeout_s, "engine.tp");
+    o.engine.device = rc.device.str();
+  } else {
+    o.engine.device = o.device == "auto" ? (gpus > 0 ? "cuda:0" : "cpu") : o.device;
+  }
+  o.engine.dtype = o.dtype;
+  o.engine.limits.chunked_prefill = !o.no_chunked_prefill;
+  dist::Communicator* tp = o.tp > 1 ? &rc.comm() : nullptr;
+  if (tp) tp->set_timeout(o.timeout_s);
+  engine::EngineWeights w = engine::load_engine_weights(o.model, env.rank(), o.tp, o.dtype, o.engine.device);
+  engine::Engine eng(w.config, std::move(w.weights), o.engine, tp);
+  if (!eng.is_leader()) {
+    eng.follow();
+    return 0;
+  }
+  engine::ServerOptions so;
+  so.address = fmt::format("{}:{}", o.host, o.port);
+  so.token = read_token(o.token_file);
+  engine::EngineServer server(eng, so);
+  std::printf("%s\n", nlohmann::json{{"event", "serving"},
+                                     {"port", server.port()},
+                                     {"pid", static_cast<int64_t>(getpid())},
+                                     {"model", o.model},
+                                     {"tp", o.tp},
+                                     {"device", o.engine.device},
+                                     {"max_model_len", eng.max_model_len()},
+                                     {"kv_blocks", eng.stats().kv_blocks_total}}
+                          .dump()
+                          .c_str());
+  std::fflush(stdout);
+  std::atomic<bool> done{false};
+  std::thread waiter([&] {
+    const timespec tick{0, 200 * 1000 * 1000};
+    while (!done) {
+      if (sigtimedwait(&stop_signals, nullptr, &tick) > 0) {
+        log::info("engine: stopping on a signal");
+        server.shutdown();
+        return;
+      }
+    }
+  });
+  server.wait();
+  done = true;
+  waiter.join();
+  const std::string failure = server.error();
+  server.shutdown();
+  if (!failure.empty()) throw Error("the engine loop failed: " + failure);
+  const engine::EngineStats s = eng.stats();
+  log::info("engine: served {} requests, {} generated tokens in {} steps", s.requests_finished, s.generated_tokens,
+            s.steps);
+  return 0;
+}
+
+}  // namespace
+
+void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
+  auto* cmd = app.add_subcommand("engine", "Serve one inference engine over gRPC (mpirun -np N for --tp N)");
+  auto o = std::make_shared<EngineCmdOptions>();
+  cmd->add_option("--model", o->model, "HF model directory (config.json + safetensors)")->required();
+  cmd->add_option("--host", o->host, "Address to bind");
+  cmd->add_option("--port", o->port, "Port to bind (0: any free port; printed on stdout)")->check(CLI::Range(0, 65535));
+  cmd->add_option("--tp", o->tp, "Tensor-parallel size (the number of ranks)")->check(CLI::Range(1, 64));
+  cmd->add_option("--device", o->device, "auto, cpu or cuda[:N] (TP ranks take the GPU of their local rank)");
+  cmd->add_option("--dtype", o->dtype, "auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32");
+  cmd->add_option("--block-size", o->engine.block_size, "Tokens per KV block")->check(CLI::Range(1, 1024));
+  cmd->add_option("--num-blocks", o->engine.num_blocks, "KV blocks (default: from --kv-cache-gb or free memory)");
+  cmd->add_option("--kv-cache-gb", o->engine.kv_cache_gb, "KV cache size in GiB");
+  cmd->add_option("--gpu-memory-fraction", o->engine.gpu_memory_fraction,
+                  "Fraction of the free GPU memory (after the weights) for the KV cache")
+      ->check(CLI::Range(0.01, 0.99));
+  cmd->add_option("--max-num-seqs", o->engine.limits.max_num_seqs, "Sequences running at once")
+      ->check(CLI::Range(1, 1 << 16));
+  cmd->add_option("--max-batched-tokens", o->engine.limits.max_batched_tokens, "Tokens per step")
+      ->check(CLI::Range(1, 1 << 24));
+  cmd->add_flag("--no-chunked-prefill", o->no_chunked_prefill, "Prefill each prompt in one step");
+  cmd->add_option("--max-model-len", o->engine.max_model_len, "Prompt + new tokens at most (default: the config's)");
+  cmd->add_flag("!--no-cuda-graphs", o->engine.cuda_graphs, "Run decode steps eagerly");
+  cmd->add_option("--token-file", o->token_file,
+                  "File whose first line is the shared secret clients must send (default: $TILLER_ENGINE_TOKEN)");
+  cmd->add_option("--timeout", o->timeout_s, "TP: seconds a rank waits for the others before giving up");
+  cmd->callback([&run, o, &argc, &argv] { run = [o, &argc, &argv] { return run_engine(*o, &argc, &argv); }; });
+}
+
+}  // namespace tiller::cli
