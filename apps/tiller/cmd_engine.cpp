@@ -138,7 +138,6 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
       ->check(CLI::Range(1, 1 << 24));
   cmd->add_flag("--no-chunked-prefill", o->no_chunked_prefill, "Prefill each prompt in one step");
   cmd->add_option("--max-model-len", o->engine.max_model_len, "Prompt + new tokens at most (default: the config's)");
-  cmd->add_flag("!--no-cuda-graphs", o->engine.cuda_graphs, "Run decode steps eagerly");
   cmd->add_option("--token-file", o->token_file,
                   "File whose first line is the shared secret clients must send (default: $TILLER_ENGINE_TOKEN)");
   cmd->add_option("--timeout", o->timeout_s, "TP: seconds a rank waits for the others before giving up");

@@ -38,6 +38,7 @@ void add_plan_command(CLI::App& app, Runner& run);
 void add_config_command(CLI::App& app, Runner& run);
 void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_bench_forward(CLI::App* bench, Runner& run);
+void add_bench_generate(CLI::App* bench, Runner& run);
 void add_model_commands(CLI::App& app, Runner& run);
 void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_zero_commands(CLI::App& app, Runner& run);

@@ -6,3 +6,6 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 tiller_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 gpu_build=${TILLER_GPU_BUILD:-$tiller_root/build-gpu}
 python=${PYTHON:-python3}
+# Libraries unpacked from .deb files (scripts/gpu/build.sh): gRPC's own dependencies are found
+# through this path (a binary's RUNPATH covers only its direct dependencies).
+export LD_LIBRARY_PATH=$tiller_root/.gpu/prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

@@ -54,7 +54,6 @@ struct EngineOptions {
   double gpu_memory_fraction = 0.85;
   int64_t max_model_len = 0;    // prompt + new tokens; 0: the config's max_position_embeddings
   SchedulerLimits limits;
-  bool cuda_graphs = true;      // decode steps replay captured CUDA graphs (CUDA only)
 };
 
 struct Request {

@@ -1,0 +1,128 @@
+// tiller bench generate: the engine's generation throughput on a preset shape with random
+// weights (B prompts of P random tokens, N new tokens each, temperature-1 sampling, no stop
+// tokens), with the memory-bandwidth floor of a decode step. Prints JSON.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "tiller/core/error.h"
+#include "tiller/core/files.h"
+#include "tiller/engine/engine.h"
+#include "tiller/model/weights.h"
+
+namespace tiller::cli {
+namespace {
+
+struct GenBenchOptions {
+  std::string model = "qwen2-0.5b", device = "auto", dtype = "bf16", out;
+  int64_t batch = 64, prompt = 128, new_tokens = 256, block_size = 16;
+  double hbm_gbps = 4300;  // measured H200 copy bandwidth (DESIGN.md §7), for the floor
+};
+
+using Clock = std::chrono::steady_clock;
+
+int run_bench_generate(const GenBenchOptions& o) {
+  const int gpus = at::detail::getCUDAHooks().getNumGPUs();
+  const std::string device = o.device == "auto" ? (gpus > 0 ? "cuda:0" : "cpu") : o.device;
+  const at::ScalarType dtype = parse_dtype(o.dtype);
+  const model::ModelConfig cfg = model::preset(o.model);
+  model::NamedTensors named = model::init_weights(cfg, model::Head::kLm, 0, dtype, at::Device(device));
+  model::ModelWeights w = model::bind_weights(cfg, named, model::Head::kLm, o.model);
+  engine::EngineOptions eo;
+  eo.device = device;
+  eo.block_size = o.block_size;
+  eo.limits.max_num_seqs = o.batch;
+  eo.limits.max_batched_tokens = std::max<int64_t>(8192, o.prompt * std::min<int64_t>(o.batch, 64));
+  if (device == "cpu") eo.kv_cache_gb = 4;
+  engine::Engine e(cfg, std::move(w), eo);
+
+  std::mt19937_64 rng(1);
+  auto run = [&](int64_t batch, int64_t new_tokens, uint64_t first_id) {
+    for (int64_t i = 0; i < batch; ++i) {
+      engine::Request r;
+      r.id = first_id + static_cast<uint64_t>(i);
+      r.prompt.resize(static_cast<size_t>(o.prompt));
+      for (auto& t : r.prompt) t = static_cast<int64_t>(rng() % static_cast<uint64_t>(cfg.vocab_size));
+      r.params.temperature = 1.0;
+      r.params.seed = r.id;
+      r.params.max_new_tokens = new_tokens;
+      e.add(std::move(r));
+    }
+    std::vector<double> decode_ms;
+    double prefill_s = 0;
+    const auto t0 = Clock::now();
+    while (e.has_work()) {
+      const int64_t prompt_before = e.stats().prompt_tokens;
+      const auto s0 = Clock::now();
+      e.step();
+      const double dt = std::chrono::duration<double>(Clock::now() - s0).count();
+      if (e.stats().prompt_tokens != prompt_before) prefill_s += dt;
+      else decode_ms.push_back(dt * 1e3);
+    }
+    const double total = std::chrono::duration<double>(Clock::now() - t0).count();
+    return std::make_tuple(total, prefill_s, decode_ms);
+  };
+  run(std::min<int64_t>(o.batch, 8), 8, 1u << 30);  // warm-up: allocator, kernels
+  const auto steps_before = e.stats();
+  auto [total, prefill_s, decode_ms] = run(o.batch, o.new_tokens, 0);
+  const auto stats = e.stats();
+  std::sort(decode_ms.begin(), decode_ms.end());
+  double sum = 0;
+  for (double d : decode_ms) sum += d;
+  const double step_ms = decode_ms.empty() ? 0 : sum / static_cast<double>(decode_ms.size());
+  const double median_ms = decode_ms.empty() ? 0 : decode_ms[decode_ms.size() / 2];
+  // Floor of a decode step: every weight read once, plus the KV cache read at the mean context
+  // (the peer decode_peer.py counts its whole static cache, P + N).
+  const double weight_bytes = static_cast<double>(model::num_parameters(cfg)) * at::elementSize(dtype);
+  const double kv_per_token = 2.0 * static_cast<double>(cfg.num_layers * cfg.kv_size()) * at::elementSize(dtype);
+  const double mean_ctx = static_cast<double>(o.prompt) + static_cast<double>(o.new_tokens) / 2;
+  const double floor_ms = (weight_bytes + kv_per_token * mean_ctx * static_cast<double>(o.batch)) / (o.hbm_gbps * 1e9) * 1e3;
+  nlohmann::ordered_json j{{"bench", "tiller_generate"},
+                           {"model", o.model},
+                           {"device", device},
+                           {"dtype", o.dtype},
+                           {"batch", o.batch},
+                           {"prompt", o.prompt},
+                           {"new_tokens", o.new_tokens},
+                           {"total_s", total},
+                           {"prefill_s", prefill_s},
+                           {"tokens_per_s", static_cast<double>(o.batch * o.new_tokens) / total},
+                           {"decode_steps", decode_ms.size()},
+                           {"step_ms", step_ms},
+                           {"step_ms_median", median_ms},
+                           {"decode_tokens_per_s", step_ms > 0 ? static_cast<double>(o.batch) / step_ms * 1e3 : 0},
+                           {"floor_step_ms", floor_ms},
+                           {"x_floor", floor_ms > 0 ? step_ms / floor_ms : 0},
+                           {"preemptions", stats.preemptions - steps_before.preemptions},
+                           {"kv_blocks", stats.kv_blocks_total}};
+  const std::string text = j.dump();
+  std::printf("%s\n", text.c_str());
+  if (!o.out.empty()) write_file_atomic(o.out, text + "\n");
+  return 0;
+}
+
+}  // namespace
+
+void add_bench_generate(CLI::App* bench, Runner& run) {
+  auto* g = bench->add_subcommand("generate", "Engine generation throughput on a preset shape (random weights)");
+  auto o = std::make_shared<GenBenchOptions>();
+  g->add_option("--model", o->model, "Preset shape: qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny-*");
+  g->add_option("--batch", o->batch, "Prompts (all submitted at once)")->check(CLI::Range(1, 1 << 16));
+  g->add_option("--prompt-len", o->prompt, "Tokens per prompt")->check(CLI::Range(1, 1 << 20));
+  g->add_option("--new-tokens", o->new_tokens, "Tokens generated per prompt")->check(CLI::Range(1, 1 << 20));
+  g->add_option("--block-size", o->block_size, "KV block size")->check(CLI::Range(1, 1024));
+  g->add_option("--device", o->device, "auto, cpu or cuda[:N]");
+  g->add_option("--dtype", o->dtype, "bf16, fp16 or fp32");
+  g->add_option("--hbm-gbps", o->hbm_gbps, "Memory bandwidth for the floor, GB/s");
+  g->add_option("--out", o->out, "Also write the JSON here");
+  g->callback([&run, o] { run = [o] { return run_bench_generate(*o); }; });
+}
+
+}  // namespace tiller::cli
