@@ -18,6 +18,10 @@ if ! $python -c 'import sentencepiece' 2>/dev/null && compgen -G "$tiller_root/.
   $python -m pip install -q --no-index --find-links "$tiller_root/.gpu/wheels" sentencepiece
 fi
 
+# gRPC's CMake config links RE2 by its bare name (-lre2, from pkg-config): the linker finds it
+# in the unpacked prefix through LIBRARY_PATH.
+export LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}
+
 torch_prefix=$($python -c 'import torch; print(torch.utils.cmake_prefix_path)')
 nccl_root=$($python -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
 echo "gpu build: torch $($python -c 'import torch; print(torch.__version__, torch.version.cuda)'), nccl at ${nccl_root:-system}"
