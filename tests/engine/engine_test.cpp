@@ -2,6 +2,9 @@
 // load: shared prompts, preemption, concurrency, aborts and bad requests.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <map>
 #include <random>
 
@@ -269,6 +272,49 @@ TEST(Engine, InvalidRequestsAreRefusedAndTheEngineKeepsServing) {
   refused({1, {3}, ok, 1}, "already in use");
   auto out = run_all(e);
   EXPECT_EQ(out.at({1, 0}).tokens.size(), 4u);
+}
+
+// On a GPU in bf16 (flash attention for prefill, the paged cache for decode): the engine's
+// log-probs of its sampled tokens against the trainer's forward of the same tokens, also in bf16.
+// Reports the distribution of the differences.
+TEST(EngineGpu, SampledLogprobsAgainstTheTrainerInBf16) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  model::ModelConfig cfg = model::preset("qwen2-0.5b");
+  cfg.num_layers = 4;  // the real widths, fewer layers
+  model::NamedTensors named = model::init_weights(cfg, model::Head::kLm, 2, at::kBFloat16, at::Device("cuda:0"));
+  const model::ModelWeights w = model::bind_weights(cfg, named, model::Head::kLm, "qwen2-0.5b/4");
+  EngineOptions o;
+  o.device = "cuda:0";
+  o.num_blocks = 2048;
+  o.limits.max_batched_tokens = 512;
+  Engine e(cfg, w, o);
+  const auto ps = prompts(16, 31, cfg.vocab_size, 200);
+  SamplingParams p;
+  p.temperature = 1.0;
+  p.seed = 5;
+  p.max_new_tokens = 64;
+  for (size_t i = 0; i < ps.size(); ++i) e.add({i, ps[i], p, 2});
+  auto out = run_all(e);
+  ASSERT_EQ(out.size(), 2 * ps.size());
+  std::vector<double> diffs;
+  c10::AutoGradMode no_grad(false);
+  for (const auto& [key, o2] : out) {
+    std::vector<int64_t> seq = ps[key.first];
+    seq.insert(seq.end(), o2.tokens.begin(), o2.tokens.end());
+    at::Tensor h = model::forward_hidden(cfg, w, model::PackedBatch::pack({seq}, at::Device("cuda:0")));
+    const auto np = static_cast<int64_t>(ps[key.first].size()), ng = static_cast<int64_t>(o2.tokens.size());
+    at::Tensor lp = model::token_logprobs(h.narrow(0, np - 1, ng), w.lm_head,
+                                          at::tensor(o2.tokens, at::kLong).to(at::Device("cuda:0")), 1.0).cpu();
+    for (int64_t j = 0; j < ng; ++j) diffs.push_back(std::abs(o2.logprobs[j] - lp[j].item<double>()));
+  }
+  std::sort(diffs.begin(), diffs.end());
+  double mean = 0;
+  for (double d : diffs) mean += d / static_cast<double>(diffs.size());
+  auto q = [&](double f) { return diffs[static_cast<size_t>(f * static_cast<double>(diffs.size() - 1))]; };
+  std::printf("engine vs trainer log-probs, bf16, %zu tokens: mean %.4f, p50 %.4f, p90 %.4f, p99 %.4f, max %.4f\n",
+              diffs.size(), mean, q(0.5), q(0.9), q(0.99), diffs.back());
+  EXPECT_LT(q(0.99), 0.1);
+  EXPECT_LT(mean, 0.02);
 }
 
 }  // namespace
