@@ -1,8 +1,8 @@
 // Tensor-parallel engine: TP = 2 gives what TP = 1 gives. Ranks pair up (0-1, 2-3, ...); in each
-// pair the leader takes requests and the follower runs its steps. MPI backend on CPU in fp32;
-// NCCL on GPUs in bf16.
-#include <cmath>
-#include <cstdio>
+// pair the leader takes requests and the follower runs its steps. fp32 on both backends (MPI on
+// CPU, NCCL on GPUs), so that any difference is the tensor parallelism's, not bf16 rounding's:
+// in bf16 the partial sums of the row-parallel layers round differently from the whole sums, and
+// near-ties then flip tokens (measured in docs/engine.md).
 #include <map>
 
 #include <ATen/ATen.h>
@@ -23,7 +23,7 @@ TEST(EngineTp, TwoRanksGiveWhatOneGives) {
   if (comm().size() < 2) GTEST_SKIP() << "needs 2 ranks";
   model::ModelConfig cfg = model::preset("tiny-qwen2");
   cfg.initializer_range = 0.25;
-  const at::ScalarType dtype = device().is_cuda() ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType dtype = at::kFloat;
   model::NamedTensors named = model::init_weights(cfg, model::Head::kLm, 3, at::kFloat);
   for (auto& [n, t] : named) t = t.to(device(), dtype);
   const model::ModelWeights full = model::bind_weights(cfg, named, model::Head::kLm, "tiny-qwen2");
@@ -61,34 +61,13 @@ TEST(EngineTp, TwoRanksGiveWhatOneGives) {
   }
   e.shutdown();
   ASSERT_EQ(got.size(), want.size());
-  if (!device().is_cuda()) {  // fp32: the same tokens and log-probs
-    for (const auto& [key, w] : want) {
-      const auto& g = got.at(key);
-      EXPECT_EQ(g.tokens, w.tokens) << "request " << key.first << " sample " << key.second;
-      for (size_t j = 0; j < std::min(g.logprobs.size(), w.logprobs.size()); ++j)
-        EXPECT_NEAR(g.logprobs[j], w.logprobs[j], 1e-5) << "request " << key.first << " token " << j;
-    }
-    return;
-  }
-  // bf16: the row-parallel partial sums round differently, so a near-tie can flip a token and
-  // the sequences part from there. Until they part, tokens and log-probs agree; the first token
-  // of every sample comes from identical prompts and must agree.
-  size_t same = 0, compared = 0, whole = 0;
-  double worst = 0;
+  const double tol = device().is_cuda() ? 1e-3 : 1e-5;  // cuBLAS and NCCL sum in other orders
   for (const auto& [key, w] : want) {
     const auto& g = got.at(key);
-    EXPECT_EQ(g.tokens.at(0), w.tokens.at(0)) << "request " << key.first << " sample " << key.second;
-    size_t j = 0;
-    for (; j < std::min(g.tokens.size(), w.tokens.size()) && g.tokens[j] == w.tokens[j]; ++j)
-      worst = std::max(worst, static_cast<double>(std::abs(g.logprobs[j] - w.logprobs[j])));
-    same += j;
-    compared += w.tokens.size();
-    whole += j == w.tokens.size();
+    EXPECT_EQ(g.tokens, w.tokens) << "request " << key.first << " sample " << key.second;
+    for (size_t j = 0; j < std::min(g.logprobs.size(), w.logprobs.size()); ++j)
+      EXPECT_NEAR(g.logprobs[j], w.logprobs[j], tol) << "request " << key.first << " token " << j;
   }
-  std::printf("engine TP=2 vs TP=1 (bf16): %zu of %zu samples identical, %zu of %zu tokens before parting, "
-              "max |log-prob diff| there %.4f\n", whole, want.size(), same, compared, worst);
-  EXPECT_LT(worst, 0.1);
-  EXPECT_GE(2 * same, compared) << "TP=2 parts from TP=1 early: more than rounding";
 }
 
 }  // namespace
