@@ -59,11 +59,10 @@ int run_bench_generate(const GenBenchOptions& o) {
     double prefill_s = 0;
     const auto t0 = Clock::now();
     while (e.has_work()) {
-      const int64_t prompt_before = e.stats().prompt_tokens;
       const auto s0 = Clock::now();
       e.step();
       const double dt = std::chrono::duration<double>(Clock::now() - s0).count();
-      if (e.stats().prompt_tokens != prompt_before) prefill_s += dt;
+      if (e.stats().last_step_prefill_tokens > 0) prefill_s += dt;
       else decode_ms.push_back(dt * 1e3);
     }
     const double total = std::chrono::duration<double>(Clock::now() - t0).count();

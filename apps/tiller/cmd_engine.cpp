@@ -33,19 +33,6 @@ struct EngineCmdOptions {
   double timeout_s = 120;
 };
 
-std::string read_token(const std::string& file) {
-  if (file.empty()) {
-    const char* env = std::getenv("TILLER_ENGINE_TOKEN");
-    return env ? env : "";
-  }
-  std::ifstream in(file);
-  if (!in) throw ConfigError(fmt::format("--token-file {}: cannot read it", file));
-  std::string token;
-  std::getline(in, token);
-  if (token.empty()) throw ConfigError(fmt::format("--token-file {}: the first line is empty", file));
-  return token;
-}
-
 int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
   // SIGINT/SIGTERM go to one waiting thread (below): block them before any thread starts.
   sigset_t stop_signals;
@@ -79,7 +66,7 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
   }
   engine::ServerOptions so;
   so.address = fmt::format("{}:{}", o.host, o.port);
-  so.token = read_token(o.token_file);
+  so.token = read_engine_token(o.token_file, "--token-file");
   engine::EngineServer server(eng, so);
   std::printf("%s\n", nlohmann::json{{"event", "serving"},
                                      {"port", server.port()},
@@ -116,6 +103,18 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
 }
 
 }  // namespace
+
+std::string read_engine_token(const std::string& file, const char* flag) {
+  if (file.empty()) {
+    const char* env = std::getenv("TILLER_ENGINE_TOKEN");
+    return env ? env : "";
+  }
+  std::ifstream in(file);
+  std::string token;
+  if (!in || !std::getline(in, token) || token.empty())
+    throw ConfigError(fmt::format("{} {}: cannot read a token from its first line", flag, file));
+  return token;
+}
 
 void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   auto* cmd = app.add_subcommand("engine", "Serve one inference engine over gRPC (mpirun -np N for --tp N)");

@@ -2,7 +2,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -76,13 +75,7 @@ std::vector<model::Completion> generate_on_engine(const GenerateOptions& o, cons
                                                   const std::vector<std::vector<int64_t>>& ids) {
   engine::ClientOptions co;
   co.address = o.engine;
-  if (!o.engine_token_file.empty()) {
-    std::ifstream in(o.engine_token_file);
-    if (!in || !std::getline(in, co.token) || co.token.empty())
-      throw ConfigError(fmt::format("--engine-token-file {}: cannot read a token from its first line", o.engine_token_file));
-  } else if (const char* env = std::getenv("TILLER_ENGINE_TOKEN")) {
-    co.token = env;
-  }
+  co.token = read_engine_token(o.engine_token_file, "--engine-token-file");
   engine::EngineClient client(co);
   const engine::ServerHealth h = client.health();
   if (h.vocab_size != cfg.vocab_size)

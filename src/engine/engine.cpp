@@ -319,10 +319,12 @@ std::vector<SampleOutput> Engine::step() {
   }
   m.broadcast(Message::kStep, b.encode());
   const ModelRunner::Sampled drawn = m.runner->run(b, /*sample=*/true);
+  m.stats.last_step_prefill_tokens = 0;
   for (const auto& c : plan.chunks) {
     Sequence& s = m.seqs.at(c.id);
+    const bool decode = c.count == 1 && c.start >= s.prompt_len;
+    if (!decode) m.stats.last_step_prefill_tokens += c.count;
     s.num_computed += c.count;
-    if (c.start == 0 && s.preemptions == 0) m.stats.prompt_tokens += std::min(c.count, s.prompt_len);
   }
   // Forks first: they copy the parent's tokens before the parent's own draw is appended.
   std::vector<int64_t> sampled;
@@ -346,6 +348,7 @@ std::vector<SampleOutput> Engine::step() {
   for (size_t i = 0; i < draws.size(); ++i) {
     if (draws[i].fork != 0) continue;
     Sequence& s = m.seqs.at(draws[i].seq);
+    if (static_cast<int64_t>(s.tokens.size()) == s.prompt_len) m.stats.prompt_tokens += s.prompt_len;  // once a prompt
     s.pending_forks = 0;
     s.tokens.push_back(drawn.tokens[i]);
     s.logprobs.push_back(drawn.logprobs[i]);

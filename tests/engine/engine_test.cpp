@@ -214,6 +214,12 @@ TEST(Engine, ManyConcurrentRequestsOfMixedLengthsAllComplete) {
   EXPECT_EQ(s.kv_blocks_free, s.kv_blocks_total);
   EXPECT_EQ(s.running + s.waiting, 0);
   EXPECT_EQ(s.requests_finished, 50);
+  int64_t prompt_tokens = 0;
+  for (const auto& p : ps) prompt_tokens += static_cast<int64_t>(p.size());
+  EXPECT_EQ(s.prompt_tokens, prompt_tokens);
+  int64_t generated = 0;
+  for (const auto& [key, r] : out) generated += static_cast<int64_t>(r.tokens.size());
+  EXPECT_EQ(s.generated_tokens, generated);
 }
 
 TEST(Engine, AbortEndsEverySampleOfTheRequest) {

@@ -76,7 +76,10 @@ struct SampleOutput {
 struct EngineStats {
   int64_t running = 0, waiting = 0;           // sequences
   int64_t kv_blocks_total = 0, kv_blocks_free = 0;
-  int64_t steps = 0, prompt_tokens = 0, generated_tokens = 0, preemptions = 0;
+  int64_t steps = 0;
+  int64_t prompt_tokens = 0;     // prompts prefilled (each once, however often recomputed)
+  int64_t generated_tokens = 0, preemptions = 0;
+  int64_t last_step_prefill_tokens = 0;  // tokens of the latest step that were not decodes
   int64_t requests_finished = 0;
   double seconds_in_steps = 0;                // wall time inside step()
 };
