@@ -34,7 +34,8 @@ def generate(name, extra):
     subprocess.run([tiller, "generate", "--model", str(model), "--prompts", str(prompts), "--input-key", "question",
                     "--chat-template", "auto", "--max-new-tokens", "12", "--out", str(out)] + extra,
                    check=True, timeout=300)
-    return [json.loads(l) for l in out.read_text(encoding="utf-8").splitlines()]
+    # "\n" only: splitlines() also splits at U+0085 and U+2028, which JSON strings hold raw.
+    return [json.loads(l) for l in out.read_text(encoding="utf-8").split("\n") if l]
 
 
 def start_engine(launcher, tp):

@@ -40,7 +40,7 @@ out_file = scratch / "out.jsonl"
 subprocess.run([tiller, "generate", "--model", str(fixtures / "models" / "qwen2-chat"), "--prompts", str(prompts),
                 "--input-key", "question", "--chat-template", "auto", "--greedy", "--max-new-tokens", "10",
                 "--batch-size", "2", "--out", str(out_file)], check=True)
-rows = [json.loads(l) for l in out_file.read_text(encoding="utf-8").splitlines()]
+rows = [json.loads(l) for l in out_file.read_text(encoding="utf-8").split("\n") if l]
 check(len(rows) == len(ref["prompts"]), f"generate wrote {len(rows)} rows")
 for i, row in enumerate(rows):
     check(row["prompt_ids"] == ref["prompt_ids"][i], f"prompt {i}: chat template + tokenizer give HF's prompt ids")
