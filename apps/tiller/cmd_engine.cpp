@@ -54,7 +54,6 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
   } else {
     o.engine.device = o.device == "auto" ? (gpus > 0 ? "cuda:0" : "cpu") : o.device;
   }
-  o.engine.dtype = o.dtype;
   o.engine.limits.chunked_prefill = !o.no_chunked_prefill;
   dist::Communicator* tp = o.tp > 1 ? &rc.comm() : nullptr;
   if (tp) tp->set_timeout(o.timeout_s);

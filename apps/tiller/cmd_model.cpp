@@ -281,8 +281,8 @@ void add_model_commands(CLI::App& app, Runner& run) {
   gen->add_option("--stop-token-ids", go->stop_ids, "Extra stop tokens")->delimiter(',');
   gen->add_flag("--ignore-eos", go->ignore_eos, "Do not stop at the model's eos tokens");
   gen->add_option("--batch-size", go->batch_size, "Prompts per batch")->check(CLI::Range(1, 1 << 20));
-  gen->add_option("--device", go->device, "cpu or cuda[:N]");
-  gen->add_option("--dtype", go->dtype, "fp32, bf16 or fp16");
+  gen->add_option("--device", go->device, "cpu or cuda[:N] (not with --engine: the engine has its own)");
+  gen->add_option("--dtype", go->dtype, "fp32, bf16 or fp16 (not with --engine)");
   gen->add_option("--engine", go->engine, "host:port of a running `tiller engine` to generate on");
   gen->add_option("--engine-token-file", go->engine_token_file,
                   "File with the engine's shared secret (default: $TILLER_ENGINE_TOKEN)");

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include "model/host_upload.h"
 #include "tiller/core/error.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/model/sampling.h"
@@ -13,15 +14,6 @@
 
 namespace tiller::engine {
 namespace {
-
-// Host int64 words -> one device tensor, through pinned memory on CUDA so the copy does not
-// synchronise the host with the stream.
-at::Tensor upload(const std::vector<int64_t>& host, at::Device device) {
-  at::Tensor t = at::empty({static_cast<int64_t>(host.size())},
-                           at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
-  std::copy(host.begin(), host.end(), t.data_ptr<int64_t>());
-  return device.is_cpu() ? t : t.to(device, /*non_blocking=*/true);
-}
 
 // The step's view of the paged cache for model::block_forward.
 class PagedKv : public model::KvCache {
@@ -123,7 +115,7 @@ ModelRunner::Sampled ModelRunner::run(const StepBatch& b, bool sample) {
   words.insert(words.end(), b.sample_rows.begin(), b.sample_rows.end());
   words.insert(words.end(), cu_q.begin(), cu_q.end());
   words.insert(words.end(), cu_k.begin(), cu_k.end());
-  at::Tensor dev = upload(words, device_);
+  at::Tensor dev = model::upload(words, device_);
   int64_t at_word = 0;
   auto take = [&](int64_t len) {
     at::Tensor v = dev.narrow(0, at_word, len);

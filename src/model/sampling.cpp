@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include "model/host_upload.h"
 #include "tiller/core/error.h"
 
 namespace tiller::model {
@@ -14,14 +15,6 @@ uint64_t splitmix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
-}
-
-// Host floats -> device tensor [rows, n] without a synchronising pageable copy on CUDA.
-at::Tensor upload(const std::vector<float>& host, int64_t rows, at::Device device) {
-  at::Tensor t = at::empty({rows, static_cast<int64_t>(host.size()) / rows},
-                           at::TensorOptions().dtype(at::kFloat).pinned_memory(device.is_cuda()));
-  std::copy(host.begin(), host.end(), t.data_ptr<float>());
-  return device.is_cpu() ? t : t.to(device, /*non_blocking=*/true);
 }
 
 }  // namespace
@@ -84,7 +77,7 @@ SampledTokens sample_tokens(const at::Tensor& logits, const SamplingRows& rows) 
     out.logprobs = logits.gather(1, greedy_tokens.unsqueeze(1)).squeeze(1) - at::logsumexp(logits, {1});
     return out;
   }
-  at::Tensor params = upload(host, 6, logits.device());
+  at::Tensor params = upload(host, logits.device()).view({6, b});
   at::Tensor z = logits / params[0].unsqueeze(1);
   at::Tensor logp = at::log_softmax(z, 1);
   at::Tensor probs = logp.exp();

@@ -44,8 +44,7 @@ class InvalidRequest : public Error {
 };
 
 struct EngineOptions {
-  std::string device = "cpu";   // "cpu" or "cuda:N"
-  std::string dtype = "auto";   // bf16 | fp16 | fp32; auto: bf16 on CUDA, fp32 on CPU
+  std::string device = "cpu";   // "cpu" or "cuda:N"; the weights must be there (their dtype is the engine's)
   int64_t block_size = 16;      // tokens per KV block
   // KV cache size: num_blocks when > 0, else kv_cache_gb when > 0, else (CUDA) this fraction of
   // the memory free after the weights are loaded, or (CPU) 1 GiB.

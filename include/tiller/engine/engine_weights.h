@@ -10,7 +10,8 @@ namespace tiller::engine {
 
 // Loads an HF checkpoint directory for an engine: this rank's tensor-parallel slice of every
 // parameter (q/k/v, gate/up and their biases by output rows; o_proj and down_proj by input
-// columns; norms, embedding and LM head whole), in `dtype` (see EngineOptions) on `device`.
+// columns; norms, embedding and LM head whole), in `dtype` (auto: bf16 on CUDA, fp32 on CPU;
+// bf16, fp16, fp32) on `device`.
 // Throws ConfigError when the heads or the MLP width do not divide by tp_size.
 struct EngineWeights {
   model::ModelConfig config;       // the checkpoint's (global) config

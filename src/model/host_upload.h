@@ -1,0 +1,22 @@
+// Host vectors to device tensors without stalling the host: on CUDA the data goes through pinned
+// memory and a non-blocking copy (a copy from pageable memory synchronises the host with the
+// stream first). Shared by the sampler and the engine's model runner; internal to tiller.
+#pragma once
+
+#include <algorithm>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace tiller::model {
+
+// A 1-D tensor of `host`'s values on `device` (dtype from T: float -> fp32, int64_t -> int64).
+template <typename T>
+at::Tensor upload(const std::vector<T>& host, at::Device device) {
+  at::Tensor t = at::empty({static_cast<int64_t>(host.size())},
+                           at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value).pinned_memory(device.is_cuda()));
+  std::copy(host.begin(), host.end(), t.data_ptr<T>());
+  return device.is_cpu() ? t : t.to(device, /*non_blocking=*/true);
+}
+
+}  // namespace tiller::model
