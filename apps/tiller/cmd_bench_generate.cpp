@@ -1,9 +1,11 @@
 // tiller bench generate: the engine's generation throughput on a preset shape with random
 // weights (B prompts of P random tokens, N new tokens each, temperature-1 sampling, no stop
-// tokens), with the memory-bandwidth floor of a decode step. Prints JSON.
+// tokens), with the memory-bandwidth floor of a decode step. Prints JSON. With --profile, a
+// separate short run afterwards records a Chrome trace of --profile-steps decode steps.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <random>
 
 #include <ATen/ATen.h>
@@ -12,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "step_profiler.h"
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
 #include "tiller/engine/engine.h"
@@ -24,6 +27,9 @@ struct GenBenchOptions {
   std::string model = "qwen2-0.5b", device = "auto", dtype = "bf16", out;
   int64_t batch = 64, prompt = 128, new_tokens = 256, block_size = 16;
   double hbm_gbps = 4300;  // measured H200 copy bandwidth (DESIGN.md §7), for the floor
+  bool no_cuda_graphs = false;
+  std::string profile;
+  int64_t profile_steps = 5;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -41,6 +47,7 @@ int run_bench_generate(const GenBenchOptions& o) {
   eo.limits.max_num_seqs = o.batch;
   eo.limits.max_batched_tokens = std::max<int64_t>(8192, o.prompt * std::min<int64_t>(o.batch, 64));
   if (device == "cpu") eo.kv_cache_gb = 4;
+  eo.cuda_graphs = !o.no_cuda_graphs;
   engine::Engine e(cfg, std::move(w), eo);
 
   std::mt19937_64 rng(1);
@@ -68,7 +75,7 @@ int run_bench_generate(const GenBenchOptions& o) {
     const double total = std::chrono::duration<double>(Clock::now() - t0).count();
     return std::make_tuple(total, prefill_s, decode_ms);
   };
-  run(std::min<int64_t>(o.batch, 8), 8, 1u << 30);  // warm-up: allocator, kernels
+  run(o.batch, 4, 1u << 30);  // warm-up: allocator, kernels, the CUDA graph of this batch size
   const auto steps_before = e.stats();
   auto [total, prefill_s, decode_ms] = run(o.batch, o.new_tokens, 0);
   const auto stats = e.stats();
@@ -99,8 +106,36 @@ int run_bench_generate(const GenBenchOptions& o) {
                            {"decode_tokens_per_s", step_ms > 0 ? static_cast<double>(o.batch) / step_ms * 1e3 : 0},
                            {"floor_step_ms", floor_ms},
                            {"x_floor", floor_ms > 0 ? step_ms / floor_ms : 0},
+                           {"paged_decode", e.paged_decode()},
+                           {"cuda_graphs", e.cuda_graphs()},
                            {"preemptions", stats.preemptions - steps_before.preemptions},
                            {"kv_blocks", stats.kv_blocks_total}};
+  if (!o.profile.empty()) {  // the same batch again, a few decode steps under the profiler
+    std::mt19937_64 prof_rng(2);
+    for (int64_t i = 0; i < o.batch; ++i) {
+      engine::Request r;
+      r.id = (2ull << 30) + static_cast<uint64_t>(i);
+      r.prompt.resize(static_cast<size_t>(o.prompt));
+      for (auto& t : r.prompt) t = static_cast<int64_t>(prof_rng() % static_cast<uint64_t>(cfg.vocab_size));
+      r.params.temperature = 1.0;
+      r.params.seed = r.id;
+      r.params.max_new_tokens = 8 + o.profile_steps;
+      e.add(std::move(r));
+    }
+    int64_t decodes = 0;
+    std::unique_ptr<StepProfiler> prof;
+    while (e.has_work()) {
+      if (decodes == 4 && !prof) prof = std::make_unique<StepProfiler>(true);
+      e.step();
+      if (e.stats().last_step_prefill_tokens == 0) ++decodes;
+      if (prof && decodes == 4 + o.profile_steps) {
+        prof->save(o.profile);
+        prof.reset();
+      }
+    }
+    j["profile"] = o.profile;
+    j["profile_steps"] = o.profile_steps;
+  }
   const std::string text = j.dump();
   std::printf("%s\n", text.c_str());
   if (!o.out.empty()) write_file_atomic(o.out, text + "\n");
@@ -121,6 +156,9 @@ void add_bench_generate(CLI::App* bench, Runner& run) {
   g->add_option("--dtype", o->dtype, "bf16, fp16 or fp32");
   g->add_option("--hbm-gbps", o->hbm_gbps, "Memory bandwidth for the floor, GB/s");
   g->add_option("--out", o->out, "Also write the JSON here");
+  g->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "Run decode steps eagerly");
+  g->add_option("--profile", o->profile, "Write a Chrome trace of --profile-steps decode steps here");
+  g->add_option("--profile-steps", o->profile_steps, "Decode steps in the trace")->check(CLI::Range(1, 100));
   g->callback([&run, o] { run = [o] { return run_bench_generate(*o); }; });
 }
 

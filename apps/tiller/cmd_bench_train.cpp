@@ -13,14 +13,13 @@
 #include <cstdio>
 #include <fstream>
 
-#include <torch/csrc/autograd/profiler_kineto.h>
-
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "step_profiler.h"
 #include "model/torch_compat.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
@@ -43,29 +42,6 @@ struct TrainBenchOptions {
   int64_t chunk_rows = 2048;
   std::string out;
   std::string profile;  // Chrome trace of rank 0's last step
-};
-
-// Kineto (the engine of torch.profiler) around one step: CPU ops and CUDA kernels.
-class StepProfiler {
- public:
-  explicit StepProfiler(bool on) : on_(on) {
-    if (!on_) return;
-    namespace p = torch::profiler::impl;
-    const p::ProfilerConfig cfg(p::ProfilerState::KINETO);
-    const std::set<p::ActivityType> acts{p::ActivityType::CPU, p::ActivityType::CUDA};
-    torch::autograd::profiler::prepareProfiler(cfg, acts);
-    torch::autograd::profiler::enableProfiler(cfg, acts);
-  }
-  void save(const std::string& path) {
-    if (on_) torch::autograd::profiler::disableProfiler()->save(path);
-    on_ = false;
-  }
-  ~StepProfiler() {
-    if (on_) torch::autograd::profiler::disableProfiler();
-  }
-
- private:
-  bool on_;
 };
 
 using Clock = std::chrono::steady_clock;

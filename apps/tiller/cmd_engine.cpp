@@ -30,6 +30,7 @@ struct EngineCmdOptions {
   int tp = 1;
   engine::EngineOptions engine;
   bool no_chunked_prefill = false;
+  bool no_cuda_graphs = false;
   double timeout_s = 120;
 };
 
@@ -55,6 +56,7 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
     o.engine.device = o.device == "auto" ? (gpus > 0 ? "cuda:0" : "cpu") : o.device;
   }
   o.engine.limits.chunked_prefill = !o.no_chunked_prefill;
+  o.engine.cuda_graphs = !o.no_cuda_graphs;
   dist::Communicator* tp = o.tp > 1 ? &rc.comm() : nullptr;
   if (tp) tp->set_timeout(o.timeout_s);
   engine::EngineWeights w = engine::load_engine_weights(o.model, env.rank(), o.tp, o.dtype, o.engine.device);
@@ -135,6 +137,10 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   cmd->add_option("--max-batched-tokens", o->engine.limits.max_batched_tokens, "Tokens per step")
       ->check(CLI::Range(1, 1 << 24));
   cmd->add_flag("--no-chunked-prefill", o->no_chunked_prefill, "Prefill each prompt in one step");
+  cmd->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "Run decode steps eagerly (no CUDA graphs)");
+  cmd->add_option("--max-graph-batch", o->engine.max_graph_batch,
+                  "Largest decode batch replayed from a CUDA graph (default: max-num-seqs, at most 512)")
+      ->check(CLI::Range(1, 1 << 16));
   cmd->add_option("--max-model-len", o->engine.max_model_len, "Prompt + new tokens at most (default: the config's)");
   cmd->add_option("--token-file", o->token_file,
                   "File whose first line is the shared secret clients must send (default: $TILLER_ENGINE_TOKEN)");

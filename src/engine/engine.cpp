@@ -179,12 +179,20 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
     tp->all_reduce(b, dist::ReduceOp::kMin)->wait();
     blocks = b.item<int64_t>();
   }
-  m.runner->allocate_cache(blocks);
-  m.kv = std::make_unique<KvBlockManager>(blocks, opts.block_size);
   m.max_model_len = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
+  ModelRunner::CacheOptions cache;
+  cache.num_blocks = blocks;
+  cache.max_model_len = m.max_model_len;
+  cache.cuda_graphs = opts.cuda_graphs;
+  cache.max_graph_batch =
+      opts.max_graph_batch > 0 ? opts.max_graph_batch : std::min<int64_t>(opts.limits.max_num_seqs, 512);
+  m.runner->allocate_cache(cache);
+  m.kv = std::make_unique<KvBlockManager>(blocks, opts.block_size);
   m.stats.kv_blocks_total = blocks;
-  log::info("engine: {} KV blocks of {} tokens ({:.2f} GiB), max_model_len {}, tp {}", blocks, opts.block_size,
-                  static_cast<double>(blocks * m.runner->block_bytes()) / (1ull << 30), m.max_model_len, tp_size);
+  log::info("engine: {} KV blocks of {} tokens ({:.2f} GiB), max_model_len {}, tp {}, decode: {}{}", blocks,
+            opts.block_size, static_cast<double>(blocks * m.runner->block_bytes()) / (1ull << 30), m.max_model_len,
+            tp_size, m.runner->paged_decode() ? "paged kernel" : "gathered context",
+            m.runner->cuda_graphs() ? fmt::format(", CUDA graphs up to batch {}", cache.max_graph_batch) : "");
 }
 
 Engine::~Engine() {
@@ -198,6 +206,8 @@ Engine::~Engine() {
 const model::ModelConfig& Engine::config() const { return impl_->cfg; }
 const EngineOptions& Engine::options() const { return impl_->opts; }
 int64_t Engine::max_model_len() const { return impl_->max_model_len; }
+bool Engine::paged_decode() const { return impl_->runner->paged_decode(); }
+bool Engine::cuda_graphs() const { return impl_->runner->cuda_graphs(); }
 bool Engine::is_leader() const { return impl_->leader(); }
 int Engine::tp_size() const { return impl_->tp ? impl_->tp->size() : 1; }
 

@@ -2,12 +2,23 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <map>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#ifdef TILLER_HAVE_CUDA_KERNELS
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "engine/cuda/paged_attention.h"
+#endif
+
 #include "model/host_upload.h"
 #include "tiller/core/error.h"
+#include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/model/sampling.h"
 #include "tiller/model/transformer.h"
@@ -15,15 +26,59 @@
 namespace tiller::engine {
 namespace {
 
-// The step's view of the paged cache for model::block_forward.
+// A decode step's device inputs, int32, in one buffer laid out as
+//   [tokens | positions | slots | seq_lens | offsets] (each `rows` long) then the block lists,
+// so that one upload carries them. Rows past the batch are padding: token 0 at position 0, no
+// slot (-1), no keys (length 0), which the kernels skip.
+struct DecodeInputs {
+  at::Tensor tokens, positions, slots, seq_lens, offsets, blocks;
+  int64_t splits = 1;  // of the paged decode kernel
+};
+
+// Host words of a decode step for a buffer of `rows` rows (>= the batch).
+void fill_decode_words(const StepBatch& b, int64_t rows, int64_t bs, std::vector<int32_t>& w) {
+  const int64_t n = b.num_seqs();
+  w.assign(static_cast<size_t>(5 * rows), 0);
+  for (int64_t i = 0; i < rows; ++i) w[2 * rows + i] = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t lk = b.lens_k[i], used = (lk + bs - 1) / bs;
+    TILLER_CHECK(b.lens_q[i] == 1 && lk >= 1 && static_cast<int64_t>(b.tables[i].size()) >= used,
+                 "decode batch: sequence {} has {} new of {} tokens in {} blocks", i, b.lens_q[i], lk,
+                 b.tables[i].size());
+    w[i] = static_cast<int32_t>(b.tokens[i]);
+    w[rows + i] = static_cast<int32_t>(b.positions[i]);
+    w[2 * rows + i] = static_cast<int32_t>(b.tables[i][(lk - 1) / bs] * bs + (lk - 1) % bs);
+    w[3 * rows + i] = static_cast<int32_t>(lk);
+    w[4 * rows + i] = static_cast<int32_t>(w.size() - static_cast<size_t>(5 * rows));
+    for (int64_t j = 0; j < used; ++j) w.push_back(static_cast<int32_t>(b.tables[i][j]));
+  }
+}
+
+DecodeInputs decode_views(const at::Tensor& dev, int64_t rows, int64_t batch) {
+  DecodeInputs in;
+  in.tokens = dev.narrow(0, 0, batch);
+  in.positions = dev.narrow(0, rows, batch);
+  in.slots = dev.narrow(0, 2 * rows, batch);
+  in.seq_lens = dev.narrow(0, 3 * rows, batch);
+  in.offsets = dev.narrow(0, 4 * rows, batch);
+  in.blocks = dev.narrow(0, 5 * rows, dev.size(0) - 5 * rows);
+  return in;
+}
+
+// The step's view of the paged cache for model::block_forward. Gather mode (prefill and mixed
+// steps, and every step on CPU): int64 slots of the new tokens, and of each sequence's context
+// when some sequence has cached tokens. Decode mode: the paged kernel over DecodeInputs.
 class PagedKv : public model::KvCache {
  public:
   PagedKv(const at::Tensor& cache, at::Tensor slots, at::Tensor gather)
       : cache_(cache), slots_(std::move(slots)), gather_(std::move(gather)) {}
+  PagedKv(const at::Tensor& cache, const DecodeInputs* decode, int64_t block_size)
+      : cache_(cache), decode_(decode), block_size_(block_size) {}
 
   at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const model::VarlenSpec& spec, double scale, model::AttentionBackend backend) override {
     at::Tensor kc = cache_[layer][0], vc = cache_[layer][1];
+    if (decode_) return attend_decode(kc, vc, q, k, v, spec, scale);
     kc.index_copy_(0, slots_, k);
     vc.index_copy_(0, slots_, v);
     if (!gather_.defined()) return model::varlen_attention(q, k, v, spec, scale, backend);
@@ -32,9 +87,78 @@ class PagedKv : public model::KvCache {
   }
 
  private:
+  at::Tensor attend_decode(const at::Tensor& kc, const at::Tensor& vc, at::Tensor q, at::Tensor k, at::Tensor v,
+                           const model::VarlenSpec& spec, double scale);
+
   at::Tensor cache_;
   at::Tensor slots_, gather_;
+  const DecodeInputs* decode_ = nullptr;
+  int64_t block_size_ = 0;
 };
+
+#ifdef TILLER_HAVE_CUDA_KERNELS
+// Decode batch buckets of the captured graphs: 1, 2, 4, 8, then multiples of 8.
+int64_t graph_bucket(int64_t n) {
+  if (n <= 8) return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8;
+  return (n + 7) / 8 * 8;
+}
+
+cuda::DType kernel_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? cuda::DType::kBFloat16 : t == at::kHalf ? cuda::DType::kHalf : cuda::DType::kFloat;
+}
+
+// [T, heads, head_dim] with head stride head_dim, unit element stride, and (for the 16-byte loads
+// of the decode kernel) an aligned start and token stride.
+at::Tensor rows_layout(const at::Tensor& x, bool aligned) {
+  const bool ok = x.stride(2) == 1 && x.stride(1) == x.size(2) &&
+                  (!aligned || (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0));
+  return ok ? x : x.clone(at::MemoryFormat::Contiguous);
+}
+
+at::Tensor PagedKv::attend_decode(const at::Tensor& kc, const at::Tensor& vc, at::Tensor q, at::Tensor k,
+                                  at::Tensor v, const model::VarlenSpec& spec, double scale) {
+  const DecodeInputs& in = *decode_;
+  const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
+  const auto dtype = kernel_dtype(q.scalar_type());
+  void* stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  k = rows_layout(k, false);
+  v = rows_layout(v, false);
+  q = rows_layout(q, true);
+  cuda::write_kv(dtype, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kc.data_ptr(), vc.data_ptr(),
+                 in.slots.data_ptr<int32_t>(), batch, kv_heads, dim, stream);
+  at::Tensor out = at::empty({batch, heads, dim}, q.options());
+  at::Tensor workspace;
+  const int64_t ws = cuda::paged_decode_workspace_floats(batch, heads, dim, in.splits);
+  if (ws > 0) workspace = at::empty({ws}, q.options().dtype(at::kFloat));
+  cuda::PagedDecode a;
+  a.dtype = dtype;
+  a.q = q.data_ptr();
+  a.q_token_stride = q.stride(0);
+  a.k_cache = kc.data_ptr();
+  a.v_cache = vc.data_ptr();
+  a.out = out.data_ptr();
+  a.seq_lens = in.seq_lens.data_ptr<int32_t>();
+  a.offsets = in.offsets.data_ptr<int32_t>();
+  a.blocks = in.blocks.data_ptr<int32_t>();
+  a.batch = batch;
+  a.heads = heads;
+  a.kv_heads = kv_heads;
+  a.head_dim = dim;
+  a.block_size = block_size_;
+  a.window = spec.window;
+  a.scale = static_cast<float>(scale);
+  a.splits = in.splits;
+  a.workspace = ws > 0 ? workspace.data_ptr<float>() : nullptr;
+  cuda::paged_decode_attention(a, stream);
+  return out;
+}
+#else
+at::Tensor PagedKv::attend_decode(const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, at::Tensor,
+                                  const model::VarlenSpec&, double) {
+  TILLER_CHECK(false, "the paged decode kernel is not built (CPU build)");
+  return {};
+}
+#endif
 
 model::ModelConfig config_for_rank(const model::ModelConfig& cfg, int tp) {
   model::ModelConfig local = cfg;
@@ -44,27 +168,100 @@ model::ModelConfig config_for_rank(const model::ModelConfig& cfg, int tp) {
   return local;
 }
 
+// q/k/v into one [q + 2 kv, hidden] projection and gate/up into one [2 I, hidden]: two GEMMs per
+// block instead of five. The separate tensors become views of the fused ones.
+void fuse_projections(model::LayerWeights& w) {
+  auto split = [](const at::Tensor& fused, std::initializer_list<at::Tensor*> parts) {
+    int64_t at_row = 0;
+    for (at::Tensor* p : parts) {
+      const int64_t rows = p->size(0);
+      *p = fused.narrow(0, at_row, rows);
+      at_row += rows;
+    }
+  };
+  w.qkv_proj = at::cat({w.q_proj, w.k_proj, w.v_proj}, 0);
+  split(w.qkv_proj, {&w.q_proj, &w.k_proj, &w.v_proj});
+  if (w.q_bias.defined()) {
+    w.qkv_bias = at::cat({w.q_bias, w.k_bias, w.v_bias}, 0);
+    split(w.qkv_bias, {&w.q_bias, &w.k_bias, &w.v_bias});
+  }
+  w.gate_up_proj = at::cat({w.gate_proj, w.up_proj}, 0);
+  split(w.gate_up_proj, {&w.gate_proj, &w.up_proj});
+}
+
+
+bool is_iota(const std::vector<int64_t>& rows) {
+  for (size_t i = 0; i < rows.size(); ++i)
+    if (rows[i] != static_cast<int64_t>(i)) return false;
+  return true;
+}
+
 }  // namespace
 
 struct ModelRunner::Impl {
   model::ModelConfig global;
+  model::ModelConfig local;
   model::ModelWeights weights;
   model::Rope rope;
   dist::Communicator* tp = nullptr;
   int64_t block_size = 0;
+  at::Device device;
   at::Tensor cache;
+  at::Tensor cos_table, sin_table;  // [max_model_len, head_dim] unless RoPE is dynamic
+  bool paged = false;               // decode steps through the paged kernel
+  std::vector<int32_t> words;       // host staging of decode inputs
 
-  Impl(const model::ModelConfig& cfg, model::ModelWeights w, dist::Communicator* comm, int64_t bs)
-      : global(cfg), weights(std::move(w)), rope(cfg), tp(comm), block_size(bs) {}
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  struct Graph {
+    int64_t splits = 1;
+    std::unique_ptr<at::cuda::CUDAGraph> graph;
+    at::Tensor hidden;  // output: final-normed hidden states [bucket, hidden]
+  };
+  bool graphs = false;
+  int64_t max_graph_batch = 0, graph_rows = 0;
+  at::Tensor graph_inputs;  // int32, the DecodeInputs layout for graph_rows rows
+  at::cuda::MempoolId_t pool{0, 0};
+  std::map<int64_t, Graph> captured;
+#endif
+
+  Impl(const model::ModelConfig& cfg, const model::ModelConfig& loc, model::ModelWeights w, dist::Communicator* comm,
+       int64_t bs, at::Device dev)
+      : global(cfg), local(loc), weights(std::move(w)), rope(cfg), tp(comm), block_size(bs), device(dev) {}
+
+  std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, const std::vector<int64_t>& lens) const {
+    if (!cos_table.defined()) return rope.tables(positions, weights.embed.scalar_type(), lens);
+    return {cos_table.index_select(0, positions), sin_table.index_select(0, positions)};
+  }
+
+  // Embedding, the blocks and (with `norm`) the final norm of a decode batch: [rows, hidden].
+  at::Tensor decode_hidden(const DecodeInputs& in, const std::vector<int64_t>& lens, bool norm) {
+    const int64_t rows = in.tokens.size(0);
+    PagedKv kv(cache, &in, block_size);
+    model::BlockContext ctx;
+    std::tie(ctx.cos, ctx.sin) = rope_tables(in.positions, lens);
+    ctx.attn.lens_q.assign(static_cast<size_t>(rows), 1);
+    ctx.attn.max_q = 1;
+    ctx.cache = &kv;
+    if (tp && tp->size() > 1)
+      ctx.reduce_partial_sums = [comm = tp](at::Tensor& x) { comm->all_reduce(x)->wait_on_stream(); };
+    at::Tensor x = model::embed(weights.embed, in.tokens);
+    for (int64_t l = 0; l < local.num_layers; ++l) x = model::block_forward(local, l, weights.layers[l], x, ctx);
+    return norm ? model::final_norm(local, weights.final_norm, x) : x;
+  }
+
+  at::Tensor run_decode_graph(const StepBatch& b);
 };
-
 ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weights, at::Device device,
                          int64_t block_size, dist::Communicator* tp)
     : local_(config_for_rank(cfg, tp ? tp->size() : 1)), device_(device) {
   TILLER_CHECK(block_size > 0, "block_size must be > 0");
   TILLER_CHECK(weights.embed.defined() && weights.embed.device() == device, "engine weights must be on {}",
                device.str());
-  impl_ = std::make_unique<Impl>(cfg, std::move(weights), tp, block_size);
+  {
+    c10::InferenceMode guard;
+    for (auto& layer : weights.layers) fuse_projections(layer);
+  }
+  impl_ = std::make_unique<Impl>(cfg, local_, std::move(weights), tp, block_size, device);
 }
 
 ModelRunner::~ModelRunner() = default;
@@ -74,21 +271,135 @@ int64_t ModelRunner::block_bytes() const {
          static_cast<int64_t>(impl_->weights.embed.element_size());
 }
 
-void ModelRunner::allocate_cache(int64_t num_blocks) {
-  TILLER_CHECK(num_blocks > 0, "the KV cache needs at least one block");
-  impl_->cache = at::zeros({local_.num_layers, 2, num_blocks * impl_->block_size, local_.num_kv_heads, local_.head_dim},
-                           impl_->weights.embed.options());
-  num_blocks_ = num_blocks;
+void ModelRunner::allocate_cache(const CacheOptions& o) {
+  Impl& m = *impl_;
+  TILLER_CHECK(o.num_blocks > 0, "the KV cache needs at least one block");
+  TILLER_CHECK(o.max_model_len > 0, "allocate_cache: max_model_len must be > 0");
+  c10::InferenceMode guard;
+  m.cache = at::zeros({local_.num_layers, 2, o.num_blocks * m.block_size, local_.num_kv_heads, local_.head_dim},
+                      m.weights.embed.options());
+  num_blocks_ = o.num_blocks;
+  const at::ScalarType dtype = m.weights.embed.scalar_type();
+  // RoPE tables once for every position (the same values rope.tables() computes per step);
+  // dynamic NTK depends on each sequence's length and stays per step.
+  if (m.global.rope_scaling.type != "dynamic") {
+    const at::Tensor positions = at::arange(o.max_model_len, at::TensorOptions().dtype(at::kLong).device(device_));
+    std::tie(m.cos_table, m.sin_table) = m.rope.tables(positions, dtype);
+  }
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  m.paged = device_.is_cuda() && cuda::paged_decode_supports(local_.head_dim) &&
+            (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat);
+  m.graphs = m.paged && o.cuda_graphs && m.cos_table.defined() && !(m.tp && m.tp->size() > 1) && o.max_graph_batch > 0;
+  if (m.graphs) {
+    m.max_graph_batch = o.max_graph_batch;
+    m.graph_rows = graph_bucket(o.max_graph_batch);
+    const int64_t max_blocks = (o.max_model_len + m.block_size - 1) / m.block_size;
+    m.graph_inputs = at::zeros({5 * m.graph_rows + m.graph_rows * std::min(max_blocks, o.num_blocks)},
+                               at::TensorOptions().dtype(at::kInt).device(device_));
+    m.pool = at::cuda::graph_pool_handle();
+  }
+#endif
 }
+
+bool ModelRunner::paged_decode() const { return impl_->paged; }
+
+bool ModelRunner::cuda_graphs() const {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  return impl_->graphs;
+#else
+  return false;
+#endif
+}
+
+#ifdef TILLER_HAVE_CUDA_KERNELS
+// Replays (capturing on first use) the graph of the batch's bucket over the static inputs:
+// final-normed hidden states [bucket, hidden], valid until the next replay.
+at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b) {
+  const int64_t n = b.num_seqs(), rows = graph_bucket(n);
+  fill_decode_words(b, graph_rows, block_size, words);
+  const auto used = static_cast<int64_t>(words.size());
+  TILLER_CHECK(used <= graph_inputs.size(0), "decode batch: {} block ids exceed the graph's {}",
+               used - 5 * graph_rows, graph_inputs.size(0) - 5 * graph_rows);
+  graph_inputs.narrow(0, 0, used).copy_(model::upload(words, at::kCPU).pin_memory(), /*non_blocking=*/true);
+  auto [it, fresh] = captured.try_emplace(rows);
+  Graph& g = it->second;
+  if (fresh) {
+    DecodeInputs in = decode_views(graph_inputs, graph_rows, rows);
+    in.splits = cuda::paged_decode_splits(rows, local.num_heads, local.num_kv_heads, 0, device.index());
+    g.splits = in.splits;
+    const std::vector<int64_t> lens(static_cast<size_t>(rows), 1);
+    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
+    c10::cuda::getCurrentCUDAStream(device.index()).synchronize();  // the inputs are in place
+    {
+      c10::cuda::CUDAStreamGuard on_side(side);
+      decode_hidden(in, lens, true);  // warm-up: cuBLAS handles and workspaces for this stream
+      side.synchronize();
+      g.graph = std::make_unique<at::cuda::CUDAGraph>();
+      g.graph->capture_begin(pool, cudaStreamCaptureModeThreadLocal);
+      g.hidden = decode_hidden(in, lens, true);
+      g.graph->capture_end();
+    }
+    log::debug("engine: captured the decode graph of batch {} ({} KV splits)", rows, g.splits);
+  }
+  g.graph->replay();
+  return g.hidden;
+}
+#else
+at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch&) { return {}; }
+#endif
 
 ModelRunner::Sampled ModelRunner::run(const StepBatch& b, bool sample) {
   Impl& m = *impl_;
   TILLER_CHECK(m.cache.defined(), "run() before allocate_cache()");
   c10::InferenceMode guard;
-  const int64_t t = b.num_tokens(), n = b.num_seqs(), bs = m.block_size;
+  const int64_t n = b.num_seqs(), bs = m.block_size;
   // Copy-on-write: a sample's first write into a block it shares.
   for (const auto& c : b.copies)
     m.cache.narrow(2, c.to * bs, c.count).copy_(m.cache.narrow(2, c.from * bs, c.count));
+  const bool rows_all = sample && !b.sample_rows.empty();
+  at::Tensor h;  // final-normed hidden states of the sample rows
+  auto sample_rows = [&](const at::Tensor& x) {
+    const auto count = static_cast<int64_t>(b.sample_rows.size());
+    return is_iota(b.sample_rows) ? x.narrow(0, 0, count) : x.index_select(0, model::upload(b.sample_rows, device_));
+  };
+  bool graphs = false;
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  graphs = m.graphs && n <= m.max_graph_batch;
+#endif
+  if (b.is_decode() && graphs) {
+    at::Tensor all = m.run_decode_graph(b);
+    if (!rows_all) return {};
+    h = sample_rows(all);
+  } else if (b.is_decode() && m.paged) {
+    fill_decode_words(b, n, bs, m.words);
+    DecodeInputs in = decode_views(model::upload(m.words, device_), n, n);
+#ifdef TILLER_HAVE_CUDA_KERNELS
+    in.splits = cuda::paged_decode_splits(n, local_.num_heads, local_.num_kv_heads,
+                                          *std::max_element(b.lens_k.begin(), b.lens_k.end()), device_.index());
+#endif
+    at::Tensor x = m.decode_hidden(in, b.lens_q, /*norm=*/false);
+    if (!rows_all) return {};
+    h = model::final_norm(local_, m.weights.final_norm, sample_rows(x));
+  } else {
+    h = run_packed(b, rows_all);
+    if (!rows_all) return {};
+  }
+  model::SampledTokens drawn = model::sample_tokens(model::logits(h, m.weights.lm_head), b.sampling);
+  at::Tensor host = at::stack({drawn.tokens.to(at::kDouble), drawn.logprobs.to(at::kDouble)}).cpu();
+  const auto* p = host.data_ptr<double>();
+  const auto s = static_cast<size_t>(b.sample_rows.size());
+  Sampled out;
+  for (size_t i = 0; i < s; ++i) {
+    out.tokens.push_back(static_cast<int64_t>(p[i]));
+    out.logprobs.push_back(static_cast<float>(p[s + i]));
+  }
+  return out;
+}
+
+// Prefill, mixed and CPU steps: packed varlen attention over gathered context.
+at::Tensor ModelRunner::run_packed(const StepBatch& b, bool sample) {
+  Impl& m = *impl_;
+  const int64_t t = b.num_tokens(), n = b.num_seqs(), bs = m.block_size;
   // Every int64 input in one upload: tokens, positions, slots, gather, sample rows, cu_q, cu_k.
   std::vector<int64_t> words;
   words.reserve(static_cast<size_t>(4 * t + 2 * n + 2));
@@ -131,25 +442,15 @@ ModelRunner::Sampled ModelRunner::run(const StepBatch& b, bool sample) {
 
   PagedKv kv(m.cache, slots, cached ? gather : at::Tensor());
   model::BlockContext ctx;
-  std::tie(ctx.cos, ctx.sin) = m.rope.tables(positions, m.weights.embed.scalar_type(), b.lens_q);
+  std::tie(ctx.cos, ctx.sin) = m.rope_tables(positions, b.lens_q);
   ctx.attn = spec;
   ctx.cache = &kv;
   if (m.tp && m.tp->size() > 1)
     ctx.reduce_partial_sums = [comm = m.tp](at::Tensor& x) { comm->all_reduce(x)->wait_on_stream(); };
   at::Tensor x = model::embed(m.weights.embed, tokens);
   for (int64_t l = 0; l < local_.num_layers; ++l) x = model::block_forward(local_, l, m.weights.layers[l], x, ctx);
-  Sampled out;
-  if (!sample || b.sample_rows.empty()) return out;
-  at::Tensor h = model::final_norm(local_, m.weights.final_norm, x.index_select(0, rows));
-  model::SampledTokens drawn = model::sample_tokens(model::logits(h, m.weights.lm_head), b.sampling);
-  at::Tensor host = at::stack({drawn.tokens.to(at::kDouble), drawn.logprobs.to(at::kDouble)}).cpu();
-  const auto* p = host.data_ptr<double>();
-  const auto s = static_cast<size_t>(b.sample_rows.size());
-  for (size_t i = 0; i < s; ++i) {
-    out.tokens.push_back(static_cast<int64_t>(p[i]));
-    out.logprobs.push_back(static_cast<float>(p[s + i]));
-  }
-  return out;
+  if (!sample) return {};
+  return model::final_norm(local_, m.weights.final_norm, x.index_select(0, rows));
 }
 
 }  // namespace tiller::engine

@@ -4,8 +4,13 @@
 // KV cache layout: one tensor [layers, 2 (K, V), num_blocks * block_size, kv_heads, head_dim];
 // token slot s of a sequence lives at row table[s / block_size] * block_size + s % block_size.
 // Attention over the cache: new K/V are written into their slots, then each sequence attends
-// over its slots (gathered into a packed K/V for varlen attention; decode steps on CUDA read the
-// blocks in place with the paged decode kernel).
+// over its slots. Prefill and mixed steps gather each sequence's slots into a packed K/V for
+// varlen attention; decode steps on CUDA read the blocks in place with the paged decode kernel
+// (src/engine/cuda/), and, without tensor parallelism, replay a CUDA graph captured per batch
+// size bucket (1, 2, 4, 8, then multiples of 8), padding the batch up to its bucket.
+//
+// The runner fuses q/k/v into one projection and gate/up into another (the separate weights stay
+// as views into the fused ones, so writes through either reach the same storage).
 #pragma once
 
 #include <cstdint>
@@ -33,7 +38,16 @@ class ModelRunner {
 
   // Bytes one KV block takes on this rank (every layer, K and V).
   int64_t block_bytes() const;
-  void allocate_cache(int64_t num_blocks);
+  struct CacheOptions {
+    int64_t num_blocks = 0;
+    int64_t max_model_len = 0;     // longest sequence (RoPE tables, graph block lists)
+    bool cuda_graphs = true;       // decode steps on CUDA without TP; ignored elsewhere
+    int64_t max_graph_batch = 256; // larger decode batches run eagerly
+  };
+  void allocate_cache(const CacheOptions& opts);
+  // Whether decode steps use the paged kernel / CUDA graphs (for logs and benchmarks).
+  bool paged_decode() const;
+  bool cuda_graphs() const;
   int64_t num_blocks() const { return num_blocks_; }
   at::Device device() const { return device_; }
   const model::ModelConfig& local_config() const { return local_; }
@@ -47,6 +61,8 @@ class ModelRunner {
   Sampled run(const StepBatch& batch, bool sample);
 
  private:
+  at::Tensor run_packed(const StepBatch& batch, bool sample);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
   model::ModelConfig local_;

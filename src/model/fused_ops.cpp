@@ -36,6 +36,12 @@ struct SwiGlu : public torch::autograd::Function<SwiGlu> {
   }
 };
 
+#ifdef TILLER_HAVE_CUDA_KERNELS
+cuda::DType kernel_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? cuda::DType::kBFloat16 : t == at::kHalf ? cuda::DType::kHalf : cuda::DType::kFloat;
+}
+#endif
+
 // x [T, H, D]; cos, sin [T, D]. Forward: x c + rotate_half(x) s. Backward (x is then the output
 // gradient g): g c + rotate_half^T(g s), where rotate_half^T(y) = [y2, -y1].
 at::Tensor rope_apply(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
@@ -44,9 +50,7 @@ at::Tensor rope_apply(const at::Tensor& x, const at::Tensor& cos, const at::Tens
       cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
       (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat)) {
     at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-    const auto dtype = x.scalar_type() == at::kBFloat16 ? cuda::DType::kBFloat16
-                       : x.scalar_type() == at::kHalf   ? cuda::DType::kHalf
-                                                        : cuda::DType::kFloat;
+    const auto dtype = kernel_dtype(x.scalar_type());
     cuda::rope(dtype, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), x.size(0), x.size(1), x.size(2),
                x.stride(0), x.stride(1), backward, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
     return out;
@@ -78,6 +82,23 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
                    sin.sizes() == cos.sizes(),
                "apply_rope: x [T, H, D] and tables [T, D] expected");
   return RopeNode::apply(x, cos.to(x.scalar_type()), sin.to(x.scalar_type()));
+}
+
+at::Tensor swiglu_packed(const at::Tensor& gate_up) {
+  TILLER_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "swiglu_packed wants [tokens, 2 * width]");
+  TILLER_CHECK(!(gate_up.requires_grad() && at::GradMode::is_enabled()), "swiglu_packed has no backward");
+  const int64_t width = gate_up.size(1) / 2;
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (gate_up.is_cuda() && gate_up.stride(1) == 1 &&
+      (gate_up.scalar_type() == at::kBFloat16 || gate_up.scalar_type() == at::kHalf ||
+       gate_up.scalar_type() == at::kFloat)) {
+    at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
+    cuda::swiglu_packed(kernel_dtype(gate_up.scalar_type()), gate_up.data_ptr(), out.data_ptr(), gate_up.size(0), width,
+                        gate_up.stride(0), c10::cuda::getCurrentCUDAStream(gate_up.device().index()).stream());
+    return out;
+  }
+#endif
+  return at::silu(gate_up.narrow(1, 0, width)).mul_(gate_up.narrow(1, width, width));
 }
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {

@@ -108,9 +108,17 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
                          BlockContext& ctx) {
   const int64_t t = x.size(0);
   at::Tensor h = rms_norm(x, w.input_norm, cfg.rms_norm_eps);
-  at::Tensor q = project(h, w.q_proj, w.q_bias);
-  at::Tensor k = project(h, w.k_proj, w.k_bias);
-  at::Tensor v = project(h, w.v_proj, w.v_bias);
+  at::Tensor q, k, v;
+  if (w.qkv_proj.defined()) {
+    const at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias);
+    q = qkv.narrow(1, 0, cfg.q_size());
+    k = qkv.narrow(1, cfg.q_size(), cfg.kv_size());
+    v = qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size());
+  } else {
+    q = project(h, w.q_proj, w.q_bias);
+    k = project(h, w.k_proj, w.k_bias);
+    v = project(h, w.v_proj, w.v_bias);
+  }
   q = q.view({t, cfg.num_heads, cfg.head_dim});
   k = k.view({t, cfg.num_kv_heads, cfg.head_dim});
   v = v.view({t, cfg.num_kv_heads, cfg.head_dim});
@@ -129,7 +137,12 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(o);
   at::Tensor y = x + o;
   h = rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps);
-  at::Tensor act = swiglu(project(h, w.gate_proj), project(h, w.up_proj));
+  at::Tensor act;
+  if (w.gate_up_proj.defined()) {
+    act = swiglu_packed(project(h, w.gate_up_proj));
+  } else {
+    act = swiglu(project(h, w.gate_proj), project(h, w.up_proj));
+  }
   at::Tensor mlp = project(act, w.down_proj);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(mlp);
   return y + mlp;

@@ -52,6 +52,10 @@ struct EngineOptions {
   double kv_cache_gb = 0;
   double gpu_memory_fraction = 0.85;
   int64_t max_model_len = 0;    // prompt + new tokens; 0: the config's max_position_embeddings
+  // Decode steps on CUDA without tensor parallelism replay CUDA graphs, one per batch-size bucket
+  // up to max_graph_batch (0: max_num_seqs, at most 512), captured on first use.
+  bool cuda_graphs = true;
+  int64_t max_graph_batch = 0;
   SchedulerLimits limits;
 };
 
@@ -97,6 +101,9 @@ class Engine {
   const model::ModelConfig& config() const;
   const EngineOptions& options() const;
   int64_t max_model_len() const;
+  // How decode steps run here: the paged decode kernel (CUDA), replayed from CUDA graphs.
+  bool paged_decode() const;
+  bool cuda_graphs() const;
   int tp_size() const;
 
   // Leader only. Validates and queues a request; throws InvalidRequest (nothing queued).

@@ -105,6 +105,9 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // silu(gate) * up as one autograd node (its backward: two fused elementwise kernels).
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+// silu(gate) * up from the fused gate/up projection's output [T, 2 I] (gate first): [T, I]. One
+// kernel on CUDA; inference only (no autograd node).
+at::Tensor swiglu_packed(const at::Tensor& gate_up);
 at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens);
 // One transformer block: x [T, hidden] -> [T, hidden]. Head counts and the MLP width come from
 // `cfg`; a tensor-parallel rank passes a config with its local counts (see reduce_partial_sums).

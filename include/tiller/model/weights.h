@@ -30,6 +30,10 @@ struct LayerWeights {
   at::Tensor post_attn_norm;            // [hidden]
   at::Tensor gate_proj, up_proj;        // [intermediate, hidden]
   at::Tensor down_proj;                 // [hidden, intermediate]
+  // Optional fused projections (the engine's): when defined, block_forward runs one GEMM for
+  // q/k/v ([q_size + 2 kv_size, hidden], bias likewise) and one for gate/up ([2 intermediate,
+  // hidden]); the separate tensors above are then views into them.
+  at::Tensor qkv_proj, qkv_bias, gate_up_proj;
 };
 
 struct ModelWeights {

@@ -17,4 +17,9 @@ enum class DType { kBFloat16, kHalf, kFloat };
 void rope(DType dtype, const void* x, const void* cos, const void* sin, void* out, int64_t tokens, int64_t heads,
           int64_t dim, int64_t x_token_stride, int64_t x_head_stride, bool backward, void* stream);
 
+// silu(gate) * up for the fused gate/up projection's output x [tokens, 2 * width] (gate then up
+// in each row, row stride given in elements) into out [tokens, width] (contiguous). Math in fp32.
+void swiglu_packed(DType dtype, const void* x, void* out, int64_t tokens, int64_t width, int64_t x_row_stride,
+                   void* stream);
+
 }  // namespace tiller::model::cuda

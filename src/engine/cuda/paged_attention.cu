@@ -1,0 +1,425 @@
+// Decode attention over the paged KV cache (split-KV flash decoding) and the decode step's cache
+// write. See paged_attention.h for the layout and the contract.
+//
+// Work split of paged_decode_kernel: a thread block of 128 threads serves one (sequence, KV head,
+// chunk of <= 4 query heads, split). Each K/V row is read by kLanes = head_dim / 8 lanes, 8
+// elements (16 bytes in bf16) each, so 128 / kLanes row groups work side by side, two rows each
+// per iteration, and every row serves all the block's query heads. K/V arrive in shared memory
+// through a cp.async pipeline; each row group keeps its own online softmax (log2 domain) in
+// registers, and the groups are merged through shared memory at the end.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "engine/cuda/paged_attention.h"
+
+namespace tiller::engine::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kVec = 8;        // elements per lane of a K/V row
+constexpr int kMaxGroup = 4;   // query heads per thread block
+constexpr int kMaxSplits = 16;
+constexpr float kLog2e = 1.4426950408889634f;
+
+void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + " launch: " + cudaGetErrorString(err));
+}
+
+// A lane's 8 elements of a row as loaded (16 bytes, or 32 in fp32), converted to fp32 when used,
+// so that the loads of two rows are in flight together without holding 32 floats.
+template <class T>
+struct Raw8 {
+  uint4 w[sizeof(T) * kVec / 16];
+};
+template <class T>
+__device__ __forceinline__ void load_raw(const T* p, Raw8<T>& r) {
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(r.w) / 16); ++i) r.w[i] = reinterpret_cast<const uint4*>(p)[i];
+}
+__device__ __forceinline__ void to_float(const Raw8<__nv_bfloat16>& r, float* f) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&r.w[0]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __bfloat1622float2(h[i]);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+__device__ __forceinline__ void to_float(const Raw8<__half>& r, float* f) {
+  const auto* h = reinterpret_cast<const __half2*>(&r.w[0]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __half22float2(h[i]);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+__device__ __forceinline__ void to_float(const Raw8<float>& r, float* f) {
+  const auto* x = reinterpret_cast<const float*>(&r.w[0]);
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) f[i] = x[i];
+}
+
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* f) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __bfloat1622float2(h[i]);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+__device__ __forceinline__ void load8(const __half* p, float* f) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const auto* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __half22float2(h[i]);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+__device__ __forceinline__ void load8(const float* p, float* f) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half(v); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool fill) {
+  // 16 bytes global -> shared without registers; fill false writes zeros instead (no read).
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(fill ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+template <int kLanes, int G>
+__device__ __forceinline__ void warp_sum(float (&s)[G]) {
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off >>= 1)
+#pragma unroll
+    for (int g = 0; g < G; ++g) s[g] += __shfl_xor_sync(0xffffffffu, s[g], off);
+}
+
+template <int G>
+__device__ __forceinline__ void dot(const float (&q)[G][kVec], const float (&k)[kVec], float (&s)[G]) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float d = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) d = fmaf(q[g][i], k[i], d);
+    s[g] = d;
+  }
+}
+
+// Two K/V rows (a, b) into a row group's online softmax, one rescale for both. Every lane of the
+// warp calls this (the shuffles span the warp); invalid rows only join the shuffles. Rows past
+// the end were zero-filled, so their V contributes 0 * 0.
+template <int kLanes, int G, class T>
+__device__ __forceinline__ void attend_pair(bool ok_a, bool ok_b, const Raw8<T>& ka, const Raw8<T>& va,
+                                            const Raw8<T>& kb, const Raw8<T>& vb, const float (&q)[G][kVec],
+                                            float (&acc)[G][kVec], float (&m)[G], float (&l)[G]) {
+  float k[kVec], sa[G], sb[G];
+  to_float(ka, k);
+  dot<G>(q, k, sa);
+  to_float(kb, k);
+  dot<G>(q, k, sb);
+  warp_sum<kLanes, G>(sa);
+  warp_sum<kLanes, G>(sb);
+  if (!ok_a && !ok_b) return;
+  float fa[kVec], fb[kVec];
+  to_float(va, fa);
+  to_float(vb, fb);
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float xa = ok_a ? sa[g] : -INFINITY, xb = ok_b ? sb[g] : -INFINITY;
+    const float mn = fmaxf(m[g], fmaxf(xa, xb));
+    const float alpha = exp2f(m[g] - mn), pa = exp2f(xa - mn), pb = exp2f(xb - mn);
+    l[g] = fmaf(l[g], alpha, pa + pb);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[g][i] = fmaf(pb, fb[i], fmaf(pa, fa[i], acc[g][i] * alpha));
+    m[g] = mn;
+  }
+}
+
+template <class T, int D, int G>
+__global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(PagedDecode a) {
+  constexpr int kLanes = D / kVec;            // lanes per K/V row
+  constexpr int kRows = kThreads / kLanes;    // rows in flight (row groups)
+  const int group = static_cast<int>(a.heads / a.kv_heads);
+  const int chunks = (group + G - 1) / G;
+  const int kv_head = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
+  const int b = blockIdx.y, split = blockIdx.z, splits = static_cast<int>(a.splits);
+  const int head0 = kv_head * group + chunk * G;
+  const int heads_here = min(G, group - chunk * G);
+  const int tid = threadIdx.x, rg = tid / kLanes, lane = tid % kLanes;
+
+  const int len = a.seq_lens[b];
+  const int start = a.window > 0 ? max(0, len - static_cast<int>(a.window)) : 0;
+  const int per = (len - start + splits - 1) / splits;
+  const int lo = start + split * per, hi = min(len, lo + per);
+
+  float q[G][kVec], acc[G][kVec], m[G], l[G];
+  const T* qp = static_cast<const T*>(a.q) + b * a.q_token_stride + static_cast<int64_t>(head0) * D + lane * kVec;
+  const float qscale = a.scale * kLog2e;  // scores in log2 units: exp2 below
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (g < heads_here) load8(qp + g * D, q[g]);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      q[g][i] = g < heads_here ? q[g][i] * qscale : 0.f;
+      acc[g][i] = 0.f;
+    }
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+
+  const int32_t* blocks = a.blocks + a.offsets[b];
+  const int64_t row = a.kv_heads * D, bs = a.block_size;
+  const T* kc = static_cast<const T*>(a.k_cache) + kv_head * D + lane * kVec;
+  const T* vc = static_cast<const T*>(a.v_cache) + kv_head * D + lane * kVec;
+
+  // Each iteration takes two rows per row group. Their K/V reach shared memory through a
+  // kStages-deep cp.async pipeline: each lane copies exactly the bytes it later reads, so no
+  // barrier is needed, and the loads of later iterations (and their block ids) are in flight
+  // while this one computes. After the loop the same shared memory holds the merge.
+  constexpr int kStages = sizeof(T) == 4 ? 2 : 4;
+  constexpr int kChunks = sizeof(Raw8<T>) / 16;
+  constexpr int kStageBytes = kStages * 4 * kThreads * static_cast<int>(sizeof(Raw8<T>));
+  constexpr int kMergeBytes = kRows * G * (D + 2) * 4;
+  __shared__ __align__(16) unsigned char smem[kStageBytes > kMergeBytes ? kStageBytes : kMergeBytes];
+  auto* stage = reinterpret_cast<Raw8<T>*>(smem);  // [stage][row a|b][K|V][thread]
+  auto at = [&](int st, int r, int kv) { return stage + ((st * 2 + r) * 2 + kv) * kThreads + tid; };
+  const int iters = hi > lo ? (hi - lo + 2 * kRows - 1) / (2 * kRows) : 0;
+  auto locate = [&](int it, int r, bool& ok) -> int64_t {
+    const int t = lo + it * 2 * kRows + r * kRows + rg;
+    ok = it < iters && t < hi;
+    return ok ? static_cast<int64_t>(blocks[t / bs]) * bs + t % bs : 0;
+  };
+  auto issue = [&](int it, int64_t slot_a, bool ok_a, int64_t slot_b, bool ok_b) {
+    const int st = it % kStages;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      constexpr int kPer = 16 / sizeof(T);
+      cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(at(st, 0, 0))) + 16 * c, kc + slot_a * row + c * kPer, ok_a);
+      cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(at(st, 0, 1))) + 16 * c, vc + slot_a * row + c * kPer, ok_a);
+      cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(at(st, 1, 0))) + 16 * c, kc + slot_b * row + c * kPer, ok_b);
+      cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(at(st, 1, 1))) + 16 * c, vc + slot_b * row + c * kPer, ok_b);
+    }
+    cp_async_commit();
+  };
+  bool ok_a, ok_b;
+  int64_t slot_a = locate(0, 0, ok_a), slot_b = locate(0, 1, ok_b);
+  for (int it = 0; it < kStages - 1; ++it) {
+    issue(it, slot_a, ok_a, slot_b, ok_b);
+    slot_a = locate(it + 1, 0, ok_a);
+    slot_b = locate(it + 1, 1, ok_b);
+  }
+  for (int it = 0; it < iters; ++it) {
+    issue(it + kStages - 1, slot_a, ok_a, slot_b, ok_b);
+    slot_a = locate(it + kStages, 0, ok_a);  // block ids of a later iteration, in flight meanwhile
+    slot_b = locate(it + kStages, 1, ok_b);
+    cp_async_wait<kStages - 1>();
+    const int st = it % kStages;
+    const int t = lo + it * 2 * kRows + rg;
+    attend_pair<kLanes, G, T>(t < hi, t + kRows < hi, *at(st, 0, 0), *at(st, 0, 1), *at(st, 1, 0), *at(st, 1, 1), q,
+                              acc, m, l);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Merge the row groups.
+  auto* s_m = reinterpret_cast<float(*)[G]>(smem);                                   // [kRows][G]
+  auto* s_l = reinterpret_cast<float(*)[G]>(smem + kRows * G * 4);                   // [kRows][G]
+  auto* s_acc = reinterpret_cast<float(*)[G][D]>(smem + 2 * kRows * G * 4);          // [kRows][G][D]
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (lane == 0) {
+      s_m[rg][g] = m[g];
+      s_l[rg][g] = l[g];
+    }
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) s_acc[rg][g][lane * kVec + i] = acc[g][i];
+  }
+  __syncthreads();
+  float* ws_o = a.workspace;
+  float* ws_lse = a.workspace + a.batch * a.heads * splits * D;
+  for (int idx = tid; idx < heads_here * D; idx += kThreads) {
+    const int g = idx / D, d = idx % D;
+    float mx = -INFINITY;
+    for (int r = 0; r < kRows; ++r) mx = fmaxf(mx, s_m[r][g]);
+    float sum = 0.f, o = 0.f;
+    if (mx != -INFINITY)
+      for (int r = 0; r < kRows; ++r) {
+        if (s_m[r][g] == -INFINITY) continue;
+        const float w = exp2f(s_m[r][g] - mx);
+        sum = fmaf(s_l[r][g], w, sum);
+        o = fmaf(s_acc[r][g][d], w, o);
+      }
+    const float out = sum > 0.f ? o / sum : 0.f;
+    const int64_t bh = static_cast<int64_t>(b) * a.heads + head0 + g;
+    if (splits == 1) {
+      store(static_cast<T*>(a.out) + bh * D + d, out);
+    } else {
+      ws_o[(bh * splits + split) * D + d] = out;
+      if (d == 0) ws_lse[bh * splits + split] = sum > 0.f ? mx + log2f(sum) : -INFINITY;
+    }
+  }
+}
+
+// One thread block per (sequence, query head): the splits weighted by their log-sum-exp.
+template <class T>
+__global__ void combine_kernel(PagedDecode a) {
+  const int64_t bh = blockIdx.x, splits = a.splits, dim = a.head_dim;
+  const float* ws_o = a.workspace;
+  const float* lse = a.workspace + a.batch * a.heads * splits * dim + bh * splits;
+  float mx = -INFINITY;
+  for (int64_t s = 0; s < splits; ++s) mx = fmaxf(mx, lse[s]);
+  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
+    float sum = 0.f, o = 0.f;
+    if (mx != -INFINITY)
+      for (int64_t s = 0; s < splits; ++s) {
+        if (lse[s] == -INFINITY) continue;
+        const float w = exp2f(lse[s] - mx);
+        sum += w;
+        o = fmaf(w, ws_o[(bh * splits + s) * dim + d], o);
+      }
+    store(static_cast<T*>(a.out) + bh * dim + d, sum > 0.f ? o / sum : 0.f);
+  }
+}
+
+template <class T>
+__global__ void write_kv_kernel(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T* kc, T* vc,
+                                const int32_t* slots, int64_t width) {
+  const int64_t t = blockIdx.x;
+  const int64_t slot = slots[t];
+  if (slot < 0) return;
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+    kc[slot * width + i] = k[t * k_stride + i];
+    vc[slot * width + i] = v[t * v_stride + i];
+  }
+}
+
+// Query heads per thread block: groups of more than 4 (Qwen2's 7) run as blocks of 4 sharing a
+// KV head, whose K/V the second block mostly finds in L2. Measured on an H200 against blocks of
+// 8 (K/V read once, but 2 blocks per SM at 225+ registers): 0.5B batch 256 decode steps 3.63 vs
+// 4.17 ms, 7B 11.47 vs 11.35 ms (docs/benchmarks.md).
+int group_tile(int64_t group) { return group <= 1 ? 1 : group <= 2 ? 2 : kMaxGroup; }
+
+template <class T, int D, int G>
+void launch_decode(const PagedDecode& a, cudaStream_t stream) {
+  const int64_t chunks = (a.heads / a.kv_heads + G - 1) / G;
+  const dim3 grid(static_cast<unsigned>(a.kv_heads * chunks), static_cast<unsigned>(a.batch),
+                  static_cast<unsigned>(a.splits));
+  paged_decode_kernel<T, D, G><<<grid, kThreads, 0, stream>>>(a);
+  check_launch("paged decode attention");
+  if (a.splits > 1) {
+    combine_kernel<T><<<static_cast<unsigned>(a.batch * a.heads), static_cast<unsigned>(std::min<int64_t>(D, 128)), 0,
+                        stream>>>(a);
+    check_launch("paged decode combine");
+  }
+}
+
+template <class T, int D>
+void dispatch_group(const PagedDecode& a, cudaStream_t stream) {
+  switch (group_tile(a.heads / a.kv_heads)) {
+    case 1: return launch_decode<T, D, 1>(a, stream);
+    case 2: return launch_decode<T, D, 2>(a, stream);
+    default: return launch_decode<T, D, kMaxGroup>(a, stream);
+  }
+}
+
+template <class T>
+void dispatch_dim(const PagedDecode& a, cudaStream_t stream) {
+  switch (a.head_dim) {
+    case 16: return dispatch_group<T, 16>(a, stream);
+    case 32: return dispatch_group<T, 32>(a, stream);
+    case 64: return dispatch_group<T, 64>(a, stream);
+    case 128: return dispatch_group<T, 128>(a, stream);
+    case 256: return dispatch_group<T, 256>(a, stream);
+    default: throw std::invalid_argument("paged decode attention: head_dim " + std::to_string(a.head_dim));
+  }
+}
+
+int multiprocessors(int device) {
+  static int cached[64] = {};
+  if (device < 0 || device >= 64) return 132;
+  if (cached[device] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 132;
+    cached[device] = n;
+  }
+  return cached[device];
+}
+
+}  // namespace
+
+bool paged_decode_supports(int64_t head_dim) {
+  return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+void write_kv(DType dtype, const void* k, const void* v, int64_t k_token_stride, int64_t v_token_stride,
+              void* k_cache, void* v_cache, const int32_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim,
+              void* stream) {
+  if (tokens == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t width = kv_heads * head_dim;
+  const auto threads = static_cast<unsigned>(std::min<int64_t>(256, width));
+  switch (dtype) {
+    case DType::kBFloat16:
+      write_kv_kernel<<<static_cast<unsigned>(tokens), threads, 0, s>>>(
+          static_cast<const __nv_bfloat16*>(k), static_cast<const __nv_bfloat16*>(v), k_token_stride, v_token_stride,
+          static_cast<__nv_bfloat16*>(k_cache), static_cast<__nv_bfloat16*>(v_cache), slots, width);
+      break;
+    case DType::kHalf:
+      write_kv_kernel<<<static_cast<unsigned>(tokens), threads, 0, s>>>(
+          static_cast<const __half*>(k), static_cast<const __half*>(v), k_token_stride, v_token_stride,
+          static_cast<__half*>(k_cache), static_cast<__half*>(v_cache), slots, width);
+      break;
+    case DType::kFloat:
+      write_kv_kernel<<<static_cast<unsigned>(tokens), threads, 0, s>>>(
+          static_cast<const float*>(k), static_cast<const float*>(v), k_token_stride, v_token_stride,
+          static_cast<float*>(k_cache), static_cast<float*>(v_cache), slots, width);
+      break;
+  }
+  check_launch("KV cache write");
+}
+
+int64_t paged_decode_splits(int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_len, int device) {
+  const int64_t tile = group_tile(heads / kv_heads);
+  const int64_t items = std::max<int64_t>(1, batch * kv_heads * ((heads / kv_heads + tile - 1) / tile));
+  const int64_t target = 4 * static_cast<int64_t>(multiprocessors(device));  // a few blocks per SM
+  int64_t splits = std::clamp<int64_t>((target + items - 1) / items, 1, kMaxSplits);
+  if (max_len > 0) splits = std::min(splits, std::max<int64_t>(1, max_len / 64));
+  return splits;
+}
+
+int64_t paged_decode_workspace_floats(int64_t batch, int64_t heads, int64_t head_dim, int64_t splits) {
+  return splits > 1 ? batch * heads * splits * (head_dim + 1) : 0;
+}
+
+void paged_decode_attention(const PagedDecode& a, void* stream) {
+  if (a.batch == 0) return;
+  if (a.heads % a.kv_heads || a.splits < 1 || a.splits > kMaxSplits || (a.splits > 1 && !a.workspace))
+    throw std::invalid_argument("paged decode attention: bad heads/kv_heads/splits/workspace");
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (a.dtype) {
+    case DType::kBFloat16: return dispatch_dim<__nv_bfloat16>(a, s);
+    case DType::kHalf: return dispatch_dim<__half>(a, s);
+    case DType::kFloat: return dispatch_dim<float>(a, s);
+  }
+}
+
+}  // namespace tiller::engine::cuda

@@ -1,0 +1,62 @@
+// The engine's CUDA kernels for decode steps over the paged KV cache, with a plain C++ interface
+// (raw pointers, the stream as void*) so that no CUDA header reaches the C++ side. Built only in
+// the GPU build (TILLER_HAVE_CUDA_KERNELS); elsewhere the model runner gathers the context and
+// calls varlen attention instead.
+//
+// Cache of one layer: K and V each [slots, kv_heads, head_dim], contiguous, slot s of a sequence
+// at row blocks[offsets[b] + s / block_size] * block_size + s % block_size. The block lists of
+// the batch are ragged (one flat int32 array with per-sequence offsets), so a step uploads only
+// the blocks its sequences use.
+//
+// Everything here is capturable in a CUDA graph: lengths and block lists are read on the device,
+// and the grid depends only on the batch size and the split count.
+#pragma once
+
+#include <cstdint>
+
+#include "model/cuda/kernels.h"
+
+namespace tiller::engine::cuda {
+
+using model::cuda::DType;
+
+// Head sizes the decode kernel has instances for (16, 32, 64, 128, 256).
+bool paged_decode_supports(int64_t head_dim);
+
+// Stores this step's K and V rows [tokens, kv_heads, head_dim] (head stride head_dim, element
+// stride 1, token strides given, in elements) into their cache slots; slot < 0 skips the token
+// (padding rows of a captured batch).
+void write_kv(DType dtype, const void* k, const void* v, int64_t k_token_stride, int64_t v_token_stride,
+              void* k_cache, void* v_cache, const int32_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim,
+              void* stream);
+
+struct PagedDecode {
+  DType dtype = DType::kBFloat16;
+  const void* q = nullptr;       // [batch, heads, head_dim]; head stride head_dim
+  int64_t q_token_stride = 0;    // elements
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  void* out = nullptr;           // [batch, heads, head_dim], contiguous
+  const int32_t* seq_lens = nullptr;  // [batch] keys per sequence (cached + this step's); 0: output zeros
+  const int32_t* offsets = nullptr;   // [batch] into blocks
+  const int32_t* blocks = nullptr;
+  int64_t batch = 0, heads = 0, kv_heads = 0, head_dim = 0, block_size = 0;
+  int64_t window = 0;            // > 0: the query sees only the last `window` keys
+  float scale = 1.0f;
+  int64_t splits = 1;            // KV ranges per (sequence, head group), combined at the end
+  float* workspace = nullptr;    // paged_decode_workspace_floats(...) floats when splits > 1
+};
+
+// Split count for a batch: enough (sequence, head group, split) work items to fill the GPU, at
+// most `max_splits`, and (when known, > 0) no split shorter than 32 keys of `max_len`.
+int64_t paged_decode_splits(int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_len, int device);
+int64_t paged_decode_workspace_floats(int64_t batch, int64_t heads, int64_t head_dim, int64_t splits);
+
+// Causal attention of each sequence's one query (at position seq_len - 1) over its cached keys:
+// split-KV flash decoding. One thread block per (sequence, KV head, group of <= 4 query heads,
+// split); it reads each K/V row once for all its query heads (GQA), keeps the online softmax in
+// fp32, and writes its split's normalised output and log-sum-exp; a second kernel combines the
+// splits.
+void paged_decode_attention(const PagedDecode& args, void* stream);
+
+}  // namespace tiller::engine::cuda
