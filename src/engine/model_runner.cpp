@@ -288,7 +288,8 @@ void ModelRunner::allocate_cache(const CacheOptions& o) {
   }
 #ifdef TILLER_HAVE_CUDA_KERNELS
   m.paged = device_.is_cuda() && cuda::paged_decode_supports(local_.head_dim) &&
-            (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat);
+            (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat) &&
+            o.num_blocks * m.block_size < (int64_t{1} << 31);  // slots and block ids travel as int32
   m.graphs = m.paged && o.cuda_graphs && m.cos_table.defined() && !(m.tp && m.tp->size() > 1) && o.max_graph_batch > 0;
   if (m.graphs) {
     m.max_graph_batch = o.max_graph_batch;
