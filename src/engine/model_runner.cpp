@@ -321,7 +321,7 @@ at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b) {
   const auto used = static_cast<int64_t>(words.size());
   TILLER_CHECK(used <= graph_inputs.size(0), "decode batch: {} block ids exceed the graph's {}",
                used - 5 * graph_rows, graph_inputs.size(0) - 5 * graph_rows);
-  graph_inputs.narrow(0, 0, used).copy_(model::upload(words, at::kCPU).pin_memory(), /*non_blocking=*/true);
+  graph_inputs.narrow(0, 0, used).copy_(model::host_tensor(words, /*pinned=*/true), /*non_blocking=*/true);
   auto [it, fresh] = captured.try_emplace(rows);
   Graph& g = it->second;
   if (fresh) {

@@ -10,12 +10,20 @@
 
 namespace tiller::model {
 
-// A 1-D tensor of `host`'s values on `device` (dtype from T: float -> fp32, int64_t -> int64).
+// A 1-D host tensor of `host`'s values (dtype from T: float -> fp32, int64_t -> int64), in pinned
+// memory when `pinned`, ready for a non-blocking copy to the device.
+template <typename T>
+at::Tensor host_tensor(const std::vector<T>& host, bool pinned) {
+  at::Tensor t = at::empty({static_cast<int64_t>(host.size())},
+                           at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value).pinned_memory(pinned));
+  std::copy(host.begin(), host.end(), t.data_ptr<T>());
+  return t;
+}
+
+// A 1-D tensor of `host`'s values on `device`.
 template <typename T>
 at::Tensor upload(const std::vector<T>& host, at::Device device) {
-  at::Tensor t = at::empty({static_cast<int64_t>(host.size())},
-                           at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value).pinned_memory(device.is_cuda()));
-  std::copy(host.begin(), host.end(), t.data_ptr<T>());
+  at::Tensor t = host_tensor(host, device.is_cuda());
   return device.is_cpu() ? t : t.to(device, /*non_blocking=*/true);
 }
 
