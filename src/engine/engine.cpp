@@ -327,7 +327,7 @@ std::vector<SampleOutput> Engine::step() {
       draws.push_back({c.id, j});
     }
   }
-  m.broadcast(Message::kStep, b.encode());
+  if (m.tensor_parallel()) m.broadcast(Message::kStep, b.encode());
   const ModelRunner::Sampled drawn = m.runner->run(b, /*sample=*/true);
   m.stats.last_step_prefill_tokens = 0;
   for (const auto& c : plan.chunks) {

@@ -121,11 +121,9 @@ at::Tensor PagedKv::attend_decode(const at::Tensor& kc, const at::Tensor& vc, at
   const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
   const auto dtype = kernel_dtype(q.scalar_type());
   void* stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  k = rows_layout(k, false);
-  v = rows_layout(v, false);
+  k = rows_layout(k, true);
+  v = rows_layout(v, true);
   q = rows_layout(q, true);
-  cuda::write_kv(dtype, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kc.data_ptr(), vc.data_ptr(),
-                 in.slots.data_ptr<int32_t>(), batch, kv_heads, dim, stream);
   at::Tensor out = at::empty({batch, heads, dim}, q.options());
   at::Tensor workspace;
   const int64_t ws = cuda::paged_decode_workspace_floats(batch, heads, dim, in.splits);
@@ -149,6 +147,11 @@ at::Tensor PagedKv::attend_decode(const at::Tensor& kc, const at::Tensor& vc, at
   a.scale = static_cast<float>(scale);
   a.splits = in.splits;
   a.workspace = ws > 0 ? workspace.data_ptr<float>() : nullptr;
+  a.k_new = k.data_ptr();  // the kernel stores this step's K/V into the cache
+  a.v_new = v.data_ptr();
+  a.k_new_stride = k.stride(0);
+  a.v_new_stride = v.stride(0);
+  a.slots = in.slots.data_ptr<int32_t>();
   cuda::paged_decode_attention(a, stream);
   return out;
 }
@@ -244,9 +247,14 @@ struct ModelRunner::Impl {
     ctx.cache = &kv;
     if (tp && tp->size() > 1)
       ctx.reduce_partial_sums = [comm = tp](at::Tensor& x) { comm->all_reduce(x)->wait_on_stream(); };
+    ctx.fuse_residual = true;
     at::Tensor x = model::embed(weights.embed, in.tokens);
     for (int64_t l = 0; l < local.num_layers; ++l) x = model::block_forward(local, l, weights.layers[l], x, ctx);
-    return norm ? model::final_norm(local, weights.final_norm, x) : x;
+    if (norm && ctx.deferred.defined())
+      return model::add_rms_norm(x, ctx.deferred, weights.final_norm, local.rms_norm_eps);
+    if (norm) return model::final_norm(local, weights.final_norm, x);
+    model::add_deferred(x, ctx);
+    return x;
   }
 
   at::Tensor run_decode_graph(const StepBatch& b);
@@ -326,7 +334,8 @@ at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b) {
   Graph& g = it->second;
   if (fresh) {
     DecodeInputs in = decode_views(graph_inputs, graph_rows, rows);
-    in.splits = cuda::paged_decode_splits(rows, local.num_heads, local.num_kv_heads, 0, device.index());
+    in.splits = cuda::paged_decode_splits(kernel_dtype(weights.embed.scalar_type()), local.head_dim, rows,
+                                          local.num_heads, local.num_kv_heads, 0, device.index());
     g.splits = in.splits;
     const std::vector<int64_t> lens(static_cast<size_t>(rows), 1);
     c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
@@ -375,7 +384,8 @@ ModelRunner::Sampled ModelRunner::run(const StepBatch& b, bool sample) {
     fill_decode_words(b, n, bs, m.words);
     DecodeInputs in = decode_views(model::upload(m.words, device_), n, n);
 #ifdef TILLER_HAVE_CUDA_KERNELS
-    in.splits = cuda::paged_decode_splits(n, local_.num_heads, local_.num_kv_heads,
+    in.splits = cuda::paged_decode_splits(kernel_dtype(m.weights.embed.scalar_type()), local_.head_dim, n,
+                                          local_.num_heads, local_.num_kv_heads,
                                           *std::max_element(b.lens_k.begin(), b.lens_k.end()), device_.index());
 #endif
     at::Tensor x = m.decode_hidden(in, b.lens_q, /*norm=*/false);
@@ -385,7 +395,8 @@ ModelRunner::Sampled ModelRunner::run(const StepBatch& b, bool sample) {
     h = run_packed(b, rows_all);
     if (!rows_all) return {};
   }
-  model::SampledTokens drawn = model::sample_tokens(model::logits(h, m.weights.lm_head), b.sampling);
+  // Logits in the weights' dtype: the sampler reads bf16 directly (math in fp32).
+  model::SampledTokens drawn = model::sample_tokens(at::matmul(h, m.weights.lm_head.t()), b.sampling);
   at::Tensor host = at::stack({drawn.tokens.to(at::kDouble), drawn.logprobs.to(at::kDouble)}).cpu();
   const auto* p = host.data_ptr<double>();
   const auto s = static_cast<size_t>(b.sample_rows.size());
@@ -448,9 +459,11 @@ at::Tensor ModelRunner::run_packed(const StepBatch& b, bool sample) {
   ctx.cache = &kv;
   if (m.tp && m.tp->size() > 1)
     ctx.reduce_partial_sums = [comm = m.tp](at::Tensor& x) { comm->all_reduce(x)->wait_on_stream(); };
+  ctx.fuse_residual = true;
   at::Tensor x = model::embed(m.weights.embed, tokens);
   for (int64_t l = 0; l < local_.num_layers; ++l) x = model::block_forward(local_, l, m.weights.layers[l], x, ctx);
   if (!sample) return {};
+  model::add_deferred(x, ctx);
   return model::final_norm(local_, m.weights.final_norm, x.index_select(0, rows));
 }
 

@@ -101,6 +101,26 @@ at::Tensor swiglu_packed(const at::Tensor& gate_up) {
   return at::silu(gate_up.narrow(1, 0, width)).mul_(gate_up.narrow(1, width, width));
 }
 
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& add, const at::Tensor& weight, double eps) {
+  TILLER_CHECK(x.dim() == 2 && add.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
+               "add_rms_norm wants x, add [T, width] and weight [width]");
+  TILLER_CHECK(!(at::GradMode::is_enabled() && (x.requires_grad() || add.requires_grad())),
+               "add_rms_norm has no backward");
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const at::ScalarType t = x.scalar_type();
+  if (x.is_cuda() && x.stride(1) == 1 && add.stride(1) == 1 && weight.is_contiguous() && add.scalar_type() == t &&
+      weight.scalar_type() == t && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat)) {
+    at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    cuda::add_rms_norm(kernel_dtype(t), x.data_ptr(), add.data_ptr(), weight.data_ptr(), out.data_ptr(), x.size(0),
+                       x.size(1), x.stride(0), add.stride(0), out.stride(0), static_cast<float>(eps),
+                       c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    return out;
+  }
+#endif
+  x.add_(add);
+  return rms_norm(x, weight, eps);
+}
+
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   TILLER_CHECK(gate.sizes() == up.sizes(), "swiglu: gate and up shapes differ");
   return SwiGlu::apply(gate, up);

@@ -107,27 +107,44 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
 at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
                          BlockContext& ctx) {
   const int64_t t = x.size(0);
-  at::Tensor h = rms_norm(x, w.input_norm, cfg.rms_norm_eps);
+  at::Tensor stream = x;  // the residual stream, updated in place under fuse_residual
+  at::Tensor h;
+  if (ctx.deferred.defined()) {
+    h = add_rms_norm(stream, ctx.deferred, w.input_norm, cfg.rms_norm_eps);
+    ctx.deferred = at::Tensor();
+  } else {
+    h = rms_norm(x, w.input_norm, cfg.rms_norm_eps);
+  }
   at::Tensor q, k, v;
   if (w.qkv_proj.defined()) {
     const at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias);
-    q = qkv.narrow(1, 0, cfg.q_size());
-    k = qkv.narrow(1, cfg.q_size(), cfg.kv_size());
-    v = qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size());
+    v = qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size()).view({t, cfg.num_kv_heads, cfg.head_dim});
+    if (!cfg.qk_norm) {
+      // q and k are side by side in each row: one RoPE over [T, heads + kv_heads, head_dim].
+      const at::Tensor qk = apply_rope(qkv.narrow(1, 0, cfg.q_size() + cfg.kv_size())
+                                           .view({t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim}),
+                                       ctx.cos, ctx.sin);
+      q = qk.narrow(1, 0, cfg.num_heads);
+      k = qk.narrow(1, cfg.num_heads, cfg.num_kv_heads);
+    } else {
+      q = qkv.narrow(1, 0, cfg.q_size());
+      k = qkv.narrow(1, cfg.q_size(), cfg.kv_size());
+    }
   } else {
     q = project(h, w.q_proj, w.q_bias);
     k = project(h, w.k_proj, w.k_bias);
-    v = project(h, w.v_proj, w.v_bias);
+    v = project(h, w.v_proj, w.v_bias).view({t, cfg.num_kv_heads, cfg.head_dim});
   }
-  q = q.view({t, cfg.num_heads, cfg.head_dim});
-  k = k.view({t, cfg.num_kv_heads, cfg.head_dim});
-  v = v.view({t, cfg.num_kv_heads, cfg.head_dim});
-  if (cfg.qk_norm) {
-    q = rms_norm(q, w.q_norm, cfg.rms_norm_eps);
-    k = rms_norm(k, w.k_norm, cfg.rms_norm_eps);
+  if (!w.qkv_proj.defined() || cfg.qk_norm) {
+    q = q.view({t, cfg.num_heads, cfg.head_dim});
+    k = k.view({t, cfg.num_kv_heads, cfg.head_dim});
+    if (cfg.qk_norm) {
+      q = rms_norm(q, w.q_norm, cfg.rms_norm_eps);
+      k = rms_norm(k, w.k_norm, cfg.rms_norm_eps);
+    }
+    q = apply_rope(q, ctx.cos, ctx.sin);
+    k = apply_rope(k, ctx.cos, ctx.sin);
   }
-  q = apply_rope(q, ctx.cos, ctx.sin);
-  k = apply_rope(k, ctx.cos, ctx.sin);
   VarlenSpec spec = ctx.attn;
   spec.window = cfg.layer_window[layer];
   const double scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
@@ -135,8 +152,14 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
                               : varlen_attention(q, k, v, spec, scale, ctx.backend);
   at::Tensor o = project(attn.reshape({t, cfg.q_size()}), w.o_proj);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(o);
-  at::Tensor y = x + o;
-  h = rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps);
+  at::Tensor y;
+  if (ctx.fuse_residual) {
+    y = stream;
+    h = add_rms_norm(y, o, w.post_attn_norm, cfg.rms_norm_eps);
+  } else {
+    y = stream + o;
+    h = rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps);
+  }
   at::Tensor act;
   if (w.gate_up_proj.defined()) {
     act = swiglu_packed(project(h, w.gate_up_proj));
@@ -145,7 +168,15 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   }
   at::Tensor mlp = project(act, w.down_proj);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(mlp);
-  return y + mlp;
+  if (!ctx.fuse_residual) return y + mlp;
+  ctx.deferred = mlp;
+  return y;
+}
+
+void add_deferred(at::Tensor& x, BlockContext& ctx) {
+  if (!ctx.deferred.defined()) return;
+  x.add_(ctx.deferred);
+  ctx.deferred = at::Tensor();
 }
 
 at::Tensor final_norm(const ModelConfig& cfg, const at::Tensor& weight, const at::Tensor& x) {

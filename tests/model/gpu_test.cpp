@@ -7,6 +7,7 @@
 #include "fixtures.h"
 #include "tiller/model/attention.h"
 #include "tiller/model/safetensors.h"
+#include "tiller/model/sampling.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
 
@@ -92,6 +93,67 @@ TEST(ModelGpu, Bf16ForwardAndBackwardMatchFp32Cpu) {
       const Diff g = compare(gpu.tensors.at(p).grad(), cpu.tensors.at(p).grad());
       EXPECT_LT(g.frob_rel, 5e-2) << name << " grad " << p;
       std::printf("[%s] grad %s: frob rel %.3e\n", name.c_str(), p.c_str(), g.frob_rel);
+    }
+  }
+}
+
+// The fused residual add + RMSNorm of the engine against x + add then rms_norm, on the GPU: the
+// updated stream equal bit for bit, the normed rows within rounding (one ulp of the dtype).
+TEST(ModelGpu, AddRmsNormEqualsAddThenRmsNorm) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  c10::AutoGradMode no_grad(false);
+  const at::Device dev("cuda:0");
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (int64_t width : {896, 3584, 100}) {  // 100: not a multiple of the 16-byte vector
+      SCOPED_TRACE(::testing::Message() << c10::toString(dtype) << " width " << width);
+      at::manual_seed(width);
+      const auto o = at::TensorOptions().dtype(dtype).device(dev);
+      const at::Tensor x0 = at::randn({37, width}, o), add = at::randn({37, width}, o);
+      const at::Tensor weight = at::rand({width}, o) + 0.5;
+      at::Tensor x = x0.clone();
+      const at::Tensor got = add_rms_norm(x, add, weight, 1e-6);
+      const at::Tensor sum = x0 + add;
+      EXPECT_TRUE(at::equal(x, sum));
+      const at::Tensor want = rms_norm(sum, weight, 1e-6);
+      const double tol = dtype == at::kFloat ? 1e-5 : dtype == at::kHalf ? 2e-3 : 1.6e-2;
+      const at::Tensor g = got.to(at::kFloat), w = want.to(at::kFloat);
+      EXPECT_LT(((g - w).abs() / (w.abs() + 1e-3)).max().item<double>(), tol);
+    }
+  }
+}
+
+// The sampler on a GPU (one kernel when no row has top-k or top-p) against the ATen sampler on
+// the CPU for the same logits: the same tokens, the same log-probs. Rows mix greedy, several
+// temperatures and min_p; a Qwen-sized vocabulary makes the draw cross many scan tiles; bf16
+// logits go in as they are; a batch with a top-k row takes the ATen path on the GPU.
+TEST(ModelGpu, SamplerOnTheGpuEqualsTheCpuSampler) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  for (int64_t vocab : {5003, 151936}) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      for (bool with_top_k : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "vocab " << vocab << " " << c10::toString(dtype)
+                                          << (with_top_k ? " with a top-k row" : ""));
+        const int64_t rows = vocab > 10000 ? 24 : 96;
+        at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(vocab));
+        // Wide logits (a few dominant tokens) and flat ones (mass spread over the vocabulary).
+        const at::Tensor width =
+            at::where(at::arange(rows) % 2 == 0, at::full({rows}, 4.0), at::full({rows}, 0.5));
+        const at::Tensor logits = (at::randn({rows, vocab}, gen) * width.unsqueeze(1)).to(dtype);
+        SamplingRows r;
+        for (int64_t i = 0; i < rows; ++i) {
+          const float t = i % 4 == 0 ? 0.0f : i % 4 == 1 ? 0.7f : i % 4 == 2 ? 1.3f : 1.0f;
+          const float min_p = i % 8 == 3 ? 0.05f : i % 8 == 7 ? 0.3f : 0.0f;
+          r.add(t, 1.0f, with_top_k && i == 5 ? 40 : 0, min_p, sampling_uniform(1000 + i, i));
+        }
+        const SampledTokens cpu = sample_tokens(logits.to(at::kFloat), r);
+        const SampledTokens gpu = sample_tokens(logits.to(at::Device("cuda:0")), r);
+        const at::Tensor got = gpu.tokens.cpu(), got_lp = gpu.logprobs.cpu();
+        for (int64_t i = 0; i < rows; ++i) {
+          EXPECT_EQ(got[i].item<int64_t>(), cpu.tokens[i].item<int64_t>()) << "row " << i;
+          // fp32 sums over the vocabulary in another order: ~1e-6 of a log-sum-exp near 20.
+          EXPECT_NEAR(got_lp[i].item<double>(), cpu.logprobs[i].item<double>(), 1e-4) << "row " << i;
+        }
+      }
     }
   }
 }

@@ -46,8 +46,10 @@ struct SampledTokens {
   at::Tensor logprobs;  // fp32 [B]
 };
 
-// logits: fp32 [B, vocab]. Rows whose filters are all off skip the filtering kernels; the sort
-// that top_p needs runs only when some row asks for it.
+// logits: fp32, bf16 or fp16 [B, vocab] (math in fp32). On a GPU of the CUDA build, a batch with
+// no top-k or top-p row is sampled by one kernel (model/cuda/sampler.cu); otherwise ATen ops, where
+// rows whose filters are all off skip the filtering kernels and the sort that top_p needs runs
+// only when some row asks for it. The two paths draw the same tokens up to fp32 rounding.
 SampledTokens sample_tokens(const at::Tensor& logits, const SamplingRows& rows);
 
 }  // namespace tiller::model

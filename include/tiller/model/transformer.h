@@ -93,6 +93,12 @@ struct BlockContext {
   // Tensor parallelism: o_proj and down_proj then hold a slice of their input features, so their
   // outputs are partial sums that this sums over the group, in place, before the residual add.
   std::function<void(at::Tensor&)> reduce_partial_sums;
+  // Inference only (no autograd): each residual add is fused with the RMSNorm that follows it
+  // (add_rms_norm). block_forward then updates its input x in place (the residual stream) and
+  // returns it without the MLP's output, which it leaves in `deferred` for the next block's input
+  // norm; after the last block, add_deferred() or add_rms_norm(x, deferred, final norm) adds it.
+  bool fuse_residual = false;
+  at::Tensor deferred;
 };
 BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
                                 at::ScalarType dtype, DenseKvCache* cache = nullptr,
@@ -103,6 +109,10 @@ BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// x += add in place, then rms_norm(x): one kernel on CUDA. Inference only (no autograd node).
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& add, const at::Tensor& weight, double eps);
+// The residual stream after the last block of a fuse_residual forward: x += ctx.deferred.
+void add_deferred(at::Tensor& x, BlockContext& ctx);
 // silu(gate) * up as one autograd node (its backward: two fused elementwise kernels).
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 // silu(gate) * up from the fused gate/up projection's output [T, 2 I] (gate first): [T, I]. One

@@ -7,29 +7,19 @@
 // per iteration, and every row serves all the block's query heads. K/V arrive in shared memory
 // through a cp.async pipeline; each row group keeps its own online softmax (log2 domain) in
 // registers, and the groups are merged through shared memory at the end.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <algorithm>
-#include <stdexcept>
-#include <string>
 
+#include "engine/cuda/decode_common.cuh"
 #include "engine/cuda/paged_attention.h"
 
 namespace tiller::engine::cuda {
 namespace {
 
+using namespace detail;  // NOLINT(google-build-using-namespace): this file's own helpers
+
 constexpr int kThreads = 128;
 constexpr int kVec = 8;        // elements per lane of a K/V row
 constexpr int kMaxGroup = 4;   // query heads per thread block
-constexpr int kMaxSplits = 16;
-constexpr float kLog2e = 1.4426950408889634f;
-
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + " launch: " + cudaGetErrorString(err));
-}
 
 // A lane's 8 elements of a row as loaded (16 bytes, or 32 in fp32), converted to fp32 when used,
 // so that the loads of two rows are in flight together without holding 32 floats.
@@ -71,20 +61,6 @@ __device__ __forceinline__ void load8(const T* p, float* f) {
   Raw8<T> r;
   load_raw(p, r);
   to_float(r, f);
-}
-
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
-__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half(v); }
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-
-__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool fill) {
-  // 16 bytes global -> shared without registers; fill false writes zeros instead (no read).
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(fill ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 template <int kLanes, int G>
@@ -143,15 +119,12 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(PagedDecode a
   const int group = static_cast<int>(a.heads / a.kv_heads);
   const int chunks = (group + G - 1) / G;
   const int kv_head = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
-  const int b = blockIdx.y, split = blockIdx.z, splits = static_cast<int>(a.splits);
+  const int b = blockIdx.y, split = blockIdx.z;
   const int head0 = kv_head * group + chunk * G;
   const int heads_here = min(G, group - chunk * G);
   const int tid = threadIdx.x, rg = tid / kLanes, lane = tid % kLanes;
-
-  const int len = a.seq_lens[b];
-  const int start = a.window > 0 ? max(0, len - static_cast<int>(a.window)) : 0;
-  const int per = (len - start + splits - 1) / splits;
-  const int lo = start + split * per, hi = min(len, lo + per);
+  const SplitRange range = split_range(a, b, split, 1);
+  const int lo = range.lo, hi = range.hi;
 
   float q[G][kVec], acc[G][kVec], m[G], l[G];
   const T* qp = static_cast<const T*>(a.q) + b * a.q_token_stride + static_cast<int64_t>(head0) * D + lane * kVec;
@@ -223,63 +196,20 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(PagedDecode a
   __syncthreads();
 
   // Merge the row groups.
-  auto* s_m = reinterpret_cast<float(*)[G]>(smem);                                   // [kRows][G]
-  auto* s_l = reinterpret_cast<float(*)[G]>(smem + kRows * G * 4);                   // [kRows][G]
-  auto* s_acc = reinterpret_cast<float(*)[G][D]>(smem + 2 * kRows * G * 4);          // [kRows][G][D]
+  auto* s_m = reinterpret_cast<float*>(smem);                 // [kRows][G]
+  auto* s_l = s_m + kRows * G;                                // [kRows][G]
+  auto* s_acc = s_l + kRows * G;                              // [kRows][G][D]
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     if (lane == 0) {
-      s_m[rg][g] = m[g];
-      s_l[rg][g] = l[g];
+      s_m[rg * G + g] = m[g];
+      s_l[rg * G + g] = l[g];
     }
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) s_acc[rg][g][lane * kVec + i] = acc[g][i];
+    for (int i = 0; i < kVec; ++i) s_acc[(rg * G + g) * D + lane * kVec + i] = acc[g][i];
   }
   __syncthreads();
-  float* ws_o = a.workspace;
-  float* ws_lse = a.workspace + a.batch * a.heads * splits * D;
-  for (int idx = tid; idx < heads_here * D; idx += kThreads) {
-    const int g = idx / D, d = idx % D;
-    float mx = -INFINITY;
-    for (int r = 0; r < kRows; ++r) mx = fmaxf(mx, s_m[r][g]);
-    float sum = 0.f, o = 0.f;
-    if (mx != -INFINITY)
-      for (int r = 0; r < kRows; ++r) {
-        if (s_m[r][g] == -INFINITY) continue;
-        const float w = exp2f(s_m[r][g] - mx);
-        sum = fmaf(s_l[r][g], w, sum);
-        o = fmaf(s_acc[r][g][d], w, o);
-      }
-    const float out = sum > 0.f ? o / sum : 0.f;
-    const int64_t bh = static_cast<int64_t>(b) * a.heads + head0 + g;
-    if (splits == 1) {
-      store(static_cast<T*>(a.out) + bh * D + d, out);
-    } else {
-      ws_o[(bh * splits + split) * D + d] = out;
-      if (d == 0) ws_lse[bh * splits + split] = sum > 0.f ? mx + log2f(sum) : -INFINITY;
-    }
-  }
-}
-
-// One thread block per (sequence, query head): the splits weighted by their log-sum-exp.
-template <class T>
-__global__ void combine_kernel(PagedDecode a) {
-  const int64_t bh = blockIdx.x, splits = a.splits, dim = a.head_dim;
-  const float* ws_o = a.workspace;
-  const float* lse = a.workspace + a.batch * a.heads * splits * dim + bh * splits;
-  float mx = -INFINITY;
-  for (int64_t s = 0; s < splits; ++s) mx = fmaxf(mx, lse[s]);
-  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
-    float sum = 0.f, o = 0.f;
-    if (mx != -INFINITY)
-      for (int64_t s = 0; s < splits; ++s) {
-        if (lse[s] == -INFINITY) continue;
-        const float w = exp2f(lse[s] - mx);
-        sum += w;
-        o = fmaf(w, ws_o[(bh * splits + s) * dim + d], o);
-      }
-    store(static_cast<T*>(a.out) + bh * dim + d, sum > 0.f ? o / sum : 0.f);
-  }
+  store_merged<T, D>(a, s_m, s_l, s_acc, kRows, G, heads_here, head0, b, split);
 }
 
 template <class T>
@@ -307,11 +237,7 @@ void launch_decode(const PagedDecode& a, cudaStream_t stream) {
                   static_cast<unsigned>(a.splits));
   paged_decode_kernel<T, D, G><<<grid, kThreads, 0, stream>>>(a);
   check_launch("paged decode attention");
-  if (a.splits > 1) {
-    combine_kernel<T><<<static_cast<unsigned>(a.batch * a.heads), static_cast<unsigned>(std::min<int64_t>(D, 128)), 0,
-                        stream>>>(a);
-    check_launch("paged decode combine");
-  }
+  launch_combine<T>(a, stream);
 }
 
 template <class T, int D>
@@ -379,11 +305,18 @@ void write_kv(DType dtype, const void* k, const void* v, int64_t k_token_stride,
   check_launch("KV cache write");
 }
 
-int64_t paged_decode_splits(int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_len, int device) {
-  const int64_t tile = group_tile(heads / kv_heads);
-  const int64_t items = std::max<int64_t>(1, batch * kv_heads * ((heads / kv_heads + tile - 1) / tile));
-  const int64_t target = 4 * static_cast<int64_t>(multiprocessors(device));  // a few blocks per SM
-  int64_t splits = std::clamp<int64_t>((target + items - 1) / items, 1, kMaxSplits);
+int64_t paged_decode_splits(DType dtype, int64_t head_dim, int64_t batch, int64_t heads, int64_t kv_heads,
+                            int64_t max_len, int device) {
+  const int64_t group = heads / kv_heads;
+  // Work items: (sequence, KV head) for the tensor-core kernel (4 blocks of 4 warps per SM at
+  // head size 64, 3 at 128), (sequence, KV head, chunk of query heads) for the other (4). Splits
+  // to fill the GPU once, rounded: a combine pass costs more than a few idle SMs.
+  const bool mma = paged_decode_mma_serves(dtype, head_dim, group);
+  const int64_t tile = mma ? group : group_tile(group);
+  const int64_t items = std::max<int64_t>(1, batch * kv_heads * ((group + tile - 1) / tile));
+  const int64_t per_sm = mma && head_dim > 64 ? 3 : 4;
+  const int64_t target = per_sm * static_cast<int64_t>(multiprocessors(device));
+  int64_t splits = std::clamp<int64_t>((target + items / 2) / items, 1, kMaxSplits);
   if (max_len > 0) splits = std::min(splits, std::max<int64_t>(1, max_len / 64));
   return splits;
 }
@@ -397,6 +330,10 @@ void paged_decode_attention(const PagedDecode& a, void* stream) {
   if (a.heads % a.kv_heads || a.splits < 1 || a.splits > kMaxSplits || (a.splits > 1 && !a.workspace))
     throw std::invalid_argument("paged decode attention: bad heads/kv_heads/splits/workspace");
   const auto s = static_cast<cudaStream_t>(stream);
+  if (paged_decode_mma(a, s)) return;
+  if (a.k_new)
+    write_kv(a.dtype, a.k_new, a.v_new, a.k_new_stride, a.v_new_stride, a.k_cache,
+             a.v_cache, a.slots, a.batch, a.kv_heads, a.head_dim, stream);
   switch (a.dtype) {
     case DType::kBFloat16: return dispatch_dim<__nv_bfloat16>(a, s);
     case DType::kHalf: return dispatch_dim<__half>(a, s);

@@ -34,8 +34,8 @@ struct PagedDecode {
   DType dtype = DType::kBFloat16;
   const void* q = nullptr;       // [batch, heads, head_dim]; head stride head_dim
   int64_t q_token_stride = 0;    // elements
-  const void* k_cache = nullptr;
-  const void* v_cache = nullptr;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
   void* out = nullptr;           // [batch, heads, head_dim], contiguous
   const int32_t* seq_lens = nullptr;  // [batch] keys per sequence (cached + this step's); 0: output zeros
   const int32_t* offsets = nullptr;   // [batch] into blocks
@@ -45,18 +45,31 @@ struct PagedDecode {
   float scale = 1.0f;
   int64_t splits = 1;            // KV ranges per (sequence, head group), combined at the end
   float* workspace = nullptr;    // paged_decode_workspace_floats(...) floats when splits > 1
+  // Optional: this step's K and V rows [batch, kv_heads, head_dim] (head stride head_dim, token
+  // strides given, 16-byte aligned rows) and their cache slots (< 0: padding, skipped). The call
+  // then also stores them into the cache — the tensor-core kernel does it in the same launch and
+  // takes each sequence's last key from these rows — so no write_kv is needed.
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  int64_t k_new_stride = 0, v_new_stride = 0;
+  const int32_t* slots = nullptr;
 };
 
 // Split count for a batch: enough (sequence, head group, split) work items to fill the GPU, at
-// most `max_splits`, and (when known, > 0) no split shorter than 32 keys of `max_len`.
-int64_t paged_decode_splits(int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_len, int device);
+// most 16, and (when known, > 0) no split shorter than 64 keys of `max_len`.
+int64_t paged_decode_splits(DType dtype, int64_t head_dim, int64_t batch, int64_t heads, int64_t kv_heads,
+                            int64_t max_len, int device);
 int64_t paged_decode_workspace_floats(int64_t batch, int64_t heads, int64_t head_dim, int64_t splits);
 
 // Causal attention of each sequence's one query (at position seq_len - 1) over its cached keys:
-// split-KV flash decoding. One thread block per (sequence, KV head, group of <= 4 query heads,
-// split); it reads each K/V row once for all its query heads (GQA), keeps the online softmax in
-// fp32, and writes its split's normalised output and log-sum-exp; a second kernel combines the
-// splits.
+// split-KV flash decoding; a second kernel combines the splits by their log-sum-exp. Two kernels:
+// - bf16/fp16 with head size 64 or 128 and 2 to 16 query heads per KV head (GQA): tensor cores.
+//   One thread block per (sequence, KV head, split); its query heads are the rows of one MMA
+//   tile, so each K/V row is read once for all of them; QK^T and PV run as m16n8k16 MMAs with
+//   fp32 accumulation (P rounded to the input type, as flash attention does).
+// - otherwise (fp32, other head sizes, no GQA): CUDA cores, one thread block per (sequence, KV
+//   head, chunk of <= 4 query heads, split), each K/V row read once per chunk.
+// Both keep the online softmax in fp32.
 void paged_decode_attention(const PagedDecode& args, void* stream);
 
 }  // namespace tiller::engine::cuda

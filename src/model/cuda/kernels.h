@@ -22,4 +22,19 @@ void rope(DType dtype, const void* x, const void* cos, const void* sin, void* ou
 void swiglu_packed(DType dtype, const void* x, void* out, int64_t tokens, int64_t width, int64_t x_row_stride,
                    void* stream);
 
+// The residual add and the RMSNorm after it, for rows of width `width` (strides in elements):
+// x = T(x + add) in place, then out = T(x * rsqrt(mean(x^2) + eps) * weight), math in fp32 (what
+// `x + add` then ATen's rms_norm compute). Inference only.
+void add_rms_norm(DType dtype, void* x, const void* add, const void* weight, void* out, int64_t tokens, int64_t width,
+                  int64_t x_stride, int64_t add_stride, int64_t out_stride, float eps, void* stream);
+
+// One token per row of logits [rows, vocab] (row stride given, in elements of `dtype`) for the
+// rows' parameters params [rows][3] (temperature, min_p, u): a temperature of 0 takes the first
+// maximum; otherwise the first token whose cumulative mass passes u times the total, over
+// softmax(logits / temperature) restricted to p >= min_p * p_max (min_p 0: every token) — the
+// ATen sampler's inverse-CDF draw without top-k and top-p. Writes tokens [rows] (int64) and their
+// log-probs under the whole softmax(logits / temperature) [rows] (fp32); math in fp32.
+void sample_rows(DType dtype, const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
+                 const float* params, int64_t* tokens, float* logprobs, void* stream);
+
 }  // namespace tiller::model::cuda

@@ -1,0 +1,322 @@
+// Decode attention on tensor cores (bf16/fp16, head size 64 or 128, 2 to 16 query heads per KV
+// head). See paged_attention.h for the contract.
+//
+// A thread block of 4 warps serves one (sequence, KV head, split). The KV head's query heads
+// are the 16 rows of an m16n8k16 MMA tile (rows past the group are zero), so every K/V row is
+// read once for all of them. The warps take the split's 16-key tiles in turn, each with its own
+// 3-stage cp.async pipeline into XOR-swizzled shared memory (no barriers in the loop, ldmatrix
+// without bank conflicts) and its own online softmax (log2 units, fp32):
+//   S = Q K^T   two n8 tiles of keys x D/16 k-steps, K via ldmatrix;
+//   P = exp2(S - m), rescale O, P rounded to the input type as the A operand of
+//   O += P V    D/8 n8 tiles of the head dimension, V via ldmatrix.trans.
+// The warps' states merge through shared memory at the end (decode_common.cuh).
+#include <cstdint>
+#include <type_traits>
+
+#include "engine/cuda/decode_common.cuh"
+
+namespace tiller::engine::cuda::detail {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kKeys = 16;     // keys per warp tile: N of QK^T (two n8 tiles), K of PV
+constexpr int kTileRows = 16; // query heads per MMA tile
+constexpr unsigned kFull = 0xffffffffu;
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// c += a b for one m16n8k16 tile: a row-major 16x16 (4 registers), b column-major 16x8 (2).
+template <class T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory; lane l gives the address of row
+// l % 8 of matrix l / 8. trans: each lane receives a column pair instead of a row pair.
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Byte offset of 16-byte chunk `col` of key `key` in a [kKeys][D] tile, XOR-swizzled so that the
+// 8 rows an ldmatrix reads at one column lie in 8 different bank groups.
+template <int D>
+__device__ __forceinline__ uint32_t tile_offset(int key, int col) {
+  return static_cast<uint32_t>(key * D * 2 + ((col ^ (key & 7)) << 4));
+}
+
+// Per-warp cp.async pipeline depth, and thread blocks per SM: at head size 128, 2 stages (64 KiB
+// per block) let 3 blocks share an SM, which hides the start-up latency of short contexts better
+// than a third stage does.
+template <int D>
+constexpr int kStagesOf = D <= 64 ? 3 : 2;
+template <int D>
+constexpr int kBlocksPerSm = D <= 64 ? 4 : 3;
+template <int D>
+constexpr int kSmemBytes = kWarps * kStagesOf<D> * 2 * kKeys * D * 2;
+
+template <class T, int D>
+__global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma_kernel(PagedDecode a) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per K/V row
+  constexpr int kTileBytes = kKeys * D * 2;
+  constexpr int kStages = detail::kStagesOf<D>;
+  static_assert(kWarps * kTileRows * (D + 2) * 4 <= kSmemBytes<D>, "the merge reuses the pipeline's memory");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = static_cast<int>(a.heads / a.kv_heads);
+  const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+  const int head0 = kv_head * group;
+  const SplitRange range = split_range(a, b, split, kKeys);
+  const int lo = range.lo, hi = range.hi;
+  const int r = lane / 4, c2 = 2 * (lane % 4);  // this lane's fragment row and column pair
+
+  // Q as the A operand of every k-step: rows are the group's query heads, zero beyond.
+  uint32_t qf[D / 16][4];
+  {
+    const T* qp = static_cast<const T*>(a.q) + b * a.q_token_stride + static_cast<int64_t>(head0) * D;
+    auto ld = [&](int row, int col) {
+      return row < group ? *reinterpret_cast<const uint32_t*>(qp + row * D + col) : 0u;
+    };
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      qf[kk][0] = ld(r, kk * 16 + c2);
+      qf[kk][1] = ld(r + 8, kk * 16 + c2);
+      qf[kk][2] = ld(r, kk * 16 + 8 + c2);
+      qf[kk][3] = ld(r + 8, kk * 16 + 8 + c2);
+    }
+  }
+
+  // This step's K/V rows: the sequence's last key is read from them (never from the cache row
+  // being written), and the first split's block stores them into the cache at the end.
+  const int last = a.k_new ? a.seq_lens[b] - 1 : -1;
+  const T* k_new = last >= 0 ? static_cast<const T*>(a.k_new) + b * a.k_new_stride + kv_head * D : nullptr;
+  const T* v_new = last >= 0 ? static_cast<const T*>(a.v_new) + b * a.v_new_stride + kv_head * D : nullptr;
+  const int32_t* blocks = a.blocks + a.offsets[b];
+  const int64_t row_elems = a.kv_heads * D;
+  const int bs = static_cast<int>(a.block_size);
+  const T* kc = static_cast<const T*>(a.k_cache) + kv_head * D;
+  const T* vc = static_cast<const T*>(a.v_cache) + kv_head * D;
+  const int tiles = hi > lo ? (hi - lo + kKeys - 1) / kKeys : 0;
+  const int mine = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;  // this warp's tiles
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * kStages * 2 * kTileBytes;
+  auto tile_start = [&](int i) { return lo + (warp + i * kWarps) * kKeys; };
+  // Cache slot of key `lane` of this warp's tile i (lanes < kKeys); -1 past the end, -2 for the
+  // step's own key (read from k_new/v_new).
+  auto key_slot = [&](int i) -> int {
+    if (i >= mine || lane >= kKeys) return -1;
+    const int t = tile_start(i) + lane;
+    return t >= hi ? -1 : t == last ? -2 : blocks[t / bs] * bs + t % bs;
+  };
+  auto issue = [&](int i, int slot) {
+    if (i < mine) {  // warp-uniform
+      const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
+#pragma unroll
+      for (int j = 0; j < kKeys * kChunks / 32; ++j) {
+        const int c = lane + 32 * j, key = c / kChunks, col = c % kChunks;
+        const int s = __shfl_sync(kFull, slot, key);
+        const int64_t at = s < 0 ? 0 : static_cast<int64_t>(s) * row_elems + col * 8;
+        const T* k_src = s == -2 ? k_new + col * 8 : kc + at;
+        const T* v_src = s == -2 ? v_new + col * 8 : vc + at;
+        cp_async16(k_tile + tile_offset<D>(key, col), k_src, s != -1);
+        cp_async16(v_tile + tile_offset<D>(key, col), v_src, s != -1);
+      }
+    }
+    cp_async_commit();
+  };
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;  // rows r and r + 8
+  const float qscale = a.scale * kLog2e;
+
+  // The slots of a tile are looked up one iteration before its copies are issued, so the block
+  // id loads are in flight while the warp computes; those of the first tiles all at once.
+  int first[kStages];
+#pragma unroll
+  for (int i = 0; i < kStages; ++i) first[i] = key_slot(i);
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i, first[i]);
+  int next = first[kStages - 1];
+  for (int i = 0; i < mine; ++i) {
+    issue(i + kStages - 1, next);
+    next = key_slot(i + kStages);
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
+
+    float s[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      // Matrices: keys 0-7 at chunks 2kk, 2kk+1; keys 8-15 at the same (b0, b1 of each n8 tile).
+      const int mat = lane / 8, key = (mat >> 1) * 8 + lane % 8, col = 2 * kk + (mat & 1);
+      uint32_t kb[4];
+      ldsm_x4(k_tile + tile_offset<D>(key, col), kb);
+      mma16816<T>(s[0], qf[kk], kb[0], kb[1]);
+      mma16816<T>(s[1], qf[kk], kb[2], kb[3]);
+    }
+
+    const int t0 = tile_start(i);
+    float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool ok = t0 + n * 8 + c2 + e < hi;
+        s[n][e] = ok ? s[n][e] * qscale : -INFINITY;
+        s[n][2 + e] = ok ? s[n][2 + e] * qscale : -INFINITY;
+        mx_lo = fmaxf(mx_lo, s[n][e]);
+        mx_hi = fmaxf(mx_hi, s[n][2 + e]);
+      }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {  // the 4 lanes of a row
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(kFull, mx_lo, off));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(kFull, mx_hi, off));
+    }
+    // The tile's first key is valid, so the maxima are finite from here on.
+    const float alpha_lo = exp2f(m_lo - mx_lo), alpha_hi = exp2f(m_hi - mx_hi);
+    m_lo = mx_lo;
+    m_hi = mx_hi;
+    float p[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      p[n][0] = exp2f(s[n][0] - mx_lo);
+      p[n][1] = exp2f(s[n][1] - mx_lo);
+      p[n][2] = exp2f(s[n][2] - mx_hi);
+      p[n][3] = exp2f(s[n][3] - mx_hi);
+    }
+    l_lo = fmaf(l_lo, alpha_lo, (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
+    l_hi = fmaf(l_hi, alpha_hi, (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]));
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][0] *= alpha_lo;
+      o[n][1] *= alpha_lo;
+      o[n][2] *= alpha_hi;
+      o[n][3] *= alpha_hi;
+    }
+    // The S accumulators of the two key tiles are exactly P's A fragment for k = 16 keys.
+    const uint32_t pa[4] = {pack2<T>(p[0][0], p[0][1]), pack2<T>(p[0][2], p[0][3]), pack2<T>(p[1][0], p[1][1]),
+                            pack2<T>(p[1][2], p[1][3])};
+#pragma unroll
+    for (int n = 0; n < D / 8; n += 2) {
+      // Matrices (transposed): keys 0-7 and 8-15 at chunk n, then at chunk n + 1.
+      const int mat = lane / 8, key = (mat & 1) * 8 + lane % 8, col = n + (mat >> 1);
+      uint32_t vb[4];
+      ldsm_x4_trans(v_tile + tile_offset<D>(key, col), vb);
+      mma16816<T>(o[n], pa, vb[0], vb[1]);
+      mma16816<T>(o[n + 1], pa, vb[2], vb[3]);
+    }
+    __syncwarp();  // every lane has read this stage before it is refilled
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Merge the warps: each row's sum over its 4 lanes, then the shared-memory merge.
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l_lo += __shfl_xor_sync(kFull, l_lo, off);
+    l_hi += __shfl_xor_sync(kFull, l_hi, off);
+  }
+  auto* s_m = reinterpret_cast<float*>(smem);  // [kWarps][kTileRows]
+  float* s_l = s_m + kWarps * kTileRows;       // [kWarps][kTileRows]
+  float* s_acc = s_l + kWarps * kTileRows;     // [kWarps][kTileRows][D]
+  const int row_lo = warp * kTileRows + r, row_hi = row_lo + 8;
+  if (lane % 4 == 0) {
+    s_m[row_lo] = m_lo;
+    s_m[row_hi] = m_hi;
+    s_l[row_lo] = l_lo;
+    s_l[row_hi] = l_hi;
+  }
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    s_acc[row_lo * D + n * 8 + c2] = o[n][0];
+    s_acc[row_lo * D + n * 8 + c2 + 1] = o[n][1];
+    s_acc[row_hi * D + n * 8 + c2] = o[n][2];
+    s_acc[row_hi * D + n * 8 + c2 + 1] = o[n][3];
+  }
+  __syncthreads();
+  store_merged<T, D>(a, s_m, s_l, s_acc, kWarps, kTileRows, group, head0, b, split);
+  if (last >= 0 && split == 0 && warp == 0 && lane < kChunks) {
+    const int slot = a.slots[b];
+    if (slot >= 0) {
+      const int64_t at = static_cast<int64_t>(slot) * a.kv_heads * D + kv_head * D + lane * 8;
+      reinterpret_cast<uint4*>(static_cast<T*>(a.k_cache) + at)[0] =
+          reinterpret_cast<const uint4*>(k_new + lane * 8)[0];
+      reinterpret_cast<uint4*>(static_cast<T*>(a.v_cache) + at)[0] =
+          reinterpret_cast<const uint4*>(v_new + lane * 8)[0];
+    }
+  }
+}
+
+template <class T, int D>
+void launch(const PagedDecode& a, cudaStream_t stream) {
+  constexpr int kSmem = kSmemBytes<D>;
+  if constexpr (kSmem > 48 * 1024) {
+    // Above the default 48 KiB of dynamic shared memory: opt in, once per device.
+    static bool done[64] = {};
+    int device = 0;
+    cudaGetDevice(&device);
+    if (device < 0 || device >= 64 || !done[device]) {
+      const cudaError_t err =
+          cudaFuncSetAttribute(paged_decode_mma_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+      if (err != cudaSuccess)
+        throw std::runtime_error("paged decode attention: cannot reserve " + std::to_string(kSmem) +
+                                 " bytes of shared memory: " + cudaGetErrorString(err));
+      if (device >= 0 && device < 64) done[device] = true;
+    }
+  }
+  const dim3 grid(static_cast<unsigned>(a.kv_heads), static_cast<unsigned>(a.batch), static_cast<unsigned>(a.splits));
+  paged_decode_mma_kernel<T, D><<<grid, kWarps * 32, kSmem, stream>>>(a);
+  check_launch("paged decode attention (tensor cores)");
+  launch_combine<T>(a, stream);
+}
+
+template <class T>
+void dispatch_dim(const PagedDecode& a, cudaStream_t stream) {
+  if (a.head_dim == 64) return launch<T, 64>(a, stream);
+  return launch<T, 128>(a, stream);
+}
+
+}  // namespace
+
+bool paged_decode_mma_serves(DType dtype, int64_t head_dim, int64_t group) {
+  return dtype != DType::kFloat && (head_dim == 64 || head_dim == 128) && group >= 2 && group <= kTileRows;
+}
+
+bool paged_decode_mma(const PagedDecode& a, cudaStream_t stream) {
+  if (!paged_decode_mma_serves(a.dtype, a.head_dim, a.heads / a.kv_heads)) return false;
+  if (a.dtype == DType::kBFloat16)
+    dispatch_dim<__nv_bfloat16>(a, stream);
+  else
+    dispatch_dim<__half>(a, stream);
+  return true;
+}
+
+}  // namespace tiller::engine::cuda::detail

@@ -1,0 +1,189 @@
+// The decode-attention kernels on their own, against fp32 attention computed with ATen from the
+// same inputs: every dtype, both kernels (tensor cores for bf16/fp16 query-head groups, CUDA
+// cores otherwise), ragged shuffled block lists, block sizes that do not divide the lengths,
+// windows, empty sequences, a strided query, split counts from 1 to 16, and the step's own K/V
+// rows stored by the call.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+
+#ifdef TILLER_HAVE_CUDA_KERNELS
+#include <c10/cuda/CUDAStream.h>
+
+#include "engine/cuda/paged_attention.h"
+#endif
+
+namespace tiller::engine {
+namespace {
+
+#ifdef TILLER_HAVE_CUDA_KERNELS
+struct DecodeCase {
+  at::ScalarType dtype;
+  int64_t head_dim, heads, kv_heads, block_size, window;
+};
+
+cuda::DType kernel_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? cuda::DType::kBFloat16 : t == at::kHalf ? cuda::DType::kHalf : cuda::DType::kFloat;
+}
+
+// Max and mean absolute difference of the kernel's output from the fp32 reference, for one case
+// at one split count (0: the engine's choice for the batch). With `step_rows`, each sequence's
+// last K/V row is passed as this step's (k_new/v_new) while its cache row holds garbage: the
+// call must store the row into the cache and attend to the new values.
+std::pair<double, double> decode_error(const DecodeCase& c, int64_t splits_wanted, uint64_t seed, bool step_rows) {
+  const at::Device dev("cuda:0");
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+  std::mt19937_64 rng(seed);
+  const std::vector<int32_t> lens = {1, 0, 16, 17, 255, 300, 64, 5, 129, 1000};
+  const auto batch = static_cast<int64_t>(lens.size());
+  std::vector<int32_t> offsets, blocks;
+  int64_t total_blocks = 0;
+  for (int32_t len : lens) total_blocks += (len + c.block_size - 1) / c.block_size + 1;
+  std::vector<int32_t> ids(static_cast<size_t>(total_blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  size_t next = 0;
+  for (int32_t len : lens) {
+    offsets.push_back(static_cast<int32_t>(blocks.size()));
+    for (int64_t i = 0; i < (len + c.block_size - 1) / c.block_size; ++i) blocks.push_back(ids[next++]);
+  }
+  const int64_t slots = total_blocks * c.block_size, dim = c.head_dim;
+  at::manual_seed(seed);
+  const at::Tensor k_cache = at::randn({slots, c.kv_heads, dim}, fp32).to(c.dtype);
+  const at::Tensor v_cache = at::randn({slots, c.kv_heads, dim}, fp32).to(c.dtype);
+  const at::Tensor kf = k_cache.to(at::kFloat), vf = v_cache.to(at::kFloat);  // the reference's
+  // This step's rows, as views of wider rows; their cache rows overwritten with garbage.
+  std::vector<int32_t> last_slot;
+  for (size_t b = 0; b < lens.size(); ++b) {
+    const int32_t t = lens[b] - 1;
+    last_slot.push_back(t < 0 ? -1 : blocks[static_cast<size_t>(offsets[b] + t / c.block_size)] * c.block_size +
+                                         t % c.block_size);
+  }
+  const at::Tensor step_kv = at::zeros({batch, 3 * c.kv_heads * dim}, fp32.dtype(c.dtype));
+  const at::Tensor k_new = step_kv.narrow(1, 0, c.kv_heads * dim).view({batch, c.kv_heads, dim});
+  const at::Tensor v_new = step_kv.narrow(1, 2 * c.kv_heads * dim, c.kv_heads * dim).view({batch, c.kv_heads, dim});
+  if (step_rows)
+    for (int64_t b = 0; b < batch; ++b) {
+      const int32_t slot = last_slot[static_cast<size_t>(b)];
+      if (slot < 0) continue;
+      k_new[b].copy_(k_cache[slot]);
+      v_new[b].copy_(v_cache[slot]);
+      k_cache[slot].fill_(100.0);
+      v_cache[slot].fill_(-100.0);
+    }
+  // The query as a view of a wider row (like the fused QKV projection's output).
+  const at::Tensor qkv = at::randn({batch, (c.heads + 2 * c.kv_heads) * dim}, fp32).to(c.dtype);
+  const at::Tensor q = qkv.narrow(1, 0, c.heads * dim).view({batch, c.heads, dim});
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+
+  auto i32 = [&](const std::vector<int32_t>& v) {
+    return at::tensor(v, at::TensorOptions().dtype(at::kInt)).to(dev);
+  };
+  const at::Tensor d_lens = i32(lens), d_offsets = i32(offsets), d_blocks = i32(blocks), d_slots = i32(last_slot);
+  const int64_t max_len = *std::max_element(lens.begin(), lens.end());
+  cuda::PagedDecode a;
+  a.dtype = kernel_dtype(c.dtype);
+  a.q = q.data_ptr();
+  a.q_token_stride = qkv.stride(0);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  const at::Tensor out = at::full({batch, c.heads, dim}, 7.0, fp32.dtype(c.dtype));
+  a.out = out.data_ptr();
+  a.seq_lens = d_lens.data_ptr<int32_t>();
+  a.offsets = d_offsets.data_ptr<int32_t>();
+  a.blocks = d_blocks.data_ptr<int32_t>();
+  a.batch = batch;
+  a.heads = c.heads;
+  a.kv_heads = c.kv_heads;
+  a.head_dim = dim;
+  a.block_size = c.block_size;
+  a.window = c.window;
+  a.scale = static_cast<float>(scale);
+  a.splits = splits_wanted > 0 ? splits_wanted
+                               : cuda::paged_decode_splits(a.dtype, dim, batch, c.heads, c.kv_heads, max_len, 0);
+  at::Tensor ws;
+  if (a.splits > 1) {
+    ws = at::empty({cuda::paged_decode_workspace_floats(batch, c.heads, dim, a.splits)}, fp32);
+    a.workspace = ws.data_ptr<float>();
+  }
+  if (step_rows) {
+    a.k_new = k_new.data_ptr();
+    a.v_new = v_new.data_ptr();
+    a.k_new_stride = k_new.stride(0);
+    a.v_new_stride = v_new.stride(0);
+    a.slots = d_slots.data_ptr<int32_t>();
+  }
+  cuda::paged_decode_attention(a, c10::cuda::getCurrentCUDAStream(0).stream());
+  if (step_rows) {  // the step's rows are in the cache now
+    const at::Tensor idx = at::tensor(last_slot, at::kLong).clamp_min(0).to(dev);
+    const at::Tensor had = d_lens.gt(0);
+    EXPECT_TRUE(at::equal(k_cache.index_select(0, idx).index({had}), k_new.index({had})));
+    EXPECT_TRUE(at::equal(v_cache.index_select(0, idx).index({had}), v_new.index({had})));
+  }
+
+  // Reference: gather each sequence's keys, attention in fp32.
+  const at::Tensor qf = q.to(at::kFloat);
+  const at::Tensor got = out.to(at::kFloat);
+  double max_err = 0, sum_err = 0;
+  const int64_t group = c.heads / c.kv_heads;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = lens[static_cast<size_t>(b)];
+    const int64_t start = c.window > 0 ? std::max<int64_t>(0, len - c.window) : 0;
+    at::Tensor want = at::zeros({c.heads, dim}, fp32);
+    if (len > 0) {
+      std::vector<int64_t> rows;
+      for (int64_t t = start; t < len; ++t)
+        rows.push_back(blocks[static_cast<size_t>(offsets[static_cast<size_t>(b)] + t / c.block_size)] * c.block_size +
+                       t % c.block_size);
+      const at::Tensor idx = at::tensor(rows, at::kLong).to(dev);
+      const at::Tensor kb = kf.index_select(0, idx).repeat_interleave(group, 1);  // [n, heads, dim]
+      const at::Tensor vb = vf.index_select(0, idx).repeat_interleave(group, 1);
+      const at::Tensor scores = at::einsum("hd,nhd->hn", {qf[b], kb}) * scale;
+      want = at::einsum("hn,nhd->hd", {scores.softmax(1), vb});
+    }
+    const at::Tensor err = (got[b] - want).abs();
+    max_err = std::max(max_err, err.max().item<double>());
+    sum_err += err.sum().item<double>();
+  }
+  return {max_err, sum_err / static_cast<double>(batch * c.heads * dim)};
+}
+#endif
+
+TEST(EngineGpu, PagedDecodeKernelsEqualFp32Attention) {
+#ifndef TILLER_HAVE_CUDA_KERNELS
+  GTEST_SKIP() << "not the CUDA build";
+#else
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<DecodeCase> cases = {
+      // Tensor cores: Qwen2-7B's group of 7 at 128, Qwen2-0.5B's 7 at 64, groups of 2 and 16.
+      {at::kBFloat16, 128, 28, 4, 16, 0},  {at::kBFloat16, 64, 14, 2, 16, 0}, {at::kHalf, 128, 8, 4, 5, 0},
+      {at::kBFloat16, 64, 16, 1, 7, 100},  {at::kHalf, 64, 14, 2, 16, 37},
+      // CUDA cores: fp32, no GQA, head sizes the tensor-core kernel does not take.
+      {at::kFloat, 128, 28, 4, 16, 0},     {at::kBFloat16, 128, 4, 4, 16, 0}, {at::kBFloat16, 256, 8, 2, 16, 0},
+      {at::kFloat, 64, 14, 2, 5, 37},      {at::kHalf, 32, 6, 2, 3, 0},
+  };
+  for (const DecodeCase& c : cases) {
+    for (int64_t splits : {0, 1, 3, 16}) {
+      const bool step_rows = splits != 1;
+      SCOPED_TRACE(::testing::Message() << c10::toString(c.dtype) << " head_dim " << c.head_dim << " heads "
+                                        << c.heads << "/" << c.kv_heads << " block " << c.block_size << " window "
+                                        << c.window << " splits " << splits << (step_rows ? " step rows" : ""));
+      const auto [max_err, mean_err] = decode_error(c, splits, 11 + static_cast<uint64_t>(splits), step_rows);
+      // fp32: summation order only. bf16/fp16: the inputs are exact in both paths, so what
+      // remains is P rounded to the input type and the rounded output (~2^-8 relative in bf16).
+      const bool fp32 = c.dtype == at::kFloat;
+      EXPECT_LT(max_err, fp32 ? 2e-5 : c.dtype == at::kHalf ? 4e-3 : 2e-2);
+      EXPECT_LT(mean_err, fp32 ? 2e-6 : c.dtype == at::kHalf ? 5e-4 : 3e-3);
+    }
+  }
+#endif
+}
+
+}  // namespace
+}  // namespace tiller::engine
