@@ -7,28 +7,14 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
+#include "model/cuda/convert.cuh"
 #include "model/cuda/kernels.h"
 
 namespace tiller::model::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(float v) { return v; }
-template <class T>
-__device__ __forceinline__ T from_f(float v) {
-  if constexpr (sizeof(T) == 4) {
-    return v;
-  } else if constexpr (std::is_same_v<T, __half>) {
-    return __float2half(v);
-  } else {
-    return __float2bfloat16(v);
-  }
-}
 
 template <class T, int kVec>
 struct Pack {

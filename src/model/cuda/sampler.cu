@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "model/cuda/convert.cuh"
 #include "model/cuda/kernels.h"
 
 namespace tiller::model::cuda {
@@ -26,10 +27,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kPer = 8;  // consecutive tokens per thread and load
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFull = 0xffffffffu;
-
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(float x) { return x; }
 
 // Eight consecutive logits from `i` (all in range when `vec`: a 16-byte-aligned row whose length
 // is a multiple of 8, read with wide loads), converted to fp32; past the end: -inf.
@@ -42,10 +39,10 @@ __device__ __forceinline__ void load8(const T* x, int i, int n, bool vec, float 
     for (int j = 0; j < kLoads; ++j) raw[j] = reinterpret_cast<const uint4*>(x + i)[j];
     const T* e = reinterpret_cast<const T*>(raw);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = to_float(e[j]);
+    for (int j = 0; j < 8; ++j) v[j] = to_f(e[j]);
   } else {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = i + j < n ? to_float(x[i + j]) : -INFINITY;
+    for (int j = 0; j < 8; ++j) v[j] = i + j < n ? to_f(x[i + j]) : -INFINITY;
   }
 }
 
@@ -123,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const T* logits, 
     for (int w = 0; w < kWarps; ++w) {
       merge_lse(wm, ws, s_a[w], s_b[w]);
       const int i = s_i[w];
-      const float v = i < n ? to_float(x[i]) : -INFINITY;
+      const float v = i < n ? to_f(x[i]) : -INFINITY;
       if (i < n && (v > wb || (v == wb && i < wi))) {
         wb = v;
         wi = i;
@@ -137,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const T* logits, 
   auto write = [&](int token) {
     if (tid == 0) {
       tokens[row] = token;
-      logprobs[row] = (to_float(x[token]) * k - lse2) / kLog2e;
+      logprobs[row] = (to_f(x[token]) * k - lse2) / kLog2e;
     }
   };
   if (greedy) return write(arg);

@@ -8,22 +8,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "model/cuda/convert.cuh"
 #include "model/cuda/kernels.h"
 
 namespace tiller::model::cuda {
 namespace {
-
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(float v) { return v; }
-template <class T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16(v); }
-template <>
-__device__ __forceinline__ __half from_f(float v) { return __float2half(v); }
-template <>
-__device__ __forceinline__ float from_f(float v) { return v; }
 
 // kVec elements per thread (16 bytes) when the row allows it, else 1.
 template <class T, int kVec>

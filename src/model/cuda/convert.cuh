@@ -1,0 +1,23 @@
+// Element conversions shared by the model's CUDA kernels: fp32 math on bf16/fp16/fp32 storage.
+// CUDA translation units only.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace tiller::model::cuda {
+
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(float v) { return v; }
+
+template <class T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16(v); }
+template <>
+__device__ __forceinline__ __half from_f(float v) { return __float2half(v); }
+template <>
+__device__ __forceinline__ float from_f(float v) { return v; }
+
+}  // namespace tiller::model::cuda
