@@ -28,6 +28,7 @@ struct GenBenchOptions {
   int64_t batch = 64, prompt = 128, new_tokens = 256, block_size = 16;
   double hbm_gbps = 4300;  // measured H200 copy bandwidth (DESIGN.md §7), for the floor
   bool no_cuda_graphs = false;
+  bool no_async = false;
   std::string profile;
   int64_t profile_steps = 5;
 };
@@ -48,6 +49,7 @@ int run_bench_generate(const GenBenchOptions& o) {
   eo.limits.max_batched_tokens = std::max<int64_t>(8192, o.prompt * std::min<int64_t>(o.batch, 64));
   if (device == "cpu") eo.kv_cache_gb = 4;
   eo.cuda_graphs = !o.no_cuda_graphs;
+  eo.async_scheduling = !o.no_async;
   engine::Engine e(cfg, std::move(w), eo);
 
   std::mt19937_64 rng(1);
@@ -108,6 +110,8 @@ int run_bench_generate(const GenBenchOptions& o) {
                            {"x_floor", floor_ms > 0 ? step_ms / floor_ms : 0},
                            {"paged_decode", e.paged_decode()},
                            {"cuda_graphs", e.cuda_graphs()},
+                           {"async_scheduling", eo.async_scheduling},
+                           {"launched_ahead", stats.launched_ahead - steps_before.launched_ahead},
                            {"preemptions", stats.preemptions - steps_before.preemptions},
                            {"kv_blocks", stats.kv_blocks_total}};
   if (!o.profile.empty()) {  // the same batch again, a few decode steps under the profiler
@@ -157,6 +161,8 @@ void add_bench_generate(CLI::App* bench, Runner& run) {
   g->add_option("--hbm-gbps", o->hbm_gbps, "Memory bandwidth for the floor, GB/s");
   g->add_option("--out", o->out, "Also write the JSON here");
   g->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "Run decode steps eagerly");
+  g->add_flag("--no-async-scheduling", o->no_async,
+              "Wait for each step's draws before launching the next (no host/GPU overlap)");
   g->add_option("--profile", o->profile, "Write a Chrome trace of --profile-steps decode steps here");
   g->add_option("--profile-steps", o->profile_steps, "Decode steps in the trace")->check(CLI::Range(1, 100));
   g->callback([&run, o] { run = [o] { return run_bench_generate(*o); }; });

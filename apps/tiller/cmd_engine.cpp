@@ -31,6 +31,7 @@ struct EngineCmdOptions {
   engine::EngineOptions engine;
   bool no_chunked_prefill = false;
   bool no_cuda_graphs = false;
+  bool no_async = false;
   double timeout_s = 120;
 };
 
@@ -57,6 +58,7 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
   }
   o.engine.limits.chunked_prefill = !o.no_chunked_prefill;
   o.engine.cuda_graphs = !o.no_cuda_graphs;
+  o.engine.async_scheduling = !o.no_async;
   dist::Communicator* tp = o.tp > 1 ? &rc.comm() : nullptr;
   if (tp) tp->set_timeout(o.timeout_s);
   engine::EngineWeights w = engine::load_engine_weights(o.model, env.rank(), o.tp, o.dtype, o.engine.device);
@@ -138,6 +140,8 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
       ->check(CLI::Range(1, 1 << 24));
   cmd->add_flag("--no-chunked-prefill", o->no_chunked_prefill, "Prefill each prompt in one step");
   cmd->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "Run decode steps eagerly (no CUDA graphs)");
+  cmd->add_flag("--no-async-scheduling", o->no_async,
+                "Wait for each step's draws before launching the next (no host/GPU overlap)");
   cmd->add_option("--max-graph-batch", o->engine.max_graph_batch,
                   "Largest decode batch replayed from a CUDA graph (default: max-num-seqs, at most 512)")
       ->check(CLI::Range(1, 1 << 16));

@@ -200,6 +200,7 @@ ServerStats EngineClient::stats() {
   s.engine.generated_tokens = r.generated_tokens();
   s.engine.preemptions = r.preemptions();
   s.engine.requests_finished = r.requests_finished();
+  s.engine.launched_ahead = r.launched_ahead();
   s.kv_cache_usage = r.kv_cache_usage();
   s.tokens_per_second = r.tokens_per_second();
   s.weight_version = r.weight_version();

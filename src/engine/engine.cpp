@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <optional>
+#include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -40,6 +42,16 @@ struct Sequence {
 struct RequestState {
   Request req;
   int64_t live = 0;  // sequences not finished (forks count once created)
+};
+
+// A step on the device whose draws the host has not taken yet.
+struct InFlight {
+  struct Draw {
+    int64_t seq;
+    int64_t fork;  // 0: the sequence itself; j > 0: its j-th new sample
+  };
+  std::vector<Draw> draws;  // in the runner's sample-row order
+  int64_t prefill_tokens = 0;
 };
 
 void insert_by_age(std::vector<int64_t>& ids, int64_t id) {
@@ -80,14 +92,28 @@ struct Engine::Impl {
   std::vector<SampleOutput> aborted;  // returned by the next step()
   int64_t next_id = 0;
   EngineStats stats;
+  // Asynchronous scheduling: the step launched ahead of the host, collected by the next step().
+  std::optional<InFlight> in_flight;
 
   bool leader() const { return !tp || tp->rank() == 0; }
   bool tensor_parallel() const { return tp && tp->size() > 1; }
   at::Device device() const { return runner->device(); }
 
+  bool async() const { return opts.async_scheduling && !tensor_parallel(); }
+
   void broadcast(Message kind, std::vector<int64_t> words);
   void validate(const Request& r) const;
   SampleOutput finish(Sequence& s, const char* reason);
+  // The scheduler's plan for the next step, applied (preemptions, admissions).
+  StepPlan schedule_now();
+  // KV slots for every chunk of `plan`, the batch, and the launch. `pending` maps a sequence to
+  // its draw in the step in flight, whose token it computes this step.
+  InFlight launch(const StepPlan& plan, const std::unordered_map<int64_t, int64_t>& pending);
+  // The next step launched before `f` is collected, when it is a decode of sequences whose
+  // tokens the host need not see first: no forks in `f`, nothing preempted or admitted.
+  std::optional<InFlight> launch_ahead(const InFlight& f);
+  // Takes `f`'s draws: forks, tokens, stops and lengths; finished samples go to `done`.
+  void collect(const InFlight& f, std::vector<SampleOutput>& done);
 };
 
 void Engine::Impl::broadcast(Message kind, std::vector<int64_t> words) {
@@ -254,7 +280,7 @@ bool Engine::abort(uint64_t id) {
   return true;
 }
 
-bool Engine::has_work() const { return !impl_->seqs.empty() || !impl_->aborted.empty(); }
+bool Engine::has_work() const { return !impl_->seqs.empty() || !impl_->aborted.empty() || impl_->in_flight; }
 
 EngineStats Engine::stats() const {
   EngineStats s = impl_->stats;
@@ -264,121 +290,186 @@ EngineStats Engine::stats() const {
   return s;
 }
 
-std::vector<SampleOutput> Engine::step() {
-  Impl& m = *impl_;
-  TILLER_CHECK(m.leader() && !m.shut_down, "step() on a TP follower or after shutdown()");
-  std::vector<SampleOutput> done = std::move(m.aborted);
-  m.aborted.clear();
-  if (m.seqs.empty()) return done;
-  const auto t0 = std::chrono::steady_clock::now();
-
-  std::vector<SeqState> running, waiting;
-  for (int64_t id : m.running) {
-    const Sequence& s = m.seqs.at(id);
-    running.push_back({id, static_cast<int64_t>(s.tokens.size()), s.num_computed, &s.table, 1 + s.pending_forks});
+StepPlan Engine::Impl::schedule_now() {
+  std::vector<SeqState> run_states, wait_states;
+  for (int64_t id : running) {
+    const Sequence& s = seqs.at(id);
+    run_states.push_back({id, static_cast<int64_t>(s.tokens.size()), s.num_computed, &s.table, 1 + s.pending_forks});
   }
-  for (int64_t id : m.waiting) {
-    const Sequence& s = m.seqs.at(id);
-    waiting.push_back({id, static_cast<int64_t>(s.tokens.size()), 0, nullptr, 1 + s.pending_forks});
+  for (int64_t id : waiting) {
+    const Sequence& s = seqs.at(id);
+    wait_states.push_back({id, static_cast<int64_t>(s.tokens.size()), 0, nullptr, 1 + s.pending_forks});
   }
-  const StepPlan plan = schedule(m.opts.limits, running, waiting, *m.kv);
+  StepPlan plan = schedule(opts.limits, run_states, wait_states, *kv);
   for (int64_t id : plan.preempted) {
-    Sequence& s = m.seqs.at(id);
-    m.kv->release(s.table);
+    Sequence& s = seqs.at(id);
+    kv->release(s.table);
     s.num_computed = 0;
     ++s.preemptions;
-    ++m.stats.preemptions;
-    erase_id(m.running, id);
-    insert_by_age(m.waiting, id);
+    ++stats.preemptions;
+    erase_id(running, id);
+    insert_by_age(waiting, id);
   }
   for (int64_t id : plan.admitted) {
-    erase_id(m.waiting, id);
-    insert_by_age(m.running, id);
+    erase_id(waiting, id);
+    insert_by_age(running, id);
   }
   TILLER_CHECK(!plan.chunks.empty(), "the scheduler found nothing to run ({} running, {} waiting, {} free blocks)",
-               m.running.size(), m.waiting.size(), m.kv->num_free());
+               running.size(), waiting.size(), kv->num_free());
+  return plan;
+}
 
+InFlight Engine::Impl::launch(const StepPlan& plan, const std::unordered_map<int64_t, int64_t>& pending) {
   StepBatch b;
-  struct Draw {
-    int64_t seq;
-    int64_t fork;  // 0: the sequence itself; j > 0: its j-th new sample
-  };
-  std::vector<Draw> draws;
+  InFlight f;
   for (const auto& c : plan.chunks) {
-    Sequence& s = m.seqs.at(c.id);
+    Sequence& s = seqs.at(c.id);
     TILLER_CHECK(c.start == s.num_computed, "chunk of sequence {} starts at {}, {} computed", c.id, c.start,
                  s.num_computed);
-    TILLER_CHECK(m.kv->append(s.table, c.count, b.copies), "no KV blocks for a scheduled chunk of sequence {}", c.id);
+    TILLER_CHECK(kv->append(s.table, c.count, b.copies), "no KV blocks for a scheduled chunk of sequence {}", c.id);
+    const auto known = static_cast<int64_t>(s.tokens.size());
+    const auto draw = pending.find(c.id);
+    const int64_t total = known + (draw != pending.end() ? 1 : 0);
+    TILLER_CHECK(c.start + c.count <= total, "chunk of sequence {} ends at {}, past its {} tokens", c.id,
+                 c.start + c.count, total);
     const int64_t row0 = b.num_tokens();
-    for (int64_t j = 0; j < c.count; ++j) {
-      b.tokens.push_back(s.tokens[c.start + j]);
-      b.positions.push_back(c.start + j);
+    for (int64_t pos = c.start; pos < c.start + c.count; ++pos) {
+      if (pos == known) {  // the token the step in flight draws
+        b.prev_rows.push_back(b.num_tokens());
+        b.prev_draws.push_back(draw->second);
+      }
+      b.tokens.push_back(pos < known ? s.tokens[pos] : 0);
+      b.positions.push_back(pos);
     }
     b.lens_q.push_back(c.count);
     b.lens_k.push_back(c.start + c.count);
     b.tables.push_back(s.table.blocks);
-    if (c.start + c.count < static_cast<int64_t>(s.tokens.size())) continue;  // prefill continues next step
-    const model::SamplingParams& p = m.requests.at(s.request).req.params;
-    const auto generated = static_cast<int64_t>(s.tokens.size()) - s.prompt_len;
+    s.num_computed += c.count;
+    if (c.count != 1 || c.start < s.prompt_len) f.prefill_tokens += c.count;
+    if (c.start + c.count < total) continue;  // prefill continues next step
+    const model::SamplingParams& p = requests.at(s.request).req.params;
+    const int64_t generated = total - s.prompt_len;
     for (int64_t j = 0; j <= s.pending_forks; ++j) {
       b.sample_rows.push_back(row0 + c.count - 1);
       b.sampling.add(p.greedy ? 0.0f : static_cast<float>(p.temperature), static_cast<float>(p.top_p), p.top_k,
                      static_cast<float>(p.min_p), model::sampling_uniform(p.seed + s.sample + j, generated));
-      draws.push_back({c.id, j});
+      f.draws.push_back({c.id, j});
     }
   }
-  if (m.tensor_parallel()) m.broadcast(Message::kStep, b.encode());
-  const ModelRunner::Sampled drawn = m.runner->run(b, /*sample=*/true);
-  m.stats.last_step_prefill_tokens = 0;
-  for (const auto& c : plan.chunks) {
-    Sequence& s = m.seqs.at(c.id);
-    const bool decode = c.count == 1 && c.start >= s.prompt_len;
-    if (!decode) m.stats.last_step_prefill_tokens += c.count;
-    s.num_computed += c.count;
+  if (tensor_parallel()) broadcast(Message::kStep, b.encode());
+  runner->launch(b, /*sample=*/true);
+  return f;
+}
+
+std::optional<InFlight> Engine::Impl::launch_ahead(const InFlight& f) {
+  if (!async()) return std::nullopt;
+  std::unordered_map<int64_t, int64_t> pending;  // sequence -> its draw in `f`
+  for (size_t i = 0; i < f.draws.size(); ++i) {
+    if (f.draws[i].fork != 0) return std::nullopt;  // the forks exist only once the draw is seen
+    pending.emplace(f.draws[i].seq, static_cast<int64_t>(i));
   }
+  // The state after `f` as far as the host can know it: every draw appended, the samples that
+  // reach max_new_tokens gone. A stop token is seen only when `f` is collected; that sample's
+  // row in the step launched here is then dropped.
+  std::vector<SeqState> run_states, wait_states;
+  for (int64_t id : running) {
+    const Sequence& s = seqs.at(id);
+    const bool drawn = pending.count(id) > 0;
+    const int64_t tokens = static_cast<int64_t>(s.tokens.size()) + (drawn ? 1 : 0);
+    if (drawn && tokens - s.prompt_len >= requests.at(s.request).req.params.max_new_tokens) continue;
+    run_states.push_back({id, tokens, s.num_computed, &s.table, 1 + s.pending_forks});
+  }
+  for (int64_t id : waiting) {
+    const Sequence& s = seqs.at(id);
+    wait_states.push_back({id, static_cast<int64_t>(s.tokens.size()), 0, nullptr, 1 + s.pending_forks});
+  }
+  const StepPlan plan = schedule(opts.limits, run_states, wait_states, *kv);
+  if (plan.chunks.empty() || !plan.preempted.empty() || !plan.admitted.empty()) return std::nullopt;
+  for (const auto& c : plan.chunks)
+    if (c.count != 1) return std::nullopt;  // prefill chunks wait for the host
+  ++stats.launched_ahead;
+  return launch(plan, pending);
+}
+
+void Engine::Impl::collect(const InFlight& f, std::vector<SampleOutput>& done) {
+  const ModelRunner::Sampled drawn = runner->collect();
+  TILLER_CHECK(drawn.tokens.size() == f.draws.size(), "the runner returned {} draws for {} sample rows",
+               drawn.tokens.size(), f.draws.size());
+  stats.last_step_prefill_tokens = f.prefill_tokens;
+  // Sequences aborted, or stopped by the step before, since `f` was launched: their draws are
+  // dropped.
+  auto live = [&](int64_t id) { return seqs.find(id) != seqs.end(); };
   // Forks first: they copy the parent's tokens before the parent's own draw is appended.
   std::vector<int64_t> sampled;
-  for (size_t i = 0; i < draws.size(); ++i) {
-    if (draws[i].fork == 0) continue;
-    Sequence& parent = m.seqs.at(draws[i].seq);
+  for (size_t i = 0; i < f.draws.size(); ++i) {
+    if (f.draws[i].fork == 0 || !live(f.draws[i].seq)) continue;
+    Sequence& parent = seqs.at(f.draws[i].seq);
     Sequence child;
-    child.id = m.next_id++;
+    child.id = next_id++;
     child.request = parent.request;
-    child.sample = parent.sample + draws[i].fork;
+    child.sample = parent.sample + f.draws[i].fork;
     child.tokens = parent.tokens;
     child.prompt_len = parent.prompt_len;
-    child.table = m.kv->fork(parent.table);
+    child.table = kv->fork(parent.table);
     child.num_computed = parent.num_computed;
     child.tokens.push_back(drawn.tokens[i]);
     child.logprobs.push_back(drawn.logprobs[i]);
     sampled.push_back(child.id);
-    m.running.push_back(child.id);  // the newest: ids only grow
-    m.seqs.emplace(child.id, std::move(child));
+    running.push_back(child.id);  // the newest: ids only grow
+    seqs.emplace(child.id, std::move(child));
   }
-  for (size_t i = 0; i < draws.size(); ++i) {
-    if (draws[i].fork != 0) continue;
-    Sequence& s = m.seqs.at(draws[i].seq);
-    if (static_cast<int64_t>(s.tokens.size()) == s.prompt_len) m.stats.prompt_tokens += s.prompt_len;  // once a prompt
+  for (size_t i = 0; i < f.draws.size(); ++i) {
+    if (f.draws[i].fork != 0 || !live(f.draws[i].seq)) continue;
+    Sequence& s = seqs.at(f.draws[i].seq);
+    if (static_cast<int64_t>(s.tokens.size()) == s.prompt_len) stats.prompt_tokens += s.prompt_len;  // once a prompt
     s.pending_forks = 0;
     s.tokens.push_back(drawn.tokens[i]);
     s.logprobs.push_back(drawn.logprobs[i]);
     sampled.push_back(s.id);
   }
-  m.stats.generated_tokens += static_cast<int64_t>(draws.size());
+  stats.generated_tokens += static_cast<int64_t>(sampled.size());
   for (int64_t id : sampled) {
-    Sequence& s = m.seqs.at(id);
-    const model::SamplingParams& p = m.requests.at(s.request).req.params;
+    Sequence& s = seqs.at(id);
+    const model::SamplingParams& p = requests.at(s.request).req.params;
     const int64_t last = s.tokens.back();
     const char* reason = nullptr;
     if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), last) != p.stop_token_ids.end()) reason = "stop";
     else if (static_cast<int64_t>(s.tokens.size()) - s.prompt_len >= p.max_new_tokens) reason = "length";
     if (!reason) continue;
-    done.push_back(m.finish(s, reason));
-    erase_id(m.running, id);
-    m.seqs.erase(id);
+    done.push_back(finish(s, reason));
+    erase_id(running, id);
+    seqs.erase(id);
   }
-  ++m.stats.steps;
+  ++stats.steps;
+}
+
+std::vector<SampleOutput> Engine::step() {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.leader() && !m.shut_down, "step() on a TP follower or after shutdown()");
+  std::vector<SampleOutput> done = std::move(m.aborted);
+  m.aborted.clear();
+  if (m.seqs.empty() && !m.in_flight) return done;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!m.in_flight) m.in_flight = m.launch(m.schedule_now(), {});
+  // The next step goes to the device before this one's draws are waited for, so that the host's
+  // work between steps (outputs, scheduling, inputs) runs while the GPU computes.
+  std::optional<InFlight> next = m.launch_ahead(*m.in_flight);
+  const InFlight current = std::move(*m.in_flight);
+  m.in_flight = std::move(next);
+  m.collect(current, done);
   m.stats.seconds_in_steps += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return done;
+}
+
+std::vector<SampleOutput> Engine::drain() {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.leader(), "drain() on a TP follower");
+  std::vector<SampleOutput> done = std::move(m.aborted);
+  m.aborted.clear();
+  if (!m.in_flight) return done;
+  const InFlight current = std::move(*m.in_flight);
+  m.in_flight.reset();
+  m.collect(current, done);
   return done;
 }
 

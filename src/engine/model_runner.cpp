@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <deque>
 #include <map>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
 #ifdef TILLER_HAVE_CUDA_KERNELS
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -214,6 +217,19 @@ struct ModelRunner::Impl {
   bool paged = false;               // decode steps through the paged kernel
   std::vector<int32_t> words;       // host staging of decode inputs
 
+  // A launched step's draws on their way to the host: ids (int64) and log-probs (fp32), pinned
+  // on CUDA, copied on a side stream so the next step's kernels need not wait for the copy; the
+  // device tensors are kept until then. Undefined `tokens`: the step drew nothing.
+  struct Pending {
+    at::Tensor tokens, logprobs;
+    at::Tensor device_tokens, device_logprobs;
+#ifdef TILLER_HAVE_CUDA_KERNELS
+    std::unique_ptr<at::cuda::CUDAEvent> copied;
+#endif
+  };
+  std::deque<Pending> pending;
+  at::Tensor last_drawn;  // the latest launch's sampled ids on the device (int64)
+
 #ifdef TILLER_HAVE_CUDA_KERNELS
   struct Graph {
     int64_t splits = 1;
@@ -225,6 +241,7 @@ struct ModelRunner::Impl {
   at::Tensor graph_inputs;  // int32, the DecodeInputs layout for graph_rows rows
   at::cuda::MempoolId_t pool{0, 0};
   std::map<int64_t, Graph> captured;
+  std::optional<c10::cuda::CUDAStream> copy_stream;  // the draws' copies to the host
 #endif
 
   Impl(const model::ModelConfig& cfg, const model::ModelConfig& loc, model::ModelWeights w, dist::Communicator* comm,
@@ -258,6 +275,24 @@ struct ModelRunner::Impl {
   }
 
   at::Tensor run_decode_graph(const StepBatch& b);
+
+  // Writes the tokens that batch.prev_rows take from the previous launch's draws into `tokens`
+  // (the step's device token ids, int32 or int64), on the stream, behind that launch.
+  void take_previous_draws(at::Tensor tokens, const StepBatch& b) const {
+    if (b.prev_rows.empty()) return;
+    const auto k = static_cast<int64_t>(b.prev_rows.size());
+    TILLER_CHECK(last_drawn.defined() && b.prev_draws.size() == b.prev_rows.size(),
+                 "step batch: {} tokens from a previous step that drew {}", k,
+                 last_drawn.defined() ? last_drawn.size(0) : 0);
+    if (is_iota(b.prev_rows) && is_iota(b.prev_draws)) {  // the same sequences in the same order
+      tokens.narrow(0, 0, k).copy_(last_drawn.narrow(0, 0, k));
+      return;
+    }
+    std::vector<int64_t> idx(b.prev_rows);
+    idx.insert(idx.end(), b.prev_draws.begin(), b.prev_draws.end());
+    const at::Tensor dev = model::upload(idx, device);
+    tokens.index_copy_(0, dev.narrow(0, 0, k), last_drawn.index_select(0, dev.narrow(0, k, k)).to(tokens.scalar_type()));
+  }
 };
 ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weights, at::Device device,
                          int64_t block_size, dist::Communicator* tp)
@@ -330,6 +365,7 @@ at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b) {
   TILLER_CHECK(used <= graph_inputs.size(0), "decode batch: {} block ids exceed the graph's {}",
                used - 5 * graph_rows, graph_inputs.size(0) - 5 * graph_rows);
   graph_inputs.narrow(0, 0, used).copy_(model::host_tensor(words, /*pinned=*/true), /*non_blocking=*/true);
+  take_previous_draws(graph_inputs.narrow(0, 0, n), b);
   auto [it, fresh] = captured.try_emplace(rows);
   Graph& g = it->second;
   if (fresh) {
@@ -359,8 +395,13 @@ at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch&) { return {}; }
 #endif
 
 ModelRunner::Sampled ModelRunner::run(const StepBatch& b, bool sample) {
+  launch(b, sample);
+  return sample ? collect() : Sampled{};
+}
+
+void ModelRunner::launch(const StepBatch& b, bool sample) {
   Impl& m = *impl_;
-  TILLER_CHECK(m.cache.defined(), "run() before allocate_cache()");
+  TILLER_CHECK(m.cache.defined(), "launch() before allocate_cache()");
   c10::InferenceMode guard;
   const int64_t n = b.num_seqs(), bs = m.block_size;
   // Copy-on-write: a sample's first write into a block it shares.
@@ -378,33 +419,71 @@ ModelRunner::Sampled ModelRunner::run(const StepBatch& b, bool sample) {
 #endif
   if (b.is_decode() && graphs) {
     at::Tensor all = m.run_decode_graph(b);
-    if (!rows_all) return {};
-    h = sample_rows(all);
+    if (rows_all) h = sample_rows(all);
   } else if (b.is_decode() && m.paged) {
     fill_decode_words(b, n, bs, m.words);
-    DecodeInputs in = decode_views(model::upload(m.words, device_), n, n);
+    const at::Tensor words = model::upload(m.words, device_);
+    m.take_previous_draws(words.narrow(0, 0, n), b);
+    DecodeInputs in = decode_views(words, n, n);
 #ifdef TILLER_HAVE_CUDA_KERNELS
     in.splits = cuda::paged_decode_splits(kernel_dtype(m.weights.embed.scalar_type()), local_.head_dim, n,
                                           local_.num_heads, local_.num_kv_heads,
                                           *std::max_element(b.lens_k.begin(), b.lens_k.end()), device_.index());
 #endif
     at::Tensor x = m.decode_hidden(in, b.lens_q, /*norm=*/false);
-    if (!rows_all) return {};
-    h = model::final_norm(local_, m.weights.final_norm, sample_rows(x));
+    if (rows_all) h = model::final_norm(local_, m.weights.final_norm, sample_rows(x));
   } else {
     h = run_packed(b, rows_all);
-    if (!rows_all) return {};
   }
-  // Logits in the weights' dtype: the sampler reads bf16 directly (math in fp32).
-  model::SampledTokens drawn = model::sample_tokens(at::matmul(h, m.weights.lm_head.t()), b.sampling);
-  at::Tensor host = at::stack({drawn.tokens.to(at::kDouble), drawn.logprobs.to(at::kDouble)}).cpu();
-  const auto* p = host.data_ptr<double>();
-  const auto s = static_cast<size_t>(b.sample_rows.size());
+  if (!sample) return;
+  Impl::Pending p;
+  if (rows_all) {
+    // Logits in the weights' dtype: the sampler reads bf16 directly (math in fp32).
+    model::SampledTokens drawn = model::sample_tokens(at::matmul(h, m.weights.lm_head.t()), b.sampling);
+    drawn.tokens = drawn.tokens.to(at::kLong).contiguous();  // no-ops for the sampler's outputs
+    drawn.logprobs = drawn.logprobs.to(at::kFloat).contiguous();
+    m.last_drawn = drawn.tokens;
+#ifdef TILLER_HAVE_CUDA_KERNELS
+    if (device_.is_cuda()) {
+      if (!m.copy_stream) m.copy_stream = c10::cuda::getStreamFromPool(false, device_.index());
+      at::cuda::CUDAEvent sampled;
+      sampled.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+      sampled.block(*m.copy_stream);
+      c10::cuda::CUDAStreamGuard on_copy(*m.copy_stream);
+      p.device_tokens = drawn.tokens;
+      p.device_logprobs = drawn.logprobs;
+      p.tokens = at::empty(drawn.tokens.sizes(), drawn.tokens.options().device(at::kCPU).pinned_memory(true));
+      p.logprobs = at::empty(drawn.logprobs.sizes(), drawn.logprobs.options().device(at::kCPU).pinned_memory(true));
+      p.tokens.copy_(drawn.tokens, /*non_blocking=*/true);
+      p.logprobs.copy_(drawn.logprobs, /*non_blocking=*/true);
+      p.copied = std::make_unique<at::cuda::CUDAEvent>();
+      p.copied->record(*m.copy_stream);
+    }
+#endif
+    if (!p.tokens.defined()) {
+      p.tokens = drawn.tokens.cpu();
+      p.logprobs = drawn.logprobs.cpu();
+    }
+  } else {
+    m.last_drawn = at::Tensor();
+  }
+  m.pending.push_back(std::move(p));
+}
+
+ModelRunner::Sampled ModelRunner::collect() {
+  Impl& m = *impl_;
+  TILLER_CHECK(!m.pending.empty(), "collect() without a launched step");
+  Impl::Pending p = std::move(m.pending.front());
+  m.pending.pop_front();
   Sampled out;
-  for (size_t i = 0; i < s; ++i) {
-    out.tokens.push_back(static_cast<int64_t>(p[i]));
-    out.logprobs.push_back(static_cast<float>(p[s + i]));
-  }
+  if (!p.tokens.defined()) return out;
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (p.copied) p.copied->synchronize();
+#endif
+  const int64_t* t = p.tokens.data_ptr<int64_t>();
+  const float* lp = p.logprobs.data_ptr<float>();
+  out.tokens.assign(t, t + p.tokens.numel());
+  out.logprobs.assign(lp, lp + p.logprobs.numel());
   return out;
 }
 
@@ -446,6 +525,7 @@ at::Tensor ModelRunner::run_packed(const StepBatch& b, bool sample) {
     return v;
   };
   at::Tensor tokens = take(t), positions = take(t), slots = take(t), gather = take(gather_len);
+  m.take_previous_draws(tokens, b);
   at::Tensor rows = take(static_cast<int64_t>(b.sample_rows.size()));
   spec.cu_q = take(n + 1).to(at::kInt);
   spec.cu_k = take(n + 1).to(at::kInt);

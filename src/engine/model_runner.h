@@ -56,8 +56,15 @@ class ModelRunner {
     std::vector<int64_t> tokens;
     std::vector<float> logprobs;
   };
-  // Runs the step. With `sample` (the leader) returns one token per sample row; followers pass
-  // false and only take part in the forward's collectives.
+  // Enqueues the step on the device (the forward, and with `sample`, the sampler and the copy of
+  // its ids and log-probs to pinned host memory) and returns without waiting for it. With
+  // `sample`, collect() returns its draws, one per sample row, in launch order; followers pass
+  // false and only take part in the forward's collectives. Rows listed in batch.prev_rows take
+  // their token from the previous launch's draws, still on the device.
+  void launch(const StepBatch& batch, bool sample);
+  // Waits for the oldest launched step that was not collected yet and returns its draws.
+  Sampled collect();
+  // launch() then, with `sample`, collect().
   Sampled run(const StepBatch& batch, bool sample);
 
  private:

@@ -216,7 +216,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
         update_snapshot();
       }
       for (auto& [id, route] : routes) engine.abort(id);
-      deliver(engine.step());
+      deliver(engine.drain());
       engine.shutdown();
     } catch (const std::exception& e) {
       log::error("engine loop failed: {}", e.what());
@@ -348,6 +348,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
     resp->set_generated_tokens(snap.generated_tokens);
     resp->set_preemptions(snap.preemptions);
     resp->set_requests_finished(snap.requests_finished);
+    resp->set_launched_ahead(snap.launched_ahead);
     resp->set_weight_version(weight_version);
     return grpc::Status::OK;
   }
@@ -360,10 +361,11 @@ struct EngineServer::Impl final : pb::Engine::Service {
       if (paused) throw InvalidRequest(fmt::format("a weight update to version {} is already in progress", pending_version));
       if (version <= weight_version)
         throw InvalidRequest(fmt::format("version {} is not newer than the current {}", version, weight_version));
-      if (abort_running) {
+      if (abort_running)
         for (auto& [id, route] : routes) engine.abort(id);
-        deliver(engine.step());  // returns the aborted samples to their streams
-      }
+      // The step in flight used the old weights: its samples leave with the old version, and the
+      // aborted ones go back to their streams.
+      deliver(engine.drain());
       paused = true;
       pending_version = version;
       update_snapshot();

@@ -72,6 +72,7 @@ bool StepBatch::is_decode() const {
 }
 
 std::vector<int64_t> StepBatch::encode() const {
+  TILLER_CHECK(prev_rows.empty(), "a step with tokens still on the device cannot be sent to TP followers");
   Writer w;
   w.put_list(tokens);
   w.put_list(positions);

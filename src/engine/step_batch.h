@@ -19,6 +19,9 @@ struct StepBatch {
   std::vector<BlockCopy> copies;               // copy-on-write, before the forward
   std::vector<int64_t> sample_rows;            // rows of `tokens` whose logits are sampled (may repeat)
   model::SamplingRows sampling;                // one entry per sample row
+  // Asynchronous scheduling: tokens[prev_rows[i]] is a placeholder for draw prev_draws[i] of the
+  // step launched before this one, whose ids the host has not seen yet. Not sent to TP followers.
+  std::vector<int64_t> prev_rows, prev_draws;
 
   int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_seqs() const { return static_cast<int64_t>(lens_q.size()); }

@@ -240,6 +240,70 @@ TEST(Engine, AbortEndsEverySampleOfTheRequest) {
   EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
 }
 
+// Asynchronous scheduling (the next decode step launched before the host has seen this one's
+// draws) against the synchronous engine on the same requests: the same samples. Half the
+// requests get a stop id taken from a first run's output, so their samples stop mid-way (their
+// rows in the step launched ahead are dropped) and free seats for waiting requests; a small
+// cache brings preemption, n > 1 brings forks, and one request is aborted while a step is in
+// flight.
+// `tol`: log-probs (fp32 on the GPU round differently with the batch size).
+void expect_async_equals_sync(const TinyModel& m, const model::ModelWeights& w, const std::string& device,
+                              double tol) {
+  const auto ps = prompts(24, 41, m.cfg.vocab_size, 40);
+  std::map<uint64_t, std::vector<int64_t>> stops;
+  auto run = [&](bool async, bool abort) {
+    EngineOptions o = small_options(60);
+    o.device = device;
+    o.limits.max_num_seqs = 10;
+    o.async_scheduling = async;
+    Engine e(m.cfg, w, o);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      SamplingParams p;
+      p.greedy = i % 3 == 0;
+      p.temperature = 0.8;
+      p.top_k = i % 4 == 1 ? 40 : 0;
+      p.seed = 7 * i;
+      p.max_new_tokens = 6 + static_cast<int64_t>(i % 5) * 6;
+      if (stops.count(i)) p.stop_token_ids = stops.at(i);
+      e.add({i, ps[i], p, 1 + static_cast<int64_t>(i % 3)});
+    }
+    std::map<std::pair<uint64_t, int64_t>, SampleOutput> out;
+    for (int steps = 0; e.has_work() && steps < 10000; ++steps) {
+      if (abort && steps == 6) EXPECT_TRUE(e.abort(4));
+      for (auto& r : e.step()) out[{r.request_id, r.sample}] = std::move(r);
+    }
+    EXPECT_FALSE(e.has_work());
+    EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
+    EXPECT_EQ(e.stats().launched_ahead > 0, async);
+    return std::make_pair(out, e.stats());
+  };
+  const auto first = run(false, false).first;
+  for (const auto& [key, r] : first)
+    if (key.first % 2 == 0 && key.second == 0) stops[key.first] = {r.tokens[r.tokens.size() / 2]};
+  const auto [want, want_stats] = run(false, true);
+  const auto [got, got_stats] = run(true, true);
+  ASSERT_EQ(got.size(), want.size());
+  int stopped = 0;
+  for (const auto& [key, wr] : want) {
+    const SampleOutput& g = got.at(key);
+    EXPECT_EQ(g.finish_reason, wr.finish_reason) << "request " << key.first << " sample " << key.second;
+    stopped += wr.finish_reason == "stop";
+    if (key.first == 4) continue;  // aborted: how far it got depends on when it was admitted
+    EXPECT_EQ(g.tokens, wr.tokens) << "request " << key.first << " sample " << key.second;
+    ASSERT_EQ(g.logprobs.size(), wr.logprobs.size());
+    for (size_t j = 0; j < g.logprobs.size(); ++j) EXPECT_NEAR(g.logprobs[j], wr.logprobs[j], tol);
+  }
+  EXPECT_EQ(got.at({4, 0}).finish_reason, "abort");
+  EXPECT_GE(stopped, 8);
+  EXPECT_GT(want_stats.preemptions + got_stats.preemptions, 0);
+  EXPECT_GT(got_stats.launched_ahead, got_stats.steps / 3);
+}
+
+TEST(Engine, AsynchronousSchedulingChangesNoOutput) {
+  TinyModel m = tiny("tiny-qwen2");
+  expect_async_equals_sync(m, m.weights, "cpu", 1e-5);
+}
+
 TEST(Engine, InvalidRequestsAreRefusedAndTheEngineKeepsServing) {
   TinyModel m = tiny("tiny-qwen2");
   Engine e(m.cfg, m.weights, small_options(32));
@@ -369,6 +433,17 @@ INSTANTIATE_TEST_SUITE_P(
                       GpuShape{"qwen2_d64_g16", "tiny-qwen2", 1024, 16, 1},
                       GpuShape{"llama_d256_g1", "tiny-llama", 512, 2, 2}),
     [](const ::testing::TestParamInfo<GpuShape>& info) { return info.param.name; });
+
+// The same on a GPU in fp32: the step launched ahead reads its tokens on the device, through the
+// CUDA graph's inputs and through the eager decode path.
+TEST(EngineGpu, AsynchronousSchedulingChangesNoOutput) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  TinyModel m = tiny("tiny-qwen2");
+  model::NamedTensors on_gpu;
+  for (const auto& [name, t] : m.named) on_gpu[name] = t.to(at::Device("cuda:0"));
+  const model::ModelWeights w = model::bind_weights(m.cfg, on_gpu, model::Head::kLm, "tiny-qwen2");
+  expect_async_equals_sync(m, w, "cuda:0", 1e-4);
+}
 
 // On a GPU in bf16 (flash attention for prefill, the paged cache for decode): the engine's
 // log-probs of its sampled tokens against the trainer's forward of the same tokens, also in bf16.

@@ -7,6 +7,14 @@
 // finished. A request with n samples is prefilled once: its n samples then fork the prompt's KV
 // blocks (copy-on-write) and decode independently.
 //
+// Asynchronous scheduling (without tensor parallelism): while a decode step runs on the device,
+// step() launches the next one before it waits for this one's draws. The next step reads the
+// pending tokens on the device, so the host's work between steps (taking the draws, stop checks,
+// scheduling, staging inputs) overlaps the GPU's. The host cannot see a stop token before it
+// launches the next step: such a sample computes one extra row there, which is dropped. Steps
+// that prefill, fork samples, preempt or admit are launched only after the host has seen the
+// draws before them, exactly as without it. Outputs are the same either way.
+//
 // Tensor parallelism: every rank of the TP group builds an Engine over the same group. Rank 0
 // (the leader) takes requests and runs step(); it broadcasts each step's batch to the others,
 // which run follow() until the leader calls shutdown(). All ranks run the same forward; the
@@ -56,6 +64,7 @@ struct EngineOptions {
   // up to max_graph_batch (0: max_num_seqs, at most 512), captured on first use.
   bool cuda_graphs = true;
   int64_t max_graph_batch = 0;
+  bool async_scheduling = true;  // see above; ignored with tensor parallelism
   SchedulerLimits limits;
 };
 
@@ -84,6 +93,7 @@ struct EngineStats {
   int64_t generated_tokens = 0, preemptions = 0;
   int64_t last_step_prefill_tokens = 0;  // tokens of the latest step that were not decodes
   int64_t requests_finished = 0;
+  int64_t launched_ahead = 0;  // steps launched before the host saw the step before (async scheduling)
   double seconds_in_steps = 0;                // wall time inside step()
 };
 
@@ -111,8 +121,14 @@ class Engine {
   // Leader only. Drops a live request: its unfinished samples come back from the next step()
   // with finish_reason "abort". False when no live request has the id.
   bool abort(uint64_t id);
-  // Leader only. Runs one step if there is work; returns the samples that finished in it.
+  // Leader only. Runs one step if there is work; returns the samples that finished in it. With
+  // asynchronous scheduling the step it returns may have been launched by the call before, and
+  // the next step may already be on the device when it returns.
   std::vector<SampleOutput> step();
+  // Leader only. Completes the step still on the device (asynchronous scheduling), launching
+  // nothing, and returns what finished in it and the aborted samples: afterwards no step is in
+  // flight and the weights may change (the service calls it before a weight update).
+  std::vector<SampleOutput> drain();
   bool has_work() const;
   EngineStats stats() const;
 

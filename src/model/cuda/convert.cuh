@@ -1,4 +1,5 @@
-// Element conversions shared by the model's CUDA kernels: fp32 math on bf16/fp16/fp32 storage.
+// Element conversions and vector packs shared by the model's CUDA kernels: fp32 math on
+// bf16/fp16/fp32 storage.
 // CUDA translation units only.
 #pragma once
 
@@ -19,5 +20,11 @@ template <>
 __device__ __forceinline__ __half from_f(float v) { return __float2half(v); }
 template <>
 __device__ __forceinline__ float from_f(float v) { return v; }
+
+// kVec elements of T moved as one aligned vector (16 bytes at kVec = 16 / sizeof(T)).
+template <class T, int kVec>
+struct alignas(sizeof(T) * kVec) Pack {
+  T v[kVec];
+};
 
 }  // namespace tiller::model::cuda

@@ -16,11 +16,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <class T, int kVec>
-struct Pack {
-  T v[kVec];
-};
-
 // One thread block per row. The row's y = T(x + add) stays in registers (up to kHeld vectors
 // per thread; rows wider than kThreads * kHeld * kVec are read back from x), stored into x, and
 // the sum of y^2 in fp32 gives rstd; out = T(y * rstd * weight), as ATen's rms_norm computes it.

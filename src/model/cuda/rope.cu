@@ -3,61 +3,74 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
+#include "model/cuda/convert.cuh"
 #include "model/cuda/kernels.h"
 
 namespace tiller::model::cuda {
 namespace {
 
-__device__ __forceinline__ float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ float load(const __half* p) { return __half2float(*p); }
-__device__ __forceinline__ float load(const float* p) { return *p; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
-__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half(v); }
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-
-// One thread per (token, head, i < dim/2): the pair (i, i + dim/2).
+// One thread per (token, head, kVec consecutive i < dim/2): the pairs (i, i + dim/2), moved as
+// vectors when the layout allows (kVec = 16 bytes), else one at a time (kVec = 1).
 //   forward:  out1 = x1 c1 - x2 s1,  out2 = x2 c2 + x1 s2
 //   backward: out1 = g1 c1 + g2 s2,  out2 = g2 c2 - g1 s1
-template <class T>
+template <class T, int kVec>
 __global__ void rope_kernel(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads,
                             int64_t dim, int64_t tok_stride, int64_t head_stride, bool backward) {
-  const int64_t half = dim / 2;
-  const int64_t total = tokens * heads * half;
+  using P = Pack<T, kVec>;
+  const int64_t half = dim / 2, vecs = half / kVec;
+  const int64_t total = tokens * heads * vecs;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = idx % half;
-    const int64_t th = idx / half;
+    const int64_t i = (idx % vecs) * kVec;
+    const int64_t th = idx / vecs;
     const int64_t h = th % heads, t = th / heads;
     const T* xp = x + t * tok_stride + h * head_stride;
     const T* cp = cos + t * dim;
     const T* sp = sin + t * dim;
-    const float a = load(xp + i), b = load(xp + i + half);
-    const float c1 = load(cp + i), c2 = load(cp + i + half), s1 = load(sp + i), s2 = load(sp + i + half);
-    T* op = out + (t * heads + h) * dim;
-    if (backward) {
-      store(op + i, a * c1 + b * s2);
-      store(op + i + half, b * c2 - a * s1);
-    } else {
-      store(op + i, a * c1 - b * s1);
-      store(op + i + half, b * c2 + a * s2);
+    const P a = *reinterpret_cast<const P*>(xp + i), b = *reinterpret_cast<const P*>(xp + i + half);
+    const P c1 = *reinterpret_cast<const P*>(cp + i), c2 = *reinterpret_cast<const P*>(cp + i + half);
+    const P s1 = *reinterpret_cast<const P*>(sp + i), s2 = *reinterpret_cast<const P*>(sp + i + half);
+    P o1, o2;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float av = to_f(a.v[e]), bv = to_f(b.v[e]);
+      if (backward) {
+        o1.v[e] = from_f<T>(av * to_f(c1.v[e]) + bv * to_f(s2.v[e]));
+        o2.v[e] = from_f<T>(bv * to_f(c2.v[e]) - av * to_f(s1.v[e]));
+      } else {
+        o1.v[e] = from_f<T>(av * to_f(c1.v[e]) - bv * to_f(s1.v[e]));
+        o2.v[e] = from_f<T>(bv * to_f(c2.v[e]) + av * to_f(s2.v[e]));
+      }
     }
+    T* op = out + (t * heads + h) * dim;
+    *reinterpret_cast<P*>(op + i) = o1;
+    *reinterpret_cast<P*>(op + i + half) = o2;
   }
 }
 
 template <class T>
 void launch(const void* x, const void* cos, const void* sin, void* out, int64_t tokens, int64_t heads, int64_t dim,
             int64_t tok_stride, int64_t head_stride, bool backward, cudaStream_t stream) {
-  const int64_t total = tokens * heads * (dim / 2);
+  constexpr int kVec = 16 / sizeof(T);
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool vec = (dim / 2) % kVec == 0 && tok_stride % kVec == 0 && head_stride % kVec == 0 && aligned(x) &&
+                   aligned(cos) && aligned(sin) && aligned(out);
+  const int64_t total = tokens * heads * (dim / 2) / (vec ? kVec : 1);
   if (total == 0) return;
   const int threads = 256;
   const int64_t blocks = (total + threads - 1) / threads;
   const unsigned grid = static_cast<unsigned>(blocks < 65536 ? blocks : 65536);
-  rope_kernel<T><<<grid, threads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(cos),
-                                               static_cast<const T*>(sin), static_cast<T*>(out), tokens, heads, dim,
-                                               tok_stride, head_stride, backward);
+  auto go = [&](auto kernel) {
+    kernel<<<grid, threads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(cos),
+                                         static_cast<const T*>(sin), static_cast<T*>(out), tokens, heads, dim,
+                                         tok_stride, head_stride, backward);
+  };
+  if (vec) go(rope_kernel<T, kVec>);
+  else go(rope_kernel<T, 1>);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("rope kernel launch: ") + cudaGetErrorString(err));
 }
