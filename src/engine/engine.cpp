@@ -104,6 +104,14 @@ struct Engine::Impl {
   void broadcast(Message kind, std::vector<int64_t> words);
   void validate(const Request& r) const;
   SampleOutput finish(Sequence& s, const char* reason);
+  std::vector<SeqState> waiting_states() const {
+    std::vector<SeqState> out;
+    for (int64_t id : waiting) {
+      const Sequence& s = seqs.at(id);
+      out.push_back({id, static_cast<int64_t>(s.tokens.size()), 0, nullptr, 1 + s.pending_forks});
+    }
+    return out;
+  }
   // The scheduler's plan for the next step, applied (preemptions, admissions).
   StepPlan schedule_now();
   // KV slots for every chunk of `plan`, the batch, and the launch. `pending` maps a sequence to
@@ -291,16 +299,12 @@ EngineStats Engine::stats() const {
 }
 
 StepPlan Engine::Impl::schedule_now() {
-  std::vector<SeqState> run_states, wait_states;
+  std::vector<SeqState> run_states;
   for (int64_t id : running) {
     const Sequence& s = seqs.at(id);
     run_states.push_back({id, static_cast<int64_t>(s.tokens.size()), s.num_computed, &s.table, 1 + s.pending_forks});
   }
-  for (int64_t id : waiting) {
-    const Sequence& s = seqs.at(id);
-    wait_states.push_back({id, static_cast<int64_t>(s.tokens.size()), 0, nullptr, 1 + s.pending_forks});
-  }
-  StepPlan plan = schedule(opts.limits, run_states, wait_states, *kv);
+  StepPlan plan = schedule(opts.limits, run_states, waiting_states(), *kv);
   for (int64_t id : plan.preempted) {
     Sequence& s = seqs.at(id);
     kv->release(s.table);
@@ -371,7 +375,7 @@ std::optional<InFlight> Engine::Impl::launch_ahead(const InFlight& f) {
   // The state after `f` as far as the host can know it: every draw appended, the samples that
   // reach max_new_tokens gone. A stop token is seen only when `f` is collected; that sample's
   // row in the step launched here is then dropped.
-  std::vector<SeqState> run_states, wait_states;
+  std::vector<SeqState> run_states;
   for (int64_t id : running) {
     const Sequence& s = seqs.at(id);
     const bool drawn = pending.count(id) > 0;
@@ -379,11 +383,7 @@ std::optional<InFlight> Engine::Impl::launch_ahead(const InFlight& f) {
     if (drawn && tokens - s.prompt_len >= requests.at(s.request).req.params.max_new_tokens) continue;
     run_states.push_back({id, tokens, s.num_computed, &s.table, 1 + s.pending_forks});
   }
-  for (int64_t id : waiting) {
-    const Sequence& s = seqs.at(id);
-    wait_states.push_back({id, static_cast<int64_t>(s.tokens.size()), 0, nullptr, 1 + s.pending_forks});
-  }
-  const StepPlan plan = schedule(opts.limits, run_states, wait_states, *kv);
+  const StepPlan plan = schedule(opts.limits, run_states, waiting_states(), *kv);
   if (plan.chunks.empty() || !plan.preempted.empty() || !plan.admitted.empty()) return std::nullopt;
   for (const auto& c : plan.chunks)
     if (c.count != 1) return std::nullopt;  // prefill chunks wait for the host
