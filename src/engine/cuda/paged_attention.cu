@@ -11,6 +11,7 @@
 
 #include "engine/cuda/decode_common.cuh"
 #include "engine/cuda/paged_attention.h"
+#include "model/cuda/convert.cuh"
 
 namespace tiller::engine::cuda {
 namespace {
@@ -285,23 +286,12 @@ void write_kv(DType dtype, const void* k, const void* v, int64_t k_token_stride,
   const auto s = static_cast<cudaStream_t>(stream);
   const int64_t width = kv_heads * head_dim;
   const auto threads = static_cast<unsigned>(std::min<int64_t>(256, width));
-  switch (dtype) {
-    case DType::kBFloat16:
-      write_kv_kernel<<<static_cast<unsigned>(tokens), threads, 0, s>>>(
-          static_cast<const __nv_bfloat16*>(k), static_cast<const __nv_bfloat16*>(v), k_token_stride, v_token_stride,
-          static_cast<__nv_bfloat16*>(k_cache), static_cast<__nv_bfloat16*>(v_cache), slots, width);
-      break;
-    case DType::kHalf:
-      write_kv_kernel<<<static_cast<unsigned>(tokens), threads, 0, s>>>(
-          static_cast<const __half*>(k), static_cast<const __half*>(v), k_token_stride, v_token_stride,
-          static_cast<__half*>(k_cache), static_cast<__half*>(v_cache), slots, width);
-      break;
-    case DType::kFloat:
-      write_kv_kernel<<<static_cast<unsigned>(tokens), threads, 0, s>>>(
-          static_cast<const float*>(k), static_cast<const float*>(v), k_token_stride, v_token_stride,
-          static_cast<float*>(k_cache), static_cast<float*>(v_cache), slots, width);
-      break;
-  }
+  model::cuda::with_dtype(dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    write_kv_kernel<<<static_cast<unsigned>(tokens), threads, 0, s>>>(
+        static_cast<const T*>(k), static_cast<const T*>(v), k_token_stride, v_token_stride, static_cast<T*>(k_cache),
+        static_cast<T*>(v_cache), slots, width);
+  });
   check_launch("KV cache write");
 }
 
@@ -334,11 +324,7 @@ void paged_decode_attention(const PagedDecode& a, void* stream) {
   if (a.k_new)
     write_kv(a.dtype, a.k_new, a.v_new, a.k_new_stride, a.v_new_stride, a.k_cache,
              a.v_cache, a.slots, a.batch, a.kv_heads, a.head_dim, stream);
-  switch (a.dtype) {
-    case DType::kBFloat16: return dispatch_dim<__nv_bfloat16>(a, s);
-    case DType::kHalf: return dispatch_dim<__half>(a, s);
-    case DType::kFloat: return dispatch_dim<float>(a, s);
-  }
+  model::cuda::with_dtype(a.dtype, [&](auto t) { dispatch_dim<typename decltype(t)::type>(a, s); });
 }
 
 }  // namespace tiller::engine::cuda

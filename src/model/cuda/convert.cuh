@@ -6,6 +6,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <stdexcept>
+
+#include "model/cuda/kernels.h"
+
 namespace tiller::model::cuda {
 
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -20,6 +24,22 @@ template <>
 __device__ __forceinline__ __half from_f(float v) { return __float2half(v); }
 template <>
 __device__ __forceinline__ float from_f(float v) { return v; }
+
+// Host side: calls f(Type<T>{}) with T the storage type of `dtype` (what each kernel file's
+// launcher instantiates), and returns what f returns.
+template <class T>
+struct Type {
+  using type = T;
+};
+template <class F>
+decltype(auto) with_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kBFloat16: return f(Type<__nv_bfloat16>{});
+    case DType::kHalf: return f(Type<__half>{});
+    case DType::kFloat: return f(Type<float>{});
+  }
+  throw std::invalid_argument("unknown kernel dtype");
+}
 
 // kVec elements of T moved as one aligned vector (16 bytes at kVec = 16 / sizeof(T)).
 template <class T, int kVec>

@@ -98,14 +98,9 @@ void add_rms_norm(DType dtype, void* x, const void* add, const void* weight, voi
                   int64_t x_stride, int64_t add_stride, int64_t out_stride, float eps, void* stream) {
   if (tokens == 0) return;
   const auto s = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case DType::kBFloat16:
-      return launch<__nv_bfloat16>(x, add, weight, out, tokens, width, x_stride, add_stride, out_stride, eps, s);
-    case DType::kHalf:
-      return launch<__half>(x, add, weight, out, tokens, width, x_stride, add_stride, out_stride, eps, s);
-    case DType::kFloat:
-      return launch<float>(x, add, weight, out, tokens, width, x_stride, add_stride, out_stride, eps, s);
-  }
+  with_dtype(dtype, [&](auto t) {
+    launch<typename decltype(t)::type>(x, add, weight, out, tokens, width, x_stride, add_stride, out_stride, eps, s);
+  });
 }
 
 }  // namespace tiller::model::cuda

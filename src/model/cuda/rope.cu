@@ -79,15 +79,11 @@ void launch(const void* x, const void* cos, const void* sin, void* out, int64_t 
 
 void rope(DType dtype, const void* x, const void* cos, const void* sin, void* out, int64_t tokens, int64_t heads,
           int64_t dim, int64_t x_token_stride, int64_t x_head_stride, bool backward, void* stream) {
-  auto s = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case DType::kBFloat16:
-      return launch<__nv_bfloat16>(x, cos, sin, out, tokens, heads, dim, x_token_stride, x_head_stride, backward, s);
-    case DType::kHalf:
-      return launch<__half>(x, cos, sin, out, tokens, heads, dim, x_token_stride, x_head_stride, backward, s);
-    case DType::kFloat:
-      return launch<float>(x, cos, sin, out, tokens, heads, dim, x_token_stride, x_head_stride, backward, s);
-  }
+  const auto s = static_cast<cudaStream_t>(stream);
+  with_dtype(dtype, [&](auto t) {
+    launch<typename decltype(t)::type>(x, cos, sin, out, tokens, heads, dim, x_token_stride, x_head_stride, backward,
+                                       s);
+  });
 }
 
 }  // namespace tiller::model::cuda

@@ -234,20 +234,11 @@ void sample_rows(DType dtype, const void* logits, int64_t rows, int64_t vocab, i
   const auto grid = static_cast<unsigned>(rows);
   const int64_t bytes = dtype == DType::kFloat ? 4 : 2;
   const bool vec = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && (row_stride * bytes) % 16 == 0 && vocab % 8 == 0;
-  switch (dtype) {
-    case DType::kBFloat16:
-      sample_rows_kernel<<<grid, kThreads, 0, s>>>(static_cast<const __nv_bfloat16*>(logits), vocab, row_stride,
-                                                   vec, params, tokens, logprobs);
-      break;
-    case DType::kHalf:
-      sample_rows_kernel<<<grid, kThreads, 0, s>>>(static_cast<const __half*>(logits), vocab, row_stride, vec,
-                                                   params, tokens, logprobs);
-      break;
-    case DType::kFloat:
-      sample_rows_kernel<<<grid, kThreads, 0, s>>>(static_cast<const float*>(logits), vocab, row_stride, vec,
-                                                   params, tokens, logprobs);
-      break;
-  }
+  with_dtype(dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    sample_rows_kernel<<<grid, kThreads, 0, s>>>(static_cast<const T*>(logits), vocab, row_stride, vec, params, tokens,
+                                                 logprobs);
+  });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("sampler launch: ") + cudaGetErrorString(err));
 }

@@ -67,11 +67,7 @@ void launch(const void* x, void* out, int64_t tokens, int64_t width, int64_t str
 void swiglu_packed(DType dtype, const void* x, void* out, int64_t tokens, int64_t width, int64_t x_row_stride,
                    void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case DType::kBFloat16: return launch<__nv_bfloat16>(x, out, tokens, width, x_row_stride, s);
-    case DType::kHalf: return launch<__half>(x, out, tokens, width, x_row_stride, s);
-    case DType::kFloat: return launch<float>(x, out, tokens, width, x_row_stride, s);
-  }
+  with_dtype(dtype, [&](auto t) { launch<typename decltype(t)::type>(x, out, tokens, width, x_row_stride, s); });
 }
 
 }  // namespace tiller::model::cuda
