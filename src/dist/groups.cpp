@@ -8,6 +8,14 @@
 
 namespace tiller::dist {
 
+std::vector<int> weight_sync_ranks(const RankPlan& plan) {
+  const RoleGroup* actor = plan.group("actor");
+  if (!actor || plan.engines.empty()) return {};
+  std::vector<int> out = actor->ranks;
+  for (const auto& e : plan.engines) out.insert(out.end(), e.ranks.begin(), e.ranks.end());
+  return out;
+}
+
 GroupCommunicators make_group_communicators(const RankPlan& plan, Communicator& world) {
   TILLER_CHECK(world.size() == plan.world_size, "group communicators: the world has {} ranks but the plan {}",
                world.size(), plan.world_size);
@@ -29,6 +37,13 @@ GroupCommunicators make_group_communicators(const RankPlan& plan, Communicator& 
   if (!plan.engines.empty()) {
     auto comm = world.split(mine.engine, std::max(mine.engine_tp_rank, 0), fmt::format("engine{}.tp", mine.engine));
     if (mine.engine >= 0) out.engine_tp = std::move(comm);
+  }
+  const std::vector<int> sync = weight_sync_ranks(plan);
+  if (!sync.empty()) {
+    auto pos = std::find(sync.begin(), sync.end(), me);
+    const bool member = pos != sync.end();
+    auto comm = world.split(member ? 0 : -1, member ? static_cast<int>(pos - sync.begin()) : 0, "weight_sync");
+    if (member) out.weight_sync = std::move(comm);
   }
   return out;
 }

@@ -218,21 +218,33 @@ std::vector<uint64_t> EngineClient::abort(const std::vector<uint64_t>& ids) {
   return {r.aborted().begin(), r.aborted().end()};
 }
 
-uint64_t EngineClient::begin_weight_update(uint64_t version, bool abort_running) {
+uint64_t EngineClient::install_sync_plan(const std::string& plan) {
+  grpc::ClientContext ctx;
+  impl_->prepare(ctx, impl_->unary());
+  pb::InstallSyncPlanRequest req;
+  req.set_plan(plan);
+  pb::InstallSyncPlanResponse r;
+  grpc::Status st = impl_->stub->InstallSyncPlan(&ctx, req, &r);
+  if (!st.ok()) raise(impl_->opts.address, "InstallSyncPlan", st);
+  return r.plan_id();
+}
+
+uint64_t EngineClient::begin_weight_update(uint64_t version, bool abort_running, uint64_t plan_id) {
   grpc::ClientContext ctx;
   impl_->prepare(ctx, impl_->unary());
   pb::BeginWeightUpdateRequest req;
   req.set_version(version);
   req.set_abort_running(abort_running);
+  req.set_plan_id(plan_id);
   pb::WeightUpdateResponse r;
   grpc::Status st = impl_->stub->BeginWeightUpdate(&ctx, req, &r);
   if (!st.ok()) raise(impl_->opts.address, "BeginWeightUpdate", st);
   return r.weight_version();
 }
 
-uint64_t EngineClient::end_weight_update(uint64_t version) {
+uint64_t EngineClient::end_weight_update(uint64_t version, double timeout_s) {
   grpc::ClientContext ctx;
-  impl_->prepare(ctx, impl_->unary());
+  impl_->prepare(ctx, timeout_s > 0 ? Deadline::after_seconds(timeout_s) : impl_->unary());
   pb::EndWeightUpdateRequest req;
   req.set_version(version);
   pb::WeightUpdateResponse r;

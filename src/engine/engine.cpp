@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <unordered_map>
@@ -24,7 +25,19 @@ namespace tiller::engine {
 namespace {
 
 // Messages from the TP leader to its followers: a header {kind, words} then the words.
-enum class Message : int64_t { kStep = 1, kHeartbeat = 2, kShutdown = 3 };
+enum class Message : int64_t { kStep = 1, kHeartbeat = 2, kShutdown = 3, kSyncPlan = 4, kSync = 5 };
+
+// A byte string as int64 words ({length, bytes...}) for a broadcast, and back.
+std::vector<int64_t> to_words(const std::string& s) {
+  std::vector<int64_t> w(1 + (s.size() + 7) / 8, 0);
+  w[0] = static_cast<int64_t>(s.size());
+  std::memcpy(w.data() + 1, s.data(), s.size());
+  return w;
+}
+std::string from_words(const int64_t* w, int64_t n) {
+  TILLER_CHECK(n >= 1 && w[0] >= 0 && (w[0] + 7) / 8 <= n - 1, "engine follower: malformed message");
+  return std::string(reinterpret_cast<const char*>(w + 1), static_cast<size_t>(w[0]));
+}
 
 struct Sequence {
   int64_t id = 0;           // engine-wide, in arrival order: the scheduler's age
@@ -85,6 +98,8 @@ struct Engine::Impl {
   std::unique_ptr<KvBlockManager> kv;
   int64_t max_model_len = 0;
   bool shut_down = false;
+  WeightSink* sink = nullptr;
+  std::string broken;  // why the weights cannot be served, or ""
 
   std::map<int64_t, Sequence> seqs;
   std::vector<int64_t> running, waiting;  // ids, oldest first
@@ -102,6 +117,11 @@ struct Engine::Impl {
   bool async() const { return opts.async_scheduling && !tensor_parallel(); }
 
   void broadcast(Message kind, std::vector<int64_t> words);
+  at::Device control_device() const {
+    return tp && std::string(tp->backend()) == "nccl" ? device() : at::Device(at::kCPU);
+  }
+  // Every TP rank: one sync through the sink, and the group's combined outcome.
+  WeightSink::Result receive_weights(uint64_t version);
   void validate(const Request& r) const;
   SampleOutput finish(Sequence& s, const char* reason);
   std::vector<SeqState> waiting_states() const {
@@ -126,7 +146,7 @@ struct Engine::Impl {
 
 void Engine::Impl::broadcast(Message kind, std::vector<int64_t> words) {
   if (!tensor_parallel()) return;
-  const at::Device where = std::string(tp->backend()) == "nccl" ? device() : at::Device(at::kCPU);
+  const at::Device where = control_device();
   std::vector<int64_t> head{static_cast<int64_t>(kind), static_cast<int64_t>(words.size())};
   at::Tensor h = at::from_blob(head.data(), {2}, at::kLong).to(where, false, /*copy=*/true);
   tp->broadcast(h, 0)->wait();
@@ -244,10 +264,70 @@ bool Engine::paged_decode() const { return impl_->runner->paged_decode(); }
 bool Engine::cuda_graphs() const { return impl_->runner->cuda_graphs(); }
 bool Engine::is_leader() const { return impl_->leader(); }
 int Engine::tp_size() const { return impl_->tp ? impl_->tp->size() : 1; }
+int Engine::tp_rank() const { return impl_->tp ? impl_->tp->rank() : 0; }
+
+std::map<std::string, at::Tensor> Engine::parameters() const { return impl_->runner->parameters(); }
+
+void Engine::set_weight_sink(WeightSink* sink) { impl_->sink = sink; }
+
+const std::string& Engine::weights_broken() const { return impl_->broken; }
+
+uint64_t Engine::install_sync_plan(const std::string& plan) {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.leader() && !m.shut_down, "install_sync_plan() on a TP follower or after shutdown()");
+  if (!m.sink)
+    throw InvalidRequest("this engine takes no weight sync: it has no sync communicator (engines started by "
+                         "tiller train have one; a standalone tiller engine does not)");
+  uint64_t id = 0;
+  try {
+    id = m.sink->install_plan(plan);
+  } catch (const ConfigError& e) {
+    throw InvalidRequest(e.what());
+  }
+  m.broadcast(Message::kSyncPlan, to_words(plan));
+  return id;
+}
+
+WeightSink::Result Engine::Impl::receive_weights(uint64_t version) {
+  WeightSink::Result r;
+  if (sink) {
+    r = sink->receive(version);
+  } else {
+    r.error = fmt::format("weight sync to version {}: TP rank {} has no weight sink", version, tp ? tp->rank() : 0);
+  }
+  if (tensor_parallel()) {
+    // Complete only if every rank completed; changed if any rank wrote.
+    at::Tensor f = at::tensor(std::vector<int64_t>{r.complete ? 0 : 1, r.weights_changed ? 1 : 0}, at::kLong)
+                       .to(control_device());
+    tp->all_reduce(f, dist::ReduceOp::kMax)->wait();
+    f = f.cpu();
+    if (r.complete && f[0].item<int64_t>() != 0) {
+      r.complete = false;
+      r.error = fmt::format("weight sync to version {} failed on another TP rank of this engine (see its log)", version);
+    }
+    r.weights_changed = f[1].item<int64_t>() != 0;
+  }
+  if (r.complete) {
+    broken.clear();
+  } else if (r.weights_changed) {
+    broken = fmt::format("the weights are incomplete after a failed sync ({}); run a new sync", r.error);
+  }
+  if (!r.error.empty()) log::error("{}", r.error);
+  return r;
+}
+
+WeightSink::Result Engine::receive_weights(uint64_t version) {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.leader() && !m.shut_down, "receive_weights() on a TP follower or after shutdown()");
+  TILLER_CHECK(!m.in_flight, "receive_weights() with a step in flight: drain() first");
+  m.broadcast(Message::kSync, {static_cast<int64_t>(version)});
+  return m.receive_weights(version);
+}
 
 void Engine::add(Request r) {
   Impl& m = *impl_;
   TILLER_CHECK(m.leader() && !m.shut_down, "add() on a TP follower or after shutdown()");
+  if (!m.broken.empty()) throw InvalidRequest(fmt::format("request {}: {}", r.id, m.broken));
   m.validate(r);
   Sequence s;
   s.id = m.next_id++;
@@ -487,7 +567,7 @@ void Engine::shutdown() {
 void Engine::follow() {
   Impl& m = *impl_;
   TILLER_CHECK(!m.leader(), "follow() on the TP leader");
-  const at::Device where = std::string(m.tp->backend()) == "nccl" ? m.device() : at::Device(at::kCPU);
+  const at::Device where = m.control_device();
   for (;;) {
     at::Tensor head = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(where));
     m.tp->broadcast(head, 0)->wait();
@@ -496,13 +576,25 @@ void Engine::follow() {
     const int64_t words = head[1].item<int64_t>();
     if (kind == Message::kShutdown) return;
     if (kind == Message::kHeartbeat) continue;
-    TILLER_CHECK(kind == Message::kStep && words > 0, "engine follower: unknown message kind {}",
-                 static_cast<int64_t>(kind));
+    TILLER_CHECK((kind == Message::kStep || kind == Message::kSyncPlan || kind == Message::kSync) && words > 0,
+                 "engine follower: unknown message kind {}", static_cast<int64_t>(kind));
     at::Tensor body = at::empty({words}, at::TensorOptions().dtype(at::kLong).device(where));
     m.tp->broadcast(body, 0)->wait();
     body = body.cpu();
     const auto* p = body.data_ptr<int64_t>();
-    m.runner->run(StepBatch::decode(std::vector<int64_t>(p, p + words)), /*sample=*/false);
+    if (kind == Message::kSyncPlan) {
+      // The leader checked the plan against its slices; a follower that still refuses it votes
+      // against every sync under it (its error is in this log).
+      try {
+        if (m.sink) m.sink->install_plan(from_words(p, words));
+      } catch (const std::exception& e) {
+        log::error("weight sync plan refused on TP rank {}: {}", m.tp->rank(), e.what());
+      }
+    } else if (kind == Message::kSync) {
+      m.receive_weights(static_cast<uint64_t>(p[0]));
+    } else {
+      m.runner->run(StepBatch::decode(std::vector<int64_t>(p, p + words)), /*sample=*/false);
+    }
   }
 }
 

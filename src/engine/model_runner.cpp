@@ -309,6 +309,10 @@ ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weig
 
 ModelRunner::~ModelRunner() = default;
 
+model::NamedTensors ModelRunner::parameters() const {
+  return model::named_weights(local_, impl_->weights, model::Head::kLm);
+}
+
 int64_t ModelRunner::block_bytes() const {
   return 2 * local_.num_layers * impl_->block_size * local_.kv_size() *
          static_cast<int64_t>(impl_->weights.embed.element_size());

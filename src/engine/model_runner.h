@@ -51,6 +51,8 @@ class ModelRunner {
   int64_t num_blocks() const { return num_blocks_; }
   at::Device device() const { return device_; }
   const model::ModelConfig& local_config() const { return local_; }
+  // This rank's weights by HF name: views of the runner's storage (see Engine::parameters).
+  model::NamedTensors parameters() const;
 
   struct Sampled {
     std::vector<int64_t> tokens;

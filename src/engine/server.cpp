@@ -6,6 +6,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -43,6 +44,12 @@ struct StreamState {
   }
 };
 
+// A weight sync that failed: End answers ABORTED with the reason.
+class SyncFailed : public Error {
+ public:
+  using Error::Error;
+};
+
 struct Route {
   std::shared_ptr<StreamState> stream;
   int64_t remaining = 0;  // samples not yet returned
@@ -67,6 +74,9 @@ struct EngineServer::Impl final : pb::Engine::Service {
   std::map<uint64_t, Route> routes;
   bool paused = false;
   uint64_t pending_version = 0;
+  uint64_t installed_plan = 0;                 // the sync plan's id, 0: none
+  bool sync_requested = false;                 // the update in progress receives a sync
+  std::optional<WeightSink::Result> sync_result;
   std::mt19937_64 seeds{std::random_device{}()};
   std::deque<std::pair<Clock::time_point, int64_t>> rate_window;
 
@@ -76,6 +86,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
   double tokens_per_second = 0;
   uint64_t weight_version = 0;
   bool updating = false;
+  bool broken = false;
 
   std::thread loop;
   std::mutex done_mu;
@@ -125,6 +136,8 @@ struct EngineServer::Impl final : pb::Engine::Service {
       result = fut.get();
     } catch (const InvalidRequest& e) {
       return {grpc::StatusCode::INVALID_ARGUMENT, e.what()};
+    } catch (const SyncFailed& e) {
+      return {grpc::StatusCode::ABORTED, e.what()};
     } catch (const std::exception& e) {
       return {grpc::StatusCode::FAILED_PRECONDITION, e.what()};
     }
@@ -141,6 +154,9 @@ struct EngineServer::Impl final : pb::Engine::Service {
       e->set_message(msg);
       stream->push(std::move(r), true);
     };
+    if (!engine.weights_broken().empty())
+      return refuse(grpc::StatusCode::FAILED_PRECONDITION,
+                    fmt::format("request {}: {}", g.request_id(), engine.weights_broken()));
     if (g.min_weight_version() > weight_version)
       return refuse(grpc::StatusCode::FAILED_PRECONDITION,
                     fmt::format("request {}: needs weight version >= {}, the engine has {}", g.request_id(),
@@ -191,6 +207,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
     snap = s;
     tokens_per_second = rate;
     updating = paused;
+    broken = !engine.weights_broken().empty();
   }
 
   void run_loop() {
@@ -323,7 +340,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
       if (!failure.empty()) return {grpc::StatusCode::INTERNAL, "engine failed: " + failure};
     }
     std::lock_guard<std::mutex> lock(snap_mu);
-    resp->set_status(updating ? "updating_weights" : "serving");
+    resp->set_status(updating ? "updating_weights" : broken ? "weights_incomplete" : "serving");
     resp->set_weight_version(weight_version);
     resp->set_model_type(model::family_name(engine.config().family));
     resp->set_vocab_size(engine.config().vocab_size);
@@ -353,14 +370,31 @@ struct EngineServer::Impl final : pb::Engine::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status InstallSyncPlan(grpc::ServerContext* ctx, const pb::InstallSyncPlanRequest* req,
+                               pb::InstallSyncPlanResponse* resp) override {
+    if (auto st = check_token(ctx); !st.ok()) return st;
+    uint64_t id = 0;
+    auto st = call<uint64_t>(ctx, [this, plan = req->plan()] {
+      if (paused) throw InvalidRequest(fmt::format("a weight update to version {} is in progress", pending_version));
+      installed_plan = engine.install_sync_plan(plan);
+      return installed_plan;
+    }, id);
+    resp->set_plan_id(id);
+    return st;
+  }
+
   grpc::Status BeginWeightUpdate(grpc::ServerContext* ctx, const pb::BeginWeightUpdateRequest* req,
                                  pb::WeightUpdateResponse* resp) override {
     if (auto st = check_token(ctx); !st.ok()) return st;
     uint64_t v = 0;
-    auto st = call<uint64_t>(ctx, [this, version = req->version(), abort_running = req->abort_running()] {
+    auto st = call<uint64_t>(ctx, [this, version = req->version(), abort_running = req->abort_running(),
+                                   plan_id = req->plan_id()] {
       if (paused) throw InvalidRequest(fmt::format("a weight update to version {} is already in progress", pending_version));
       if (version <= weight_version)
         throw InvalidRequest(fmt::format("version {} is not newer than the current {}", version, weight_version));
+      if (plan_id != 0 && plan_id != installed_plan)
+        throw InvalidRequest(fmt::format("sync plan {:016x} is not installed ({}); call InstallSyncPlan first", plan_id,
+                                         installed_plan ? fmt::format("{:016x} is", installed_plan) : "none is"));
       if (abort_running)
         for (auto& [id, route] : routes) engine.abort(id);
       // The step in flight used the old weights: its samples leave with the old version, and the
@@ -368,7 +402,12 @@ struct EngineServer::Impl final : pb::Engine::Service {
       deliver(engine.drain());
       paused = true;
       pending_version = version;
+      sync_requested = plan_id != 0;
+      sync_result.reset();
       update_snapshot();
+      // Receive once this answer is on its way: the actor starts sending when every engine has
+      // begun, and the loop thread is the receiver until the sync ends or its deadline passes.
+      if (sync_requested) post([this, version] { sync_result = engine.receive_weights(version); });
       return weight_version;
     }, v);
     resp->set_weight_version(v);
@@ -384,6 +423,17 @@ struct EngineServer::Impl final : pb::Engine::Service {
       if (version != pending_version)
         throw InvalidRequest(fmt::format("version {} does not match the update in progress ({})", version, pending_version));
       paused = false;
+      if (sync_requested) {
+        sync_requested = false;
+        TILLER_CHECK(sync_result.has_value(), "EndWeightUpdate ran before the sync's receive");
+        if (!sync_result->complete) {
+          update_snapshot();
+          throw SyncFailed(sync_result->weights_changed
+                               ? fmt::format("{}; requests are refused until a sync completes", sync_result->error)
+                               : fmt::format("{}; the engine keeps serving version {}", sync_result->error,
+                                             weight_version));
+        }
+      }
       {
         std::lock_guard<std::mutex> lock(snap_mu);
         weight_version = version;

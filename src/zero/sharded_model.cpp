@@ -578,6 +578,12 @@ NamedTensors ShardedModel::gather_parameters() {
   return out;
 }
 
+std::vector<ShardedModel::UnitShard> ShardedModel::shards() const {
+  std::vector<UnitShard> out;
+  for (const auto& u : impl_->units) out.push_back({u.layout.name(), u.shard, u.master});
+  return out;
+}
+
 std::vector<ShardedModel::UnitState> ShardedModel::unit_states() const {
   const Impl& m = *impl_;
   std::vector<UnitState> out;

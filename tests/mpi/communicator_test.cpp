@@ -279,6 +279,19 @@ TEST(GroupCommunicators, FromRankPlan) {
     groups.engine_tp->broadcast(x, 0)->wait();
     expect_equal(x, at::full({2}, 7, at::kInt), "engine TP broadcast");
   }
+  // The weight sync spans the actor's ranks first, then the engines'.
+  const auto sync = dist::weight_sync_ranks(plan);
+  EXPECT_EQ(sync.empty(), plan.engines.empty());
+  const auto at_sync = std::find(sync.begin(), sync.end(), me);
+  ASSERT_EQ(groups.weight_sync != nullptr, at_sync != sync.end());
+  if (groups.weight_sync) {
+    EXPECT_EQ(groups.weight_sync->rank(), static_cast<int>(at_sync - sync.begin()));
+    EXPECT_EQ(groups.weight_sync->size(), static_cast<int>(sync.size()));
+    for (size_t i = 0; i < actor.size(); ++i) EXPECT_EQ(sync[i], actor[i]);
+    auto x = at::full({1}, groups.weight_sync->rank() == 0 ? me : -1, on_device(at::kLong));
+    groups.weight_sync->broadcast(x, 0)->wait();
+    expect_equal(x, at::full({1}, actor[0], at::kLong), "weight sync broadcast from actor rank 0");
+  }
 }
 
 }  // namespace

@@ -1,11 +1,13 @@
 // The communicators a rank needs, made from the rank plan: one per trainer role it takes part in
 // (a colocated role gets its own communicator over the same ranks, so its collectives never
-// have to be ordered with the host role's) and one for its engine's TP group.
+// have to be ordered with the host role's), one for its engine's TP group, and the weight sync's
+// (the actor group and every engine rank).
 #pragma once
 
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tiller/dist/communicator.h"
 #include "tiller/dist/rank_plan.h"
@@ -15,6 +17,10 @@ namespace tiller::dist {
 struct GroupCommunicators {
   std::map<std::string, std::unique_ptr<Communicator>> roles;  // "actor", "ref", ...: only this rank's roles
   std::unique_ptr<Communicator> engine_tp;                     // null unless this rank is an engine rank
+  // The weight sync's (sync/weight_sync.h): the actor group's ranks first (sync rank i = actor
+  // rank i), then every engine's ranks in engine and TP order. Null on other ranks, and when the
+  // plan has no actor or no engine.
+  std::unique_ptr<Communicator> weight_sync;
 
   Communicator* role(const std::string& name) const {
     auto it = roles.find(name);
@@ -25,5 +31,9 @@ struct GroupCommunicators {
 // Collective over `world`: every rank calls it with the same plan. `world.rank()` must be the
 // plan's world rank. Group rank i is the plan group's ranks[i] (TP rank i for engines).
 GroupCommunicators make_group_communicators(const RankPlan& plan, Communicator& world);
+
+// The world ranks of the weight sync communicator, in its rank order (empty without an actor
+// group or engines).
+std::vector<int> weight_sync_ranks(const RankPlan& plan);
 
 }  // namespace tiller::dist

@@ -26,15 +26,20 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "tiller/core/error.h"
 #include "tiller/engine/scheduler.h"
+#include "tiller/engine/weight_sink.h"
 #include "tiller/model/model_config.h"
 #include "tiller/model/sampling_params.h"
 
+namespace at {
+class Tensor;
+}
 namespace tiller::dist {
 class Communicator;
 }
@@ -115,6 +120,7 @@ class Engine {
   bool paged_decode() const;
   bool cuda_graphs() const;
   int tp_size() const;
+  int tp_rank() const;
 
   // Leader only. Validates and queues a request; throws InvalidRequest (nothing queued).
   void add(Request r);
@@ -137,10 +143,28 @@ class Engine {
   void heartbeat();
   // Leader: ends follow() on every other rank. Called by the destructor if not before.
   void shutdown();
-  // Followers: runs the leader's steps until shutdown(). Throws TimeoutError when the leader is
-  // silent for longer than the communicator's timeout.
+  // Followers: runs the leader's steps (and weight syncs) until shutdown(). Throws TimeoutError
+  // when the leader is silent for longer than the communicator's timeout.
   void follow();
   bool is_leader() const;
+
+  // --- Weight updates in place (the weight sync, sync/weight_sync.h) ---
+  // This rank's weights by HF name (its TP slices; a tied LM head is the embedding and not
+  // listed): views of the engine's own storage, so writes change what the next step computes.
+  // Write only between steps (after drain()).
+  std::map<std::string, at::Tensor> parameters() const;
+  // Every TP rank, before serving or following: where syncs deliver. Must outlive the engine.
+  void set_weight_sink(WeightSink* sink);
+  // Leader: checks a serialized bucket plan against this rank's weights, then installs it on
+  // every TP rank; returns its id. Throws InvalidRequest naming what does not fit.
+  uint64_t install_sync_plan(const std::string& plan);
+  // Leader, with no step in flight (drain() first): every TP rank receives one sync to `version`
+  // through its sink; returns the TP group's outcome (complete only when every rank completed).
+  // A sync that fails after writing leaves the weights incomplete: add() then refuses every
+  // request (InvalidRequest, naming the failed sync) until a sync completes.
+  WeightSink::Result receive_weights(uint64_t version);
+  // Why the weights cannot be served (a sync failed part way), or "".
+  const std::string& weights_broken() const;
 
  private:
   struct Impl;

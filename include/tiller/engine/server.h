@@ -53,7 +53,7 @@ struct ClientOptions {
 };
 
 struct ServerHealth {
-  std::string status;            // "serving" or "updating_weights"
+  std::string status;            // "serving", "updating_weights", or "weights_incomplete" (a sync failed part way)
   uint64_t weight_version = 0;
   std::string model_type;
   int64_t vocab_size = 0, max_model_len = 0;
@@ -112,8 +112,13 @@ class EngineClient {
   ServerHealth health();
   ServerStats stats();
   std::vector<uint64_t> abort(const std::vector<uint64_t>& request_ids);
-  uint64_t begin_weight_update(uint64_t version, bool abort_running = false);
-  uint64_t end_weight_update(uint64_t version);
+  // The weight sync's control exchange (docs/sync.md): the plan once per run (returns its id;
+  // InvalidRequest when it does not fit the engine), then Begin and End once per sync. Begin with
+  // a plan_id makes the engine receive the sync from the actor; End waits for it (give it the
+  // sync's deadline) and throws CommError with the engine's reason when the sync failed.
+  uint64_t install_sync_plan(const std::string& plan);
+  uint64_t begin_weight_update(uint64_t version, bool abort_running = false, uint64_t plan_id = 0);
+  uint64_t end_weight_update(uint64_t version, double timeout_s = 0);
 
  private:
   struct Impl;

@@ -120,6 +120,15 @@ class ShardedModel {
   // tests, small models and export. Collective.
   model::NamedTensors gather_parameters();
 
+  // This rank's shard of every unit, in model_layouts order: the compute-dtype shard, and the
+  // fp32 master when trainable (the same tensor in fp32 compute). Views: read, do not write
+  // (the weight sync reads them).
+  struct UnitShard {
+    std::string name;
+    at::Tensor compute, master;
+  };
+  std::vector<UnitShard> shards() const;
+
   // Checkpoints: see checkpoint.h.
   struct UnitState {
     std::string name;
