@@ -5,6 +5,7 @@
 // definition), and the host time to issue one op. Prints one JSON object on rank 0.
 #include <chrono>
 #include <cmath>
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 
@@ -97,13 +98,7 @@ int run_collectives(const BenchOptions& o, int* argc, char*** argv) {
                           {"dtype", o.dtype},       {"iters", o.iters},        {"warmup", o.warmup},
                           {"results", results}};
     out.update(flat);
-    const std::string text = out.dump();
-    std::printf("%s\n", text.c_str());
-    std::fflush(stdout);
-    if (!o.out.empty()) {
-      std::ofstream f(o.out);
-      if (!(f << text << "\n")) throw IoError(fmt::format("--out {}: cannot write the results", o.out));
-    }
+    emit_json(out.dump(), o.out);
   }
   return 0;
 }
@@ -115,6 +110,19 @@ c10::ScalarType parse_dtype(const std::string& d) {
   if (d == "fp32") return at::kFloat;
   if (d == "fp16") return at::kHalf;
   throw ConfigError(fmt::format("--dtype '{}': use bf16, fp16 or fp32", d));
+}
+
+void emit_json(const std::string& text, const std::string& out) {
+  std::printf("%s\n", text.c_str());
+  std::fflush(stdout);
+  if (out.empty()) return;
+  std::ofstream f(out);
+  if (!(f << text << "\n")) throw IoError(fmt::format("--out {}: cannot write the results", out));
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
 }
 
 RankComm open_rank_comm(dist::MpiEnv& env, const std::string& backend_opt, double timeout_s, const std::string& name) {

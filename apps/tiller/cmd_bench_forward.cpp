@@ -139,13 +139,7 @@ int run_forward(const ForwardOptions& o) {
     out["results"].push_back(bench_model(name, o, dev, dtype, peak));
     std::fprintf(stderr, "%s\n", out["results"].back().dump().c_str());
   }
-  const std::string text = out.dump(2);
-  std::printf("%s\n", text.c_str());
-  if (!o.out.empty()) {
-    std::ofstream f(o.out);
-    f << text << "\n";
-    if (!f) throw IoError(fmt::format("{}: write failed", o.out));
-  }
+  emit_json(out.dump(2), o.out);
   return 0;
 }
 

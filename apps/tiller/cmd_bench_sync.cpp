@@ -41,11 +41,6 @@ struct SyncBenchOptions {
   std::string out;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
 int run_sync_bench(const SyncBenchOptions& o, int* argc, char*** argv) {
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), "bench", log::Level::kWarn);
@@ -148,12 +143,7 @@ int run_sync_bench(const SyncBenchOptions& o, int* argc, char*** argv) {
     auto best = std::max_element(rows.begin(), rows.end(),
                                  [](const auto& a, const auto& b) { return a["GBps"] < b["GBps"]; });
     r["best"] = *best;
-    const std::string text = r.dump();
-    std::printf("%s\n", text.c_str());
-    if (!o.out.empty()) {
-      std::ofstream f(o.out);
-      if (!(f << text << "\n")) throw IoError(fmt::format("--out {}: cannot write the results", o.out));
-    }
+    emit_json(r.dump(), o.out);
   }
   return 0;
 }

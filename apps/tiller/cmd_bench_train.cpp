@@ -47,11 +47,6 @@ struct TrainBenchOptions {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
 int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), "bench", log::Level::kWarn);
@@ -144,12 +139,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   b["optimizer_s"] = opt;
   r["breakdown"] = b;
   if (env.rank() == 0) {
-    const std::string text = r.dump();
-    std::printf("%s\n", text.c_str());
-    if (!o.out.empty()) {
-      std::ofstream f(o.out);
-      if (!(f << text << "\n")) throw IoError(fmt::format("--out {}: cannot write the results", o.out));
-    }
+    emit_json(r.dump(), o.out);
   }
   return 0;
 }

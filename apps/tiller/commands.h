@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
@@ -19,6 +20,11 @@ class App;
 namespace tiller::cli {
 
 using Runner = std::function<int()>;
+
+// A benchmark's result: one JSON line on stdout, and the same in `out` when it is not empty
+// (IoError names the file when it cannot be written).
+void emit_json(const std::string& text, const std::string& out);
+double median(std::vector<double> v);
 
 // --dtype bf16 | fp16 | fp32; ConfigError otherwise.
 c10::ScalarType parse_dtype(const std::string& dtype);
