@@ -1,0 +1,119 @@
+// The RL algorithms as pure tensor functions (DESIGN.md §4, algo): KL estimators, advantage
+// estimators, whitening, the PPO policy and value losses, the KL controller, reward shaping and
+// truncated importance sampling. No communication, no model: the controller and the trainer roles
+// call them on host or device tensors.
+//
+// Conventions. A batch of samples is packed: per-token tensors [T] hold the response tokens of
+// every sample back to back, and `cu` (int64 [B + 1], cu[0] = 0, cu[B] = T) says where sample b's
+// tokens lie: [cu[b], cu[b + 1]). Per-sample tensors are [B]. Groups (GRPO, RLOO) are n
+// consecutive samples of one prompt. Losses return a *sum* over tokens divided by `normalizer`:
+// for the token mean over a whole optimizer step across micro-batches and ranks, pass the step's
+// total token count on every micro-batch (gradients then add up to that mean); Dr.GRPO passes a
+// constant instead (samples x max_new_tokens).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+namespace tiller::algo {
+
+// --- KL ---
+// Per-token estimators of KL(policy || reference) from the sampled tokens' log-probs (Schulman,
+// "Approximating KL divergence"), with d = logp - ref_logp: k1 = d, k2 = d^2 / 2,
+// k3 = exp(-d) - 1 + d (unbiased and never negative).
+enum class KlEstimator { kK1, kK2, kK3 };
+KlEstimator parse_kl_estimator(const std::string& name);  // "k1", "k2", "k3"; ConfigError otherwise
+at::Tensor kl_estimate(const at::Tensor& logp, const at::Tensor& ref_logp, KlEstimator k);
+
+// --- Rewards ---
+// Token rewards for KL in the reward: -kl_coef * kl on every token, plus each sample's score on
+// its last token. scores [B], kl [T].
+at::Tensor token_rewards(const at::Tensor& scores, const at::Tensor& kl, const at::Tensor& cu, double kl_coef);
+// Scores clipped to [-clip, clip] (clip <= 0: unchanged).
+at::Tensor clip_rewards(const at::Tensor& scores, double clip);
+
+// Running mean and variance of everything seen (Chan et al.'s merge), for reward normalisation.
+class RunningMoments {
+ public:
+  void update(const at::Tensor& x);
+  // (x - mean) / std with the moments so far (after update, when called on the same batch).
+  at::Tensor normalize(const at::Tensor& x, double eps = 1e-8) const;
+  double mean() const { return mean_; }
+  double std() const;
+  int64_t count() const { return count_; }
+
+ private:
+  double mean_ = 0, m2_ = 0;
+  int64_t count_ = 0;
+};
+
+// --- Advantages ---
+struct AdvantagesReturns {
+  at::Tensor advantages;  // [T]
+  at::Tensor returns;     // [T]
+};
+// Generalised advantage estimation within each sample (the value after its last token is 0).
+AdvantagesReturns gae(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& cu, double gamma,
+                      double lambda);
+// Discounted reward-to-go within each sample (REINFORCE, REINFORCE++): advantages = returns.
+at::Tensor discounted_returns(const at::Tensor& rewards, const at::Tensor& cu, double gamma);
+
+// Per-sample advantages from scores within groups of n consecutive samples:
+//   kRloo       r_i - mean of the other n - 1 (RLOO)
+//   kMean       r_i - group mean (REINFORCE with baseline; Dr.GRPO)
+//   kMeanStd    (r_i - group mean) / (group std + eps), std with Bessel's correction (GRPO)
+enum class GroupBaseline { kRloo, kMean, kMeanStd };
+at::Tensor group_advantages(const at::Tensor& scores, int64_t n, GroupBaseline kind, double eps = 1e-6);
+// A per-sample value on every token of its sample: [B] -> [T].
+at::Tensor per_token(const at::Tensor& per_sample, const at::Tensor& cu);
+// (x - mean) / std over all of x (mean added back unless shift_mean).
+at::Tensor whiten(const at::Tensor& x, bool shift_mean = true, double eps = 1e-8);
+
+// --- Losses ---
+struct PolicyLossConfig {
+  double clip_low = 0.2;    // ratio lower bound 1 - clip_low
+  double clip_high = 0.2;   // upper bound 1 + clip_high (asymmetric "clip-higher" when larger)
+  double dual_clip = 0;     // > 1: for negative advantages the loss is capped at -dual_clip * A
+};
+struct PolicyLoss {
+  at::Tensor loss;          // scalar: sum of per-token losses / normalizer (differentiable)
+  double clip_fraction = 0; // tokens whose clipped term was taken
+  double approx_kl = 0;     // mean of (old_logp - logp)
+};
+// PPO's clipped surrogate. `is_weights` (optional, [T], no gradient) multiplies each token's loss:
+// the truncated importance correction for engine vs trainer log-probs.
+PolicyLoss policy_loss(const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
+                       const PolicyLossConfig& cfg, double normalizer, const at::Tensor& is_weights = {});
+// Clipped value loss: 0.5 * max((v - R)^2, (old_v + clamp(v - old_v, +-clip) - R)^2) summed /
+// normalizer (clip <= 0: unclipped). clip_fraction: tokens where the clipped term was larger.
+struct ValueLoss {
+  at::Tensor loss;
+  double clip_fraction = 0;
+};
+ValueLoss value_loss(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, double clip,
+                     double normalizer);
+// -coef * sum(entropy) / normalizer: added to the policy loss, it rewards entropy.
+at::Tensor entropy_bonus(const at::Tensor& entropy, double coef, double normalizer);
+// KL as a loss: coef * sum(kl_estimate(logp, ref_logp, k)) / normalizer (differentiable in logp).
+at::Tensor kl_loss(const at::Tensor& logp, const at::Tensor& ref_logp, KlEstimator k, double coef, double normalizer);
+
+// Truncated importance-sampling weights exp(trainer_logp - engine_logp) capped at `cap` (TIS):
+// corrects for the engine sampling from slightly different probabilities than the trainer's.
+at::Tensor truncated_is_weights(const at::Tensor& trainer_logp, const at::Tensor& engine_logp, double cap);
+
+// --- KL coefficient ---
+// Fixed (target <= 0) or adaptive (Ziegler et al.): after each step the coefficient is multiplied
+// by 1 + clamp(kl / target - 1, -0.2, 0.2) * steps / horizon.
+class KlController {
+ public:
+  KlController(double init_coef, double target = 0, double horizon = 10000);
+  double value() const { return coef_; }
+  void update(double current_kl, int64_t steps);
+
+ private:
+  double coef_, target_, horizon_;
+};
+
+}  // namespace tiller::algo

@@ -1,0 +1,233 @@
+#include "tiller/algo/algo.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "tiller/core/error.h"
+
+namespace tiller::algo {
+namespace {
+
+// Sample boundaries on the host, checked against a token count.
+std::vector<int64_t> boundaries(const at::Tensor& cu, int64_t tokens) {
+  const at::Tensor c = cu.to(at::kCPU, at::kLong).contiguous();
+  TILLER_CHECK(c.dim() == 1 && c.numel() >= 1, "cu must be [B + 1]");
+  std::vector<int64_t> b(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  TILLER_CHECK(b.front() == 0 && b.back() == tokens, "cu spans [{}, {}] but there are {} tokens", b.front(), b.back(),
+               tokens);
+  for (size_t i = 1; i < b.size(); ++i) TILLER_CHECK(b[i] >= b[i - 1], "cu must not decrease (at {})", i);
+  return b;
+}
+
+std::vector<double> host(const at::Tensor& x) {
+  const at::Tensor c = x.detach().to(at::kCPU, at::kDouble).contiguous().view({-1});
+  return std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+}
+
+at::Tensor like(const std::vector<double>& v, const at::Tensor& as) {
+  return at::tensor(v, at::kDouble).to(as.device(), at::isFloatingType(as.scalar_type()) ? as.scalar_type() : at::kFloat);
+}
+
+void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TILLER_CHECK(a.sizes() == b.sizes(), "{}: shapes {} and {} differ", what, fmt::join(a.sizes().vec(), "x"),
+               fmt::join(b.sizes().vec(), "x"));
+}
+
+}  // namespace
+
+KlEstimator parse_kl_estimator(const std::string& name) {
+  if (name == "k1") return KlEstimator::kK1;
+  if (name == "k2") return KlEstimator::kK2;
+  if (name == "k3") return KlEstimator::kK3;
+  throw ConfigError(fmt::format("KL estimator '{}': use k1, k2 or k3", name));
+}
+
+at::Tensor kl_estimate(const at::Tensor& logp, const at::Tensor& ref_logp, KlEstimator k) {
+  check_same(logp, ref_logp, "kl_estimate");
+  const at::Tensor d = logp - ref_logp;
+  switch (k) {
+    case KlEstimator::kK1: return d;
+    case KlEstimator::kK2: return 0.5 * d * d;
+    case KlEstimator::kK3: return at::exp(-d) - 1 + d;
+  }
+  return d;
+}
+
+at::Tensor token_rewards(const at::Tensor& scores, const at::Tensor& kl, const at::Tensor& cu, double kl_coef) {
+  const auto b = boundaries(cu, kl.numel());
+  TILLER_CHECK(scores.numel() + 1 == static_cast<int64_t>(b.size()), "{} scores for {} samples", scores.numel(),
+               b.size() - 1);
+  std::vector<double> r = host(kl), s = host(scores);
+  for (double& x : r) x *= -kl_coef;
+  for (size_t i = 0; i + 1 < b.size(); ++i)
+    if (b[i + 1] > b[i]) r[b[i + 1] - 1] += s[i];
+  return like(r, kl);
+}
+
+at::Tensor clip_rewards(const at::Tensor& scores, double clip) {
+  return clip > 0 ? scores.clamp(-clip, clip) : scores;
+}
+
+void RunningMoments::update(const at::Tensor& x) {
+  const std::vector<double> v = host(x);
+  if (v.empty()) return;
+  double mean = 0;
+  for (double a : v) mean += a;
+  mean /= static_cast<double>(v.size());
+  double m2 = 0;
+  for (double a : v) m2 += (a - mean) * (a - mean);
+  const auto n = static_cast<int64_t>(v.size());
+  const double delta = mean - mean_;
+  const int64_t total = count_ + n;
+  mean_ += delta * static_cast<double>(n) / static_cast<double>(total);
+  m2_ += m2 + delta * delta * static_cast<double>(count_) * static_cast<double>(n) / static_cast<double>(total);
+  count_ = total;
+}
+
+double RunningMoments::std() const { return count_ > 1 ? std::sqrt(m2_ / static_cast<double>(count_ - 1)) : 1.0; }
+
+at::Tensor RunningMoments::normalize(const at::Tensor& x, double eps) const { return (x - mean_) / (std() + eps); }
+
+AdvantagesReturns gae(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& cu, double gamma,
+                      double lambda) {
+  check_same(rewards, values, "gae");
+  const auto b = boundaries(cu, rewards.numel());
+  const std::vector<double> r = host(rewards), v = host(values);
+  std::vector<double> adv(r.size()), ret(r.size());
+  for (size_t s = 0; s + 1 < b.size(); ++s) {
+    double last = 0;
+    for (int64_t t = b[s + 1] - 1; t >= b[s]; --t) {
+      const double next = t + 1 < b[s + 1] ? v[t + 1] : 0.0;
+      const double delta = r[t] + gamma * next - v[t];
+      last = delta + gamma * lambda * last;
+      adv[t] = last;
+      ret[t] = last + v[t];
+    }
+  }
+  return {like(adv, rewards), like(ret, rewards)};
+}
+
+at::Tensor discounted_returns(const at::Tensor& rewards, const at::Tensor& cu, double gamma) {
+  const auto b = boundaries(cu, rewards.numel());
+  const std::vector<double> r = host(rewards);
+  std::vector<double> out(r.size());
+  for (size_t s = 0; s + 1 < b.size(); ++s) {
+    double acc = 0;
+    for (int64_t t = b[s + 1] - 1; t >= b[s]; --t) out[t] = acc = r[t] + gamma * acc;
+  }
+  return like(out, rewards);
+}
+
+at::Tensor group_advantages(const at::Tensor& scores, int64_t n, GroupBaseline kind, double eps) {
+  TILLER_CHECK(n >= 1 && scores.numel() % n == 0, "{} scores do not form groups of {}", scores.numel(), n);
+  if (kind == GroupBaseline::kRloo)
+    TILLER_CHECK(n >= 2, "RLOO needs at least 2 samples per prompt (rollout.n_samples_per_prompt)");
+  const at::Tensor g = scores.to(at::kDouble).view({-1, n});
+  const at::Tensor sum = g.sum(1, true), mean = sum / static_cast<double>(n);
+  at::Tensor a;
+  switch (kind) {
+    case GroupBaseline::kRloo: a = g - (sum - g) / static_cast<double>(n - 1); break;
+    case GroupBaseline::kMean: a = g - mean; break;
+    case GroupBaseline::kMeanStd:
+      a = (g - mean) / ((n > 1 ? g.std(1, /*unbiased=*/true, true) : at::zeros_like(mean)) + eps);
+      break;
+  }
+  return a.view({-1}).to(at::isFloatingType(scores.scalar_type()) ? scores.scalar_type() : at::kFloat);
+}
+
+at::Tensor per_token(const at::Tensor& per_sample, const at::Tensor& cu) {
+  const at::Tensor c = cu.to(per_sample.device(), at::kLong);
+  TILLER_CHECK(c.numel() == per_sample.numel() + 1, "{} values for {} samples", per_sample.numel(), c.numel() - 1);
+  return per_sample.repeat_interleave(c.narrow(0, 1, per_sample.numel()) - c.narrow(0, 0, per_sample.numel()));
+}
+
+at::Tensor whiten(const at::Tensor& x, bool shift_mean, double eps) {
+  if (x.numel() < 2) return x;
+  const at::Tensor mean = x.mean(), var = x.var(/*unbiased=*/false);
+  at::Tensor w = (x - mean) * at::rsqrt(var + eps);
+  return shift_mean ? w : w + mean;
+}
+
+PolicyLoss policy_loss(const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
+                       const PolicyLossConfig& cfg, double normalizer, const at::Tensor& is_weights) {
+  check_same(logp, old_logp, "policy_loss");
+  check_same(logp, advantages, "policy_loss");
+  TILLER_CHECK(normalizer > 0, "policy_loss: normalizer must be > 0");
+  PolicyLoss out;
+  const at::Tensor adv = advantages.detach().to(logp.scalar_type());
+  const at::Tensor ratio = at::exp(logp - old_logp.detach());
+  const at::Tensor unclipped = -adv * ratio;
+  const at::Tensor clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high);
+  at::Tensor loss = at::maximum(unclipped, clipped);
+  at::Tensor took = clipped > unclipped;
+  if (cfg.dual_clip > 1) {
+    // For negative advantages the loss is at most -dual_clip * A (= dual_clip * |A|).
+    const at::Tensor cap = -adv * cfg.dual_clip;
+    const at::Tensor neg = adv < 0;
+    took = at::where(neg & (loss > cap), at::ones_like(took), took);
+    loss = at::where(neg, at::minimum(loss, cap), loss);
+  }
+  if (is_weights.defined()) {
+    check_same(logp, is_weights, "policy_loss is_weights");
+    loss = loss * is_weights.detach().to(loss.scalar_type());
+  }
+  out.loss = loss.sum() / normalizer;
+  if (logp.numel() > 0) {
+    out.clip_fraction = took.to(at::kDouble).mean().item<double>();
+    out.approx_kl = (old_logp.detach() - logp.detach()).to(at::kDouble).mean().item<double>();
+  }
+  return out;
+}
+
+ValueLoss value_loss(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, double clip,
+                     double normalizer) {
+  check_same(values, old_values, "value_loss");
+  check_same(values, returns, "value_loss");
+  TILLER_CHECK(normalizer > 0, "value_loss: normalizer must be > 0");
+  ValueLoss out;
+  const at::Tensor ret = returns.detach().to(values.scalar_type());
+  const at::Tensor plain = (values - ret).pow(2);
+  if (clip <= 0) {
+    out.loss = 0.5 * plain.sum() / normalizer;
+    return out;
+  }
+  const at::Tensor old = old_values.detach().to(values.scalar_type());
+  const at::Tensor clipped = (old + (values - old).clamp(-clip, clip) - ret).pow(2);
+  out.loss = 0.5 * at::maximum(plain, clipped).sum() / normalizer;
+  if (values.numel() > 0) out.clip_fraction = (clipped > plain).to(at::kDouble).mean().item<double>();
+  return out;
+}
+
+at::Tensor entropy_bonus(const at::Tensor& entropy, double coef, double normalizer) {
+  TILLER_CHECK(normalizer > 0, "entropy_bonus: normalizer must be > 0");
+  return -coef * entropy.sum() / normalizer;
+}
+
+at::Tensor kl_loss(const at::Tensor& logp, const at::Tensor& ref_logp, KlEstimator k, double coef, double normalizer) {
+  TILLER_CHECK(normalizer > 0, "kl_loss: normalizer must be > 0");
+  return coef * kl_estimate(logp, ref_logp.detach(), k).sum() / normalizer;
+}
+
+at::Tensor truncated_is_weights(const at::Tensor& trainer_logp, const at::Tensor& engine_logp, double cap) {
+  check_same(trainer_logp, engine_logp, "truncated_is_weights");
+  TILLER_CHECK(cap > 0, "truncated_is_weights: cap must be > 0");
+  return at::exp(trainer_logp.detach() - engine_logp.detach()).clamp_max(cap);
+}
+
+KlController::KlController(double init_coef, double target, double horizon)
+    : coef_(init_coef), target_(target), horizon_(horizon) {
+  TILLER_CHECK(init_coef >= 0 && horizon > 0, "KL controller: coefficient {} and horizon {}", init_coef, horizon);
+}
+
+void KlController::update(double current_kl, int64_t steps) {
+  if (target_ <= 0) return;
+  const double error = std::clamp(current_kl / target_ - 1.0, -0.2, 0.2);
+  coef_ *= 1.0 + error * static_cast<double>(steps) / horizon_;
+}
+
+}  // namespace tiller::algo

@@ -1,0 +1,146 @@
+// The RL algorithms against values computed by hand (the arithmetic is in the comments).
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "tiller/algo/algo.h"
+#include "tiller/core/error.h"
+
+namespace tiller::algo {
+namespace {
+
+at::Tensor t(std::vector<double> v) { return at::tensor(v, at::kDouble).to(at::kFloat); }
+at::Tensor cu(std::vector<int64_t> v) { return at::tensor(v, at::kLong); }
+
+void expect_values(const at::Tensor& got, std::vector<double> want, double tol = 1e-5) {
+  ASSERT_EQ(got.numel(), static_cast<int64_t>(want.size()));
+  const at::Tensor g = got.detach().to(at::kDouble).contiguous().view({-1});
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(g[i].item<double>(), want[i], tol) << "element " << i;
+}
+
+TEST(Algo, KlEstimators) {
+  // d = logp - ref = [0.5, -1]
+  const at::Tensor logp = t({-1.0, -2.0}), ref = t({-1.5, -1.0});
+  expect_values(kl_estimate(logp, ref, KlEstimator::kK1), {0.5, -1.0});
+  expect_values(kl_estimate(logp, ref, KlEstimator::kK2), {0.125, 0.5});
+  // exp(-0.5) - 1 + 0.5; exp(1) - 1 - 1
+  expect_values(kl_estimate(logp, ref, KlEstimator::kK3), {std::exp(-0.5) - 0.5, std::exp(1.0) - 2.0});
+  EXPECT_EQ(parse_kl_estimator("k3"), KlEstimator::kK3);
+  EXPECT_THROW(parse_kl_estimator("k4"), ConfigError);
+  // As a loss: coef 2 * (k1 sum = 1 + 0) / 2.
+  expect_values(kl_loss(t({0.0, -1.0}), t({-1.0, -1.0}), KlEstimator::kK1, 2.0, 2.0), {1.0});
+}
+
+TEST(Algo, TokenRewardsAndShaping) {
+  // -0.5 * kl everywhere, the score on each sample's last token: samples [0, 2) and [2, 5).
+  expect_values(token_rewards(t({1.0, 2.0}), t({0.1, 0.2, 0.3, 0.4, 0.5}), cu({0, 2, 5}), 0.5),
+                {-0.05, 0.9, -0.15, -0.2, 1.75});
+  EXPECT_THROW(token_rewards(t({1.0}), t({0.1, 0.2}), cu({0, 1, 2}), 0.5), Error);  // 1 score, 2 samples
+  expect_values(clip_rewards(t({-3.0, 0.5, 7.0}), 2.0), {-2.0, 0.5, 2.0});
+  RunningMoments m;
+  m.update(t({1, 2, 3}));
+  m.update(t({4, 5}));
+  EXPECT_NEAR(m.mean(), 3.0, 1e-12);
+  EXPECT_NEAR(m.std(), std::sqrt(2.5), 1e-12);  // unbiased variance of 1..5
+  expect_values(m.normalize(t({5.0})), {2.0 / std::sqrt(2.5)});
+  expect_values(per_token(t({10, 20}), cu({0, 2, 3})), {10, 10, 20});
+}
+
+TEST(Algo, GaeAndReturns) {
+  // Sample 0: r = [0, 0, 1], v = [0.5, 0.6, 0.7], gamma 0.9, lambda 0.8 (gamma * lambda = 0.72):
+  //   t2: delta = 1 - 0.7 = 0.3                    A = 0.3      R = 1.0
+  //   t1: delta = 0.9 * 0.7 - 0.6 = 0.03           A = 0.03 + 0.72 * 0.3 = 0.246      R = 0.846
+  //   t0: delta = 0.9 * 0.6 - 0.5 = 0.04           A = 0.04 + 0.72 * 0.246 = 0.21712  R = 0.71712
+  // Sample 1 is empty; sample 2: r = [2], v = [1.5]: A = 0.5, R = 2.
+  const auto g = gae(t({0, 0, 1, 2}), t({0.5, 0.6, 0.7, 1.5}), cu({0, 3, 3, 4}), 0.9, 0.8);
+  expect_values(g.advantages, {0.21712, 0.246, 0.3, 0.5});
+  expect_values(g.returns, {0.71712, 0.846, 1.0, 2.0});
+  // gamma 0.5: [1 + 0.5 * (0 + 0.5 * 2), 0 + 0.5 * 2, 2]
+  expect_values(discounted_returns(t({1, 0, 2}), cu({0, 3}), 0.5), {1.5, 1.0, 2.0});
+  EXPECT_THROW(gae(t({0, 0}), t({0, 0}), cu({0, 3}), 1, 1), Error);  // cu does not match
+}
+
+TEST(Algo, GroupBaselines) {
+  // Groups (1, 2) and (3, 6).
+  expect_values(group_advantages(t({1, 2, 3, 6}), 2, GroupBaseline::kRloo), {-1, 1, -3, 3});
+  expect_values(group_advantages(t({1, 2, 3, 6}), 2, GroupBaseline::kMean), {-0.5, 0.5, -1.5, 1.5});
+  // std (Bessel) of (1, 2) is 1/sqrt(2), of (3, 6) is 3/sqrt(2): both groups give -+1/sqrt(2).
+  const double h = 1 / std::sqrt(2.0);
+  expect_values(group_advantages(t({1, 2, 3, 6}), 2, GroupBaseline::kMeanStd), {-h, h, -h, h}, 1e-5);
+  // RLOO with n = 3 on (1, 2, 6): each minus the mean of the other two.
+  expect_values(group_advantages(t({1, 2, 6}), 3, GroupBaseline::kRloo), {-3, -1.5, 4.5});
+  // A group whose scores are all equal has no signal (GRPO's eps keeps it finite).
+  expect_values(group_advantages(t({4, 4}), 2, GroupBaseline::kMeanStd), {0, 0});
+  EXPECT_THROW(group_advantages(t({1, 2, 3}), 2, GroupBaseline::kMean), Error);
+  EXPECT_THROW(group_advantages(t({1, 2}), 1, GroupBaseline::kRloo), Error);
+}
+
+TEST(Algo, Whitening) {
+  // mean 2.5, population variance 1.25.
+  const double s = std::sqrt(1.25);
+  expect_values(whiten(t({1, 2, 3, 4})), {-1.5 / s, -0.5 / s, 0.5 / s, 1.5 / s});
+  expect_values(whiten(t({1, 2, 3, 4}), false), {2.5 - 1.5 / s, 2.5 - 0.5 / s, 2.5 + 0.5 / s, 2.5 + 1.5 / s});
+}
+
+TEST(Algo, PpoClipAsymmetricDualAndImportanceWeights) {
+  // ratio = [1.5, 0.5, 1, 0.5] (old log-probs 0), advantages [1, 1, -1, -2], clip 0.2:
+  //   t0: -1.5 vs clipped -1.2 -> -1.2 (clipped)     t1: -0.5 vs -0.8 -> -0.5
+  //   t2: 1 vs 1 -> 1                                t3: 1 vs 1.6 -> 1.6 (clipped)
+  // sum 0.9, over 4 tokens: 0.225; 2 of 4 clipped.
+  const at::Tensor logp = at::log(t({1.5, 0.5, 1.0, 0.5})).requires_grad_(true);
+  const at::Tensor old = at::zeros({4}), adv = t({1, 1, -1, -2});
+  PolicyLoss l = policy_loss(logp, old, adv, {}, 4.0);
+  expect_values(l.loss, {0.225});
+  EXPECT_NEAR(l.clip_fraction, 0.5, 1e-12);
+  l.loss.backward();
+  // Clipped tokens get no gradient; t1's is -A * ratio / 4 = -0.125.
+  const at::Tensor g = logp.grad();
+  EXPECT_NEAR(g[0].item<double>(), 0.0, 1e-7);
+  EXPECT_NEAR(g[1].item<double>(), -0.125, 1e-6);
+  EXPECT_NEAR(g[3].item<double>(), 0.0, 1e-7);
+  // Clip-higher 0.6: t0 is no longer clipped (-1.5): sum 0.6 -> 0.15, 1 of 4 clipped.
+  PolicyLossConfig high;
+  high.clip_high = 0.6;
+  l = policy_loss(logp, old, adv, high, 4.0);
+  expect_values(l.loss, {0.15});
+  EXPECT_NEAR(l.clip_fraction, 0.25, 1e-12);
+  // Importance weights [1, 2, 1, 0.5]: -1.2 - 1.0 + 1.0 + 0.8 = -0.4 -> -0.1.
+  expect_values(policy_loss(logp, old, adv, {}, 4.0, t({1, 2, 1, 0.5})).loss, {-0.1});
+  // Dual clip: ratio 3, A = -1: plain PPO gives max(3, 1.2) = 3; dual clip 1.5 caps it at 1.5.
+  const at::Tensor big = at::log(t({3.0}));
+  expect_values(policy_loss(big, at::zeros({1}), t({-1}), {}, 1.0).loss, {3.0});
+  PolicyLossConfig dual;
+  dual.dual_clip = 1.5;
+  expect_values(policy_loss(big, at::zeros({1}), t({-1}), dual, 1.0).loss, {1.5});
+  // The normaliser makes micro-batch losses add up to the step's token mean.
+  const auto a = policy_loss(logp.narrow(0, 0, 2), old.narrow(0, 0, 2), adv.narrow(0, 0, 2), {}, 4.0);
+  const auto b = policy_loss(logp.narrow(0, 2, 2), old.narrow(0, 2, 2), adv.narrow(0, 2, 2), {}, 4.0);
+  expect_values(a.loss + b.loss, {0.225});
+}
+
+TEST(Algo, ValueLossEntropyAndImportanceCap) {
+  // t0: (1 - 2)^2 = 1 vs (0.5 + 0.2 - 2)^2 = 1.69 -> 1.69; t1: 1 vs 1 -> 1. 0.5 * 2.69 / 2 = 0.6725.
+  const auto v = value_loss(t({1.0, 2.0}), t({0.5, 2.0}), t({2.0, 1.0}), 0.2, 2.0);
+  expect_values(v.loss, {0.6725});
+  EXPECT_NEAR(v.clip_fraction, 0.5, 1e-12);
+  expect_values(value_loss(t({1.0, 2.0}), t({0.5, 2.0}), t({2.0, 1.0}), 0, 2.0).loss, {0.5});
+  expect_values(entropy_bonus(t({1, 2, 3}), 0.01, 3.0), {-0.02});
+  // exp(0 - -1) = e capped at 2; exp(-1 - 0).
+  expect_values(truncated_is_weights(t({0, -1}), t({-1, 0}), 2.0), {2.0, std::exp(-1.0)});
+}
+
+TEST(Algo, KlController) {
+  KlController fixed(0.1);
+  fixed.update(100.0, 256);
+  EXPECT_DOUBLE_EQ(fixed.value(), 0.1);
+  // KL 9 against target 6: error 0.5, clamped to 0.2: x (1 + 0.2 * 256 / 10000).
+  KlController adaptive(0.1, 6.0, 10000);
+  adaptive.update(9.0, 256);
+  EXPECT_NEAR(adaptive.value(), 0.1 * 1.00512, 1e-12);
+  adaptive.update(3.0, 256);  // error -0.5 -> -0.2
+  EXPECT_NEAR(adaptive.value(), 0.1 * 1.00512 * (1 - 0.00512), 1e-12);
+}
+
+}  // namespace
+}  // namespace tiller::algo
