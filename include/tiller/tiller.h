@@ -13,6 +13,7 @@
 #include "tiller/dist/groups.h"
 #include "tiller/dist/mpi_env.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/reward/rule_reward.h"
 
 namespace tiller {
 

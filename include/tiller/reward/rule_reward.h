@@ -1,0 +1,45 @@
+// Rule rewards: a score computed from a sample's text (and its dataset label) without a model.
+//
+// A process-wide registry maps names to functions. Built in:
+//   "math"         1 when the response's final answer equals the label's: the number after the
+//                  last "####", else the contents of the last \boxed{...} (nested braces allowed);
+//                  numbers compare by value ("1,000" = "1000.0"), anything else as trimmed text.
+//                  The label may be a bare answer or carry its own "####" / \boxed{}.
+//   "exact_match"  1 when the trimmed response equals the trimmed label.
+//   "regex:<re>"   1 when the whole response matches the ECMAScript regular expression <re>
+//                  (a format reward, e.g. "regex:(?:.|\n)*#### -?[0-9]+\s*").
+// Library users add their own before the job starts (DESIGN.md §1):
+//   tiller::reward::register_fn("my_reward", [](const tiller::reward::Sample& s) { return score(s.response_text); });
+//
+// Threading: register before the job starts; find() and the functions it returns may then be
+// called from any thread. The built-ins are pure.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tiller::reward {
+
+struct Sample {
+  std::string prompt_text;
+  std::string response_text;
+  std::string label;  // the dataset's label ("" when it has none)
+};
+
+using RewardFn = std::function<double(const Sample&)>;
+
+// Adds `fn` under `name`. ConfigError when the name is empty, taken, or starts with "regex:".
+void register_fn(const std::string& name, RewardFn fn);
+// The function for `spec` (a registered name, or "regex:<re>"). ConfigError names the spec and
+// lists the registered names, or says what is wrong with the regular expression.
+RewardFn find(const std::string& spec);
+std::vector<std::string> names();  // sorted, built-ins included
+
+// The final answer of a text as "math" reads it, or nullopt when there is none.
+std::optional<std::string> extract_answer(const std::string& text);
+// Whether two answers are equal as "math" compares them.
+bool answers_match(const std::string& a, const std::string& b);
+
+}  // namespace tiller::reward

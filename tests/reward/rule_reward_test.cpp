@@ -1,0 +1,67 @@
+// Rule rewards: answer extraction and comparison, the registry and its errors.
+#include <gtest/gtest.h>
+
+#include "tiller/core/error.h"
+#include "tiller/reward/rule_reward.h"
+
+namespace tiller::reward {
+namespace {
+
+double score(const std::string& spec, const std::string& response, const std::string& label = "") {
+  return find(spec)(Sample{"prompt", response, label});
+}
+
+TEST(RuleReward, MathAnswers) {
+  EXPECT_EQ(extract_answer("so 3 + 4 = 7\n#### 7"), "7");
+  EXPECT_EQ(extract_answer("#### 1\nthen again #### 12 apples\nmore"), "12 apples");
+  EXPECT_EQ(extract_answer("the answer is \\boxed{\\frac{1}{2}}."), "\\frac{1}{2}");
+  EXPECT_EQ(extract_answer("\\boxed{1} and finally \\boxed{ 42 }"), "42");
+  EXPECT_EQ(extract_answer("no answer here"), std::nullopt);
+  EXPECT_EQ(extract_answer("\\boxed{unclosed"), std::nullopt);
+  EXPECT_TRUE(answers_match("1,000", "1000.0"));
+  EXPECT_TRUE(answers_match("$18", "18"));
+  EXPECT_TRUE(answers_match("-3.", "-3"));
+  EXPECT_FALSE(answers_match("17", "18"));
+  EXPECT_TRUE(answers_match(" x+1 ", "x+1"));
+  EXPECT_FALSE(answers_match("1,0000", "10000"));  // not a comma between thousands: text, and different
+
+  // GSM8K labels carry "#### n"; MATH labels are bare or boxed.
+  EXPECT_EQ(score("math", "Janet has 16 eggs... #### 18", "She sells 9... #### 18"), 1.0);
+  EXPECT_EQ(score("math", "... \\boxed{18}", "18"), 1.0);
+  EXPECT_EQ(score("math", "... \\boxed{17}", "18"), 0.0);
+  EXPECT_EQ(score("math", "I think it is 18", "18"), 0.0);  // no final answer marked
+}
+
+TEST(RuleReward, ExactMatchAndRegexFormat) {
+  EXPECT_EQ(score("exact_match", "  Paris\n", "Paris"), 1.0);
+  EXPECT_EQ(score("exact_match", "paris", "Paris"), 0.0);
+  const std::string fmt = "regex:<think>[^]*</think>\\s*#### -?[0-9]+\\s*";
+  EXPECT_EQ(score(fmt, "<think>2 + 2\nis 4</think>\n#### 4"), 1.0);
+  EXPECT_EQ(score(fmt, "#### 4"), 0.0);
+  try {
+    find("regex:(unclosed");
+    ADD_FAILURE() << "a bad regex was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a valid regular expression"), std::string::npos) << e.what();
+  }
+}
+
+TEST(RuleReward, RegistryTakesUserFunctions) {
+  register_fn("test_length", [](const Sample& s) { return static_cast<double>(s.response_text.size()); });
+  EXPECT_EQ(score("test_length", "abcd"), 4.0);
+  EXPECT_THROW(register_fn("test_length", [](const Sample&) { return 0.0; }), ConfigError);
+  EXPECT_THROW(register_fn("regex:x", [](const Sample&) { return 0.0; }), ConfigError);
+  const auto all = names();
+  EXPECT_NE(std::find(all.begin(), all.end(), "math"), all.end());
+  EXPECT_NE(std::find(all.begin(), all.end(), "test_length"), all.end());
+  try {
+    find("nope");
+    ADD_FAILURE() << "an unknown reward was found";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("'nope' is not registered (known: "), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("math"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace tiller::reward
