@@ -50,7 +50,7 @@ struct Registry {
   std::map<std::string, RewardFn> fns;
 
   Registry() {
-    fns["math"] = [](const Sample& s) {
+    fns["math_answer"] = [](const Sample& s) {
       const auto got = extract_answer(s.response_text);
       if (!got) return 0.0;
       const auto want = extract_answer(s.label);

@@ -26,10 +26,10 @@ TEST(RuleReward, MathAnswers) {
   EXPECT_FALSE(answers_match("1,0000", "10000"));  // not a comma between thousands: text, and different
 
   // GSM8K labels carry "#### n"; MATH labels are bare or boxed.
-  EXPECT_EQ(score("math", "Janet has 16 eggs... #### 18", "She sells 9... #### 18"), 1.0);
-  EXPECT_EQ(score("math", "... \\boxed{18}", "18"), 1.0);
-  EXPECT_EQ(score("math", "... \\boxed{17}", "18"), 0.0);
-  EXPECT_EQ(score("math", "I think it is 18", "18"), 0.0);  // no final answer marked
+  EXPECT_EQ(score("math_answer", "Janet has 16 eggs... #### 18", "She sells 9... #### 18"), 1.0);
+  EXPECT_EQ(score("math_answer", "... \\boxed{18}", "18"), 1.0);
+  EXPECT_EQ(score("math_answer", "... \\boxed{17}", "18"), 0.0);
+  EXPECT_EQ(score("math_answer", "I think it is 18", "18"), 0.0);  // no final answer marked
 }
 
 TEST(RuleReward, ExactMatchAndRegexFormat) {
@@ -52,14 +52,14 @@ TEST(RuleReward, RegistryTakesUserFunctions) {
   EXPECT_THROW(register_fn("test_length", [](const Sample&) { return 0.0; }), ConfigError);
   EXPECT_THROW(register_fn("regex:x", [](const Sample&) { return 0.0; }), ConfigError);
   const auto all = names();
-  EXPECT_NE(std::find(all.begin(), all.end(), "math"), all.end());
+  EXPECT_NE(std::find(all.begin(), all.end(), "math_answer"), all.end());
   EXPECT_NE(std::find(all.begin(), all.end(), "test_length"), all.end());
   try {
     find("nope");
     ADD_FAILURE() << "an unknown reward was found";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("'nope' is not registered (known: "), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("math"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("math_answer"), std::string::npos) << e.what();
   }
 }
 

@@ -1,7 +1,7 @@
 // Rule rewards: a score computed from a sample's text (and its dataset label) without a model.
 //
 // A process-wide registry maps names to functions. Built in:
-//   "math"         1 when the response's final answer equals the label's: the number after the
+//   "math_answer"  1 when the response's final answer equals the label's: the number after the
 //                  last "####", else the contents of the last \boxed{...} (nested braces allowed);
 //                  numbers compare by value ("1,000" = "1000.0"), anything else as trimmed text.
 //                  The label may be a bare answer or carry its own "####" / \boxed{}.
@@ -37,9 +37,9 @@ void register_fn(const std::string& name, RewardFn fn);
 RewardFn find(const std::string& spec);
 std::vector<std::string> names();  // sorted, built-ins included
 
-// The final answer of a text as "math" reads it, or nullopt when there is none.
+// The final answer of a text as "math_answer" reads it, or nullopt when there is none.
 std::optional<std::string> extract_answer(const std::string& text);
-// Whether two answers are equal as "math" compares them.
+// Whether two answers are equal as "math_answer" compares them.
 bool answers_match(const std::string& a, const std::string& b);
 
 }  // namespace tiller::reward
