@@ -1,0 +1,85 @@
+// The controller's prompt dataset: a JSONL file read once, templated and tokenized up front, then
+// served in shuffled epochs from a resumable cursor.
+//
+// Each line is a JSON object; `input_key` holds the prompt text (a string) and `label_key`, when
+// present, the label handed to rule rewards (a string, or a number written as JSON). The text is
+// put through the input template ("Question: {}\nAnswer:") and/or the chat template, then
+// encoded without special tokens (the chat template carries them).
+//
+// Prompts longer than max_prompt_tokens follow a stated policy: skip them (counted and logged
+// once with the first offending line), keep their last max_prompt_tokens tokens (truncate_left),
+// or refuse the file (error). A malformed line is always refused: ConfigError "FILE:LINE: what".
+//
+// Order: epoch e is a permutation of the prompts drawn from (seed, e) by a fixed Fisher-Yates
+// shuffle (the same on every platform), or file order without shuffling. The cursor (epoch,
+// position) is all a checkpoint needs: seek() to it and next() continues where it stopped.
+//
+// Memory: the texts, labels and token ids of the whole file, on the host.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tiller/model/chat_template.h"
+
+namespace tiller::model {
+class Tokenizer;
+}
+
+namespace tiller::rollout {
+
+enum class LongPromptPolicy { kSkip, kTruncateLeft, kError };
+LongPromptPolicy parse_long_prompt_policy(const std::string& name);  // skip | truncate_left | error
+
+struct DatasetOptions {
+  std::string input_key = "input";
+  std::string label_key = "label";
+  std::string input_template;                              // "" or one "{}"
+  model::ChatFormat chat = model::ChatFormat::kNone;       // kNone: no chat template
+  int64_t max_prompt_tokens = 1024;
+  LongPromptPolicy long_prompts = LongPromptPolicy::kSkip;
+  bool shuffle = true;
+  uint64_t seed = 0;
+  int64_t max_samples = 0;                                 // 0: every prompt
+};
+
+struct Prompt {
+  int64_t line = 0;              // 1-based line in the file
+  std::string text;              // after the templates
+  std::vector<int64_t> tokens;
+  std::string label;
+};
+
+struct DatasetCursor {
+  int64_t epoch = 0;
+  int64_t position = 0;  // prompts of this epoch already served
+};
+
+class PromptDataset {
+ public:
+  // Reads, templates and tokenizes the whole file. ConfigError names the file and line (or says
+  // that no prompt is left after the length policy).
+  PromptDataset(const std::string& path, const model::Tokenizer& tokenizer, const DatasetOptions& options);
+
+  int64_t size() const { return static_cast<int64_t>(prompts_.size()); }
+  int64_t skipped() const { return skipped_; }      // over max_prompt_tokens, policy skip
+  int64_t truncated() const { return truncated_; }  // policy truncate_left
+  const Prompt& at(int64_t i) const { return prompts_.at(static_cast<size_t>(i)); }
+
+  // The next n prompts (indices into at()), continuing into the next epoch when this one ends.
+  std::vector<int64_t> next(int64_t n);
+  DatasetCursor cursor() const { return cursor_; }
+  void seek(const DatasetCursor& c);  // ConfigError when the position is outside an epoch
+
+ private:
+  void order_epoch();
+
+  std::vector<Prompt> prompts_;
+  DatasetOptions opts_;
+  int64_t skipped_ = 0, truncated_ = 0;
+  DatasetCursor cursor_;
+  std::vector<int64_t> order_;  // this epoch's permutation
+};
+
+}  // namespace tiller::rollout

@@ -1,0 +1,134 @@
+// The prompt dataset: templates, labels, malformed lines, the long-prompt policies, shuffled
+// epochs and resuming from a cursor. Tokenizer: the Qwen2 fixture (make_hf_fixtures.py).
+#include <algorithm>
+#include <filesystem>
+#include <set>
+
+#include <gtest/gtest.h>
+
+#include "../model/fixtures.h"
+#include "tiller/core/error.h"
+#include "tiller/model/tokenizer.h"
+#include "tiller/rollout/prompt_dataset.h"
+
+namespace tiller::rollout {
+namespace {
+
+const model::Tokenizer& tokenizer() {
+  static auto t = model::load_tokenizer(test::hf_fixtures() + "/tokenizers/qwen2");
+  return *t;
+}
+
+std::string file(const std::string& name, const std::string& text) {
+  std::filesystem::create_directories(test::scratch_dir() + "/rollout");
+  const std::string p = test::scratch_dir() + "/rollout/" + name;
+  test::write_text(p, text);
+  return p;
+}
+
+std::string error_of(const std::string& path, DatasetOptions o = {}) {
+  try {
+    PromptDataset d(path, tokenizer(), o);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(PromptDataset, TemplatesLabelsAndBlankLines) {
+  const std::string p = file("basic.jsonl",
+                             "{\"question\": \"What is 2+2?\", \"answer\": \"4\"}\n"
+                             "{\"question\": \"x\", \"answer\": 7}\n"
+                             "\n"
+                             "{\"question\": \"y\"}\n");
+  DatasetOptions o;
+  o.input_key = "question";
+  o.label_key = "answer";
+  o.input_template = "Q: {}\nA:";
+  o.chat = model::ChatFormat::kChatML;
+  o.shuffle = false;
+  PromptDataset d(p, tokenizer(), o);
+  ASSERT_EQ(d.size(), 3);
+  const std::string want = model::apply_chat_template(model::ChatFormat::kChatML, {{"user", "Q: What is 2+2?\nA:"}});
+  EXPECT_EQ(d.at(0).text, want);
+  EXPECT_EQ(d.at(0).tokens, tokenizer().encode(want, false));
+  EXPECT_EQ(d.at(0).label, "4");
+  EXPECT_EQ(d.at(1).label, "7");
+  EXPECT_EQ(d.at(2).label, "");
+  EXPECT_EQ(d.at(2).line, 4);
+  o.max_samples = 2;
+  EXPECT_EQ(PromptDataset(p, tokenizer(), o).size(), 2);
+}
+
+TEST(PromptDataset, MalformedLinesNameTheFileAndLine) {
+  const std::string p1 = file("bad1.jsonl", "{\"input\": \"ok\"}\n{\"input\": \"ok\"\n");
+  EXPECT_NE(error_of(p1).find("bad1.jsonl:2: not valid JSON"), std::string::npos) << error_of(p1);
+  const std::string p2 = file("bad2.jsonl", "[1, 2]\n");
+  EXPECT_NE(error_of(p2).find("bad2.jsonl:1: not a JSON object"), std::string::npos) << error_of(p2);
+  const std::string p3 = file("bad3.jsonl", "{\"prompt\": \"hi\"}\n");
+  EXPECT_NE(error_of(p3).find("bad3.jsonl:1: no string under the input key 'input'"), std::string::npos);
+  const std::string p4 = file("bad4.jsonl", "{\"input\": \"hi\", \"label\": {\"a\": 1}}\n");
+  EXPECT_NE(error_of(p4).find("bad4.jsonl:1: the label under 'label' is neither"), std::string::npos);
+  EXPECT_NE(error_of(test::scratch_dir() + "/rollout/none.jsonl").find("cannot open the prompt file"),
+            std::string::npos);
+}
+
+TEST(PromptDataset, LongPromptPolicies) {
+  const std::string long_text = "one two three four five six seven eight nine ten eleven twelve";
+  const std::string p = file("long.jsonl", "{\"input\": \"short\"}\n{\"input\": \"" + long_text + "\"}\n");
+  const auto full = tokenizer().encode(long_text, false);
+  ASSERT_GT(full.size(), 6u);
+  DatasetOptions o;
+  o.max_prompt_tokens = 6;
+  o.shuffle = false;
+  PromptDataset skip(p, tokenizer(), o);
+  EXPECT_EQ(skip.size(), 1);
+  EXPECT_EQ(skip.skipped(), 1);
+  o.long_prompts = LongPromptPolicy::kTruncateLeft;
+  PromptDataset cut(p, tokenizer(), o);
+  ASSERT_EQ(cut.size(), 2);
+  EXPECT_EQ(cut.truncated(), 1);
+  EXPECT_EQ(cut.at(1).tokens, std::vector<int64_t>(full.end() - 6, full.end()));
+  o.long_prompts = LongPromptPolicy::kError;
+  EXPECT_NE(error_of(p, o).find("long.jsonl:2: the prompt has"), std::string::npos) << error_of(p, o);
+  o.max_prompt_tokens = 1;
+  o.long_prompts = LongPromptPolicy::kSkip;
+  EXPECT_NE(error_of(p, o).find("no prompt left"), std::string::npos) << error_of(p, o);
+  EXPECT_EQ(parse_long_prompt_policy("truncate_left"), LongPromptPolicy::kTruncateLeft);
+  EXPECT_THROW(parse_long_prompt_policy("drop"), ConfigError);
+}
+
+TEST(PromptDataset, ShuffledEpochsResumeFromTheCursor) {
+  std::string text;
+  for (int i = 0; i < 20; ++i) text += "{\"input\": \"prompt " + std::to_string(i) + "\"}\n";
+  const std::string p = file("order.jsonl", text);
+  DatasetOptions o;
+  o.seed = 7;
+  PromptDataset a(p, tokenizer(), o);
+  const auto first = a.next(20), second = a.next(20);
+  EXPECT_EQ(std::set<int64_t>(first.begin(), first.end()).size(), 20u);   // an epoch is a permutation
+  EXPECT_EQ(std::set<int64_t>(second.begin(), second.end()).size(), 20u);
+  EXPECT_NE(first, second);                                               // reshuffled per epoch
+  std::vector<int64_t> sorted = first;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_NE(first, sorted);
+  EXPECT_EQ(a.cursor().epoch, 1);
+  EXPECT_EQ(a.cursor().position, 20);
+
+  // Resume: a fresh dataset sought to a saved cursor serves what the first would have.
+  PromptDataset b(p, tokenizer(), o);
+  b.next(13);
+  const DatasetCursor saved = b.cursor();
+  const auto want = b.next(30);  // crosses into the next epoch
+  PromptDataset c(p, tokenizer(), o);
+  c.seek(saved);
+  EXPECT_EQ(c.next(30), want);
+  EXPECT_THROW(c.seek({0, 21}), ConfigError);
+
+  o.shuffle = false;
+  PromptDataset plain(p, tokenizer(), o);
+  EXPECT_EQ(plain.next(3), (std::vector<int64_t>{0, 1, 2}));
+}
+
+}  // namespace
+}  // namespace tiller::rollout
