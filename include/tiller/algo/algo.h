@@ -1,7 +1,9 @@
 // The RL algorithms as pure tensor functions (DESIGN.md §4, algo): KL estimators, advantage
 // estimators, whitening, the PPO policy and value losses, the KL controller, reward shaping and
 // truncated importance sampling. No communication, no model: the controller and the trainer roles
-// call them on host or device tensors.
+// call them on host or device tensors. The per-sample scans (token_rewards, gae,
+// discounted_returns) and RunningMoments run on the host, where the controller keeps the rollout,
+// and return on the input's device; the losses run where their inputs are.
 //
 // Conventions. A batch of samples is packed: per-token tensors [T] hold the response tokens of
 // every sample back to back, and `cu` (int64 [B + 1], cu[0] = 0, cu[B] = T) says where sample b's
