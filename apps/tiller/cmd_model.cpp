@@ -100,27 +100,6 @@ std::vector<model::Completion> generate_on_engine(const GenerateOptions& o, cons
   return out;
 }
 
-// eos ids from config.json, generation_config.json and the tokenizer.
-std::vector<int64_t> eos_ids(const std::string& dir, const model::ModelConfig& cfg, const model::Tokenizer& tok) {
-  std::vector<int64_t> ids = cfg.eos_token_ids;
-  const fs::path gen = fs::path(dir) / "generation_config.json";
-  if (fs::exists(gen)) {
-    json g;
-    try {
-      g = json::parse(read_all(gen.string()));
-    } catch (const json::exception& e) {
-      throw ConfigError(fmt::format("{}: not valid JSON ({})", gen.string(), e.what()));
-    }
-    if (g.contains("eos_token_id") && g["eos_token_id"].is_number_integer()) ids.push_back(g["eos_token_id"]);
-    if (g.contains("eos_token_id") && g["eos_token_id"].is_array())
-      for (const auto& e : g["eos_token_id"]) ids.push_back(e.get<int64_t>());
-  }
-  if (tok.eos_id) ids.push_back(*tok.eos_id);
-  std::sort(ids.begin(), ids.end());
-  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
-  return ids;
-}
-
 struct Prompt {
   std::string text;
   std::vector<int64_t> ids;
@@ -186,7 +165,7 @@ int run_generate(GenerateOptions o) {
   const auto prompts = read_prompts(o, *tok);
   o.sampling.stop_token_ids = o.stop_ids;
   if (!o.ignore_eos)
-    for (int64_t e : eos_ids(o.model, m.config, *tok)) o.sampling.stop_token_ids.push_back(e);
+    for (int64_t e : model::eos_token_ids(o.model, m.config, *tok)) o.sampling.stop_token_ids.push_back(e);
   std::vector<std::vector<int64_t>> ids;
   for (const auto& p : prompts) ids.push_back(p.ids);
   const auto t0 = std::chrono::steady_clock::now();

@@ -20,6 +20,7 @@ int run_main(int argc, char** argv) {
     cli::add_model_commands(app, run);
     cli::add_engine_command(app, run, argc, argv);
     cli::add_zero_commands(app, run);
+    cli::add_train_command(app, run, argc, argv);
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {

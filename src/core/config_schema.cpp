@@ -92,8 +92,11 @@ std::vector<Field> build() {
   b.add("engines.gpu_memory_fraction", TILLER_FIELD(engines.gpu_memory_fraction),
         "Fraction of GPU memory an engine may use for weights and KV cache.")
       .range(0.05, 1.0);
-  b.add("engines.port", TILLER_FIELD(engines.port), "First gRPC port; engine i listens on port + i.")
-      .range(1, 65535);
+  b.add("engines.port", TILLER_FIELD(engines.port),
+        "First gRPC port; engine i listens on port + i. 0: each engine picks a free port.")
+      .range(0, 65535);
+  b.add("engines.host", TILLER_FIELD(engines.host),
+        "Address the engines bind (the controller reaches them by their node's host name).");
   b.add("engines.sync_bucket_mb", TILLER_FIELD(engines.sync_bucket_mb),
         "Largest bucket of the weight broadcast from the actor to the engines, in MiB.")
       .range(1, 65536);
@@ -102,7 +105,7 @@ std::vector<Field> build() {
   b.add("rollout.n_samples_per_prompt", TILLER_FIELD(rollout.n_samples_per_prompt),
         "Completions sampled for each prompt.").range(1, 1024);
   b.add("rollout.max_prompt_tokens", TILLER_FIELD(rollout.max_prompt_tokens),
-        "Prompts longer than this are truncated from the left.").range(1, std::nullopt);
+        "Longest prompt in tokens; longer ones follow data.long_prompt_policy.").range(1, std::nullopt);
   b.add("rollout.max_new_tokens", TILLER_FIELD(rollout.max_new_tokens), "Most tokens generated per completion.")
       .range(1, std::nullopt);
   b.add("rollout.temperature", TILLER_FIELD(rollout.temperature), "Sampling temperature (0: greedy).")
@@ -132,6 +135,12 @@ std::vector<Field> build() {
         "true: KL penalty in the per-token reward (PPO); false: KL as a loss term (GRPO).");
   b.add("algo.target_kl", TILLER_FIELD(algo.target_kl), "Adaptive KL controller target (0: fixed kl_coef).")
       .range(0.0, 100.0);
+  b.add("algo.kl_horizon", TILLER_FIELD(algo.kl_horizon), "Horizon of the adaptive KL controller, in samples.")
+      .range(1.0, std::nullopt);
+  b.add("algo.tis_cap", TILLER_FIELD(algo.tis_cap),
+        "Truncated importance sampling: weight each token's policy loss by exp(trainer - engine log-prob), capped "
+        "here (0: off).")
+      .range(0.0, 1000.0);
   b.add("algo.entropy_coef", TILLER_FIELD(algo.entropy_coef), "Entropy bonus coefficient.").range(0.0, 10.0);
   b.add("algo.whiten_advantages", TILLER_FIELD(algo.whiten_advantages), "Normalise advantages over the batch.");
   b.add("algo.ppo_epochs", TILLER_FIELD(algo.ppo_epochs), "Passes over each rollout batch.").range(1, 100);
@@ -144,6 +153,10 @@ std::vector<Field> build() {
   b.add("data.apply_chat_template", TILLER_FIELD(data.apply_chat_template),
         "Wrap each prompt in the tokenizer's chat format (ChatML, Llama-3).");
   b.add("data.shuffle", TILLER_FIELD(data.shuffle), "Shuffle prompts each epoch with run.seed.");
+  b.add("data.long_prompt_policy", TILLER_FIELD(data.long_prompt_policy),
+        "Prompts over rollout.max_prompt_tokens: skip them (counted in the log), keep their last tokens "
+        "(truncate_left), or stop with an error naming the line.")
+      .one_of({"skip", "truncate_left", "error"});
   b.add("data.max_samples", TILLER_FIELD(data.max_samples), "Use at most this many prompts (0: all).")
       .range(0, std::nullopt);
 
@@ -178,6 +191,10 @@ std::vector<Field> build() {
   b.add("train.min_lr_ratio", TILLER_FIELD(train.min_lr_ratio), "Floor of linear/cosine decay, as a fraction of the LR.")
       .range(0.0, 1.0);
 
+  b.add("train.critic_warmup_steps", TILLER_FIELD(train.critic_warmup_steps),
+        "First steps that train only the critic: no actor update and no weight sync.")
+      .range(0, std::nullopt);
+
   b.add("checkpoint.dir", TILLER_FIELD(checkpoint.dir), "Checkpoint directory (empty: no checkpoints).");
   b.add("checkpoint.every_steps", TILLER_FIELD(checkpoint.every_steps), "Save every N steps (0: only at the end).")
       .range(0, std::nullopt);
@@ -189,8 +206,14 @@ std::vector<Field> build() {
   b.add("logging.level", TILLER_FIELD(logging.level), "Log level; the TILLER_LOG_LEVEL environment variable wins.")
       .one_of({"trace", "debug", "info", "warn", "error", "off"});
   b.add("logging.every_steps", TILLER_FIELD(logging.every_steps), "Log metrics every N steps.").range(1, std::nullopt);
-  b.add("logging.metrics_jsonl", TILLER_FIELD(logging.metrics_jsonl), "Append per-step metrics to this JSONL file.");
-  b.add("logging.chrome_trace", TILLER_FIELD(logging.chrome_trace), "Write a Chrome trace of every rank's phases here.");
+  b.add("logging.metrics_jsonl", TILLER_FIELD(logging.metrics_jsonl),
+        "Append per-step metrics to this JSONL file. Empty: run.output_dir/metrics.jsonl.");
+  b.add("logging.tensorboard_dir", TILLER_FIELD(logging.tensorboard_dir),
+        "TensorBoard event files (tensorboard --logdir). Empty: run.output_dir/tensorboard.");
+  b.add("logging.chrome_trace", TILLER_FIELD(logging.chrome_trace),
+        "Chrome trace of every rank's phases in the profiled steps. Empty: run.output_dir/trace.json.");
+  b.add("logging.profile_steps", TILLER_FIELD(logging.profile_steps),
+        "Steps to trace: \"3\", \"3,5\" or \"3-5\" (empty: none; tiller train --profile sets it).");
 
   b.add("timeouts.collective_s", TILLER_FIELD(timeouts.collective_s),
         "Deadline of one collective (all-gather, reduce-scatter, ...); a miss aborts the communicator.")
@@ -200,6 +223,9 @@ std::vector<Field> build() {
   b.add("timeouts.generate_s", TILLER_FIELD(timeouts.generate_s), "Deadline of one rollout's generation.")
       .range(0.001, std::nullopt);
   b.add("timeouts.weight_sync_s", TILLER_FIELD(timeouts.weight_sync_s), "Deadline of one weight sync to the engines.")
+      .range(0.001, std::nullopt);
+  b.add("timeouts.train_s", TILLER_FIELD(timeouts.train_s),
+        "Deadline of one optimizer step's micro-batches on the actor or critic ranks.")
       .range(0.001, std::nullopt);
   b.add("timeouts.rpc_s", TILLER_FIELD(timeouts.rpc_s), "Deadline of one control RPC (health, stats, abort).")
       .range(0.001, std::nullopt);

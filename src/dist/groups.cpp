@@ -17,6 +17,13 @@ std::vector<int> weight_sync_ranks(const RankPlan& plan) {
 }
 
 GroupCommunicators make_group_communicators(const RankPlan& plan, Communicator& world) {
+  return make_group_communicators(plan, world, nullptr);
+}
+
+GroupCommunicators make_group_communicators(const RankPlan& plan, Communicator& world, const DeviceComm& to_device) {
+  auto keep = [&](std::unique_ptr<Communicator> comm, const std::string& name) {
+    return to_device ? to_device(*comm, name) : std::move(comm);
+  };
   TILLER_CHECK(world.size() == plan.world_size, "group communicators: the world has {} ranks but the plan {}",
                world.size(), plan.world_size);
   const int me = world.rank();
@@ -29,21 +36,21 @@ GroupCommunicators make_group_communicators(const RankPlan& plan, Communicator& 
     if (member) {
       TILLER_CHECK(comm != nullptr && comm->size() == static_cast<int>(group.ranks.size()),
                    "group communicators: '{}' came out with the wrong size", group.role);
-      out.roles[group.role] = std::move(comm);
+      out.roles[group.role] = keep(std::move(comm), group.role);
     }
   }
   // All engine TP groups in one split: color = engine index.
   const auto& mine = plan.ranks[me];
   if (!plan.engines.empty()) {
     auto comm = world.split(mine.engine, std::max(mine.engine_tp_rank, 0), fmt::format("engine{}.tp", mine.engine));
-    if (mine.engine >= 0) out.engine_tp = std::move(comm);
+    if (mine.engine >= 0) out.engine_tp = keep(std::move(comm), fmt::format("engine{}.tp", mine.engine));
   }
   const std::vector<int> sync = weight_sync_ranks(plan);
   if (!sync.empty()) {
     auto pos = std::find(sync.begin(), sync.end(), me);
     const bool member = pos != sync.end();
     auto comm = world.split(member ? 0 : -1, member ? static_cast<int>(pos - sync.begin()) : 0, "weight_sync");
-    if (member) out.weight_sync = std::move(comm);
+    if (member) out.weight_sync = keep(std::move(comm), "weight_sync");
   }
   return out;
 }

@@ -1,5 +1,6 @@
 #include "tiller/model/tokenizer.h"
 
+#include <algorithm>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -7,6 +8,7 @@
 
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
+#include "tiller/model/model_config.h"
 
 namespace tiller::model {
 namespace {
@@ -60,6 +62,26 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir) {
     resolve("pad_token", tok->pad_id);
   }
   return tok;
+}
+
+std::vector<int64_t> eos_token_ids(const std::string& dir, const model::ModelConfig& cfg, const model::Tokenizer& tok) {
+  std::vector<int64_t> ids = cfg.eos_token_ids;
+  const fs::path gen = fs::path(dir) / "generation_config.json";
+  if (fs::exists(gen)) {
+    nlohmann::json g;
+    try {
+      g = nlohmann::json::parse(read_file(gen.string()).value_or(""));
+    } catch (const nlohmann::json::exception& e) {
+      throw ConfigError(fmt::format("{}: not valid JSON ({})", gen.string(), e.what()));
+    }
+    if (g.contains("eos_token_id") && g["eos_token_id"].is_number_integer()) ids.push_back(g["eos_token_id"]);
+    if (g.contains("eos_token_id") && g["eos_token_id"].is_array())
+      for (const auto& e : g["eos_token_id"]) ids.push_back(e.get<int64_t>());
+  }
+  if (tok.eos_id) ids.push_back(*tok.eos_id);
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
 }
 
 }  // namespace tiller::model

@@ -57,6 +57,24 @@ struct Registry {
       return answers_match(*got, want ? *want : s.label) ? 1.0 : 0.0;
     };
     fns["exact_match"] = [](const Sample& s) { return trim(s.response_text) == trim(s.label) ? 1.0 : 0.0; };
+    // The quickstart's toy tasks: a random tiny model starts near 0 and learns them in minutes.
+    fns["toy_digits"] = [](const Sample& s) {
+      int64_t digits = 0, chars = 0;
+      for (unsigned char c : s.response_text) {
+        if ((c & 0xc0) == 0x80) continue;  // UTF-8 continuation bytes: one character each
+        ++chars;
+        if (c >= '0' && c <= '9') ++digits;
+      }
+      return chars == 0 ? 0.0 : static_cast<double>(digits) / static_cast<double>(chars);
+    };
+    fns["toy_echo"] = [](const Sample& s) {
+      // Share of the label's characters that the response repeats, in order, from its start.
+      const std::string want = trim(s.label), got = trim(s.response_text);
+      if (want.empty()) return 0.0;
+      size_t i = 0;
+      while (i < want.size() && i < got.size() && want[i] == got[i]) ++i;
+      return static_cast<double>(i) / static_cast<double>(want.size());
+    };
   }
 };
 

@@ -45,6 +45,13 @@ class RunningMoments {
   double mean() const { return mean_; }
   double std() const;
   int64_t count() const { return count_; }
+  // Checkpoints: the sum of squared deviations, and restoring all three.
+  double m2() const { return m2_; }
+  void restore(double mean, double m2, int64_t count) {
+    mean_ = mean;
+    m2_ = m2;
+    count_ = count;
+  }
 
  private:
   double mean_ = 0, m2_ = 0;

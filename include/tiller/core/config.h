@@ -62,6 +62,7 @@ struct EnginesConfig {
   std::int64_t kv_block_size = 16;
   double gpu_memory_fraction = 0.85;
   std::int64_t port = 50051;
+  std::string host = "0.0.0.0";
   std::int64_t sync_bucket_mb = 256;
 };
 
@@ -88,7 +89,9 @@ struct AlgoConfig {
   std::string kl_estimator = "k1";  // k1 | k2 | k3
   bool kl_in_reward = true;
   double target_kl = 0.0;
+  double kl_horizon = 10000.0;
   double entropy_coef = 0.0;
+  double tis_cap = 0.0;  // > 0: truncated importance weights against the engine's log-probs
   bool whiten_advantages = true;
   std::int64_t ppo_epochs = 1;
 };
@@ -101,6 +104,7 @@ struct DataConfig {
   bool apply_chat_template = false;
   bool shuffle = true;
   std::int64_t max_samples = 0;
+  std::string long_prompt_policy = "skip";  // skip | truncate_left | error
 };
 
 struct RewardConfig {
@@ -125,6 +129,7 @@ struct TrainConfig {
   std::string lr_schedule = "constant";  // constant | linear | cosine
   std::int64_t warmup_steps = 0;
   double min_lr_ratio = 0.1;
+  std::int64_t critic_warmup_steps = 0;  // steps that train only the critic (no actor update, no sync)
 };
 
 struct CheckpointConfig {
@@ -138,8 +143,10 @@ struct CheckpointConfig {
 struct LoggingConfig {
   std::string level = "info";
   std::int64_t every_steps = 1;
-  std::string metrics_jsonl;
-  std::string chrome_trace;
+  std::string metrics_jsonl;    // "": <output_dir>/metrics.jsonl
+  std::string tensorboard_dir;  // "": <output_dir>/tensorboard
+  std::string chrome_trace;     // "": <output_dir>/trace.json (written when profile_steps is set)
+  std::string profile_steps;    // "3" or "3,5" or "3-5": steps whose phases go into the Chrome trace
 };
 
 struct TimeoutsConfig {
@@ -147,6 +154,7 @@ struct TimeoutsConfig {
   double startup_s = 300.0;
   double generate_s = 1800.0;
   double weight_sync_s = 300.0;
+  double train_s = 1800.0;
   double rpc_s = 60.0;
 };
 

@@ -4,6 +4,7 @@
 // (the actor group and every engine rank).
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -31,6 +32,13 @@ struct GroupCommunicators {
 // Collective over `world`: every rank calls it with the same plan. `world.rank()` must be the
 // plan's world rank. Group rank i is the plan group's ranks[i] (TP rank i for engines).
 GroupCommunicators make_group_communicators(const RankPlan& plan, Communicator& world);
+
+// The same, with each group's communicator (made by splitting `world`) handed to `to_device`,
+// which every member calls with the group's name and returns the communicator to keep (an NCCL
+// communicator over the same ranks, made collectively over the split one). This is how a job
+// whose controller has no GPU gets NCCL groups: `world` is MPI, the groups are NCCL.
+using DeviceComm = std::function<std::unique_ptr<Communicator>(Communicator& group, const std::string& name)>;
+GroupCommunicators make_group_communicators(const RankPlan& plan, Communicator& world, const DeviceComm& to_device);
 
 // The world ranks of the weight sync communicator, in its rank order (empty without an actor
 // group or engines).

@@ -40,6 +40,11 @@ class Tokenizer {
 // bos/eos/pad tokens. Throws ConfigError/IoError naming the file and key.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir);
 
+// The ids that end a completion: config.json's eos_token_id, generation_config.json's and the
+// tokenizer's eos token, sorted and unique. ConfigError names a generation_config.json that is not JSON.
+struct ModelConfig;
+std::vector<int64_t> eos_token_ids(const std::string& dir, const ModelConfig& cfg, const Tokenizer& tok);
+
 // Parses a tokenizer.json document (`where` names it in errors).
 std::unique_ptr<Tokenizer> make_bpe_tokenizer(const std::string& json_text, const std::string& where);
 std::unique_ptr<Tokenizer> make_sentencepiece_tokenizer(const std::string& model_path);

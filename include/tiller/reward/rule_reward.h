@@ -6,6 +6,9 @@
 //                  numbers compare by value ("1,000" = "1000.0"), anything else as trimmed text.
 //                  The label may be a bare answer or carry its own "####" / \boxed{}.
 //   "exact_match"  1 when the trimmed response equals the trimmed label.
+//   "toy_digits"   the share of the response's characters that are ASCII digits (the quickstart's
+//                  toy task: a random tiny model starts near 0 and learns it in a few minutes on CPU)
+//   "toy_echo"     the share of the label's characters the response repeats from its start
 //   "regex:<re>"   1 when the whole response matches the ECMAScript regular expression <re>
 //                  (a format reward, e.g. "regex:(?:.|\n)*#### -?[0-9]+\s*").
 // Library users add their own before the job starts (DESIGN.md §1):

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Makes what configs/quickstart.yaml needs, with transformers and tokenizers (CPU, seconds):
+
+  make_quickstart.py [MODEL_DIR] [PROMPTS]   (defaults: models/tiny-qwen2, data/quickstart/prompts.jsonl)
+
+MODEL_DIR  a randomly initialised tiny Qwen2 (2 layers, hidden 64) with a byte-level BPE tokenizer
+           of 320 tokens trained on this repository's docs, saved as Hugging Face safetensors.
+PROMPTS    256 prompts for the toy task "toy_digits" (reward: the share of the response's
+           characters that are digits), one JSON object per line.
+
+Deterministic: the same files on every machine. Skips the work when MODEL_DIR/stamp holds this
+script's hash.
+"""
+import hashlib
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "models" / "tiny-qwen2"
+PROMPTS = Path(sys.argv[2]) if len(sys.argv) > 2 else REPO / "data" / "quickstart" / "prompts.jsonl"
+STAMP = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def prompts():
+    rng = random.Random(7)
+    words = ["count", "list", "write", "give", "say", "numbers", "digits", "please", "now", "some", "more", "then"]
+    out = []
+    for i in range(256):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 6)))
+        out.append({"input": f"{text}:", "label": str(rng.randint(0, 999))})
+    return out
+
+
+def main():
+    PROMPTS.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(p) + "\n" for p in prompts())
+    if not PROMPTS.exists() or PROMPTS.read_text() != lines:
+        PROMPTS.write_text(lines)
+    if (MODEL / "stamp").exists() and (MODEL / "stamp").read_text() == STAMP:
+        print(f"{MODEL} is current")
+        return
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = []
+    for p in sorted(REPO.glob("docs/*.md")) + [REPO / "README.md"]:
+        text += p.read_text(encoding="utf-8").splitlines()
+    tok.train_from_iterator(text, trainer=trainer)
+    MODEL.mkdir(parents=True, exist_ok=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(MODEL)
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=tok.token_to_id("<|endoftext|>"),
+                      bos_token_id=tok.token_to_id("<|endoftext|>"), torch_dtype="float32")
+    model = Qwen2ForCausalLM(cfg).eval()
+    model.save_pretrained(MODEL, safe_serialization=True)
+    (MODEL / "stamp").write_text(STAMP)
+    print(f"wrote {MODEL} ({sum(p.numel() for p in model.parameters())} parameters) and {PROMPTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+#include "tiller/rollout/train.h"
+
+#include <pthread.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <random>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <fmt/format.h>
+
+#include "rollout/controller.h"
+#include "rollout/protocol.h"
+#include "rollout/role_worker.h"
+#include "tiller/core/config.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+#include "tiller/dist/groups.h"
+#include "tiller/dist/mpi_env.h"
+#include "tiller/dist/rank_plan.h"
+#include "tiller/engine/engine.h"
+#include "tiller/engine/engine_weights.h"
+#include "tiller/engine/server.h"
+#include "tiller/sync/weight_sync.h"
+
+namespace tiller::rollout {
+namespace {
+
+// A fresh shared secret for the engines' gRPC services: only this job's controller can call them.
+std::string random_token() {
+  std::random_device rd;
+  std::string t;
+  for (int i = 0; i < 32; ++i) t += "0123456789abcdef"[rd() % 16];
+  return t;
+}
+
+// Waits for the controller's next message without aborting the communicator on a long wait.
+Message wait_for_controller(dist::Communicator& world, int controller, const std::function<void()>& check) {
+  IncomingMessage next(world, controller);
+  auto backoff = std::chrono::microseconds(100);
+  while (!next.poll()) {
+    check();
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::microseconds(20000));
+  }
+  return next.take();
+}
+
+int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, dist::GroupCommunicators& groups,
+                    dist::Communicator& world, const std::string& device, const std::string& hostname) {
+  const auto& me = plan.ranks.at(static_cast<size_t>(rank));
+  const int tp = static_cast<int>(cfg.engines.tp);
+  const std::string dir = cfg.engines.model.empty() ? cfg.roles.actor.model : cfg.engines.model;
+  engine::EngineWeights w = engine::load_engine_weights(dir, me.engine_tp_rank, tp, cfg.roles.actor.dtype, device);
+  engine::EngineOptions eo;
+  eo.device = device;
+  eo.block_size = cfg.engines.kv_block_size;
+  eo.gpu_memory_fraction = cfg.engines.gpu_memory_fraction;
+  eo.limits.max_num_seqs = cfg.engines.max_num_seqs;
+  eo.limits.max_batched_tokens = cfg.engines.max_batched_tokens;
+  eo.max_model_len = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens;
+  dist::Communicator* tp_comm = tp > 1 ? groups.engine_tp.get() : nullptr;
+  if (tp_comm) tp_comm->set_timeout(cfg.timeouts.collective_s);
+  engine::Engine eng(w.config, std::move(w.weights), eo, tp_comm);
+  TILLER_CHECK(groups.weight_sync != nullptr, "engine rank {} has no weight-sync communicator", rank);
+  sync::WeightReceiver receiver(eng, *groups.weight_sync, cfg.timeouts.weight_sync_s);
+  eng.set_weight_sink(&receiver);
+  if (!eng.is_leader()) {
+    eng.follow();
+    return 0;
+  }
+  const Message hello = recv_message(world, plan.controller, Deadline::after_seconds(cfg.timeouts.startup_s));
+  engine::ServerOptions so;
+  const int64_t port = cfg.engines.port == 0 ? 0 : cfg.engines.port + me.engine;
+  so.address = fmt::format("{}:{}", cfg.engines.host, port);
+  so.token = hello.text;
+  so.max_wait_seconds = std::max(cfg.timeouts.weight_sync_s, cfg.timeouts.rpc_s);
+  engine::EngineServer server(eng, so);
+  Message addr;
+  addr.text = fmt::format("{}:{}", hostname, server.port());
+  for (auto& wk : send_message(world, plan.controller, addr)) wk->wait(Deadline::after_seconds(cfg.timeouts.startup_s));
+  log::info("engine {} serving on {} ({} KV blocks)", me.engine, addr.text, eng.stats().kv_blocks_total);
+  const Message stop = wait_for_controller(world, plan.controller, [&] {
+    const std::string failure = server.error();
+    if (!failure.empty()) throw Error(fmt::format("engine {}: its loop failed: {}", me.engine, failure));
+  });
+  TILLER_CHECK(stop.op == Op::kStop, "engine {}: unexpected message '{}' from the controller", me.engine,
+               op_name(stop.op));
+  server.shutdown();
+  eng.shutdown();
+  const engine::EngineStats s = eng.stats();
+  log::info("engine {}: {} requests, {} generated tokens in {} steps", me.engine, s.requests_finished,
+            s.generated_tokens, s.steps);
+  Message bye;
+  bye.scalars = {peak_rss_mb()};
+  for (auto& wk : send_message(world, plan.controller, bye)) wk->wait(Deadline::after_seconds(cfg.timeouts.rpc_s));
+  return 0;
+}
+
+}  // namespace
+
+int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& options) {
+  // SIGINT/SIGTERM: the controller finishes its step and saves; the other ranks wait for its stop.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  const int gpus = at::detail::getCUDAHooks().getNumGPUs();
+  std::string device_kind = cfg.cluster.device;
+  if (device_kind == "auto") device_kind = gpus > 0 && dist::MpiEnv::have_nccl() ? "cuda" : "cpu";
+  if (device_kind == "cuda" && gpus == 0)
+    throw ConfigError(fmt::format("cluster.device = cuda: rank {} ({}) sees no CUDA device; use cluster.device=cpu "
+                                  "or the GPU build on a GPU node",
+                                  env.rank(), env.hostname()));
+  const bool cpu = device_kind == "cpu";
+  std::string backend = cfg.cluster.backend;
+  if (backend == "auto") backend = cpu ? "mpi" : "nccl";
+  if (backend == "nccl" && cpu) throw ConfigError("cluster.backend = nccl needs cluster.device = cuda");
+
+  auto world = env.world(cfg.timeouts.startup_s);
+  const dist::NodeMap nodes = env.node_map(static_cast<int>(cfg.cluster.gpus_per_node), cpu, cfg.timeouts.startup_s);
+  const int needed = dist::required_world_size(cfg);
+  if (env.size() != needed)
+    throw ConfigError(fmt::format("this config needs {} ranks ({}), the job has {}; run it with mpirun -np {} "
+                                  "(tiller plan prints the whole line)",
+                                  needed, dist::world_size_breakdown(cfg), env.size(), needed));
+  const dist::RankPlan plan = dist::make_rank_plan(cfg, nodes);
+  const auto& me = plan.ranks.at(static_cast<size_t>(env.rank()));
+  log::init(env.rank(), me.label(), log::parse_level(cfg.logging.level, "logging.level"));
+  std::string device = "cpu";
+  if (!cpu && me.gpu >= 0) {
+    device = fmt::format("cuda:{}", me.gpu);
+    c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(me.gpu)));
+  }
+  if (env.rank() == plan.controller) log::info("rank plan:\n{}", plan.table());
+
+  dist::DeviceComm to_device;
+  if (backend == "nccl")
+    to_device = [&](dist::Communicator& group, const std::string& name) -> std::unique_ptr<dist::Communicator> {
+      return dist::MpiEnv::nccl(group, me.gpu, name, cfg.timeouts.startup_s);
+    };
+  dist::GroupCommunicators groups = dist::make_group_communicators(plan, *world, to_device);
+  world->set_timeout(cfg.timeouts.collective_s);
+
+  if (env.rank() == plan.controller) {
+    std::atomic<bool> done{false};
+    std::thread waiter([&] {
+      const timespec tick{0, 200 * 1000 * 1000};
+      while (!done) {
+        if (sigtimedwait(&stop_signals, nullptr, &tick) > 0) {
+          log::warn("signal received: finishing this step, saving a checkpoint, then stopping");
+          request_stop();
+        }
+      }
+    });
+    struct Join {
+      std::atomic<bool>& done;
+      std::thread& t;
+      ~Join() {
+        done = true;
+        t.join();
+      }
+    } join{done, waiter};
+    // The engines' shared secret, then their addresses.
+    ControllerOptions co;
+    co.engine_token = random_token();
+    co.require_resume = options.require_resume;
+    Message hello;
+    hello.text = co.engine_token;
+    std::vector<std::vector<dist::WorkPtr>> sends;
+    for (const auto& e : plan.engines) sends.push_back(send_message(*world, e.ranks.front(), hello));
+    for (const auto& e : plan.engines) {
+      const Message a = recv_message(*world, e.ranks.front(), Deadline::after_seconds(cfg.timeouts.startup_s));
+      co.engine_addresses.push_back(a.text);
+    }
+    for (auto& v : sends)
+      for (auto& w : v) w->wait();
+    Controller controller(cfg, plan, *world, co);
+    return controller.run();
+  }
+  if (me.engine >= 0) return run_engine_rank(cfg, plan, env.rank(), groups, *world, device, env.hostname());
+  RoleWorker worker(cfg, plan, env.rank(), groups, *world, device);
+  worker.serve();
+  return 0;
+}
+
+}  // namespace tiller::rollout
