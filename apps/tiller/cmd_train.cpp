@@ -1,4 +1,7 @@
 // tiller train: a PPO job under mpirun (rollout/train.h).
+#include <pthread.h>
+
+#include <csignal>
 #include <cstdio>
 
 #include <CLI/CLI.hpp>
@@ -21,10 +24,17 @@ struct TrainCmdOptions {
 };
 
 int run_train_cmd(const TrainCmdOptions& o, int* argc, char*** argv) {
+  // SIGINT/SIGTERM go to the controller's waiting thread (rollout/train.h): blocked before MPI
+  // (or anything else) starts a thread, so no other thread takes the default action.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   dist::MpiEnv env(argc, argv);
   try {
     std::vector<std::string> overrides = o.overrides;
-    if (!o.profile.empty()) overrides.push_back("logging.profile_steps=\"" + o.profile + "\"");
+    if (!o.profile.empty()) overrides.push_back("logging.profile_steps=" + o.profile);
     JobConfig cfg = load_config(o.config, overrides);
     rollout::TrainOptions to;
     to.require_resume = o.resume;

@@ -720,7 +720,7 @@ struct Controller::Impl {
     write_file_atomic(dir + "/controller.json", st.dump(2) + "\n");
     auto all = checkpoints();
     while (static_cast<int64_t>(all.size()) > cfg.checkpoint.keep_last) {
-      fs::remove_all(all.front().second, ec);
+      remove_tree(all.front().second);
       all.erase(all.begin());
     }
     seconds["checkpoint"] = since(t0);

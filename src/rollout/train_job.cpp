@@ -83,7 +83,8 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   Message addr;
   addr.text = fmt::format("{}:{}", hostname, server.port());
   for (auto& wk : send_message(world, plan.controller, addr)) wk->wait(Deadline::after_seconds(cfg.timeouts.startup_s));
-  log::info("engine {} serving on {} ({} KV blocks)", me.engine, addr.text, eng.stats().kv_blocks_total);
+  log::info("engine {} serving on {} ({} KV blocks, pid {})", me.engine, addr.text, eng.stats().kv_blocks_total,
+            static_cast<int64_t>(getpid()));
   const Message stop = wait_for_controller(world, plan.controller, [&] {
     const std::string failure = server.error();
     if (!failure.empty()) throw Error(fmt::format("engine {}: its loop failed: {}", me.engine, failure));
@@ -138,7 +139,8 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
     device = fmt::format("cuda:{}", me.gpu);
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(me.gpu)));
   }
-  if (env.rank() == plan.controller) log::info("rank plan:\n{}", plan.table());
+  if (env.rank() == plan.controller)
+    log::info("controller pid {}; rank plan:\n{}", static_cast<int64_t>(getpid()), plan.table());
 
   dist::DeviceComm to_device;
   if (backend == "nccl")

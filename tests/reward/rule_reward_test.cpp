@@ -63,5 +63,17 @@ TEST(RuleReward, RegistryTakesUserFunctions) {
   }
 }
 
+TEST(RuleReward, ToyTasks) {
+  const RewardFn digits = find("toy_digits");
+  EXPECT_DOUBLE_EQ(digits({"", "12ab", ""}), 0.5);
+  EXPECT_DOUBLE_EQ(digits({"", "2024", ""}), 1.0);
+  EXPECT_DOUBLE_EQ(digits({"", "", ""}), 0.0);
+  EXPECT_DOUBLE_EQ(digits({"", "\xc3\xa9" "7", ""}), 0.5);  // "é7": two characters, one digit
+  const RewardFn echo = find("toy_echo");
+  EXPECT_DOUBLE_EQ(echo({"", "abcx", "abcd"}), 0.75);
+  EXPECT_DOUBLE_EQ(echo({"", " abcd ", "abcd"}), 1.0);
+  EXPECT_DOUBLE_EQ(echo({"", "zz", "abcd"}), 0.0);
+}
+
 }  // namespace
 }  // namespace tiller::reward

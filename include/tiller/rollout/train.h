@@ -24,7 +24,9 @@ struct TrainOptions {
   bool require_resume = false;  // --resume: fail when checkpoint.dir holds no complete checkpoint
 };
 
-// Collective over the whole job. Returns this rank's exit code.
+// Collective over the whole job. Returns this rank's exit code. It blocks SIGINT and SIGTERM in the
+// calling thread; block them before creating the MpiEnv too (as `tiller train` does), so that no
+// thread started earlier (MPI's) takes their default action.
 int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& options);
 
 }  // namespace tiller::rollout
