@@ -204,8 +204,6 @@ struct Controller::Impl {
                 "(data.long_prompt_policy = skip)",
                 dataset->skipped(), dataset->skipped() + dataset->size(), cfg.rollout.max_prompt_tokens);
     if (cfg.reward.type == "rule") rule = reward::find(cfg.reward.rule);
-    if (cfg.reward.type == "remote")
-      throw ConfigError("reward.type = remote: not available in this build of the controller yet; use rule or model");
 
     engines = std::make_unique<EnginePool>(opts.engine_addresses, opts.engine_token, cfg.timeouts.rpc_s);
     if (engines->size() == 0) throw ConfigError("engines.count = 0: tiller train needs at least one engine");
