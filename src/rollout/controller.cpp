@@ -247,6 +247,21 @@ struct Controller::Impl {
                               m.text.substr(7)));
   }
 
+  // Every trainer rank once (colocated roles share a rank).
+  std::set<int> trainer_ranks() const {
+    std::set<int> ranks;
+    for (const auto& g : groups) ranks.insert(g.ranks.begin(), g.ranks.end());
+    return ranks;
+  }
+
+  // Sends `m` to every trainer rank and waits for each answer.
+  void call_trainers(const Message& m, double timeout_s, const char* what) {
+    const std::set<int> ranks = trainer_ranks();
+    for (int r : ranks) post(r, m);
+    for (int r : ranks) answer(r, timeout_s, what);
+    settle_sends();
+  }
+
   void settle_sends() {
     for (auto& v : sends)
       for (auto& w : v) w->wait(Deadline::after_seconds(cfg.timeouts.collective_s));
@@ -698,11 +713,7 @@ struct Controller::Impl {
     Message m;
     m.op = Op::kSave;
     m.text = dir;
-    std::set<int> ranks;
-    for (const auto& g : groups) ranks.insert(g.ranks.begin(), g.ranks.end());
-    for (int r : ranks) post(r, m);
-    for (int r : ranks) answer(r, cfg.timeouts.collective_s * 4, "the checkpoint save");
-    settle_sends();
+    call_trainers(m, cfg.timeouts.collective_s * 4, "the checkpoint save");
     json st;
     st["format"] = "tiller-controller-1";
     st["step"] = step;
@@ -752,11 +763,7 @@ struct Controller::Impl {
     Message m;
     m.op = Op::kLoad;
     m.text = dir;
-    std::set<int> ranks;
-    for (const auto& g : groups) ranks.insert(g.ranks.begin(), g.ranks.end());
-    for (int r : ranks) post(r, m);
-    for (int r : ranks) answer(r, cfg.timeouts.collective_s * 4, "loading the checkpoint");
-    settle_sends();
+    call_trainers(m, cfg.timeouts.collective_s * 4, "loading the checkpoint");
     step = st.at("step").get<int64_t>();
     actor_updates = st.at("actor_updates").get<int64_t>();
     critic_updates = st.at("critic_updates").get<int64_t>();
@@ -785,8 +792,7 @@ struct Controller::Impl {
   void collect_traces() {
     Message m;
     m.op = Op::kTrace;
-    std::set<int> ranks;
-    for (const auto& g : groups) ranks.insert(g.ranks.begin(), g.ranks.end());
+    const std::set<int> ranks = trainer_ranks();
     for (int r : ranks) post(r, m);
     for (int r : ranks) {
       const Message a = answer(r, cfg.timeouts.collective_s, "collecting the trace");
@@ -819,8 +825,7 @@ struct Controller::Impl {
   void stop_ranks() {
     Message m;
     m.op = Op::kStop;
-    std::set<int> ranks;
-    for (const auto& g : groups) ranks.insert(g.ranks.begin(), g.ranks.end());
+    std::set<int> ranks = trainer_ranks();
     for (const auto& e : plan.engines) ranks.insert(e.ranks.front());
     for (int r : ranks) post(r, m);
     double peak = peak_rss_mb();

@@ -114,7 +114,6 @@ struct RoleWorker::Impl {
   std::map<std::string, std::unique_ptr<zero::ShardedModel>> models;
   std::unique_ptr<sync::WeightSender> sender;
   double temperature = 1.0;
-  int64_t optimizer_steps_per_ppo_step = 1;
   // Statistics of the micro-batches since the last step, per trained role.
   std::map<std::string, std::array<double, kStepStatCount>> acc;
   std::vector<std::string> span_names;
@@ -317,8 +316,10 @@ RoleWorker::~RoleWorker() = default;
 void RoleWorker::serve() {
   Impl& m = *impl_;
   const int controller = m.plan.controller;
-  // The longest the controller may stay silent: a whole generation, then a collective's worth.
-  const double idle_s = m.cfg.timeouts.generate_s + m.cfg.timeouts.weight_sync_s + m.cfg.timeouts.collective_s;
+  // The longest the controller may stay silent towards this rank: a whole generation, the other
+  // group's training, a sync and a collective's worth.
+  const double idle_s = m.cfg.timeouts.generate_s + m.cfg.timeouts.train_s + m.cfg.timeouts.weight_sync_s +
+                        m.cfg.timeouts.collective_s;
   std::vector<dist::WorkPtr> sending;
   auto reply = [&](Message msg) {
     msg.op = Op::kReply;
@@ -332,7 +333,7 @@ void RoleWorker::serve() {
     while (!next.poll()) {
       if (deadline.expired())
         throw TimeoutError(fmt::format("rank {}: no message from the controller (rank {}) in {:.0f} s "
-                                       "(timeouts.generate_s + weight_sync_s + collective_s); is it alive?",
+                                       "(timeouts.generate_s + train_s + weight_sync_s + collective_s); is it alive?",
                                        m.rank, controller, idle_s));
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, std::chrono::microseconds(2000));
