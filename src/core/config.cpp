@@ -219,15 +219,6 @@ void JobConfig::validate() const {
     throw ConfigError(fmt::format("reward.type = {} does not use a reward model; set roles.reward.enabled=false "
                                   "or reward.type=model", reward.type));
   }
-  if (algo.entropy_coef > 0) {
-    throw ConfigError(fmt::format("algo.entropy_coef = {}: the entropy bonus has no gradient in this version (the "
-                                  "trainer's fused log-prob head returns the entropy for metrics only); set 0",
-                                  format_double(algo.entropy_coef)));
-  }
-  if (reward.type == "remote") {
-    throw ConfigError("reward.type = remote: the remote reward service is not in this version; use rule (with "
-                      "tiller::reward::register_fn for your own function) or model");
-  }
   if (reward.type == "remote" && reward.remote_address.empty()) {
     throw ConfigError("reward.type = remote needs reward.remote_address (host:port)");
   }

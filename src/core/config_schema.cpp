@@ -165,7 +165,18 @@ std::vector<Field> build() {
       .one_of({"model", "rule", "remote"});
   b.add("reward.rule", TILLER_FIELD(reward.rule), "Registered rule reward used when reward.type is rule.");
   b.add("reward.remote_address", TILLER_FIELD(reward.remote_address),
-        "host:port of the remote reward service when reward.type is remote.");
+        "host:port of the remote reward service (proto/tiller/reward.proto) when reward.type is remote.");
+  b.add("reward.remote_timeout_s", TILLER_FIELD(reward.remote_timeout_s), "Deadline of one Score call to the remote reward service.")
+      .range(0.001, std::nullopt);
+  b.add("reward.remote_retries", TILLER_FIELD(reward.remote_retries),
+        "Retries of a Score call that failed with UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED or ABORTED "
+        "(backoff doubling from 0.5 s); other errors end the job at once.")
+      .range(0, 100);
+  b.add("reward.remote_batch_size", TILLER_FIELD(reward.remote_batch_size),
+        "Samples per Score call; a call leaves as soon as this many samples have finished generating.")
+      .range(1, 1000000);
+  b.add("reward.remote_concurrency", TILLER_FIELD(reward.remote_concurrency), "Score calls in flight at once.")
+      .range(1, 1024);
   b.add("reward.clip", TILLER_FIELD(reward.clip), "Rewards are clipped to [-clip, clip] (0: off).")
       .range(0.0, std::nullopt);
   b.add("reward.normalize", TILLER_FIELD(reward.normalize), "Normalise rewards with running mean and std.");

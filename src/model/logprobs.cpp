@@ -37,15 +37,17 @@ ChunkResult chunk_forward(const at::Tensor& h, const at::Tensor& w, const at::Te
   return r;
 }
 
-// d logp[t] / d z = onehot(target) - softmax(z), chunk by chunk with recomputed logits. The
-// weight gradient's matmul runs in the weight dtype (bf16 on tensor cores) and accumulates over
-// chunks in fp32.
+// d logp[t] / d z = onehot(target) - softmax(z), chunk by chunk with recomputed logits. With an
+// entropy gradient too: d H / d z = -p * (log p + H). The weight gradient's matmul runs in the
+// weight dtype (bf16 on tensor cores) and accumulates over chunks in fp32.
 std::pair<at::Tensor, at::Tensor> backward_chunks(const at::Tensor& hidden, const at::Tensor& weight,
-                                                  const at::Tensor& targets, const at::Tensor& grad, double temperature,
-                                                  int64_t chunk, bool need_h, bool need_w, bool fp32_w = false) {
+                                                  const at::Tensor& targets, const at::Tensor& grad,
+                                                  const at::Tensor& grad_entropy, double temperature, int64_t chunk,
+                                                  bool need_h, bool need_w, bool fp32_w = false) {
   const at::ScalarType ct = compute_type(hidden);
-  const at::Tensor g = grad.to(ct);
   const int64_t rows = hidden.size(0);
+  const at::Tensor g = grad.defined() ? grad.to(ct) : at::zeros({rows}, hidden.options().dtype(ct));
+  const at::Tensor ge = grad_entropy.defined() ? grad_entropy.to(ct) : at::Tensor();
   at::Tensor grad_h = need_h ? at::empty_like(hidden) : at::Tensor();
   at::Tensor grad_w = need_w ? at::zeros(weight.sizes(), weight.options().dtype(ct)) : at::Tensor();
   for (int64_t s = 0; s < rows; s += chunk) {
@@ -54,8 +56,18 @@ std::pair<at::Tensor, at::Tensor> backward_chunks(const at::Tensor& hidden, cons
     at::Tensor z = at::matmul(h, weight.t());
     if (temperature != 1.0) z = z.to(ct) / temperature;
     at::Tensor gs = g.narrow(0, s, n);
-    // softmax reads the weight-dtype logits and writes fp32: no separate fp32 copy of z.
-    at::Tensor dz = at::softmax(z, -1, ct).mul_(-gs.unsqueeze(1));
+    at::Tensor dz;
+    if (ge.defined()) {
+      // -p * (g + ge * (log p + H)): the log-prob's and the entropy's gradient in one pass.
+      at::Tensor logp = at::log_softmax(z, -1, ct);
+      at::Tensor p = logp.exp();
+      at::Tensor ent = -(p * logp).sum(-1, /*keepdim=*/true);
+      at::Tensor ges = ge.narrow(0, s, n).unsqueeze(1);
+      dz = logp.add_(ent).mul_(ges).add_(gs.unsqueeze(1)).mul_(p).neg_();
+    } else {
+      // softmax reads the weight-dtype logits and writes fp32: no separate fp32 copy of z.
+      dz = at::softmax(z, -1, ct).mul_(-gs.unsqueeze(1));
+    }
     dz.scatter_add_(1, targets.narrow(0, s, n).unsqueeze(1), gs.unsqueeze(1));
     if (temperature != 1.0) dz.div_(temperature);
     const at::Tensor dzw = dz.to(weight.scalar_type());
@@ -66,32 +78,36 @@ std::pair<at::Tensor, at::Tensor> backward_chunks(const at::Tensor& hidden, cons
   return {grad_h, fp32_w ? grad_w : grad_w.to(weight.scalar_type())};
 }
 
+// Outputs: the log-probs, and the entropies when asked for. Both are differentiable; gradients
+// that no loss reaches stay undefined (not materialised), so an unused entropy costs nothing.
 struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                            const at::Tensor& targets, double temperature, int64_t chunk, at::Tensor* entropy) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                               const at::Tensor& targets, double temperature, int64_t chunk, bool want_entropy) {
     const int64_t rows = hidden.size(0);
     at::Tensor out = at::empty({rows}, hidden.options().dtype(compute_type(hidden)));
     at::Tensor ent;
-    if (entropy) ent = at::empty({rows}, out.options());
+    if (want_entropy) ent = at::empty({rows}, out.options());
     for (int64_t s = 0; s < rows; s += chunk) {
       const int64_t n = std::min(chunk, rows - s);
-      ChunkResult r = chunk_forward(hidden.narrow(0, s, n), weight, targets.narrow(0, s, n), temperature, entropy);
+      ChunkResult r = chunk_forward(hidden.narrow(0, s, n), weight, targets.narrow(0, s, n), temperature, want_entropy);
       out.narrow(0, s, n).copy_(r.logprobs);
-      if (entropy) ent.narrow(0, s, n).copy_(r.entropy);
+      if (want_entropy) ent.narrow(0, s, n).copy_(r.entropy);
     }
-    if (entropy) *entropy = ent;
+    ctx->set_materialize_grads(false);
     ctx->save_for_backward({hidden, weight, targets});
     ctx->saved_data["temperature"] = temperature;
     ctx->saved_data["chunk"] = chunk;
-    return out;
+    if (want_entropy) return {out, ent};
+    return {out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    auto [grad_h, grad_w] = backward_chunks(saved[0], saved[1], saved[2], grads[0],
-                                                    ctx->saved_data["temperature"].toDouble(),
-                                                    ctx->saved_data["chunk"].toInt(), ctx->needs_input_grad(0),
-                                                    ctx->needs_input_grad(1));
+    const at::Tensor none;
+    const at::Tensor& g_ent = grads.size() > 1 ? grads[1] : none;
+    auto [grad_h, grad_w] = backward_chunks(saved[0], saved[1], saved[2], grads[0], g_ent,
+                                            ctx->saved_data["temperature"].toDouble(), ctx->saved_data["chunk"].toInt(),
+                                            ctx->needs_input_grad(0), ctx->needs_input_grad(1));
     return {grad_h, grad_w, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -101,11 +117,13 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
 std::pair<at::Tensor, at::Tensor> token_logprobs_backward(const at::Tensor& hidden, const at::Tensor& lm_head,
                                                           const at::Tensor& targets, const at::Tensor& grad,
                                                           double temperature, int64_t chunk_rows, bool need_hidden,
-                                                          bool need_weight, bool fp32_weight_grad) {
-  TILLER_CHECK(grad.dim() == 1 && grad.size(0) == hidden.size(0), "token_logprobs_backward: {} gradients for {} rows",
-               grad.numel(), hidden.size(0));
-  return backward_chunks(hidden, lm_head, targets.to(at::kLong), grad, temperature, chunk_rows, need_hidden, need_weight,
-                         fp32_weight_grad);
+                                                          bool need_weight, bool fp32_weight_grad,
+                                                          const at::Tensor& grad_entropy) {
+  for (const at::Tensor* t : {&grad, &grad_entropy})
+    TILLER_CHECK(!t->defined() || (t->dim() == 1 && t->size(0) == hidden.size(0)),
+                 "token_logprobs_backward: {} gradients for {} rows", t->numel(), hidden.size(0));
+  return backward_chunks(hidden, lm_head, targets.to(at::kLong), grad, grad_entropy, temperature, chunk_rows,
+                         need_hidden, need_weight, fp32_weight_grad);
 }
 
 at::Tensor token_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& targets,
@@ -116,7 +134,10 @@ at::Tensor token_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head, c
                targets.numel(), hidden.size(0));
   TILLER_CHECK(temperature > 0, "temperature must be > 0, got {}", temperature);
   TILLER_CHECK(chunk_rows > 0, "chunk_rows must be > 0");
-  return ChunkedLogProbs::apply(hidden, lm_head, targets.to(at::kLong), temperature, chunk_rows, entropy);
+  variable_list out = ChunkedLogProbs::apply(hidden, lm_head, targets.to(at::kLong), temperature, chunk_rows,
+                                             entropy != nullptr);
+  if (entropy) *entropy = out[1];
+  return out[0];
 }
 
 }  // namespace tiller::model

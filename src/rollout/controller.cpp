@@ -31,6 +31,7 @@
 #include "tiller/model/chat_template.h"
 #include "tiller/model/model_config.h"
 #include "tiller/model/tokenizer.h"
+#include "tiller/reward/remote_reward.h"
 #include "tiller/reward/rule_reward.h"
 #include "tiller/rollout/experience.h"
 #include "tiller/rollout/metrics.h"
@@ -148,6 +149,7 @@ struct Controller::Impl {
   std::unique_ptr<PromptDataset> dataset;
   std::vector<int64_t> stop_ids;
   reward::RewardFn rule;
+  std::unique_ptr<reward::RemoteReward> remote;
   std::unique_ptr<EnginePool> engines;
   uint64_t plan_id = 0;
 
@@ -204,6 +206,17 @@ struct Controller::Impl {
                 "(data.long_prompt_policy = skip)",
                 dataset->skipped(), dataset->skipped() + dataset->size(), cfg.rollout.max_prompt_tokens);
     if (cfg.reward.type == "rule") rule = reward::find(cfg.reward.rule);
+    if (cfg.reward.type == "remote") {
+      reward::RemoteOptions ro;
+      ro.address = cfg.reward.remote_address;
+      ro.timeout_seconds = cfg.reward.remote_timeout_s;
+      ro.retries = static_cast<int>(cfg.reward.remote_retries);
+      ro.batch_size = static_cast<int>(cfg.reward.remote_batch_size);
+      ro.concurrency = static_cast<int>(cfg.reward.remote_concurrency);
+      remote = std::make_unique<reward::RemoteReward>(ro);
+      const std::string name = remote->check_health(Deadline::after_seconds(cfg.timeouts.startup_s));
+      log::info("reward: the remote service at {} scores '{}'", ro.address, name);
+    }
 
     engines = std::make_unique<EnginePool>(opts.engine_addresses, opts.engine_token, cfg.timeouts.rpc_s);
     if (engines->size() == 0) throw ConfigError("engines.count = 0: tiller train needs at least one engine");
@@ -270,16 +283,22 @@ struct Controller::Impl {
 
   // A micro-batch of `samples` with its sequences, lengths and prompt lengths.
   Message batch_message(Op op, const std::vector<int64_t>& samples) const {
+    int64_t total = 0;
+    for (int64_t s : samples) total += ro.seq_len(s);
+    const int64_t n = static_cast<int64_t>(samples.size());
+    at::Tensor tokens = at::empty({total}, at::kLong), seq_lens = at::empty({n}, at::kLong),
+               prompt_lens = at::empty({n}, at::kLong);
+    int64_t* tp = tokens.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t s = samples[static_cast<size_t>(i)];
+      const auto b = ro.tokens.begin() + ro.seq_offset[s];
+      tp = std::copy(b, b + ro.seq_len(s), tp);
+      seq_lens.data_ptr<int64_t>()[i] = ro.seq_len(s);
+      prompt_lens.data_ptr<int64_t>()[i] = ro.prompt_len[s];
+    }
     Message m;
     m.op = op;
-    std::vector<int64_t> tokens, seq_lens, prompt_lens;
-    for (int64_t s : samples) {
-      const auto b = ro.tokens.begin() + ro.seq_offset[s];
-      tokens.insert(tokens.end(), b, b + ro.seq_len(s));
-      seq_lens.push_back(ro.seq_len(s));
-      prompt_lens.push_back(ro.prompt_len[s]);
-    }
-    m.tensors = {at::tensor(tokens, at::kLong), at::tensor(seq_lens, at::kLong), at::tensor(prompt_lens, at::kLong)};
+    m.tensors = {tokens, seq_lens, prompt_lens};
     return m;
   }
 
@@ -368,8 +387,11 @@ struct Controller::Impl {
       } else if (role == "critic") {
         scatter(ro.values, samples, m.tensors.at(t++));
       } else {
-        const at::Tensor sc = m.tensors.at(t++);
-        for (size_t i = 0; i < samples.size(); ++i) ro.score[samples[i]] = sc[static_cast<int64_t>(i)].item<float>();
+        const at::Tensor sc = m.tensors.at(t++).contiguous();
+        TILLER_CHECK(sc.numel() == static_cast<int64_t>(samples.size()), "the reward role answered {} scores for {} samples",
+                     sc.numel(), samples.size());
+        const float* p = sc.data_ptr<float>();
+        for (size_t i = 0; i < samples.size(); ++i) ro.score[samples[i]] = p[i];
       }
     }
   }
@@ -392,6 +414,7 @@ struct Controller::Impl {
     const double w0 = wall_us();
     const Deadline deadline = Deadline::after_seconds(cfg.timeouts.generate_s);
     engines->begin(deadline);
+    if (remote) remote->begin_step(static_cast<uint64_t>(step + 1));
     const int64_t cap = cfg.engines.max_num_seqs * 2;  // samples queued per engine beyond which dispatch waits
     size_t next_prompt = 0;
     int64_t expected = static_cast<int64_t>(step_prompts.size()) * n, received = 0;
@@ -434,6 +457,17 @@ struct Controller::Impl {
         if (rule) {
           reward::Sample rs{p.text, tokenizer->decode(s.tokens, true), p.label};
           ro.score[id] = static_cast<float>(rule(rs));
+        } else if (remote) {
+          reward::RemoteSample rs;
+          rs.id = static_cast<uint64_t>(id);
+          rs.prompt = p.text;
+          rs.response = tokenizer->decode(s.tokens, true);
+          rs.label = p.label;
+          rs.finish_reason = s.finish_reason;
+          rs.prompt_index = static_cast<uint64_t>(p.line);
+          rs.sample_index = static_cast<uint32_t>(s.sample);
+          rs.response_tokens = static_cast<int64_t>(s.tokens.size());
+          remote->add(std::move(rs));
         }
         for (auto& st : states) st.packer.add(id, ro.seq_len(id));
         ++received;
@@ -461,6 +495,14 @@ struct Controller::Impl {
       backoff = std::min(backoff * 2, std::chrono::microseconds(2000));
     }
     settle_sends();
+    if (remote) {
+      for (const auto& [id, score] : remote->finish(Deadline::after_seconds(cfg.timeouts.generate_s)))
+        ro.score[static_cast<size_t>(id)] = static_cast<float>(score);
+      const reward::RemoteStats rs = remote->take_stats();
+      metrics["reward/remote_calls"] = rs.calls;
+      metrics["reward/remote_retries"] = rs.retries;
+      metrics["reward/remote_seconds_per_call"] = rs.calls > 0 ? rs.call_seconds / static_cast<double>(rs.calls) : 0.0;
+    }
     trace_span("score (after generation)", -1, w1, wall_us());
     seconds["generate"] = gen_seconds;
     seconds["score_tail"] = since(t0) - gen_seconds;  // scoring left after the last completion
@@ -559,9 +601,15 @@ struct Controller::Impl {
     std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed) * 7919ull + static_cast<uint64_t>(step));
     std::map<std::string, std::array<double, kStepStatCount>> totals;
     std::map<std::string, double> steps_done;
+    // Samples are numbered in arrival order, which timing decides; the optimizer steps take them
+    // in (prompt, sample) order shuffled by the seed, so a run's mini-batches do not depend on it.
+    std::vector<int64_t> canonical(static_cast<size_t>(ro.size()));
+    std::iota(canonical.begin(), canonical.end(), 0);
+    std::sort(canonical.begin(), canonical.end(), [&](int64_t a, int64_t b) {
+      return std::make_pair(ro.prompt[a], ro.sample[a]) < std::make_pair(ro.prompt[b], ro.sample[b]);
+    });
     for (int64_t epoch = 0; epoch < cfg.algo.ppo_epochs; ++epoch) {
-      std::vector<int64_t> order(static_cast<size_t>(ro.size()));
-      std::iota(order.begin(), order.end(), 0);
+      std::vector<int64_t> order = canonical;
       std::shuffle(order.begin(), order.end(), rng);
       for (size_t start = 0; start < order.size(); start += static_cast<size_t>(cfg.train.train_batch_size)) {
         const std::vector<int64_t> chunk(order.begin() + static_cast<std::ptrdiff_t>(start),

@@ -217,12 +217,15 @@ struct RoleWorker::Impl {
       if (kl_coef > 0 && in.tensors.at(5).numel() > 0)
         loss = loss + algo::kl_loss(logp, on(in.tensors.at(5)), algo::parse_kl_estimator(cfg.algo.kl_estimator),
                                     kl_coef, normalizer);
+      const at::Tensor resp_entropy = entropy.index_select(0, mb.resp_rows);
+      if (cfg.algo.entropy_coef > 0)
+        loss = loss + algo::entropy_bonus(resp_entropy, cfg.algo.entropy_coef, normalizer);
       loss.backward();
       const double n = static_cast<double>(logp.numel());
       a[kLoss] += loss.item<double>();
       a[kClipTokens] += pl.clip_fraction * n;
       a[kApproxKlTokens] += pl.approx_kl * n;
-      a[kEntropySum] += entropy.index_select(0, mb.resp_rows).sum().item<double>();
+      a[kEntropySum] += resp_entropy.detach().sum().item<double>();
       a[kTokens] += n;
     }
     a[kTrainSeconds] += seconds_since(t0);

@@ -333,13 +333,18 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
 
 // The last segment, LM head: final norm -> log-probs of the targets. Its backward does not
 // re-run the chunked log-prob forward: token_logprobs_backward recomputes the logits itself.
+// Outputs the log-probs and, when asked for, the entropies; both differentiable.
 struct LmHeadSegment : public torch::autograd::Function<LmHeadSegment> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, const at::Tensor& x,
-                            const at::Tensor& targets, double temperature, at::Tensor* entropy) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, const at::Tensor& x,
+                               const at::Tensor& targets, double temperature, bool want_entropy) {
     remember(ctx, m);
+    ctx->set_materialize_grads(false);
     ctx->saved_data["temperature"] = temperature;
     ctx->save_for_backward({x, targets});
-    return m->lm_head_forward(x, targets, temperature, entropy);
+    at::Tensor entropy;
+    at::Tensor logp = m->lm_head_forward(x, targets, temperature, want_entropy ? &entropy : nullptr);
+    if (want_entropy) return {logp, entropy};
+    return {logp};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     Impl* m = impl_of(ctx);
@@ -360,7 +365,8 @@ struct LmHeadSegment : public torch::autograd::Function<LmHeadSegment> {
     const at::Tensor w = m->lm_weight(head_named, embed).detach();
     auto [gh, gw] = model::token_logprobs_backward(h.detach(), w, saved[1], grads[0],
                                                    ctx->saved_data["temperature"].toDouble(),
-                                                   m->opts.logprob_chunk_rows, true, true, /*fp32_weight_grad=*/true);
+                                                   m->opts.logprob_chunk_rows, true, true, /*fp32_weight_grad=*/true,
+                                                   grads.size() > 1 ? grads[1] : at::Tensor());
     variable_list g = grads_of(h, {x, norm_w}, gh);
     std::vector<at::Tensor> head_grads(head.size());
     for (size_t i = 0; i < head.size(); ++i) {
@@ -496,8 +502,10 @@ at::Tensor ShardedModel::token_logprobs(const model::PackedBatch& batch, const a
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   c10::AutoGradMode grad_mode(graph);  // a frozen model records no graph even under autograd
   at::Tensor x = run_trunk(m, batch, bctx, graph);
-  return graph ? LmHeadSegment::apply(m.anchor, &m, x, tgt, temperature, entropy)
-               : m.lm_head_forward(x, tgt, temperature, entropy);
+  if (!graph) return m.lm_head_forward(x, tgt, temperature, entropy);
+  variable_list out = LmHeadSegment::apply(m.anchor, &m, x, tgt, temperature, entropy != nullptr);
+  if (entropy) *entropy = out[1];
+  return out[0];
 }
 
 at::Tensor ShardedModel::values(const model::PackedBatch& batch) {

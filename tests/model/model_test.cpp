@@ -149,6 +149,43 @@ TEST(Model, ChunkedLogProbsEqualFullSoftmaxWithGradients) {
   }
 }
 
+TEST(Model, ChunkedEntropyGradientEqualsFullSoftmax) {
+  at::manual_seed(4);
+  at::Tensor hidden = at::randn({23, 16}, at::kDouble).requires_grad_();
+  at::Tensor head = at::randn({41, 16}, at::kDouble).requires_grad_();
+  at::Tensor targets = at::randint(0, 41, {23}, at::kLong);
+  at::Tensor wl = at::randn({23}, at::kDouble), we = at::randn({23}, at::kDouble);
+  auto reference = [&](bool with_logp) {
+    hidden.mutable_grad().reset();
+    head.mutable_grad().reset();
+    at::Tensor logp = at::log_softmax(at::matmul(hidden, head.t()) / 0.7, -1);
+    at::Tensor ent = -(logp.exp() * logp).sum(-1);
+    at::Tensor loss = (ent * we).sum();
+    if (with_logp) loss = loss + (logp.gather(1, targets.unsqueeze(1)).squeeze(1) * wl).sum();
+    loss.backward();
+    return std::make_pair(hidden.grad().clone(), head.grad().clone());
+  };
+  for (bool with_logp : {false, true}) {
+    const auto [gh, gw] = reference(with_logp);
+    for (int64_t chunk : {1, 6, 1000}) {
+      hidden.mutable_grad().reset();
+      head.mutable_grad().reset();
+      at::Tensor ent;
+      at::Tensor lp = token_logprobs(hidden, head, targets, 0.7, chunk, &ent);
+      at::Tensor loss = (ent.to(at::kDouble) * we).sum();
+      if (with_logp) loss = loss + (lp.to(at::kDouble) * wl).sum();
+      loss.backward();
+      EXPECT_LT(max_diff(hidden.grad(), gh), 1e-9) << chunk << " with_logp=" << with_logp;
+      EXPECT_LT(max_diff(head.grad(), gw), 1e-9) << chunk << " with_logp=" << with_logp;
+    }
+  }
+  // The same through the backward outside autograd.
+  const auto [gh, gw] = reference(true);
+  auto [h2, w2] = token_logprobs_backward(hidden.detach(), head.detach(), targets, wl, 0.7, 5, true, true, false, we);
+  EXPECT_LT(max_diff(h2, gh), 1e-9);
+  EXPECT_LT(max_diff(w2, gw), 1e-9);
+}
+
 TEST(Model, BackwardThroughTheModelMatchesFiniteDifferences) {
   ModelConfig cfg = preset("tiny-qwen3");
   cfg.num_layers = 1;

@@ -87,7 +87,10 @@ int64_t tokens_in(const MicroBatch& mb) { return static_cast<int64_t>(mb.targets
 at::Tensor forward(ShardedModel& m, const MicroBatch& mb) {
   const auto batch = model::PackedBatch::pack(mb.seqs, device());
   if (m.options().head == Head::kValue) return m.values(batch);
-  return m.token_logprobs(batch, at::tensor(mb.targets, at::kLong).to(device()));
+  // The entropy joins the loss (the entropy bonus), so its gradient is checked too.
+  at::Tensor entropy;
+  at::Tensor lp = m.token_logprobs(batch, at::tensor(mb.targets, at::kLong).to(device()), 1.0, &entropy);
+  return lp + 0.3 * entropy;
 }
 
 // Plain training of the whole model in fp32 with autograd (no recomputation, no sharding) and
@@ -111,7 +114,10 @@ struct Reference {
     const auto batch = model::PackedBatch::pack(mb.seqs, device());
     at::Tensor h = model::forward_hidden(cfg, w, batch);
     if (head == Head::kValue) return model::values(h, w.score);
-    return model::token_logprobs(h, w.lm_head, at::tensor(mb.targets, at::kLong).to(device()));
+    at::Tensor entropy;
+    at::Tensor lp = model::token_logprobs(h, w.lm_head, at::tensor(mb.targets, at::kLong).to(device()), 1.0, 1024,
+                                          &entropy);
+    return lp + 0.3 * entropy;
   }
   // Returns the gradient norm before clipping.
   double step(const std::vector<MicroBatch>& all, int64_t total_tokens, double lr, double max_norm) {

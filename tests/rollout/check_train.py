@@ -13,6 +13,12 @@ CASE:
                message naming the failure, and the last checkpoint stays complete.
   bad_inputs   a malformed JSONL line, a prompt over the limit (policy error), a missing model
                directory and an unknown key: each ends with one clear line, non-zero, no hang.
+  remote       GRPO with the remote reward (examples/reward_server/server.py scoring toy_digits, its
+               first 2 calls failing UNAVAILABLE): the reward rises; the client retried exactly
+               twice; the first steps' rewards equal the built-in rule's. A service that is not
+               there, and one slower than reward.remote_timeout_s, end the job with a clear line.
+  entropy      the entropy bonus: with algo.entropy_coef large, the policy's entropy after a few
+               steps is clearly above the run without it (same seed).
 """
 import json
 import os
@@ -213,28 +219,135 @@ def check_bad_inputs():
         args = command(4, bad / "out", *sets)
         if cfg:
             args[args.index(str(REPO / "configs" / "quickstart.yaml"))] = str(cfg)
-        t0 = time.time()
-        try:
-            p = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
-        except subprocess.TimeoutExpired:
-            fail(f"{name}: the job hung")
-        errors = [l for l in p.stdout.splitlines() if l.startswith("tiller: error:")]
-        if p.returncode == 0 or not errors or not any(re.search(pattern, l) for l in errors):
-            fail(f"{name}: exit code {p.returncode}, error lines {errors}, expected /{pattern}/:\n{p.stdout[-3000:]}")
-        print(f"bad input '{name}': exit {p.returncode} in {time.time() - t0:.1f} s: {errors[0][:160]}")
+        expect_error(f"bad input '{name}'", args, pattern)
+
+
+GRPO = ["algo.advantage_estimator=group_norm", "roles.critic.enabled=false", "algo.kl_in_reward=false",
+        "algo.kl_estimator=k3"]
+
+
+def start_reward_server(name, *flags):
+    port_file = SCRATCH / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    log = open(SCRATCH / f"{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "reward_server" / "server.py"), "--host",
+                             "127.0.0.1", "--port", "0", "--task", "toy_digits", "--port-file", str(port_file),
+                             *flags], stdout=log, stderr=subprocess.STDOUT, text=True)
+    end = time.time() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.time() > end:
+            fail(f"the reward server did not start:\n{(SCRATCH / f'{name}.log').read_text()}")
+        time.sleep(0.1)
+    return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+def stop_reward_server(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def expect_error(name, args, pattern, timeout=240):
+    t0 = time.time()
+    try:
+        p = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        fail(f"{name}: the job hung")
+    errors = [l for l in p.stdout.splitlines() if l.startswith("tiller: error:")]
+    if p.returncode == 0 or not errors or not any(re.search(pattern, l) for l in errors):
+        fail(f"{name}: exit code {p.returncode}, error lines {errors}, expected /{pattern}/:\n{p.stdout[-3000:]}")
+    print(f"{name}: exit {p.returncode} in {time.time() - t0:.1f} s: {errors[0][:200]}")
+
+
+def check_remote():
+    server, address = start_reward_server("remote", "--fail-first", "2")
+    remote = ["reward.type=remote", f"reward.remote_address={address}", "reward.remote_batch_size=8",
+              "reward.remote_concurrency=3", "reward.remote_retries=3"]
+    try:
+        check_learns(3, *GRPO, *remote)
+    finally:
+        stop_reward_server(server)
+    rows = metrics(SCRATCH / CASE)
+    retries = sum(r["reward/remote_retries"] for r in rows)
+    calls = sum(r["reward/remote_calls"] for r in rows)
+    per_step = 16 * 4 // 8  # rollout.batch_size x n_samples / remote_batch_size, from configs/quickstart.yaml
+    if retries != 2 or calls < 30 * per_step:
+        fail(f"remote calls {calls}, retries {retries}: expected 2 retries and at least {30 * per_step} calls")
+    print(f"remote: {calls} Score calls, {retries} retries")
+    # The same 3-step job with the built-in rule gives the same rewards: the same samples (same
+    # seed), and every score lands on its own sample (else steps 2-3 train differently).
+    server, address = start_reward_server("remote_again")
+    try:
+        code, log = run(3, SCRATCH / "remote_3", *GRPO, "train.num_steps=3", *remote[:1],
+                        f"reward.remote_address={address}", *remote[2:])
+    finally:
+        stop_reward_server(server)
+    if code != 0:
+        fail(f"3-step remote run: exit code {code}:\n{log[-3000:]}")
+    code, log = run(3, SCRATCH / "remote_rule", *GRPO, "train.num_steps=3")
+    if code != 0:
+        fail(f"rule run: exit code {code}:\n{log[-3000:]}")
+    want = [r["reward/mean"] for r in metrics(SCRATCH / "remote_rule")]
+    got = [r["reward/mean"] for r in metrics(SCRATCH / "remote_3")]
+    if any(abs(a - b) > 1e-6 for a, b in zip(got, want)):
+        fail(f"remote rewards {got} differ from the rule's {want}")
+    print(f"remote: steps 1-3 rewards {[round(x, 4) for x in got]} equal the built-in rule's")
+
+    # No service at the address: the job fails at start, naming it.
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sk.getsockname()[1]}"
+    expect_error("no reward service", command(3, SCRATCH / "remote_dead", *GRPO, "reward.type=remote",
+                                              f"reward.remote_address={dead}", "reward.remote_retries=1"),
+                 re.escape(dead) + r".*Health failed.*UNAVAILABLE")
+    # A service slower than the deadline: retried, then the job ends naming the timeout.
+    slow, slow_address = start_reward_server("remote_slow", "--delay", "5")
+    try:
+        expect_error("slow reward service",
+                     command(3, SCRATCH / "remote_slow", *GRPO, "reward.type=remote",
+                             f"reward.remote_address={slow_address}", "reward.remote_timeout_s=0.5",
+                             "reward.remote_retries=1"),
+                     r"Score for step 1 .*failed after 2 attempt\(s\).*DEADLINE_EXCEEDED.*remote_timeout_s")
+    finally:
+        stop_reward_server(slow)
+
+
+def check_entropy():
+    sets = [*GRPO, "train.num_steps=6"]
+    entropies = {}
+    for coef in ["0", "5"]:
+        out = SCRATCH / f"entropy_{coef}"
+        code, log = run(3, out, *sets, f"algo.entropy_coef={coef}")
+        if code != 0:
+            fail(f"entropy_coef={coef}: exit code {code}:\n{log[-3000:]}")
+        entropies[coef] = [r["entropy"] for r in metrics(out)]
+    base, bonus = entropies["0"], entropies["5"]
+    print(f"entropy: steps 1-6 {[round(e, 4) for e in base]} without the bonus, {[round(e, 4) for e in bonus]} "
+          "with algo.entropy_coef=5")
+    if abs(base[0] - bonus[0]) > 1e-5:
+        fail(f"step 1 (before any update) differs: {base[0]} vs {bonus[0]}")
+    # Learning the toy task lowers the entropy; the bonus must push it the other way.
+    if not (base[-1] < base[0] and bonus[-1] > bonus[0]):
+        fail(f"the entropy bonus did not raise the entropy: {base} vs {bonus}")
 
 
 fixture()
 if CASE == "ppo":
     check_learns(4)
 elif CASE == "grpo":
-    check_learns(3, "algo.advantage_estimator=group_norm", "roles.critic.enabled=false", "algo.kl_in_reward=false",
-                 "algo.kl_estimator=k3")
+    check_learns(3, *GRPO)
 elif CASE == "resume":
     check_resume()
 elif CASE == "engine_dies":
     check_engine_dies()
 elif CASE == "bad_inputs":
     check_bad_inputs()
+elif CASE == "remote":
+    check_remote()
+elif CASE == "entropy":
+    check_entropy()
 else:
     fail("unknown case")

@@ -111,6 +111,10 @@ struct RewardConfig {
   std::string type = "rule";  // model | rule | remote
   std::string rule = "math_answer";
   std::string remote_address;
+  double remote_timeout_s = 60;
+  std::int64_t remote_retries = 3;
+  std::int64_t remote_batch_size = 64;
+  std::int64_t remote_concurrency = 4;
   double clip = 10.0;
   bool normalize = false;
 };

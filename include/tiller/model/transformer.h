@@ -136,7 +136,8 @@ at::Tensor logits(const at::Tensor& hidden, const at::Tensor& lm_head);
 // (fp64 for fp64 inputs).
 // Computed `chunk_rows` rows at a time in forward and again in backward (a custom autograd
 // function), so at most chunk_rows x vocab fp32 logits exist at once. When `entropy` is given it
-// receives the entropy of each row's distribution (not differentiated).
+// receives the entropy of each row's distribution, differentiable too (the entropy bonus): a loss
+// may use either or both, and the backward handles both in the same chunked pass.
 at::Tensor token_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& targets,
                           double temperature = 1.0, int64_t chunk_rows = 1024, at::Tensor* entropy = nullptr);
 
@@ -144,12 +145,14 @@ at::Tensor token_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head, c
 // (d hidden, d lm_head), recomputing the logits chunk by chunk. For callers that recompute the
 // head themselves (the ZeRO-3 trainer); a gradient not asked for is undefined. The weight
 // gradient accumulates over chunks in fp32 and is returned in the weight's dtype, or in fp32 with
-// `fp32_weight_grad`.
+// `fp32_weight_grad`. `grad_entropy` (d loss / d entropy, [T]) adds the entropies' gradient;
+// either gradient may be undefined (zero).
 std::pair<at::Tensor, at::Tensor> token_logprobs_backward(const at::Tensor& hidden, const at::Tensor& lm_head,
                                                           const at::Tensor& targets, const at::Tensor& grad,
                                                           double temperature = 1.0, int64_t chunk_rows = 1024,
                                                           bool need_hidden = true, bool need_weight = true,
-                                                          bool fp32_weight_grad = false);
+                                                          bool fp32_weight_grad = false,
+                                                          const at::Tensor& grad_entropy = at::Tensor());
 
 // Scalar value per row from the `score` head, fp32 [T].
 at::Tensor values(const at::Tensor& hidden, const at::Tensor& score);

@@ -101,7 +101,7 @@ class ShardedModel {
 
   // Per-token log-probs of `targets` ([T], targets[t] follows token t) under softmax(logits / T),
   // fp32 [T]; differentiable when autograd is on and the model trainable. `entropy`, if given,
-  // receives each row's entropy (not differentiable). Collective.
+  // receives each row's entropy, differentiable in the same way (the entropy bonus). Collective.
   at::Tensor token_logprobs(const model::PackedBatch& batch, const at::Tensor& targets, double temperature = 1.0,
                             at::Tensor* entropy = nullptr);
   // Value-head outputs, fp32 [T] (Head::kValue). Collective.
