@@ -1,13 +1,9 @@
 // tiller engine: one inference engine behind its gRPC service (under mpirun for --tp > 1).
-#include <pthread.h>
 #include <unistd.h>
 
-#include <atomic>
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <thread>
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
@@ -17,6 +13,7 @@
 #include "commands.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
+#include "tiller/core/signals.h"
 #include "tiller/engine/engine.h"
 #include "tiller/engine/engine_weights.h"
 #include "tiller/engine/server.h"
@@ -36,12 +33,7 @@ struct EngineCmdOptions {
 };
 
 int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
-  // SIGINT/SIGTERM go to one waiting thread (below): block them before any thread starts.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  block_stop_signals();  // taken by the watcher below; before any thread starts
 
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), env.rank() == 0 ? "engine" : "engine.tp", log::Level::kInfo);
@@ -82,20 +74,13 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
                           .dump()
                           .c_str());
   std::fflush(stdout);
-  std::atomic<bool> done{false};
-  std::thread waiter([&] {
-    const timespec tick{0, 200 * 1000 * 1000};
-    while (!done) {
-      if (sigtimedwait(&stop_signals, nullptr, &tick) > 0) {
-        log::info("engine: stopping on a signal");
-        server.shutdown();
-        return;
-      }
-    }
-  });
-  server.wait();
-  done = true;
-  waiter.join();
+  {
+    StopSignalWatcher watcher([&] {
+      log::info("engine: stopping on a signal");
+      server.shutdown();
+    });
+    server.wait();
+  }
   const std::string failure = server.error();
   server.shutdown();
   if (!failure.empty()) throw Error("the engine loop failed: " + failure);

@@ -1,7 +1,5 @@
 // tiller train: a PPO job under mpirun (rollout/train.h).
-#include <pthread.h>
 
-#include <csignal>
 #include <cstdio>
 
 #include <CLI/CLI.hpp>
@@ -10,6 +8,7 @@
 #include "commands.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
+#include "tiller/core/signals.h"
 #include "tiller/dist/mpi_env.h"
 #include "tiller/rollout/train.h"
 
@@ -24,13 +23,9 @@ struct TrainCmdOptions {
 };
 
 int run_train_cmd(const TrainCmdOptions& o, int* argc, char*** argv) {
-  // SIGINT/SIGTERM go to the controller's waiting thread (rollout/train.h): blocked before MPI
+  // SIGINT/SIGTERM go to the controller's watcher thread (rollout/train.h): blocked before MPI
   // (or anything else) starts a thread, so no other thread takes the default action.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  block_stop_signals();
   dist::MpiEnv env(argc, argv);
   try {
     std::vector<std::string> overrides = o.overrides;

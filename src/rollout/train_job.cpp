@@ -1,11 +1,8 @@
 #include "tiller/rollout/train.h"
 
-#include <pthread.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
-#include <csignal>
 #include <random>
 #include <thread>
 
@@ -19,6 +16,7 @@
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
+#include "tiller/core/signals.h"
 #include "tiller/dist/groups.h"
 #include "tiller/dist/mpi_env.h"
 #include "tiller/dist/rank_plan.h"
@@ -106,11 +104,7 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
 
 int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& options) {
   // SIGINT/SIGTERM: the controller finishes its step and saves; the other ranks wait for its stop.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  block_stop_signals();
 
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
   std::string device_kind = cfg.cluster.device;
@@ -151,24 +145,10 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   world->set_timeout(cfg.timeouts.collective_s);
 
   if (env.rank() == plan.controller) {
-    std::atomic<bool> done{false};
-    std::thread waiter([&] {
-      const timespec tick{0, 200 * 1000 * 1000};
-      while (!done) {
-        if (sigtimedwait(&stop_signals, nullptr, &tick) > 0) {
-          log::warn("signal received: finishing this step, saving a checkpoint, then stopping");
-          request_stop();
-        }
-      }
+    StopSignalWatcher watcher([] {
+      log::warn("signal received: finishing this step, saving a checkpoint, then stopping");
+      request_stop();
     });
-    struct Join {
-      std::atomic<bool>& done;
-      std::thread& t;
-      ~Join() {
-        done = true;
-        t.join();
-      }
-    } join{done, waiter};
     // The engines' shared secret, then their addresses.
     ControllerOptions co;
     co.engine_token = random_token();

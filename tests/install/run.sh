@@ -1,17 +1,50 @@
 #!/usr/bin/env bash
-# run.sh BUILD_DIR WORK_DIR PREFIX_PATH CMAKE: installs the tiller build into WORK_DIR/prefix,
-# then configures, builds and runs tests/install/consumer against it (find_package(Tiller)),
-# as a user who links tiller into a trainer would.
+# run.sh MODE BUILD_DIR WORK_DIR PREFIX_PATH CMAKE [MPIRUN]: installs the tiller build into
+# WORK_DIR/prefix, then, as a user who links tiller into a trainer would (find_package(Tiller)):
+#   consumer        builds tests/install/consumer and runs it, then the installed CLI
+#   custom_trainer  builds examples/custom_trainer, trains the quickstart with its own reward
+#                   (reward.rule=label_digits) under mpirun and checks the reward rises (below
+#                   0.15 in steps 1-3, above 0.3 in steps 28-30); the stock
+#                   tiller binary must refuse that rule (only the example registers it)
 set -euo pipefail
-build=$1; work=$2; prefix_path=$3; cmake=$4
+mode=$1; build=$2; work=$3; prefix_path=$4; cmake=$5; mpirun=${6:-mpirun}
 here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
 rm -rf "$work"; mkdir -p "$work"
 "$cmake" --install "$build" --prefix "$work/prefix" > "$work/install.log"
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-"$cmake" -S "$here/consumer" -B "$work/build" -G Ninja "${launcher[@]}" \
+case "$mode" in
+  consumer) src="$here/consumer" ;;
+  custom_trainer) src="$repo/examples/custom_trainer" ;;
+  *) echo "run.sh: unknown mode '$mode' (consumer or custom_trainer)" >&2; exit 2 ;;
+esac
+"$cmake" -S "$src" -B "$work/build" -G Ninja "${launcher[@]}" \
   -DCMAKE_PREFIX_PATH="$work/prefix;$prefix_path" > "$work/configure.log"
 "$cmake" --build "$work/build" > "$work/build.log"
-"$work/build/consumer" "$here/../../configs/quickstart.yaml"
-# The installed CLI works too.
-"$work/prefix/bin/tiller" --version
+
+if [ "$mode" = consumer ]; then
+  "$work/build/consumer" "$repo/configs/quickstart.yaml"
+  "$work/prefix/bin/tiller" --version  # the installed CLI works too
+  exit 0
+fi
+
+python3 "$repo/scripts/make_quickstart.py" "$work/model" "$work/prompts.jsonl" > /dev/null 2>&1
+sets=(--set "roles.actor.model=$work/model" --set "roles.critic.model=$work/model"
+      --set "data.prompts=$work/prompts.jsonl" --set "run.output_dir=$work/out"
+      --set "checkpoint.dir=$work/out/checkpoints" --set reward.rule=label_digits)
+run() { "$mpirun" --oversubscribe --allow-run-as-root -np 4 "$@" train -c "$repo/configs/quickstart.yaml" "${sets[@]}"; }
+if run "$work/prefix/bin/tiller" > "$work/stock.log" 2>&1; then
+  echo "FAIL: the stock tiller accepted reward.rule=label_digits" >&2; exit 1
+fi
+grep -q "label_digits" "$work/stock.log" || { echo "FAIL: the stock tiller's error does not name the rule:" >&2; tail -5 "$work/stock.log" >&2; exit 1; }
+echo "stock tiller: $(grep -m1 'tiller: error' "$work/stock.log")"
+run "$work/build/custom_trainer" > "$work/train.log" 2>&1 || { tail -40 "$work/train.log" >&2; exit 1; }
+python3 - "$work/out/metrics.jsonl" <<'PY'
+import json, sys
+rewards = [json.loads(l)["reward/mean"] for l in open(sys.argv[1])]
+first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+print(f"custom_trainer: label_digits reward {first:.3f} (steps 1-3) -> {last:.3f} (steps {len(rewards) - 2}-{len(rewards)})")
+if len(rewards) != 30 or not (first < 0.15 and last > 0.3):
+    sys.exit(f"FAIL: the custom reward did not rise clearly: {[round(r, 3) for r in rewards]}")
+PY
