@@ -51,9 +51,10 @@ void add_plan_command(CLI::App& app, Runner& run) {
       std::vector<int> gpus = o->node_gpus.empty() ? std::vector<int>(o->nodes, o->gpus_per_node)
                                                    : parse_node_gpus(o->node_gpus);
       const int world = dist::required_world_size(config);
-      dist::NodeMap nodes = dist::NodeMap::fill_by_slot(gpus, world);
+      const int per_gpu = static_cast<int>(config.cluster.ranks_per_gpu);
+      dist::NodeMap nodes = dist::NodeMap::fill_by_slot(gpus, world, per_gpu);
       dist::RankPlan plan = dist::make_rank_plan(config, nodes);
-      auto launch = dist::mpirun_command(gpus, world, o->config, o->overrides);
+      auto launch = dist::mpirun_command(gpus, world, per_gpu, o->config, o->overrides);
       std::string out = fmt::format("# {}: {} ranks = {}\n\n", o->config, world, dist::world_size_breakdown(config));
       out += plan.table();
       if (!launch.hostfile.empty()) out += "\nhostfile 'hosts' (replace nodeN with your host names):\n" + launch.hostfile;

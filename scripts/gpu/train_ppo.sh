@@ -2,8 +2,8 @@
 # On the GPU host (4 GPUs), after scripts/gpu/build.sh:
 #  1. the quickstart's toy task on GPUs (actor, critic and engine on one GPU each, bf16, NCCL):
 #     the reward must rise there too;
-#  2. PPO on a Qwen2-1.5B-shaped model (configs/gpu/qwen2-1.5b-ppo-4gpu.yaml) for a few steps,
-#     with random weights of that shape (tiller init-model) and a reward model with a value head.
+#  2. PPO on a Qwen2-1.5B-shaped model (configs/gpu/qwen2.5-1.5b-ppo-4gpu.yaml) for a few steps,
+#     with random weights of that shape (scripts/gpu/make_models.sh) and a reward model with a value head.
 # Writes metrics (JSONL) and a Chrome trace of step 3 under OUT (default out/gpu).
 #   scripts/gpu/train_ppo.sh [OUT]
 set -euo pipefail
@@ -21,9 +21,6 @@ if [ "${SKIP_TOY:-0}" != 1 ]; then
     --set run.output_dir="$out/toy" --set checkpoint.dir="$out/toy/checkpoints" 2>&1 | tee "$out/toy.log" \
     | grep -E "step [0-9]+/|event|error" || echo "train_ppo.sh: the toy run failed (see $out/toy.log)"
 fi
-[ -d models/qwen2-1.5b ] || "$tiller" init-model --preset qwen2-1.5b --out models/qwen2-1.5b --dtype bf16 \
-  --tokenizer-from models/tiny-qwen2
-[ -d models/qwen2-1.5b-rm ] || "$tiller" init-model --preset qwen2-1.5b --out models/qwen2-1.5b-rm --dtype bf16 \
-  --value-head --seed 7 --tokenizer-from models/tiny-qwen2
-"${mpi[@]}" -np 5 "$tiller" train -c configs/gpu/qwen2-1.5b-ppo-4gpu.yaml --set run.output_dir="$out/ppo-1.5b" \
+bash scripts/gpu/make_models.sh 1.5b 1.5b-rm
+"${mpi[@]}" -np 5 "$tiller" train -c configs/gpu/qwen2.5-1.5b-ppo-4gpu.yaml --set run.output_dir="$out/ppo-1.5b" \
   --profile 3 ${PPO_SET:-} 2>&1 | tee "$out/ppo-1.5b.log" | grep -E "step [0-9]+/|event|error|rank plan" -A0

@@ -72,6 +72,12 @@ std::vector<Field> build() {
   b.add("cluster.backend", TILLER_FIELD(cluster.backend),
         "Communicator backend. auto: NCCL on CUDA, MPI on CPU.")
       .one_of({"auto", "nccl", "mpi"});
+  b.add("cluster.ranks_per_gpu", TILLER_FIELD(cluster.ranks_per_gpu),
+        "Worker ranks per GPU. 2 lets the engines share the trainers' GPUs (a one-GPU job: the actor and "
+        "an engine on GPU 0). Worker rank i of a node gets GPU i mod gpus_per_node. A group with two "
+        "ranks on one GPU communicates through the host (MPI) instead of NCCL; set "
+        "engines.gpu_memory_fraction so the engine leaves the trainers room.")
+      .range(1, 8);
 
   add_role(b, "actor", +[](JobConfig& c) -> RoleConfig& { return c.roles.actor; });
   add_role(b, "critic", +[](JobConfig& c) -> RoleConfig& { return c.roles.critic; });

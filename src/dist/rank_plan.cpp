@@ -55,17 +55,19 @@ NodeMap::LocalPosition NodeMap::local_position(int rank) const {
   return {};
 }
 
-NodeMap NodeMap::fill_by_slot(const std::vector<int>& gpus_per_node, int world_size) {
+NodeMap NodeMap::fill_by_slot(const std::vector<int>& gpus_per_node, int world_size, int ranks_per_gpu) {
   if (gpus_per_node.empty()) throw ConfigError("the node list is empty; give at least one node");
+  TILLER_CHECK(ranks_per_gpu >= 1, "ranks_per_gpu must be >= 1");
   int slots = 1;
   for (int g : gpus_per_node) {
     if (g < 1) throw ConfigError(fmt::format("every node needs at least one GPU (got {})", g));
-    slots += g;
+    slots += g * ranks_per_gpu;
   }
   if (world_size > slots) {
     throw ConfigError(fmt::format("the config needs {} ranks but {} node(s) with {} GPUs in all offer {} slots "
-                                  "(one per GPU + one for the controller); add nodes or use fewer GPUs per role",
-                                  world_size, gpus_per_node.size(), slots - 1, slots));
+                                  "({} per GPU + one for the controller); add nodes, use fewer GPUs per role, or "
+                                  "share GPUs (cluster.ranks_per_gpu)",
+                                  world_size, gpus_per_node.size(), (slots - 1) / ranks_per_gpu, slots, ranks_per_gpu));
   }
   NodeMap map;
   int rank = 0;
@@ -73,7 +75,7 @@ NodeMap NodeMap::fill_by_slot(const std::vector<int>& gpus_per_node, int world_s
     Node node;
     node.host = fmt::format("node{}", n);
     node.gpus = gpus_per_node[n];
-    const int node_slots = gpus_per_node[n] + (n == 0 ? 1 : 0);
+    const int node_slots = gpus_per_node[n] * ranks_per_gpu + (n == 0 ? 1 : 0);
     for (int s = 0; s < node_slots && rank < world_size; ++s) node.ranks.push_back(rank++);
     map.nodes.push_back(std::move(node));
   }
@@ -169,17 +171,22 @@ RankPlan make_rank_plan(const JobConfig& config, const NodeMap& nodes) {
       if (r != plan.controller) workers[n].push_back(r);
     }
     std::sort(workers[n].begin(), workers[n].end());
-    if (node.gpus >= 0 && static_cast<int>(workers[n].size()) > node.gpus) {
-      throw ConfigError(fmt::format("{} runs {} worker ranks but has {} GPUs; put at most {} ranks (+1 for the "
-                                    "controller on the first node) in its hostfile slots",
-                                    node_name(nodes, static_cast<int>(n)), workers[n].size(), node.gpus, node.gpus));
+    const int per_gpu = static_cast<int>(config.cluster.ranks_per_gpu);
+    if (node.gpus >= 0 && static_cast<int>(workers[n].size()) > node.gpus * per_gpu) {
+      throw ConfigError(fmt::format("{} runs {} worker ranks but has {} GPUs (cluster.ranks_per_gpu = {}); put at "
+                                    "most {} ranks (+1 for the controller on the first node) in its hostfile slots",
+                                    node_name(nodes, static_cast<int>(n)), workers[n].size(), node.gpus, per_gpu,
+                                    node.gpus * per_gpu));
     }
   }
   plan.ranks[plan.controller].roles = {"controller"};
-  // GPU index: position among the node's worker ranks (the controller holds none).
+  // GPU index: position among the node's worker ranks (the controller holds none), modulo the
+  // node's GPUs when they are shared (cluster.ranks_per_gpu): with 2 per GPU, the engines (which
+  // take the last ranks) land on the same GPUs as the first trainer ranks.
   for (std::size_t n = 0; n < nodes.nodes.size(); ++n) {
+    const int gpus = nodes.nodes[n].gpus;
     for (std::size_t i = 0; i < workers[n].size(); ++i) {
-      plan.ranks[workers[n][i]].gpu = nodes.nodes[n].gpus >= 0 ? static_cast<int>(i) : -1;
+      plan.ranks[workers[n][i]].gpu = gpus > 0 ? static_cast<int>(i) % gpus : -1;
     }
   }
 
@@ -264,13 +271,14 @@ RankPlan make_rank_plan(const JobConfig& config, const NodeMap& nodes) {
   return plan;
 }
 
-LaunchCommand mpirun_command(const std::vector<int>& gpus_per_node, int world_size, const std::string& config_path,
+LaunchCommand mpirun_command(const std::vector<int>& gpus_per_node, int world_size, int ranks_per_gpu,
+                             const std::string& config_path,
                              const std::vector<std::string>& overrides) {
   LaunchCommand out;
   std::string cmd = fmt::format("mpirun -np {}", world_size);
   if (gpus_per_node.size() > 1) {
     for (std::size_t n = 0; n < gpus_per_node.size(); ++n) {
-      out.hostfile += fmt::format("node{} slots={}\n", n, gpus_per_node[n] + (n == 0 ? 1 : 0));
+      out.hostfile += fmt::format("node{} slots={}\n", n, gpus_per_node[n] * ranks_per_gpu + (n == 0 ? 1 : 0));
     }
     cmd += " --hostfile hosts --map-by slot";
   }

@@ -139,6 +139,12 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   dist::DeviceComm to_device;
   if (backend == "nccl")
     to_device = [&](dist::Communicator& group, const std::string& name) -> std::unique_ptr<dist::Communicator> {
+      // NCCL refuses two ranks on one GPU (cluster.ranks_per_gpu > 1): such a group goes through the host.
+      if (dist::shares_a_device(group, me.node, me.gpu)) {
+        if (group.rank() == 0)
+          log::info("group '{}' has ranks that share a GPU: its collectives go through the host (MPI)", name);
+        return dist::host_staged(group.split(0, group.rank(), name));
+      }
       return dist::MpiEnv::nccl(group, me.gpu, name, cfg.timeouts.startup_s);
     };
   dist::GroupCommunicators groups = dist::make_group_communicators(plan, *world, to_device);

@@ -277,14 +277,38 @@ TEST(RankPlan, LocalPosition) {
   EXPECT_THROW(nodes.local_position(5), Error);
 }
 
+TEST(RankPlan, SharedGpus) {
+  // One GPU: the actor (with the reference) and one engine share GPU 0.
+  JobConfig one = make_config({.actor = 1, .critic = 0});
+  EXPECT_NE(plan_error(one, {1}), "");  // without sharing: 2 worker ranks, 1 GPU
+  one.cluster.ranks_per_gpu = 2;
+  NodeMap nodes = NodeMap::fill_by_slot({1}, required_world_size(one), 2);
+  RankPlan plan = make_rank_plan(one, nodes);
+  ASSERT_EQ(plan.world_size, 3);
+  EXPECT_EQ(plan.ranks[1].roles, (std::vector<std::string>{"actor", "ref"}));
+  EXPECT_EQ(plan.ranks[2].roles, std::vector<std::string>{"engine"});
+  EXPECT_EQ(plan.ranks[1].gpu, 0);
+  EXPECT_EQ(plan.ranks[2].gpu, 0);
+  // Two GPUs, two per GPU: the actor over both GPUs, and a TP 2 engine over the same two.
+  JobConfig two = make_config({.actor = 2, .critic = 0, .engines = 1, .tp = 2});
+  two.cluster.ranks_per_gpu = 2;
+  plan = make_rank_plan(two, NodeMap::fill_by_slot({2}, required_world_size(two), 2));
+  EXPECT_EQ(plan.group("actor")->ranks, (std::vector<int>{1, 2}));
+  EXPECT_EQ(plan.engines[0].ranks, (std::vector<int>{3, 4}));
+  EXPECT_EQ(std::vector<int>({plan.ranks[1].gpu, plan.ranks[2].gpu, plan.ranks[3].gpu, plan.ranks[4].gpu}),
+            (std::vector<int>{0, 1, 0, 1}));
+  // The launch line gives each node two slots per GPU.
+  EXPECT_EQ(mpirun_command({1, 1}, 5, 2, "c.yaml", {}).hostfile, "node0 slots=3\nnode1 slots=2\n");
+}
+
 TEST(RankPlan, MpirunCommand) {
-  auto launch = mpirun_command({8, 8}, 17, "configs/x.yaml", {"rollout.batch_size=512"});
+  auto launch = mpirun_command({8, 8}, 17, 1, "configs/x.yaml", {"rollout.batch_size=512"});
   EXPECT_EQ(launch.hostfile, "node0 slots=9\nnode1 slots=8\n");
   EXPECT_EQ(launch.command,
             "mpirun -np 17 --hostfile hosts --map-by slot --bind-to none -x NCCL_NVLS_ENABLE=0 "
             "-x TORCH_SYMM_MEM_DISABLE_MULTICAST=1 -x NVSHMEM_DISABLE_NVLS=1 tiller train -c configs/x.yaml "
             "--set rollout.batch_size=512");
-  auto one = mpirun_command({4}, 5, "q.yaml", {});
+  auto one = mpirun_command({4}, 5, 1, "q.yaml", {});
   EXPECT_EQ(one.hostfile, "");
   EXPECT_EQ(one.command.rfind("mpirun -np 5 --bind-to none", 0), 0u);
 }

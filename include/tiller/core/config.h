@@ -22,6 +22,7 @@ struct ClusterConfig {
   std::int64_t gpus_per_node = 0;  // 0: detect (CUDA device count)
   std::string device = "auto";     // auto | cuda | cpu
   std::string backend = "auto";    // auto | nccl | mpi
+  std::int64_t ranks_per_gpu = 1;  // worker ranks that share one GPU (2: engines beside trainers)
 };
 
 // One trainer role (actor, critic, ref, reward): a ZeRO-3 group of `gpus` ranks, or colocated in

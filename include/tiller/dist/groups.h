@@ -4,6 +4,7 @@
 // (the actor group and every engine rank).
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -39,6 +40,15 @@ GroupCommunicators make_group_communicators(const RankPlan& plan, Communicator& 
 // whose controller has no GPU gets NCCL groups: `world` is MPI, the groups are NCCL.
 using DeviceComm = std::function<std::unique_ptr<Communicator>(Communicator& group, const std::string& name)>;
 GroupCommunicators make_group_communicators(const RankPlan& plan, Communicator& world, const DeviceComm& to_device);
+
+// A communicator for CUDA tensors over a CPU one (MPI): every operation copies to the host, runs
+// there and copies back before it returns (its Work is complete at once). For groups that NCCL
+// refuses: two ranks on one GPU (cluster.ranks_per_gpu > 1). Host bandwidth, no overlap.
+std::unique_ptr<Communicator> host_staged(std::unique_ptr<Communicator> cpu);
+
+// Collective over `group` (a CPU communicator): whether two of its ranks have the same
+// (node, device), each rank passing its own.
+bool shares_a_device(Communicator& group, int64_t node, int64_t device);
 
 // The world ranks of the weight sync communicator, in its rank order (empty without an actor
 // group or engines).

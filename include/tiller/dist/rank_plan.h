@@ -36,10 +36,10 @@ struct NodeMap {
     int ranks_on_node = 0;
   };
   LocalPosition local_position(int rank) const;
-  // The placement `mpirun --map-by slot` makes from a hostfile whose node i has gpus[i] slots,
-  // plus one on node 0 for the controller: ranks fill node 0 first, then node 1, ...
-  // Throws ConfigError if the nodes have fewer slots than world_size.
-  static NodeMap fill_by_slot(const std::vector<int>& gpus_per_node, int world_size);
+  // The placement `mpirun --map-by slot` makes from a hostfile whose node i has
+  // gpus[i] x ranks_per_gpu slots, plus one on node 0 for the controller: ranks fill node 0
+  // first, then node 1, ... Throws ConfigError if the nodes have fewer slots than world_size.
+  static NodeMap fill_by_slot(const std::vector<int>& gpus_per_node, int world_size, int ranks_per_gpu = 1);
 };
 
 struct RoleGroup {
@@ -92,7 +92,8 @@ struct LaunchCommand {
   std::string hostfile;  // "node0 slots=9\nnode1 slots=8\n"
   std::string command;
 };
-LaunchCommand mpirun_command(const std::vector<int>& gpus_per_node, int world_size, const std::string& config_path,
+LaunchCommand mpirun_command(const std::vector<int>& gpus_per_node, int world_size, int ranks_per_gpu,
+                             const std::string& config_path,
                              const std::vector<std::string>& overrides);
 
 }  // namespace tiller::dist
