@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Writes randomly initialised HF checkpoints of the example configs' shapes (configs/gpu/) into
-# models/, with the quickstart's tokenizer: models/qwen2.5-SIZE and, with -rm, a value-head
-# reward model models/qwen2.5-SIZE-rm. Skips what exists. For timing runs: real training points
-# roles.*.model at real checkpoints instead.
+# models/: models/qwen2.5-SIZE and, with -rm, a value-head reward model models/qwen2.5-SIZE-rm,
+# with the quickstart's tokenizer, its vocabulary padded to 151936 (scripts/pad_tokenizer.py).
+# Skips what exists. For timing runs: real training points roles.*.model at real checkpoints.
 #   scripts/gpu/make_models.sh 0.5b 1.5b 1.5b-rm 7b
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$tiller_root"
 [ -f models/tiny-qwen2/tokenizer.json ] || $python scripts/make_quickstart.py > /dev/null
+# The quickstart's BPE, its vocabulary padded to the Qwen2.5 size so that every sampled id decodes.
+[ -f models/qwen2.5-tokenizer/tokenizer.json ] ||
+  $python scripts/pad_tokenizer.py models/tiny-qwen2 models/qwen2.5-tokenizer 151936 > /dev/null
 for spec in "$@"; do
   size=${spec%-rm}
   case "$size" in 0.5b|1.5b|7b) ;; *) echo "make_models.sh: unknown size '$spec' (0.5b, 1.5b, 7b, with -rm for a reward model)" >&2; exit 2 ;; esac
@@ -15,6 +18,6 @@ for spec in "$@"; do
   [ -f "$out/config.json" ] && continue
   extra=()
   [ "$spec" != "$size" ] && extra=(--value-head --seed 7)
-  "$gpu_build/bin/tiller" init-model --preset "qwen2-$size" --out "$out" --dtype bf16 --tokenizer-from models/tiny-qwen2 \
+  "$gpu_build/bin/tiller" init-model --preset "qwen2-$size" --out "$out" --dtype bf16 --tokenizer-from models/qwen2.5-tokenizer \
     "${extra[@]}"
 done
