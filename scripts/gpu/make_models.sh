@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Writes randomly initialised HF checkpoints of the example configs' shapes (configs/gpu/) into
 # models/: models/qwen2.5-SIZE and, with -rm, a value-head reward model models/qwen2.5-SIZE-rm,
-# with the quickstart's tokenizer, its vocabulary padded to 151936 (scripts/pad_tokenizer.py).
+# with the quickstart's tokenizer, its vocabulary padded to 152064, the largest preset vocabulary (scripts/pad_tokenizer.py).
 # Skips what exists. For timing runs: real training points roles.*.model at real checkpoints.
 #   scripts/gpu/make_models.sh 0.5b 1.5b 1.5b-rm 7b
 set -euo pipefail
@@ -10,7 +10,7 @@ cd "$tiller_root"
 [ -f models/tiny-qwen2/tokenizer.json ] || $python scripts/make_quickstart.py > /dev/null
 # The quickstart's BPE, its vocabulary padded to the Qwen2.5 size so that every sampled id decodes.
 [ -f models/qwen2.5-tokenizer/tokenizer.json ] ||
-  $python scripts/pad_tokenizer.py models/tiny-qwen2 models/qwen2.5-tokenizer 151936 > /dev/null
+  $python scripts/pad_tokenizer.py models/tiny-qwen2 models/qwen2.5-tokenizer 152064 > /dev/null
 for spec in "$@"; do
   size=${spec%-rm}
   case "$size" in 0.5b|1.5b|7b) ;; *) echo "make_models.sh: unknown size '$spec' (0.5b, 1.5b, 7b, with -rm for a reward model)" >&2; exit 2 ;; esac
