@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs GPU example configs (configs/gpu/) for a few steps each with random weights of their shape
 # (scripts/gpu/make_models.sh), after scripts/gpu/build.sh. Each run's log and metrics land in
-# OUT/<config name>/; one JSON line per run (steps, seconds per step, per-phase seconds) goes to
-# OUT/summary.jsonl. The runs a machine cannot hold (more GPUs than it has) are skipped, saying so.
+# OUT/<config name>/; one JSON line per run (steps, and the mean seconds per step and per phase
+# over steps 2 to N-1) goes to OUT/summary.jsonl. The runs a machine cannot hold (more GPUs than it has) are skipped, saying so.
 #   scripts/gpu/train_examples.sh OUT STEPS NAME...      e.g. out/gpu 3 qwen2.5-0.5b-grpo-1gpu toy-1gpu
 # NAME toy-1gpu: the quickstart's toy task with all 3 worker ranks on GPU 0 (cluster.ranks_per_gpu
 # = 3, so the weight sync goes through the host); its reward must rise there too (30 steps).
@@ -56,7 +56,8 @@ except OSError:
     pass
 out = {"config": name, "exit": code, "wall_s": wall, "steps": len(rows)}
 if rows:
-    later = rows[1:] or rows
+    # Step 1 warms up (CUDA graphs, allocations); the last step also writes the final checkpoint.
+    later = rows[1:-1] if len(rows) > 2 else (rows[1:] or rows)
     avg = lambda k: round(sum(r.get(k, 0) for r in later) / len(later), 3)
     out.update({"step_s": avg("time/step"), "generate_s": avg("time/generate"), "score_tail_s": avg("time/score_tail"),
                 "train_s": avg("time/train"), "sync_s": avg("time/sync"),
