@@ -2,7 +2,8 @@
 # Runs GPU example configs (configs/gpu/) for a few steps each with random weights of their shape
 # (scripts/gpu/make_models.sh), after scripts/gpu/build.sh. Each run's log and metrics land in
 # OUT/<config name>/; one JSON line per run (steps, and the mean seconds per step and per phase
-# over steps 2 to N-1) goes to OUT/summary.jsonl. The runs a machine cannot hold (more GPUs than it has) are skipped, saying so.
+# over steps 2 to N-1) goes to OUT/summary.jsonl. Runs that need more GPUs than the machine has
+# are skipped, saying so.
 #   scripts/gpu/train_examples.sh OUT STEPS NAME...      e.g. out/gpu 3 qwen2.5-0.5b-grpo-1gpu toy-1gpu
 # NAME toy-1gpu: the quickstart's toy task with all 3 worker ranks on GPU 0 (cluster.ranks_per_gpu
 # = 3, so the weight sync goes through the host); its reward must rise there too (30 steps).
