@@ -76,7 +76,7 @@ std::vector<Field> build() {
         "Worker ranks per GPU. 2 lets the engines share the trainers' GPUs (a one-GPU job: the actor and "
         "an engine on GPU 0). Worker rank i of a node gets GPU i mod gpus_per_node. A group with two "
         "ranks on one GPU communicates through the host (MPI) instead of NCCL; set "
-        "engines.gpu_memory_fraction so the engine leaves the trainers room.")
+        "engines.kv_cache_gb (or gpu_memory_fraction) so the engine leaves the trainers room.")
       .range(1, 8);
 
   add_role(b, "actor", +[](JobConfig& c) -> RoleConfig& { return c.roles.actor; });
@@ -96,8 +96,13 @@ std::vector<Field> build() {
   b.add("engines.kv_block_size", TILLER_FIELD(engines.kv_block_size), "Tokens per paged KV-cache block.")
       .range(1, 1024);
   b.add("engines.gpu_memory_fraction", TILLER_FIELD(engines.gpu_memory_fraction),
-        "Fraction of GPU memory an engine may use for weights and KV cache.")
+        "Fraction of the GPU memory still free once an engine has loaded its weights that its KV cache "
+        "takes (measured at its start, so trainers sharing the GPU keep the rest).")
       .range(0.05, 1.0);
+  b.add("engines.kv_cache_gb", TILLER_FIELD(engines.kv_cache_gb),
+        "KV cache of each engine rank in GiB; 0: engines.gpu_memory_fraction. A fixed size does not depend on "
+        "what trainers sharing the GPU have allocated when the engine starts (cluster.ranks_per_gpu > 1).")
+      .range(0.0, 65536.0);
   b.add("engines.port", TILLER_FIELD(engines.port),
         "First gRPC port; engine i listens on port + i. 0: each engine picks a free port.")
       .range(0, 65535);

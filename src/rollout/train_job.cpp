@@ -58,6 +58,7 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   eo.device = device;
   eo.block_size = cfg.engines.kv_block_size;
   eo.gpu_memory_fraction = cfg.engines.gpu_memory_fraction;
+  eo.kv_cache_gb = cfg.engines.kv_cache_gb;
   eo.limits.max_num_seqs = cfg.engines.max_num_seqs;
   eo.limits.max_batched_tokens = cfg.engines.max_batched_tokens;
   eo.max_model_len = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens;

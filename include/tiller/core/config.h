@@ -62,6 +62,7 @@ struct EnginesConfig {
   std::int64_t max_batched_tokens = 8192;
   std::int64_t kv_block_size = 16;
   double gpu_memory_fraction = 0.85;
+  double kv_cache_gb = 0;  // > 0: the KV cache size in GiB, instead of gpu_memory_fraction
   std::int64_t port = 50051;
   std::string host = "0.0.0.0";
   std::int64_t sync_bucket_mb = 256;
