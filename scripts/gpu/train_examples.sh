@@ -2,9 +2,13 @@
 # Runs GPU example configs (configs/gpu/) for a few steps each with random weights of their shape
 # (scripts/gpu/make_models.sh), after scripts/gpu/build.sh. Each run's log and metrics land in
 # OUT/<config name>/; one JSON line per run (steps, and the mean seconds per step and per phase
-# over steps 2 to N-1) goes to OUT/summary.jsonl. Runs that need more GPUs than the machine has
-# are skipped, saying so.
+# over steps 2 to N) goes to OUT/summary.jsonl. Runs that need more GPUs than the machine has
+# are skipped, saying so. Timing runs: no checkpoints are written (a 7B PPO checkpoint with its
+# optimizer states is ~240 GB).
 #   scripts/gpu/train_examples.sh OUT STEPS NAME...      e.g. out/gpu 3 qwen2.5-0.5b-grpo-1gpu toy-1gpu
+# NAME may carry overrides after a colon, KEY=VALUE separated by commas; the run's directory is
+# named after the whole NAME:  qwen2.5-7b-grpo-4gpu:engines.count=1,engines.tp=2
+# SET (environment) holds --set overrides for every run:  SET="--set rollout.max_new_tokens=512"
 # NAME toy-1gpu: the quickstart's toy task with all 3 worker ranks on GPU 0 (cluster.ranks_per_gpu
 # = 3, so the weight sync goes through the host); its reward must rise there too (30 steps).
 set -euo pipefail
@@ -15,10 +19,18 @@ cd "$tiller_root"
 tiller=$gpu_build/bin/tiller
 mpi=(mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
      -x NVSHMEM_DISABLE_NVLS -x LD_LIBRARY_PATH)
+[ -n "${NCCL_DEBUG:-}" ] && mpi+=(-x NCCL_DEBUG)
 gpus=$(nvidia-smi -L | wc -l)
 $python scripts/make_quickstart.py > /dev/null
+read -r -a common_sets <<< "${SET:-}"
 for name in "$@"; do
-  dir=$out/$name
+  dir=$out/${name//[:,=]/_}
+  overrides=()
+  if [[ $name == *:* ]]; then
+    IFS=, read -r -a kvs <<< "${name#*:}"
+    for kv in "${kvs[@]}"; do overrides+=(--set "$kv"); done
+    name=${name%%:*}
+  fi
   rm -rf "$dir"; mkdir -p "$dir"
   if [ "$name" = toy-1gpu ]; then
     cfg=configs/quickstart.yaml
@@ -34,20 +46,21 @@ for name in "$@"; do
     sizes=$(grep -o 'models/qwen2.5-[0-9.]*b\(-rm\)\?' "$cfg" | sed 's#models/qwen2.5-##' | sort -u | tr '\n' ' ')
     # shellcheck disable=SC2086
     bash scripts/gpu/make_models.sh $sizes
-    sets=(--set train.num_steps="$steps" --set checkpoint.every_steps=0)
+    sets=(--set train.num_steps="$steps")
     [ "$need" -eq 1 ] && sets+=(--set cluster.gpus_per_node=1)
   fi
   if [ "$need" -gt "$gpus" ]; then
     echo "{\"config\": \"$name\", \"skipped\": \"needs $need GPUs, this machine has $gpus\"}" | tee -a "$out/summary.jsonl"
     continue
   fi
+  sets+=("${common_sets[@]}" "${overrides[@]}")
   visible=$(seq -s, 0 $((need - 1)))
   t0=$(date +%s)
   code=0
   CUDA_VISIBLE_DEVICES=$visible "${mpi[@]}" -x CUDA_VISIBLE_DEVICES -np "$np" "$tiller" train -c "$cfg" "${sets[@]}" \
-    --set run.output_dir="$dir" --set checkpoint.dir="$dir/checkpoints" > "$dir/log.txt" 2>&1 || code=$?
+    --set run.output_dir="$dir" --set checkpoint.dir= > "$dir/log.txt" 2>&1 || code=$?
   grep -E "step [0-9]+/|error" "$dir/log.txt" | tail -4 || true
-  $python - "$name" "$dir" "$code" "$(( $(date +%s) - t0 ))" >> "$out/summary.jsonl" <<'PY'
+  $python - "${dir##*/}" "$dir" "$code" "$(( $(date +%s) - t0 ))" >> "$out/summary.jsonl" <<'PY'
 import json, sys
 name, d, code, wall = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 rows = []
@@ -57,8 +70,8 @@ except OSError:
     pass
 out = {"config": name, "exit": code, "wall_s": wall, "steps": len(rows)}
 if rows:
-    # Step 1 warms up (CUDA graphs, allocations); the last step also writes the final checkpoint.
-    later = rows[1:-1] if len(rows) > 2 else (rows[1:] or rows)
+    # Step 1 warms up (CUDA graphs, allocations).
+    later = rows[1:] or rows
     avg = lambda k: round(sum(r.get(k, 0) for r in later) / len(later), 3)
     out.update({"step_s": avg("time/step"), "generate_s": avg("time/generate"), "score_tail_s": avg("time/score_tail"),
                 "train_s": avg("time/train"), "sync_s": avg("time/sync"),
