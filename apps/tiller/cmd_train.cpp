@@ -36,9 +36,8 @@ int run_train_cmd(const TrainCmdOptions& o, int* argc, char*** argv) {
     return rollout::run_train(cfg, env, to);
   } catch (const std::exception& e) {
     // One line naming the rank, then the whole job ends: the other ranks may be waiting on this one.
-    std::fprintf(stderr, "tiller: error: rank %d: %s\n", env.rank(), e.what());
-    std::fflush(stderr);
-    if (env.size() > 1) dist::MpiEnv::abort_job(exit_code_for(e));
+    if (env.size() > 1) dist::MpiEnv::fail_job(env.rank(), e);
+    std::fprintf(stderr, "tiller: error: rank %d: %s\n", env.rank(), error_line(e).c_str());
     return exit_code_for(e);
   }
 }

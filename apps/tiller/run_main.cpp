@@ -83,7 +83,7 @@ int run_main(int argc, char** argv) {
     return run();
   } catch (const std::exception& e) {
     // One clear line; no stack of messages, no abort().
-    std::fprintf(stderr, "tiller: error: %s\n", e.what());
+    std::fprintf(stderr, "tiller: error: %s\n", error_line(e).c_str());
     return exit_code_for(e);
   }
 }

@@ -1,5 +1,6 @@
 #include "tiller/core/error.h"
 
+#include <cctype>
 #include <cstring>
 
 namespace tiller {
@@ -20,6 +21,13 @@ void throw_check_failure(const char* file, int line, const char* cond, const std
 }
 
 }  // namespace detail
+
+std::string error_line(const std::exception& e) {
+  std::string s = e.what();
+  if (const size_t cut = s.find("\nException raised from "); cut != std::string::npos) s.resize(cut);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+  return s;
+}
 
 int exit_code_for(const std::exception& e) {
   return dynamic_cast<const ConfigError*>(&e) != nullptr ? 2 : 1;

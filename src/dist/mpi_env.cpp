@@ -3,6 +3,7 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -107,6 +108,12 @@ void MpiEnv::abort_job(int code) {
   MPI_Finalized(&finalized);
   if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);
+}
+
+void MpiEnv::fail_job(int rank, const std::exception& e) {
+  std::fprintf(stderr, "tiller: error: rank %d: %s\n", rank, error_line(e).c_str());
+  std::fflush(stderr);
+  abort_job(exit_code_for(e));
 }
 
 }  // namespace tiller::dist

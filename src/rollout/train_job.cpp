@@ -48,8 +48,19 @@ Message wait_for_controller(dist::Communicator& world, int controller, const std
   return next.take();
 }
 
+// What a rank owns while it runs, held by run_train so that a failure ends the job with all of it
+// alive (MpiEnv::fail_job): tearing down an engine or a ZeRO group mid-collective would block.
+struct RankObjects {
+  std::unique_ptr<Controller> controller;
+  std::unique_ptr<RoleWorker> worker;
+  std::unique_ptr<engine::Engine> engine;
+  std::unique_ptr<sync::WeightReceiver> receiver;
+  std::unique_ptr<engine::EngineServer> server;
+};
+
 int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, dist::GroupCommunicators& groups,
-                    dist::Communicator& world, const std::string& device, const std::string& hostname) {
+                    dist::Communicator& world, const std::string& device, const std::string& hostname,
+                    RankObjects& own) {
   const auto& me = plan.ranks.at(static_cast<size_t>(rank));
   const int tp = static_cast<int>(cfg.engines.tp);
   const std::string dir = cfg.engines.model.empty() ? cfg.roles.actor.model : cfg.engines.model;
@@ -64,10 +75,11 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   eo.max_model_len = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens;
   dist::Communicator* tp_comm = tp > 1 ? groups.engine_tp.get() : nullptr;
   if (tp_comm) tp_comm->set_timeout(cfg.timeouts.collective_s);
-  engine::Engine eng(w.config, std::move(w.weights), eo, tp_comm);
+  own.engine = std::make_unique<engine::Engine>(w.config, std::move(w.weights), eo, tp_comm);
+  engine::Engine& eng = *own.engine;
   TILLER_CHECK(groups.weight_sync != nullptr, "engine rank {} has no weight-sync communicator", rank);
-  sync::WeightReceiver receiver(eng, *groups.weight_sync, cfg.timeouts.weight_sync_s);
-  eng.set_weight_sink(&receiver);
+  own.receiver = std::make_unique<sync::WeightReceiver>(eng, *groups.weight_sync, cfg.timeouts.weight_sync_s);
+  eng.set_weight_sink(own.receiver.get());
   if (!eng.is_leader()) {
     eng.follow();
     return 0;
@@ -78,7 +90,8 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   so.address = fmt::format("{}:{}", cfg.engines.host, port);
   so.token = hello.text;
   so.max_wait_seconds = std::max(cfg.timeouts.weight_sync_s, cfg.timeouts.rpc_s);
-  engine::EngineServer server(eng, so);
+  own.server = std::make_unique<engine::EngineServer>(eng, so);
+  engine::EngineServer& server = *own.server;
   Message addr;
   addr.text = fmt::format("{}:{}", hostname, server.port());
   for (auto& wk : send_message(world, plan.controller, addr)) wk->wait(Deadline::after_seconds(cfg.timeouts.startup_s));
@@ -98,6 +111,38 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   Message bye;
   bye.scalars = {peak_rss_mb()};
   for (auto& wk : send_message(world, plan.controller, bye)) wk->wait(Deadline::after_seconds(cfg.timeouts.rpc_s));
+  return 0;
+}
+
+// One rank's part of the job: the controller, an engine rank or a trainer rank.
+int run_rank(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& options, const dist::RankPlan& plan,
+             const dist::RankAssignment& me, dist::GroupCommunicators& groups, dist::Communicator& world,
+             const std::string& device, RankObjects& own) {
+  if (env.rank() == plan.controller) {
+    StopSignalWatcher watcher([] {
+      log::warn("signal received: finishing this step, saving a checkpoint, then stopping");
+      request_stop();
+    });
+    // The engines' shared secret, then their addresses.
+    ControllerOptions co;
+    co.engine_token = random_token();
+    co.require_resume = options.require_resume;
+    Message hello;
+    hello.text = co.engine_token;
+    std::vector<std::vector<dist::WorkPtr>> sends;
+    for (const auto& e : plan.engines) sends.push_back(send_message(world, e.ranks.front(), hello));
+    for (const auto& e : plan.engines) {
+      const Message a = recv_message(world, e.ranks.front(), Deadline::after_seconds(cfg.timeouts.startup_s));
+      co.engine_addresses.push_back(a.text);
+    }
+    for (auto& v : sends)
+      for (auto& w : v) w->wait();
+    own.controller = std::make_unique<Controller>(cfg, plan, world, co);
+    return own.controller->run();
+  }
+  if (me.engine >= 0) return run_engine_rank(cfg, plan, env.rank(), groups, world, device, env.hostname(), own);
+  own.worker = std::make_unique<RoleWorker>(cfg, plan, env.rank(), groups, world, device);
+  own.worker->serve();
   return 0;
 }
 
@@ -151,32 +196,15 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   dist::GroupCommunicators groups = dist::make_group_communicators(plan, *world, to_device);
   world->set_timeout(cfg.timeouts.collective_s);
 
-  if (env.rank() == plan.controller) {
-    StopSignalWatcher watcher([] {
-      log::warn("signal received: finishing this step, saving a checkpoint, then stopping");
-      request_stop();
-    });
-    // The engines' shared secret, then their addresses.
-    ControllerOptions co;
-    co.engine_token = random_token();
-    co.require_resume = options.require_resume;
-    Message hello;
-    hello.text = co.engine_token;
-    std::vector<std::vector<dist::WorkPtr>> sends;
-    for (const auto& e : plan.engines) sends.push_back(send_message(*world, e.ranks.front(), hello));
-    for (const auto& e : plan.engines) {
-      const Message a = recv_message(*world, e.ranks.front(), Deadline::after_seconds(cfg.timeouts.startup_s));
-      co.engine_addresses.push_back(a.text);
-    }
-    for (auto& v : sends)
-      for (auto& w : v) w->wait();
-    Controller controller(cfg, plan, *world, co);
-    return controller.run();
+  // From here a failing rank prints its error and ends the job at once, before anything it owns
+  // is destroyed: a peer blocked in a collective with it (a ZeRO-3 gather, a TP all-reduce) would
+  // otherwise hold up the teardown of its communicators until their deadline, minutes later.
+  RankObjects own;
+  try {
+    return run_rank(cfg, env, options, plan, me, groups, *world, device, own);
+  } catch (const std::exception& e) {
+    dist::MpiEnv::fail_job(env.rank(), e);
   }
-  if (me.engine >= 0) return run_engine_rank(cfg, plan, env.rank(), groups, *world, device, env.hostname());
-  RoleWorker worker(cfg, plan, env.rank(), groups, *world, device);
-  worker.serve();
-  return 0;
 }
 
 }  // namespace tiller::rollout

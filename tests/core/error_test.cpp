@@ -35,6 +35,17 @@ TEST(Error, TypesAndExitCodes) {
   EXPECT_THROW(throw TimeoutError("t"), CommError);
 }
 
+TEST(Error, LineDropsTheStackTraceOfALibtorchError) {
+  // The shape of a c10::Error's what(): the message, then the C++ stack.
+  const std::runtime_error oom(
+      "CUDA out of memory. Tried to allocate 594.00 MiB. GPU 1 has a total capacity of 139.80 GiB.\n"
+      "Exception raised from malloc at /pytorch/c10/cuda/CUDACachingAllocator.cpp:1574 (most recent call first):\n"
+      "frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7fc6 in libc10.so)\n");
+  EXPECT_EQ(error_line(oom), "CUDA out of memory. Tried to allocate 594.00 MiB. GPU 1 has a total capacity of 139.80 GiB.");
+  EXPECT_EQ(error_line(ConfigError("a.yaml: key 'x': unknown\n")), "a.yaml: key 'x': unknown");
+  EXPECT_EQ(error_line(std::runtime_error("plain")), "plain");
+}
+
 TEST(Deadline, ExpiresAndNever) {
   EXPECT_TRUE(Deadline::after_seconds(0).expired());
   EXPECT_FALSE(Deadline::after_seconds(60).expired());

@@ -34,6 +34,18 @@ at::Tensor full_logits(const LoadedModel& m, const std::vector<std::vector<int64
 
 class HfModel : public ::testing::TestWithParam<std::string> {};
 
+// A real libtorch error reports as one line: its message, without the C++ stack it carries.
+TEST(ErrorLine, OfALibtorchError) {
+  try {
+    (void)at::ones({2}).view({3});
+    FAIL() << "view did not throw";
+  } catch (const std::exception& e) {
+    const std::string line = error_line(e);
+    EXPECT_NE(line.find("is invalid for input of size 2"), std::string::npos) << line;
+    EXPECT_EQ(line.find('\n'), std::string::npos) << line;
+  }
+}
+
 TEST_P(HfModel, LogitsEqualTransformers) {
   const std::string name = GetParam();
   LoadedModel m = load_model(model_dir(name), Head::kLm, at::kFloat, at::kCPU);

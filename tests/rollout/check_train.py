@@ -11,6 +11,9 @@ CASE:
                --resume continues from that step to the end, with the same dataset cursor.
   engine_dies  the engine process is killed mid-run: the job ends non-zero within the timeout with a
                message naming the failure, and the last checkpoint stays complete.
+  rank_oom     a trainer rank runs out of memory mid-run while its ZeRO-3 peer waits in a collective
+               with it (its address space is capped with prlimit, a real allocation failure): the job
+               ends within seconds, not at the collective's deadline, with the line naming that rank.
   bad_inputs   a malformed JSONL line, a prompt over the limit (policy error), a missing model
                directory and an unknown key: each ends with one clear line, non-zero, no hang.
   remote       GRPO with the remote reward (examples/reward_server/server.py scoring toy_digits, its
@@ -199,6 +202,50 @@ def check_engine_dies():
           f"last checkpoint {complete[-1].name} intact")
 
 
+def world_rank_pid(rank, marker):
+    """The pid of the `tiller train` process of MPI world rank `rank` whose command line has `marker`."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"tiller") and marker.encode() in b" ".join(cmd) \
+                and f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
+            return int(d.name)
+    fail(f"no tiller process of world rank {rank} with {marker!r} in its command line")
+
+
+def check_rank_oom():
+    import resource
+    out = SCRATCH / "rank_oom"
+    shutil.rmtree(out, ignore_errors=True)
+    # 5 ranks: controller, actor (ZeRO-3 over ranks 1-2, the reference colocated), critic, engine.
+    # A long collective deadline: a job that waited for it instead of ending would show as a hang.
+    sets = ["roles.actor.gpus=2", "train.num_steps=200", "timeouts.collective_s=600", "checkpoint.dir="]
+    proc = subprocess.Popen(command(5, out, *sets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    wait_for(proc, r"step 3/200", 300, lines)
+    pid = world_rank_pid(1, str(out))
+    size_kb = next(int(l.split()[1]) for l in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if l.startswith("VmSize:"))
+    # No new mappings from here: the next large allocation of actor rank 1 fails.
+    resource.prlimit(pid, resource.RLIMIT_AS, (size_kb * 1024, resource.RLIM_INFINITY))
+    t0 = time.time()
+    code, log = finish(proc, lines, 120)
+    took = time.time() - t0
+    if code == 0:
+        fail("the job exited 0 although actor rank 1 ran out of memory:\n" + log[-3000:])
+    if not re.search(r"tiller: error: rank 1: .*(alloc|memory)", log):
+        fail("no line names rank 1 and its allocation failure:\n" + log[-3000:])
+    if took > 60:
+        fail(f"the job took {took:.0f} s to end after rank 1 failed (the collective deadline is 600 s)")
+    print(f"rank_oom: the job ended with code {code} {took:.1f} s after rank 1's address space was capped: "
+          + re.search(r"tiller: error: rank 1: .*", log).group(0)[:200])
+
+
 def check_bad_inputs():
     bad = SCRATCH / "bad"
     shutil.rmtree(bad, ignore_errors=True)
@@ -343,6 +390,8 @@ elif CASE == "resume":
     check_resume()
 elif CASE == "engine_dies":
     check_engine_dies()
+elif CASE == "rank_oom":
+    check_rank_oom()
 elif CASE == "bad_inputs":
     check_bad_inputs()
 elif CASE == "remote":

@@ -51,6 +51,10 @@ inline std::string format_check_message() { return {}; }
 // Exit code main() returns for an exception of this type: 2 for config/usage errors, 1 otherwise.
 int exit_code_for(const std::exception& e);
 
+// e.what() for a one-line report: without the C++ stack trace that libtorch appends to its errors
+// (a CUDA out-of-memory, a cuBLAS failure), and with no trailing blank.
+std::string error_line(const std::exception& e);
+
 }  // namespace tiller
 
 // TILLER_CHECK(cond, "fmt {}", args...): throws tiller::Error("file:line: check 'cond' failed: msg").

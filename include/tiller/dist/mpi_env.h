@@ -5,6 +5,7 @@
 // while an exception unwinds: then the process exits unfinalized and mpirun ends the job.
 #pragma once
 
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +43,11 @@ class MpiEnv {
   // Aborts every process of the job (MPI_Abort) with `code`: for errors that leave a
   // collective pending, so no rank stays behind waiting.
   [[noreturn]] static void abort_job(int code);
+
+  // Prints "tiller: error: rank R: <what>" and ends the job at once (abort_job with exit_code_for(e)),
+  // without unwinding: a rank that fails while a peer waits in a collective with it would otherwise
+  // block in its communicators' teardown until their deadline, and its error with it.
+  [[noreturn]] static void fail_job(int rank, const std::exception& e);
 
  private:
   int rank_ = 0;
