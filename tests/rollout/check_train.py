@@ -26,6 +26,7 @@ CASE:
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -112,6 +113,12 @@ def check_learns(np_, *sets):
         fail(f"TensorBoard's reward/mean differs from the JSONL: {tb[:3]} vs {rewards[:3]}")
 
 
+def start(np_, out, *sets):
+    """Starts a job in a fresh output directory; returns it and the list its output lines go to."""
+    shutil.rmtree(out, ignore_errors=True)
+    return subprocess.Popen(command(np_, out, *sets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), []
+
+
 def wait_for(proc, pattern, timeout, lines):
     """Reads proc's output until a line matches; returns the match."""
     end = time.time() + timeout
@@ -139,10 +146,8 @@ def finish(proc, lines, timeout):
 
 def check_resume():
     out = SCRATCH / "resume"
-    shutil.rmtree(out, ignore_errors=True)
     sets = ["train.num_steps=12", "checkpoint.every_steps=4"]
-    proc = subprocess.Popen(command(4, out, *sets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    proc, lines = start(4, out, *sets)
     pid = int(wait_for(proc, r"controller pid (\d+)", 120, lines).group(1))
     wait_for(proc, r"step 5/12", 300, lines)
     os.kill(pid, signal.SIGTERM)
@@ -181,10 +186,8 @@ def check_resume():
 
 def check_engine_dies():
     out = SCRATCH / "engine_dies"
-    shutil.rmtree(out, ignore_errors=True)
-    sets = ["train.num_steps=200", "checkpoint.every_steps=2", "timeouts.generate_s=60", "timeouts.rpc_s=20"]
-    proc = subprocess.Popen(command(4, out, *sets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    proc, lines = start(4, out, "train.num_steps=200", "checkpoint.every_steps=2", "timeouts.generate_s=60",
+                        "timeouts.rpc_s=20")
     pid = int(wait_for(proc, r"engine 0 serving on \S+ \(\d+ KV blocks, pid (\d+)\)", 120, lines).group(1))
     wait_for(proc, r"checkpoint: step 4 saved", 300, lines)
     os.kill(pid, signal.SIGKILL)
@@ -219,14 +222,11 @@ def world_rank_pid(rank, marker):
 
 
 def check_rank_oom():
-    import resource
     out = SCRATCH / "rank_oom"
-    shutil.rmtree(out, ignore_errors=True)
     # 5 ranks: controller, actor (ZeRO-3 over ranks 1-2, the reference colocated), critic, engine.
     # A long collective deadline: a job that waited for it instead of ending would show as a hang.
-    sets = ["roles.actor.gpus=2", "train.num_steps=200", "timeouts.collective_s=600", "checkpoint.dir="]
-    proc = subprocess.Popen(command(5, out, *sets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    proc, lines = start(5, out, "roles.actor.gpus=2", "train.num_steps=200", "timeouts.collective_s=600",
+                        "checkpoint.dir=")
     wait_for(proc, r"step 3/200", 300, lines)
     pid = world_rank_pid(1, str(out))
     size_kb = next(int(l.split()[1]) for l in Path(f"/proc/{pid}/status").read_text().splitlines()
