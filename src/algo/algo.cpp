@@ -41,9 +41,7 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
 }  // namespace
 
 KlEstimator parse_kl_estimator(const std::string& name) {
-  if (name == "k1") return KlEstimator::kK1;
-  if (name == "k2") return KlEstimator::kK2;
-  if (name == "k3") return KlEstimator::kK3;
+  if (const auto k = parse_enum<KlEstimator>(name)) return *k;
   throw ConfigError(fmt::format("KL estimator '{}': use k1, k2 or k3", name));
 }
 

@@ -103,7 +103,7 @@ void assign(JobConfig& config, const Field& f, const YAML::Node& value, const st
   };
   if (value.IsNull() && f.kind != Kind::kString) fail("needs a value (" + std::string(kind_name(f.kind)) + ")");
   if (!value.IsNull() && !value.IsScalar()) fail(fmt::format("must be a {}, not a list or mapping", kind_name(f.kind)));
-  void* target = f.get(config);
+  void* target = f.kind == Kind::kEnum ? nullptr : f.get(config);
   auto check_range = [&](double v) {
     if ((f.min && v < *f.min) || (f.max && v > *f.max)) {
       fail(fmt::format("= {} is out of range: must be in {}", shown, range_text(f)));
@@ -140,7 +140,27 @@ void assign(JobConfig& config, const Field& f, const YAML::Node& value, const st
       *static_cast<std::string*>(target) = v;
       break;
     }
+    case Kind::kEnum: {
+      const std::string v = value.Scalar();
+      const auto it = std::find(f.choices.begin(), f.choices.end(), v);
+      if (it == f.choices.end()) fail(fmt::format("= '{}' is not one of {}", v, choices_text(f)));
+      f.set_enum(config, static_cast<int>(it - f.choices.begin()));
+      break;
+    }
   }
+}
+
+// The value of `f` in `c` as text (YAML scalar without quotes).
+std::string field_text(const JobConfig& config, const Field& f) {
+  JobConfig& c = const_cast<JobConfig&>(config);  // Field::get is non-const; nothing is written
+  switch (f.kind) {
+    case Kind::kBool: return *static_cast<bool*>(f.get(c)) ? "true" : "false";
+    case Kind::kInt: return std::to_string(*static_cast<std::int64_t*>(f.get(c)));
+    case Kind::kDouble: return format_double(*static_cast<double*>(f.get(c)));
+    case Kind::kString: return *static_cast<std::string*>(f.get(c));
+    case Kind::kEnum: return f.choices.at(static_cast<size_t>(f.get_enum(config)));
+  }
+  return "";
 }
 
 void load_map(JobConfig& config, const YAML::Node& map, const std::string& prefix, const std::string& origin) {
@@ -196,32 +216,62 @@ void JobConfig::validate() const {
           target, role_by_name(*this, target).colocate_with, role_by_name(*this, target).colocate_with));
     }
   }
-  const bool uses_critic = algo.advantage_estimator == "gae";
+  const std::string_view estimator = enum_name(algo.advantage_estimator);
+  const bool uses_critic = algo.advantage_estimator == AdvantageEstimator::kGae;
   if (uses_critic && !roles.critic.enabled) {
     throw ConfigError("algo.advantage_estimator = gae needs a critic; set roles.critic.enabled=true or choose "
                       "reinforce, rloo, reinforce_baseline, group_norm or dr_grpo");
   }
   if (!uses_critic && roles.critic.enabled) {
     throw ConfigError(fmt::format("algo.advantage_estimator = {} does not use a critic; set roles.critic.enabled=false",
-                                  algo.advantage_estimator));
+                                  estimator));
   }
-  const bool group_baseline = algo.advantage_estimator == "rloo" || algo.advantage_estimator == "group_norm" ||
-                              algo.advantage_estimator == "dr_grpo" || algo.advantage_estimator == "reinforce_baseline";
+  const bool group_baseline = algo.advantage_estimator == AdvantageEstimator::kRloo ||
+                              algo.advantage_estimator == AdvantageEstimator::kGroupNorm ||
+                              algo.advantage_estimator == AdvantageEstimator::kDrGrpo ||
+                              algo.advantage_estimator == AdvantageEstimator::kReinforceBaseline;
   if (group_baseline && rollout.n_samples_per_prompt < 2) {
     throw ConfigError(fmt::format("algo.advantage_estimator = {} compares samples of one prompt; set "
                                   "rollout.n_samples_per_prompt >= 2 (it is {})",
-                                  algo.advantage_estimator, rollout.n_samples_per_prompt));
+                                  estimator, rollout.n_samples_per_prompt));
   }
-  if (reward.type == "model" && !roles.reward.enabled) {
+  if (reward.type == RewardType::kModel && !roles.reward.enabled) {
     throw ConfigError("reward.type = model needs the reward role; set roles.reward.enabled=true and roles.reward.model");
   }
-  if (reward.type != "model" && roles.reward.enabled) {
+  if (reward.type != RewardType::kModel && roles.reward.enabled) {
     throw ConfigError(fmt::format("reward.type = {} does not use a reward model; set roles.reward.enabled=false "
-                                  "or reward.type=model", reward.type));
+                                  "or reward.type=model", enum_name(reward.type)));
   }
-  if (reward.type == "remote" && reward.remote_address.empty()) {
+  if (reward.type == RewardType::kRemote && reward.remote_address.empty()) {
     throw ConfigError("reward.type = remote needs reward.remote_address (host:port)");
   }
+  if (rollout.mode == RolloutMode::kSync) {
+    if (rollout.max_staleness > 0)
+      throw ConfigError(fmt::format("rollout.max_staleness = {} needs rollout.mode=async (sync mode is on-policy)",
+                                    rollout.max_staleness));
+    if (rollout.partial) throw ConfigError("rollout.partial needs rollout.mode=async (in sync mode no sample spans a sync)");
+    if (rollout.stale_policy != StalePolicy::kWait)
+      throw ConfigError("rollout.stale_policy = drop needs rollout.mode=async (in sync mode no sample is stale)");
+  }
+  if (rollout.filter_groups) {
+    if (rollout.n_samples_per_prompt < 2)
+      throw ConfigError("rollout.filter_groups compares the rewards of a prompt's samples; set "
+                        "rollout.n_samples_per_prompt >= 2");
+    if (reward.type == RewardType::kModel)
+      throw ConfigError("rollout.filter_groups needs each group's rewards before it is scored; it works with "
+                        "reward.type = rule or remote, not model");
+  }
+  if (algo.importance_correction == ImportanceCorrection::kTis && algo.tis_cap <= 0)
+    throw ConfigError("algo.importance_correction = tis truncates the weights at algo.tis_cap; set it > 0 (e.g. 2)");
+  if (algo.importance_correction == ImportanceCorrection::kNone && algo.tis_cap > 0)
+    throw ConfigError(fmt::format("algo.tis_cap = {} has no effect with algo.importance_correction = none; set "
+                                  "algo.importance_correction=tis (truncated importance sampling) or decoupled",
+                                  format_double(algo.tis_cap)));
+  if (algo.seq_mask_ratio != 0.0 && algo.seq_mask_ratio <= 1.0)
+    throw ConfigError(fmt::format("algo.seq_mask_ratio = {} must be 0 (off) or > 1", format_double(algo.seq_mask_ratio)));
+  if (reward.overlong_buffer > rollout.max_new_tokens)
+    throw ConfigError(fmt::format("reward.overlong_buffer = {} exceeds rollout.max_new_tokens = {}",
+                                  reward.overlong_buffer, rollout.max_new_tokens));
   const std::int64_t samples = rollout.batch_size * rollout.n_samples_per_prompt;
   if (samples % train.train_batch_size != 0) {
     throw ConfigError(fmt::format("train.train_batch_size = {} must divide rollout.batch_size x "
@@ -254,7 +304,7 @@ void apply_override(JobConfig& config, const std::string& assignment) {
   } catch (const YAML::Exception& e) {
     throw ConfigError(fmt::format("--set {}: cannot parse value '{}': {}", path, text, e.msg));
   }
-  if (f->kind == Kind::kString && value.IsScalar()) value = YAML::Node(text);  // keep "007" as written
+  if ((f->kind == Kind::kString || f->kind == Kind::kEnum) && value.IsScalar()) value = YAML::Node(text);  // "007" as written
   assign(config, *f, value, "--set");
 }
 
@@ -301,12 +351,12 @@ std::string to_yaml(const JobConfig& config) {
       open.push_back(sec[open.size()]);
     }
     out << YAML::Key << parts.back() << YAML::Value;
-    void* p = f.get(c);
     switch (f.kind) {
-      case Kind::kBool: out << *static_cast<bool*>(p); break;
-      case Kind::kInt: out << static_cast<long long>(*static_cast<std::int64_t*>(p)); break;
-      case Kind::kDouble: out << format_double(*static_cast<double*>(p)); break;
-      case Kind::kString: out << YAML::DoubleQuoted << *static_cast<std::string*>(p); break;
+      case Kind::kBool: out << *static_cast<bool*>(f.get(c)); break;
+      case Kind::kInt: out << static_cast<long long>(*static_cast<std::int64_t*>(f.get(c))); break;
+      case Kind::kDouble: out << field_text(c, f); break;
+      case Kind::kString:
+      case Kind::kEnum: out << YAML::DoubleQuoted << field_text(c, f); break;
     }
   }
   while (!open.empty()) {
@@ -335,14 +385,8 @@ std::string config_reference_markdown() {
       std::string sec;
       for (std::size_t i = 0; i + 1 < parts.size(); ++i) sec += (i ? "." : "") + parts[i];
       if (sec != s.path) continue;
-      void* p = f.get(defaults);
-      std::string def;
-      switch (f.kind) {
-        case Kind::kBool: def = *static_cast<bool*>(p) ? "true" : "false"; break;
-        case Kind::kInt: def = std::to_string(*static_cast<std::int64_t*>(p)); break;
-        case Kind::kDouble: def = format_double(*static_cast<double*>(p)); break;
-        case Kind::kString: def = "\"" + *static_cast<std::string*>(p) + "\""; break;
-      }
+      std::string def = field_text(defaults, f);
+      if (f.kind == Kind::kString || f.kind == Kind::kEnum) def = "\"" + def + "\"";
       std::string allowed = f.choices.empty() ? range_text(f) : "one of " + choices_text(f);
       rows += fmt::format("| `{}` | {} | `{}` | {} | {} |\n", f.path, kind_name(f.kind), def, allowed, f.doc);
     }
@@ -360,7 +404,11 @@ std::string config_reference_markdown() {
       "- `reward.type: model` needs the reward role enabled, and the other types need it disabled;\n"
       "  `reward.type: remote` needs `reward.remote_address`.\n"
       "- `train.train_batch_size` divides `rollout.batch_size x rollout.n_samples_per_prompt`.\n"
-      "- `algo.dual_clip` is 0 (off) or greater than 1.\n"
+      "- `algo.dual_clip` is 0 (off) or greater than 1; `algo.seq_mask_ratio` is 0 (off) or greater than 1.\n"
+      "- `algo.importance_correction: tis` needs `algo.tis_cap > 0`; `algo.tis_cap > 0` needs a correction.\n"
+      "- `rollout.mode: sync` takes no `max_staleness > 0`, `partial` or `stale_policy: drop` (they are async's).\n"
+      "- `rollout.filter_groups` needs `n_samples_per_prompt >= 2` and a rule or remote reward.\n"
+      "- `reward.overlong_buffer` is at most `rollout.max_new_tokens`.\n"
       "- The rank plan (`tiller plan`) checks that the roles and engines fit the nodes; see docs/architecture.md.\n";
   return md;
 }

@@ -22,8 +22,20 @@ class Builder {
   Field& add(std::string path, Get get, std::string doc) {
     using T = std::remove_pointer_t<decltype(get(std::declval<JobConfig&>()))>;
     fields_.push_back(Field{std::move(path), kind_of<T>(),
-                            [get](JobConfig& c) -> void* { return get(c); }, std::move(doc),
+                            [get](JobConfig& c) -> void* { return get(c); }, {}, {}, std::move(doc),
                             std::nullopt, std::nullopt, {}});
+    return fields_.back();
+  }
+  // A config enum: its choices are EnumNames<E>::names.
+  template <typename Get>
+  Field& add_enum(std::string path, Get get, std::string doc) {
+    using E = std::remove_pointer_t<decltype(get(std::declval<JobConfig&>()))>;
+    std::vector<std::string> names;
+    for (std::string_view n : EnumNames<E>::names) names.emplace_back(n);
+    fields_.push_back(Field{std::move(path), Kind::kEnum, {},
+                            [get](const JobConfig& c) { return static_cast<int>(*get(const_cast<JobConfig&>(c))); },
+                            [get](JobConfig& c, int v) { *get(c) = static_cast<E>(v); }, std::move(doc),
+                            std::nullopt, std::nullopt, std::move(names)});
     return fields_.back();
   }
   std::vector<Field> take() { return std::move(fields_); }
@@ -126,10 +138,31 @@ std::vector<Field> build() {
   b.add("rollout.micro_batch_tokens", TILLER_FIELD(rollout.micro_batch_tokens),
         "Token budget of one packed scoring micro-batch (log-probs, values, rewards).")
       .range(1, std::nullopt);
+  b.add_enum("rollout.mode", TILLER_FIELD(rollout.mode),
+             "sync: each step generates, scores, trains, then syncs the weights. async: the engines keep "
+             "generating the next steps' samples while the trainers score and train, within "
+             "rollout.max_staleness (docs/training.md).");
+  b.add("rollout.max_staleness", TILLER_FIELD(rollout.max_staleness),
+        "async: weight versions a sample's oldest token may lag the weights it is trained from (-1: 1). "
+        "0 is the on-policy loop of sync mode. Sync mode needs -1 or 0.")
+      .range(-1, 8);
+  b.add_enum("rollout.stale_policy", TILLER_FIELD(rollout.stale_policy),
+             "async: wait (a step trains the prompts in the order they were sent, waiting for stragglers; no "
+             "sample is ever too stale) or drop (a step trains the groups that finished first; a group that "
+             "would lag more than max_staleness is dropped and counted in rollout/stale_dropped_groups).");
+  b.add("rollout.partial", TILLER_FIELD(rollout.partial),
+        "async: at a weight sync the engines keep their in-flight samples (tokens and log-probs), recompute "
+        "their KV cache with the new weights and continue, instead of finishing them before the sync.");
+  b.add("rollout.filter_groups", TILLER_FIELD(rollout.filter_groups),
+        "DAPO dynamic sampling: drop prompt groups whose n rewards are all equal (no learning signal) and "
+        "sample more prompts until the step has rollout.batch_size informative groups.");
+  b.add("rollout.filter_max_extra_batches", TILLER_FIELD(rollout.filter_max_extra_batches),
+        "With filter_groups: at most this many x rollout.batch_size prompts beyond the batch per step; when "
+        "they run out the step trains the informative groups it has (logged).")
+      .range(0, 64);
 
-  b.add("algo.advantage_estimator", TILLER_FIELD(algo.advantage_estimator),
-        "gae (PPO with a critic), reinforce (REINFORCE++), rloo, reinforce_baseline, group_norm (GRPO), dr_grpo.")
-      .one_of({"gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo"});
+  b.add_enum("algo.advantage_estimator", TILLER_FIELD(algo.advantage_estimator),
+             "gae (PPO with a critic), reinforce (REINFORCE++), rloo, reinforce_baseline, group_norm (GRPO), dr_grpo.");
   b.add("algo.gamma", TILLER_FIELD(algo.gamma), "Discount factor.").range(0.0, 1.0);
   b.add("algo.lambd", TILLER_FIELD(algo.lambd), "GAE lambda.").range(0.0, 1.0);
   b.add("algo.clip_eps_low", TILLER_FIELD(algo.clip_eps_low), "PPO ratio clip below 1.").range(0.0, 1.0);
@@ -140,17 +173,24 @@ std::vector<Field> build() {
   b.add("algo.value_clip", TILLER_FIELD(algo.value_clip), "Value-loss clip range (0: off).").range(0.0, 100.0);
   b.add("algo.kl_coef", TILLER_FIELD(algo.kl_coef), "Initial KL coefficient against the reference model.")
       .range(0.0, 100.0);
-  b.add("algo.kl_estimator", TILLER_FIELD(algo.kl_estimator), "KL estimator: k1, k2 or k3.")
-      .one_of({"k1", "k2", "k3"});
+  b.add_enum("algo.kl_estimator", TILLER_FIELD(algo.kl_estimator), "KL estimator: k1, k2 or k3.");
   b.add("algo.kl_in_reward", TILLER_FIELD(algo.kl_in_reward),
         "true: KL penalty in the per-token reward (PPO); false: KL as a loss term (GRPO).");
   b.add("algo.target_kl", TILLER_FIELD(algo.target_kl), "Adaptive KL controller target (0: fixed kl_coef).")
       .range(0.0, 100.0);
   b.add("algo.kl_horizon", TILLER_FIELD(algo.kl_horizon), "Horizon of the adaptive KL controller, in samples.")
       .range(1.0, std::nullopt);
+  b.add_enum("algo.importance_correction", TILLER_FIELD(algo.importance_correction),
+             "Off-policy correction of the policy loss against the engine's log-probs (the behaviour policy; the "
+             "PPO ratio is taken against the actor's recomputed log-probs, the proximal policy). none; tis: each "
+             "token's loss weighted by w = exp(proximal - behaviour) truncated at algo.tis_cap; decoupled: "
+             "decoupled PPO, weighted by w, tokens with w > algo.tis_cap masked out (0: none masked).");
   b.add("algo.tis_cap", TILLER_FIELD(algo.tis_cap),
-        "Truncated importance sampling: weight each token's policy loss by exp(trainer - engine log-prob), capped "
-        "here (0: off).")
+        "Cap of the importance weights: truncation (tis) or mask threshold (decoupled; 0: no mask).")
+      .range(0.0, 1000.0);
+  b.add("algo.seq_mask_ratio", TILLER_FIELD(algo.seq_mask_ratio),
+        "Sequence-level mask: a sample whose geometric-mean importance weight exp(mean(proximal - behaviour)) "
+        "is outside [1/r, r] is left out of the policy loss (r > 1; 0: off). Counted in off_policy/masked_samples.")
       .range(0.0, 1000.0);
   b.add("algo.entropy_coef", TILLER_FIELD(algo.entropy_coef), "Entropy bonus coefficient.").range(0.0, 10.0);
   b.add("algo.whiten_advantages", TILLER_FIELD(algo.whiten_advantages), "Normalise advantages over the batch.");
@@ -171,9 +211,8 @@ std::vector<Field> build() {
   b.add("data.max_samples", TILLER_FIELD(data.max_samples), "Use at most this many prompts (0: all).")
       .range(0, std::nullopt);
 
-  b.add("reward.type", TILLER_FIELD(reward.type),
-        "model (the reward role scores), rule (a registered function), remote (a gRPC reward service).")
-      .one_of({"model", "rule", "remote"});
+  b.add_enum("reward.type", TILLER_FIELD(reward.type),
+             "model (the reward role scores), rule (a registered function), remote (a gRPC reward service).");
   b.add("reward.rule", TILLER_FIELD(reward.rule), "Registered rule reward used when reward.type is rule.");
   b.add("reward.remote_address", TILLER_FIELD(reward.remote_address),
         "host:port of the remote reward service (proto/tiller/reward.proto) when reward.type is remote.");
@@ -191,6 +230,13 @@ std::vector<Field> build() {
   b.add("reward.clip", TILLER_FIELD(reward.clip), "Rewards are clipped to [-clip, clip] (0: off).")
       .range(0.0, std::nullopt);
   b.add("reward.normalize", TILLER_FIELD(reward.normalize), "Normalise rewards with running mean and std.");
+  b.add("reward.overlong_buffer", TILLER_FIELD(reward.overlong_buffer),
+        "DAPO's soft overlong penalty: a response longer than rollout.max_new_tokens - this many tokens loses "
+        "reward.overlong_penalty x (its excess / this), the full penalty at max_new_tokens (0: off).")
+      .range(0, 1 << 24);
+  b.add("reward.overlong_penalty", TILLER_FIELD(reward.overlong_penalty),
+        "The overlong penalty at rollout.max_new_tokens (see reward.overlong_buffer).")
+      .range(0.0, 1000.0);
 
   b.add("train.num_steps", TILLER_FIELD(train.num_steps), "PPO steps to run.").range(1, std::nullopt);
   b.add("train.train_batch_size", TILLER_FIELD(train.train_batch_size), "Samples per optimizer step.")
@@ -236,13 +282,20 @@ std::vector<Field> build() {
         "Chrome trace of every rank's phases in the profiled steps. Empty: run.output_dir/trace.json.");
   b.add("logging.profile_steps", TILLER_FIELD(logging.profile_steps),
         "Steps to trace: \"3\", \"3,5\" or \"3-5\" (empty: none; tiller train --profile sets it).");
+  b.add("logging.rollout_records", TILLER_FIELD(logging.rollout_records),
+        "JSONL file with one line per trained or dropped sample: step, prompt line, weight versions of its "
+        "tokens, lag, reward, length (empty: none).");
+  b.add("logging.rollout_records_tokens", TILLER_FIELD(logging.rollout_records_tokens),
+        "The rollout records also carry each sample's token ids and engine log-probs.");
 
   b.add("timeouts.collective_s", TILLER_FIELD(timeouts.collective_s),
         "Deadline of one collective (all-gather, reduce-scatter, ...); a miss aborts the communicator.")
       .range(0.001, std::nullopt);
   b.add("timeouts.startup_s", TILLER_FIELD(timeouts.startup_s),
         "Deadline for communicator creation and engine start-up.").range(0.001, std::nullopt);
-  b.add("timeouts.generate_s", TILLER_FIELD(timeouts.generate_s), "Deadline of one rollout's generation.")
+  b.add("timeouts.generate_s", TILLER_FIELD(timeouts.generate_s),
+        "Longest an engine with samples in flight may go without returning one (the error names the engine "
+        "and what it still owes).")
       .range(0.001, std::nullopt);
   b.add("timeouts.weight_sync_s", TILLER_FIELD(timeouts.weight_sync_s), "Deadline of one weight sync to the engines.")
       .range(0.001, std::nullopt);
@@ -291,6 +344,7 @@ const char* kind_name(Kind k) {
     case Kind::kInt: return "int";
     case Kind::kDouble: return "float";
     case Kind::kString: return "string";
+    case Kind::kEnum: return "string";
   }
   return "?";
 }

@@ -10,12 +10,15 @@
 
 namespace tiller::config_schema {
 
-enum class Kind { kBool, kInt, kDouble, kString };
+// kEnum: a config enum (tiller/core/config.h), read and written through its names (`choices`).
+enum class Kind { kBool, kInt, kDouble, kString, kEnum };
 
 struct Field {
   std::string path;  // "roles.actor.gpus"
   Kind kind;
-  std::function<void*(JobConfig&)> get;  // points at the field inside a JobConfig
+  std::function<void*(JobConfig&)> get;  // points at the field inside a JobConfig (not for kEnum)
+  std::function<int(const JobConfig&)> get_enum;  // kEnum: the value's index in `choices`
+  std::function<void(JobConfig&, int)> set_enum;
   std::string doc;
   std::optional<double> min;
   std::optional<double> max;

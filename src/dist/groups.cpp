@@ -9,7 +9,7 @@
 namespace tiller::dist {
 
 std::vector<int> weight_sync_ranks(const RankPlan& plan) {
-  const RoleGroup* actor = plan.group("actor");
+  const RoleGroup* actor = plan.group(Role::kActor);
   if (!actor || plan.engines.empty()) return {};
   std::vector<int> out = actor->ranks;
   for (const auto& e : plan.engines) out.insert(out.end(), e.ranks.begin(), e.ranks.end());
@@ -32,11 +32,12 @@ GroupCommunicators make_group_communicators(const RankPlan& plan, Communicator& 
   for (const auto& group : plan.groups) {
     auto pos = std::find(group.ranks.begin(), group.ranks.end(), me);
     const bool member = pos != group.ranks.end();
-    auto comm = world.split(member ? 0 : -1, member ? static_cast<int>(pos - group.ranks.begin()) : 0, group.role);
+    const std::string name(role_name(group.role));
+    auto comm = world.split(member ? 0 : -1, member ? static_cast<int>(pos - group.ranks.begin()) : 0, name);
     if (member) {
       TILLER_CHECK(comm != nullptr && comm->size() == static_cast<int>(group.ranks.size()),
-                   "group communicators: '{}' came out with the wrong size", group.role);
-      out.roles[group.role] = keep(std::move(comm), group.role);
+                   "group communicators: '{}' came out with the wrong size", name);
+      out.roles[group.role] = keep(std::move(comm), name);
     }
   }
   // All engine TP groups in one split: color = engine index.

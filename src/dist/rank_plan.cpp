@@ -11,12 +11,17 @@ namespace tiller::dist {
 namespace {
 
 struct RoleRef {
-  const char* name;
+  Role role;
+  std::string name;
   const RoleConfig* cfg;
 };
 
+// The trainer roles in the canonical order.
 std::vector<RoleRef> trainer_roles(const JobConfig& c) {
-  return {{"actor", &c.roles.actor}, {"critic", &c.roles.critic}, {"ref", &c.roles.ref}, {"reward", &c.roles.reward}};
+  const RoleConfig* cfgs[kRoleCount] = {&c.roles.actor, &c.roles.critic, &c.roles.ref, &c.roles.reward};
+  std::vector<RoleRef> out;
+  for (Role r : kRoles) out.push_back({r, std::string(role_name(r)), cfgs[role_index(r)]});
+  return out;
 }
 
 std::string join_ints(const std::vector<int>& v) {
@@ -91,11 +96,16 @@ std::string RankAssignment::label() const {
   return out.empty() ? "idle" : out;
 }
 
-const RoleGroup* RankPlan::group(std::string_view role) const {
+const RoleGroup* RankPlan::group(Role role) const {
   for (const auto& g : groups) {
     if (g.role == role) return &g;
   }
   return nullptr;
+}
+
+const RoleGroup* RankPlan::group(std::string_view role) const {
+  const std::optional<Role> r = parse_role(role);
+  return r ? group(*r) : nullptr;
 }
 
 std::string RankPlan::table() const {
@@ -107,7 +117,7 @@ std::string RankPlan::table() const {
   out += "\ngroups:\n";
   out += fmt::format("  controller  rank {}\n", controller);
   for (const auto& g : groups) {
-    out += fmt::format("  {:<10}  ranks {} ({} rank{}){}\n", g.role, join_ints(g.ranks), g.ranks.size(),
+    out += fmt::format("  {:<10}  ranks {} ({} rank{}){}\n", role_name(g.role), join_ints(g.ranks), g.ranks.size(),
                        g.ranks.size() == 1 ? "" : "s",
                        g.colocated_with.empty() ? std::string() : fmt::format(", colocated with {}", g.colocated_with));
   }
@@ -248,10 +258,10 @@ RankPlan make_rank_plan(const JobConfig& config, const NodeMap& nodes) {
   for (const auto& r : trainer_roles(config)) {
     if (!r.cfg->enabled || !r.cfg->colocate_with.empty()) continue;
     RoleGroup g;
-    g.role = r.name;
+    g.role = r.role;
     g.ranks.assign(left.begin() + next, left.begin() + next + r.cfg->gpus);
     next += r.cfg->gpus;
-    for (int rank : g.ranks) plan.ranks[rank].roles.push_back(r.name);
+    for (int rank : g.ranks) plan.ranks[rank].trainer_roles.add(r.role);
     plan.groups.push_back(std::move(g));
   }
   TILLER_CHECK(next == left.size(), "rank plan: {} ranks left unassigned", left.size() - next);
@@ -259,15 +269,16 @@ RankPlan make_rank_plan(const JobConfig& config, const NodeMap& nodes) {
     if (!r.cfg->enabled || r.cfg->colocate_with.empty()) continue;
     const RoleGroup* host = plan.group(r.cfg->colocate_with);
     TILLER_CHECK(host != nullptr, "rank plan: {} colocated with missing role {}", r.name, r.cfg->colocate_with);
-    RoleGroup g{r.name, host->ranks, r.cfg->colocate_with};
-    for (int rank : g.ranks) plan.ranks[rank].roles.push_back(r.name);
+    RoleGroup g{r.role, host->ranks, r.cfg->colocate_with};
+    for (int rank : g.ranks) plan.ranks[rank].trainer_roles.add(r.role);
     plan.groups.push_back(std::move(g));
   }
-  // Keep groups in the fixed role order whatever the colocation.
-  std::stable_sort(plan.groups.begin(), plan.groups.end(), [](const RoleGroup& a, const RoleGroup& b) {
-    auto order = [](const std::string& n) { return n == "actor" ? 0 : n == "critic" ? 1 : n == "ref" ? 2 : 3; };
-    return order(a.role) < order(b.role);
-  });
+  // Groups, and each rank's role names, in the canonical order whatever the colocation.
+  std::stable_sort(plan.groups.begin(), plan.groups.end(),
+                   [](const RoleGroup& a, const RoleGroup& b) { return role_index(a.role) < role_index(b.role); });
+  for (auto& a : plan.ranks)
+    for (Role r : kRoles)
+      if (a.trainer_roles.has(r)) a.roles.emplace_back(role_name(r));
   return plan;
 }
 

@@ -49,7 +49,7 @@ timeouts: {collective_s: 1.5}
   EXPECT_EQ(c.roles.actor.dtype, "fp32");
   EXPECT_FALSE(c.roles.actor.gradient_checkpointing);
   EXPECT_FALSE(c.roles.critic.enabled);
-  EXPECT_EQ(c.algo.advantage_estimator, "group_norm");
+  EXPECT_EQ(c.algo.advantage_estimator, AdvantageEstimator::kGroupNorm);
   EXPECT_DOUBLE_EQ(c.algo.kl_coef, 0.05);
   EXPECT_DOUBLE_EQ(c.timeouts.collective_s, 1.5);
 }

@@ -23,13 +23,13 @@ JobConfig make_config(const Layout& l) {
   c.roles.actor.gpus = l.actor;
   c.roles.critic.enabled = l.critic > 0;
   c.roles.critic.gpus = std::max(l.critic, 1);
-  if (l.critic == 0) c.algo.advantage_estimator = "reinforce";
+  if (l.critic == 0) c.algo.advantage_estimator = AdvantageEstimator::kReinforce;
   c.roles.ref.colocate_with = l.ref_with;
   c.roles.ref.gpus = l.ref_gpus;
   c.roles.reward.enabled = l.reward > 0 || !l.reward_with.empty();
   c.roles.reward.gpus = std::max(l.reward, 1);
   c.roles.reward.colocate_with = l.reward_with;
-  if (c.roles.reward.enabled) c.reward.type = "model";
+  if (c.roles.reward.enabled) c.reward.type = RewardType::kModel;
   c.engines.count = l.engines;
   c.engines.tp = l.tp;
   c.validate();

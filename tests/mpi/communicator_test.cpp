@@ -240,7 +240,7 @@ TEST(GroupCommunicators, FromRankPlan) {
   const int p = comm().size(), me = comm().rank();
   JobConfig c;
   c.roles.critic.enabled = false;
-  c.algo.advantage_estimator = "reinforce";
+  c.algo.advantage_estimator = AdvantageEstimator::kReinforce;
   if (p == 4) {
     c.roles.actor.gpus = 1;
     c.engines.count = 1;
@@ -257,10 +257,10 @@ TEST(GroupCommunicators, FromRankPlan) {
 
   const auto& actor = plan.group("actor")->ranks;
   const bool in_actor = std::find(actor.begin(), actor.end(), me) != actor.end();
-  ASSERT_EQ(groups.role("actor") != nullptr, in_actor);
-  ASSERT_EQ(groups.role("ref") != nullptr, in_actor);  // colocated: same ranks, own communicator
+  ASSERT_EQ(groups.role(Role::kActor) != nullptr, in_actor);
+  ASSERT_EQ(groups.role(Role::kRef) != nullptr, in_actor);  // colocated: same ranks, own communicator
   if (in_actor) {
-    auto* a = groups.role("actor");
+    auto* a = groups.role(Role::kActor);
     EXPECT_EQ(a->size(), static_cast<int>(actor.size()));
     EXPECT_EQ(actor[a->rank()], me);
     auto x = at::full({3}, me, on_device(at::kLong));
@@ -268,7 +268,7 @@ TEST(GroupCommunicators, FromRankPlan) {
     std::int64_t want = 0;
     for (int r : actor) want += r;
     expect_equal(x, at::full({3}, want, at::kLong), "actor all_reduce");
-    EXPECT_NE(groups.role("ref"), a);
+    EXPECT_NE(groups.role(Role::kRef), a);
   }
   EXPECT_EQ(groups.engine_tp != nullptr, plan.ranks[me].engine >= 0);
   if (groups.engine_tp) {

@@ -19,13 +19,15 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "tiller/core/config.h"
+
 namespace tiller::algo {
 
 // --- KL ---
 // Per-token estimators of KL(policy || reference) from the sampled tokens' log-probs (Schulman,
 // "Approximating KL divergence"), with d = logp - ref_logp: k1 = d, k2 = d^2 / 2,
 // k3 = exp(-d) - 1 + d (unbiased and never negative).
-enum class KlEstimator { kK1, kK2, kK3 };
+using KlEstimator = tiller::KlEstimator;                  // the config's enum (algo.kl_estimator)
 KlEstimator parse_kl_estimator(const std::string& name);  // "k1", "k2", "k3"; ConfigError otherwise
 at::Tensor kl_estimate(const at::Tensor& logp, const at::Tensor& ref_logp, KlEstimator k);
 

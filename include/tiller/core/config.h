@@ -6,11 +6,65 @@
 // valid key; a value of the wrong type or out of range names the key, the value and what is allowed.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace tiller {
+
+// Keys with a fixed set of values are enums, parsed once when the config is loaded; the YAML
+// spelling of each value is EnumNames<E>::names[value], in declaration order.
+template <typename E>
+struct EnumNames;
+
+enum class RolloutMode { kSync, kAsync };
+enum class StalePolicy { kWait, kDrop };
+enum class AdvantageEstimator { kGae, kReinforce, kRloo, kReinforceBaseline, kGroupNorm, kDrGrpo };
+enum class KlEstimator { kK1, kK2, kK3 };
+enum class ImportanceCorrection { kNone, kTis, kDecoupled };
+enum class RewardType { kModel, kRule, kRemote };
+
+template <>
+struct EnumNames<RolloutMode> {
+  static constexpr std::array<std::string_view, 2> names = {"sync", "async"};
+};
+template <>
+struct EnumNames<StalePolicy> {
+  static constexpr std::array<std::string_view, 2> names = {"wait", "drop"};
+};
+template <>
+struct EnumNames<AdvantageEstimator> {
+  static constexpr std::array<std::string_view, 6> names = {"gae",        "reinforce", "rloo", "reinforce_baseline",
+                                                            "group_norm", "dr_grpo"};
+};
+template <>
+struct EnumNames<KlEstimator> {
+  static constexpr std::array<std::string_view, 3> names = {"k1", "k2", "k3"};
+};
+template <>
+struct EnumNames<ImportanceCorrection> {
+  static constexpr std::array<std::string_view, 3> names = {"none", "tis", "decoupled"};
+};
+template <>
+struct EnumNames<RewardType> {
+  static constexpr std::array<std::string_view, 3> names = {"model", "rule", "remote"};
+};
+
+// The YAML spelling of `e`.
+template <typename E>
+constexpr std::string_view enum_name(E e) {
+  return EnumNames<E>::names[static_cast<size_t>(e)];
+}
+// The value spelt `name`, or nullopt.
+template <typename E>
+constexpr std::optional<E> parse_enum(std::string_view name) {
+  for (size_t i = 0; i < EnumNames<E>::names.size(); ++i)
+    if (EnumNames<E>::names[i] == name) return static_cast<E>(i);
+  return std::nullopt;
+}
 
 struct RunConfig {
   std::string name = "tiller";
@@ -77,10 +131,23 @@ struct RolloutConfig {
   double top_p = 1.0;
   std::int64_t top_k = -1;
   std::int64_t micro_batch_tokens = 16384;
+  // The pipeline (docs/training.md): sync is generate, score, train, sync, one step after the
+  // other; async keeps the engines generating the next steps while the trainers train.
+  RolloutMode mode = RolloutMode::kSync;
+  std::int64_t max_staleness = -1;  // async: versions a sample may lag the weights it trains (-1: 1); sync: 0
+  StalePolicy stale_policy = StalePolicy::kWait;
+  bool partial = false;             // async: in-flight samples continue across a weight sync
+  bool filter_groups = false;       // DAPO dynamic sampling: drop groups whose rewards are all equal
+  std::int64_t filter_max_extra_batches = 3;  // at most this many x batch_size extra prompts per step
+
+  // The staleness bound in effect: 0 in sync mode, max_staleness (default 1) in async mode.
+  std::int64_t staleness() const {
+    return mode == RolloutMode::kSync ? 0 : (max_staleness < 0 ? 1 : max_staleness);
+  }
 };
 
 struct AlgoConfig {
-  std::string advantage_estimator = "gae";  // gae | reinforce | rloo | reinforce_baseline | group_norm | dr_grpo
+  AdvantageEstimator advantage_estimator = AdvantageEstimator::kGae;
   double gamma = 1.0;
   double lambd = 0.95;
   double clip_eps_low = 0.2;
@@ -88,12 +155,15 @@ struct AlgoConfig {
   double dual_clip = 0.0;
   double value_clip = 0.2;
   double kl_coef = 0.01;
-  std::string kl_estimator = "k1";  // k1 | k2 | k3
+  KlEstimator kl_estimator = KlEstimator::kK1;
   bool kl_in_reward = true;
   double target_kl = 0.0;
   double kl_horizon = 10000.0;
   double entropy_coef = 0.0;
-  double tis_cap = 0.0;  // > 0: truncated importance weights against the engine's log-probs
+  // Off-policy correction of the policy loss against the engine's (behaviour) log-probs.
+  ImportanceCorrection importance_correction = ImportanceCorrection::kNone;
+  double tis_cap = 0.0;         // tis: weights truncated here; decoupled: tokens over it masked (0: no mask)
+  double seq_mask_ratio = 0.0;  // > 1: mask samples whose geometric-mean weight is outside [1/r, r]
   bool whiten_advantages = true;
   std::int64_t ppo_epochs = 1;
 };
@@ -110,7 +180,7 @@ struct DataConfig {
 };
 
 struct RewardConfig {
-  std::string type = "rule";  // model | rule | remote
+  RewardType type = RewardType::kRule;
   std::string rule = "math_answer";
   std::string remote_address;
   double remote_timeout_s = 60;
@@ -119,6 +189,8 @@ struct RewardConfig {
   std::int64_t remote_concurrency = 4;
   double clip = 10.0;
   bool normalize = false;
+  std::int64_t overlong_buffer = 0;  // DAPO's soft overlong penalty over the last this many tokens (0: off)
+  double overlong_penalty = 1.0;     // the penalty at rollout.max_new_tokens
 };
 
 struct TrainConfig {
@@ -153,6 +225,8 @@ struct LoggingConfig {
   std::string tensorboard_dir;  // "": <output_dir>/tensorboard
   std::string chrome_trace;     // "": <output_dir>/trace.json (written when profile_steps is set)
   std::string profile_steps;    // "3" or "3,5" or "3-5": steps whose phases go into the Chrome trace
+  std::string rollout_records;  // "": none; else a JSONL file with one line per trained or dropped sample
+  bool rollout_records_tokens = false;  // the records also carry token ids and engine log-probs
 };
 
 struct TimeoutsConfig {

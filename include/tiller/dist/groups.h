@@ -17,15 +17,15 @@
 namespace tiller::dist {
 
 struct GroupCommunicators {
-  std::map<std::string, std::unique_ptr<Communicator>> roles;  // "actor", "ref", ...: only this rank's roles
+  std::map<Role, std::unique_ptr<Communicator>> roles;  // only this rank's roles
   std::unique_ptr<Communicator> engine_tp;                     // null unless this rank is an engine rank
   // The weight sync's (sync/weight_sync.h): the actor group's ranks first (sync rank i = actor
   // rank i), then every engine's ranks in engine and TP order. Null on other ranks, and when the
   // plan has no actor or no engine.
   std::unique_ptr<Communicator> weight_sync;
 
-  Communicator* role(const std::string& name) const {
-    auto it = roles.find(name);
+  Communicator* role(Role r) const {
+    auto it = roles.find(r);
     return it == roles.end() ? nullptr : it->second.get();
   }
 };

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "tiller/core/config.h"
+#include "tiller/core/roles.h"
 
 namespace tiller::dist {
 
@@ -43,7 +44,7 @@ struct NodeMap {
 };
 
 struct RoleGroup {
-  std::string role;                    // "actor", "critic", "ref", "reward"
+  Role role = Role::kActor;
   std::vector<int> ranks;              // the group's world ranks, ascending; group rank i = ranks[i]
   std::string colocated_with;          // "" or the role whose ranks these are
 };
@@ -58,7 +59,8 @@ struct RankAssignment {
   int rank = 0;
   int node = 0;
   int gpu = -1;                     // -1: the controller, or a CPU run
-  std::vector<std::string> roles;   // "controller", trainer roles, or "engine"
+  std::vector<std::string> roles;   // "controller", trainer roles (canonical order), or "engine"
+  RoleSet trainer_roles;            // the trainer roles among them
   int engine = -1;                  // engine index, or -1
   int engine_tp_rank = -1;
 
@@ -69,11 +71,12 @@ struct RankAssignment {
 struct RankPlan {
   int world_size = 0;
   int controller = 0;
-  std::vector<RoleGroup> groups;       // enabled trainer roles in the order actor, critic, ref, reward
+  std::vector<RoleGroup> groups;       // enabled trainer roles in the canonical order (core/roles.h)
   std::vector<EngineGroup> engines;
   std::vector<RankAssignment> ranks;   // indexed by world rank
 
-  // The group of `role`, or nullptr if the role is disabled.
+  // The group of `role`, or nullptr if the role is disabled (or the name is no role).
+  const RoleGroup* group(Role role) const;
   const RoleGroup* group(std::string_view role) const;
   // A human-readable table of every rank and a summary of the groups.
   std::string table() const;
