@@ -106,6 +106,8 @@ void GenerateSession::close_sends() {
   impl_->rw->WritesDone();
 }
 
+void GenerateSession::cancel() { impl_->ctx.TryCancel(); }
+
 bool GenerateSession::next(ClientResult& out, Deadline deadline) {
   Impl& m = *impl_;
   std::unique_lock<std::mutex> lock(m.mu);
@@ -201,6 +203,8 @@ ServerStats EngineClient::stats() {
   s.engine.preemptions = r.preemptions();
   s.engine.requests_finished = r.requests_finished();
   s.engine.launched_ahead = r.launched_ahead();
+  s.engine.kv_rebuilds = r.kv_rebuilds();
+  s.engine.seconds_in_steps = r.seconds_in_steps();
   s.kv_cache_usage = r.kv_cache_usage();
   s.tokens_per_second = r.tokens_per_second();
   s.weight_version = r.weight_version();

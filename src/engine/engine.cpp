@@ -50,6 +50,18 @@ struct Sequence {
   BlockTable table;
   int64_t num_computed = 0;
   int64_t preemptions = 0;
+  std::vector<int64_t> version_starts;  // SampleOutput's runs of weight versions
+  std::vector<uint64_t> versions;
+
+  // Appends a sampled token, drawn with weights `version`.
+  void append(int64_t token, float logprob, uint64_t version) {
+    if (versions.empty() || versions.back() != version) {
+      version_starts.push_back(static_cast<int64_t>(tokens.size()) - prompt_len);
+      versions.push_back(version);
+    }
+    tokens.push_back(token);
+    logprobs.push_back(logprob);
+  }
 };
 
 struct RequestState {
@@ -100,6 +112,7 @@ struct Engine::Impl {
   bool shut_down = false;
   WeightSink* sink = nullptr;
   std::string broken;  // why the weights cannot be served, or ""
+  uint64_t weight_version = 0;  // of the weights the next step computes with
 
   std::map<int64_t, Sequence> seqs;
   std::vector<int64_t> running, waiting;  // ids, oldest first
@@ -195,6 +208,8 @@ SampleOutput Engine::Impl::finish(Sequence& s, const char* reason) {
   o.finish_reason = reason;
   o.prompt_tokens = s.prompt_len;
   o.preemptions = s.preemptions;
+  o.version_starts = std::move(s.version_starts);
+  o.versions = std::move(s.versions);
   kv->release(s.table);
   auto it = requests.find(s.request);
   // An unforked prompt finishing early takes its pending samples with it (abort only).
@@ -271,6 +286,26 @@ std::map<std::string, at::Tensor> Engine::parameters() const { return impl_->run
 void Engine::set_weight_sink(WeightSink* sink) { impl_->sink = sink; }
 
 const std::string& Engine::weights_broken() const { return impl_->broken; }
+
+uint64_t Engine::weight_version() const { return impl_->weight_version; }
+
+void Engine::weights_updated(uint64_t version) {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.leader() && !m.shut_down, "weights_updated() on a TP follower or after shutdown()");
+  TILLER_CHECK(!m.in_flight, "weights_updated() with a step in flight: drain() first");
+  m.weight_version = version;
+  // Every sequence with keys and values of the old weights starts over from its first token (its
+  // sampled tokens and their log-probs stay); the scheduler admits it again oldest first, as it
+  // does a preempted one.
+  for (int64_t id : std::vector<int64_t>(m.running)) {
+    Sequence& s = m.seqs.at(id);
+    m.kv->release(s.table);
+    s.num_computed = 0;
+    ++m.stats.kv_rebuilds;
+    erase_id(m.running, id);
+    insert_by_age(m.waiting, id);
+  }
+}
 
 uint64_t Engine::install_sync_plan(const std::string& plan) {
   Impl& m = *impl_;
@@ -492,8 +527,10 @@ void Engine::Impl::collect(const InFlight& f, std::vector<SampleOutput>& done) {
     child.prompt_len = parent.prompt_len;
     child.table = kv->fork(parent.table);
     child.num_computed = parent.num_computed;
-    child.tokens.push_back(drawn.tokens[i]);
-    child.logprobs.push_back(drawn.logprobs[i]);
+    child.logprobs = parent.logprobs;
+    child.version_starts = parent.version_starts;
+    child.versions = parent.versions;
+    child.append(drawn.tokens[i], drawn.logprobs[i], weight_version);
     sampled.push_back(child.id);
     running.push_back(child.id);  // the newest: ids only grow
     seqs.emplace(child.id, std::move(child));
@@ -503,8 +540,7 @@ void Engine::Impl::collect(const InFlight& f, std::vector<SampleOutput>& done) {
     Sequence& s = seqs.at(f.draws[i].seq);
     if (static_cast<int64_t>(s.tokens.size()) == s.prompt_len) stats.prompt_tokens += s.prompt_len;  // once a prompt
     s.pending_forks = 0;
-    s.tokens.push_back(drawn.tokens[i]);
-    s.logprobs.push_back(drawn.logprobs[i]);
+    s.append(drawn.tokens[i], drawn.logprobs[i], weight_version);
     sampled.push_back(s.id);
   }
   stats.generated_tokens += static_cast<int64_t>(sampled.size());

@@ -43,6 +43,8 @@ void to_proto(const SampleOutput& o, uint64_t weight_version, v1::SampleResult& 
   s.set_finish_reason(o.finish_reason);
   s.set_prompt_tokens(o.prompt_tokens);
   s.set_weight_version(weight_version);
+  s.mutable_version_starts()->Add(o.version_starts.begin(), o.version_starts.end());
+  s.mutable_versions()->Add(o.versions.begin(), o.versions.end());
 }
 
 SampleOutput from_proto(const v1::SampleResult& s) {
@@ -53,6 +55,8 @@ SampleOutput from_proto(const v1::SampleResult& s) {
   o.logprobs.assign(s.logprobs().begin(), s.logprobs().end());
   o.finish_reason = s.finish_reason();
   o.prompt_tokens = s.prompt_tokens();
+  o.version_starts.assign(s.version_starts().begin(), s.version_starts().end());
+  o.versions.assign(s.versions().begin(), s.versions().end());
   return o;
 }
 

@@ -366,6 +366,8 @@ struct EngineServer::Impl final : pb::Engine::Service {
     resp->set_preemptions(snap.preemptions);
     resp->set_requests_finished(snap.requests_finished);
     resp->set_launched_ahead(snap.launched_ahead);
+    resp->set_kv_rebuilds(snap.kv_rebuilds);
+    resp->set_seconds_in_steps(snap.seconds_in_steps);
     resp->set_weight_version(weight_version);
     return grpc::Status::OK;
   }
@@ -438,6 +440,8 @@ struct EngineServer::Impl final : pb::Engine::Service {
         std::lock_guard<std::mutex> lock(snap_mu);
         weight_version = version;
       }
+      // Live requests continue with the new weights: their KV caches are recomputed first.
+      engine.weights_updated(version);
       update_snapshot();
       return weight_version;
     }, v);

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 
 #include "tiller/engine/engine.h"
 #include "tiller/model/generate.h"
@@ -297,6 +298,94 @@ void expect_async_equals_sync(const TinyModel& m, const model::ModelWeights& w, 
   EXPECT_GE(stopped, 8);
   EXPECT_GT(want_stats.preemptions + got_stats.preemptions, 0);
   EXPECT_GT(got_stats.launched_ahead, got_stats.steps / 3);
+}
+
+// A weight update in the middle of two samples (a partial rollout): they keep their tokens and
+// log-probs, recompute their KV cache with the new weights and continue; each token's log-prob is
+// the one of the weights that drew it (teacher-forced with the whole prefix), and the samples say
+// which version drew which tokens.
+TEST(Engine, AWeightUpdateMidSampleRecomputesTheCacheAndRecordsTheVersions) {
+  TinyModel a = tiny("tiny-qwen2", 1), b = tiny("tiny-qwen2", 2);
+  TinyModel served = tiny("tiny-qwen2", 1);  // the engine's own storage, overwritten by the update
+  Engine e(served.cfg, served.weights, small_options());
+  const auto ps = prompts(1, 21, served.cfg.vocab_size, 10);
+  SamplingParams p;
+  p.temperature = 0.9;
+  p.seed = 77;
+  p.max_new_tokens = 12;
+  e.add({5, ps[0], p, 2});
+  std::map<std::pair<uint64_t, int64_t>, SampleOutput> out;
+  while (e.stats().generated_tokens < 8)
+    for (auto& o : e.step()) out[{o.request_id, o.sample}] = std::move(o);
+  for (auto& o : e.drain()) out[{o.request_id, o.sample}] = std::move(o);
+  ASSERT_TRUE(out.empty()) << "the samples finished before the update";
+  const int64_t before = e.stats().generated_tokens / 2;  // both samples decode in lockstep after the fork
+  {
+    c10::InferenceMode inference;  // the engine's weights are inference tensors
+    for (auto& [name, t] : e.parameters()) t.copy_(b.named.at(name));
+  }
+  e.weights_updated(1);
+  EXPECT_EQ(e.weight_version(), 1u);
+  EXPECT_EQ(e.stats().kv_rebuilds, 2);
+  for (auto& [k, o] : run_all(e)) out[k] = std::move(o);
+  ASSERT_EQ(out.size(), 2u);
+  for (const auto& [key, o] : out) {
+    ASSERT_EQ(o.tokens.size(), 12u);
+    EXPECT_EQ(o.versions, (std::vector<uint64_t>{0, 1})) << "sample " << key.second;
+    EXPECT_EQ(o.version_starts, (std::vector<int64_t>{0, before})) << "sample " << key.second;
+    const at::Tensor lp_a = trainer_logprobs(a, ps[0], o.tokens, 0.9);
+    const at::Tensor lp_b = trainer_logprobs(b, ps[0], o.tokens, 0.9);
+    for (int64_t j = 0; j < 12; ++j) {
+      const double want = (j < before ? lp_a : lp_b)[j].item<double>();
+      EXPECT_NEAR(o.logprobs[static_cast<size_t>(j)], want, 2e-5) << "sample " << key.second << " token " << j;
+    }
+    // The two weights disagree, so the check above tells them apart.
+    EXPECT_GT(std::abs(lp_a[before].item<double>() - lp_b[before].item<double>()), 1e-3);
+  }
+  EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
+}
+
+// The same under load: several prompts of four samples each, decoding in one batch, chunked
+// prefills, an update at an arbitrary step.
+TEST(Engine, AWeightUpdateUnderLoadKeepsEveryLogprobOfItsVersion) {
+  TinyModel a = tiny("tiny-qwen2", 1), b = tiny("tiny-qwen2", 2);
+  TinyModel served = tiny("tiny-qwen2", 1);
+  EngineOptions o = small_options();
+  o.limits.max_num_seqs = 32;
+  Engine e(served.cfg, served.weights, o);
+  const auto ps = prompts(6, 33, served.cfg.vocab_size, 30);
+  SamplingParams p;
+  p.temperature = 1.0;
+  p.seed = 5;
+  p.max_new_tokens = 20;
+  for (size_t i = 0; i < ps.size(); ++i) e.add({i, ps[i], p, 4});
+  std::map<std::pair<uint64_t, int64_t>, SampleOutput> out;
+  for (int s = 0; s < 9; ++s)
+    for (auto& x : e.step()) out[{x.request_id, x.sample}] = std::move(x);
+  for (auto& x : e.drain()) out[{x.request_id, x.sample}] = std::move(x);
+  {
+    c10::InferenceMode inference;
+    for (auto& [name, t] : e.parameters()) t.copy_(b.named.at(name));
+  }
+  e.weights_updated(1);
+  for (auto& [k, x] : run_all(e)) out[k] = std::move(x);
+  ASSERT_EQ(out.size(), 24u);
+  int spanning = 0;
+  for (const auto& [key, x] : out) {
+    const std::vector<int64_t>& prompt = ps[key.first];
+    const at::Tensor lp_a = trainer_logprobs(a, prompt, x.tokens, 1.0);
+    const at::Tensor lp_b = trainer_logprobs(b, prompt, x.tokens, 1.0);
+    ASSERT_FALSE(x.versions.empty());
+    spanning += x.versions.size() > 1;
+    for (size_t j = 0; j < x.tokens.size(); ++j) {
+      size_t run = 0;
+      while (run + 1 < x.version_starts.size() && static_cast<int64_t>(j) >= x.version_starts[run + 1]) ++run;
+      const at::Tensor& want = x.versions[run] == 0 ? lp_a : lp_b;
+      EXPECT_NEAR(x.logprobs[j], want[static_cast<int64_t>(j)].item<double>(), 2e-5)
+          << "request " << key.first << " sample " << key.second << " token " << j << " version " << x.versions[run];
+    }
+  }
+  EXPECT_GT(spanning, 0);
 }
 
 TEST(Engine, AsynchronousSchedulingChangesNoOutput) {

@@ -88,6 +88,11 @@ struct SampleOutput {
   std::string finish_reason;       // "stop", "length" or "abort"
   int64_t prompt_tokens = 0;
   int64_t preemptions = 0;         // times this sample was preempted and recomputed
+  // The weight version that sampled each token, run-length coded: tokens [version_starts[i],
+  // version_starts[i + 1]) (the last run to the end) came from weights versions[i]. One run unless
+  // the sample spanned a weight update (see weights_updated()). Empty when no token was generated.
+  std::vector<int64_t> version_starts;
+  std::vector<uint64_t> versions;
 };
 
 struct EngineStats {
@@ -99,6 +104,7 @@ struct EngineStats {
   int64_t last_step_prefill_tokens = 0;  // tokens of the latest step that were not decodes
   int64_t requests_finished = 0;
   int64_t launched_ahead = 0;  // steps launched before the host saw the step before (async scheduling)
+  int64_t kv_rebuilds = 0;     // live sequences whose KV cache was recomputed after a weight update
   double seconds_in_steps = 0;                // wall time inside step()
 };
 
@@ -165,6 +171,14 @@ class Engine {
   WeightSink::Result receive_weights(uint64_t version);
   // Why the weights cannot be served (a sync failed part way), or "".
   const std::string& weights_broken() const;
+  // Leader, with no step in flight (drain() first), after the weights changed to `version` (a sync
+  // completed, or they were replaced out of band): tokens sampled from now on are recorded as of
+  // `version`, and every live sequence keeps its tokens and their log-probs (each from the
+  // weights that sampled it) but drops its KV cache, which the next steps recompute with the new
+  // weights before it continues (counted in EngineStats::kv_rebuilds). This is what lets a sample
+  // span a weight sync (partial rollouts) without attending to keys and values of older weights.
+  void weights_updated(uint64_t version);
+  uint64_t weight_version() const;
 
  private:
   struct Impl;

@@ -88,6 +88,9 @@ class GenerateSession {
   bool next(ClientResult& out, Deadline deadline);
   // No more requests: the server ends the stream after the last result.
   void close_sends();
+  // Cancels the stream: the server aborts its requests, and next() returns (throwing CommError)
+  // once the results already received are taken. Thread-safe.
+  void cancel();
 
  private:
   friend class EngineClient;
