@@ -277,6 +277,27 @@ std::vector<std::pair<uint64_t, double>> RemoteReward::finish(Deadline deadline)
   return out;
 }
 
+std::vector<std::pair<uint64_t, double>> RemoteReward::poll() {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (!m.failure.empty()) throw CommError(m.failure);
+  std::vector<std::pair<uint64_t, double>> out;
+  out.swap(m.results);
+  return out;
+}
+
+void RemoteReward::flush() {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.enqueue_pending();
+}
+
+void RemoteReward::label_step(uint64_t step) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.step = step;
+}
+
 RemoteStats RemoteReward::take_stats() {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);

@@ -1,6 +1,5 @@
 #include "rollout/engine_pool.h"
 
-#include <algorithm>
 #include <chrono>
 
 #include <fmt/format.h>
@@ -10,7 +9,7 @@
 namespace tiller::rollout {
 
 EnginePool::EnginePool(std::vector<std::string> addresses, const std::string& token, double rpc_timeout_s)
-    : addresses_(std::move(addresses)) {
+    : addresses_(std::move(addresses)), rpc_timeout_s_(rpc_timeout_s) {
   for (const auto& a : addresses_) {
     engine::ClientOptions o;
     o.address = a;
@@ -18,7 +17,6 @@ EnginePool::EnginePool(std::vector<std::string> addresses, const std::string& to
     o.timeout_seconds = rpc_timeout_s;
     clients_.push_back(std::make_unique<engine::EngineClient>(o));
   }
-  in_flight_.assign(addresses_.size(), 0);
 }
 
 EnginePool::~EnginePool() {
@@ -29,55 +27,101 @@ EnginePool::~EnginePool() {
   for (auto& s : sessions_) (void)s.release();
 }
 
-void EnginePool::begin(Deadline deadline) {
-  TILLER_CHECK(sessions_.empty(), "EnginePool::begin: the previous step's streams are still open");
+std::string EnginePool::name(size_t i) const { return fmt::format("engine {} ({})", i, addresses_.at(i)); }
+
+uint64_t EnginePool::install_sync_plan(const std::string& plan_json) {
+  uint64_t id = 0;
+  for (auto& c : clients_) id = c->install_sync_plan(plan_json);
+  return id;
+}
+
+void EnginePool::open() {
+  TILLER_CHECK(sessions_.empty(), "EnginePool::open: the streams are already open");
   for (size_t i = 0; i < clients_.size(); ++i) {
-    sessions_.push_back(clients_[i]->open_session(deadline));
+    // The streams live for the run; progress is watched by the collector (timeouts.generate_s).
+    sessions_.push_back(clients_[i]->open_session(Deadline::never()));
     engine::GenerateSession* s = sessions_.back().get();
-    readers_.emplace_back([this, s, i, deadline] {
+    readers_.emplace_back([this, s, i] {
       Completion c;
       c.engine = static_cast<int>(i);
       try {
-        while (s->next(c.result, deadline)) {
+        while (s->next(c.result, Deadline::never())) {
           std::lock_guard<std::mutex> lock(mu_);
-          queue_.push_back(c);
-          cv_.notify_one();
+          if (!closing_) queue_.push_back(std::move(c));
+          cv_.notify_all();
+          c = Completion{};
+          c.engine = static_cast<int>(i);
         }
-        return;
       } catch (const std::exception& e) {
-        c.failure = fmt::format("engine {} ({}): {}", i, addresses_[i], e.what());
+        c.failure = fmt::format("{}: {}", name(i), e.what());
       }
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(c);
-      cv_.notify_one();
+      ++ended_;
+      if (!closing_ && !c.failure.empty()) queue_.push_back(std::move(c));
+      cv_.notify_all();
     });
   }
 }
 
-int EnginePool::dispatch(const engine::Request& r, uint64_t min_weight_version) {
-  const size_t i = static_cast<size_t>(std::min_element(in_flight_.begin(), in_flight_.end()) - in_flight_.begin());
+void EnginePool::submit(size_t i, const engine::Request& r, uint64_t min_weight_version) {
   sessions_.at(i)->send(r, min_weight_version);
-  in_flight_[i] += r.n;
-  return static_cast<int>(i);
 }
 
-int64_t EnginePool::total_in_flight() const {
-  int64_t n = 0;
-  for (int64_t v : in_flight_) n += v;
-  return n;
-}
+void EnginePool::abort(size_t i, uint64_t request_id) { sessions_.at(i)->abort(request_id); }
 
-bool EnginePool::pop(Completion& out, int wait_ms) {
+bool EnginePool::next(Completion& out, int wait_ms) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!cv_.wait_for(lock, std::chrono::milliseconds(wait_ms), [this] { return !queue_.empty(); })) return false;
   out = std::move(queue_.front());
   queue_.pop_front();
-  if (out.failure.empty() && out.result.error_code == 0) --in_flight_[static_cast<size_t>(out.engine)];
   return true;
 }
 
-void EnginePool::end() {
+void EnginePool::begin_update(uint64_t version, uint64_t plan_id) {
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    try {
+      clients_[i]->begin_weight_update(version, false, plan_id);
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("weight sync {}: {} refused to begin: {}", version, name(i), e.what()));
+    }
+  }
+}
+
+void EnginePool::end_update(uint64_t version, double timeout_s) {
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    try {
+      clients_[i]->end_weight_update(version, timeout_s);
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("weight sync {} to {} failed: {}", version, name(i), e.what()));
+    }
+  }
+}
+
+std::vector<double> EnginePool::busy_seconds() {
+  std::vector<double> out;
+  for (auto& c : clients_) out.push_back(c->stats().engine.seconds_in_steps);
+  return out;
+}
+
+void EnginePool::close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closing_ = true;
+  }
+  // No more requests: each server ends its stream once the requests on it have answered (the
+  // caller aborted what it no longer wants). A stream that has not ended by the deadline is
+  // cancelled, which makes its server abort whatever is left.
   for (auto& s : sessions_) s->close_sends();
+  const Deadline deadline = Deadline::after_seconds(rpc_timeout_s_);
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_until(lock, deadline.at(), [&] { return ended_ == readers_.size(); });
+      if (ended_ == readers_.size()) break;
+    }
+    for (auto& s : sessions_) s->cancel();
+    break;
+  }
   for (auto& t : readers_) t.join();
   readers_.clear();
   sessions_.clear();

@@ -1,12 +1,11 @@
-// The controller's view of the inference engines: one gRPC client per engine, one Generate stream
-// per engine per step, least-loaded dispatch, and a single queue that every stream's reader thread
-// feeds, so the controller waits on completions from all engines at once. Private to src/rollout.
+// The engines of `tiller train` over gRPC (private to src/rollout): one client per engine, one
+// Generate stream per engine for the whole run, and a single queue that every stream's reader
+// thread feeds, so the controller waits on completions from all engines at once.
 //
 // Threading: the controller's thread calls everything; the reader threads only push to the queue.
 #pragma once
 
 #include <condition_variable>
-#include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -14,48 +13,39 @@
 #include <thread>
 #include <vector>
 
-#include "tiller/core/deadline.h"
-#include "tiller/engine/server.h"
+#include "rollout/engine_set.h"
 
 namespace tiller::rollout {
 
-struct Completion {
-  int engine = 0;
-  engine::ClientResult result;
-  std::string failure;  // the stream failed (the engine died or timed out): the job cannot go on
-};
-
-class EnginePool {
+class EnginePool final : public EngineSet {
  public:
-  // `addresses[i]` is engine i's host:port.
+  // `addresses[i]` is engine i's host:port; each call but the streams has `rpc_timeout_s`.
   EnginePool(std::vector<std::string> addresses, const std::string& token, double rpc_timeout_s);
-  ~EnginePool();
+  ~EnginePool() override;
 
-  size_t size() const { return clients_.size(); }
-  engine::EngineClient& client(size_t i) { return *clients_[i]; }
-  const std::string& address(size_t i) const { return addresses_[i]; }
-
-  // Opens one stream per engine that lives until `deadline`, with reader threads.
-  void begin(Deadline deadline);
-  // Sends `r` (n samples) to the engine with the fewest samples in flight; returns its index.
-  int dispatch(const engine::Request& r, uint64_t min_weight_version);
-  // Samples in flight on engine i.
-  int64_t in_flight(size_t i) const { return in_flight_[i]; }
-  int64_t total_in_flight() const;
-  // The next completion from any engine, waiting at most `wait_ms`; false when none came.
-  bool pop(Completion& out, int wait_ms);
-  // Ends the streams (every request must have completed) and joins the readers.
-  void end();
+  size_t size() const override { return clients_.size(); }
+  std::string name(size_t i) const override;
+  uint64_t install_sync_plan(const std::string& plan_json) override;
+  void open() override;
+  void submit(size_t i, const engine::Request& r, uint64_t min_weight_version) override;
+  void abort(size_t i, uint64_t request_id) override;
+  bool next(Completion& out, int wait_ms) override;
+  void begin_update(uint64_t version, uint64_t plan_id) override;
+  void end_update(uint64_t version, double timeout_s) override;
+  std::vector<double> busy_seconds() override;
+  void close() override;
 
  private:
   std::vector<std::string> addresses_;
   std::vector<std::unique_ptr<engine::EngineClient>> clients_;
   std::vector<std::unique_ptr<engine::GenerateSession>> sessions_;
   std::vector<std::thread> readers_;
-  std::vector<int64_t> in_flight_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Completion> queue_;
+  double rpc_timeout_s_;
+  size_t ended_ = 0;  // streams whose reader has returned
+  bool closing_ = false;
 };
 
 }  // namespace tiller::rollout

@@ -133,7 +133,11 @@ void JsonlWriter::write(int64_t step, const Metrics& values) {
     if (std::isfinite(v)) j[k] = v;
     else j[k] = nullptr;
   }
-  const std::string line = j.dump() + "\n";
+  append(j.dump());
+}
+
+void JsonlWriter::append(const std::string& text) {
+  const std::string line = text + "\n";
   if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0)
     throw IoError(fmt::format("{}: cannot write: {}", path_, std::strerror(errno)));
 }

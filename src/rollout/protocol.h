@@ -1,13 +1,29 @@
-// The controller <-> trainer-rank messages of `tiller train` (private to src/rollout).
+// The controller <-> rank messages of `tiller train` (private to src/rollout): one struct per
+// message, each encoded into and decoded from a Frame here and nowhere else.
 //
-// They travel over the world communicator (MPI, CPU tensors): a fixed-size int64 header that says
-// what follows (the op, the tensors' dtypes and sizes, a few doubles, the length of a text), then
-// one message per tensor and one for the text. send/recv pair up in order per (sender, receiver)
-// (communicator.h), so a message is read back exactly as it was written.
+// The wire: a Frame travels over the world communicator (MPI, CPU tensors) as a fixed-size int64
+// header that says what follows (the op, the tensors' dtypes and sizes, a few doubles, the length
+// of a text), then one message per tensor and one for the text. send/recv pair up in order per
+// (sender, receiver) (communicator.h), so a frame is read back exactly as it was written.
 //
-// Threading: one thread per communicator (the controller's loop, or the trainer rank's).
+// The messages (R: response tokens of the micro-batch, B: its samples):
+//   ScoreRequest        -> ScoreReply     log-probs / entropy / values / reward scores of this rank's roles
+//   TrainActorRequest   (no reply)        one actor micro-batch: forward, loss, backward
+//   TrainCriticRequest  (no reply)        one critic micro-batch
+//   StepRequest         -> StepReply      an optimizer step of one role, and its statistics
+//   SyncRequest         -> SyncReply      actor ranks: send the weights to the engines
+//   SaveRequest / LoadRequest -> DoneReply   this rank's trained roles to / from a directory
+//   TraceRequest        -> TraceReply     the rank's phase spans since the last TraceRequest
+//   StopRequest         -> StopReply      leave the serve loop
+//   EngineHello -> EngineAddress          start-up: an engine leader's shared secret, its address
+// Any request may be answered by an ErrorReply instead (the rank failed; it names the cause).
+// decode() checks the op, the tensors' count, dtypes and sizes against each other, and throws
+// CommError naming the message when they disagree.
+//
+// Threading: none inside; one thread per communicator (the controller's loop, or the rank's).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -15,47 +31,57 @@
 #include <ATen/core/Tensor.h>
 
 #include "tiller/core/deadline.h"
+#include "tiller/core/roles.h"
 #include "tiller/dist/communicator.h"
 
 namespace tiller::rollout {
 
+// --- The wire --------------------------------------------------------------------------------
+
 enum class Op : int64_t {
-  kScore = 1,     // packed sequences -> log-probs / ref log-probs / values / scores of this rank's roles
-  kTrainActor,    // one training micro-batch of the actor (forward, loss, backward)
-  kTrainCritic,   // one training micro-batch of the critic
-  kStepActor,     // optimizer step of the actor -> its statistics
-  kStepCritic,
-  kSync,          // actor ranks: send the weights to the engines (the controller drives Begin/End)
-  kSave,          // save this rank's roles under the text (a directory)
-  kLoad,          // load this rank's roles from the text
-  kTrace,         // this rank's phase spans since the last kTrace -> text + times
-  kStop,          // leave the serve loop
-  kReply = 100,   // a trainer rank's answer
+  kScore = 1,
+  kTrainActor,
+  kTrainCritic,
+  kStep,
+  kSync,
+  kSave,
+  kLoad,
+  kTrace,
+  kStop,
+  kEngineHello,
+  kScoreReply = 100,
+  kStepReply,
+  kSyncReply,
+  kDone,
+  kTraceReply,
+  kStopReply,
+  kEngineAddress,
+  kError,
 };
 const char* op_name(Op op);
 
-struct Message {
-  Op op = Op::kReply;
+struct Frame {
+  Op op = Op::kError;
   std::vector<double> scalars;
   std::vector<at::Tensor> tensors;  // CPU, contiguous: int64, float32, float64 or uint8
   std::string text;
 };
 
-// Posts the message to `peer`; the returned works complete when it has left (wait on them, or
-// keep them until the peer answers: the tensors stay alive inside them).
-std::vector<dist::WorkPtr> send_message(dist::Communicator& comm, int peer, const Message& m);
+// Posts the frame to `peer`; the returned works complete when it has left (wait on them, or keep
+// them until the peer answers: the tensors stay alive inside them).
+std::vector<dist::WorkPtr> send_frame(dist::Communicator& comm, int peer, const Frame& f);
 
-// Receives the next message from `peer`, waiting until `deadline`. TimeoutError says who was silent.
-Message recv_message(dist::Communicator& comm, int peer, Deadline deadline);
+// Receives the next frame from `peer`, waiting until `deadline`. TimeoutError says who was silent.
+Frame recv_frame(dist::Communicator& comm, int peer, Deadline deadline);
 
-// A message being received without blocking: start() posts the header's receive; poll() posts
-// the payload once the header is in and returns true when everything has arrived. At most one per
-// peer at a time (later messages from the same peer queue behind it in order).
-class IncomingMessage {
+// A frame being received without blocking: the constructor posts the header's receive; poll()
+// posts the payload once the header is in and returns true when everything has arrived. At most
+// one per peer at a time (later frames from the same peer queue behind it in order).
+class IncomingFrame {
  public:
-  IncomingMessage(dist::Communicator& comm, int peer);
+  IncomingFrame(dist::Communicator& comm, int peer);
   bool poll();
-  Message take();  // after poll() returned true
+  Frame take();  // after poll() returned true
   int peer() const { return peer_; }
 
  private:
@@ -64,8 +90,159 @@ class IncomingMessage {
   at::Tensor header_;
   dist::WorkPtr header_work_;
   std::vector<dist::WorkPtr> payload_;
-  Message msg_;
+  Frame frame_;
   bool payload_posted_ = false;
+};
+
+// --- The messages ----------------------------------------------------------------------------
+
+// Whole sequences packed back to back (prompt + response each).
+struct PackedSequences {
+  at::Tensor tokens;       // int64 [sum of seq_lens]
+  at::Tensor seq_lens;     // int64 [B]
+  at::Tensor prompt_lens;  // int64 [B], each in [1, seq_len)
+  int64_t size() const { return seq_lens.defined() ? seq_lens.numel() : 0; }
+  int64_t response_tokens() const;  // sum of seq_len - prompt_len
+};
+
+struct ScoreRequest {
+  PackedSequences batch;
+  double temperature = 1.0;  // the sampling temperature: log-probs are of logits / temperature
+  Frame encode() const;
+  static ScoreRequest decode(Frame f);
+};
+
+// Per-response-token tensors are float [R], the reward's float [B]; undefined for roles the rank
+// does not hold.
+struct ScoreReply {
+  RoleSet roles;
+  at::Tensor actor_logp, actor_entropy;
+  at::Tensor critic_values;
+  at::Tensor ref_logp;
+  at::Tensor reward_scores;
+  std::array<double, kRoleCount> seconds{};  // compute seconds per role (canonical order)
+  Frame encode() const;
+  // `request` is what was asked: the sizes are checked against it.
+  static ScoreReply decode(Frame f, const PackedSequences& request);
+};
+
+struct TrainActorRequest {
+  PackedSequences batch;
+  at::Tensor old_logp;    // float [R]: the proximal policy's (the actor's, scored before this step)
+  at::Tensor advantages;  // float [R]
+  at::Tensor ref_logp;    // float [R], or undefined: no KL loss
+  at::Tensor is_weights;  // float [R], or undefined: no importance weights (algo.importance_correction)
+  double normalizer = 1;  // the loss's divisor (the optimizer step's tokens, or Dr.GRPO's constant)
+  double kl_coef = 0;     // KL-loss coefficient (with ref_logp)
+  Frame encode() const;
+  static TrainActorRequest decode(Frame f);
+};
+
+struct TrainCriticRequest {
+  PackedSequences batch;
+  at::Tensor old_values;  // float [R]
+  at::Tensor returns;     // float [R]
+  double normalizer = 1;
+  Frame encode() const;
+  static TrainCriticRequest decode(Frame f);
+};
+
+struct StepRequest {
+  Role role = Role::kActor;  // actor or critic
+  double lr = 0;
+  Frame encode() const;
+  static StepRequest decode(Frame f);
+};
+
+// What one rank's micro-batches and optimizer step of one role came to.
+struct StepStats {
+  double grad_norm = 0;
+  bool skipped = false;          // a non-finite gradient norm: the step was skipped
+  double loss = 0;               // summed over micro-batches
+  double clip_tokens = 0;        // tokens whose clipped term was taken
+  double approx_kl_tokens = 0;   // sum over tokens of (old - new log-prob)
+  double entropy_sum = 0;
+  double tokens = 0;             // response tokens trained
+  double train_seconds = 0;      // forward + backward of the micro-batches
+  double step_seconds = 0;       // the optimizer step
+  double peak_host_mb = 0;
+};
+
+struct StepReply {
+  StepStats stats;
+  Frame encode() const;
+  static StepReply decode(Frame f);
+};
+
+struct SyncRequest {
+  uint64_t version = 0;
+  Frame encode() const;
+  static SyncRequest decode(Frame f);
+};
+
+struct SyncReply {
+  double seconds = 0;
+  double wire_bytes = 0;
+  Frame encode() const;
+  static SyncReply decode(Frame f);
+};
+
+struct SaveRequest {
+  std::string dir;
+  Frame encode() const;
+  static SaveRequest decode(Frame f);
+};
+
+struct LoadRequest {
+  std::string dir;
+  Frame encode() const;
+  static LoadRequest decode(Frame f);
+};
+
+struct DoneReply {
+  Frame encode() const;
+  static DoneReply decode(Frame f);
+};
+
+struct TraceRequest {
+  Frame encode() const;
+  static TraceRequest decode(Frame f);
+};
+
+struct TraceReply {
+  std::vector<std::string> names;  // span i is names[i], from begin_us[i] to end_us[i] (wall clock)
+  std::vector<double> begin_us, end_us;
+  Frame encode() const;
+  static TraceReply decode(Frame f);
+};
+
+struct StopRequest {
+  Frame encode() const;
+  static StopRequest decode(Frame f);
+};
+
+struct StopReply {
+  double peak_host_mb = 0;
+  Frame encode() const;
+  static StopReply decode(Frame f);
+};
+
+struct EngineHello {
+  std::string token;  // the engines' shared secret for this job
+  Frame encode() const;
+  static EngineHello decode(Frame f);
+};
+
+struct EngineAddress {
+  std::string address;  // host:port of the engine's gRPC service
+  Frame encode() const;
+  static EngineAddress decode(Frame f);
+};
+
+struct ErrorReply {
+  std::string what;
+  Frame encode() const;
+  static ErrorReply decode(Frame f);
 };
 
 }  // namespace tiller::rollout

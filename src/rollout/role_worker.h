@@ -1,21 +1,9 @@
 // A trainer rank of `tiller train`: the models of the roles the rank plan gives it (actor,
-// critic, reference, reward; several when colocated), serving the controller's messages
-// (protocol.h) until it says stop. Private to src/rollout.
+// critic, reference, reward; several when colocated), serving the controller's requests
+// (protocol.h) in the order they come until it says stop. Private to src/rollout.
 //
-// Message layouts (tensors in order; R = response tokens, B = samples of the micro-batch):
-//   kScore       in:  tokens, seq_lens, prompt_lens; scalars [temperature]
-//                out: per role of this rank, in the order actor, ref, critic, reward:
-//                     actor [logp R, entropy R], ref [logp R], critic [values R], reward [scores B];
-//                     scalars: seconds per role, same order
-//   kTrainActor  in:  tokens, seq_lens, prompt_lens, old_logp R, advantages R, ref_logp R|0,
-//                     engine_logp R|0; scalars [normalizer, kl_loss_coef]        (no answer)
-//   kTrainCritic in:  tokens, seq_lens, prompt_lens, old_values R, returns R; scalars [normalizer]
-//   kStep*       in:  scalars [lr]; out: scalars kStepStats
-//   kSync        in:  scalars [version]; out: scalars [seconds, wire bytes]
-//   kSave/kLoad  in:  text (directory); out: empty text, or the error
-//   kTrace       out: text (span names, one per line), tensors [float64 begin/end pairs, µs]
-//   kStop        out: scalars [peak host MB]
-// A failure is answered with text "error: ..." (the controller names the rank), then rethrown.
+// A request that fails is answered with an ErrorReply (the controller names this rank and the
+// call), then the error ends this rank too.
 #pragma once
 
 #include <memory>
@@ -31,10 +19,6 @@ class Communicator;
 }  // namespace tiller::dist
 
 namespace tiller::rollout {
-
-// Indices of kStep* answers' scalars.
-enum StepStat { kGradNorm, kSkipped, kLoss, kClipTokens, kApproxKlTokens, kEntropySum, kTokens, kTrainSeconds,
-                kStepSeconds, kPeakMb, kStepStatCount };
 
 // Peak resident memory of this process, MB.
 double peak_rss_mb();

@@ -36,9 +36,9 @@ std::string random_token() {
   return t;
 }
 
-// Waits for the controller's next message without aborting the communicator on a long wait.
-Message wait_for_controller(dist::Communicator& world, int controller, const std::function<void()>& check) {
-  IncomingMessage next(world, controller);
+// Waits for the controller's next frame without aborting the communicator on a long wait.
+Frame wait_for_controller(dist::Communicator& world, int controller, const std::function<void()>& check) {
+  IncomingFrame next(world, controller);
   auto backoff = std::chrono::microseconds(100);
   while (!next.poll()) {
     check();
@@ -51,7 +51,6 @@ Message wait_for_controller(dist::Communicator& world, int controller, const std
 // What a rank owns while it runs, held by run_train so that a failure ends the job with all of it
 // alive (MpiEnv::fail_job): tearing down an engine or a ZeRO group mid-collective would block.
 struct RankObjects {
-  std::unique_ptr<Controller> controller;
   std::unique_ptr<RoleWorker> worker;
   std::unique_ptr<engine::Engine> engine;
   std::unique_ptr<sync::WeightReceiver> receiver;
@@ -84,33 +83,31 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
     eng.follow();
     return 0;
   }
-  const Message hello = recv_message(world, plan.controller, Deadline::after_seconds(cfg.timeouts.startup_s));
+  const EngineHello hello =
+      EngineHello::decode(recv_frame(world, plan.controller, Deadline::after_seconds(cfg.timeouts.startup_s)));
   engine::ServerOptions so;
   const int64_t port = cfg.engines.port == 0 ? 0 : cfg.engines.port + me.engine;
   so.address = fmt::format("{}:{}", cfg.engines.host, port);
-  so.token = hello.text;
+  so.token = hello.token;
   so.max_wait_seconds = std::max(cfg.timeouts.weight_sync_s, cfg.timeouts.rpc_s);
   own.server = std::make_unique<engine::EngineServer>(eng, so);
   engine::EngineServer& server = *own.server;
-  Message addr;
-  addr.text = fmt::format("{}:{}", hostname, server.port());
-  for (auto& wk : send_message(world, plan.controller, addr)) wk->wait(Deadline::after_seconds(cfg.timeouts.startup_s));
-  log::info("engine {} serving on {} ({} KV blocks, pid {})", me.engine, addr.text, eng.stats().kv_blocks_total,
+  const EngineAddress addr{fmt::format("{}:{}", hostname, server.port())};
+  for (auto& wk : send_frame(world, plan.controller, addr.encode()))
+    wk->wait(Deadline::after_seconds(cfg.timeouts.startup_s));
+  log::info("engine {} serving on {} ({} KV blocks, pid {})", me.engine, addr.address, eng.stats().kv_blocks_total,
             static_cast<int64_t>(getpid()));
-  const Message stop = wait_for_controller(world, plan.controller, [&] {
+  StopRequest::decode(wait_for_controller(world, plan.controller, [&] {
     const std::string failure = server.error();
     if (!failure.empty()) throw Error(fmt::format("engine {}: its loop failed: {}", me.engine, failure));
-  });
-  TILLER_CHECK(stop.op == Op::kStop, "engine {}: unexpected message '{}' from the controller", me.engine,
-               op_name(stop.op));
+  }));
   server.shutdown();
   eng.shutdown();
   const engine::EngineStats s = eng.stats();
   log::info("engine {}: {} requests, {} generated tokens in {} steps", me.engine, s.requests_finished,
             s.generated_tokens, s.steps);
-  Message bye;
-  bye.scalars = {peak_rss_mb()};
-  for (auto& wk : send_message(world, plan.controller, bye)) wk->wait(Deadline::after_seconds(cfg.timeouts.rpc_s));
+  for (auto& wk : send_frame(world, plan.controller, StopReply{peak_rss_mb()}.encode()))
+    wk->wait(Deadline::after_seconds(cfg.timeouts.rpc_s));
   return 0;
 }
 
@@ -127,18 +124,15 @@ int run_rank(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& option
     ControllerOptions co;
     co.engine_token = random_token();
     co.require_resume = options.require_resume;
-    Message hello;
-    hello.text = co.engine_token;
     std::vector<std::vector<dist::WorkPtr>> sends;
-    for (const auto& e : plan.engines) sends.push_back(send_message(world, e.ranks.front(), hello));
-    for (const auto& e : plan.engines) {
-      const Message a = recv_message(world, e.ranks.front(), Deadline::after_seconds(cfg.timeouts.startup_s));
-      co.engine_addresses.push_back(a.text);
-    }
+    for (const auto& e : plan.engines) sends.push_back(send_frame(world, e.ranks.front(), EngineHello{co.engine_token}.encode()));
+    for (const auto& e : plan.engines)
+      co.engine_addresses.push_back(
+          EngineAddress::decode(recv_frame(world, e.ranks.front(), Deadline::after_seconds(cfg.timeouts.startup_s)))
+              .address);
     for (auto& v : sends)
-      for (auto& w : v) w->wait();
-    own.controller = std::make_unique<Controller>(cfg, plan, world, co);
-    return own.controller->run();
+      for (auto& w : v) w->wait(Deadline::after_seconds(cfg.timeouts.startup_s));
+    return run_controller(cfg, plan, world, co);
   }
   if (me.engine >= 0) return run_engine_rank(cfg, plan, env.rank(), groups, world, device, env.hostname(), own);
   own.worker = std::make_unique<RoleWorker>(cfg, plan, env.rank(), groups, world, device);

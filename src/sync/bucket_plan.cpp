@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/zero/flat_layout.h"
 
@@ -263,6 +264,11 @@ std::vector<SliceCopy> slice_copies(const BucketPlan& plan, const PlanSegment& g
   out.push_back({g.param, o + full_begin * cols + c0 - pb, full_begin * w, full_end - full_begin, w, cols, w});
   if (pe > full_end * cols) one_row(full_end);
   return out;
+}
+
+BucketPlan job_bucket_plan(const JobConfig& job, const model::ModelConfig& actor_model, int actor_ranks) {
+  return make_bucket_plan(actor_model, actor_ranks, static_cast<int>(job.engines.tp),
+                          job.roles.actor.dtype == "bf16" ? "bf16" : "fp32", job.engines.sync_bucket_mb << 20);
 }
 
 }  // namespace tiller::sync

@@ -22,6 +22,17 @@ CASE:
                there, and one slower than reward.remote_timeout_s, end the job with a clear line.
   entropy      the entropy bonus: with algo.entropy_coef large, the policy's entropy after a few
                steps is clearly above the run without it (same seed).
+  async        rollout.mode=async: PPO at max_staleness 1 and GRPO at 2 learn the toy task as sync
+               does (reward >= 0.8 within 40 steps), and no trained sample lags more than k versions
+               (every sample's record, not the mean); max_staleness 0 gives the rewards of sync mode
+               step for step.
+  partial      rollout.partial: some samples span a weight sync and carry tokens of two versions;
+               each token's recorded log-prob is what that version computes (the step's checkpoint,
+               exported and run in transformers, teacher-forced on the sample).
+  dynamic      rollout.filter_groups (DAPO): no trained group has equal rewards, the filtered ones are
+               counted, and the task is learned.
+  resume_async SIGTERM then --resume in async mode: the prompts trained (and their order) are those
+               of an uninterrupted run, none lost and none twice.
 """
 import json
 import os
@@ -179,8 +190,13 @@ def check_resume():
     after = metrics(out)[len(before):]
     if [r["step"] for r in after] != list(range(stopped + 1, 13)):
         fail(f"steps after resuming: {[r['step'] for r in after]}")
-    if state["dataset"]["position"] != (stopped * 16) % 256:
-        fail(f"dataset cursor {state['dataset']} after {stopped} steps of 16 prompts")
+    # Sync mode sends the next step's prompts right after the weight sync: the checkpoint lists
+    # them as in flight (sent again on resume) and the cursor is past them.
+    pending = [p["ordinal"] for p in state["pipeline"]["outstanding"]]
+    if pending not in ([], list(range(stopped * 16, stopped * 16 + 16))):
+        fail(f"prompts in flight at the checkpoint: {pending}")
+    if state["dataset"]["position"] != (stopped * 16 + len(pending)) % 256:
+        fail(f"dataset cursor {state['dataset']} after {stopped} steps of 16 prompts and {len(pending)} in flight")
     print(f"resume: stopped cleanly after step {stopped}, resumed to step 12")
 
 
@@ -381,6 +397,184 @@ def check_entropy():
         fail(f"the entropy bonus did not raise the entropy: {base} vs {bonus}")
 
 
+def records(out):
+    path = Path(out) / "records.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_ok(np_, out, *sets, timeout=600):
+    code, log = run(np_, out, *sets, timeout=timeout)
+    if code != 0:
+        fail(f"{out.name}: exit code {code}:\n{log[-4000:]}")
+    return log
+
+
+def check_lags(out, k, label):
+    recs = [r for r in records(out) if r["event"] == "trained"]
+    if not recs:
+        fail(f"{label}: no rollout records")
+    worst = max(recs, key=lambda r: r["lag"])
+    if worst["lag"] > k:
+        fail(f"{label}: a sample trained at lag {worst['lag']} > {k}: {worst}")
+    for r in recs:
+        oldest = min(v for _, v in r["version_runs"])
+        if r["lag"] != max(0, r["trained_version"] - oldest):
+            fail(f"{label}: the record's lag disagrees with its versions: {r}")
+    return recs
+
+
+def check_async():
+    results = {}
+    for name, np_, sets, k in [("ppo_k1", 4, [], 1), ("grpo_k2", 3, GRPO, 2)]:
+        out = SCRATCH / name
+        run_ok(np_, out, *sets, "rollout.mode=async", f"rollout.max_staleness={k}", "train.num_steps=40",
+               f"logging.rollout_records={out}/records.jsonl")
+        rewards = [r["reward/mean"] for r in metrics(out)]
+        recs = check_lags(out, k, name)
+        lags = sorted({r["lag"] for r in recs})
+        best = max(sum(rewards[i:i + 3]) / 3 for i in range(len(rewards) - 2))
+        results[name] = (rewards, lags)
+        print(f"async {name}: reward {sum(rewards[:3]) / 3:.3f} (steps 1-3) -> {sum(rewards[-3:]) / 3:.3f} "
+              f"(steps 38-40), best 3-step mean {best:.3f}; lags seen {lags}; "
+              f"{len(recs)} samples, each within {k}")
+        if best < 0.8:
+            fail(f"{name} did not reach a mean reward of 0.8 within 40 steps: {[round(x, 3) for x in rewards]}")
+        if max(lags) == 0:
+            fail(f"{name}: every sample was on-policy; the engines never ran ahead of the trainers")
+        if any(m["rollout/stale_dropped_groups"] for m in metrics(out)):
+            fail(f"{name}: stale_policy wait dropped a group")
+    # max_staleness 0 is the on-policy loop: the same rewards as sync mode, step for step.
+    run_ok(4, SCRATCH / "sync_10", "train.num_steps=10")
+    run_ok(4, SCRATCH / "async_k0", "train.num_steps=10", "rollout.mode=async", "rollout.max_staleness=0")
+    want = [r["reward/mean"] for r in metrics(SCRATCH / "sync_10")]
+    got = [r["reward/mean"] for r in metrics(SCRATCH / "async_k0")]
+    if got != want:
+        fail(f"max_staleness 0 rewards {got} differ from sync mode's {want}")
+    print(f"async: max_staleness 0 gives sync mode's rewards bit for bit over 10 steps ({want[-1]:.4f} at step 10)")
+
+
+def export(step_dir, to):
+    p = subprocess.run([TILLER, "export", "--checkpoint", str(step_dir / "actor"), "--to", str(to), "--dtype", "fp32"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    if p.returncode != 0:
+        fail(f"export of {step_dir}: {p.stdout[-2000:]}")
+
+
+def check_partial():
+    out = SCRATCH / "partial"
+    # Two steps ahead, and fewer sequences at once, so that generation outlasts training and some
+    # samples are in flight at each sync.
+    run_ok(4, out, "rollout.mode=async", "rollout.max_staleness=2", "rollout.partial=true",
+           "rollout.max_new_tokens=48", "engines.max_num_seqs=32", "train.num_steps=8", "checkpoint.every_steps=1",
+           "checkpoint.keep_last=100", f"logging.rollout_records={out}/records.jsonl",
+           "logging.rollout_records_tokens=true")
+    recs = check_lags(out, 2, "partial")
+    spanning = [r for r in recs if len(r["version_runs"]) > 1]
+    rebuilt = sum(m.get("staleness/multi_version_samples", 0) for m in metrics(out))
+    print(f"partial: {len(spanning)} of {len(recs)} trained samples span a weight sync "
+          f"(metrics: {rebuilt:.0f})")
+    if not spanning:
+        fail("no sample spanned a weight sync")
+    import torch
+    from transformers import AutoModelForCausalLM
+    models = {}
+
+    def model(version):
+        if version not in models:
+            if version == 0:
+                path = MODEL
+            else:
+                path = SCRATCH / f"partial_v{version}"
+                shutil.rmtree(path, ignore_errors=True)
+                export(out / "checkpoints" / f"step_{version:06d}", path)
+            models[version] = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+        return models[version]
+
+    worst, checked = 0.0, 0
+    for r in spanning[:6]:
+        ids = r["prompt_ids"] + r["response_ids"]
+        p = len(r["prompt_ids"])
+        runs = r["version_runs"] + [[len(r["response_ids"]), None]]
+        for (start, version), (end, _) in zip(runs, runs[1:]):
+            with torch.no_grad():
+                logits = model(version)(torch.tensor([ids])).logits[0].float()
+            lp = torch.log_softmax(logits, dim=-1)  # rollout.temperature 1
+            for t in range(start, end):
+                want = lp[p + t - 1, ids[p + t]].item()
+                worst = max(worst, abs(want - r["engine_logprobs"][t]))
+                checked += 1
+            if version >= 1 and start > 0:
+                # The run's first token under the older weights would have another log-prob.
+                with torch.no_grad():
+                    older = torch.log_softmax(model(version - 1)(torch.tensor([ids])).logits[0].float(), dim=-1)
+                if abs(older[p + start - 1, ids[p + start]].item() - r["engine_logprobs"][start]) < 1e-4:
+                    fail(f"token {start} of a sample: versions {version - 1} and {version} give the same log-prob; "
+                         "the check cannot tell them apart")
+    print(f"partial: {checked} tokens of {min(6, len(spanning))} spanning samples, each within {worst:.2e} of "
+          "its version's log-prob (transformers on the exported checkpoint)")
+    if worst > 5e-5:
+        fail(f"a recorded log-prob is {worst} away from its version's")
+
+
+def check_dynamic():
+    out = SCRATCH / "dynamic"
+    run_ok(3, out, *GRPO, "rollout.filter_groups=true", "train.num_steps=30",
+           f"logging.rollout_records={out}/records.jsonl")
+    groups = {}
+    for r in records(out):
+        if r["event"] == "trained":
+            groups.setdefault((r["step"], r["ordinal"]), []).append(r["score"])
+    uniform = [k for k, v in groups.items() if len(set(v)) == 1]
+    if uniform:
+        fail(f"groups with equal rewards were trained: {uniform[:5]}")
+    rows = metrics(out)
+    filtered = sum(r["rollout/filtered_groups"] for r in rows)
+    filtered_records = len([r for r in records(out) if r["event"] == "filtered"])
+    rewards = [r["reward/mean"] for r in rows]
+    print(f"dynamic: {filtered:.0f} groups with equal rewards filtered over 30 steps ({filtered_records} records), "
+          f"none trained; reward {sum(rewards[:3]) / 3:.3f} -> {sum(rewards[-3:]) / 3:.3f}")
+    if filtered == 0 or filtered != filtered_records:
+        fail(f"filtered groups: metrics {filtered}, records {filtered_records}")
+    if sum(rewards[-3:]) / 3 < 0.7:
+        fail(f"GRPO with dynamic sampling did not learn: {[round(x, 3) for x in rewards]}")
+
+
+def check_resume_async():
+    base = ["rollout.mode=async", "rollout.max_staleness=1", "train.num_steps=12"]
+    ref = SCRATCH / "resume_async_ref"
+    run_ok(4, ref, *base, f"logging.rollout_records={ref}/records.jsonl", "checkpoint.dir=")
+    want = [(r["step"], r["ordinal"], r["dataset_index"], r["sample"]) for r in records(ref) if r["event"] == "trained"]
+    out = SCRATCH / "resume_async"
+    sets = [*base, "checkpoint.every_steps=4", f"logging.rollout_records={out}/records.jsonl"]
+    proc, lines = start(4, out, *sets)
+    pid = int(wait_for(proc, r"controller pid (\d+)", 120, lines).group(1))
+    wait_for(proc, r"step 6/12", 300, lines)
+    os.kill(pid, signal.SIGTERM)
+    code, log = finish(proc, lines, 300)
+    s = summary(log)
+    if code != 0 or s["event"] != "stopped":
+        fail(f"after SIGTERM: exit code {code}, summary {s}:\n{log[-3000:]}")
+    stopped = s["steps"]
+    state = json.loads((out / "checkpoints" / f"step_{stopped:06d}" / "controller.json").read_text())
+    pending = state["pipeline"]["outstanding"]
+    p = subprocess.run(command(4, out, *sets, extra=["--resume"]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=600)
+    if p.returncode != 0:
+        fail(f"--resume: exit code {p.returncode}:\n{p.stdout[-3000:]}")
+    got = [(r["step"], r["ordinal"], r["dataset_index"], r["sample"]) for r in records(out) if r["event"] == "trained"]
+    seen = [(o, i, smp) for _, o, i, smp in got]
+    if len(seen) != len(set(seen)):
+        fail("a sample was trained twice across the stop and the resume")
+    if sorted(seen) != sorted((o, i, smp) for _, o, i, smp in want):
+        missing = sorted(set((o, i, smp) for _, o, i, smp in want) - set(seen))[:5]
+        fail(f"the resumed run did not train the uninterrupted run's prompts: missing {missing}")
+    if sorted((st, o, smp) for st, o, _, smp in got) != sorted((st, o, smp) for st, o, _, smp in want):
+        fail("the prompts went to different steps than in the uninterrupted run")
+    print(f"resume_async: stopped after step {stopped} with {len(pending)} prompts in flight, resumed to step 12; "
+          f"the {len(got)} samples trained are the uninterrupted run's, step by step, none twice")
+
+
+
 fixture()
 if CASE == "ppo":
     check_learns(4)
@@ -398,5 +592,13 @@ elif CASE == "remote":
     check_remote()
 elif CASE == "entropy":
     check_entropy()
+elif CASE == "async":
+    check_async()
+elif CASE == "partial":
+    check_partial()
+elif CASE == "dynamic":
+    check_dynamic()
+elif CASE == "resume_async":
+    check_resume_async()
 else:
     fail("unknown case")

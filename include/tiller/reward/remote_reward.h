@@ -67,6 +67,13 @@ class RemoteReward {
   void add(RemoteSample s);
   // Sends what is queued and waits for every sample's score: (id, score) in no set order.
   std::vector<std::pair<uint64_t, double>> finish(Deadline deadline);
+  // Without waiting: the scores that have come back since the last call (the asynchronous
+  // pipeline's way, with flush()). Throws the first failure already known.
+  std::vector<std::pair<uint64_t, double>> poll();
+  // Sends the batch being filled now, however small.
+  void flush();
+  // Names `step` in errors from now on, dropping nothing (begin_step drops what is outstanding).
+  void label_step(uint64_t step);
   // Totals since the last call to take_stats().
   RemoteStats take_stats();
 

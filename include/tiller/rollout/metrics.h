@@ -46,6 +46,8 @@ class JsonlWriter {
   JsonlWriter(const JsonlWriter&) = delete;
   JsonlWriter& operator=(const JsonlWriter&) = delete;
   void write(int64_t step, const Metrics& values);
+  // Appends one line as it is (a JSON object without its newline), flushed.
+  void append(const std::string& line);
 
  private:
   std::string path_;

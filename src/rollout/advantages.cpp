@@ -1,0 +1,167 @@
+#include "rollout/advantages.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+
+#include "tiller/core/error.h"
+
+namespace tiller::rollout {
+namespace {
+
+at::Tensor floats(const std::vector<float>& v) {
+  return at::from_blob(const_cast<float*>(v.data()), {static_cast<int64_t>(v.size())}, at::kFloat);
+}
+
+struct Moments {
+  double mean = 0, std = 0, min = 0, max = 0;
+};
+Moments moments(const at::Tensor& t) {
+  if (t.numel() == 0) return {};
+  const at::Tensor d = t.to(at::kDouble);
+  return {d.mean().item<double>(), t.numel() > 1 ? d.std().item<double>() : 0.0, d.min().item<double>(),
+          d.max().item<double>()};
+}
+
+std::vector<float> to_vector(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kFloat).contiguous();
+  return {c.data_ptr<float>(), c.data_ptr<float>() + c.numel()};
+}
+
+}  // namespace
+
+AdvantageSpec AdvantageSpec::from_job(const JobConfig& job, bool have_ref) {
+  AdvantageSpec s;
+  s.estimator = job.algo.advantage_estimator;
+  s.kl_estimator = job.algo.kl_estimator;
+  s.kl_in_reward = job.algo.kl_in_reward;
+  s.have_ref = have_ref;
+  s.gamma = job.algo.gamma;
+  s.lambda = job.algo.lambd;
+  s.whiten = job.algo.whiten_advantages;
+  s.reward_clip = job.reward.clip;
+  s.normalize_rewards = job.reward.normalize;
+  s.n = job.rollout.n_samples_per_prompt;
+  s.overlong_buffer = job.reward.overlong_buffer;
+  s.overlong_penalty = job.reward.overlong_penalty;
+  s.max_new_tokens = job.rollout.max_new_tokens;
+  return s;
+}
+
+bool AdvantageSpec::skips_whitening() const {
+  return estimator == AdvantageEstimator::kGroupNorm || estimator == AdvantageEstimator::kDrGrpo;
+}
+
+double overlong_penalty(int64_t length, int64_t max_new_tokens, int64_t buffer, double penalty) {
+  if (buffer <= 0) return 0;
+  const int64_t free = max_new_tokens - buffer;
+  if (length <= free) return 0;
+  if (length >= max_new_tokens) return -penalty;
+  return -penalty * static_cast<double>(length - free) / static_cast<double>(buffer);
+}
+
+AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec, const AdvantageState& state) {
+  AdvantageResult out;
+  out.state = state;
+  const int64_t b = ro.size();
+  std::vector<int64_t> cu_v(ro.resp_offset);
+  cu_v.push_back(ro.response_tokens());
+  const at::Tensor cu = at::tensor(cu_v, at::kLong);
+  const at::Tensor logp = floats(ro.logp);
+  const at::Tensor kl =
+      spec.have_ref ? algo::kl_estimate(logp, floats(ro.ref_logp), spec.kl_estimator) : at::zeros_like(logp);
+
+  at::Tensor scores = at::tensor(ro.score, at::kFloat);
+  const Moments raw = moments(scores);
+  double penalized = 0;
+  if (spec.overlong_buffer > 0) {
+    std::vector<float> pen(static_cast<size_t>(b));
+    for (int64_t s = 0; s < b; ++s) {
+      pen[static_cast<size_t>(s)] = static_cast<float>(
+          overlong_penalty(ro.response_len[s], spec.max_new_tokens, spec.overlong_buffer, spec.overlong_penalty));
+      if (pen[static_cast<size_t>(s)] != 0) ++penalized;
+    }
+    scores = scores + at::tensor(pen, at::kFloat);
+  }
+  scores = algo::clip_rewards(scores, spec.reward_clip);
+  if (spec.normalize_rewards) {
+    out.state.reward_moments.update(scores);
+    scores = out.state.reward_moments.normalize(scores);
+  }
+  const double kl_reward_coef = spec.kl_in_reward ? state.kl_coef : 0.0;
+  at::Tensor adv, ret;
+  switch (spec.estimator) {
+    case AdvantageEstimator::kGae: {
+      const at::Tensor rewards = algo::token_rewards(scores, kl, cu, kl_reward_coef);
+      auto ar = algo::gae(rewards, floats(ro.values), cu, spec.gamma, spec.lambda);
+      adv = ar.advantages;
+      ret = ar.returns;
+      break;
+    }
+    case AdvantageEstimator::kReinforce: {
+      const at::Tensor rewards = algo::token_rewards(scores, kl, cu, kl_reward_coef);
+      adv = algo::discounted_returns(rewards, cu, spec.gamma);
+      ret = adv;
+      break;
+    }
+    case AdvantageEstimator::kRloo:
+    case AdvantageEstimator::kReinforceBaseline:
+    case AdvantageEstimator::kGroupNorm:
+    case AdvantageEstimator::kDrGrpo: {
+      // Group baselines over the n samples of each prompt, in (prompt, sample) order.
+      const int64_t n = spec.n;
+      TILLER_CHECK(b % n == 0, "a group baseline over {} samples in groups of {}", b, n);
+      std::vector<int64_t> by_slot(static_cast<size_t>(b), -1);
+      for (int64_t s = 0; s < b; ++s) {
+        const int64_t slot = ro.prompt[s] * n + ro.sample[s];
+        TILLER_CHECK(slot >= 0 && slot < b && by_slot[static_cast<size_t>(slot)] < 0,
+                     "sample {} of group {} is out of place or twice", ro.sample[s], ro.prompt[s]);
+        by_slot[static_cast<size_t>(slot)] = s;
+      }
+      const at::Tensor order = at::tensor(by_slot, at::kLong);
+      const algo::GroupBaseline kind = spec.estimator == AdvantageEstimator::kRloo        ? algo::GroupBaseline::kRloo
+                                       : spec.estimator == AdvantageEstimator::kGroupNorm ? algo::GroupBaseline::kMeanStd
+                                                                                          : algo::GroupBaseline::kMean;
+      at::Tensor grouped = algo::group_advantages(scores.index_select(0, order), n, kind);
+      at::Tensor per_sample = at::empty_like(grouped);
+      per_sample.index_copy_(0, order, grouped);
+      adv = algo::per_token(per_sample, cu);
+      if (kl_reward_coef > 0)
+        adv = adv + algo::discounted_returns(algo::token_rewards(at::zeros_like(scores), kl, cu, kl_reward_coef), cu,
+                                             spec.gamma);
+      ret = adv;
+      break;
+    }
+  }
+  const Moments adv_raw = moments(adv);
+  if (spec.whiten && !spec.skips_whitening() && adv.numel() > 0) adv = algo::whiten(adv);
+  out.advantages = to_vector(adv);
+  out.returns = to_vector(ret);
+
+  out.kl_mean_per_sample = b > 0 && ro.response_tokens() > 0 ? kl.sum().item<double>() / static_cast<double>(b) : 0.0;
+  const Moments lens = moments(at::tensor(ro.response_len, at::kLong));
+  const Moments plen = moments(at::tensor(ro.prompt_len, at::kLong));
+  double truncated = 0;
+  for (uint8_t t : ro.truncated) truncated += t;
+  Metrics& m = out.metrics;
+  m.emplace_back("reward/mean", raw.mean);
+  m.emplace_back("reward/std", raw.std);
+  m.emplace_back("reward/min", raw.min);
+  m.emplace_back("reward/max", raw.max);
+  m.emplace_back("kl/mean_per_sample", out.kl_mean_per_sample);
+  m.emplace_back("kl/coef", state.kl_coef);
+  m.emplace_back("advantages/mean", adv_raw.mean);
+  m.emplace_back("advantages/std", adv_raw.std);
+  m.emplace_back("advantages/min", adv_raw.min);
+  m.emplace_back("advantages/max", adv_raw.max);
+  m.emplace_back("returns/mean", moments(ret).mean);
+  if (ro.layout.critic) m.emplace_back("values/mean", moments(floats(ro.values)).mean);
+  m.emplace_back("response_length/mean", lens.mean);
+  m.emplace_back("response_length/max", lens.max);
+  m.emplace_back("response_length/truncated_fraction", b > 0 ? truncated / static_cast<double>(b) : 0.0);
+  m.emplace_back("prompt_length/mean", plen.mean);
+  if (spec.overlong_buffer > 0) m.emplace_back("reward/overlong_penalized_fraction", b > 0 ? penalized / b : 0.0);
+  return out;
+}
+
+}  // namespace tiller::rollout

@@ -1,0 +1,43 @@
+#include "rollout/trainer_groups.h"
+
+#include <algorithm>
+#include <set>
+
+#include "tiller/core/error.h"
+#include "tiller/dist/rank_plan.h"
+
+namespace tiller::rollout {
+
+std::string TrainerGroup::name() const {
+  std::string out;
+  for (Role r : kRoles)
+    if (roles.has(r)) out += (out.empty() ? "" : "+") + std::string(role_name(r));
+  return out;
+}
+
+std::vector<TrainerGroup> trainer_groups(const dist::RankPlan& plan) {
+  std::vector<TrainerGroup> out;
+  for (const auto& g : plan.groups)
+    if (g.colocated_with.empty()) {
+      TrainerGroup t;
+      t.ranks = g.ranks;
+      t.roles.add(g.role);
+      out.push_back(t);
+    }
+  for (const auto& g : plan.groups) {
+    if (g.colocated_with.empty()) continue;
+    auto host = std::find_if(out.begin(), out.end(), [&](const TrainerGroup& t) { return t.ranks == g.ranks; });
+    TILLER_CHECK(host != out.end(), "rank plan: {} is colocated with {}, whose ranks differ", role_name(g.role),
+                 g.colocated_with);
+    host->roles.add(g.role);
+  }
+  return out;
+}
+
+std::vector<int> trainer_ranks(const std::vector<TrainerGroup>& groups) {
+  std::set<int> ranks;
+  for (const auto& g : groups) ranks.insert(g.ranks.begin(), g.ranks.end());
+  return {ranks.begin(), ranks.end()};
+}
+
+}  // namespace tiller::rollout

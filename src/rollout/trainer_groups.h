@@ -1,0 +1,31 @@
+// The controller's view of the trainer ranks (private to src/rollout): one TrainerGroup per set of
+// ranks, with every role those ranks hold (a role colocated with another shares its ranks, so the
+// two take the same messages: one score request gets both roles' answers).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "tiller/core/roles.h"
+
+namespace tiller::dist {
+struct RankPlan;
+}
+
+namespace tiller::rollout {
+
+struct TrainerGroup {
+  std::vector<int> ranks;  // group rank i = ranks[i]
+  RoleSet roles;
+  bool has(Role r) const { return roles.has(r); }
+  bool trains() const { return roles.has(Role::kActor) || roles.has(Role::kCritic); }
+  std::string name() const;  // "actor+ref"
+};
+
+// The plan's groups, hosts in the canonical order of their first role.
+std::vector<TrainerGroup> trainer_groups(const dist::RankPlan& plan);
+
+// Every trainer rank once, ascending.
+std::vector<int> trainer_ranks(const std::vector<TrainerGroup>& groups);
+
+}  // namespace tiller::rollout

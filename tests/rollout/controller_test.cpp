@@ -1,0 +1,553 @@
+// The controller's parts without mpirun: advantages and off-policy weights against hand-computed
+// values, checkpoints on disk, and the collector, training dispatch and the whole controller over
+// an in-process channel to synthetic trainer ranks and synthetic engines (src/rollout/synthetic.h),
+// with the real packer, host arrays, protocol and algorithms.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "rollout/advantages.h"
+#include "rollout/checkpoint_manager.h"
+#include "rollout/controller.h"
+#include "rollout/off_policy.h"
+#include "rollout/synthetic.h"
+#include "rollout/training_dispatch.h"
+#include "tiller/core/config.h"
+#include "tiller/core/error.h"
+#include "tiller/dist/rank_plan.h"
+
+namespace tiller::rollout {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+std::string scratch(const std::string& name) {
+  const std::string d = std::string(TILLER_TEST_SCRATCH) + "/controller/" + name;
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// Adds a sample with `len` response tokens to `ro`: group `g`, sample `s`, a 2-token prompt.
+int64_t add_sample(Rollout& ro, int64_t g, int64_t s, int64_t len, float score) {
+  std::vector<int64_t> resp(static_cast<size_t>(len), 7);
+  const int64_t id = ro.add(g, s, {1, 2}, resp, std::vector<float>(static_cast<size_t>(len), -1.f), false, {}, {}, 0);
+  ro.score[static_cast<size_t>(id)] = score;
+  return id;
+}
+
+void expect_near(const std::vector<float>& got, const std::vector<double>& want, double tol = 1e-5) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], tol) << "element " << i;
+}
+
+double metric(const Metrics& m, const std::string& key) {
+  for (const auto& [k, v] : m)
+    if (k == key) return v;
+  ADD_FAILURE() << "no metric " << key;
+  return 0;
+}
+
+// --- advantages ----------------------------------------------------------------------------------
+
+// Two prompts of two samples each, arriving out of order: (prompt, sample, length, score).
+Rollout two_groups() {
+  Rollout ro;
+  add_sample(ro, 1, 1, 2, 0.5f);
+  add_sample(ro, 0, 0, 2, 1.0f);
+  add_sample(ro, 1, 0, 1, 0.5f);
+  add_sample(ro, 0, 1, 1, 0.0f);
+  return ro;
+}
+
+AdvantageSpec group_spec(AdvantageEstimator e) {
+  AdvantageSpec s;
+  s.estimator = e;
+  s.n = 2;
+  s.whiten = false;
+  return s;
+}
+
+TEST(Advantages, GroupBaselinesEqualTheHandComputedValues) {
+  const Rollout ro = two_groups();  // token order: (1,1)x2, (0,0)x2, (1,0), (0,1)
+  // GRPO: prompt 0 scores {1, 0}: mean 0.5, std (Bessel) sqrt(0.5) -> +-0.5 / 0.70711; prompt 1: 0.
+  const double z = 0.5 / (std::sqrt(0.5) + 1e-6);
+  expect_near(compute_advantages(ro, group_spec(AdvantageEstimator::kGroupNorm), {}).advantages, {0, 0, z, z, 0, -z});
+  // RLOO: r_i minus the mean of the other: {1 - 0, 0 - 1} and {0, 0}.
+  expect_near(compute_advantages(ro, group_spec(AdvantageEstimator::kRloo), {}).advantages, {0, 0, 1, 1, 0, -1});
+  // REINFORCE with baseline and Dr.GRPO: minus the group mean.
+  for (auto e : {AdvantageEstimator::kReinforceBaseline, AdvantageEstimator::kDrGrpo})
+    expect_near(compute_advantages(ro, group_spec(e), {}).advantages, {0, 0, 0.5, 0.5, 0, -0.5});
+}
+
+TEST(Advantages, WhiteningSkipsOnlyGrpoAndDrGrpo) {
+  const Rollout ro = two_groups();
+  for (auto e : {AdvantageEstimator::kRloo, AdvantageEstimator::kReinforceBaseline}) {
+    AdvantageSpec s = group_spec(e);
+    s.whiten = true;
+    const auto a = compute_advantages(ro, s, {}).advantages;
+    double mean = 0;
+    for (float v : a) mean += v;
+    EXPECT_NEAR(mean / a.size(), 0.0, 1e-5) << enum_name(e);  // whitened
+  }
+  AdvantageSpec s = group_spec(AdvantageEstimator::kDrGrpo);
+  s.whiten = true;
+  expect_near(compute_advantages(ro, s, {}).advantages, {0, 0, 0.5, 0.5, 0, -0.5});
+}
+
+TEST(Advantages, GaeAndReinforceWithTheKlInTheReward) {
+  // One sample of 2 tokens: logp [-1, -2], ref [-1.5, -2]: k1 KL [0.5, 0]; score 1, kl_coef 0.1:
+  // token rewards [-0.05, 1.0]. Values [0.5, 0.6], gamma = lambda = 1: returns [0.95, 1.0],
+  // advantages = returns - values = [0.45, 0.4].
+  Rollout ro(RolloutLayout{true, true});
+  add_sample(ro, 0, 0, 2, 1.0f);
+  ro.logp = {-1.f, -2.f};
+  ro.ref_logp = {-1.5f, -2.f};
+  ro.values = {0.5f, 0.6f};
+  AdvantageSpec s;
+  s.estimator = AdvantageEstimator::kGae;
+  s.have_ref = true;
+  s.gamma = s.lambda = 1.0;
+  s.whiten = false;
+  const AdvantageResult r = compute_advantages(ro, s, {0.1, {}});
+  expect_near(r.advantages, {0.45, 0.4});
+  expect_near(r.returns, {0.95, 1.0});
+  EXPECT_NEAR(r.kl_mean_per_sample, 0.5, 1e-6);
+  EXPECT_NEAR(metric(r.metrics, "kl/coef"), 0.1, 1e-12);
+  // REINFORCE++, gamma 0.5: [-0.05 + 0.5 * 1.0, 1.0].
+  s.estimator = AdvantageEstimator::kReinforce;
+  s.gamma = 0.5;
+  expect_near(compute_advantages(ro, s, {0.1, {}}).advantages, {0.45, 1.0});
+}
+
+TEST(Advantages, RewardShapingAndItsState) {
+  // DAPO's overlong penalty: max_new_tokens 10, buffer 4, penalty 1.
+  EXPECT_EQ(overlong_penalty(6, 10, 4, 1.0), 0.0);
+  EXPECT_NEAR(overlong_penalty(8, 10, 4, 1.0), -0.5, 1e-12);
+  EXPECT_EQ(overlong_penalty(10, 10, 4, 1.0), -1.0);
+  EXPECT_EQ(overlong_penalty(10, 10, 0, 1.0), 0.0);
+  Rollout ro;
+  add_sample(ro, 0, 0, 8, 1.0f);
+  add_sample(ro, 0, 1, 2, 1.0f);
+  AdvantageSpec s = group_spec(AdvantageEstimator::kDrGrpo);
+  s.max_new_tokens = 10;
+  s.overlong_buffer = 4;
+  // Scores 1 - 0.5 and 1: mean 0.75 -> [-0.25] x 8 and [0.25] x 2.
+  const AdvantageResult r = compute_advantages(ro, s, {});
+  expect_near(r.advantages, {-0.25, -0.25, -0.25, -0.25, -0.25, -0.25, -0.25, -0.25, 0.25, 0.25});
+  EXPECT_NEAR(metric(r.metrics, "reward/mean"), 1.0, 1e-9);  // reported before shaping
+  EXPECT_NEAR(metric(r.metrics, "reward/overlong_penalized_fraction"), 0.5, 1e-9);
+  // Normalisation updates the moments it returns and leaves the input state alone.
+  s.normalize_rewards = true;
+  const AdvantageState in;
+  const AdvantageResult n = compute_advantages(ro, s, in);
+  EXPECT_EQ(in.reward_moments.count(), 0);
+  EXPECT_EQ(n.state.reward_moments.count(), 2);
+  EXPECT_NEAR(n.state.reward_moments.mean(), 0.75, 1e-9);
+}
+
+// --- off-policy ----------------------------------------------------------------------------------
+
+TEST(OffPolicy, WeightsMasksAndMismatch) {
+  // d = proximal - behaviour per token: sample 0 [ln 3, 0], sample 1 [-ln 4].
+  Rollout ro;
+  add_sample(ro, 0, 0, 2, 0);
+  add_sample(ro, 0, 1, 1, 0);
+  ro.engine_logp = {-2.f, -1.f, -1.f};
+  ro.logp = {static_cast<float>(-2 + std::log(3.0)), -1.f, static_cast<float>(-1 - std::log(4.0))};
+  const OffPolicy tis = off_policy(ro, {ImportanceCorrection::kTis, 2.0, 0});
+  expect_near(tis.weights, {2.0, 1.0, 0.25});
+  EXPECT_EQ(metric(tis.metrics, "off_policy/truncated_tokens"), 1);
+  const OffPolicy dec = off_policy(ro, {ImportanceCorrection::kDecoupled, 2.0, 0});
+  expect_near(dec.weights, {0.0, 1.0, 0.25});  // 3 > cap: masked
+  EXPECT_EQ(metric(dec.metrics, "off_policy/masked_tokens"), 1);
+  EXPECT_TRUE(off_policy(ro, {ImportanceCorrection::kNone, 0, 0}).weights.empty());
+  // Geometric means: sample 0 sqrt(3) = 1.73, sample 1 0.25: with r = 2 only sample 1 is out.
+  const OffPolicy mask = off_policy(ro, {ImportanceCorrection::kNone, 0, 2.0});
+  EXPECT_EQ(mask.masked, (std::vector<uint8_t>{0, 1}));
+  EXPECT_EQ(mask.masked_samples, 1);
+  // k3 of KL(behaviour || proximal) per token: mean of exp(d) - 1 - d.
+  const double kl = ((3 - 1 - std::log(3.0)) + 0 + (0.25 - 1 + std::log(4.0))) / 3;
+  EXPECT_NEAR(metric(tis.metrics, "mismatch/kl"), kl, 1e-6);
+  EXPECT_NEAR(metric(tis.metrics, "mismatch/max_abs_logp_diff"), std::log(4.0), 1e-6);
+}
+
+// --- checkpoints ---------------------------------------------------------------------------------
+
+TEST(Checkpoints, CompleteOnlyOnceCommittedAndPrunedToKeepLast) {
+  const std::string root = scratch("ckpt");
+  CheckpointManager m(root, 2);
+  ControllerState st;
+  st.weight_version = 3;
+  st.outstanding = {{17, 4}, {18, 9}};
+  st.next_ordinal = 19;
+  for (int64_t s : {1, 2, 3}) {
+    m.begin(s);
+    EXPECT_EQ(m.list().size(), static_cast<size_t>(std::min<int64_t>(s - 1, 2))) << "step " << s << " counts early";
+    st.step = s;
+    m.commit(s, st);
+  }
+  const auto all = m.list();
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all[0].step, 2);
+  EXPECT_FALSE(fs::exists(m.dir(1)));
+  const auto latest = m.latest();
+  ASSERT_TRUE(latest);
+  EXPECT_EQ(latest->first.step, 3);
+  EXPECT_EQ(latest->second.step, 3);
+  EXPECT_EQ(latest->second.weight_version, 3u);
+  ASSERT_EQ(latest->second.outstanding.size(), 2u);
+  EXPECT_EQ(latest->second.outstanding[1].ordinal, 18);
+  EXPECT_EQ(latest->second.outstanding[1].dataset_index, 9);
+  EXPECT_EQ(latest->second.next_ordinal, 19);
+  // A begun, uncommitted step 4 is not a checkpoint.
+  m.begin(4);
+  EXPECT_EQ(m.latest()->first.step, 3);
+}
+
+TEST(Checkpoints, AStrayStepNameIsRefusedByName) {
+  const std::string root = scratch("ckpt_names");
+  fs::create_directories(root + "/step_000002.tmp-123");  // a temporary: ignored
+  fs::create_directories(root + "/notes");                // not ours: ignored
+  CheckpointManager m(root, 2);
+  EXPECT_TRUE(m.list().empty());
+  fs::create_directories(root + "/step_final");
+  try {
+    m.list();
+    FAIL() << "step_final was taken for a checkpoint";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("'step_final' is not a checkpoint name"), std::string::npos) << e.what();
+  }
+  fs::remove_all(root + "/step_final");
+  fs::create_directories(root + "/step_99999999999999999999");  // would overflow
+  EXPECT_THROW(m.list(), ConfigError);
+}
+
+TEST(Checkpoints, StateOfTheFirstFormatLoadsWithNothingInFlight) {
+  const std::string v1 = R"({"format":"tiller-controller-1","step":4,"weight_version":4,"actor_updates":8,
+    "critic_updates":8,"dataset":{"epoch":0,"position":64,"size":256},"kl_coef":0.01,
+    "reward_moments":{"mean":0,"m2":0,"count":0}})";
+  const ControllerState s = ControllerState::from_json(v1, "c.json");
+  EXPECT_EQ(s.step, 4);
+  EXPECT_TRUE(s.outstanding.empty());
+  EXPECT_EQ(s.next_ordinal, 0);
+  EXPECT_THROW(ControllerState::from_json("{\"format\":\"other\"}", "c.json"), IoError);
+  EXPECT_THROW(ControllerState::from_json("{\"format\":\"tiller-controller-2\",\"step\":1}", "c.json"), IoError);
+  EXPECT_THROW(ControllerState::from_json("not json", "c.json"), IoError);
+}
+
+// --- the controller over an in-process channel ----------------------------------------------------
+
+// A GRPO or PPO job on the synthetic stand-ins: ranks 1.. hold the trainer roles, engines answer
+// only Stop. The rule reward is the share of even ids in the response (or what `reward` says).
+struct Job {
+  JobConfig cfg;
+  dist::RankPlan plan;
+  std::vector<std::unique_ptr<RankEndpoint>> endpoints;
+  std::vector<SyntheticTrainer*> trainers;
+  std::unique_ptr<LocalChannel> channel;
+  std::unique_ptr<SyntheticEngines> engines;
+  std::unique_ptr<SyntheticPrompts> prompts;
+  std::function<double(const Prompt&, const engine::SampleOutput&)> reward;
+  std::string out;
+
+  explicit Job(const std::string& name, bool critic = false) {
+    out = scratch(name);
+    cfg.roles.actor.model = "unused";
+    cfg.roles.critic.enabled = critic;
+    cfg.algo.advantage_estimator = critic ? AdvantageEstimator::kGae : AdvantageEstimator::kGroupNorm;
+    cfg.rollout.batch_size = 4;
+    cfg.rollout.n_samples_per_prompt = 2;
+    cfg.rollout.max_new_tokens = 64;
+    cfg.rollout.micro_batch_tokens = 64;
+    cfg.train.train_batch_size = 4;
+    cfg.train.micro_batch_tokens = 64;
+    cfg.train.num_steps = 6;
+    cfg.engines.count = 2;
+    cfg.engines.max_num_seqs = 4;
+    cfg.run.output_dir = out;
+    cfg.checkpoint.dir = "";
+    cfg.logging.rollout_records = out + "/records.jsonl";
+    cfg.timeouts.generate_s = 30;
+    reward = [](const Prompt&, const engine::SampleOutput& s) {
+      double even = 0;
+      for (int64_t t : s.tokens) even += t % 2 == 0;
+      return s.tokens.empty() ? 0.0 : even / static_cast<double>(s.tokens.size());
+    };
+  }
+
+  std::string run(SyntheticEngineOptions eo = {}) {
+    cfg.validate();
+    dist::NodeMap nodes;
+    std::vector<int> ranks(static_cast<size_t>(dist::required_world_size(cfg)));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    nodes.nodes.push_back({"host", ranks, -1});
+    plan = dist::make_rank_plan(cfg, nodes);
+    std::vector<RankEndpoint*> raw(static_cast<size_t>(plan.world_size), nullptr);
+    for (const auto& a : plan.ranks) {
+      if (a.rank == plan.controller) continue;
+      if (!a.trainer_roles.empty()) {
+        auto t = std::make_unique<SyntheticTrainer>(a.trainer_roles);
+        trainers.push_back(t.get());
+        endpoints.push_back(std::move(t));
+      } else {
+        endpoints.push_back(std::make_unique<SyntheticEngineRank>());
+      }
+      raw[static_cast<size_t>(a.rank)] = endpoints.back().get();
+    }
+    channel = std::make_unique<LocalChannel>(raw);
+    eo.engines = static_cast<size_t>(cfg.engines.count);
+    eo.max_running = cfg.engines.max_num_seqs;
+    engines = std::make_unique<SyntheticEngines>(eo);
+    prompts = std::make_unique<SyntheticPrompts>(64, 5, eo.vocab);
+    ControllerWiring w;
+    w.plan = &plan;
+    w.engines = engines.get();
+    w.channel = channel.get();
+    w.prompts = prompts.get();
+    w.rewards.rule = reward;
+    w.print_summary = false;
+    Controller c(cfg, w);
+    EXPECT_EQ(c.run(), 0);
+    return c.summary();
+  }
+
+  std::vector<json> lines(const std::string& file) const {
+    std::vector<json> out_lines;
+    std::ifstream in(out + "/" + file);
+    for (std::string l; std::getline(in, l);) out_lines.push_back(json::parse(l));
+    return out_lines;
+  }
+  std::vector<json> records(const char* event = "trained") const {
+    std::vector<json> r;
+    for (auto& l : lines("records.jsonl"))
+      if (l["event"] == event) r.push_back(l);
+    return r;
+  }
+  int64_t trained(Role r) const {
+    int64_t n = 0;
+    for (auto* t : trainers) n += t->trained_tokens(r);
+    return n;
+  }
+};
+
+TEST(ControllerInProcess, SyncModeTrainsEveryStepOnPolicy) {
+  Job job("sync");
+  const json summary = json::parse(job.run());
+  EXPECT_EQ(summary["event"], "done");
+  EXPECT_EQ(summary["steps"], 6);
+  EXPECT_EQ(summary["weight_version"], 6);
+  const auto recs = job.records();
+  ASSERT_EQ(recs.size(), 6u * 4 * 2);
+  int64_t response_tokens = 0;
+  for (const auto& r : recs) {
+    EXPECT_EQ(r["lag"], 0) << r.dump();
+    EXPECT_EQ(r["trained_version"], r["step"].get<int>() - 1);
+    EXPECT_EQ(r["version_runs"].size(), 1u);
+    response_tokens += r["response_len"].get<int64_t>();
+  }
+  // Every sample once, in ordinal order step by step: step j trains ordinals [4(j-1), 4j).
+  std::set<std::pair<int64_t, int64_t>> seen;
+  for (const auto& r : recs) {
+    EXPECT_EQ(r["ordinal"].get<int64_t>() / 4, r["step"].get<int64_t>() - 1);
+    EXPECT_TRUE(seen.insert({r["ordinal"].get<int64_t>(), r["sample"].get<int64_t>()}).second) << "twice: " << r.dump();
+  }
+  // The actor trained each sample's tokens once (one epoch), and synced after every step.
+  EXPECT_EQ(job.trained(Role::kActor), response_tokens);
+  int64_t syncs = 0;
+  for (auto* t : job.trainers) syncs += t->syncs();
+  EXPECT_EQ(syncs, 6);
+  const auto metrics = job.lines("metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 6u);
+  for (const char* k : {"reward/mean", "staleness/lag_0", "mismatch/kl", "idle/actor", "time/generate", "actor/loss",
+                        "throughput/generate_tokens_per_s", "rollout/stale_dropped_groups"})
+    EXPECT_TRUE(metrics.back().contains(k)) << k;
+  // The synthetic actor gives the engine's log-probs: no mismatch.
+  EXPECT_NEAR(metrics.back()["mismatch/kl"].get<double>(), 0.0, 1e-6);
+}
+
+TEST(ControllerInProcess, AsyncModeBoundsTheLagOfEveryTrainedSample) {
+  for (int64_t k : {1, 2}) {
+    Job job("async_k" + std::to_string(k));
+    job.cfg.rollout.mode = RolloutMode::kAsync;
+    job.cfg.rollout.max_staleness = k;
+    job.run();
+    const auto recs = job.records();
+    ASSERT_EQ(recs.size(), 6u * 4 * 2) << "k " << k;
+    int64_t lagged = 0;
+    for (const auto& r : recs) {
+      EXPECT_LE(r["lag"].get<int64_t>(), k) << r.dump();
+      EXPECT_EQ(r["version_runs"].size(), 1u) << "without partial rollouts no sample spans a sync";
+      lagged += r["lag"].get<int64_t>() > 0;
+    }
+    EXPECT_GT(lagged, 0) << "k " << k << ": the engines never ran ahead";
+    EXPECT_EQ(job.lines("metrics.jsonl").back()["staleness/lag_max"].get<double>() <= k, true);
+  }
+}
+
+TEST(ControllerInProcess, PartialRolloutsCarryTokensOfTwoVersions) {
+  Job job("partial");
+  job.cfg.rollout.mode = RolloutMode::kAsync;
+  job.cfg.rollout.max_staleness = 1;
+  job.cfg.rollout.partial = true;
+  SyntheticEngineOptions eo;
+  eo.min_len = 8;
+  eo.max_len = 64;
+  job.run(eo);
+  int64_t spanning = 0;
+  for (const auto& r : job.records()) {
+    EXPECT_LE(r["lag"].get<int64_t>(), 1) << r.dump();
+    const auto& runs = r["version_runs"];
+    if (runs.size() < 2) continue;
+    ++spanning;
+    // Runs start at token 0, rise in position and in version, and the oldest bounds the lag.
+    EXPECT_EQ(runs[0][0], 0);
+    for (size_t i = 1; i < runs.size(); ++i) {
+      EXPECT_GT(runs[i][0].get<int64_t>(), runs[i - 1][0].get<int64_t>());
+      EXPECT_GT(runs[i][1].get<int64_t>(), runs[i - 1][1].get<int64_t>());
+    }
+    EXPECT_EQ(r["lag"].get<int64_t>(), r["trained_version"].get<int64_t>() - runs[0][1].get<int64_t>());
+  }
+  EXPECT_GT(spanning, 0) << "no sample spanned a weight sync";
+}
+
+TEST(ControllerInProcess, DropPolicyDropsGroupsThatWouldLagTooFar) {
+  Job job("drop");
+  job.cfg.rollout.mode = RolloutMode::kAsync;
+  job.cfg.rollout.max_staleness = 1;
+  job.cfg.rollout.stale_policy = StalePolicy::kDrop;
+  job.cfg.rollout.partial = true;
+  job.cfg.train.num_steps = 10;
+  SyntheticEngineOptions eo;
+  eo.min_len = 1;
+  eo.max_len = 200;  // a few very long samples straggle behind many short ones
+  eo.max_running = 64;
+  job.run(eo);
+  const auto recs = job.records();
+  EXPECT_EQ(recs.size(), 10u * 4 * 2);
+  std::set<int64_t> trained, dropped;
+  for (const auto& r : recs) {
+    EXPECT_LE(r["lag"].get<int64_t>(), 1) << r.dump();
+    trained.insert(r["ordinal"].get<int64_t>());
+  }
+  for (const auto& r : job.records("dropped_stale")) {
+    EXPECT_GT(r["step"].get<int64_t>() - 1 - r["dispatch_version"].get<int64_t>(), 1) << r.dump();
+    EXPECT_TRUE(dropped.insert(r["ordinal"].get<int64_t>()).second);
+  }
+  for (int64_t o : dropped) EXPECT_EQ(trained.count(o), 0u) << "ordinal " << o << " both trained and dropped";
+  EXPECT_GT(dropped.size(), 0u) << "no straggler was dropped";
+  // Completion order: some group trained before one dispatched earlier.
+  bool overtaken = false;
+  int64_t last = -1;
+  for (const auto& r : recs) {
+    if (r["ordinal"].get<int64_t>() < last) overtaken = true;
+    last = std::max(last, r["ordinal"].get<int64_t>());
+  }
+  EXPECT_TRUE(overtaken);
+}
+
+TEST(ControllerInProcess, DynamicSamplingTrainsOnlyInformativeGroups) {
+  Job job("filter");
+  job.cfg.rollout.filter_groups = true;
+  // Every third prompt's samples all score 1: no signal.
+  job.reward = [](const Prompt& p, const engine::SampleOutput& s) {
+    return (p.line % 3 == 0) ? 1.0 : static_cast<double>(s.sample);
+  };
+  job.run();
+  const auto recs = job.records();
+  ASSERT_EQ(recs.size(), 6u * 4 * 2) << "every step still has batch_size groups";
+  std::map<std::pair<int64_t, int64_t>, std::set<double>> scores;  // (step, ordinal) -> scores
+  for (const auto& r : recs) scores[{r["step"].get<int64_t>(), r["ordinal"].get<int64_t>()}].insert(r["score"].get<double>());
+  for (const auto& [k, s] : scores) EXPECT_GT(s.size(), 1u) << "a uniform group was trained: ordinal " << k.second;
+  const auto filtered = job.records("filtered");
+  EXPECT_GT(filtered.size(), 0u);
+  for (const auto& r : filtered) EXPECT_EQ(r["prompt_line"].get<int64_t>() % 3, 0);
+  double count = 0;
+  for (const auto& m : job.lines("metrics.jsonl")) count += m["rollout/filtered_groups"].get<double>();
+  EXPECT_EQ(count, static_cast<double>(filtered.size()));
+}
+
+TEST(ControllerInProcess, DynamicSamplingStopsAtItsCap) {
+  Job job("filter_cap");
+  job.cfg.rollout.filter_groups = true;
+  job.cfg.rollout.filter_max_extra_batches = 1;
+  job.cfg.train.num_steps = 2;
+  job.reward = [](const Prompt&, const engine::SampleOutput&) { return 1.0; };  // never informative
+  const json summary = json::parse(job.run());
+  EXPECT_EQ(summary["steps"], 2);
+  EXPECT_EQ(summary["weight_version"], 0) << "nothing to train: no update, no sync";
+  EXPECT_TRUE(job.records().empty());
+  for (const auto& m : job.lines("metrics.jsonl")) {
+    EXPECT_EQ(m["rollout/filter_cap_reached"], 1.0);
+    EXPECT_EQ(m["rollout/filtered_groups"], 4.0);  // 1 x batch_size extra prompts
+  }
+}
+
+TEST(ControllerInProcess, PpoWithACriticTrainsBothRoles) {
+  Job job("ppo", /*critic=*/true);
+  job.cfg.rollout.mode = RolloutMode::kAsync;
+  job.cfg.algo.ppo_epochs = 2;
+  job.run();
+  int64_t tokens = 0;
+  for (const auto& r : job.records()) tokens += r["response_len"].get<int64_t>();
+  EXPECT_EQ(job.trained(Role::kActor), 2 * tokens);  // two epochs
+  EXPECT_EQ(job.trained(Role::kCritic), 2 * tokens);
+  const auto m = job.lines("metrics.jsonl").back();
+  EXPECT_TRUE(m.contains("critic/loss"));
+  EXPECT_NEAR(m["values/mean"].get<double>(), 0.5, 1e-6);
+}
+
+TEST(ControllerInProcess, ATrainerRankFailureNamesTheRankAndTheCall) {
+  Job job("failing");
+  job.cfg.validate();
+  dist::NodeMap nodes;
+  std::vector<int> ranks(static_cast<size_t>(dist::required_world_size(job.cfg)));
+  std::iota(ranks.begin(), ranks.end(), 0);
+  nodes.nodes.push_back({"host", ranks, -1});
+  job.plan = dist::make_rank_plan(job.cfg, nodes);
+  SyntheticTrainer actor(job.plan.ranks[1].trainer_roles);
+  struct ActorThatFails final : RankEndpoint {
+    SyntheticTrainer* t;
+    std::vector<Frame> handle(Frame f) override {
+      if (f.op == Op::kStep) throw Error("CUDA out of memory");
+      return t->handle(std::move(f));
+    }
+  } failing;
+  failing.t = &actor;
+  SyntheticEngineRank engine_rank;
+  std::vector<RankEndpoint*> raw(static_cast<size_t>(job.plan.world_size), &engine_rank);
+  raw[0] = nullptr;
+  raw[1] = &failing;
+  LocalChannel channel(raw);
+  SyntheticEngineOptions eo;
+  eo.engines = 2;
+  SyntheticEngines engines(eo);
+  SyntheticPrompts prompts(64, 5, eo.vocab);
+  ControllerWiring w;
+  w.plan = &job.plan;
+  w.engines = &engines;
+  w.channel = &channel;
+  w.prompts = &prompts;
+  w.rewards.rule = job.reward;
+  w.print_summary = false;
+  Controller c(job.cfg, w);
+  try {
+    c.run();
+    FAIL() << "the run went on";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 (actor+ref) failed during the actor's update: CUDA out of memory"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace tiller::rollout

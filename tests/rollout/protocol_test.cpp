@@ -1,0 +1,176 @@
+// The controller <-> rank messages (src/rollout/protocol.h): each one survives encode and decode
+// unchanged, and a frame that disagrees with itself is refused with the message's name.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "rollout/protocol.h"
+#include "tiller/core/error.h"
+
+namespace tiller::rollout {
+namespace {
+
+at::Tensor longs(std::vector<int64_t> v) { return at::tensor(v, at::kLong); }
+at::Tensor floats(std::vector<float> v) { return at::tensor(v, at::kFloat); }
+
+// Two sequences: 3 + 2 tokens (prompt 2) and 4 tokens (prompt 1): 1 + 3 response tokens.
+PackedSequences batch() {
+  return {longs({5, 6, 7, 8, 9, 1, 2, 3, 4}), longs({5, 4}), longs({2, 1})};
+}
+
+void expect_batch(const PackedSequences& a, const PackedSequences& b) {
+  EXPECT_TRUE(at::equal(a.tokens, b.tokens));
+  EXPECT_TRUE(at::equal(a.seq_lens, b.seq_lens));
+  EXPECT_TRUE(at::equal(a.prompt_lens, b.prompt_lens));
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Protocol, ScoreRequestRoundTrips) {
+  ScoreRequest r{batch(), 0.7};
+  const ScoreRequest d = ScoreRequest::decode(r.encode());
+  expect_batch(d.batch, r.batch);
+  EXPECT_EQ(d.temperature, 0.7);
+  EXPECT_EQ(d.batch.response_tokens(), 6);
+}
+
+TEST(Protocol, ScoreReplyRoundTripsEveryRoleSet) {
+  for (unsigned bits = 1; bits < 16; ++bits) {
+    ScoreReply r;
+    r.roles = RoleSet::from_bits(bits);
+    const at::Tensor per_token = floats({-1, -2, -3, -4, -5, -6});
+    if (r.roles.has(Role::kActor)) {
+      r.actor_logp = per_token;
+      r.actor_entropy = per_token * 2;
+    }
+    if (r.roles.has(Role::kCritic)) r.critic_values = per_token * 3;
+    if (r.roles.has(Role::kRef)) r.ref_logp = per_token * 4;
+    if (r.roles.has(Role::kReward)) r.reward_scores = floats({0.25, 0.75});
+    r.seconds = {1, 2, 3, 4};
+    const ScoreReply d = ScoreReply::decode(r.encode(), batch());
+    EXPECT_EQ(d.roles.bits(), bits);
+    EXPECT_EQ(d.seconds, r.seconds);
+    for (auto [got, want] : {std::pair{d.actor_logp, r.actor_logp}, {d.actor_entropy, r.actor_entropy},
+                             {d.critic_values, r.critic_values}, {d.ref_logp, r.ref_logp},
+                             {d.reward_scores, r.reward_scores}}) {
+      ASSERT_EQ(got.defined(), want.defined()) << "roles " << bits;
+      if (want.defined()) EXPECT_TRUE(at::equal(got, want)) << "roles " << bits;
+    }
+  }
+}
+
+TEST(Protocol, ScoreReplyOfTheWrongSizeIsRefused) {
+  ScoreReply r;
+  r.roles.add(Role::kRef);
+  r.ref_logp = floats({-1, -2});  // the request has 6 response tokens
+  EXPECT_NE(error_of([&] { ScoreReply::decode(r.encode(), batch()); }).find("reference log-probs has 2 elements, expected 6"),
+            std::string::npos);
+}
+
+TEST(Protocol, TrainActorRequestRoundTripsWithAndWithoutItsOptionalTensors) {
+  for (int variant = 0; variant < 4; ++variant) {
+    TrainActorRequest r;
+    r.batch = batch();
+    r.old_logp = floats({-1, -2, -3, -4, -5, -6});
+    r.advantages = floats({1, 0, -1, 2, 0, 1});
+    if (variant & 1) r.ref_logp = floats({-1.5, -2, -3, -4, -5, -6});
+    if (variant & 2) r.is_weights = floats({1, 1, 0.5, 2, 1, 0});
+    r.normalizer = 12;
+    r.kl_coef = 0.05;
+    const TrainActorRequest d = TrainActorRequest::decode(r.encode());
+    expect_batch(d.batch, r.batch);
+    EXPECT_TRUE(at::equal(d.old_logp, r.old_logp));
+    EXPECT_TRUE(at::equal(d.advantages, r.advantages));
+    ASSERT_EQ(d.ref_logp.defined(), r.ref_logp.defined());
+    ASSERT_EQ(d.is_weights.defined(), r.is_weights.defined());
+    if (r.ref_logp.defined()) EXPECT_TRUE(at::equal(d.ref_logp, r.ref_logp));
+    if (r.is_weights.defined()) EXPECT_TRUE(at::equal(d.is_weights, r.is_weights));
+    EXPECT_EQ(d.normalizer, 12);
+    EXPECT_EQ(d.kl_coef, 0.05);
+  }
+}
+
+TEST(Protocol, TrainCriticRequestRoundTrips) {
+  TrainCriticRequest r{batch(), floats({1, 2, 3, 4, 5, 6}), floats({6, 5, 4, 3, 2, 1}), 6};
+  const TrainCriticRequest d = TrainCriticRequest::decode(r.encode());
+  expect_batch(d.batch, r.batch);
+  EXPECT_TRUE(at::equal(d.old_values, r.old_values));
+  EXPECT_TRUE(at::equal(d.returns, r.returns));
+  EXPECT_EQ(d.normalizer, 6);
+}
+
+TEST(Protocol, StepMessagesRoundTrip) {
+  const StepRequest d = StepRequest::decode(StepRequest{Role::kCritic, 3e-6}.encode());
+  EXPECT_EQ(d.role, Role::kCritic);
+  EXPECT_EQ(d.lr, 3e-6);
+  EXPECT_NE(error_of([] { StepRequest::decode(StepRequest{Role::kRef, 1}.encode()); }).find("does not train"),
+            std::string::npos);
+  StepReply r;
+  r.stats = {1.5, true, 2.5, 3, 4, 5, 6, 7, 8, 9};
+  const StepStats s = StepReply::decode(r.encode()).stats;
+  EXPECT_EQ(s.grad_norm, 1.5);
+  EXPECT_TRUE(s.skipped);
+  EXPECT_EQ(s.loss, 2.5);
+  EXPECT_EQ(s.clip_tokens, 3);
+  EXPECT_EQ(s.approx_kl_tokens, 4);
+  EXPECT_EQ(s.entropy_sum, 5);
+  EXPECT_EQ(s.tokens, 6);
+  EXPECT_EQ(s.train_seconds, 7);
+  EXPECT_EQ(s.step_seconds, 8);
+  EXPECT_EQ(s.peak_host_mb, 9);
+}
+
+TEST(Protocol, ControlMessagesRoundTrip) {
+  EXPECT_EQ(SyncRequest::decode(SyncRequest{42}.encode()).version, 42u);
+  const SyncReply s = SyncReply::decode(SyncReply{0.05, 1.5e10}.encode());
+  EXPECT_EQ(s.seconds, 0.05);
+  EXPECT_EQ(s.wire_bytes, 1.5e10);
+  EXPECT_EQ(SaveRequest::decode(SaveRequest{"out/step_000003"}.encode()).dir, "out/step_000003");
+  EXPECT_EQ(LoadRequest::decode(LoadRequest{"ckpt/step_000001"}.encode()).dir, "ckpt/step_000001");
+  DoneReply::decode(DoneReply{}.encode());
+  TraceRequest::decode(TraceRequest{}.encode());
+  StopRequest::decode(StopRequest{}.encode());
+  EXPECT_EQ(StopReply::decode(StopReply{123.5}.encode()).peak_host_mb, 123.5);
+  EXPECT_EQ(EngineHello::decode(EngineHello{"secret"}.encode()).token, "secret");
+  EXPECT_EQ(EngineAddress::decode(EngineAddress{"node1:50051"}.encode()).address, "node1:50051");
+  EXPECT_EQ(ErrorReply::decode(ErrorReply{"CUDA out of memory"}.encode()).what, "CUDA out of memory");
+}
+
+TEST(Protocol, TraceReplyRoundTrips) {
+  TraceReply r;
+  r.names = {"score.actor", "train.actor", "sync"};
+  r.begin_us = {1, 3, 5};
+  r.end_us = {2, 4, 6};
+  const TraceReply d = TraceReply::decode(r.encode());
+  EXPECT_EQ(d.names, r.names);
+  EXPECT_EQ(d.begin_us, r.begin_us);
+  EXPECT_EQ(d.end_us, r.end_us);
+  EXPECT_TRUE(TraceReply::decode(TraceReply{}.encode()).names.empty());
+}
+
+TEST(Protocol, AFrameThatDisagreesWithItselfIsRefusedByName) {
+  Frame f = ScoreRequest{batch(), 1.0}.encode();
+  f.tensors[1] = longs({5, 5});  // the lengths no longer add up to the tokens
+  EXPECT_NE(error_of([&] { ScoreRequest::decode(f); }).find("malformed 'score' message: tokens has 9 elements, expected 10"),
+            std::string::npos);
+  Frame g = ScoreRequest{batch(), 1.0}.encode();
+  g.tensors[2] = longs({5, 1});  // a prompt as long as its sequence: no response
+  EXPECT_NE(error_of([&] { ScoreRequest::decode(g); }).find("sample 0: prompt of 5 tokens in a sequence of 5"),
+            std::string::npos);
+  // A reply where a request was expected, and an error reply where a result was.
+  EXPECT_NE(error_of([] { StepRequest::decode(DoneReply{}.encode()); }).find("expected a 'step' message, got 'done'"),
+            std::string::npos);
+  EXPECT_EQ(error_of([] { StepReply::decode(ErrorReply{"rank 3 ran out of memory"}.encode()); }),
+            "rank 3 ran out of memory");
+  Frame h = TrainActorRequest{batch(), floats({1, 2, 3, 4, 5, 6}), floats({1, 2, 3, 4, 5, 6}), {}, {}, 0, 0}.encode();
+  EXPECT_NE(error_of([&] { TrainActorRequest::decode(h); }).find("normalizer 0"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tiller::rollout
