@@ -164,6 +164,7 @@ void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   add_bench_generate(bench, run);
   add_bench_train(bench, run, argc, argv);
   add_bench_sync(bench, run, argc, argv);
+  add_bench_controller(bench, run);
 }
 
 }  // namespace tiller::cli

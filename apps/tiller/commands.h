@@ -54,5 +54,6 @@ void add_zero_commands(CLI::App& app, Runner& run);
 void add_train_command(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv);
 void add_bench_sync(CLI::App* bench, Runner& run, int& argc, char**& argv);
+void add_bench_controller(CLI::App* bench, Runner& run);
 
 }  // namespace tiller::cli

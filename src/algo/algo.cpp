@@ -29,9 +29,53 @@ std::vector<double> host(const at::Tensor& x) {
   return std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
 }
 
-at::Tensor like(const std::vector<double>& v, const at::Tensor& as) {
-  return at::tensor(v, at::kDouble).to(as.device(), at::isFloatingType(as.scalar_type()) ? as.scalar_type() : at::kFloat);
-}
+// The per-token scans read their inputs and write their outputs in place, computing in double:
+// a rollout's arrays are large (hundreds of MB at scale), and a double copy of each would double
+// the controller's memory traffic. The results equal a computation on double copies bit for bit.
+
+// `x`'s values as doubles: its own storage when it is contiguous float or double on the CPU.
+class HostView {
+ public:
+  explicit HostView(const at::Tensor& x) {
+    at::Tensor d = x.detach().view({-1});
+    if (!d.device().is_cpu() || !d.is_contiguous() || (d.scalar_type() != at::kFloat && d.scalar_type() != at::kDouble))
+      d = d.to(at::kCPU, at::kDouble).contiguous();
+    keep_ = d;
+    if (d.scalar_type() == at::kFloat) f_ = d.data_ptr<float>();
+    else d_ = d.data_ptr<double>();
+  }
+  double operator[](int64_t i) const { return f_ ? static_cast<double>(f_[i]) : d_[i]; }
+
+ private:
+  at::Tensor keep_;
+  const float* f_ = nullptr;
+  const double* d_ = nullptr;
+};
+
+// An output of n values with `as`'s floating dtype and device (float when `as` is not floating),
+// written as doubles on the host.
+class HostOut {
+ public:
+  HostOut(int64_t n, const at::Tensor& as)
+      : dtype_(at::isFloatingType(as.scalar_type()) ? as.scalar_type() : at::kFloat), device_(as.device()) {
+    t_ = at::empty({n}, dtype_ == at::kFloat ? at::kFloat : at::kDouble);
+    if (dtype_ == at::kFloat) f_ = t_.data_ptr<float>();
+    else d_ = t_.data_ptr<double>();
+  }
+  void set(int64_t i, double v) {
+    if (f_) f_[i] = static_cast<float>(v);
+    else d_[i] = v;
+  }
+  at::Tensor done() const { return t_.to(device_, dtype_); }
+
+ private:
+  at::ScalarType dtype_;
+  at::Device device_;
+  at::Tensor t_;
+  float* f_ = nullptr;
+  double* d_ = nullptr;
+};
+
 
 void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
   TILLER_CHECK(a.sizes() == b.sizes(), "{}: shapes {} and {} differ", what, fmt::join(a.sizes().vec(), "x"),
@@ -60,11 +104,12 @@ at::Tensor token_rewards(const at::Tensor& scores, const at::Tensor& kl, const a
   const auto b = boundaries(cu, kl.numel());
   TILLER_CHECK(scores.numel() + 1 == static_cast<int64_t>(b.size()), "{} scores for {} samples", scores.numel(),
                b.size() - 1);
-  std::vector<double> r = host(kl), s = host(scores);
-  for (double& x : r) x *= -kl_coef;
+  const HostView k(kl), s(scores);
+  HostOut out(kl.numel(), kl);
+  for (int64_t t = 0; t < kl.numel(); ++t) out.set(t, k[t] * -kl_coef);
   for (size_t i = 0; i + 1 < b.size(); ++i)
-    if (b[i + 1] > b[i]) r[b[i + 1] - 1] += s[i];
-  return like(r, kl);
+    if (b[i + 1] > b[i]) out.set(b[i + 1] - 1, k[b[i + 1] - 1] * -kl_coef + s[static_cast<int64_t>(i)]);
+  return out.done();
 }
 
 at::Tensor clip_rewards(const at::Tensor& scores, double clip) {
@@ -95,30 +140,30 @@ AdvantagesReturns gae(const at::Tensor& rewards, const at::Tensor& values, const
                       double lambda) {
   check_same(rewards, values, "gae");
   const auto b = boundaries(cu, rewards.numel());
-  const std::vector<double> r = host(rewards), v = host(values);
-  std::vector<double> adv(r.size()), ret(r.size());
+  const HostView r(rewards), v(values);
+  HostOut adv(rewards.numel(), rewards), ret(rewards.numel(), rewards);
   for (size_t s = 0; s + 1 < b.size(); ++s) {
     double last = 0;
     for (int64_t t = b[s + 1] - 1; t >= b[s]; --t) {
       const double next = t + 1 < b[s + 1] ? v[t + 1] : 0.0;
       const double delta = r[t] + gamma * next - v[t];
       last = delta + gamma * lambda * last;
-      adv[t] = last;
-      ret[t] = last + v[t];
+      adv.set(t, last);
+      ret.set(t, last + v[t]);
     }
   }
-  return {like(adv, rewards), like(ret, rewards)};
+  return {adv.done(), ret.done()};
 }
 
 at::Tensor discounted_returns(const at::Tensor& rewards, const at::Tensor& cu, double gamma) {
   const auto b = boundaries(cu, rewards.numel());
-  const std::vector<double> r = host(rewards);
-  std::vector<double> out(r.size());
+  const HostView r(rewards);
+  HostOut out(rewards.numel(), rewards);
   for (size_t s = 0; s + 1 < b.size(); ++s) {
     double acc = 0;
-    for (int64_t t = b[s + 1] - 1; t >= b[s]; --t) out[t] = acc = r[t] + gamma * acc;
+    for (int64_t t = b[s + 1] - 1; t >= b[s]; --t) out.set(t, acc = r[t] + gamma * acc);
   }
-  return like(out, rewards);
+  return out.done();
 }
 
 at::Tensor group_advantages(const at::Tensor& scores, int64_t n, GroupBaseline kind, double eps) {

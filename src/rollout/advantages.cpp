@@ -1,6 +1,7 @@
 #include "rollout/advantages.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <ATen/ATen.h>
 
@@ -16,11 +17,30 @@ at::Tensor floats(const std::vector<float>& v) {
 struct Moments {
   double mean = 0, std = 0, min = 0, max = 0;
 };
+// Mean, unbiased std, min and max in double, in two passes over the values (no copy).
+template <typename T>
+Moments moments(const T* p, int64_t n) {
+  if (n == 0) return {};
+  Moments m{0, 0, static_cast<double>(p[0]), static_cast<double>(p[0])};
+  for (int64_t i = 0; i < n; ++i) {
+    const auto x = static_cast<double>(p[i]);
+    m.mean += x;
+    m.min = std::min(m.min, x);
+    m.max = std::max(m.max, x);
+  }
+  m.mean /= static_cast<double>(n);
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += (static_cast<double>(p[i]) - m.mean) * (static_cast<double>(p[i]) - m.mean);
+  m.std = n > 1 ? std::sqrt(ss / static_cast<double>(n - 1)) : 0.0;
+  return m;
+}
+template <typename T>
+Moments moments(const std::vector<T>& v) {
+  return moments(v.data(), static_cast<int64_t>(v.size()));
+}
 Moments moments(const at::Tensor& t) {
-  if (t.numel() == 0) return {};
-  const at::Tensor d = t.to(at::kDouble);
-  return {d.mean().item<double>(), t.numel() > 1 ? d.std().item<double>() : 0.0, d.min().item<double>(),
-          d.max().item<double>()};
+  const at::Tensor c = t.to(at::kFloat).contiguous();
+  return moments(c.data_ptr<float>(), c.numel());
 }
 
 std::vector<float> to_vector(const at::Tensor& t) {
@@ -72,7 +92,7 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
       spec.have_ref ? algo::kl_estimate(logp, floats(ro.ref_logp), spec.kl_estimator) : at::zeros_like(logp);
 
   at::Tensor scores = at::tensor(ro.score, at::kFloat);
-  const Moments raw = moments(scores);
+  const Moments raw = moments(ro.score);
   double penalized = 0;
   if (spec.overlong_buffer > 0) {
     std::vector<float> pen(static_cast<size_t>(b));
@@ -136,11 +156,11 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
   const Moments adv_raw = moments(adv);
   if (spec.whiten && !spec.skips_whitening() && adv.numel() > 0) adv = algo::whiten(adv);
   out.advantages = to_vector(adv);
-  out.returns = to_vector(ret);
+  if (ro.layout.critic) out.returns = to_vector(ret);
 
   out.kl_mean_per_sample = b > 0 && ro.response_tokens() > 0 ? kl.sum().item<double>() / static_cast<double>(b) : 0.0;
-  const Moments lens = moments(at::tensor(ro.response_len, at::kLong));
-  const Moments plen = moments(at::tensor(ro.prompt_len, at::kLong));
+  const Moments lens = moments(ro.response_len);
+  const Moments plen = moments(ro.prompt_len);
   double truncated = 0;
   for (uint8_t t : ro.truncated) truncated += t;
   Metrics& m = out.metrics;
@@ -154,8 +174,8 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
   m.emplace_back("advantages/std", adv_raw.std);
   m.emplace_back("advantages/min", adv_raw.min);
   m.emplace_back("advantages/max", adv_raw.max);
-  m.emplace_back("returns/mean", moments(ret).mean);
-  if (ro.layout.critic) m.emplace_back("values/mean", moments(floats(ro.values)).mean);
+  m.emplace_back("returns/mean", ro.layout.critic ? moments(ret).mean : adv_raw.mean);
+  if (ro.layout.critic) m.emplace_back("values/mean", moments(ro.values).mean);
   m.emplace_back("response_length/mean", lens.mean);
   m.emplace_back("response_length/max", lens.max);
   m.emplace_back("response_length/truncated_fraction", b > 0 ? truncated / static_cast<double>(b) : 0.0);

@@ -47,7 +47,8 @@ struct AdvantageState {
 };
 
 struct AdvantageResult {
-  std::vector<float> advantages, returns;  // per response token, in the rollout's layout
+  std::vector<float> advantages;           // per response token, in the rollout's layout
+  std::vector<float> returns;              // the same, with a critic (layout.critic); else empty
   AdvantageState state;                    // reward moments after this step (kl_coef unchanged)
   double kl_mean_per_sample = 0;           // for the KL controller
   Metrics metrics;                         // reward/, advantages/, kl/, response_length/, ...

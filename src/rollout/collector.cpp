@@ -77,6 +77,10 @@ void RolloutCollector::start(int64_t first_step, uint64_t version, const std::ve
 
 void RolloutCollector::begin_forming(int64_t step, uint64_t train_version, RoleSet held) {
   batch_ = std::make_unique<StepBatch>(cfg_.layout);
+  if (!spare_.empty()) {
+    batch_->ro = std::move(spare_.back());
+    spare_.pop_back();
+  }
   batch_->step = step;
   batch_->train_version = train_version;
   batch_->formed_since = SteadyClock::now();
@@ -400,6 +404,12 @@ std::unique_ptr<StepBatch> RolloutCollector::take_batch(RoleSet will_train) {
   for (const auto& g : out->groups) outstanding_.erase(g.ordinal);
   begin_forming(out->step + 1, v + (will_train.has(Role::kActor) ? 1 : 0), will_train);
   return out;
+}
+
+void RolloutCollector::recycle(std::unique_ptr<StepBatch> done) {
+  if (!done || spare_.size() >= 2) return;
+  done->ro.clear();
+  spare_.push_back(std::move(done->ro));
 }
 
 void RolloutCollector::release(Role role) {

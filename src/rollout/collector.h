@@ -174,6 +174,8 @@ class RolloutCollector {
   // trainer groups that hold a role in `will_train` held back from scoring until release(). The
   // next step trains from one version later when `will_train` has the actor.
   std::unique_ptr<StepBatch> take_batch(RoleSet will_train);
+  // A trained step back: its host arrays (their memory) serve a later step.
+  void recycle(std::unique_ptr<StepBatch> done);
   // `role` has posted the training of the step taken last (and the actor its weight sync): the
   // groups holding it may score the forming step.
   void release(Role role);
@@ -250,6 +252,7 @@ class RolloutCollector {
   bool remote_unflushed_ = false;
 
   std::unique_ptr<StepBatch> batch_;                   // the forming step
+  std::vector<Rollout> spare_;                         // cleared arrays of trained steps, for reuse
   std::vector<std::unique_ptr<ScoreRounds>> scoring_;  // per trainer group, for the forming step
   std::vector<bool> scoring_open_;
   std::vector<int64_t> packed_;                        // per group: batch samples added to its rounds

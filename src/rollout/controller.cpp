@@ -417,6 +417,7 @@ struct Controller::Impl {
                 step_s, hms(per_step * static_cast<double>(cfg.train.num_steps - step)));
     }
     last_metrics = metrics;
+    collector->recycle(std::move(b));
     return signal;
   }
 

@@ -462,10 +462,10 @@ def export(step_dir, to):
 
 def check_partial():
     out = SCRATCH / "partial"
-    # Two steps ahead, and fewer sequences at once, so that generation outlasts training and some
-    # samples are in flight at each sync.
+    # Long samples, few at a time, two steps ahead: generation (4 waves of 128 decode steps a step)
+    # outlasts training by far, so the engines are busy at every sync whatever the machine's load.
     run_ok(4, out, "rollout.mode=async", "rollout.max_staleness=2", "rollout.partial=true",
-           "rollout.max_new_tokens=48", "engines.max_num_seqs=32", "train.num_steps=8", "checkpoint.every_steps=1",
+           "rollout.max_new_tokens=128", "engines.max_num_seqs=16", "train.num_steps=8", "checkpoint.every_steps=1",
            "checkpoint.keep_last=100", f"logging.rollout_records={out}/records.jsonl",
            "logging.rollout_records_tokens=true")
     recs = check_lags(out, 2, "partial")
