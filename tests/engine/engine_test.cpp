@@ -534,6 +534,53 @@ TEST(EngineGpu, AsynchronousSchedulingChangesNoOutput) {
   expect_async_equals_sync(m, w, "cuda:0", 1e-4);
 }
 
+// A weight update in the middle of samples on a GPU in fp32 (CUDA graphs for decode, the paged
+// kernel): every token's log-prob is the one of the weights that drew it, against the trainer's
+// forward on the CPU.
+TEST(EngineGpu, AWeightUpdateMidSampleKeepsEachLogprobOfItsVersion) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  TinyModel a = tiny("tiny-qwen2", 1), b = tiny("tiny-qwen2", 2);
+  model::NamedTensors on_gpu;
+  for (const auto& [name, t] : a.named) on_gpu[name] = t.to(at::Device("cuda:0"));
+  const model::ModelWeights w = model::bind_weights(a.cfg, on_gpu, model::Head::kLm, "tiny-qwen2");
+  EngineOptions o = small_options();
+  o.device = "cuda:0";
+  o.limits.max_num_seqs = 32;
+  Engine e(a.cfg, w, o);
+  const auto ps = prompts(6, 33, a.cfg.vocab_size, 30);
+  SamplingParams p;
+  p.temperature = 1.0;
+  p.seed = 5;
+  p.max_new_tokens = 20;
+  for (size_t i = 0; i < ps.size(); ++i) e.add({i, ps[i], p, 4});
+  std::map<std::pair<uint64_t, int64_t>, SampleOutput> out;
+  for (int s = 0; s < 9; ++s)
+    for (auto& x : e.step()) out[{x.request_id, x.sample}] = std::move(x);
+  for (auto& x : e.drain()) out[{x.request_id, x.sample}] = std::move(x);
+  {
+    c10::InferenceMode inference;
+    for (auto& [name, t] : e.parameters()) t.copy_(b.named.at(name));
+  }
+  e.weights_updated(1);
+  for (auto& [k, x] : run_all(e)) out[k] = std::move(x);
+  ASSERT_EQ(out.size(), 24u);
+  int spanning = 0;
+  for (const auto& [key, x] : out) {
+    const at::Tensor lp_a = trainer_logprobs(a, ps[key.first], x.tokens, 1.0);
+    const at::Tensor lp_b = trainer_logprobs(b, ps[key.first], x.tokens, 1.0);
+    spanning += x.versions.size() > 1;
+    for (size_t j = 0; j < x.tokens.size(); ++j) {
+      size_t run = 0;
+      while (run + 1 < x.version_starts.size() && static_cast<int64_t>(j) >= x.version_starts[run + 1]) ++run;
+      const at::Tensor& want = x.versions[run] == 0 ? lp_a : lp_b;
+      EXPECT_NEAR(x.logprobs[j], want[static_cast<int64_t>(j)].item<double>(), 1e-4)
+          << "request " << key.first << " sample " << key.second << " token " << j;
+    }
+  }
+  EXPECT_GT(spanning, 0);
+  EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
+}
+
 // On a GPU in bf16 (flash attention for prefill, the paged cache for decode): the engine's
 // log-probs of its sampled tokens against the trainer's forward of the same tokens, also in bf16.
 // Reports the distribution of the differences.
