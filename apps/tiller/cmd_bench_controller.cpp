@@ -27,6 +27,7 @@
 #include "rollout/synthetic.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
+#include "tiller/core/files.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/rank_plan.h"
 
@@ -165,7 +166,7 @@ int run_controller_bench(ControllerBenchOptions o) {
     rollout_mb = std::max(rollout_mb, r.value("memory/controller_rollout_mb", 0.0));
     step_s += r.value("time/step", 0.0);
   }
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);  // not std::filesystem::remove_all: libtorch's copy crashes on the GPU host
   const double rate = tokens / wall;
   nlohmann::ordered_json j;
   j["bench"] = "controller";

@@ -17,6 +17,7 @@
 
 #include "commands.h"
 #include "model/torch_compat.h"
+#include "tiller/core/clock.h"
 #include "tiller/core/error.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
@@ -37,7 +38,6 @@ struct ForwardOptions {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // Mean seconds of fn() over `iters` after `warmup`, synchronising the device around the timing.
 template <typename F>

@@ -146,6 +146,20 @@ PackedSequences decode_batch(const Frame& f) {
   return b;
 }
 
+// A message that is only a text (a directory, a token, an address), or nothing at all; `what`
+// names the text when it must not be empty.
+Frame text_frame(Op op, const std::string& text) {
+  Frame f;
+  f.op = op;
+  f.text = text;
+  return f;
+}
+std::string take_text(Frame& f, Op op, const char* what) {
+  expect(f, op, 0, 0);
+  if (what && f.text.empty()) malformed(op, fmt::format("no {}", what));
+  return std::move(f.text);
+}
+
 // Float [n] tensor i, or undefined when `present` is false.
 at::Tensor optional_floats(const Frame& f, size_t& i, bool present, int64_t n, const char* what) {
   if (!present) return {};
@@ -402,51 +416,25 @@ SyncReply SyncReply::decode(Frame f) {
   return {f.scalars[0], f.scalars[1]};
 }
 
-Frame SaveRequest::encode() const {
-  Frame f;
-  f.op = Op::kSave;
-  f.text = dir;
-  return f;
-}
+Frame SaveRequest::encode() const { return text_frame(Op::kSave, dir); }
 
-SaveRequest SaveRequest::decode(Frame f) {
-  expect(f, Op::kSave, 0, 0);
-  if (f.text.empty()) malformed(f.op, "no directory");
-  return {std::move(f.text)};
-}
+SaveRequest SaveRequest::decode(Frame f) { return {take_text(f, Op::kSave, "directory")}; }
 
-Frame LoadRequest::encode() const {
-  Frame f;
-  f.op = Op::kLoad;
-  f.text = dir;
-  return f;
-}
+Frame LoadRequest::encode() const { return text_frame(Op::kLoad, dir); }
 
-LoadRequest LoadRequest::decode(Frame f) {
-  expect(f, Op::kLoad, 0, 0);
-  if (f.text.empty()) malformed(f.op, "no directory");
-  return {std::move(f.text)};
-}
+LoadRequest LoadRequest::decode(Frame f) { return {take_text(f, Op::kLoad, "directory")}; }
 
-Frame DoneReply::encode() const {
-  Frame f;
-  f.op = Op::kDone;
-  return f;
-}
+Frame DoneReply::encode() const { return text_frame(Op::kDone, ""); }
 
 DoneReply DoneReply::decode(Frame f) {
-  expect(f, Op::kDone, 0, 0);
+  take_text(f, Op::kDone, nullptr);
   return {};
 }
 
-Frame TraceRequest::encode() const {
-  Frame f;
-  f.op = Op::kTrace;
-  return f;
-}
+Frame TraceRequest::encode() const { return text_frame(Op::kTrace, ""); }
 
 TraceRequest TraceRequest::decode(Frame f) {
-  expect(f, Op::kTrace, 0, 0);
+  take_text(f, Op::kTrace, nullptr);
   return {};
 }
 
@@ -488,14 +476,10 @@ TraceReply TraceReply::decode(Frame f) {
   return r;
 }
 
-Frame StopRequest::encode() const {
-  Frame f;
-  f.op = Op::kStop;
-  return f;
-}
+Frame StopRequest::encode() const { return text_frame(Op::kStop, ""); }
 
 StopRequest StopRequest::decode(Frame f) {
-  expect(f, Op::kStop, 0, 0);
+  take_text(f, Op::kStop, nullptr);
   return {};
 }
 
@@ -511,30 +495,13 @@ StopReply StopReply::decode(Frame f) {
   return {f.scalars[0]};
 }
 
-Frame EngineHello::encode() const {
-  Frame f;
-  f.op = Op::kEngineHello;
-  f.text = token;
-  return f;
-}
+Frame EngineHello::encode() const { return text_frame(Op::kEngineHello, token); }
 
-EngineHello EngineHello::decode(Frame f) {
-  expect(f, Op::kEngineHello, 0, 0);
-  return {std::move(f.text)};
-}
+EngineHello EngineHello::decode(Frame f) { return {take_text(f, Op::kEngineHello, nullptr)}; }
 
-Frame EngineAddress::encode() const {
-  Frame f;
-  f.op = Op::kEngineAddress;
-  f.text = address;
-  return f;
-}
+Frame EngineAddress::encode() const { return text_frame(Op::kEngineAddress, address); }
 
-EngineAddress EngineAddress::decode(Frame f) {
-  expect(f, Op::kEngineAddress, 0, 0);
-  if (f.text.empty()) malformed(f.op, "no address");
-  return {std::move(f.text)};
-}
+EngineAddress EngineAddress::decode(Frame f) { return {take_text(f, Op::kEngineAddress, "address")}; }
 
 Frame ErrorReply::encode() const {
   Frame f;

@@ -132,22 +132,18 @@ void SyntheticEngines::abort(size_t i, uint64_t request_id) {
   std::lock_guard<std::mutex> lock(mu_);
   Engine& e = engines_.at(i);
   const size_t before = done_.size();
-  for (auto it = e.running.begin(); it != e.running.end();) {
-    if (it->request == request_id) {
+  auto drop = [&](auto& seqs) {
+    for (auto it = seqs.begin(); it != seqs.end();) {
+      if (it->request != request_id) {
+        ++it;
+        continue;
+      }
       finish(*it, "abort");
-      it = e.running.erase(it);
-    } else {
-      ++it;
+      it = seqs.erase(it);
     }
-  }
-  for (auto it = e.waiting.begin(); it != e.waiting.end();) {
-    if (it->request == request_id) {
-      finish(*it, "abort");
-      it = e.waiting.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  };
+  drop(e.running);
+  drop(e.waiting);
   for (size_t k = before; k < done_.size(); ++k) done_[k].engine = static_cast<int>(i);
   admit(e);
   cv_.notify_all();

@@ -84,6 +84,28 @@ at::Tensor trainer_logprobs(const TinyModel& m, const std::vector<int64_t>& prom
   return model::token_logprobs(rows, m.weights.lm_head, at::tensor(gen, at::kLong), temperature);
 }
 
+// Every token's log-prob against the trainer's forward with the weights of the version that drew it
+// (version 0: `a`, version 1: `b`), at temperature 1; at least one sample spans the update.
+void expect_logprobs_of_their_versions(const std::map<std::pair<uint64_t, int64_t>, SampleOutput>& out,
+                                       const std::vector<std::vector<int64_t>>& ps, const TinyModel& a,
+                                       const TinyModel& b, double tol) {
+  int spanning = 0;
+  for (const auto& [key, x] : out) {
+    const at::Tensor lp_a = trainer_logprobs(a, ps[key.first], x.tokens, 1.0);
+    const at::Tensor lp_b = trainer_logprobs(b, ps[key.first], x.tokens, 1.0);
+    ASSERT_FALSE(x.versions.empty());
+    spanning += x.versions.size() > 1;
+    for (size_t j = 0; j < x.tokens.size(); ++j) {
+      size_t run = 0;
+      while (run + 1 < x.version_starts.size() && static_cast<int64_t>(j) >= x.version_starts[run + 1]) ++run;
+      const at::Tensor& want = x.versions[run] == 0 ? lp_a : lp_b;
+      EXPECT_NEAR(x.logprobs[j], want[static_cast<int64_t>(j)].item<double>(), tol)
+          << "request " << key.first << " sample " << key.second << " token " << j << " version " << x.versions[run];
+    }
+  }
+  EXPECT_GT(spanning, 0);
+}
+
 class EngineFamily : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(EngineFamily, GreedyEqualsReferenceAndTrainerArgmax) {
@@ -345,15 +367,18 @@ TEST(Engine, AWeightUpdateMidSampleRecomputesTheCacheAndRecordsTheVersions) {
   EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
 }
 
-// The same under load: several prompts of four samples each, decoding in one batch, chunked
-// prefills, an update at an arbitrary step.
-TEST(Engine, AWeightUpdateUnderLoadKeepsEveryLogprobOfItsVersion) {
+// A weight update at an arbitrary step under load: several prompts of four samples each decoding in
+// one batch, chunked prefills. `a` is served first, then `b`; every log-prob must be its version's.
+void check_weight_update_under_load(const std::string& device, double tol) {
   TinyModel a = tiny("tiny-qwen2", 1), b = tiny("tiny-qwen2", 2);
-  TinyModel served = tiny("tiny-qwen2", 1);
+  model::NamedTensors served;  // the engine's own storage, overwritten by the update
+  for (const auto& [name, t] : a.named) served[name] = t.to(at::Device(device), /*non_blocking=*/false, /*copy=*/true);
+  const model::ModelWeights w = model::bind_weights(a.cfg, served, model::Head::kLm, "tiny-qwen2");
   EngineOptions o = small_options();
+  o.device = device;
   o.limits.max_num_seqs = 32;
-  Engine e(served.cfg, served.weights, o);
-  const auto ps = prompts(6, 33, served.cfg.vocab_size, 30);
+  Engine e(a.cfg, w, o);
+  const auto ps = prompts(6, 33, a.cfg.vocab_size, 30);
   SamplingParams p;
   p.temperature = 1.0;
   p.seed = 5;
@@ -364,29 +389,17 @@ TEST(Engine, AWeightUpdateUnderLoadKeepsEveryLogprobOfItsVersion) {
     for (auto& x : e.step()) out[{x.request_id, x.sample}] = std::move(x);
   for (auto& x : e.drain()) out[{x.request_id, x.sample}] = std::move(x);
   {
-    c10::InferenceMode inference;
+    c10::InferenceMode inference;  // the engine's weights are inference tensors
     for (auto& [name, t] : e.parameters()) t.copy_(b.named.at(name));
   }
   e.weights_updated(1);
   for (auto& [k, x] : run_all(e)) out[k] = std::move(x);
   ASSERT_EQ(out.size(), 24u);
-  int spanning = 0;
-  for (const auto& [key, x] : out) {
-    const std::vector<int64_t>& prompt = ps[key.first];
-    const at::Tensor lp_a = trainer_logprobs(a, prompt, x.tokens, 1.0);
-    const at::Tensor lp_b = trainer_logprobs(b, prompt, x.tokens, 1.0);
-    ASSERT_FALSE(x.versions.empty());
-    spanning += x.versions.size() > 1;
-    for (size_t j = 0; j < x.tokens.size(); ++j) {
-      size_t run = 0;
-      while (run + 1 < x.version_starts.size() && static_cast<int64_t>(j) >= x.version_starts[run + 1]) ++run;
-      const at::Tensor& want = x.versions[run] == 0 ? lp_a : lp_b;
-      EXPECT_NEAR(x.logprobs[j], want[static_cast<int64_t>(j)].item<double>(), 2e-5)
-          << "request " << key.first << " sample " << key.second << " token " << j << " version " << x.versions[run];
-    }
-  }
-  EXPECT_GT(spanning, 0);
+  expect_logprobs_of_their_versions(out, ps, a, b, tol);
+  EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
 }
+
+TEST(Engine, AWeightUpdateUnderLoadKeepsEveryLogprobOfItsVersion) { check_weight_update_under_load("cpu", 2e-5); }
 
 TEST(Engine, AsynchronousSchedulingChangesNoOutput) {
   TinyModel m = tiny("tiny-qwen2");
@@ -539,46 +552,7 @@ TEST(EngineGpu, AsynchronousSchedulingChangesNoOutput) {
 // forward on the CPU.
 TEST(EngineGpu, AWeightUpdateMidSampleKeepsEachLogprobOfItsVersion) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  TinyModel a = tiny("tiny-qwen2", 1), b = tiny("tiny-qwen2", 2);
-  model::NamedTensors on_gpu;
-  for (const auto& [name, t] : a.named) on_gpu[name] = t.to(at::Device("cuda:0"));
-  const model::ModelWeights w = model::bind_weights(a.cfg, on_gpu, model::Head::kLm, "tiny-qwen2");
-  EngineOptions o = small_options();
-  o.device = "cuda:0";
-  o.limits.max_num_seqs = 32;
-  Engine e(a.cfg, w, o);
-  const auto ps = prompts(6, 33, a.cfg.vocab_size, 30);
-  SamplingParams p;
-  p.temperature = 1.0;
-  p.seed = 5;
-  p.max_new_tokens = 20;
-  for (size_t i = 0; i < ps.size(); ++i) e.add({i, ps[i], p, 4});
-  std::map<std::pair<uint64_t, int64_t>, SampleOutput> out;
-  for (int s = 0; s < 9; ++s)
-    for (auto& x : e.step()) out[{x.request_id, x.sample}] = std::move(x);
-  for (auto& x : e.drain()) out[{x.request_id, x.sample}] = std::move(x);
-  {
-    c10::InferenceMode inference;
-    for (auto& [name, t] : e.parameters()) t.copy_(b.named.at(name));
-  }
-  e.weights_updated(1);
-  for (auto& [k, x] : run_all(e)) out[k] = std::move(x);
-  ASSERT_EQ(out.size(), 24u);
-  int spanning = 0;
-  for (const auto& [key, x] : out) {
-    const at::Tensor lp_a = trainer_logprobs(a, ps[key.first], x.tokens, 1.0);
-    const at::Tensor lp_b = trainer_logprobs(b, ps[key.first], x.tokens, 1.0);
-    spanning += x.versions.size() > 1;
-    for (size_t j = 0; j < x.tokens.size(); ++j) {
-      size_t run = 0;
-      while (run + 1 < x.version_starts.size() && static_cast<int64_t>(j) >= x.version_starts[run + 1]) ++run;
-      const at::Tensor& want = x.versions[run] == 0 ? lp_a : lp_b;
-      EXPECT_NEAR(x.logprobs[j], want[static_cast<int64_t>(j)].item<double>(), 1e-4)
-          << "request " << key.first << " sample " << key.second << " token " << j;
-    }
-  }
-  EXPECT_GT(spanning, 0);
-  EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
+  check_weight_update_under_load("cuda:0", 1e-4);
 }
 
 // On a GPU in bf16 (flash attention for prefill, the paged cache for decode): the engine's

@@ -155,18 +155,24 @@ def finish(proc, lines, timeout):
     return proc.returncode, "".join(lines)
 
 
-def check_resume():
-    out = SCRATCH / "resume"
-    sets = ["train.num_steps=12", "checkpoint.every_steps=4"]
+def stop_by_sigterm(out, sets, after_step):
+    """Starts a job, sends its controller SIGTERM once `after_step` has finished, and checks that it
+    stopped cleanly (exit 0, event "stopped"). Returns the step it stopped after."""
     proc, lines = start(4, out, *sets)
     pid = int(wait_for(proc, r"controller pid (\d+)", 120, lines).group(1))
-    wait_for(proc, r"step 5/12", 300, lines)
+    wait_for(proc, rf"step {after_step}/", 300, lines)
     os.kill(pid, signal.SIGTERM)
     code, log = finish(proc, lines, 300)
     s = summary(log)
     if code != 0 or s["event"] != "stopped":
         fail(f"after SIGTERM: exit code {code}, summary {s}:\n{log[-3000:]}")
-    stopped = s["steps"]
+    return s["steps"]
+
+
+def check_resume():
+    out = SCRATCH / "resume"
+    sets = ["train.num_steps=12", "checkpoint.every_steps=4"]
+    stopped = stop_by_sigterm(out, sets, 5)
     if not (5 <= stopped < 12):
         fail(f"stopped after step {stopped}")
     ckpt = out / "checkpoints" / f"step_{stopped:06d}"
@@ -546,15 +552,7 @@ def check_resume_async():
     want = [(r["step"], r["ordinal"], r["dataset_index"], r["sample"]) for r in records(ref) if r["event"] == "trained"]
     out = SCRATCH / "resume_async"
     sets = [*base, "checkpoint.every_steps=4", f"logging.rollout_records={out}/records.jsonl"]
-    proc, lines = start(4, out, *sets)
-    pid = int(wait_for(proc, r"controller pid (\d+)", 120, lines).group(1))
-    wait_for(proc, r"step 6/12", 300, lines)
-    os.kill(pid, signal.SIGTERM)
-    code, log = finish(proc, lines, 300)
-    s = summary(log)
-    if code != 0 or s["event"] != "stopped":
-        fail(f"after SIGTERM: exit code {code}, summary {s}:\n{log[-3000:]}")
-    stopped = s["steps"]
+    stopped = stop_by_sigterm(out, sets, 6)
     state = json.loads((out / "checkpoints" / f"step_{stopped:06d}" / "controller.json").read_text())
     pending = state["pipeline"]["outstanding"]
     p = subprocess.run(command(4, out, *sets, extra=["--resume"]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
