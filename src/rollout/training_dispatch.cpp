@@ -158,6 +158,7 @@ bool TrainingDispatch::posted(Role role) const {
 }
 
 bool TrainingDispatch::done() const {
+  if (!answers_left_) return true;  // nothing started
   if (posted_ < steps_) return false;
   return std::all_of(answers_left_->begin(), answers_left_->end(), [](int n) { return n == 0; });
 }
