@@ -124,7 +124,7 @@ std::vector<Field> build() {
         "Largest bucket of the weight broadcast from the actor to the engines, in MiB.")
       .range(1, 65536);
 
-  b.add("rollout.batch_size", TILLER_FIELD(rollout.batch_size), "Prompts per PPO step.").range(1, std::nullopt);
+  b.add("rollout.batch_size", TILLER_FIELD(rollout.batch_size), "Prompts per PPO step.").range(1, 1 << 24);
   b.add("rollout.n_samples_per_prompt", TILLER_FIELD(rollout.n_samples_per_prompt),
         "Completions sampled for each prompt.").range(1, 1024);
   b.add("rollout.max_prompt_tokens", TILLER_FIELD(rollout.max_prompt_tokens),

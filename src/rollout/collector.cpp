@@ -425,7 +425,11 @@ void RolloutCollector::release(Role role) {
   }
 }
 
-void RolloutCollector::set_version(uint64_t version) { version_ = version; }
+void RolloutCollector::set_version(uint64_t version) {
+  version_ = version;
+  // The engines were paused for the sync: that was no stall of theirs.
+  last_progress_.assign(engines_.size(), SteadyClock::now());
+}
 
 int64_t RolloutCollector::in_flight_samples() const {
   int64_t n = 0;

@@ -77,6 +77,13 @@ TEST(Config, WrongTypeNamesKeyAndValue) {
 }
 
 TEST(Config, OutOfRangeAndChoices) {
+  // Sizes that are multiplied together (the filter cap, the staleness gate) have bounds.
+  EXPECT_EQ(config_error([] { parse_config("rollout:\n  batch_size: 99999999999\n", "j.yaml"); }),
+            "j.yaml:2: rollout.batch_size = 99999999999 is out of range: must be in [1, 16777216]");
+  EXPECT_EQ(config_error([] { parse_config("rollout:\n  max_staleness: 9\n", "j.yaml"); }),
+            "j.yaml:2: rollout.max_staleness = 9 is out of range: must be in [-1, 8]");
+  EXPECT_EQ(config_error([] { parse_config("rollout:\n  mode: later\n", "j.yaml"); }),
+            "j.yaml:2: rollout.mode = 'later' is not one of sync, async");
   auto msg = config_error([] { parse_config("engines:\n  tp: 0\n", "j.yaml"); });
   EXPECT_EQ(msg, "j.yaml:2: engines.tp = 0 is out of range: must be in [1, 64]");
   msg = config_error([] { parse_config("rollout:\n  top_p: 1.5\n", "j.yaml"); });
