@@ -150,12 +150,12 @@ void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   auto* coll = bench->add_subcommand(
       "collectives", "Bus bandwidth of all_gather, reduce_scatter, broadcast (run under mpirun, one rank per GPU)");
   auto o = std::make_shared<BenchOptions>();
-  coll->add_option("--sizes-mb", o->sizes_mb, "Buffer sizes in MiB")->delimiter(',');
+  coll->add_option("--sizes-mb", o->sizes_mb, "Buffer sizes in MiB")->delimiter(',')->check(CLI::Range(1, 65536));
   coll->add_option("--warmup", o->warmup, "Warm-up ops per measurement")->check(CLI::Range(0, 1000));
   coll->add_option("--iters", o->iters, "Timed ops per measurement")->check(CLI::Range(1, 100000));
   coll->add_option("--backend", o->backend, "auto (NCCL when GPUs are visible), nccl or mpi");
   coll->add_option("--dtype", o->dtype, "bf16, fp16 or fp32");
-  coll->add_option("--timeout", o->timeout_s, "Deadline of each op, seconds");
+  coll->add_option("--timeout", o->timeout_s, "Deadline of each op, seconds")->check(CLI::Range(0.001, 1e7));
   coll->add_option("--out", o->out, "Also write the JSON here");
   coll->callback([&run, o, &argc, &argv] {
     run = [o, &argc, &argv] { return run_collectives(*o, &argc, &argv); };
@@ -165,6 +165,7 @@ void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   add_bench_train(bench, run, argc, argv);
   add_bench_sync(bench, run, argc, argv);
   add_bench_controller(bench, run);
+  add_bench_tokenize(bench, run);
 }
 
 }  // namespace tiller::cli

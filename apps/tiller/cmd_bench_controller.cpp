@@ -214,7 +214,7 @@ void add_bench_controller(CLI::App* bench, Runner& run) {
   c->add_option("--mode", o->mode, "sync or async");
   c->add_option("--max-staleness", o->staleness, "async: rollout.max_staleness")->check(CLI::Range(0, 8));
   c->add_option("--engine-tokens-per-s", o->engine_tokens_per_s, "Each engine's token rate (default: unlimited)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1e-3, 1e12));
   c->add_option("--trainer-threads", o->trainer_threads, "Threads answering for the trainer ranks")
       ->check(CLI::Range(1, 64));
   c->add_option("--out", o->out, "Also write the JSON here");

@@ -158,7 +158,7 @@ void add_bench_generate(CLI::App* bench, Runner& run) {
   g->add_option("--block-size", o->block_size, "KV block size")->check(CLI::Range(1, 1024));
   g->add_option("--device", o->device, "auto, cpu or cuda[:N]");
   g->add_option("--dtype", o->dtype, "bf16, fp16 or fp32");
-  g->add_option("--hbm-gbps", o->hbm_gbps, "Memory bandwidth for the floor, GB/s");
+  g->add_option("--hbm-gbps", o->hbm_gbps, "Memory bandwidth for the floor, GB/s")->check(CLI::Range(1.0, 1e6));
   g->add_option("--out", o->out, "Also write the JSON here");
   g->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "Run decode steps eagerly");
   g->add_flag("--no-async-scheduling", o->no_async,

@@ -163,7 +163,7 @@ void add_bench_sync(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   s->add_option("--syncs", o->syncs, "Timed syncs per bucket size")->check(CLI::Range(1, 10000));
   s->add_option("--warmup", o->warmup, "Untimed syncs first")->check(CLI::Range(0, 10000));
   s->add_option("--backend", o->backend, "auto (NCCL when GPUs are visible), nccl or mpi");
-  s->add_option("--timeout", o->timeout_s, "Deadline of one sync, seconds");
+  s->add_option("--timeout", o->timeout_s, "Deadline of one sync, seconds")->check(CLI::Range(0.001, 1e7));
   s->add_option("--out", o->out, "Also write the JSON here");
   s->callback([&run, o, &argc, &argv] { run = [o, &argc, &argv] { return run_sync_bench(*o, &argc, &argv); }; });
 }

@@ -155,7 +155,7 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   tr->add_option("--steps", o->steps, "Steps, the first two untimed")->check(CLI::Range(3, 10000));
   tr->add_option("--backend", o->backend, "auto (NCCL when GPUs are visible), nccl or mpi");
   tr->add_option("--chunk-rows", o->chunk_rows, "Rows per log-prob chunk")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  tr->add_option("--timeout", o->timeout_s, "Deadline of each collective, seconds");
+  tr->add_option("--timeout", o->timeout_s, "Deadline of each collective, seconds")->check(CLI::Range(0.001, 1e7));
   tr->add_option("--out", o->out, "Also write the JSON here");
   tr->add_option("--profile", o->profile, "Write a Chrome trace (torch.profiler format) of rank 0's last step here");
   tr->callback([&run, o, &argc, &argv] { run = [o, &argc, &argv] { return run_train_bench(*o, &argc, &argv); }; });

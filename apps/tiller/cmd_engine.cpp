@@ -114,8 +114,9 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   cmd->add_option("--device", o->device, "auto, cpu or cuda[:N] (TP ranks take the GPU of their local rank)");
   cmd->add_option("--dtype", o->dtype, "auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32");
   cmd->add_option("--block-size", o->engine.block_size, "Tokens per KV block")->check(CLI::Range(1, 1024));
-  cmd->add_option("--num-blocks", o->engine.num_blocks, "KV blocks (default: from --kv-cache-gb or free memory)");
-  cmd->add_option("--kv-cache-gb", o->engine.kv_cache_gb, "KV cache size in GiB");
+  cmd->add_option("--num-blocks", o->engine.num_blocks, "KV blocks (default: from --kv-cache-gb or free memory)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  cmd->add_option("--kv-cache-gb", o->engine.kv_cache_gb, "KV cache size in GiB")->check(CLI::Range(0.001, 65536.0));
   cmd->add_option("--gpu-memory-fraction", o->engine.gpu_memory_fraction,
                   "Fraction of the free GPU memory (after the weights) for the KV cache")
       ->check(CLI::Range(0.01, 0.99));
@@ -130,10 +131,11 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   cmd->add_option("--max-graph-batch", o->engine.max_graph_batch,
                   "Largest decode batch replayed from a CUDA graph (default: max-num-seqs, at most 512)")
       ->check(CLI::Range(1, 1 << 16));
-  cmd->add_option("--max-model-len", o->engine.max_model_len, "Prompt + new tokens at most (default: the config's)");
+  cmd->add_option("--max-model-len", o->engine.max_model_len, "Prompt + new tokens at most (default: the config's)")
+      ->check(CLI::Range(int64_t{1}, engine::kMaxModelLen));
   cmd->add_option("--token-file", o->token_file,
                   "File whose first line is the shared secret clients must send (default: $TILLER_ENGINE_TOKEN)");
-  cmd->add_option("--timeout", o->timeout_s, "TP: seconds a rank waits for the others before giving up");
+  cmd->add_option("--timeout", o->timeout_s, "TP: seconds a rank waits for the others before giving up")->check(CLI::Range(0.001, 1e7));
   cmd->callback([&run, o, &argc, &argv] { run = [o, &argc, &argv] { return run_engine(*o, &argc, &argv); }; });
 }
 

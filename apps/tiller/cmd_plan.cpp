@@ -19,11 +19,12 @@ std::vector<int> parse_node_gpus(const std::string& list) {
     try {
       std::size_t used = 0;
       int v = std::stoi(item, &used);
-      if (used != item.size() || v < 1) throw std::invalid_argument(item);
+      if (used != item.size() || v < 1 || v > 1024) throw std::invalid_argument(item);
       out.push_back(v);
     } catch (const std::exception&) {
-      throw ConfigError(fmt::format("--node-gpus '{}': '{}' is not a positive GPU count; write e.g. 8,8,4", list, item));
+      throw ConfigError(fmt::format("--node-gpus '{}': '{}' is not a GPU count in [1, 1024]; write e.g. 8,8,4", list, item));
     }
+    if (out.size() > 100000) throw ConfigError(fmt::format("--node-gpus: more than 100000 nodes"));
   }
   return out;
 }

@@ -55,5 +55,6 @@ void add_train_command(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv);
 void add_bench_sync(CLI::App* bench, Runner& run, int& argc, char**& argv);
 void add_bench_controller(CLI::App* bench, Runner& run);
+void add_bench_tokenize(CLI::App* bench, Runner& run);
 
 }  // namespace tiller::cli

@@ -6,11 +6,16 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <exception>
+#include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
 #include "commands.h"
+#include "tiller/core/spelling.h"
 #include "tiller/tiller.h"
 
 namespace tiller {
@@ -58,6 +63,33 @@ void install_crash_handlers() {
   for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) sigaction(sig, &sa, nullptr);
 }
 
+// The first word of argv that stands where a subcommand must and names none, with the nearest
+// subcommand of that level: "'tarin' is not a tiller command; did you mean 'train'?". Empty when
+// every word up to the first option is a subcommand.
+std::string unknown_subcommand(CLI::App& app, int argc, char** argv) {
+  CLI::App* level = &app;
+  std::string path = "tiller";
+  for (int i = 1; i < argc; ++i) {
+    const std::string word = argv[i];
+    if (word.empty() || word[0] == '-') return "";
+    std::vector<std::string> names;
+    for (const CLI::App* sub : level->get_subcommands({})) names.push_back(sub->get_name());
+    if (names.empty()) return "";
+    if (std::find(names.begin(), names.end(), word) != names.end()) {
+      level = level->get_subcommand(word);
+      path += " " + word;
+      continue;
+    }
+    const std::string near = closest_word(word, names);
+    std::string all;
+    for (const auto& n : names) all += (all.empty() ? "" : ", ") + n;
+    return near.empty() ? fmt::format("'{}' is not a {} command; the commands are: {}", word, path, all)
+                        : fmt::format("'{}' is not a {} command; did you mean '{}'? (the commands are: {})", word,
+                                      path, near, all);
+  }
+  return "";
+}
+
 }  // namespace
 
 int run_main(int argc, char** argv) {
@@ -77,6 +109,10 @@ int run_main(int argc, char** argv) {
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
+      if (const std::string what = unknown_subcommand(app, argc, argv); !what.empty()) {
+        std::fprintf(stderr, "tiller: error: %s\n", what.c_str());
+        return 2;
+      }
       const int code = app.exit(e);
       return code == 0 ? 0 : 2;
     }

@@ -10,6 +10,7 @@
 #include "config_schema.h"
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
+#include "tiller/core/spelling.h"
 
 namespace tiller {
 namespace {
@@ -37,21 +38,6 @@ std::vector<std::string> split_path(const std::string& path) {
   std::stringstream ss(path);
   for (std::string part; std::getline(ss, part, '.');) parts.push_back(part);
   return parts;
-}
-
-std::size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diag = row[0];
-    row[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      std::size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
 }
 
 // The valid key (or section) closest to `path` among those of the same depth and parent; if the
@@ -164,11 +150,18 @@ std::string field_text(const JobConfig& config, const Field& f) {
 }
 
 void load_map(JobConfig& config, const YAML::Node& map, const std::string& prefix, const std::string& origin) {
+  // YAML leaves a repeated key to the reader and yaml-cpp keeps both (the last one would win):
+  // a repeated key or section is almost always an edit that went to the wrong place.
+  std::map<std::string, int> seen;  // key -> its first line
   for (auto it = map.begin(); it != map.end(); ++it) {
     const YAML::Node& key = it->first;
-    const std::string where = fmt::format("{}:{}", origin, key.Mark().line + 1);
+    const int line = key.Mark().line + 1;
+    const std::string where = fmt::format("{}:{}", origin, line);
     if (!key.IsScalar()) throw ConfigError(fmt::format("{}: keys must be plain names", where));
     const std::string path = prefix.empty() ? key.Scalar() : prefix + "." + key.Scalar();
+    if (const auto [first, fresh] = seen.emplace(key.Scalar(), line); !fresh)
+      throw ConfigError(fmt::format("{}: '{}' is given twice in this mapping (first at line {}); keep one", where, path,
+                                    first->second));
     if (const Field* f = find_field(path)) {
       assign(config, *f, it->second, where);
     } else if (is_section(path)) {

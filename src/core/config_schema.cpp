@@ -2,8 +2,19 @@
 
 #include <type_traits>
 
+#include "tiller/core/error.h"
+
 namespace tiller::config_schema {
 namespace {
+
+// Upper bounds of user-given sizes. Every number in the schema has both bounds (fields() checks),
+// so a sum or product of a few of them cannot overflow 64 bits and no count is absurd enough to
+// become an allocation that kills a rank.
+constexpr double kMaxSampleTokens = 1 << 24;  // tokens of one prompt or one completion
+constexpr double kMaxBatchTokens = 1 << 30;   // tokens of one packed micro-batch
+constexpr double kMaxCount = 1e9;             // steps, samples, prompts
+constexpr double kMaxSeconds = 1e7;           // a deadline (~116 days)
+constexpr double kMaxSeed = 9.2e18;           // below 2^63
 
 template <typename T>
 constexpr Kind kind_of() {
@@ -72,7 +83,7 @@ std::vector<Field> build() {
   Builder b;
   b.add("run.name", TILLER_FIELD(run.name), "Name of the run, used in logs and output paths.");
   b.add("run.seed", TILLER_FIELD(run.seed), "Seed for data shuffling, sampling and initialisation.")
-      .range(0, std::nullopt);
+      .range(0, kMaxSeed);
   b.add("run.output_dir", TILLER_FIELD(run.output_dir), "Directory for metrics, traces and exports.");
 
   b.add("cluster.gpus_per_node", TILLER_FIELD(cluster.gpus_per_node),
@@ -128,16 +139,16 @@ std::vector<Field> build() {
   b.add("rollout.n_samples_per_prompt", TILLER_FIELD(rollout.n_samples_per_prompt),
         "Completions sampled for each prompt.").range(1, 1024);
   b.add("rollout.max_prompt_tokens", TILLER_FIELD(rollout.max_prompt_tokens),
-        "Longest prompt in tokens; longer ones follow data.long_prompt_policy.").range(1, std::nullopt);
+        "Longest prompt in tokens; longer ones follow data.long_prompt_policy.").range(1, kMaxSampleTokens);
   b.add("rollout.max_new_tokens", TILLER_FIELD(rollout.max_new_tokens), "Most tokens generated per completion.")
-      .range(1, std::nullopt);
+      .range(1, kMaxSampleTokens);
   b.add("rollout.temperature", TILLER_FIELD(rollout.temperature), "Sampling temperature (0: greedy).")
       .range(0.0, 100.0);
   b.add("rollout.top_p", TILLER_FIELD(rollout.top_p), "Nucleus sampling threshold (1: off).").range(0.0, 1.0);
-  b.add("rollout.top_k", TILLER_FIELD(rollout.top_k), "Top-k sampling (-1: off).").range(-1, std::nullopt);
+  b.add("rollout.top_k", TILLER_FIELD(rollout.top_k), "Top-k sampling (-1: off).").range(-1, kMaxSampleTokens);
   b.add("rollout.micro_batch_tokens", TILLER_FIELD(rollout.micro_batch_tokens),
         "Token budget of one packed scoring micro-batch (log-probs, values, rewards).")
-      .range(1, std::nullopt);
+      .range(1, kMaxBatchTokens);
   b.add_enum("rollout.mode", TILLER_FIELD(rollout.mode),
              "sync: each step generates, scores, trains, then syncs the weights. async: the engines keep "
              "generating the next steps' samples while the trainers score and train, within "
@@ -179,7 +190,7 @@ std::vector<Field> build() {
   b.add("algo.target_kl", TILLER_FIELD(algo.target_kl), "Adaptive KL controller target (0: fixed kl_coef).")
       .range(0.0, 100.0);
   b.add("algo.kl_horizon", TILLER_FIELD(algo.kl_horizon), "Horizon of the adaptive KL controller, in samples.")
-      .range(1.0, std::nullopt);
+      .range(1.0, 1e12);
   b.add_enum("algo.importance_correction", TILLER_FIELD(algo.importance_correction),
              "Off-policy correction of the policy loss against the engine's log-probs (the behaviour policy; the "
              "PPO ratio is taken against the actor's recomputed log-probs, the proximal policy). none; tis: each "
@@ -209,7 +220,7 @@ std::vector<Field> build() {
         "(truncate_left), or stop with an error naming the line.")
       .one_of({"skip", "truncate_left", "error"});
   b.add("data.max_samples", TILLER_FIELD(data.max_samples), "Use at most this many prompts (0: all).")
-      .range(0, std::nullopt);
+      .range(0, kMaxCount);
 
   b.add_enum("reward.type", TILLER_FIELD(reward.type),
              "model (the reward role scores), rule (a registered function), remote (a gRPC reward service).");
@@ -217,7 +228,7 @@ std::vector<Field> build() {
   b.add("reward.remote_address", TILLER_FIELD(reward.remote_address),
         "host:port of the remote reward service (proto/tiller/reward.proto) when reward.type is remote.");
   b.add("reward.remote_timeout_s", TILLER_FIELD(reward.remote_timeout_s), "Deadline of one Score call to the remote reward service.")
-      .range(0.001, std::nullopt);
+      .range(0.001, kMaxSeconds);
   b.add("reward.remote_retries", TILLER_FIELD(reward.remote_retries),
         "Retries of a Score call that failed with UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED or ABORTED "
         "(backoff doubling from 0.5 s); other errors end the job at once.")
@@ -228,7 +239,7 @@ std::vector<Field> build() {
   b.add("reward.remote_concurrency", TILLER_FIELD(reward.remote_concurrency), "Score calls in flight at once.")
       .range(1, 1024);
   b.add("reward.clip", TILLER_FIELD(reward.clip), "Rewards are clipped to [-clip, clip] (0: off).")
-      .range(0.0, std::nullopt);
+      .range(0.0, 1e9);
   b.add("reward.normalize", TILLER_FIELD(reward.normalize), "Normalise rewards with running mean and std.");
   b.add("reward.overlong_buffer", TILLER_FIELD(reward.overlong_buffer),
         "DAPO's soft overlong penalty: a response longer than rollout.max_new_tokens - this many tokens loses "
@@ -238,11 +249,11 @@ std::vector<Field> build() {
         "The overlong penalty at rollout.max_new_tokens (see reward.overlong_buffer).")
       .range(0.0, 1000.0);
 
-  b.add("train.num_steps", TILLER_FIELD(train.num_steps), "PPO steps to run.").range(1, std::nullopt);
+  b.add("train.num_steps", TILLER_FIELD(train.num_steps), "PPO steps to run.").range(1, kMaxCount);
   b.add("train.train_batch_size", TILLER_FIELD(train.train_batch_size), "Samples per optimizer step.")
-      .range(1, std::nullopt);
+      .range(1, kMaxCount);
   b.add("train.micro_batch_tokens", TILLER_FIELD(train.micro_batch_tokens),
-        "Token budget of one packed training micro-batch per rank.").range(1, std::nullopt);
+        "Token budget of one packed training micro-batch per rank.").range(1, kMaxBatchTokens);
   b.add("train.actor_lr", TILLER_FIELD(train.actor_lr), "Actor learning rate.").range(0.0, 1.0);
   b.add("train.critic_lr", TILLER_FIELD(train.critic_lr), "Critic learning rate.").range(0.0, 1.0);
   b.add("train.weight_decay", TILLER_FIELD(train.weight_decay), "AdamW weight decay (not on norms and biases).")
@@ -251,29 +262,29 @@ std::vector<Field> build() {
   b.add("train.adam_beta2", TILLER_FIELD(train.adam_beta2), "AdamW beta2.").range(0.0, 1.0);
   b.add("train.adam_eps", TILLER_FIELD(train.adam_eps), "AdamW epsilon.").range(0.0, 1.0);
   b.add("train.max_grad_norm", TILLER_FIELD(train.max_grad_norm), "Global gradient-norm clip (0: off).")
-      .range(0.0, std::nullopt);
+      .range(0.0, 1e9);
   b.add("train.lr_schedule", TILLER_FIELD(train.lr_schedule), "constant, linear or cosine, after the warmup.")
       .one_of({"constant", "linear", "cosine"});
   b.add("train.warmup_steps", TILLER_FIELD(train.warmup_steps), "Linear warmup in optimizer steps.")
-      .range(0, std::nullopt);
+      .range(0, kMaxCount);
   b.add("train.min_lr_ratio", TILLER_FIELD(train.min_lr_ratio), "Floor of linear/cosine decay, as a fraction of the LR.")
       .range(0.0, 1.0);
 
   b.add("train.critic_warmup_steps", TILLER_FIELD(train.critic_warmup_steps),
         "First steps that train only the critic: no actor update and no weight sync.")
-      .range(0, std::nullopt);
+      .range(0, kMaxCount);
 
   b.add("checkpoint.dir", TILLER_FIELD(checkpoint.dir), "Checkpoint directory (empty: no checkpoints).");
   b.add("checkpoint.every_steps", TILLER_FIELD(checkpoint.every_steps), "Save every N steps (0: only at the end).")
-      .range(0, std::nullopt);
+      .range(0, kMaxCount);
   b.add("checkpoint.keep_last", TILLER_FIELD(checkpoint.keep_last), "Checkpoints kept; older ones are deleted.")
-      .range(1, std::nullopt);
+      .range(1, 1000000);
   b.add("checkpoint.resume", TILLER_FIELD(checkpoint.resume), "Resume from the newest checkpoint in dir, if any.");
   b.add("checkpoint.save_hf", TILLER_FIELD(checkpoint.save_hf), "Also export the actor as HF safetensors at each save.");
 
   b.add("logging.level", TILLER_FIELD(logging.level), "Log level; the TILLER_LOG_LEVEL environment variable wins.")
       .one_of({"trace", "debug", "info", "warn", "error", "off"});
-  b.add("logging.every_steps", TILLER_FIELD(logging.every_steps), "Log metrics every N steps.").range(1, std::nullopt);
+  b.add("logging.every_steps", TILLER_FIELD(logging.every_steps), "Log metrics every N steps.").range(1, kMaxCount);
   b.add("logging.metrics_jsonl", TILLER_FIELD(logging.metrics_jsonl),
         "Append per-step metrics to this JSONL file. Empty: run.output_dir/metrics.jsonl.");
   b.add("logging.tensorboard_dir", TILLER_FIELD(logging.tensorboard_dir),
@@ -290,20 +301,20 @@ std::vector<Field> build() {
 
   b.add("timeouts.collective_s", TILLER_FIELD(timeouts.collective_s),
         "Deadline of one collective (all-gather, reduce-scatter, ...); a miss aborts the communicator.")
-      .range(0.001, std::nullopt);
+      .range(0.001, kMaxSeconds);
   b.add("timeouts.startup_s", TILLER_FIELD(timeouts.startup_s),
-        "Deadline for communicator creation and engine start-up.").range(0.001, std::nullopt);
+        "Deadline for communicator creation and engine start-up.").range(0.001, kMaxSeconds);
   b.add("timeouts.generate_s", TILLER_FIELD(timeouts.generate_s),
         "Longest an engine with samples in flight may go without returning one (the error names the engine "
         "and what it still owes).")
-      .range(0.001, std::nullopt);
+      .range(0.001, kMaxSeconds);
   b.add("timeouts.weight_sync_s", TILLER_FIELD(timeouts.weight_sync_s), "Deadline of one weight sync to the engines.")
-      .range(0.001, std::nullopt);
+      .range(0.001, kMaxSeconds);
   b.add("timeouts.train_s", TILLER_FIELD(timeouts.train_s),
         "Deadline of one optimizer step's micro-batches on the actor or critic ranks.")
-      .range(0.001, std::nullopt);
+      .range(0.001, kMaxSeconds);
   b.add("timeouts.rpc_s", TILLER_FIELD(timeouts.rpc_s), "Deadline of one control RPC (health, stats, abort).")
-      .range(0.001, std::nullopt);
+      .range(0.001, kMaxSeconds);
   return b.take();
 }
 
@@ -312,7 +323,13 @@ std::vector<Field> build() {
 }  // namespace
 
 const std::vector<Field>& fields() {
-  static const std::vector<Field> kFields = build();
+  static const std::vector<Field> kFields = [] {
+    std::vector<Field> f = build();
+    for (const Field& x : f)
+      TILLER_CHECK(!(x.kind == Kind::kInt || x.kind == Kind::kDouble) || (x.min && x.max),
+                   "config key {} has no upper or lower bound; every number in the schema needs both", x.path);
+    return f;
+  }();
   return kFields;
 }
 

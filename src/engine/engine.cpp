@@ -15,6 +15,7 @@
 
 #include "engine/model_runner.h"
 #include "engine/step_batch.h"
+#include "tiller/core/checked_math.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/engine/kv_block_manager.h"
@@ -187,8 +188,11 @@ void Engine::Impl::validate(const Request& r) const {
   }
   if (r.n < 1 || r.n > opts.limits.max_num_seqs)
     bad(fmt::format("n = {} samples; allowed 1 to max_num_seqs = {}", r.n, opts.limits.max_num_seqs));
+  // Both terms are bounded (the prompt by max_model_len, max_new_tokens by validate()), so the
+  // sum cannot wrap and pass the checks below.
   const auto prompt = static_cast<int64_t>(r.prompt.size());
-  const int64_t total = prompt + r.params.max_new_tokens;
+  if (prompt > max_model_len) bad(fmt::format("the prompt has {} tokens; max_model_len is {}", prompt, max_model_len));
+  const int64_t total = checked_add(prompt, r.params.max_new_tokens, "prompt + max_new_tokens");
   if (total > max_model_len)
     bad(fmt::format("prompt ({}) + max_new_tokens ({}) = {} exceeds max_model_len {}", prompt,
                     r.params.max_new_tokens, total, max_model_len));
@@ -233,6 +237,11 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
     throw ConfigError(fmt::format("tensor parallel size {} must divide the attention heads ({}), the KV heads ({}) "
                                   "and the MLP width ({})",
                                   tp_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size));
+  // The RoPE tables and the graphs' block lists are sized by max_model_len: bound it before any
+  // allocation, so an absurd value is a message and not an allocation failure.
+  const int64_t max_len = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
+  if (max_len < 1 || max_len > kMaxModelLen)
+    throw ConfigError(fmt::format("max_model_len = {} is out of range: must be in [1, {}]", max_len, kMaxModelLen));
   const at::Device device(opts.device);
   m.runner = std::make_unique<ModelRunner>(cfg, std::move(weights), device, opts.block_size, tp);
   int64_t blocks = opts.num_blocks;

@@ -5,9 +5,11 @@
 #include <utf8proc.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <queue>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -99,8 +101,12 @@ class Regex {
     std::vector<std::pair<size_t, size_t>> out;
     pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
     size_t pos = 0;
+    uint32_t options = 0;
     while (pos <= s.size()) {
-      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, 0, md, nullptr);
+      // The subject's UTF-8 is checked once: PCRE2 would check all of it again on every call,
+      // which made splitting a long text quadratic in its length.
+      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, options, md, nullptr);
+      options = PCRE2_NO_UTF_CHECK;
       if (rc < 0) break;
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
       if (ov[1] == ov[0]) {  // empty match: step over one character
@@ -117,6 +123,10 @@ class Regex {
  private:
   pcre2_code* code_ = nullptr;
 };
+
+// Token ids are below this (the largest published vocabularies have ~2^18 tokens): a file with an
+// id of 10^12 is refused, not allocated for, and pair keys hold two ids in 64 bits.
+constexpr int64_t kMaxVocab = int64_t{1} << 26;
 
 // The pre-tokenizer of GPT-2 (ByteLevel with use_regex).
 constexpr const char* kGpt2Pattern =
@@ -319,6 +329,14 @@ class BpeTokenizer final : public Tokenizer {
     return id_to_token_[id];
   }
   bool is_special(int64_t id) const override { return special_ids_.count(id) > 0; }
+  int64_t max_bytes_per_token() const override {
+    // A vocabulary entry is at least as long in UTF-8 as the bytes it stands for (byte-level
+    // entries spell each byte with one or two characters). Unicode normalization can shrink a
+    // text (composition: three jamo of 9 bytes become one syllable of 3), hence the factor 4.
+    int64_t longest = 4;  // the unknown token stands for one character
+    for (const std::string& t : id_to_token_) longest = std::max<int64_t>(longest, static_cast<int64_t>(t.size()));
+    return normalizers_.empty() ? longest : 4 * longest;
+  }
 
  private:
   [[noreturn]] void unsupported(const std::string& key, const std::string& what) const {
@@ -343,7 +361,8 @@ class BpeTokenizer final : public Tokenizer {
     int64_t max_id = -1;
     for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
       const int64_t id = it.value().get<int64_t>();
-      if (id < 0) throw ConfigError(fmt::format("{}: model.vocab['{}'] has negative id {}", where_, it.key(), id));
+      if (id < 0 || id >= kMaxVocab)
+        throw ConfigError(fmt::format("{}: model.vocab['{}'] has id {}, outside [0, {})", where_, it.key(), id, kMaxVocab));
       vocab_[it.key()] = id;
       max_id = std::max(max_id, id);
     }
@@ -382,6 +401,9 @@ class BpeTokenizer final : public Tokenizer {
                    a.value("single_word", false), a.value("lstrip", false), a.value("rstrip", false),
                    a.value("normalized", false)};
       if (t.content.empty()) throw ConfigError(fmt::format("{}: added token {} has empty content", where_, t.id));
+      if (t.id < 0 || t.id >= kMaxVocab)
+        throw ConfigError(fmt::format("{}: added token '{}' has id {}, outside [0, {})", where_, t.content, t.id, kMaxVocab));
+      added_first_byte_[static_cast<unsigned char>(t.content[0])] = true;
       if (t.id >= static_cast<int64_t>(id_to_token_.size())) id_to_token_.resize(t.id + 1);
       id_to_token_[t.id] = t.content;
       if (t.special) special_ids_.insert({t.id, true});
@@ -503,6 +525,10 @@ class BpeTokenizer final : public Tokenizer {
     size_t start = 0, pos = 0;
     while (pos < text.size()) {
       const AddedToken* best = nullptr;
+      if (!added_first_byte_[static_cast<unsigned char>(text[pos])]) {  // no added token starts here
+        ++pos;
+        continue;
+      }
       for (const auto& a : added_) {
         if (a.normalized != normalized || a.content.size() > text.size() - pos) continue;
         if ((!best || a.content.size() > best->content.size()) && text.compare(pos, a.content.size(), a.content) == 0) {
@@ -565,31 +591,56 @@ class BpeTokenizer final : public Tokenizer {
         return;
       }
     }
-    std::vector<int64_t> sym;
+    // The symbols as a linked list over their first characters' slots.
+    struct Symbol {
+      int64_t id;
+      int64_t prev, next;  // -1 at the ends
+    };
+    std::vector<Symbol> sym;
     for (size_t i = 0; i < word.size();) {
       const size_t n = std::max<size_t>(1, utf8::char_len(word, i));
       auto it = vocab_.find(word.substr(i, n));
-      if (it != vocab_.end()) sym.push_back(it->second);
-      else if (unk_id_ >= 0) sym.push_back(unk_id_);
+      const int64_t id = it != vocab_.end() ? it->second : unk_id_;
+      if (id >= 0) {
+        const auto k = static_cast<int64_t>(sym.size());
+        sym.push_back({id, k - 1, -1});
+        if (k > 0) sym[static_cast<size_t>(k - 1)].next = k;
+      }
       i += n;
     }
-    // Merge the lowest-ranked adjacent pair (leftmost on ties) until none applies.
-    while (sym.size() > 1) {
-      int64_t best_rank = -1, best_id = -1;
-      size_t best_pos = 0;
-      for (size_t i = 0; i + 1 < sym.size(); ++i) {
-        auto it = merges_.find(pair_key(sym[i], sym[i + 1]));
-        if (it != merges_.end() && (best_rank < 0 || it->second.first < best_rank)) {
-          best_rank = it->second.first;
-          best_id = it->second.second;
-          best_pos = i;
-        }
-      }
-      if (best_rank < 0) break;
-      sym[best_pos] = best_id;
-      sym.erase(sym.begin() + best_pos + 1);
+    // Merge the lowest-ranked adjacent pair (leftmost on ties) until none applies, as `tokenizers`
+    // does: candidates in a min-heap by (rank, slot), O(n log n) in the word's length. A candidate
+    // is stale once either symbol has merged into a longer one; its ids then differ, since a
+    // symbol's text only grows and ids name texts.
+    struct Candidate {
+      int64_t rank, slot, left, right, merged;
+      bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : slot > o.slot; }
+    };
+    std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> heap;
+    auto offer = [&](int64_t slot) {
+      if (slot < 0) return;
+      const Symbol& a = sym[static_cast<size_t>(slot)];
+      if (a.next < 0) return;
+      const int64_t right = sym[static_cast<size_t>(a.next)].id;
+      auto it = merges_.find(pair_key(a.id, right));
+      if (it != merges_.end()) heap.push({it->second.first, slot, a.id, right, it->second.second});
+    };
+    for (int64_t k = 0; k + 1 < static_cast<int64_t>(sym.size()); ++k) offer(k);
+    while (!heap.empty()) {
+      const Candidate c = heap.top();
+      heap.pop();
+      Symbol& a = sym[static_cast<size_t>(c.slot)];
+      if (a.id != c.left || a.next < 0 || sym[static_cast<size_t>(a.next)].id != c.right) continue;
+      Symbol& b = sym[static_cast<size_t>(a.next)];
+      a.id = c.merged;
+      b.id = -1;
+      a.next = b.next;
+      if (b.next >= 0) sym[static_cast<size_t>(b.next)].prev = c.slot;
+      offer(a.prev);
+      offer(c.slot);
     }
-    ids.insert(ids.end(), sym.begin(), sym.end());
+    for (int64_t k = sym.empty() ? -1 : 0; k >= 0; k = sym[static_cast<size_t>(k)].next)
+      ids.push_back(sym[static_cast<size_t>(k)].id);
   }
 
   std::string where_;
@@ -599,6 +650,7 @@ class BpeTokenizer final : public Tokenizer {
   bool ignore_merges_ = false;
   int64_t unk_id_ = -1;
   std::vector<AddedToken> added_;
+  std::array<bool, 256> added_first_byte_{};  // bytes that some added token starts with
   std::map<int64_t, bool> special_ids_;
   std::vector<std::string> normalizers_;
   std::vector<PreTokenizerStep> steps_;

@@ -17,7 +17,9 @@ void SamplingParams::validate() const {
   if (!(top_p > 0 && top_p <= 1)) throw ConfigError(fmt::format("top_p must be in (0, 1], got {}", top_p));
   if (top_k < 0) throw ConfigError(fmt::format("top_k must be >= 0, got {}", top_k));
   if (!(min_p >= 0 && min_p < 1)) throw ConfigError(fmt::format("min_p must be in [0, 1), got {}", min_p));
-  if (max_new_tokens < 1) throw ConfigError(fmt::format("max_new_tokens must be >= 1, got {}", max_new_tokens));
+  if (max_new_tokens < 1 || max_new_tokens > kMaxNewTokens)
+    throw ConfigError(fmt::format("max_new_tokens must be in [1, {}], got {}", kMaxNewTokens, max_new_tokens));
+  if (top_k > kMaxNewTokens) throw ConfigError(fmt::format("top_k must be at most {}, got {}", kMaxNewTokens, top_k));
 }
 
 std::vector<Completion> generate(const ModelConfig& cfg, const ModelWeights& w,

@@ -1,5 +1,6 @@
 #include "tiller/model/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -157,6 +158,15 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
   }
   validate(c, where);
   return c;
+}
+
+int64_t context_limit(const ModelConfig& cfg) {
+  const RopeScaling& s = cfg.rope_scaling;
+  if (s.type == "default" || !(s.factor > 1.0)) return cfg.max_position_embeddings;
+  const int64_t original =
+      s.original_max_position_embeddings > 0 ? s.original_max_position_embeddings : cfg.max_position_embeddings;
+  const double scaled = std::min(static_cast<double>(original) * s.factor, 1e15);
+  return std::max(cfg.max_position_embeddings, static_cast<int64_t>(scaled));
 }
 
 ModelConfig load_model_config(const std::string& dir_or_file) {

@@ -1,11 +1,16 @@
 #include "tiller/rollout/prompt_dataset.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <random>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "tiller/core/checked_math.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/model/tokenizer.h"
@@ -22,8 +27,17 @@ LongPromptPolicy parse_long_prompt_policy(const std::string& name) {
 PromptDataset::PromptDataset(const std::string& path, const model::Tokenizer& tok, const DatasetOptions& o)
     : opts_(o) {
   if (o.max_prompt_tokens < 1) throw ConfigError(fmt::format("{}: max_prompt_tokens must be >= 1", path));
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0)
+    throw ConfigError(fmt::format("{}: cannot open the prompt file: {}", path, std::strerror(errno)));
+  if (S_ISDIR(st.st_mode))
+    throw ConfigError(fmt::format("{}: is a directory, not a JSONL file of prompts; set data.prompts to the file", path));
+  if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode))
+    throw ConfigError(fmt::format("{}: is not a regular file; set data.prompts to a JSONL file of prompts", path));
   std::ifstream in(path);
   if (!in) throw ConfigError(fmt::format("{}: cannot open the prompt file", path));
+  const int64_t per_token = tok.max_bytes_per_token();
+  const int64_t byte_limit = per_token > 0 ? checked_mul(o.max_prompt_tokens, per_token, "max_prompt_tokens x bytes per token") : 0;
   std::string line;
   int64_t n = 0;
   while (std::getline(in, line)) {
@@ -51,11 +65,21 @@ PromptDataset::PromptDataset(const std::string& path, const model::Tokenizer& to
     }
     if (!o.input_template.empty()) p.text = model::apply_input_template(o.input_template, p.text);
     if (o.chat != model::ChatFormat::kNone) p.text = model::apply_chat_template(o.chat, {{"user", p.text}});
-    p.tokens = tok.encode(p.text, /*add_special_tokens=*/false);
-    if (p.tokens.empty()) bad("the prompt is empty after templating");
-    if (static_cast<int64_t>(p.tokens.size()) > o.max_prompt_tokens) {
-      const std::string what = fmt::format("the prompt has {} tokens, over max_prompt_tokens {}", p.tokens.size(),
-                                           o.max_prompt_tokens);
+    // A prompt too long in bytes to fit max_prompt_tokens is over the limit without encoding it,
+    // so one huge line costs the skip and error policies a length check (truncate_left keeps
+    // its last tokens and has to encode it).
+    std::string what;
+    if (o.long_prompts != LongPromptPolicy::kTruncateLeft && byte_limit > 0 &&
+        static_cast<int64_t>(p.text.size()) > byte_limit) {
+      what = fmt::format("the prompt has {} bytes, over what max_prompt_tokens {} can hold (a token is at most {} bytes)",
+                         p.text.size(), o.max_prompt_tokens, per_token);
+    } else {
+      p.tokens = tok.encode(p.text, /*add_special_tokens=*/false);
+      if (p.tokens.empty()) bad("the prompt is empty after templating");
+      if (static_cast<int64_t>(p.tokens.size()) > o.max_prompt_tokens)
+        what = fmt::format("the prompt has {} tokens, over max_prompt_tokens {}", p.tokens.size(), o.max_prompt_tokens);
+    }
+    if (!what.empty()) {
       if (o.long_prompts == LongPromptPolicy::kError) bad(what + " (the policy is error)");
       if (o.long_prompts == LongPromptPolicy::kSkip) {
         if (skipped_++ == 0) log::warn("{}:{}: {}; skipped (and so is every other such prompt)", path, n, what);
@@ -66,6 +90,7 @@ PromptDataset::PromptDataset(const std::string& path, const model::Tokenizer& to
     }
     prompts_.push_back(std::move(p));
   }
+  if (in.bad()) throw IoError(fmt::format("{}: read error after line {}: {}", path, n, std::strerror(errno)));
   if (prompts_.empty())
     throw ConfigError(fmt::format("{}: no prompt left ({} lines read, {} over max_prompt_tokens {})", path, n,
                                   skipped_, o.max_prompt_tokens));

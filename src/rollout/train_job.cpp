@@ -13,6 +13,7 @@
 #include "rollout/controller.h"
 #include "rollout/protocol.h"
 #include "rollout/role_worker.h"
+#include "tiller/core/checked_math.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
@@ -23,6 +24,7 @@
 #include "tiller/engine/engine.h"
 #include "tiller/engine/engine_weights.h"
 #include "tiller/engine/server.h"
+#include "tiller/model/model_config.h"
 #include "tiller/sync/weight_sync.h"
 
 namespace tiller::rollout {
@@ -63,6 +65,15 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   const auto& me = plan.ranks.at(static_cast<size_t>(rank));
   const int tp = static_cast<int>(cfg.engines.tp);
   const std::string dir = cfg.engines.model.empty() ? cfg.roles.actor.model : cfg.engines.model;
+  // Before the weights load: a context the model was not made for is a config error, not an
+  // allocation of RoPE tables for it.
+  const int64_t max_model_len = checked_add(cfg.rollout.max_prompt_tokens, cfg.rollout.max_new_tokens,
+                                            "rollout.max_prompt_tokens + rollout.max_new_tokens");
+  const int64_t limit = model::context_limit(model::load_model_config(dir));
+  if (max_model_len > limit)
+    throw ConfigError(fmt::format("rollout.max_prompt_tokens + rollout.max_new_tokens = {} exceeds the context of {} "
+                                  "({} tokens: max_position_embeddings, with its RoPE scaling); lower them",
+                                  max_model_len, dir, limit));
   engine::EngineWeights w = engine::load_engine_weights(dir, me.engine_tp_rank, tp, cfg.roles.actor.dtype, device);
   engine::EngineOptions eo;
   eo.device = device;
@@ -71,7 +82,7 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   eo.kv_cache_gb = cfg.engines.kv_cache_gb;
   eo.limits.max_num_seqs = cfg.engines.max_num_seqs;
   eo.limits.max_batched_tokens = cfg.engines.max_batched_tokens;
-  eo.max_model_len = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens;
+  eo.max_model_len = max_model_len;
   dist::Communicator* tp_comm = tp > 1 ? groups.engine_tp.get() : nullptr;
   if (tp_comm) tp_comm->set_timeout(cfg.timeouts.collective_s);
   own.engine = std::make_unique<engine::Engine>(w.config, std::move(w.weights), eo, tp_comm);

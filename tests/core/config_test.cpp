@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include "core/config_schema.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 
@@ -90,6 +91,35 @@ TEST(Config, OutOfRangeAndChoices) {
   EXPECT_EQ(msg, "j.yaml:2: rollout.top_p = 1.5 is out of range: must be in [0, 1]");
   msg = config_error([] { parse_config("algo:\n  kl_estimator: k4\n", "j.yaml"); });
   EXPECT_EQ(msg, "j.yaml:2: algo.kl_estimator = 'k4' is not one of k1, k2, k3");
+}
+
+// Every number a user gives has an upper bound, so no sum or product of a few of them wraps and
+// no size becomes an allocation that kills a rank (a max_new_tokens of 2^62 once did).
+TEST(Config, EveryNumberHasBounds) {
+  EXPECT_EQ(config_error([] { parse_config("rollout:\n  max_new_tokens: 4611686018427387904\n", "j.yaml"); }),
+            "j.yaml:2: rollout.max_new_tokens = 4611686018427387904 is out of range: must be in [1, 16777216]");
+  int numbers = 0;
+  for (const config_schema::Field& f : config_schema::fields()) {
+    if (f.kind != config_schema::Kind::kInt && f.kind != config_schema::Kind::kDouble) continue;
+    ++numbers;
+    for (const char* huge : {"9223372036854775807", "1e300"}) {
+      if (f.kind == config_schema::Kind::kInt && std::string(huge) == "1e300") continue;
+      JobConfig c;
+      const std::string msg = config_error([&] { apply_override(c, f.path + "=" + huge); });
+      EXPECT_NE(msg.find(f.path + " = " + huge + " is out of range"), std::string::npos) << f.path << ": " << msg;
+    }
+  }
+  EXPECT_GT(numbers, 60);
+}
+
+TEST(Config, RepeatedKeysAreRefusedWithBothLines) {
+  EXPECT_EQ(config_error([] { parse_config("rollout:\n  batch_size: 4\n  batch_size: 8\n", "j.yaml"); }),
+            "j.yaml:3: 'rollout.batch_size' is given twice in this mapping (first at line 2); keep one");
+  EXPECT_EQ(config_error([] { parse_config("rollout:\n  batch_size: 4\nalgo:\n  gamma: 1\nrollout:\n  top_p: 0.5\n",
+                                           "j.yaml"); }),
+            "j.yaml:5: 'rollout' is given twice in this mapping (first at line 1); keep one");
+  // The same key in two sections is not a repeat.
+  EXPECT_EQ(config_error([] { parse_config("roles:\n  actor: {gpus: 2}\n  critic: {gpus: 2}\n", "j.yaml"); }), "");
 }
 
 TEST(Config, InvalidYamlNamesLine) {

@@ -1,7 +1,9 @@
+#include <cmath>
 #include <cstdlib>
 
 #include <gtest/gtest.h>
 
+#include "tiller/core/checked_math.h"
 #include "tiller/core/deadline.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
@@ -52,6 +54,22 @@ TEST(Deadline, ExpiresAndNever) {
   EXPECT_GT(Deadline::after_seconds(60).remaining_seconds(), 59);
   EXPECT_FALSE(Deadline::never().expired());
   EXPECT_TRUE(Deadline::never().is_never());
+  // A duration whose sum with now() would overflow the clock is no deadline, not one in the past.
+  EXPECT_TRUE(Deadline::after_seconds(1e300).is_never());
+  EXPECT_TRUE(Deadline::after_seconds(std::nan("")).is_never());
+  EXPECT_FALSE(Deadline::after_seconds(1e8).expired());
+}
+
+TEST(CheckedMath, OverflowNamesWhatWasComputed) {
+  EXPECT_EQ(checked_add(3, 4, "a + b"), 7);
+  EXPECT_EQ(checked_mul(-3, 4, "a x b"), -12);
+  try {
+    checked_add(int64_t{1} << 62, int64_t{1} << 62, "prompt + max_new_tokens");
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(), "prompt + max_new_tokens overflows 64-bit integers (4611686018427387904 + 4611686018427387904)");
+  }
+  EXPECT_THROW(checked_mul(int64_t{1} << 32, int64_t{1} << 31, "batch x samples"), ConfigError);
 }
 
 TEST(Logging, LevelsFromConfigAndEnvironment) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdio>
 #include <map>
 #include <random>
@@ -441,6 +442,12 @@ TEST(Engine, InvalidRequestsAreRefusedAndTheEngineKeepsServing) {
   refused({1, {1}, p, 1}, "KV blocks");
   p.max_new_tokens = 5000;
   refused({1, {1}, p, 1}, "max_model_len");
+  // Sizes whose sum once wrapped past the checks and killed the engine loop.
+  p.max_new_tokens = std::numeric_limits<int64_t>::max() - 1;
+  refused({1, {1, 2}, p, 1}, "max_new_tokens must be in [1, 16777216]");
+  p.max_new_tokens = model::kMaxNewTokens;
+  refused({1, {1, 2}, p, 1}, "max_model_len");
+  refused({1, std::vector<int64_t>(5000, 1), ok, 1}, "the prompt has 5000 tokens; max_model_len is");
   e.add({1, {1, 2}, ok, 1});
   refused({1, {3}, ok, 1}, "already in use");
   auto out = run_all(e);

@@ -283,6 +283,11 @@ def check_bad_inputs():
          r"long\.jsonl:4: .*(longer|over|exceeds).*max_prompt_tokens"),
         ("missing model", [f"roles.critic.model={bad}/nope"], None, r"nope"),
         ("unknown key", [], bad / "unknown.yaml", r"algo\.kl_coeff.*did you mean.*algo\.kl_coef"),
+        # Once 2^62 new tokens wrapped the length arithmetic and killed the engine with a storage overflow.
+        ("huge max_new_tokens", ["rollout.max_new_tokens=4611686018427387904"], None,
+         r"rollout\.max_new_tokens = 4611686018427387904 is out of range"),
+        ("context past the model's", ["rollout.max_new_tokens=100000"], None,
+         r"rollout\.max_prompt_tokens \+ rollout\.max_new_tokens = 100064 exceeds the context of .*\(512 tokens"),
     ]
     for name, sets, cfg, pattern in cases:
         args = command(4, bad / "out", *sets)

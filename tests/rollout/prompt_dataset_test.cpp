@@ -98,6 +98,66 @@ TEST(PromptDataset, LongPromptPolicies) {
   EXPECT_THROW(parse_long_prompt_policy("drop"), ConfigError);
 }
 
+// The real tokenizer, counting the bytes it is asked to encode.
+class CountingTokenizer final : public model::Tokenizer {
+ public:
+  explicit CountingTokenizer(const model::Tokenizer& t) : t_(t) {}
+  std::vector<int64_t> encode(const std::string& text, bool special) const override {
+    encoded_bytes += static_cast<int64_t>(text.size());
+    return t_.encode(text, special);
+  }
+  std::string decode(const std::vector<int64_t>& ids, bool skip) const override { return t_.decode(ids, skip); }
+  int64_t vocab_size() const override { return t_.vocab_size(); }
+  std::optional<int64_t> token_to_id(const std::string& s) const override { return t_.token_to_id(s); }
+  std::string id_to_token(int64_t id) const override { return t_.id_to_token(id); }
+  bool is_special(int64_t id) const override { return t_.is_special(id); }
+  int64_t max_bytes_per_token() const override { return t_.max_bytes_per_token(); }
+  mutable int64_t encoded_bytes = 0;
+
+ private:
+  const model::Tokenizer& t_;
+};
+
+// One huge line used to stall start-up for hours in the tokenizer before the policy applied: the
+// skip and error policies now refuse a prompt too long in bytes without encoding it, and the
+// decision is the one the token count would have made.
+TEST(PromptDataset, AHugePromptIsRefusedBeforeItIsEncoded) {
+  const int64_t per_token = tokenizer().max_bytes_per_token();
+  ASSERT_GT(per_token, 0);
+  std::string huge;
+  for (int i = 0; huge.size() < 4'000'000; ++i) huge += "word" + std::to_string(i % 97) + " ";
+  const std::string p = file("huge.jsonl", "{\"input\": \"short\"}\n{\"input\": \"" + huge + "\"}\n");
+  CountingTokenizer counting(tokenizer());
+  DatasetOptions o;
+  o.max_prompt_tokens = 64;
+  o.shuffle = false;
+  PromptDataset skip(p, counting, o);
+  EXPECT_EQ(skip.size(), 1);
+  EXPECT_EQ(skip.skipped(), 1);
+  EXPECT_LT(counting.encoded_bytes, 100);
+  o.long_prompts = LongPromptPolicy::kError;
+  const std::string err = error_of(p, o);
+  EXPECT_NE(err.find("huge.jsonl:2: the prompt has 4000"), std::string::npos) << err;
+  EXPECT_NE(err.find("over what max_prompt_tokens 64 can hold"), std::string::npos) << err;
+  // Just under the byte bound the prompt is encoded, and the token count decides.
+  const std::string at_bound(static_cast<size_t>(64 * per_token), 'a');
+  const std::string q = file("bound.jsonl", "{\"input\": \"" + at_bound + "\"}\n{\"input\": \"short\"}\n");
+  counting.encoded_bytes = 0;
+  o.long_prompts = LongPromptPolicy::kSkip;
+  PromptDataset near(q, counting, o);
+  EXPECT_GE(counting.encoded_bytes, 64 * per_token);
+  EXPECT_EQ(near.size() + near.skipped(), 2);
+}
+
+TEST(PromptDataset, APathThatIsNotAFileIsNamed) {
+  std::filesystem::create_directories(test::scratch_dir() + "/rollout/prompts_dir");
+  EXPECT_EQ(error_of(test::scratch_dir() + "/rollout/prompts_dir"),
+            test::scratch_dir() + "/rollout/prompts_dir: is a directory, not a JSONL file of prompts; set "
+                                  "data.prompts to the file");
+  EXPECT_NE(error_of(test::scratch_dir() + "/rollout/nope.jsonl").find("nope.jsonl: cannot open the prompt file: No such"),
+            std::string::npos);
+}
+
 TEST(PromptDataset, ShuffledEpochsResumeFromTheCursor) {
   std::string text;
   for (int i = 0; i < 20; ++i) text += "{\"input\": \"prompt " + std::to_string(i) + "\"}\n";

@@ -10,7 +10,9 @@ class Deadline {
  public:
   using Clock = std::chrono::steady_clock;
 
+  // A duration past ~30 years (or not a number) is no deadline at all: the sum would overflow.
   static Deadline after(std::chrono::duration<double> d) {
+    if (!(d.count() < kForeverSeconds)) return never();
     return Deadline(Clock::now() + std::chrono::duration_cast<Clock::duration>(d));
   }
   static Deadline after_seconds(double s) { return after(std::chrono::duration<double>(s)); }
@@ -28,6 +30,7 @@ class Deadline {
   }
 
  private:
+  static constexpr double kForeverSeconds = 1e9;
   explicit Deadline(Clock::time_point at) : at_(at) {}
   Clock::time_point at_;
 };

@@ -56,6 +56,9 @@ class InvalidRequest : public Error {
   using Error::Error;
 };
 
+// The longest sequence an engine holds: a prompt and a completion of rollout's largest sizes.
+inline constexpr int64_t kMaxModelLen = int64_t{1} << 25;
+
 struct EngineOptions {
   std::string device = "cpu";   // "cpu" or "cuda:N"; the weights must be there (their dtype is the engine's)
   int64_t block_size = 16;      // tokens per KV block
@@ -64,7 +67,7 @@ struct EngineOptions {
   int64_t num_blocks = 0;
   double kv_cache_gb = 0;
   double gpu_memory_fraction = 0.85;
-  int64_t max_model_len = 0;    // prompt + new tokens; 0: the config's max_position_embeddings
+  int64_t max_model_len = 0;    // prompt + new tokens (<= kMaxModelLen); 0: the config's max_position_embeddings
   // Decode steps on CUDA without tensor parallelism replay CUDA graphs, one per batch-size bucket
   // up to max_graph_batch (0: max_num_seqs, at most 512), captured on first use.
   bool cuda_graphs = true;

@@ -74,6 +74,10 @@ void validate(const ModelConfig& cfg, const std::string& where);
 ModelConfig preset(const std::string& name);
 std::vector<std::string> preset_names();
 
+// The longest sequence the model's positions are meant for: max_position_embeddings, or with RoPE
+// scaling (linear, dynamic, yarn, llama3) the original length times the factor when that is more.
+int64_t context_limit(const ModelConfig& cfg);
+
 // Parameter count of the causal LM (lm_head counted once when tied).
 int64_t num_parameters(const ModelConfig& cfg);
 

@@ -7,6 +7,10 @@
 
 namespace tiller::model {
 
+// The longest completion any caller may ask for (the engine's request validation, the config's
+// rollout.max_new_tokens), so that prompt + max_new_tokens cannot overflow.
+inline constexpr int64_t kMaxNewTokens = int64_t{1} << 24;
+
 struct SamplingParams {
   bool greedy = false;
   double temperature = 1.0;  // > 0

@@ -31,6 +31,11 @@ class Tokenizer {
   virtual std::optional<int64_t> token_to_id(const std::string& token) const = 0;
   virtual std::string id_to_token(int64_t id) const = 0;
   virtual bool is_special(int64_t id) const = 0;
+  // An upper bound on the bytes of text one token stands for (its longest piece, times what the
+  // normalizer can shrink a text by): a text of more than n times this many bytes has more than
+  // n tokens, so a caller can refuse it without encoding it. 0: no bound known (SentencePiece,
+  // whose unknown pieces may span several characters).
+  virtual int64_t max_bytes_per_token() const { return 0; }
 
   // From tokenizer_config.json (bos_token, eos_token, pad_token) when present.
   std::optional<int64_t> bos_id, eos_id, pad_id;
