@@ -128,20 +128,20 @@ void LocalChannel::wait_for_reply(int ms) {
 
 // --- TrainerLink ---
 
-TrainerLink::TrainerLink(Channel& channel, std::function<std::string(int)> describe)
-    : channel_(channel), describe_(std::move(describe)) {}
+TrainerLink::TrainerLink(Channel& channel, std::function<std::string(int)> describe, const Clock& clock)
+    : channel_(channel), describe_(std::move(describe)), clock_(clock) {}
 
 void TrainerLink::send(int rank, Frame request) { channel_.send(rank, std::move(request)); }
 
 void TrainerLink::call(int rank, Frame request, double timeout_s, std::string what, OnReply on_reply) {
   channel_.send(rank, std::move(request));
-  calls_[rank].push_back({std::move(what), timeout_s, Clock::now(), std::move(on_reply)});
+  calls_[rank].push_back({std::move(what), timeout_s, clock_.now(), std::move(on_reply)});
   ++pending_;
 }
 
 int TrainerLink::poll() {
   int handled = 0;
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   for (auto& [rank, calls] : calls_) {
     while (!calls.empty()) {
       Frame f;
@@ -158,7 +158,7 @@ int TrainerLink::poll() {
       Call c = std::move(calls.front());
       calls.pop_front();
       --pending_;
-      answered_[rank] = Clock::now();
+      answered_[rank] = clock_.now();
       if (f.op == Op::kError)
         throw Error(fmt::format("{} failed during {}: {}", describe_(rank), c.what, ErrorReply::decode(std::move(f)).what));
       try {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "rollout/protocol.h"
+#include "tiller/core/clock.h"
 #include "tiller/core/deadline.h"
 
 namespace tiller::rollout {
@@ -96,11 +97,11 @@ class LocalChannel final : public Channel {
 
 class TrainerLink {
  public:
-  using Clock = std::chrono::steady_clock;
   using OnReply = std::function<void(Frame&&)>;
 
-  // describe(rank) names a rank in errors, e.g. "rank 3 (critic+reward)".
-  TrainerLink(Channel& channel, std::function<std::string(int)> describe);
+  // describe(rank) names a rank in errors, e.g. "rank 3 (critic+reward)". The deadlines run on
+  // `clock` (tests move a ManualClock).
+  TrainerLink(Channel& channel, std::function<std::string(int)> describe, const Clock& clock = Clock::steady());
 
   // Sends a request that has no reply.
   void send(int rank, Frame request);
@@ -128,6 +129,7 @@ class TrainerLink {
   };
   Channel& channel_;
   std::function<std::string(int)> describe_;
+  const Clock& clock_;
   std::map<int, std::deque<Call>> calls_;      // per rank, oldest first
   std::map<int, Clock::time_point> answered_;  // per rank: its last reply
   size_t pending_ = 0;

@@ -69,7 +69,7 @@ void RolloutCollector::start(int64_t first_step, uint64_t version, const std::ve
   std::sort(resend_.begin(), resend_.end(),
             [](const PendingPrompt& a, const PendingPrompt& b) { return a.ordinal > b.ordinal; });  // back = oldest
   in_flight_.assign(engines_.size(), 0);
-  last_progress_.assign(engines_.size(), SteadyClock::now());
+  last_progress_.assign(engines_.size(), cfg_.clock->now());
   engines_.open();
   open_ = true;
   begin_forming(first_step, version, RoleSet{});
@@ -83,7 +83,7 @@ void RolloutCollector::begin_forming(int64_t step, uint64_t train_version, RoleS
   }
   batch_->step = step;
   batch_->train_version = train_version;
-  batch_->formed_since = SteadyClock::now();
+  batch_->formed_since = cfg_.clock->now();
   batch_->first_dispatch = SteadyClock::time_point::max();
   held_ = held;
   scoring_.clear();
@@ -128,7 +128,7 @@ void RolloutCollector::send(int64_t ordinal, int64_t dataset_index) {
   // The seed of the on-policy loop: step (ordinal / batch_size), slot (ordinal % batch_size).
   const auto quota = static_cast<uint64_t>(ordinal / cfg_.batch_size), slot = static_cast<uint64_t>(ordinal % cfg_.batch_size);
   r.params.seed = cfg_.seed * 1000003ull + quota * 65537ull + slot * static_cast<uint64_t>(cfg_.n);
-  if (in_flight_[e] == 0) last_progress_[e] = SteadyClock::now();
+  if (in_flight_[e] == 0) last_progress_[e] = cfg_.clock->now();
   engines_.submit(e, r, version_);
   in_flight_[e] += cfg_.n;
   Group g;
@@ -136,7 +136,7 @@ void RolloutCollector::send(int64_t ordinal, int64_t dataset_index) {
   g.dataset_index = dataset_index;
   g.engine = static_cast<int>(e);
   g.dispatch_version = version_;
-  g.dispatched = SteadyClock::now();
+  g.dispatched = cfg_.clock->now();
   outstanding_.emplace(ordinal, std::move(g));
 }
 
@@ -169,7 +169,7 @@ void RolloutCollector::take(Completion& c) {
     throw Error(fmt::format("{} refused {}: {}", engines_.name(e), where, res.error));
   }
   in_flight_[e] -= 1;
-  last_progress_[e] = SteadyClock::now();
+  last_progress_[e] = cfg_.clock->now();
   if (it == outstanding_.end()) return;  // a sample of a group dropped while it was generating
   Group& g = it->second;
   engine::SampleOutput s = std::move(c.result.sample);
@@ -213,7 +213,7 @@ void RolloutCollector::add_to_batch(Group& g, Staged st) {
                               s.finish_reason == "length", s.version_starts, s.versions, version_);
   b.ro.score[static_cast<size_t>(id)] = st.score;
   b.generated_tokens += static_cast<int64_t>(s.tokens.size());
-  b.last_sample = SteadyClock::now();
+  b.last_sample = cfg_.clock->now();
   if (rewards_.remote) {
     auto slot = remote_slots_.find(st.uid);
     if (slot != remote_slots_.end()) slot->second = {g.ordinal, -1, id};
@@ -329,7 +329,7 @@ void RolloutCollector::post_scoring() {
 }
 
 void RolloutCollector::check_progress() {
-  const auto now = SteadyClock::now();
+  const auto now = cfg_.clock->now();
   std::string stalled;
   for (size_t e = 0; e < in_flight_.size(); ++e) {
     if (in_flight_[e] == 0 || seconds_between(last_progress_[e], now) < cfg_.progress_timeout_s) continue;
@@ -393,7 +393,7 @@ bool RolloutCollector::batch_ready() const {
 std::unique_ptr<StepBatch> RolloutCollector::take_batch(RoleSet will_train) {
   TILLER_CHECK(batch_ready(), "take_batch() before the step is ready");
   std::unique_ptr<StepBatch> out = std::move(batch_);
-  out->ready_at = SteadyClock::now();
+  out->ready_at = cfg_.clock->now();
   const uint64_t v = out->train_version;
   for (int64_t s = 0; s < out->ro.size(); ++s) {
     const uint64_t oldest = out->ro.oldest_version(s);
@@ -428,7 +428,7 @@ void RolloutCollector::release(Role role) {
 void RolloutCollector::set_version(uint64_t version) {
   version_ = version;
   // The engines were paused for the sync: that was no stall of theirs.
-  last_progress_.assign(engines_.size(), SteadyClock::now());
+  last_progress_.assign(engines_.size(), cfg_.clock->now());
 }
 
 int64_t RolloutCollector::in_flight_samples() const {

@@ -52,6 +52,7 @@
 #include "rollout/engine_set.h"
 #include "rollout/score_rounds.h"
 #include "rollout/trainer_groups.h"
+#include "tiller/core/clock.h"
 #include "tiller/core/config.h"
 #include "tiller/model/sampling_params.h"
 #include "tiller/rollout/experience.h"
@@ -63,7 +64,7 @@ class RemoteReward;
 
 namespace tiller::rollout {
 
-using SteadyClock = std::chrono::steady_clock;
+using SteadyClock = Clock;
 
 // Where prompts come from: the dataset, or a synthetic source (tiller bench controller).
 class PromptSource {
@@ -104,6 +105,7 @@ struct CollectorConfig {
   int64_t num_steps = 1;
   int64_t max_in_flight_per_engine = 1;  // samples; dispatch waits beyond
   double progress_timeout_s = 1800;      // timeouts.generate_s
+  const Clock* clock = &Clock::steady();  // of the progress deadline and the phase times
   double score_timeout_s = 600;
   int64_t score_micro_batch_tokens = 16384;
   double score_temperature = 1.0;

@@ -47,8 +47,8 @@ std::string hms(double s) {
 }
 
 // The wall clock (trace time) at steady time `t`.
-double wall_us_at(SteadyClock::time_point t) {
-  return wall_us() - 1e6 * std::chrono::duration<double>(SteadyClock::now() - t).count();
+double wall_us_at(const Clock& clock, Clock::time_point t) {
+  return wall_us() - 1e6 * std::chrono::duration<double>(clock.now() - t).count();
 }
 
 double value_or(const json& j, const char* key, double fallback = 0) {
@@ -101,7 +101,8 @@ struct Controller::Impl {
         w(wiring),
         plan(*wiring.plan),
         link(*wiring.channel,
-             [p = wiring.plan](int r) { return fmt::format("rank {} ({})", r, p->ranks.at(static_cast<size_t>(r)).label()); }),
+             [p = wiring.plan](int r) { return fmt::format("rank {} ({})", r, p->ranks.at(static_cast<size_t>(r)).label()); },
+             *wiring.clock),
         checkpoints(c.checkpoint.dir, c.checkpoint.keep_last),
         kl_ctl(c.algo.kl_coef, c.algo.target_kl, c.algo.kl_horizon) {
     groups = trainer_groups(plan);
@@ -113,6 +114,7 @@ struct Controller::Impl {
     trainers = trainer_ranks(groups);
     const bool have_ref = plan.group(Role::kRef) != nullptr;
     collect_cfg = CollectorConfig::from_job(cfg, w.stop_token_ids, have_ref, critic_group != nullptr);
+    collect_cfg.clock = w.clock;
     adv_spec = AdvantageSpec::from_job(cfg, have_ref);
     off_policy_spec = OffPolicySpec::from_job(cfg);
     training = std::make_unique<TrainingDispatch>(TrainingConfig::from_job(cfg, have_ref), link, actor_group,
@@ -149,7 +151,7 @@ struct Controller::Impl {
   // --- one step -----------------------------------------------------------------------------------
 
   std::unique_ptr<StepBatch> next_batch() {
-    const auto t0 = SteadyClock::now();
+    const auto t0 = w.clock->now();
     while (!collector->batch_ready()) pump();
     const int64_t j = collector->forming_step();
     const bool empty = collector->forming().ro.size() == 0;  // nothing informative (filter cap)
@@ -163,7 +165,7 @@ struct Controller::Impl {
   }
 
   void advantages(StepBatch& b) {
-    const auto t0 = SteadyClock::now();
+    const auto t0 = w.clock->now();
     AdvantageResult r = compute_advantages(b.ro, adv_spec, {kl_ctl.value(), reward_moments});
     b.ro.advantages = std::move(r.advantages);
     if (b.ro.layout.critic) b.ro.returns = std::move(r.returns);
@@ -174,7 +176,7 @@ struct Controller::Impl {
   }
 
   void train(const StepBatch& b, const OffPolicy& op, bool train_actor) {
-    const auto t0 = SteadyClock::now();
+    const auto t0 = w.clock->now();
     const double w0 = wall_us();
     training->start(b, op, train_actor, kl_ctl.value());
     bool critic_released = !critic_group;
@@ -212,14 +214,14 @@ struct Controller::Impl {
   }
 
   void sync_weights(int64_t j) {
-    const auto t0 = SteadyClock::now();
+    const auto t0 = w.clock->now();
     const double w0 = wall_us();
     if (!cfg.rollout.partial) {
       // The samples in flight finish with the weights they started with.
       collector->pause_dispatch(true);
       while (collector->in_flight_samples() > 0) pump();
     }
-    const auto t1 = SteadyClock::now();
+    const auto t1 = w.clock->now();
     push_weights(version + 1);
     collector->set_version(version);
     collector->pause_dispatch(false);
@@ -311,7 +313,7 @@ struct Controller::Impl {
 
   void save() {
     if (!checkpoints.enabled()) return;
-    const auto t0 = SteadyClock::now();
+    const auto t0 = w.clock->now();
     const double w0 = wall_us();
     const std::string dir = checkpoints.begin(step);
     for (int r : trainers)
@@ -381,8 +383,8 @@ struct Controller::Impl {
     for (const auto& [k, v] : op.metrics) metrics[k] = v;
     metrics["weight_version"] = static_cast<double>(version);
     if (b->ro.size() > 0) {
-      trace->span(j, "generate", -1, wall_us_at(b->first_dispatch), wall_us_at(b->last_sample));
-      trace->span(j, "score (after generation)", -1, wall_us_at(b->last_sample), wall_us_at(b->ready_at));
+      trace->span(j, "generate", -1, wall_us_at(*w.clock, b->first_dispatch), wall_us_at(*w.clock, b->last_sample));
+      trace->span(j, "score (after generation)", -1, wall_us_at(*w.clock, b->last_sample), wall_us_at(*w.clock, b->ready_at));
     }
     collect_traces(j);
     outputs->record(*b, b->train_version,
@@ -392,7 +394,7 @@ struct Controller::Impl {
     const bool signal = stop_requested();
     if ((cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0) || last || signal) save();
     const double step_s = seconds_since(step_end);
-    step_end = SteadyClock::now();
+    step_end = w.clock->now();
     metrics["time/step"] = step_s;
     metrics["throughput/tokens_per_s"] = step_s > 0 ? static_cast<double>(b->generated_tokens) / step_s : 0.0;
     idle_metrics(step_s);
@@ -438,7 +440,7 @@ struct Controller::Impl {
     if (cfg.checkpoint.resume || w.require_resume) resume();
     collector = std::make_unique<RolloutCollector>(collect_cfg, *w.engines, link, *w.prompts, w.rewards, groups);
     collector->start(step + 1, version, resend, next_ordinal);
-    run_start = step_end = SteadyClock::now();
+    run_start = step_end = w.clock->now();
     engine_busy = w.engines->busy_seconds();
     first_step = step;
     bool stopped_by_signal = false;

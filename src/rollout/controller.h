@@ -46,6 +46,7 @@ struct ControllerWiring {
   std::string sync_plan;             // the bucket plan installed on the engines ("" : none)
   bool require_resume = false;       // --resume: a checkpoint must exist
   bool print_summary = true;         // the summary line on stdout at the end
+  const Clock* clock = &Clock::steady();  // of every deadline and phase time (tests: a ManualClock)
 };
 
 class Controller {

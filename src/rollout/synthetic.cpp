@@ -153,8 +153,11 @@ bool SyntheticEngines::next(Completion& out, int wait_ms) {
   std::unique_lock<std::mutex> lock(mu_);
   if (done_.empty() && wait_ms > 0 && opts_.tokens_per_s <= 0 && !paused_) {
     // Virtual time passes only while the caller waits: one decode step of every engine.
-    for (Engine& e : engines_) advance(e, 1);
+    for (size_t i = 0; i < engines_.size(); ++i)
+      if (static_cast<int>(i) != opts_.stalled_engine) advance(engines_[i], 1);
+    if (opts_.clock) opts_.clock->advance(opts_.seconds_per_step);
   }
+  TILLER_CHECK(opts_.stalled_engine < 0 || opts_.tokens_per_s <= 0, "a stalled synthetic engine needs virtual time");
   if (done_.empty() && wait_ms > 0 && opts_.tokens_per_s > 0)
     cv_.wait_for(lock, std::chrono::milliseconds(wait_ms), [&] { return !done_.empty() || stopping_; });
   if (done_.empty()) return false;

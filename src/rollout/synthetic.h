@@ -41,6 +41,10 @@ struct SyntheticEngineOptions {
   int64_t vocab = 1000;
   double tokens_per_s = 0;    // per engine; 0: virtual time
   bool stop_on_even_last = false;  // finish_reason "stop" for samples whose last id is even
+  // Virtual time: each decode step also moves this clock on (the controller's deadlines run on it).
+  ManualClock* clock = nullptr;
+  double seconds_per_step = 0;
+  int stalled_engine = -1;  // this engine takes requests and never decodes (a hung engine)
 };
 
 class SyntheticEngines final : public EngineSet {

@@ -285,7 +285,8 @@ struct Job {
     };
   }
 
-  std::string run(SyntheticEngineOptions eo = {}) {
+  // Runs the job; with `error`, a run that throws stores the message there instead of failing.
+  std::string run(SyntheticEngineOptions eo = {}, std::string* error = nullptr) {
     cfg.validate();
     dist::NodeMap nodes;
     std::vector<int> ranks(static_cast<size_t>(dist::required_world_size(cfg)));
@@ -316,8 +317,17 @@ struct Job {
     w.prompts = prompts.get();
     w.rewards.rule = reward;
     w.print_summary = false;
+    if (eo.clock) w.clock = eo.clock;
     Controller c(cfg, w);
-    EXPECT_EQ(c.run(), 0);
+    if (!error) {
+      EXPECT_EQ(c.run(), 0);
+      return c.summary();
+    }
+    try {
+      c.run();
+    } catch (const Error& e) {
+      *error = e.what();
+    }
     return c.summary();
   }
 
@@ -504,6 +514,30 @@ TEST(ControllerInProcess, PpoWithACriticTrainsBothRoles) {
   const auto m = job.lines("metrics.jsonl").back();
   EXPECT_TRUE(m.contains("critic/loss"));
   EXPECT_NEAR(m["values/mean"].get<double>(), 0.5, 1e-6);
+}
+
+// A hung engine: the error names it and what it still owes, once timeouts.generate_s has passed
+// on the controller's clock without a sample from it (moved by the synthetic engines' steps, so
+// the test waits for nothing).
+TEST(ControllerInProcess, AStalledEngineIsNamedWithWhatItOwes) {
+  Job job("stalled");
+  job.cfg.timeouts.generate_s = 30;
+  ManualClock clock;
+  SyntheticEngineOptions eo;
+  eo.clock = &clock;
+  eo.seconds_per_step = 0.25;
+  eo.stalled_engine = 1;
+  const auto start = clock.now();
+  std::string error;
+  job.run(eo, &error);
+  EXPECT_NE(error.find("generation stalled (timeouts.generate_s = 30 s): synthetic engine 1 has 4 samples of 2 "
+                       "prompts in flight and returned none for 30 s"),
+            std::string::npos)
+      << error;
+  EXPECT_EQ(error.find("synthetic engine 0"), std::string::npos) << error;  // engine 0 kept returning samples
+  const double waited = std::chrono::duration<double>(clock.now() - start).count();
+  EXPECT_GE(waited, 30.0);
+  EXPECT_LT(waited, 31.0);
 }
 
 TEST(ControllerInProcess, ATrainerRankFailureNamesTheRankAndTheCall) {
