@@ -13,6 +13,7 @@
 #include <fmt/ranges.h>
 
 #include "checks.h"
+#include "mpi_check.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 
@@ -43,8 +44,10 @@ MPI_Datatype element_type(std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mu);
   TILLER_CHECK(bytes >= 1 && bytes <= 16, "unsupported element size {}", bytes);
   if (types[bytes] == 0) {
-    MPI_Type_contiguous(static_cast<int>(bytes), MPI_BYTE, &types[bytes]);
-    MPI_Type_commit(&types[bytes]);
+    MPI_Datatype t = MPI_DATATYPE_NULL;
+    TILLER_MPI(MPI_Type_contiguous(static_cast<int>(bytes), MPI_BYTE, &t), "the MPI type of {}-byte elements", bytes);
+    TILLER_MPI(MPI_Type_commit(&t), "the MPI type of {}-byte elements", bytes);
+    types[bytes] = t;
   }
   return types[bytes];
 }
@@ -126,6 +129,11 @@ class MpiWork final : public Work {
   bool is_completed() override { return progress(); }
   void wait_on_stream() override { wait(); }
 
+  // A post (MPI_Isend, MPI_Irecv) that MPI refused fails the op and aborts the group.
+  void check_post(int rc, const char* call, int peer) {
+    if (rc != MPI_SUCCESS) fail(fmt::format("{} with rank {} failed: {}", call, peer, mpi_error_text(rc)));
+  }
+
  private:
   // True once complete; throws the failure otherwise recorded.
   bool progress() {
@@ -136,7 +144,7 @@ class MpiWork final : public Work {
         int flag = 0;
         MPI_Status status;
         int rc = MPI_Test(&p.request, &flag, &status);
-        if (rc != MPI_SUCCESS) fail(fmt::format("MPI error {} in a message with rank {}", rc, p.peer));
+        if (rc != MPI_SUCCESS) fail(fmt::format("MPI_Test of a message with rank {} failed: {}", p.peer, mpi_error_text(rc)));
         if (!flag) return false;
       }
       pending_.clear();
@@ -181,11 +189,12 @@ class MpiWork final : public Work {
     }
     for (auto& p : pending_) {
       if (p.request == MPI_REQUEST_NULL) continue;
+      // Best effort on a group that is being given up: a failure here changes nothing, as the
+      // buffers are kept until exit either way.
       if (p.is_recv) {
-        MPI_Cancel(&p.request);
-        MPI_Wait(&p.request, MPI_STATUS_IGNORE);
+        if (MPI_Cancel(&p.request) == MPI_SUCCESS) (void)MPI_Wait(&p.request, MPI_STATUS_IGNORE);
       } else {
-        MPI_Request_free(&p.request);
+        (void)MPI_Request_free(&p.request);
       }
     }
     pending_.clear();
@@ -211,14 +220,18 @@ class MpiCommunicator final : public Communicator {
   MpiCommunicator(MPI_Comm parent, const std::string& name, double timeout_s) : timeout_(timeout_s) {
     // Collective over `parent`; non-blocking duplication, so a missing rank is a timeout.
     MPI_Request requests[2];
-    MPI_Comm_idup(parent, &coll_, &requests[0]);
-    MPI_Comm_idup(parent, &p2p_, &requests[1]);
+    int parent_rank = -1;
+    TILLER_MPI(MPI_Comm_rank(parent, &parent_rank), "creating communicator '{}' (mpi)", name);
+    TILLER_MPI(MPI_Comm_idup(parent, &coll_, &requests[0]), "creating communicator '{}' (mpi, rank {})", name,
+               parent_rank);
+    TILLER_MPI(MPI_Comm_idup(parent, &p2p_, &requests[1]), "creating communicator '{}' (mpi, rank {})", name,
+               parent_rank);
     const Deadline deadline = Deadline::after_seconds(timeout_s);
     for (int done = 0; !done;) {
-      MPI_Testall(2, requests, &done, MPI_STATUSES_IGNORE);
+      TILLER_MPI(MPI_Testall(2, requests, &done, MPI_STATUSES_IGNORE), "creating communicator '{}' (mpi, rank {})",
+                 name, parent_rank);
       if (!done && deadline.expired()) {
-        int rank = -1;
-        MPI_Comm_rank(parent, &rank);
+        const int rank = parent_rank;
         throw TimeoutError(fmt::format("creating communicator '{}' (mpi, rank {}): not every rank joined within {}s; "
                                        "a rank hung or died before it; check the other ranks' logs",
                                        name, rank, timeout_s));
@@ -227,11 +240,12 @@ class MpiCommunicator final : public Communicator {
     }
     group_ = std::make_shared<GroupState>();
     group_->name = name;
-    MPI_Comm_rank(coll_, &group_->rank);
-    MPI_Comm_size(coll_, &group_->size);
+    TILLER_MPI(MPI_Comm_rank(coll_, &group_->rank), "communicator '{}' (mpi)", name);
+    TILLER_MPI(MPI_Comm_size(coll_, &group_->size), "communicator '{}' (mpi, rank {})", name, group_->rank);
     int flag = 0;
     int* tag_ub = nullptr;
-    MPI_Comm_get_attr(coll_, MPI_TAG_UB, &tag_ub, &flag);
+    TILLER_MPI(MPI_Comm_get_attr(coll_, MPI_TAG_UB, &tag_ub, &flag), "communicator '{}' (mpi, rank {})", name,
+               group_->rank);
     tag_mod_ = flag && tag_ub ? std::min(*tag_ub, 1 << 30) : 32767;
     send_seq_.assign(group_->size, 0);
     recv_seq_.assign(group_->size, 0);
@@ -240,8 +254,12 @@ class MpiCommunicator final : public Communicator {
   ~MpiCommunicator() override {
     // An aborted communicator may still have messages in flight; freeing it is then unsafe.
     if (!group_->aborted) {
-      MPI_Comm_free(&coll_);
-      MPI_Comm_free(&p2p_);
+      for (MPI_Comm* c : {&coll_, &p2p_}) {
+        const int rc = MPI_Comm_free(c);
+        if (rc != MPI_SUCCESS)  // a destructor does not throw; the process is likely ending anyway
+          log::warn("communicator '{}' (mpi, rank {}): MPI_Comm_free failed: {}", group_->name, group_->rank,
+                    mpi_error_text(rc));
+      }
     }
   }
 
@@ -392,10 +410,11 @@ class MpiCommunicator final : public Communicator {
     auto all = at::empty({2 * size()}, at::kLong);
     all_gather(mine, all)->wait();
     MPI_Comm out = MPI_COMM_NULL;
-    MPI_Comm_split(coll_, color < 0 ? MPI_UNDEFINED : color, key, &out);
+    TILLER_MPI(MPI_Comm_split(coll_, color < 0 ? MPI_UNDEFINED : color, key, &out),
+               "splitting group '{}' (mpi, rank {}) into '{}'", name(), rank(), new_name);
     if (out == MPI_COMM_NULL) return nullptr;
     auto comm = std::make_unique<MpiCommunicator>(out, new_name, timeout_);
-    MPI_Comm_free(&out);
+    TILLER_MPI(MPI_Comm_free(&out), "splitting group '{}' (mpi, rank {}) into '{}'", name(), rank(), new_name);
     return comm;
   }
 
@@ -435,12 +454,16 @@ class MpiCommunicator final : public Communicator {
 
   static void post_send(MpiWork& w, const at::Tensor& t, int peer, int tag, MPI_Comm comm) {
     Pending p{MPI_REQUEST_NULL, peer, false};
-    MPI_Isend(t.data_ptr(), static_cast<int>(t.numel()), element_type(t.element_size()), peer, tag, comm, &p.request);
+    w.check_post(MPI_Isend(t.data_ptr(), static_cast<int>(t.numel()), element_type(t.element_size()), peer, tag, comm,
+                           &p.request),
+                 "MPI_Isend", peer);
     w.add(p, static_cast<int64_t>(t.nbytes()));
   }
   static void post_recv(MpiWork& w, const at::Tensor& t, int peer, int tag, MPI_Comm comm) {
     Pending p{MPI_REQUEST_NULL, peer, true};
-    MPI_Irecv(t.data_ptr(), static_cast<int>(t.numel()), element_type(t.element_size()), peer, tag, comm, &p.request);
+    w.check_post(MPI_Irecv(t.data_ptr(), static_cast<int>(t.numel()), element_type(t.element_size()), peer, tag, comm,
+                           &p.request),
+                 "MPI_Irecv", peer);
     w.add(p, static_cast<int64_t>(t.nbytes()));
   }
 

@@ -13,6 +13,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <fmt/format.h>
 
+#include "mpi_check.h"
 #include "mpi_communicator.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
@@ -26,22 +27,23 @@ constexpr int kHostBytes = 64;
 MpiEnv::MpiEnv(int* argc, char*** argv) {
   TILLER_CHECK(!g_alive.exchange(true), "MpiEnv created twice; create one at the start of main");
   int initialized = 0;
-  MPI_Initialized(&initialized);
+  TILLER_MPI(MPI_Initialized(&initialized), "starting MPI");
   TILLER_CHECK(!initialized, "MPI was already initialised outside tiller::dist::MpiEnv");
   int provided = 0;
-  MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+  // Before MPI_Init the default handler aborts on errors; a code that comes back is still checked.
+  TILLER_MPI(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided), "starting MPI");
   if (provided < MPI_THREAD_FUNNELED) {
-    MPI_Finalize();
+    (void)MPI_Finalize();
     throw CommError(fmt::format("the MPI library gives thread level {}; tiller needs at least MPI_THREAD_FUNNELED",
                                 provided));
   }
   // Errors come back as return codes, which tiller turns into CommError with context.
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-  MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  TILLER_MPI(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "starting MPI");
+  TILLER_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &rank_), "starting MPI");
+  TILLER_MPI(MPI_Comm_size(MPI_COMM_WORLD, &size_), "starting MPI (rank {})", rank_);
   char host[MPI_MAX_PROCESSOR_NAME] = {};
   int len = 0;
-  MPI_Get_processor_name(host, &len);
+  TILLER_MPI(MPI_Get_processor_name(host, &len), "starting MPI (rank {})", rank_);
   hostname_.assign(host, len);
 }
 
@@ -50,9 +52,11 @@ MpiEnv::~MpiEnv() {
   // for them forever. Leave MPI as it is; when this process exits without finalizing, mpirun
   // tears the whole job down, which is what an error should do.
   if (std::uncaught_exceptions() == 0) {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (!finalized) MPI_Finalize();
+    int finalized = 1;
+    if (MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized) {
+      const int rc = MPI_Finalize();
+      if (rc != MPI_SUCCESS) log::warn("rank {}: MPI_Finalize failed: {}", rank_, mpi_error_text(rc));
+    }
   }
   g_alive = false;
 }
@@ -63,16 +67,18 @@ NodeMap MpiEnv::node_map(int gpus_per_node, bool cpu_run, double timeout_s) cons
   auto ping = at::zeros({1}, at::kInt);
   world_comm->all_reduce(ping)->wait();
   MPI_Comm node_comm = MPI_COMM_NULL;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node_comm);
+  const char* what = "finding the ranks of each node (rank {})";
+  TILLER_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node_comm),
+             fmt::runtime(what), rank_);
   // The node's id is its lowest world rank: node-comm rank 0 (keys are world ranks).
   MPI_Group node_group, world_group;
-  MPI_Comm_group(node_comm, &node_group);
-  MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+  TILLER_MPI(MPI_Comm_group(node_comm, &node_group), fmt::runtime(what), rank_);
+  TILLER_MPI(MPI_Comm_group(MPI_COMM_WORLD, &world_group), fmt::runtime(what), rank_);
   int zero = 0, leader = -1;
-  MPI_Group_translate_ranks(node_group, 1, &zero, world_group, &leader);
-  MPI_Group_free(&node_group);
-  MPI_Group_free(&world_group);
-  MPI_Comm_free(&node_comm);
+  TILLER_MPI(MPI_Group_translate_ranks(node_group, 1, &zero, world_group, &leader), fmt::runtime(what), rank_);
+  TILLER_MPI(MPI_Group_free(&node_group), fmt::runtime(what), rank_);
+  TILLER_MPI(MPI_Group_free(&world_group), fmt::runtime(what), rank_);
+  TILLER_MPI(MPI_Comm_free(&node_comm), fmt::runtime(what), rank_);
 
   int gpus = -1;
   if (!cpu_run) gpus = gpus_per_node > 0 ? gpus_per_node : at::detail::getCUDAHooks().getNumGPUs();
@@ -103,10 +109,11 @@ std::unique_ptr<Communicator> MpiEnv::world(double timeout_s) const {
 }
 
 void MpiEnv::abort_job(int code) {
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, code);
+  // On the way out: nothing to report a failure to but the exit code itself.
+  int initialized = 0, finalized = 1;
+  if (MPI_Initialized(&initialized) == MPI_SUCCESS && MPI_Finalized(&finalized) == MPI_SUCCESS && initialized &&
+      !finalized)
+    (void)MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);
 }
 

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include "dist/mpi_check.h"
 #include "mpi_env_for_tests.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
@@ -184,6 +185,22 @@ TEST(Communicator, RejectsBadArguments) {
   } else {
     EXPECT_THROW(comm().all_reduce(at::zeros({4}, at::kFloat)), Error);  // CPU tensor on NCCL
   }
+}
+
+// A failing MPI call (a real one: an invalid communicator, which MPI_ERRORS_RETURN hands back as
+// MPI_ERR_COMM) becomes a CommError naming what it was for, the call, and MPI's words.
+TEST(MpiCheck, AFailingCallNamesTheContextTheCallAndTheError) {
+  int rank = -1;
+  try {
+    TILLER_MPI(MPI_Comm_rank(MPI_COMM_NULL, &rank), "probe of group '{}' (rank {})", "g", 3);
+    FAIL() << "MPI_Comm_rank(MPI_COMM_NULL) succeeded";
+  } catch (const CommError& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("probe of group 'g' (rank 3): MPI_Comm_rank failed: ", 0), 0u) << m;
+    EXPECT_NE(m.find("MPI_ERR_COMM"), std::string::npos) << m;
+  }
+  TILLER_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "probe");  // a call that succeeds passes through
+  EXPECT_GE(rank, 0);
 }
 
 // One rank skips a collective and goes on to its next operation; every rank must get a clear
