@@ -27,6 +27,7 @@ apt_packages=(
   libgtest-dev libgmock-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libsentencepiece-dev libpcre2-dev libutf8proc-dev
+  openssl
 )
 missing=()
 for p in "${apt_packages[@]}"; do

@@ -14,6 +14,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/core/signals.h"
+#include "tiller/core/tls.h"
 #include "tiller/engine/engine.h"
 #include "tiller/engine/engine_weights.h"
 #include "tiller/engine/server.h"
@@ -22,7 +23,8 @@ namespace tiller::cli {
 namespace {
 
 struct EngineCmdOptions {
-  std::string model, host = "0.0.0.0", device = "auto", dtype = "auto", token_file;
+  std::string model, host = "127.0.0.1", device = "auto", dtype = "auto", token_file, tls_cert, tls_key;
+  bool insecure = false;
   int port = 50051;
   int tp = 1;
   engine::EngineOptions engine;
@@ -32,8 +34,25 @@ struct EngineCmdOptions {
   double timeout_s = 120;
 };
 
+// An engine reachable from other machines serves only callers with its token, unless the user
+// says --insecure: generation and weight updates are not for anyone on the network.
+std::string engine_token_for(const EngineCmdOptions& o) {
+  const std::string token = read_engine_token(o.token_file, "--token-file");
+  if (!token.empty() || is_loopback_host(o.host)) return token;
+  if (!o.insecure)
+    throw ConfigError(fmt::format("--host {} serves beyond this machine, and no token is set: give one "
+                                  "(--token-file or $TILLER_ENGINE_TOKEN), bind 127.0.0.1, or pass --insecure to "
+                                  "let anyone who can reach the port generate and replace the weights",
+                                  o.host));
+  log::warn("engine: --insecure: serving on {} without a token; anyone who can reach the port can generate and "
+            "replace the weights",
+            o.host);
+  return token;
+}
+
 int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
   block_stop_signals();  // taken by the watcher below; before any thread starts
+  const std::string token = engine_token_for(o);  // before any work: a refusal costs nothing
 
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), env.rank() == 0 ? "engine" : "engine.tp", log::Level::kInfo);
@@ -61,7 +80,9 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
   }
   engine::ServerOptions so;
   so.address = fmt::format("{}:{}", o.host, o.port);
-  so.token = read_engine_token(o.token_file, "--token-file");
+  so.token = token;
+  so.tls.cert = o.tls_cert;
+  so.tls.key = o.tls_key;
   engine::EngineServer server(eng, so);
   std::printf("%s\n", nlohmann::json{{"event", "serving"},
                                      {"port", server.port()},
@@ -108,7 +129,12 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   auto* cmd = app.add_subcommand("engine", "Serve one inference engine over gRPC (mpirun -np N for --tp N)");
   auto o = std::make_shared<EngineCmdOptions>();
   cmd->add_option("--model", o->model, "HF model directory (config.json + safetensors)")->required();
-  cmd->add_option("--host", o->host, "Address to bind");
+  cmd->add_option("--host", o->host,
+                  "Address to bind (default 127.0.0.1: this machine only; another address needs a token or "
+                  "--insecure)");
+  cmd->add_flag("--insecure", o->insecure, "Serve a non-loopback --host without a token (logged as a warning)");
+  cmd->add_option("--tls-cert", o->tls_cert, "PEM certificate to serve TLS with (with --tls-key)");
+  cmd->add_option("--tls-key", o->tls_key, "PEM private key of --tls-cert");
   cmd->add_option("--port", o->port, "Port to bind (0: any free port; printed on stdout)")->check(CLI::Range(0, 65535));
   cmd->add_option("--tp", o->tp, "Tensor-parallel size (the number of ranks)")->check(CLI::Range(1, 64));
   cmd->add_option("--device", o->device, "auto, cpu or cuda[:N] (TP ranks take the GPU of their local rank)");

@@ -66,6 +66,7 @@ struct GenerateOptions {
   bool ignore_eos = false;
   int64_t batch_size = 16;
   std::string engine, engine_token_file;  // generate on a running engine instead
+  std::string engine_tls_ca, engine_tls_server_name;
   double engine_timeout_s = 600;
 };
 
@@ -76,6 +77,8 @@ std::vector<model::Completion> generate_on_engine(const GenerateOptions& o, cons
   engine::ClientOptions co;
   co.address = o.engine;
   co.token = read_engine_token(o.engine_token_file, "--engine-token-file");
+  co.tls.ca = o.engine_tls_ca;
+  co.tls.server_name = o.engine_tls_server_name;
   engine::EngineClient client(co);
   const engine::ServerHealth h = client.health();
   if (h.vocab_size != cfg.vocab_size)
@@ -265,6 +268,11 @@ void add_model_commands(CLI::App& app, Runner& run) {
   gen->add_option("--engine", go->engine, "host:port of a running `tiller engine` to generate on");
   gen->add_option("--engine-token-file", go->engine_token_file,
                   "File with the engine's shared secret (default: $TILLER_ENGINE_TOKEN)");
+  gen->add_option("--engine-tls-ca", go->engine_tls_ca,
+                  "PEM roots to verify the engine's certificate with: dial it over TLS (for a self-signed engine "
+                  "certificate, the certificate itself)");
+  gen->add_option("--engine-tls-server-name", go->engine_tls_server_name,
+                  "The name the engine's certificate must carry (default: the host of --engine)");
   gen->add_option("--engine-timeout", go->engine_timeout_s, "Seconds the engine may take for all prompts");
   gen->callback([&run, go] { run = [go] { return run_generate(*go); }; });
 

@@ -148,9 +148,39 @@ def make_servicer(pb, pb_grpc, task, fail_first, delay):
     return Reward()
 
 
+def token_interceptor(token):
+    """Refuses every call whose x-tiller-token metadata is not `token` (UNAUTHENTICATED)."""
+    import hmac
+
+    import grpc
+
+    def refuse(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-tiller-token")
+
+    class Check(grpc.ServerInterceptor):
+        def intercept_service(self, continuation, details):
+            got = dict(details.invocation_metadata).get("x-tiller-token", "")
+            if hmac.compare_digest(got.encode(), token.encode()):
+                return continuation(details)
+            return grpc.unary_unary_rpc_method_handler(refuse)
+
+    return Check()
+
+
+def is_loopback(host):
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (another than loopback needs --token-file or --insecure)")
+    ap.add_argument("--token-file", help="first line: the token every call must carry (x-tiller-token); "
+                                         "tiller sends it with reward.remote_token_file")
+    ap.add_argument("--insecure", action="store_true", help="serve a non-loopback --host without a token")
+    ap.add_argument("--tls-cert", help="PEM certificate to serve TLS with (with --tls-key); tiller dials it "
+                                       "with reward.remote_tls_ca")
+    ap.add_argument("--tls-key", help="PEM private key of --tls-cert")
     ap.add_argument("--port", type=int, default=50061, help="0 picks a free port")
     ap.add_argument("--task", default="math", choices=sorted(TASKS))
     ap.add_argument("--workers", type=int, default=8, help="calls served at once")
@@ -162,17 +192,38 @@ def main():
 
     import grpc
 
+    token = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.readline().rstrip("\r\n")
+        if not token:
+            sys.exit(f"reward server: --token-file {args.token_file}: its first line is empty")
+    if token is None and not is_loopback(args.host):
+        if not args.insecure:
+            sys.exit(f"reward server: --host {args.host} serves beyond this machine and no --token-file is given; "
+                     "give one, bind 127.0.0.1, or pass --insecure")
+        print(f"reward server: warning: --insecure: anyone who can reach {args.host} may call it", flush=True)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        sys.exit("reward server: --tls-cert and --tls-key go together")
+
     pb, pb_grpc = load_stubs(args.proto)
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=args.workers),
+                         interceptors=[token_interceptor(token)] if token else [],
                          options=[("grpc.max_receive_message_length", 256 << 20),
                                   ("grpc.max_send_message_length", 256 << 20)])
     servicer = make_servicer(pb, pb_grpc, args.task, args.fail_first, args.delay)
     pb_grpc.add_RewardServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if args.tls_cert:
+        with open(args.tls_key, "rb") as k, open(args.tls_cert, "rb") as c:
+            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+        port = server.add_secure_port(f"{args.host}:{args.port}", creds)
+    else:
+        port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
         sys.exit(f"reward server: cannot bind {args.host}:{args.port}")
     server.start()
-    print(f"reward server: scoring '{args.task}' on {args.host}:{port}", flush=True)
+    print(f"reward server: scoring '{args.task}' on {args.host}:{port}{' over TLS' if args.tls_cert else ''}"
+          f"{' (token required)' if token else ''}", flush=True)
     if args.port_file:
         tmp = args.port_file + ".tmp"
         with open(tmp, "w") as f:

@@ -235,6 +235,12 @@ void JobConfig::validate() const {
     throw ConfigError(fmt::format("reward.type = {} does not use a reward model; set roles.reward.enabled=false "
                                   "or reward.type=model", enum_name(reward.type)));
   }
+  if (engines.tls_cert.empty() != engines.tls_key.empty())
+    throw ConfigError("engines.tls_cert and engines.tls_key go together; give both (TLS) or neither");
+  if (engines.tls_cert.empty() && (!engines.tls_ca.empty() || !engines.tls_server_name.empty()))
+    throw ConfigError("engines.tls_ca and engines.tls_server_name need engines.tls_cert and engines.tls_key");
+  if (reward.remote_tls_ca.empty() && !reward.remote_tls_server_name.empty())
+    throw ConfigError("reward.remote_tls_server_name needs reward.remote_tls_ca (TLS)");
   if (reward.type == RewardType::kRemote && reward.remote_address.empty()) {
     throw ConfigError("reward.type = remote needs reward.remote_address (host:port)");
   }

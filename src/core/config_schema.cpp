@@ -131,6 +131,16 @@ std::vector<Field> build() {
       .range(0, 65535);
   b.add("engines.host", TILLER_FIELD(engines.host),
         "Address the engines bind (the controller reaches them by their node's host name).");
+  b.add("engines.tls_cert", TILLER_FIELD(engines.tls_cert),
+        "PEM certificate the engines serve TLS with (with engines.tls_key); empty: plaintext gRPC. The engines "
+        "always require the job's random token; TLS also hides the traffic when engines and controller are on "
+        "different hosts.");
+  b.add("engines.tls_key", TILLER_FIELD(engines.tls_key), "PEM private key of engines.tls_cert.");
+  b.add("engines.tls_ca", TILLER_FIELD(engines.tls_ca),
+        "PEM roots the controller verifies the engines' certificate with; empty: engines.tls_cert itself "
+        "(a self-signed certificate).");
+  b.add("engines.tls_server_name", TILLER_FIELD(engines.tls_server_name),
+        "The name the engines' certificate must carry; empty: the engine's host name.");
   b.add("engines.sync_bucket_mb", TILLER_FIELD(engines.sync_bucket_mb),
         "Largest bucket of the weight broadcast from the actor to the engines, in MiB.")
       .range(1, 65536);
@@ -238,6 +248,13 @@ std::vector<Field> build() {
       .range(1, 1000000);
   b.add("reward.remote_concurrency", TILLER_FIELD(reward.remote_concurrency), "Score calls in flight at once.")
       .range(1, 1024);
+  b.add("reward.remote_token_file", TILLER_FIELD(reward.remote_token_file),
+        "File whose first line is the token sent to the remote reward service as x-tiller-token (empty: none; "
+        "examples/reward_server/server.py --token-file checks it).");
+  b.add("reward.remote_tls_ca", TILLER_FIELD(reward.remote_tls_ca),
+        "PEM roots to verify the remote reward service's certificate with; set, the call goes over TLS.");
+  b.add("reward.remote_tls_server_name", TILLER_FIELD(reward.remote_tls_server_name),
+        "The name the reward service's certificate must carry; empty: the host of reward.remote_address.");
   b.add("reward.clip", TILLER_FIELD(reward.clip), "Rewards are clipped to [-clip, clip] (0: off).")
       .range(0.0, 1e9);
   b.add("reward.normalize", TILLER_FIELD(reward.normalize), "Normalise rewards with running mean and std.");

@@ -1,6 +1,7 @@
 #include "tiller/core/spelling.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace tiller {
 

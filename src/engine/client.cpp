@@ -9,6 +9,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "engine/proto_convert.h"
+#include "rpc/credentials.h"
 #include "tiller/engine.grpc.pb.h"
 #include "tiller/engine/server.h"
 
@@ -141,7 +142,8 @@ EngineClient::EngineClient(const ClientOptions& opts) : impl_(std::make_unique<I
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(64 << 20);
-  impl_->channel = grpc::CreateCustomChannel(opts.address, grpc::InsecureChannelCredentials(), args);
+  const auto credentials = rpc::channel_credentials(opts.tls, args);
+  impl_->channel = grpc::CreateCustomChannel(opts.address, credentials, args);
   impl_->stub = pb::Engine::NewStub(impl_->channel);
 }
 

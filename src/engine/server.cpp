@@ -14,6 +14,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "engine/proto_convert.h"
+#include "rpc/credentials.h"
 #include "tiller/core/logging.h"
 #include "tiller/engine/engine.h"
 #include "tiller/engine.grpc.pb.h"
@@ -100,7 +101,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
     if (opts.token.empty()) return grpc::Status::OK;
     const auto& md = ctx->client_metadata();
     auto it = md.find("x-tiller-token");
-    if (it == md.end() || std::string(it->second.data(), it->second.size()) != opts.token)
+    if (it == md.end() || !secrets_equal(std::string(it->second.data(), it->second.size()), opts.token))
       return {grpc::StatusCode::UNAUTHENTICATED, "missing or wrong x-tiller-token"};
     return grpc::Status::OK;
   }
@@ -454,7 +455,7 @@ EngineServer::EngineServer(Engine& engine, const ServerOptions& opts) : impl_(st
   TILLER_CHECK(engine.is_leader(), "only the TP leader serves");
   Impl& m = *impl_;
   grpc::ServerBuilder b;
-  b.AddListeningPort(opts.address, grpc::InsecureServerCredentials(), &m.bound_port);
+  b.AddListeningPort(opts.address, rpc::server_credentials(opts.tls), &m.bound_port);
   b.RegisterService(&m);
   b.SetMaxReceiveMessageSize(64 << 20);
   b.SetMaxSendMessageSize(64 << 20);
@@ -462,7 +463,8 @@ EngineServer::EngineServer(Engine& engine, const ServerOptions& opts) : impl_(st
   if (!m.server || m.bound_port == 0)
     throw IoError(fmt::format("engine server: cannot listen on '{}' (in use, or not a host:port?)", opts.address));
   m.loop = std::thread([&m] { m.run_loop(); });
-  log::info("engine serving on port {}{}", m.bound_port, opts.token.empty() ? "" : " (token required)");
+  log::info("engine serving on port {}{}{}", m.bound_port, opts.tls.serves_tls() ? " over TLS" : "",
+            opts.token.empty() ? "" : " (token required)");
 }
 
 EngineServer::~EngineServer() { shutdown(); }

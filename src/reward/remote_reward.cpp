@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
 
+#include "rpc/credentials.h"
 #include "tiller/core/error.h"
 #include "tiller/reward.grpc.pb.h"
 
@@ -118,6 +119,7 @@ struct RemoteReward::Impl {
       ctx.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
                            std::chrono::duration<double>(opts.timeout_seconds)));
+      if (!opts.token.empty()) ctx.AddMetadata("x-tiller-token", opts.token);
       {
         std::lock_guard<std::mutex> lock(mu);
         if (stopping) return fail("the client is shutting down");
@@ -202,7 +204,8 @@ RemoteReward::RemoteReward(const RemoteOptions& opts) : impl_(std::make_unique<I
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
-  m.channel = grpc::CreateCustomChannel(opts.address, grpc::InsecureChannelCredentials(), args);
+  const auto credentials = rpc::channel_credentials(opts.tls, args);
+  m.channel = grpc::CreateCustomChannel(opts.address, credentials, args);
   m.stub = pb::Reward::NewStub(m.channel);
   for (int i = 0; i < opts.concurrency; ++i) m.workers.emplace_back([&m] { m.work(); });
 }
@@ -226,6 +229,7 @@ std::string RemoteReward::check_health(Deadline deadline) {
     const double left = std::min(deadline.remaining_seconds(), m.opts.timeout_seconds);
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(left)));
+    if (!m.opts.token.empty()) ctx.AddMetadata("x-tiller-token", m.opts.token);
     pb::HealthResponse resp;
     const grpc::Status st = m.stub->Health(&ctx, pb::HealthRequest{}, &resp);
     if (st.ok()) return resp.name();

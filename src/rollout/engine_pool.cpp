@@ -8,12 +8,14 @@
 
 namespace tiller::rollout {
 
-EnginePool::EnginePool(std::vector<std::string> addresses, const std::string& token, double rpc_timeout_s)
+EnginePool::EnginePool(std::vector<std::string> addresses, const std::string& token, double rpc_timeout_s,
+                       const TlsFiles& tls)
     : addresses_(std::move(addresses)), rpc_timeout_s_(rpc_timeout_s) {
   for (const auto& a : addresses_) {
     engine::ClientOptions o;
     o.address = a;
     o.token = token;
+    o.tls = tls;
     o.timeout_seconds = rpc_timeout_s;
     clients_.push_back(std::make_unique<engine::EngineClient>(o));
   }

@@ -20,7 +20,9 @@ namespace tiller::rollout {
 class EnginePool final : public EngineSet {
  public:
   // `addresses[i]` is engine i's host:port; each call but the streams has `rpc_timeout_s`.
-  EnginePool(std::vector<std::string> addresses, const std::string& token, double rpc_timeout_s);
+  // `tls`: dial the engines over TLS when tls.ca is set.
+  EnginePool(std::vector<std::string> addresses, const std::string& token, double rpc_timeout_s,
+             const TlsFiles& tls = {});
   ~EnginePool() override;
 
   size_t size() const override { return clients_.size(); }

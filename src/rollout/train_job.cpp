@@ -100,6 +100,8 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   const int64_t port = cfg.engines.port == 0 ? 0 : cfg.engines.port + me.engine;
   so.address = fmt::format("{}:{}", cfg.engines.host, port);
   so.token = hello.token;
+  so.tls.cert = cfg.engines.tls_cert;
+  so.tls.key = cfg.engines.tls_key;
   so.max_wait_seconds = std::max(cfg.timeouts.weight_sync_s, cfg.timeouts.rpc_s);
   own.server = std::make_unique<engine::EngineServer>(eng, so);
   engine::EngineServer& server = *own.server;

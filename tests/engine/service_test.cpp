@@ -3,12 +3,15 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <random>
 #include <thread>
 
 #include <ATen/ATen.h>
 
+#include "tiller/core/tls.h"
 #include "tiller/engine/engine.h"
 #include "tiller/engine/server.h"
 #include "tiller/model/generate.h"
@@ -25,7 +28,7 @@ struct Served {
   std::unique_ptr<EngineServer> server;
   std::string address;
 
-  explicit Served(const std::string& token = "") {
+  explicit Served(const std::string& token = "", const TlsFiles& tls = {}) {
     cfg = model::preset("tiny-qwen2");
     cfg.initializer_range = 0.25;
     named = model::init_weights(cfg, model::Head::kLm, 4, at::kFloat);
@@ -38,6 +41,7 @@ struct Served {
     ServerOptions so;
     so.address = "127.0.0.1:0";
     so.token = token;
+    so.tls = tls;
     server = std::make_unique<EngineServer>(*engine, so);
     address = "127.0.0.1:" + std::to_string(server->port());
   }
@@ -155,6 +159,59 @@ TEST(EngineService, TokenIsRequiredWhenConfigured) {
   EngineClient right({s.address, "s3cret"});
   EXPECT_EQ(right.health().status, "serving");
   EXPECT_EQ(right.generate({greedy_request(1, {1}, 2)}, Deadline::after_seconds(30)).size(), 1u);
+}
+
+// A self-signed certificate for `name` (and 127.0.0.1), made with the openssl command line.
+TlsFiles self_signed(const std::string& dir, const std::string& name) {
+  std::filesystem::create_directories(dir);
+  TlsFiles t{dir + "/cert.pem", dir + "/key.pem", "", ""};
+  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=" + name + " -addext "
+                          "subjectAltName=DNS:" + name + ",IP:127.0.0.1 -keyout " + t.key + " -out " + t.cert +
+                          " >/dev/null 2>&1";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  return t;
+}
+
+TEST(EngineService, TlsServesWhoTrustsTheCertificateAndRefusesTheRest) {
+  const std::string dir = TILLER_TEST_SCRATCH "/engine_tls";
+  const TlsFiles server_tls = self_signed(dir, "tiller-engine");
+  Served s("s3cret", server_tls);
+  ClientOptions good{s.address, "s3cret"};
+  good.tls.ca = server_tls.cert;                 // self-signed: the certificate is its own root
+  good.tls.server_name = "tiller-engine";        // dialled by IP, checked against this name
+  EngineClient trusted(good);
+  EXPECT_EQ(trusted.health().status, "serving");
+  EXPECT_EQ(trusted.generate({greedy_request(1, {1, 2}, 3)}, Deadline::after_seconds(30)).at(0).tokens.size(), 3u);
+  // The token is still required over TLS.
+  ClientOptions no_token = good;
+  no_token.token = "";
+  EXPECT_THROW(EngineClient(no_token).health(), CommError);
+  // Plaintext to a TLS port, a certificate from another root, and the wrong name all fail.
+  EXPECT_THROW(EngineClient(ClientOptions{s.address, "s3cret"}).health(), CommError);
+  const TlsFiles other = self_signed(dir + "/other", "tiller-engine");
+  ClientOptions untrusted = good;
+  untrusted.tls.ca = other.cert;
+  EXPECT_THROW(EngineClient(untrusted).health(), CommError);
+  ClientOptions wrong_name = good;
+  wrong_name.tls.server_name = "somebody-else";
+  EXPECT_THROW(EngineClient(wrong_name).health(), CommError);
+  // Files that are not PEM are named before anything is dialled.
+  ClientOptions bad_ca = good;
+  bad_ca.tls.ca = dir + "/nope.pem";
+  try {
+    EngineClient c(bad_ca);
+    FAIL() << "a missing CA file was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("TLS CA " + dir + "/nope.pem: cannot read it"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Security, LoopbackHostsAndConstantTimeSecrets) {
+  for (const char* h : {"127.0.0.1", "127.3.4.5", "localhost", "::1", "[::1]"}) EXPECT_TRUE(is_loopback_host(h)) << h;
+  for (const char* h : {"0.0.0.0", "10.0.0.7", "::", "node-3", "128.0.0.1"}) EXPECT_FALSE(is_loopback_host(h)) << h;
+  EXPECT_TRUE(secrets_equal("abc", "abc"));
+  EXPECT_FALSE(secrets_equal("abc", "abd"));
+  EXPECT_FALSE(secrets_equal("abc", "abcd"));
 }
 
 TEST(EngineService, WeightUpdatesPauseServingAndVersionTheResults) {

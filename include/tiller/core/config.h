@@ -120,6 +120,8 @@ struct EnginesConfig {
   std::int64_t port = 50051;
   std::string host = "0.0.0.0";
   std::int64_t sync_bucket_mb = 256;
+  // TLS of the engines' gRPC services (the controller dials them by host name).
+  std::string tls_cert, tls_key, tls_ca, tls_server_name;
 };
 
 struct RolloutConfig {
@@ -187,6 +189,8 @@ struct RewardConfig {
   std::int64_t remote_retries = 3;
   std::int64_t remote_batch_size = 64;
   std::int64_t remote_concurrency = 4;
+  std::string remote_token_file;       // first line: the token sent as x-tiller-token
+  std::string remote_tls_ca, remote_tls_server_name;
   double clip = 10.0;
   bool normalize = false;
   std::int64_t overlong_buffer = 0;  // DAPO's soft overlong penalty over the last this many tokens (0: off)

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tiller/core/deadline.h"
+#include "tiller/core/tls.h"
 #include "tiller/engine/engine.h"
 
 namespace tiller::engine {
@@ -21,6 +22,7 @@ struct ServerOptions {
   std::string token;                      // shared secret required in "x-tiller-token"; empty: none
   double max_wait_seconds = 600;          // cap on waits inside a call (Begin/End, aborts)
   double heartbeat_seconds = 1;           // TP: how often an idle leader tells the followers it lives
+  TlsFiles tls;                           // cert + key: serve TLS only
 };
 
 class EngineServer {
@@ -50,6 +52,7 @@ struct ClientOptions {
   std::string address;           // host:port
   std::string token;             // sent as "x-tiller-token" when not empty
   double timeout_seconds = 60;   // deadline of each unary call
+  TlsFiles tls;                  // ca (+ server_name): dial TLS
 };
 
 struct ServerHealth {

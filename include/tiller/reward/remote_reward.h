@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "tiller/core/deadline.h"
+#include "tiller/core/tls.h"
 
 namespace tiller::reward {
 
@@ -35,6 +36,8 @@ struct RemoteOptions {
   int batch_size = 64;             // samples per call
   int concurrency = 4;             // calls in flight
   double backoff_seconds = 0.5;    // first retry's wait (doubles per retry, capped at 8 s)
+  std::string token;               // sent as "x-tiller-token" when not empty
+  TlsFiles tls;                    // ca (+ server_name): dial TLS
 };
 
 struct RemoteSample {
