@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tiller/core/error.h"
+#include "tiller/core/file_system.h"
 #include "tiller/core/files.h"
 
 namespace tiller::model {
@@ -288,19 +289,6 @@ NamedTensors CheckpointReader::all() const {
 
 namespace {
 
-void write_all(int fd, const void* data, size_t n, const std::string& path) {
-  const auto* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      throw IoError(fmt::format("{}: write failed: {}", path, errno_text()));
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
 // The temporary name of `path` while it is written: unique per process, so two writers never
 // share (and truncate) one file.
 std::string tmp_name(const std::string& path) { return path + ".tmp." + std::to_string(::getpid()); }
@@ -327,41 +315,40 @@ void write_file_tmp(const std::string& path, const NamedTensors& tensors, const 
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');
   const std::string tmp = tmp_name(path);
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw IoError(fmt::format("{}: cannot create: {}", tmp, errno_text()));
+  FileSystem& fsys = FileSystem::current();
+  auto f = fsys.create(tmp);
   try {
     uint8_t len[8];
     uint64_t n = h.size();
     for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
-    write_all(fd, len, 8, tmp);
-    write_all(fd, h.data(), h.size(), tmp);
-    for (const auto& c : cpu) write_all(fd, c.data_ptr(), c.numel() * c.element_size(), tmp);
-    if (::fsync(fd) != 0) throw IoError(fmt::format("{}: fsync failed: {}", tmp, errno_text()));
+    f->append(len, 8);
+    f->append(h.data(), h.size());
+    for (const auto& c : cpu) f->append(c.data_ptr(), c.numel() * c.element_size());
+    f->sync();
+    f->close();
   } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
+    f.reset();
+    try {
+      fsys.remove_file(tmp);
+    } catch (const IoError&) {  // the write's failure is the one to report
+    }
     throw;
   }
-  ::close(fd);
 }
 
-void commit(const std::string& path) {
-  const std::string tmp = tmp_name(path);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) throw IoError(fmt::format("{}: rename failed: {}", path, errno_text()));
-}
+void commit(const std::string& path) { FileSystem::current().rename(tmp_name(path), path); }
 
 }  // namespace
 
 void write_safetensors(const std::string& path, const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
   write_file_tmp(path, tensors, metadata);
   commit(path);
-  fsync_dir(fs::path(path).parent_path().string());
+  fsync_dir(parent_dir(path));
 }
 
 void write_checkpoint(const std::string& dir, const NamedTensors& tensors, uint64_t max_shard_bytes) {
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) throw IoError(fmt::format("{}: cannot create the directory: {}", dir, ec.message()));
+  FileSystem::current().make_dirs(dir);
   std::vector<NamedTensors> shards(1);
   uint64_t in_shard = 0, total = 0;
   for (const auto& [name, t] : tensors) {
@@ -389,10 +376,11 @@ void write_checkpoint(const std::string& dir, const NamedTensors& tensors, uint6
     for (size_t i = 0; i < n; ++i)
       for (const auto& [name, _] : shards[i]) wm[name] = files[i];
     idx["weight_map"] = wm;
-    std::ofstream out(tmp_name(index.string()));
-    out << idx.dump(2) << "\n";
-    out.close();
-    if (!out) throw IoError(fmt::format("{}: write failed", index.string()));
+    const std::string text = idx.dump(2) + "\n";
+    auto f = FileSystem::current().create(tmp_name(index.string()));
+    f->append(text.data(), text.size());
+    f->sync();
+    f->close();
   }
   for (size_t i = 0; i < n; ++i) commit((fs::path(dir) / files[i]).string());
   if (n > 1) commit(index.string());

@@ -134,8 +134,9 @@ TrainerLink::TrainerLink(Channel& channel, std::function<std::string(int)> descr
 void TrainerLink::send(int rank, Frame request) { channel_.send(rank, std::move(request)); }
 
 void TrainerLink::call(int rank, Frame request, double timeout_s, std::string what, OnReply on_reply) {
+  const auto sent = clock_.now();  // before the send: an in-process rank may answer inside it
   channel_.send(rank, std::move(request));
-  calls_[rank].push_back({std::move(what), timeout_s, clock_.now(), std::move(on_reply)});
+  calls_[rank].push_back({std::move(what), timeout_s, sent, std::move(on_reply)});
   ++pending_;
 }
 

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tiller/core/error.h"
+#include "tiller/core/file_system.h"
 #include "tiller/core/files.h"
 
 namespace tiller::rollout {
@@ -97,10 +98,9 @@ std::vector<CheckpointManager::Entry> CheckpointManager::list() const {
 
 std::string CheckpointManager::begin(int64_t step) const {
   const std::string d = dir(step);
-  std::error_code ec;
-  fs::remove(fs::path(d) / "controller.json", ec);  // incomplete until commit
-  fs::create_directories(d, ec);
-  if (ec) throw IoError(fmt::format("{}: cannot create the checkpoint directory: {}", d, ec.message()));
+  FileSystem& fsys = FileSystem::current();
+  fsys.remove_file(d + "/controller.json");  // incomplete until commit
+  fsys.make_dirs(d);
   return d;
 }
 
@@ -111,6 +111,26 @@ void CheckpointManager::commit(int64_t step, const ControllerState& state) const
     remove_tree(all.front().dir);
     all.erase(all.begin());
   }
+}
+
+std::vector<std::string> CheckpointManager::remove_incomplete() const {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  if (!enabled() || !fs::is_directory(root_, ec)) return removed;
+  list();  // refuses a stray step_* name before anything is removed
+  std::vector<fs::path> doomed;
+  for (const auto& e : fs::directory_iterator(root_, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step_", 0) != 0 || name.find('.') != std::string::npos || !e.is_directory(ec)) continue;
+    if (!fs::exists(e.path() / "controller.json", ec)) doomed.push_back(e.path());
+  }
+  std::sort(doomed.begin(), doomed.end());
+  for (const auto& p : doomed) {
+    remove_tree(p.string());
+    removed.push_back(p.filename().string());
+  }
+  if (!removed.empty()) fsync_dir(root_);
+  return removed;
 }
 
 std::optional<std::pair<CheckpointManager::Entry, ControllerState>> CheckpointManager::latest() const {

@@ -55,6 +55,9 @@ class CheckpointManager {
   // Writes controller.json (completing the checkpoint), then deletes the oldest complete ones
   // beyond keep_last.
   void commit(int64_t step, const ControllerState& state) const;
+  // Removes the step_<digits> directories that hold no controller.json (a save that a crash cut
+  // short) and returns their names. Only while no job writes here (the supervisor, between runs).
+  std::vector<std::string> remove_incomplete() const;
   // The newest complete checkpoint and its state, or nullopt.
   std::optional<std::pair<Entry, ControllerState>> latest() const;
 

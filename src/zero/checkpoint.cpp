@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tiller/core/error.h"
+#include "tiller/core/file_system.h"
 #include "tiller/core/files.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
@@ -102,7 +103,7 @@ void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOpti
   std::string err;
   if (me == 0) err = attempt([&] {
     remove_tree(tmp);
-    fs::create_directories(tmp);
+    FileSystem::current().make_dirs(tmp);
   });
   int bad = first_failure(model, !err.empty());
   if (bad >= 0) throw IoError(fmt::format("checkpoint {}: cannot create {}: {}", dir, tmp, err.empty() ? "see rank 0" : err));
@@ -148,16 +149,13 @@ void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOpti
     write_file_atomic(tmp + "/config.json", model::to_hf_config_json(model.config(), o.head == model::Head::kValue));
     write_file_atomic(tmp + "/meta.json", meta.dump(2));
     fsync_dir(tmp);
-    auto move = [](const std::string& from, const std::string& to) {
-      if (::rename(from.c_str(), to.c_str()) != 0)
-        throw IoError(fmt::format("cannot rename {} to {}: {}", from, to, std::strerror(errno)));
-    };
-    if (fs::exists(dir)) {
+    FileSystem& fsys = FileSystem::current();
+    if (fsys.exists(dir)) {
       remove_tree(old);
-      move(dir, old);
+      fsys.rename(dir, old);
     }
-    move(tmp, dir);
-    fsync_dir(fs::path(dir).parent_path().string());
+    fsys.rename(tmp, dir);
+    fsync_dir(parent_dir(dir));
     remove_tree(old);
   });
   bad = first_failure(model, !err.empty());

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <random>
 
 #include <ATen/ATen.h>
@@ -15,7 +16,9 @@
 
 #include "mpi_env_for_tests.h"
 #include "tiller/core/error.h"
+#include "tiller/core/file_system.h"
 #include "tiller/core/files.h"
+#include "../core/faulty_file_system.h"
 #include "tiller/model/safetensors.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
@@ -355,6 +358,53 @@ TEST(Zero, FailedSaveLeavesThePreviousCheckpoint) {
   ShardedModel back(cfg, comm(), options(Head::kLm, {}, 1.0));
   zero::load_checkpoint(back, dir);
   expect_same_parameters(back.gather_parameters(), saved, "after a failed save");
+}
+
+// The file system failing under a save: a full disk part-way through the last rank's shard, a
+// failed fsync of meta.json, a failed rename of the new directory into place (after the old one
+// was moved aside). Each save fails with IoError and the checkpoint that loads is the previous
+// one, bit for bit. A failed fsync of the parent after the rename also fails the save (so the
+// controller does not commit the step), with a whole checkpoint in place.
+TEST(Zero, FileSystemFaultsNeverHalfCommitASave) {
+  const ModelConfig cfg = config("tiny-llama");
+  const std::string dir = scratch("fs_faults");
+  const int last = comm().size() - 1;
+  ShardedModel m(cfg, comm(), options(Head::kLm, {}, 1.0));
+  m.load(model::init_weights(cfg, Head::kLm, 5, at::kFloat), "init");
+  train(m, cfg, 0, 1);
+  zero::save_checkpoint(m, dir);
+  const NamedTensors saved = m.gather_parameters();
+  train(m, cfg, 1, 1);
+  const std::vector<std::pair<std::string, std::function<void(test::FaultyFileSystem&)>>> faults = {
+      {"full disk", [&](auto& f) { f.full_disk_in = fmt::format("rank_{:05d}.safetensors", last); f.disk_left = 1000; }},
+      {"meta.json fsync", [](auto& f) { f.fail_sync_in = "meta.json"; }},
+      {"rename into place", [&](auto& f) { f.fail_rename_exact_to = dir; }},
+  };
+  for (const auto& [name, arm] : faults) {
+    test::FaultyFileSystem faulty;
+    if (comm().rank() == 0 || name == "full disk") arm(faulty);
+    {
+      FileSystem::Override use(faulty);
+      EXPECT_THROW(zero::save_checkpoint(m, dir), IoError) << name;
+    }
+    EXPECT_EQ(zero::checkpoint_steps(dir), 1) << name;
+    ShardedModel back(cfg, comm(), options(Head::kLm, {}, 1.0));
+    zero::load_checkpoint(back, dir);
+    expect_same_parameters(back.gather_parameters(), saved, "after a save that met: " + name);
+  }
+  test::FaultyFileSystem parent;
+  if (comm().rank() == 0) parent.fail_sync_dir_exact = parent_dir(dir);
+  {
+    FileSystem::Override use(parent);
+    EXPECT_THROW(zero::save_checkpoint(m, dir), IoError);
+  }
+  EXPECT_EQ(zero::checkpoint_steps(dir), 2);
+  const NamedTensors now = m.gather_parameters();
+  ShardedModel back(cfg, comm(), options(Head::kLm, {}, 1.0));
+  zero::load_checkpoint(back, dir);
+  expect_same_parameters(back.gather_parameters(), now, "after a failed fsync of the parent");
+  zero::save_checkpoint(m, dir);  // and without faults a save succeeds
+  EXPECT_FALSE(fs::exists(dir + ".old"));
 }
 
 TEST(Zero, LoadRefusesWhatDoesNotFit) {

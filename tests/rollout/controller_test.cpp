@@ -4,6 +4,7 @@
 // with the real packer, host arrays, protocol and algorithms.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -13,10 +14,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../core/faulty_file_system.h"
 #include "rollout/advantages.h"
 #include "rollout/checkpoint_manager.h"
 #include "rollout/controller.h"
 #include "rollout/off_policy.h"
+#include "rollout/supervisor.h"
 #include "rollout/synthetic.h"
 #include "rollout/training_dispatch.h"
 #include "tiller/core/config.h"
@@ -212,6 +215,40 @@ TEST(Checkpoints, CompleteOnlyOnceCommittedAndPrunedToKeepLast) {
   // A begun, uncommitted step 4 is not a checkpoint.
   m.begin(4);
   EXPECT_EQ(m.latest()->first.step, 3);
+}
+
+// controller.json is the commit: under a full disk, a failed rename or a failed fsync while it is
+// written, the step stays incomplete and the one before stays the newest, and the leftovers of the
+// cut-short save are what remove_incomplete() clears.
+TEST(Checkpoints, AFaultWhileCommittingLeavesThePreviousCheckpoint) {
+  const std::string root = scratch("ckpt_faults");
+  CheckpointManager m(root, 3);
+  ControllerState st;
+  st.step = 1;
+  m.begin(1);
+  m.commit(1, st);
+  int step = 1;
+  for (const char* fault : {"disk", "rename", "sync"}) {
+    ++step;
+    test::FaultyFileSystem faulty;
+    if (std::string(fault) == "disk") {
+      faulty.full_disk_in = "controller.json";
+      faulty.disk_left = 10;
+    }
+    if (std::string(fault) == "rename") faulty.fail_rename_to = "controller.json";
+    if (std::string(fault) == "sync") faulty.fail_sync_in = "controller.json";
+    m.begin(step);
+    st.step = step;
+    {
+      FileSystem::Override use(faulty);
+      EXPECT_THROW(m.commit(step, st), IoError) << fault;
+    }
+    EXPECT_EQ(faulty.faults, 1) << fault;
+    ASSERT_EQ(m.list().size(), 1u) << fault;
+    EXPECT_EQ(m.latest()->second.step, 1) << fault;
+  }
+  EXPECT_EQ(m.remove_incomplete(), (std::vector<std::string>{"step_000002", "step_000003", "step_000004"}));
+  EXPECT_EQ(m.list().size(), 1u);
 }
 
 TEST(Checkpoints, AStrayStepNameIsRefusedByName) {
@@ -540,6 +577,71 @@ TEST(ControllerInProcess, AStalledEngineIsNamedWithWhatItOwes) {
   EXPECT_LT(waited, 31.0);
 }
 
+// A slow disk: a trainer rank still writing its shards when the save's deadline passes (on the
+// controller's clock, moved by the rank here) ends the job naming the rank and the save, and the
+// step is not committed.
+TEST(ControllerInProcess, ASaveSlowerThanItsDeadlineIsNamedAndNotCommitted) {
+  Job job("slow_save");
+  job.cfg.checkpoint.dir = job.out + "/ckpt";
+  job.cfg.checkpoint.every_steps = 2;
+  job.cfg.timeouts.collective_s = 10;  // the save's deadline is 4x this
+  job.cfg.validate();
+  dist::NodeMap nodes;
+  std::vector<int> ranks(static_cast<size_t>(dist::required_world_size(job.cfg)));
+  std::iota(ranks.begin(), ranks.end(), 0);
+  nodes.nodes.push_back({"host", ranks, -1});
+  job.plan = dist::make_rank_plan(job.cfg, nodes);
+  ManualClock clock;
+  SyntheticTrainer actor(job.plan.ranks[1].trainer_roles);
+  struct SlowDisk final : RankEndpoint {
+    SyntheticTrainer* t;
+    ManualClock* clock;
+    int saves = 0;
+    bool stuck = false;
+    std::vector<Frame> handle(Frame f) override {
+      if (stuck) return {};  // still writing: what came after the save waits behind it
+      if (f.op == Op::kSave && ++saves == 2) {  // the second save does not finish in time
+        clock->advance(41);
+        stuck = true;
+        return {};
+      }
+      return t->handle(std::move(f));
+    }
+  } slow;
+  slow.t = &actor;
+  slow.clock = &clock;
+  SyntheticEngineRank engine_rank;
+  std::vector<RankEndpoint*> raw(static_cast<size_t>(job.plan.world_size), &engine_rank);
+  raw[0] = nullptr;
+  raw[1] = &slow;
+  LocalChannel channel(raw);
+  SyntheticEngineOptions eo;
+  eo.engines = 2;
+  SyntheticEngines engines(eo);
+  SyntheticPrompts prompts(64, 5, eo.vocab);
+  ControllerWiring w;
+  w.plan = &job.plan;
+  w.engines = &engines;
+  w.channel = &channel;
+  w.prompts = &prompts;
+  w.rewards.rule = job.reward;
+  w.print_summary = false;
+  w.clock = &clock;
+  Controller c(job.cfg, w);
+  try {
+    c.run();
+    FAIL() << "the run went on";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 (actor+ref) did not answer the checkpoint save within 40 s"),
+              std::string::npos)
+        << e.what();
+  }
+  CheckpointManager m(job.cfg.checkpoint.dir, 2);
+  ASSERT_EQ(m.list().size(), 1u);
+  EXPECT_EQ(m.latest()->second.step, 2);
+  EXPECT_EQ(m.remove_incomplete(), std::vector<std::string>{"step_000004"});
+}
+
 TEST(ControllerInProcess, ATrainerRankFailureNamesTheRankAndTheCall) {
   Job job("failing");
   job.cfg.validate();
@@ -582,6 +684,70 @@ TEST(ControllerInProcess, ATrainerRankFailureNamesTheRankAndTheCall) {
               std::string::npos)
         << e.what();
   }
+}
+
+// --- the supervisor (tiller launch) -----------------------------------------------------------
+
+TEST(Supervisor, DiagnosisTellsCurableFromConfigErrors) {
+  EXPECT_EQ(diagnose({0, 0, {}}).verdict, Verdict::kDone);
+  // A rank that died: the first error line is the cause, and a restart may cure it.
+  const Diagnosis died = diagnose({137, 0, {"[12:00] [info] step 3/8", "tiller: error: rank 2: engine 0 (host:1) "
+                                           "stream ended", "tiller: error: rank 0: later noise"}});
+  EXPECT_EQ(died.verdict, Verdict::kRestart);
+  EXPECT_EQ(died.cause, "tiller: error: rank 2: engine 0 (host:1) stream ended (exit code 137)");
+  const Diagnosis killed = diagnose({1, 0, {"mpirun noticed that process rank 3 with PID 7 on node n exited on signal 9 "
+                                            "(Killed)."}});
+  EXPECT_EQ(killed.verdict, Verdict::kRestart);
+  EXPECT_NE(killed.cause.find("exited on signal 9"), std::string::npos);
+  // Exit code 2 is a config or usage error, from any rank: never retried.
+  EXPECT_EQ(diagnose({2, 0, {"tiller: error: rank 0: data/p: is a directory"}}).verdict, Verdict::kGiveUp);
+  EXPECT_EQ(diagnose({1, 0, {"There are not enough slots available in the system"}}).verdict, Verdict::kGiveUp);
+  EXPECT_EQ(diagnose({0, 9, {}}).verdict, Verdict::kRestart);
+  EXPECT_DOUBLE_EQ(backoff_seconds(1, 10, 300), 10);
+  EXPECT_DOUBLE_EQ(backoff_seconds(3, 10, 300), 40);
+  EXPECT_DOUBLE_EQ(backoff_seconds(9, 10, 300), 300);
+}
+
+// Real processes (sh): a job that fails once is restarted with TILLER_RESTARTS=1 and finishes; an
+// incomplete checkpoint a crash left is removed first; a config error (exit 2) is not retried; a
+// job that keeps failing stops after max_restarts.
+TEST(Supervisor, RestartsACurableFailureAndNothingElse) {
+  const std::string d = scratch("supervisor");
+  fs::create_directories(d + "/ckpt/step_000002");
+  ControllerState st;
+  st.step = 2;
+  write_file_atomic(d + "/ckpt/step_000002/controller.json", st.to_json());
+  fs::create_directories(d + "/ckpt/step_000004/actor");  // cut short: no controller.json
+  std::vector<std::string> lines;
+  SupervisorOptions o;
+  o.checkpoint_dir = d + "/ckpt";
+  o.max_restarts = 2;
+  o.backoff_first_s = 0.01;
+  o.log = [&](const std::string& l) { lines.push_back(l); };
+  o.command = {"sh", "-c", "echo run $TILLER_RESTARTS >> " + d + "/runs; if [ ! -e " + d +
+                               "/failed ]; then touch " + d + "/failed; echo 'tiller: error: rank 1: boom'; exit 1; fi"};
+  EXPECT_EQ(supervise(o), 0);
+  EXPECT_EQ(*read_file(d + "/runs"), "run 0\nrun 1\n");
+  EXPECT_FALSE(fs::exists(d + "/ckpt/step_000004"));
+  EXPECT_TRUE(fs::exists(d + "/ckpt/step_000002/controller.json"));
+  auto logged = [&](const std::string& what) {
+    return std::any_of(lines.begin(), lines.end(), [&](const std::string& l) { return l.find(what) != std::string::npos; });
+  };
+  EXPECT_TRUE(logged("removed the incomplete checkpoint " + d + "/ckpt/step_000004")) << lines.front();
+  EXPECT_TRUE(logged("restart 1/2 in 0 s, from the checkpoint of step 2; cause: tiller: error: rank 1: boom (exit code 1)"));
+  EXPECT_TRUE(logged("finished after 1 restart(s)"));
+
+  lines.clear();
+  o.command = {"sh", "-c", "echo x >> " + d + "/config_runs; echo 'tiller: error: rank 0: bad key'; exit 2"};
+  EXPECT_EQ(supervise(o), 2);
+  EXPECT_EQ(*read_file(d + "/config_runs"), "x\n");
+  EXPECT_TRUE(logged("not restarting: a config or launch error"));
+
+  lines.clear();
+  o.command = {"sh", "-c", "echo x >> " + d + "/always; exit 3"};
+  EXPECT_EQ(supervise(o), 3);
+  EXPECT_EQ(*read_file(d + "/always"), "x\nx\nx\n");  // the run and its 2 restarts
+  EXPECT_TRUE(logged("all 2 restart(s) are used: exit code 3"));
 }
 
 }  // namespace

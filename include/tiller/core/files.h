@@ -19,7 +19,14 @@ void write_file_atomic(const std::string& path, const std::string& text);
 // std::filesystem symbols, which the dynamic linker binds first and which crash.)
 void remove_tree(const std::string& path);
 
-// fsync of a directory, so renames and creations inside it survive a crash. Best effort.
+// fsync of a directory, so renames and creations inside it survive a crash. IoError when it fails
+// (a file system that cannot sync directories at all is accepted).
 void fsync_dir(const std::string& dir);
+
+// The directory part of `path` ("." for a bare name).
+std::string parent_dir(const std::string& path);
+
+// All of these go through FileSystem::current() (tiller/core/file_system.h), which tests replace
+// to inject faults.
 
 }  // namespace tiller
