@@ -52,6 +52,7 @@ std::string read_engine_token(const std::string& file, const char* flag);
 void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_zero_commands(CLI::App& app, Runner& run);
 void add_train_command(CLI::App& app, Runner& run, int& argc, char**& argv);
+void add_launch_command(CLI::App& app, Runner& run);
 void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv);
 void add_bench_sync(CLI::App* bench, Runner& run, int& argc, char**& argv);
 void add_bench_controller(CLI::App* bench, Runner& run);

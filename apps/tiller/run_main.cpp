@@ -106,6 +106,7 @@ int run_main(int argc, char** argv) {
     cli::add_engine_command(app, run, argc, argv);
     cli::add_zero_commands(app, run);
     cli::add_train_command(app, run, argc, argv);
+    cli::add_launch_command(app, run);
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {

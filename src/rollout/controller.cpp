@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -21,6 +22,7 @@
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
+#include "tiller/core/tls.h"
 #include "tiller/dist/rank_plan.h"
 #include "tiller/model/chat_template.h"
 #include "tiller/model/model_config.h"
@@ -49,6 +51,14 @@ std::string hms(double s) {
 // The wall clock (trace time) at steady time `t`.
 double wall_us_at(const Clock& clock, Clock::time_point t) {
   return wall_us() - 1e6 * std::chrono::duration<double>(clock.now() - t).count();
+}
+
+int64_t restarts_of_this_run() {
+  const char* v = std::getenv("TILLER_RESTARTS");
+  if (v == nullptr || *v == '\0') return -1;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  return *end == '\0' && n >= 0 && n < 1000000 ? n : -1;
 }
 
 double value_or(const json& j, const char* key, double fallback = 0) {
@@ -95,6 +105,8 @@ struct Controller::Impl {
   json summary = json::object();
   json last_metrics;
   int64_t first_step = 0;  // completed steps when this run began (after a resume)
+  // Times `tiller launch` restarted this job ($TILLER_RESTARTS; -1 when not supervised).
+  int64_t restarts = restarts_of_this_run();
 
   Impl(const JobConfig& c, const ControllerWiring& wiring)
       : cfg(c),
@@ -404,6 +416,7 @@ struct Controller::Impl {
       busy += value_or(metrics, k);
     metrics["time/controller_other"] = std::max(0.0, step_s - busy);
     metrics["memory/controller_host_peak_mb"] = peak_rss_mb();
+    if (restarts >= 0) metrics["supervisor/restarts"] = static_cast<double>(restarts);
     Metrics flat;
     for (auto it = metrics.begin(); it != metrics.end(); ++it) flat.emplace_back(it.key(), it.value().get<double>());
     outputs->write(step, flat);
@@ -532,6 +545,10 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
     ro.retries = static_cast<int>(cfg.reward.remote_retries);
     ro.batch_size = static_cast<int>(cfg.reward.remote_batch_size);
     ro.concurrency = static_cast<int>(cfg.reward.remote_concurrency);
+    if (!cfg.reward.remote_token_file.empty())
+      ro.token = read_secret_file(cfg.reward.remote_token_file, "reward.remote_token_file");
+    ro.tls.ca = cfg.reward.remote_tls_ca;
+    ro.tls.server_name = cfg.reward.remote_tls_server_name;
     remote = std::make_unique<reward::RemoteReward>(ro);
     const std::string name = remote->check_health(Deadline::after_seconds(cfg.timeouts.startup_s));
     log::info("reward: the remote service at {} scores '{}'", ro.address, name);
@@ -539,7 +556,12 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
     rewards.remote = remote.get();
   }
 
-  EnginePool engines(opts.engine_addresses, opts.engine_token, cfg.timeouts.rpc_s);
+  TlsFiles engine_tls;
+  if (!cfg.engines.tls_cert.empty()) {
+    engine_tls.ca = cfg.engines.tls_ca.empty() ? cfg.engines.tls_cert : cfg.engines.tls_ca;
+    engine_tls.server_name = cfg.engines.tls_server_name;
+  }
+  EnginePool engines(opts.engine_addresses, opts.engine_token, cfg.timeouts.rpc_s, engine_tls);
   if (engines.size() == 0) throw ConfigError("engines.count = 0: tiller train needs at least one engine");
   MpiChannel channel(world);
   ControllerWiring w;

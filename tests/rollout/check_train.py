@@ -18,8 +18,10 @@ CASE:
                directory and an unknown key: each ends with one clear line, non-zero, no hang.
   remote       GRPO with the remote reward (examples/reward_server/server.py scoring toy_digits, its
                first 2 calls failing UNAVAILABLE): the reward rises; the client retried exactly
-               twice; the first steps' rewards equal the built-in rule's. A service that is not
-               there, and one slower than reward.remote_timeout_s, end the job with a clear line.
+               twice; the first steps' rewards equal the built-in rule's, through a service that
+               wants a token and serves TLS (a self-signed certificate made here), which refuses the
+               wrong token and plaintext. A service that is not there, and one slower than
+               reward.remote_timeout_s, end the job with a clear line.
   entropy      the entropy bonus: with algo.entropy_coef large, the policy's entropy after a few
                steps is clearly above the run without it (same seed).
   async        rollout.mode=async: PPO at max_staleness 1 and GRPO at 2 learn the toy task as sync
@@ -31,6 +33,10 @@ CASE:
                exported and run in transformers, teacher-forced on the sample).
   dynamic      rollout.filter_groups (DAPO): no trained group has equal rewards, the filtered ones are
                counted, and the task is learned.
+  supervised   tiller launch: a rank killed mid-run; the supervisor removes a cut-short checkpoint,
+               restarts the job once from the last checkpoint, it finishes every step with the
+               reward still rising and supervisor/restarts counted; a config error a rank finds is
+               not retried.
   resume_async SIGTERM then --resume in async mode: the prompts trained (and their order) are those
                of an uninterrupted run, none lost and none twice.
 """
@@ -62,13 +68,25 @@ def fixture():
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def base_sets(out):
+    return [f"roles.actor.model={MODEL}", f"roles.critic.model={MODEL}", f"data.prompts={PROMPTS}",
+            f"run.output_dir={out}", f"checkpoint.dir={out}/checkpoints", "timeouts.collective_s=60",
+            "timeouts.generate_s=120", "timeouts.startup_s=120"]
+
+
 def command(np_, out, *sets, extra=()):
     args = [MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", str(np_), TILLER, "train", "-c",
             str(REPO / "configs" / "quickstart.yaml"), *extra]
-    base = [f"roles.actor.model={MODEL}", f"roles.critic.model={MODEL}", f"data.prompts={PROMPTS}",
-            f"run.output_dir={out}", f"checkpoint.dir={out}/checkpoints", "timeouts.collective_s=60",
-            "timeouts.generate_s=120", "timeouts.startup_s=120"]
-    for s in base + list(sets):
+    for s in base_sets(out) + list(sets):
+        args += ["--set", s]
+    return args
+
+
+def launch_command(out, *sets, restarts=2):
+    """`tiller launch` of the quickstart (4 ranks), restarting after a 1 s backoff."""
+    args = [TILLER, "launch", "-c", str(REPO / "configs" / "quickstart.yaml"), "--max-restarts", str(restarts),
+            "--backoff", "1", "--launcher-arg=--oversubscribe", "--launcher-arg=--allow-run-as-root"]
+    for s in base_sets(out) + list(sets):
         args += ["--set", s]
     return args
 
@@ -351,11 +369,34 @@ def check_remote():
         fail(f"remote calls {calls}, retries {retries}: expected 2 retries and at least {30 * per_step} calls")
     print(f"remote: {calls} Score calls, {retries} retries")
     # The same 3-step job with the built-in rule gives the same rewards: the same samples (same
-    # seed), and every score lands on its own sample (else steps 2-3 train differently).
-    server, address = start_reward_server("remote_again")
+    # seed), and every score lands on its own sample (else steps 2-3 train differently). This
+    # service wants a token and serves TLS with a self-signed certificate made here.
+    tls = SCRATCH / "reward_tls"
+    tls.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=tiller-reward", "-addext", "subjectAltName=DNS:tiller-reward", "-keyout", str(tls / "key.pem"),
+                    "-out", str(tls / "cert.pem")], check=True, capture_output=True)
+    (tls / "token").write_text("reward-s3cret\n")
+    (tls / "wrong").write_text("guess\n")
+    server, address = start_reward_server("remote_again", "--token-file", str(tls / "token"), "--tls-cert",
+                                          str(tls / "cert.pem"), "--tls-key", str(tls / "key.pem"))
+    secure = [f"reward.remote_token_file={tls / 'token'}", f"reward.remote_tls_ca={tls / 'cert.pem'}",
+              "reward.remote_tls_server_name=tiller-reward"]
     try:
         code, log = run(3, SCRATCH / "remote_3", *GRPO, "train.num_steps=3", *remote[:1],
-                        f"reward.remote_address={address}", *remote[2:])
+                        f"reward.remote_address={address}", *remote[2:], *secure)
+        if code == 0:
+            # The wrong token, and plaintext to the TLS port, are refused at start-up.
+            expect_error("wrong reward token",
+                         command(3, SCRATCH / "remote_wrong_token", *GRPO, "train.num_steps=1", *remote[:1],
+                                 f"reward.remote_address={address}", "reward.remote_retries=0", *secure[1:],
+                                 f"reward.remote_token_file={tls / 'wrong'}"),
+                         r"Health failed.*UNAUTHENTICATED")
+            expect_error("plaintext to a TLS reward service",
+                         command(3, SCRATCH / "remote_plain", *GRPO, "train.num_steps=1", *remote[:1],
+                                 f"reward.remote_address={address}", "reward.remote_retries=0",
+                                 f"reward.remote_token_file={tls / 'token'}"),
+                         re.escape(address) + r".*Health failed")
     finally:
         stop_reward_server(server)
     if code != 0:
@@ -577,6 +618,52 @@ def check_resume_async():
           f"the {len(got)} samples trained are the uninterrupted run's, step by step, none twice")
 
 
+def check_supervised():
+    out = SCRATCH / "supervised"
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "checkpoints" / "step_000099" / "actor").mkdir(parents=True)  # a save a crash cut short
+    lines = []
+    proc = subprocess.Popen(launch_command(out, "train.num_steps=12", "checkpoint.every_steps=2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(proc, r"checkpoint: step 4 saved", 300, lines)
+    os.kill(world_rank_pid(2, str(out)), signal.SIGKILL)  # the critic's rank dies mid-run
+    code, log = finish(proc, lines, 600)
+    if code != 0:
+        fail(f"the supervised job exited {code}:\n{log[-4000:]}")
+    for want in [r"removed the incomplete checkpoint \S+/step_000099",
+                 r"restart 1/2 in 1 s, from the checkpoint of step \d+; cause: ",
+                 r"the job finished after 1 restart\(s\)"]:
+        if not re.search(want, log):
+            fail(f"no line matching {want!r}:\n{log[-4000:]}")
+    if re.search(r"restart 2/2", log):
+        fail("restarted twice")
+    rows = metrics(out)
+    before = [r for r in rows if r["supervisor/restarts"] == 0]
+    after = [r for r in rows if r["supervisor/restarts"] == 1]
+    if rows != before + after:
+        fail(f"supervisor/restarts is not 0 before the restart and 1 after it: "
+             f"{[(r['step'], r['supervisor/restarts']) for r in rows]}")
+    # The resumed run starts after the newest complete checkpoint (step 4 or later, every 2 steps),
+    # at most where the first run got to, and goes on to the end.
+    first_after = after[0]["step"]
+    if first_after > before[-1]["step"] + 1 or first_after < 5 or first_after % 2 != 1 or \
+            [r["step"] for r in after] != list(range(first_after, 13)):
+        fail(f"steps before the restart {[r['step'] for r in before]}, after it {[r['step'] for r in after]}")
+    rewards = {r["step"]: r["reward/mean"] for r in rows}  # the resumed run's value for a repeated step
+    first, last = sum(rewards[s] for s in (1, 2, 3)) / 3, sum(rewards[s] for s in (10, 11, 12)) / 3
+    if not last > first:
+        fail(f"the reward did not go on rising across the restart: {[round(rewards[s], 3) for s in sorted(rewards)]}")
+    print(f"supervised: a rank killed after step {before[-1]['step']}; resumed at step {after[0]['step']} and "
+          f"finished step 12 after 1 restart; reward {first:.3f} (steps 1-3) -> {last:.3f} (steps 10-12)")
+    # A config error that a rank finds (a prompts path that is a directory) ends the job, unretried.
+    t0 = time.time()
+    p = subprocess.run(launch_command(SCRATCH / "supervised_bad", f"data.prompts={SCRATCH}"), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=300)
+    if p.returncode != 2 or "is a directory" not in p.stdout or "not restarting: a config or launch error" not in p.stdout \
+            or "restart 1/" in p.stdout:
+        fail(f"a config error under tiller launch: exit {p.returncode}:\n{p.stdout[-3000:]}")
+    print(f"supervised: a config error found by a rank ended the job in {time.time() - t0:.1f} s, not retried")
+
 
 fixture()
 if CASE == "ppo":
@@ -585,6 +672,8 @@ elif CASE == "grpo":
     check_learns(3, *GRPO)
 elif CASE == "resume":
     check_resume()
+elif CASE == "supervised":
+    check_supervised()
 elif CASE == "engine_dies":
     check_engine_dies()
 elif CASE == "rank_oom":
