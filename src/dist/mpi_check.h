@@ -11,12 +11,10 @@
 
 #include <fmt/format.h>
 
+#include "dist/call_failure.h"
 #include "tiller/core/error.h"
 
 namespace tiller::dist {
-
-// "MPI_Isend" from "MPI_Isend(buf, n, ...)".
-inline std::string_view mpi_call_name(std::string_view expr) { return expr.substr(0, expr.find('(')); }
 
 // MPI's text for an error code ("MPI_ERR_COMM: invalid communicator").
 inline std::string mpi_error_text(int rc) {
@@ -27,7 +25,7 @@ inline std::string mpi_error_text(int rc) {
 }
 
 [[noreturn]] inline void throw_mpi_error(std::string_view expr, int rc, const std::string& context) {
-  throw CommError(fmt::format("{}: {} failed: {}", context, mpi_call_name(expr), mpi_error_text(rc)));
+  throw CommError(call_failure(context, expr, mpi_error_text(rc)));
 }
 
 }  // namespace tiller::dist

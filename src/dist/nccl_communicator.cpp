@@ -20,16 +20,29 @@
 #include <fmt/format.h>
 
 #include "checks.h"
+#include "dist/call_failure.h"
+#include "dist/launcher.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 
 namespace tiller::dist {
 namespace {
 
-#define TILLER_CUDA_OK(expr)                                                                          \
+// TILLER_CUDA(call, "context {}", args...) and TILLER_NCCL(call, ...): a failing call throws
+// CommError "<context>: <call> failed: <the library's words>", the context naming the op, group and
+// rank (NcclGroup::describe). Every CUDA and NCCL call of this file goes through one of them, or
+// through check_on_launcher() where a throw would end the launcher thread.
+#define TILLER_CUDA(call, ...)                                                                        \
   do {                                                                                                \
-    cudaError_t err_ = (expr);                                                                        \
-    if (err_ != cudaSuccess) throw CommError(fmt::format("{}: {}", #expr, cudaGetErrorString(err_))); \
+    const cudaError_t tiller_cuda_rc_ = (call);                                                       \
+    if (tiller_cuda_rc_ != cudaSuccess)                                                               \
+      throw CommError(call_failure(::fmt::format(__VA_ARGS__), #call, cudaGetErrorString(tiller_cuda_rc_))); \
+  } while (0)
+#define TILLER_NCCL(call, ...)                                                                        \
+  do {                                                                                                \
+    const ncclResult_t tiller_nccl_rc_ = (call);                                                      \
+    if (tiller_nccl_rc_ != ncclSuccess)                                                               \
+      throw CommError(call_failure(::fmt::format(__VA_ARGS__), #call, ncclGetErrorString(tiller_nccl_rc_))); \
   } while (0)
 
 ncclDataType_t nccl_type(at::ScalarType t, bool reducing) {
@@ -62,123 +75,19 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 
 const char* op_name(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : op == ReduceOp::kMax ? "max" : "min"; }
 
-// Spin (yielding the core) for the first 2 ms, which covers most collectives, then sleep in
-// steps of at most 50 us: a completion is seen within ~50 us and a long wait burns no core.
-template <typename Poll, typename OnExpired>
-void poll_until(Poll&& poll, Deadline deadline, OnExpired&& on_expired) {
-  const auto start = std::chrono::steady_clock::now();
-  auto nap = std::chrono::microseconds(5);
-  while (!poll()) {
-    if (deadline.expired()) on_expired();
-    if (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(2)) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, std::chrono::microseconds(50));
-    }
-  }
-}
+using EventPool = HandlePool<cudaEvent_t>;
 
 // Events are reused: creating two per op costs host time on every collective.
-class EventPool {
- public:
-  explicit EventPool(int device) : device_(device) {}
-  ~EventPool() {
-    for (auto e : free_) cudaEventDestroy(e);
-  }
-  cudaEvent_t take() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!free_.empty()) {
-        cudaEvent_t e = free_.back();
-        free_.pop_back();
+std::shared_ptr<EventPool> make_event_pool(int device) {
+  return std::make_shared<EventPool>(
+      [device] {
+        cudaEvent_t e = nullptr;
+        TILLER_CUDA(cudaSetDevice(device), "an event for cuda:{}", device);
+        TILLER_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "an event for cuda:{}", device);
         return e;
-      }
-    }
-    cudaEvent_t e = nullptr;
-    cudaSetDevice(device_);
-    TILLER_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return e;
-  }
-  void give(cudaEvent_t e) {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(e);
-  }
-
- private:
-  int device_;
-  std::mutex mu_;
-  std::vector<cudaEvent_t> free_;
-};
-
-// A thread that runs jobs in order. Its state is shared with the thread, so a launcher stuck
-// inside NCCL can be abandoned (detached) without freeing what it uses.
-class Launcher {
- public:
-  Launcher() : s_(std::make_shared<State>()) {
-    auto s = s_;
-    std::thread([s] { run(*s); }).detach();
-  }
-  ~Launcher() {
-    {
-      std::lock_guard<std::mutex> lock(s_->mu);
-      s_->stop = true;
-    }
-    s_->cv.notify_all();
-    if (abandoned_) return;
-    // Wait for the queued jobs; a thread stuck inside NCCL is left behind.
-    std::unique_lock<std::mutex> lock(s_->mu);
-    if (!s_->exit_cv.wait_for(lock, std::chrono::seconds(10), [this] { return s_->exited; })) {
-      log::error("NCCL launcher thread is stuck inside NCCL; leaving it behind (the process should exit)");
-    }
-  }
-  // The thread may be stuck inside NCCL: do not wait for it on destruction.
-  void abandon() { abandoned_ = true; }
-  void post(std::function<void()> job) {
-    {
-      std::lock_guard<std::mutex> lock(s_->mu);
-      s_->jobs.push_back(std::move(job));
-    }
-    s_->cv.notify_one();
-  }
-
- private:
-  struct State {
-    std::mutex mu;
-    std::condition_variable cv;
-    std::condition_variable exit_cv;
-    std::deque<std::function<void()>> jobs;
-    bool stop = false;
-    bool exited = false;
-  };
-  static void run(State& s) {
-    std::unique_lock<std::mutex> lock(s.mu);
-    while (true) {
-      // Stay awake briefly after a job: collectives come in bursts (ZeRO-3 layers, benchmarks).
-      if (s.jobs.empty() && !s.stop) {
-        lock.unlock();
-        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
-        while (std::chrono::steady_clock::now() < until) {
-          std::this_thread::yield();
-          std::lock_guard<std::mutex> peek(s.mu);
-          if (!s.jobs.empty() || s.stop) break;
-        }
-        lock.lock();
-        s.cv.wait(lock, [&] { return !s.jobs.empty() || s.stop; });
-      }
-      if (s.jobs.empty() && s.stop) break;
-      auto job = std::move(s.jobs.front());
-      s.jobs.pop_front();
-      lock.unlock();
-      job();
-      lock.lock();
-    }
-    s.exited = true;
-    s.exit_cv.notify_all();
-  }
-  std::shared_ptr<State> s_;
-  bool abandoned_ = false;
-};
+      },
+      [](cudaEvent_t e) { (void)cudaEventDestroy(e); });  // at teardown, with nothing left to report to
+}
 
 // Shared by the communicator, its Works, its launcher jobs and the watchdog.
 struct NcclGroup {
@@ -221,19 +130,19 @@ struct NcclGroup {
       return;
     }
     if (comm != nullptr) {
-      cudaSetDevice(device);
-      ncclCommAbort(comm);
+      // Already failing: a second failure is logged, not thrown over the first.
+      if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
+        log::error("{}", call_failure(fmt::format("aborting group '{}' (rank {})", name, rank), "cudaSetDevice",
+                                      cudaGetErrorString(e)));
+      if (const ncclResult_t r = ncclCommAbort(comm); r != ncclSuccess)
+        log::error("{}", call_failure(fmt::format("aborting group '{}' (rank {})", name, rank), "ncclCommAbort",
+                                      ncclGetErrorString(r)));
       comm = nullptr;
     }
   }
 };
 
-enum Phase : int { kQueued = 0, kLaunched = 1, kFailed = 2 };
-
-struct OpState {
-  std::string op;
-  std::uint64_t seq = 0;
-  Deadline deadline = Deadline::never();
+struct OpState final : OpTicket {
   std::shared_ptr<EventPool> events;
   cudaEvent_t ready = nullptr;  // recorded on the caller's stream at issue
   cudaEvent_t done = nullptr;   // recorded on the communicator's stream after the NCCL call
@@ -242,17 +151,12 @@ struct OpState {
   // until completion instead would keep every buffer until the watchdog's next poll (100 ms):
   // gigabytes of gathered units and gradient buffers in a ZeRO-3 step.
   std::vector<at::Tensor> keep;
-  std::atomic<int> phase{kQueued};
-  std::atomic<bool> complete{false};
-  std::string error;  // set before phase becomes kFailed
-  ~OpState() {
+  ~OpState() override {
     // Events of an op that never completed (aborted) may still be referenced by the GPU.
-    if (complete.load()) {
-      events->give(ready);
-      events->give(done);
-    } else {
-      if (ready) cudaEventDestroy(ready);
-      if (done) cudaEventDestroy(done);
+    for (cudaEvent_t e : {ready, done}) {
+      if (e == nullptr) continue;
+      if (complete.load()) events->give(e);
+      else events->discard(e);
     }
   }
 };
@@ -270,21 +174,23 @@ class NcclWork final : public Work {
   void wait_on_stream() override {
     // The completion event exists once the launcher has made the NCCL call.
     poll_until([this] { return launched(); }, op_->deadline, [this] { time_out(); });
-    cudaSetDevice(group_->device);
-    TILLER_CUDA_OK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(group_->device).stream(), op_->done, 0));
+    const std::string what = group_->describe(op_->op, op_->seq);
+    TILLER_CUDA(cudaSetDevice(group_->device), "{}", what);
+    TILLER_CUDA(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(group_->device).stream(), op_->done, 0), "{}",
+                what);
   }
 
   bool is_completed() override {
     if (op_->complete.load()) return true;
     if (!launched()) return false;
-    cudaSetDevice(group_->device);
+    TILLER_CUDA(cudaSetDevice(group_->device), "{}", group_->describe(op_->op, op_->seq));
     cudaError_t q = cudaEventQuery(op_->done);
     if (q == cudaSuccess) {
       op_->complete = true;
       return true;
     }
     if (q != cudaErrorNotReady) {
-      std::string why = fmt::format("{}: CUDA error {}", group_->describe(op_->op, op_->seq), cudaGetErrorString(q));
+      std::string why = call_failure(group_->describe(op_->op, op_->seq), "cudaEventQuery", cudaGetErrorString(q));
       group_->abort(why);
       throw CommError(why);
     }
@@ -328,12 +234,16 @@ void run_on_launcher(Launcher& launcher, const std::shared_ptr<NcclGroup>& group
   struct Result {
     std::atomic<bool> done{false};
     ncclResult_t rc = ncclSuccess;
+    std::string cuda_error;
   };
   auto result = std::make_shared<Result>();
   launcher.post([result, group, call]() mutable {
     std::lock_guard<std::timed_mutex> lock(group->nccl_mu);
-    cudaSetDevice(group->device);
-    result->rc = call();
+    if (const cudaError_t e = cudaSetDevice(group->device); e != cudaSuccess) {
+      result->cuda_error = call_failure("", "cudaSetDevice", cudaGetErrorString(e));
+    } else {
+      result->rc = call();
+    }
     result->done = true;
   });
   poll_until([&] { return result->done.load(); }, deadline, [&] {
@@ -351,9 +261,8 @@ void run_on_launcher(Launcher& launcher, const std::shared_ptr<NcclGroup>& group
     log::error("{}", why);
     throw TimeoutError(why);
   });
-  if (result->rc != ncclSuccess) {
-    throw CommError(fmt::format("{} failed: {}", what, ncclGetErrorString(result->rc)));
-  }
+  if (!result->cuda_error.empty()) throw CommError(what + result->cuda_error);
+  if (result->rc != ncclSuccess) throw CommError(fmt::format("{} failed: {}", what, ncclGetErrorString(result->rc)));
 }
 
 class NcclCommunicator final : public Communicator {
@@ -364,11 +273,11 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator(std::shared_ptr<NcclGroup> group, double timeout_s, const std::string& what,
                    Deadline create_deadline, Create create)
       : group_(std::move(group)), timeout_(timeout_s) {
-    events_ = std::make_shared<EventPool>(group_->device);
+    events_ = make_event_pool(group_->device);
     launcher_ = std::make_unique<Launcher>();
     run_on_launcher(*launcher_, group_, what, create_deadline, create);
-    cudaSetDevice(group_->device);
-    TILLER_CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    TILLER_CUDA(cudaSetDevice(group_->device), "{}", what);
+    TILLER_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "{}", what);
     watchdog_ = std::thread([this] { watch(); });
   }
 
@@ -398,8 +307,12 @@ class NcclCommunicator final : public Communicator {
     const bool stuck = group_->is_aborted();
     if (stuck) launcher_->abandon();
     launcher_.reset();
-    pending_.clear();
-    if (stream_ != nullptr && !stuck) cudaStreamDestroy(stream_);
+    watch_.clear();
+    if (stream_ != nullptr && !stuck) {
+      if (const cudaError_t e = cudaStreamDestroy(stream_); e != cudaSuccess)  // a destructor logs
+        log::warn("{}", call_failure(fmt::format("destroying communicator '{}'", group_->name), "cudaStreamDestroy",
+                                     cudaGetErrorString(e)));
+    }
   }
 
   int rank() const override { return group_->rank; }
@@ -541,12 +454,10 @@ class NcclCommunicator final : public Communicator {
     state->events = events_;
     state->ready = events_->take();
     state->done = events_->take();
-    cudaSetDevice(group_->device);
-    TILLER_CUDA_OK(cudaEventRecord(state->ready, c10::cuda::getCurrentCUDAStream(group_->device).stream()));
-    {
-      std::lock_guard<std::mutex> lock(watch_mu_);
-      pending_.push_back(state);
-    }
+    const std::string what = group_->describe(op, state->seq);
+    TILLER_CUDA(cudaSetDevice(group_->device), "{}", what);
+    TILLER_CUDA(cudaEventRecord(state->ready, c10::cuda::getCurrentCUDAStream(group_->device).stream()), "{}", what);
+    watch_.add(state);
     launcher_->post([g = group_, state, stream = stream_, call = std::forward<Call>(call)]() mutable {
       std::lock_guard<std::timed_mutex> lock(g->nccl_mu);
       if (g->comm == nullptr || g->is_aborted()) {
@@ -555,16 +466,20 @@ class NcclCommunicator final : public Communicator {
         state->phase = kFailed;
         return;
       }
-      cudaSetDevice(g->device);
-      cudaStreamWaitEvent(stream, state->ready, 0);
-      ncclResult_t rc = call(g->comm, stream);
-      if (rc != ncclSuccess) {
-        state->error = fmt::format("{} failed: {} ({})", g->describe(state->op, state->seq), ncclGetErrorString(rc),
-                                   ncclGetLastError(g->comm));
+      // On the launcher thread a failure is recorded in the op (its waiters throw it), not thrown.
+      auto failed = [&](const char* call_name, const std::string& why) {
+        state->error = call_failure(g->describe(state->op, state->seq), call_name, why);
+        state->keep.clear();
         state->phase = kFailed;
-        return;
-      }
-      cudaEventRecord(state->done, stream);
+      };
+      if (const cudaError_t e = cudaSetDevice(g->device); e != cudaSuccess)
+        return failed("cudaSetDevice", cudaGetErrorString(e));
+      if (const cudaError_t e = cudaStreamWaitEvent(stream, state->ready, 0); e != cudaSuccess)
+        return failed("cudaStreamWaitEvent", cudaGetErrorString(e));
+      if (const ncclResult_t rc = call(g->comm, stream); rc != ncclSuccess)
+        return failed("the NCCL call", fmt::format("{} ({})", ncclGetErrorString(rc), ncclGetLastError(g->comm)));
+      if (const cudaError_t e = cudaEventRecord(state->done, stream); e != cudaSuccess)
+        return failed("cudaEventRecord", cudaGetErrorString(e));
       state->keep.clear();  // on the stream now: recordStream protects the memory
       state->phase = kLaunched;
     });
@@ -574,43 +489,37 @@ class NcclCommunicator final : public Communicator {
   // The watchdog: completes pending ops (releasing their tensors) and aborts on a missed deadline
   // or an async NCCL error, even when nobody waits on the op.
   void watch() {
-    cudaSetDevice(group_->device);
+    if (const cudaError_t e = cudaSetDevice(group_->device); e != cudaSuccess) {
+      group_->abort(call_failure(fmt::format("watchdog of group '{}' (rank {})", group_->name, group_->rank),
+                                 "cudaSetDevice", cudaGetErrorString(e)));
+      return;
+    }
     std::unique_lock<std::mutex> lock(watch_mu_);
     while (!stop_) {
       watch_cv_.wait_for(lock, std::chrono::milliseconds(100));
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        auto& s = **it;
-        const int phase = s.phase.load();
-        if (phase == kFailed || s.complete.load() || (phase == kLaunched && cudaEventQuery(s.done) == cudaSuccess)) {
-          if (phase == kLaunched) s.complete = true;
-          it = pending_.erase(it);
-          continue;
-        }
-        if (s.deadline.expired()) {
-          lock.unlock();
-          group_->abort(fmt::format("watchdog: {} missed its deadline; the communicator is aborted. A rank hung, "
-                                    "died, or called a different op; check the other ranks' logs",
-                                    group_->describe(s.op, s.seq)));
-          lock.lock();
-          pending_.clear();
-          break;
-        }
-        ++it;
-      }
-      if (!pending_.empty() && !group_->is_aborted()) {
+      lock.unlock();
+      const auto late = watch_.sweep([](OpTicket& t) {
+        return cudaEventQuery(static_cast<OpState&>(t).done) == cudaSuccess;
+      });
+      if (late) {
+        group_->abort(fmt::format("watchdog: {} missed its deadline; the communicator is aborted. A rank hung, "
+                                  "died, or called a different op; check the other ranks' logs",
+                                  group_->describe(late->op, late->seq)));
+      } else if (watch_.size() > 0 && !group_->is_aborted()) {
         ncclResult_t async = ncclSuccess;
+        ncclResult_t polled = ncclSuccess;
         {
           std::unique_lock<std::timed_mutex> nccl(group_->nccl_mu, std::try_to_lock);
-          if (nccl.owns_lock() && group_->comm != nullptr) ncclCommGetAsyncError(group_->comm, &async);
+          if (nccl.owns_lock() && group_->comm != nullptr) polled = ncclCommGetAsyncError(group_->comm, &async);
         }
+        if (polled != ncclSuccess) async = polled;
         if (async != ncclSuccess && async != ncclInProgress) {
-          lock.unlock();
-          group_->abort(fmt::format("watchdog: NCCL error on group '{}' (rank {}): {}", group_->name, group_->rank,
-                                    ncclGetErrorString(async)));
-          lock.lock();
-          pending_.clear();
+          group_->abort(call_failure(fmt::format("watchdog of group '{}' (rank {})", group_->name, group_->rank),
+                                     "ncclCommGetAsyncError", ncclGetErrorString(async)));
+          watch_.clear();
         }
       }
+      lock.lock();
     }
   }
 
@@ -622,7 +531,7 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Launcher> launcher_;
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;
-  std::list<std::shared_ptr<OpState>> pending_;
+  OpWatch watch_;  // ops in flight
   bool stop_ = false;
   std::thread watchdog_;
 };
@@ -637,7 +546,9 @@ std::unique_ptr<Communicator> make_nccl_communicator(Communicator& over, int dev
   auto id_bytes = at::zeros({static_cast<std::int64_t>(sizeof(id))}, at::kByte);
   if (over.rank() == 0) {
     ncclResult_t rc = ncclGetUniqueId(&id);
-    if (rc != ncclSuccess) throw CommError(fmt::format("ncclGetUniqueId for '{}': {}", name, ncclGetErrorString(rc)));
+    if (rc != ncclSuccess)
+      throw CommError(call_failure(fmt::format("creating NCCL communicator '{}'", name), "ncclGetUniqueId",
+                                   ncclGetErrorString(rc)));
     std::memcpy(id_bytes.data_ptr(), &id, sizeof(id));
   }
   over.broadcast(id_bytes, 0)->wait(deadline);

@@ -203,6 +203,21 @@ TEST(MpiCheck, AFailingCallNamesTheContextTheCallAndTheError) {
   EXPECT_GE(rank, 0);
 }
 
+// TILLER_CUDA on the NCCL launcher thread with a real failure: an NCCL communicator for a device
+// that does not exist fails on every rank with the op, the rank and CUDA's words, and no rank hangs.
+TEST(NcclCheck, ACommunicatorOnAMissingDeviceNamesTheCallAndTheError) {
+  if (std::string(comm().backend()) != "nccl") GTEST_SKIP() << "NCCL backend only";
+  try {
+    dist::MpiEnv::nccl(*mpi_test_env().world, 9999, "missing_device", 30);
+    FAIL() << "an NCCL communicator on cuda:9999 was created";
+  } catch (const CommError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("creating NCCL communicator 'missing_device' (rank " + std::to_string(comm().rank())),
+              std::string::npos) << m;
+    EXPECT_NE(m.find("cudaSetDevice failed: invalid device ordinal"), std::string::npos) << m;
+  }
+}
+
 // One rank skips a collective and goes on to its next operation; every rank must get a clear
 // TimeoutError within the deadline (not hang), and the communicator is aborted afterwards.
 TEST(Communicator, SkippedCollectiveTimesOutOnEveryRank) {
