@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
+#include "tiller/core/signals.h"
 #include "tiller/core/spelling.h"
 #include "tiller/tiller.h"
 
@@ -38,8 +39,10 @@ void describe(const char* what, void* addr) {
 
 void on_fatal_signal(int sig, siginfo_t* info, void* context) {
   char line[160];
-  const int n = std::snprintf(line, sizeof(line), "tiller: fatal signal %d (%s) in process %d at address %p; backtrace:\n",
-                              sig, strsignal(sig), static_cast<int>(getpid()), info ? info->si_addr : nullptr);
+  const char* who = process_label();
+  const int n = std::snprintf(line, sizeof(line), "tiller: fatal signal %d (%s) in %s%sprocess %d at address %p; backtrace:\n",
+                              sig, strsignal(sig), who, *who ? ", " : "", static_cast<int>(getpid()),
+                              info ? info->si_addr : nullptr);
   if (n > 0) (void)!write(STDERR_FILENO, line, static_cast<size_t>(n));
 #if defined(__x86_64__)
   // A jump to a bad address leaves no frame to unwind: its caller's return address is on the stack.

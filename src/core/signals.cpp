@@ -1,5 +1,6 @@
 #include "tiller/core/signals.h"
 
+#include <algorithm>
 #include <csignal>
 #include <ctime>
 
@@ -14,7 +15,17 @@ sigset_t stop_signals() {
   return s;
 }
 
+char g_label[128] = {};
+
 }  // namespace
+
+void set_process_label(const std::string& label) {
+  const size_t n = std::min(label.size(), sizeof(g_label) - 1);
+  for (size_t i = 0; i < n; ++i) g_label[i] = label[i];
+  g_label[n] = '\0';
+}
+
+const char* process_label() { return g_label; }
 
 void block_stop_signals() {
   const sigset_t s = stop_signals();

@@ -101,7 +101,13 @@ void EnginePool::end_update(uint64_t version, double timeout_s) {
 
 std::vector<double> EnginePool::busy_seconds() {
   std::vector<double> out;
-  for (auto& c : clients_) out.push_back(c->stats().engine.seconds_in_steps);
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    try {
+      out.push_back(clients_[i]->stats().engine.seconds_in_steps);
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("{} failed to report its stats: {}", name(i), e.what()));
+    }
+  }
   return out;
 }
 

@@ -181,6 +181,7 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   const dist::RankPlan plan = dist::make_rank_plan(cfg, nodes);
   const auto& me = plan.ranks.at(static_cast<size_t>(env.rank()));
   log::init(env.rank(), me.label(), log::parse_level(cfg.logging.level, "logging.level"));
+  set_process_label(fmt::format("rank {} ({})", env.rank(), me.label()));
   std::string device = "cpu";
   if (!cpu && me.gpu >= 0) {
     device = fmt::format("cuda:{}", me.gpu);

@@ -10,7 +10,9 @@ CASE:
   resume       SIGTERM to the controller mid-run: it finishes the step, saves, every rank exits 0;
                --resume continues from that step to the end, with the same dataset cursor.
   engine_dies  the engine process is killed mid-run: the job ends non-zero within the timeout with a
-               message naming the failure, and the last checkpoint stays complete.
+               message naming the failure, and the last checkpoint stays complete. Then the engine
+               fails in a live process (its allocations fail: its address space is capped): the job
+               ends within seconds, not at a deadline, naming engine 0.
   rank_oom     a trainer rank runs out of memory mid-run while its ZeRO-3 peer waits in a collective
                with it (its address space is capped with prlimit, a real allocation failure): the job
                ends within seconds, not at the collective's deadline, with the line naming that rank.
@@ -243,6 +245,30 @@ def check_engine_dies():
         fail(f"no complete checkpoint left: {[c.name for c in ckpts]}")
     print(f"engine_dies: the job ended with code {code} after {time.time() - t0:.1f} s; "
           f"last checkpoint {complete[-1].name} intact")
+    # The engine fails while its process lives on (its allocations fail: the address space is
+    # capped): the job ends within seconds, not at a deadline, naming the engine.
+    out = SCRATCH / "engine_loop_fails"
+    proc, lines = start(4, out, "train.num_steps=200", "checkpoint.dir=", "timeouts.generate_s=600",
+                        "timeouts.collective_s=600", "timeouts.rpc_s=600")
+    pid = int(wait_for(proc, r"engine 0 serving on \S+ \(\d+ KV blocks, pid (\d+)\)", 120, lines).group(1))
+    wait_for(proc, r"step 2/200", 300, lines)
+    size_kb = next(int(l.split()[1]) for l in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if l.startswith("VmSize:"))
+    resource.prlimit(pid, resource.RLIMIT_AS, (size_kb * 1024, resource.RLIM_INFINITY))
+    t0 = time.time()
+    code, log = finish(proc, lines, 120)
+    took = time.time() - t0
+    if code == 0:
+        fail("the job exited 0 although its engine's loop failed")
+    # Whichever notices first names engine 0: its rank (its loop's error, or a crash's line), or
+    # the controller (the engine's gRPC service failing it).
+    if not re.search(r"tiller: error: rank (3: engine 0: its loop failed: |0: .*engine 0 \(\S+\))|"
+                     r"tiller: fatal signal \d+ \(\w+\) in rank 3 \(engine0\.tp0\)", log):
+        fail("no line names engine 0 and its failure:\n" + log[-3000:])
+    if took > 30:
+        fail(f"the job took {took:.0f} s to end after the engine's loop failed (the deadlines are 600 s)")
+    print(f"engine_dies: the engine failed in a live process and the job ended {took:.1f} s later: "
+          + re.search(r"tiller: (error: rank \d|fatal signal).*", log).group(0)[:200])
 
 
 def world_rank_pid(rank, marker):

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <functional>
+#include <string>
 #include <thread>
 
 namespace tiller {
@@ -26,5 +27,11 @@ class StopSignalWatcher {
   std::atomic<bool> done_{false};
   std::thread thread_;
 };
+
+// What this process is in the job, e.g. "rank 3 (engine0.tp0)", for the line a crash prints (so a
+// rank that dies of a signal is named by its role, not only its pid). Set once the rank plan is
+// known; read from a signal handler: a fixed buffer, no allocation. "" until set.
+void set_process_label(const std::string& label);
+const char* process_label();
 
 }  // namespace tiller
