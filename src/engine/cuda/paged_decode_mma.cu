@@ -282,7 +282,8 @@ void launch(const PagedDecode& a, cudaStream_t stream) {
     // Above the default 48 KiB of dynamic shared memory: opt in, once per device.
     static bool done[64] = {};
     int device = 0;
-    cudaGetDevice(&device);
+    if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
+      throw std::runtime_error(std::string("paged decode attention: cudaGetDevice failed: ") + cudaGetErrorString(err));
     if (device < 0 || device >= 64 || !done[device]) {
       const cudaError_t err =
           cudaFuncSetAttribute(paged_decode_mma_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
