@@ -233,6 +233,9 @@ std::string RemoteReward::check_health(Deadline deadline) {
     pb::HealthResponse resp;
     const grpc::Status st = m.stub->Health(&ctx, pb::HealthRequest{}, &resp);
     if (st.ok()) return resp.name();
+    // A refused token is the config's to fix (exit code 2: tiller launch does not retry it).
+    if (st.error_code() == grpc::StatusCode::UNAUTHENTICATED || st.error_code() == grpc::StatusCode::PERMISSION_DENIED)
+      throw ConfigError(fmt::format("{}: Health failed: {}; check reward.remote_token_file", m.where(), describe(st)));
     if (!transient(st.error_code()) || attempt >= m.opts.retries || deadline.remaining_seconds() <= wait) {
       throw CommError(fmt::format("{}: Health failed after {} attempt(s): {}; start the reward service or fix the address",
                                   m.where(), attempt + 1, describe(st)));

@@ -22,7 +22,7 @@ CASE:
                first 2 calls failing UNAVAILABLE): the reward rises; the client retried exactly
                twice; the first steps' rewards equal the built-in rule's, through a service that
                wants a token and serves TLS (a self-signed certificate made here), which refuses the
-               wrong token and plaintext. A service that is not there, and one slower than
+               wrong token and plaintext, with the engines serving TLS as well. A service that is not there, and one slower than
                reward.remote_timeout_s, end the job with a clear line.
   entropy      the entropy bonus: with algo.entropy_coef large, the policy's entropy after a few
                steps is clearly above the run without it (same seed).
@@ -367,14 +367,15 @@ def stop_reward_server(proc):
         proc.kill()
 
 
-def expect_error(name, args, pattern, timeout=240):
+def expect_error(name, args, pattern, timeout=240, code=None):
     t0 = time.time()
     try:
         p = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         fail(f"{name}: the job hung")
     errors = [l for l in p.stdout.splitlines() if l.startswith("tiller: error:")]
-    if p.returncode == 0 or not errors or not any(re.search(pattern, l) for l in errors):
+    if p.returncode == 0 or not errors or not any(re.search(pattern, l) for l in errors) or \
+            (code is not None and p.returncode != code):
         fail(f"{name}: exit code {p.returncode}, error lines {errors}, expected /{pattern}/:\n{p.stdout[-3000:]}")
     print(f"{name}: exit {p.returncode} in {time.time() - t0:.1f} s: {errors[0][:200]}")
 
@@ -396,7 +397,8 @@ def check_remote():
     print(f"remote: {calls} Score calls, {retries} retries")
     # The same 3-step job with the built-in rule gives the same rewards: the same samples (same
     # seed), and every score lands on its own sample (else steps 2-3 train differently). This
-    # service wants a token and serves TLS with a self-signed certificate made here.
+    # service wants a token and serves TLS with a self-signed certificate made here, and the
+    # engines serve TLS with it too (the controller checks the name in it, not its host's).
     tls = SCRATCH / "reward_tls"
     tls.mkdir(parents=True, exist_ok=True)
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
@@ -410,14 +412,19 @@ def check_remote():
               "reward.remote_tls_server_name=tiller-reward"]
     try:
         code, log = run(3, SCRATCH / "remote_3", *GRPO, "train.num_steps=3", *remote[:1],
-                        f"reward.remote_address={address}", *remote[2:], *secure)
+                        f"reward.remote_address={address}", *remote[2:], *secure,
+                        f"engines.tls_cert={tls / 'cert.pem'}", f"engines.tls_key={tls / 'key.pem'}",
+                        "engines.tls_server_name=tiller-reward")
+        if code == 0 and not re.search(r"engine serving on port \d+ over TLS \(token required\)", log):
+            fail("the engine did not say it serves TLS:\n" + log[-3000:])
         if code == 0:
             # The wrong token, and plaintext to the TLS port, are refused at start-up.
             expect_error("wrong reward token",
                          command(3, SCRATCH / "remote_wrong_token", *GRPO, "train.num_steps=1", *remote[:1],
                                  f"reward.remote_address={address}", "reward.remote_retries=0", *secure[1:],
                                  f"reward.remote_token_file={tls / 'wrong'}"),
-                         r"Health failed.*UNAUTHENTICATED")
+                         r"Health failed: missing or wrong x-tiller-token \(UNAUTHENTICATED\); check "
+                         r"reward\.remote_token_file", code=2)
             expect_error("plaintext to a TLS reward service",
                          command(3, SCRATCH / "remote_plain", *GRPO, "train.num_steps=1", *remote[:1],
                                  f"reward.remote_address={address}", "reward.remote_retries=0",
