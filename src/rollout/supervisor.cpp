@@ -173,6 +173,12 @@ class Run {
         if (tail.size() > o_.tail_lines) tail.pop_front();
       }
     }
+    // A read error ended the loop early: the launcher's status is still needed (never a 0 by default).
+    while (!exited) {
+      const pid_t w = ::waitpid(pid_, &status, 0);
+      if (w == pid_) exited = true;
+      else if (w < 0 && errno != EINTR) throw IoError(fmt::format("tiller launch: waitpid: {}", std::strerror(errno)));
+    }
     if (!partial.empty()) tail.push_back(partial);
     r.tail.assign(tail.begin(), tail.end());
     if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
