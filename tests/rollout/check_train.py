@@ -252,9 +252,7 @@ def check_engine_dies():
                         "timeouts.collective_s=600", "timeouts.rpc_s=600")
     pid = int(wait_for(proc, r"engine 0 serving on \S+ \(\d+ KV blocks, pid (\d+)\)", 120, lines).group(1))
     wait_for(proc, r"step 2/200", 300, lines)
-    size_kb = next(int(l.split()[1]) for l in Path(f"/proc/{pid}/status").read_text().splitlines()
-                   if l.startswith("VmSize:"))
-    resource.prlimit(pid, resource.RLIMIT_AS, (size_kb * 1024, resource.RLIM_INFINITY))
+    cap_address_space(pid)
     t0 = time.time()
     code, log = finish(proc, lines, 120)
     took = time.time() - t0
@@ -269,6 +267,13 @@ def check_engine_dies():
         fail(f"the job took {took:.0f} s to end after the engine's loop failed (the deadlines are 600 s)")
     print(f"engine_dies: the engine failed in a live process and the job ended {took:.1f} s later: "
           + re.search(r"tiller: (error: rank \d|fatal signal).*", log).group(0)[:200])
+
+
+def cap_address_space(pid):
+    """No new mappings for process `pid` from here: its next large allocation fails (a real one)."""
+    size_kb = next(int(l.split()[1]) for l in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if l.startswith("VmSize:"))
+    resource.prlimit(pid, resource.RLIMIT_AS, (size_kb * 1024, resource.RLIM_INFINITY))
 
 
 def world_rank_pid(rank, marker):
@@ -295,10 +300,7 @@ def check_rank_oom():
                         "checkpoint.dir=")
     wait_for(proc, r"step 3/200", 300, lines)
     pid = world_rank_pid(1, str(out))
-    size_kb = next(int(l.split()[1]) for l in Path(f"/proc/{pid}/status").read_text().splitlines()
-                   if l.startswith("VmSize:"))
-    # No new mappings from here: the next large allocation of actor rank 1 fails.
-    resource.prlimit(pid, resource.RLIMIT_AS, (size_kb * 1024, resource.RLIM_INFINITY))
+    cap_address_space(pid)  # the next large allocation of actor rank 1 fails
     t0 = time.time()
     code, log = finish(proc, lines, 120)
     took = time.time() - t0

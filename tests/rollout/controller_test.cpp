@@ -322,14 +322,48 @@ struct Job {
     };
   }
 
-  // Runs the job; with `error`, a run that throws stores the message there instead of failing.
-  std::string run(SyntheticEngineOptions eo = {}, std::string* error = nullptr) {
+  // Validates the config and places every rank on one host.
+  void make_plan() {
     cfg.validate();
     dist::NodeMap nodes;
     std::vector<int> ranks(static_cast<size_t>(dist::required_world_size(cfg)));
     std::iota(ranks.begin(), ranks.end(), 0);
     nodes.nodes.push_back({"host", ranks, -1});
     plan = dist::make_rank_plan(cfg, nodes);
+  }
+
+  // Runs the job with rank 1 (the actor's) answered by `actor` and the engines' ranks by stand-ins
+  // (call make_plan() first); returns the message of the Error the run ended with, "" if none.
+  std::string run_with_actor(RankEndpoint& actor, const Clock* clock = nullptr) {
+    SyntheticEngineRank engine_rank;
+    std::vector<RankEndpoint*> raw(static_cast<size_t>(plan.world_size), &engine_rank);
+    raw[0] = nullptr;
+    raw[1] = &actor;
+    LocalChannel channel(raw);
+    SyntheticEngineOptions eo;
+    eo.engines = 2;
+    SyntheticEngines synthetic(eo);
+    SyntheticPrompts source(64, 5, eo.vocab);
+    ControllerWiring w;
+    w.plan = &plan;
+    w.engines = &synthetic;
+    w.channel = &channel;
+    w.prompts = &source;
+    w.rewards.rule = reward;
+    w.print_summary = false;
+    if (clock) w.clock = clock;
+    Controller c(cfg, w);
+    try {
+      c.run();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  }
+
+  // Runs the job; with `error`, a run that throws stores the message there instead of failing.
+  std::string run(SyntheticEngineOptions eo = {}, std::string* error = nullptr) {
+    make_plan();
     std::vector<RankEndpoint*> raw(static_cast<size_t>(plan.world_size), nullptr);
     for (const auto& a : plan.ranks) {
       if (a.rank == plan.controller) continue;
@@ -585,12 +619,7 @@ TEST(ControllerInProcess, ASaveSlowerThanItsDeadlineIsNamedAndNotCommitted) {
   job.cfg.checkpoint.dir = job.out + "/ckpt";
   job.cfg.checkpoint.every_steps = 2;
   job.cfg.timeouts.collective_s = 10;  // the save's deadline is 4x this
-  job.cfg.validate();
-  dist::NodeMap nodes;
-  std::vector<int> ranks(static_cast<size_t>(dist::required_world_size(job.cfg)));
-  std::iota(ranks.begin(), ranks.end(), 0);
-  nodes.nodes.push_back({"host", ranks, -1});
-  job.plan = dist::make_rank_plan(job.cfg, nodes);
+  job.make_plan();
   ManualClock clock;
   SyntheticTrainer actor(job.plan.ranks[1].trainer_roles);
   struct SlowDisk final : RankEndpoint {
@@ -610,32 +639,9 @@ TEST(ControllerInProcess, ASaveSlowerThanItsDeadlineIsNamedAndNotCommitted) {
   } slow;
   slow.t = &actor;
   slow.clock = &clock;
-  SyntheticEngineRank engine_rank;
-  std::vector<RankEndpoint*> raw(static_cast<size_t>(job.plan.world_size), &engine_rank);
-  raw[0] = nullptr;
-  raw[1] = &slow;
-  LocalChannel channel(raw);
-  SyntheticEngineOptions eo;
-  eo.engines = 2;
-  SyntheticEngines engines(eo);
-  SyntheticPrompts prompts(64, 5, eo.vocab);
-  ControllerWiring w;
-  w.plan = &job.plan;
-  w.engines = &engines;
-  w.channel = &channel;
-  w.prompts = &prompts;
-  w.rewards.rule = job.reward;
-  w.print_summary = false;
-  w.clock = &clock;
-  Controller c(job.cfg, w);
-  try {
-    c.run();
-    FAIL() << "the run went on";
-  } catch (const TimeoutError& e) {
-    EXPECT_NE(std::string(e.what()).find("rank 1 (actor+ref) did not answer the checkpoint save within 40 s"),
-              std::string::npos)
-        << e.what();
-  }
+  const std::string error = job.run_with_actor(slow, &clock);
+  EXPECT_NE(error.find("rank 1 (actor+ref) did not answer the checkpoint save within 40 s"), std::string::npos)
+      << error;
   CheckpointManager m(job.cfg.checkpoint.dir, 2);
   ASSERT_EQ(m.list().size(), 1u);
   EXPECT_EQ(m.latest()->second.step, 2);
@@ -644,12 +650,7 @@ TEST(ControllerInProcess, ASaveSlowerThanItsDeadlineIsNamedAndNotCommitted) {
 
 TEST(ControllerInProcess, ATrainerRankFailureNamesTheRankAndTheCall) {
   Job job("failing");
-  job.cfg.validate();
-  dist::NodeMap nodes;
-  std::vector<int> ranks(static_cast<size_t>(dist::required_world_size(job.cfg)));
-  std::iota(ranks.begin(), ranks.end(), 0);
-  nodes.nodes.push_back({"host", ranks, -1});
-  job.plan = dist::make_rank_plan(job.cfg, nodes);
+  job.make_plan();
   SyntheticTrainer actor(job.plan.ranks[1].trainer_roles);
   struct ActorThatFails final : RankEndpoint {
     SyntheticTrainer* t;
@@ -659,31 +660,9 @@ TEST(ControllerInProcess, ATrainerRankFailureNamesTheRankAndTheCall) {
     }
   } failing;
   failing.t = &actor;
-  SyntheticEngineRank engine_rank;
-  std::vector<RankEndpoint*> raw(static_cast<size_t>(job.plan.world_size), &engine_rank);
-  raw[0] = nullptr;
-  raw[1] = &failing;
-  LocalChannel channel(raw);
-  SyntheticEngineOptions eo;
-  eo.engines = 2;
-  SyntheticEngines engines(eo);
-  SyntheticPrompts prompts(64, 5, eo.vocab);
-  ControllerWiring w;
-  w.plan = &job.plan;
-  w.engines = &engines;
-  w.channel = &channel;
-  w.prompts = &prompts;
-  w.rewards.rule = job.reward;
-  w.print_summary = false;
-  Controller c(job.cfg, w);
-  try {
-    c.run();
-    FAIL() << "the run went on";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("rank 1 (actor+ref) failed during the actor's update: CUDA out of memory"),
-              std::string::npos)
-        << e.what();
-  }
+  const std::string error = job.run_with_actor(failing);
+  EXPECT_NE(error.find("rank 1 (actor+ref) failed during the actor's update: CUDA out of memory"), std::string::npos)
+      << error;
 }
 
 // --- the supervisor (tiller launch) -----------------------------------------------------------
