@@ -8,6 +8,7 @@
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/rollout/memory_plan.h"
 
 namespace tiller::cli {
 namespace {
@@ -60,7 +61,20 @@ void add_plan_command(CLI::App& app, Runner& run) {
       out += plan.table();
       if (!launch.hostfile.empty()) out += "\nhostfile 'hosts' (replace nodeN with your host names):\n" + launch.hostfile;
       out += "\nlaunch:\n  " + launch.command + "\n";
+      // The memory plan, when the models' config.json files can be read here.
+      std::string missing;
+      const rollout::ModelShapes shapes = rollout::load_model_shapes(config, &missing);
+      if (!missing.empty()) {
+        out += fmt::format("\nmemory plan: skipped, these models' config.json cannot be read here: {}\n", missing);
+        std::fputs(out.c_str(), stdout);
+        return 0;
+      }
+      const auto gpu_bytes = static_cast<int64_t>(config.cluster.gpu_memory_gb * (1ull << 30));
+      const rollout::MemoryPlan memory = rollout::plan_memory(config, plan, shapes, gpu_bytes);
+      out += "\n" + memory.table();
       std::fputs(out.c_str(), stdout);
+      std::fflush(stdout);
+      rollout::check_fits(memory, config);  // a plan that cannot fit is an error (exit 2)
       return 0;
     };
   });

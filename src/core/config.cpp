@@ -280,6 +280,42 @@ void JobConfig::validate() const {
   if (algo.dual_clip != 0.0 && algo.dual_clip <= 1.0) {
     throw ConfigError(fmt::format("algo.dual_clip = {} must be 0 (off) or > 1", format_double(algo.dual_clip)));
   }
+  validate_hybrid();
+}
+
+void JobConfig::validate_hybrid() const {
+  for (const char* name : {"actor", "critic", "ref", "reward"}) {
+    const RoleConfig& r = role_by_name(*this, name);
+    if (!r.enabled || !r.offload) continue;
+    if (!cluster.hybrid)
+      throw ConfigError(fmt::format("roles.{}.offload moves the trainer's state off the GPU while engines generate "
+                                    "on it; it needs cluster.hybrid=true",
+                                    name));
+    if (std::string_view(name) == "ref" || std::string_view(name) == "reward")
+      throw ConfigError(fmt::format("roles.{}.offload: a frozen role has no optimizer state to offload (its "
+                                    "weights score during generation); set it to false",
+                                    name));
+  }
+  if (!cluster.hybrid) return;
+  if (rollout.mode != RolloutMode::kSync)
+    throw ConfigError("cluster.hybrid runs generation and training in turn on every GPU; rollout.mode=async needs "
+                      "engines on GPUs of their own (cluster.hybrid=false)");
+  if (cluster.ranks_per_gpu != 1)
+    throw ConfigError(fmt::format("cluster.hybrid puts the engine in the actor rank's process; set "
+                                  "cluster.ranks_per_gpu=1 (it is {})",
+                                  cluster.ranks_per_gpu));
+  if (roles.actor.gpus % engines.tp != 0)
+    throw ConfigError(fmt::format("cluster.hybrid makes each engines.tp actor GPUs one engine: engines.tp = {} must "
+                                  "divide roles.actor.gpus = {}",
+                                  engines.tp, roles.actor.gpus));
+  if (engines.count != 1 && engines.count != engine_count())
+    throw ConfigError(fmt::format("engines.count = {}: with cluster.hybrid the engines are roles.actor.gpus / "
+                                  "engines.tp = {}; leave engines.count out or set it to {}",
+                                  engines.count, engine_count(), engine_count()));
+}
+
+std::int64_t JobConfig::engine_count() const {
+  return cluster.hybrid ? roles.actor.gpus / std::max<std::int64_t>(engines.tp, 1) : engines.count;
 }
 
 void apply_override(JobConfig& config, const std::string& assignment) {

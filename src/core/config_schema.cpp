@@ -77,6 +77,9 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
         "Recompute each transformer block in the backward pass instead of storing activations.");
   b.add(p + "replicate", [get](JobConfig& c) { return &get(c).replicate; },
         "Frozen roles (ref, reward) only: hold a full replica on every rank instead of ZeRO-3 shards.");
+  b.add(p + "offload", [get](JobConfig& c) { return &get(c).offload; },
+        "Trainable roles with cluster.hybrid: move the fp32 masters, gradients and AdamW moments to pinned host "
+        "memory while the engines generate, and back before training (the compute shards stay for scoring).");
 }
 
 std::vector<Field> build() {
@@ -101,6 +104,14 @@ std::vector<Field> build() {
         "ranks on one GPU communicates through the host (MPI) instead of NCCL; set "
         "engines.kv_cache_gb (or gpu_memory_fraction) so the engine leaves the trainers room.")
       .range(1, 8);
+  b.add("cluster.hybrid", TILLER_FIELD(cluster.hybrid),
+        "Hybrid engine: every actor GPU also runs an engine (engines.tp consecutive actor ranks per engine), in the "
+        "actor rank's own process. Phases alternate on each GPU: generate, then score and train with the engine "
+        "asleep (engines.sleep_level); the weights reach the engine by a copy on the GPU. engines.count is derived.");
+  b.add("cluster.gpu_memory_gb", TILLER_FIELD(cluster.gpu_memory_gb),
+        "GPU memory per GPU in GiB for the memory plan (tiller plan checks the fit with it); 0: tiller train "
+        "asks the device, tiller plan prints the estimates without a fit check.")
+      .range(0.0, 65536.0);
 
   add_role(b, "actor", +[](JobConfig& c) -> RoleConfig& { return c.roles.actor; });
   add_role(b, "critic", +[](JobConfig& c) -> RoleConfig& { return c.roles.critic; });
@@ -126,6 +137,10 @@ std::vector<Field> build() {
         "KV cache of each engine rank in GiB; 0: engines.gpu_memory_fraction. A fixed size does not depend on "
         "what trainers sharing the GPU have allocated when the engine starts (cluster.ranks_per_gpu > 1).")
       .range(0.0, 65536.0);
+  b.add("engines.sleep_level", TILLER_FIELD(engines.sleep_level),
+        "cluster.hybrid: what an engine frees while the trainers score and train: 0 nothing, 1 its KV cache and "
+        "decode graphs, 2 its weights too (refilled by the next weight sync).")
+      .range(0, 2);
   b.add("engines.port", TILLER_FIELD(engines.port),
         "First gRPC port; engine i listens on port + i. 0: each engine picks a free port.")
       .range(0, 65535);

@@ -12,6 +12,7 @@ std::vector<int> weight_sync_ranks(const RankPlan& plan) {
   const RoleGroup* actor = plan.group(Role::kActor);
   if (!actor || plan.engines.empty()) return {};
   std::vector<int> out = actor->ranks;
+  if (plan.hybrid) return out;  // the engines are in these ranks' processes
   for (const auto& e : plan.engines) out.insert(out.end(), e.ranks.begin(), e.ranks.end());
   return out;
 }

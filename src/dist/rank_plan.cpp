@@ -42,6 +42,32 @@ std::string node_name(const NodeMap& nodes, int n) {
   return host.empty() ? fmt::format("node {}", n) : fmt::format("node {} ({})", n, host);
 }
 
+// cluster.hybrid: engine e is actor group ranks [e * tp, (e + 1) * tp), in those ranks' processes;
+// a TP group must not straddle nodes.
+void place_hybrid_engines(RankPlan& plan, const NodeMap& nodes, int tp) {
+  const RoleGroup* actor = plan.group(Role::kActor);
+  TILLER_CHECK(actor != nullptr, "rank plan: hybrid without an actor group");
+  const int count = static_cast<int>(actor->ranks.size()) / tp;
+  for (int e = 0; e < count; ++e) {
+    EngineGroup group;
+    group.index = e;
+    group.ranks.assign(actor->ranks.begin() + e * tp, actor->ranks.begin() + (e + 1) * tp);
+    group.node = plan.ranks[group.ranks.front()].node;
+    for (int i = 0; i < tp; ++i) {
+      auto& a = plan.ranks[group.ranks[i]];
+      if (a.node != group.node)
+        throw ConfigError(fmt::format(
+            "cluster.hybrid: engine {} would span {} and {} (actor ranks {}-{}); an engine's TP group must sit on one "
+            "node: make engines.tp divide the GPUs per node, or give the actor whole nodes",
+            e, node_name(nodes, group.node), node_name(nodes, a.node), group.ranks.front(), group.ranks.back()));
+      a.roles.push_back("engine");
+      a.engine = e;
+      a.engine_tp_rank = i;
+    }
+    plan.engines.push_back(std::move(group));
+  }
+}
+
 }  // namespace
 
 int NodeMap::world_size() const {
@@ -122,14 +148,15 @@ std::string RankPlan::table() const {
                        g.colocated_with.empty() ? std::string() : fmt::format(", colocated with {}", g.colocated_with));
   }
   for (const auto& e : engines) {
-    out += fmt::format("  engine {:<3}  ranks {} on node {} (TP {})\n", e.index, join_ints(e.ranks), e.node,
-                       e.ranks.size());
+    out += fmt::format("  engine {:<3}  ranks {} on node {} (TP {}){}\n", e.index, join_ints(e.ranks), e.node,
+                       e.ranks.size(), hybrid ? ", inside the actor's processes (hybrid)" : "");
   }
   return out;
 }
 
 int required_world_size(const JobConfig& config) {
-  long long n = 1 + config.engines.count * config.engines.tp;
+  // Hybrid engines live in the actor ranks' processes: they add no rank.
+  long long n = 1 + (config.cluster.hybrid ? 0 : config.engines.count * config.engines.tp);
   for (const auto& r : trainer_roles(config)) {
     if (r.cfg->enabled && r.cfg->colocate_with.empty()) n += r.cfg->gpus;
   }
@@ -147,7 +174,10 @@ std::string world_size_breakdown(const JobConfig& config) {
       out += fmt::format(" + {} (colocated with {})", r.name, r.cfg->colocate_with);
     }
   }
-  if (config.engines.count > 0) {
+  if (config.cluster.hybrid) {
+    out += fmt::format(" (+ {} engine{} of TP {} inside the actor's ranks: cluster.hybrid)", config.engine_count(),
+                       config.engine_count() == 1 ? "" : "s", config.engines.tp);
+  } else if (config.engines.count > 0) {
     out += fmt::format(" + {} engine ({} x TP {})", config.engines.count * config.engines.tp, config.engines.count,
                        config.engines.tp);
   }
@@ -205,7 +235,8 @@ RankPlan make_rank_plan(const JobConfig& config, const NodeMap& nodes) {
   // takes the node's last free ranks, which are consecutive GPUs.
   std::vector<std::vector<int>> free_ranks = workers;
   const int tp = static_cast<int>(config.engines.tp);
-  for (int e = 0; e < config.engines.count; ++e) {
+  const int separate_engines = config.cluster.hybrid ? 0 : static_cast<int>(config.engines.count);
+  for (int e = 0; e < separate_engines; ++e) {
     int best = -1;
     for (int n = static_cast<int>(free_ranks.size()) - 1; n >= 0; --n) {
       const int f = static_cast<int>(free_ranks[n].size());
@@ -279,6 +310,8 @@ RankPlan make_rank_plan(const JobConfig& config, const NodeMap& nodes) {
   for (auto& a : plan.ranks)
     for (Role r : kRoles)
       if (a.trainer_roles.has(r)) a.roles.emplace_back(role_name(r));
+  if (config.cluster.hybrid) place_hybrid_engines(plan, nodes, tp);
+  plan.hybrid = config.cluster.hybrid;
   return plan;
 }
 

@@ -259,4 +259,39 @@ uint64_t EngineClient::end_weight_update(uint64_t version, double timeout_s) {
   return r.weight_version();
 }
 
+namespace {
+ServerMemory from_proto(const pb::MemoryResponse& r) {
+  ServerMemory m;
+  m.engine.weight_bytes = r.weight_bytes();
+  m.engine.kv_cache_bytes = r.kv_cache_bytes();
+  m.engine.sleep_level = r.sleep_level();
+  m.engine.device_allocated = m.device_allocated = r.device_allocated();
+  m.engine.device_reserved = m.device_reserved = r.device_reserved();
+  return m;
+}
+}  // namespace
+
+ServerMemory EngineClient::sleep(int level) {
+  grpc::ClientContext ctx;
+  impl_->prepare(ctx, impl_->unary());
+  pb::SleepRequest req;
+  req.set_level(level);
+  pb::MemoryResponse r;
+  grpc::Status st = impl_->stub->Sleep(&ctx, req, &r);
+  if (!st.ok()) raise(impl_->opts.address, "Sleep", st);
+  return from_proto(r);
+}
+
+ServerMemory EngineClient::wake(bool weights, bool cache) {
+  grpc::ClientContext ctx;
+  impl_->prepare(ctx, impl_->unary());
+  pb::WakeRequest req;
+  req.set_weights(weights);
+  req.set_cache(cache);
+  pb::MemoryResponse r;
+  grpc::Status st = impl_->stub->Wake(&ctx, req, &r);
+  if (!st.ok()) raise(impl_->opts.address, "Wake", st);
+  return from_proto(r);
+}
+
 }  // namespace tiller::engine

@@ -19,6 +19,7 @@
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/engine/kv_block_manager.h"
+#include "tiller/model/storage_swap.h"
 #include "tiller/model/weights.h"
 #include "tiller/model/sampling.h"
 
@@ -26,7 +27,7 @@ namespace tiller::engine {
 namespace {
 
 // Messages from the TP leader to its followers: a header {kind, words} then the words.
-enum class Message : int64_t { kStep = 1, kHeartbeat = 2, kShutdown = 3, kSyncPlan = 4, kSync = 5 };
+enum class Message : int64_t { kStep = 1, kHeartbeat = 2, kShutdown = 3, kSyncPlan = 4, kSync = 5, kSleep = 6, kWake = 7 };
 
 // A byte string as int64 words ({length, bytes...}) for a broadcast, and back.
 std::vector<int64_t> to_words(const std::string& s) {
@@ -136,6 +137,10 @@ struct Engine::Impl {
   }
   // Every TP rank: one sync through the sink, and the group's combined outcome.
   WeightSink::Result receive_weights(uint64_t version);
+  ModelRunner::CacheOptions cache_options;
+  // Every TP rank: sleep (level 1 or 2) and wake (the weights' memory, then the cache's).
+  void sleep_here(int level);
+  void wake_here(bool weights, bool cache);
   void validate(const Request& r) const;
   SampleOutput finish(Sequence& s, const char* reason);
   std::vector<SeqState> waiting_states() const {
@@ -264,13 +269,15 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
   cache.cuda_graphs = opts.cuda_graphs;
   cache.max_graph_batch =
       opts.max_graph_batch > 0 ? opts.max_graph_batch : std::min<int64_t>(opts.limits.max_num_seqs, 512);
-  m.runner->allocate_cache(cache);
+  m.cache_options = cache;
+  if (!opts.start_asleep) m.runner->allocate_cache(cache);
   m.kv = std::make_unique<KvBlockManager>(blocks, opts.block_size);
   m.stats.kv_blocks_total = blocks;
-  log::info("engine: {} KV blocks of {} tokens ({:.2f} GiB), max_model_len {}, tp {}, decode: {}{}", blocks,
+  log::info("engine: {} KV blocks of {} tokens ({:.2f} GiB), max_model_len {}, tp {}, decode: {}{}{}", blocks,
             opts.block_size, static_cast<double>(blocks * m.runner->block_bytes()) / (1ull << 30), m.max_model_len,
             tp_size, m.runner->paged_decode() ? "paged kernel" : "gathered context",
-            m.runner->cuda_graphs() ? fmt::format(", CUDA graphs up to batch {}", cache.max_graph_batch) : "");
+            m.runner->cuda_graphs() ? fmt::format(", CUDA graphs up to batch {}", cache.max_graph_batch) : "",
+            opts.start_asleep ? " (asleep: the cache is allocated at wake)" : "");
 }
 
 Engine::~Engine() {
@@ -368,10 +375,61 @@ WeightSink::Result Engine::receive_weights(uint64_t version) {
   return m.receive_weights(version);
 }
 
+void Engine::Impl::sleep_here(int level) {
+  runner->release_cache();
+  if (level >= 2 && runner->weights_resident()) {
+    runner->drop_weights();
+    broken = "the weights were freed by sleep level 2; a weight sync refills them";
+  }
+}
+
+void Engine::Impl::wake_here(bool weights, bool cache) {
+  if ((weights || cache) && !runner->weights_resident()) runner->restore_weights();
+  if (cache && !runner->cache_allocated()) runner->allocate_cache(cache_options);
+}
+
+void Engine::sleep(int level) {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.leader() && !m.shut_down, "sleep() on a TP follower or after shutdown()");
+  if (level < 1 || level > 2) throw InvalidRequest(fmt::format("sleep level {}: must be 1 (the KV cache) or 2 (and "
+                                                               "the weights)", level));
+  if (m.in_flight || !m.seqs.empty() || !m.aborted.empty())
+    throw InvalidRequest(fmt::format("cannot sleep with {} live sequences: finish or abort them first",
+                                     m.seqs.size()));
+  m.broadcast(Message::kSleep, {level});
+  m.sleep_here(level);
+}
+
+void Engine::wake(bool weights, bool cache) {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.leader() && !m.shut_down, "wake() on a TP follower or after shutdown()");
+  m.broadcast(Message::kWake, {weights ? 1 : 0, cache ? 1 : 0});
+  m.wake_here(weights, cache);
+}
+
+int Engine::sleep_level() const {
+  const ModelRunner& r = *impl_->runner;
+  return !r.weights_resident() ? 2 : r.cache_allocated() ? 0 : 1;
+}
+
+EngineMemory Engine::memory() const {
+  const ModelRunner& r = *impl_->runner;
+  EngineMemory out;
+  out.weight_bytes = r.weights_resident() ? r.weight_bytes() : 0;
+  out.kv_cache_bytes = r.cache_bytes();
+  out.sleep_level = sleep_level();
+  const model::DeviceMemory d = model::device_memory(r.device());
+  out.device_allocated = d.allocated;
+  out.device_reserved = d.reserved;
+  return out;
+}
+
 void Engine::add(Request r) {
   Impl& m = *impl_;
   TILLER_CHECK(m.leader() && !m.shut_down, "add() on a TP follower or after shutdown()");
   if (!m.broken.empty()) throw InvalidRequest(fmt::format("request {}: {}", r.id, m.broken));
+  if (!m.runner->cache_allocated())
+    throw InvalidRequest(fmt::format("request {}: the engine is asleep (no KV cache); wake it first", r.id));
   m.validate(r);
   Sequence s;
   s.id = m.next_id++;
@@ -621,7 +679,8 @@ void Engine::follow() {
     const int64_t words = head[1].item<int64_t>();
     if (kind == Message::kShutdown) return;
     if (kind == Message::kHeartbeat) continue;
-    TILLER_CHECK((kind == Message::kStep || kind == Message::kSyncPlan || kind == Message::kSync) && words > 0,
+    TILLER_CHECK((kind == Message::kStep || kind == Message::kSyncPlan || kind == Message::kSync ||
+                  kind == Message::kSleep || kind == Message::kWake) && words > 0,
                  "engine follower: unknown message kind {}", static_cast<int64_t>(kind));
     at::Tensor body = at::empty({words}, at::TensorOptions().dtype(at::kLong).device(where));
     m.tp->broadcast(body, 0)->wait();
@@ -637,6 +696,11 @@ void Engine::follow() {
       }
     } else if (kind == Message::kSync) {
       m.receive_weights(static_cast<uint64_t>(p[0]));
+    } else if (kind == Message::kSleep) {
+      m.sleep_here(static_cast<int>(p[0]));
+    } else if (kind == Message::kWake) {
+      TILLER_CHECK(words == 2, "engine follower: malformed wake message");
+      m.wake_here(p[0] != 0, p[1] != 0);
     } else {
       m.runner->run(StepBatch::decode(std::vector<int64_t>(p, p + words)), /*sample=*/false);
     }

@@ -20,6 +20,7 @@
 #endif
 
 #include "model/host_upload.h"
+#include "tiller/model/storage_swap.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
@@ -216,6 +217,7 @@ struct ModelRunner::Impl {
   at::Tensor cos_table, sin_table;  // [max_model_len, head_dim] unless RoPE is dynamic
   bool paged = false;               // decode steps through the paged kernel
   std::vector<int32_t> words;       // host staging of decode inputs
+  std::unique_ptr<model::StorageSwap> weight_swap;  // the weights' storages (sleep level 2)
 
   // A launched step's draws on their way to the host: ids (int64) and log-probs (fp32), pinned
   // on CUDA, copied on a side stream so the next step's kernels need not wait for the copy; the
@@ -347,6 +349,52 @@ void ModelRunner::allocate_cache(const CacheOptions& o) {
     m.pool = at::cuda::graph_pool_handle();
   }
 #endif
+}
+
+void ModelRunner::release_cache() {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.pending.empty(), "release_cache() with a step in flight");
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  // The graphs hold the cache's and the weights' addresses, and their pool holds memory.
+  m.captured.clear();
+  m.graph_inputs = at::Tensor();
+  m.graphs = false;
+#endif
+  m.last_drawn = at::Tensor();
+  m.cache = at::Tensor();
+  num_blocks_ = 0;
+}
+
+bool ModelRunner::cache_allocated() const { return impl_->cache.defined(); }
+
+int64_t ModelRunner::cache_bytes() const {
+  return impl_->cache.defined() ? impl_->cache.numel() * impl_->cache.element_size() : 0;
+}
+
+namespace {
+std::vector<at::Tensor> tensors_of(const model::NamedTensors& named) {
+  std::vector<at::Tensor> out;
+  for (const auto& [name, t] : named) out.push_back(t);
+  return out;
+}
+}  // namespace
+
+void ModelRunner::drop_weights() {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.pending.empty(), "drop_weights() with a step in flight");
+  if (!m.weight_swap) m.weight_swap = std::make_unique<model::StorageSwap>(tensors_of(parameters()));
+  m.weight_swap->drop();
+}
+
+void ModelRunner::restore_weights() {
+  if (impl_->weight_swap) impl_->weight_swap->reload();
+}
+
+bool ModelRunner::weights_resident() const { return !impl_->weight_swap || impl_->weight_swap->resident(); }
+
+int64_t ModelRunner::weight_bytes() const {
+  if (impl_->weight_swap) return impl_->weight_swap->bytes();
+  return model::StorageSwap(tensors_of(parameters())).bytes();
 }
 
 bool ModelRunner::paged_decode() const { return impl_->paged; }

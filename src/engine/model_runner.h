@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -44,7 +45,19 @@ class ModelRunner {
     bool cuda_graphs = true;       // decode steps on CUDA without TP; ignored elsewhere
     int64_t max_graph_batch = 256; // larger decode batches run eagerly
   };
+  // Allocates the KV cache (again after release_cache(); its contents start at zero).
   void allocate_cache(const CacheOptions& opts);
+  // Sleep (the hybrid engine): frees the KV cache and the captured decode graphs with their memory
+  // pool; allocate_cache() wakes it. No step may be in flight.
+  void release_cache();
+  bool cache_allocated() const;
+  // Frees the weights' device memory, contents lost (sleep level 2); restore_weights() allocates it
+  // again, contents undefined until a weight sync writes them. Every parameter() view stays valid.
+  void drop_weights();
+  void restore_weights();
+  bool weights_resident() const;
+  int64_t weight_bytes() const;  // of this rank's weights, resident or not
+  int64_t cache_bytes() const;   // of the KV cache while allocated, else 0
   // Whether decode steps use the paged kernel / CUDA graphs (for logs and benchmarks).
   bool paged_decode() const;
   bool cuda_graphs() const;

@@ -56,6 +56,16 @@ struct Route {
   int64_t remaining = 0;  // samples not yet returned
 };
 
+// The answer of Sleep and Wake: the leader rank's engine memory and its process's device memory.
+void fill_memory(const Engine& engine, pb::MemoryResponse* resp) {
+  const EngineMemory m = engine.memory();
+  resp->set_weight_bytes(m.weight_bytes);
+  resp->set_kv_cache_bytes(m.kv_cache_bytes);
+  resp->set_sleep_level(m.sleep_level);
+  resp->set_device_allocated(m.device_allocated);
+  resp->set_device_reserved(m.device_reserved);
+}
+
 }  // namespace
 
 struct EngineServer::Impl final : pb::Engine::Service {
@@ -414,6 +424,35 @@ struct EngineServer::Impl final : pb::Engine::Service {
       return weight_version;
     }, v);
     resp->set_weight_version(v);
+    return st;
+  }
+
+  grpc::Status Sleep(grpc::ServerContext* ctx, const pb::SleepRequest* req, pb::MemoryResponse* resp) override {
+    if (auto st = check_token(ctx); !st.ok()) return st;
+    bool done = false;
+    auto st = call<bool>(ctx, [this, level = req->level(), resp] {
+      if (paused) throw InvalidRequest(fmt::format("a weight update to version {} is in progress", pending_version));
+      if (!routes.empty())
+        throw InvalidRequest(fmt::format("{} requests are live; the engine sleeps only when idle", routes.size()));
+      deliver(engine.drain());
+      engine.sleep(level);
+      fill_memory(engine, resp);
+      update_snapshot();
+      return true;
+    }, done);
+    return st;
+  }
+
+  grpc::Status Wake(grpc::ServerContext* ctx, const pb::WakeRequest* req, pb::MemoryResponse* resp) override {
+    if (auto st = check_token(ctx); !st.ok()) return st;
+    bool done = false;
+    auto st = call<bool>(ctx, [this, weights = req->weights(), cache = req->cache(), resp] {
+      if (paused) throw InvalidRequest(fmt::format("a weight update to version {} is in progress", pending_version));
+      engine.wake(weights, cache);
+      fill_memory(engine, resp);
+      update_snapshot();
+      return true;
+    }, done);
     return st;
   }
 

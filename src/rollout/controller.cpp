@@ -13,6 +13,7 @@
 #include "rollout/advantages.h"
 #include "rollout/checkpoint_manager.h"
 #include "rollout/engine_pool.h"
+#include "rollout/hybrid_phases.h"
 #include "rollout/off_policy.h"
 #include "rollout/role_worker.h"
 #include "rollout/step_trace.h"
@@ -87,6 +88,7 @@ struct Controller::Impl {
   CheckpointManager checkpoints;
   std::unique_ptr<StepTrace> trace;
   std::unique_ptr<StepOutputs> outputs;
+  std::unique_ptr<HybridPhases> hybrid;  // cluster.hybrid
   uint64_t plan_id = 0;
 
   // Run state (what a checkpoint keeps).
@@ -141,6 +143,24 @@ struct Controller::Impl {
         cfg.logging.metrics_jsonl.empty() ? out + "/metrics.jsonl" : cfg.logging.metrics_jsonl,
         cfg.logging.tensorboard_dir.empty() ? out + "/tensorboard" : cfg.logging.tensorboard_dir,
         cfg.logging.rollout_records, cfg.logging.rollout_records_tokens);
+    if (plan.hybrid) hybrid = std::make_unique<HybridPhases>(cfg, *w.engines, link, trainers, *trace);
+  }
+
+  HybridPhases::Put put_metric() {
+    return [this](const std::string& k, double v) { metrics[k] = v; };
+  }
+
+  // Hybrid: the step's samples are all in; the engines sleep and the trainers take the GPUs.
+  void hybrid_train_phase(int64_t j) {
+    collector->pause_dispatch(true);
+    while (collector->in_flight_samples() > 0) pump();
+    hybrid->train(j, put_metric());
+  }
+
+  // Hybrid: the trainers give the GPUs back and the engines generate the next step.
+  void hybrid_generate_phase(int64_t j) {
+    hybrid->generate(j, put_metric());
+    collector->pause_dispatch(false);
   }
 
   // --- background work ---------------------------------------------------------------------------
@@ -212,6 +232,7 @@ struct Controller::Impl {
 
   // The weights of the actor to every engine at version `v` (the engines pause for it).
   void push_weights(uint64_t v) {
+    if (hybrid) hybrid->before_sync(step + 1, put_metric());
     w.engines->begin_update(v, plan_id);
     sync_seconds_on_actor = sync_wire_bytes = 0;
     for (int rank : actor_group->ranks)
@@ -236,7 +257,8 @@ struct Controller::Impl {
     const auto t1 = w.clock->now();
     push_weights(version + 1);
     collector->set_version(version);
-    collector->pause_dispatch(false);
+    // Hybrid: the engines' caches wake at the next step's generate phase.
+    if (!hybrid) collector->pause_dispatch(false);
     collector->release(Role::kActor);
     metrics["time/sync_wait_in_flight"] = std::chrono::duration<double>(t1 - t0).count();
     metrics["time/sync"] = seconds_since(t1);
@@ -438,7 +460,9 @@ struct Controller::Impl {
 
   void stop_ranks() {
     std::vector<int> ranks = trainers;
-    for (const auto& e : plan.engines) ranks.push_back(e.ranks.front());
+    // A hybrid engine's leader is a trainer rank: it stops once.
+    for (const auto& e : plan.engines)
+      if (std::find(ranks.begin(), ranks.end(), e.ranks.front()) == ranks.end()) ranks.push_back(e.ranks.front());
     double peak = peak_rss_mb();
     for (int r : ranks)
       link.call(r, StopRequest{}.encode(), cfg.timeouts.collective_s, "stopping",
@@ -452,6 +476,7 @@ struct Controller::Impl {
     if (!w.sync_plan.empty()) plan_id = w.engines->install_sync_plan(w.sync_plan);
     if (cfg.checkpoint.resume || w.require_resume) resume();
     collector = std::make_unique<RolloutCollector>(collect_cfg, *w.engines, link, *w.prompts, w.rewards, groups);
+    if (hybrid) collector->pause_dispatch(true);  // until the first generate phase
     collector->start(step + 1, version, resend, next_ordinal);
     run_start = step_end = w.clock->now();
     engine_busy = w.engines->busy_seconds();
@@ -459,7 +484,9 @@ struct Controller::Impl {
     bool stopped_by_signal = false;
     while (step < cfg.train.num_steps) {
       metrics = json::object();
+      if (hybrid) hybrid_generate_phase(step + 1);
       std::unique_ptr<StepBatch> b = next_batch();
+      if (hybrid) hybrid_train_phase(b->step);
       const bool train_actor = b->step > cfg.train.critic_warmup_steps && b->ro.size() > 0;
       OffPolicy op;
       if (b->ro.size() > 0) {

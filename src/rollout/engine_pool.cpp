@@ -99,6 +99,31 @@ void EnginePool::end_update(uint64_t version, double timeout_s) {
   }
 }
 
+std::vector<engine::ServerMemory> EnginePool::sleep(int level) {
+  std::vector<engine::ServerMemory> out;
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    try {
+      out.push_back(clients_[i]->sleep(level));
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("{} failed to sleep (level {}): {}", name(i), level, e.what()));
+    }
+  }
+  return out;
+}
+
+std::vector<engine::ServerMemory> EnginePool::wake(bool weights, bool cache) {
+  std::vector<engine::ServerMemory> out;
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    try {
+      out.push_back(clients_[i]->wake(weights, cache));
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("{} failed to wake ({}): {}", name(i), cache ? "its KV cache" : "its weights",
+                                  e.what()));
+    }
+  }
+  return out;
+}
+
 std::vector<double> EnginePool::busy_seconds() {
   std::vector<double> out;
   for (size_t i = 0; i < clients_.size(); ++i) {

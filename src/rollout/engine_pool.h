@@ -34,6 +34,8 @@ class EnginePool final : public EngineSet {
   bool next(Completion& out, int wait_ms) override;
   void begin_update(uint64_t version, uint64_t plan_id) override;
   void end_update(uint64_t version, double timeout_s) override;
+  std::vector<engine::ServerMemory> sleep(int level) override;
+  std::vector<engine::ServerMemory> wake(bool weights, bool cache) override;
   std::vector<double> busy_seconds() override;
   void close() override;
 

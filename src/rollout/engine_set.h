@@ -43,6 +43,10 @@ class EngineSet {
   // and resumes it at `version`. Samples in flight continue with the new weights.
   virtual void begin_update(uint64_t version, uint64_t plan_id) = 0;
   virtual void end_update(uint64_t version, double timeout_s) = 0;
+  // The hybrid engine's phases: every engine sleeps at `level` (1 or 2) or wakes (the weights'
+  // memory, the KV cache); returns each engine's memory (its leader rank's) afterwards.
+  virtual std::vector<engine::ServerMemory> sleep(int level) = 0;
+  virtual std::vector<engine::ServerMemory> wake(bool weights, bool cache) = 0;
   // Seconds each engine has spent running steps since it started (for idle time); empty when
   // unknown.
   virtual std::vector<double> busy_seconds() = 0;

@@ -180,6 +180,8 @@ const char* op_name(Op op) {
     case Op::kTrace: return "trace";
     case Op::kStop: return "stop";
     case Op::kEngineHello: return "engine_hello";
+    case Op::kPhase: return "phase";
+    case Op::kPhaseReply: return "phase_reply";
     case Op::kScoreReply: return "score_reply";
     case Op::kStepReply: return "step_reply";
     case Op::kSyncReply: return "sync_reply";
@@ -493,6 +495,31 @@ Frame StopReply::encode() const {
 StopReply StopReply::decode(Frame f) {
   expect(f, Op::kStopReply, 0, 1);
   return {f.scalars[0]};
+}
+
+Frame PhaseRequest::encode() const {
+  Frame f;
+  f.op = Op::kPhase;
+  f.scalars = {offload ? 1.0 : 0.0};
+  return f;
+}
+
+PhaseRequest PhaseRequest::decode(Frame f) {
+  expect(f, Op::kPhase, 0, 1);
+  if (f.scalars[0] != 0 && f.scalars[0] != 1) malformed(f.op, fmt::format("offload flag {}", f.scalars[0]));
+  return {f.scalars[0] != 0};
+}
+
+Frame PhaseReply::encode() const {
+  Frame f;
+  f.op = Op::kPhaseReply;
+  f.scalars = {moved_bytes, allocated, reserved, peak_allocated};
+  return f;
+}
+
+PhaseReply PhaseReply::decode(Frame f) {
+  expect(f, Op::kPhaseReply, 0, 4);
+  return {f.scalars[0], f.scalars[1], f.scalars[2], f.scalars[3]};
 }
 
 Frame EngineHello::encode() const { return text_frame(Op::kEngineHello, token); }

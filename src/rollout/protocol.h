@@ -16,6 +16,8 @@
 //   TraceRequest        -> TraceReply     the rank's phase spans since the last TraceRequest
 //   StopRequest         -> StopReply      leave the serve loop
 //   EngineHello -> EngineAddress          start-up: an engine leader's shared secret, its address
+//   PhaseRequest        -> PhaseReply     hybrid: trainer state to the host (generate) or back (train),
+//                                         and the rank's device memory
 // Any request may be answered by an ErrorReply instead (the rank failed; it names the cause).
 // decode() checks the op, the tensors' count, dtypes and sizes against each other, and throws
 // CommError naming the message when they disagree.
@@ -49,6 +51,7 @@ enum class Op : int64_t {
   kTrace,
   kStop,
   kEngineHello,
+  kPhase,
   kScoreReply = 100,
   kStepReply,
   kSyncReply,
@@ -56,6 +59,7 @@ enum class Op : int64_t {
   kTraceReply,
   kStopReply,
   kEngineAddress,
+  kPhaseReply,
   kError,
 };
 const char* op_name(Op op);
@@ -225,6 +229,24 @@ struct StopReply {
   double peak_host_mb = 0;
   Frame encode() const;
   static StopReply decode(Frame f);
+};
+
+// The hybrid engine's phases, on each trainer rank (docs/training.md): `offload` moves the state of
+// the rank's roles with roles.<r>.offload to the host (the engines are about to generate); false
+// brings it back (training is next).
+struct PhaseRequest {
+  bool offload = false;
+  Frame encode() const;
+  static PhaseRequest decode(Frame f);
+};
+
+// The rank's device memory after the phase change (model::device_memory; zeros on CPU), the peak
+// since the previous phase change, and the bytes moved.
+struct PhaseReply {
+  double moved_bytes = 0;
+  double allocated = 0, reserved = 0, peak_allocated = 0;
+  Frame encode() const;
+  static PhaseReply decode(Frame f);
 };
 
 struct EngineHello {

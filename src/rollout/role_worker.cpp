@@ -23,7 +23,9 @@
 #include "tiller/model/model_config.h"
 #include "tiller/model/safetensors.h"
 #include "tiller/model/transformer.h"
+#include "tiller/model/storage_swap.h"
 #include "tiller/sync/bucket_plan.h"
+#include "tiller/sync/hybrid_handoff.h"
 #include "tiller/sync/weight_sync.h"
 #include "tiller/zero/checkpoint.h"
 #include "tiller/zero/sharded_model.h"
@@ -116,6 +118,7 @@ struct RoleWorker::Impl {
   RoleSet roles;  // this rank's
   std::map<Role, std::unique_ptr<zero::ShardedModel>> models;
   std::unique_ptr<sync::WeightSender> sender;
+  std::unique_ptr<sync::HybridHandoff> handoff;  // hybrid: to this process's engine
   double temperature = 1.0;
   // Statistics of the micro-batches since the role's last optimizer step.
   std::map<Role, StepStats> acc;
@@ -129,7 +132,7 @@ struct RoleWorker::Impl {
     roles = plan.ranks.at(static_cast<size_t>(rank)).trainer_roles;
     for (Role role : kRoles)
       if (roles.has(role)) load(role);
-    if (roles.has(Role::kActor) && groups.weight_sync) {
+    if (roles.has(Role::kActor) && groups.weight_sync && !plan.hybrid) {
       auto& actor = *models.at(Role::kActor);
       sender = std::make_unique<sync::WeightSender>(actor, *groups.weight_sync,
                                                     sync::job_bucket_plan(cfg, actor.config(), actor.world()),
@@ -277,9 +280,9 @@ struct RoleWorker::Impl {
   }
 
   SyncReply sync_weights(const SyncRequest& in) {
-    TILLER_CHECK(sender != nullptr, "rank {}: a weight sync, but this rank sends none", rank);
+    TILLER_CHECK(sender != nullptr || handoff != nullptr, "rank {}: a weight sync, but this rank sends none", rank);
     const double w0 = wall_us();
-    const sync::SyncStats s = sender->send(in.version);
+    const sync::SyncStats s = handoff ? handoff->send(in.version) : sender->send(in.version);
     span("sync", w0);
     return {s.seconds, static_cast<double>(s.wire_bytes)};
   }
@@ -303,6 +306,24 @@ struct RoleWorker::Impl {
     return {};
   }
 
+  // The hybrid engine's phases: the offloaded roles' state off the device or back.
+  PhaseReply phase(const PhaseRequest& in) {
+    const double w0 = wall_us();
+    PhaseReply out;
+    for (Role role : kRoles) {
+      if (!roles.has(role) || !role_config(cfg, role).offload) continue;
+      zero::ShardedModel& m = *models.at(role);
+      out.moved_bytes += static_cast<double>(in.offload ? m.offload_state() : m.reload_state());
+    }
+    const model::DeviceMemory d = model::device_memory(device);
+    out.allocated = static_cast<double>(d.allocated);
+    out.reserved = static_cast<double>(d.reserved);
+    out.peak_allocated = static_cast<double>(d.peak_allocated);
+    model::reset_peak_device_memory(device);
+    span(in.offload ? "offload" : "reload", w0);
+    return out;
+  }
+
   TraceReply trace() {
     TraceReply out;
     out.names.swap(span_names);
@@ -322,6 +343,7 @@ struct RoleWorker::Impl {
       case Op::kSave: return save(SaveRequest::decode(std::move(in))).encode();
       case Op::kLoad: return load_state(LoadRequest::decode(std::move(in))).encode();
       case Op::kTrace: TraceRequest::decode(std::move(in)); return trace().encode();
+      case Op::kPhase: return phase(PhaseRequest::decode(std::move(in))).encode();
       default:
         throw CommError(fmt::format("rank {}: unexpected message '{}' from the controller", rank, op_name(in.op)));
     }
@@ -333,6 +355,16 @@ RoleWorker::RoleWorker(const JobConfig& cfg, const dist::RankPlan& plan, int ran
     : impl_(std::make_unique<Impl>(cfg, plan, rank, groups, world, device)) {}
 
 RoleWorker::~RoleWorker() = default;
+
+void RoleWorker::hand_off_to(sync::LocalWeightSink& sink) {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.plan.hybrid && m.roles.has(Role::kActor) && m.groups.weight_sync,
+               "rank {}: a hybrid handoff needs an actor rank of a hybrid plan", m.rank);
+  auto& actor = *m.models.at(Role::kActor);
+  m.handoff = std::make_unique<sync::HybridHandoff>(actor, *m.groups.weight_sync,
+                                                    sync::job_bucket_plan(m.cfg, actor.config(), actor.world()), sink,
+                                                    m.cfg.timeouts.weight_sync_s);
+}
 
 void RoleWorker::serve() {
   Impl& m = *impl_;

@@ -18,6 +18,10 @@ struct GroupCommunicators;
 class Communicator;
 }  // namespace tiller::dist
 
+namespace tiller::sync {
+class LocalWeightSink;
+}
+
 namespace tiller::rollout {
 
 // Peak resident memory of this process, MB.
@@ -29,6 +33,9 @@ class RoleWorker {
   RoleWorker(const JobConfig& cfg, const dist::RankPlan& plan, int rank, dist::GroupCommunicators& groups,
              dist::Communicator& world, const std::string& device);
   ~RoleWorker();
+  // Hybrid (cluster.hybrid), actor ranks: the weight syncs go to this rank's own engine through
+  // its sink (sync/hybrid_handoff.h), which must outlive the worker. Before serve().
+  void hand_off_to(sync::LocalWeightSink& sink);
   void serve();
 
  private:

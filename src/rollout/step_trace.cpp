@@ -53,6 +53,15 @@ void StepTrace::span(int64_t step, const std::string& name, int rank, double beg
   events_.push_back(e.dump());
 }
 
+void StepTrace::counter(int64_t step, const std::string& name, int rank, double time_us,
+                        const std::vector<std::pair<std::string, double>>& values) {
+  if (!profiled(step)) return;
+  json args = json::object();
+  for (const auto& [k, v] : values) args[k] = v;
+  const json e = {{"name", name}, {"ph", "C"}, {"ts", time_us}, {"pid", rank < 0 ? controller_ : rank}, {"args", args}};
+  events_.push_back(e.dump());
+}
+
 void StepTrace::write() const {
   std::string out = "{\"traceEvents\":[";
   bool first = true;

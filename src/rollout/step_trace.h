@@ -12,6 +12,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "rollout/collector.h"
@@ -30,6 +31,10 @@ class StepTrace {
   bool any() const { return !steps_.empty(); }
   // A span of `step` on `rank`'s track (-1: the controller's); kept only for profiled steps.
   void span(int64_t step, const std::string& name, int rank, double begin_us, double end_us);
+  // A counter sample (Chrome's "C" event: a stacked graph on `rank`'s track), e.g. a rank's GPU
+  // memory at each phase of the hybrid engine; kept only for profiled steps.
+  void counter(int64_t step, const std::string& name, int rank, double time_us,
+               const std::vector<std::pair<std::string, double>>& values);
   // Writes every span kept so far (atomically; after each profiled step).
   void write() const;
   const std::string& path() const { return path_; }

@@ -60,6 +60,7 @@ void SyntheticEngines::submit(size_t i, const engine::Request& r, uint64_t min_w
   std::lock_guard<std::mutex> lock(mu_);
   TILLER_CHECK(min_weight_version <= version_, "synthetic engine {}: asked for version {}, it has {}", i,
                min_weight_version, version_);
+  TILLER_CHECK(sleep_level_ == 0, "synthetic engine {}: a request while asleep (level {})", i, sleep_level_);
   Engine& e = engines_.at(i);
   ++e.requests;
   for (int64_t j = 0; j < r.n; ++j) {
@@ -166,9 +167,33 @@ bool SyntheticEngines::next(Completion& out, int wait_ms) {
   return true;
 }
 
+std::vector<engine::ServerMemory> SyntheticEngines::sleep(int level) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& e : engines_)
+    TILLER_CHECK(e.running.empty() && e.waiting.empty(), "synthetic engines: sleep with samples in flight");
+  sleep_level_ = std::max(sleep_level_, level);
+  phases_.push_back(fmt::format("sleep {}", level));
+  return std::vector<engine::ServerMemory>(engines_.size());
+}
+
+std::vector<engine::ServerMemory> SyntheticEngines::wake(bool weights, bool cache) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (weights || cache) sleep_level_ = std::min(sleep_level_, 1);
+  if (cache) sleep_level_ = 0;
+  phases_.push_back(cache ? "wake cache" : "wake weights");
+  return std::vector<engine::ServerMemory>(engines_.size());
+}
+
+std::vector<std::string> SyntheticEngines::phases() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return phases_;
+}
+
 void SyntheticEngines::begin_update(uint64_t version, uint64_t) {
   std::lock_guard<std::mutex> lock(mu_);
   TILLER_CHECK(version > version_, "synthetic engines: update to {} from {}", version, version_);
+  TILLER_CHECK(sleep_level_ < 2, "synthetic engines: a weight sync into weights asleep at level 2");
+  phases_.push_back(fmt::format("sync {}", version));
   paused_ = true;
 }
 
@@ -276,6 +301,10 @@ std::vector<Frame> SyntheticTrainer::handle(Frame f) {
     case Op::kLoad: LoadRequest::decode(std::move(f)); out.push_back(DoneReply{}.encode()); break;
     case Op::kTrace: TraceRequest::decode(std::move(f)); out.push_back(TraceReply{}.encode()); break;
     case Op::kStop: StopRequest::decode(std::move(f)); out.push_back(StopReply{0}.encode()); break;
+    case Op::kPhase:
+      phases_.push_back(PhaseRequest::decode(std::move(f)).offload ? "offload" : "reload");
+      out.push_back(PhaseReply{}.encode());
+      break;
     default: throw CommError(fmt::format("synthetic trainer: unexpected '{}'", op_name(f.op)));
   }
   return out;

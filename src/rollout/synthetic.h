@@ -62,7 +62,13 @@ class SyntheticEngines final : public EngineSet {
   void begin_update(uint64_t version, uint64_t plan_id) override;
   void end_update(uint64_t version, double timeout_s) override;
   std::vector<double> busy_seconds() override { return {}; }
+  // Sleep and wake keep the real engines' rules: sleep only when idle, no request while the cache
+  // sleeps, no sync into weights asleep at level 2 (each a broken invariant here).
+  std::vector<engine::ServerMemory> sleep(int level) override;
+  std::vector<engine::ServerMemory> wake(bool weights, bool cache) override;
   void close() override;
+  // Every sleep, wake and weight update in order: "sleep 2", "wake weights", "wake cache", "sync 3".
+  std::vector<std::string> phases() const;
 
   // Samples generated so far, over all engines; requests each engine received.
   int64_t generated_tokens() const { return generated_tokens_; }
@@ -96,6 +102,8 @@ class SyntheticEngines final : public EngineSet {
   std::deque<Completion> done_;
   uint64_t version_ = 0;
   bool paused_ = false, stopping_ = false;
+  int sleep_level_ = 0;  // 0 awake; 1 no cache; 2 no cache, no weights
+  std::vector<std::string> phases_;
   std::atomic<int64_t> generated_tokens_{0};
   std::thread clock_;
 };
@@ -108,12 +116,15 @@ class SyntheticTrainer final : public RankEndpoint {
   int64_t trained_tokens(Role r) const { return tokens_[static_cast<size_t>(role_index(r))]; }
   int64_t steps(Role r) const { return steps_[static_cast<size_t>(role_index(r))]; }
   int64_t syncs() const { return syncs_; }
+  // The hybrid phase requests in order: "offload", "reload".
+  const std::vector<std::string>& phases() const { return phases_; }
   int64_t scored_tokens() const { return scored_; }
 
  private:
   RoleSet roles_;
   std::array<int64_t, kRoleCount> tokens_{}, pending_{}, steps_{};
   int64_t syncs_ = 0, scored_ = 0;
+  std::vector<std::string> phases_;
 };
 
 // An engine leader's endpoint: it only answers StopRequest.

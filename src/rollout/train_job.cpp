@@ -25,7 +25,10 @@
 #include "tiller/engine/engine_weights.h"
 #include "tiller/engine/server.h"
 #include "tiller/model/model_config.h"
+#include "tiller/sync/hybrid_handoff.h"
 #include "tiller/sync/weight_sync.h"
+#include "tiller/model/storage_swap.h"
+#include "tiller/rollout/memory_plan.h"
 
 namespace tiller::rollout {
 namespace {
@@ -57,11 +60,18 @@ struct RankObjects {
   std::unique_ptr<engine::Engine> engine;
   std::unique_ptr<sync::WeightReceiver> receiver;
   std::unique_ptr<engine::EngineServer> server;
+  std::unique_ptr<sync::LocalWeightSink> sink;  // hybrid
+  std::thread follower;                          // hybrid TP followers: the engine's follow()
+  ~RankObjects() {
+    if (follower.joinable()) follower.detach();  // only on a failure path, which ends the process
+  }
 };
 
-int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, dist::GroupCommunicators& groups,
-                    dist::Communicator& world, const std::string& device, const std::string& hostname,
-                    RankObjects& own) {
+// This rank's engine (its TP shard), as every engine rank builds it; `kv_bytes` > 0 sizes the KV
+// cache (the memory plan's, for hybrid engines).
+engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, int rank,
+                            dist::GroupCommunicators& groups, const std::string& device, int64_t kv_bytes,
+                            bool start_asleep, RankObjects& own) {
   const auto& me = plan.ranks.at(static_cast<size_t>(rank));
   const int tp = static_cast<int>(cfg.engines.tp);
   const std::string dir = cfg.engines.model.empty() ? cfg.roles.actor.model : cfg.engines.model;
@@ -79,21 +89,21 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   eo.device = device;
   eo.block_size = cfg.engines.kv_block_size;
   eo.gpu_memory_fraction = cfg.engines.gpu_memory_fraction;
-  eo.kv_cache_gb = cfg.engines.kv_cache_gb;
+  eo.kv_cache_gb = kv_bytes > 0 ? static_cast<double>(kv_bytes) / (1ull << 30) : cfg.engines.kv_cache_gb;
   eo.limits.max_num_seqs = cfg.engines.max_num_seqs;
   eo.limits.max_batched_tokens = cfg.engines.max_batched_tokens;
   eo.max_model_len = max_model_len;
+  eo.start_asleep = start_asleep;
   dist::Communicator* tp_comm = tp > 1 ? groups.engine_tp.get() : nullptr;
   if (tp_comm) tp_comm->set_timeout(cfg.timeouts.collective_s);
   own.engine = std::make_unique<engine::Engine>(w.config, std::move(w.weights), eo, tp_comm);
-  engine::Engine& eng = *own.engine;
-  TILLER_CHECK(groups.weight_sync != nullptr, "engine rank {} has no weight-sync communicator", rank);
-  own.receiver = std::make_unique<sync::WeightReceiver>(eng, *groups.weight_sync, cfg.timeouts.weight_sync_s);
-  eng.set_weight_sink(own.receiver.get());
-  if (!eng.is_leader()) {
-    eng.follow();
-    return 0;
-  }
+  return *own.engine;
+}
+
+// The engine leader's gRPC service: the controller's secret in, the address out. Returns the server.
+engine::EngineServer& serve_engine(const JobConfig& cfg, const dist::RankPlan& plan, int rank,
+                                   dist::Communicator& world, const std::string& hostname, RankObjects& own) {
+  const auto& me = plan.ranks.at(static_cast<size_t>(rank));
   const EngineHello hello =
       EngineHello::decode(recv_frame(world, plan.controller, Deadline::after_seconds(cfg.timeouts.startup_s)));
   engine::ServerOptions so;
@@ -103,13 +113,28 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   so.tls.cert = cfg.engines.tls_cert;
   so.tls.key = cfg.engines.tls_key;
   so.max_wait_seconds = std::max(cfg.timeouts.weight_sync_s, cfg.timeouts.rpc_s);
-  own.server = std::make_unique<engine::EngineServer>(eng, so);
-  engine::EngineServer& server = *own.server;
-  const EngineAddress addr{fmt::format("{}:{}", hostname, server.port())};
+  own.server = std::make_unique<engine::EngineServer>(*own.engine, so);
+  const EngineAddress addr{fmt::format("{}:{}", hostname, own.server->port())};
   for (auto& wk : send_frame(world, plan.controller, addr.encode()))
     wk->wait(Deadline::after_seconds(cfg.timeouts.startup_s));
-  log::info("engine {} serving on {} ({} KV blocks, pid {})", me.engine, addr.address, eng.stats().kv_blocks_total,
-            static_cast<int64_t>(getpid()));
+  log::info("engine {} serving on {} ({} KV blocks, pid {})", me.engine, addr.address,
+            own.engine->stats().kv_blocks_total, static_cast<int64_t>(getpid()));
+  return *own.server;
+}
+
+int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, dist::GroupCommunicators& groups,
+                    dist::Communicator& world, const std::string& device, const std::string& hostname,
+                    RankObjects& own) {
+  const auto& me = plan.ranks.at(static_cast<size_t>(rank));
+  engine::Engine& eng = make_engine(cfg, plan, rank, groups, device, 0, false, own);
+  TILLER_CHECK(groups.weight_sync != nullptr, "engine rank {} has no weight-sync communicator", rank);
+  own.receiver = std::make_unique<sync::WeightReceiver>(eng, *groups.weight_sync, cfg.timeouts.weight_sync_s);
+  eng.set_weight_sink(own.receiver.get());
+  if (!eng.is_leader()) {
+    eng.follow();
+    return 0;
+  }
+  engine::EngineServer& server = serve_engine(cfg, plan, rank, world, hostname, own);
   StopRequest::decode(wait_for_controller(world, plan.controller, [&] {
     const std::string failure = server.error();
     if (!failure.empty()) throw Error(fmt::format("engine {}: its loop failed: {}", me.engine, failure));
@@ -124,10 +149,47 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   return 0;
 }
 
+// cluster.hybrid: an actor rank that also runs its engine's TP rank, in this process. The engine
+// starts asleep (its KV cache is allocated at the first generate phase) and receives the weights
+// from the actor on the device (sync/hybrid_handoff.h). The leader serves gRPC on its server's
+// loop thread, a follower follows on a thread of its own; the trainer serves the controller on
+// this thread until it says stop.
+int run_hybrid_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, dist::GroupCommunicators& groups,
+                    dist::Communicator& world, const std::string& device, const std::string& hostname,
+                    int64_t kv_bytes, RankObjects& own) {
+  const auto& me = plan.ranks.at(static_cast<size_t>(rank));
+  own.worker = std::make_unique<RoleWorker>(cfg, plan, rank, groups, world, device);
+  engine::Engine& eng = make_engine(cfg, plan, rank, groups, device, kv_bytes, /*start_asleep=*/true, own);
+  own.sink = std::make_unique<sync::LocalWeightSink>(eng, cfg.timeouts.weight_sync_s);
+  eng.set_weight_sink(own.sink.get());
+  own.worker->hand_off_to(*own.sink);
+  if (eng.is_leader()) {
+    serve_engine(cfg, plan, rank, world, hostname, own);
+  } else {
+    own.follower = std::thread([&eng, rank, device, label = me.label()] {
+      try {
+        if (device != "cpu")
+          c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(at::Device(device));
+        eng.follow();
+      } catch (const std::exception& e) {
+        dist::MpiEnv::fail_job(rank, e);
+      }
+    });
+  }
+  own.worker->serve();
+  if (eng.is_leader()) {
+    own.server->shutdown();
+    eng.shutdown();  // ends the followers' follow()
+  } else {
+    own.follower.join();
+  }
+  return 0;
+}
+
 // One rank's part of the job: the controller, an engine rank or a trainer rank.
 int run_rank(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& options, const dist::RankPlan& plan,
              const dist::RankAssignment& me, dist::GroupCommunicators& groups, dist::Communicator& world,
-             const std::string& device, RankObjects& own) {
+             const std::string& device, int64_t hybrid_kv_bytes, RankObjects& own) {
   if (env.rank() == plan.controller) {
     StopSignalWatcher watcher([] {
       log::warn("signal received: finishing this step, saving a checkpoint, then stopping");
@@ -147,6 +209,8 @@ int run_rank(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& option
       for (auto& w : v) w->wait(Deadline::after_seconds(cfg.timeouts.startup_s));
     return run_controller(cfg, plan, world, co);
   }
+  if (me.engine >= 0 && !me.trainer_roles.empty())
+    return run_hybrid_rank(cfg, plan, env.rank(), groups, world, device, env.hostname(), hybrid_kv_bytes, own);
   if (me.engine >= 0) return run_engine_rank(cfg, plan, env.rank(), groups, world, device, env.hostname(), own);
   own.worker = std::make_unique<RoleWorker>(cfg, plan, env.rank(), groups, world, device);
   own.worker->serve();
@@ -187,8 +251,22 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
     device = fmt::format("cuda:{}", me.gpu);
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(me.gpu)));
   }
-  if (env.rank() == plan.controller)
+  // The memory plan: on GPUs every rank checks that its phases fit (the same verdict everywhere),
+  // and a hybrid engine's KV cache is what its generate phase leaves.
+  int64_t gpu_bytes = static_cast<int64_t>(cfg.cluster.gpu_memory_gb * (1ull << 30));
+  if (gpu_bytes == 0 && !cpu && me.gpu >= 0) gpu_bytes = model::device_memory(at::Device(device)).total;
+  std::string missing;
+  const ModelShapes shapes = load_model_shapes(cfg, &missing);
+  MemoryPlan memory;
+  if (missing.empty()) memory = plan_memory(cfg, plan, shapes, cpu ? 0 : gpu_bytes);
+  if (!cpu) check_fits(memory, cfg);
+  int64_t kv_bytes = 0;
+  for (const auto& r : memory.ranks)
+    if (r.rank == env.rank() && plan.hybrid) kv_bytes = r.kv_cache_bytes;
+  if (env.rank() == plan.controller) {
     log::info("controller pid {}; rank plan:\n{}", static_cast<int64_t>(getpid()), plan.table());
+    if (plan.hybrid || !cpu) log::info("{}", memory.table());
+  }
 
   dist::DeviceComm to_device;
   if (backend == "nccl")
@@ -209,7 +287,7 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   // otherwise hold up the teardown of its communicators until their deadline, minutes later.
   RankObjects own;
   try {
-    return run_rank(cfg, env, options, plan, me, groups, *world, device, own);
+    return run_rank(cfg, env, options, plan, me, groups, *world, device, kv_bytes, own);
   } catch (const std::exception& e) {
     dist::MpiEnv::fail_job(env.rank(), e);
   }

@@ -2,13 +2,12 @@
 #include <array>
 #include <chrono>
 #include <optional>
-#include <set>
 
 #include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "sync/protocol.h"
+#include "sync/slice_placer.h"
 #include "tiller/core/deadline.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
@@ -23,24 +22,11 @@ struct WeightReceiver::Impl {
   double timeout_s;
   at::Device device = at::kCPU;
   std::optional<BucketPlan> plan;
-  std::vector<at::Tensor> dest;                 // per plan parameter: this rank's slice, flattened
-  std::vector<std::vector<SliceCopy>> copies;   // per bucket
+  SlicePlacer placer;
   std::array<at::Tensor, 2> staging;
   SyncStats last;
 
   Impl(engine::Engine& e, dist::Communicator& c, double t) : engine(e), comm(c), timeout_s(t) {}
-
-  void place(size_t k, const at::Tensor& stage) {
-    for (const SliceCopy& c : copies[k]) {
-      const at::Tensor& d = dest[c.param];
-      if (c.rows == 1) {
-        d.narrow(0, c.dst_offset, c.cols).copy_(stage.narrow(0, c.src_offset, c.cols));
-      } else {
-        d.as_strided({c.rows, c.cols}, {c.dst_stride, 1}, d.storage_offset() + c.dst_offset)
-            .copy_(stage.as_strided({c.rows, c.cols}, {c.src_stride, 1}, stage.storage_offset() + c.src_offset));
-      }
-    }
-  }
 };
 
 WeightReceiver::WeightReceiver(engine::Engine& engine, dist::Communicator& comm, double timeout_s)
@@ -56,45 +42,15 @@ const SyncStats& WeightReceiver::last() const { return impl_->last; }
 uint64_t WeightReceiver::install_plan(const std::string& text) {
   Impl& m = *impl_;
   BucketPlan p = BucketPlan::from_json(text, "weight sync plan");
-  const int tp_rank = m.engine.tp_rank();
-  auto bad = [&](const std::string& what) {
-    throw ConfigError(fmt::format("weight sync plan {:016x} does not fit engine TP rank {}: {}", p.id, tp_rank, what));
-  };
-  if (p.tp_size != m.engine.tp_size())
-    bad(fmt::format("it is for TP size {}, the engine has {}", p.tp_size, m.engine.tp_size()));
   if (m.comm.rank() < p.senders || m.comm.size() <= p.senders)
-    bad(fmt::format("this rank is rank {} of {} in the sync communicator, whose first {} ranks must be the actor's",
-                    m.comm.rank(), m.comm.size(), p.senders));
-  auto params = m.engine.parameters();
+    throw ConfigError(fmt::format("weight sync plan {:016x} does not fit engine TP rank {}: this rank is rank {} of {} "
+                                  "in the sync communicator, whose first {} ranks must be the actor's",
+                                  p.id, m.engine.tp_rank(), m.comm.rank(), m.comm.size(), p.senders));
+  SlicePlacer placer(p, m.engine);
   const at::ScalarType wire = protocol::wire_scalar_type(p.wire_dtype);
-  std::vector<at::Tensor> dest;
-  std::set<std::string> planned;
-  for (const auto& q : p.params) {
-    auto it = params.find(q.name);
-    if (it == params.end()) bad(fmt::format("the engine has no parameter {}", q.name));
-    const at::Tensor& t = it->second;
-    if (t.sizes().vec() != local_shape(q, p.tp_size))
-      bad(fmt::format("{} is {} here; the plan's slice is {}", q.name, fmt::join(t.sizes().vec(), "x"),
-                      fmt::join(local_shape(q, p.tp_size), "x")));
-    if (t.scalar_type() != wire)
-      bad(fmt::format("the weights are {}, the plan sends {}", c10::toString(t.scalar_type()), p.wire_dtype));
-    TILLER_CHECK(t.is_contiguous(), "engine parameter {} is not contiguous", q.name);
-    dest.push_back(t.view({-1}));
-    planned.insert(q.name);
-  }
-  for (const auto& [name, t] : params)
-    if (!planned.count(name)) bad(fmt::format("the plan never sends {}", name));
-  std::vector<std::vector<SliceCopy>> copies;
-  for (const auto& b : p.buckets) {
-    std::vector<SliceCopy> c;
-    for (const auto& g : b.segments)
-      for (const auto& s : slice_copies(p, g, tp_rank)) c.push_back(s);
-    copies.push_back(std::move(c));
-  }
   const auto opts = at::TensorOptions().dtype(wire).device(m.device);
   for (auto& s : m.staging) s = at::empty({p.largest_bucket_numel()}, opts);
-  m.dest = std::move(dest);
-  m.copies = std::move(copies);
+  m.placer = std::move(placer);
   m.plan = std::move(p);
   log::info("weight sync plan {:016x}: {} buckets, {:.1f} MiB on the wire, staging 2 x {:.1f} MiB", m.plan->id,
             m.plan->buckets.size(), static_cast<double>(m.plan->wire_bytes()) / (1 << 20),
@@ -157,7 +113,7 @@ engine::WeightSink::Result WeightReceiver::receive(uint64_t version) {
         throw;
       }
       r.weights_changed = true;
-      m.place(k, m.staging[k % 2].narrow(0, 0, p.buckets[k].numel));
+      m.placer.place(k, m.staging[k % 2].narrow(0, 0, p.buckets[k].numel));
     }
     for (auto& w : works) w->wait(deadline);
     copy.synchronize();

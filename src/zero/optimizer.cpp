@@ -65,6 +65,16 @@ void ShardAdamW::set_steps(int64_t steps) {
     for (auto& t : g->steps) t.fill_(static_cast<double>(steps));
 }
 
+std::vector<at::Tensor> ShardAdamW::state_tensors() const {
+  std::vector<at::Tensor> out;
+  for (const auto& s : shards_) {
+    out.push_back(s.exp_avg);
+    out.push_back(s.exp_avg_sq);
+  }
+  for (const Group* g : {&decayed_, &undecayed_}) out.insert(out.end(), g->steps.begin(), g->steps.end());
+  return out;
+}
+
 int64_t ShardAdamW::state_bytes() const {
   int64_t b = 0;
   for (const auto& s : shards_) b += 2 * s.exp_avg.numel() * static_cast<int64_t>(sizeof(float));

@@ -14,6 +14,7 @@
 
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
+#include "tiller/model/storage_swap.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/model/safetensors.h"
@@ -56,6 +57,7 @@ struct ShardedModel::Impl {
   bool local = true;  // one shard per unit: no collectives
   std::vector<Unit> units;
   std::unique_ptr<ShardAdamW> adam;
+  std::unique_ptr<model::StorageSwap> offloaded;  // set while the state is off the device
   model::Rope rope;
   at::Tensor anchor;  // requires grad: makes every segment's output part of the graph
   std::map<size_t, Gathered> gathered;
@@ -152,6 +154,7 @@ struct ShardedModel::Impl {
   }
   // `grads` per parameter of the unit, in layout order; undefined entries are zero.
   void reduce(size_t u, const std::vector<at::Tensor>& grads) {
+    TILLER_CHECK(!offloaded, "a backward pass while the optimizer state is offloaded: reload_state() first");
     Unit& unit = units[u];
     TILLER_CHECK(grads.size() == unit.layout.params().size(), "unit {}: {} gradients for {} parameters",
                  unit.layout.name(), grads.size(), unit.layout.params().size());
@@ -522,6 +525,7 @@ at::Tensor ShardedModel::values(const model::PackedBatch& batch) {
 StepResult ShardedModel::step(double lr) {
   Impl& m = *impl_;
   TILLER_CHECK(m.opts.trainable, "step() on a frozen model");
+  TILLER_CHECK(!m.offloaded, "step() while the optimizer state is offloaded: reload_state() first");
   m.finish(m.reducing_prev);
   m.finish(m.reducing_cur);
   std::vector<at::Tensor> grads;
@@ -594,6 +598,7 @@ std::vector<ShardedModel::UnitShard> ShardedModel::shards() const {
 
 std::vector<ShardedModel::UnitState> ShardedModel::unit_states() const {
   const Impl& m = *impl_;
+  TILLER_CHECK(!m.offloaded, "the state of a model whose optimizer state is offloaded: reload_state() first");
   std::vector<UnitState> out;
   for (size_t i = 0; i < m.units.size(); ++i) {
     const auto& u = m.units[i];
@@ -610,6 +615,7 @@ std::vector<ShardedModel::UnitState> ShardedModel::unit_states() const {
 void ShardedModel::load_unit_state(size_t i, const at::Tensor& master, const at::Tensor& exp_avg,
                                    const at::Tensor& exp_avg_sq) {
   Impl& m = *impl_;
+  TILLER_CHECK(!m.offloaded, "load_unit_state() while the optimizer state is offloaded: reload_state() first");
   TILLER_CHECK(i < m.units.size(), "no unit {}", i);
   auto& u = m.units[i];
   at::Tensor& dst = u.master.defined() ? u.master : u.shard;
@@ -630,6 +636,36 @@ const std::string& ShardedModel::source_model() const { return impl_->source; }
 const ShardedModelOptions& ShardedModel::options() const { return impl_->opts; }
 int ShardedModel::rank() const { return impl_->rank; }
 int ShardedModel::world() const { return impl_->world; }
+
+int64_t ShardedModel::offload_state() {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.opts.trainable, "offload_state() of a frozen model: it has no optimizer state");
+  if (m.offloaded) return 0;
+  std::vector<at::Tensor> state;
+  for (const auto& u : m.units) {
+    if (u.master.defined() && !u.master.is_same(u.shard)) state.push_back(u.master);
+    if (u.grad.defined()) state.push_back(u.grad);
+  }
+  if (m.adam) {
+    const std::vector<at::Tensor> s = m.adam->state_tensors();
+    state.insert(state.end(), s.begin(), s.end());
+  }
+  if (state.empty()) return 0;
+  m.offloaded = std::make_unique<model::StorageSwap>(state);
+  m.offloaded->offload();
+  return m.offloaded->bytes();
+}
+
+int64_t ShardedModel::reload_state() {
+  Impl& m = *impl_;
+  if (!m.offloaded) return 0;
+  m.offloaded->reload();
+  const int64_t n = m.offloaded->bytes();
+  m.offloaded.reset();
+  return n;
+}
+
+bool ShardedModel::state_offloaded() const { return impl_->offloaded != nullptr; }
 
 ShardMemory ShardedModel::memory() const {
   const Impl& m = *impl_;

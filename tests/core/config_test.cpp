@@ -170,6 +170,25 @@ TEST(Config, CrossKeyChecks) {
             std::string::npos);
 }
 
+TEST(Config, HybridRules) {
+  auto err = [](const std::string& yaml) { return config_error([&] { parse_config(yaml, "j"); }); };
+  EXPECT_NE(err("cluster: {hybrid: true}\nrollout: {mode: async}").find("rollout.mode=async needs engines on GPUs"),
+            std::string::npos);
+  EXPECT_NE(err("cluster: {hybrid: true}\nroles: {actor: {gpus: 3}}\nengines: {tp: 2}")
+                .find("engines.tp = 2 must divide roles.actor.gpus = 3"),
+            std::string::npos);
+  EXPECT_NE(err("cluster: {hybrid: true}\nroles: {actor: {gpus: 4}}\nengines: {count: 3}")
+                .find("engines.count = 3: with cluster.hybrid the engines are roles.actor.gpus / engines.tp = 4"),
+            std::string::npos);
+  EXPECT_NE(err("roles: {actor: {offload: true}}").find("roles.actor.offload"), std::string::npos);
+  EXPECT_NE(err("cluster: {hybrid: true}\nroles: {ref: {offload: true}}").find("a frozen role has no optimizer"),
+            std::string::npos);
+  EXPECT_NE(err("cluster: {hybrid: true, ranks_per_gpu: 2}").find("cluster.ranks_per_gpu=1"), std::string::npos);
+  const JobConfig ok = parse_config("cluster: {hybrid: true}\nroles: {actor: {gpus: 8, offload: true}}\n"
+                                    "engines: {tp: 2, sleep_level: 2}", "j");
+  EXPECT_EQ(ok.engine_count(), 4);
+}
+
 TEST(Config, EffectiveYamlRoundTrips) {
   JobConfig a = parse_config("run: {name: \"a: b\"}\nroles: {actor: {gpus: 3}}\nalgo: {kl_coef: 0.125}", "j.yaml",
                              {"rollout.temperature=0.7"});

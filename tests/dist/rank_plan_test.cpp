@@ -56,11 +56,12 @@ void check_invariants(const RankPlan& plan, const JobConfig& c, const NodeMap& n
       EXPECT_LT(a.gpu, node.gpus);
       EXPECT_TRUE(gpus_used[a.node].insert(a.gpu).second) << "GPU " << a.gpu << " of node " << a.node << " twice";
     }
-    // Engines never share a rank with trainer roles.
-    if (a.engine >= 0) EXPECT_EQ(a.roles.size(), 1u);
+    // Engines never share a rank with trainer roles, unless hybrid (then always with the actor).
+    if (a.engine >= 0 && !plan.hybrid) EXPECT_EQ(a.roles.size(), 1u);
+    if (a.engine >= 0 && plan.hybrid) EXPECT_TRUE(a.trainer_roles.has(Role::kActor));
   }
   // Engines: the configured count, TP ranks on one node, consecutive GPUs.
-  ASSERT_EQ(static_cast<int>(plan.engines.size()), c.engines.count);
+  ASSERT_EQ(static_cast<int>(plan.engines.size()), c.engine_count());
   for (const auto& e : plan.engines) {
     ASSERT_EQ(static_cast<int>(e.ranks.size()), c.engines.tp);
     for (std::size_t i = 0; i < e.ranks.size(); ++i) {
@@ -237,6 +238,37 @@ TEST(RankPlan, ImpossibleRequestsSayWhatToChange) {
   auto big = make_config({.actor = 16, .critic = 8, .engines = 4, .tp = 2});
   msg = plan_error(big, {8, 8});
   EXPECT_NE(msg.find("needs 33 ranks but 2 node(s) with 16 GPUs"), std::string::npos) << msg;
+}
+
+// cluster.hybrid: one engine per engines.tp actor ranks, inside them; no engine ranks of its own.
+TEST(RankPlan, HybridPutsAnEngineOnEveryActorGpu) {
+  JobConfig c = make_config({.actor = 4, .critic = 0, .engines = 1, .tp = 2});
+  c.cluster.hybrid = true;
+  c.validate();
+  EXPECT_EQ(c.engine_count(), 2);
+  EXPECT_EQ(required_world_size(c), 5);
+  EXPECT_NE(world_size_breakdown(c).find("2 engines of TP 2 inside the actor's ranks"), std::string::npos)
+      << world_size_breakdown(c);
+  const RankPlan plan = plan_on(c, {4});
+  EXPECT_TRUE(plan.hybrid);
+  ASSERT_EQ(plan.engines.size(), 2u);
+  EXPECT_EQ(plan.engines[0].ranks, (std::vector<int>{1, 2}));
+  EXPECT_EQ(plan.engines[1].ranks, (std::vector<int>{3, 4}));
+  EXPECT_EQ(plan.ranks[3].label(), "actor+ref+engine1.tp0");
+  EXPECT_NE(plan.table().find("inside the actor's processes (hybrid)"), std::string::npos);
+  // 8 GPUs, TP 1, a critic colocated with the actor: 8 engines, 9 ranks.
+  JobConfig big = make_config({.actor = 8, .critic = 1, .engines = 1, .tp = 1});
+  big.roles.critic.colocate_with = "actor";
+  big.cluster.hybrid = true;
+  big.validate();
+  const RankPlan p8 = plan_on(big, {8});
+  EXPECT_EQ(p8.engines.size(), 8u);
+  EXPECT_EQ(p8.ranks[8].label(), "actor+critic+ref+engine7.tp0");
+  // A TP group may not straddle nodes: 3 + 3 GPUs, TP 2 over 6 actor ranks would put engine 1 on both.
+  JobConfig split = make_config({.actor = 6, .critic = 0, .engines = 1, .tp = 2});
+  split.cluster.hybrid = true;
+  const std::string msg = plan_error(split, {3, 3});
+  EXPECT_NE(msg.find("cluster.hybrid: engine 1 would span node 0"), std::string::npos) << msg;
 }
 
 TEST(RankPlan, WorldSizeMismatchAndOverfullNode) {

@@ -331,6 +331,46 @@ TEST(Zero, ResumeContinuesAsIfNeverStopped) {
   EXPECT_EQ(b.steps(), 4);
 }
 
+// roles.<r>.offload: the state leaves the device and comes back bit for bit; a forward (scoring)
+// runs meanwhile from the compute shards; the next step is the one without offload.
+TEST(Zero, OffloadThenReloadIsBitExactAndTheNextStepEqualsOneWithout) {
+  const ModelConfig cfg = config("tiny-qwen2");
+  const auto o = options(Head::kLm, {0.9, 0.95, 1e-8, 0.05}, 0.5);
+  ShardedModel a(cfg, comm(), o), b(cfg, comm(), o);
+  for (ShardedModel* m : {&a, &b}) {
+    m->load(model::init_weights(cfg, Head::kLm, 3, at::kFloat), "init");
+    train(*m, cfg, 0, 2);
+  }
+  const zero::ShardMemory before = b.memory();
+  // Gradients, moments, the fp32 masters unless they are the compute shards, and the step counts
+  // (a few fp32 scalars).
+  const int64_t state = before.gradients + before.optimizer + (o.compute_dtype == at::kFloat ? 0 : before.parameters * 4 / 6);
+  const int64_t moved = b.offload_state();
+  EXPECT_GE(moved, state);
+  EXPECT_LT(moved, state + 4096);
+  EXPECT_TRUE(b.state_offloaded());
+  EXPECT_EQ(b.offload_state(), 0);  // already off
+  const MicroBatch mb = micro_batch(cfg, 7, comm().rank(), 0, comm().size());
+  {
+    c10::AutoGradMode no_grad(false);
+    EXPECT_TRUE(at::equal(forward(b, mb), forward(a, mb))) << "scoring while offloaded";
+  }
+  EXPECT_THROW(b.step(1e-2), Error);
+  EXPECT_THROW(b.unit_states(), Error);
+  EXPECT_GT(b.reload_state(), 0);
+  EXPECT_FALSE(b.state_offloaded());
+  const auto sa = a.unit_states(), sb = b.unit_states();
+  ASSERT_EQ(sa.size(), sb.size());
+  for (size_t u = 0; u < sa.size(); ++u) {
+    EXPECT_TRUE(at::equal(sa[u].master.cpu(), sb[u].master.cpu())) << sa[u].name;
+    EXPECT_TRUE(at::equal(sa[u].exp_avg.cpu(), sb[u].exp_avg.cpu())) << sa[u].name;
+    EXPECT_TRUE(at::equal(sa[u].exp_avg_sq.cpu(), sb[u].exp_avg_sq.cpu())) << sa[u].name;
+  }
+  train(a, cfg, 2, 1);
+  train(b, cfg, 2, 1);
+  expect_same_parameters(b.gather_parameters(), a.gather_parameters(), "offloaded and reloaded vs never");
+}
+
 TEST(Zero, FailedSaveLeavesThePreviousCheckpoint) {
   const ModelConfig cfg = config("tiny-llama");
   const std::string dir = scratch("atomic");

@@ -39,6 +39,10 @@ CASE:
                restarts the job once from the last checkpoint, it finishes every step with the
                reward still rising and supervisor/restarts counted; a config error a rank finds is
                not retried.
+  hybrid       cluster.hybrid: the engine inside the actor's process. GRPO with offload and sleep level
+               2 gives the rewards of separate pools step for step (same seeds, same weights); PPO
+               with every role and the engine in one process (2 ranks) learns the toy task and
+               reports memory per phase; GRPO with a TP-2 engine over 2 actor ranks runs through.
   resume_async SIGTERM then --resume in async mode: the prompts trained (and their order) are those
                of an uninterrupted run, none lost and none twice.
 """
@@ -700,8 +704,56 @@ def check_supervised():
     print(f"supervised: a config error found by a rank ended the job in {time.time() - t0:.1f} s, not retried")
 
 
+HYBRID = ["cluster.hybrid=true", "roles.actor.offload=true", "engines.sleep_level=2"]
+
+
+def check_hybrid():
+    steps = ["train.num_steps=8", "checkpoint.every_steps=4"]
+    run_ok(3, SCRATCH / "hybrid_ref", *GRPO, *steps)
+    log = run_ok(2, SCRATCH / "hybrid_grpo", *GRPO, *steps, *HYBRID)
+    if "inside the actor's processes (hybrid)" not in log:
+        fail("the rank plan does not show the hybrid engine:\n" + log[-3000:])
+    want = [r["reward/mean"] for r in metrics(SCRATCH / "hybrid_ref")]
+    got = [r["reward/mean"] for r in metrics(SCRATCH / "hybrid_grpo")]
+    if want != got:
+        fail(f"hybrid GRPO's rewards differ from separate pools': {got} vs {want}")
+    print(f"hybrid: GRPO rewards equal separate pools' for {len(got)} steps: {[round(r, 3) for r in got]}")
+    rows = metrics(SCRATCH / "hybrid_grpo")
+    for key in ["memory/generate/allocated_gb", "memory/train/allocated_gb", "memory/train/peak_allocated_gb",
+                "memory/generate/engine_kv_cache_gb", "memory/train/engine_kv_cache_gb",
+                "memory/train/engine_weights_gb", "hybrid/offloaded_gb", "hybrid/reloaded_gb", "time/hybrid_wake"]:
+        if key not in rows[-1]:
+            fail(f"metric {key} missing from {sorted(rows[-1])}")
+    r = rows[-1]
+    if not (r["hybrid/offloaded_gb"] > 0 and r["hybrid/offloaded_gb"] == r["hybrid/reloaded_gb"]):
+        fail(f"offloaded {r['hybrid/offloaded_gb']} GiB, reloaded {r['hybrid/reloaded_gb']} GiB")
+    if not (r["memory/generate/engine_kv_cache_gb"] > 0 and r["memory/train/engine_kv_cache_gb"] == 0
+            and r["memory/train/engine_weights_gb"] == 0):
+        fail(f"sleep level 2 did not free the engine's cache and weights: {r}")
+
+    out = SCRATCH / "hybrid_ppo"
+    log = run_ok(2, out, "cluster.hybrid=true", "roles.critic.colocate_with=actor", "roles.actor.offload=true",
+                 "roles.critic.offload=true")
+    rewards = [r["reward/mean"] for r in metrics(out)]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    print(f"hybrid: PPO in one process, mean reward {first:.3f} (steps 1-3) -> {last:.3f} (steps 28-30)")
+    if not (first < 0.3 and last > 0.7):
+        fail(f"hybrid PPO did not learn: {[round(x, 3) for x in rewards]}")
+    s = summary(log)
+    if s["event"] != "done" or s["steps"] != 30 or s["weight_version"] != 30:
+        fail(f"summary {s}")
+
+    log = run_ok(3, SCRATCH / "hybrid_tp2", *GRPO, "train.num_steps=4", "cluster.hybrid=true", "roles.actor.gpus=2",
+                 "engines.tp=2", "roles.actor.offload=true")
+    if "engine 0    ranks 1-2 on node 0 (TP 2), inside the actor's processes (hybrid)" not in log:
+        fail("the TP-2 hybrid engine is not on actor ranks 1-2:\n" + log[-3000:])
+    print("hybrid: a TP-2 engine over 2 actor ranks ran 4 steps")
+
+
 fixture()
-if CASE == "ppo":
+if CASE == "hybrid":
+    check_hybrid()
+elif CASE == "ppo":
     check_learns(4)
 elif CASE == "grpo":
     check_learns(3, *GRPO)

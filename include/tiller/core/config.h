@@ -77,6 +77,9 @@ struct ClusterConfig {
   std::string device = "auto";     // auto | cuda | cpu
   std::string backend = "auto";    // auto | nccl | mpi
   std::int64_t ranks_per_gpu = 1;  // worker ranks that share one GPU (2: engines beside trainers)
+  // Every actor GPU also runs an engine, in the actor rank's process (docs/training.md, hybrid).
+  bool hybrid = false;
+  double gpu_memory_gb = 0;        // per GPU, for the memory plan; 0: the device's (tiller train)
 };
 
 // One trainer role (actor, critic, ref, reward): a ZeRO-3 group of `gpus` ranks, or colocated in
@@ -89,6 +92,7 @@ struct RoleConfig {
   std::string dtype = "bf16";   // compute dtype: bf16 | fp32
   bool gradient_checkpointing = true;
   bool replicate = false;       // frozen roles only: replicate instead of ZeRO-3 sharding
+  bool offload = false;         // hybrid: masters, gradients, moments in pinned host memory while engines generate
 };
 
 struct RolesConfig {
@@ -120,6 +124,9 @@ struct EnginesConfig {
   std::int64_t port = 50051;
   std::string host = "0.0.0.0";
   std::int64_t sync_bucket_mb = 256;
+  // Hybrid: what an engine frees while the trainers score and train. 0: nothing; 1: its KV cache
+  // and decode graphs; 2: its weights too (the next sync refills them).
+  std::int64_t sleep_level = 1;
   // TLS of the engines' gRPC services (the controller dials them by host name).
   std::string tls_cert, tls_key, tls_ca, tls_server_name;
 };
@@ -258,6 +265,9 @@ struct JobConfig {
 
   // Cross-key checks that no single key's range can express (e.g. ref colocated with itself).
   void validate() const;
+  void validate_hybrid() const;  // the cluster.hybrid and roles.*.offload rules (part of validate)
+  // The engines the job runs: engines.count, or with cluster.hybrid one per engines.tp actor GPUs.
+  std::int64_t engine_count() const;
 };
 
 // Loads `path`, then applies `overrides` ("a.b=c", values in YAML syntax) in order, then validates.

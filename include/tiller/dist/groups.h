@@ -21,7 +21,8 @@ struct GroupCommunicators {
   std::unique_ptr<Communicator> engine_tp;                     // null unless this rank is an engine rank
   // The weight sync's (sync/weight_sync.h): the actor group's ranks first (sync rank i = actor
   // rank i), then every engine's ranks in engine and TP order. Null on other ranks, and when the
-  // plan has no actor or no engine.
+  // plan has no actor or no engine. Hybrid (RankPlan::hybrid): the actor group's ranks alone, each
+  // of which also hosts its engine rank (sync/hybrid_handoff.h).
   std::unique_ptr<Communicator> weight_sync;
 
   Communicator* role(Role r) const {

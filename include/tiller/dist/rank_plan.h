@@ -7,7 +7,9 @@
 //    cliff), on consecutive GPUs; engines are placed first, best fit, preferring later nodes;
 //  - trainer roles (actor, critic, ref, reward) then take the remaining ranks in rank order; a
 //    role with colocate_with shares the ranks (and GPUs) of the role it names;
-//  - a rank's GPU index is its position among the worker ranks of its node.
+//  - a rank's GPU index is its position among the worker ranks of its node;
+//  - cluster.hybrid: no engine ranks; engine e runs in the processes of actor group ranks
+//    [e * tp, (e + 1) * tp), which must share a node.
 // An impossible request throws ConfigError saying what to change.
 #pragma once
 
@@ -74,6 +76,9 @@ struct RankPlan {
   std::vector<RoleGroup> groups;       // enabled trainer roles in the canonical order (core/roles.h)
   std::vector<EngineGroup> engines;
   std::vector<RankAssignment> ranks;   // indexed by world rank
+  // cluster.hybrid: the engines run in the actor ranks' processes (engine e on actor group ranks
+  // [e * tp, (e + 1) * tp)); a rank can then be both a trainer and an engine rank.
+  bool hybrid = false;
 
   // The group of `role`, or nullptr if the role is disabled (or the name is no role).
   const RoleGroup* group(Role role) const;

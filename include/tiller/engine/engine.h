@@ -73,7 +73,19 @@ struct EngineOptions {
   bool cuda_graphs = true;
   int64_t max_graph_batch = 0;
   bool async_scheduling = true;  // see above; ignored with tensor parallelism
+  // Start asleep at level 1: the KV cache is allocated by the first wake() (the hybrid engine,
+  // whose trainer may still hold the memory when the engine is built).
+  bool start_asleep = false;
   SchedulerLimits limits;
+};
+
+// What an engine rank holds on its device (the hybrid engine's phases report it).
+struct EngineMemory {
+  int64_t weight_bytes = 0;    // 0 while asleep at level 2
+  int64_t kv_cache_bytes = 0;  // 0 while asleep
+  int sleep_level = 0;         // 0 awake, 1 no KV cache, 2 no KV cache and no weights
+  // The process's device memory (its CUDA caching allocator; zeros on CPU).
+  int64_t device_allocated = 0, device_reserved = 0;
 };
 
 struct Request {
@@ -182,6 +194,20 @@ class Engine {
   // span a weight sync (partial rollouts) without attending to keys and values of older weights.
   void weights_updated(uint64_t version);
   uint64_t weight_version() const;
+
+  // --- Sleep and wake (the hybrid engine; docs/sync.md) ---
+  // Leader, with no live sequence (else InvalidRequest): every TP rank frees its KV cache and
+  // decode graphs (level 1), and its weights too (level 2: add() then refuses requests until a
+  // weight sync completes). Nothing in flight; the block manager keeps its size, so the cache
+  // comes back with the same number of blocks.
+  void sleep(int level);
+  // Leader: every TP rank allocates what sleep() freed, the weights first (`weights`: their
+  // memory, for the sync that refills them), then (`cache`) the KV cache; add() refuses requests
+  // while the cache is asleep. Wake only what the next phase needs: the weights before a sync,
+  // the cache once the trainers have freed their memory.
+  void wake(bool weights, bool cache);
+  int sleep_level() const;
+  EngineMemory memory() const;  // this rank's
 
  private:
   struct Impl;

@@ -63,6 +63,12 @@ struct ServerHealth {
   int tp_size = 1;
 };
 
+// The answer of sleep() and wake(): the leader rank's engine memory, and its process's device memory.
+struct ServerMemory {
+  EngineMemory engine;
+  int64_t device_allocated = 0, device_reserved = 0;
+};
+
 struct ServerStats {
   EngineStats engine;
   double kv_cache_usage = 0;
@@ -125,6 +131,9 @@ class EngineClient {
   uint64_t install_sync_plan(const std::string& plan);
   uint64_t begin_weight_update(uint64_t version, bool abort_running = false, uint64_t plan_id = 0);
   uint64_t end_weight_update(uint64_t version, double timeout_s = 0);
+  // The hybrid engine's phases (Engine::sleep / wake). InvalidRequest when the engine is busy.
+  ServerMemory sleep(int level);
+  ServerMemory wake(bool weights, bool cache);
 
  private:
   struct Impl;

@@ -51,6 +51,8 @@ class ShardAdamW {
   void set_steps(int64_t steps);
   // Bytes of optimizer state (moments) held by this rank.
   int64_t state_bytes() const;
+  // Every tensor of the state (moments, step counts): what an offload moves.
+  std::vector<at::Tensor> state_tensors() const;
 
  private:
   struct Shard {

@@ -1,0 +1,59 @@
+// Moving tensors' bytes off a device and back without changing the tensors.
+//
+// A StorageSwap holds the storages of a set of tensors (each storage once, however many tensors,
+// views or aliases share it). offload() copies their bytes to host memory (pinned on CUDA, kept
+// for the next offload) and frees the device allocations; reload() allocates them again and
+// copies the bytes back. The StorageImpl objects stay, only their data pointers change, so every
+// tensor, view and alias of them (an optimizer's lists of views, the fused projections' parts) is
+// valid again after reload() and holds the same bytes. drop() frees without keeping the bytes
+// (weights a sync refills); reload() after drop() allocates without copying (contents undefined).
+//
+// Streams: offload() waits for the device before it reads (every kernel that writes the storages
+// is done) and after its copies (the host holds the bytes before the device memory is reused).
+// reload() copies from pinned memory without waiting: the copies are ordered before whatever the
+// current stream runs next; the next offload() waits for them before it overwrites the host copy.
+// While offloaded, touching the tensors' data is an error (their storages have no bytes).
+//
+// Threading: one thread; the owner must not run kernels on the tensors from another thread meanwhile.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace tiller::model {
+
+class StorageSwap {
+ public:
+  // Every tensor must be defined and lie on one device. A storage that is a view of memory it does
+  // not own (a memory-mapped checkpoint) is reloaded into memory of the device's allocator.
+  explicit StorageSwap(const std::vector<at::Tensor>& tensors);
+  ~StorageSwap();
+  StorageSwap(const StorageSwap&) = delete;
+  StorageSwap& operator=(const StorageSwap&) = delete;
+
+  void offload();  // bytes to host, device memory freed; no-op when already off
+  void drop();     // device memory freed, bytes not kept; no-op when already off
+  void reload();   // device memory back (with the bytes unless drop()ped); no-op when resident
+  bool resident() const;
+  int64_t bytes() const;       // of the distinct storages
+  int64_t host_bytes() const;  // host copies held
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The process's memory on a CUDA device as its caching allocator counts it (what the phases of the
+// hybrid engine report): bytes in tensors, and bytes the allocator holds. Zeros on CPU.
+struct DeviceMemory {
+  int64_t allocated = 0, reserved = 0, peak_allocated = 0;
+  int64_t total = 0;  // the device's memory (cudaMemGetInfo)
+};
+DeviceMemory device_memory(const at::Device& device);
+// Starts a new peak for device_memory().peak_allocated (no-op on CPU).
+void reset_peak_device_memory(const at::Device& device);
+
+}  // namespace tiller::model

@@ -1,0 +1,93 @@
+// The memory plan: each rank's expected device memory in each phase of a step, from the config,
+// the rank plan and the models' shapes, before anything is loaded (`tiller plan` prints it;
+// `tiller train` checks it on the GPU and sizes the hybrid engines' KV caches with it).
+//
+// What it counts, per rank (bytes; ZeRO-3 shards are 1/N of each model, N the role's group):
+//   weights     each role's compute shard (dtype bytes x params / N); the engine's TP slice
+//   state       trainable roles: the fp32 master (unless the compute dtype is fp32), the fp32
+//               gradient accumulator, the two AdamW moments: 16 bytes / param / N (12 in fp32)
+//   gathers     two full units in the compute dtype (the one computing and the prefetch)
+//   activations training at train.micro_batch_tokens: the blocks' saved inputs (every block's,
+//               with gradient checkpointing, plus one block's internals being recomputed; every
+//               block's internals without), and the LM head's fp32 chunk of logits; scoring
+//               (no autograd) one block's internals at rollout.micro_batch_tokens
+//   kv cache    the engine's (engines.kv_cache_gb, or what the fraction leaves: see below)
+// Phases: train (the trainers' state, gathers and activations; a hybrid engine's weights unless
+// sleep_level 2, its cache at sleep_level 0), generate (the engine's weights and cache, the
+// trainers' weights and unoffloaded state, scoring activations), and for hybrid ranks sync
+// (trainer resident + engine weights + two sync buckets).
+//
+// The hybrid KV cache: engines.kv_cache_gb when set, else engines.gpu_memory_fraction of the GPU
+// minus everything else the rank holds while generating (the awake trainer's footprint in that
+// phase), not what happened to be free at start-up. The estimates are deliberately simple (no
+// allocator fragmentation, no CUDA context, which `kReserveBytes` stands for); docs/training.md
+// compares them with measured peaks.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tiller/core/roles.h"
+#include "tiller/model/model_config.h"
+
+namespace tiller {
+struct JobConfig;
+}
+namespace tiller::dist {
+struct RankPlan;
+}
+
+namespace tiller::rollout {
+
+// Held back on every GPU for the CUDA context, NCCL buffers and the allocator's slack.
+inline constexpr int64_t kReserveBytes = int64_t{3} << 30;
+
+enum class Phase { kGenerate, kTrain, kSync };
+const char* phase_name(Phase p);
+
+// One rank's estimate in one phase, by item ("actor weights", "actor state", "activations",
+// "engine kv cache", ...), in bytes.
+struct PhaseMemory {
+  Phase phase = Phase::kTrain;
+  std::vector<std::pair<std::string, int64_t>> items;
+  int64_t total() const;
+};
+
+struct RankMemory {
+  int rank = 0;
+  std::string label;             // the rank plan's ("actor+ref+engine0.tp0")
+  std::vector<PhaseMemory> phases;
+  int64_t kv_cache_bytes = 0;    // the engine's KV cache on this rank (0 without an engine)
+  int64_t peak() const;
+  const PhaseMemory* peak_phase() const;
+};
+
+struct MemoryPlan {
+  int64_t gpu_bytes = 0;         // per GPU; 0: unknown (no fit check)
+  std::vector<RankMemory> ranks; // every worker rank with a GPU role, in rank order
+  // Human-readable: one line per rank and phase, in GiB, with the fit.
+  std::string table() const;
+  // The first rank whose peak does not fit (peak + kReserveBytes > gpu_bytes), or nullptr.
+  const RankMemory* overflow() const;
+};
+
+// The models' shapes by role (those the plan runs; the engine's is the actor's unless
+// engines.model is set: pass it as "engine").
+using ModelShapes = std::map<std::string, model::ModelConfig>;
+
+// Throws ConfigError when a hybrid engine has no room for a KV cache of one max-length sequence,
+// naming the rank and what to change. `gpu_bytes` 0: estimates only, KV caches from
+// engines.kv_cache_gb (else 0).
+MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes);
+
+// Throws ConfigError when `m` has a rank that cannot fit, naming the rank, its roles, the phase,
+// its largest items and what to change.
+void check_fits(const MemoryPlan& m, const JobConfig& cfg);
+
+// The shapes of the job's models, read from their config.json files; a role whose model cannot
+// be read is left out (and `missing` says which, when given).
+ModelShapes load_model_shapes(const JobConfig& cfg, std::string* missing = nullptr);
+
+}  // namespace tiller::rollout

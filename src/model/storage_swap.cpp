@@ -1,0 +1,150 @@
+#include "tiller/model/storage_swap.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "tiller/core/error.h"
+
+#ifdef TILLER_HAVE_CUDA_KERNELS
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace tiller::model {
+namespace {
+
+// A byte tensor over the whole of `storage`.
+at::Tensor byte_view(const c10::Storage& storage) {
+  at::Tensor t = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(storage.device()));
+  t.set_(storage, 0, {static_cast<int64_t>(storage.nbytes())}, {1});
+  return t;
+}
+
+void synchronize(const at::Device& d) {
+  if (d.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->synchronizeDevice(d.index());
+}
+
+}  // namespace
+
+struct StorageSwap::Impl {
+  struct Entry {
+    c10::Storage storage;
+    size_t nbytes = 0;
+    c10::Allocator* allocator = nullptr;
+    at::Tensor host;  // the bytes while offloaded (kept for reuse)
+  };
+  std::vector<Entry> entries;
+  at::Device device = at::kCPU;
+  bool resident = true;
+  bool kept = false;  // the host copies hold the bytes (offload, not drop)
+};
+
+StorageSwap::StorageSwap(const std::vector<at::Tensor>& tensors) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  std::vector<const c10::StorageImpl*> seen;
+  for (const auto& t : tensors) {
+    TILLER_CHECK(t.defined() && t.has_storage(), "storage swap: an undefined tensor or one without storage");
+    if (seen.empty()) m.device = t.device();
+    TILLER_CHECK(t.device() == m.device, "storage swap: tensors on {} and {}", m.device.str(), t.device().str());
+    const c10::Storage& s = t.storage();
+    if (std::find(seen.begin(), seen.end(), s.unsafeGetStorageImpl()) != seen.end()) continue;
+    seen.push_back(s.unsafeGetStorageImpl());
+    // A storage without an allocator (a memory-mapped checkpoint's view) comes back in memory of
+    // the device's default allocator.
+    c10::Allocator* allocator = s.allocator() ? s.allocator() : c10::GetAllocator(s.device().type());
+    TILLER_CHECK(allocator != nullptr, "storage swap: no allocator for {}", s.device().str());
+    m.entries.push_back({s, s.nbytes(), allocator, {}});
+  }
+}
+
+StorageSwap::~StorageSwap() = default;
+
+bool StorageSwap::resident() const { return impl_->resident; }
+
+int64_t StorageSwap::bytes() const {
+  int64_t n = 0;
+  for (const auto& e : impl_->entries) n += static_cast<int64_t>(e.nbytes);
+  return n;
+}
+
+int64_t StorageSwap::host_bytes() const {
+  int64_t n = 0;
+  for (const auto& e : impl_->entries)
+    if (e.host.defined()) n += e.host.numel();
+  return n;
+}
+
+void StorageSwap::offload() {
+  Impl& m = *impl_;
+  if (!m.resident) return;
+  synchronize(m.device);  // the writers, and the previous reload's copies from the host buffers
+  for (auto& e : m.entries) {
+    if (!e.host.defined() || e.host.numel() != static_cast<int64_t>(e.nbytes))
+      e.host = at::empty({static_cast<int64_t>(e.nbytes)},
+                         at::TensorOptions().dtype(at::kByte).pinned_memory(m.device.is_cuda()));
+    e.host.copy_(byte_view(e.storage), /*non_blocking=*/m.device.is_cuda());
+  }
+  synchronize(m.device);
+  for (auto& e : m.entries) {
+    e.storage.set_data_ptr_noswap(at::DataPtr(nullptr, m.device));
+    e.storage.set_nbytes(0);
+  }
+  m.resident = false;
+  m.kept = true;
+}
+
+void StorageSwap::drop() {
+  Impl& m = *impl_;
+  if (!m.resident) return;
+  synchronize(m.device);  // no kernel still reads them
+  for (auto& e : m.entries) {
+    e.storage.set_data_ptr_noswap(at::DataPtr(nullptr, m.device));
+    e.storage.set_nbytes(0);
+  }
+  m.resident = false;
+  m.kept = false;
+}
+
+void StorageSwap::reload() {
+  Impl& m = *impl_;
+  if (m.resident) return;
+  for (auto& e : m.entries) {
+    e.storage.set_data_ptr_noswap(e.allocator->allocate(e.nbytes));
+    e.storage.set_nbytes(e.nbytes);
+    if (m.kept) byte_view(e.storage).copy_(e.host, /*non_blocking=*/m.device.is_cuda());
+  }
+  m.resident = true;
+}
+
+DeviceMemory device_memory(const at::Device& device) {
+  DeviceMemory out;
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    out.allocated = stats.allocated_bytes[all].current;
+    out.reserved = stats.reserved_bytes[all].current;
+    out.peak_allocated = stats.allocated_bytes[all].peak;
+    c10::cuda::CUDAGuard guard(device.index());
+    size_t free = 0, total = 0;
+    TILLER_CHECK(cudaMemGetInfo(&free, &total) == cudaSuccess, "cudaMemGetInfo failed on {}", device.str());
+    out.total = static_cast<int64_t>(total);
+  }
+#else
+  (void)device;
+#endif
+  return out;
+}
+
+void reset_peak_device_memory(const at::Device& device) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#else
+  (void)device;
+#endif
+}
+
+}  // namespace tiller::model

@@ -1,0 +1,258 @@
+#include "tiller/rollout/memory_plan.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "tiller/core/config.h"
+#include "tiller/core/error.h"
+#include "tiller/dist/rank_plan.h"
+#include "tiller/model/weights.h"
+
+namespace tiller::rollout {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+// Rows of the LM head's fp32 logits chunk (zero::ShardedModelOptions::logprob_chunk_rows).
+constexpr int64_t kLogitRows = 1024;
+
+const RoleConfig& role_cfg(const JobConfig& c, Role r) {
+  switch (r) {
+    case Role::kActor: return c.roles.actor;
+    case Role::kCritic: return c.roles.critic;
+    case Role::kRef: return c.roles.ref;
+    case Role::kReward: return c.roles.reward;
+  }
+  return c.roles.actor;
+}
+
+int64_t dtype_bytes(const std::string& dtype) { return dtype == "fp32" ? 4 : 2; }
+
+struct Shape {
+  int64_t params = 0, largest_unit = 0;
+  const model::ModelConfig* cfg = nullptr;
+};
+
+Shape shape_of(const model::ModelConfig& cfg, model::Head head) {
+  Shape s;
+  s.cfg = &cfg;
+  int64_t embed = 0, head_unit = 0;
+  std::vector<int64_t> layers(static_cast<size_t>(cfg.num_layers), 0);
+  for (const auto& p : model::parameter_specs(cfg, head)) {
+    int64_t n = 1;
+    for (int64_t d : p.shape) n *= d;
+    s.params += n;
+    if (p.layer >= 0) layers[static_cast<size_t>(p.layer)] += n;
+    else if (p.name == "model.embed_tokens.weight") embed += n;
+    else head_unit += n;
+  }
+  s.largest_unit = std::max(embed, head_unit);
+  for (int64_t l : layers) s.largest_unit = std::max(s.largest_unit, l);
+  return s;
+}
+
+// One block's intermediate tensors per token (q/k/v, attention out, norms, the MLP's gate, up and
+// product), twice over for what autograd keeps and the recomputation's temporaries.
+int64_t block_internals_per_token(const model::ModelConfig& c, int64_t bytes) {
+  return 2 * (4 * c.hidden_size + c.q_size() + 2 * c.kv_size() + 3 * c.intermediate_size) * bytes;
+}
+
+int64_t train_activations(const model::ModelConfig& c, int64_t tokens, int64_t bytes, bool checkpointing) {
+  const int64_t per_token = checkpointing ? c.num_layers * c.hidden_size * bytes + block_internals_per_token(c, bytes)
+                                          : c.num_layers * block_internals_per_token(c, bytes);
+  return tokens * per_token + kLogitRows * c.vocab_size * 4 * 3;  // logits, softmax, their gradient
+}
+
+int64_t score_activations(const model::ModelConfig& c, int64_t tokens, int64_t bytes) {
+  return tokens * (block_internals_per_token(c, bytes) / 2 + 2 * c.hidden_size * bytes) + kLogitRows * c.vocab_size * 4 * 2;
+}
+
+const model::ModelConfig* find_shape(const ModelShapes& shapes, const std::string& key) {
+  auto it = shapes.find(key);
+  return it == shapes.end() ? nullptr : &it->second;
+}
+
+void add(PhaseMemory& p, std::string name, int64_t bytes) {
+  if (bytes > 0) p.items.emplace_back(std::move(name), bytes);
+}
+
+std::string gib(int64_t b) { return fmt::format("{:.2f}", static_cast<double>(b) / kGiB); }
+
+}  // namespace
+
+const char* phase_name(Phase p) {
+  switch (p) {
+    case Phase::kGenerate: return "generate";
+    case Phase::kTrain: return "train";
+    case Phase::kSync: return "sync";
+  }
+  return "?";
+}
+
+int64_t PhaseMemory::total() const {
+  int64_t n = 0;
+  for (const auto& [name, b] : items) n += b;
+  return n;
+}
+
+const PhaseMemory* RankMemory::peak_phase() const {
+  const PhaseMemory* best = nullptr;
+  for (const auto& p : phases)
+    if (!best || p.total() > best->total()) best = &p;
+  return best;
+}
+
+int64_t RankMemory::peak() const {
+  const PhaseMemory* p = peak_phase();
+  return p ? p->total() : 0;
+}
+
+MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes) {
+  MemoryPlan out;
+  out.gpu_bytes = gpu_bytes;
+  const bool hybrid = plan.hybrid;
+  const int64_t kv_fixed = static_cast<int64_t>(cfg.engines.kv_cache_gb * kGiB);
+  for (const auto& a : plan.ranks) {
+    if (a.rank == plan.controller) continue;
+    RankMemory rm;
+    rm.rank = a.rank;
+    rm.label = a.label();
+    PhaseMemory gen{Phase::kGenerate, {}}, train{Phase::kTrain, {}}, sync{Phase::kSync, {}};
+    int64_t act_train = 0, act_score = 0, gathers = 0;
+    for (Role r : kRoles) {
+      if (!a.trainer_roles.has(r)) continue;
+      const std::string name(role_name(r));
+      const model::ModelConfig* mc = find_shape(shapes, name);
+      if (!mc) throw ConfigError(fmt::format("memory plan: no model shape for roles.{}", name));
+      const RoleConfig& rc = role_cfg(cfg, r);
+      const dist::RoleGroup* g = plan.group(r);
+      const int64_t n = rc.replicate || !g ? 1 : static_cast<int64_t>(g->ranks.size());
+      const int64_t c = dtype_bytes(rc.dtype);
+      const Shape s = shape_of(*mc, r == Role::kActor || r == Role::kRef ? model::Head::kLm : model::Head::kValue);
+      const int64_t weights = s.params * c / n;
+      const int64_t state = role_trains(r) ? s.params * (c == 4 ? 12 : 16) / n : 0;
+      for (PhaseMemory* p : {&gen, &train, &sync}) add(*p, name + " weights", weights);
+      add(train, name + " state", state);
+      add(sync, name + " state", state);
+      add(gen, name + " state", rc.offload ? 0 : state);
+      if (!rc.replicate) gathers = std::max(gathers, 2 * s.largest_unit * c);
+      if (role_trains(r))
+        act_train = std::max(act_train, train_activations(*mc, cfg.train.micro_batch_tokens, c, rc.gradient_checkpointing));
+      act_score = std::max(act_score, score_activations(*mc, cfg.rollout.micro_batch_tokens, c));
+    }
+    add(train, "gathered units", gathers);
+    add(gen, "gathered units", gathers);
+    add(train, "activations (train.micro_batch_tokens)", act_train);
+    add(gen, "activations (scoring)", act_score);
+    if (a.engine >= 0) {
+      const model::ModelConfig* mc = find_shape(shapes, "engine");
+      if (!mc) mc = find_shape(shapes, "actor");
+      if (!mc) throw ConfigError("memory plan: no model shape for the engines");
+      const int64_t t = cfg.engines.tp, c = dtype_bytes(cfg.roles.actor.dtype);
+      const int64_t weights = shape_of(*mc, model::Head::kLm).params * c / t;
+      const int64_t per_token = 2 * mc->num_layers * mc->kv_size() * c / t;
+      add(gen, "engine weights", weights);
+      if (!hybrid || cfg.engines.sleep_level < 2) add(train, "engine weights", weights);
+      add(sync, "engine weights", weights);
+      if (hybrid) {
+        const int64_t bucket = std::min<int64_t>(cfg.engines.sync_bucket_mb << 20, weights * t);
+        add(sync, "sync buckets", 2 * bucket);
+      }
+      int64_t kv = kv_fixed;
+      if (kv == 0 && gpu_bytes > 0) {
+        const double usable = cfg.engines.gpu_memory_fraction * static_cast<double>(gpu_bytes - kReserveBytes);
+        kv = static_cast<int64_t>(usable) - gen.total();
+        const int64_t len = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens;
+        const int64_t blocks = (len + cfg.engines.kv_block_size - 1) / cfg.engines.kv_block_size;
+        const int64_t need = blocks * cfg.engines.kv_block_size * per_token;
+        if (kv < need)
+          throw ConfigError(fmt::format(
+              "memory plan: rank {} ({}) has no room for a KV cache: on a {} GiB GPU, engines.gpu_memory_fraction = {} "
+              "leaves {} GiB after the {} GiB it holds while generating, and one sequence of {} tokens needs {} GiB; "
+              "{}lower rollout.micro_batch_tokens, or give the actor more GPUs",
+              a.rank, rm.label, gib(gpu_bytes), cfg.engines.gpu_memory_fraction, gib(std::max<int64_t>(kv, 0)),
+              gib(gen.total()), len, gib(need),
+              hybrid ? "set roles.actor.offload=true (and the critic's), raise engines.gpu_memory_fraction, " : ""));
+      }
+      rm.kv_cache_bytes = kv;
+      add(gen, "engine kv cache", kv);
+      if (!hybrid || cfg.engines.sleep_level == 0) {
+        add(train, "engine kv cache", kv);
+        add(sync, "engine kv cache", kv);
+      }
+    }
+    rm.phases.push_back(std::move(gen));
+    rm.phases.push_back(std::move(train));
+    if (hybrid && a.engine >= 0) rm.phases.push_back(std::move(sync));
+    out.ranks.push_back(std::move(rm));
+  }
+  return out;
+}
+
+const RankMemory* MemoryPlan::overflow() const {
+  if (gpu_bytes <= 0) return nullptr;
+  for (const auto& r : ranks)
+    if (r.peak() + kReserveBytes > gpu_bytes) return &r;
+  return nullptr;
+}
+
+std::string MemoryPlan::table() const {
+  std::string out = fmt::format("memory per rank (GiB; estimates, {} GiB held back for the CUDA context){}:\n",
+                                gib(kReserveBytes),
+                                gpu_bytes > 0 ? fmt::format(" on {} GiB GPUs", gib(gpu_bytes))
+                                              : std::string(" (set cluster.gpu_memory_gb to check the fit)"));
+  for (const auto& r : ranks) {
+    out += fmt::format("  rank {} ({}): peak {}{}\n", r.rank, r.label, gib(r.peak()),
+                       gpu_bytes <= 0 ? "" : r.peak() + kReserveBytes > gpu_bytes ? "  DOES NOT FIT" : "  fits");
+    for (const auto& p : r.phases) {
+      std::string items;
+      for (const auto& [name, b] : p.items) items += fmt::format("{}{} {}", items.empty() ? "" : ", ", name, gib(b));
+      out += fmt::format("    {:<8} {:>7}  {}\n", phase_name(p.phase), gib(p.total()), items);
+    }
+  }
+  return out;
+}
+
+void check_fits(const MemoryPlan& m, const JobConfig& cfg) {
+  const RankMemory* r = m.overflow();
+  if (!r) return;
+  const PhaseMemory& p = *r->peak_phase();
+  std::vector<std::pair<std::string, int64_t>> items = p.items;
+  std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  std::string top;
+  for (size_t i = 0; i < items.size() && i < 3; ++i)
+    top += fmt::format("{}{} {} GiB", i ? ", " : "", items[i].first, gib(items[i].second));
+  std::string advice;
+  if (p.phase == Phase::kGenerate)
+    advice = cfg.cluster.hybrid ? "set roles.actor.offload=true, lower engines.kv_cache_gb or rollout.micro_batch_tokens"
+                                : "lower engines.kv_cache_gb / engines.gpu_memory_fraction or rollout.micro_batch_tokens";
+  else
+    advice = cfg.cluster.hybrid ? "give the role more GPUs (roles.<role>.gpus), lower train.micro_batch_tokens, or set "
+                                  "engines.sleep_level=2"
+                                : "give the role more GPUs (roles.<role>.gpus) or lower train.micro_batch_tokens";
+  throw ConfigError(fmt::format("memory plan: rank {} ({}) needs {} GiB in its {} phase (+{} GiB reserve) on a {} GiB "
+                                "GPU; largest: {}; {}",
+                                r->rank, r->label, gib(r->peak()), phase_name(p.phase), gib(kReserveBytes),
+                                gib(m.gpu_bytes), top, advice));
+}
+
+ModelShapes load_model_shapes(const JobConfig& cfg, std::string* missing) {
+  ModelShapes out;
+  auto try_load = [&](const std::string& key, const std::string& dir) {
+    if (dir.empty()) return;
+    try {
+      out[key] = model::load_model_config(dir);
+    } catch (const std::exception& e) {
+      if (missing) *missing += fmt::format("{}{} ({})", missing->empty() ? "" : "; ", key, dir);
+    }
+  };
+  const std::string& actor = cfg.roles.actor.model;
+  try_load("actor", actor);
+  if (cfg.roles.critic.enabled) try_load("critic", cfg.roles.critic.model.empty() ? actor : cfg.roles.critic.model);
+  if (cfg.roles.ref.enabled) try_load("ref", cfg.roles.ref.model.empty() ? actor : cfg.roles.ref.model);
+  if (cfg.roles.reward.enabled) try_load("reward", cfg.roles.reward.model);
+  if (!cfg.engines.model.empty()) try_load("engine", cfg.engines.model);
+  return out;
+}
+
+}  // namespace tiller::rollout

@@ -1,0 +1,265 @@
+// The hybrid engine's weight sync (hybrid_handoff.h).
+#include "tiller/sync/hybrid_handoff.h"
+
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <fmt/format.h>
+
+#include "sync/protocol.h"
+#include "sync/slice_placer.h"
+#include "tiller/core/deadline.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+#include "tiller/engine/engine.h"
+#include "tiller/zero/sharded_model.h"
+
+namespace tiller::sync {
+namespace {
+
+// The hybrid votes (the disaggregated ones are protocol::Vote).
+enum HybridVote : int64_t { kParked = 0, kNotParked = 1, kWrongPlan = 2, kWeightsAsleep = 3 };
+
+const char* hybrid_vote_reason(int64_t v) {
+  switch (v) {
+    case kNotParked: return "its engine did not begin this update in time (BeginWeightUpdate names the version)";
+    case kWrongPlan: return "its engine holds another bucket plan (install this plan first)";
+    case kWeightsAsleep: return "its engine's weights are asleep (level 2): wake them before the sync";
+    default: return "unknown reason";
+  }
+}
+
+void synchronize(const at::Device& d) {
+  if (d.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->synchronizeDevice(d.index());
+}
+
+}  // namespace
+
+struct LocalWeightSink::Impl {
+  engine::Engine& engine;
+  double timeout_s;
+  std::optional<BucketPlan> plan;
+  SlicePlacer placer;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool parked = false;    // the engine's thread waits in receive()
+  bool claimed = false;   // the handoff has begun writing under this park: receive() waits it out
+  uint64_t parked_version = 0;
+  std::optional<Result> outcome;
+
+  Impl(engine::Engine& e, double t) : engine(e), timeout_s(t) {}
+
+  // The handoff's end: wakes the parked engine with `r`.
+  void finish(Result r) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      outcome = std::move(r);
+    }
+    cv.notify_all();
+  }
+};
+
+LocalWeightSink::LocalWeightSink(engine::Engine& engine, double timeout_s)
+    : impl_(std::make_unique<Impl>(engine, timeout_s)) {}
+
+LocalWeightSink::~LocalWeightSink() = default;
+
+uint64_t LocalWeightSink::install_plan(const std::string& text) {
+  Impl& m = *impl_;
+  BucketPlan p = BucketPlan::from_json(text, "weight sync plan");
+  SlicePlacer placer(p, m.engine);
+  std::lock_guard<std::mutex> lock(m.mu);
+  TILLER_CHECK(!m.parked, "a sync plan installed during a handoff");
+  m.placer = std::move(placer);
+  m.plan = std::move(p);
+  log::info("weight sync plan {:016x} (hybrid, on the device): {} buckets, {:.1f} MiB", m.plan->id,
+            m.plan->buckets.size(), static_cast<double>(m.plan->wire_bytes()) / (1 << 20));
+  return m.plan->id;
+}
+
+uint64_t LocalWeightSink::plan_id() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->plan ? impl_->plan->id : 0;
+}
+
+engine::WeightSink::Result LocalWeightSink::receive(uint64_t version) {
+  Impl& m = *impl_;
+  std::unique_lock<std::mutex> lock(m.mu);
+  m.parked = true;
+  m.claimed = false;
+  m.parked_version = version;
+  m.outcome.reset();
+  m.cv.notify_all();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                             std::chrono::duration<double>(m.timeout_s));
+  // Unclaimed, the park ends at the deadline; claimed, the handoff always finishes (its own
+  // collectives have deadlines) and the weights must not be used before it has.
+  while (!m.outcome) {
+    if (m.claimed) {
+      m.cv.wait(lock);
+    } else if (m.cv.wait_until(lock, until) == std::cv_status::timeout && !m.claimed && !m.outcome) {
+      m.parked = false;
+      Result r;
+      r.error = fmt::format("weight sync to version {}: the actor did not hand the weights over within {:.0f} s "
+                            "(timeouts.weight_sync_s); the weights are unchanged",
+                            version, m.timeout_s);
+      return r;
+    }
+  }
+  m.parked = false;
+  return *m.outcome;
+}
+
+struct HybridHandoff::Impl {
+  zero::ShardedModel& actor;
+  dist::Communicator& comm;
+  BucketPlan plan;
+  LocalWeightSink::Impl& sink;
+  double timeout_s;
+  at::ScalarType wire;
+  at::Device device = at::kCPU;
+  std::vector<at::Tensor> sources;  // per unit: the shard the bytes are taken from
+  std::array<at::Tensor, 2> buffers;
+
+  Impl(zero::ShardedModel& a, dist::Communicator& c, BucketPlan p, LocalWeightSink& s, double t)
+      : actor(a), comm(c), plan(std::move(p)), sink(*s.impl_), timeout_s(t),
+        wire(protocol::wire_scalar_type(plan.wire_dtype)) {}
+
+  // Waits until the engine is parked on `version` and claims the park; false at the deadline.
+  bool claim(uint64_t version, const Deadline& deadline) {
+    std::unique_lock<std::mutex> lock(sink.mu);
+    while (!(sink.parked && sink.parked_version == version && !sink.outcome)) {
+      if (deadline.expired()) return false;
+      sink.cv.wait_for(lock, std::chrono::milliseconds(10));
+    }
+    sink.claimed = true;
+    return true;
+  }
+
+  int64_t vote(bool parked) {
+    if (!parked) return kNotParked;
+    std::lock_guard<std::mutex> lock(sink.mu);
+    if (!sink.plan || sink.plan->id != plan.id) return kWrongPlan;
+    if (sink.engine.sleep_level() >= 2) return kWeightsAsleep;
+    return kParked;
+  }
+};
+
+HybridHandoff::HybridHandoff(zero::ShardedModel& actor, dist::Communicator& comm, BucketPlan plan,
+                             LocalWeightSink& sink, double timeout_s)
+    : impl_(std::make_unique<Impl>(actor, comm, std::move(plan), sink, timeout_s)) {
+  Impl& m = *impl_;
+  const auto shards = actor.shards();
+  if (m.plan.senders != actor.world() || comm.size() != actor.world() || comm.rank() != actor.rank())
+    throw ConfigError(fmt::format("hybrid weight sync: the plan is for {} actor ranks and the actor group has {}; "
+                                  "actor rank {} must be rank {} of the sync communicator of {} ranks (the actor's)",
+                                  m.plan.senders, actor.world(), actor.rank(), comm.rank(), comm.size()));
+  if (shards.size() != m.plan.units.size())
+    throw ConfigError(fmt::format("hybrid weight sync: the plan has {} units, the actor {}", m.plan.units.size(),
+                                  shards.size()));
+  for (size_t u = 0; u < shards.size(); ++u) {
+    const auto& s = shards[u];
+    if (s.name != m.plan.units[u].name || s.compute.numel() != m.plan.units[u].shard_numel)
+      throw ConfigError(fmt::format("hybrid weight sync: plan unit {} is '{}' of {} elements per rank; the actor's is "
+                                    "'{}' of {}",
+                                    u, m.plan.units[u].name, m.plan.units[u].shard_numel, s.name, s.compute.numel()));
+    m.sources.push_back(s.compute.scalar_type() == m.wire || !s.master.defined() ? s.compute : s.master);
+  }
+  m.device = shards.front().compute.device();
+  const auto opts = at::TensorOptions().dtype(m.wire).device(m.device);
+  for (auto& b : m.buffers) b = at::empty({m.plan.largest_bucket_numel()}, opts);
+}
+
+HybridHandoff::~HybridHandoff() = default;
+
+SyncStats HybridHandoff::send(uint64_t version) {
+  Impl& m = *impl_;
+  const auto t0 = std::chrono::steady_clock::now();
+  const Deadline deadline = Deadline::after_seconds(m.timeout_s);
+  m.comm.set_timeout(m.timeout_s);
+  const auto control = protocol::control_options(m.comm, m.device);
+  const int me = m.comm.rank();
+  const std::string what = fmt::format("hybrid weight sync to version {} (actor rank {})", version, me);
+
+  const bool parked = m.claim(version, deadline);
+  // The collectives get the whole timeout again: a rank that waited out its park still votes.
+  const Deadline vote_deadline = Deadline::after_seconds(m.timeout_s);
+  engine::WeightSink::Result r;
+  // Whatever happens from here, a claimed engine is released with the outcome.
+  struct Release {
+    Impl& m;
+    bool claimed;
+    engine::WeightSink::Result& r;
+    ~Release() {
+      if (!claimed) return;
+      if (!r.complete && r.error.empty()) r.error = "the hybrid weight sync ended early (see the actor rank's log)";
+      m.sink.finish(r);
+    }
+  } release{m, parked, r};
+
+  at::Tensor votes = at::zeros({m.comm.size()}, control);
+  votes[me].fill_(m.vote(parked));
+  m.comm.all_reduce(votes)->wait(vote_deadline);
+  votes = votes.cpu();
+  if (votes.count_nonzero().item<int64_t>() != 0) {
+    std::string why;
+    for (int64_t i = 0; i < votes.numel(); ++i)
+      if (const int64_t v = votes[i].item<int64_t>(); v != 0)
+        why += fmt::format("{}actor rank {}: {}", why.empty() ? "" : "; ", i, hybrid_vote_reason(v));
+    r.error = fmt::format("{} refused: {}; no weight changed", what, why);
+    throw SyncRefused(r.error);
+  }
+
+  try {
+    const BucketPlan& p = m.plan;
+    c10::InferenceMode inference;  // the engine's weights are inference tensors
+    std::vector<dist::WorkPtr> works(p.buckets.size());
+    auto issue = [&](size_t k) {
+      const Bucket& b = p.buckets[k];
+      at::Tensor buf = m.buffers[k % 2].narrow(0, 0, b.numel);
+      // The buffer's previous bucket (k - 2) was placed on this stream before this packing runs.
+      if (b.sender == me)
+        for (const auto& s : b.sources)
+          buf.narrow(0, s.bucket_offset, s.numel).copy_(m.sources[s.unit].narrow(0, s.shard_begin, s.numel));
+      works[k] = m.comm.broadcast(buf, b.sender);
+    };
+    if (!p.buckets.empty()) issue(0);
+    for (size_t k = 0; k < p.buckets.size(); ++k) {
+      if (k + 1 < p.buckets.size()) issue(k + 1);
+      works[k]->wait_on_stream();
+      r.weights_changed = true;
+      m.sink.placer.place(k, m.buffers[k % 2].narrow(0, 0, p.buckets[k].numel));
+    }
+    for (auto& w : works) w->wait(vote_deadline);
+    synchronize(m.device);  // the copies into the engine's weights are complete
+  } catch (const std::exception& e) {
+    r.error = fmt::format("{} failed {}: {}", what,
+                          r.weights_changed ? "part way, the engine's weights are incomplete" : "before any weight changed",
+                          e.what());
+  }
+  at::Tensor done = at::full({1}, r.error.empty() ? 1 : 0, control);
+  try {
+    m.comm.all_reduce(done, dist::ReduceOp::kMin)->wait(vote_deadline);
+  } catch (const std::exception& e) {
+    if (r.error.empty()) r.error = fmt::format("{}: the closing handshake failed: {}", what, e.what());
+  }
+  if (r.error.empty() && done.cpu().item<int64_t>() != 1)
+    r.error = fmt::format("{}: another actor rank failed to place its engine's weights (see its log)", what);
+  r.complete = r.error.empty();
+  if (!r.complete) throw CommError(r.error);
+  SyncStats st;
+  st.version = version;
+  st.buckets = static_cast<int64_t>(m.plan.buckets.size());
+  st.wire_bytes = m.plan.wire_bytes();
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+}  // namespace tiller::sync

@@ -1,0 +1,221 @@
+// The hybrid engine (cluster.hybrid): every rank is an actor rank and hosts its engine's TP rank
+// in the same process. The handoff (sync/hybrid_handoff.h) leaves the engine's weights bit for bit
+// what the disaggregated sync leaves (the actor's weights in the wire dtype, sliced for the TP
+// rank: the reference both syncs are checked against, WeightSync.EngineEqualsActorBitForBit for
+// the other); an engine put to sleep at level 2 (weights and KV cache freed) and woken gives the
+// same greedy tokens after the next handoff; a handoff into an engine that did not park, or whose
+// weights still sleep, is refused on every rank with nothing written.
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "mpi_env_for_tests.h"
+#include "tiller/engine/engine.h"
+#include "tiller/engine/engine_weights.h"
+#include "tiller/model/storage_swap.h"
+#include "tiller/model/weights.h"
+#include "tiller/sync/hybrid_handoff.h"
+#include "tiller/zero/sharded_model.h"
+
+namespace tiller::test {
+namespace {
+
+dist::Communicator& comm() { return *mpi_test_env().comm; }
+at::Device device() { return mpi_test_env().device.device(); }
+bool on_gpu() { return device().is_cuda(); }
+at::ScalarType compute() { return on_gpu() ? at::kBFloat16 : at::kFloat; }
+std::string wire_name() { return on_gpu() ? "bf16" : "fp32"; }
+// Every rank here before any goes on (followers' threads have finished what the leader started).
+void barrier() { comm().all_reduce(at::zeros({1}, mpi_test_env().device))->wait(); }
+
+model::ModelConfig tiny() {
+  model::ModelConfig cfg = model::preset("tiny-qwen2");
+  cfg.initializer_range = 0.25;  // logits far apart: greedy tokens are stable
+  return cfg;
+}
+
+model::NamedTensors initial(int seed) { return model::init_weights(tiny(), model::Head::kLm, seed, at::kFloat); }
+
+// One rank: the actor's ZeRO-3 shard over every rank, and TP rank (rank % tp) of engine rank / tp,
+// whose followers run follow() on a thread of their own.
+struct HybridRig {
+  model::ModelConfig cfg = tiny();
+  int tp = 1;
+  std::unique_ptr<dist::Communicator> tp_comm, sync_comm;
+  std::unique_ptr<zero::ShardedModel> actor;
+  std::unique_ptr<engine::Engine> engine;
+  std::unique_ptr<sync::LocalWeightSink> sink;
+  std::unique_ptr<sync::HybridHandoff> handoff;
+  sync::BucketPlan plan;
+  std::thread follower;
+
+  HybridRig(int tp_size, int engine_seed, double timeout_s) : tp(tp_size) {
+    const int me = comm().rank();
+    tp_comm = comm().split(me / tp, me, "engine.tp");
+    sync_comm = comm().split(0, me, "weight_sync");
+    zero::ShardedModelOptions o;
+    o.compute_dtype = compute();
+    o.device = device();
+    actor = std::make_unique<zero::ShardedModel>(cfg, comm(), o);
+    actor->load(initial(1), "seed 1");
+    model::NamedTensors w = initial(engine_seed);
+    for (auto& [n, t] : w) t = t.to(device(), compute());
+    engine::EngineOptions eo;
+    eo.device = device().str();
+    eo.block_size = 8;
+    eo.num_blocks = 96;
+    eo.limits.max_batched_tokens = 64;
+    engine = std::make_unique<engine::Engine>(
+        cfg, engine::slice_for_tp(cfg, model::bind_weights(cfg, w, model::Head::kLm, "engine"), tp_comm->rank(), tp),
+        eo, tp > 1 ? tp_comm.get() : nullptr);
+    sink = std::make_unique<sync::LocalWeightSink>(*engine, timeout_s);
+    engine->set_weight_sink(sink.get());
+    plan = sync::make_bucket_plan(cfg, comm().size(), tp, wire_name(), 3000);
+    handoff = std::make_unique<sync::HybridHandoff>(*actor, *sync_comm, plan, *sink, timeout_s);
+    if (engine->is_leader()) {
+      EXPECT_EQ(engine->install_sync_plan(plan.to_json()), plan.id);
+    } else {
+      follower = std::thread([this] { engine->follow(); });
+    }
+  }
+  ~HybridRig() {
+    if (engine->is_leader()) engine->shutdown();
+    if (follower.joinable()) follower.join();
+  }
+
+  // Every rank: one handoff to `version` (the leader's engine receives on a thread, as its server
+  // loop does); returns the leader's outcome, or a complete result on followers.
+  engine::WeightSink::Result sync(uint64_t version, bool expect_refusal) {
+    engine::WeightSink::Result r;
+    r.complete = true;
+    std::thread receive;
+    if (engine->is_leader()) receive = std::thread([&] { r = engine->receive_weights(version); });
+    if (expect_refusal) {
+      EXPECT_THROW(handoff->send(version), sync::SyncRefused);
+    } else {
+      EXPECT_NO_THROW(handoff->send(version));
+    }
+    if (receive.joinable()) receive.join();
+    return r;
+  }
+};
+
+std::vector<std::vector<int64_t>> prompts() {
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t i = 0; i < 4; ++i) {
+    std::vector<int64_t> p;
+    for (int64_t t = 0; t < 5 + 3 * i; ++t) p.push_back((i * 37 + t * 11) % 480 + 3);
+    out.push_back(p);
+  }
+  return out;
+}
+
+// Leader: the greedy tokens of every prompt, [prompts, 8].
+at::Tensor generate(engine::Engine& e) {
+  const auto ps = prompts();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    engine::Request r;
+    r.id = i;
+    r.prompt = ps[i];
+    r.params.greedy = true;
+    r.params.max_new_tokens = 8;
+    e.add(r);
+  }
+  at::Tensor out = at::full({static_cast<int64_t>(ps.size()), 8}, -1, at::kLong);
+  while (e.has_work())
+    for (const auto& s : e.step())
+      for (size_t j = 0; j < s.tokens.size() && j < 8; ++j) out[s.request_id][j] = s.tokens[j];
+  return out;
+}
+
+// The engine rank holds the actor's weights (seed 1) in the wire dtype, sliced for its TP rank:
+// what the disaggregated sync leaves there.
+void expect_engine_holds_actor(const HybridRig& r, const std::string& what) {
+  model::NamedTensors w;
+  for (const auto& [n, t] : initial(1)) w[n] = t.to(compute());
+  const auto want = model::named_weights(
+      r.cfg, engine::slice_for_tp(r.cfg, model::bind_weights(r.cfg, w, model::Head::kLm, "actor"),
+                                  r.engine->tp_rank(), r.engine->tp_size()),
+      model::Head::kLm);
+  const auto got = r.engine->parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [n, t] : want)
+    EXPECT_TRUE(at::equal(got.at(n).cpu(), t)) << what << ": " << n << " differs on rank " << comm().rank();
+}
+
+std::vector<int> tp_sizes() {
+  std::vector<int> out{1};
+  if (comm().size() % 2 == 0) out.push_back(2);
+  return out;
+}
+
+TEST(HybridSync, HandoffEqualsTheDisaggregatedSyncBitForBit) {
+  for (int tp : tp_sizes()) {
+    SCOPED_TRACE(fmt::format("{} actor ranks, TP {}", comm().size(), tp));
+    HybridRig r(tp, /*engine_seed=*/9, 60);
+    const auto res = r.sync(1, false);
+    EXPECT_TRUE(res.complete) << res.error;
+    barrier();
+    expect_engine_holds_actor(r, "after the handoff");
+    if (r.engine->is_leader()) EXPECT_TRUE(r.engine->weights_broken().empty());
+  }
+}
+
+TEST(HybridSync, SleepAndWakeGiveTheSameGreedyTokensAfterTheNextSync) {
+  for (int tp : tp_sizes()) {
+    SCOPED_TRACE(fmt::format("{} actor ranks, TP {}", comm().size(), tp));
+    HybridRig r(tp, /*engine_seed=*/1, 60);  // the engine starts from the actor's weights
+    at::Tensor before;
+    int64_t kv_bytes = 0;
+    const int64_t weight_bytes = r.engine->memory().weight_bytes;
+    EXPECT_GT(weight_bytes, 0);
+    if (r.engine->is_leader()) {
+      before = generate(*r.engine);
+      kv_bytes = r.engine->memory().kv_cache_bytes;
+      EXPECT_GT(kv_bytes, 0);
+      const int64_t awake = model::device_memory(device()).allocated;
+      r.engine->sleep(2);
+      const engine::EngineMemory m = r.engine->memory();
+      EXPECT_EQ(m.sleep_level, 2);
+      EXPECT_EQ(m.weight_bytes, 0);
+      EXPECT_EQ(m.kv_cache_bytes, 0);
+      // On the GPU the allocator's count drops by the cache and the weights (the decode graphs' pool too).
+      if (on_gpu()) EXPECT_LE(model::device_memory(device()).allocated, awake - kv_bytes - weight_bytes);
+      EXPECT_THROW(generate(*r.engine), engine::InvalidRequest) << "a request while asleep";
+      r.engine->wake(/*weights=*/true, /*cache=*/false);
+      EXPECT_EQ(r.engine->memory().weight_bytes, weight_bytes);
+      EXPECT_EQ(r.engine->sleep_level(), 1);
+    }
+    const auto res = r.sync(1, false);
+    EXPECT_TRUE(res.complete) << res.error;
+    barrier();
+    expect_engine_holds_actor(r, "after sleep 2, wake and the handoff");
+    if (r.engine->is_leader()) {
+      r.engine->weights_updated(1);
+      r.engine->wake(false, true);
+      EXPECT_EQ(r.engine->sleep_level(), 0);
+      EXPECT_EQ(r.engine->memory().kv_cache_bytes, kv_bytes) << "the cache comes back at its size";
+      EXPECT_TRUE(at::equal(generate(*r.engine), before)) << "greedy tokens after sleep, wake and sync";
+    }
+  }
+}
+
+TEST(HybridSync, AHandoffIntoSleepingWeightsOrAnEngineThatDidNotParkIsRefused) {
+  const int tp = tp_sizes().back();
+  HybridRig r(tp, /*engine_seed=*/9, 2);
+  // Nobody parked: every rank refuses after the deadline, nothing written.
+  EXPECT_THROW(r.handoff->send(1), sync::SyncRefused);
+  // Parked, but the weights sleep (level 2): refused before any byte moves.
+  if (r.engine->is_leader()) r.engine->sleep(2);
+  const auto res = r.sync(1, /*expect_refusal=*/true);
+  if (r.engine->is_leader()) {
+    EXPECT_FALSE(res.complete);
+    EXPECT_FALSE(res.weights_changed);
+    EXPECT_NE(res.error.find("asleep"), std::string::npos) << res.error;
+  }
+  barrier();
+}
+
+}  // namespace
+}  // namespace tiller::test

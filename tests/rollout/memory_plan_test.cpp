@@ -1,0 +1,145 @@
+// The memory plan (rollout/memory_plan.h): what it counts per rank and phase, how the hybrid KV
+// cache is sized against the generate phase's footprint, and a plan that cannot fit refused with
+// the rank, its roles and what to change.
+#include <gtest/gtest.h>
+
+#include "tiller/core/config.h"
+#include "tiller/core/error.h"
+#include "tiller/dist/rank_plan.h"
+#include "tiller/model/model_config.h"
+#include "tiller/rollout/memory_plan.h"
+
+namespace tiller::rollout {
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+// A 7B-shaped Qwen2 (the shape of Qwen2.5-7B: 7.6e9 parameters).
+model::ModelConfig qwen7b() {
+  model::ModelConfig c = model::preset("tiny-qwen2");
+  c.vocab_size = 152064;
+  c.hidden_size = 3584;
+  c.intermediate_size = 18944;
+  c.num_layers = 28;
+  c.num_heads = 28;
+  c.num_kv_heads = 4;
+  c.head_dim = 128;
+  c.tie_word_embeddings = false;
+  c.max_position_embeddings = 32768;
+  return c;
+}
+
+JobConfig hybrid_job(int gpus) {
+  JobConfig c;
+  c.cluster.hybrid = true;
+  c.roles.actor.gpus = gpus;
+  c.roles.critic.colocate_with = "actor";
+  c.rollout.max_prompt_tokens = 1024;
+  c.rollout.max_new_tokens = 1024;
+  c.validate();
+  return c;
+}
+
+dist::RankPlan plan_of(const JobConfig& c, int gpus) {
+  return dist::make_rank_plan(c, dist::NodeMap::fill_by_slot({gpus}, dist::required_world_size(c)));
+}
+
+ModelShapes shapes() {
+  return {{"actor", qwen7b()}, {"critic", qwen7b()}, {"ref", qwen7b()}};
+}
+
+int64_t item(const PhaseMemory& p, const std::string& name) {
+  for (const auto& [n, b] : p.items)
+    if (n == name) return b;
+  return 0;
+}
+
+TEST(MemoryPlan, CountsShardsStateAndTheEngine) {
+  const JobConfig c = hybrid_job(4);
+  const MemoryPlan m = plan_memory(c, plan_of(c, 4), shapes(), 0);
+  ASSERT_EQ(m.ranks.size(), 4u);
+  const RankMemory& r = m.ranks[0];
+  EXPECT_EQ(r.label, "actor+critic+ref+engine0.tp0");
+  ASSERT_EQ(r.phases.size(), 3u);
+  const PhaseMemory& train = r.phases[1];
+  EXPECT_EQ(train.phase, Phase::kTrain);
+  // bf16 shards of 7.6e9 parameters over 4 ranks: ~3.8 GB; AdamW state 16 bytes/param/4: ~30 GB.
+  EXPECT_NEAR(static_cast<double>(item(train, "actor weights")) / 1e9, 3.8, 0.1);
+  EXPECT_NEAR(static_cast<double>(item(train, "actor state")) / 1e9, 30.5, 0.5);
+  EXPECT_EQ(item(train, "ref state"), 0);  // frozen
+  // sleep_level 1 (default): the engine's weights stay in training, its cache does not.
+  EXPECT_NEAR(static_cast<double>(item(train, "engine weights")) / 1e9, 15.2, 0.2);
+  EXPECT_EQ(item(train, "engine kv cache"), 0);
+  EXPECT_EQ(m.overflow(), nullptr);  // no GPU size: no verdict
+}
+
+TEST(MemoryPlan, TheHybridKvCacheIsWhatTheGeneratePhaseLeaves) {
+  JobConfig c = hybrid_job(4);
+  c.roles.actor.offload = c.roles.critic.offload = true;
+  c.engines.sleep_level = 2;
+  const int64_t gpu = 141 * kGiB;
+  const MemoryPlan m = plan_memory(c, plan_of(c, 4), shapes(), gpu);
+  const RankMemory& r = m.ranks[0];
+  const PhaseMemory& gen = r.phases[0];
+  EXPECT_EQ(item(gen, "actor state"), 0);  // offloaded while generating
+  EXPECT_GT(r.kv_cache_bytes, 20 * kGiB);
+  EXPECT_EQ(gen.total(), static_cast<int64_t>(c.engines.gpu_memory_fraction * static_cast<double>(gpu - kReserveBytes)))
+      << "the cache takes what the fraction leaves";
+  EXPECT_EQ(item(r.phases[1], "engine weights"), 0);  // level 2: freed in training
+  EXPECT_EQ(m.overflow(), nullptr) << m.table();
+  EXPECT_NO_THROW(check_fits(m, c));
+  // Without offload, the state stays on the GPU while generating: less cache.
+  JobConfig kept = hybrid_job(4);
+  EXPECT_LT(plan_memory(kept, plan_of(kept, 4), shapes(), gpu).ranks[0].kv_cache_bytes, r.kv_cache_bytes);
+}
+
+TEST(MemoryPlan, APlanThatCannotFitIsRefusedNamingTheRole) {
+  // 7B PPO (actor and critic) on one 80 GB GPU: the state alone is ~240 GB.
+  const JobConfig c = hybrid_job(1);
+  std::string msg;
+  try {
+    plan_memory(c, plan_of(c, 1), shapes(), 80 * kGiB);
+  } catch (const ConfigError& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("rank 1 (actor+critic+ref+engine0.tp0) has no room for a KV cache"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("roles.actor.offload=true"), std::string::npos) << msg;
+  // With a fixed cache the plan is made, and the fit check refuses it.
+  JobConfig fixed = hybrid_job(1);
+  fixed.engines.kv_cache_gb = 10;
+  const MemoryPlan m = plan_memory(fixed, plan_of(fixed, 1), shapes(), 80 * kGiB);
+  ASSERT_NE(m.overflow(), nullptr);
+  try {
+    check_fits(m, fixed);
+    ADD_FAILURE() << "a plan that cannot fit passed";
+  } catch (const ConfigError& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("rank 1 (actor+critic+ref+engine0.tp0) needs"), std::string::npos) << msg;
+  // Generating holds the most: every role's state, the engine's weights and its 10 GiB cache.
+  EXPECT_NE(msg.find("in its generate phase"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("largest: actor state"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("set roles.actor.offload=true"), std::string::npos) << msg;
+  EXPECT_NE(m.table().find("DOES NOT FIT"), std::string::npos);
+}
+
+TEST(MemoryPlan, SeparatePoolsPlanTrainersAndEnginesApart) {
+  JobConfig c;
+  c.roles.actor.gpus = 2;
+  c.engines.count = 2;
+  c.algo.advantage_estimator = AdvantageEstimator::kGroupNorm;
+  c.roles.critic.enabled = false;
+  c.rollout.n_samples_per_prompt = 4;
+  c.validate();
+  const MemoryPlan m = plan_memory(c, plan_of(c, 4), shapes(), 141 * kGiB);
+  ASSERT_EQ(m.ranks.size(), 4u);
+  EXPECT_EQ(m.ranks[0].label, "actor+ref");
+  EXPECT_EQ(m.ranks[0].kv_cache_bytes, 0);
+  EXPECT_EQ(m.ranks[2].label, "engine0.tp0");
+  EXPECT_EQ(item(m.ranks[2].phases[0], "actor weights"), 0);
+  EXPECT_GT(m.ranks[2].kv_cache_bytes, 50 * kGiB);
+  EXPECT_EQ(m.overflow(), nullptr) << m.table();
+}
+
+}  // namespace
+}  // namespace tiller::rollout
