@@ -211,11 +211,18 @@ struct InitOptions {
   std::string preset, out, dtype = "bf16", tokenizer_from;
   uint64_t seed = 0;
   bool value_head = false;
+  bool config_only = false;
 };
 
 int run_init(const InitOptions& o) {
   model::ModelConfig cfg = model::preset(o.preset);
   const model::Head head = o.value_head ? model::Head::kValue : model::Head::kLm;
+  if (o.config_only) {  // the shape alone: what tiller plan's memory plan reads
+    fs::create_directories(o.out);
+    write_file_atomic(o.out + "/config.json", model::to_hf_config_json(cfg, o.value_head));
+    std::printf("%s\n", json{{"preset", o.preset}, {"out", o.out}, {"config_only", true}}.dump().c_str());
+    return 0;
+  }
   model::NamedTensors t = model::init_weights(cfg, head, o.seed, parse_dtype(o.dtype));
   model::save_model(o.out, cfg, model::bind_weights(cfg, t, head, o.preset), head);
   if (!o.tokenizer_from.empty()) {
@@ -283,6 +290,7 @@ void add_model_commands(CLI::App& app, Runner& run) {
   init->add_option("--dtype", io->dtype, "bf16, fp16 or fp32");
   init->add_option("--seed", io->seed, "Random seed");
   init->add_flag("--value-head", io->value_head, "A value model (score head) instead of a causal LM");
+  init->add_flag("--config-only", io->config_only, "Write config.json alone (a shape for tiller plan), no weights");
   init->add_option("--tokenizer-from", io->tokenizer_from, "Copy tokenizer files from this directory");
   init->callback([&run, io] { run = [io] { return run_init(*io); }; });
 }

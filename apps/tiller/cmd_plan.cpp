@@ -40,6 +40,7 @@ void add_plan_command(CLI::App& app, Runner& run) {
     int nodes = 1;
     int gpus_per_node = 8;
     std::string node_gpus;
+    double gpu_memory_gb = -1;
   };
   auto o = std::make_shared<Options>();
   cmd->add_option("-c,--config", o->config, "Job config (YAML)")->required();
@@ -47,6 +48,9 @@ void add_plan_command(CLI::App& app, Runner& run) {
   cmd->add_option("--nodes", o->nodes, "Number of nodes")->check(CLI::Range(1, 100000));
   cmd->add_option("--gpus-per-node", o->gpus_per_node, "GPUs on each node")->check(CLI::Range(1, 1024));
   cmd->add_option("--node-gpus", o->node_gpus, "GPUs per node for uneven nodes, e.g. 8,8,4 (overrides --nodes)");
+  cmd->add_option("--gpu-memory-gb", o->gpu_memory_gb,
+                  "GPU memory in GiB to check the memory plan against (default: cluster.gpu_memory_gb)")
+      ->check(CLI::Range(1.0, 65536.0));
   cmd->callback([&run, o] {
     run = [o] {
       JobConfig config = load_config(o->config, o->overrides);
@@ -69,7 +73,8 @@ void add_plan_command(CLI::App& app, Runner& run) {
         std::fputs(out.c_str(), stdout);
         return 0;
       }
-      const auto gpu_bytes = static_cast<int64_t>(config.cluster.gpu_memory_gb * (1ull << 30));
+      const double gb = o->gpu_memory_gb > 0 ? o->gpu_memory_gb : config.cluster.gpu_memory_gb;
+      const auto gpu_bytes = static_cast<int64_t>(gb * (1ull << 30));
       const rollout::MemoryPlan memory = rollout::plan_memory(config, plan, shapes, gpu_bytes);
       out += "\n" + memory.table();
       std::fputs(out.c_str(), stdout);

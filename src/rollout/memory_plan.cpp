@@ -110,6 +110,7 @@ int64_t RankMemory::peak() const {
 MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes) {
   MemoryPlan out;
   out.gpu_bytes = gpu_bytes;
+  out.shared_gpus = cfg.cluster.ranks_per_gpu > 1;
   const bool hybrid = plan.hybrid;
   const int64_t kv_fixed = static_cast<int64_t>(cfg.engines.kv_cache_gb * kGiB);
   for (const auto& a : plan.ranks) {
@@ -173,6 +174,9 @@ MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const M
               a.rank, rm.label, gib(gpu_bytes), cfg.engines.gpu_memory_fraction, gib(std::max<int64_t>(kv, 0)),
               gib(gen.total()), len, gib(need),
               hybrid ? "set roles.actor.offload=true (and the critic's), raise engines.gpu_memory_fraction, " : ""));
+        // More than every sequence the engine may hold at full length is never used (and a hybrid
+        // engine allocates it at every wake).
+        kv = std::min(kv, cfg.engines.max_num_seqs * need);
       }
       rm.kv_cache_bytes = kv;
       add(gen, "engine kv cache", kv);
@@ -190,7 +194,7 @@ MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const M
 }
 
 const RankMemory* MemoryPlan::overflow() const {
-  if (gpu_bytes <= 0) return nullptr;
+  if (gpu_bytes <= 0 || shared_gpus) return nullptr;
   for (const auto& r : ranks)
     if (r.peak() + kReserveBytes > gpu_bytes) return &r;
   return nullptr;
@@ -199,11 +203,15 @@ const RankMemory* MemoryPlan::overflow() const {
 std::string MemoryPlan::table() const {
   std::string out = fmt::format("memory per rank (GiB; estimates, {} GiB held back for the CUDA context){}:\n",
                                 gib(kReserveBytes),
-                                gpu_bytes > 0 ? fmt::format(" on {} GiB GPUs", gib(gpu_bytes))
-                                              : std::string(" (set cluster.gpu_memory_gb to check the fit)"));
+                                shared_gpus  ? std::string(" (ranks share GPUs, cluster.ranks_per_gpu > 1: the fit is "
+                                                           "not checked)")
+                                : gpu_bytes > 0 ? fmt::format(" on {} GiB GPUs", gib(gpu_bytes))
+                                                : std::string(" (set cluster.gpu_memory_gb to check the fit)"));
   for (const auto& r : ranks) {
     out += fmt::format("  rank {} ({}): peak {}{}\n", r.rank, r.label, gib(r.peak()),
-                       gpu_bytes <= 0 ? "" : r.peak() + kReserveBytes > gpu_bytes ? "  DOES NOT FIT" : "  fits");
+                       gpu_bytes <= 0 || shared_gpus         ? ""
+                       : r.peak() + kReserveBytes > gpu_bytes ? "  DOES NOT FIT"
+                                                              : "  fits");
     for (const auto& p : r.phases) {
       std::string items;
       for (const auto& [name, b] : p.items) items += fmt::format("{}{} {}", items.empty() ? "" : ", ", name, gib(b));

@@ -85,6 +85,10 @@ TEST(MemoryPlan, TheHybridKvCacheIsWhatTheGeneratePhaseLeaves) {
   EXPECT_GT(r.kv_cache_bytes, 20 * kGiB);
   EXPECT_EQ(gen.total(), static_cast<int64_t>(c.engines.gpu_memory_fraction * static_cast<double>(gpu - kReserveBytes)))
       << "the cache takes what the fraction leaves";
+  // At most max_num_seqs full-length sequences: 16 x 2048 tokens x 56 KiB per token (bf16, 4 KV heads of 128, 28 layers).
+  JobConfig few = c;
+  few.engines.max_num_seqs = 16;
+  EXPECT_EQ(plan_memory(few, plan_of(few, 4), shapes(), gpu).ranks[0].kv_cache_bytes, 16 * 2048 * 2 * 28 * 512 * 2);
   EXPECT_EQ(item(r.phases[1], "engine weights"), 0);  // level 2: freed in training
   EXPECT_EQ(m.overflow(), nullptr) << m.table();
   EXPECT_NO_THROW(check_fits(m, c));

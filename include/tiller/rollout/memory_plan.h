@@ -19,7 +19,8 @@
 //
 // The hybrid KV cache: engines.kv_cache_gb when set, else engines.gpu_memory_fraction of the GPU
 // minus everything else the rank holds while generating (the awake trainer's footprint in that
-// phase), not what happened to be free at start-up. The estimates are deliberately simple (no
+// phase), not what happened to be free at start-up; at most engines.max_num_seqs sequences of
+// full length (more is never used). The estimates are deliberately simple (no
 // allocator fragmentation, no CUDA context, which `kReserveBytes` stands for); docs/training.md
 // compares them with measured peaks.
 #pragma once
@@ -66,6 +67,7 @@ struct RankMemory {
 
 struct MemoryPlan {
   int64_t gpu_bytes = 0;         // per GPU; 0: unknown (no fit check)
+  bool shared_gpus = false;      // cluster.ranks_per_gpu > 1: ranks share GPUs; no fit check
   std::vector<RankMemory> ranks; // every worker rank with a GPU role, in rank order
   // Human-readable: one line per rank and phase, in GiB, with the fit.
   std::string table() const;
