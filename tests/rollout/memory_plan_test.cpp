@@ -36,6 +36,7 @@ JobConfig hybrid_job(int gpus) {
   c.roles.critic.colocate_with = "actor";
   c.rollout.max_prompt_tokens = 1024;
   c.rollout.max_new_tokens = 1024;
+  c.engines.max_num_seqs = 4096;  // the fraction, not the cap of max_num_seqs full sequences, sizes the cache
   c.validate();
   return c;
 }
@@ -134,6 +135,7 @@ TEST(MemoryPlan, SeparatePoolsPlanTrainersAndEnginesApart) {
   c.algo.advantage_estimator = AdvantageEstimator::kGroupNorm;
   c.roles.critic.enabled = false;
   c.rollout.n_samples_per_prompt = 4;
+  c.engines.max_num_seqs = 4096;
   c.validate();
   const MemoryPlan m = plan_memory(c, plan_of(c, 4), shapes(), 141 * kGiB);
   ASSERT_EQ(m.ranks.size(), 4u);
