@@ -123,11 +123,14 @@ DeviceMemory device_memory(const at::Device& device) {
   DeviceMemory out;
 #ifdef TILLER_HAVE_CUDA_KERNELS
   if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
-    const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-    out.allocated = stats.allocated_bytes[all].current;
-    out.reserved = stats.reserved_bytes[all].current;
-    out.peak_allocated = stats.allocated_bytes[all].peak;
+    // The allocator sets itself up at the first allocation; before that it holds nothing.
+    if (c10::cuda::CUDACachingAllocator::get()->initialized()) {
+      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+      const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+      out.allocated = stats.allocated_bytes[all].current;
+      out.reserved = stats.reserved_bytes[all].current;
+      out.peak_allocated = stats.allocated_bytes[all].peak;
+    }
     c10::cuda::CUDAGuard guard(device.index());
     size_t free = 0, total = 0;
     TILLER_CHECK(cudaMemGetInfo(&free, &total) == cudaSuccess, "cudaMemGetInfo failed on {}", device.str());
@@ -141,7 +144,8 @@ DeviceMemory device_memory(const at::Device& device) {
 
 void reset_peak_device_memory(const at::Device& device) {
 #ifdef TILLER_HAVE_CUDA_KERNELS
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+  if (device.is_cuda() && c10::cuda::CUDACachingAllocator::get()->initialized())
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
 #else
   (void)device;
 #endif

@@ -19,15 +19,19 @@ namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-void engine_memory(const std::vector<engine::ServerMemory>& mem, const std::string& phase,
-                   const HybridPhases::Put& put) {
-  double kv = 0, weights = 0;
+// The engines' memory after a sleep or wake; returns the most any engine leader's process has
+// allocated on its device then (the trainer's share included: they are one process).
+double engine_memory(const std::vector<engine::ServerMemory>& mem, const std::string& phase,
+                     const HybridPhases::Put& put) {
+  double kv = 0, weights = 0, allocated = 0;
   for (const auto& m : mem) {
     kv = std::max(kv, static_cast<double>(m.engine.kv_cache_bytes));
     weights = std::max(weights, static_cast<double>(m.engine.weight_bytes));
+    allocated = std::max(allocated, static_cast<double>(m.device_allocated));
   }
   put(fmt::format("memory/{}/engine_kv_cache_gb", phase), kv / kGiB);
   put(fmt::format("memory/{}/engine_weights_gb", phase), weights / kGiB);
+  return allocated;
 }
 
 }  // namespace
@@ -36,8 +40,8 @@ HybridPhases::HybridPhases(const JobConfig& cfg, EngineSet& engines, TrainerLink
                            StepTrace& trace)
     : cfg_(cfg), engines_(engines), link_(link), ranks_(std::move(trainer_ranks)), trace_(trace) {}
 
-void HybridPhases::trainers(bool offload, int64_t step, const std::string& phase, const std::string& ended,
-                            const Put& put) {
+double HybridPhases::trainers(bool offload, int64_t step, const std::string& phase, const std::string& ended,
+                              const Put& put) {
   std::vector<PhaseReply> replies(ranks_.size());
   for (size_t i = 0; i < ranks_.size(); ++i)
     link_.call(ranks_[i], PhaseRequest{offload}.encode(), cfg_.timeouts.collective_s,
@@ -59,13 +63,16 @@ void HybridPhases::trainers(bool offload, int64_t step, const std::string& phase
   put(fmt::format("memory/{}/reserved_gb", phase), reserved / kGiB);
   put(fmt::format("memory/{}/peak_allocated_gb", ended), peak / kGiB);
   put(offload ? "hybrid/offloaded_gb" : "hybrid/reloaded_gb", moved / kGiB);
+  return allocated;
 }
 
 void HybridPhases::generate(int64_t step, const Put& put) {
   const auto t0 = std::chrono::steady_clock::now();
   const double w0 = wall_us();
-  trainers(/*offload=*/true, step, "generate", "train", put);
-  engine_memory(engines_.wake(/*weights=*/true, /*cache=*/true), "generate", put);
+  const double trainer_allocated = trainers(/*offload=*/true, step, "generate", "train", put);
+  // The trainers answered before the caches woke: the generate phase's footprint is the engines'.
+  const double allocated = engine_memory(engines_.wake(/*weights=*/true, /*cache=*/true), "generate", put);
+  put("memory/generate/allocated_gb", std::max(trainer_allocated, allocated) / kGiB);
   generating_ = true;
   put("time/hybrid_wake", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   trace_.span(step, "wake engines", -1, w0, wall_us());

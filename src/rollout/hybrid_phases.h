@@ -44,8 +44,9 @@ class HybridPhases {
   bool generating() const { return generating_; }
 
  private:
-  // Every trainer rank's phase change, and its memory into the metrics under `phase`.
-  void trainers(bool offload, int64_t step, const std::string& phase, const std::string& ended, const Put& put);
+  // Every trainer rank's phase change, and its memory into the metrics under `phase`; returns the
+  // most any rank has allocated afterwards.
+  double trainers(bool offload, int64_t step, const std::string& phase, const std::string& ended, const Put& put);
 
   const JobConfig& cfg_;
   EngineSet& engines_;

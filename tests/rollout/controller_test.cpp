@@ -377,7 +377,7 @@ struct Job {
       raw[static_cast<size_t>(a.rank)] = endpoints.back().get();
     }
     channel = std::make_unique<LocalChannel>(raw);
-    eo.engines = static_cast<size_t>(cfg.engines.count);
+    eo.engines = static_cast<size_t>(cfg.engine_count());
     eo.max_running = cfg.engines.max_num_seqs;
     engines = std::make_unique<SyntheticEngines>(eo);
     prompts = std::make_unique<SyntheticPrompts>(64, 5, eo.vocab);
@@ -420,6 +420,48 @@ struct Job {
     return n;
   }
 };
+
+// cluster.hybrid: each step the trainers offload, the engines wake and generate, then sleep while
+// the trainers reload and train, and wake their weights for the sync; the engines never get a
+// request while asleep (SyntheticEngines refuses it). What is trained is what the separate pools
+// train, sample for sample.
+TEST(ControllerInProcess, HybridAlternatesThePhasesAndTrainsWhatSeparatePoolsTrain) {
+  Job pools("hybrid_pools");
+  pools.cfg.roles.actor.gpus = 2;
+  pools.run();
+  Job hybrid("hybrid");
+  hybrid.cfg.roles.actor.gpus = 2;
+  hybrid.cfg.cluster.hybrid = true;
+  hybrid.cfg.engines.count = 1;  // derived: one per actor rank
+  hybrid.cfg.roles.actor.offload = true;
+  hybrid.cfg.engines.sleep_level = 2;
+  const json summary = json::parse(hybrid.run());
+  EXPECT_EQ(summary["event"], "done");
+  EXPECT_EQ(summary["weight_version"], 6);
+  EXPECT_TRUE(hybrid.plan.hybrid);
+  ASSERT_EQ(hybrid.engines->size(), 2u);
+  std::vector<std::string> want;
+  for (int j = 1; j <= 6; ++j)
+    for (const std::string& p : {std::string("wake cache"), std::string("sleep 2"), std::string("wake weights"),
+                                 "sync " + std::to_string(j)})
+      want.push_back(p);
+  EXPECT_EQ(hybrid.engines->phases(), want);
+  ASSERT_EQ(hybrid.trainers.size(), 2u);
+  for (auto* t : hybrid.trainers) {
+    ASSERT_EQ(t->phases().size(), 12u);
+    for (size_t i = 0; i < 12; ++i) EXPECT_EQ(t->phases()[i], i % 2 == 0 ? "offload" : "reload");
+  }
+  const auto a = pools.records(), b = hybrid.records();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].dump(), b[i].dump()) << "record " << i;
+  const auto ma = pools.lines("metrics.jsonl"), mb = hybrid.lines("metrics.jsonl");
+  ASSERT_EQ(ma.size(), mb.size());
+  for (size_t i = 0; i < ma.size(); ++i) {
+    EXPECT_EQ(ma[i]["reward/mean"], mb[i]["reward/mean"]);
+    EXPECT_TRUE(mb[i].contains("memory/generate/engine_kv_cache_gb")) << mb[i].dump();
+    EXPECT_TRUE(mb[i].contains("memory/train/allocated_gb"));
+  }
+}
 
 TEST(ControllerInProcess, SyncModeTrainsEveryStepOnPolicy) {
   Job job("sync");
