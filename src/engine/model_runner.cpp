@@ -244,6 +244,10 @@ struct ModelRunner::Impl {
   at::cuda::MempoolId_t pool{0, 0};
   std::map<int64_t, Graph> captured;
   std::optional<c10::cuda::CUDAStream> copy_stream;  // the draws' copies to the host
+  // Every capture runs on this one stream: cuBLAS keeps a workspace (32 MiB on Hopper) per stream
+  // it has run on, so a fresh pool stream per capture (every wake recaptures) would add one each
+  // time, up to the pool's 32 streams.
+  std::optional<c10::cuda::CUDAStream> capture_stream;
 #endif
 
   Impl(const model::ModelConfig& cfg, const model::ModelConfig& loc, model::ModelWeights w, dist::Communicator* comm,
@@ -426,7 +430,8 @@ at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b) {
                                           local.num_heads, local.num_kv_heads, 0, device.index());
     g.splits = in.splits;
     const std::vector<int64_t> lens(static_cast<size_t>(rows), 1);
-    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
+    if (!capture_stream) capture_stream = c10::cuda::getStreamFromPool(false, device.index());
+    c10::cuda::CUDAStream side = *capture_stream;
     c10::cuda::getCurrentCUDAStream(device.index()).synchronize();  // the inputs are in place
     {
       c10::cuda::CUDAStreamGuard on_side(side);
