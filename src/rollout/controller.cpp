@@ -151,10 +151,10 @@ struct Controller::Impl {
   }
 
   // Hybrid: the step's samples are all in; the engines sleep and the trainers take the GPUs.
-  void hybrid_train_phase(int64_t j) {
+  void hybrid_train_phase(int64_t j, bool sync_follows) {
     collector->pause_dispatch(true);
     while (collector->in_flight_samples() > 0) pump();
-    hybrid->train(j, put_metric());
+    hybrid->train(j, sync_follows, put_metric());
   }
 
   // Hybrid: the trainers give the GPUs back and the engines generate the next step.
@@ -486,8 +486,8 @@ struct Controller::Impl {
       metrics = json::object();
       if (hybrid) hybrid_generate_phase(step + 1);
       std::unique_ptr<StepBatch> b = next_batch();
-      if (hybrid) hybrid_train_phase(b->step);
       const bool train_actor = b->step > cfg.train.critic_warmup_steps && b->ro.size() > 0;
+      if (hybrid) hybrid_train_phase(b->step, train_actor);
       OffPolicy op;
       if (b->ro.size() > 0) {
         advantages(*b);

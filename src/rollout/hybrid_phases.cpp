@@ -78,11 +78,11 @@ void HybridPhases::generate(int64_t step, const Put& put) {
   trace_.span(step, "wake engines", -1, w0, wall_us());
 }
 
-void HybridPhases::train(int64_t step, const Put& put) {
+void HybridPhases::train(int64_t step, bool sync_follows, const Put& put) {
   const auto t0 = std::chrono::steady_clock::now();
   const double w0 = wall_us();
-  if (cfg_.engines.sleep_level > 0)
-    engine_memory(engines_.sleep(static_cast<int>(cfg_.engines.sleep_level)), "train", put);
+  const int level = static_cast<int>(sync_follows ? cfg_.engines.sleep_level : std::min<int64_t>(cfg_.engines.sleep_level, 1));
+  if (level > 0) engine_memory(engines_.sleep(level), "train", put);
   generating_ = false;
   trainers(/*offload=*/false, step, "train", "generate", put);
   put("time/hybrid_sleep", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());

@@ -6,7 +6,8 @@
 //             the engines wake their KV caches: the cache is allocated only once the trainer's
 //             state has left, so the GPU never holds both;
 //   train     (the step's samples are all generated and scored) the engines sleep at
-//             engines.sleep_level, then the trainers bring their state back;
+//             engines.sleep_level (at most 1 when no sync follows), then the trainers bring their
+//             state back;
 //   sync      before the weight sync, engines asleep at level 2 wake their weights' memory (the
 //             sync refills it); the KV cache stays asleep until the next generate.
 // Each change records every trainer rank's device memory (allocated, reserved, and the peak of
@@ -38,7 +39,10 @@ class HybridPhases {
                StepTrace& trace);
 
   void generate(int64_t step, const Put& put);
-  void train(int64_t step, const Put& put);
+  // `sync_follows`: the step updates the actor and syncs. Without it (critic warm-up, a step with
+  // nothing to train) the engines sleep at level 1 at most: level 2 would leave no weights for the
+  // next generation, since only a sync refills them.
+  void train(int64_t step, bool sync_follows, const Put& put);
   void before_sync(int64_t step, const Put& put);
   // Whether the engines' KV caches are awake (requests may go to them).
   bool generating() const { return generating_; }

@@ -119,7 +119,7 @@ MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const M
     rm.rank = a.rank;
     rm.label = a.label();
     PhaseMemory gen{Phase::kGenerate, {}}, train{Phase::kTrain, {}}, sync{Phase::kSync, {}};
-    int64_t act_train = 0, act_score = 0, gathers = 0;
+    int64_t act_train = 0, act_score = 0, gathers = 0, grad_buffers = 0;
     for (Role r : kRoles) {
       if (!a.trainer_roles.has(r)) continue;
       const std::string name(role_name(r));
@@ -137,13 +137,18 @@ MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const M
       add(sync, name + " state", state);
       add(gen, name + " state", rc.offload ? 0 : state);
       if (!rc.replicate) gathers = std::max(gathers, 2 * s.largest_unit * c);
-      if (role_trains(r))
+      if (role_trains(r)) {
         act_train = std::max(act_train, train_activations(*mc, cfg.train.micro_batch_tokens, c, rc.gradient_checkpointing));
+        // A unit's parameter gradients in the compute dtype, and two fp32 flat buffers of it (the
+        // reduce-scatter in flight and the one being filled).
+        grad_buffers = std::max(grad_buffers, s.largest_unit * (c + 2 * 4));
+      }
       act_score = std::max(act_score, score_activations(*mc, cfg.rollout.micro_batch_tokens, c));
     }
     add(train, "gathered units", gathers);
     add(gen, "gathered units", gathers);
     add(train, "activations (train.micro_batch_tokens)", act_train);
+    add(train, "gradient buffers", grad_buffers);
     add(gen, "activations (scoring)", act_score);
     if (a.engine >= 0) {
       const model::ModelConfig* mc = find_shape(shapes, "engine");

@@ -61,6 +61,7 @@ void SyntheticEngines::submit(size_t i, const engine::Request& r, uint64_t min_w
   TILLER_CHECK(min_weight_version <= version_, "synthetic engine {}: asked for version {}, it has {}", i,
                min_weight_version, version_);
   TILLER_CHECK(sleep_level_ == 0, "synthetic engine {}: a request while asleep (level {})", i, sleep_level_);
+  TILLER_CHECK(!weights_lost_, "synthetic engine {}: a request after its weights were freed (sleep 2) with no sync since", i);
   Engine& e = engines_.at(i);
   ++e.requests;
   for (int64_t j = 0; j < r.n; ++j) {
@@ -172,6 +173,7 @@ std::vector<engine::ServerMemory> SyntheticEngines::sleep(int level) {
   for (const auto& e : engines_)
     TILLER_CHECK(e.running.empty() && e.waiting.empty(), "synthetic engines: sleep with samples in flight");
   sleep_level_ = std::max(sleep_level_, level);
+  if (level >= 2) weights_lost_ = true;
   phases_.push_back(fmt::format("sleep {}", level));
   return std::vector<engine::ServerMemory>(engines_.size());
 }
@@ -200,6 +202,7 @@ void SyntheticEngines::begin_update(uint64_t version, uint64_t) {
 void SyntheticEngines::end_update(uint64_t version, double) {
   std::lock_guard<std::mutex> lock(mu_);
   version_ = version;
+  weights_lost_ = false;
   paused_ = false;
   cv_.notify_all();
 }

@@ -103,6 +103,7 @@ class SyntheticEngines final : public EngineSet {
   uint64_t version_ = 0;
   bool paused_ = false, stopping_ = false;
   int sleep_level_ = 0;  // 0 awake; 1 no cache; 2 no cache, no weights
+  bool weights_lost_ = false;  // freed by a level-2 sleep and not refilled by a sync since
   std::vector<std::string> phases_;
   std::atomic<int64_t> generated_tokens_{0};
   std::thread clock_;

@@ -463,6 +463,26 @@ TEST(ControllerInProcess, HybridAlternatesThePhasesAndTrainsWhatSeparatePoolsTra
   }
 }
 
+// A step without an actor update (the critic's warm-up) has no sync to refill weights freed by a
+// level-2 sleep: the engines sleep at level 1 then, and the next generation finds its weights.
+TEST(ControllerInProcess, HybridStepsWithoutASyncKeepTheEnginesWeights) {
+  Job job("hybrid_warmup", /*critic=*/true);
+  job.cfg.cluster.hybrid = true;
+  job.cfg.roles.critic.colocate_with = "actor";
+  job.cfg.engines.count = 1;
+  job.cfg.engines.sleep_level = 2;
+  job.cfg.train.critic_warmup_steps = 2;
+  const json summary = json::parse(job.run());
+  EXPECT_EQ(summary["event"], "done");
+  EXPECT_EQ(summary["weight_version"], 4);
+  std::vector<std::string> want = {"wake cache", "sleep 1", "wake cache", "sleep 1"};
+  for (int v = 1; v <= 4; ++v)
+    for (const std::string& p : {std::string("wake cache"), std::string("sleep 2"), std::string("wake weights"),
+                                 "sync " + std::to_string(v)})
+      want.push_back(p);
+  EXPECT_EQ(job.engines->phases(), want);
+}
+
 TEST(ControllerInProcess, SyncModeTrainsEveryStepOnPolicy) {
   Job job("sync");
   const json summary = json::parse(job.run());

@@ -121,9 +121,19 @@ TEST(MemoryPlan, APlanThatCannotFitIsRefusedNamingTheRole) {
     msg = e.what();
   }
   EXPECT_NE(msg.find("rank 1 (actor+critic+ref+engine0.tp0) needs"), std::string::npos) << msg;
-  // Generating holds the most: every role's state, the engine's weights and its 10 GiB cache.
-  EXPECT_NE(msg.find("in its generate phase"), std::string::npos) << msg;
+  // Training holds the most: every role's state, the engine's weights, activations and gradients.
+  EXPECT_NE(msg.find("in its train phase"), std::string::npos) << msg;
   EXPECT_NE(msg.find("largest: actor state"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("give the role more GPUs (roles.<role>.gpus)"), std::string::npos) << msg;
+  // A cache of 40 GiB makes generating the largest phase: offloading is what helps there.
+  fixed.engines.kv_cache_gb = 40;
+  try {
+    check_fits(plan_memory(fixed, plan_of(fixed, 1), shapes(), 80 * kGiB), fixed);
+    ADD_FAILURE() << "a plan that cannot fit passed";
+  } catch (const ConfigError& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("in its generate phase"), std::string::npos) << msg;
   EXPECT_NE(msg.find("set roles.actor.offload=true"), std::string::npos) << msg;
   EXPECT_NE(m.table().find("DOES NOT FIT"), std::string::npos);
 }

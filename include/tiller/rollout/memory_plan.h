@@ -7,6 +7,8 @@
 //   state       trainable roles: the fp32 master (unless the compute dtype is fp32), the fp32
 //               gradient accumulator, the two AdamW moments: 16 bytes / param / N (12 in fp32)
 //   gathers     two full units in the compute dtype (the one computing and the prefetch)
+//   gradients   training: the largest unit's gradients in the compute dtype and two fp32 flat
+//               buffers of it (the reduce-scatter being filled and the one in flight)
 //   activations training at train.micro_batch_tokens: the blocks' saved inputs (every block's,
 //               with gradient checkpointing, plus one block's internals being recomputed; every
 //               block's internals without), and the LM head's fp32 chunk of logits; scoring
