@@ -25,10 +25,10 @@
 #include "tiller/engine/engine_weights.h"
 #include "tiller/engine/server.h"
 #include "tiller/model/model_config.h"
-#include "tiller/sync/hybrid_handoff.h"
-#include "tiller/sync/weight_sync.h"
 #include "tiller/model/storage_swap.h"
 #include "tiller/rollout/memory_plan.h"
+#include "tiller/sync/hybrid_handoff.h"
+#include "tiller/sync/weight_sync.h"
 
 namespace tiller::rollout {
 namespace {
@@ -157,7 +157,6 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
 int run_hybrid_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, dist::GroupCommunicators& groups,
                     dist::Communicator& world, const std::string& device, const std::string& hostname,
                     int64_t kv_bytes, RankObjects& own) {
-  const auto& me = plan.ranks.at(static_cast<size_t>(rank));
   own.worker = std::make_unique<RoleWorker>(cfg, plan, rank, groups, world, device);
   engine::Engine& eng = make_engine(cfg, plan, rank, groups, device, kv_bytes, /*start_asleep=*/true, own);
   own.sink = std::make_unique<sync::LocalWeightSink>(eng, cfg.timeouts.weight_sync_s);
@@ -166,7 +165,7 @@ int run_hybrid_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   if (eng.is_leader()) {
     serve_engine(cfg, plan, rank, world, hostname, own);
   } else {
-    own.follower = std::thread([&eng, rank, device, label = me.label()] {
+    own.follower = std::thread([&eng, rank, device] {
       try {
         if (device != "cpu")
           c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(at::Device(device));

@@ -14,10 +14,10 @@
 
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
-#include "tiller/model/storage_swap.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/model/safetensors.h"
+#include "tiller/model/storage_swap.h"
 #include "tiller/zero/flat_layout.h"
 
 namespace tiller::zero {
