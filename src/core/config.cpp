@@ -281,6 +281,32 @@ void JobConfig::validate() const {
     throw ConfigError(fmt::format("algo.dual_clip = {} must be 0 (off) or > 1", format_double(algo.dual_clip)));
   }
   validate_hybrid();
+  validate_sequence_parallel();
+}
+
+void JobConfig::validate_sequence_parallel() const {
+  for (const char* name : {"actor", "critic", "ref", "reward"}) {
+    const RoleConfig& r = role_by_name(*this, name);
+    if (!r.enabled) continue;
+    if (!r.colocate_with.empty()) {
+      const RoleConfig& host = role_by_name(*this, r.colocate_with);
+      if (r.sequence_parallel != 1 && r.sequence_parallel != host.sequence_parallel)
+        throw ConfigError(fmt::format("roles.{}.sequence_parallel = {}: the role shares the ranks of '{}', whose "
+                                      "micro-batches are cut {} ways; leave it out or set it to {}",
+                                      name, r.sequence_parallel, r.colocate_with, host.sequence_parallel,
+                                      host.sequence_parallel));
+      continue;
+    }
+    if (r.gpus % r.sequence_parallel != 0)
+      throw ConfigError(fmt::format("roles.{}.sequence_parallel = {} must divide roles.{}.gpus = {} (the role's ranks "
+                                    "form gpus / sequence_parallel groups that share a micro-batch)",
+                                    name, r.sequence_parallel, name, r.gpus));
+  }
+}
+
+int64_t JobConfig::sequence_parallel(std::string_view role) const {
+  const RoleConfig& r = role_by_name(*this, std::string(role));
+  return r.colocate_with.empty() ? r.sequence_parallel : role_by_name(*this, r.colocate_with).sequence_parallel;
 }
 
 void JobConfig::validate_hybrid() const {

@@ -20,9 +20,9 @@
 namespace tiller::dist {
 namespace {
 
-enum class OpKind { kAllGather, kBroadcast, kReduceScatterSum, kReduceScatterMax, kReduceScatterMin,
+enum class OpKind { kAllGather, kAllToAll, kBroadcast, kReduceScatterSum, kReduceScatterMax, kReduceScatterMin,
                     kAllReduceSum, kAllReduceMax, kAllReduceMin };
-constexpr int kOpKinds = 8;
+constexpr int kOpKinds = 9;
 OpKind reduce_kind(OpKind sum_kind, ReduceOp op) {
   return static_cast<OpKind>(static_cast<int>(sum_kind) + static_cast<int>(op));
 }
@@ -290,6 +290,30 @@ class MpiCommunicator final : public Communicator {
       post_send(*w, in, r, tag, coll_);
     }
     out.narrow(0, me * n, n).copy_(in);
+    w->start();
+    return w;
+  }
+
+  WorkPtr all_to_all(const at::Tensor& input, const at::Tensor& output) override {
+    auto w = begin("all_to_all");
+    check_tensor(input, "input", "all_to_all");
+    check_tensor(output, "output", "all_to_all");
+    check_same_dtype(input, output, "all_to_all");
+    const int p = size(), me = rank();
+    TILLER_CHECK(output.is_contiguous() && input.numel() == output.numel() && input.numel() % p == 0,
+                 "all_to_all on '{}': input and output must hold the same number of elements, a multiple of {} "
+                 "(contiguous output), got {} and {}", name(), p, input.numel(), output.numel());
+    const std::int64_t m = input.numel() / p;
+    auto in = input.contiguous().view({-1});
+    auto out = output.view({-1});
+    w->keep() = {in, out};
+    const int tag = coll_tag(OpKind::kAllToAll, 0);
+    for (int r = 0; r < p; ++r) {
+      if (r == me) continue;
+      post_recv(*w, out.narrow(0, r * m, m), r, tag, coll_);
+      post_send(*w, in.narrow(0, r * m, m), r, tag, coll_);
+    }
+    out.narrow(0, me * m, m).copy_(in.narrow(0, me * m, m));
     w->start();
     return w;
   }

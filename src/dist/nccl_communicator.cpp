@@ -353,6 +353,30 @@ class NcclCommunicator final : public Communicator {
                       ncclComm_t c, cudaStream_t s) { return ncclReduceScatter(in, out, n, type, r, c, s); });
   }
 
+  WorkPtr all_to_all(const at::Tensor& input, const at::Tensor& output) override {
+    check(input, "all_to_all", "input");
+    check(output, "all_to_all", "output");
+    TILLER_CHECK(output.is_contiguous() && input.numel() == output.numel() && input.numel() % size() == 0,
+                 "all_to_all on '{}': input and output must hold the same number of elements, a multiple of {} "
+                 "(contiguous output), got {} and {}", name(), size(), input.numel(), output.numel());
+    TILLER_CHECK(input.scalar_type() == output.scalar_type(), "all_to_all on '{}': input and output dtypes differ", name());
+    auto in = input.contiguous();
+    const auto type = nccl_type(in.scalar_type(), false);
+    const size_t chunk_bytes = static_cast<size_t>(in.numel() / size()) * in.element_size();
+    // NCCL has no all-to-all: one group of sends and receives, which NCCL runs as one operation.
+    return launch("all_to_all", {in, output},
+                  [in = static_cast<const char*>(in.data_ptr()), out = static_cast<char*>(output.data_ptr()),
+                   n = in.numel() / size(), p = size(), chunk_bytes, type](ncclComm_t c, cudaStream_t s) {
+                    ncclResult_t rc = ncclGroupStart();
+                    for (int r = 0; r < p && rc == ncclSuccess; ++r) {
+                      rc = ncclSend(in + r * chunk_bytes, n, type, r, c, s);
+                      if (rc == ncclSuccess) rc = ncclRecv(out + r * chunk_bytes, n, type, r, c, s);
+                    }
+                    const ncclResult_t end = ncclGroupEnd();
+                    return rc != ncclSuccess ? rc : end;
+                  });
+  }
+
   WorkPtr all_reduce(const at::Tensor& tensor, ReduceOp op) override {
     check(tensor, "all_reduce", "tensor");
     TILLER_CHECK(tensor.is_contiguous(), "all_reduce on '{}': the tensor must be contiguous", name());

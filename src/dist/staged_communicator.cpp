@@ -42,6 +42,11 @@ class StagedCommunicator final : public Communicator {
     cpu_->reduce_scatter(host(input, true), out, op)->wait();
     return back(output, out);
   }
+  WorkPtr all_to_all(const at::Tensor& input, const at::Tensor& output) override {
+    at::Tensor out = host(output, false);
+    cpu_->all_to_all(host(input, true), out)->wait();
+    return back(output, out);
+  }
   WorkPtr all_reduce(const at::Tensor& tensor, ReduceOp op) override {
     at::Tensor t = host(tensor, true);
     cpu_->all_reduce(t, op)->wait();

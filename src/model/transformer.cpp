@@ -148,8 +148,9 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   VarlenSpec spec = ctx.attn;
   spec.window = cfg.layer_window[layer];
   const double scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
-  at::Tensor attn = ctx.cache ? ctx.cache->attend(layer, q, k, v, spec, scale, ctx.backend)
-                              : varlen_attention(q, k, v, spec, scale, ctx.backend);
+  at::Tensor attn = ctx.cache       ? ctx.cache->attend(layer, q, k, v, spec, scale, ctx.backend)
+                   : ctx.attention ? ctx.attention(q, k, v, spec, scale, ctx.backend)
+                                   : varlen_attention(q, k, v, spec, scale, ctx.backend);
   at::Tensor o = project(attn.reshape({t, cfg.q_size()}), w.o_proj);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(o);
   at::Tensor y;

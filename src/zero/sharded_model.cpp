@@ -58,6 +58,7 @@ struct ShardedModel::Impl {
   std::vector<Unit> units;
   std::unique_ptr<ShardAdamW> adam;
   std::unique_ptr<model::StorageSwap> offloaded;  // set while the state is off the device
+  dist::Communicator* sequence = nullptr;         // the sequence group, when S > 1
   model::Rope rope;
   at::Tensor anchor;  // requires grad: makes every segment's output part of the graph
   std::map<size_t, Gathered> gathered;
@@ -195,6 +196,12 @@ struct ShardedModel::Impl {
     ctx.sin = sin;
     ctx.attn = model::VarlenSpec::self(cu, lens);
     ctx.backend = opts.attention;
+    if (sequence) {  // the recomputation of a sequence-parallel block exchanges heads as its forward did
+      ctx.attention = [g = sequence](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const model::VarlenSpec& spec, double scale, model::AttentionBackend b) {
+        return ulysses_attention(*g, q, k, v, spec, scale, b);
+      };
+    }
     return ctx;
   }
   at::Tensor run_block(int64_t layer, const std::vector<at::Tensor>& params, const at::Tensor& x,
@@ -418,13 +425,13 @@ struct ValueHeadSegment : public torch::autograd::Function<ValueHeadSegment> {
 };
 
 // Embedding and blocks: [T, hidden]; as autograd segments when `graph`.
-at::Tensor run_trunk(Impl& m, const model::PackedBatch& batch, model::BlockContext& bctx, bool graph) {
+at::Tensor run_trunk(Impl& m, const at::Tensor& tokens, model::BlockContext& bctx, bool graph) {
   if (graph) {
-    at::Tensor x = EmbedSegment::apply(m.anchor, &m, batch.tokens);
+    at::Tensor x = EmbedSegment::apply(m.anchor, &m, tokens);
     for (int64_t i = 0; i < m.cfg.num_layers; ++i) x = BlockSegment::apply(m.anchor, &m, i, x, &bctx);
     return x;
   }
-  at::Tensor x = m.embed_forward(batch.tokens);
+  at::Tensor x = m.embed_forward(tokens);
   for (int64_t i = 0; i < m.cfg.num_layers; ++i) x = m.block_forward(i, x, bctx);
   return x;
 }
@@ -492,34 +499,84 @@ void ShardedModel::load_hf(const std::string& dir) {
   impl_->source = dir;
 }
 
+namespace {
+
+// The LM head's log-probs (and entropies) of `x`'s rows, through the autograd segments when `graph`.
+at::Tensor lm_outputs(Impl& m, const at::Tensor& x, const at::Tensor& targets, double temperature, at::Tensor* entropy,
+                      bool graph) {
+  if (!graph) return m.lm_head_forward(x, targets, temperature, entropy);
+  variable_list out = LmHeadSegment::apply(m.anchor, &m, x, targets, temperature, entropy != nullptr);
+  if (entropy) *entropy = out[1];
+  return out[0];
+}
+
+void check_lm(const Impl& m, const at::Tensor& targets, int64_t rows, double temperature) {
+  TILLER_CHECK(m.opts.head == model::Head::kLm, "token_logprobs needs the LM head; this model has a value head");
+  TILLER_CHECK(targets.dim() == 1 && targets.size(0) == rows, "{} targets for {} tokens", targets.numel(), rows);
+  TILLER_CHECK(temperature > 0, "temperature must be > 0, got {}", temperature);
+}
+
+}  // namespace
+
 at::Tensor ShardedModel::token_logprobs(const model::PackedBatch& batch, const at::Tensor& targets, double temperature,
                                         at::Tensor* entropy) {
   Impl& m = *impl_;
-  TILLER_CHECK(m.opts.head == model::Head::kLm, "token_logprobs needs the LM head; this model has a value head");
-  TILLER_CHECK(targets.dim() == 1 && targets.size(0) == batch.num_tokens(), "{} targets for {} tokens", targets.numel(),
-               batch.num_tokens());
-  TILLER_CHECK(temperature > 0, "temperature must be > 0, got {}", temperature);
+  check_lm(m, targets, batch.num_tokens(), temperature);
+  TILLER_CHECK(m.sequence == nullptr, "a sequence-parallel model takes slices (SequenceSlice), not whole batches");
   model::BlockContext bctx =
       model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
-  const at::Tensor tgt = targets.to(at::kLong);
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   c10::AutoGradMode grad_mode(graph);  // a frozen model records no graph even under autograd
-  at::Tensor x = run_trunk(m, batch, bctx, graph);
-  if (!graph) return m.lm_head_forward(x, tgt, temperature, entropy);
-  variable_list out = LmHeadSegment::apply(m.anchor, &m, x, tgt, temperature, entropy != nullptr);
-  if (entropy) *entropy = out[1];
-  return out[0];
+  at::Tensor x = run_trunk(m, batch.tokens, bctx, graph);
+  return lm_outputs(m, x, targets.to(at::kLong), temperature, entropy, graph);
 }
 
 at::Tensor ShardedModel::values(const model::PackedBatch& batch) {
   Impl& m = *impl_;
   TILLER_CHECK(m.opts.head == model::Head::kValue, "values needs the value head; this model has an LM head");
+  TILLER_CHECK(m.sequence == nullptr, "a sequence-parallel model takes slices (SequenceSlice), not whole batches");
   model::BlockContext bctx =
       model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   c10::AutoGradMode grad_mode(graph);  // a frozen model records no graph even under autograd
-  at::Tensor x = run_trunk(m, batch, bctx, graph);
+  at::Tensor x = run_trunk(m, batch.tokens, bctx, graph);
   return graph ? ValueHeadSegment::apply(m.anchor, &m, x) : m.value_head_forward(x);
+}
+
+void ShardedModel::set_sequence_group(dist::Communicator& group) {
+  Impl& m = *impl_;
+  check_sequence_parallel(m.cfg, group.size(), "sequence_parallel");
+  TILLER_CHECK(group.size() == 1 || m.world % group.size() == 0 || m.opts.replicate,
+               "a sequence group of {} ranks in a model group of {}", group.size(), m.world);
+  m.sequence = group.size() > 1 ? &group : nullptr;
+}
+
+int ShardedModel::sequence_parallel() const { return impl_->sequence ? impl_->sequence->size() : 1; }
+
+at::Tensor ShardedModel::token_logprobs(const SequenceSlice& slice, const at::Tensor& targets, double temperature,
+                                        at::Tensor* entropy) {
+  Impl& m = *impl_;
+  SliceInput in = prepare_slice(m.rope, slice, m.sequence, m.opts.compute_dtype, m.opts.device, m.opts.attention);
+  check_lm(m, targets, in.rows, temperature);
+  at::Tensor tgt = targets.to(m.opts.device, at::kLong);
+  if (in.padded > in.rows) tgt = at::cat({tgt, at::zeros({in.padded - in.rows}, tgt.options())});
+  const bool graph = m.opts.trainable && at::GradMode::is_enabled();
+  c10::AutoGradMode grad_mode(graph);
+  at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
+  at::Tensor lp = lm_outputs(m, x, tgt, temperature, entropy, graph);
+  if (entropy) *entropy = entropy->narrow(0, 0, in.rows);
+  return lp.narrow(0, 0, in.rows);
+}
+
+at::Tensor ShardedModel::values(const SequenceSlice& slice) {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.opts.head == model::Head::kValue, "values needs the value head; this model has an LM head");
+  SliceInput in = prepare_slice(m.rope, slice, m.sequence, m.opts.compute_dtype, m.opts.device, m.opts.attention);
+  const bool graph = m.opts.trainable && at::GradMode::is_enabled();
+  c10::AutoGradMode grad_mode(graph);
+  at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
+  at::Tensor v = graph ? ValueHeadSegment::apply(m.anchor, &m, x) : m.value_head_forward(x);
+  return v.narrow(0, 0, in.rows);
 }
 
 StepResult ShardedModel::step(double lr) {

@@ -75,6 +75,28 @@ TEST(Communicator, ReduceScatter) {
   }
 }
 
+TEST(Communicator, AllToAllExchangesChunksAndIsItsOwnInverse) {
+  const int p = comm().size(), me = comm().rank();
+  for (auto t : kDtypes) {
+    for (auto m : kSizes) {
+      // Chunk j of rank r holds pattern(m, r * p + j): every (sender, receiver) pair is distinct.
+      std::vector<at::Tensor> mine;
+      for (int j = 0; j < p; ++j) mine.push_back(pattern(m, me * p + j, t));
+      auto in = at::cat(mine).to(on_device(t));
+      auto out = at::full({m * p}, -1, on_device(t));
+      comm().all_to_all(in, out)->wait();
+      std::vector<at::Tensor> want;
+      for (int r = 0; r < p; ++r) want.push_back(pattern(m, r * p + me, t));
+      expect_equal(out, at::cat(want), what("all_to_all", t, m));
+      auto back = at::full({m * p}, -1, on_device(t));
+      comm().all_to_all(out, back)->wait();
+      expect_equal(back, in, what("all_to_all inverse", t, m));
+    }
+  }
+  auto uneven = at::zeros({p * 3 + 1}, on_device(at::kFloat));
+  EXPECT_THROW(comm().all_to_all(uneven, uneven.clone()), Error);
+}
+
 TEST(Communicator, AllReduce) {
   const int p = comm().size(), me = comm().rank();
   for (auto t : kDtypes) {

@@ -356,6 +356,7 @@ class StopsAfter final : public dist::Communicator {
   dist::WorkPtr reduce_scatter(const at::Tensor& i, const at::Tensor& o, dist::ReduceOp op) override {
     return inner_.reduce_scatter(i, o, op);
   }
+  dist::WorkPtr all_to_all(const at::Tensor& i, const at::Tensor& o) override { return inner_.all_to_all(i, o); }
   dist::WorkPtr all_reduce(const at::Tensor& t, dist::ReduceOp op) override { return inner_.all_reduce(t, op); }
   dist::WorkPtr broadcast(const at::Tensor& t, int root) override {
     if (left_-- > 0) return inner_.broadcast(t, root);

@@ -178,9 +178,38 @@ Diff compare(const NamedTensors& got, const NamedTensors& want, const NamedTenso
   return d;
 }
 
-// Trains `steps` steps on both sides and checks after each one.
-void expect_sharded_equals_unsharded(const std::string& preset, Head head) {
-  const ModelConfig cfg = config(preset);
+// This rank's part of micro-batch `mb` when `sp` ranks share it (the whole of it when sp == 1):
+// the model's outputs for its rows, and the loss terms of those rows.
+struct SliceRun {
+  at::Tensor out;  // [n]
+  int64_t first = 0;
+};
+SliceRun forward_slice(ShardedModel& m, const MicroBatch& mb, int sp, int j) {
+  if (sp == 1) return {forward(m, mb), 0};
+  const auto whole = model::PackedBatch::pack(mb.seqs, device());
+  const auto slice = zero::SequenceSlice::of(whole, sp, j);
+  const int64_t n = slice.tokens.numel();
+  if (m.options().head == Head::kValue) return {m.values(slice), slice.first_row};
+  at::Tensor entropy;
+  const at::Tensor targets = at::tensor(mb.targets, at::kLong).narrow(0, slice.first_row, n).to(device());
+  at::Tensor lp = m.token_logprobs(slice, targets, 1.0, &entropy);
+  return {lp + 0.3 * entropy, slice.first_row};
+}
+at::Tensor slice_loss(const SliceRun& r, const MicroBatch& mb, int64_t total_tokens) {
+  const int64_t n = r.out.size(0);
+  if (n == 0 || mb.weights.empty()) return r.out.sum() * 0;
+  at::Tensor w = at::tensor(mb.weights, at::kFloat).narrow(0, r.first, n).to(r.out.device());
+  return ((w * r.out).sum() + 0.1 * r.out.pow(2).sum()) / static_cast<double>(total_tokens);
+}
+
+// Trains `steps` steps on both sides and checks after each one. With `sp` > 1 the group's ranks
+// form world / sp sequence groups; each takes the rows of one micro-batch that its slice holds,
+// and its outputs are checked row by row against the reference's before each step.
+void expect_sharded_equals_unsharded(const std::string& preset, Head head, int sp = 1, int64_t window = 0) {
+  const int world = comm().size(), me = comm().rank();
+  if (world % sp != 0) GTEST_SKIP() << sp << " does not divide " << world << " ranks";
+  ModelConfig cfg = config(preset);
+  if (window > 0) cfg.layer_window.assign(static_cast<size_t>(cfg.num_layers), window);
   // eps well above the rounding noise of gradients that are zero in exact arithmetic (k_proj's
   // bias: softmax ignores a constant added to every key), where Adam's m / sqrt(v) would turn
   // noise into full-size updates of random sign. The update formula itself is checked
@@ -189,41 +218,61 @@ void expect_sharded_equals_unsharded(const std::string& preset, Head head) {
   const double max_norm = 0.3;  // clips some steps
   const NamedTensors init = model::init_weights(cfg, head, 5, at::kFloat);
   ShardedModel m(cfg, comm(), options(head, adam, max_norm));
+  std::unique_ptr<dist::Communicator> seq_group;
+  if (sp > 1) {
+    seq_group = comm().split(me / sp, me, "sequence");
+    m.set_sequence_group(*seq_group);
+  }
   m.load(init, "init");
   Reference ref(cfg, head, init, adam);
   const zero::LrSchedule sched{"cosine", 1, 4, 0.1};
-  const int world = comm().size(), me = comm().rank();
+  const int groups = world / sp, group = me / sp, j = me % sp;
   const double base_lr = on_gpu() ? 3e-3 : 1e-2;
+  const std::string what = fmt::format("{} sp {}", preset, sp);
   bool clipped = false;
+  double worst_out = 0;
   for (int step = 0; step < 3; ++step) {
     std::vector<MicroBatch> all;
     int64_t total = 0;
-    for (int r = 0; r < world; ++r)
+    for (int r = 0; r < groups; ++r)
       for (int i = 0; i < 2; ++i) {
-        all.push_back(micro_batch(cfg, step, r, i, world));
+        all.push_back(micro_batch(cfg, step, r, i, groups));
         total += tokens_in(all.back());
       }
     for (int i = 0; i < 2; ++i) {
-      const MicroBatch& mb = all[static_cast<size_t>(me * 2 + i)];
-      loss_of(forward(m, mb), mb, total).backward();
+      const MicroBatch& mb = all[static_cast<size_t>(group * 2 + i)];
+      const SliceRun run = forward_slice(m, mb, sp, j);
+      if (sp > 1 && run.out.size(0) > 0) {
+        at::Tensor want;
+        {
+          c10::AutoGradMode no_grad(false);
+          want = ref.forward(mb).narrow(0, run.first, run.out.size(0)).to(at::kDouble).cpu();
+        }
+        const at::Tensor got = run.out.detach().to(at::kDouble).cpu();
+        const double rel = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item<double>();
+        worst_out = std::max(worst_out, rel);
+        EXPECT_LT(rel, on_gpu() ? 3e-2 : 1e-5) << what << " step " << step << " micro-batch " << i;
+      }
+      slice_loss(run, mb, total).backward();
     }
     const double lr = base_lr * sched.factor(step);
     const zero::StepResult r = m.step(lr);
     const double ref_norm = ref.step(all, total, lr, max_norm);
     clipped |= r.clip_factor < 1;
     EXPECT_FALSE(r.skipped);
-    EXPECT_NEAR(r.grad_norm, ref_norm, ref_norm * (on_gpu() ? 3e-2 : 1e-5)) << preset << " step " << step;
+    EXPECT_NEAR(r.grad_norm, ref_norm, ref_norm * (on_gpu() ? 3e-2 : 1e-5)) << what << " step " << step;
     const Diff d = compare(m.gather_parameters(), ref.params, init);
     if (on_gpu()) {
-      EXPECT_LT(d.update_rel, 0.15) << preset << " step " << step << " (max abs " << d.max_abs << ")";
+      EXPECT_LT(d.update_rel, 0.15) << what << " step " << step << " (max abs " << d.max_abs << ")";
     } else {
-      EXPECT_LT(d.max_abs, 2e-6) << preset << " step " << step;
-      EXPECT_LT(d.update_rel, 1e-4) << preset << " step " << step;
+      EXPECT_LT(d.max_abs, 2e-6) << what << " step " << step;
+      EXPECT_LT(d.update_rel, 1e-4) << what << " step " << step;
     }
     if (me == 0)
-      std::printf("[zero] %s %s step %d: grad norm %.6g (reference %.6g), update rel err %.3g, max |diff| %.3g\n",
-                  preset.c_str(), head == Head::kLm ? "lm" : "value", step, r.grad_norm, ref_norm, d.update_rel,
-                  d.max_abs);
+      std::printf("[zero] %s %s step %d: grad norm %.6g (reference %.6g), update rel err %.3g, max |diff| %.3g, "
+                  "outputs rel err %.3g\n",
+                  what.c_str(), head == Head::kLm ? "lm" : "value", step, r.grad_norm, ref_norm, d.update_rel,
+                  d.max_abs, worst_out);
   }
   EXPECT_TRUE(clipped) << "no step clipped: the test does not cover clipping";
   EXPECT_EQ(m.steps(), 3);
@@ -232,6 +281,24 @@ void expect_sharded_equals_unsharded(const std::string& preset, Head head) {
 TEST(Zero, ShardedTrainingEqualsUnshardedTiedLm) { expect_sharded_equals_unsharded("tiny-qwen2", Head::kLm); }
 TEST(Zero, ShardedTrainingEqualsUnshardedUntiedLm) { expect_sharded_equals_unsharded("tiny-qwen3", Head::kLm); }
 TEST(Zero, ShardedTrainingEqualsUnshardedValueHead) { expect_sharded_equals_unsharded("tiny-llama", Head::kValue); }
+
+// Sequence parallelism: S = 2 and 4 against the unsharded reference (which S = 1 equals, above).
+// Micro-batches of 0-36 tokens in 1-3 sequences: shorter than S, divisible by S and not.
+class SequenceParallel : public ::testing::TestWithParam<int> {};
+TEST_P(SequenceParallel, LlamaLogProbsEntropyAndTrainingEqualNoSp) {
+  expect_sharded_equals_unsharded("tiny-llama", Head::kLm, GetParam());
+}
+TEST_P(SequenceParallel, Qwen2BiasTiedHeadEqualsNoSp) {
+  expect_sharded_equals_unsharded("tiny-qwen2", Head::kLm, GetParam());
+}
+TEST_P(SequenceParallel, MistralSlidingWindowOneKvHeadEqualsNoSp) {
+  expect_sharded_equals_unsharded("tiny-mistral", Head::kLm, GetParam(), /*window=*/4);
+}
+TEST_P(SequenceParallel, ValueHeadEqualsNoSp) {
+  expect_sharded_equals_unsharded("tiny-llama", Head::kValue, GetParam());
+}
+INSTANTIATE_TEST_SUITE_P(Zero, SequenceParallel, ::testing::Values(2, 4),
+                         [](const ::testing::TestParamInfo<int>& i) { return "sp" + std::to_string(i.param); });
 
 TEST(Zero, MemoryPerRankIsOneNth) {
   const ModelConfig cfg = config("tiny-llama");

@@ -93,6 +93,7 @@ struct RoleConfig {
   bool gradient_checkpointing = true;
   bool replicate = false;       // frozen roles only: replicate instead of ZeRO-3 sharding
   bool offload = false;         // hybrid: masters, gradients, moments in pinned host memory while engines generate
+  std::int64_t sequence_parallel = 1;  // ranks that share each micro-batch's tokens (Ulysses); divides gpus
 };
 
 struct RolesConfig {
@@ -266,8 +267,11 @@ struct JobConfig {
   // Cross-key checks that no single key's range can express (e.g. ref colocated with itself).
   void validate() const;
   void validate_hybrid() const;  // the cluster.hybrid and roles.*.offload rules (part of validate)
+  void validate_sequence_parallel() const;  // roles.*.sequence_parallel against gpus and colocation (part of validate)
   // The engines the job runs: engines.count, or with cluster.hybrid one per engines.tp actor GPUs.
   std::int64_t engine_count() const;
+  // Role `role`'s sequence-parallel size: its own, or its host's when colocated.
+  std::int64_t sequence_parallel(std::string_view role) const;
 };
 
 // Loads `path`, then applies `overrides` ("a.b=c", values in YAML syntax) in order, then validates.

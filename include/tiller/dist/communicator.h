@@ -77,6 +77,10 @@ class Communicator {
   virtual WorkPtr all_gather(const at::Tensor& input, const at::Tensor& output) = 0;
   // output (numel == input.numel() / size()) = reduction over ranks of this rank's chunk of input.
   virtual WorkPtr reduce_scatter(const at::Tensor& input, const at::Tensor& output, ReduceOp op = ReduceOp::kSum) = 0;
+  // input and output (contiguous, same numel, a multiple of size()) are size() equal chunks:
+  // chunk j of input goes to rank j, chunk i of output comes from rank i. Its own inverse (the
+  // sequence-parallel attention's exchange of tokens for heads).
+  virtual WorkPtr all_to_all(const at::Tensor& input, const at::Tensor& output) = 0;
   // In place: tensor = reduction of every rank's tensor.
   virtual WorkPtr all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum) = 0;
   // In place: tensor = root's tensor.

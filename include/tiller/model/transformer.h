@@ -90,6 +90,12 @@ struct BlockContext {
   VarlenSpec attn;
   AttentionBackend backend = AttentionBackend::kAuto;
   KvCache* cache = nullptr;  // when set, new K/V go into it and attention covers it
+  // Sequence parallelism (zero/sequence_parallel.h): q, k, v hold this rank's rows only, and this
+  // returns the attention of those rows over the whole packed row that `attn` describes. Unset:
+  // varlen_attention. Not with a cache.
+  std::function<at::Tensor(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const VarlenSpec& spec,
+                           double scale, AttentionBackend backend)>
+      attention;
   // Tensor parallelism: o_proj and down_proj then hold a slice of their input features, so their
   // outputs are partial sums that this sums over the group, in place, before the residual add.
   std::function<void(at::Tensor&)> reduce_partial_sums;

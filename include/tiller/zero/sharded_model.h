@@ -37,6 +37,7 @@
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
 #include "tiller/zero/optimizer.h"
+#include "tiller/zero/sequence_parallel.h"
 
 namespace tiller {
 struct RoleConfig;
@@ -106,6 +107,18 @@ class ShardedModel {
                             at::Tensor* entropy = nullptr);
   // Value-head outputs, fp32 [T] (Head::kValue). Collective.
   at::Tensor values(const model::PackedBatch& batch);
+
+  // Sequence parallelism (sequence_parallel.h): `group` is this rank's sequence group, S
+  // consecutive ranks of the model's communicator that share each micro-batch from now on.
+  // ConfigError when the model's heads do not allow S. Not collective; `group` must outlive the model.
+  void set_sequence_group(dist::Communicator& group);
+  int sequence_parallel() const;  // S (1 without a group)
+  // token_logprobs / values of this rank's rows of a packed row ([n] for the slice's n rows;
+  // `targets` [n]: each row's next token). With S = 1 the slice is the whole row. Collective over
+  // the model's communicator and the sequence group.
+  at::Tensor token_logprobs(const SequenceSlice& slice, const at::Tensor& targets, double temperature = 1.0,
+                            at::Tensor* entropy = nullptr);
+  at::Tensor values(const SequenceSlice& slice);
 
   // Waits for every gradient, clips by the global norm (one all-reduce), runs AdamW with `lr`,
   // refreshes the compute shards and zeroes the gradients. Collective.

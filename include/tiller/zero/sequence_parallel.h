@@ -1,0 +1,89 @@
+// Sequence parallelism: S ranks of a role share each packed micro-batch, each holding 1/S of its
+// tokens (roles.<r>.sequence_parallel; docs/zero.md says why Ulysses).
+//
+// The split. A packed row of T tokens (whole sequences back to back) is cut into S contiguous
+// slices of c = ceil(T / S) rows: rank j of the sequence group holds rows [j c, min(T, (j+1) c)).
+// A slice may start or end inside a sequence, and the last slices may be short or empty (T < S);
+// every rank computes on c rows, the missing ones padded. The controller cuts the row (the
+// SequenceSplit rule here is the one both sides use), so a rank receives only its own rows.
+//
+// The compute. Everything in a transformer but attention works row by row, so each rank runs the
+// embedding, the projections, the MLPs, the norms and the heads on its own rows only. Attention
+// (Ulysses): one all-to-all turns [c rows, all heads] into [S c rows, H / S heads], each rank runs
+// ordinary varlen attention over the whole row for its heads (GQA, sliding windows and mixed
+// lengths need nothing special), and a second all-to-all turns the result back. The all-to-all is
+// its own inverse, so the backward is two more of them, and log-probs, entropies, values, losses
+// and gradients are those of S = 1: per-row losses summed over the group's ranks are the S = 1 sum,
+// and ZeRO-3's reduce-scatter over the role's ranks adds up the gradients as before.
+//
+// Heads: S must divide the attention heads. KV heads are split when S divides them; when they are
+// fewer, S must be a multiple of their count and each rank gets (a copy of) the one KV head its
+// query heads use; backward sums the copies' gradients.
+//
+// Collective contract: every rank of the sequence group calls each forward and backward with its
+// own slice of the same row (same seq_lens), in the same order.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "tiller/model/model_config.h"
+#include "tiller/model/transformer.h"
+
+namespace tiller::dist {
+class Communicator;
+}
+
+namespace tiller::zero {
+
+// Which rows of a packed row of `rows` tokens rank j of `parts` holds.
+struct SequenceSplit {
+  int64_t rows = 0;
+  int parts = 1;
+  int64_t chunk() const { return std::max<int64_t>(1, (rows + parts - 1) / parts); }  // rows each rank computes
+  int64_t begin(int j) const { return std::min(rows, j * chunk()); }
+  int64_t size(int j) const { return std::min(rows, begin(j) + chunk()) - begin(j); }
+};
+
+// One rank's rows of a packed micro-batch.
+struct SequenceSlice {
+  at::Tensor tokens;               // int64 [n]: rows [first_row, first_row + n) of the packed row
+  int64_t first_row = 0;
+  std::vector<int64_t> seq_lens;   // every sequence of the packed row (positions restart at 0 in each)
+
+  int64_t rows() const;  // T: the sum of seq_lens
+  // Rank j of `parts`' slice of `whole` (tests and benchmarks; the controller cuts its own).
+  static SequenceSlice of(const model::PackedBatch& whole, int parts, int j);
+};
+
+// ConfigError naming `key` unless a model with `cfg`'s heads can run sequence-parallel over `s`
+// ranks (s >= 1).
+void check_sequence_parallel(const model::ModelConfig& cfg, int s, const std::string& key);
+
+// What a forward over a slice needs: the rank's c rows of tokens (padded), the block context whose
+// attention covers the whole row (through the group when it has more than one rank), and how many
+// of the c rows are real. `group` may be null for S = 1 (then the slice must be the whole row).
+struct SliceInput {
+  at::Tensor tokens;  // int64 [c] on the device
+  model::BlockContext ctx;
+  int64_t rows = 0;   // real rows: outputs are narrowed to them
+  int64_t padded = 0;  // c
+};
+SliceInput prepare_slice(const model::Rope& rope, const SequenceSlice& slice,
+                         dist::Communicator* group, at::ScalarType dtype, at::Device device,
+                         model::AttentionBackend backend);
+
+// Ulysses attention of this rank's rows: q [c, H, d], k and v [c, Hk, d] -> [c, H, d], over the
+// whole row that `spec` describes (S c rows). Differentiable. Collective over `group`.
+at::Tensor ulysses_attention(dist::Communicator& group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const model::VarlenSpec& spec, double scale, model::AttentionBackend backend);
+
+// out = the all-to-all of x over `group` (communicator.h): x's first dimension is the group's
+// size. Differentiable (its backward is the same exchange). Collective.
+at::Tensor all_to_all(dist::Communicator& group, const at::Tensor& x);
+
+}  // namespace tiller::zero

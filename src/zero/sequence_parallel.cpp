@@ -1,0 +1,147 @@
+#include "tiller/zero/sequence_parallel.h"
+
+#include <numeric>
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include "tiller/core/error.h"
+#include "tiller/dist/communicator.h"
+
+namespace tiller::zero {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+int64_t SequenceSlice::rows() const { return std::accumulate(seq_lens.begin(), seq_lens.end(), int64_t{0}); }
+
+SequenceSlice SequenceSlice::of(const model::PackedBatch& whole, int parts, int j) {
+  const SequenceSplit split{whole.num_tokens(), parts};
+  SequenceSlice s;
+  s.first_row = split.begin(j);
+  s.tokens = whole.tokens.narrow(0, s.first_row, split.size(j));
+  s.seq_lens = whole.seq_lens;
+  return s;
+}
+
+void check_sequence_parallel(const model::ModelConfig& cfg, int s, const std::string& key) {
+  if (s < 1) throw ConfigError(fmt::format("{} = {}: must be at least 1", key, s));
+  if (s == 1) return;
+  if (cfg.num_heads % s != 0)
+    throw ConfigError(fmt::format("{} = {}: the model has {} attention heads, which {} ranks cannot split evenly "
+                                  "(Ulysses gives each rank heads / S); use a divisor of {}",
+                                  key, s, cfg.num_heads, s, cfg.num_heads));
+  if (cfg.num_kv_heads % s != 0 && s % cfg.num_kv_heads != 0)
+    throw ConfigError(fmt::format("{} = {}: the model has {} KV heads; S must divide them or be a multiple of them",
+                                  key, s, cfg.num_kv_heads));
+}
+
+namespace {
+
+at::Tensor exchange(dist::Communicator& group, const at::Tensor& x) {
+  const at::Tensor in = x.contiguous();
+  at::Tensor out = at::empty_like(in);
+  group.all_to_all(in, out)->wait_on_stream();
+  return out;
+}
+
+struct AllToAll : public torch::autograd::Function<AllToAll> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, dist::Communicator* group) {
+    ctx->saved_data["group"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(group));
+    return exchange(*group, x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* group = reinterpret_cast<dist::Communicator*>(static_cast<intptr_t>(ctx->saved_data["group"].toInt()));
+    return {exchange(*group, grads[0]), at::Tensor()};
+  }
+};
+
+// The KV heads that rank g's query heads use, for every g in turn: [S * per_rank] indices.
+at::Tensor kv_head_index(int64_t heads, int64_t kv_heads, int s, at::Device device) {
+  std::vector<int64_t> idx;
+  const int64_t q_per_rank = heads / s, group = heads / kv_heads;
+  const int64_t per_rank = kv_heads % s == 0 ? kv_heads / s : 1;
+  for (int g = 0; g < s; ++g) {
+    const int64_t first = g * q_per_rank / group;
+    for (int64_t i = 0; i < per_rank; ++i) idx.push_back(first + i);
+  }
+  return at::tensor(idx, at::kLong).to(device);
+}
+
+}  // namespace
+
+at::Tensor all_to_all(dist::Communicator& group, const at::Tensor& x) {
+  TILLER_CHECK(x.dim() >= 1 && x.size(0) == group.size(), "all_to_all: the first dimension ({}) must be the group's "
+               "size ({})", x.dim() ? x.size(0) : 0, group.size());
+  return AllToAll::apply(x, &group);
+}
+
+at::Tensor ulysses_attention(dist::Communicator& group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const model::VarlenSpec& spec, double scale, model::AttentionBackend backend) {
+  const int s = group.size();
+  const int64_t c = q.size(0), heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
+  TILLER_CHECK(heads % s == 0 && (kv_heads % s == 0 || s % kv_heads == 0),
+               "sequence parallel over {} ranks with {} heads and {} KV heads", s, heads, kv_heads);
+  const int64_t hq = heads / s, hk = kv_heads % s == 0 ? kv_heads / s : 1;
+  at::Tensor kv_idx = kv_head_index(heads, kv_heads, s, q.device());
+  // [c, S, hq + 2 hk, d]: rank g's heads side by side, then rank-major for the exchange.
+  at::Tensor send = at::cat({q.reshape({c, s, hq, d}), k.index_select(1, kv_idx).view({c, s, hk, d}),
+                             v.index_select(1, kv_idx).view({c, s, hk, d})},
+                            2)
+                        .transpose(0, 1);
+  // [S (source rank), c, hq + 2 hk, d] = the whole row's rows, in order, for this rank's heads.
+  at::Tensor recv = all_to_all(group, send).view({s * c, hq + 2 * hk, d});
+  at::Tensor out = model::varlen_attention(recv.narrow(1, 0, hq), recv.narrow(1, hq, hk), recv.narrow(1, hq + hk, hk),
+                                           spec, scale, backend);  // [S c, hq, d]
+  // Rows i c .. (i+1) c back to rank i: [S (head group), c, hq, d] -> [c, H, d].
+  return all_to_all(group, out.view({s, c, hq, d})).transpose(0, 1).reshape({c, heads, d});
+}
+
+SliceInput prepare_slice(const model::Rope& rope, const SequenceSlice& slice,
+                         dist::Communicator* group, at::ScalarType dtype, at::Device device,
+                         model::AttentionBackend backend) {
+  const int s = group ? group->size() : 1;
+  const int j = group ? group->rank() : 0;
+  const SequenceSplit split{slice.rows(), s};
+  const int64_t n = slice.tokens.defined() ? slice.tokens.numel() : 0;
+  TILLER_CHECK(slice.first_row == split.begin(j) && n == split.size(j),
+               "sequence-parallel rank {} of {}: holds rows [{}, {}) of a row of {}, expected [{}, {})", j, s,
+               slice.first_row, slice.first_row + n, split.rows, split.begin(j), split.begin(j) + split.size(j));
+  SliceInput in;
+  in.rows = n;
+  in.padded = s == 1 ? n : split.chunk();
+  // The whole row's positions and sequences, with the padding as one more sequence at the end.
+  std::vector<int64_t> lens = slice.seq_lens;
+  const int64_t pad = s * in.padded - split.rows;
+  if (pad > 0) lens.push_back(pad);
+  std::vector<int64_t> positions;
+  std::vector<int32_t> cu{0};
+  positions.reserve(static_cast<size_t>(split.rows + pad));
+  for (int64_t len : lens) {
+    for (int64_t t = 0; t < len; ++t) positions.push_back(t);
+    TILLER_CHECK(cu.back() + len < (int64_t{1} << 31), "a packed row holds at most 2^31 tokens");
+    cu.push_back(static_cast<int32_t>(cu.back() + len));
+  }
+  const at::Tensor pos = at::tensor(positions, at::kLong).to(device);
+  const at::Tensor cu_t = at::tensor(cu, at::kInt).to(device);
+  auto [cos, sin] = rope.tables(pos, dtype, lens);
+  const int64_t first = s == 1 ? 0 : j * in.padded;
+  in.ctx.cos = cos.narrow(0, first, in.padded);
+  in.ctx.sin = sin.narrow(0, first, in.padded);
+  in.ctx.backend = backend;
+  in.ctx.attn = model::VarlenSpec::self(cu_t, lens);
+  if (s > 1) {
+    in.ctx.attention = [group](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const model::VarlenSpec& spec, double scale, model::AttentionBackend b) {
+      return ulysses_attention(*group, q, k, v, spec, scale, b);
+    };
+  }
+  at::Tensor tokens = n > 0 ? slice.tokens.to(device, at::kLong) : at::empty({0}, at::TensorOptions(at::kLong).device(device));
+  if (in.padded > n) tokens = at::cat({tokens, at::zeros({in.padded - n}, tokens.options())});
+  in.tokens = tokens;
+  return in;
+}
+
+}  // namespace tiller::zero
