@@ -143,9 +143,13 @@ std::string RankPlan::table() const {
   out += "\ngroups:\n";
   out += fmt::format("  controller  rank {}\n", controller);
   for (const auto& g : groups) {
-    out += fmt::format("  {:<10}  ranks {} ({} rank{}){}\n", role_name(g.role), join_ints(g.ranks), g.ranks.size(),
+    out += fmt::format("  {:<10}  ranks {} ({} rank{}){}{}\n", role_name(g.role), join_ints(g.ranks), g.ranks.size(),
                        g.ranks.size() == 1 ? "" : "s",
-                       g.colocated_with.empty() ? std::string() : fmt::format(", colocated with {}", g.colocated_with));
+                       g.colocated_with.empty() ? std::string() : fmt::format(", colocated with {}", g.colocated_with),
+                       g.sequence_parallel > 1
+                           ? fmt::format(", sequence parallel {} ({} groups of consecutive ranks)", g.sequence_parallel,
+                                         g.ranks.size() / static_cast<size_t>(g.sequence_parallel))
+                           : std::string());
   }
   for (const auto& e : engines) {
     out += fmt::format("  engine {:<3}  ranks {} on node {} (TP {}){}\n", e.index, join_ints(e.ranks), e.node,
@@ -292,6 +296,7 @@ RankPlan make_rank_plan(const JobConfig& config, const NodeMap& nodes) {
     g.role = r.role;
     g.ranks.assign(left.begin() + next, left.begin() + next + r.cfg->gpus);
     next += r.cfg->gpus;
+    g.sequence_parallel = static_cast<int>(r.cfg->sequence_parallel);
     for (int rank : g.ranks) plan.ranks[rank].trainer_roles.add(r.role);
     plan.groups.push_back(std::move(g));
   }
@@ -300,7 +305,7 @@ RankPlan make_rank_plan(const JobConfig& config, const NodeMap& nodes) {
     if (!r.cfg->enabled || r.cfg->colocate_with.empty()) continue;
     const RoleGroup* host = plan.group(r.cfg->colocate_with);
     TILLER_CHECK(host != nullptr, "rank plan: {} colocated with missing role {}", r.name, r.cfg->colocate_with);
-    RoleGroup g{r.role, host->ranks, r.cfg->colocate_with};
+    RoleGroup g{r.role, host->ranks, r.cfg->colocate_with, host->sequence_parallel};
     for (int rank : g.ranks) plan.ranks[rank].trainer_roles.add(r.role);
     plan.groups.push_back(std::move(g));
   }

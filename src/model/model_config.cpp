@@ -169,6 +169,13 @@ int64_t context_limit(const ModelConfig& cfg) {
   return std::max(cfg.max_position_embeddings, static_cast<int64_t>(scaled));
 }
 
+double attention_cost_tokens(const ModelConfig& c) {
+  const double h = static_cast<double>(c.hidden_size);
+  const double per_layer = h * static_cast<double>(c.q_size()) * 2 + h * static_cast<double>(c.kv_size()) * 2 +
+                           3 * h * static_cast<double>(c.intermediate_size);
+  return per_layer / static_cast<double>(std::max<int64_t>(1, c.q_size()));
+}
+
 ModelConfig load_model_config(const std::string& dir_or_file) {
   std::string path = dir_or_file;
   if (path.size() < 5 || path.compare(path.size() - 5, 5, ".json") != 0) path += "/config.json";

@@ -131,8 +131,9 @@ struct Controller::Impl {
     collect_cfg.clock = w.clock;
     adv_spec = AdvantageSpec::from_job(cfg, have_ref);
     off_policy_spec = OffPolicySpec::from_job(cfg);
-    training = std::make_unique<TrainingDispatch>(TrainingConfig::from_job(cfg, have_ref), link, actor_group,
-                                                  critic_group);
+    TrainingConfig train_cfg = TrainingConfig::from_job(cfg, have_ref);
+    train_cfg.attention_tokens = w.attention_tokens;
+    training = std::make_unique<TrainingDispatch>(train_cfg, link, actor_group, critic_group);
     std::vector<std::string> labels;
     for (const auto& a : plan.ranks) labels.push_back(a.label());
     const std::string out = cfg.run.output_dir;
@@ -601,6 +602,7 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   w.sync_plan = sync::job_bucket_plan(cfg, mc, static_cast<int>(actor->ranks.size())).to_json();
   w.require_resume = opts.require_resume;
   w.stop_token_ids = model::eos_token_ids(actor_dir, mc, *tokenizer);
+  w.attention_tokens = model::attention_cost_tokens(mc);
   Controller controller(cfg, w);
   return controller.run();
 }

@@ -43,6 +43,7 @@ struct ControllerWiring {
   PromptDataset* dataset = nullptr;  // its cursor goes into checkpoints (null: a synthetic source)
   RewardSources rewards;
   std::vector<int64_t> stop_token_ids;  // end a sample (the tokenizer's EOS ids)
+  double attention_tokens = 0;          // the actor model's model::attention_cost_tokens (0: balance by tokens)
   std::string sync_plan;             // the bucket plan installed on the engines ("" : none)
   bool require_resume = false;       // --resume: a checkpoint must exist
   bool print_summary = true;         // the summary line on stdout at the end

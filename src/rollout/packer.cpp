@@ -7,52 +7,60 @@
 
 namespace tiller::rollout {
 
-std::vector<std::vector<int64_t>> balance(const std::vector<int64_t>& samples, const std::vector<int64_t>& tokens,
-                                          int parts) {
-  TILLER_CHECK(parts >= 1, "balance: {} parts", parts);
-  std::vector<int64_t> order = samples;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return tokens.at(static_cast<size_t>(a)) > tokens.at(static_cast<size_t>(b)); });
-  std::vector<std::vector<int64_t>> out(static_cast<size_t>(parts));
-  std::vector<int64_t> load(static_cast<size_t>(parts), 0);
-  for (int64_t s : order) {
-    const size_t k = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-    out[k].push_back(s);
-    load[k] += tokens[static_cast<size_t>(s)];
-  }
-  for (auto& part : out) std::sort(part.begin(), part.end());
-  return out;
-}
-
-std::vector<std::vector<int64_t>> pack(const std::vector<int64_t>& samples, const std::vector<int64_t>& tokens,
-                                       int64_t budget) {
-  TILLER_CHECK(budget >= 1, "pack: budget {}", budget);
-  std::vector<std::vector<int64_t>> out;
-  int64_t used = 0;
-  for (int64_t s : samples) {
-    const int64_t n = tokens.at(static_cast<size_t>(s));
-    if (out.empty() || (used + n > budget && !out.back().empty())) {
-      out.emplace_back();
-      used = 0;
-    }
-    out.back().push_back(s);
-    used += n;
-  }
-  return out;
+double sample_cost(int64_t tokens, double attention_tokens) {
+  const auto n = static_cast<double>(tokens);
+  return attention_tokens > 0 ? n + n * n / attention_tokens : n;
 }
 
 std::vector<Round> plan_rounds(const std::vector<int64_t>& samples, const std::vector<int64_t>& tokens, int ranks,
-                               int64_t budget) {
-  std::vector<std::vector<std::vector<int64_t>>> per_rank;
-  size_t rounds = 0;
-  for (const auto& share : balance(samples, tokens, ranks)) {
-    per_rank.push_back(pack(share, tokens, budget));
-    rounds = std::max(rounds, per_rank.back().size());
+                               int64_t budget, double attention_tokens) {
+  TILLER_CHECK(ranks >= 1 && budget >= 1, "plan_rounds: {} ranks, budget {}", ranks, budget);
+  auto len = [&](int64_t s) { return tokens.at(static_cast<size_t>(s)); };
+  // Costliest first (ties: by id, so the plan is a function of its inputs).
+  std::vector<int64_t> order = samples;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len(a) > len(b); });
+  // The fewest rounds: first-fit decreasing counts the micro-batches the budget needs.
+  std::vector<int64_t> bins;
+  for (int64_t s : order) {
+    auto it = std::find_if(bins.begin(), bins.end(), [&](int64_t used) { return used + len(s) <= budget; });
+    if (it == bins.end()) bins.push_back(len(s));
+    else *it += len(s);
   }
-  rounds = std::max<size_t>(rounds, 1);  // a step with no samples still runs one (empty) round
+  size_t rounds = std::max<size_t>(1, (bins.size() + static_cast<size_t>(ranks) - 1) / static_cast<size_t>(ranks));
+  struct Slot {
+    std::vector<int64_t> ids;
+    int64_t tokens = 0;
+    double cost = 0;
+  };
+  std::vector<Slot> slots;
+  for (;;) {
+    // Longest processing time first over every slot of every round, within the budget.
+    slots.assign(rounds * static_cast<size_t>(ranks), Slot{});
+    bool fits = true;
+    for (int64_t s : order) {
+      Slot* best = nullptr;
+      for (auto& slot : slots)
+        if ((slot.ids.empty() || slot.tokens + len(s) <= budget) && (!best || slot.cost < best->cost)) best = &slot;
+      if (!best) {
+        fits = false;
+        break;
+      }
+      best->ids.push_back(s);
+      best->tokens += len(s);
+      best->cost += sample_cost(len(s), attention_tokens);
+    }
+    if (fits) break;
+    ++rounds;  // first-fit found room that the cost order did not: one more round
+  }
+  // Rounds of similar micro-batches: a round's time is its slowest rank's.
+  std::stable_sort(slots.begin(), slots.end(), [](const Slot& a, const Slot& b) { return a.cost > b.cost; });
   std::vector<Round> out(rounds, Round(static_cast<size_t>(ranks)));
-  for (size_t k = 0; k < per_rank.size(); ++k)
-    for (size_t r = 0; r < per_rank[k].size(); ++r) out[r][k] = per_rank[k][r];
+  for (size_t i = 0; i < slots.size(); ++i) {
+    std::sort(slots[i].ids.begin(), slots[i].ids.end());
+    out[i / static_cast<size_t>(ranks)][i % static_cast<size_t>(ranks)] = std::move(slots[i].ids);
+  }
+  while (out.size() > 1 && std::all_of(out.back().begin(), out.back().end(), [](const auto& m) { return m.empty(); }))
+    out.pop_back();
   return out;
 }
 

@@ -1,11 +1,13 @@
 #include "rollout/protocol.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
 #include "tiller/core/error.h"
+#include "tiller/zero/sequence_parallel.h"
 
 namespace tiller::rollout {
 namespace {
@@ -127,9 +129,11 @@ void encode_batch(const PackedSequences& b, Frame& f) {
   f.tensors.push_back(host(b.tokens, at::kLong));
   f.tensors.push_back(host(b.seq_lens, at::kLong));
   f.tensors.push_back(host(b.prompt_lens, at::kLong));
+  f.tensors.push_back(at::tensor(std::vector<int64_t>{b.first_row, b.next_token}, at::kLong));
 }
 
-// The first three tensors of `f`, checked: lengths add up, prompts inside their sequences.
+// The first four tensors of `f`, checked: lengths add up, prompts inside their sequences, the
+// held rows inside the row.
 PackedSequences decode_batch(const Frame& f) {
   PackedSequences b;
   b.seq_lens = tensor(f, 1, at::kLong, -1, "seq_lens");
@@ -142,7 +146,13 @@ PackedSequences decode_batch(const Frame& f) {
       malformed(f.op, fmt::format("sample {}: prompt of {} tokens in a sequence of {}", i, pl[i], sl[i]));
     total += sl[i];
   }
-  b.tokens = tensor(f, 0, at::kLong, total, "tokens");
+  const at::Tensor& window = tensor(f, 3, at::kLong, 2, "slice window");
+  b.first_row = window.data_ptr<int64_t>()[0];
+  b.next_token = window.data_ptr<int64_t>()[1];
+  b.tokens = tensor(f, 0, at::kLong, -1, "tokens");
+  if (b.first_row < 0 || b.first_row > total || b.tokens.numel() > total - b.first_row)
+    malformed(f.op, fmt::format("rows [{}, {}) of a packed row of {}", b.first_row, b.first_row + b.tokens.numel(),
+                                total));
   return b;
 }
 
@@ -249,13 +259,73 @@ Frame IncomingFrame::take() {
 
 // --- messages ---
 
-int64_t PackedSequences::response_tokens() const {
-  if (!seq_lens.defined()) return 0;
-  const int64_t* sl = seq_lens.data_ptr<int64_t>();
-  const int64_t* pl = prompt_lens.data_ptr<int64_t>();
+namespace {
+
+// Calls f(response_begin, response_end, last_row) for each sequence of `b`, in rows of the whole
+// packed row.
+template <typename F>
+void for_each_sequence(const PackedSequences& b, F&& f) {
+  if (!b.seq_lens.defined()) return;
+  const int64_t* sl = b.seq_lens.data_ptr<int64_t>();
+  const int64_t* pl = b.prompt_lens.data_ptr<int64_t>();
+  int64_t off = 0;
+  for (int64_t i = 0; i < b.seq_lens.numel(); ++i) {
+    f(off + pl[i] - 1, off + sl[i] - 1, off + sl[i] - 1);
+    off += sl[i];
+  }
+}
+
+int64_t overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) { return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0)); }
+
+}  // namespace
+
+int64_t PackedSequences::rows() const {
   int64_t n = 0;
-  for (int64_t i = 0; i < seq_lens.numel(); ++i) n += sl[i] - pl[i];
+  for_each_sequence(*this, [&](int64_t, int64_t, int64_t last) { n = last + 1; });
   return n;
+}
+
+int64_t PackedSequences::response_tokens() const {
+  int64_t n = 0;
+  const int64_t a = first_row, b = first_row + held();
+  for_each_sequence(*this, [&](int64_t r0, int64_t r1, int64_t) { n += overlap(r0, r1, a, b); });
+  return n;
+}
+
+int64_t PackedSequences::response_before() const {
+  int64_t n = 0;
+  for_each_sequence(*this, [&](int64_t r0, int64_t r1, int64_t) { n += overlap(r0, r1, 0, first_row); });
+  return n;
+}
+
+int64_t PackedSequences::ends() const {
+  int64_t n = 0;
+  for_each_sequence(*this, [&](int64_t, int64_t, int64_t last) { n += last >= first_row && last < first_row + held(); });
+  return n;
+}
+
+int64_t PackedSequences::ends_before() const {
+  int64_t n = 0;
+  for_each_sequence(*this, [&](int64_t, int64_t, int64_t last) { n += last < first_row; });
+  return n;
+}
+
+std::vector<PackedSequences> PackedSequences::cut(int parts) const {
+  TILLER_CHECK(whole(), "cutting a packed row that is itself a slice");
+  if (parts == 1) return {*this};
+  const zero::SequenceSplit split{rows(), parts};
+  std::vector<PackedSequences> out;
+  for (int j = 0; j < parts; ++j) {
+    PackedSequences s;
+    s.seq_lens = seq_lens;
+    s.prompt_lens = prompt_lens;
+    s.first_row = split.begin(j);
+    const int64_t end = s.first_row + split.size(j);
+    s.tokens = tokens.narrow(0, s.first_row, split.size(j));
+    s.next_token = end < split.rows ? tokens.data_ptr<int64_t>()[end] : 0;
+    out.push_back(std::move(s));
+  }
+  return out;
 }
 
 Frame ScoreRequest::encode() const {
@@ -267,7 +337,7 @@ Frame ScoreRequest::encode() const {
 }
 
 ScoreRequest ScoreRequest::decode(Frame f) {
-  expect(f, Op::kScore, 3, 1);
+  expect(f, Op::kScore, 4, 1);
   ScoreRequest r;
   r.batch = decode_batch(f);
   r.temperature = f.scalars[0];
@@ -299,7 +369,7 @@ ScoreReply ScoreReply::decode(Frame f, const PackedSequences& request) {
                    (r.roles.has(Role::kRef) ? 1 : 0) + (r.roles.has(Role::kReward) ? 1 : 0);
   expect(f, Op::kScoreReply, n, 1 + kRoleCount);
   for (int i = 0; i < kRoleCount; ++i) r.seconds[static_cast<size_t>(i)] = f.scalars[1 + static_cast<size_t>(i)];
-  const int64_t tokens = request.response_tokens(), samples = request.size();
+  const int64_t tokens = request.response_tokens(), samples = request.ends();
   size_t i = 0;
   r.actor_logp = optional_floats(f, i, r.roles.has(Role::kActor), tokens, "actor log-probs");
   r.actor_entropy = optional_floats(f, i, r.roles.has(Role::kActor), tokens, "actor entropy");
@@ -324,11 +394,11 @@ Frame TrainActorRequest::encode() const {
 TrainActorRequest TrainActorRequest::decode(Frame f) {
   if (f.scalars.size() != 4) malformed(Op::kTrainActor, fmt::format("{} scalars, expected 4", f.scalars.size()));
   const bool ref = f.scalars[2] != 0, weights = f.scalars[3] != 0;
-  expect(f, Op::kTrainActor, 5 + (ref ? 1 : 0) + (weights ? 1 : 0), 4);
+  expect(f, Op::kTrainActor, 6 + (ref ? 1 : 0) + (weights ? 1 : 0), 4);
   TrainActorRequest r;
   r.batch = decode_batch(f);
   const int64_t n = r.batch.response_tokens();
-  size_t i = 3;
+  size_t i = 4;
   r.old_logp = tensor(f, i++, at::kFloat, n, "old log-probs");
   r.advantages = tensor(f, i++, at::kFloat, n, "advantages");
   r.ref_logp = optional_floats(f, i, ref, n, "reference log-probs");
@@ -350,12 +420,12 @@ Frame TrainCriticRequest::encode() const {
 }
 
 TrainCriticRequest TrainCriticRequest::decode(Frame f) {
-  expect(f, Op::kTrainCritic, 5, 1);
+  expect(f, Op::kTrainCritic, 6, 1);
   TrainCriticRequest r;
   r.batch = decode_batch(f);
   const int64_t n = r.batch.response_tokens();
-  r.old_values = tensor(f, 3, at::kFloat, n, "old values");
-  r.returns = tensor(f, 4, at::kFloat, n, "returns");
+  r.old_values = tensor(f, 4, at::kFloat, n, "old values");
+  r.returns = tensor(f, 5, at::kFloat, n, "returns");
   r.normalizer = f.scalars[0];
   if (!(r.normalizer > 0)) malformed(f.op, fmt::format("normalizer {}", r.normalizer));
   return r;

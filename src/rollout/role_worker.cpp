@@ -61,36 +61,38 @@ std::string role_model_dir(const JobConfig& cfg, Role role) {
   return cfg.roles.actor.model;
 }
 
-// One micro-batch as the model takes it.
+// One micro-batch (or, under sequence parallelism, this rank's slice of one) as the model takes it.
 struct MicroBatch {
-  model::PackedBatch batch;
-  at::Tensor targets;    // [T]: the next token of each position (0 at a sequence's end)
-  at::Tensor resp_rows;  // [R]: the rows whose next token is a response token
-  at::Tensor last_rows;  // [B]: each sequence's last row
-  int64_t samples = 0;
+  zero::SequenceSlice slice;
+  at::Tensor targets;    // [n]: each held row's next token (0 at a sequence's end)
+  at::Tensor resp_rows;  // [R]: the held rows whose next token is a response token
+  at::Tensor last_rows;  // the held rows that end a sequence
 };
 
-// The request's sequences as the model takes them (protocol.h has checked their lengths).
+// The request's rows as the model takes them (protocol.h has checked the lengths).
 MicroBatch micro_batch(const PackedSequences& m, at::Device dev) {
-  const int64_t b = m.size();
+  const int64_t b = m.size(), first = m.first_row, n = m.held();
   const int64_t* tp = m.tokens.data_ptr<int64_t>();
   const int64_t* sl = m.seq_lens.data_ptr<int64_t>();
   const int64_t* pl = m.prompt_lens.data_ptr<int64_t>();
-  std::vector<std::vector<int64_t>> seqs;
-  std::vector<int64_t> targets, rows, last;
+  // Token of row r of the packed row, for r in [first, first + n]: the row after the slice is next_token.
+  auto token = [&](int64_t r) { return r < first + n ? tp[r - first] : m.next_token; };
+  std::vector<int64_t> targets(static_cast<size_t>(n), 0), rows, last;
+  MicroBatch mb;
   int64_t off = 0;
   for (int64_t i = 0; i < b; ++i) {
-    seqs.emplace_back(tp + off, tp + off + sl[i]);
-    for (int64_t t = 0; t < sl[i]; ++t) targets.push_back(t + 1 < sl[i] ? tp[off + t + 1] : 0);
-    for (int64_t t = pl[i] - 1; t < sl[i] - 1; ++t) rows.push_back(off + t);
-    last.push_back(off + sl[i] - 1);
+    const int64_t lo = std::max(off, first), hi = std::min(off + sl[i], first + n);  // held rows of sequence i
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t t = r - off;  // position in the sequence
+      if (t + 1 < sl[i]) targets[static_cast<size_t>(r - first)] = token(r + 1);
+      if (t >= pl[i] - 1 && t < sl[i] - 1) rows.push_back(r - first);
+      if (t == sl[i] - 1) last.push_back(r - first);
+    }
+    mb.slice.seq_lens.push_back(sl[i]);
     off += sl[i];
   }
-  TILLER_CHECK(off == m.tokens.numel(), "a micro-batch's lengths add up to {}, its tokens are {}", off,
-               m.tokens.numel());
-  MicroBatch mb;
-  mb.samples = b;
-  mb.batch = model::PackedBatch::pack(seqs, dev);
+  mb.slice.tokens = m.tokens;
+  mb.slice.first_row = first;
   mb.targets = at::tensor(targets, at::kLong).to(dev);
   mb.resp_rows = at::tensor(rows, at::kLong).to(dev);
   mb.last_rows = at::tensor(last, at::kLong).to(dev);
@@ -116,6 +118,7 @@ struct RoleWorker::Impl {
   dist::Communicator& world;
   at::Device device;
   RoleSet roles;  // this rank's
+  std::map<Role, std::unique_ptr<dist::Communicator>> sequence_groups;  // declared first: models refer to them
   std::map<Role, std::unique_ptr<zero::ShardedModel>> models;
   std::unique_ptr<sync::WeightSender> sender;
   std::unique_ptr<sync::HybridHandoff> handoff;  // hybrid: to this process's engine
@@ -151,6 +154,18 @@ struct RoleWorker::Impl {
     auto opts = zero::role_options(std::string(role_name(role)), role_config(cfg, role), cfg.train, trainable, head,
                                    device);
     auto m = std::make_unique<zero::ShardedModel>(mc, *comm, opts);
+    const int sp = static_cast<int>(cfg.sequence_parallel(role_name(role)));
+    if (sp > 1) {
+      const std::string key = fmt::format("roles.{}.sequence_parallel", role_name(role));
+      zero::check_sequence_parallel(mc, sp, key);
+      TILLER_CHECK(comm->size() % sp == 0, "{} = {} does not divide the group's {} ranks", key, sp, comm->size());
+      // Collective over the role's group: S consecutive ranks share each micro-batch.
+      auto group = comm->split(comm->rank() / sp, comm->rank(), comm->name() + ".sequence");
+      TILLER_CHECK(group != nullptr, "rank {}: no sequence group for {}", rank, role_name(role));
+      group->set_timeout(cfg.timeouts.collective_s);
+      m->set_sequence_group(*group);
+      sequence_groups[role] = std::move(group);
+    }
     model::CheckpointReader reader(dir);
     model::NamedTensors named = reader.all();
     if (head == model::Head::kValue && !named.count("score.weight")) {
@@ -186,17 +201,17 @@ struct RoleWorker::Impl {
       switch (role) {
         case Role::kActor: {
           at::Tensor entropy;
-          const at::Tensor lp = m.token_logprobs(mb.batch, mb.targets, in.temperature, &entropy);
+          const at::Tensor lp = m.token_logprobs(mb.slice, mb.targets, in.temperature, &entropy);
           out.actor_logp = host_float(lp.index_select(0, mb.resp_rows));
           out.actor_entropy = host_float(entropy.index_select(0, mb.resp_rows));
           break;
         }
         case Role::kRef:
-          out.ref_logp = host_float(m.token_logprobs(mb.batch, mb.targets, in.temperature, nullptr)
+          out.ref_logp = host_float(m.token_logprobs(mb.slice, mb.targets, in.temperature, nullptr)
                                         .index_select(0, mb.resp_rows));
           break;
-        case Role::kCritic: out.critic_values = host_float(m.values(mb.batch).index_select(0, mb.resp_rows)); break;
-        case Role::kReward: out.reward_scores = host_float(m.values(mb.batch).index_select(0, mb.last_rows)); break;
+        case Role::kCritic: out.critic_values = host_float(m.values(mb.slice).index_select(0, mb.resp_rows)); break;
+        case Role::kReward: out.reward_scores = host_float(m.values(mb.slice).index_select(0, mb.last_rows)); break;
       }
       out.seconds[static_cast<size_t>(role_index(role))] = seconds_since(t0);
       span("score." + std::string(role_name(role)), w0);
@@ -210,9 +225,9 @@ struct RoleWorker::Impl {
     zero::ShardedModel& m = *models.at(Role::kActor);
     const MicroBatch mb = micro_batch(in.batch, device);
     at::Tensor entropy;
-    at::Tensor lp = m.token_logprobs(mb.batch, mb.targets, temperature, &entropy);
+    at::Tensor lp = m.token_logprobs(mb.slice, mb.targets, temperature, &entropy);
     StepStats& a = acc[Role::kActor];
-    if (mb.samples == 0) {
+    if (mb.resp_rows.numel() == 0) {
       (lp.sum() * 0).backward();  // lockstep: the group's collectives run on every rank
     } else {
       auto on = [&](const at::Tensor& t) { return t.to(device); };
@@ -244,9 +259,9 @@ struct RoleWorker::Impl {
     const double w0 = wall_us();
     zero::ShardedModel& m = *models.at(Role::kCritic);
     const MicroBatch mb = micro_batch(in.batch, device);
-    at::Tensor v = m.values(mb.batch);
+    at::Tensor v = m.values(mb.slice);
     StepStats& a = acc[Role::kCritic];
-    if (mb.samples == 0) {
+    if (mb.resp_rows.numel() == 0) {
       (v.sum() * 0).backward();
     } else {
       at::Tensor vals = v.index_select(0, mb.resp_rows);

@@ -3,8 +3,9 @@
 // roles the group's ranks hold.
 //
 // Samples are added as they join the step; a StreamingPacker (packer.h) turns them into lockstep
-// rounds of packed micro-batches, one per rank of the group (an empty one when there is nothing
-// for it: ZeRO-3 runs collectives). At most kRoundsInFlight rounds are posted at a time, so the
+// rounds of packed micro-batches, one per data-parallel rank of the group (an empty one when there
+// is nothing for it: ZeRO-3 runs collectives); under sequence parallelism each micro-batch is cut
+// into its sequence group's slices, and the slices' answers are joined in order. At most kRoundsInFlight rounds are posted at a time, so the
 // messages waiting at slow ranks stay bounded; the rest wait in the packer. Answers go straight
 // into the step's host arrays.
 //
@@ -35,7 +36,7 @@ class ScoreRounds {
  public:
   static constexpr int kRoundsInFlight = 4;
 
-  // `budget`: tokens per micro-batch (rollout.micro_batch_tokens); `timeout_s`: how long a rank
+  // `budget`: tokens per micro-batch and rank (rollout.micro_batch_tokens); `timeout_s`: how long a rank
   // may take over one micro-batch once it is free to.
   ScoreRounds(const TrainerGroup& group, int64_t budget, double temperature, double timeout_s);
 

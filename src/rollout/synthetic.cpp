@@ -23,6 +23,7 @@ int64_t token_at(uint64_t seed, int64_t pos, int64_t vocab) {
 }
 
 at::Tensor float_per_token(const PackedSequences& b, const std::function<float(int64_t)>& f) {
+  TILLER_CHECK(b.whole(), "the synthetic trainer scores whole micro-batches (no sequence parallelism)");
   at::Tensor out = at::empty({b.response_tokens()}, at::kFloat);
   float* p = out.data_ptr<float>();
   const int64_t* t = b.tokens.data_ptr<int64_t>();
@@ -266,7 +267,7 @@ std::vector<Frame> SyntheticTrainer::handle(Frame f) {
       if (roles_.has(Role::kCritic)) a.critic_values = at::full({r.batch.response_tokens()}, 0.5f, at::kFloat);
       if (roles_.has(Role::kRef))
         a.ref_logp = float_per_token(r.batch, [](int64_t t) { return synthetic_logprob(t) - 0.01f; });
-      if (roles_.has(Role::kReward)) a.reward_scores = at::zeros({r.batch.size()}, at::kFloat);
+      if (roles_.has(Role::kReward)) a.reward_scores = at::zeros({r.batch.ends()}, at::kFloat);
       scored_ += r.batch.response_tokens();
       out.push_back(a.encode());
       break;

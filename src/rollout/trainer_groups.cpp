@@ -22,6 +22,10 @@ std::vector<TrainerGroup> trainer_groups(const dist::RankPlan& plan) {
       TrainerGroup t;
       t.ranks = g.ranks;
       t.roles.add(g.role);
+      t.sequence_parallel = std::max(1, g.sequence_parallel);
+      TILLER_CHECK(t.ranks.size() % static_cast<size_t>(t.sequence_parallel) == 0,
+                   "rank plan: {} ranks of {} in sequence groups of {}", t.ranks.size(), role_name(g.role),
+                   t.sequence_parallel);
       out.push_back(t);
     }
   for (const auto& g : plan.groups) {

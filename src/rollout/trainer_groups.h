@@ -17,6 +17,10 @@ namespace tiller::rollout {
 struct TrainerGroup {
   std::vector<int> ranks;  // group rank i = ranks[i]
   RoleSet roles;
+  // Sequence parallelism: ranks [d S, (d + 1) S) share data-parallel micro-batch d, each taking
+  // its slice (PackedSequences::cut). S = 1: every rank is its own data-parallel rank.
+  int sequence_parallel = 1;
+  int data_parallel() const { return static_cast<int>(ranks.size()) / sequence_parallel; }
   bool has(Role r) const { return roles.has(r); }
   bool trains() const { return roles.has(Role::kActor) || roles.has(Role::kCritic); }
   std::string name() const;  // "actor+ref"

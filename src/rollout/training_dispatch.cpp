@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "rollout/batch.h"
+#include "tiller/core/checked_math.h"
 #include "tiller/core/error.h"
 
 namespace tiller::rollout {
@@ -72,7 +73,10 @@ void TrainingDispatch::start(const StepBatch& batch, const OffPolicy& off_policy
         for (int64_t s : samples) tokens += ro.response_len[s];
         p.normalizers.push_back(cfg_.dr_grpo ? static_cast<double>(samples.size() * cfg_.max_new_tokens)
                                              : static_cast<double>(std::max<int64_t>(tokens, 1)));
-        p.steps.push_back(plan_rounds(samples, lens, static_cast<int>(p.group->ranks.size()), cfg_.micro_batch_tokens));
+        const int sp = p.group->sequence_parallel;
+        p.steps.push_back(plan_rounds(samples, lens, p.group->data_parallel(),
+                                      checked_mul(cfg_.micro_batch_tokens, int64_t{sp}, "train.micro_batch_tokens x S"),
+                                      cfg_.attention_tokens));
       }
     }
   }
@@ -91,27 +95,51 @@ void TrainingDispatch::post_step(size_t i) {
   for (size_t r = 0; r < rounds; ++r)
     for (const auto& p : plans_) {
       if (r >= p.steps[i].size()) continue;
+      const int sp = p.group->sequence_parallel;
+      std::vector<double> rank_tokens;
       for (size_t k = 0; k < p.steps[i][r].size(); ++k) {
         const std::vector<int64_t>& mb = p.steps[i][r][k];
-        if (p.role == Role::kActor) {
-          TrainActorRequest m;
-          m.batch = pack_sequences(ro, mb);
-          m.old_logp = gather_tokens(ro, ro.logp, mb);
-          m.advantages = gather_tokens(ro, ro.advantages, mb);
-          if (cfg_.kl_loss && kl_coef_ > 0) m.ref_logp = gather_tokens(ro, ro.ref_logp, mb);
-          if (!off_policy_->weights.empty()) m.is_weights = gather_tokens(ro, off_policy_->weights, mb);
-          m.normalizer = p.normalizers[i];
-          m.kl_coef = cfg_.kl_loss ? kl_coef_ : 0.0;
-          link_.send(p.group->ranks[k], m.encode());
-        } else {
-          TrainCriticRequest m;
-          m.batch = pack_sequences(ro, mb);
-          m.old_values = gather_tokens(ro, ro.values, mb);
-          m.returns = gather_tokens(ro, ro.returns, mb);
-          m.normalizer = p.normalizers[i];
-          link_.send(p.group->ranks[k], m.encode());
+        const PackedSequences whole = pack_sequences(ro, mb);
+        rank_tokens.push_back(static_cast<double>(whole.rows()) / sp);
+        // Each rank of the sequence group gets its rows, and its part of each per-token array.
+        const std::vector<PackedSequences> slices = whole.cut(sp);
+        auto part = [](const at::Tensor& t, const PackedSequences& s) {
+          return t.narrow(0, s.response_before(), s.response_tokens()).contiguous();
+        };
+        // The micro-batch's per-token arrays, once; each slice takes its range.
+        const bool actor = p.role == Role::kActor;
+        auto tokens_of = [&](const std::vector<float>& v, bool want) { return want ? gather_tokens(ro, v, mb) : at::Tensor(); };
+        const at::Tensor old_logp = tokens_of(ro.logp, actor), advantages = tokens_of(ro.advantages, actor);
+        const at::Tensor ref_logp = tokens_of(ro.ref_logp, actor && cfg_.kl_loss && kl_coef_ > 0);
+        const at::Tensor is_weights = tokens_of(off_policy_->weights, actor && !off_policy_->weights.empty());
+        const at::Tensor old_values = tokens_of(ro.values, !actor), returns = tokens_of(ro.returns, !actor);
+        for (int j = 0; j < sp; ++j) {
+          const PackedSequences& slice = slices[static_cast<size_t>(j)];
+          const int rank = p.group->ranks[k * static_cast<size_t>(sp) + static_cast<size_t>(j)];
+          if (actor) {
+            TrainActorRequest m;
+            m.batch = slice;
+            m.old_logp = part(old_logp, slice);
+            m.advantages = part(advantages, slice);
+            if (ref_logp.defined()) m.ref_logp = part(ref_logp, slice);
+            if (is_weights.defined()) m.is_weights = part(is_weights, slice);
+            m.normalizer = p.normalizers[i];
+            m.kl_coef = cfg_.kl_loss ? kl_coef_ : 0.0;
+            link_.send(rank, m.encode());
+          } else {
+            TrainCriticRequest m;
+            m.batch = slice;
+            m.old_values = part(old_values, slice);
+            m.returns = part(returns, slice);
+            m.normalizer = p.normalizers[i];
+            link_.send(rank, m.encode());
+          }
         }
       }
+      Totals& t = (*acc_)[p.role];
+      t.round_max_tokens += *std::max_element(rank_tokens.begin(), rank_tokens.end());
+      t.round_mean_tokens += std::accumulate(rank_tokens.begin(), rank_tokens.end(), 0.0) / rank_tokens.size();
+      t.rounds += 1;
     }
   for (const auto& p : plans_) {
     const bool actor = p.role == Role::kActor;
@@ -180,6 +208,12 @@ Metrics TrainingDispatch::metrics() const {
     m.emplace_back(r + "/lr", t.lr);
     m.emplace_back("memory/" + r + "_host_peak_mb", t.peak_mb);
     m.emplace_back("time/train." + r, t.train_s + t.step_s);
+    // Per-rank tokens of a lockstep round (S-way slices count 1/S): the busiest rank's, the mean,
+    // and their ratio (1: balanced; every rank waits for the busiest).
+    const double rounds = std::max(1.0, t.rounds);
+    m.emplace_back("balance/" + r + "_round_tokens_max", t.round_max_tokens / rounds);
+    m.emplace_back("balance/" + r + "_round_tokens_mean", t.round_mean_tokens / rounds);
+    m.emplace_back("balance/" + r + "_imbalance", t.round_mean_tokens > 0 ? t.round_max_tokens / t.round_mean_tokens : 1.0);
   }
   return m;
 }

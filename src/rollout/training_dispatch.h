@@ -33,7 +33,8 @@ namespace tiller::rollout {
 struct TrainingConfig {
   int64_t train_batch_size = 1;
   int64_t ppo_epochs = 1;
-  int64_t micro_batch_tokens = 16384;
+  int64_t micro_batch_tokens = 16384;  // per rank (a sequence group of S ranks takes S times as many)
+  double attention_tokens = 0;         // plan_rounds' weight of long samples (0: tokens only)
   int64_t max_new_tokens = 1;
   bool dr_grpo = false;      // Dr.GRPO's constant normaliser
   bool kl_loss = false;      // the KL term in the actor's loss (a reference, not in the reward)
@@ -81,6 +82,8 @@ class TrainingDispatch {
   struct Totals {
     double loss = 0, clip_tokens = 0, approx_kl_tokens = 0, tokens = 0, train_s = 0, step_s = 0, grad_norm = 0,
            skipped = 0, peak_mb = 0, lr = 0, updates = 0;
+    // Tokens per rank and round: the busiest rank's and the mean, summed over rounds.
+    double round_max_tokens = 0, round_mean_tokens = 0, rounds = 0;
   };
   void post_step(size_t i);
 

@@ -43,6 +43,11 @@ CASE:
                2 gives the rewards of separate pools step for step (same seeds, same weights); PPO
                with every role and the engine in one process (2 ranks) learns the toy task and
                reports memory per phase; GRPO with a TP-2 engine over 2 actor ranks runs through.
+  sequence_parallel
+               roles.*.sequence_parallel=2: PPO with the actor (and its reference) and the critic each
+               cutting every micro-batch over 2 ranks gives the rewards and losses of the same ranks
+               without it (data parallel) step for step; GRPO with S = 2 learns the toy task; each
+               rank was sent only its slices (the controller's per-rank token metrics).
   resume_async SIGTERM then --resume in async mode: the prompts trained (and their order) are those
                of an uninterrupted run, none lost and none twice.
 """
@@ -750,8 +755,40 @@ def check_hybrid():
     print("hybrid: a TP-2 engine over 2 actor ranks ran 4 steps")
 
 
+def check_sequence_parallel():
+    # Actor (+ref) on 2 ranks and critic on 2 ranks; S = 2 against plain data parallelism.
+    two = ["roles.actor.gpus=2", "roles.critic.gpus=2", "train.num_steps=4", "checkpoint.every_steps=0"]
+    run_ok(6, SCRATCH / "sp_ref", *two)
+    log = run_ok(6, SCRATCH / "sp_ppo", *two, "roles.actor.sequence_parallel=2", "roles.critic.sequence_parallel=2")
+    if "sequence parallel 2 (1 groups of consecutive ranks)" not in log:
+        fail("the rank plan does not show the sequence groups:\n" + log[-3000:])
+    want, got = metrics(SCRATCH / "sp_ref"), metrics(SCRATCH / "sp_ppo")
+    for key in ["reward/mean", "actor/loss", "critic/loss", "actor/grad_norm", "critic/grad_norm", "kl/mean_per_sample"]:
+        a, b = [r[key] for r in got], [r[key] for r in want]
+        if any(abs(x - y) > 1e-4 * max(1.0, abs(y)) for x, y in zip(a, b)) or len(a) != len(b):
+            fail(f"{key} with sequence_parallel=2 differs from data parallelism: {a} vs {b}")
+    print(f"sequence_parallel: PPO with S=2 equals data parallelism for {len(got)} steps: "
+          f"rewards {[round(r['reward/mean'], 4) for r in got]}, actor loss {[round(r['actor/loss'], 6) for r in got]}")
+    # A sequence group's micro-batch holds S times the per-rank budget and each rank gets 1/S of it
+    # (a rank sent more than its slice refuses it): per-rank tokens per round as without S.
+    sp_tokens = sum(r["balance/actor_round_tokens_mean"] for r in got)
+    dp_tokens = sum(r["balance/actor_round_tokens_mean"] for r in want)
+    if not (0.75 * dp_tokens < sp_tokens < 1.25 * dp_tokens) or any(r["balance/actor_imbalance"] < 1 for r in got):
+        fail(f"per-rank tokens per round: {sp_tokens} with S=2 against {dp_tokens} without")
+    # GRPO with S = 2 learns (controller, 2 actor ranks, engine).
+    out = SCRATCH / "sp_grpo"
+    run_ok(4, out, *GRPO, "roles.actor.gpus=2", "roles.actor.sequence_parallel=2")
+    rewards = [r["reward/mean"] for r in metrics(out)]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    print(f"sequence_parallel: GRPO with S=2, mean reward {first:.3f} (steps 1-3) -> {last:.3f} (steps 28-30)")
+    if not (first < 0.3 and last > 0.7):
+        fail(f"GRPO with sequence_parallel=2 did not learn: {[round(x, 3) for x in rewards]}")
+
+
 fixture()
-if CASE == "hybrid":
+if CASE == "sequence_parallel":
+    check_sequence_parallel()
+elif CASE == "hybrid":
     check_hybrid()
 elif CASE == "ppo":
     check_learns(4)

@@ -17,39 +17,69 @@ int64_t tokens_of(const std::vector<int64_t>& ids, const std::vector<int64_t>& t
   return n;
 }
 
-TEST(Packer, BalanceSpreadsTokensAndKeepsEverySample) {
-  const std::vector<int64_t> tokens = {100, 10, 10, 10, 10, 50, 50, 20};
-  std::vector<int64_t> all(tokens.size());
-  std::iota(all.begin(), all.end(), 0);
-  const auto parts = balance(all, tokens, 3);
-  ASSERT_EQ(parts.size(), 3u);
-  std::vector<int64_t> seen;
-  for (const auto& p : parts) {
-    EXPECT_TRUE(std::is_sorted(p.begin(), p.end()));
-    seen.insert(seen.end(), p.begin(), p.end());
+// Every sample exactly once, every micro-batch within the budget unless it is one long sample.
+void expect_valid(const std::vector<Round>& rounds, const std::vector<int64_t>& tokens, int ranks, int64_t budget,
+                  size_t samples) {
+  std::multiset<int64_t> seen;
+  for (const auto& round : rounds) {
+    ASSERT_EQ(round.size(), static_cast<size_t>(ranks));
+    for (const auto& mb : round) {
+      EXPECT_TRUE(std::is_sorted(mb.begin(), mb.end()));
+      if (mb.size() > 1) EXPECT_LE(tokens_of(mb, tokens), budget);
+      seen.insert(mb.begin(), mb.end());
+    }
   }
-  std::sort(seen.begin(), seen.end());
-  EXPECT_EQ(seen, all);
-  // Longest first onto the lightest: {100}, {50, 10, 10}, {50, 20, 10, 10}: loads 100, 70, 90.
-  EXPECT_EQ(parts[0], (std::vector<int64_t>{0}));
-  EXPECT_EQ(tokens_of(parts[1], tokens) + tokens_of(parts[2], tokens), 160);
-  EXPECT_LE(std::abs(tokens_of(parts[1], tokens) - tokens_of(parts[2], tokens)), 20);
+  EXPECT_EQ(seen.size(), samples);
+  EXPECT_EQ(std::set<int64_t>(seen.begin(), seen.end()).size(), samples);
 }
 
-TEST(Packer, PackRespectsTheBudgetAndPutsLongSamplesAlone) {
-  const std::vector<int64_t> tokens = {30, 30, 50, 200, 10, 10};
-  const auto mbs = pack({0, 1, 2, 3, 4, 5}, tokens, 64);
-  ASSERT_EQ(mbs.size(), 4u);
-  EXPECT_EQ(mbs[0], (std::vector<int64_t>{0, 1}));
-  EXPECT_EQ(mbs[1], (std::vector<int64_t>{2}));
-  EXPECT_EQ(mbs[2], (std::vector<int64_t>{3}));  // over the budget: alone
-  EXPECT_EQ(mbs[3], (std::vector<int64_t>{4, 5}));
+TEST(Packer, PlanRoundsUsesTheFewestRoundsAndSpreadsSmallSamples) {
+  // 8 samples of 10 tokens over 4 ranks, budget 64: one round, two samples per rank (not 6 + 2).
+  const std::vector<int64_t> tokens(8, 10);
+  const auto rounds = plan_rounds({0, 1, 2, 3, 4, 5, 6, 7}, tokens, 4, 64);
+  expect_valid(rounds, tokens, 4, 64, 8);
+  ASSERT_EQ(rounds.size(), 1u);
+  for (const auto& mb : rounds[0]) EXPECT_EQ(mb.size(), 2u);
+}
+
+TEST(Packer, ALongSamplesRoundHoldsTheFullestMicroBatches) {
+  // One 4000-token sample (over the budget: alone) and 16 of 500, over 2 ranks at a budget of 2000.
+  std::vector<int64_t> tokens = {4000};
+  for (int i = 0; i < 16; ++i) tokens.push_back(500);
+  std::vector<int64_t> all(tokens.size());
+  std::iota(all.begin(), all.end(), 0);
+  const auto rounds = plan_rounds(all, tokens, 2, 2000, 2000.0);
+  expect_valid(rounds, tokens, 2, 2000, tokens.size());
+  // 1 + 4 micro-batches of 2000: 3 rounds; the long sample's round has a full micro-batch beside it.
+  ASSERT_EQ(rounds.size(), 3u);
+  EXPECT_EQ(rounds[0][0], (std::vector<int64_t>{0}));
+  EXPECT_EQ(tokens_of(rounds[0][1], tokens), 2000);
+}
+
+TEST(Packer, AttentionCostMovesWorkAwayFromLongSamples) {
+  // Tokens alone balance {900, 100} against {500, 500}; with attention (a 1000-token sequence's
+  // attention costs as much as the rest) the 900-token sample is the heavier one, and the
+  // 100-token sample joins the 500s.
+  const std::vector<int64_t> tokens = {900, 500, 500, 100};
+  auto holder_of = [](const Round& r, int64_t s) {
+    for (size_t k = 0; k < r.size(); ++k)
+      if (std::count(r[k].begin(), r[k].end(), s)) return k;
+    return r.size();
+  };
+  const auto by_tokens = plan_rounds({0, 1, 2, 3}, tokens, 2, 100000);
+  ASSERT_EQ(by_tokens.size(), 1u);
+  EXPECT_EQ(holder_of(by_tokens[0], 3), holder_of(by_tokens[0], 0));
+  const auto by_cost = plan_rounds({0, 1, 2, 3}, tokens, 2, 100000, 1000.0);
+  ASSERT_EQ(by_cost.size(), 1u);
+  EXPECT_EQ(holder_of(by_cost[0], 3), holder_of(by_cost[0], 1));
+  EXPECT_DOUBLE_EQ(sample_cost(1000, 1000.0), 2000.0);
+  EXPECT_DOUBLE_EQ(sample_cost(1000, 0), 1000.0);
 }
 
 TEST(Packer, PlanRoundsGivesEveryRankARoundEvenWhenEmpty) {
   const std::vector<int64_t> tokens = {40, 40, 40, 40, 40};
   const auto rounds = plan_rounds({0, 1, 2, 3, 4}, tokens, 4, 64);
-  // 5 samples over 4 ranks: one rank has 2 (two micro-batches of 40 > 64 together), the others 1.
+  // 5 samples over 4 ranks: 5 micro-batches (two samples of 40 exceed 64), so two rounds.
   ASSERT_EQ(rounds.size(), 2u);
   std::set<int64_t> seen;
   int empty = 0;

@@ -154,10 +154,47 @@ TEST(Protocol, TraceReplyRoundTrips) {
   EXPECT_TRUE(TraceReply::decode(TraceReply{}.encode()).names.empty());
 }
 
+// Sequence parallelism: the controller's cut and the counts each slice's answers are checked by.
+TEST(Protocol, SlicesOfAPackedRowCoverItsRowsAndResponseTokensInOrder) {
+  const PackedSequences whole = batch();  // rows 0-4: prompt 2 (response rows 1-3); rows 5-8: prompt 1 (rows 5-7)
+  EXPECT_TRUE(whole.whole());
+  EXPECT_EQ(whole.rows(), 9);
+  for (int parts : {1, 2, 3, 4, 9, 12}) {
+    const auto slices = whole.cut(parts);
+    ASSERT_EQ(slices.size(), static_cast<size_t>(parts));
+    int64_t rows = 0, responses = 0, ends = 0;
+    for (const auto& s : slices) {
+      EXPECT_EQ(s.first_row, rows) << parts;
+      EXPECT_EQ(s.response_before(), responses) << parts;
+      EXPECT_EQ(s.ends_before(), ends) << parts;
+      // Each slice survives the wire, window and all.
+      const ScoreRequest d = ScoreRequest::decode(ScoreRequest{s, 1.0}.encode());
+      EXPECT_EQ(d.batch.first_row, s.first_row);
+      EXPECT_EQ(d.batch.next_token, s.next_token);
+      EXPECT_EQ(d.batch.response_tokens(), s.response_tokens());
+      if (s.held() > 0 && s.first_row + s.held() < 9)
+        EXPECT_EQ(s.next_token, whole.tokens[s.first_row + s.held()].item<int64_t>()) << parts;
+      rows += s.held();
+      responses += s.response_tokens();
+      ends += s.ends();
+    }
+    EXPECT_EQ(rows, 9);
+    EXPECT_EQ(responses, 6);
+    EXPECT_EQ(ends, 2);
+  }
+  // Two slices: rows 0-4 hold response rows 1-3 and the first sequence's end; rows 5-8 the rest.
+  const auto two = whole.cut(2);
+  EXPECT_EQ(two[0].response_tokens(), 3);
+  EXPECT_EQ(two[0].ends(), 1);
+  EXPECT_EQ(two[1].response_tokens(), 3);
+  EXPECT_EQ(two[1].next_token, 0);
+  EXPECT_EQ(two[0].next_token, 1);
+}
+
 TEST(Protocol, AFrameThatDisagreesWithItselfIsRefusedByName) {
   Frame f = ScoreRequest{batch(), 1.0}.encode();
-  f.tensors[1] = longs({5, 5});  // the lengths no longer add up to the tokens
-  EXPECT_NE(error_of([&] { ScoreRequest::decode(f); }).find("malformed 'score' message: tokens has 9 elements, expected 10"),
+  f.tensors[3] = longs({5, 0});  // rows past the end of the packed row
+  EXPECT_NE(error_of([&] { ScoreRequest::decode(f); }).find("malformed 'score' message: rows [5, 14) of a packed row of 9"),
             std::string::npos);
   Frame g = ScoreRequest{batch(), 1.0}.encode();
   g.tensors[2] = longs({5, 1});  // a prompt as long as its sequence: no response

@@ -49,6 +49,7 @@ struct RoleGroup {
   Role role = Role::kActor;
   std::vector<int> ranks;              // the group's world ranks, ascending; group rank i = ranks[i]
   std::string colocated_with;          // "" or the role whose ranks these are
+  int sequence_parallel = 1;           // consecutive ranks that share each micro-batch (roles.<r>.sequence_parallel)
 };
 
 struct EngineGroup {

@@ -77,6 +77,10 @@ std::vector<std::string> preset_names();
 // The longest sequence the model's positions are meant for: max_position_embeddings, or with RoPE
 // scaling (linear, dynamic, yarn, llama3) the original length times the factor when that is more.
 int64_t context_limit(const ModelConfig& cfg);
+// The sequence length at which a causal sequence's attention (2 L heads head_dim FLOPs per token,
+// each way) costs as much as the rest of a block (2 x its parameters per token): the packer's
+// weight for long samples (rollout/packer.h).
+double attention_cost_tokens(const ModelConfig& cfg);
 
 // Parameter count of the causal LM (lm_head counted once when tied).
 int64_t num_parameters(const ModelConfig& cfg);
