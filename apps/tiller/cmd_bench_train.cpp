@@ -1,6 +1,7 @@
 // tiller bench train: ZeRO-3 training throughput of a preset shape, one rank per GPU under
 // mpirun. Each step is a forward and backward of --micro-batch sequences of --seq random tokens
-// per rank (the loss is the mean token log-prob), then clipping and AdamW: the same work as
+// per rank (the loss is the mean token log-prob), then clipping and AdamW (with
+// --sequence-parallel S, per group of S ranks, each holding 1/S of the tokens): the same work as
 // ../shared/bench/peer_bench.py fsdp, which scripts/gpu/bench_train.sh runs beside it.
 //
 // Reported from the slowest rank, median over the timed steps: seconds per step, tokens/s/GPU,
@@ -36,6 +37,7 @@ struct TrainBenchOptions {
   std::string model = "qwen2-1.5b";
   int64_t seq = 2048;
   int64_t micro_batch = 4;
+  int sequence_parallel = 1;  // ranks sharing each micro-batch (Ulysses)
   int steps = 6;  // the first two are warm-up, as in the peer
   std::string backend = "auto";
   double timeout_s = 300;
@@ -63,19 +65,30 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   mo.logprob_chunk_rows = o.chunk_rows;
   mo.measure_waits = true;
   zero::ShardedModel model(cfg, comm, mo);
+  const int sp = o.sequence_parallel;
+  if (comm.size() % sp != 0)
+    throw ConfigError(fmt::format("--sequence-parallel {} must divide the {} ranks", sp, comm.size()));
+  std::unique_ptr<dist::Communicator> seq_group;
+  if (sp > 1) {
+    zero::check_sequence_parallel(cfg, sp, "--sequence-parallel");
+    seq_group = comm.split(comm.rank() / sp, comm.rank(), "bench.sequence");
+    model.set_sequence_group(*seq_group);
+  }
   {
     const model::NamedTensors init = model::init_weights(cfg, model::Head::kLm, 1, mo.compute_dtype, dev);
     model.load(init, o.model);
   }
 
   std::vector<std::vector<int64_t>> seqs;
-  at::Generator gen = at::detail::createCPUGenerator(100 + comm.rank());
+  // A sequence group shares its data: the same sequences on each of its ranks, which keep their slice.
+  at::Generator gen = at::detail::createCPUGenerator(100 + comm.rank() / sp);
   for (int64_t i = 0; i < o.micro_batch; ++i) {
     at::Tensor t = at::randint(0, cfg.vocab_size, {o.seq}, gen, at::kLong);
     seqs.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + o.seq);
   }
   const model::PackedBatch batch = model::PackedBatch::pack(seqs, dev);
-  const at::Tensor targets = batch.tokens.roll(-1);
+  const zero::SequenceSlice slice = zero::SequenceSlice::of(batch, sp, comm.rank() % sp);
+  const at::Tensor targets = batch.tokens.roll(-1).narrow(0, slice.first_row, slice.tokens.numel());
 
   std::vector<double> step_s, fwd_bwd_s, opt_s, wait_s;
   compat::reset_peak(dev);
@@ -83,7 +96,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
     compat::synchronize(dev);
     StepProfiler profiler(!o.profile.empty() && s == o.steps - 1 && comm.rank() == 0);
     const auto t0 = Clock::now();
-    model.token_logprobs(batch, targets).mean().neg().backward();
+    model.token_logprobs(slice, targets).mean().neg().backward();
     compat::synchronize(dev);
     const double fb = since(t0);
     const auto t1 = Clock::now();
@@ -106,7 +119,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   const double step = t[0].item<double>(), fb = t[1].item<double>(), opt = t[2].item<double>(),
                waited = t[3].item<double>(), peak = t[4].item<double>();
 
-  const int64_t tokens = o.seq * o.micro_batch;
+  const int64_t tokens = o.seq * o.micro_batch / sp;  // per GPU
   const int64_t nparam = model::num_parameters(cfg);
   const int64_t emb = cfg.vocab_size * cfg.hidden_size;
   const double flops_tok = 6.0 * static_cast<double>(nparam - (cfg.tie_word_embeddings ? 0 : emb)) +
@@ -126,6 +139,8 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   r["backend"] = comm.backend();
   r["seq"] = o.seq;
   r["mbs"] = o.micro_batch;
+  r["sequence_parallel"] = sp;
+  r["tokens_per_gpu_per_step"] = tokens;
   r["steps_timed"] = o.steps - 2;
   r["step_s"] = step;
   r["tokens_per_s_per_gpu"] = tok_s;
@@ -152,6 +167,9 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   tr->add_option("--model", o->model, "Preset shape: qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny-*");
   tr->add_option("--seq", o->seq, "Tokens per sequence")->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
   tr->add_option("--micro-batch", o->micro_batch, "Sequences per rank per step")->check(CLI::Range(1, 4096));
+  tr->add_option("--sequence-parallel", o->sequence_parallel,
+                 "Ranks that share each micro-batch (Ulysses); the --micro-batch sequences are per group")
+      ->check(CLI::Range(1, 256));
   tr->add_option("--steps", o->steps, "Steps, the first two untimed")->check(CLI::Range(3, 10000));
   tr->add_option("--backend", o->backend, "auto (NCCL when GPUs are visible), nccl or mpi");
   tr->add_option("--chunk-rows", o->chunk_rows, "Rows per log-prob chunk")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));

@@ -247,6 +247,14 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
   const int64_t max_len = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
   if (max_len < 1 || max_len > kMaxModelLen)
     throw ConfigError(fmt::format("max_model_len = {} is out of range: must be in [1, {}]", max_len, kMaxModelLen));
+  // Past the positions the model was trained for, RoPE extrapolates: only a scaling that says so
+  // (rope_scaling in config.json) allows it.
+  if (max_len > model::context_limit(cfg))
+    throw ConfigError(fmt::format("max_model_len = {} exceeds the model's context of {} tokens (max_position_embeddings "
+                                  "{}, rope_scaling '{}' x {}); lower it, or give config.json a rope_scaling that "
+                                  "covers it",
+                                  max_len, model::context_limit(cfg), cfg.max_position_embeddings,
+                                  cfg.rope_scaling.type, cfg.rope_scaling.factor));
   const at::Device device(opts.device);
   m.runner = std::make_unique<ModelRunner>(cfg, std::move(weights), device, opts.block_size, tp);
   int64_t blocks = opts.num_blocks;

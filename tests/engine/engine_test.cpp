@@ -164,6 +164,25 @@ TEST(Engine, SampledTokensEqualReferenceAndLogprobsEqualTrainer) {
   }
 }
 
+// A context past max_position_embeddings only when the config's RoPE scaling covers it.
+TEST(Engine, MaxModelLenPastTheModelsContextNeedsRopeScaling) {
+  TinyModel m = tiny("tiny-llama", 1);  // max_position_embeddings 2048
+  EngineOptions o = small_options();
+  o.max_model_len = 4096;
+  try {
+    Engine e(m.cfg, m.weights, o);
+    ADD_FAILURE() << "max_model_len 4096 on a 2048-token model was accepted";
+  } catch (const ConfigError& err) {
+    EXPECT_NE(std::string(err.what()).find("max_model_len = 4096 exceeds the model's context of 2048 tokens"),
+              std::string::npos)
+        << err.what();
+  }
+  m.cfg.rope_scaling.type = "linear";
+  m.cfg.rope_scaling.factor = 2.0;
+  Engine e(m.cfg, m.weights, o);
+  EXPECT_EQ(e.max_model_len(), 4096);
+}
+
 TEST(Engine, SamplesOfAPromptShareItsBlocksAndSurvivePreemption) {
   TinyModel m = tiny("tiny-llama");
   // 14 blocks of 4 tokens: four 30-token samples of one prompt cannot all be cached at once.
