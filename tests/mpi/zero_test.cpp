@@ -254,7 +254,9 @@ void expect_sharded_equals_unsharded(const std::string& preset, Head head, int s
         const at::Tensor got = run.out.detach().to(at::kDouble).cpu();
         const double rel = ((got - want).abs().max() / whole.abs().max().clamp_min(1e-30)).item<double>();
         worst_out = std::max(worst_out, rel);
-        EXPECT_LT(rel, on_gpu() ? 3e-2 : 1e-5) << what << " step " << step << " micro-batch " << i;
+        // bf16 on the GPU: the first step's outputs are rounding apart; later ones also carry the
+        // drift of bf16 training from the fp32 reference (the update's few % above).
+        EXPECT_LT(rel, !on_gpu() ? 1e-5 : step == 0 ? 3e-2 : 6e-2) << what << " step " << step << " micro-batch " << i;
       }
       slice_loss(run, mb, total).backward();
     }
