@@ -7,6 +7,8 @@
 #include "core/config_schema.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
+#include "tiller/model/model_config.h"
+#include "tiller/zero/sequence_parallel.h"
 
 namespace tiller {
 namespace {
@@ -187,6 +189,32 @@ TEST(Config, HybridRules) {
   const JobConfig ok = parse_config("cluster: {hybrid: true}\nroles: {actor: {gpus: 8, offload: true}}\n"
                                     "engines: {tp: 2, sleep_level: 2}", "j");
   EXPECT_EQ(ok.engine_count(), 4);
+}
+
+TEST(Config, SequenceParallelRules) {
+  auto err = [](const std::string& yaml) { return config_error([&] { parse_config(yaml, "j"); }); };
+  EXPECT_NE(err("roles: {actor: {gpus: 3, sequence_parallel: 2}}")
+                .find("roles.actor.sequence_parallel = 2 must divide roles.actor.gpus = 3"),
+            std::string::npos);
+  EXPECT_NE(err("roles: {actor: {gpus: 4, sequence_parallel: 2}, ref: {sequence_parallel: 4}}")
+                .find("roles.ref.sequence_parallel = 4: the role shares the ranks of 'actor', whose micro-batches are "
+                      "cut 2 ways"),
+            std::string::npos);
+  EXPECT_NE(err("roles: {actor: {sequence_parallel: 0}}").find("roles.actor.sequence_parallel"), std::string::npos);
+  const JobConfig ok = parse_config("roles: {actor: {gpus: 4, sequence_parallel: 4}, critic: {gpus: 2, "
+                                    "sequence_parallel: 2}}", "j");
+  EXPECT_EQ(ok.sequence_parallel("ref"), 4);  // colocated with the actor: its slices
+  EXPECT_EQ(ok.sequence_parallel("critic"), 2);
+  // The model's heads (Qwen2-7B: 28 heads, 4 KV heads): S = 2 and 4; not 8 (28 heads), not 7
+  // (each rank's 4 query heads would straddle two KV heads).
+  const model::ModelConfig qwen7b = model::preset("qwen2-7b");
+  EXPECT_NO_THROW(zero::check_sequence_parallel(qwen7b, 2, "roles.actor.sequence_parallel"));
+  EXPECT_NO_THROW(zero::check_sequence_parallel(qwen7b, 4, "roles.actor.sequence_parallel"));
+  EXPECT_NE(config_error([&] { zero::check_sequence_parallel(qwen7b, 8, "roles.actor.sequence_parallel"); })
+                .find("roles.actor.sequence_parallel = 8: the model has 28 attention heads"),
+            std::string::npos);
+  EXPECT_NE(config_error([&] { zero::check_sequence_parallel(qwen7b, 7, "k"); }).find("the model has 4 KV heads"),
+            std::string::npos);
 }
 
 TEST(Config, EffectiveYamlRoundTrips) {
