@@ -8,6 +8,7 @@
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
 #include "tiller/model/weights.h"
+#include "tiller/zero/sequence_parallel.h"
 
 namespace tiller::rollout {
 namespace {
@@ -127,6 +128,9 @@ MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const M
       if (!mc) throw ConfigError(fmt::format("memory plan: no model shape for roles.{}", name));
       const RoleConfig& rc = role_cfg(cfg, r);
       const dist::RoleGroup* g = plan.group(r);
+      // Sequence parallelism: the role's heads must split S ways (the ranks check again at load).
+      if (g && g->sequence_parallel > 1)
+        zero::check_sequence_parallel(*mc, g->sequence_parallel, "roles." + name + ".sequence_parallel");
       const int64_t n = rc.replicate || !g ? 1 : static_cast<int64_t>(g->ranks.size());
       const int64_t c = dtype_bytes(rc.dtype);
       const Shape s = shape_of(*mc, r == Role::kActor || r == Role::kRef ? model::Head::kLm : model::Head::kValue);
@@ -181,7 +185,8 @@ MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const M
               hybrid ? "set roles.actor.offload=true (and the critic's), raise engines.gpu_memory_fraction, " : ""));
         // More than every sequence the engine may hold at full length is never used (and a hybrid
         // engine allocates it at every wake).
-        kv = std::min(kv, cfg.engines.max_num_seqs * need);
+        // (Compared by division: max_num_seqs x need can pass int64 at the keys' bounds.)
+        if (cfg.engines.max_num_seqs <= kv / need) kv = cfg.engines.max_num_seqs * need;
       }
       rm.kv_cache_bytes = kv;
       add(gen, "engine kv cache", kv);
