@@ -1,7 +1,6 @@
 // The hybrid engine's weight sync (hybrid_handoff.h).
 #include "tiller/sync/hybrid_handoff.h"
 
-#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -12,6 +11,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 
+#include "sync/bucket_packer.h"
 #include "sync/protocol.h"
 #include "sync/slice_placer.h"
 #include "tiller/core/deadline.h"
@@ -123,14 +123,10 @@ struct HybridHandoff::Impl {
   BucketPlan plan;
   LocalWeightSink::Impl& sink;
   double timeout_s;
-  at::ScalarType wire;
-  at::Device device = at::kCPU;
-  std::vector<at::Tensor> sources;  // per unit: the shard the bytes are taken from
-  std::array<at::Tensor, 2> buffers;
+  BucketPacker packer;
 
   Impl(zero::ShardedModel& a, dist::Communicator& c, BucketPlan p, LocalWeightSink& s, double t)
-      : actor(a), comm(c), plan(std::move(p)), sink(*s.impl_), timeout_s(t),
-        wire(protocol::wire_scalar_type(plan.wire_dtype)) {}
+      : actor(a), comm(c), plan(std::move(p)), sink(*s.impl_), timeout_s(t), packer(plan, actor, "hybrid weight sync") {}
 
   // Waits until the engine is parked on `version` and claims the park; false at the deadline.
   bool claim(uint64_t version, const Deadline& deadline) {
@@ -156,25 +152,10 @@ HybridHandoff::HybridHandoff(zero::ShardedModel& actor, dist::Communicator& comm
                              LocalWeightSink& sink, double timeout_s)
     : impl_(std::make_unique<Impl>(actor, comm, std::move(plan), sink, timeout_s)) {
   Impl& m = *impl_;
-  const auto shards = actor.shards();
   if (m.plan.senders != actor.world() || comm.size() != actor.world() || comm.rank() != actor.rank())
     throw ConfigError(fmt::format("hybrid weight sync: the plan is for {} actor ranks and the actor group has {}; "
                                   "actor rank {} must be rank {} of the sync communicator of {} ranks (the actor's)",
                                   m.plan.senders, actor.world(), actor.rank(), comm.rank(), comm.size()));
-  if (shards.size() != m.plan.units.size())
-    throw ConfigError(fmt::format("hybrid weight sync: the plan has {} units, the actor {}", m.plan.units.size(),
-                                  shards.size()));
-  for (size_t u = 0; u < shards.size(); ++u) {
-    const auto& s = shards[u];
-    if (s.name != m.plan.units[u].name || s.compute.numel() != m.plan.units[u].shard_numel)
-      throw ConfigError(fmt::format("hybrid weight sync: plan unit {} is '{}' of {} elements per rank; the actor's is "
-                                    "'{}' of {}",
-                                    u, m.plan.units[u].name, m.plan.units[u].shard_numel, s.name, s.compute.numel()));
-    m.sources.push_back(s.compute.scalar_type() == m.wire || !s.master.defined() ? s.compute : s.master);
-  }
-  m.device = shards.front().compute.device();
-  const auto opts = at::TensorOptions().dtype(m.wire).device(m.device);
-  for (auto& b : m.buffers) b = at::empty({m.plan.largest_bucket_numel()}, opts);
 }
 
 HybridHandoff::~HybridHandoff() = default;
@@ -184,7 +165,7 @@ SyncStats HybridHandoff::send(uint64_t version) {
   const auto t0 = std::chrono::steady_clock::now();
   const Deadline deadline = Deadline::after_seconds(m.timeout_s);
   m.comm.set_timeout(m.timeout_s);
-  const auto control = protocol::control_options(m.comm, m.device);
+  const auto control = protocol::control_options(m.comm, m.packer.device());
   const int me = m.comm.rank();
   const std::string what = fmt::format("hybrid weight sync to version {} (actor rank {})", version, me);
 
@@ -222,23 +203,19 @@ SyncStats HybridHandoff::send(uint64_t version) {
     c10::InferenceMode inference;  // the engine's weights are inference tensors
     std::vector<dist::WorkPtr> works(p.buckets.size());
     auto issue = [&](size_t k) {
-      const Bucket& b = p.buckets[k];
-      at::Tensor buf = m.buffers[k % 2].narrow(0, 0, b.numel);
       // The buffer's previous bucket (k - 2) was placed on this stream before this packing runs.
-      if (b.sender == me)
-        for (const auto& s : b.sources)
-          buf.narrow(0, s.bucket_offset, s.numel).copy_(m.sources[s.unit].narrow(0, s.shard_begin, s.numel));
-      works[k] = m.comm.broadcast(buf, b.sender);
+      m.packer.pack(k, me);
+      works[k] = m.comm.broadcast(m.packer.buffer(k), p.buckets[k].sender);
     };
     if (!p.buckets.empty()) issue(0);
     for (size_t k = 0; k < p.buckets.size(); ++k) {
       if (k + 1 < p.buckets.size()) issue(k + 1);
       works[k]->wait_on_stream();
       r.weights_changed = true;
-      m.sink.placer.place(k, m.buffers[k % 2].narrow(0, 0, p.buckets[k].numel));
+      m.sink.placer.place(k, m.packer.buffer(k));
     }
     for (auto& w : works) w->wait(vote_deadline);
-    synchronize(m.device);  // the copies into the engine's weights are complete
+    synchronize(m.packer.device());  // the copies into the engine's weights are complete
   } catch (const std::exception& e) {
     r.error = fmt::format("{} failed {}: {}", what,
                           r.weights_changed ? "part way, the engine's weights are incomplete" : "before any weight changed",

@@ -1,9 +1,9 @@
 // The actor side of a weight sync (weight_sync.h).
-#include <array>
 #include <chrono>
 
 #include <fmt/format.h>
 
+#include "sync/bucket_packer.h"
 #include "sync/protocol.h"
 #include "tiller/core/deadline.h"
 #include "tiller/core/error.h"
@@ -18,37 +18,19 @@ struct WeightSender::Impl {
   dist::Communicator& comm;
   BucketPlan plan;
   double timeout_s;
-  at::ScalarType wire;
-  at::Device device = at::kCPU;
-  std::vector<at::Tensor> sources;  // per unit: the shard the wire bytes are taken from
-  std::array<at::Tensor, 2> buffers;
+  BucketPacker packer;
 
   Impl(zero::ShardedModel& a, dist::Communicator& c, BucketPlan p, double t)
-      : actor(a), comm(c), plan(std::move(p)), timeout_s(t), wire(protocol::wire_scalar_type(plan.wire_dtype)) {}
+      : actor(a), comm(c), plan(std::move(p)), timeout_s(t), packer(plan, actor, "weight sync") {}
 };
 
 WeightSender::WeightSender(zero::ShardedModel& actor, dist::Communicator& comm, BucketPlan plan, double timeout_s)
     : impl_(std::make_unique<Impl>(actor, comm, std::move(plan), timeout_s)) {
   Impl& m = *impl_;
-  const auto shards = actor.shards();
   if (m.plan.senders != actor.world() || comm.rank() != actor.rank() || comm.size() <= actor.world())
     throw ConfigError(fmt::format("weight sync: the plan is for {} actor ranks and the actor group has {}; actor rank "
                                   "{} must be rank {} of the sync communicator ({} ranks: the actor's, then the engines')",
                                   m.plan.senders, actor.world(), actor.rank(), comm.rank(), comm.size()));
-  if (shards.size() != m.plan.units.size())
-    throw ConfigError(fmt::format("weight sync: the plan has {} units, the actor {}", m.plan.units.size(), shards.size()));
-  for (size_t u = 0; u < shards.size(); ++u) {
-    const auto& s = shards[u];
-    if (s.name != m.plan.units[u].name || s.compute.numel() != m.plan.units[u].shard_numel)
-      throw ConfigError(fmt::format("weight sync: plan unit {} is '{}' of {} elements per rank; the actor's is '{}' of {}",
-                                    u, m.plan.units[u].name, m.plan.units[u].shard_numel, s.name, s.compute.numel()));
-    // The wire dtype's values: the compute shard when it is that dtype (what the actor's own
-    // forward uses), else the fp32 master rounded once.
-    m.sources.push_back(s.compute.scalar_type() == m.wire || !s.master.defined() ? s.compute : s.master);
-  }
-  m.device = shards.front().compute.device();
-  const auto opts = at::TensorOptions().dtype(m.wire).device(m.device);
-  for (auto& b : m.buffers) b = at::empty({m.plan.largest_bucket_numel()}, opts);
 }
 
 WeightSender::~WeightSender() = default;
@@ -60,7 +42,7 @@ SyncStats WeightSender::send(uint64_t version) {
   const auto t0 = std::chrono::steady_clock::now();
   const Deadline deadline = Deadline::after_seconds(m.timeout_s);
   m.comm.set_timeout(m.timeout_s);
-  const auto control = protocol::control_options(m.comm, m.device);
+  const auto control = protocol::control_options(m.comm, m.packer.device());
   const int me = m.comm.rank();
 
   at::Tensor header = at::zeros({protocol::kHeaderWords}, control);
@@ -78,17 +60,13 @@ SyncStats WeightSender::send(uint64_t version) {
                                   protocol::refusals(votes, m.plan.senders)));
 
   {
-    protocol::SideStream pack(m.device);  // packing, and the order NCCL follows for each bucket
+    protocol::SideStream pack(m.packer.device());  // packing, and the order NCCL follows for each bucket
     std::vector<dist::WorkPtr> works(m.plan.buckets.size());
     for (size_t k = 0; k < m.plan.buckets.size(); ++k) {
-      const Bucket& b = m.plan.buckets[k];
-      at::Tensor buf = m.buffers[k % 2].narrow(0, 0, b.numel);
       // The buffer's last use (bucket k - 2) must be off the wire before it is written again.
       if (k >= 2) works[k - 2]->wait_on_stream();
-      if (b.sender == me)
-        for (const auto& s : b.sources)
-          buf.narrow(0, s.bucket_offset, s.numel).copy_(m.sources[s.unit].narrow(0, s.shard_begin, s.numel));
-      works[k] = m.comm.broadcast(buf, b.sender);
+      m.packer.pack(k, me);
+      works[k] = m.comm.broadcast(m.packer.buffer(k), m.plan.buckets[k].sender);
     }
     for (auto& w : works) w->wait(deadline);
   }
