@@ -68,6 +68,9 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   const int sp = o.sequence_parallel;
   if (comm.size() % sp != 0)
     throw ConfigError(fmt::format("--sequence-parallel {} must divide the {} ranks", sp, comm.size()));
+  if (o.seq * o.micro_batch < sp)
+    throw ConfigError(fmt::format("--sequence-parallel {}: a group's {} tokens leave some ranks nothing to time; "
+                                  "raise --seq or --micro-batch", sp, o.seq * o.micro_batch));
   std::unique_ptr<dist::Communicator> seq_group;
   if (sp > 1) {
     zero::check_sequence_parallel(cfg, sp, "--sequence-parallel");

@@ -304,11 +304,6 @@ void JobConfig::validate_sequence_parallel() const {
   }
 }
 
-int64_t JobConfig::sequence_parallel(std::string_view role) const {
-  const RoleConfig& r = role_by_name(*this, std::string(role));
-  return r.colocate_with.empty() ? r.sequence_parallel : role_by_name(*this, r.colocate_with).sequence_parallel;
-}
-
 void JobConfig::validate_hybrid() const {
   for (const char* name : {"actor", "critic", "ref", "reward"}) {
     const RoleConfig& r = role_by_name(*this, name);

@@ -154,7 +154,10 @@ struct RoleWorker::Impl {
     auto opts = zero::role_options(std::string(role_name(role)), role_config(cfg, role), cfg.train, trainable, head,
                                    device);
     auto m = std::make_unique<zero::ShardedModel>(mc, *comm, opts);
-    const int sp = static_cast<int>(cfg.sequence_parallel(role_name(role)));
+    const dist::RoleGroup* group_plan = plan.group(role);
+    TILLER_CHECK(group_plan != nullptr, "rank {} has role {} but the rank plan has no group for it", rank,
+                 role_name(role));
+    const int sp = group_plan->sequence_parallel;  // the role's own, or its host's when colocated
     if (sp > 1) {
       const std::string key = fmt::format("roles.{}.sequence_parallel", role_name(role));
       zero::check_sequence_parallel(mc, sp, key);

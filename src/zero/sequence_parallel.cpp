@@ -1,5 +1,6 @@
 #include "tiller/zero/sequence_parallel.h"
 
+#include <algorithm>
 #include <numeric>
 
 #include <torch/csrc/autograd/custom_function.h>
@@ -58,16 +59,13 @@ struct AllToAll : public torch::autograd::Function<AllToAll> {
   }
 };
 
-// The KV heads that rank g's query heads use, for every g in turn: [S * per_rank] indices.
-at::Tensor kv_head_index(int64_t heads, int64_t kv_heads, int s, at::Device device) {
-  std::vector<int64_t> idx;
-  const int64_t q_per_rank = heads / s, group = heads / kv_heads;
-  const int64_t per_rank = kv_heads % s == 0 ? kv_heads / s : 1;
-  for (int g = 0; g < s; ++g) {
-    const int64_t first = g * q_per_rank / group;
-    for (int64_t i = 0; i < per_rank; ++i) idx.push_back(first + i);
-  }
-  return at::tensor(idx, at::kLong).to(device);
+// x [c, kv_heads, d] as [c, S, per_rank, d]: the KV heads that rank g's query heads use, at [:, g].
+// Split when S divides the KV heads; else each KV head serves S / kv_heads consecutive ranks, so
+// it is repeated that many times (the backward of the repeat sums the copies' gradients).
+at::Tensor kv_heads_by_rank(const at::Tensor& x, int s) {
+  const int64_t c = x.size(0), kv_heads = x.size(1), d = x.size(2);
+  if (kv_heads % s == 0) return x.reshape({c, s, kv_heads / s, d});
+  return x.repeat_interleave(s / kv_heads, 1).view({c, s, 1, d});
 }
 
 }  // namespace
@@ -85,18 +83,21 @@ at::Tensor ulysses_attention(dist::Communicator& group, const at::Tensor& q, con
   TILLER_CHECK(heads % s == 0 && (kv_heads % s == 0 || s % kv_heads == 0),
                "sequence parallel over {} ranks with {} heads and {} KV heads", s, heads, kv_heads);
   const int64_t hq = heads / s, hk = kv_heads % s == 0 ? kv_heads / s : 1;
-  at::Tensor kv_idx = kv_head_index(heads, kv_heads, s, q.device());
   // [c, S, hq + 2 hk, d]: rank g's heads side by side, then rank-major for the exchange.
-  at::Tensor send = at::cat({q.reshape({c, s, hq, d}), k.index_select(1, kv_idx).view({c, s, hk, d}),
-                             v.index_select(1, kv_idx).view({c, s, hk, d})},
-                            2)
-                        .transpose(0, 1);
+  at::Tensor send = at::cat({q.reshape({c, s, hq, d}), kv_heads_by_rank(k, s), kv_heads_by_rank(v, s)}, 2).transpose(0, 1);
   // [S (source rank), c, hq + 2 hk, d] = the whole row's rows, in order, for this rank's heads.
   at::Tensor recv = all_to_all(group, send).view({s * c, hq + 2 * hk, d});
   at::Tensor out = model::varlen_attention(recv.narrow(1, 0, hq), recv.narrow(1, hq, hk), recv.narrow(1, hq + hk, hk),
                                            spec, scale, backend);  // [S c, hq, d]
   // Rows i c .. (i+1) c back to rank i: [S (head group), c, hq, d] -> [c, H, d].
   return all_to_all(group, out.view({s, c, hq, d})).transpose(0, 1).reshape({c, heads, d});
+}
+
+void use_ulysses(model::BlockContext& ctx, dist::Communicator& group) {
+  ctx.attention = [g = &group](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const model::VarlenSpec& spec, double scale, model::AttentionBackend b) {
+    return ulysses_attention(*g, q, k, v, spec, scale, b);
+  };
 }
 
 SliceInput prepare_slice(const model::Rope& rope, const SequenceSlice& slice,
@@ -116,28 +117,28 @@ SliceInput prepare_slice(const model::Rope& rope, const SequenceSlice& slice,
   std::vector<int64_t> lens = slice.seq_lens;
   const int64_t pad = s * in.padded - split.rows;
   if (pad > 0) lens.push_back(pad);
+  // RoPE tables for this rank's rows only, unless the scaling depends on each whole sequence
+  // (dynamic NTK): then for the whole row, and this rank's rows of them.
+  const bool whole_row = rope.per_sequence() && s > 1;
+  const int64_t first = s == 1 ? 0 : j * in.padded;
+  const int64_t from = whole_row ? 0 : first, to = whole_row ? s * in.padded : first + in.padded;
   std::vector<int64_t> positions;
   std::vector<int32_t> cu{0};
-  positions.reserve(static_cast<size_t>(split.rows + pad));
+  positions.reserve(static_cast<size_t>(to - from));
   for (int64_t len : lens) {
-    for (int64_t t = 0; t < len; ++t) positions.push_back(t);
     TILLER_CHECK(cu.back() + len < (int64_t{1} << 31), "a packed row holds at most 2^31 tokens");
-    cu.push_back(static_cast<int32_t>(cu.back() + len));
+    const int64_t start = cu.back();
+    for (int64_t r = std::max(start, from); r < std::min(start + len, to); ++r) positions.push_back(r - start);
+    cu.push_back(static_cast<int32_t>(start + len));
   }
   const at::Tensor pos = at::tensor(positions, at::kLong).to(device);
   const at::Tensor cu_t = at::tensor(cu, at::kInt).to(device);
-  auto [cos, sin] = rope.tables(pos, dtype, lens);
-  const int64_t first = s == 1 ? 0 : j * in.padded;
-  in.ctx.cos = cos.narrow(0, first, in.padded);
-  in.ctx.sin = sin.narrow(0, first, in.padded);
+  auto [cos, sin] = rope.tables(pos, dtype, whole_row || s == 1 ? lens : std::vector<int64_t>{});
+  in.ctx.cos = whole_row ? cos.narrow(0, first, in.padded) : cos;
+  in.ctx.sin = whole_row ? sin.narrow(0, first, in.padded) : sin;
   in.ctx.backend = backend;
   in.ctx.attn = model::VarlenSpec::self(cu_t, lens);
-  if (s > 1) {
-    in.ctx.attention = [group](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const model::VarlenSpec& spec, double scale, model::AttentionBackend b) {
-      return ulysses_attention(*group, q, k, v, spec, scale, b);
-    };
-  }
+  if (s > 1) use_ulysses(in.ctx, *group);
   at::Tensor tokens = n > 0 ? slice.tokens.to(device, at::kLong) : at::empty({0}, at::TensorOptions(at::kLong).device(device));
   if (in.padded > n) tokens = at::cat({tokens, at::zeros({in.padded - n}, tokens.options())});
   in.tokens = tokens;

@@ -196,12 +196,7 @@ struct ShardedModel::Impl {
     ctx.sin = sin;
     ctx.attn = model::VarlenSpec::self(cu, lens);
     ctx.backend = opts.attention;
-    if (sequence) {  // the recomputation of a sequence-parallel block exchanges heads as its forward did
-      ctx.attention = [g = sequence](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const model::VarlenSpec& spec, double scale, model::AttentionBackend b) {
-        return ulysses_attention(*g, q, k, v, spec, scale, b);
-      };
-    }
+    if (sequence) use_ulysses(ctx, *sequence);  // the recomputation exchanges heads as its forward did
     return ctx;
   }
   at::Tensor run_block(int64_t layer, const std::vector<at::Tensor>& params, const at::Tensor& x,

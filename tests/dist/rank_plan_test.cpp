@@ -241,6 +241,18 @@ TEST(RankPlan, ImpossibleRequestsSayWhatToChange) {
 }
 
 // cluster.hybrid: one engine per engines.tp actor ranks, inside them; no engine ranks of its own.
+TEST(RankPlan, SequenceGroupsComeFromTheRoleOrItsHost) {
+  JobConfig c = make_config({.actor = 4, .critic = 2, .engines = 1, .tp = 1});
+  c.roles.actor.sequence_parallel = 4;
+  c.roles.critic.sequence_parallel = 2;
+  c.validate();
+  const RankPlan plan = plan_on(c, {8});
+  EXPECT_EQ(plan.group(Role::kActor)->sequence_parallel, 4);
+  EXPECT_EQ(plan.group(Role::kRef)->sequence_parallel, 4);  // colocated with the actor: its slices
+  EXPECT_EQ(plan.group(Role::kCritic)->sequence_parallel, 2);
+  EXPECT_NE(plan.table().find("sequence parallel 4 (1 groups of consecutive ranks)"), std::string::npos) << plan.table();
+}
+
 TEST(RankPlan, HybridPutsAnEngineOnEveryActorGpu) {
   JobConfig c = make_config({.actor = 4, .critic = 0, .engines = 1, .tp = 2});
   c.cluster.hybrid = true;

@@ -205,11 +205,17 @@ at::Tensor slice_loss(const SliceRun& r, const MicroBatch& mb, int64_t total_tok
 // Trains `steps` steps on both sides and checks after each one. With `sp` > 1 the group's ranks
 // form world / sp sequence groups; each takes the rows of one micro-batch that its slice holds,
 // and its outputs are checked row by row against the reference's before each step.
-void expect_sharded_equals_unsharded(const std::string& preset, Head head, int sp = 1, int64_t window = 0) {
+void expect_sharded_equals_unsharded(const std::string& preset, Head head, int sp = 1, int64_t window = 0,
+                                     bool dynamic_rope = false) {
   const int world = comm().size(), me = comm().rank();
   if (world % sp != 0) GTEST_SKIP() << sp << " does not divide " << world << " ranks";
   ModelConfig cfg = config(preset);
   if (window > 0) cfg.layer_window.assign(static_cast<size_t>(cfg.num_layers), window);
+  if (dynamic_rope) {  // dynamic NTK past 6 positions: each row's table depends on its whole sequence
+    cfg.max_position_embeddings = 6;
+    cfg.rope_scaling.type = "dynamic";
+    cfg.rope_scaling.factor = 2.0;
+  }
   // eps well above the rounding noise of gradients that are zero in exact arithmetic (k_proj's
   // bias: softmax ignores a constant added to every key), where Adam's m / sqrt(v) would turn
   // noise into full-size updates of random sign. The update formula itself is checked
@@ -298,6 +304,9 @@ TEST_P(SequenceParallel, Qwen2BiasTiedHeadEqualsNoSp) {
 }
 TEST_P(SequenceParallel, MistralSlidingWindowOneKvHeadEqualsNoSp) {
   expect_sharded_equals_unsharded("tiny-mistral", Head::kLm, GetParam(), /*window=*/4);
+}
+TEST_P(SequenceParallel, DynamicRopeScalingEqualsNoSp) {
+  expect_sharded_equals_unsharded("tiny-llama", Head::kLm, GetParam(), 0, /*dynamic_rope=*/true);
 }
 TEST_P(SequenceParallel, ValueHeadEqualsNoSp) {
   expect_sharded_equals_unsharded("tiny-llama", Head::kValue, GetParam());

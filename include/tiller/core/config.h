@@ -270,8 +270,6 @@ struct JobConfig {
   void validate_sequence_parallel() const;  // roles.*.sequence_parallel against gpus and colocation (part of validate)
   // The engines the job runs: engines.count, or with cluster.hybrid one per engines.tp actor GPUs.
   std::int64_t engine_count() const;
-  // Role `role`'s sequence-parallel size: its own, or its host's when colocated.
-  std::int64_t sequence_parallel(std::string_view role) const;
 };
 
 // Loads `path`, then applies `overrides` ("a.b=c", values in YAML syntax) in order, then validates.

@@ -51,6 +51,8 @@ class Rope {
   std::pair<at::Tensor, at::Tensor> tables(const at::Tensor& positions, at::ScalarType dtype,
                                            const std::vector<int64_t>& seq_lens = {}) const;
   const at::Tensor& inv_freq() const { return inv_freq_; }  // [head_dim / 2], fp32, CPU
+  // Whether a row's table depends on its whole sequence (dynamic NTK), not on its position alone.
+  bool per_sequence() const { return cfg_.rope_scaling.type == "dynamic"; }
   double attention_scaling() const { return attention_scaling_; }
 
  private:

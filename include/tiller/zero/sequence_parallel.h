@@ -82,6 +82,9 @@ SliceInput prepare_slice(const model::Rope& rope, const SequenceSlice& slice,
 at::Tensor ulysses_attention(dist::Communicator& group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const model::VarlenSpec& spec, double scale, model::AttentionBackend backend);
 
+// Sets ctx's attention to ulysses_attention over `group` (which must outlive ctx's use).
+void use_ulysses(model::BlockContext& ctx, dist::Communicator& group);
+
 // out = the all-to-all of x over `group` (communicator.h): x's first dimension is the group's
 // size. Differentiable (its backward is the same exchange). Collective.
 at::Tensor all_to_all(dist::Communicator& group, const at::Tensor& x);
