@@ -8,7 +8,8 @@
 // MFU with the peer's formula (6 x non-embedding-head parameters + causal attention, against
 // 989 TFLOP/s), peak memory, and where the step's time goes: optimizer; exposed communication
 // (GPU time compute stood waiting for a gather or reduce-scatter, from CUDA events); the rest is
-// compute, of which recomputation is estimated as the blocks' forward share of the FLOPs.
+// compute, of which recomputation is estimated as the recomputed forward's share of the FLOPs.
+// --recompute picks what the backward recomputes (train.recompute; auto as tiller train chooses).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -26,8 +27,10 @@
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/dist/mpi_env.h"
+#include "tiller/model/storage_swap.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
+#include "tiller/rollout/memory_plan.h"
 #include "tiller/zero/sharded_model.h"
 
 namespace tiller::cli {
@@ -44,7 +47,27 @@ struct TrainBenchOptions {
   int64_t chunk_rows = 2048;
   std::string out;
   std::string profile;  // Chrome trace of rank 0's last step
+  std::string recompute = "auto";  // train.recompute's choices
 };
+
+// --recompute auto: the most kept activations that fit this GPU with what `tiller train` keeps in
+// reserve, an eighth of the activations as margin, the shards and state, two gathered units and a
+// unit's gradient buffers (as the memory plan counts them). blocks on CPU.
+zero::Recompute choose_recompute(const TrainBenchOptions& o, const model::ModelConfig& cfg,
+                                 const zero::ShardedModel& m, int64_t tokens_per_rank) {
+  if (o.recompute != "auto") return zero::parse_recompute(o.recompute, "--recompute");
+  const int64_t gpu = model::device_memory(m.options().device).total;
+  if (gpu <= 0) return zero::Recompute::kBlocks;
+  const int64_t c = m.options().compute_dtype == at::kFloat ? 4 : 2;
+  int64_t unit = 0;
+  for (const auto& u : m.shards()) unit = std::max<int64_t>(unit, u.compute.numel() * m.world());
+  const int64_t fixed = m.memory().total() + 2 * unit * c + unit * (c + 8) + rollout::kReserveBytes;
+  for (zero::Recompute r : {zero::Recompute::kNone, zero::Recompute::kAttentionOnly}) {
+    const int64_t act = rollout::train_activation_bytes(cfg, tokens_per_rank, c, r);
+    if (fixed + act + act / 8 <= gpu) return r;
+  }
+  return zero::Recompute::kBlocks;
+}
 
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -81,6 +104,12 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
     const model::NamedTensors init = model::init_weights(cfg, model::Head::kLm, 1, mo.compute_dtype, dev);
     model.load(init, o.model);
   }
+  // Every rank takes the least-memory choice of any (one mode per sequence group).
+  at::Tensor mode = at::full({1}, static_cast<float>(choose_recompute(o, cfg, model, o.seq * o.micro_batch / sp)),
+                             at::kFloat);
+  bc.world->all_reduce(mode, dist::ReduceOp::kMin)->wait();
+  const auto recompute = static_cast<zero::Recompute>(static_cast<int>(mode.item<float>()));
+  model.set_recompute(recompute);
 
   std::vector<std::vector<int64_t>> seqs;
   // A sequence group shares its data: the same sequences on each of its ranks, which keep their slice.
@@ -143,6 +172,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   r["seq"] = o.seq;
   r["mbs"] = o.micro_batch;
   r["sequence_parallel"] = sp;
+  r["recompute"] = zero::recompute_name(recompute);
   r["tokens_per_gpu_per_step"] = tokens;
   r["steps_timed"] = o.steps - 2;
   r["step_s"] = step;
@@ -153,7 +183,14 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   b["forward_backward_s"] = fb;
   b["exposed_comm_s"] = waited;
   b["compute_s"] = compute;
-  b["recompute_est_s"] = compute * block_fwd / (4 * block_fwd + head_flops);
+  // What the backward recomputes: whole blocks, the attention half, or nothing.
+  const double attn_params = static_cast<double>(cfg.num_layers) *
+                             (cfg.hidden_size * (cfg.q_size() + 2 * cfg.kv_size()) + cfg.q_size() * cfg.hidden_size);
+  const double redone = recompute == zero::Recompute::kBlocks          ? block_fwd
+                        : recompute == zero::Recompute::kAttentionOnly ? 2.0 * attn_params +
+                                                                             2.0 * cfg.num_layers * cfg.hidden_size * o.seq
+                                                                       : 0.0;
+  b["recompute_est_s"] = compute * redone / (3 * block_fwd + redone + head_flops);
   b["optimizer_s"] = opt;
   r["breakdown"] = b;
   if (env.rank() == 0) {
@@ -178,6 +215,9 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   tr->add_option("--chunk-rows", o->chunk_rows, "Rows per log-prob chunk")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   tr->add_option("--timeout", o->timeout_s, "Deadline of each collective, seconds")->check(CLI::Range(0.001, 1e7));
   tr->add_option("--out", o->out, "Also write the JSON here");
+  tr->add_option("--recompute", o->recompute,
+                 "auto (the most kept activations that fit the GPU; blocks on CPU), blocks, attention_only or none")
+      ->check(CLI::IsMember({"auto", "blocks", "attention_only", "none"}));
   tr->add_option("--profile", o->profile, "Write a Chrome trace (torch.profiler format) of rank 0's last step here");
   tr->callback([&run, o, &argc, &argv] { run = [o, &argc, &argv] { return run_train_bench(*o, &argc, &argv); }; });
 }

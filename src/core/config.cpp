@@ -149,6 +149,16 @@ std::string field_text(const JobConfig& config, const Field& f) {
   return "";
 }
 
+// Keys that once existed: an error that says what replaced them (not a spelling suggestion).
+void refuse_retired(const std::string& path, const std::string& where) {
+  const std::string suffix = ".gradient_checkpointing";
+  if (path.rfind("roles.", 0) == 0 && path.size() > suffix.size() &&
+      path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0)
+    throw ConfigError(fmt::format("{}: '{}' was replaced by train.recompute (auto, blocks, attention_only or none; "
+                                  "blocks is what gradient_checkpointing: true did)",
+                                  where, path));
+}
+
 void load_map(JobConfig& config, const YAML::Node& map, const std::string& prefix, const std::string& origin) {
   // YAML leaves a repeated key to the reader and yaml-cpp keeps both (the last one would win):
   // a repeated key or section is almost always an edit that went to the wrong place.
@@ -171,6 +181,7 @@ void load_map(JobConfig& config, const YAML::Node& map, const std::string& prefi
       }
       load_map(config, it->second, path, origin);
     } else {
+      refuse_retired(path, where);
       throw ConfigError(fmt::format("{}: unknown key '{}'; did you mean '{}'?", where, path, closest_key(path)));
     }
   }
@@ -352,6 +363,7 @@ void apply_override(JobConfig& config, const std::string& assignment) {
       throw ConfigError(fmt::format("--set {}: '{}' is a section; set one of its keys, e.g. {}", path, path,
                                     closest_key(path + ".x")));
     }
+    refuse_retired(path, "--set " + path);
     throw ConfigError(fmt::format("--set {}: unknown key '{}'; did you mean '{}'?", path, path, closest_key(path)));
   }
   YAML::Node value;

@@ -73,8 +73,6 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
   b.add(p + "dtype", [get](JobConfig& c) { return &get(c).dtype; },
         "Compute dtype of the role's forward and backward passes.")
       .one_of({"bf16", "fp32"});
-  b.add(p + "gradient_checkpointing", [get](JobConfig& c) { return &get(c).gradient_checkpointing; },
-        "Recompute each transformer block in the backward pass instead of storing activations.");
   b.add(p + "replicate", [get](JobConfig& c) { return &get(c).replicate; },
         "Frozen roles (ref, reward) only: hold a full replica on every rank instead of ZeRO-3 shards.");
   b.add(p + "offload", [get](JobConfig& c) { return &get(c).offload; },
@@ -291,6 +289,12 @@ std::vector<Field> build() {
       .range(1, kMaxCount);
   b.add("train.micro_batch_tokens", TILLER_FIELD(train.micro_batch_tokens),
         "Token budget of one packed training micro-batch per rank.").range(1, kMaxBatchTokens);
+  b.add("train.recompute", TILLER_FIELD(train.recompute),
+        "What the trained roles recompute in the backward pass instead of keeping: blocks (keep each block's input, "
+        "recompute the block: least memory), attention_only (also keep the MLP's activations, recompute the attention "
+        "half), none (keep everything), or auto: the most kept that the memory plan fits on the GPU (tiller plan prints "
+        "the choice; blocks on CPU).")
+      .one_of({"auto", "blocks", "attention_only", "none"});
   b.add("train.actor_lr", TILLER_FIELD(train.actor_lr), "Actor learning rate.").range(0.0, 1.0);
   b.add("train.critic_lr", TILLER_FIELD(train.critic_lr), "Critic learning rate.").range(0.0, 1.0);
   b.add("train.weight_decay", TILLER_FIELD(train.weight_decay), "AdamW weight decay (not on norms and biases).")

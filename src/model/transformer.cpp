@@ -104,17 +104,12 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
 
 }  // namespace
 
-at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
+namespace {
+
+// The attention sublayer's output projection for normed input h [T, hidden] (before the residual add).
+at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& h,
                          BlockContext& ctx) {
-  const int64_t t = x.size(0);
-  at::Tensor stream = x;  // the residual stream, updated in place under fuse_residual
-  at::Tensor h;
-  if (ctx.deferred.defined()) {
-    h = add_rms_norm(stream, ctx.deferred, w.input_norm, cfg.rms_norm_eps);
-    ctx.deferred = at::Tensor();
-  } else {
-    h = rms_norm(x, w.input_norm, cfg.rms_norm_eps);
-  }
+  const int64_t t = h.size(0);
   at::Tensor q, k, v;
   if (w.qkv_proj.defined()) {
     const at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias);
@@ -153,14 +148,11 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
                                    : varlen_attention(q, k, v, spec, scale, ctx.backend);
   at::Tensor o = project(attn.reshape({t, cfg.q_size()}), w.o_proj);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(o);
-  at::Tensor y;
-  if (ctx.fuse_residual) {
-    y = stream;
-    h = add_rms_norm(y, o, w.post_attn_norm, cfg.rms_norm_eps);
-  } else {
-    y = stream + o;
-    h = rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps);
-  }
+  return o;
+}
+
+// The MLP's output for normed input h (before the residual add).
+at::Tensor mlp_out(const LayerWeights& w, const at::Tensor& h, BlockContext& ctx) {
   at::Tensor act;
   if (w.gate_up_proj.defined()) {
     act = swiglu_packed(project(h, w.gate_up_proj));
@@ -169,9 +161,37 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   }
   at::Tensor mlp = project(act, w.down_proj);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(mlp);
-  if (!ctx.fuse_residual) return y + mlp;
-  ctx.deferred = mlp;
-  return y;
+  return mlp;
+}
+
+}  // namespace
+
+at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
+                         BlockContext& ctx) {
+  if (!ctx.fuse_residual) return mlp_residual(cfg, w, attention_residual(cfg, layer, w, x, ctx), ctx);
+  at::Tensor stream = x;  // the residual stream, updated in place
+  at::Tensor h;
+  if (ctx.deferred.defined()) {
+    h = add_rms_norm(stream, ctx.deferred, w.input_norm, cfg.rms_norm_eps);
+    ctx.deferred = at::Tensor();
+  } else {
+    h = rms_norm(x, w.input_norm, cfg.rms_norm_eps);
+  }
+  const at::Tensor o = attention_out(cfg, layer, w, h, ctx);
+  h = add_rms_norm(stream, o, w.post_attn_norm, cfg.rms_norm_eps);
+  ctx.deferred = mlp_out(w, h, ctx);
+  return stream;
+}
+
+at::Tensor attention_residual(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
+                              BlockContext& ctx) {
+  TILLER_CHECK(!ctx.fuse_residual && !ctx.deferred.defined(), "attention_residual: not with fuse_residual");
+  return x + attention_out(cfg, layer, w, rms_norm(x, w.input_norm, cfg.rms_norm_eps), ctx);
+}
+
+at::Tensor mlp_residual(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& y, BlockContext& ctx) {
+  TILLER_CHECK(!ctx.fuse_residual, "mlp_residual: not with fuse_residual");
+  return y + mlp_out(w, rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps), ctx);
 }
 
 void add_deferred(at::Tensor& x, BlockContext& ctx) {

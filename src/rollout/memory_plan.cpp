@@ -58,11 +58,26 @@ int64_t block_internals_per_token(const model::ModelConfig& c, int64_t bytes) {
   return 2 * (4 * c.hidden_size + c.q_size() + 2 * c.kv_size() + 3 * c.intermediate_size) * bytes;
 }
 
-int64_t train_activations(const model::ModelConfig& c, int64_t tokens, int64_t bytes, bool checkpointing) {
-  const int64_t per_token = checkpointing ? c.num_layers * c.hidden_size * bytes + block_internals_per_token(c, bytes)
-                                          : c.num_layers * block_internals_per_token(c, bytes);
+}  // namespace
+
+int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int64_t bytes, zero::Recompute mode) {
+  // What autograd keeps of one block per token (elements; zero/sharded_model.cpp's modes):
+  // the block's input; the attention half's normed input, RoPE'd q and k, v and the attention
+  // output (q and k twice more before RoPE with qk_norm); the MLP half's input, normed input,
+  // gate, up and their product.
+  const int64_t input = c.hidden_size;
+  const int64_t attention = c.hidden_size + 2 * c.q_size() + 2 * c.kv_size() + (c.qk_norm ? c.q_size() + c.kv_size() : 0);
+  const int64_t mlp = 2 * c.hidden_size + 3 * c.intermediate_size;
+  int64_t kept = input;
+  if (mode == zero::Recompute::kAttentionOnly) kept += mlp;
+  if (mode == zero::Recompute::kNone) kept += attention + mlp;
+  // One block's backward in flight: what it recomputes (kBlocks, kAttentionOnly) and the
+  // gradients of its activations.
+  const int64_t per_token = c.num_layers * kept * bytes + block_internals_per_token(c, bytes);
   return tokens * per_token + kLogitRows * c.vocab_size * 4 * 3;  // logits, softmax, their gradient
 }
+
+namespace {
 
 int64_t score_activations(const model::ModelConfig& c, int64_t tokens, int64_t bytes) {
   return tokens * (block_internals_per_token(c, bytes) / 2 + 2 * c.hidden_size * bytes) + kLogitRows * c.vocab_size * 4 * 2;
@@ -108,8 +123,14 @@ int64_t RankMemory::peak() const {
   return p ? p->total() : 0;
 }
 
-MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes) {
+namespace {
+
+constexpr const char* kTrainActivations = "activations (train.micro_batch_tokens)";
+
+MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes,
+                     zero::Recompute recompute) {
   MemoryPlan out;
+  out.recompute = recompute;
   out.gpu_bytes = gpu_bytes;
   out.shared_gpus = cfg.cluster.ranks_per_gpu > 1;
   const bool hybrid = plan.hybrid;
@@ -142,7 +163,7 @@ MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const M
       add(gen, name + " state", rc.offload ? 0 : state);
       if (!rc.replicate) gathers = std::max(gathers, 2 * s.largest_unit * c);
       if (role_trains(r)) {
-        act_train = std::max(act_train, train_activations(*mc, cfg.train.micro_batch_tokens, c, rc.gradient_checkpointing));
+        act_train = std::max(act_train, train_activation_bytes(*mc, cfg.train.micro_batch_tokens, c, recompute));
         // A unit's parameter gradients in the compute dtype, and two fp32 flat buffers of it (the
         // reduce-scatter in flight and the one being filled).
         grad_buffers = std::max(grad_buffers, s.largest_unit * (c + 2 * 4));
@@ -151,7 +172,7 @@ MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const M
     }
     add(train, "gathered units", gathers);
     add(gen, "gathered units", gathers);
-    add(train, "activations (train.micro_batch_tokens)", act_train);
+    add(train, kTrainActivations, act_train);
     add(train, "gradient buffers", grad_buffers);
     add(gen, "activations (scoring)", act_score);
     if (a.engine >= 0) {
@@ -203,6 +224,46 @@ MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const M
   return out;
 }
 
+// Every phase fits with the reserve, and the train phase with an eighth of its activations more
+// (the margin of an estimate that decides how much to keep).
+bool fits_with_margin(const MemoryPlan& m) {
+  for (const auto& r : m.ranks)
+    for (const auto& p : r.phases) {
+      int64_t margin = 0;
+      if (p.phase == Phase::kTrain)
+        for (const auto& [name, b] : p.items)
+          if (name == kTrainActivations) margin = b / 8;
+      if (p.total() + margin + kReserveBytes > m.gpu_bytes) return false;
+    }
+  return true;
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes) {
+  if (cfg.train.recompute != "auto") {
+    MemoryPlan m =
+        plan_with(cfg, plan, shapes, gpu_bytes, zero::parse_recompute(cfg.train.recompute, "train.recompute"));
+    m.recompute_reason = "set by train.recompute";
+    return m;
+  }
+  if (gpu_bytes <= 0 || cfg.cluster.ranks_per_gpu > 1) {
+    MemoryPlan m = plan_with(cfg, plan, shapes, gpu_bytes, zero::Recompute::kBlocks);
+    m.recompute_reason = gpu_bytes <= 0 ? "auto: no GPU size to plan with; tiller train plans with its GPU's" : "auto: ranks share GPUs";
+    return m;
+  }
+  for (zero::Recompute mode : {zero::Recompute::kNone, zero::Recompute::kAttentionOnly}) {
+    MemoryPlan m = plan_with(cfg, plan, shapes, gpu_bytes, mode);
+    if (fits_with_margin(m)) {
+      m.recompute_reason = "auto: the most kept activations that fit";
+      return m;
+    }
+  }
+  MemoryPlan m = plan_with(cfg, plan, shapes, gpu_bytes, zero::Recompute::kBlocks);
+  m.recompute_reason = "auto: keeping more activations does not fit";
+  return m;
+}
+
 const RankMemory* MemoryPlan::overflow() const {
   if (gpu_bytes <= 0 || shared_gpus) return nullptr;
   for (const auto& r : ranks)
@@ -211,12 +272,14 @@ const RankMemory* MemoryPlan::overflow() const {
 }
 
 std::string MemoryPlan::table() const {
-  std::string out = fmt::format("memory per rank (GiB; estimates, {} GiB held back for the CUDA context){}:\n",
+  std::string out = fmt::format("memory per rank (GiB; estimates, {} GiB held back for the CUDA context){}; "
+                                "train.recompute: {} ({}):\n",
                                 gib(kReserveBytes),
                                 shared_gpus  ? std::string(" (ranks share GPUs, cluster.ranks_per_gpu > 1: the fit is "
                                                            "not checked)")
                                 : gpu_bytes > 0 ? fmt::format(" on {} GiB GPUs", gib(gpu_bytes))
-                                                : std::string(" (set cluster.gpu_memory_gb to check the fit)"));
+                                                : std::string(" (set cluster.gpu_memory_gb to check the fit)"),
+                                zero::recompute_name(recompute), recompute_reason);
   for (const auto& r : ranks) {
     out += fmt::format("  rank {} ({}): peak {}{}\n", r.rank, r.label, gib(r.peak()),
                        gpu_bytes <= 0 || shared_gpus         ? ""

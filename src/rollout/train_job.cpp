@@ -259,6 +259,17 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   MemoryPlan memory;
   if (missing.empty()) memory = plan_memory(cfg, plan, shapes, cpu ? 0 : gpu_bytes);
   if (!cpu) check_fits(memory, cfg);
+  // train.recompute: every rank takes the least-memory mode any rank planned (GPUs of different
+  // sizes plan differently; a sequence group's exchanges need one mode). Collective over the world.
+  JobConfig job = cfg;
+  {
+    at::Tensor mode = at::full({1}, static_cast<float>(memory.recompute), at::kFloat);
+    world->all_reduce(mode, dist::ReduceOp::kMin)->wait();
+    const auto agreed = static_cast<zero::Recompute>(static_cast<int>(mode.item<float>()));
+    if (agreed != memory.recompute) memory.recompute_reason += "; lowered to what another rank planned";
+    memory.recompute = agreed;
+    job.train.recompute = zero::recompute_name(memory.recompute);
+  }
   int64_t kv_bytes = 0;
   for (const auto& r : memory.ranks)
     if (r.rank == env.rank() && plan.hybrid) kv_bytes = r.kv_cache_bytes;
@@ -286,7 +297,7 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   // otherwise hold up the teardown of its communicators until their deadline, minutes later.
   RankObjects own;
   try {
-    return run_rank(cfg, env, options, plan, me, groups, *world, device, kv_bytes, own);
+    return run_rank(job, env, options, plan, me, groups, *world, device, kv_bytes, own);
   } catch (const std::exception& e) {
     dist::MpiEnv::fail_job(env.rank(), e);
   }

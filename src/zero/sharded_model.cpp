@@ -298,7 +298,31 @@ struct EmbedSegment : public torch::autograd::Function<EmbedSegment> {
   }
 };
 
-// Segment 1 + layer: one transformer block.
+// Frees the memory of a gathered unit whose views an autograd graph keeps (the kept activations
+// of Recompute::kAttentionOnly / kNone): the storage object stays, its bytes go back to the
+// allocator. On CUDA the allocator orders their reuse after the kernels already queued that read
+// them (same stream), and after the gather's stream (recorded by the communicator).
+void park(const at::Tensor& full) {
+  c10::Storage st = full.storage();
+  st.set_data_ptr_noswap(at::DataPtr(nullptr, full.device()));
+  st.set_nbytes(0);
+}
+// Gives a parked unit's storage the bytes of a fresh gather of the same unit.
+void unpark(const at::Tensor& parked, const at::Tensor& fresh) {
+  c10::Storage from = fresh.storage();
+  c10::Storage to = parked.storage();
+  const size_t n = from.nbytes();
+  TILLER_CHECK(to.nbytes() == 0, "a parked unit that still holds memory");
+  to.set_data_ptr_noswap(from.set_data_ptr(at::DataPtr(nullptr, fresh.device())));
+  to.set_nbytes(n);
+  from.set_nbytes(0);
+}
+
+// Segment 1 + layer: one transformer block. With Recompute::kBlocks only its input is saved and
+// the backward recomputes the whole block; with kNone the forward records the block's graph and
+// the backward runs it; with kAttentionOnly the forward runs the attention half without autograd
+// and records the MLP half's graph, and the backward runs that graph, then recomputes the
+// attention half.
 struct BlockSegment : public torch::autograd::Function<BlockSegment> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, int64_t layer,
                             const at::Tensor& x, const model::BlockContext* block) {
@@ -307,7 +331,36 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     ctx->saved_data["lens"] = block->attn.lens_q;
     ctx->save_for_backward({x, block->cos, block->sin, block->attn.cu_q});
     model::BlockContext bctx = *block;
-    return m->block_forward(layer, x, bctx);
+    const Recompute mode = m->opts.recompute;
+    if (mode == Recompute::kBlocks || x.size(0) == 0) return m->block_forward(layer, x, bctx);
+    const size_t s = static_cast<size_t>(layer) + 1;
+    m->prefetch_segment(s);
+    m->prefetch_segment(s + 1);
+    const at::Tensor full = m->acquire(s);
+    std::vector<at::Tensor> params = leaves(m->units[s].layout.views(full));
+    const model::LayerWeights w = m->layer_weights(layer, s, params);
+    at::Tensor y, kept_in;  // the recorded graph's output and input
+    {
+      at::AutoGradMode on(true);
+      if (mode == Recompute::kNone) {
+        kept_in = x.detach().requires_grad_(true);
+        y = model::block_forward(m->cfg, layer, w, kept_in, bctx);
+      } else {
+        at::Tensor a;
+        {
+          at::AutoGradMode off(false);
+          a = model::attention_residual(m->cfg, layer, w, x, bctx);
+        }
+        kept_in = a.requires_grad_(true);
+        y = model::mlp_residual(m->cfg, w, kept_in, bctx);
+      }
+    }
+    ctx->saved_data["kept_out"] = y;
+    ctx->saved_data["kept_in"] = kept_in;
+    ctx->saved_data["params"] = params;
+    if (!m->local) park(full);
+    m->release_segment(s);
+    return y.detach();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     Impl* m = impl_of(ctx);
@@ -316,19 +369,53 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     const auto saved = ctx->get_saved_variables();
     const size_t s = static_cast<size_t>(layer) + 1;
     m->begin_backward(s);
-    auto params = leaves(m->units[s].layout.views(m->acquire(s)));
+    const at::Tensor full = m->acquire(s);
     at::Tensor x = saved[0].detach().requires_grad_(true);
-    at::Tensor y;
-    {
-      at::AutoGradMode on(true);
-      auto bctx = m->block_context(saved[1], saved[2], saved[3], lens);
-      y = m->run_block(layer, params, x, bctx);
+    variable_list g;
+    at::Tensor gx;
+    if (ctx->saved_data.count("kept_out")) {
+      const at::Tensor y = ctx->saved_data["kept_out"].toTensor();
+      const at::Tensor kept_in = ctx->saved_data["kept_in"].toTensor();
+      variable_list params = ctx->saved_data["params"].toTensorVector();
+      ctx->saved_data.erase("kept_out");
+      ctx->saved_data.erase("kept_in");
+      ctx->saved_data.erase("params");
+      if (!m->local) unpark(params.front(), full);
+      variable_list inputs = params;
+      inputs.push_back(kept_in);
+      g = grads_of(y, inputs, grads[0]);
+      at::Tensor g_in = g.back();
+      g.pop_back();
+      if (m->opts.recompute == Recompute::kNone) {
+        gx = g_in;
+      } else if (g_in.defined()) {  // kAttentionOnly: through the attention half, recomputed
+        at::Tensor a;
+        {
+          at::AutoGradMode on(true);
+          auto bctx = m->block_context(saved[1], saved[2], saved[3], lens);
+          a = model::attention_residual(m->cfg, layer, m->layer_weights(layer, s, params), x, bctx);
+        }
+        inputs = params;
+        inputs.push_back(x);
+        variable_list ga = grads_of(a, inputs, g_in);
+        gx = ga.back();
+        for (size_t i = 0; i < g.size(); ++i)
+          if (ga[i].defined()) g[i] = g[i].defined() ? g[i] + ga[i] : ga[i];
+      }
+    } else {
+      auto params = leaves(m->units[s].layout.views(full));
+      at::Tensor y;
+      {
+        at::AutoGradMode on(true);
+        auto bctx = m->block_context(saved[1], saved[2], saved[3], lens);
+        y = m->run_block(layer, params, x, bctx);
+      }
+      variable_list inputs = params;
+      inputs.push_back(x);
+      g = grads_of(y, inputs, grads[0]);
+      gx = g.back();
+      g.pop_back();
     }
-    variable_list inputs = params;
-    inputs.push_back(x);
-    variable_list g = grads_of(y, inputs, grads[0]);
-    at::Tensor gx = g.back();
-    g.pop_back();
     m->reduce(s, g);
     m->release_segment(s);
     if (!gx.defined()) gx = at::zeros_like(saved[0]);
@@ -433,6 +520,21 @@ at::Tensor run_trunk(Impl& m, const at::Tensor& tokens, model::BlockContext& bct
 
 }  // namespace
 
+const char* recompute_name(Recompute r) {
+  switch (r) {
+    case Recompute::kBlocks: return "blocks";
+    case Recompute::kAttentionOnly: return "attention_only";
+    case Recompute::kNone: return "none";
+  }
+  return "?";
+}
+
+Recompute parse_recompute(const std::string& text, const std::string& key) {
+  for (Recompute r : {Recompute::kBlocks, Recompute::kAttentionOnly, Recompute::kNone})
+    if (text == recompute_name(r)) return r;
+  throw ConfigError(fmt::format("{} = '{}': use blocks, attention_only or none", key, text));
+}
+
 ShardedModelOptions role_options(const std::string& name, const RoleConfig& role, const TrainConfig& train,
                                  bool trainable, model::Head head, at::Device device) {
   ShardedModelOptions o;
@@ -448,6 +550,9 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
   o.replicate = role.replicate;
   o.adamw = {train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay};
   o.max_grad_norm = train.max_grad_norm;
+  // `auto` is resolved by the memory plan before the ranks build their models (tiller train);
+  // unresolved it means the least memory.
+  if (trainable && train.recompute != "auto") o.recompute = parse_recompute(train.recompute, "train.recompute");
   return o;
 }
 
@@ -545,6 +650,8 @@ void ShardedModel::set_sequence_group(dist::Communicator& group) {
                "a sequence group of {} ranks in a model group of {}", group.size(), m.world);
   m.sequence = group.size() > 1 ? &group : nullptr;
 }
+
+void ShardedModel::set_recompute(Recompute mode) { impl_->opts.recompute = mode; }
 
 int ShardedModel::sequence_parallel() const { return impl_->sequence ? impl_->sequence->size() : 1; }
 

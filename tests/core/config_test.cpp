@@ -37,7 +37,7 @@ TEST(Config, ReadsEveryKind) {
   JobConfig c = parse_config(R"(
 run: {name: exp1, seed: 7}
 roles:
-  actor: {model: /m/qwen, gpus: 4, dtype: fp32, gradient_checkpointing: false}
+  actor: {model: /m/qwen, gpus: 4, dtype: fp32}
   critic: {enabled: false}
 algo: {advantage_estimator: group_norm, kl_coef: 0.05}
 rollout: {batch_size: 8, n_samples_per_prompt: 4}
@@ -50,7 +50,6 @@ timeouts: {collective_s: 1.5}
   EXPECT_EQ(c.roles.actor.model, "/m/qwen");
   EXPECT_EQ(c.roles.actor.gpus, 4);
   EXPECT_EQ(c.roles.actor.dtype, "fp32");
-  EXPECT_FALSE(c.roles.actor.gradient_checkpointing);
   EXPECT_FALSE(c.roles.critic.enabled);
   EXPECT_EQ(c.algo.advantage_estimator, AdvantageEstimator::kGroupNorm);
   EXPECT_DOUBLE_EQ(c.algo.kl_coef, 0.05);
@@ -64,6 +63,17 @@ TEST(Config, UnknownKeyNamesPathFileLineAndClosestKey) {
   EXPECT_EQ(msg, "job.yaml:1: unknown key 'rollut'; did you mean 'rollout'?");
   msg = config_error([] { parse_config("roles:\n  actr:\n    gpus: 4\n", "job.yaml"); });
   EXPECT_EQ(msg, "job.yaml:2: unknown key 'roles.actr'; did you mean 'roles.actor'?");
+  // A retired key says what replaced it.
+  msg = config_error([] { parse_config("roles:\n  critic:\n    gradient_checkpointing: false\n", "job.yaml"); });
+  EXPECT_EQ(msg, "job.yaml:3: 'roles.critic.gradient_checkpointing' was replaced by train.recompute (auto, blocks, "
+                 "attention_only or none; blocks is what gradient_checkpointing: true did)");
+  msg = config_error([] { parse_config("", "j.yaml", {"roles.actor.gradient_checkpointing=true"}); });
+  EXPECT_NE(msg.find("--set roles.actor.gradient_checkpointing: 'roles.actor.gradient_checkpointing' was replaced by "
+                     "train.recompute"),
+            std::string::npos)
+      << msg;
+  msg = config_error([] { parse_config("train:\n  recompute: some\n", "job.yaml"); });
+  EXPECT_NE(msg.find("train.recompute"), std::string::npos) << msg;
 }
 
 TEST(Config, WrongTypeNamesKeyAndValue) {

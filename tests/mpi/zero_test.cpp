@@ -206,7 +206,7 @@ at::Tensor slice_loss(const SliceRun& r, const MicroBatch& mb, int64_t total_tok
 // form world / sp sequence groups; each takes the rows of one micro-batch that its slice holds,
 // and its outputs are checked row by row against the reference's before each step.
 void expect_sharded_equals_unsharded(const std::string& preset, Head head, int sp = 1, int64_t window = 0,
-                                     bool dynamic_rope = false) {
+                                     bool dynamic_rope = false, zero::Recompute recompute = zero::Recompute::kBlocks) {
   const int world = comm().size(), me = comm().rank();
   if (world % sp != 0) GTEST_SKIP() << sp << " does not divide " << world << " ranks";
   ModelConfig cfg = config(preset);
@@ -223,7 +223,9 @@ void expect_sharded_equals_unsharded(const std::string& preset, Head head, int s
   const zero::AdamWConfig adam{0.9, 0.95, 1e-4, 0.1};
   const double max_norm = 0.3;  // clips some steps
   const NamedTensors init = model::init_weights(cfg, head, 5, at::kFloat);
-  ShardedModel m(cfg, comm(), options(head, adam, max_norm));
+  zero::ShardedModelOptions opts = options(head, adam, max_norm);
+  opts.recompute = recompute;
+  ShardedModel m(cfg, comm(), opts);
   std::unique_ptr<dist::Communicator> seq_group;
   if (sp > 1) {
     seq_group = comm().split(me / sp, me, "sequence");
@@ -234,7 +236,7 @@ void expect_sharded_equals_unsharded(const std::string& preset, Head head, int s
   const zero::LrSchedule sched{"cosine", 1, 4, 0.1};
   const int groups = world / sp, group = me / sp, j = me % sp;
   const double base_lr = on_gpu() ? 3e-3 : 1e-2;
-  const std::string what = fmt::format("{} sp {}", preset, sp);
+  const std::string what = fmt::format("{} sp {} recompute {}", preset, sp, zero::recompute_name(recompute));
   bool clipped = false;
   double worst_out = 0;
   for (int step = 0; step < 3; ++step) {
@@ -313,6 +315,25 @@ TEST_P(SequenceParallel, ValueHeadEqualsNoSp) {
 }
 INSTANTIATE_TEST_SUITE_P(Zero, SequenceParallel, ::testing::Values(2, 4),
                          [](const ::testing::TestParamInfo<int>& i) { return "sp" + std::to_string(i.param); });
+
+// Keeping activations (train.recompute attention_only / none) trains exactly as the unsharded
+// reference, as recomputing whole blocks does: Qwen3 (qk_norm, untied head), a value head, and
+// sequence parallelism, whose exchanges then run once per direction instead of being recomputed.
+class KeptActivations : public ::testing::TestWithParam<zero::Recompute> {};
+TEST_P(KeptActivations, UntiedQkNormLmEqualsUnsharded) {
+  expect_sharded_equals_unsharded("tiny-qwen3", Head::kLm, 1, 0, false, GetParam());
+}
+TEST_P(KeptActivations, ValueHeadEqualsUnsharded) {
+  expect_sharded_equals_unsharded("tiny-llama", Head::kValue, 1, 0, false, GetParam());
+}
+TEST_P(KeptActivations, SequenceParallelEqualsUnsharded) {
+  expect_sharded_equals_unsharded("tiny-qwen2", Head::kLm, 2, 0, false, GetParam());
+}
+INSTANTIATE_TEST_SUITE_P(Zero, KeptActivations,
+                         ::testing::Values(zero::Recompute::kAttentionOnly, zero::Recompute::kNone),
+                         [](const ::testing::TestParamInfo<zero::Recompute>& i) {
+                           return std::string(zero::recompute_name(i.param));
+                         });
 
 TEST(Zero, MemoryPerRankIsOneNth) {
   const ModelConfig cfg = config("tiny-llama");

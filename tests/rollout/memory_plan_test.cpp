@@ -157,5 +157,46 @@ TEST(MemoryPlan, SeparatePoolsPlanTrainersAndEnginesApart) {
   EXPECT_EQ(m.overflow(), nullptr) << m.table();
 }
 
+// train.recompute: auto keeps as many activations as the GPU holds with a margin, a set mode is
+// planned as set, and the activations each mode counts grow from blocks to none.
+TEST(MemoryPlan, RecomputeAutoKeepsTheMostActivationsThatFit) {
+  JobConfig c;
+  c.roles.actor.gpus = 4;
+  c.engines.count = 1;
+  c.algo.advantage_estimator = AdvantageEstimator::kGroupNorm;
+  c.roles.critic.enabled = false;
+  c.roles.ref.enabled = false;
+  c.rollout.n_samples_per_prompt = 4;
+  c.train.micro_batch_tokens = 8192;
+  c.validate();
+  const dist::RankPlan plan = plan_of(c, 5);
+  auto planned = [&](int64_t gib) { return plan_memory(c, plan, shapes(), gib * kGiB); };
+  const MemoryPlan big = planned(141), mid = planned(80), small = planned(56);
+  EXPECT_EQ(big.recompute, zero::Recompute::kNone) << big.table();
+  EXPECT_EQ(mid.recompute, zero::Recompute::kAttentionOnly) << mid.table();
+  EXPECT_EQ(small.recompute, zero::Recompute::kBlocks) << small.table();
+  for (const MemoryPlan* m : {&big, &mid, &small}) EXPECT_EQ(m->overflow(), nullptr) << m->table();
+  EXPECT_NE(big.table().find("train.recompute: none (auto"), std::string::npos) << big.table();
+  // No GPU size: the least memory.
+  EXPECT_EQ(planned(0).recompute, zero::Recompute::kBlocks);
+
+  // The 7B shape at 8192 tokens: blocks keep one input per layer (1.5 GiB; 5.6 GiB with a block's
+  // backward in flight and the logits' chunk), none ~32 GiB more.
+  const auto act = [&](zero::Recompute r) {
+    return train_activation_bytes(qwen7b(), 8192, 2, r);
+  };
+  EXPECT_LT(act(zero::Recompute::kBlocks), 6 * kGiB);
+  EXPECT_GT(act(zero::Recompute::kAttentionOnly), act(zero::Recompute::kBlocks) + 25 * kGiB);
+  EXPECT_GT(act(zero::Recompute::kNone), act(zero::Recompute::kAttentionOnly) + 3 * kGiB);
+
+  c.train.recompute = "blocks";
+  const MemoryPlan set = planned(141);
+  EXPECT_EQ(set.recompute, zero::Recompute::kBlocks);
+  EXPECT_EQ(item(set.ranks[0].phases[1], "activations (train.micro_batch_tokens)"), act(zero::Recompute::kBlocks));
+  // A set mode that does not fit is refused like any plan that does not fit.
+  c.train.recompute = "none";
+  EXPECT_THROW(check_fits(planned(48), c), ConfigError);
+}
+
 }  // namespace
 }  // namespace tiller::rollout

@@ -90,7 +90,6 @@ struct RoleConfig {
   std::int64_t gpus = 1;        // ranks in the role's group (ignored when colocated)
   std::string colocate_with;    // "" or the name of another role whose ranks this role shares
   std::string dtype = "bf16";   // compute dtype: bf16 | fp32
-  bool gradient_checkpointing = true;
   bool replicate = false;       // frozen roles only: replicate instead of ZeRO-3 sharding
   bool offload = false;         // hybrid: masters, gradients, moments in pinned host memory while engines generate
   std::int64_t sequence_parallel = 1;  // ranks that share each micro-batch's tokens (Ulysses); divides gpus
@@ -220,6 +219,7 @@ struct TrainConfig {
   std::int64_t warmup_steps = 0;
   double min_lr_ratio = 0.1;
   std::int64_t critic_warmup_steps = 0;  // steps that train only the critic (no actor update, no sync)
+  std::string recompute = "auto";        // auto | blocks | attention_only | none (zero/recompute.h)
 };
 
 struct CheckpointConfig {

@@ -131,6 +131,13 @@ at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens);
 // `cfg`; a tensor-parallel rank passes a config with its local counts (see reduce_partial_sums).
 at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
                          BlockContext& ctx);
+// The block's two halves (without fuse_residual): block_forward(x) =
+// mlp_residual(attention_residual(x)), where attention_residual(x) = x + o_proj(attention(norm(x)))
+// and mlp_residual(y) = y + down_proj(swiglu(norm(y))). The trainer checkpoints them separately
+// (zero::Recompute::kAttentionOnly).
+at::Tensor attention_residual(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
+                              BlockContext& ctx);
+at::Tensor mlp_residual(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& y, BlockContext& ctx);
 at::Tensor final_norm(const ModelConfig& cfg, const at::Tensor& weight, const at::Tensor& x);
 
 // Embedding, every block and the final norm: [T, hidden].

@@ -9,10 +9,10 @@
 //   gathers     two full units in the compute dtype (the one computing and the prefetch)
 //   gradients   training: the largest unit's gradients in the compute dtype and two fp32 flat
 //               buffers of it (the reduce-scatter being filled and the one in flight)
-//   activations training at train.micro_batch_tokens: the blocks' saved inputs (every block's,
-//               with gradient checkpointing, plus one block's internals being recomputed; every
-//               block's internals without), and the LM head's fp32 chunk of logits; scoring
-//               (no autograd) one block's internals at rollout.micro_batch_tokens
+//   activations training at train.micro_batch_tokens: what every block keeps under the
+//               recompute mode (train_activation_bytes), one block's backward in flight, and the
+//               LM head's fp32 chunk of logits; scoring (no autograd) one block's internals at
+//               rollout.micro_batch_tokens
 //   kv cache    the engine's (engines.kv_cache_gb, or what the fraction leaves: see below)
 // Phases: train (the trainers' state, gathers and activations; a hybrid engine's weights unless
 // sleep_level 2, its cache at sleep_level 0), generate (the engine's weights and cache, the
@@ -34,6 +34,7 @@
 
 #include "tiller/core/roles.h"
 #include "tiller/model/model_config.h"
+#include "tiller/zero/recompute.h"
 
 namespace tiller {
 struct JobConfig;
@@ -69,6 +70,11 @@ struct RankMemory {
 
 struct MemoryPlan {
   int64_t gpu_bytes = 0;         // per GPU; 0: unknown (no fit check)
+  // The trained roles' recompute mode: train.recompute, or what `auto` chose (the most kept
+  // activations whose train phase fits every rank with an eighth of the activations to spare;
+  // kBlocks when the GPU size is unknown or ranks share GPUs), and why.
+  zero::Recompute recompute = zero::Recompute::kBlocks;
+  std::string recompute_reason;
   bool shared_gpus = false;      // cluster.ranks_per_gpu > 1: ranks share GPUs; no fit check
   std::vector<RankMemory> ranks; // every worker rank with a GPU role, in rank order
   // Human-readable: one line per rank and phase, in GiB, with the fit.
@@ -80,6 +86,10 @@ struct MemoryPlan {
 // The models' shapes by role (those the plan runs; the engine's is the actor's unless
 // engines.model is set: pass it as "engine").
 using ModelShapes = std::map<std::string, model::ModelConfig>;
+
+// Bytes of activations one training micro-batch of `tokens` holds at its peak under `mode`
+// (`dtype_bytes` per element of the compute dtype).
+int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int64_t dtype_bytes, zero::Recompute mode);
 
 // Throws ConfigError when a hybrid engine has no room for a KV cache of one max-length sequence,
 // naming the rank and what to change. `gpu_bytes` 0: estimates only, KV caches from

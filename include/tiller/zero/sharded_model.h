@@ -10,10 +10,12 @@
 // next unit's gather is issued on the communication stream before the current unit computes,
 // and each buffer is released after use: the whole model is never gathered, the extra memory is
 // about two units. Under autograd each unit runs inside a custom autograd function that keeps
-// only its input (block-level activation checkpointing). Its backward re-gathers the unit (the
-// next unit to backpropagate is prefetched meanwhile), recomputes it, backpropagates, and
-// reduce-scatters the gradient in fp32 into this rank's accumulator; the reduce-scatter of unit
-// i completes while unit i-1 backpropagates. Gradients accumulate over micro-batches until step().
+// only its input (block-level activation checkpointing), or more of its activations as
+// options.recompute says (then the graph's references to the gathered weights stay, but their
+// memory is freed after the forward and refilled by the backward's gather). Its backward
+// re-gathers the unit (the next unit to backpropagate is prefetched meanwhile), recomputes what
+// was not kept, backpropagates, and reduce-scatters the gradient in fp32 into this rank's
+// accumulator; the reduce-scatter of unit i completes while unit i-1 backpropagates. Gradients accumulate over micro-batches until step().
 // A tied LM head reuses the embedding unit: its gradient reaches the embedding shard twice.
 //
 // Collective contract: every rank of the group calls forward functions, backward (through
@@ -37,6 +39,7 @@
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
 #include "tiller/zero/optimizer.h"
+#include "tiller/zero/recompute.h"
 #include "tiller/zero/sequence_parallel.h"
 
 namespace tiller {
@@ -59,6 +62,7 @@ struct ShardedModelOptions {
   AdamWConfig adamw;
   double max_grad_norm = 1.0;  // <= 0: no clipping
   int64_t logprob_chunk_rows = 1024;
+  Recompute recompute = Recompute::kBlocks;
   model::AttentionBackend attention = model::AttentionBackend::kAuto;
   // Benchmarks: record how long compute waits for gathers and reductions (CUDA events on the
   // compute stream; host time on CPU); read with take_wait_seconds().
@@ -113,6 +117,9 @@ class ShardedModel {
   // ConfigError when the model's heads do not allow S. Not collective; `group` must outlive the model.
   void set_sequence_group(dist::Communicator& group);
   int sequence_parallel() const;  // S (1 without a group)
+  // options().recompute from now on (no forward's graph pending). A sequence group's ranks must
+  // use one mode. Not collective.
+  void set_recompute(Recompute mode);
   // token_logprobs / values of this rank's rows of a packed row ([n] for the slice's n rows;
   // `targets` [n]: each row's next token). With S = 1 the slice is the whole row. Collective over
   // the model's communicator and the sequence group.
