@@ -1,9 +1,18 @@
 // Log-probabilities of given tokens without materialising [T, vocab] fp32 logits: forward and
 // backward both walk the rows in chunks and recompute each chunk's logits (a 150k vocabulary
-// times 16k packed tokens would otherwise be ~10 GB per copy).
+// times 16k packed tokens would otherwise be ~10 GB per copy). On CUDA a chunk's logits stay in
+// the weight dtype: one kernel per chunk reads them for the log-probs and entropies, and in the
+// backward turns them into their gradient in place (src/model/cuda/logprob.cu), so no fp32
+// [rows, vocab] tensor exists; elsewhere (and for fp64 gradient checks) ATen ops in fp32.
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <ATen/ATen.h>
+
+#ifdef TILLER_HAVE_CUDA_KERNELS
+#include <c10/cuda/CUDAStream.h>
+
+#include "model/cuda/kernels.h"
+#endif
 
 #include "model/torch_compat.h"
 #include "tiller/core/error.h"
@@ -23,8 +32,40 @@ struct ChunkResult {
 // fp32 at least; fp64 inputs stay fp64 (gradient checks).
 at::ScalarType compute_type(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
+#ifdef TILLER_HAVE_CUDA_KERNELS
+cuda::DType kernel_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? cuda::DType::kBFloat16 : t == at::kHalf ? cuda::DType::kHalf : cuda::DType::kFloat;
+}
+void* stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+#endif
+
+// The fused kernels take CUDA logits of bf16, fp16 or fp32 (fp64 stays on ATen).
+bool fused(const at::Tensor& h, const at::Tensor& w) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const at::ScalarType t = h.scalar_type();
+  return h.is_cuda() && w.scalar_type() == t && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat);
+#else
+  (void)h;
+  (void)w;
+  return false;
+#endif
+}
+
 ChunkResult chunk_forward(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, double temperature,
                           bool want_entropy) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (fused(h, w)) {
+    const at::Tensor z = at::matmul(h, w.t()).contiguous();
+    const at::Tensor tgt = targets.contiguous();
+    ChunkResult r;
+    r.logprobs = at::empty({h.size(0)}, h.options().dtype(at::kFloat));
+    if (want_entropy) r.entropy = at::empty_like(r.logprobs);
+    cuda::logprob_rows(kernel_dtype(z.scalar_type()), z.data_ptr(), z.size(0), z.size(1), z.stride(0),
+                       tgt.data_ptr<int64_t>(), static_cast<float>(1.0 / temperature), r.logprobs.data_ptr<float>(),
+                       want_entropy ? r.entropy.data_ptr<float>() : nullptr, stream_of(z));
+    return r;
+  }
+#endif
   at::Tensor z = at::matmul(h, w.t()).to(compute_type(h));
   if (temperature != 1.0) z = z / temperature;
   at::Tensor lse = at::logsumexp(z, -1);
@@ -54,8 +95,23 @@ std::pair<at::Tensor, at::Tensor> backward_chunks(const at::Tensor& hidden, cons
     const int64_t n = std::min(chunk, rows - s);
     at::Tensor h = hidden.narrow(0, s, n);
     at::Tensor z = at::matmul(h, weight.t());
-    if (temperature != 1.0) z = z.to(ct) / temperature;
     at::Tensor gs = g.narrow(0, s, n);
+#ifdef TILLER_HAVE_CUDA_KERNELS
+    if (fused(hidden, weight)) {
+      // The logits become their gradient in place, in the weight dtype.
+      z = z.contiguous();
+      const at::Tensor tgt = targets.narrow(0, s, n).contiguous();
+      const at::Tensor gsc = gs.to(at::kFloat).contiguous();
+      const at::Tensor gec = ge.defined() ? ge.narrow(0, s, n).to(at::kFloat).contiguous() : at::Tensor();
+      cuda::logprob_rows_backward(kernel_dtype(z.scalar_type()), z.data_ptr(), n, z.size(1), z.stride(0),
+                                  tgt.data_ptr<int64_t>(), static_cast<float>(1.0 / temperature),
+                                  gsc.data_ptr<float>(), gec.defined() ? gec.data_ptr<float>() : nullptr, stream_of(z));
+      if (need_h) grad_h.narrow(0, s, n).copy_(at::matmul(z, weight));
+      if (need_w) compat::addmm_accumulate(grad_w, z.t(), h);
+      continue;
+    }
+#endif
+    if (temperature != 1.0) z = z.to(ct) / temperature;
     at::Tensor dz;
     if (ge.defined()) {
       // -p * (g + ge * (log p + H)): the log-prob's and the entropy's gradient in one pass.

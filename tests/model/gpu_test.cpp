@@ -97,6 +97,67 @@ TEST(ModelGpu, Bf16ForwardAndBackwardMatchFp32Cpu) {
   }
 }
 
+// The LM head's fused log-prob/entropy kernels (src/model/cuda/logprob.cu), forward and backward,
+// against fp64 autograd on the CPU from the same bf16 inputs: vocabularies with and without the
+// 16-byte vector path, temperatures, several chunks, and a loss through both the log-probs and
+// the entropies (the entropy bonus). bf16 logits cost ~3 significant digits.
+TEST(ModelGpu, FusedLogProbKernelEqualsFp64ReferenceValuesAndGradients) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  for (int64_t vocab : {1000, 1001, 152064}) {
+    for (double temperature : {1.0, 0.7}) {
+      SCOPED_TRACE(::testing::Message() << "vocab " << vocab << " temperature " << temperature);
+      at::manual_seed(vocab);
+      const int64_t rows = 300, hidden = 64;
+      const auto bf = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+      const at::Tensor h0 = at::randn({rows, hidden}, bf), w0 = at::randn({vocab, hidden}, bf) * 0.3;
+      const at::Tensor targets = at::randint(0, vocab, {rows}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA));
+      const at::Tensor a = at::randn({rows}, at::kDouble), b = at::randn({rows}, at::kDouble);
+
+      at::Tensor h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+      at::Tensor entropy;
+      const at::Tensor lp = token_logprobs(h, w, targets, temperature, /*chunk_rows=*/128, &entropy);
+      ((lp.to(at::kDouble) * a.cuda()).sum() + (entropy.to(at::kDouble) * b.cuda()).sum()).backward();
+
+      at::Tensor hr = h0.cpu().to(at::kDouble).requires_grad_(true), wr = w0.cpu().to(at::kDouble).requires_grad_(true);
+      const at::Tensor logp = at::log_softmax(at::matmul(hr, wr.t()) / temperature, -1);
+      const at::Tensor lp_ref = logp.gather(1, targets.cpu().unsqueeze(1)).squeeze(1);
+      const at::Tensor ent_ref = -(logp.exp() * logp).sum(-1);
+      ((lp_ref * a).sum() + (ent_ref * b).sum()).backward();
+
+      // The kernels' math against fp64 on the very bf16 logits they read (the chunks' GEMMs, as
+      // token_logprobs computes them): only fp32 rounding apart.
+      at::Tensor z16;
+      {
+        c10::AutoGradMode no_grad(false);
+        std::vector<at::Tensor> parts;
+        for (int64_t r = 0; r < rows; r += 128)
+          parts.push_back(at::matmul(h0.narrow(0, r, std::min<int64_t>(128, rows - r)), w0.t()));
+        z16 = at::cat(parts).cpu().to(at::kDouble);
+      }
+      const at::Tensor logp16 = at::log_softmax(z16 / temperature, -1);
+      const at::Tensor got_lp = lp.detach().cpu().to(at::kDouble), got_ent = entropy.detach().cpu().to(at::kDouble);
+      const double lp_kernel =
+          (got_lp - logp16.gather(1, targets.cpu().unsqueeze(1)).squeeze(1)).abs().max().item<double>();
+      const double ent_kernel = (got_ent + (logp16.exp() * logp16).sum(-1)).abs().max().item<double>();
+      EXPECT_LT(lp_kernel, 1e-3);
+      EXPECT_LT(ent_kernel, 1e-3);
+      // Against the exact values: what rounding the logits to bf16 costs (a large vocabulary at a
+      // low temperature moves the entropy by up to ~0.08 nats).
+      const double lp_abs = (got_lp - lp_ref.detach()).abs().max().item<double>();
+      const double ent_abs = (got_ent - ent_ref.detach()).abs().max().item<double>();
+      EXPECT_LT(lp_abs, 6e-2);
+      EXPECT_LT(ent_abs, 0.12);
+      const Diff dh = compare(h.grad(), hr.grad()), dw = compare(w.grad(), wr.grad());
+      EXPECT_LT(dh.frob_rel, 3e-2);
+      EXPECT_LT(dw.frob_rel, 3e-2);
+      std::printf("[logprob kernel] vocab %ld T %.1f: vs fp64 on the bf16 logits: log-prob %.2e, entropy %.2e; vs "
+                  "exact: log-prob %.2e, entropy %.2e, grad h frob rel %.2e, grad w frob rel %.2e\n",
+                  static_cast<long>(vocab), temperature, lp_kernel, ent_kernel, lp_abs, ent_abs, dh.frob_rel,
+                  dw.frob_rel);
+    }
+  }
+}
+
 // The fused residual add + RMSNorm of the engine against x + add then rms_norm, on the GPU: the
 // updated stream equal bit for bit, the normed rows within rounding (one ulp of the dtype).
 TEST(ModelGpu, AddRmsNormEqualsAddThenRmsNorm) {

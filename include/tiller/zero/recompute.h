@@ -10,8 +10,7 @@ namespace tiller::zero {
 //  kBlocks         only its input; the backward re-gathers the block and recomputes all of it
 //                  (block-level activation checkpointing: least memory, one more forward)
 //  kAttentionOnly  its input and the MLP's activations; the backward recomputes the attention
-//                  half (norm, q/k/v, RoPE, attention, o_proj), whose activations save the fewest
-//                  FLOPs per byte kept
+//                  half (norm, q/k/v, RoPE, attention, o_proj), ~15% of a block's FLOPs
 //  kNone           every activation autograd saves; nothing is recomputed (most memory)
 // In every mode the gathered weights are freed after the forward and gathered again for the
 // backward (ZeRO-3); the gathers and reductions are the same, so ranks may differ without

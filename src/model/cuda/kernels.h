@@ -37,4 +37,17 @@ void add_rms_norm(DType dtype, void* x, const void* add, const void* weight, voi
 void sample_rows(DType dtype, const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
                  const float* params, int64_t* tokens, float* logprobs, void* stream);
 
+// The LM head's per-row statistics of logits z [rows, vocab] (row stride in elements of
+// `dtype`) under y = z * inv_temperature: logprobs[r] = y[targets[r]] - logsumexp(y) (NaN for a
+// target outside [0, vocab)), and when `entropy` is given, entropy[r] = -sum softmax(y) log
+// softmax(y). Outputs fp32 [rows]; math in fp32, no copy of the logits.
+void logprob_rows(DType dtype, const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
+                  const int64_t* targets, float inv_temperature, float* logprobs, float* entropy, void* stream);
+// Their backward, in place: each row of z becomes d loss / d z = inv_temperature * (g (onehot(target)
+// - p) - g_H p (log p + H)), with p = softmax(y), H its entropy, g = grad[r] and g_H =
+// grad_entropy[r] (either may be null: zero), rounded to `dtype`.
+void logprob_rows_backward(DType dtype, void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
+                           const int64_t* targets, float inv_temperature, const float* grad, const float* grad_entropy,
+                           void* stream);
+
 }  // namespace tiller::model::cuda
