@@ -48,6 +48,7 @@ struct TrainBenchOptions {
   std::string out;
   std::string profile;  // Chrome trace of rank 0's last step
   std::string recompute = "auto";  // train.recompute's choices
+  std::string reduce_dtype = "fp32";
 };
 
 // --recompute auto: the most kept activations that fit this GPU with what `tiller train` keeps in
@@ -87,6 +88,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   mo.max_grad_norm = 1.0;
   mo.logprob_chunk_rows = o.chunk_rows;
   mo.measure_waits = true;
+  mo.reduce_dtype = o.reduce_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   zero::ShardedModel model(cfg, comm, mo);
   const int sp = o.sequence_parallel;
   if (comm.size() % sp != 0)
@@ -173,6 +175,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   r["mbs"] = o.micro_batch;
   r["sequence_parallel"] = sp;
   r["recompute"] = zero::recompute_name(recompute);
+  r["reduce_dtype"] = o.reduce_dtype;
   r["tokens_per_gpu_per_step"] = tokens;
   r["steps_timed"] = o.steps - 2;
   r["step_s"] = step;
@@ -218,6 +221,8 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   tr->add_option("--recompute", o->recompute,
                  "auto (the most kept activations that fit the GPU; blocks on CPU), blocks, attention_only or none")
       ->check(CLI::IsMember({"auto", "blocks", "attention_only", "none"}));
+  tr->add_option("--reduce-dtype", o->reduce_dtype, "What gradients are reduce-scattered in: fp32 or bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   tr->add_option("--profile", o->profile, "Write a Chrome trace (torch.profiler format) of rank 0's last step here");
   tr->callback([&run, o, &argc, &argv] { run = [o, &argc, &argv] { return run_train_bench(*o, &argc, &argv); }; });
 }

@@ -295,6 +295,10 @@ std::vector<Field> build() {
         "half), none (keep everything), or auto: the most kept that the memory plan fits on the GPU (tiller plan prints "
         "the choice; blocks on CPU).")
       .one_of({"auto", "blocks", "attention_only", "none"});
+  b.add("train.reduce_dtype", TILLER_FIELD(train.reduce_dtype),
+        "The dtype gradients are reduce-scattered in across a role's ranks: fp32, or bf16 (half the traffic; the "
+        "ranks' sum is rounded to bf16 before it joins the fp32 accumulator, as FSDP2's reduce_dtype=bf16).")
+      .one_of({"fp32", "bf16"});
   b.add("train.actor_lr", TILLER_FIELD(train.actor_lr), "Actor learning rate.").range(0.0, 1.0);
   b.add("train.critic_lr", TILLER_FIELD(train.critic_lr), "Critic learning rate.").range(0.0, 1.0);
   b.add("train.weight_decay", TILLER_FIELD(train.weight_decay), "AdamW weight decay (not on norms and biases).")

@@ -164,9 +164,9 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       if (!rc.replicate) gathers = std::max(gathers, 2 * s.largest_unit * c);
       if (role_trains(r)) {
         act_train = std::max(act_train, train_activation_bytes(*mc, cfg.train.micro_batch_tokens, c, recompute));
-        // A unit's parameter gradients in the compute dtype, and two fp32 flat buffers of it (the
+        // A unit's parameter gradients in the compute dtype, and two flat buffers of it in the reduction dtype (the
         // reduce-scatter in flight and the one being filled).
-        grad_buffers = std::max(grad_buffers, s.largest_unit * (c + 2 * 4));
+        grad_buffers = std::max(grad_buffers, s.largest_unit * (c + 2 * (cfg.train.reduce_dtype == "bf16" ? 2 : 4)));
       }
       act_score = std::max(act_score, score_activations(*mc, cfg.rollout.micro_batch_tokens, c));
     }

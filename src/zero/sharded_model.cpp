@@ -159,10 +159,10 @@ struct ShardedModel::Impl {
     Unit& unit = units[u];
     TILLER_CHECK(grads.size() == unit.layout.params().size(), "unit {}: {} gradients for {} parameters",
                  unit.layout.name(), grads.size(), unit.layout.params().size());
-    at::Tensor flat = at::empty({unit.layout.padded_numel()}, f32());
+    at::Tensor flat = at::empty({unit.layout.padded_numel()}, f32().dtype(opts.reduce_dtype));
     unit.layout.zero_padding(flat);
     const auto views = unit.layout.views(flat);
-    // One multi-tensor launch converts every gradient to fp32 into the flat buffer.
+    // One multi-tensor launch converts every gradient to the reduction dtype into the flat buffer.
     std::vector<at::Tensor> dst, src;
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i].defined()) {
@@ -181,7 +181,9 @@ struct ShardedModel::Impl {
     }
     Reduction r;
     r.unit = u;
-    r.out = unit.grad_fresh ? unit.grad : at::empty({unit.layout.shard_numel()}, f32());
+    r.out = unit.grad_fresh && opts.reduce_dtype == at::kFloat
+                ? unit.grad
+                : at::empty({unit.layout.shard_numel()}, f32().dtype(opts.reduce_dtype));
     unit.grad_fresh = false;
     r.work = comm.reduce_scatter(flat, r.out, dist::ReduceOp::kSum);
     reducing_cur.push_back(std::move(r));
@@ -552,6 +554,9 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
   o.max_grad_norm = train.max_grad_norm;
   // `auto` is resolved by the memory plan before the ranks build their models (tiller train);
   // unresolved it means the least memory.
+  if (train.reduce_dtype == "bf16") o.reduce_dtype = at::kBFloat16;
+  else if (train.reduce_dtype != "fp32")
+    throw ConfigError(fmt::format("train.reduce_dtype '{}': use fp32 or bf16", train.reduce_dtype));
   if (trainable && train.recompute != "auto") o.recompute = parse_recompute(train.recompute, "train.recompute");
   return o;
 }

@@ -206,7 +206,8 @@ at::Tensor slice_loss(const SliceRun& r, const MicroBatch& mb, int64_t total_tok
 // form world / sp sequence groups; each takes the rows of one micro-batch that its slice holds,
 // and its outputs are checked row by row against the reference's before each step.
 void expect_sharded_equals_unsharded(const std::string& preset, Head head, int sp = 1, int64_t window = 0,
-                                     bool dynamic_rope = false, zero::Recompute recompute = zero::Recompute::kBlocks) {
+                                     bool dynamic_rope = false, zero::Recompute recompute = zero::Recompute::kBlocks,
+                                     at::ScalarType reduce = at::kFloat) {
   const int world = comm().size(), me = comm().rank();
   if (world % sp != 0) GTEST_SKIP() << sp << " does not divide " << world << " ranks";
   ModelConfig cfg = config(preset);
@@ -225,6 +226,9 @@ void expect_sharded_equals_unsharded(const std::string& preset, Head head, int s
   const NamedTensors init = model::init_weights(cfg, head, 5, at::kFloat);
   zero::ShardedModelOptions opts = options(head, adam, max_norm);
   opts.recompute = recompute;
+  opts.reduce_dtype = reduce;
+  // bf16 reduction rounds each reduced gradient to ~3 significant digits.
+  const bool rounded = on_gpu() || reduce != at::kFloat;
   ShardedModel m(cfg, comm(), opts);
   std::unique_ptr<dist::Communicator> seq_group;
   if (sp > 1) {
@@ -236,7 +240,8 @@ void expect_sharded_equals_unsharded(const std::string& preset, Head head, int s
   const zero::LrSchedule sched{"cosine", 1, 4, 0.1};
   const int groups = world / sp, group = me / sp, j = me % sp;
   const double base_lr = on_gpu() ? 3e-3 : 1e-2;
-  const std::string what = fmt::format("{} sp {} recompute {}", preset, sp, zero::recompute_name(recompute));
+  const std::string what = fmt::format("{} sp {} recompute {} reduce {}", preset, sp, zero::recompute_name(recompute),
+                                       c10::toString(reduce));
   bool clipped = false;
   double worst_out = 0;
   for (int step = 0; step < 3; ++step) {
@@ -273,10 +278,13 @@ void expect_sharded_equals_unsharded(const std::string& preset, Head head, int s
     const double ref_norm = ref.step(all, total, lr, max_norm);
     clipped |= r.clip_factor < 1;
     EXPECT_FALSE(r.skipped);
-    EXPECT_NEAR(r.grad_norm, ref_norm, ref_norm * (on_gpu() ? 3e-2 : 1e-5)) << what << " step " << step;
+    EXPECT_NEAR(r.grad_norm, ref_norm, ref_norm * (on_gpu() ? 3e-2 : rounded ? 3e-3 : 1e-5)) << what << " step " << step;
     const Diff d = compare(m.gather_parameters(), ref.params, init);
-    if (on_gpu()) {
-      EXPECT_LT(d.update_rel, 0.15) << what << " step " << step << " (max abs " << d.max_abs << ")";
+    if (rounded) {
+      EXPECT_LT(d.update_rel, on_gpu() ? 0.15 : 2e-2) << what << " step " << step << " (max abs " << d.max_abs << ")";
+      // fp32 compute with a bf16 reduction: the rounding shows (the option took effect), and
+      // stays at bf16's size.
+      if (!on_gpu() && step == 2) EXPECT_GT(d.update_rel, 1e-5) << what;
     } else {
       EXPECT_LT(d.max_abs, 2e-6) << what << " step " << step;
       EXPECT_LT(d.update_rel, 1e-4) << what << " step " << step;
@@ -315,6 +323,13 @@ TEST_P(SequenceParallel, ValueHeadEqualsNoSp) {
 }
 INSTANTIATE_TEST_SUITE_P(Zero, SequenceParallel, ::testing::Values(2, 4),
                          [](const ::testing::TestParamInfo<int>& i) { return "sp" + std::to_string(i.param); });
+
+// Gradients reduce-scattered in bf16 (train.reduce_dtype) into the fp32 accumulators: training
+// still follows the fp32 reference within bf16 rounding, with several micro-batches per step.
+TEST(Zero, Bf16ReductionTrainsWithinBf16Rounding) {
+  expect_sharded_equals_unsharded("tiny-qwen2", Head::kLm, 1, 0, false, zero::Recompute::kBlocks, at::kBFloat16);
+  expect_sharded_equals_unsharded("tiny-llama", Head::kValue, 1, 0, false, zero::Recompute::kNone, at::kBFloat16);
+}
 
 // Keeping activations (train.recompute attention_only / none) trains exactly as the unsharded
 // reference, as recomputing whole blocks does: Qwen3 (qk_norm, untied head), a value head, and

@@ -219,7 +219,8 @@ struct TrainConfig {
   std::int64_t warmup_steps = 0;
   double min_lr_ratio = 0.1;
   std::int64_t critic_warmup_steps = 0;  // steps that train only the critic (no actor update, no sync)
-  std::string recompute = "auto";        // auto | blocks | attention_only | none (zero/recompute.h)
+  std::string recompute = "auto";
+  std::string reduce_dtype = "fp32";     // fp32 | bf16: what gradients are reduce-scattered in        // auto | blocks | attention_only | none (zero/recompute.h)
 };
 
 struct CheckpointConfig {

@@ -7,8 +7,8 @@
 //   state       trainable roles: the fp32 master (unless the compute dtype is fp32), the fp32
 //               gradient accumulator, the two AdamW moments: 16 bytes / param / N (12 in fp32)
 //   gathers     two full units in the compute dtype (the one computing and the prefetch)
-//   gradients   training: the largest unit's gradients in the compute dtype and two fp32 flat
-//               buffers of it (the reduce-scatter being filled and the one in flight)
+//   gradients   training: the largest unit's gradients in the compute dtype and two flat
+//               buffers of it in train.reduce_dtype (the reduce-scatter being filled and the one in flight)
 //   activations training at train.micro_batch_tokens: what every block keeps under the
 //               recompute mode (train_activation_bytes), one block's backward in flight, and the
 //               LM head's fp32 chunk of logits; scoring (no autograd) one block's internals at

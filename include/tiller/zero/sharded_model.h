@@ -14,8 +14,8 @@
 // options.recompute says (then the graph's references to the gathered weights stay, but their
 // memory is freed after the forward and refilled by the backward's gather). Its backward
 // re-gathers the unit (the next unit to backpropagate is prefetched meanwhile), recomputes what
-// was not kept, backpropagates, and reduce-scatters the gradient in fp32 into this rank's
-// accumulator; the reduce-scatter of unit i completes while unit i-1 backpropagates. Gradients accumulate over micro-batches until step().
+// was not kept, backpropagates, and reduce-scatters the gradient (in fp32, or in
+// options.reduce_dtype) into this rank's fp32 accumulator; the reduce-scatter of unit i completes while unit i-1 backpropagates. Gradients accumulate over micro-batches until step().
 // A tied LM head reuses the embedding unit: its gradient reaches the embedding shard twice.
 //
 // Collective contract: every rank of the group calls forward functions, backward (through
@@ -61,6 +61,10 @@ struct ShardedModelOptions {
   bool replicate = false;   // frozen only: every rank holds the whole model (small models)
   AdamWConfig adamw;
   double max_grad_norm = 1.0;  // <= 0: no clipping
+  // The dtype gradients travel and are summed in by the reduce-scatter (train.reduce_dtype): fp32,
+  // or bf16 (half the traffic; the ranks' sum is rounded to bf16, then added into the fp32
+  // accumulator, so micro-batches still accumulate in fp32).
+  at::ScalarType reduce_dtype = at::kFloat;
   int64_t logprob_chunk_rows = 1024;
   Recompute recompute = Recompute::kBlocks;
   model::AttentionBackend attention = model::AttentionBackend::kAuto;
