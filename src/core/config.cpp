@@ -288,6 +288,25 @@ void JobConfig::validate() const {
                                   "rollout.n_samples_per_prompt = {}",
                                   train.train_batch_size, samples));
   }
+  if (train.old_logprobs == "forward") {
+    // The first training forward is the policy that sampled only if nothing trains in between and
+    // nothing before training needs the actor's log-probs.
+    const char* why = rollout.mode != RolloutMode::kSync ? "rollout.mode is async (samples may lag the weights)"
+                      : algo.ppo_epochs != 1               ? "algo.ppo_epochs > 1 (later epochs train off-policy)"
+                      : train.train_batch_size != samples  ? "train.train_batch_size < rollout.batch_size x "
+                                                             "rollout.n_samples_per_prompt (later mini-batches train "
+                                                             "off-policy)"
+                      : algo.kl_in_reward && algo.kl_coef > 0 && roles.ref.enabled
+                          ? "algo.kl_in_reward needs the actor's log-probs before training (set algo.kl_in_reward=false "
+                            "for the KL loss)"
+                      : algo.importance_correction != ImportanceCorrection::kNone
+                          ? "algo.importance_correction compares the actor's log-probs with the engine's before training"
+                          : nullptr;
+    if (why)
+      throw ConfigError(fmt::format("train.old_logprobs = forward is for strictly on-policy runs, and {}; use "
+                                    "train.old_logprobs=recompute",
+                                    why));
+  }
   if (algo.dual_clip != 0.0 && algo.dual_clip <= 1.0) {
     throw ConfigError(fmt::format("algo.dual_clip = {} must be 0 (off) or > 1", format_double(algo.dual_clip)));
   }

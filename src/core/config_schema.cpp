@@ -299,6 +299,12 @@ std::vector<Field> build() {
         "The dtype gradients are reduce-scattered in across a role's ranks: fp32, or bf16 (half the traffic; the "
         "ranks' sum is rounded to bf16 before it joins the fp32 accumulator, as FSDP2's reduce_dtype=bf16).")
       .one_of({"fp32", "bf16"});
+  b.add("train.old_logprobs", TILLER_FIELD(train.old_logprobs),
+        "Where the policy loss's old log-probs come from: recompute (the actor scores every sample before training, "
+        "a forward pass per token) or forward (strictly on-policy runs only: sync mode, one PPO epoch, one mini-batch, "
+        "no KL in the reward, no importance correction; the training forward's own log-probs, detached, so the ratio "
+        "is 1 and the actor's scoring pass is skipped).")
+      .one_of({"recompute", "forward"});
   b.add("train.actor_lr", TILLER_FIELD(train.actor_lr), "Actor learning rate.").range(0.0, 1.0);
   b.add("train.critic_lr", TILLER_FIELD(train.critic_lr), "Critic learning rate.").range(0.0, 1.0);
   b.add("train.weight_decay", TILLER_FIELD(train.weight_decay), "AdamW weight decay (not on norms and biases).")

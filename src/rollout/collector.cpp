@@ -40,6 +40,7 @@ CollectorConfig CollectorConfig::from_job(const JobConfig& job, const std::vecto
   c.score_timeout_s = job.timeouts.train_s;
   c.score_micro_batch_tokens = r.micro_batch_tokens;
   c.score_temperature = r.temperature > 0 ? r.temperature : 1.0;
+  c.score_actor = job.train.old_logprobs != "forward";
   c.sampling.greedy = r.temperature == 0;
   c.sampling.temperature = r.temperature > 0 ? r.temperature : 1.0;
   c.sampling.top_p = r.top_p > 0 ? r.top_p : 1.0;
@@ -54,7 +55,8 @@ CollectorConfig CollectorConfig::from_job(const JobConfig& job, const std::vecto
 
 RolloutCollector::RolloutCollector(const CollectorConfig& cfg, EngineSet& engines, TrainerLink& link,
                                    PromptSource& prompts, RewardSources rewards, const std::vector<TrainerGroup>& groups)
-    : cfg_(cfg), engines_(engines), link_(link), prompts_(prompts), rewards_(std::move(rewards)), groups_(groups) {
+    : cfg_(cfg), engines_(engines), link_(link), prompts_(prompts), rewards_(std::move(rewards)),
+      groups_(scoring_groups(groups, cfg.score_actor)) {
   TILLER_CHECK(cfg_.batch_size >= 1 && cfg_.n >= 1 && cfg_.staleness >= 0, "collector: bad sizes");
   TILLER_CHECK(engines_.size() > 0, "collector: no engine");
 }
@@ -212,6 +214,8 @@ void RolloutCollector::add_to_batch(Group& g, Staged st) {
   const int64_t id = b.ro.add(g.batch_index, s.sample, prompts_.at(g.dataset_index).tokens, s.tokens, s.logprobs,
                               s.finish_reason == "length", s.version_starts, s.versions, version_);
   b.ro.score[static_cast<size_t>(id)] = st.score;
+  if (!cfg_.score_actor)  // nobody scores the actor: its log-probs are the engine's
+    std::copy(s.logprobs.begin(), s.logprobs.end(), b.ro.logp.end() - static_cast<std::ptrdiff_t>(s.logprobs.size()));
   b.generated_tokens += static_cast<int64_t>(s.tokens.size());
   b.last_sample = cfg_.clock->now();
   if (rewards_.remote) {

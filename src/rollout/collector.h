@@ -109,6 +109,9 @@ struct CollectorConfig {
   double score_timeout_s = 600;
   int64_t score_micro_batch_tokens = 16384;
   double score_temperature = 1.0;
+  // train.old_logprobs = recompute: the actor scores every sample. Otherwise the rollout's actor
+  // log-probs are the engine's (for the metrics; training takes its own forward's).
+  bool score_actor = true;
   model::SamplingParams sampling;        // every request's, but its seed
   uint64_t seed = 0;
   RolloutLayout layout;
@@ -239,7 +242,7 @@ class RolloutCollector {
   TrainerLink& link_;
   PromptSource& prompts_;
   RewardSources rewards_;
-  const std::vector<TrainerGroup>& groups_;
+  std::vector<TrainerGroup> groups_;  // those that take score requests (scoring_groups)
 
   uint64_t version_ = 0;
   int64_t next_ordinal_ = 0;

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "rollout/protocol.h"
+#include "rollout/trainer_groups.h"
 #include "tiller/algo/algo.h"
 #include "tiller/core/clock.h"
 #include "tiller/core/config.h"
@@ -195,9 +196,9 @@ struct RoleWorker::Impl {
     c10::AutoGradMode no_grad(false);
     const MicroBatch mb = micro_batch(in.batch, device);
     ScoreReply out;
-    out.roles = roles;
+    out.roles = scored_roles(cfg.train.old_logprobs != "forward", roles);
     for (Role role : kRoles) {
-      if (!roles.has(role)) continue;
+      if (!out.roles.has(role)) continue;
       const auto t0 = Clock::now();
       const double w0 = wall_us();
       zero::ShardedModel& m = *models.at(role);
@@ -235,7 +236,9 @@ struct RoleWorker::Impl {
     } else {
       auto on = [&](const at::Tensor& t) { return t.to(device); };
       at::Tensor logp = lp.index_select(0, mb.resp_rows);
-      const at::Tensor old = on(in.old_logp), adv = on(in.advantages);
+      // train.old_logprobs = forward: this forward is the sampling policy (the ratio is 1).
+      const at::Tensor old = cfg.train.old_logprobs == "forward" ? logp.detach() : on(in.old_logp);
+      const at::Tensor adv = on(in.advantages);
       const at::Tensor is_w = in.is_weights.defined() ? on(in.is_weights) : at::Tensor();
       algo::PolicyLossConfig pc{cfg.algo.clip_eps_low, cfg.algo.clip_eps_high, cfg.algo.dual_clip};
       algo::PolicyLoss pl = algo::policy_loss(logp, old, adv, pc, in.normalizer, is_w);

@@ -8,6 +8,22 @@
 
 namespace tiller::rollout {
 
+RoleSet scored_roles(bool score_actor, RoleSet held) {
+  RoleSet out;
+  for (Role r : kRoles)
+    if (held.has(r) && (score_actor || r != Role::kActor)) out.add(r);
+  return out;
+}
+
+std::vector<TrainerGroup> scoring_groups(const std::vector<TrainerGroup>& groups, bool score_actor) {
+  std::vector<TrainerGroup> out;
+  for (TrainerGroup g : groups) {
+    g.roles = scored_roles(score_actor, g.roles);
+    if (!g.roles.empty()) out.push_back(std::move(g));
+  }
+  return out;
+}
+
 std::string TrainerGroup::name() const {
   std::string out;
   for (Role r : kRoles)

@@ -29,6 +29,12 @@ struct TrainerGroup {
 // The plan's groups, hosts in the canonical order of their first role.
 std::vector<TrainerGroup> trainer_groups(const dist::RankPlan& plan);
 
+// The roles among `held` that answer score requests: all of them, but the actor when
+// train.old_logprobs = forward (its training forward gives the old log-probs).
+RoleSet scored_roles(bool score_actor, RoleSet held);
+// The groups that take score requests, each with its scored roles (groups left with none dropped).
+std::vector<TrainerGroup> scoring_groups(const std::vector<TrainerGroup>& groups, bool score_actor);
+
 // Every trainer rank once, ascending.
 std::vector<int> trainer_ranks(const std::vector<TrainerGroup>& groups);
 

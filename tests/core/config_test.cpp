@@ -72,6 +72,15 @@ TEST(Config, UnknownKeyNamesPathFileLineAndClosestKey) {
                      "train.recompute"),
             std::string::npos)
       << msg;
+  msg = config_error([] { parse_config("train:\n  old_logprobs: forward\n", "job.yaml"); });
+  EXPECT_NE(msg.find("train.old_logprobs = forward is for strictly on-policy runs, and algo.kl_in_reward needs"),
+            std::string::npos)
+      << msg;
+  msg = config_error([] {
+    parse_config("train:\n  old_logprobs: forward\n  train_batch_size: 2\nalgo:\n  kl_in_reward: false\n", "job.yaml");
+  });
+  EXPECT_NE(msg.find("and train.train_batch_size < rollout.batch_size x rollout.n_samples_per_prompt"), std::string::npos)
+      << msg;
   msg = config_error([] { parse_config("train:\n  recompute: some\n", "job.yaml"); });
   EXPECT_NE(msg.find("train.recompute"), std::string::npos) << msg;
 }

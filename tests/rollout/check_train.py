@@ -48,6 +48,9 @@ CASE:
                cutting every micro-batch over 2 ranks gives the rewards and losses of the same ranks
                without it (data parallel) step for step; GRPO with S = 2 learns the toy task; each
                rank was sent only its slices (the controller's per-rank token metrics).
+  old_logprobs train.old_logprobs=forward: GRPO with one mini-batch per step gives the losses, grad
+               norms and rewards of recomputing the old log-probs step for step, with no actor
+               scoring (its seconds are 0; the reference is still scored); ppo_epochs=2 is refused.
   resume_async SIGTERM then --resume in async mode: the prompts trained (and their order) are those
                of an uninterrupted run, none lost and none twice.
 """
@@ -785,8 +788,40 @@ def check_sequence_parallel():
         fail(f"GRPO with sequence_parallel=2 did not learn: {[round(x, 3) for x in rewards]}")
 
 
+def check_old_logprobs():
+    # GRPO (controller, actor+ref, engine), one mini-batch per step: the actor's scoring pass skipped
+    # (train.old_logprobs=forward) trains as recomputing the old log-probs does, step for step.
+    sets = [*GRPO, "train.num_steps=4", "checkpoint.every_steps=0", "train.train_batch_size=64"]
+    run_ok(3, SCRATCH / "olp_recompute", *sets)
+    run_ok(3, SCRATCH / "olp_forward", *sets, "train.old_logprobs=forward")
+    want, got = metrics(SCRATCH / "olp_recompute"), metrics(SCRATCH / "olp_forward")
+    if len(got) != 4 or len(want) != 4:
+        fail(f"{len(got)} and {len(want)} steps recorded, 4 expected")
+    for key in ["reward/mean", "actor/loss", "actor/grad_norm", "kl/mean_per_sample"]:
+        a, b = [r[key] for r in got], [r[key] for r in want]
+        if any(abs(x - y) > 1e-4 * max(1.0, abs(y)) for x, y in zip(a, b)):
+            fail(f"{key} with train.old_logprobs=forward differs from recompute: {a} vs {b}")
+    # The ratio is exactly 1: the old log-probs are the forward's own (the engine's would differ by
+    # rounding and show here).
+    if any(r["actor/approx_kl"] != 0 or r["actor/clip_fraction"] != 0 for r in got):
+        fail(f"the ratio is not 1: approx_kl {[r['actor/approx_kl'] for r in got]}")
+    if any(r["time/score.actor"] != 0 for r in got) or not all(r["time/score.actor"] > 0 for r in want):
+        fail(f"actor scoring seconds: forward {[r['time/score.actor'] for r in got]}, "
+             f"recompute {[r['time/score.actor'] for r in want]}")
+    if not all(r["time/score.ref"] > 0 for r in got):
+        fail("the reference was not scored with train.old_logprobs=forward")
+    print(f"old_logprobs: forward equals recompute for 4 steps with no actor scoring: actor loss "
+          f"{[round(r['actor/loss'], 6) for r in got]}, grad norm {[round(r['actor/grad_norm'], 5) for r in got]}")
+    # Off-policy settings are refused by name.
+    expect_error("old_logprobs_epochs", command(3, SCRATCH / "olp_bad", *sets, "train.old_logprobs=forward",
+                                                "algo.ppo_epochs=2"),
+                 "train.old_logprobs = forward is for strictly on-policy runs, and algo.ppo_epochs > 1")
+
+
 fixture()
-if CASE == "sequence_parallel":
+if CASE == "old_logprobs":
+    check_old_logprobs()
+elif CASE == "sequence_parallel":
     check_sequence_parallel()
 elif CASE == "hybrid":
     check_hybrid()

@@ -220,7 +220,8 @@ struct TrainConfig {
   double min_lr_ratio = 0.1;
   std::int64_t critic_warmup_steps = 0;  // steps that train only the critic (no actor update, no sync)
   std::string recompute = "auto";
-  std::string reduce_dtype = "fp32";     // fp32 | bf16: what gradients are reduce-scattered in        // auto | blocks | attention_only | none (zero/recompute.h)
+  std::string reduce_dtype = "fp32";
+  std::string old_logprobs = "recompute";  // recompute | forward: where the PPO ratio's old log-probs come from     // fp32 | bf16: what gradients are reduce-scattered in        // auto | blocks | attention_only | none (zero/recompute.h)
 };
 
 struct CheckpointConfig {
