@@ -51,9 +51,9 @@ struct TrainBenchOptions {
   std::string reduce_dtype = "fp32";
 };
 
-// --recompute auto: the most kept activations that fit this GPU with what `tiller train` keeps in
-// reserve, an eighth of the activations as margin, the shards and state, two gathered units and a
-// unit's gradient buffers (as the memory plan counts them). blocks on CPU.
+// --recompute auto: the most kept activations that fit this GPU beside the shards and state, two
+// gathered units and a unit's gradient buffers (as the memory plan counts them), with the memory
+// plan's reserve and margin (rollout::activations_fit). blocks on CPU.
 zero::Recompute choose_recompute(const TrainBenchOptions& o, const model::ModelConfig& cfg,
                                  const zero::ShardedModel& m, int64_t tokens_per_rank) {
   if (o.recompute != "auto") return zero::parse_recompute(o.recompute, "--recompute");
@@ -62,11 +62,9 @@ zero::Recompute choose_recompute(const TrainBenchOptions& o, const model::ModelC
   const int64_t c = m.options().compute_dtype == at::kFloat ? 4 : 2;
   int64_t unit = 0;
   for (const auto& u : m.shards()) unit = std::max<int64_t>(unit, u.compute.numel() * m.world());
-  const int64_t fixed = m.memory().total() + 2 * unit * c + unit * (c + 8) + rollout::kReserveBytes;
-  for (zero::Recompute r : {zero::Recompute::kNone, zero::Recompute::kAttentionOnly}) {
-    const int64_t act = rollout::train_activation_bytes(cfg, tokens_per_rank, c, r);
-    if (fixed + act + act / 8 <= gpu) return r;
-  }
+  const int64_t others = m.memory().total() + 2 * unit * c + unit * (c + 8);
+  for (zero::Recompute r : {zero::Recompute::kNone, zero::Recompute::kAttentionOnly})
+    if (rollout::activations_fit(others, rollout::train_activation_bytes(cfg, tokens_per_rank, c, r), gpu)) return r;
   return zero::Recompute::kBlocks;
 }
 

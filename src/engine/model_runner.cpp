@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "engine/cuda/paged_attention.h"
+#include "model/cuda/aten_dtype.h"
 #endif
 
 #include "model/host_upload.h"
@@ -107,9 +108,7 @@ int64_t graph_bucket(int64_t n) {
   return (n + 7) / 8 * 8;
 }
 
-cuda::DType kernel_dtype(at::ScalarType t) {
-  return t == at::kBFloat16 ? cuda::DType::kBFloat16 : t == at::kHalf ? cuda::DType::kHalf : cuda::DType::kFloat;
-}
+using model::cuda::kernel_dtype;
 
 // [T, heads, head_dim] with head stride head_dim, unit element stride, and (for the 16-byte loads
 // of the decode kernel) an aligned start and token stride.

@@ -9,7 +9,7 @@
 #ifdef TILLER_HAVE_CUDA_KERNELS
 #include <c10/cuda/CUDAStream.h>
 
-#include "model/cuda/kernels.h"
+#include "model/cuda/aten_dtype.h"
 #endif
 
 #include "tiller/core/error.h"
@@ -37,9 +37,7 @@ struct SwiGlu : public torch::autograd::Function<SwiGlu> {
 };
 
 #ifdef TILLER_HAVE_CUDA_KERNELS
-cuda::DType kernel_dtype(at::ScalarType t) {
-  return t == at::kBFloat16 ? cuda::DType::kBFloat16 : t == at::kHalf ? cuda::DType::kHalf : cuda::DType::kFloat;
-}
+using cuda::kernel_dtype;
 #endif
 
 // x [T, H, D]; cos, sin [T, D]. Forward: x c + rotate_half(x) s. Backward (x is then the output

@@ -11,7 +11,7 @@
 #ifdef TILLER_HAVE_CUDA_KERNELS
 #include <c10/cuda/CUDAStream.h>
 
-#include "model/cuda/kernels.h"
+#include "model/cuda/aten_dtype.h"
 #endif
 
 #include "model/torch_compat.h"
@@ -33,9 +33,7 @@ struct ChunkResult {
 at::ScalarType compute_type(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 #ifdef TILLER_HAVE_CUDA_KERNELS
-cuda::DType kernel_dtype(at::ScalarType t) {
-  return t == at::kBFloat16 ? cuda::DType::kBFloat16 : t == at::kHalf ? cuda::DType::kHalf : cuda::DType::kFloat;
-}
+using cuda::kernel_dtype;
 void* stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 #endif
 

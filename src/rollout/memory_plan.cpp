@@ -224,21 +224,24 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
   return out;
 }
 
-// Every phase fits with the reserve, and the train phase with an eighth of its activations more
-// (the margin of an estimate that decides how much to keep).
+// Every phase fits (activations_fit: the train phase's activations with the margin).
 bool fits_with_margin(const MemoryPlan& m) {
   for (const auto& r : m.ranks)
     for (const auto& p : r.phases) {
-      int64_t margin = 0;
+      int64_t act = 0;
       if (p.phase == Phase::kTrain)
         for (const auto& [name, b] : p.items)
-          if (name == kTrainActivations) margin = b / 8;
-      if (p.total() + margin + kReserveBytes > m.gpu_bytes) return false;
+          if (name == kTrainActivations) act = b;
+      if (!activations_fit(p.total() - act, act, m.gpu_bytes)) return false;
     }
   return true;
 }
 
 }  // namespace
+
+bool activations_fit(int64_t others, int64_t activations, int64_t gpu_bytes) {
+  return others + activations + activations / 8 + kReserveBytes <= gpu_bytes;
+}
 
 MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes) {
   if (cfg.train.recompute != "auto") {

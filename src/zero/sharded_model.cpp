@@ -357,6 +357,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
         y = model::mlp_residual(m->cfg, w, kept_in, bctx);
       }
     }
+    ctx->saved_data["attention_half"] = mode == Recompute::kAttentionOnly;  // recomputed in the backward
     ctx->saved_data["kept_out"] = y;
     ctx->saved_data["kept_in"] = kept_in;
     ctx->saved_data["params"] = params;
@@ -388,7 +389,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
       g = grads_of(y, inputs, grads[0]);
       at::Tensor g_in = g.back();
       g.pop_back();
-      if (m->opts.recompute == Recompute::kNone) {
+      if (!ctx->saved_data["attention_half"].toBool()) {
         gx = g_in;
       } else if (g_in.defined()) {  // kAttentionOnly: through the attention half, recomputed
         at::Tensor a;

@@ -91,6 +91,11 @@ using ModelShapes = std::map<std::string, model::ModelConfig>;
 // (`dtype_bytes` per element of the compute dtype).
 int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int64_t dtype_bytes, zero::Recompute mode);
 
+// Whether activations of `activations` bytes fit beside `others` on a GPU of `gpu_bytes` with
+// kReserveBytes held back and an eighth of the activations as margin (what train.recompute = auto
+// asks of a mode).
+bool activations_fit(int64_t others, int64_t activations, int64_t gpu_bytes);
+
 // Throws ConfigError when a hybrid engine has no room for a KV cache of one max-length sequence,
 // naming the rank and what to change. `gpu_bytes` 0: estimates only, KV caches from
 // engines.kv_cache_gb (else 0).
