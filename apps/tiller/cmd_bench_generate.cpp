@@ -29,6 +29,7 @@ struct GenBenchOptions {
   double hbm_gbps = 4300;  // measured H200 copy bandwidth (DESIGN.md §7), for the floor
   bool no_cuda_graphs = false;
   bool no_async = false;
+  bool no_rope_in_attention = false;
   std::string profile;
   int64_t profile_steps = 5;
 };
@@ -50,6 +51,7 @@ int run_bench_generate(const GenBenchOptions& o) {
   if (device == "cpu") eo.kv_cache_gb = 4;
   eo.cuda_graphs = !o.no_cuda_graphs;
   eo.async_scheduling = !o.no_async;
+  eo.rope_in_attention = !o.no_rope_in_attention;
   engine::Engine e(cfg, std::move(w), eo);
 
   std::mt19937_64 rng(1);
@@ -111,6 +113,7 @@ int run_bench_generate(const GenBenchOptions& o) {
                            {"paged_decode", e.paged_decode()},
                            {"cuda_graphs", e.cuda_graphs()},
                            {"async_scheduling", eo.async_scheduling},
+                           {"rope_in_attention", eo.rope_in_attention},
                            {"launched_ahead", stats.launched_ahead - steps_before.launched_ahead},
                            {"preemptions", stats.preemptions - steps_before.preemptions},
                            {"kv_blocks", stats.kv_blocks_total}};
@@ -161,6 +164,8 @@ void add_bench_generate(CLI::App* bench, Runner& run) {
   g->add_option("--hbm-gbps", o->hbm_gbps, "Memory bandwidth for the floor, GB/s")->check(CLI::Range(1.0, 1e6));
   g->add_option("--out", o->out, "Also write the JSON here");
   g->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "Run decode steps eagerly");
+  g->add_flag("--no-rope-in-attention", o->no_rope_in_attention,
+              "Rotate q and k with a RoPE kernel before decode attention instead of inside it");
   g->add_flag("--no-async-scheduling", o->no_async,
               "Wait for each step's draws before launching the next (no host/GPU overlap)");
   g->add_option("--profile", o->profile, "Write a Chrome trace of --profile-steps decode steps here");

@@ -10,6 +10,9 @@
 // (GPU time compute stood waiting for a gather or reduce-scatter, from CUDA events); the rest is
 // compute, of which recomputation is estimated as the recomputed forward's share of the FLOPs.
 // --recompute picks what the backward recomputes (train.recompute; auto as tiller train chooses).
+// --score times the actor's scoring pass instead (what a trainer rank does for each scoring
+// request): the sharded forward without autograd, the log-probs and entropies of every token,
+// copied to the host; compare it with `tiller bench forward` on the same shape.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -17,6 +20,7 @@
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -49,6 +53,7 @@ struct TrainBenchOptions {
   std::string profile;  // Chrome trace of rank 0's last step
   std::string recompute = "auto";  // train.recompute's choices
   std::string reduce_dtype = "fp32";
+  bool score = false;  // time the scoring forward instead of training steps
 };
 
 // --recompute auto: the most kept activations that fit this GPU beside the shards and state, two
@@ -124,7 +129,27 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
 
   std::vector<double> step_s, fwd_bwd_s, opt_s, wait_s;
   compat::reset_peak(dev);
-  for (int s = 0; s < o.steps; ++s) {
+  for (int s = 0; s < o.steps && o.score; ++s) {
+    compat::synchronize(dev);
+    StepProfiler profiler(!o.profile.empty() && s == o.steps - 1 && comm.rank() == 0);
+    const auto t0 = Clock::now();
+    {
+      c10::AutoGradMode no_grad(false);
+      at::Tensor entropy;
+      const at::Tensor lp = model.token_logprobs(slice, targets, 1.0, &entropy);
+      // As the role worker answers: both to the host, fp32 (the copy waits for the GPU).
+      const at::Tensor host_lp = lp.to(at::kCPU, at::kFloat), host_ent = entropy.to(at::kCPU, at::kFloat);
+    }
+    const double total = since(t0);
+    profiler.save(o.profile);
+    const double waited = model.take_wait_seconds();
+    if (s < 2) continue;
+    step_s.push_back(total);
+    fwd_bwd_s.push_back(total);
+    opt_s.push_back(0);
+    wait_s.push_back(waited);
+  }
+  for (int s = 0; s < o.steps && !o.score; ++s) {
     compat::synchronize(dev);
     StepProfiler profiler(!o.profile.empty() && s == o.steps - 1 && comm.rank() == 0);
     const auto t0 = Clock::now();
@@ -164,6 +189,29 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   const double head_flops = 2.0 * static_cast<double>(emb) * 4;
   const double compute = std::max(0.0, fb - waited);
   nlohmann::ordered_json r;
+  if (o.score) {
+    // Forward FLOPs as `tiller bench forward` counts them: 2 x matmul parameters (the head's
+    // included, the embedding's not) + causal attention, per token.
+    int64_t matmul_params = nparam - emb;
+    if (cfg.tie_word_embeddings) matmul_params += emb;
+    const double fwd_tok = 2.0 * static_cast<double>(matmul_params) + 2.0 * 2.0 * (o.seq / 2.0) * cfg.q_size() * cfg.num_layers;
+    r["bench"] = "score";
+    r["model"] = o.model;
+    r["world"] = comm.size();
+    r["backend"] = comm.backend();
+    r["seq"] = o.seq;
+    r["mbs"] = o.micro_batch;
+    r["sequence_parallel"] = sp;
+    r["tokens_per_gpu_per_step"] = tokens;
+    r["steps_timed"] = o.steps - 2;
+    r["step_s"] = step;
+    r["tokens_per_s_per_gpu"] = tok_s;
+    r["tflops"] = fwd_tok * tok_s / 1e12;
+    r["exposed_comm_s"] = waited;
+    r["peak_mem_GiB"] = peak / double(1 << 30);
+    if (env.rank() == 0) emit_json(r.dump(), o.out);
+    return 0;
+  }
   r["bench"] = "train";
   r["model"] = o.model;
   r["params_B"] = nparam / 1e9;
@@ -222,6 +270,9 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   tr->add_option("--reduce-dtype", o->reduce_dtype, "What gradients are reduce-scattered in: fp32 or bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   tr->add_option("--profile", o->profile, "Write a Chrome trace (torch.profiler format) of rank 0's last step here");
+  tr->add_flag("--score", o->score,
+               "Time the actor's scoring pass (forward without autograd, log-probs and entropies to the host) "
+               "instead of training steps");
   tr->callback([&run, o, &argc, &argv] { run = [o, &argc, &argv] { return run_train_bench(*o, &argc, &argv); }; });
 }
 

@@ -80,6 +80,15 @@ class PagedKv : public model::KvCache {
   PagedKv(const at::Tensor& cache, const DecodeInputs* decode, int64_t block_size)
       : cache_(cache), decode_(decode), block_size_(block_size) {}
 
+  // Decode mode: the kernel rotates q and the new keys with these tables [rows, head_dim] (the
+  // step's), so block_forward hands them over before RoPE.
+  void rotate_with(const at::Tensor& cos, const at::Tensor& sin) {
+    TILLER_CHECK(decode_ != nullptr, "PagedKv: RoPE in attention is for decode steps");
+    cos_ = cos;
+    sin_ = sin;
+  }
+  bool applies_rope() const override { return cos_.defined(); }
+
   at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const model::VarlenSpec& spec, double scale, model::AttentionBackend backend) override {
     at::Tensor kc = cache_[layer][0], vc = cache_[layer][1];
@@ -97,6 +106,7 @@ class PagedKv : public model::KvCache {
 
   at::Tensor cache_;
   at::Tensor slots_, gather_;
+  at::Tensor cos_, sin_;
   const DecodeInputs* decode_ = nullptr;
   int64_t block_size_ = 0;
 };
@@ -155,6 +165,18 @@ at::Tensor PagedKv::attend_decode(const at::Tensor& kc, const at::Tensor& vc, at
   a.k_new_stride = k.stride(0);
   a.v_new_stride = v.stride(0);
   a.slots = in.slots.data_ptr<int32_t>();
+  if (cos_.defined()) {
+    auto table_ok = [&](const at::Tensor& t) {
+      return t.is_contiguous() && t.scalar_type() == q.scalar_type() && t.dim() == 2 && t.size(0) == batch &&
+             t.size(1) == dim && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+    };
+    TILLER_CHECK(table_ok(cos_) && table_ok(sin_),
+                 "decode attention: RoPE tables of {} elements for {} rows of head size {} (want contiguous, "
+                 "16-byte aligned [rows, head_dim] in q's dtype)",
+                 cos_.numel(), batch, dim);
+    a.rope_cos = cos_.data_ptr();
+    a.rope_sin = sin_.data_ptr();
+  }
   cuda::paged_decode_attention(a, stream);
   return out;
 }
@@ -215,6 +237,7 @@ struct ModelRunner::Impl {
   at::Tensor cache;
   at::Tensor cos_table, sin_table;  // [max_model_len, head_dim] unless RoPE is dynamic
   bool paged = false;               // decode steps through the paged kernel
+  bool paged_rope = false;          // ... which also applies RoPE (PagedKv::rotate_with)
   std::vector<int32_t> words;       // host staging of decode inputs
   std::unique_ptr<model::StorageSwap> weight_swap;  // the weights' storages (sleep level 2)
 
@@ -264,6 +287,7 @@ struct ModelRunner::Impl {
     PagedKv kv(cache, &in, block_size);
     model::BlockContext ctx;
     std::tie(ctx.cos, ctx.sin) = rope_tables(in.positions, lens);
+    if (paged_rope) kv.rotate_with(ctx.cos, ctx.sin);
     ctx.attn.lens_q.assign(static_cast<size_t>(rows), 1);
     ctx.attn.max_q = 1;
     ctx.cache = &kv;
@@ -342,6 +366,8 @@ void ModelRunner::allocate_cache(const CacheOptions& o) {
   m.paged = device_.is_cuda() && cuda::paged_decode_supports(local_.head_dim) &&
             (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat) &&
             o.num_blocks * m.block_size < (int64_t{1} << 31);  // slots and block ids travel as int32
+  m.paged_rope = m.paged && o.rope_in_attention &&
+                 cuda::paged_decode_rotates(kernel_dtype(dtype), local_.head_dim, local_.num_heads, local_.num_kv_heads);
   m.graphs = m.paged && o.cuda_graphs && m.cos_table.defined() && !(m.tp && m.tp->size() > 1) && o.max_graph_batch > 0;
   if (m.graphs) {
     m.max_graph_batch = o.max_graph_batch;

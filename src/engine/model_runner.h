@@ -44,6 +44,7 @@ class ModelRunner {
     int64_t max_model_len = 0;     // longest sequence (RoPE tables, graph block lists)
     bool cuda_graphs = true;       // decode steps on CUDA without TP; ignored elsewhere
     int64_t max_graph_batch = 256; // larger decode batches run eagerly
+    bool rope_in_attention = true; // EngineOptions::rope_in_attention
   };
   // Allocates the KV cache (again after release_cache(); its contents start at zero).
   void allocate_cache(const CacheOptions& opts);

@@ -110,11 +110,12 @@ namespace {
 at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& h,
                          BlockContext& ctx) {
   const int64_t t = h.size(0);
+  const bool rotate = !(ctx.cache && ctx.cache->applies_rope());  // else the cache's attention rotates
   at::Tensor q, k, v;
   if (w.qkv_proj.defined()) {
     const at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias);
     v = qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size()).view({t, cfg.num_kv_heads, cfg.head_dim});
-    if (!cfg.qk_norm) {
+    if (!cfg.qk_norm && rotate) {
       // q and k are side by side in each row: one RoPE over [T, heads + kv_heads, head_dim].
       const at::Tensor qk = apply_rope(qkv.narrow(1, 0, cfg.q_size() + cfg.kv_size())
                                            .view({t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim}),
@@ -130,15 +131,17 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
     k = project(h, w.k_proj, w.k_bias);
     v = project(h, w.v_proj, w.v_bias).view({t, cfg.num_kv_heads, cfg.head_dim});
   }
-  if (!w.qkv_proj.defined() || cfg.qk_norm) {
+  if (!w.qkv_proj.defined() || cfg.qk_norm || !rotate) {
     q = q.view({t, cfg.num_heads, cfg.head_dim});
     k = k.view({t, cfg.num_kv_heads, cfg.head_dim});
     if (cfg.qk_norm) {
       q = rms_norm(q, w.q_norm, cfg.rms_norm_eps);
       k = rms_norm(k, w.k_norm, cfg.rms_norm_eps);
     }
-    q = apply_rope(q, ctx.cos, ctx.sin);
-    k = apply_rope(k, ctx.cos, ctx.sin);
+    if (rotate) {
+      q = apply_rope(q, ctx.cos, ctx.sin);
+      k = apply_rope(k, ctx.cos, ctx.sin);
+    }
   }
   VarlenSpec spec = ctx.attn;
   spec.window = cfg.layer_window[layer];

@@ -2,7 +2,7 @@
 // same inputs: every dtype, both kernels (tensor cores for bf16/fp16 query-head groups, CUDA
 // cores otherwise), ragged shuffled block lists, block sizes that do not divide the lengths,
 // windows, empty sequences, a strided query, split counts from 1 to 16, and the step's own K/V
-// rows stored by the call.
+// rows stored by the call; and RoPE inside the tensor-core kernel against the RoPE kernel.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "engine/cuda/paged_attention.h"
+#include "tiller/model/transformer.h"
 #endif
 
 namespace tiller::engine {
@@ -180,6 +181,100 @@ TEST(EngineGpu, PagedDecodeKernelsEqualFp32Attention) {
       const bool fp32 = c.dtype == at::kFloat;
       EXPECT_LT(max_err, fp32 ? 2e-5 : c.dtype == at::kHalf ? 4e-3 : 2e-2);
       EXPECT_LT(mean_err, fp32 ? 2e-6 : c.dtype == at::kHalf ? 5e-4 : 3e-3);
+    }
+  }
+#endif
+}
+
+// RoPE in the tensor-core kernel (PagedDecode::rope_cos): q and this step's key given before
+// RoPE must give bit for bit the output and cache rows of the same call on inputs that the RoPE
+// kernel (model::apply_rope, what the engine ran before) rotated first. Ragged lengths, empty
+// sequences, a window, several split counts, a strided query.
+TEST(EngineGpu, PagedDecodeRotatesLikeTheRopeKernel) {
+#ifndef TILLER_HAVE_CUDA_KERNELS
+  GTEST_SKIP() << "not the CUDA build";
+#else
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  c10::InferenceMode no_grad;
+  const at::Device dev("cuda:0");
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+  const std::vector<DecodeCase> cases = {{at::kBFloat16, 128, 28, 4, 16, 0}, {at::kBFloat16, 64, 14, 2, 16, 0},
+                                         {at::kHalf, 128, 8, 4, 5, 0},       {at::kBFloat16, 64, 16, 1, 7, 100}};
+  EXPECT_FALSE(cuda::paged_decode_rotates(cuda::DType::kFloat, 128, 28, 4));   // the CUDA-core kernel's shapes
+  EXPECT_FALSE(cuda::paged_decode_rotates(cuda::DType::kBFloat16, 256, 8, 2));
+  const std::vector<int32_t> lens = {1, 0, 16, 17, 255, 300, 64, 5, 129, 1000};
+  const auto batch = static_cast<int64_t>(lens.size());
+  for (const DecodeCase& c : cases) {
+    ASSERT_TRUE(cuda::paged_decode_rotates(kernel_dtype(c.dtype), c.head_dim, c.heads, c.kv_heads));
+    for (int64_t splits : {1, 3, 16}) {
+      SCOPED_TRACE(::testing::Message() << c10::toString(c.dtype) << " head_dim " << c.head_dim << " heads "
+                                        << c.heads << "/" << c.kv_heads << " splits " << splits);
+      const int64_t dim = c.head_dim;
+      std::vector<int32_t> offsets, blocks, slots;
+      for (int32_t len : lens) {
+        offsets.push_back(static_cast<int32_t>(blocks.size()));
+        const auto first = static_cast<int32_t>(blocks.size());
+        for (int64_t i = 0; i < (len + c.block_size - 1) / c.block_size; ++i) blocks.push_back(static_cast<int32_t>(blocks.size()));
+        slots.push_back(len == 0 ? -1 : static_cast<int32_t>((first + (len - 1) / c.block_size) * c.block_size + (len - 1) % c.block_size));
+      }
+      const int64_t cache_rows = (static_cast<int64_t>(blocks.size()) + 1) * c.block_size;
+      at::manual_seed(7 + static_cast<uint64_t>(splits));
+      const at::Tensor k_cache0 = at::randn({cache_rows, c.kv_heads, dim}, fp32).to(c.dtype);
+      const at::Tensor v_cache0 = at::randn({cache_rows, c.kv_heads, dim}, fp32).to(c.dtype);
+      const at::Tensor qkv = at::randn({batch, (c.heads + 2 * c.kv_heads) * dim}, fp32).to(c.dtype);
+      const at::Tensor q = qkv.narrow(1, 0, c.heads * dim).view({batch, c.heads, dim});
+      const at::Tensor k_new = qkv.narrow(1, c.heads * dim, c.kv_heads * dim).view({batch, c.kv_heads, dim});
+      const at::Tensor v_new = qkv.narrow(1, (c.heads + c.kv_heads) * dim, c.kv_heads * dim).view({batch, c.kv_heads, dim});
+      // HF tables at each sequence's last position.
+      const at::Tensor pos = (at::tensor(lens, at::kFloat).to(dev) - 1).clamp_min(0);
+      const at::Tensor inv = at::pow(10000.0, -at::arange(0, dim, 2, fp32) / static_cast<double>(dim));
+      const at::Tensor ang = at::cat({pos.unsqueeze(1) * inv, pos.unsqueeze(1) * inv}, 1);
+      const at::Tensor cos = ang.cos().to(c.dtype), sin = ang.sin().to(c.dtype);
+      auto i32 = [&](const std::vector<int32_t>& v) { return at::tensor(v, at::TensorOptions().dtype(at::kInt)).to(dev); };
+      const at::Tensor d_lens = i32(lens), d_offsets = i32(offsets), d_blocks = i32(blocks), d_slots = i32(slots);
+      at::Tensor ws = at::empty({std::max<int64_t>(1, cuda::paged_decode_workspace_floats(batch, c.heads, dim, splits))}, fp32);
+      // One call: (query, step K, their token strides, tables or none) -> (output, K cache, V cache).
+      auto call = [&](const at::Tensor& qq, const at::Tensor& kk, bool tables) {
+        at::Tensor kc = k_cache0.clone(), vc = v_cache0.clone();
+        at::Tensor out = at::full({batch, c.heads, dim}, 7.0, fp32.dtype(c.dtype));
+        cuda::PagedDecode a;
+        a.dtype = kernel_dtype(c.dtype);
+        a.q = qq.data_ptr();
+        a.q_token_stride = qq.stride(0);
+        a.k_cache = kc.data_ptr();
+        a.v_cache = vc.data_ptr();
+        a.out = out.data_ptr();
+        a.seq_lens = d_lens.data_ptr<int32_t>();
+        a.offsets = d_offsets.data_ptr<int32_t>();
+        a.blocks = d_blocks.data_ptr<int32_t>();
+        a.batch = batch;
+        a.heads = c.heads;
+        a.kv_heads = c.kv_heads;
+        a.head_dim = dim;
+        a.block_size = c.block_size;
+        a.window = c.window;
+        a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
+        a.splits = splits;
+        a.workspace = splits > 1 ? ws.data_ptr<float>() : nullptr;
+        a.k_new = kk.data_ptr();
+        a.v_new = v_new.data_ptr();
+        a.k_new_stride = kk.stride(0);
+        a.v_new_stride = v_new.stride(0);
+        a.slots = d_slots.data_ptr<int32_t>();
+        if (tables) {
+          a.rope_cos = cos.data_ptr();
+          a.rope_sin = sin.data_ptr();
+        }
+        cuda::paged_decode_attention(a, c10::cuda::getCurrentCUDAStream(0).stream());
+        return std::make_tuple(out, kc, vc);
+      };
+      const auto [out_fused, kc_fused, vc_fused] = call(q, k_new, true);
+      const auto [out_ref, kc_ref, vc_ref] = call(model::apply_rope(q, cos, sin), model::apply_rope(k_new, cos, sin), false);
+      EXPECT_TRUE(at::equal(out_fused, out_ref)) << "max difference "
+                                                 << (out_fused.to(at::kFloat) - out_ref.to(at::kFloat)).abs().max().item<double>();
+      EXPECT_TRUE(at::equal(kc_fused, kc_ref));
+      EXPECT_TRUE(at::equal(vc_fused, vc_ref));
+      EXPECT_FALSE(at::equal(kc_fused, k_cache0));  // the step's keys went in
     }
   }
 #endif

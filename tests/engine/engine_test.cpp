@@ -584,6 +584,55 @@ TEST(EngineGpu, AWeightUpdateMidSampleKeepsEachLogprobOfItsVersion) {
 // On a GPU in bf16 (flash attention for prefill, the paged cache for decode): the engine's
 // log-probs of its sampled tokens against the trainer's forward of the same tokens, also in bf16.
 // Reports the distribution of the differences.
+// RoPE inside the decode kernel (EngineOptions::rope_in_attention) against the separate RoPE
+// kernel, through the whole engine in bf16: the same tokens and bit for bit the same log-probs,
+// with CUDA graphs and eagerly. Qwen2-0.5B's attention (head size 64, groups of 7, q/k biases)
+// and the same with q/k norms before RoPE (Qwen3's attention). The separate kernel runs twice: its
+// two runs must agree too, or the comparison would say nothing.
+TEST(EngineGpu, RopeInAttentionChangesNoOutput) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  for (const bool qk_norm : {false, true}) {
+    const std::string preset = qk_norm ? "qwen2-0.5b with q/k norms" : "qwen2-0.5b";
+    model::ModelConfig cfg = model::preset("qwen2-0.5b");
+    cfg.num_layers = 3;
+    cfg.qk_norm = qk_norm;
+    const model::NamedTensors named = model::init_weights(cfg, model::Head::kLm, 4, at::kBFloat16, at::Device("cuda:0"));
+    const model::ModelWeights w = model::bind_weights(cfg, named, model::Head::kLm, preset);
+    const auto ps = prompts(12, 23, cfg.vocab_size, 40);
+    for (bool graphs : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << preset << (graphs ? ", CUDA graphs" : ", eager decode"));
+      std::map<std::pair<uint64_t, int64_t>, SampleOutput> outs[3];
+      for (int fused = 0; fused < 3; ++fused) {
+        EngineOptions o;
+        o.device = "cuda:0";
+        o.num_blocks = 512;
+        o.cuda_graphs = graphs;
+        o.rope_in_attention = fused == 1;  // runs 0 and 2: the separate kernel, twice
+        Engine e(cfg, w, o);
+        for (size_t i = 0; i < ps.size(); ++i) {
+          SamplingParams p;
+          p.greedy = i % 3 == 0;
+          p.temperature = 1.0;
+          p.seed = 40 + i;
+          p.max_new_tokens = 24;
+          e.add({i, ps[i], p, 2});
+        }
+        outs[fused] = run_all(e);
+      }
+      ASSERT_EQ(outs[0].size(), 2 * ps.size());
+      ASSERT_EQ(outs[1].size(), outs[0].size());
+      for (const auto& [key, want] : outs[0]) {
+        const SampleOutput& again = outs[2].at(key);
+        EXPECT_EQ(again.tokens, want.tokens) << "unfused twice: request " << key.first << " sample " << key.second;
+        EXPECT_EQ(again.logprobs, want.logprobs) << "unfused twice: request " << key.first << " sample " << key.second;
+        const SampleOutput& got = outs[1].at(key);
+        EXPECT_EQ(got.tokens, want.tokens) << "request " << key.first << " sample " << key.second;
+        EXPECT_EQ(got.logprobs, want.logprobs) << "request " << key.first << " sample " << key.second;
+      }
+    }
+  }
+}
+
 TEST(EngineGpu, SampledLogprobsAgainstTheTrainerInBf16) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   model::ModelConfig cfg = model::preset("qwen2-0.5b");

@@ -185,16 +185,17 @@ TEST(ModelGpu, AddRmsNormEqualsAddThenRmsNorm) {
 
 // The sampler on a GPU (one kernel when no row has top-k or top-p) against the ATen sampler on
 // the CPU for the same logits: the same tokens, the same log-probs. Rows mix greedy, several
-// temperatures and min_p; a Qwen-sized vocabulary makes the draw cross many scan tiles; bf16
+// temperatures and min_p; large vocabularies make the search cross warp ranges and chunks; bf16
 // logits go in as they are; a batch with a top-k row takes the ATen path on the GPU.
 TEST(ModelGpu, SamplerOnTheGpuEqualsTheCpuSampler) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
-  for (int64_t vocab : {5003, 151936}) {
+  // 5003 and 2^20 + 5: no wide loads; 2^20: chunks of 2048 tokens in the search.
+  for (int64_t vocab : {5003, 151936, 1 << 20, (1 << 20) + 5}) {
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
       for (bool with_top_k : {false, true}) {
         SCOPED_TRACE(::testing::Message() << "vocab " << vocab << " " << c10::toString(dtype)
                                           << (with_top_k ? " with a top-k row" : ""));
-        const int64_t rows = vocab > 10000 ? 24 : 96;
+        const int64_t rows = vocab > 200000 ? 16 : vocab > 10000 ? 24 : 96;
         at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(vocab));
         // Wide logits (a few dominant tokens) and flat ones (mass spread over the vocabulary).
         const at::Tensor width =
@@ -209,11 +210,34 @@ TEST(ModelGpu, SamplerOnTheGpuEqualsTheCpuSampler) {
         const SampledTokens cpu = sample_tokens(logits.to(at::kFloat), r);
         const SampledTokens gpu = sample_tokens(logits.to(at::Device("cuda:0")), r);
         const at::Tensor got = gpu.tokens.cpu(), got_lp = gpu.logprobs.cpu();
+        const at::Tensor exact = logits.to(at::kDouble);
+        int64_t sampled = 0, same = 0;
         for (int64_t i = 0; i < rows; ++i) {
-          EXPECT_EQ(got[i].item<int64_t>(), cpu.tokens[i].item<int64_t>()) << "row " << i;
+          const int64_t tok = got[i].item<int64_t>();
+          ASSERT_TRUE(tok >= 0 && tok < vocab) << "row " << i;
+          // The drawn token's log-prob under the whole softmax(logits / T) (T = 1 when greedy);
           // fp32 sums over the vocabulary in another order: ~1e-6 of a log-sum-exp near 20.
-          EXPECT_NEAR(got_lp[i].item<double>(), cpu.logprobs[i].item<double>(), 1e-4) << "row " << i;
+          const double t = r.temperature[i] > 0 ? r.temperature[i] : 1.0;
+          EXPECT_NEAR(got_lp[i].item<double>(), (exact[i] / t).log_softmax(0)[tok].item<double>(), 1e-4) << "row " << i;
+          if (r.temperature[i] == 0 || r.top_k[i] > 0) {
+            EXPECT_EQ(tok, cpu.tokens[i].item<int64_t>()) << "row " << i;
+            continue;
+          }
+          // The inverse-CDF draw in exact arithmetic: the kept mass before the token is at most
+          // u times the total and the mass through it passes it, up to fp32 summation (2e-5 of
+          // the total); where the two samplers' roundings part, they may differ by a neighbour.
+          at::Tensor p = (exact[i] / r.temperature[i]).softmax(0);
+          if (r.min_p[i] > 0) p = p.masked_fill(p < r.min_p[i] * p.max(), 0);
+          const at::Tensor cum = p.cumsum(0);
+          const double total = cum[vocab - 1].item<double>(), target = r.uniform[i] * total, slack = 2e-5 * total;
+          EXPECT_GT(p[tok].item<double>(), 0) << "row " << i << ": a token that min_p drops";
+          EXPECT_LE(tok > 0 ? cum[tok - 1].item<double>() : 0.0, target + slack) << "row " << i;
+          EXPECT_GE(cum[tok].item<double>(), target - slack) << "row " << i;
+          ++sampled;
+          same += tok == cpu.tokens[i].item<int64_t>();
         }
+        // An off-by-one draw would stay within the slack on flat rows, but not match this often.
+        EXPECT_GE(2 * same, sampled) << same << " of " << sampled << " sampled rows drew the CPU sampler's token";
       }
     }
   }

@@ -73,6 +73,10 @@ struct EngineOptions {
   bool cuda_graphs = true;
   int64_t max_graph_batch = 0;
   bool async_scheduling = true;  // see above; ignored with tensor parallelism
+  // Decode steps apply RoPE inside the paged attention kernel where it serves the shape (bf16/fp16,
+  // head size 64 or 128, query-head groups of 2 to 16): no RoPE launch per layer. Off: a separate
+  // RoPE kernel, as prefill does (for comparisons).
+  bool rope_in_attention = true;
   // Start asleep at level 1: the KV cache is allocated by the first wake() (the hybrid engine,
   // whose trainer may still hold the memory when the engine is built).
   bool start_asleep = false;

@@ -72,6 +72,9 @@ class KvCache {
   // the key lengths (cached + new) that the BlockContext was made with.
   virtual at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const VarlenSpec& spec, double scale, AttentionBackend backend) = 0;
+  // True when attend() takes q and k before RoPE and rotates them itself, with the tables of the
+  // step it was made for (the engine's decode kernel: no RoPE launch of its own).
+  virtual bool applies_rope() const { return false; }
 };
 
 // Contiguous per-sequence K/V of every layer: the cache of the reference generator (the engine

@@ -315,12 +315,18 @@ int64_t paged_decode_workspace_floats(int64_t batch, int64_t heads, int64_t head
   return splits > 1 ? batch * heads * splits * (head_dim + 1) : 0;
 }
 
+bool paged_decode_rotates(DType dtype, int64_t head_dim, int64_t heads, int64_t kv_heads) {
+  return kv_heads > 0 && heads % kv_heads == 0 && detail::paged_decode_mma_serves(dtype, head_dim, heads / kv_heads);
+}
+
 void paged_decode_attention(const PagedDecode& a, void* stream) {
   if (a.batch == 0) return;
   if (a.heads % a.kv_heads || a.splits < 1 || a.splits > kMaxSplits || (a.splits > 1 && !a.workspace))
     throw std::invalid_argument("paged decode attention: bad heads/kv_heads/splits/workspace");
   const auto s = static_cast<cudaStream_t>(stream);
   if (paged_decode_mma(a, s)) return;
+  if (a.rope_cos) throw std::invalid_argument("paged decode attention: RoPE tables for a shape that only the CUDA-core "
+                                              "kernel serves (check paged_decode_rotates)");
   if (a.k_new)
     write_kv(a.dtype, a.k_new, a.v_new, a.k_new_stride, a.v_new_stride, a.k_cache,
              a.v_cache, a.slots, a.batch, a.kv_heads, a.head_dim, stream);

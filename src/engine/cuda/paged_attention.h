@@ -53,7 +53,17 @@ struct PagedDecode {
   const void* v_new = nullptr;
   int64_t k_new_stride = 0, v_new_stride = 0;
   const int32_t* slots = nullptr;
+  // Optional, with k_new/v_new and only where paged_decode_rotates says so: RoPE tables [batch,
+  // head_dim] (HF layout: cos and sin of each row's position, q's dtype, contiguous, 16-byte
+  // aligned). q and k_new then come before RoPE; the kernel rotates q and this step's key (and
+  // stores the rotated key), so no RoPE kernel runs before it.
+  const void* rope_cos = nullptr;
+  const void* rope_sin = nullptr;
 };
+
+// Whether paged_decode_attention takes RoPE tables for this shape (the tensor-core kernel's:
+// bf16/fp16, head size 64 or 128, 2 to 16 query heads per KV head).
+bool paged_decode_rotates(DType dtype, int64_t head_dim, int64_t heads, int64_t kv_heads);
 
 // Split count for a batch: enough (sequence, head group, split) work items to fill the GPU, at
 // most 16, and (when known, > 0) no split shorter than 64 keys of `max_len`.

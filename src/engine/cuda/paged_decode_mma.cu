@@ -10,10 +10,14 @@
 //   P = exp2(S - m), rescale O, P rounded to the input type as the A operand of
 //   O += P V    D/8 n8 tiles of the head dimension, V via ldmatrix.trans.
 // The warps' states merge through shared memory at the end (decode_common.cuh).
+// With RoPE tables (PagedDecode::rope_cos), q and this step's key arrive before RoPE: the kernel
+// rotates the Q fragments in registers and the step's key once per warp into shared memory, from
+// where the tiles and the cache store take it: the rotation costs no launch and no block barrier.
 #include <cstdint>
 #include <type_traits>
 
 #include "engine/cuda/decode_common.cuh"
+#include "model/cuda/convert.cuh"
 
 namespace tiller::engine::cuda::detail {
 namespace {
@@ -22,6 +26,19 @@ constexpr int kWarps = 4;
 constexpr int kKeys = 16;     // keys per warp tile: N of QK^T (two n8 tiles), K of PV
 constexpr int kTileRows = 16; // query heads per MMA tile
 constexpr unsigned kFull = 0xffffffffu;
+
+template <class T>
+__device__ __forceinline__ void unpack2(uint32_t v, float& lo, float& hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 p = *reinterpret_cast<const __nv_bfloat162*>(&v);
+    lo = __low2float(p);
+    hi = __high2float(p);
+  } else {
+    const __half2 p = *reinterpret_cast<const __half2*>(&v);
+    lo = __low2float(p);
+    hi = __high2float(p);
+  }
+}
 
 template <class T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
@@ -59,6 +76,9 @@ __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
+__device__ __forceinline__ void st_shared16(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -81,6 +101,10 @@ template <int D>
 constexpr int kBlocksPerSm = D <= 64 ? 4 : 3;
 template <int D>
 constexpr int kSmemBytes = kWarps * kStagesOf<D> * 2 * kKeys * D * 2;
+// Dynamic shared memory of a block: the pipeline (which the merge reuses), then with RoPE each
+// warp's copy of this step's key, rotated (2-byte elements).
+template <int D>
+constexpr int kSmemTotal = kSmemBytes<D> + kWarps * D * 2;
 
 template <class T, int D>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma_kernel(PagedDecode a) {
@@ -96,28 +120,18 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
   const SplitRange range = split_range(a, b, split, kKeys);
   const int lo = range.lo, hi = range.hi;
   const int r = lane / 4, c2 = 2 * (lane % 4);  // this lane's fragment row and column pair
-
-  // Q as the A operand of every k-step: rows are the group's query heads, zero beyond.
-  uint32_t qf[D / 16][4];
-  {
-    const T* qp = static_cast<const T*>(a.q) + b * a.q_token_stride + static_cast<int64_t>(head0) * D;
-    auto ld = [&](int row, int col) {
-      return row < group ? *reinterpret_cast<const uint32_t*>(qp + row * D + col) : 0u;
-    };
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      qf[kk][0] = ld(r, kk * 16 + c2);
-      qf[kk][1] = ld(r + 8, kk * 16 + c2);
-      qf[kk][2] = ld(r, kk * 16 + 8 + c2);
-      qf[kk][3] = ld(r + 8, kk * 16 + 8 + c2);
-    }
-  }
+  const bool rope = a.rope_cos != nullptr;
 
   // This step's K/V rows: the sequence's last key is read from them (never from the cache row
   // being written), and the first split's block stores them into the cache at the end.
   const int last = a.k_new ? a.seq_lens[b] - 1 : -1;
-  const T* k_new = last >= 0 ? static_cast<const T*>(a.k_new) + b * a.k_new_stride + kv_head * D : nullptr;
+  const T* k_row = a.k_new ? static_cast<const T*>(a.k_new) + b * a.k_new_stride + kv_head * D : nullptr;
+  const T* k_new = last >= 0 ? k_row : nullptr;
   const T* v_new = last >= 0 ? static_cast<const T*>(a.v_new) + b * a.v_new_stride + kv_head * D : nullptr;
+  const T* qp = static_cast<const T*>(a.q) + b * a.q_token_stride + static_cast<int64_t>(head0) * D;
+  // With RoPE: each warp's copy of the step's key, rotated, past the pipeline's memory.
+  T* k_rot = reinterpret_cast<T*>(smem + kSmemBytes<D>) + warp * D;
+  const uint32_t k_rot_addr = static_cast<uint32_t>(__cvta_generic_to_shared(k_rot));
   const int32_t* blocks = a.blocks + a.offsets[b];
   const int64_t row_elems = a.kv_heads * D;
   const int bs = static_cast<int>(a.block_size);
@@ -144,12 +158,92 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
         const int64_t at = s < 0 ? 0 : static_cast<int64_t>(s) * row_elems + col * 8;
         const T* k_src = s == -2 ? k_new + col * 8 : kc + at;
         const T* v_src = s == -2 ? v_new + col * 8 : vc + at;
-        cp_async16(k_tile + tile_offset<D>(key, col), k_src, s != -1);
+        if (rope && s == -2) {  // the rotated key, from shared memory (ordered by the __syncwarp below)
+          uint4 v;
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                       : "r"(k_rot_addr + col * 16));
+          st_shared16(k_tile + tile_offset<D>(key, col), v);
+        } else {
+          cp_async16(k_tile + tile_offset<D>(key, col), k_src, s != -1);
+        }
         cp_async16(v_tile + tile_offset<D>(key, col), v_src, s != -1);
       }
     }
     cp_async_commit();
   };
+
+  // The slots of a tile are looked up one iteration before its copies are issued, so the block
+  // id loads are in flight while the warp computes; those of the first tiles all at once.
+  int first[kStages];
+#pragma unroll
+  for (int i = 0; i < kStages; ++i) first[i] = key_slot(i);
+
+  // RoPE of the step's key, per warp (no block barrier): lanes < D/16 rotate 8 pairs each, while
+  // the block-list lookups above are in flight; the tiles and the cache store take it from here.
+  const T* rope_cos = rope ? static_cast<const T*>(a.rope_cos) + b * D : nullptr;
+  const T* rope_sin = rope ? static_cast<const T*>(a.rope_sin) + b * D : nullptr;
+  if (rope && k_row) {
+    using V = model::cuda::Pack<T, 8>;
+    if (lane < D / 16) {
+      const int i = lane * 8;
+      const V x1 = *reinterpret_cast<const V*>(k_row + i), x2 = *reinterpret_cast<const V*>(k_row + i + D / 2);
+      const V c1 = *reinterpret_cast<const V*>(rope_cos + i), c2v = *reinterpret_cast<const V*>(rope_cos + i + D / 2);
+      const V s1 = *reinterpret_cast<const V*>(rope_sin + i), s2 = *reinterpret_cast<const V*>(rope_sin + i + D / 2);
+      V o1, o2;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float f1, f2;
+        model::cuda::rope_pair(model::cuda::to_f(x1.v[e]), model::cuda::to_f(x2.v[e]), model::cuda::to_f(c1.v[e]),
+                               model::cuda::to_f(s1.v[e]), model::cuda::to_f(c2v.v[e]), model::cuda::to_f(s2.v[e]),
+                               f1, f2);
+        o1.v[e] = model::cuda::from_f<T>(f1);
+        o2.v[e] = model::cuda::from_f<T>(f2);
+      }
+      *reinterpret_cast<V*>(k_rot + i) = o1;
+      *reinterpret_cast<V*>(k_rot + i + D / 2) = o2;
+    }
+    __syncwarp();
+  }
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i, first[i]);
+
+  // Q as the A operand of every k-step: rows are the group's query heads, zero beyond.
+  uint32_t qf[D / 16][4];
+  {
+    auto ld = [&](int row, int col) {
+      return row < group ? *reinterpret_cast<const uint32_t*>(qp + row * D + col) : 0u;
+    };
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      qf[kk][0] = ld(r, kk * 16 + c2);
+      qf[kk][1] = ld(r + 8, kk * 16 + c2);
+      qf[kk][2] = ld(r, kk * 16 + 8 + c2);
+      qf[kk][3] = ld(r + 8, kk * 16 + 8 + c2);
+    }
+  }
+  // RoPE of Q in registers: a column's partner (+- D/2) lies in the same lane's fragment D/32
+  // k-steps away, so the pairs rotate where they are (rounded to T, as the RoPE kernel's output).
+  if (rope) {
+    constexpr int kHalf = D / 32;  // k-steps per half of the head
+#pragma unroll
+    for (int kk = 0; kk < kHalf; ++kk)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = kk * 16 + (j >= 2 ? 8 : 0) + c2;  // of the first half; its partner + D/2
+        float x1[2], x2[2], o1[2], o2[2], c1[2], s1[2], c2v[2], s2[2];
+        unpack2<T>(qf[kk][j], x1[0], x1[1]);
+        unpack2<T>(qf[kk + kHalf][j], x2[0], x2[1]);
+        unpack2<T>(*reinterpret_cast<const uint32_t*>(rope_cos + col), c1[0], c1[1]);
+        unpack2<T>(*reinterpret_cast<const uint32_t*>(rope_sin + col), s1[0], s1[1]);
+        unpack2<T>(*reinterpret_cast<const uint32_t*>(rope_cos + col + D / 2), c2v[0], c2v[1]);
+        unpack2<T>(*reinterpret_cast<const uint32_t*>(rope_sin + col + D / 2), s2[0], s2[1]);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) model::cuda::rope_pair(x1[e], x2[e], c1[e], s1[e], c2v[e], s2[e], o1[e], o2[e]);
+        qf[kk][j] = pack2<T>(o1[0], o1[1]);
+        qf[kk + kHalf][j] = pack2<T>(o2[0], o2[1]);
+      }
+  }
 
   float o[D / 8][4];
 #pragma unroll
@@ -157,13 +251,6 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;  // rows r and r + 8
   const float qscale = a.scale * kLog2e;
 
-  // The slots of a tile are looked up one iteration before its copies are issued, so the block
-  // id loads are in flight while the warp computes; those of the first tiles all at once.
-  int first[kStages];
-#pragma unroll
-  for (int i = 0; i < kStages; ++i) first[i] = key_slot(i);
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue(i, first[i]);
   int next = first[kStages - 1];
   for (int i = 0; i < mine; ++i) {
     issue(i + kStages - 1, next);
@@ -268,7 +355,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
     if (slot >= 0) {
       const int64_t at = static_cast<int64_t>(slot) * a.kv_heads * D + kv_head * D + lane * 8;
       reinterpret_cast<uint4*>(static_cast<T*>(a.k_cache) + at)[0] =
-          reinterpret_cast<const uint4*>(k_new + lane * 8)[0];
+          reinterpret_cast<const uint4*>((rope ? k_rot : k_new) + lane * 8)[0];
       reinterpret_cast<uint4*>(static_cast<T*>(a.v_cache) + at)[0] =
           reinterpret_cast<const uint4*>(v_new + lane * 8)[0];
     }
@@ -277,7 +364,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
 
 template <class T, int D>
 void launch(const PagedDecode& a, cudaStream_t stream) {
-  constexpr int kSmem = kSmemBytes<D>;
+  constexpr int kSmem = kSmemTotal<D>;
   if constexpr (kSmem > 48 * 1024) {
     // Above the default 48 KiB of dynamic shared memory: opt in, once per device.
     static bool done[64] = {};
@@ -312,6 +399,8 @@ bool paged_decode_mma_serves(DType dtype, int64_t head_dim, int64_t group) {
 }
 
 bool paged_decode_mma(const PagedDecode& a, cudaStream_t stream) {
+  if (a.rope_cos && !(a.rope_sin && a.k_new && a.v_new))
+    throw std::invalid_argument("paged decode attention: RoPE tables need both tables and this step's K/V rows");
   if (!paged_decode_mma_serves(a.dtype, a.head_dim, a.heads / a.kv_heads)) return false;
   if (a.dtype == DType::kBFloat16)
     dispatch_dim<__nv_bfloat16>(a, stream);

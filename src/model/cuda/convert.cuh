@@ -41,6 +41,15 @@ decltype(auto) with_dtype(DType dtype, F&& f) {
   throw std::invalid_argument("unknown kernel dtype");
 }
 
+// Rotary embedding of one pair (x1 at i, x2 at i + dim/2) with the tables' cos and sin at i (c1,
+// s1) and at i + dim/2 (c2, s2): o1 = x1 c1 - x2 s1, o2 = x2 c2 + x1 s2. One definition for every
+// kernel that rotates (rope.cu, the engine's decode attention), so that they round alike.
+__device__ __forceinline__ void rope_pair(float x1, float x2, float c1, float s1, float c2, float s2, float& o1,
+                                          float& o2) {
+  o1 = x1 * c1 - x2 * s1;
+  o2 = x2 * c2 + x1 * s2;
+}
+
 // kVec elements of T moved as one aligned vector (16 bytes at kVec = 16 / sizeof(T)).
 template <class T, int kVec>
 struct alignas(sizeof(T) * kVec) Pack {

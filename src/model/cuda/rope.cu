@@ -42,8 +42,10 @@ __global__ void rope_kernel(const T* x, const T* cos, const T* sin, T* out, int6
         o1.v[e] = from_f<T>(av * to_f(c1.v[e]) + bv * to_f(s2.v[e]));
         o2.v[e] = from_f<T>(bv * to_f(c2.v[e]) - av * to_f(s1.v[e]));
       } else {
-        o1.v[e] = from_f<T>(av * to_f(c1.v[e]) - bv * to_f(s1.v[e]));
-        o2.v[e] = from_f<T>(bv * to_f(c2.v[e]) + av * to_f(s2.v[e]));
+        float f1, f2;
+        rope_pair(av, bv, to_f(c1.v[e]), to_f(s1.v[e]), to_f(c2.v[e]), to_f(s2.v[e]), f1, f2);
+        o1.v[e] = from_f<T>(f1);
+        o2.v[e] = from_f<T>(f2);
       }
     }
     T* op = out + (t * heads + h) * dim;

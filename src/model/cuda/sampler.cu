@@ -1,13 +1,17 @@
-// The sampler's one-kernel path (kernels.h: sample_rows): one thread block per row of logits.
-//   pass 1  the first maximum of the logits (greedy), and the running max and sum of
-//           exp2((x / T) log2 e) (the row's log-sum-exp);
-//   pass 2  (only with min_p) the kept mass: tokens with p >= min_p * p_max;
-//   pass 3  tiles of 8 consecutive tokens per thread, block-scanned in token order with a
-//           running base; the first thread whose running mass passes u * total walks its
-//           tokens to the draw. Rounding cannot lose the draw: the first thread whose end passes
-//           the target wins, and a target past the scanned total takes the last kept token.
-// The row's draw depends only on the row (its logits, parameters and uniform), never on the
-// batch.
+// The sampler's one-kernel path (kernels.h: sample_rows): one thread block per row of logits,
+// each warp over its own contiguous sixteenth of the row, read with coalesced 16-byte loads
+// (three in flight per lane).
+//   pass 1  the first maximum of the logits (greedy), the row's log-sum-exp of x / T in log2
+//           units, and the (max, sum) of every chunk of the warp's range (at most 64 chunks of
+//           512 or more tokens a warp);
+//   pass 2  (only with min_p) every chunk's kept mass: tokens with p >= min_p * p_max;
+//   search  one warp finds the first warp range, then its first chunk, then in that chunk (read
+//           again) the first token whose running mass passes u times the total, from prefix sums
+//           of the masses in token order. A target that rounding puts past a level's total takes
+//           that level's last kept token, as a target past the row's total takes its last one.
+// The draw is the inverse-CDF draw of the ATen sampler; it reads the row about once instead of a
+// block-wide scan with two barriers per 4096 tokens. The row's draw depends only on the row
+// (its logits, parameters and uniform), never on the batch.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -24,26 +28,36 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kPer = 8;  // consecutive tokens per thread and load
+constexpr int kPer = 8;             // consecutive tokens per lane and load
+constexpr int kStep = 32 * kPer;    // tokens per warp load
+constexpr int kMaxChunks = 64;      // per warp range
+constexpr int kMinChunk = 2 * kStep;
+constexpr int kMaxVocab = 1 << 30;  // int token indices with room to spare
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFull = 0xffffffffu;
 
-// Eight consecutive logits from `i` (all in range when `vec`: a 16-byte-aligned row whose length
-// is a multiple of 8, read with wide loads), converted to fp32; past the end: -inf.
+// Eight consecutive tokens' logits as raw 16-byte words (the row is only 16-byte aligned).
 template <class T>
-__device__ __forceinline__ void load8(const T* x, int i, int n, bool vec, float (&v)[8]) {
-  if (vec) {
-    constexpr int kLoads = sizeof(T) * 8 / 16;
-    uint4 raw[kLoads];
+struct Vec {
+  static constexpr int kWords = static_cast<int>(sizeof(T)) * kPer / 16;
+  uint4 w[kWords];
+  __device__ __forceinline__ T get(int e) const { return reinterpret_cast<const T*>(w)[e]; }
+  __device__ __forceinline__ void set(int e, T v) { reinterpret_cast<T*>(w)[e] = v; }
+};
+
+// Tokens [i, i + 8) that lie below `hi`; -inf past it. Wide loads when `vec` (a 16-byte-aligned
+// row whose length is a multiple of 8; every range bound is then a multiple of 8 as well).
+template <class T>
+__device__ __forceinline__ Vec<T> load8(const T* x, int i, int hi, bool vec) {
+  Vec<T> r;
+  if (vec && i + kPer <= hi) {
 #pragma unroll
-    for (int j = 0; j < kLoads; ++j) raw[j] = reinterpret_cast<const uint4*>(x + i)[j];
-    const T* e = reinterpret_cast<const T*>(raw);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = to_f(e[j]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = i + j < n ? to_f(x[i + j]) : -INFINITY;
+    for (int j = 0; j < Vec<T>::kWords; ++j) r.w[j] = reinterpret_cast<const uint4*>(x + i)[j];
+    return r;
   }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) r.set(j, i + j < hi ? x[i + j] : from_f<T>(-INFINITY));
+  return r;
 }
 
 // Running (max, sum of exp2(v - max)) pairs, merged.
@@ -54,50 +68,106 @@ __device__ __forceinline__ void merge_lse(float& m, float& s, float m2, float s2
   m = mx;
 }
 
+// The warp's tokens [lo, hi) in steps of kStep (lane l takes tokens l * 8 .. l * 8 + 7 of each),
+// three loads in flight: f(step, first token of the lane, its 8 values in fp32).
+template <class T, class F>
+__device__ __forceinline__ void stream_range(const T* x, int lo, int hi, bool vec, int lane, F&& f) {
+  const int steps = hi > lo ? (hi - lo + kStep - 1) / kStep : 0;
+  auto at = [&](int s) { return lo + s * kStep + lane * kPer; };
+  Vec<T> a, b, c;
+  if (steps > 0) a = load8(x, at(0), hi, vec);
+  if (steps > 1) b = load8(x, at(1), hi, vec);
+  if (steps > 2) c = load8(x, at(2), hi, vec);
+  for (int s = 0; s < steps; ++s) {
+    const Vec<T> cur = a;
+    a = b;
+    b = c;
+    if (s + 3 < steps) c = load8(x, at(s + 3), hi, vec);
+    float v[kPer];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) v[e] = to_f(cur.get(e));
+    f(s, at(s), v);
+  }
+}
+
+// The first lane (in lane order) whose inclusive prefix `incl` of `mass` passes `target`, or -1.
+__device__ __forceinline__ int first_past(float mass, float incl, float target) {
+  const unsigned hit = __ballot_sync(kFull, mass > 0.f && incl > target);
+  return hit ? __ffs(hit) - 1 : -1;
+}
+
+__device__ __forceinline__ float inclusive_scan(float v, int lane) {
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const float up = __shfl_up_sync(kFull, v, off);
+    if (lane >= off) v += up;
+  }
+  return v;
+}
+
 template <class T>
-__global__ void __launch_bounds__(kThreads) sample_rows_kernel(const T* logits, int64_t vocab, int64_t row_stride,
+__global__ void __launch_bounds__(kThreads) sample_rows_kernel(const T* logits, int vocab, int64_t row_stride,
                                                                bool vec, const float* params, int64_t* tokens,
                                                                float* logprobs) {
-  __shared__ float s_a[kWarps], s_b[kWarps];
-  __shared__ int s_i[kWarps];
-  __shared__ int s_token, s_last;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  __shared__ float s_cm[kWarps][kMaxChunks], s_cs[kWarps][kMaxChunks];  // chunk (max, sum), then mass
+  __shared__ float s_wm[kWarps], s_ws[kWarps], s_best[kWarps], s_wmass[kWarps];
+  __shared__ int s_arg[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x;
   const T* x = logits + row * row_stride;
   const float temperature = params[3 * row], min_p = params[3 * row + 1], u = params[3 * row + 2];
   const bool greedy = !(temperature > 0.f);
   const float k = (greedy ? 1.f : 1.f / temperature) * kLog2e;  // logits -> log2 units of x / T
-  const int n = static_cast<int>(vocab);
+  const int n = vocab;
 
-  // Pass 1: first maximum, and the log-sum-exp of x / T; two wide loads in flight per thread.
-  float best = -INFINITY, m = -INFINITY, s = 0.f;
+  // The warps' ranges (multiples of 8 tokens) and chunks (multiples of kStep, <= kMaxChunks each).
+  const int per = ((n + kWarps - 1) / kWarps + kPer - 1) / kPer * kPer;
+  int chunk = (per + kMaxChunks - 1) / kMaxChunks;
+  chunk = max(kMinChunk, (chunk + kStep - 1) / kStep * kStep);
+  const int steps_per_chunk = chunk / kStep;
+  auto range_lo = [&](int w) { return min(n, w * per); };
+  auto range_hi = [&](int w) { return min(n, range_lo(w) + per); };
+  auto chunks_of = [&](int w) { return (range_hi(w) - range_lo(w) + chunk - 1) / chunk; };
+  const int lo = range_lo(warp), hi = range_hi(warp), chunks = chunks_of(warp);
+
+  // Pass 1.
+  float best = -INFINITY;
   int arg = INT_MAX;
-  auto visit = [&](int i0, const float (&v)[kPer]) {
+  float lm = -INFINITY, ls = 0.f;  // this lane's share of the current chunk
+  float wm = -INFINITY, ws = 0.f;  // the warp's chunks so far
+  const int steps = hi > lo ? (hi - lo + kStep - 1) / kStep : 0;
+  stream_range(x, lo, hi, vec, lane, [&](int s, int i0, const float (&v)[kPer]) {
     float local = -INFINITY;
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
-      if (v[e] > best) {
+      if (v[e] > best) {  // a lane's tokens come in increasing order: the first maximum stays
         best = v[e];
         arg = i0 + e;
       }
       local = fmaxf(local, v[e] * k);
     }
-    if (local == -INFINITY) return;
-    if (local > m) {
-      s *= exp2f(m - local);
-      m = local;
-    }
+    if (local != -INFINITY) {
+      if (local > lm) {
+        ls *= exp2f(lm - local);
+        lm = local;
+      }
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) s += exp2f(v[e] * k - m);
-  };
-  for (int i0 = tid * kPer; i0 < n; i0 += 2 * kThreads * kPer) {
-    const int i1 = i0 + kThreads * kPer;
-    float a[kPer], b[kPer];
-    load8(x, i0, n, vec, a);
-    if (i1 < n) load8(x, i1, n, vec, b);
-    visit(i0, a);
-    if (i1 < n) visit(i1, b);
-  }
+      for (int e = 0; e < kPer; ++e) ls += exp2f(v[e] * k - lm);
+    }
+    if ((s + 1) % steps_per_chunk == 0 || s + 1 == steps) {  // warp-uniform: the chunk ends
+      float cm = lm, cs = ls;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+        merge_lse(cm, cs, __shfl_xor_sync(kFull, cm, off), __shfl_xor_sync(kFull, cs, off));
+      if (lane == 0) {
+        s_cm[warp][s / steps_per_chunk] = cm;
+        s_cs[warp][s / steps_per_chunk] = cs;
+      }
+      merge_lse(wm, ws, cm, cs);
+      lm = -INFINITY;
+      ls = 0.f;
+    }
+  });
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     const float b2 = __shfl_xor_sync(kFull, best, off);
@@ -106,122 +176,154 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const T* logits, 
       best = b2;
       arg = a2;
     }
-    merge_lse(m, s, __shfl_xor_sync(kFull, m, off), __shfl_xor_sync(kFull, s, off));
   }
   if (lane == 0) {
-    s_a[warp] = m;
-    s_b[warp] = s;
-    s_i[warp] = arg;
+    s_wm[warp] = wm;
+    s_ws[warp] = ws;
+    s_best[warp] = best;
+    s_arg[warp] = arg;
   }
   __syncthreads();
+  float m = -INFINITY, s = 0.f;
   {
-    float wm = -INFINITY, ws = 0.f, wb = -INFINITY;
+    float wb = -INFINITY;
     int wi = INT_MAX;
-    for (int w = 0; w < kWarps; ++w) {
-      merge_lse(wm, ws, s_a[w], s_b[w]);
-      const int i = s_i[w];
-      const float v = i < n ? to_f(x[i]) : -INFINITY;
-      if (i < n && (v > wb || (v == wb && i < wi))) {
-        wb = v;
-        wi = i;
+    for (int w = 0; w < kWarps; ++w) {  // ranges in token order: the first maximum wins ties
+      merge_lse(m, s, s_wm[w], s_ws[w]);
+      if (s_arg[w] < n && s_best[w] > wb) {
+        wb = s_best[w];
+        wi = s_arg[w];
       }
     }
-    m = wm;
-    s = ws;
     arg = wi < n ? wi : 0;
   }
   const float lse2 = m + log2f(s);  // log2 of the row's partition function
   auto write = [&](int token) {
-    if (tid == 0) {
-      tokens[row] = token;
-      logprobs[row] = (to_f(x[token]) * k - lse2) / kLog2e;
-    }
+    tokens[row] = token;
+    logprobs[row] = (to_f(x[token]) * k - lse2) / kLog2e;
   };
-  if (greedy) return write(arg);
+  if (greedy) {
+    if (threadIdx.x == 0) write(arg);
+    return;
+  }
 
-  // Kept tokens: z >= m + log2(min_p), i.e. p >= min_p * p_max; their unnormalised weights.
+  // Every chunk's mass (kept tokens only: z >= m + log2(min_p), i.e. p >= min_p * p_max).
   const float floor2 = min_p > 0.f ? m + log2f(min_p) : -INFINITY;
-  auto weights = [&](const float (&v)[kPer], float (&w)[kPer]) {
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      const float z = v[e] * k;
-      w[e] = z >= floor2 && z != -INFINITY ? exp2f(z - m) : 0.f;
-    }
+  auto weight = [&](float v) {
+    const float z = v * k;
+    return z >= floor2 && z != -INFINITY ? exp2f(z - m) : 0.f;
   };
-  float total = s;
   if (min_p > 0.f) {  // pass 2
-    float t = 0.f;
-    for (int i0 = tid * kPer; i0 < n; i0 += kThreads * kPer) {
-      float v[kPer], w[kPer];
-      load8(x, i0, n, vec, v);
-      weights(v, w);
+    float part = 0.f;
+    stream_range(x, lo, hi, vec, lane, [&](int st, int, const float (&v)[kPer]) {
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) t += w[e];
+      for (int e = 0; e < kPer; ++e) part += weight(v[e]);
+      if ((st + 1) % steps_per_chunk == 0 || st + 1 == steps) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(kFull, part, off);
+        if (lane == 0) s_cs[warp][st / steps_per_chunk] = part;
+        part = 0.f;
+      }
+    });
+    __syncwarp();
+  } else {
+    for (int c = lane; c < chunks; c += 32) {
+      const float cm = s_cm[warp][c];
+      s_cs[warp][c] = cm == -INFINITY ? 0.f : s_cs[warp][c] * exp2f(cm - m);
     }
+    __syncwarp();
+  }
+  {
+    float t = 0.f;
+    for (int c = lane; c < chunks; c += 32) t += s_cs[warp][c];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(kFull, t, off);
-    __syncthreads();  // s_a is read above
-    if (lane == 0) s_a[warp] = t;
-    __syncthreads();
-    total = 0.f;
-    for (int w = 0; w < kWarps; ++w) total += s_a[w];
+    if (lane == 0) s_wmass[warp] = t;
   }
-  const float target = u * total;
+  __syncthreads();
+  if (warp != 0) return;
 
-  // Pass 3: scan in token order.
-  if (tid == 0) {
-    s_token = INT_MAX;
-    s_last = -1;
+  // The search, by warp 0. `past`: rounding put the target past a level's total; every level
+  // below then takes its last kept token.
+  float total = 0.f;
+  for (int w = 0; w < kWarps; ++w) total += s_wmass[w];
+  float target = u * total;
+  float base = 0.f;
+  int sel_w = -1;
+  {
+    const float mass = lane < kWarps ? s_wmass[lane] : 0.f;
+    const float incl = inclusive_scan(mass, lane);
+    sel_w = first_past(mass, base + incl, target);
+    if (sel_w < 0) {
+      const unsigned nz = __ballot_sync(kFull, mass > 0.f);
+      if (!nz) {
+        if (lane == 0) write(arg);  // no kept mass at all (every logit -inf)
+        return;
+      }
+      sel_w = 31 - __clz(nz);
+      target = INFINITY;
+    }
+    base += __shfl_sync(kFull, incl - mass, sel_w);
   }
-  float running = 0.f;
-  int last = -1;  // this thread's last kept token
-  float next[kPer];  // the next tile's logits, loaded while this tile is scanned
-  if (tid * kPer < n) load8(x, tid * kPer, n, vec, next);
-  for (int start = 0; start < n; start += kThreads * kPer) {
-    const int i0 = start + tid * kPer;
-    float v[kPer], w[kPer], mine = 0.f;
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) v[e] = i0 < n ? next[e] : -INFINITY;
-    if (i0 + kThreads * kPer < n) load8(x, i0 + kThreads * kPer, n, vec, next);
-    weights(v, w);
+  int sel_c = -1;
+  {
+    const int nc = chunks_of(sel_w);
+    int last_nz = -1;
+    for (int c0 = 0; c0 < nc && sel_c < 0; c0 += 32) {
+      const float mass = c0 + lane < nc ? s_cs[sel_w][c0 + lane] : 0.f;
+      const float incl = inclusive_scan(mass, lane);
+      const int hit = first_past(mass, base + incl, target);
+      const unsigned nz = __ballot_sync(kFull, mass > 0.f);
+      if (nz) last_nz = c0 + 31 - __clz(nz);
+      if (hit >= 0) {
+        sel_c = c0 + hit;
+        base += __shfl_sync(kFull, incl - mass, hit);
+      } else {
+        base += __shfl_sync(kFull, incl, 31);
+      }
+    }
+    if (sel_c < 0) {
+      sel_c = last_nz >= 0 ? last_nz : 0;
+      target = INFINITY;
+    }
+  }
+  // The token in the chosen chunk, its weights computed again from the logits.
+  const int c_lo = range_lo(sel_w) + sel_c * chunk, c_hi = min(range_hi(sel_w), c_lo + chunk);
+  int token = -1, last = -1;
+  for (int i0 = c_lo; i0 < c_hi && token < 0; i0 += kStep) {
+    const int mine_at = i0 + lane * kPer;
+    const Vec<T> raw = load8(x, mine_at, c_hi, vec);
+    float w[kPer], mine = 0.f;
+    int my_last = -1;
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
+      w[e] = weight(to_f(raw.get(e)));
       mine += w[e];
-      if (w[e] > 0.f) last = i0 + e;
+      if (w[e] > 0.f) my_last = mine_at + e;
     }
-    float incl = mine;
+    const float incl = inclusive_scan(mine, lane);
+    const int hit = first_past(mine, base + incl, target);
 #pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const float up = __shfl_up_sync(kFull, incl, off);
-      if (lane >= off) incl += up;
-    }
-    __syncthreads();  // the previous tile's reads of s_b are done
-    if (lane == 31) s_b[warp] = incl;
-    __syncthreads();
-    float before = running;  // mass before this warp
-    for (int wi = 0; wi < warp; ++wi) before += s_b[wi];
-    float tile = 0.f;
-    for (int wi = 0; wi < kWarps; ++wi) tile += s_b[wi];
-    const float begin = before + (incl - mine);
-    if (mine > 0.f && begin + mine > target) {
-      float c = begin;
+    for (int off = 16; off > 0; off >>= 1) my_last = max(my_last, __shfl_xor_sync(kFull, my_last, off));
+    last = max(last, my_last);
+    if (hit >= 0) {
       int pick = -1;
+      if (lane == hit) {
+        float c = base + incl - mine;
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        if (w[e] <= 0.f) continue;
-        pick = i0 + e;  // the last kept one if rounding keeps c at or below the target
-        c += w[e];
-        if (c > target) break;
+        for (int e = 0; e < kPer; ++e) {
+          if (w[e] <= 0.f) continue;
+          pick = mine_at + e;  // the last kept one if rounding keeps c at or below the target
+          c += w[e];
+          if (c > target) break;
+        }
       }
-      atomicMin(&s_token, pick);
+      token = __shfl_sync(kFull, pick, hit);
+    } else {
+      base += __shfl_sync(kFull, incl, 31);
     }
-    __syncthreads();
-    if (s_token != INT_MAX) break;
-    running += tile;
   }
-  if (last >= 0) atomicMax(&s_last, last);
-  __syncthreads();
-  write(s_token != INT_MAX ? s_token : (s_last >= 0 ? s_last : arg));
+  if (lane == 0) write(token >= 0 ? token : last >= 0 ? last : arg);
 }
 
 }  // namespace
@@ -229,15 +331,16 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const T* logits, 
 void sample_rows(DType dtype, const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
                  const float* params, int64_t* tokens, float* logprobs, void* stream) {
   if (rows == 0) return;
-  if (vocab <= 0 || vocab >= INT_MAX) throw std::invalid_argument("sample_rows: vocab " + std::to_string(vocab));
+  if (vocab <= 0 || vocab > kMaxVocab)
+    throw std::invalid_argument("sample_rows: vocabulary of " + std::to_string(vocab) + " tokens (1 to 2^30)");
   const auto s = static_cast<cudaStream_t>(stream);
   const auto grid = static_cast<unsigned>(rows);
   const int64_t bytes = dtype == DType::kFloat ? 4 : 2;
   const bool vec = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && (row_stride * bytes) % 16 == 0 && vocab % 8 == 0;
   with_dtype(dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    sample_rows_kernel<<<grid, kThreads, 0, s>>>(static_cast<const T*>(logits), vocab, row_stride, vec, params, tokens,
-                                                 logprobs);
+    sample_rows_kernel<<<grid, kThreads, 0, s>>>(static_cast<const T*>(logits), static_cast<int>(vocab), row_stride,
+                                                 vec, params, tokens, logprobs);
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("sampler launch: ") + cudaGetErrorString(err));
