@@ -1,5 +1,6 @@
 // Autograd nodes with hand-written backwards for the memory-bound parts of a block:
-//  - SwiGLU, silu(g) * u:  d u = d act * silu(g),  d g = silu'(g) * (d act * u)
+//  - SwiGLU, silu(g) * u:  d u = d act * silu(g),  d g = silu'(g) * (d act * u); one fused CUDA
+//    kernel each way in the GPU build (src/model/cuda/swiglu.cu)
 //  - RoPE, x * cos + rotate_half(x) * sin: one fused CUDA kernel each way in the GPU build
 //    (src/model/cuda/rope.cu), the same formulas in ATen ops elsewhere.
 #include <torch/csrc/autograd/custom_function.h>
@@ -21,15 +22,45 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+#ifdef TILLER_HAVE_CUDA_KERNELS
+// The fused SwiGLU kernels take these: CUDA, one floating dtype, 2-D with a contiguous inner dim.
+bool swiglu_kernels_take(const at::Tensor& gate, const at::Tensor& up) {
+  const at::ScalarType t = gate.scalar_type();
+  return gate.is_cuda() && up.device() == gate.device() && up.scalar_type() == t && gate.dim() == 2 &&
+         gate.stride(1) == 1 && up.stride(1) == 1 && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat);
+}
+#endif
+
+// silu(gate) * up: on CUDA one kernel each way (forward: one read of gate and up, one write;
+// backward: one read of gate, up and the gradient, one write of each input gradient).
 struct SwiGlu : public torch::autograd::Function<SwiGlu> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
     ctx->save_for_backward({gate, up});
+#ifdef TILLER_HAVE_CUDA_KERNELS
+    if (swiglu_kernels_take(gate, up)) {
+      at::Tensor out = at::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
+      cuda::swiglu(cuda::kernel_dtype(gate.scalar_type()), gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
+                   out.data_ptr(), gate.size(0), gate.size(1),
+                   c10::cuda::getCurrentCUDAStream(gate.device().index()).stream());
+      return out;
+    }
+#endif
     return at::silu(gate).mul_(up);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& g = saved[0];
     const at::Tensor& u = saved[1];
+#ifdef TILLER_HAVE_CUDA_KERNELS
+    if (swiglu_kernels_take(g, u) && grads[0].scalar_type() == g.scalar_type()) {
+      const at::Tensor gc = g.contiguous(), uc = u.contiguous(), d = grads[0].contiguous();
+      at::Tensor dg = at::empty_like(gc), du = at::empty_like(uc);
+      cuda::swiglu_backward(cuda::kernel_dtype(g.scalar_type()), gc.data_ptr(), uc.data_ptr(), d.data_ptr(),
+                            dg.data_ptr(), du.data_ptr(), g.size(0), g.size(1),
+                            c10::cuda::getCurrentCUDAStream(g.device().index()).stream());
+      return {dg, du};
+    }
+#endif
     at::Tensor du = grads[0] * at::silu(g);
     at::Tensor dg = at::silu_backward(grads[0] * u, g);
     return {dg, du};

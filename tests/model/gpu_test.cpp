@@ -183,6 +183,45 @@ TEST(ModelGpu, AddRmsNormEqualsAddThenRmsNorm) {
   }
 }
 
+// SwiGLU's fused kernels (model::swiglu's forward and backward on CUDA) against fp64 autograd on
+// the same rounded inputs: fp32, bf16 and fp16; a width with wide loads (1024) and one without
+// (1001); gate and up as strided views of one wider row, as a fused projection gives them.
+TEST(ModelGpu, SwigluKernelsEqualFp64ForwardAndBackward) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (int64_t width : {1024, 1001}) {
+      SCOPED_TRACE(::testing::Message() << c10::toString(dtype) << " width " << width);
+      at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(width));
+      const int64_t tokens = 37;
+      const at::Tensor both = (at::randn({tokens, 2 * width + 8}, gen) * 3).to(dtype);
+      const at::Tensor grad = at::randn({tokens, width}, gen).to(dtype);
+      // Gate and up as views of one row: the forward reads them through their row strides, and
+      // the gradients come back through the views.
+      const at::Tensor leaf = both.to(at::Device("cuda:0")).requires_grad_(true);
+      at::Tensor out;
+      {
+        c10::AutoGradMode on(true);
+        out = swiglu(leaf.narrow(1, 0, width), leaf.narrow(1, width + 8, width));
+        out.backward(grad.to(at::Device("cuda:0")));
+      }
+      const at::Tensor g = leaf.grad().narrow(1, 0, width), u = leaf.grad().narrow(1, width + 8, width);
+      at::Tensor g64 = both.narrow(1, 0, width).to(at::kDouble).requires_grad_(true);
+      at::Tensor u64 = both.narrow(1, width + 8, width).to(at::kDouble).requires_grad_(true);
+      {
+        c10::AutoGradMode on(true);
+        const at::Tensor want = at::silu(g64) * u64;
+        want.backward(grad.to(at::kDouble));
+        // One rounding of the output (the unfused path rounds silu(g) first, then the product).
+        const double tol = dtype == at::kFloat ? 1e-6 : dtype == at::kHalf ? 1e-3 : 8e-3;
+        const Diff f = compare(out, want), dg = compare(g, g64.grad()), du = compare(u, u64.grad());
+        EXPECT_LT(f.max_rel, tol);
+        EXPECT_LT(dg.max_rel, tol);
+        EXPECT_LT(du.max_rel, tol);
+      }
+    }
+  }
+}
+
 // The sampler on a GPU (one kernel when no row has top-k or top-p) against the ATen sampler on
 // the CPU for the same logits: the same tokens, the same log-probs. Rows mix greedy, several
 // temperatures and min_p; large vocabularies make the search cross warp ranges and chunks; bf16

@@ -21,6 +21,13 @@ void rope(DType dtype, const void* x, const void* cos, const void* sin, void* ou
 // in each row, row stride given in elements) into out [tokens, width] (contiguous). Math in fp32.
 void swiglu_packed(DType dtype, const void* x, void* out, int64_t tokens, int64_t width, int64_t x_row_stride,
                    void* stream);
+// The same for separate gate and up [tokens, width] (inner dim contiguous, row strides given) into
+// out [tokens, width] (contiguous); and its backward for contiguous gate, up and output gradient
+// grad: grad_gate = grad * up * silu'(gate), grad_up = grad * silu(gate) (contiguous). Math in fp32.
+void swiglu(DType dtype, const void* gate, int64_t gate_stride, const void* up, int64_t up_stride, void* out,
+            int64_t tokens, int64_t width, void* stream);
+void swiglu_backward(DType dtype, const void* gate, const void* up, const void* grad, void* grad_gate, void* grad_up,
+                     int64_t tokens, int64_t width, void* stream);
 
 // The residual add and the RMSNorm after it, for rows of width `width` (strides in elements):
 // x = T(x + add) in place, then out = T(x * rsqrt(mean(x^2) + eps) * weight), math in fp32 (what

@@ -106,7 +106,7 @@ __device__ __forceinline__ float inclusive_scan(float v, int lane) {
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) sample_rows_kernel(const T* logits, int vocab, int64_t row_stride,
+__global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(const T* logits, int vocab, int64_t row_stride,
                                                                bool vec, const float* params, int64_t* tokens,
                                                                float* logprobs) {
   __shared__ float s_cm[kWarps][kMaxChunks], s_cs[kWarps][kMaxChunks];  // chunk (max, sum), then mass
