@@ -307,8 +307,14 @@ struct Controller::Impl {
       metrics["rollout/filter_cap_reached"] = b.filter_cap_reached ? 1.0 : 0.0;
     }
     metrics["entropy"] = b.scores.entropy_tokens > 0 ? b.scores.entropy_sum / b.scores.entropy_tokens : 0.0;
-    for (Role r : kRoles)
-      if (plan.group(r)) metrics["time/score." + std::string(role_name(r))] = b.scores.seconds[role_index(r)];
+    for (Role r : kRoles) {
+      if (!plan.group(r)) continue;
+      const double s = b.scores.seconds[role_index(r)];
+      metrics["time/score." + std::string(role_name(r))] = s;
+      // One rank's scoring rate: comparable with `tiller bench forward` on the same shape.
+      metrics["throughput/score_tokens_per_s." + std::string(role_name(r))] =
+          s > 0 ? static_cast<double>(b.scores.tokens[role_index(r)]) / s : 0.0;
+    }
     const bool sampled = b.first_dispatch != SteadyClock::time_point::max() && b.ro.size() > 0;
     const double gen = sampled ? std::chrono::duration<double>(b.last_sample - b.first_dispatch).count() : 0.0;
     metrics["time/generate"] = gen;

@@ -64,9 +64,11 @@ void ScoreRounds::post(TrainerLink& link, Rollout& ro, ScoreTotals& totals, bool
       answers->parts.resize(static_cast<size_t>(sp));
       answers->left = static_cast<size_t>(sp);
       // Once every slice has answered: into the step's arrays.
-      auto finish = [&ro, &totals, samples = (*round)[k], roles, answers_left, in_flight = in_flight_,
-                     scored = scored_](const ScoreReply& r) {
+      auto finish = [&ro, &totals, samples = (*round)[k], roles, rows = whole.rows(), answers_left,
+                     in_flight = in_flight_, scored = scored_](const ScoreReply& r) {
         for (int i = 0; i < kRoleCount; ++i) totals.seconds[static_cast<size_t>(i)] += r.seconds[static_cast<size_t>(i)];
+        for (Role role : kRoles)
+          if (roles.has(role)) totals.tokens[static_cast<size_t>(role_index(role))] += rows;
         if (roles.has(Role::kActor)) {
           scatter_tokens(ro, ro.logp, samples, r.actor_logp);
           totals.entropy_sum += r.actor_entropy.to(at::kDouble).sum().item<double>();

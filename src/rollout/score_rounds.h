@@ -27,6 +27,7 @@ namespace tiller::rollout {
 // What the scoring of a step came to, summed over the groups.
 struct ScoreTotals {
   std::array<double, kRoleCount> seconds{};  // compute seconds per role, summed over its ranks
+  std::array<int64_t, kRoleCount> tokens{};  // tokens each role scored (over all its ranks)
   double entropy_sum = 0;                    // the actor's entropy over response tokens
   int64_t entropy_tokens = 0;
   int64_t rounds = 0;

@@ -144,6 +144,13 @@ def check_learns(np_, *sets):
                 "memory/controller_host_peak_mb", "time/score.actor", "time/score.ref"]:
         if key not in rows[-1]:
             fail(f"metric {key} missing from {sorted(rows[-1])}")
+    # One rank's scoring rate: the step's scored tokens over the role's summed compute seconds.
+    for r in rows:
+        tokens = r["samples"] * (r["prompt_length/mean"] + r["response_length/mean"])
+        for role in ("actor", "ref"):
+            rate, sec = r.get(f"throughput/score_tokens_per_s.{role}"), r[f"time/score.{role}"]
+            if rate is None or sec <= 0 or abs(rate * sec - tokens) > 1e-6 * tokens + 1e-3:
+                fail(f"step {r['step']}: {role} scored {tokens} tokens in {sec} s, reported rate {rate}")
     if "critic/loss" in rows[-1] and CASE == "grpo":
         fail("GRPO reported a critic")
     if CASE == "ppo" and "critic/loss" not in rows[-1]:
