@@ -3,9 +3,11 @@
 # checks what is already there. Usage: scripts/setup.sh [--deps-only] [--build-dir DIR]
 #
 # Installs: Debian packages (toolchain, Open MPI, gRPC/protobuf, spdlog, CLI11, yaml-cpp,
-# nlohmann-json, GoogleTest, SentencePiece, PCRE2), the CPU libtorch from the pinned PyTorch
-# wheel (never an unpinned torch: that pulls GB of CUDA packages), and the Python packages that
-# the compatibility tests use. Then configures and builds with CMake + Ninja + ccache.
+# nlohmann-json, GoogleTest, SentencePiece, PCRE2, Python's development files), the CPU libtorch
+# from the pinned PyTorch wheel (never an unpinned torch: that pulls GB of CUDA packages), and the
+# Python packages that the compatibility tests use (and pyarrow, which parquet prompts need at run
+# time). Then configures and builds with CMake + Ninja + ccache, embedding the same Python that
+# has those packages (reward.type: python runs in it).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,6 +29,7 @@ apt_packages=(
   libgtest-dev libgmock-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libsentencepiece-dev libpcre2-dev libutf8proc-dev
+  python3-dev
   openssl
 )
 missing=()
@@ -48,8 +51,8 @@ if ! $python -c 'import torch,sys; sys.exit(0 if torch.__version__.startswith("2
   $python -m pip install -q torch==2.13.0
 fi
 # Python side of the tests. torch is already satisfied, so nothing here may pull another torch.
-py_packages=(transformers tokenizers safetensors sentencepiece grpcio grpcio-tools numpy tensorboard)
-if ! $python -c 'import transformers, tokenizers, safetensors, sentencepiece, grpc, grpc_tools, numpy, tensorboard' 2>/dev/null; then
+py_packages=(transformers tokenizers safetensors sentencepiece grpcio grpcio-tools numpy tensorboard pyarrow)
+if ! $python -c 'import transformers, tokenizers, safetensors, sentencepiece, grpc, grpc_tools, numpy, tensorboard, pyarrow' 2>/dev/null; then
   echo "setup: installing Python test packages: ${py_packages[*]}"
   $python -m pip install -q "${py_packages[@]}" "torch==2.13.0"
 fi
@@ -57,8 +60,10 @@ fi
 [ "$deps_only" -eq 1 ] && exit 0
 
 torch_prefix=$($python -c 'import torch; print(torch.utils.cmake_prefix_path)')
+python_exe=$($python -c 'import sys; print(sys.executable)')
 cmake -S "$here" -B "$build_dir" -G Ninja \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_PREFIX_PATH="$torch_prefix" \
+  -DTILLER_PYTHON=ON -DPython3_EXECUTABLE="$python_exe" \
   -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
 cmake --build "$build_dir"

@@ -255,6 +255,9 @@ void JobConfig::validate() const {
   if (reward.type == RewardType::kRemote && reward.remote_address.empty()) {
     throw ConfigError("reward.type = remote needs reward.remote_address (host:port)");
   }
+  if (reward.type == RewardType::kPython && reward.python.empty()) {
+    throw ConfigError("reward.type = python needs reward.python (FILE.py:FUNCTION, e.g. rewards/gsm8k.py:compute_score)");
+  }
   if (rollout.mode == RolloutMode::kSync) {
     if (rollout.max_staleness > 0)
       throw ConfigError(fmt::format("rollout.max_staleness = {} needs rollout.mode=async (sync mode is on-policy)",
@@ -269,7 +272,7 @@ void JobConfig::validate() const {
                         "rollout.n_samples_per_prompt >= 2");
     if (reward.type == RewardType::kModel)
       throw ConfigError("rollout.filter_groups needs each group's rewards before it is scored; it works with "
-                        "reward.type = rule or remote, not model");
+                        "reward.type = rule, remote or python, not model");
   }
   if (algo.importance_correction == ImportanceCorrection::kTis && algo.tis_cap <= 0)
     throw ConfigError("algo.importance_correction = tis truncates the weights at algo.tis_cap; set it > 0 (e.g. 2)");
@@ -494,7 +497,7 @@ std::string config_reference_markdown() {
       "- `algo.dual_clip` is 0 (off) or greater than 1; `algo.seq_mask_ratio` is 0 (off) or greater than 1.\n"
       "- `algo.importance_correction: tis` needs `algo.tis_cap > 0`; `algo.tis_cap > 0` needs a correction.\n"
       "- `rollout.mode: sync` takes no `max_staleness > 0`, `partial` or `stale_policy: drop` (they are async's).\n"
-      "- `rollout.filter_groups` needs `n_samples_per_prompt >= 2` and a rule or remote reward.\n"
+      "- `rollout.filter_groups` needs `n_samples_per_prompt >= 2` and a rule, remote or python reward.\n"
       "- `reward.overlong_buffer` is at most `rollout.max_new_tokens`.\n"
       "- The rank plan (`tiller plan`) checks that the roles and engines fit the nodes; see docs/architecture.md.\n";
   return md;

@@ -235,9 +235,19 @@ std::vector<Field> build() {
   b.add("algo.whiten_advantages", TILLER_FIELD(algo.whiten_advantages), "Normalise advantages over the batch.");
   b.add("algo.ppo_epochs", TILLER_FIELD(algo.ppo_epochs), "Passes over each rollout batch.").range(1, 100);
 
-  b.add("data.prompts", TILLER_FIELD(data.prompts), "JSONL file of prompts.");
-  b.add("data.input_key", TILLER_FIELD(data.input_key), "JSON key of the prompt text.");
-  b.add("data.label_key", TILLER_FIELD(data.label_key), "JSON key of the label given to rule rewards.");
+  b.add("data.prompts", TILLER_FIELD(data.prompts),
+        "File of prompts: JSONL, or parquet (a name ending in .parquet or .pq; read with the embedded Python's "
+        "pyarrow).");
+  b.add("data.input_key", TILLER_FIELD(data.input_key),
+        "Key of the prompt: text, or a list of chat messages ({role, content}; needs data.apply_chat_template). "
+        "A dotted path reaches into nested objects.");
+  b.add("data.label_key", TILLER_FIELD(data.label_key),
+        "Key of the label given to rewards (verl: reward_model.ground_truth); a value that is not text is kept as "
+        "its JSON.");
+  b.add("data.data_source_key", TILLER_FIELD(data.data_source_key),
+        "Key of the sample's data source, passed to Python rewards as data_source.");
+  b.add("data.extra_info_key", TILLER_FIELD(data.extra_info_key),
+        "Key of the record's extra information (any JSON), passed to Python rewards as extra_info.");
   b.add("data.input_template", TILLER_FIELD(data.input_template),
         "Template with one {} where the prompt goes (empty: the prompt as is).");
   b.add("data.apply_chat_template", TILLER_FIELD(data.apply_chat_template),
@@ -251,7 +261,8 @@ std::vector<Field> build() {
       .range(0, kMaxCount);
 
   b.add_enum("reward.type", TILLER_FIELD(reward.type),
-             "model (the reward role scores), rule (a registered function), remote (a gRPC reward service).");
+             "model (the reward role scores), rule (a registered function), remote (a gRPC reward service), "
+             "python (a Python function run in-process: reward.python).");
   b.add("reward.rule", TILLER_FIELD(reward.rule), "Registered rule reward used when reward.type is rule.");
   b.add("reward.remote_address", TILLER_FIELD(reward.remote_address),
         "host:port of the remote reward service (proto/tiller/reward.proto) when reward.type is remote.");
@@ -273,6 +284,22 @@ std::vector<Field> build() {
         "PEM roots to verify the remote reward service's certificate with; set, the call goes over TLS.");
   b.add("reward.remote_tls_server_name", TILLER_FIELD(reward.remote_tls_server_name),
         "The name the reward service's certificate must carry; empty: the host of reward.remote_address.");
+  b.add("reward.python", TILLER_FIELD(reward.python),
+        "FILE.py:FUNCTION run in the controller's embedded Python when reward.type is python; verl's "
+        "compute_score(data_source, solution_str, ground_truth, extra_info) works as is (docs/training.md).");
+  b.add("reward.python_batched", TILLER_FIELD(reward.python_batched),
+        "The function takes lists (data_sources, solution_strs, ground_truths, extra_infos) and returns a list: "
+        "one call per batch.");
+  b.add("reward.python_batch_size", TILLER_FIELD(reward.python_batch_size),
+        "Samples per batch handed to a Python worker; a batch leaves as soon as this many samples have finished.")
+      .range(1, 4096);
+  b.add("reward.python_workers", TILLER_FIELD(reward.python_workers),
+        "Threads calling the Python function. Pure Python runs one at a time (the GIL); more threads help "
+        "functions that wait on I/O or release the GIL.")
+      .range(1, 64);
+  b.add("reward.python_timeout_s", TILLER_FIELD(reward.python_timeout_s),
+        "Deadline of one call (a sample; a batch when batched): a call past it is interrupted and the job ends.")
+      .range(0.001, 86400.0);
   b.add("reward.clip", TILLER_FIELD(reward.clip), "Rewards are clipped to [-clip, clip] (0: off).")
       .range(0.0, 1e9);
   b.add("reward.normalize", TILLER_FIELD(reward.normalize), "Normalise rewards with running mean and std.");

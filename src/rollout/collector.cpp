@@ -6,7 +6,7 @@
 
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
-#include "tiller/reward/remote_reward.h"
+#include "tiller/reward/batched_reward.h"
 
 namespace tiller::rollout {
 namespace {
@@ -184,21 +184,24 @@ void RolloutCollector::take(Completion& c) {
   Staged st;
   const Prompt& p = prompts_.at(g.dataset_index);
   if (rewards_.rule) st.score = static_cast<float>(rewards_.rule(p, s));
-  if (rewards_.remote) {
-    reward::RemoteSample rs;
+  if (rewards_.batched) {
+    reward::RewardSample rs;
     st.uid = next_uid_++;
     rs.id = st.uid;
     rs.prompt = p.text;
     rs.response = rewards_.decode(s.tokens);
     rs.label = p.label;
+    rs.label_is_json = p.label_is_json;
+    rs.data_source = p.data_source;
+    rs.extra_info = p.extra_info;
     rs.finish_reason = s.finish_reason;
     rs.prompt_index = static_cast<uint64_t>(p.line);
     rs.sample_index = static_cast<uint32_t>(s.sample);
     rs.response_tokens = static_cast<int64_t>(s.tokens.size());
-    rewards_.remote->add(std::move(rs));
-    remote_unflushed_ = true;
-    ++g.remote_pending;
-    remote_slots_[st.uid] = {g.ordinal, static_cast<int64_t>(g.staged.size()), -1};
+    rewards_.batched->add(std::move(rs));
+    async_unflushed_ = true;
+    ++g.async_pending;
+    async_slots_[st.uid] = {g.ordinal, static_cast<int64_t>(g.staged.size()), -1};
   }
   st.out = std::move(s);
   if (g.joined) {
@@ -218,9 +221,9 @@ void RolloutCollector::add_to_batch(Group& g, Staged st) {
     std::copy(s.logprobs.begin(), s.logprobs.end(), b.ro.logp.end() - static_cast<std::ptrdiff_t>(s.logprobs.size()));
   b.generated_tokens += static_cast<int64_t>(s.tokens.size());
   b.last_sample = cfg_.clock->now();
-  if (rewards_.remote) {
-    auto slot = remote_slots_.find(st.uid);
-    if (slot != remote_slots_.end()) slot->second = {g.ordinal, -1, id};
+  if (rewards_.batched) {
+    auto slot = async_slots_.find(st.uid);
+    if (slot != async_slots_.end()) slot->second = {g.ordinal, -1, id};
   }
 }
 
@@ -239,7 +242,7 @@ void RolloutCollector::join(Group& g) {
 void RolloutCollector::drop(Group& g, const char* why) {
   StepBatch& b = *batch_;
   if (g.arrived < cfg_.n) engines_.abort(static_cast<size_t>(g.engine), static_cast<uint64_t>(g.ordinal));
-  for (const auto& st : g.staged) remote_slots_.erase(st.uid);
+  for (const auto& st : g.staged) async_slots_.erase(st.uid);
   if (std::string(why) == "filtered") {
     ++b.filtered_groups;
   } else {
@@ -304,19 +307,19 @@ void RolloutCollector::join_ready() {
   }
 }
 
-void RolloutCollector::take_remote_scores() {
-  if (!rewards_.remote) return;
-  for (const auto& [uid, score] : rewards_.remote->poll()) {
-    auto slot = remote_slots_.find(uid);
-    if (slot == remote_slots_.end()) continue;  // its group was dropped
+void RolloutCollector::take_async_scores() {
+  if (!rewards_.batched) return;
+  for (const auto& [uid, score] : rewards_.batched->poll()) {
+    auto slot = async_slots_.find(uid);
+    if (slot == async_slots_.end()) continue;  // its group was dropped
     auto g = outstanding_.find(slot->second.group);
-    if (g != outstanding_.end()) --g->second.remote_pending;
+    if (g != outstanding_.end()) --g->second.async_pending;
     if (slot->second.sample >= 0) {
       batch_->ro.score[static_cast<size_t>(slot->second.sample)] = static_cast<float>(score);
     } else if (g != outstanding_.end()) {
       g->second.staged.at(static_cast<size_t>(slot->second.staged)).score = static_cast<float>(score);
     }
-    remote_slots_.erase(slot);
+    async_slots_.erase(slot);
   }
 }
 
@@ -353,10 +356,10 @@ bool RolloutCollector::pump(int wait_ms) {
   TILLER_CHECK(open_, "RolloutCollector::pump before start() or after close()");
   bool any = false;
   const size_t before = outstanding_.size() + static_cast<size_t>(next_ordinal_);
-  if (rewards_.remote) {
-    const size_t slots = remote_slots_.size();
-    take_remote_scores();
-    any = any || remote_slots_.size() != slots;
+  if (rewards_.batched) {
+    const size_t slots = async_slots_.size();
+    take_async_scores();
+    any = any || async_slots_.size() != slots;
   }
   Completion c;
   int taken = 0;
@@ -373,9 +376,9 @@ bool RolloutCollector::pump(int wait_ms) {
   dispatch();
   post_scoring();
   any = any || outstanding_.size() + static_cast<size_t>(next_ordinal_) != before;
-  if (!any && remote_unflushed_) {
-    rewards_.remote->flush();
-    remote_unflushed_ = false;
+  if (!any && async_unflushed_) {
+    rewards_.batched->flush();
+    async_unflushed_ = false;
   }
   check_progress();
   return any;
@@ -387,7 +390,7 @@ bool RolloutCollector::batch_ready() const {
   if (b.ro.size() != static_cast<int64_t>(b.groups.size()) * cfg_.n) return false;
   for (const auto& g : b.groups) {
     auto it = outstanding_.find(g.ordinal);
-    if (it != outstanding_.end() && it->second.remote_pending > 0) return false;
+    if (it != outstanding_.end() && it->second.async_pending > 0) return false;
   }
   for (size_t i = 0; i < scoring_.size(); ++i)
     if (!scoring_open_[i] || packed_[i] < b.ro.size() || !scoring_[i]->done()) return false;

@@ -59,7 +59,7 @@
 #include "tiller/rollout/prompt_dataset.h"
 
 namespace tiller::reward {
-class RemoteReward;
+class BatchedReward;
 }
 
 namespace tiller::rollout {
@@ -85,12 +85,13 @@ class DatasetPrompts final : public PromptSource {
 };
 
 // How samples get their reward before the trainers see them: a rule (any function of the prompt
-// and the engine's output; the job's decodes the text for a registered rule), and/or a remote
-// service. Neither: the reward model scores them (reward.type = model).
+// and the engine's output; the job's decodes the text for a registered rule), and/or a scorer
+// off the controller's thread in batches (the remote service, a Python function). Neither: the
+// reward model scores them (reward.type = model).
 struct RewardSources {
   std::function<double(const Prompt&, const engine::SampleOutput&)> rule;
-  reward::RemoteReward* remote = nullptr;
-  // Decodes a response for the remote service.
+  reward::BatchedReward* batched = nullptr;
+  // Decodes a response for the batched scorer.
   std::function<std::string(const std::vector<int64_t>&)> decode;
 };
 
@@ -201,7 +202,7 @@ class RolloutCollector {
   struct Staged {
     engine::SampleOutput out;
     float score = 0;
-    uint64_t uid = 0;  // remote reward id
+    uint64_t uid = 0;  // batched reward id
   };
   struct Group {
     int64_t ordinal = 0;
@@ -210,13 +211,13 @@ class RolloutCollector {
     uint64_t dispatch_version = 0;
     SteadyClock::time_point dispatched;
     int64_t arrived = 0;
-    int64_t remote_pending = 0;
+    int64_t async_pending = 0;
     uint64_t oldest = UINT64_MAX;  // oldest token version among arrived samples
     bool joined = false;
     int64_t batch_index = -1;      // once joined: its index in the forming step's groups
     std::vector<Staged> staged;    // arrived before joining
   };
-  struct RemoteSlot {
+  struct AsyncSlot {
     int64_t group = 0;       // ordinal
     int64_t staged = -1;     // index in its staged samples, or
     int64_t sample = -1;     // the sample's index in the forming batch
@@ -230,9 +231,9 @@ class RolloutCollector {
   void join(Group& g);
   void add_to_batch(Group& g, Staged s);
   void drop(Group& g, const char* why);
-  bool complete(const Group& g) const { return g.arrived == cfg_.n && g.remote_pending == 0; }
+  bool complete(const Group& g) const { return g.arrived == cfg_.n && g.async_pending == 0; }
   uint64_t lag_bound(const Group& g) const;
-  void take_remote_scores();
+  void take_async_scores();
   void post_scoring();
   void check_progress();
   void begin_forming(int64_t step, uint64_t train_version, RoleSet held);
@@ -252,9 +253,9 @@ class RolloutCollector {
   std::vector<PendingPrompt> resend_;     // a checkpoint's prompts still to send
   std::vector<int64_t> in_flight_;        // samples per engine
   std::vector<SteadyClock::time_point> last_progress_;
-  std::unordered_map<uint64_t, RemoteSlot> remote_slots_;
+  std::unordered_map<uint64_t, AsyncSlot> async_slots_;
   uint64_t next_uid_ = 0;
-  bool remote_unflushed_ = false;
+  bool async_unflushed_ = false;
 
   std::unique_ptr<StepBatch> batch_;                   // the forming step
   std::vector<Rollout> spare_;                         // cleared arrays of trained steps, for reuse

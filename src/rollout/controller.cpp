@@ -28,6 +28,7 @@
 #include "tiller/model/chat_template.h"
 #include "tiller/model/model_config.h"
 #include "tiller/model/tokenizer.h"
+#include "tiller/reward/python_reward.h"
 #include "tiller/reward/remote_reward.h"
 #include "tiller/reward/rule_reward.h"
 #include "tiller/rollout/prompt_dataset.h"
@@ -192,7 +193,7 @@ struct Controller::Impl {
     if (j > cfg.train.critic_warmup_steps && !empty) will_train.add(Role::kActor);
     if (critic_group && !empty) will_train.add(Role::kCritic);
     std::unique_ptr<StepBatch> b = collector->take_batch(will_train);
-    if (w.rewards.remote) w.rewards.remote->label_step(static_cast<uint64_t>(j + 1));
+    if (w.rewards.batched) w.rewards.batched->label_step(static_cast<uint64_t>(j + 1));
     metrics["time/wait_batch"] = seconds_since(t0);
     return b;
   }
@@ -322,11 +323,15 @@ struct Controller::Impl {
     metrics["throughput/generate_tokens_per_s"] = gen > 0 ? static_cast<double>(b.generated_tokens) / gen : 0.0;
     metrics["samples"] = static_cast<double>(b.ro.size());
     metrics["memory/controller_rollout_mb"] = static_cast<double>(b.ro.bytes()) / 1e6;
-    if (w.rewards.remote) {
-      const reward::RemoteStats rs = w.rewards.remote->take_stats();
-      metrics["reward/remote_calls"] = rs.calls;
-      metrics["reward/remote_retries"] = rs.retries;
-      metrics["reward/remote_seconds_per_call"] = rs.calls > 0 ? rs.call_seconds / static_cast<double>(rs.calls) : 0.0;
+    if (w.rewards.batched) {
+      const reward::RewardStats rs = w.rewards.batched->take_stats();
+      const std::string kind = w.rewards.batched->scorer().kind();
+      metrics["reward/" + kind + "_calls"] = rs.calls;
+      if (kind == "remote") metrics["reward/remote_retries"] = rs.retries;
+      metrics["reward/" + kind + "_seconds_per_call"] =
+          rs.calls > 0 ? rs.call_seconds / static_cast<double>(rs.calls) : 0.0;
+      for (const auto& [name, v] : rs.extras)
+        if (v.second > 0) metrics["reward/extra/" + name] = v.first / static_cast<double>(v.second);
     }
   }
 
@@ -547,6 +552,8 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   DatasetOptions d;
   d.input_key = cfg.data.input_key;
   d.label_key = cfg.data.label_key;
+  d.data_source_key = cfg.data.data_source_key;
+  d.extra_info_key = cfg.data.extra_info_key;
   d.input_template = cfg.data.input_template;
   d.chat = cfg.data.apply_chat_template ? model::parse_chat_format("auto", *tokenizer) : model::ChatFormat::kNone;
   d.max_prompt_tokens = cfg.rollout.max_prompt_tokens;
@@ -554,7 +561,7 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   d.shuffle = cfg.data.shuffle;
   d.seed = static_cast<uint64_t>(cfg.run.seed);
   d.max_samples = cfg.data.max_samples;
-  if (cfg.data.prompts.empty()) throw ConfigError("data.prompts: set the JSONL file of prompts");
+  if (cfg.data.prompts.empty()) throw ConfigError("data.prompts: set the file of prompts (JSONL or parquet)");
   PromptDataset dataset(cfg.data.prompts, *tokenizer, d);
   if (dataset.skipped() > 0)
     log::warn("data: {} of {} prompts are longer than rollout.max_prompt_tokens = {} and are skipped "
@@ -571,7 +578,7 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
       return rule(reward::Sample{p.text, tok->decode(s.tokens, true), p.label});
     };
   }
-  std::unique_ptr<reward::RemoteReward> remote;
+  std::unique_ptr<reward::BatchedReward> batched;
   if (cfg.reward.type == RewardType::kRemote) {
     reward::RemoteOptions ro;
     ro.address = cfg.reward.remote_address;
@@ -583,11 +590,26 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
       ro.token = read_secret_file(cfg.reward.remote_token_file, "reward.remote_token_file");
     ro.tls.ca = cfg.reward.remote_tls_ca;
     ro.tls.server_name = cfg.reward.remote_tls_server_name;
-    remote = std::make_unique<reward::RemoteReward>(ro);
+    auto remote = std::make_shared<reward::RemoteScorer>(ro);
     const std::string name = remote->check_health(Deadline::after_seconds(cfg.timeouts.startup_s));
     log::info("reward: the remote service at {} scores '{}'", ro.address, name);
-    remote->begin_step(1);
-    rewards.remote = remote.get();
+    batched = std::make_unique<reward::BatchedReward>(remote, ro.batch_size, ro.concurrency);
+  }
+  if (cfg.reward.type == RewardType::kPython) {
+    reward::PythonOptions po;
+    po.spec = cfg.reward.python;
+    po.batched = cfg.reward.python_batched;
+    po.timeout_seconds = cfg.reward.python_timeout_s;
+    auto python = std::make_shared<reward::PythonScorer>(po);
+    log::info("reward: {}{} in {} ({} worker thread(s), batches of {})", python->where(),
+              po.batched ? " (batched)" : "", python->interpreter(), cfg.reward.python_workers,
+              cfg.reward.python_batch_size);
+    batched = std::make_unique<reward::BatchedReward>(python, static_cast<int>(cfg.reward.python_batch_size),
+                                                      static_cast<int>(cfg.reward.python_workers));
+  }
+  if (batched) {
+    batched->begin_step(1);
+    rewards.batched = batched.get();
   }
 
   TlsFiles engine_tls;

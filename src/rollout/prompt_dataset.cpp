@@ -14,6 +14,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/model/tokenizer.h"
+#include "python/parquet.h"
 
 namespace tiller::rollout {
 
@@ -24,6 +25,37 @@ LongPromptPolicy parse_long_prompt_policy(const std::string& name) {
   throw ConfigError(fmt::format("long prompt policy '{}': use skip, truncate_left or error", name));
 }
 
+namespace {
+
+bool is_parquet(const std::string& path) {
+  const auto ends = [&](const char* suffix) {
+    const size_t n = std::strlen(suffix);
+    return path.size() >= n && path.compare(path.size() - n, n, suffix) == 0;
+  };
+  return ends(".parquet") || ends(".pq");
+}
+
+// The value under `key`: the key itself, or else a dotted path into nested objects
+// ("reward_model.ground_truth"). nullptr when there is none.
+const nlohmann::json* lookup(const nlohmann::json& j, const std::string& key) {
+  if (key.empty()) return nullptr;
+  if (auto it = j.find(key); it != j.end()) return &*it;
+  const nlohmann::json* at = &j;
+  size_t from = 0;
+  for (;;) {
+    const size_t dot = key.find('.', from);
+    const std::string part = key.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
+    if (!at->is_object()) return nullptr;
+    auto it = at->find(part);
+    if (it == at->end()) return nullptr;
+    at = &*it;
+    if (dot == std::string::npos) return at;
+    from = dot + 1;
+  }
+}
+
+}  // namespace
+
 PromptDataset::PromptDataset(const std::string& path, const model::Tokenizer& tok, const DatasetOptions& o)
     : opts_(o) {
   if (o.max_prompt_tokens < 1) throw ConfigError(fmt::format("{}: max_prompt_tokens must be >= 1", path));
@@ -31,71 +63,113 @@ PromptDataset::PromptDataset(const std::string& path, const model::Tokenizer& to
   if (::stat(path.c_str(), &st) != 0)
     throw ConfigError(fmt::format("{}: cannot open the prompt file: {}", path, std::strerror(errno)));
   if (S_ISDIR(st.st_mode))
-    throw ConfigError(fmt::format("{}: is a directory, not a JSONL file of prompts; set data.prompts to the file", path));
+    throw ConfigError(fmt::format("{}: is a directory, not a file of prompts; set data.prompts to a JSONL or parquet file", path));
   if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode))
-    throw ConfigError(fmt::format("{}: is not a regular file; set data.prompts to a JSONL file of prompts", path));
-  std::ifstream in(path);
-  if (!in) throw ConfigError(fmt::format("{}: cannot open the prompt file", path));
+    throw ConfigError(fmt::format("{}: is not a regular file; set data.prompts to a JSONL or parquet file", path));
   const int64_t per_token = tok.max_bytes_per_token();
-  const int64_t byte_limit = per_token > 0 ? checked_mul(o.max_prompt_tokens, per_token, "max_prompt_tokens x bytes per token") : 0;
-  std::string line;
-  int64_t n = 0;
-  while (std::getline(in, line)) {
-    ++n;
-    if (o.max_samples > 0 && size() >= o.max_samples) break;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines are allowed
-    auto bad = [&](const std::string& what) { throw ConfigError(fmt::format("{}:{}: {}", path, n, what)); };
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      bad(fmt::format("not valid JSON ({})", e.what()));
+  byte_limit_ = per_token > 0 ? checked_mul(o.max_prompt_tokens, per_token, "max_prompt_tokens x bytes per token") : 0;
+  bytes_per_token_ = per_token;
+  int64_t n = 0;  // records read
+  if (is_parquet(path)) {
+    python::for_each_parquet_row(path, [&](int64_t row, const std::string& json) {
+      n = row;
+      if (o.max_samples > 0 && size() >= o.max_samples) return false;
+      add_record(fmt::format("{}: row {}", path, row), row, json, tok);
+      return true;
+    });
+  } else {
+    std::ifstream in(path);
+    if (!in) throw ConfigError(fmt::format("{}: cannot open the prompt file", path));
+    std::string line;
+    while (std::getline(in, line)) {
+      ++n;
+      if (o.max_samples > 0 && size() >= o.max_samples) break;
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines are allowed
+      add_record(fmt::format("{}:{}", path, n), n, line, tok);
     }
-    if (!j.is_object()) bad("not a JSON object");
-    if (!j.contains(o.input_key) || !j[o.input_key].is_string())
-      bad(fmt::format("no string under the input key '{}' (data.input_key)", o.input_key));
-    Prompt p;
-    p.line = n;
-    p.text = j[o.input_key].get<std::string>();
-    if (j.contains(o.label_key)) {
-      const auto& l = j[o.label_key];
-      if (l.is_string()) p.label = l.get<std::string>();
-      else if (l.is_number()) p.label = l.dump();
-      else bad(fmt::format("the label under '{}' is neither a string nor a number", o.label_key));
-    }
-    if (!o.input_template.empty()) p.text = model::apply_input_template(o.input_template, p.text);
-    if (o.chat != model::ChatFormat::kNone) p.text = model::apply_chat_template(o.chat, {{"user", p.text}});
-    // A prompt too long in bytes to fit max_prompt_tokens is over the limit without encoding it,
-    // so one huge line costs the skip and error policies a length check (truncate_left keeps
-    // its last tokens and has to encode it).
-    std::string what;
-    if (o.long_prompts != LongPromptPolicy::kTruncateLeft && byte_limit > 0 &&
-        static_cast<int64_t>(p.text.size()) > byte_limit) {
-      what = fmt::format("the prompt has {} bytes, over what max_prompt_tokens {} can hold (a token is at most {} bytes)",
-                         p.text.size(), o.max_prompt_tokens, per_token);
-    } else {
-      p.tokens = tok.encode(p.text, /*add_special_tokens=*/false);
-      if (p.tokens.empty()) bad("the prompt is empty after templating");
-      if (static_cast<int64_t>(p.tokens.size()) > o.max_prompt_tokens)
-        what = fmt::format("the prompt has {} tokens, over max_prompt_tokens {}", p.tokens.size(), o.max_prompt_tokens);
-    }
-    if (!what.empty()) {
-      if (o.long_prompts == LongPromptPolicy::kError) bad(what + " (the policy is error)");
-      if (o.long_prompts == LongPromptPolicy::kSkip) {
-        if (skipped_++ == 0) log::warn("{}:{}: {}; skipped (and so is every other such prompt)", path, n, what);
-        continue;
-      }
-      p.tokens.erase(p.tokens.begin(), p.tokens.end() - o.max_prompt_tokens);
-      ++truncated_;
-    }
-    prompts_.push_back(std::move(p));
+    if (in.bad()) throw IoError(fmt::format("{}: read error after line {}: {}", path, n, std::strerror(errno)));
   }
-  if (in.bad()) throw IoError(fmt::format("{}: read error after line {}: {}", path, n, std::strerror(errno)));
   if (prompts_.empty())
-    throw ConfigError(fmt::format("{}: no prompt left ({} lines read, {} over max_prompt_tokens {})", path, n,
+    throw ConfigError(fmt::format("{}: no prompt left ({} records read, {} over max_prompt_tokens {})", path, n,
                                   skipped_, o.max_prompt_tokens));
   if (skipped_ > 0) log::warn("{}: {} of {} prompts skipped as too long", path, skipped_, skipped_ + size());
   order_epoch();
+}
+
+void PromptDataset::add_record(const std::string& where, int64_t number, const std::string& text,
+                               const model::Tokenizer& tok) {
+  const DatasetOptions& o = opts_;
+  auto bad = [&](const std::string& what) { throw ConfigError(fmt::format("{}: {}", where, what)); };
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    bad(fmt::format("not valid JSON ({})", e.what()));
+  }
+  if (!j.is_object()) bad("not a JSON object");
+  Prompt p;
+  p.line = number;
+  const nlohmann::json* input = lookup(j, o.input_key);
+  if (input != nullptr && input->is_string()) {
+    p.text = input->get<std::string>();
+    if (!o.input_template.empty()) p.text = model::apply_input_template(o.input_template, p.text);
+    if (o.chat != model::ChatFormat::kNone) p.text = model::apply_chat_template(o.chat, {{"user", p.text}});
+  } else if (input != nullptr && input->is_array()) {
+    // Chat messages, as verl's datasets carry them: [{"role": "user", "content": "..."}, ...].
+    std::vector<model::ChatMessage> messages;
+    for (const auto& m : *input) {
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
+          !m["content"].is_string())
+        bad(fmt::format("the messages under '{}' must be objects with string \"role\" and \"content\"", o.input_key));
+      messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+    }
+    if (messages.empty()) bad(fmt::format("the messages under '{}' are an empty list", o.input_key));
+    if (o.chat == model::ChatFormat::kNone)
+      bad(fmt::format("the prompt under '{}' is a list of chat messages; set data.apply_chat_template: true", o.input_key));
+    if (!o.input_template.empty())
+      bad(fmt::format("data.input_template applies to prompts that are text, and the prompt under '{}' is chat "
+                      "messages; leave data.input_template empty", o.input_key));
+    p.text = model::apply_chat_template(o.chat, messages);
+  } else {
+    bad(fmt::format("no text or list of chat messages under the input key '{}' (data.input_key)", o.input_key));
+  }
+  if (const nlohmann::json* l = lookup(j, o.label_key); l != nullptr && !l->is_null()) {
+    if (l->is_string()) {
+      p.label = l->get<std::string>();
+    } else {
+      p.label = l->dump();
+      p.label_is_json = true;
+    }
+  }
+  if (const nlohmann::json* d = lookup(j, o.data_source_key); d != nullptr && !d->is_null()) {
+    if (!d->is_string()) bad(fmt::format("the data source under '{}' (data.data_source_key) is not text", o.data_source_key));
+    p.data_source = d->get<std::string>();
+  }
+  if (const nlohmann::json* e = lookup(j, o.extra_info_key); e != nullptr && !e->is_null()) p.extra_info = e->dump();
+  // A prompt too long in bytes to fit max_prompt_tokens is over the limit without encoding it,
+  // so one huge line costs the skip and error policies a length check (truncate_left keeps
+  // its last tokens and has to encode it).
+  std::string what;
+  if (o.long_prompts != LongPromptPolicy::kTruncateLeft && byte_limit_ > 0 &&
+      static_cast<int64_t>(p.text.size()) > byte_limit_) {
+    what = fmt::format("the prompt has {} bytes, over what max_prompt_tokens {} can hold (a token is at most {} bytes)",
+                       p.text.size(), o.max_prompt_tokens, bytes_per_token_);
+  } else {
+    p.tokens = tok.encode(p.text, /*add_special_tokens=*/false);
+    if (p.tokens.empty()) bad("the prompt is empty after templating");
+    if (static_cast<int64_t>(p.tokens.size()) > o.max_prompt_tokens)
+      what = fmt::format("the prompt has {} tokens, over max_prompt_tokens {}", p.tokens.size(), o.max_prompt_tokens);
+  }
+  if (!what.empty()) {
+    if (o.long_prompts == LongPromptPolicy::kError) bad(what + " (the policy is error)");
+    if (o.long_prompts == LongPromptPolicy::kSkip) {
+      if (skipped_++ == 0) log::warn("{}: {}; skipped (and so is every other such prompt)", where, what);
+      return;
+    }
+    p.tokens.erase(p.tokens.begin(), p.tokens.end() - o.max_prompt_tokens);
+    ++truncated_;
+  }
+  prompts_.push_back(std::move(p));
 }
 
 void PromptDataset::order_epoch() {

@@ -24,6 +24,12 @@ CASE:
                wants a token and serves TLS (a self-signed certificate made here), which refuses the
                wrong token and plaintext, with the engines serving TLS as well. A service that is not there, and one slower than
                reward.remote_timeout_s, end the job with a clear line.
+  python       GRPO with a verl-style Python reward (examples/rewards/toy_digits.py) in the
+               controller's embedded interpreter, 2 worker threads: the reward rises, its calls and
+               its dict's extra numbers are in the metrics, and the first steps' rewards equal the
+               built-in rule's. A parquet twin of the prompts (pyarrow) gives the JSONL run's rewards
+               step for step. A reward that raises ends the job with one line naming the file,
+               line and sample; one that never returns ends it at reward.python_timeout_s.
   entropy      the entropy bonus: with algo.entropy_coef large, the policy's entropy after a few
                steps is clearly above the run without it (same seed).
   async        rollout.mode=async: PPO at max_staleness 1 and GRPO at 2 learn the toy task as sync
@@ -484,6 +490,62 @@ def check_remote():
         stop_reward_server(slow)
 
 
+def check_python():
+    toy = REPO / "examples" / "rewards" / "toy_digits.py"
+    python = ["reward.type=python", f"reward.python={toy}:compute_score", "reward.python_batch_size=8",
+              "reward.python_workers=2"]
+    check_learns(3, *GRPO, *python)
+    rows = metrics(SCRATCH / "python")
+    calls = sum(r["reward/python_calls"] for r in rows)
+    if calls < 30 * 16 * 4 // 8:  # steps x rollout.batch_size x n_samples / python_batch_size
+        fail(f"{calls} Python reward calls")
+    digits = [r.get("reward/extra/digits") for r in rows]
+    if any(d is None for d in digits) or digits[-1] <= digits[0]:
+        fail(f"reward/extra/digits (the reward dict's extra number) {digits}")
+    print(f"python: {calls} calls, digits per response {digits[0]:.2f} -> {digits[-1]:.2f}")
+
+    def rewards(name, *sets):
+        code, log = run(3, SCRATCH / name, *GRPO, "train.num_steps=3", *sets)
+        if code != 0:
+            fail(f"{name}: exit code {code}:\n{log[-3000:]}")
+        return [r["reward/mean"] for r in metrics(SCRATCH / name)]
+
+    want = rewards("python_rule")
+    got = rewards("python_3", *python)
+    if any(abs(a - b) > 1e-6 for a, b in zip(want, got)) or len(got) != 3:
+        fail(f"Python rewards {got} differ from the rule's {want}")
+    print(f"python: steps 1-3 rewards {[round(x, 4) for x in got]} equal the built-in rule's")
+    parquet = SCRATCH / "prompts.parquet"
+    subprocess.run([sys.executable, "-c", "import sys, json, pyarrow as pa, pyarrow.parquet as pq; "
+                    "pq.write_table(pa.Table.from_pylist([json.loads(l) for l in open(sys.argv[1]) if l.strip()]), "
+                    "sys.argv[2])", str(PROMPTS), str(parquet)], check=True)
+    from_parquet = rewards("python_parquet", f"data.prompts={parquet}")
+    if from_parquet != want:
+        fail(f"the parquet twin's rewards {from_parquet} differ from the JSONL's {want}")
+    print(f"python: the parquet twin of the prompts gives the JSONL run's rewards {[round(x, 4) for x in want]}")
+
+    raises = SCRATCH / "raises.py"
+    raises.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    digits = sum(c.isdigit() for c in solution_str)\n"
+                      "    return digits / (len(solution_str) - len(solution_str))\n")
+    expect_error("a Python reward that raises",
+                 command(3, SCRATCH / "python_raises", *GRPO, "reward.type=python", f"reward.python={raises}"),
+                 rf"reward\.python {re.escape(str(raises))}:compute_score: ZeroDivisionError: division by zero at "
+                 rf"{re.escape(str(raises))}:3 \(in compute_score\), scoring sample [0-9]+ of prompt line [0-9]+ "
+                 rf"\(step 1\)")
+    spins = SCRATCH / "spins.py"
+    spins.write_text("def compute_score(solution_str):\n    while True:\n        pass\n")
+    expect_error("a Python reward that never returns",
+                 command(3, SCRATCH / "python_spins", *GRPO, "reward.type=python", f"reward.python={spins}",
+                         "reward.python_timeout_s=2"),
+                 r"ran past reward\.python_timeout_s = 2 s and was interrupted at .*spins\.py:[23]")
+    missing = SCRATCH / "no_function.py"
+    missing.write_text("def score(solution_str):\n    return 1.0\n")
+    expect_error("a Python reward file without the function",
+                 command(3, SCRATCH / "python_missing", *GRPO, "reward.type=python", f"reward.python={missing}"),
+                 r"has no function 'compute_score' \(its functions: score\)", code=2)
+
+
 def check_entropy():
     sets = [*GRPO, "train.num_steps=6"]
     entropies = {}
@@ -848,6 +910,8 @@ elif CASE == "bad_inputs":
     check_bad_inputs()
 elif CASE == "remote":
     check_remote()
+elif CASE == "python":
+    check_python()
 elif CASE == "entropy":
     check_entropy()
 elif CASE == "async":

@@ -1,10 +1,12 @@
 // The prompt dataset: templates, labels, malformed lines, the long-prompt policies, shuffled
 // epochs and resuming from a cursor. Tokenizer: the Qwen2 fixture (make_hf_fixtures.py).
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <set>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "../model/fixtures.h"
 #include "tiller/core/error.h"
@@ -66,12 +68,92 @@ TEST(PromptDataset, MalformedLinesNameTheFileAndLine) {
   const std::string p2 = file("bad2.jsonl", "[1, 2]\n");
   EXPECT_NE(error_of(p2).find("bad2.jsonl:1: not a JSON object"), std::string::npos) << error_of(p2);
   const std::string p3 = file("bad3.jsonl", "{\"prompt\": \"hi\"}\n");
-  EXPECT_NE(error_of(p3).find("bad3.jsonl:1: no string under the input key 'input'"), std::string::npos);
-  const std::string p4 = file("bad4.jsonl", "{\"input\": \"hi\", \"label\": {\"a\": 1}}\n");
-  EXPECT_NE(error_of(p4).find("bad4.jsonl:1: the label under 'label' is neither"), std::string::npos);
+  EXPECT_NE(error_of(p3).find("bad3.jsonl:1: no text or list of chat messages under the input key 'input'"),
+            std::string::npos);
+  const std::string p4 = file("bad4.jsonl", "{\"input\": [{\"role\": \"user\"}]}\n");
+  EXPECT_NE(error_of(p4).find("bad4.jsonl:1: the messages under 'input' must be objects with string"),
+            std::string::npos) << error_of(p4);
+  const std::string p5 = file("bad5.jsonl", "{\"input\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n");
+  EXPECT_NE(error_of(p5).find("bad5.jsonl:1: the prompt under 'input' is a list of chat messages; set "
+                              "data.apply_chat_template: true"),
+            std::string::npos) << error_of(p5);
   EXPECT_NE(error_of(test::scratch_dir() + "/rollout/none.jsonl").find("cannot open the prompt file"),
             std::string::npos);
 }
+
+// verl's record shape: chat messages, a nested label, a data source, extra information; labels
+// that are not text keep their JSON.
+TEST(PromptDataset, NestedKeysChatMessagesAndJsonLabels) {
+  const std::string p = file("verl.jsonl",
+                             R"({"data_source": "gsm8k", "prompt": [{"role": "system", "content": "Be brief."}, )"
+                             R"({"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4"}, )"
+                             R"("extra_info": {"index": 7, "split": "train"}})" "\n"
+                             R"({"data_source": "mix", "prompt": [{"role": "user", "content": "x"}], )"
+                             R"("reward_model": {"ground_truth": [1, 2]}, "reward_model.ground_truth": 5})" "\n");
+  DatasetOptions o;
+  o.input_key = "prompt";
+  o.label_key = "reward_model.ground_truth";
+  o.chat = model::ChatFormat::kChatML;
+  o.shuffle = false;
+  PromptDataset d(p, tokenizer(), o);
+  ASSERT_EQ(d.size(), 2);
+  EXPECT_EQ(d.at(0).text, model::apply_chat_template(model::ChatFormat::kChatML,
+                                                     {{"system", "Be brief."}, {"user", "2+2?"}}));
+  EXPECT_EQ(d.at(0).label, "4");
+  EXPECT_FALSE(d.at(0).label_is_json);
+  EXPECT_EQ(d.at(0).data_source, "gsm8k");
+  EXPECT_EQ(nlohmann::json::parse(d.at(0).extra_info), nlohmann::json::parse(R"({"index": 7, "split": "train"})"));
+  // A key that exists as written wins over the dotted path.
+  EXPECT_EQ(d.at(1).label, "5");
+  EXPECT_TRUE(d.at(1).label_is_json);
+  EXPECT_EQ(d.at(1).extra_info, "");
+  o.label_key = "reward_model";
+  EXPECT_EQ(PromptDataset(p, tokenizer(), o).at(1).label, R"({"ground_truth":[1,2]})");
+}
+
+#if TILLER_HAVE_PYTHON
+// The parquet twin of a JSONL file (written by pyarrow from the same records) gives the same
+// prompts, labels, data sources and extra information.
+TEST(PromptDataset, AParquetFileGivesTheSamePromptsAsItsJsonlTwin) {
+  const std::string jsonl = file("twin.jsonl",
+                                 R"({"data_source": "a", "prompt": [{"role": "user", "content": "What is 3*4?"}], )"
+                                 R"("reward_model": {"ground_truth": "12", "style": "rule"}, "extra_info": {"index": 0}})" "\n"
+                                 R"({"data_source": "b", "prompt": [{"role": "user", "content": "Ünïcode ✓ 5-1?"}], )"
+                                 R"("reward_model": {"ground_truth": "4", "style": "rule"}, "extra_info": {"index": 1}})" "\n"
+                                 R"({"data_source": "a", "prompt": [{"role": "system", "content": "s"}, )"
+                                 R"({"role": "user", "content": "7+8?"}], "reward_model": {"ground_truth": "15", )"
+                                 R"("style": "rule"}, "extra_info": {"index": 2}})" "\n");
+  const std::string parquet = test::scratch_dir() + "/rollout/twin.parquet";
+  const std::string cmd = std::string(TILLER_TEST_PYTHON) +
+                          " -c \"import sys, json, pyarrow as pa, pyarrow.parquet as pq; "
+                          "rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]; "
+                          "pq.write_table(pa.Table.from_pylist(rows), sys.argv[2])\" " + jsonl + " " + parquet;
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  DatasetOptions o;
+  o.input_key = "prompt";
+  o.label_key = "reward_model.ground_truth";
+  o.chat = model::ChatFormat::kChatML;
+  o.shuffle = false;
+  PromptDataset a(jsonl, tokenizer(), o), b(parquet, tokenizer(), o);
+  ASSERT_EQ(a.size(), 3);
+  ASSERT_EQ(b.size(), a.size());
+  for (int64_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(b.at(i).line, a.at(i).line);
+    EXPECT_EQ(b.at(i).text, a.at(i).text);
+    EXPECT_EQ(b.at(i).tokens, a.at(i).tokens);
+    EXPECT_EQ(b.at(i).label, a.at(i).label);
+    EXPECT_EQ(b.at(i).data_source, a.at(i).data_source);
+    EXPECT_EQ(nlohmann::json::parse(b.at(i).extra_info), nlohmann::json::parse(a.at(i).extra_info));
+  }
+  o.input_key = "question";
+  const std::string e = error_of(parquet, o);
+  EXPECT_NE(e.find("twin.parquet: row 1: no text or list of chat messages under the input key 'question'"),
+            std::string::npos) << e;
+  const std::string not_parquet = file("text.parquet", "this is not parquet\n");
+  EXPECT_NE(error_of(not_parquet, o).find("text.parquet: cannot read the parquet file: "), std::string::npos)
+      << error_of(not_parquet, o);
+}
+#endif
 
 TEST(PromptDataset, LongPromptPolicies) {
   const std::string long_text = "one two three four five six seven eight nine ten eleven twelve";
@@ -152,8 +234,8 @@ TEST(PromptDataset, AHugePromptIsRefusedBeforeItIsEncoded) {
 TEST(PromptDataset, APathThatIsNotAFileIsNamed) {
   std::filesystem::create_directories(test::scratch_dir() + "/rollout/prompts_dir");
   EXPECT_EQ(error_of(test::scratch_dir() + "/rollout/prompts_dir"),
-            test::scratch_dir() + "/rollout/prompts_dir: is a directory, not a JSONL file of prompts; set "
-                                  "data.prompts to the file");
+            test::scratch_dir() + "/rollout/prompts_dir: is a directory, not a file of prompts; set "
+                                  "data.prompts to a JSONL or parquet file");
   EXPECT_NE(error_of(test::scratch_dir() + "/rollout/nope.jsonl").find("nope.jsonl: cannot open the prompt file: No such"),
             std::string::npos);
 }

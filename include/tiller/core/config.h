@@ -25,7 +25,7 @@ enum class StalePolicy { kWait, kDrop };
 enum class AdvantageEstimator { kGae, kReinforce, kRloo, kReinforceBaseline, kGroupNorm, kDrGrpo };
 enum class KlEstimator { kK1, kK2, kK3 };
 enum class ImportanceCorrection { kNone, kTis, kDecoupled };
-enum class RewardType { kModel, kRule, kRemote };
+enum class RewardType { kModel, kRule, kRemote, kPython };
 
 template <>
 struct EnumNames<RolloutMode> {
@@ -50,7 +50,7 @@ struct EnumNames<ImportanceCorrection> {
 };
 template <>
 struct EnumNames<RewardType> {
-  static constexpr std::array<std::string_view, 3> names = {"model", "rule", "remote"};
+  static constexpr std::array<std::string_view, 4> names = {"model", "rule", "remote", "python"};
 };
 
 // The YAML spelling of `e`.
@@ -181,6 +181,8 @@ struct DataConfig {
   std::string prompts;
   std::string input_key = "input";
   std::string label_key = "label";
+  std::string data_source_key = "data_source";
+  std::string extra_info_key = "extra_info";
   std::string input_template;
   bool apply_chat_template = false;
   bool shuffle = true;
@@ -198,6 +200,11 @@ struct RewardConfig {
   std::int64_t remote_concurrency = 4;
   std::string remote_token_file;       // first line: the token sent as x-tiller-token
   std::string remote_tls_ca, remote_tls_server_name;
+  std::string python;                  // FILE.py:FUNCTION (reward.type python)
+  bool python_batched = false;         // the function takes lists (one call per batch)
+  std::int64_t python_batch_size = 64;
+  std::int64_t python_workers = 1;     // threads calling the function (the GIL serialises pure Python)
+  double python_timeout_s = 300;
   double clip = 10.0;
   bool normalize = false;
   std::int64_t overlong_buffer = 0;  // DAPO's soft overlong penalty over the last this many tokens (0: off)

@@ -1,14 +1,20 @@
-// The controller's prompt dataset: a JSONL file read once, templated and tokenized up front, then
-// served in shuffled epochs from a resumable cursor.
+// The controller's prompt dataset: a JSONL or parquet file read once, templated and tokenized up
+// front, then served in shuffled epochs from a resumable cursor.
 //
-// Each line is a JSON object; `input_key` holds the prompt text (a string) and `label_key`, when
-// present, the label handed to rule rewards (a string, or a number written as JSON). The text is
-// put through the input template ("Question: {}\nAnswer:") and/or the chat template, then
-// encoded without special tokens (the chat template carries them).
+// Each JSONL line, or parquet row (read through the embedded Python's pyarrow: python/parquet.h;
+// a file ending in .parquet or .pq), is a JSON object. Keys may be dotted paths into nested
+// objects ("reward_model.ground_truth"); a key that exists as written wins. `input_key` holds the
+// prompt: text, put through the input template ("Question: {}\nAnswer:") and/or the chat
+// template; or a list of chat messages ({"role", "content"}, verl's datasets), which needs the
+// chat template. The result is encoded without special tokens (the chat template carries them).
+// `label_key`, when present, is the label handed to rewards: a string, or any other JSON value
+// kept as its JSON text (label_is_json). `data_source_key` (text) and `extra_info_key` (any JSON)
+// go to Python rewards as verl's data_source and extra_info.
 //
 // Prompts longer than max_prompt_tokens follow a stated policy: skip them (counted and logged
 // once with the first offending line), keep their last max_prompt_tokens tokens (truncate_left),
-// or refuse the file (error). A malformed line is always refused: ConfigError "FILE:LINE: what".
+// or refuse the file (error). A malformed record is always refused: ConfigError "FILE:LINE: what"
+// (JSONL) or "FILE: row N: what" (parquet).
 //
 // Order: epoch e is a permutation of the prompts drawn from (seed, e) by a fixed Fisher-Yates
 // shuffle (the same on every platform), or file order without shuffling. The cursor (epoch,
@@ -35,6 +41,8 @@ LongPromptPolicy parse_long_prompt_policy(const std::string& name);  // skip | t
 struct DatasetOptions {
   std::string input_key = "input";
   std::string label_key = "label";
+  std::string data_source_key = "data_source";
+  std::string extra_info_key = "extra_info";
   std::string input_template;                              // "" or one "{}"
   model::ChatFormat chat = model::ChatFormat::kNone;       // kNone: no chat template
   int64_t max_prompt_tokens = 1024;
@@ -45,10 +53,13 @@ struct DatasetOptions {
 };
 
 struct Prompt {
-  int64_t line = 0;              // 1-based line in the file
+  int64_t line = 0;              // 1-based line (JSONL) or row (parquet) in the file
   std::string text;              // after the templates
   std::vector<int64_t> tokens;
   std::string label;
+  bool label_is_json = false;    // the label was not a string: `label` is its JSON text
+  std::string data_source;       // "" when the record has none
+  std::string extra_info;        // JSON text; "" when the record has none
 };
 
 struct DatasetCursor {
@@ -58,8 +69,8 @@ struct DatasetCursor {
 
 class PromptDataset {
  public:
-  // Reads, templates and tokenizes the whole file. ConfigError names the file and line (or says
-  // that no prompt is left after the length policy).
+  // Reads, templates and tokenizes the whole file. ConfigError names the file and line or row (or
+  // says that no prompt is left after the length policy).
   PromptDataset(const std::string& path, const model::Tokenizer& tokenizer, const DatasetOptions& options);
 
   int64_t size() const { return static_cast<int64_t>(prompts_.size()); }
@@ -74,10 +85,13 @@ class PromptDataset {
 
  private:
   void order_epoch();
+  // Parses one record (`where` names it in errors) and keeps it unless the length policy skips it.
+  void add_record(const std::string& where, int64_t number, const std::string& json, const model::Tokenizer& tok);
 
   std::vector<Prompt> prompts_;
   DatasetOptions opts_;
   int64_t skipped_ = 0, truncated_ = 0;
+  int64_t byte_limit_ = 0, bytes_per_token_ = 0;  // while reading: the length check before encoding
   DatasetCursor cursor_;
   std::vector<int64_t> order_;  // this epoch's permutation
 };
