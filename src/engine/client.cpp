@@ -100,6 +100,14 @@ void GenerateSession::abort(uint64_t request_id) {
   if (!impl_->sends_closed) impl_->rw->Write(req);
 }
 
+void GenerateSession::release_session(SessionKey key) {
+  pb::GenerateStreamRequest req;
+  req.mutable_release_session()->set_request_id(key.request);
+  req.mutable_release_session()->set_sample(static_cast<int32_t>(key.sample));
+  std::lock_guard<std::mutex> lock(impl_->write_mu);
+  if (!impl_->sends_closed) impl_->rw->Write(req);
+}
+
 void GenerateSession::close_sends() {
   std::lock_guard<std::mutex> lock(impl_->write_mu);
   if (impl_->sends_closed) return;
@@ -206,6 +214,12 @@ ServerStats EngineClient::stats() {
   s.engine.requests_finished = r.requests_finished();
   s.engine.launched_ahead = r.launched_ahead();
   s.engine.kv_rebuilds = r.kv_rebuilds();
+  s.engine.prefill_tokens = r.prefill_tokens();
+  s.engine.sessions_parked = r.sessions_parked();
+  s.engine.session_resumes = r.session_resumes();
+  s.engine.session_tokens_reused = r.session_tokens_reused();
+  s.engine.session_misses = r.session_misses();
+  s.engine.session_evictions = r.session_evictions();
   s.engine.seconds_in_steps = r.seconds_in_steps();
   s.kv_cache_usage = r.kv_cache_usage();
   s.tokens_per_second = r.tokens_per_second();

@@ -118,6 +118,15 @@ struct Engine::Impl {
 
   std::map<int64_t, Sequence> seqs;
   std::vector<int64_t> running, waiting;  // ids, oldest first
+  // Multi-turn sessions: finished samples whose blocks stay allocated, by sequence id (the
+  // eviction order: oldest first), and their keys.
+  struct Parked {
+    Sequence seq;
+    std::chrono::steady_clock::time_point since;
+  };
+  std::map<int64_t, Parked> parked;
+  std::map<SessionKey, int64_t> session_ids;
+  std::chrono::steady_clock::time_point next_expiry;  // expire_sessions() looks at most once a second
   std::map<uint64_t, RequestState> requests;
   std::vector<SampleOutput> aborted;  // returned by the next step()
   int64_t next_id = 0;
@@ -142,7 +151,25 @@ struct Engine::Impl {
   void sleep_here(int level);
   void wake_here(bool weights, bool cache);
   void validate(const Request& r) const;
-  SampleOutput finish(Sequence& s, const char* reason);
+  // The sample's output; its blocks are released unless it is to be parked (`keep`).
+  SampleOutput finish(Sequence& s, const char* reason, bool keep = false);
+  int64_t max_sessions() const { return opts.max_sessions > 0 ? opts.max_sessions : 4 * opts.limits.max_num_seqs; }
+  void park(Sequence s);
+  // Releases a parked session's blocks and forgets it; `evicted` counts it in the stats.
+  void drop_parked(int64_t id, bool evicted);
+  void drop_all_parked();
+  void expire_sessions();
+  std::vector<SeqState> parked_states() const {
+    std::vector<SeqState> out;
+    for (const auto& [id, p] : parked)
+      out.push_back({id, static_cast<int64_t>(p.seq.tokens.size()), p.seq.num_computed, &p.seq.table, 1});
+    return out;
+  }
+  int64_t running_seats() const {
+    int64_t n = 0;
+    for (int64_t id : running) n += 1 + seqs.at(id).pending_forks;
+    return n;
+  }
   std::vector<SeqState> waiting_states() const {
     std::vector<SeqState> out;
     for (int64_t id : waiting) {
@@ -193,6 +220,7 @@ void Engine::Impl::validate(const Request& r) const {
   }
   if (r.n < 1 || r.n > opts.limits.max_num_seqs)
     bad(fmt::format("n = {} samples; allowed 1 to max_num_seqs = {}", r.n, opts.limits.max_num_seqs));
+  if (r.resume && r.n != 1) bad(fmt::format("n = {}: a request that resumes a session continues one sample", r.n));
   // Both terms are bounded (the prompt by max_model_len, max_new_tokens by validate()), so the
   // sum cannot wrap and pass the checks below.
   const auto prompt = static_cast<int64_t>(r.prompt.size());
@@ -208,7 +236,7 @@ void Engine::Impl::validate(const Request& r) const {
                     opts.limits.max_batched_tokens));
 }
 
-SampleOutput Engine::Impl::finish(Sequence& s, const char* reason) {
+SampleOutput Engine::Impl::finish(Sequence& s, const char* reason, bool keep) {
   SampleOutput o;
   o.request_id = s.request;
   o.sample = s.sample;
@@ -219,7 +247,7 @@ SampleOutput Engine::Impl::finish(Sequence& s, const char* reason) {
   o.preemptions = s.preemptions;
   o.version_starts = std::move(s.version_starts);
   o.versions = std::move(s.versions);
-  kv->release(s.table);
+  if (!keep) kv->release(s.table);
   auto it = requests.find(s.request);
   // An unforked prompt finishing early takes its pending samples with it (abort only).
   it->second.live -= 1 + s.pending_forks;
@@ -228,6 +256,39 @@ SampleOutput Engine::Impl::finish(Sequence& s, const char* reason) {
     ++stats.requests_finished;
   }
   return o;
+}
+
+void Engine::Impl::park(Sequence s) {
+  const SessionKey key{s.request, s.sample};
+  if (auto old = session_ids.find(key); old != session_ids.end()) drop_parked(old->second, true);
+  const int64_t id = s.id;
+  session_ids[key] = id;
+  parked.emplace(id, Parked{std::move(s), std::chrono::steady_clock::now()});
+  while (static_cast<int64_t>(parked.size()) > max_sessions()) drop_parked(parked.begin()->first, true);
+}
+
+void Engine::Impl::drop_parked(int64_t id, bool evicted) {
+  auto it = parked.find(id);
+  TILLER_CHECK(it != parked.end(), "no parked session {}", id);
+  kv->release(it->second.seq.table);
+  session_ids.erase(SessionKey{it->second.seq.request, it->second.seq.sample});
+  parked.erase(it);
+  if (evicted) ++stats.session_evictions;
+}
+
+void Engine::Impl::drop_all_parked() {
+  while (!parked.empty()) drop_parked(parked.begin()->first, true);
+}
+
+void Engine::Impl::expire_sessions() {
+  if (parked.empty()) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_expiry) return;
+  next_expiry = now + std::chrono::seconds(1);
+  std::vector<int64_t> expired;
+  for (const auto& [id, p] : parked)
+    if (std::chrono::duration<double>(now - p.since).count() > opts.session_timeout_s) expired.push_back(id);
+  for (int64_t id : expired) drop_parked(id, true);
 }
 
 Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const EngineOptions& opts,
@@ -319,6 +380,7 @@ void Engine::weights_updated(uint64_t version) {
   TILLER_CHECK(m.leader() && !m.shut_down, "weights_updated() on a TP follower or after shutdown()");
   TILLER_CHECK(!m.in_flight, "weights_updated() with a step in flight: drain() first");
   m.weight_version = version;
+  m.drop_all_parked();  // their keys and values are of the old weights
   // Every sequence with keys and values of the old weights starts over from its first token (its
   // sampled tokens and their log-probs stay); the scheduler admits it again oldest first, as it
   // does a preempted one.
@@ -405,6 +467,7 @@ void Engine::sleep(int level) {
   if (m.in_flight || !m.seqs.empty() || !m.aborted.empty())
     throw InvalidRequest(fmt::format("cannot sleep with {} live sequences: finish or abort them first",
                                      m.seqs.size()));
+  m.drop_all_parked();
   m.broadcast(Message::kSleep, {level});
   m.sleep_here(level);
 }
@@ -440,17 +503,43 @@ void Engine::add(Request r) {
   if (!m.runner->cache_allocated())
     throw InvalidRequest(fmt::format("request {}: the engine is asleep (no KV cache); wake it first", r.id));
   m.validate(r);
+  m.expire_sessions();
   Sequence s;
   s.id = m.next_id++;
   s.request = r.id;
   s.pending_forks = r.n - 1;
   s.tokens = r.prompt;
   s.prompt_len = static_cast<int64_t>(r.prompt.size());
+  bool resumed = false;
+  if (r.resume) {
+    // The cached prefix this prompt shares with the session, leaving at least the prompt's last
+    // token to compute (its row gives the first draw).
+    if (auto k = m.session_ids.find(r.session); k != m.session_ids.end()) {
+      const int64_t pid = k->second;
+      Sequence& old = m.parked.at(pid).seq;
+      const int64_t limit = std::min<int64_t>(old.num_computed, s.prompt_len - 1);
+      int64_t common = 0;
+      while (common < limit && old.tokens[static_cast<size_t>(common)] == s.tokens[static_cast<size_t>(common)]) ++common;
+      // Straight to running, holding its blocks, when a seat is free; else it waits as a new prompt.
+      if (common > 0 && m.running_seats() < m.opts.limits.max_num_seqs) {
+        s.table = std::move(old.table);
+        old.table = BlockTable{};
+        m.kv->truncate(s.table, common);
+        s.num_computed = common;
+        resumed = true;
+        ++m.stats.session_resumes;
+        m.stats.session_tokens_reused += common;
+      }
+      m.drop_parked(pid, false);
+    }
+    if (!resumed) ++m.stats.session_misses;
+  }
   RequestState state;
   state.live = r.n;
   state.req = std::move(r);
   m.requests.emplace(state.req.id, std::move(state));
-  m.waiting.push_back(s.id);
+  if (resumed) m.running.push_back(s.id);  // the newest id
+  else m.waiting.push_back(s.id);
   m.seqs.emplace(s.id, std::move(s));
 }
 
@@ -479,6 +568,14 @@ bool Engine::abort(uint64_t id) {
   return true;
 }
 
+bool Engine::release_session(SessionKey key) {
+  Impl& m = *impl_;
+  auto it = m.session_ids.find(key);
+  if (it == m.session_ids.end()) return false;
+  m.drop_parked(it->second, false);
+  return true;
+}
+
 bool Engine::has_work() const { return !impl_->seqs.empty() || !impl_->aborted.empty() || impl_->in_flight; }
 
 EngineStats Engine::stats() const {
@@ -486,6 +583,7 @@ EngineStats Engine::stats() const {
   s.running = static_cast<int64_t>(impl_->running.size());
   s.waiting = static_cast<int64_t>(impl_->waiting.size());
   s.kv_blocks_free = impl_->kv->num_free();
+  s.sessions_parked = static_cast<int64_t>(impl_->parked.size());
   return s;
 }
 
@@ -495,7 +593,8 @@ StepPlan Engine::Impl::schedule_now() {
     const Sequence& s = seqs.at(id);
     run_states.push_back({id, static_cast<int64_t>(s.tokens.size()), s.num_computed, &s.table, 1 + s.pending_forks});
   }
-  StepPlan plan = schedule(opts.limits, run_states, waiting_states(), *kv);
+  StepPlan plan = schedule(opts.limits, run_states, waiting_states(), *kv, parked_states());
+  for (int64_t id : plan.evicted) drop_parked(id, true);
   for (int64_t id : plan.preempted) {
     Sequence& s = seqs.at(id);
     kv->release(s.table);
@@ -574,8 +673,9 @@ std::optional<InFlight> Engine::Impl::launch_ahead(const InFlight& f) {
     if (drawn && tokens - s.prompt_len >= requests.at(s.request).req.params.max_new_tokens) continue;
     run_states.push_back({id, tokens, s.num_computed, &s.table, 1 + s.pending_forks});
   }
-  const StepPlan plan = schedule(opts.limits, run_states, waiting_states(), *kv);
-  if (plan.chunks.empty() || !plan.preempted.empty() || !plan.admitted.empty()) return std::nullopt;
+  const StepPlan plan = schedule(opts.limits, run_states, waiting_states(), *kv, parked_states());
+  if (plan.chunks.empty() || !plan.preempted.empty() || !plan.admitted.empty() || !plan.evicted.empty())
+    return std::nullopt;
   for (const auto& c : plan.chunks)
     if (c.count != 1) return std::nullopt;  // prefill chunks wait for the host
   ++stats.launched_ahead;
@@ -587,6 +687,7 @@ void Engine::Impl::collect(const InFlight& f, std::vector<SampleOutput>& done) {
   TILLER_CHECK(drawn.tokens.size() == f.draws.size(), "the runner returned {} draws for {} sample rows",
                drawn.tokens.size(), f.draws.size());
   stats.last_step_prefill_tokens = f.prefill_tokens;
+  stats.prefill_tokens += f.prefill_tokens;
   // Sequences aborted, or stopped by the step before, since `f` was launched: their draws are
   // dropped.
   auto live = [&](int64_t id) { return seqs.find(id) != seqs.end(); };
@@ -628,8 +729,10 @@ void Engine::Impl::collect(const InFlight& f, std::vector<SampleOutput>& done) {
     if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), last) != p.stop_token_ids.end()) reason = "stop";
     else if (static_cast<int64_t>(s.tokens.size()) - s.prompt_len >= p.max_new_tokens) reason = "length";
     if (!reason) continue;
-    done.push_back(finish(s, reason));
+    const bool keep = requests.at(s.request).req.keep_session;
+    done.push_back(finish(s, reason, keep));
     erase_id(running, id);
+    if (keep) park(std::move(s));
     seqs.erase(id);
   }
   ++stats.steps;
@@ -640,6 +743,7 @@ std::vector<SampleOutput> Engine::step() {
   TILLER_CHECK(m.leader() && !m.shut_down, "step() on a TP follower or after shutdown()");
   std::vector<SampleOutput> done = std::move(m.aborted);
   m.aborted.clear();
+  m.expire_sessions();
   if (m.seqs.empty() && !m.in_flight) return done;
   const auto t0 = std::chrono::steady_clock::now();
   if (!m.in_flight) m.in_flight = m.launch(m.schedule_now(), {});

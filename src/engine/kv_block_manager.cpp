@@ -61,6 +61,14 @@ void KvBlockManager::release(BlockTable& t) {
   t.tokens = 0;
 }
 
+void KvBlockManager::truncate(BlockTable& t, int64_t tokens) {
+  TILLER_CHECK(tokens >= 0 && tokens <= t.tokens, "truncate of a table of {} tokens to {}", t.tokens, tokens);
+  const auto keep = static_cast<size_t>(blocks_for(tokens));
+  for (size_t i = keep; i < t.blocks.size(); ++i) drop(t.blocks[i]);
+  t.blocks.resize(keep);
+  t.tokens = tokens;
+}
+
 BlockId KvBlockManager::take() {
   TILLER_CHECK(!free_.empty(), "no free KV block (callers check blocks_needed first)");
   const BlockId b = free_.back();

@@ -284,6 +284,10 @@ struct EngineServer::Impl final : pb::Engine::Service {
             auto it = routes.find(id);
             if (it != routes.end() && it->second.stream == stream) engine.abort(id);
           });
+        } else if (req.kind_case() == pb::GenerateStreamRequest::kReleaseSession) {
+          post([this, key = SessionKey{req.release_session().request_id(), req.release_session().sample()}] {
+            engine.release_session(key);
+          });
         }
       }
       {
@@ -379,6 +383,12 @@ struct EngineServer::Impl final : pb::Engine::Service {
     resp->set_launched_ahead(snap.launched_ahead);
     resp->set_kv_rebuilds(snap.kv_rebuilds);
     resp->set_seconds_in_steps(snap.seconds_in_steps);
+    resp->set_prefill_tokens(snap.prefill_tokens);
+    resp->set_sessions_parked(snap.sessions_parked);
+    resp->set_session_resumes(snap.session_resumes);
+    resp->set_session_tokens_reused(snap.session_tokens_reused);
+    resp->set_session_misses(snap.session_misses);
+    resp->set_session_evictions(snap.session_evictions);
     resp->set_weight_version(weight_version);
     return grpc::Status::OK;
   }

@@ -176,6 +176,66 @@ TEST(Scheduler, SharedBlocksAreNotCountedAsFreedByPreemption) {
 // Many requests of mixed lengths through the scheduler and the block manager, as an engine with
 // a fake model would run them: every one completes with its length, blocks are never
 // over-committed, and the cache is empty at the end.
+TEST(KvBlockManager, TruncateKeepsThePrefixAndCopiesASharedLastBlockOnWrite) {
+  KvBlockManager kv(16, 4);
+  BlockTable a;
+  std::vector<BlockCopy> copies;
+  ASSERT_TRUE(kv.append(a, 10, copies));  // 3 blocks
+  BlockTable b = kv.fork(a);
+  kv.truncate(a, 5);                       // blocks 0-1 kept, block 2 dropped by a
+  EXPECT_EQ(a.blocks.size(), 2u);
+  EXPECT_EQ(a.tokens, 5);
+  EXPECT_EQ(kv.ref_count(b.blocks[2]), 1);
+  EXPECT_EQ(kv.blocks_needed(a, 1), 1);    // the kept half block is shared with b: copy on write
+  ASSERT_TRUE(kv.append(a, 1, copies));
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].count, 1);
+  kv.release(a);
+  kv.release(b);
+  EXPECT_EQ(kv.num_free(), 16);
+  EXPECT_THROW(kv.truncate(a, 1), Error);
+}
+
+// Parked sessions give their blocks up before a running sequence is preempted, and before a
+// waiting one is left out, oldest first; while blocks suffice they stay.
+TEST(Scheduler, ParkedSessionsAreEvictedBeforeAnythingIsPreempted) {
+  SchedulerLimits limits;
+  limits.max_num_seqs = 8;
+  limits.max_batched_tokens = 64;
+  KvBlockManager kv(6, 4);
+  std::vector<BlockCopy> copies;
+  BlockTable run, old_session, new_session;
+  ASSERT_TRUE(kv.append(run, 8, copies));          // 2 blocks, full
+  ASSERT_TRUE(kv.append(old_session, 7, copies));  // 2 blocks
+  ASSERT_TRUE(kv.append(new_session, 4, copies));  // 1 block
+  const std::vector<SeqState> parked{{10, 8, 7, &old_session, 1}, {11, 5, 4, &new_session, 1}};
+  // The running sequence's next token needs a block and one is free: nobody is evicted.
+  StepPlan p = schedule(limits, {{1, 9, 8, &run, 1}}, {}, kv, parked);
+  EXPECT_TRUE(p.evicted.empty());
+  EXPECT_TRUE(p.preempted.empty());
+  // A 9-token prompt waiting (3 blocks, 0 free after the decode): the oldest session goes first,
+  // then the next, and it is admitted.
+  p = schedule(limits, {{1, 9, 8, &run, 1}}, {{2, 9, 0, nullptr, 1}}, kv, parked);
+  EXPECT_EQ(p.evicted, (std::vector<int64_t>{10, 11}));
+  EXPECT_TRUE(p.preempted.empty());
+  EXPECT_EQ(p.admitted, (std::vector<int64_t>{2}));
+  // Eviction would free too little for the waiting prompt: the sessions stay, nothing is preempted.
+  p = schedule(limits, {{1, 9, 8, &run, 1}}, {{2, 20, 0, nullptr, 1}}, kv, parked);
+  EXPECT_TRUE(p.admitted.empty());
+  EXPECT_TRUE(p.preempted.empty());
+  EXPECT_TRUE(p.evicted.empty());
+  // A running sequence that needs more than is free takes the sessions' blocks, oldest first.
+  BlockTable big;
+  ASSERT_TRUE(kv.append(big, 4, copies));  // the last free block
+  p = schedule(limits, {{1, 9, 8, &run, 1}, {3, 5, 4, &big, 1}}, {}, kv, parked);
+  EXPECT_EQ(p.evicted, (std::vector<int64_t>{10}));
+  EXPECT_TRUE(p.preempted.empty());
+  kv.release(big);
+  kv.release(run);
+  kv.release(old_session);
+  kv.release(new_session);
+}
+
 TEST(Scheduler, SimulatedRequestsAllComplete) {
   for (bool chunked : {true, false}) {
     // Without chunked prefill, a preempted sequence is recomputed in one step: the budget must

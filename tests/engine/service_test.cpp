@@ -265,6 +265,46 @@ TEST(EngineService, AbortAndStreamCancellationFreeTheEngine) {
   EXPECT_EQ(st.engine.kv_blocks_free, st.engine.kv_blocks_total);
 }
 
+// Multi-turn over the wire: a kept session is resumed by the next turn's request (its prefix is
+// not computed again: the Stats counters), gives the tokens of a fresh request, and is freed by
+// release_session.
+TEST(EngineService, SessionsAreKeptResumedAndReleasedOverTheStream) {
+  Served s;
+  EngineClient client({s.address});
+  auto session = client.open_session(Deadline::after_seconds(60));
+  Request first = greedy_request(1, {5, 6, 7, 8, 9}, 6);
+  first.keep_session = true;
+  session->send(first);
+  ClientResult c;
+  ASSERT_TRUE(session->next(c, Deadline::after_seconds(30)));
+  ASSERT_EQ(c.error_code, 0) << c.error;
+  std::vector<int64_t> prompt = first.prompt;
+  prompt.insert(prompt.end(), c.sample.tokens.begin(), c.sample.tokens.end());
+  prompt.insert(prompt.end(), {3, 4});  // the observation
+  Request second = greedy_request(2, prompt, 5);
+  second.resume = true;
+  second.session = {1, 0};
+  second.keep_session = true;
+  session->send(second);
+  ASSERT_TRUE(session->next(c, Deadline::after_seconds(30)));
+  ASSERT_EQ(c.error_code, 0) << c.error;
+  const std::vector<int64_t> resumed = c.sample.tokens;
+  session->send(greedy_request(3, prompt, 5));  // the same prompt from scratch
+  ASSERT_TRUE(session->next(c, Deadline::after_seconds(30)));
+  EXPECT_EQ(resumed, c.sample.tokens);
+  ServerStats st = client.stats();
+  EXPECT_EQ(st.engine.session_resumes, 1);
+  EXPECT_EQ(st.engine.session_tokens_reused, 10);  // 5 prompt + 6 generated, less the last
+  EXPECT_EQ(st.engine.sessions_parked, 1);         // the second turn's
+  session->release_session({2, 0});
+  for (int i = 0; i < 300 && client.stats().engine.sessions_parked > 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  st = client.stats();
+  EXPECT_EQ(st.engine.sessions_parked, 0);
+  EXPECT_EQ(st.engine.kv_blocks_free, st.engine.kv_blocks_total);
+  session->close_sends();
+}
+
 TEST(EngineService, UnreachableServerAndDeadlinesAreClearErrors) {
   EngineClient client({"127.0.0.1:1", "", 2.0});
   try {

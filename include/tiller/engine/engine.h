@@ -15,6 +15,16 @@
 // that prefill, fork samples, preempt or admit are launched only after the host has seen the
 // draws before them, exactly as without it. Outputs are the same either way.
 //
+// Multi-turn sessions: a request with keep_session parks each finished sample's KV cache (its
+// blocks stay allocated) under SessionKey{request, sample}. A later request that names it in
+// `resume` (its prompt: the session's tokens, then the next turn's, e.g. a tool's observation)
+// starts from the cached prefix and prefills only the new tokens. Parked sessions hold blocks
+// without running: they are evicted, oldest first, when running or waiting sequences need the
+// blocks (scheduler.h), when they wait longer than session_timeout_s, past max_sessions, and on
+// a weight update or sleep (their keys and values are of the old weights). A resume that finds its
+// session gone, or whose prompt does not start with the session's tokens, is served as a plain
+// request from its prompt (counted in session_misses); outputs are the same either way.
+//
 // Tensor parallelism: every rank of the TP group builds an Engine over the same group. Rank 0
 // (the leader) takes requests and runs step(); it broadcasts each step's batch to the others,
 // which run follow() until the leader calls shutdown(). All ranks run the same forward; the
@@ -80,6 +90,10 @@ struct EngineOptions {
   // Start asleep at level 1: the KV cache is allocated by the first wake() (the hybrid engine,
   // whose trainer may still hold the memory when the engine is built).
   bool start_asleep = false;
+  // Multi-turn sessions (above): how long a parked session waits for its next turn, and how many
+  // may be parked (0: 4 x max_num_seqs).
+  double session_timeout_s = 300;
+  int64_t max_sessions = 0;
   SchedulerLimits limits;
 };
 
@@ -92,11 +106,22 @@ struct EngineMemory {
   int64_t device_allocated = 0, device_reserved = 0;
 };
 
+// A parked session: sample `sample` of request `request`.
+struct SessionKey {
+  uint64_t request = 0;
+  int64_t sample = 0;
+  bool operator<(const SessionKey& o) const { return request != o.request ? request < o.request : sample < o.sample; }
+  bool operator==(const SessionKey& o) const { return request == o.request && sample == o.sample; }
+};
+
 struct Request {
   uint64_t id = 0;                 // unique among the engine's live requests
   std::vector<int64_t> prompt;
   model::SamplingParams params;    // sample j draws with params.seed + j
   int64_t n = 1;                   // samples of this prompt
+  bool keep_session = false;       // park each finished sample's KV cache (stop or length)
+  bool resume = false;             // start from the parked session `session` (n must be 1)
+  SessionKey session;
 };
 
 struct SampleOutput {
@@ -124,6 +149,12 @@ struct EngineStats {
   int64_t requests_finished = 0;
   int64_t launched_ahead = 0;  // steps launched before the host saw the step before (async scheduling)
   int64_t kv_rebuilds = 0;     // live sequences whose KV cache was recomputed after a weight update
+  int64_t prefill_tokens = 0;  // tokens computed in prefill chunks (prompts, recomputations, new turns)
+  int64_t sessions_parked = 0;         // now
+  int64_t session_resumes = 0;         // requests that started from a parked session's cache
+  int64_t session_tokens_reused = 0;   // cached tokens those requests did not compute again
+  int64_t session_misses = 0;          // resumes that found nothing to reuse
+  int64_t session_evictions = 0;       // parked sessions dropped (memory, timeout, limit, weights, sleep)
   double seconds_in_steps = 0;                // wall time inside step()
 };
 
@@ -152,6 +183,9 @@ class Engine {
   // Leader only. Drops a live request: its unfinished samples come back from the next step()
   // with finish_reason "abort". False when no live request has the id.
   bool abort(uint64_t id);
+  // Leader only. Frees a parked session's KV cache (the episode ended). False when none is parked
+  // under the key.
+  bool release_session(SessionKey key);
   // Leader only. Runs one step if there is work; returns the samples that finished in it. With
   // asynchronous scheduling the step it returns may have been launched by the call before, and
   // the next step may already be on the device when it returns.

@@ -54,6 +54,9 @@ class KvBlockManager {
   BlockTable fork(const BlockTable& parent);
   // Drops the table's references; blocks nobody references any more become free. Empties it.
   void release(BlockTable& table);
+  // Keeps the table's first `tokens` slots (<= its tokens), dropping the blocks past them. A write
+  // into the kept last block later copies it first if it is shared (append()).
+  void truncate(BlockTable& table, int64_t tokens);
 
  private:
   BlockId take();

@@ -15,6 +15,10 @@
 //  3. Waiting sequences are admitted first come, first served while the token budget,
 //     max_num_seqs (counted in seats) and the free blocks allow, never skipping one that does
 //     not fit, and not in a step that preempted.
+// Parked sessions (multi-turn: the KV cache of finished samples kept for their next turn) give
+// their blocks up first: before rule 2 preempts a running sequence, and when rule 3 would leave a
+// waiting one out for want of blocks that evicting them frees, parked sessions are evicted, oldest
+// first.
 // The engine must refuse up front a request whose tokens could never fit: more blocks than the
 // cache, more seats than max_num_seqs, or, without chunked prefill, prompt + max_new_tokens over
 // max_batched_tokens (a preempted sequence is recomputed, generated tokens included, in one
@@ -55,11 +59,14 @@ struct StepPlan {
   std::vector<ScheduledChunk> chunks;  // running sequences first, then the admitted ones
   std::vector<int64_t> admitted;       // from waiting to running
   std::vector<int64_t> preempted;      // from running back to waiting (release their blocks)
+  std::vector<int64_t> evicted;        // parked sessions whose blocks are released
   int64_t num_tokens = 0;
 };
 
-// `running` and `waiting` in priority order (oldest first).
+// `running` and `waiting` in priority order (oldest first); `parked` in eviction order (oldest
+// first), each with its table.
 StepPlan schedule(const SchedulerLimits& limits, const std::vector<SeqState>& running,
-                  const std::vector<SeqState>& waiting, const KvBlockManager& kv);
+                  const std::vector<SeqState>& waiting, const KvBlockManager& kv,
+                  const std::vector<SeqState>& parked = {});
 
 }  // namespace tiller::engine

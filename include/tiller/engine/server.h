@@ -92,6 +92,8 @@ class GenerateSession {
   // Throws CommError when the stream has failed.
   void send(const Request& r, uint64_t min_weight_version = 0);
   void abort(uint64_t request_id);
+  // Frees a parked multi-turn session's KV cache (Engine::release_session).
+  void release_session(SessionKey key);
   // The next result; false once the stream has ended and every result was taken. Throws
   // TimeoutError past `deadline`, CommError when the stream failed.
   bool next(ClientResult& out, Deadline deadline);
