@@ -287,10 +287,14 @@ TEST(Engine, AbortEndsEverySampleOfTheRequest) {
 // session computes only the new tokens (the counters), and gives what a fresh engine gives for the
 // whole prompt (tokens equal, log-probs within fp32 rounding of a different prefill split); a
 // prompt that diverges from the session inside it reuses the common prefix.
-TEST(Engine, AResumedSessionComputesOnlyItsNewTokensAndEqualsAFreshRequest) {
+void check_sessions(const std::string& device, double tol) {
   TinyModel m = tiny("tiny-qwen2");
   EngineOptions o = small_options(256);
-  Engine e(m.cfg, m.weights, o);
+  o.device = device;
+  model::NamedTensors named;
+  for (const auto& [name, t] : m.named) named[name] = t.to(at::Device(device));
+  const model::ModelWeights w = model::bind_weights(m.cfg, named, model::Head::kLm, "tiny-qwen2");
+  Engine e(m.cfg, w, o);
   const auto ps = prompts(1, 5, m.cfg.vocab_size, 12);
   SamplingParams p;
   p.temperature = 1.0;
@@ -311,7 +315,7 @@ TEST(Engine, AResumedSessionComputesOnlyItsNewTokensAndEqualsAFreshRequest) {
     for (int64_t k = 0; k < 3 + j; ++k) turn[static_cast<size_t>(j)].push_back(11 + k);  // the observation
   }
   // Turns 2 and 3 resume; the reference engine serves the same prompts from scratch.
-  Engine fresh(m.cfg, m.weights, o);
+  Engine fresh(m.cfg, w, o);
   for (int t = 0; t < 2; ++t) {
     const EngineStats before = e.stats();
     int64_t cached = 0;
@@ -344,7 +348,7 @@ TEST(Engine, AResumedSessionComputesOnlyItsNewTokensAndEqualsAFreshRequest) {
       EXPECT_EQ(got.at(key).tokens, want.at(key).tokens) << "turn " << t + 2 << " sample " << j;
       ASSERT_EQ(got.at(key).logprobs.size(), want.at(key).logprobs.size());
       for (size_t k = 0; k < got.at(key).logprobs.size(); ++k)
-        EXPECT_NEAR(got.at(key).logprobs[k], want.at(key).logprobs[k], 1e-4);
+        EXPECT_NEAR(got.at(key).logprobs[k], want.at(key).logprobs[k], tol);
       auto& next = turn[static_cast<size_t>(j)];
       next.insert(next.end(), got.at(key).tokens.begin(), got.at(key).tokens.end());
       next.push_back(17);
@@ -375,6 +379,8 @@ TEST(Engine, AResumedSessionComputesOnlyItsNewTokensAndEqualsAFreshRequest) {
   many.resume = true;
   EXPECT_THROW(e.add(many), InvalidRequest);
 }
+
+TEST(Engine, AResumedSessionComputesOnlyItsNewTokensAndEqualsAFreshRequest) { check_sessions("cpu", 1e-4); }
 
 // Parked sessions hold blocks only while nobody needs them: new requests evict them (the oldest
 // first) instead of waiting or preempting; a resume of an evicted session is a miss with the same
@@ -703,6 +709,12 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The same on a GPU in fp32: the step launched ahead reads its tokens on the device, through the
 // CUDA graph's inputs and through the eager decode path.
+// Sessions on the GPU path: the paged decode kernel and CUDA graphs over resumed block tables.
+TEST(EngineGpu, AResumedSessionEqualsAFreshRequest) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  check_sessions("cuda:0", 1e-4);
+}
+
 TEST(EngineGpu, AsynchronousSchedulingChangesNoOutput) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   TinyModel m = tiny("tiny-qwen2");

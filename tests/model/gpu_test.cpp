@@ -2,6 +2,8 @@
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/GradMode.h>
+#include <cstdio>
+
 #include <gtest/gtest.h>
 
 #include "fixtures.h"
@@ -275,8 +277,15 @@ TEST(ModelGpu, SamplerOnTheGpuEqualsTheCpuSampler) {
           ++sampled;
           same += tok == cpu.tokens[i].item<int64_t>();
         }
-        // An off-by-one draw would stay within the slack on flat rows, but not match this often.
-        EXPECT_GE(2 * same, sampled) << same << " of " << sampled << " sampled rows drew the CPU sampler's token";
+        std::printf("sampler: vocab %lld %s%s: %lld of %lld sampled rows drew the CPU sampler's token\n",
+                    static_cast<long long>(vocab), c10::toString(dtype), with_top_k ? " (top-k row)" : "",
+                    static_cast<long long>(same), static_cast<long long>(sampled));
+        // Up to Qwen's vocabulary the two samplers' sums round alike: every draw is the CPU's token
+        // (all 178 sampled rows on an H100, 2026-11-24). On the 2^20 vocabularies a flat row's token
+        // mass (~1e-6) is below fp32 summation error and a neighbour may be drawn; an off-by-one
+        // draw would stay within the slack there, but not match half the time.
+        if (vocab <= 151936) EXPECT_EQ(same, sampled) << "sampled rows that drew another token than the CPU sampler";
+        else EXPECT_GE(2 * same, sampled) << same << " of " << sampled << " sampled rows drew the CPU sampler's token";
       }
     }
   }
