@@ -43,24 +43,24 @@ void EnginePool::open() {
     // The streams live for the run; progress is watched by the collector (timeouts.generate_s).
     sessions_.push_back(clients_[i]->open_session(Deadline::never()));
     engine::GenerateSession* s = sessions_.back().get();
-    readers_.emplace_back([this, s, i] {
+    readers_.emplace_back([inbox = inbox_, s, i, name = name(i)] {
       Completion c;
       c.engine = static_cast<int>(i);
       try {
         while (s->next(c.result, Deadline::never())) {
-          std::lock_guard<std::mutex> lock(mu_);
-          if (!closing_) queue_.push_back(std::move(c));
-          cv_.notify_all();
+          std::lock_guard<std::mutex> lock(inbox->mu);
+          if (!inbox->closing) inbox->queue.push_back(std::move(c));
+          inbox->cv.notify_all();
           c = Completion{};
           c.engine = static_cast<int>(i);
         }
       } catch (const std::exception& e) {
-        c.failure = fmt::format("{}: {}", name(i), e.what());
+        c.failure = fmt::format("{}: {}", name, e.what());
       }
-      std::lock_guard<std::mutex> lock(mu_);
-      ++ended_;
-      if (!closing_ && !c.failure.empty()) queue_.push_back(std::move(c));
-      cv_.notify_all();
+      std::lock_guard<std::mutex> lock(inbox->mu);
+      ++inbox->ended;
+      if (!inbox->closing && !c.failure.empty()) inbox->queue.push_back(std::move(c));
+      inbox->cv.notify_all();
     });
   }
 }
@@ -72,10 +72,11 @@ void EnginePool::submit(size_t i, const engine::Request& r, uint64_t min_weight_
 void EnginePool::abort(size_t i, uint64_t request_id) { sessions_.at(i)->abort(request_id); }
 
 bool EnginePool::next(Completion& out, int wait_ms) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_for(lock, std::chrono::milliseconds(wait_ms), [this] { return !queue_.empty(); })) return false;
-  out = std::move(queue_.front());
-  queue_.pop_front();
+  Inbox& in = *inbox_;
+  std::unique_lock<std::mutex> lock(in.mu);
+  if (!in.cv.wait_for(lock, std::chrono::milliseconds(wait_ms), [&] { return !in.queue.empty(); })) return false;
+  out = std::move(in.queue.front());
+  in.queue.pop_front();
   return true;
 }
 
@@ -137,29 +138,32 @@ std::vector<double> EnginePool::busy_seconds() {
 }
 
 void EnginePool::close() {
+  Inbox& in = *inbox_;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    closing_ = true;
+    std::lock_guard<std::mutex> lock(in.mu);
+    in.closing = true;
   }
   // No more requests: each server ends its stream once the requests on it have answered (the
   // caller aborted what it no longer wants). A stream that has not ended by the deadline is
   // cancelled, which makes its server abort whatever is left.
   for (auto& s : sessions_) s->close_sends();
   const Deadline deadline = Deadline::after_seconds(rpc_timeout_s_);
-  for (;;) {
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_until(lock, deadline.at(), [&] { return ended_ == readers_.size(); });
-      if (ended_ == readers_.size()) break;
-    }
-    for (auto& s : sessions_) s->cancel();
-    break;
+  {
+    std::unique_lock<std::mutex> lock(in.mu);
+    in.cv.wait_until(lock, deadline.at(), [&] { return in.ended == readers_.size(); });
   }
+  bool all_ended = false;
+  {
+    std::lock_guard<std::mutex> lock(in.mu);
+    all_ended = in.ended == readers_.size();
+  }
+  if (!all_ended)
+    for (auto& s : sessions_) s->cancel();
   for (auto& t : readers_) t.join();
   readers_.clear();
   sessions_.clear();
-  std::lock_guard<std::mutex> lock(mu_);
-  queue_.clear();
+  std::lock_guard<std::mutex> lock(in.mu);
+  in.queue.clear();
 }
 
 }  // namespace tiller::rollout

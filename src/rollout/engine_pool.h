@@ -44,12 +44,18 @@ class EnginePool final : public EngineSet {
   std::vector<std::unique_ptr<engine::EngineClient>> clients_;
   std::vector<std::unique_ptr<engine::GenerateSession>> sessions_;
   std::vector<std::thread> readers_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Completion> queue_;
+  // What the reader threads share with the pool. Owned jointly: on a failure path the pool is
+  // destroyed with its readers detached (one may be blocked in its stream), and they must not
+  // touch freed memory when their stream ends later.
+  struct Inbox {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Completion> queue;
+    size_t ended = 0;  // streams whose reader has returned
+    bool closing = false;
+  };
+  std::shared_ptr<Inbox> inbox_ = std::make_shared<Inbox>();
   double rpc_timeout_s_;
-  size_t ended_ = 0;  // streams whose reader has returned
-  bool closing_ = false;
 };
 
 }  // namespace tiller::rollout
