@@ -20,44 +20,15 @@ The Python stubs are generated from the .proto at start (grpcio-tools), into a c
 For tests: --fail-first N answers UNAVAILABLE to the first N Score calls; --delay S sleeps S
 seconds in every Score call; --port-file F writes the bound port to F once serving.
 """
-import argparse
-import concurrent.futures
-import hashlib
-import importlib
 import os
 import re
-import signal
 import sys
-import tempfile
 import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_PROTO = os.path.join(HERE, "..", "..", "proto", "tiller", "reward.proto")
-
-
-def load_stubs(proto_file):
-    """Generates reward_pb2 / reward_pb2_grpc from the .proto (cached by its hash) and imports them."""
-    from grpc_tools import protoc
-
-    proto_file = os.path.abspath(proto_file)
-    if not os.path.isfile(proto_file):
-        sys.exit(f"reward server: {proto_file} not found; pass --proto PATH/TO/tiller/reward.proto")
-    digest = hashlib.sha256(open(proto_file, "rb").read()).hexdigest()[:16]
-    out = os.path.join(tempfile.gettempdir(), f"tiller-reward-pb-{digest}")
-    if not os.path.isfile(os.path.join(out, "tiller", "reward_pb2_grpc.py")):
-        tmp = tempfile.mkdtemp(prefix="tiller-reward-pb-")
-        root = os.path.dirname(os.path.dirname(proto_file))  # the folder that holds tiller/
-        rc = protoc.main(["protoc", f"-I{root}", f"--python_out={tmp}", f"--grpc_python_out={tmp}",
-                          os.path.join("tiller", os.path.basename(proto_file))])
-        if rc != 0:
-            sys.exit(f"reward server: protoc failed on {proto_file} (exit {rc})")
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another server made it first
-            pass
-    sys.path.insert(0, out)
-    return importlib.import_module("tiller.reward_pb2"), importlib.import_module("tiller.reward_pb2_grpc")
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
+import grpc_service  # noqa: E402  (examples/common/)
 
 
 # --- scorers -------------------------------------------------------------------------------------
@@ -148,94 +119,17 @@ def make_servicer(pb, pb_grpc, task, fail_first, delay):
     return Reward()
 
 
-def token_interceptor(token):
-    """Refuses every call whose x-tiller-token metadata is not `token` (UNAUTHENTICATED)."""
-    import hmac
-
-    import grpc
-
-    def refuse(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-tiller-token")
-
-    class Check(grpc.ServerInterceptor):
-        def intercept_service(self, continuation, details):
-            got = dict(details.invocation_metadata).get("x-tiller-token", "")
-            if hmac.compare_digest(got.encode(), token.encode()):
-                return continuation(details)
-            return grpc.unary_unary_rpc_method_handler(refuse)
-
-    return Check()
-
-
-def is_loopback(host):
-    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
-
-
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--host", default="127.0.0.1",
-                    help="address to bind (another than loopback needs --token-file or --insecure)")
-    ap.add_argument("--token-file", help="first line: the token every call must carry (x-tiller-token); "
-                                         "tiller sends it with reward.remote_token_file")
-    ap.add_argument("--insecure", action="store_true", help="serve a non-loopback --host without a token")
-    ap.add_argument("--tls-cert", help="PEM certificate to serve TLS with (with --tls-key); tiller dials it "
-                                       "with reward.remote_tls_ca")
-    ap.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    ap.add_argument("--port", type=int, default=50061, help="0 picks a free port")
+    ap = grpc_service.parser(__doc__)
+    grpc_service.add_arguments(ap, "reward", 50061)
     ap.add_argument("--task", default="math", choices=sorted(TASKS))
-    ap.add_argument("--workers", type=int, default=8, help="calls served at once")
-    ap.add_argument("--proto", default=DEFAULT_PROTO)
-    ap.add_argument("--port-file", help="write the bound port here once serving")
     ap.add_argument("--fail-first", type=int, default=0, help="answer UNAVAILABLE to the first N Score calls")
     ap.add_argument("--delay", type=float, default=0.0, help="seconds to sleep in every Score call")
     args = ap.parse_args()
-
-    import grpc
-
-    token = None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.readline().rstrip("\r\n")
-        if not token:
-            sys.exit(f"reward server: --token-file {args.token_file}: its first line is empty")
-    if token is None and not is_loopback(args.host):
-        if not args.insecure:
-            sys.exit(f"reward server: --host {args.host} serves beyond this machine and no --token-file is given; "
-                     "give one, bind 127.0.0.1, or pass --insecure")
-        print(f"reward server: warning: --insecure: anyone who can reach {args.host} may call it", flush=True)
-    if bool(args.tls_cert) != bool(args.tls_key):
-        sys.exit("reward server: --tls-cert and --tls-key go together")
-
-    pb, pb_grpc = load_stubs(args.proto)
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=args.workers),
-                         interceptors=[token_interceptor(token)] if token else [],
-                         options=[("grpc.max_receive_message_length", 256 << 20),
-                                  ("grpc.max_send_message_length", 256 << 20)])
+    pb, pb_grpc = grpc_service.load_stubs(args.proto, "reward")
     servicer = make_servicer(pb, pb_grpc, args.task, args.fail_first, args.delay)
-    pb_grpc.add_RewardServicer_to_server(servicer, server)
-    if args.tls_cert:
-        with open(args.tls_key, "rb") as k, open(args.tls_cert, "rb") as c:
-            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-        port = server.add_secure_port(f"{args.host}:{args.port}", creds)
-    else:
-        port = server.add_insecure_port(f"{args.host}:{args.port}")
-    if port == 0:
-        sys.exit(f"reward server: cannot bind {args.host}:{args.port}")
-    server.start()
-    print(f"reward server: scoring '{args.task}' on {args.host}:{port}{' over TLS' if args.tls_cert else ''}"
-          f"{' (token required)' if token else ''}", flush=True)
-    if args.port_file:
-        tmp = args.port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{port}\n")
-        os.replace(tmp, args.port_file)
-
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    server.stop(grace=2).wait()
-    print(f"reward server: stopped after {servicer.calls} calls, {servicer.samples} samples", flush=True)
+    grpc_service.serve(args, "reward", lambda server: pb_grpc.add_RewardServicer_to_server(servicer, server),
+                       lambda: f"scoring '{args.task}' ({servicer.calls} calls, {servicer.samples} samples)")
 
 
 if __name__ == "__main__":

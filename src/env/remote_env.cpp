@@ -1,0 +1,158 @@
+// The environment service's client (remote_env.h). gRPC stays in this file; like the reward
+// client it is compiled without libtorch's include directory.
+#include "tiller/env/remote_env.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <thread>
+
+#include <fmt/format.h>
+#include <grpcpp/grpcpp.h>
+
+#include "rpc/credentials.h"
+#include "tiller/core/error.h"
+#include "tiller/env.grpc.pb.h"
+
+namespace tiller::env {
+namespace {
+
+namespace pb = ::tiller::env::v1;
+
+constexpr double kMaxBackoffSeconds = 8;
+constexpr int kMaxMessageBytes = 64 << 20;
+
+bool transient(grpc::StatusCode c) {
+  return c == grpc::StatusCode::UNAVAILABLE || c == grpc::StatusCode::DEADLINE_EXCEEDED ||
+         c == grpc::StatusCode::RESOURCE_EXHAUSTED || c == grpc::StatusCode::ABORTED;
+}
+
+const char* code_name(grpc::StatusCode c) {
+  switch (c) {
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "UNKNOWN";
+  }
+}
+
+Observation from_pb(const pb::Observation& o) {
+  return {o.text(), std::vector<int64_t>(o.token_ids().begin(), o.token_ids().end())};
+}
+
+}  // namespace
+
+struct RemoteEnvironment::Impl {
+  RemoteEnvOptions opts;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<pb::Environment::Stub> stub;
+
+  std::string where() const { return fmt::format("environment {}", opts.address); }
+
+  // One call with its retries: `rpc(ctx)` runs it; `what` names it in errors ("Step of session s,
+  // turn 2").
+  template <typename Rpc>
+  void call(const std::string& what, Deadline deadline, Rpc rpc) {
+    double wait = opts.backoff_seconds;
+    for (int attempt = 0;; ++attempt) {
+      if (deadline.expired())
+        throw TimeoutError(fmt::format("{}: {}: the deadline passed after {} attempt(s)", where(), what, attempt));
+      grpc::ClientContext ctx;
+      const double left = std::min(deadline.remaining_seconds(), opts.timeout_seconds);
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                                              std::chrono::duration<double>(left)));
+      if (!opts.token.empty()) ctx.AddMetadata("x-tiller-token", opts.token);
+      const grpc::Status st = rpc(ctx);
+      if (st.ok()) return;
+      const std::string status = fmt::format("{} ({})", st.error_message().empty() ? "no message" : st.error_message(),
+                                             code_name(st.error_code()));
+      if (st.error_code() == grpc::StatusCode::UNAUTHENTICATED || st.error_code() == grpc::StatusCode::PERMISSION_DENIED)
+        throw ConfigError(fmt::format("{}: {} refused: {}; check the environment's token", where(), what, status));
+      if (!transient(st.error_code()) || attempt >= opts.retries || deadline.remaining_seconds() <= wait) {
+        throw CommError(fmt::format("{}: {} failed after {} attempt(s): {}{}", where(), what, attempt + 1, status,
+                                    st.error_code() == grpc::StatusCode::UNAVAILABLE ? "; is the environment running?"
+                                    : st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
+                                        ? fmt::format("; each call may take {} s", opts.timeout_seconds)
+                                        : ""));
+      }
+      std::this_thread::sleep_for(std::chrono::duration<double>(wait));
+      wait = std::min(wait * 2, kMaxBackoffSeconds);
+    }
+  }
+};
+
+RemoteEnvironment::RemoteEnvironment(const RemoteEnvOptions& opts) : impl_(std::make_unique<Impl>()) {
+  if (opts.address.empty()) throw ConfigError("environment: the address is empty (host:port)");
+  if (!(opts.timeout_seconds > 0) || opts.retries < 0 || opts.retries > 100 || !(opts.backoff_seconds >= 0))
+    throw ConfigError(fmt::format("environment {}: the timeout must be positive, retries in [0, 100]", opts.address));
+  Impl& m = *impl_;
+  m.opts = opts;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  m.channel = grpc::CreateCustomChannel(opts.address, rpc::channel_credentials(opts.tls, args), args);
+  m.stub = pb::Environment::NewStub(m.channel);
+}
+
+RemoteEnvironment::~RemoteEnvironment() = default;
+
+std::string RemoteEnvironment::name() const { return impl_->where(); }
+
+std::string RemoteEnvironment::check_health(Deadline deadline) {
+  pb::HealthResponse resp;
+  impl_->call("Health", deadline, [&](grpc::ClientContext& ctx) {
+    return impl_->stub->Health(&ctx, pb::HealthRequest{}, &resp);
+  });
+  return resp.name();
+}
+
+Observation RemoteEnvironment::start(const EpisodeStart& e, Deadline deadline) {
+  pb::StartRequest req;
+  req.set_session_id(e.session_id);
+  req.set_prompt(e.prompt);
+  req.set_label(e.label);
+  req.set_data_source(e.data_source);
+  req.set_extra_info(e.extra_info);
+  req.set_prompt_index(e.prompt_index);
+  req.set_sample_index(e.sample_index);
+  req.set_step(e.step);
+  pb::StartResponse resp;
+  impl_->call(fmt::format("Start of session {} (prompt line {}, sample {})", e.session_id, e.prompt_index,
+                          e.sample_index),
+              deadline, [&](grpc::ClientContext& ctx) { return impl_->stub->Start(&ctx, req, &resp); });
+  return from_pb(resp.observation());
+}
+
+StepResult RemoteEnvironment::step(const std::string& session_id, const Action& a, Deadline deadline) {
+  pb::StepRequest req;
+  req.set_session_id(session_id);
+  req.set_turn(a.turn);
+  req.set_action_text(a.text);
+  req.mutable_action_token_ids()->Add(a.tokens.begin(), a.tokens.end());
+  req.set_finish_reason(a.finish_reason);
+  pb::StepResponse resp;
+  const std::string what = fmt::format("Step of session {}, turn {}", session_id, a.turn);
+  impl_->call(what, deadline, [&](grpc::ClientContext& ctx) { return impl_->stub->Step(&ctx, req, &resp); });
+  if (!std::isfinite(resp.reward()))
+    throw CommError(fmt::format("{}: {} answered reward {}; rewards must be finite", impl_->where(), what, resp.reward()));
+  return {from_pb(resp.observation()), resp.reward(), resp.done()};
+}
+
+void RemoteEnvironment::close(const std::string& session_id, Deadline deadline) {
+  pb::CloseRequest req;
+  req.set_session_id(session_id);
+  pb::CloseResponse resp;
+  impl_->call(fmt::format("Close of session {}", session_id), deadline,
+              [&](grpc::ClientContext& ctx) { return impl_->stub->Close(&ctx, req, &resp); });
+}
+
+}  // namespace tiller::env
