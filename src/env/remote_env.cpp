@@ -11,6 +11,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "rpc/credentials.h"
+#include "rpc/status.h"
 #include "tiller/core/error.h"
 #include "tiller/env.grpc.pb.h"
 
@@ -21,29 +22,6 @@ namespace pb = ::tiller::env::v1;
 
 constexpr double kMaxBackoffSeconds = 8;
 constexpr int kMaxMessageBytes = 64 << 20;
-
-bool transient(grpc::StatusCode c) {
-  return c == grpc::StatusCode::UNAVAILABLE || c == grpc::StatusCode::DEADLINE_EXCEEDED ||
-         c == grpc::StatusCode::RESOURCE_EXHAUSTED || c == grpc::StatusCode::ABORTED;
-}
-
-const char* code_name(grpc::StatusCode c) {
-  switch (c) {
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    default: return "UNKNOWN";
-  }
-}
 
 Observation from_pb(const pb::Observation& o) {
   return {o.text(), std::vector<int64_t>(o.token_ids().begin(), o.token_ids().end())};
@@ -73,11 +51,10 @@ struct RemoteEnvironment::Impl {
       if (!opts.token.empty()) ctx.AddMetadata("x-tiller-token", opts.token);
       const grpc::Status st = rpc(ctx);
       if (st.ok()) return;
-      const std::string status = fmt::format("{} ({})", st.error_message().empty() ? "no message" : st.error_message(),
-                                             code_name(st.error_code()));
+      const std::string status = rpc::describe(st);
       if (st.error_code() == grpc::StatusCode::UNAUTHENTICATED || st.error_code() == grpc::StatusCode::PERMISSION_DENIED)
         throw ConfigError(fmt::format("{}: {} refused: {}; check the environment's token", where(), what, status));
-      if (!transient(st.error_code()) || attempt >= opts.retries || deadline.remaining_seconds() <= wait) {
+      if (!rpc::transient(st.error_code()) || attempt >= opts.retries || deadline.remaining_seconds() <= wait) {
         throw CommError(fmt::format("{}: {} failed after {} attempt(s): {}{}", where(), what, attempt + 1, status,
                                     st.error_code() == grpc::StatusCode::UNAVAILABLE ? "; is the environment running?"
                                     : st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED

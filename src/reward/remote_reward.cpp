@@ -13,6 +13,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "rpc/credentials.h"
+#include "rpc/status.h"
 #include "tiller/core/error.h"
 #include "tiller/reward.grpc.pb.h"
 
@@ -20,42 +21,11 @@ namespace tiller::reward {
 namespace {
 
 namespace pb = ::tiller::reward::v1;
+using rpc::describe;
+using rpc::transient;
 
 constexpr double kMaxBackoffSeconds = 8;
 constexpr int kMaxMessageBytes = 256 << 20;
-
-const char* code_name(grpc::StatusCode c) {
-  switch (c) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    default: return "UNKNOWN";
-  }
-}
-
-bool transient(grpc::StatusCode c) {
-  return c == grpc::StatusCode::UNAVAILABLE || c == grpc::StatusCode::DEADLINE_EXCEEDED ||
-         c == grpc::StatusCode::RESOURCE_EXHAUSTED || c == grpc::StatusCode::ABORTED;
-}
-
-std::string describe(const grpc::Status& st) {
-  return fmt::format("{} ({})", st.error_message().empty() ? "no message" : st.error_message(),
-                     code_name(st.error_code()));
-}
 
 }  // namespace
 
