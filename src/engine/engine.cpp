@@ -52,6 +52,9 @@ struct Sequence {
   BlockTable table;
   int64_t num_computed = 0;
   int64_t preemptions = 0;
+  // A resume waiting for a seat: the parked session it takes over, and how many of its tokens.
+  int64_t resume_parked = -1;
+  int64_t resume_common = 0;
   std::vector<int64_t> version_starts;  // SampleOutput's runs of weight versions
   std::vector<uint64_t> versions;
 
@@ -123,9 +126,13 @@ struct Engine::Impl {
   struct Parked {
     Sequence seq;
     std::chrono::steady_clock::time_point since;
+    bool claimed = false;  // a resume in `resuming` waits for it
   };
   std::map<int64_t, Parked> parked;
   std::map<SessionKey, int64_t> session_ids;
+  // Resumes that found their session but no free seat (max_num_seqs): they take the session over
+  // as soon as a seat frees, before any waiting prompt is admitted; ids, oldest first.
+  std::vector<int64_t> resuming;
   std::chrono::steady_clock::time_point next_expiry;  // expire_sessions() looks at most once a second
   std::map<uint64_t, RequestState> requests;
   std::vector<SampleOutput> aborted;  // returned by the next step()
@@ -159,10 +166,16 @@ struct Engine::Impl {
   void drop_parked(int64_t id, bool evicted);
   void drop_all_parked();
   void expire_sessions();
+  // Sequence `s` (running) takes over parked session `pid`'s first `common` computed tokens.
+  void adopt(Sequence& s, int64_t pid, int64_t common);
+  // The resumes in `resuming`, into free seats; those whose session is gone wait as new prompts.
+  void adopt_resumes();
   std::vector<SeqState> parked_states() const {
-    std::vector<SeqState> out;
+    // Sessions a waiting resume has claimed are evicted last.
+    std::vector<SeqState> out, claimed;
     for (const auto& [id, p] : parked)
-      out.push_back({id, static_cast<int64_t>(p.seq.tokens.size()), p.seq.num_computed, &p.seq.table, 1});
+      (p.claimed ? claimed : out).push_back({id, static_cast<int64_t>(p.seq.tokens.size()), p.seq.num_computed, &p.seq.table, 1});
+    out.insert(out.end(), claimed.begin(), claimed.end());
     return out;
   }
   int64_t running_seats() const {
@@ -272,8 +285,44 @@ void Engine::Impl::drop_parked(int64_t id, bool evicted) {
   TILLER_CHECK(it != parked.end(), "no parked session {}", id);
   kv->release(it->second.seq.table);
   session_ids.erase(SessionKey{it->second.seq.request, it->second.seq.sample});
+  if (it->second.claimed) {
+    // Its resume starts from the prompt instead.
+    for (int64_t sid : resuming) {
+      Sequence& r = seqs.at(sid);
+      if (r.resume_parked != id) continue;
+      r.resume_parked = -1;
+      ++stats.session_misses;
+      erase_id(resuming, sid);
+      insert_by_age(waiting, sid);
+      break;
+    }
+  }
   parked.erase(it);
   if (evicted) ++stats.session_evictions;
+}
+
+void Engine::Impl::adopt(Sequence& s, int64_t pid, int64_t common) {
+  Sequence& old = parked.at(pid).seq;
+  s.table = std::move(old.table);
+  old.table = BlockTable{};
+  kv->truncate(s.table, common);
+  s.num_computed = common;
+  ++stats.session_resumes;
+  stats.session_tokens_reused += common;
+  parked.at(pid).claimed = false;
+  drop_parked(pid, false);
+}
+
+void Engine::Impl::adopt_resumes() {
+  while (!resuming.empty() && running_seats() < opts.limits.max_num_seqs) {
+    const int64_t sid = resuming.front();
+    resuming.erase(resuming.begin());
+    Sequence& s = seqs.at(sid);
+    const int64_t pid = s.resume_parked;
+    s.resume_parked = -1;
+    adopt(s, pid, s.resume_common);
+    running.push_back(sid);  // the newest id
+  }
 }
 
 void Engine::Impl::drop_all_parked() {
@@ -510,7 +559,7 @@ void Engine::add(Request r) {
   s.pending_forks = r.n - 1;
   s.tokens = r.prompt;
   s.prompt_len = static_cast<int64_t>(r.prompt.size());
-  bool resumed = false;
+  bool resumed = false, deferred = false;
   if (r.resume) {
     // The cached prefix this prompt shares with the session, leaving at least the prompt's last
     // token to compute (its row gives the first draw).
@@ -520,25 +569,28 @@ void Engine::add(Request r) {
       const int64_t limit = std::min<int64_t>(old.num_computed, s.prompt_len - 1);
       int64_t common = 0;
       while (common < limit && old.tokens[static_cast<size_t>(common)] == s.tokens[static_cast<size_t>(common)]) ++common;
-      // Straight to running, holding its blocks, when a seat is free; else it waits as a new prompt.
-      if (common > 0 && m.running_seats() < m.opts.limits.max_num_seqs) {
-        s.table = std::move(old.table);
-        old.table = BlockTable{};
-        m.kv->truncate(s.table, common);
-        s.num_computed = common;
+      // Straight to running, holding its blocks, when a seat is free; else it waits for one with
+      // the session claimed (resumes take freed seats before waiting prompts).
+      if (common > 0 && m.running_seats() < m.opts.limits.max_num_seqs && m.resuming.empty()) {
+        m.adopt(s, pid, common);
         resumed = true;
-        ++m.stats.session_resumes;
-        m.stats.session_tokens_reused += common;
+      } else if (common > 0) {
+        s.resume_parked = pid;
+        s.resume_common = common;
+        m.parked.at(pid).claimed = true;
+        deferred = true;
+      } else {
+        m.drop_parked(pid, false);
       }
-      m.drop_parked(pid, false);
     }
-    if (!resumed) ++m.stats.session_misses;
+    if (!resumed && !deferred) ++m.stats.session_misses;
   }
   RequestState state;
   state.live = r.n;
   state.req = std::move(r);
   m.requests.emplace(state.req.id, std::move(state));
   if (resumed) m.running.push_back(s.id);  // the newest id
+  else if (deferred) m.resuming.push_back(s.id);
   else m.waiting.push_back(s.id);
   m.seqs.emplace(s.id, std::move(s));
 }
@@ -563,6 +615,10 @@ bool Engine::abort(uint64_t id) {
     }
     erase_id(m.running, sid);
     erase_id(m.waiting, sid);
+    if (s.resume_parked >= 0) {
+      erase_id(m.resuming, sid);
+      m.parked.at(s.resume_parked).claimed = false;
+    }
     m.seqs.erase(sid);
   }
   return true;
@@ -581,13 +637,14 @@ bool Engine::has_work() const { return !impl_->seqs.empty() || !impl_->aborted.e
 EngineStats Engine::stats() const {
   EngineStats s = impl_->stats;
   s.running = static_cast<int64_t>(impl_->running.size());
-  s.waiting = static_cast<int64_t>(impl_->waiting.size());
+  s.waiting = static_cast<int64_t>(impl_->waiting.size() + impl_->resuming.size());
   s.kv_blocks_free = impl_->kv->num_free();
   s.sessions_parked = static_cast<int64_t>(impl_->parked.size());
   return s;
 }
 
 StepPlan Engine::Impl::schedule_now() {
+  adopt_resumes();
   std::vector<SeqState> run_states;
   for (int64_t id : running) {
     const Sequence& s = seqs.at(id);
@@ -657,6 +714,8 @@ InFlight Engine::Impl::launch(const StepPlan& plan, const std::unordered_map<int
 
 std::optional<InFlight> Engine::Impl::launch_ahead(const InFlight& f) {
   if (!async()) return std::nullopt;
+  // A resume waiting for a seat that is free now is adopted by schedule_now() first.
+  if (!resuming.empty() && running_seats() < opts.limits.max_num_seqs) return std::nullopt;
   std::unordered_map<int64_t, int64_t> pending;  // sequence -> its draw in `f`
   for (size_t i = 0; i < f.draws.size(); ++i) {
     if (f.draws[i].fork != 0) return std::nullopt;  // the forks exist only once the draw is seen

@@ -382,6 +382,82 @@ void check_sessions(const std::string& device, double tol) {
 
 TEST(Engine, AResumedSessionComputesOnlyItsNewTokensAndEqualsAFreshRequest) { check_sessions("cpu", 1e-4); }
 
+// A resume that finds every seat taken (max_num_seqs) keeps its session and takes the first seat
+// that frees, before waiting prompts: its prefix is not computed again, and its tokens equal a
+// fresh request's. A weight update while it waits turns it into a miss with the same output.
+TEST(Engine, AResumeWaitsForASeatWithoutLosingItsSession) {
+  TinyModel m = tiny("tiny-qwen2");
+  EngineOptions o = small_options(256);
+  o.limits.max_num_seqs = 2;
+  Engine e(m.cfg, m.weights, o);
+  Engine fresh(m.cfg, m.weights, o);
+  const auto ps = prompts(3, 21, m.cfg.vocab_size, 10);
+  SamplingParams p;
+  p.temperature = 1.0;
+  p.seed = 5;
+  p.max_new_tokens = 5;
+  Request first{1, ps[0], p, 1};
+  first.keep_session = true;
+  e.add(first);
+  auto out = run_all(e);
+  std::vector<int64_t> turn = ps[0];
+  turn.insert(turn.end(), out.at({1, 0}).tokens.begin(), out.at({1, 0}).tokens.end());
+  turn.push_back(13);
+  turn.push_back(14);
+  for (int round = 0; round < 2; ++round) {
+    // Two long requests take both seats; the resume and a new prompt arrive behind them.
+    SamplingParams longp = p;
+    longp.max_new_tokens = 12;
+    const uint64_t base = 100 * static_cast<uint64_t>(round + 1);
+    e.add({base, ps[1], longp, 1});
+    e.add({base + 1, ps[2], longp, 1});
+    e.step();
+    Request r{base + 2, turn, p, 1};
+    r.params.seed = 77;
+    r.resume = true;
+    r.keep_session = true;
+    r.session = round == 0 ? SessionKey{1, 0} : SessionKey{102, 0};
+    const EngineStats before = e.stats();
+    e.add(r);
+    e.add({base + 3, ps[1], p, 1});
+    EXPECT_EQ(e.stats().waiting, 2);
+    if (round == 1) {  // drops the claimed session: the resume is a miss
+      EXPECT_TRUE(e.drain().empty());
+      e.weights_updated(1);
+    }
+    auto got = run_all(e);
+    Request f = r;
+    f.resume = f.keep_session = false;
+    fresh.add(f);
+    auto want = run_all(fresh);
+    const EngineStats after = e.stats();
+    if (round == 0) {
+      EXPECT_EQ(after.session_resumes - before.session_resumes, 1);
+      EXPECT_EQ(after.session_misses, 0);
+      EXPECT_EQ(after.session_tokens_reused - before.session_tokens_reused,
+                static_cast<int64_t>(ps[0].size()) + 5 - 1);
+    } else {
+      EXPECT_EQ(after.session_resumes, before.session_resumes);
+      EXPECT_EQ(after.session_misses, 1);
+    }
+    EXPECT_EQ(got.at({base + 2, 0}).tokens, want.at({base + 2, 0}).tokens) << "round " << round;
+    turn.insert(turn.end(), got.at({base + 2, 0}).tokens.begin(), got.at({base + 2, 0}).tokens.end());
+    turn.push_back(15);
+  }
+  // Aborting a resume that waits for a seat leaves its session parked for a later one.
+  e.add({300, ps[1], p, 2});
+  e.step();
+  Request r{301, turn, p, 1};
+  r.resume = true;
+  r.session = {202, 0};
+  e.add(r);
+  EXPECT_TRUE(e.abort(301));
+  run_all(e);
+  EXPECT_EQ(e.stats().sessions_parked, 1);
+  EXPECT_TRUE(e.release_session({202, 0}));
+  EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
+}
+
 // Parked sessions hold blocks only while nobody needs them: new requests evict them (the oldest
 // first) instead of waiting or preempting; a resume of an evicted session is a miss with the same
 // output; a weight update and the session limit drop them too.
