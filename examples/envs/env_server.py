@@ -12,6 +12,9 @@ Environments:
   guess       a number guessing game: the secret is the label (an integer) or, without one, drawn
               from the session id in [1, 100]. Each turn's last integer is the guess; the answer is
               "higher", "lower" or "correct" (done, reward 1).
+  digits      the quickstart's toy task over turns (configs/quickstart_multiturn.yaml): each turn
+              earns its share of digit characters / --turns, and is told how many digits it had;
+              the episode ends after --turns turns. A tiny model learns it in a few minutes on CPU.
 
 Write your own as a class with start(request) -> observation text and step(session, request) ->
 (observation text, reward, done), and add it to ENVS. Calls must be idempotent (tiller retries
@@ -123,7 +126,24 @@ class Guess:
         return ("higher" if guess < state["secret"] else "lower"), 0.0, False
 
 
-ENVS = {e.name: e for e in (Calculator(), Guess())}
+class Digits:
+    name = "digits"
+
+    def __init__(self, turns=3):
+        self.turns = turns
+
+    def start(self, request):
+        return {}, ""
+
+    def step(self, state, request):
+        text = request.action_text
+        digits = sum(c in "0123456789" for c in text)
+        share = digits / len(text) if text else 0.0
+        done = request.turn >= self.turns
+        return ("" if done else f"\n[{digits} of {len(text)}] more:"), share / self.turns, done
+
+
+ENVS = {e.name: e for e in (Calculator(), Guess(), Digits())}
 
 # --- the service ---------------------------------------------------------------------------------
 
@@ -191,7 +211,9 @@ def main():
     ap.add_argument("--env", default="calculator", choices=sorted(ENVS))
     ap.add_argument("--fail-first", type=int, default=0, help="answer UNAVAILABLE to the first N calls")
     ap.add_argument("--delay", type=float, default=0.0, help="seconds to sleep in every Step")
+    ap.add_argument("--turns", type=int, default=3, help="digits: turns per episode")
     args = ap.parse_args()
+    ENVS["digits"].turns = max(1, args.turns)
     pb, pb_grpc = grpc_service.load_stubs(args.proto, "env")
     servicer = make_servicer(pb, pb_grpc, ENVS[args.env], args.fail_first, args.delay)
     grpc_service.serve(args, "env", lambda server: pb_grpc.add_EnvironmentServicer_to_server(servicer, server),

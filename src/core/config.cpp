@@ -258,6 +258,31 @@ void JobConfig::validate() const {
   if (reward.type == RewardType::kPython && reward.python.empty()) {
     throw ConfigError("reward.type = python needs reward.python (FILE.py:FUNCTION, e.g. rewards/gsm8k.py:compute_score)");
   }
+  if (env.type == "remote" && env.address.empty())
+    throw ConfigError("env.type = remote needs env.address (host:port of the environment service)");
+  if (env.type == "inprocess" && env.name.empty())
+    throw ConfigError("env.type = inprocess needs env.name (the name given to tiller::env::register_env)");
+  if (env.tls_ca.empty() && !env.tls_server_name.empty())
+    throw ConfigError("env.tls_server_name needs env.tls_ca (TLS)");
+  if (!multi_turn()) {
+    if (reward.type == RewardType::kEnv)
+      throw ConfigError("reward.type = env takes the environment's rewards; set env.type (remote or inprocess)");
+    if (rollout.max_turns != 1)
+      throw ConfigError(fmt::format("rollout.max_turns = {} needs an environment to answer the turns; set env.type "
+                                    "(remote or inprocess) or leave max_turns at 1",
+                                    rollout.max_turns));
+    if (rollout.max_response_tokens != 0)
+      throw ConfigError("rollout.max_response_tokens limits multi-turn samples; set env.type, or use "
+                        "rollout.max_new_tokens");
+  } else if (rollout.max_response_tokens != 0 && rollout.max_response_tokens < rollout.max_new_tokens) {
+    throw ConfigError(fmt::format("rollout.max_response_tokens = {} is below rollout.max_new_tokens = {}; a turn "
+                                  "could never use its whole budget: raise it or lower max_new_tokens",
+                                  rollout.max_response_tokens, rollout.max_new_tokens));
+  }
+  if (response_limit() > (int64_t{1} << 24))
+    throw ConfigError(fmt::format("rollout.max_new_tokens x rollout.max_turns = {} tokens per sample is over the "
+                                  "limit of 16777216; set rollout.max_response_tokens",
+                                  response_limit()));
   if (rollout.mode == RolloutMode::kSync) {
     if (rollout.max_staleness > 0)
       throw ConfigError(fmt::format("rollout.max_staleness = {} needs rollout.mode=async (sync mode is on-policy)",
@@ -272,7 +297,7 @@ void JobConfig::validate() const {
                         "rollout.n_samples_per_prompt >= 2");
     if (reward.type == RewardType::kModel)
       throw ConfigError("rollout.filter_groups needs each group's rewards before it is scored; it works with "
-                        "reward.type = rule, remote or python, not model");
+                        "reward.type = rule, remote, python or env, not model");
   }
   if (algo.importance_correction == ImportanceCorrection::kTis && algo.tis_cap <= 0)
     throw ConfigError("algo.importance_correction = tis truncates the weights at algo.tis_cap; set it > 0 (e.g. 2)");
@@ -282,9 +307,10 @@ void JobConfig::validate() const {
                                   format_double(algo.tis_cap)));
   if (algo.seq_mask_ratio != 0.0 && algo.seq_mask_ratio <= 1.0)
     throw ConfigError(fmt::format("algo.seq_mask_ratio = {} must be 0 (off) or > 1", format_double(algo.seq_mask_ratio)));
-  if (reward.overlong_buffer > rollout.max_new_tokens)
-    throw ConfigError(fmt::format("reward.overlong_buffer = {} exceeds rollout.max_new_tokens = {}",
-                                  reward.overlong_buffer, rollout.max_new_tokens));
+  if (reward.overlong_buffer > response_limit())
+    throw ConfigError(fmt::format("reward.overlong_buffer = {} exceeds the response limit {} ({})",
+                                  reward.overlong_buffer, response_limit(),
+                                  multi_turn() ? "rollout.max_response_tokens" : "rollout.max_new_tokens"));
   const std::int64_t samples = rollout.batch_size * rollout.n_samples_per_prompt;
   if (samples % train.train_batch_size != 0) {
     throw ConfigError(fmt::format("train.train_batch_size = {} must divide rollout.batch_size x "
@@ -366,6 +392,12 @@ void JobConfig::validate_hybrid() const {
     throw ConfigError(fmt::format("engines.count = {}: with cluster.hybrid the engines are roles.actor.gpus / "
                                   "engines.tp = {}; leave engines.count out or set it to {}",
                                   engines.count, engine_count(), engine_count()));
+}
+
+std::int64_t JobConfig::response_limit() const {
+  if (!multi_turn()) return rollout.max_new_tokens;
+  if (rollout.max_response_tokens > 0) return rollout.max_response_tokens;
+  return rollout.max_new_tokens * rollout.max_turns;  // both bounded (1 << 24, 1024): no overflow
 }
 
 std::int64_t JobConfig::engine_count() const {
@@ -498,7 +530,11 @@ std::string config_reference_markdown() {
       "- `algo.importance_correction: tis` needs `algo.tis_cap > 0`; `algo.tis_cap > 0` needs a correction.\n"
       "- `rollout.mode: sync` takes no `max_staleness > 0`, `partial` or `stale_policy: drop` (they are async's).\n"
       "- `rollout.filter_groups` needs `n_samples_per_prompt >= 2` and a rule, remote or python reward.\n"
-      "- `reward.overlong_buffer` is at most `rollout.max_new_tokens`.\n"
+      "- `reward.overlong_buffer` is at most `rollout.max_new_tokens` (with an environment, the sample's\n"
+      "  response limit).\n"
+      "- `env.type: remote` needs `env.address`, `inprocess` needs `env.name`; `reward.type: env`,\n"
+      "  `rollout.max_turns > 1` and `rollout.max_response_tokens` need an environment;\n"
+      "  `max_response_tokens` is 0 or at least `max_new_tokens`.\n"
       "- The rank plan (`tiller plan`) checks that the roles and engines fit the nodes; see docs/architecture.md.\n";
   return md;
 }

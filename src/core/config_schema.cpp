@@ -144,6 +144,14 @@ std::vector<Field> build() {
         "cluster.hybrid: what an engine frees while the trainers score and train: 0 nothing, 1 its KV cache and "
         "decode graphs, 2 its weights too (refilled by the next weight sync).")
       .range(0, 2);
+  b.add("engines.session_timeout_s", TILLER_FIELD(engines.session_timeout_s),
+        "Multi-turn rollouts: how long a finished turn's KV cache stays on its engine waiting for the sample's next "
+        "turn (it is evicted sooner when the memory is needed).")
+      .range(0.001, kMaxSeconds);
+  b.add("engines.max_sessions", TILLER_FIELD(engines.max_sessions),
+        "Multi-turn rollouts: most finished turns whose KV cache an engine keeps for their next turn (0: 4 x "
+        "engines.max_num_seqs); the oldest go first.")
+      .range(0, 1 << 24);
   b.add("engines.port", TILLER_FIELD(engines.port),
         "First gRPC port; engine i listens on port + i. 0: each engine picks a free port.")
       .range(0, 65535);
@@ -199,6 +207,16 @@ std::vector<Field> build() {
         "With filter_groups: at most this many x rollout.batch_size prompts beyond the batch per step; when "
         "they run out the step trains the informative groups it has (logged).")
       .range(0, 64);
+
+  b.add("rollout.max_turns", TILLER_FIELD(rollout.max_turns),
+        "With an environment (env.type): most model turns of one sample; the episode ends at its environment's "
+        "done, at this many turns, or at rollout.max_response_tokens.")
+      .range(1, 1024);
+  b.add("rollout.max_response_tokens", TILLER_FIELD(rollout.max_response_tokens),
+        "With an environment: most tokens after the prompt of one sample, the model's turns and the observations "
+        "together (0: max_new_tokens x max_turns). Each turn generates at most max_new_tokens, and fewer when "
+        "this limit is near.")
+      .range(0, kMaxSampleTokens);
 
   b.add_enum("algo.advantage_estimator", TILLER_FIELD(algo.advantage_estimator),
              "gae (PPO with a critic), reinforce (REINFORCE++), rloo, reinforce_baseline, group_norm (GRPO), dr_grpo.");
@@ -262,7 +280,8 @@ std::vector<Field> build() {
 
   b.add_enum("reward.type", TILLER_FIELD(reward.type),
              "model (the reward role scores), rule (a registered function), remote (a gRPC reward service), "
-             "python (a Python function run in-process: reward.python).");
+             "python (a Python function run in-process: reward.python), env (the environment's rewards only). With "
+             "an environment, the other types score the whole response and the environment's rewards add to it.");
   b.add("reward.rule", TILLER_FIELD(reward.rule), "Registered rule reward used when reward.type is rule.");
   b.add("reward.remote_address", TILLER_FIELD(reward.remote_address),
         "host:port of the remote reward service (proto/tiller/reward.proto) when reward.type is remote.");
@@ -310,6 +329,29 @@ std::vector<Field> build() {
   b.add("reward.overlong_penalty", TILLER_FIELD(reward.overlong_penalty),
         "The overlong penalty at rollout.max_new_tokens (see reward.overlong_buffer).")
       .range(0.0, 1000.0);
+
+  b.add("env.type", TILLER_FIELD(env.type),
+        "Multi-turn rollouts: none (single-turn samples), remote (a gRPC environment service, "
+        "proto/tiller/env.proto; examples/envs/), or inprocess (a C++ environment registered with "
+        "tiller::env::register_env under env.name).")
+      .one_of({"none", "remote", "inprocess"});
+  b.add("env.name", TILLER_FIELD(env.name), "env.type inprocess: the name the environment was registered under.");
+  b.add("env.address", TILLER_FIELD(env.address), "env.type remote: host:port of the environment service.");
+  b.add("env.timeout_s", TILLER_FIELD(env.timeout_s),
+        "Deadline of one Start, Step or Close call, retries included; a call past it ends the job.")
+      .range(0.001, kMaxSeconds);
+  b.add("env.retries", TILLER_FIELD(env.retries),
+        "Retries of a remote call that failed with UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED or ABORTED "
+        "(backoff doubling from 0.5 s; the service's calls must be idempotent); other errors end the job at once.")
+      .range(0, 100);
+  b.add("env.concurrency", TILLER_FIELD(env.concurrency), "Environment calls in flight at once (threads).")
+      .range(1, 4096);
+  b.add("env.token_file", TILLER_FIELD(env.token_file),
+        "File whose first line is the token sent to the environment service as x-tiller-token (empty: none).");
+  b.add("env.tls_ca", TILLER_FIELD(env.tls_ca),
+        "PEM roots to verify the environment service's certificate with; set, the calls go over TLS.");
+  b.add("env.tls_server_name", TILLER_FIELD(env.tls_server_name),
+        "The name the environment service's certificate must carry; empty: the host of env.address.");
 
   b.add("train.num_steps", TILLER_FIELD(train.num_steps), "PPO steps to run.").range(1, kMaxCount);
   b.add("train.train_batch_size", TILLER_FIELD(train.train_batch_size), "Samples per optimizer step.")
@@ -425,6 +467,7 @@ const std::vector<Section>& sections() {
       {"algo", "The RL algorithm: advantages, losses, KL."},
       {"data", "The prompt dataset."},
       {"reward", "Where rewards come from."},
+      {"env", "The environment of multi-turn rollouts (docs/training.md, \"Environments (multi-turn)\")."},
       {"train", "Optimisation of the actor and critic."},
       {"checkpoint", "Sharded checkpoints and HF export."},
       {"logging", "Logs, metrics and traces."},

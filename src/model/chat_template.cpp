@@ -44,18 +44,43 @@ std::string apply_chat_template(ChatFormat format, const std::vector<ChatMessage
       for (const auto& m : messages) out += m.content;
       return out;
     case ChatFormat::kChatML:
-      for (const auto& m : messages) out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+      // Qwen2.5's template: a run of tool messages is one user turn of <tool_response> blocks.
+      for (size_t i = 0; i < messages.size(); ++i) {
+        const ChatMessage& m = messages[i];
+        if (m.role != "tool") {
+          out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+          continue;
+        }
+        if (i == 0 || messages[i - 1].role != "tool") out += "<|im_start|>user";
+        out += "\n<tool_response>\n" + m.content + "\n</tool_response>";
+        if (i + 1 == messages.size() || messages[i + 1].role != "tool") out += "<|im_end|>\n";
+      }
       if (add_generation_prompt) out += "<|im_start|>assistant\n";
       return out;
     case ChatFormat::kLlama3:
-      // As Meta's template: BOS once, contents trimmed.
+      // As Meta's template: BOS once, contents trimmed; a tool's answer is the ipython role's turn.
       out = "<|begin_of_text|>";
       for (const auto& m : messages)
-        out += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n" + trim(m.content) + "<|eot_id|>";
+        out += "<|start_header_id|>" + (m.role == "tool" ? std::string("ipython") : m.role) + "<|end_header_id|>\n\n" +
+               trim(m.content) + "<|eot_id|>";
       if (add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
       return out;
   }
   return out;
+}
+
+std::string observation_turn(ChatFormat format, const std::string& text, bool turn_closed) {
+  switch (format) {
+    case ChatFormat::kNone: return text;
+    case ChatFormat::kChatML:
+      return std::string(turn_closed ? "" : "<|im_end|>") + "\n" +
+             apply_chat_template(format, {{"tool", text}}, /*add_generation_prompt=*/true);
+    case ChatFormat::kLlama3: {
+      std::string t = apply_chat_template(format, {{"tool", text}}, true);
+      return std::string(turn_closed ? "" : "<|eot_id|>") + t.substr(std::string("<|begin_of_text|>").size());
+    }
+  }
+  return text;
 }
 
 std::string apply_input_template(const std::string& input_template, const std::string& input) {

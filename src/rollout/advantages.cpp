@@ -64,7 +64,7 @@ AdvantageSpec AdvantageSpec::from_job(const JobConfig& job, bool have_ref) {
   s.n = job.rollout.n_samples_per_prompt;
   s.overlong_buffer = job.reward.overlong_buffer;
   s.overlong_penalty = job.reward.overlong_penalty;
-  s.max_new_tokens = job.rollout.max_new_tokens;
+  s.max_new_tokens = job.response_limit();
   return s;
 }
 
@@ -84,15 +84,48 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
   AdvantageResult out;
   out.state = state;
   const int64_t b = ro.size();
-  std::vector<int64_t> cu_v(ro.resp_offset);
-  cu_v.push_back(ro.response_tokens());
+  // Multi-turn samples: the estimators see the model's tokens only, back to back (an observation
+  // is part of the state the next turn starts from, not an action); `keep` are their positions,
+  // and the results go back to them (observation tokens get advantage and return 0).
+  const bool masked = ro.layout.turns;
+  std::vector<int64_t> cu_v, keep;
+  std::vector<int64_t> turn_pos;  // with turns: each turn's last token among the kept ones
+  if (masked) {
+    cu_v.reserve(static_cast<size_t>(b) + 1);
+    for (int64_t s = 0; s < b; ++s) {
+      cu_v.push_back(static_cast<int64_t>(keep.size()));
+      int64_t next_turn = ro.turn_offset[s];
+      for (int64_t t = 0; t < ro.response_len[s]; ++t) {
+        if (!ro.loss_mask[static_cast<size_t>(ro.resp_offset[s] + t)]) continue;
+        if (next_turn < ro.turn_offset[s + 1] && ro.turn_end[static_cast<size_t>(next_turn)] == t) {
+          turn_pos.push_back(static_cast<int64_t>(keep.size()));
+          ++next_turn;
+        }
+        keep.push_back(ro.resp_offset[s] + t);
+      }
+      TILLER_CHECK(next_turn == ro.turn_offset[s + 1], "sample {}: a turn ends on an observation token", s);
+    }
+    cu_v.push_back(static_cast<int64_t>(keep.size()));
+  } else {
+    cu_v = ro.resp_offset;
+    cu_v.push_back(ro.response_tokens());
+  }
   const at::Tensor cu = at::tensor(cu_v, at::kLong);
-  const at::Tensor logp = floats(ro.logp);
+  const at::Tensor kept = masked ? at::tensor(keep, at::kLong) : at::Tensor();
+  auto model_part = [&](const std::vector<float>& v) { return masked ? floats(v).index_select(0, kept) : floats(v); };
+  const at::Tensor logp = model_part(ro.logp);
   const at::Tensor kl =
-      spec.have_ref ? algo::kl_estimate(logp, floats(ro.ref_logp), spec.kl_estimator) : at::zeros_like(logp);
+      spec.have_ref ? algo::kl_estimate(logp, model_part(ro.ref_logp), spec.kl_estimator) : at::zeros_like(logp);
 
-  at::Tensor scores = at::tensor(ro.score, at::kFloat);
-  const Moments raw = moments(ro.score);
+  std::vector<float> totals(ro.score);
+  double turn_reward_sum = 0;
+  if (masked)
+    for (int64_t s = 0; s < b; ++s) {
+      totals[static_cast<size_t>(s)] = static_cast<float>(ro.total_reward(s));
+      turn_reward_sum += ro.total_reward(s) - ro.score[s];
+    }
+  at::Tensor scores = at::tensor(totals, at::kFloat);
+  const Moments raw = moments(totals);
   double penalized = 0;
   if (spec.overlong_buffer > 0) {
     std::vector<float> pen(static_cast<size_t>(b));
@@ -109,17 +142,32 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
     scores = out.state.reward_moments.normalize(scores);
   }
   const double kl_reward_coef = spec.kl_in_reward ? state.kl_coef : 0.0;
+  // Per-token rewards: the sample's shaped total at its last token; with turns, each turn's own
+  // reward moves to the turn's last token (the total stays the same).
+  auto token_rewards = [&]() {
+    at::Tensor r = algo::token_rewards(scores, kl, cu, kl_reward_coef);
+    if (!masked || turn_pos.empty()) return r;
+    r = r.to(at::kFloat).clone().contiguous();
+    float* p = r.data_ptr<float>();
+    for (int64_t s = 0; s < b; ++s)
+      for (int64_t i = ro.turn_offset[s]; i < ro.turn_offset[s + 1]; ++i) {
+        const float tr = ro.turn_reward[static_cast<size_t>(i)];
+        p[turn_pos[static_cast<size_t>(i)]] += tr;
+        p[cu_v[static_cast<size_t>(s) + 1] - 1] -= tr;
+      }
+    return r;
+  };
   at::Tensor adv, ret;
   switch (spec.estimator) {
     case AdvantageEstimator::kGae: {
-      const at::Tensor rewards = algo::token_rewards(scores, kl, cu, kl_reward_coef);
-      auto ar = algo::gae(rewards, floats(ro.values), cu, spec.gamma, spec.lambda);
+      const at::Tensor rewards = token_rewards();
+      auto ar = algo::gae(rewards, model_part(ro.values), cu, spec.gamma, spec.lambda);
       adv = ar.advantages;
       ret = ar.returns;
       break;
     }
     case AdvantageEstimator::kReinforce: {
-      const at::Tensor rewards = algo::token_rewards(scores, kl, cu, kl_reward_coef);
+      const at::Tensor rewards = token_rewards();
       adv = algo::discounted_returns(rewards, cu, spec.gamma);
       ret = adv;
       break;
@@ -155,8 +203,21 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
   }
   const Moments adv_raw = moments(adv);
   if (spec.whiten && !spec.skips_whitening() && adv.numel() > 0) adv = algo::whiten(adv);
-  out.advantages = to_vector(adv);
-  if (ro.layout.critic) out.returns = to_vector(ret);
+  if (masked) {
+    // Back to every response token; observation tokens get 0.
+    auto spread = [&](const at::Tensor& t) {
+      std::vector<float> full(static_cast<size_t>(ro.response_tokens()), 0.f);
+      const at::Tensor c = t.to(at::kFloat).contiguous();
+      const float* p = c.data_ptr<float>();
+      for (size_t i = 0; i < keep.size(); ++i) full[static_cast<size_t>(keep[i])] = p[i];
+      return full;
+    };
+    out.advantages = spread(adv);
+    if (ro.layout.critic) out.returns = spread(ret);
+  } else {
+    out.advantages = to_vector(adv);
+    if (ro.layout.critic) out.returns = to_vector(ret);
+  }
 
   out.kl_mean_per_sample = b > 0 && ro.response_tokens() > 0 ? kl.sum().item<double>() / static_cast<double>(b) : 0.0;
   const Moments lens = moments(ro.response_len);
@@ -180,6 +241,19 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
   m.emplace_back("response_length/max", lens.max);
   m.emplace_back("response_length/truncated_fraction", b > 0 ? truncated / static_cast<double>(b) : 0.0);
   m.emplace_back("prompt_length/mean", plen.mean);
+  if (masked) {
+    // The samples' turns: how many, and the response's tokens by origin.
+    std::vector<int64_t> turns(static_cast<size_t>(b));
+    for (int64_t s = 0; s < b; ++s) turns[static_cast<size_t>(s)] = ro.turns(s);
+    const Moments tm = moments(turns);
+    const double model = static_cast<double>(keep.size());
+    m.emplace_back("turns/mean", tm.mean);
+    m.emplace_back("turns/max", tm.max);
+    m.emplace_back("tokens/model", model);
+    m.emplace_back("tokens/observation", static_cast<double>(ro.response_tokens()) - model);
+    m.emplace_back("reward/env_mean", b > 0 ? turn_reward_sum / static_cast<double>(b) : 0.0);
+    m.emplace_back("reward/outcome_mean", moments(ro.score).mean);
+  }
   if (spec.overlong_buffer > 0) m.emplace_back("reward/overlong_penalized_fraction", b > 0 ? penalized / b : 0.0);
   return out;
 }

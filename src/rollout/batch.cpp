@@ -42,6 +42,19 @@ at::Tensor gather_tokens(const Rollout& ro, const std::vector<float>& values, co
   return out;
 }
 
+at::Tensor gather_mask(const Rollout& ro, const std::vector<int64_t>& samples) {
+  TILLER_CHECK(ro.layout.turns, "gather_mask: the rollout has no loss mask");
+  int64_t total = 0;
+  for (int64_t s : samples) total += ro.response_len[s];
+  at::Tensor out = at::empty({total}, at::kByte);
+  uint8_t* p = out.data_ptr<uint8_t>();
+  for (int64_t s : samples) {
+    const auto from = ro.loss_mask.begin() + ro.resp_offset[s];
+    p = std::copy(from, from + ro.response_len[s], p);
+  }
+  return out;
+}
+
 void scatter_tokens(const Rollout& ro, std::vector<float>& values, const std::vector<int64_t>& samples,
                     const at::Tensor& t) {
   int64_t total = 0;

@@ -1,9 +1,11 @@
 #include "rollout/collector.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <fmt/format.h>
 
+#include "rollout/env_runner.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/reward/batched_reward.h"
@@ -50,15 +52,26 @@ CollectorConfig CollectorConfig::from_job(const JobConfig& job, const std::vecto
   c.seed = static_cast<uint64_t>(job.run.seed);
   c.layout.ref = have_ref;
   c.layout.critic = have_critic;
+  c.layout.turns = job.multi_turn();
+  c.max_turns = job.rollout.max_turns;
+  c.max_response_tokens = job.response_limit();
+  c.max_prompt_tokens = job.rollout.max_prompt_tokens;
   return c;
 }
 
 RolloutCollector::RolloutCollector(const CollectorConfig& cfg, EngineSet& engines, TrainerLink& link,
-                                   PromptSource& prompts, RewardSources rewards, const std::vector<TrainerGroup>& groups)
+                                   PromptSource& prompts, RewardSources rewards, const std::vector<TrainerGroup>& groups,
+                                   TurnSources turns)
     : cfg_(cfg), engines_(engines), link_(link), prompts_(prompts), rewards_(std::move(rewards)),
-      groups_(scoring_groups(groups, cfg.score_actor)) {
+      groups_(scoring_groups(groups, cfg.score_actor)), turns_(std::move(turns)) {
   TILLER_CHECK(cfg_.batch_size >= 1 && cfg_.n >= 1 && cfg_.staleness >= 0, "collector: bad sizes");
   TILLER_CHECK(engines_.size() > 0, "collector: no engine");
+  if (multi_turn()) {
+    TILLER_CHECK(cfg_.layout.turns && turns_.observation_tokens && turns_.decode,
+                 "collector: multi-turn samples need layout.turns, observation_tokens and decode");
+    TILLER_CHECK(cfg_.n < 2048 && cfg_.max_turns >= 1 && cfg_.max_response_tokens >= 1,
+                 "collector: bad multi-turn sizes");
+  }
 }
 
 RolloutCollector::~RolloutCollector() = default;
@@ -71,6 +84,7 @@ void RolloutCollector::start(int64_t first_step, uint64_t version, const std::ve
   std::sort(resend_.begin(), resend_.end(),
             [](const PendingPrompt& a, const PendingPrompt& b) { return a.ordinal > b.ordinal; });  // back = oldest
   in_flight_.assign(engines_.size(), 0);
+  load_.assign(engines_.size(), 0);
   last_progress_.assign(engines_.size(), cfg_.clock->now());
   engines_.open();
   open_ = true;
@@ -117,36 +131,44 @@ int64_t RolloutCollector::capacity() const {
   return steps * cfg_.batch_size;
 }
 
-void RolloutCollector::send(int64_t ordinal, int64_t dataset_index) {
-  size_t e = 0;
-  for (size_t i = 1; i < in_flight_.size(); ++i)
-    if (in_flight_[i] < in_flight_[e]) e = i;
-  const Prompt& p = prompts_.at(dataset_index);
-  engine::Request r;
-  r.id = static_cast<uint64_t>(ordinal);
-  r.prompt = p.tokens;
-  r.n = cfg_.n;
-  r.params = cfg_.sampling;
+uint64_t RolloutCollector::group_seed(int64_t ordinal) const {
   // The seed of the on-policy loop: step (ordinal / batch_size), slot (ordinal % batch_size).
   const auto quota = static_cast<uint64_t>(ordinal / cfg_.batch_size), slot = static_cast<uint64_t>(ordinal % cfg_.batch_size);
-  r.params.seed = cfg_.seed * 1000003ull + quota * 65537ull + slot * static_cast<uint64_t>(cfg_.n);
-  if (in_flight_[e] == 0) last_progress_[e] = cfg_.clock->now();
-  engines_.submit(e, r, version_);
-  in_flight_[e] += cfg_.n;
+  return cfg_.seed * 1000003ull + quota * 65537ull + slot * static_cast<uint64_t>(cfg_.n);
+}
+
+void RolloutCollector::send(int64_t ordinal, int64_t dataset_index) {
+  size_t e = 0;
+  for (size_t i = 1; i < load_.size(); ++i)
+    if (load_[i] < load_[e]) e = i;
   Group g;
   g.ordinal = ordinal;
   g.dataset_index = dataset_index;
   g.engine = static_cast<int>(e);
   g.dispatch_version = version_;
   g.dispatched = cfg_.clock->now();
-  outstanding_.emplace(ordinal, std::move(g));
+  load_[e] += cfg_.n;
+  Group& placed = outstanding_.emplace(ordinal, std::move(g)).first->second;
+  if (multi_turn()) {
+    start_episodes(placed);  // the first turn goes out once the environment has started every sample
+    return;
+  }
+  engine::Request r;
+  r.id = static_cast<uint64_t>(ordinal);
+  r.prompt = prompts_.at(dataset_index).tokens;
+  r.n = cfg_.n;
+  r.params = cfg_.sampling;
+  r.params.seed = group_seed(ordinal);
+  if (in_flight_[e] == 0) last_progress_[e] = cfg_.clock->now();
+  engines_.submit(e, r, version_);
+  in_flight_[e] += cfg_.n;
 }
 
 void RolloutCollector::dispatch() {
   if (paused_) return;
   const int64_t cap = capacity();
   while (static_cast<int64_t>(outstanding_.size()) < cap) {
-    if (*std::min_element(in_flight_.begin(), in_flight_.end()) >= cfg_.max_in_flight_per_engine) return;
+    if (*std::min_element(load_.begin(), load_.end()) >= cfg_.max_in_flight_per_engine) return;
     if (!resend_.empty()) {
       const PendingPrompt p = resend_.back();
       resend_.pop_back();
@@ -162,7 +184,18 @@ void RolloutCollector::take(Completion& c) {
   const auto e = static_cast<size_t>(c.engine);
   TILLER_CHECK(e < in_flight_.size(), "a completion from engine {} of {}", e, in_flight_.size());
   const engine::ClientResult& res = c.result;
-  const auto ordinal = static_cast<int64_t>(res.sample.request_id);
+  // Which group (and, multi-turn, which episode) the answer is for.
+  int64_t ordinal = static_cast<int64_t>(res.sample.request_id);
+  uint64_t key = 0;
+  if (multi_turn()) {
+    if (auto t = turn_requests_.find(res.sample.request_id); t != turn_requests_.end()) {
+      key = t->second;
+      turn_requests_.erase(t);
+      ordinal = static_cast<int64_t>(key >> 11);
+    } else {
+      key = episode_key(ordinal, res.sample.sample);
+    }
+  }
   auto it = outstanding_.find(ordinal);
   if (res.error_code != 0) {
     const std::string where = it == outstanding_.end()
@@ -178,10 +211,23 @@ void RolloutCollector::take(Completion& c) {
   if (s.finish_reason == "abort")
     throw Error(fmt::format("{} aborted sample {} of prompt line {} that the controller did not drop", engines_.name(e),
                             s.sample, prompts_.at(g.dataset_index).line));
+  if (multi_turn()) {
+    auto ep = episodes_.find(key);
+    if (ep == episodes_.end()) return;  // its episode was dropped
+    take_turn(ep->second, std::move(s));
+    return;
+  }
+  Staged st;
+  st.out = std::move(s);
+  arrive(g, std::move(st));
+}
+
+void RolloutCollector::arrive(Group& g, Staged st) {
+  const engine::SampleOutput& s = st.out;
   ++g.arrived;
+  load_[static_cast<size_t>(g.engine)] -= 1;
   for (uint64_t v : s.versions) g.oldest = std::min(g.oldest, v);
   if (s.versions.empty()) g.oldest = std::min(g.oldest, version_);
-  Staged st;
   const Prompt& p = prompts_.at(g.dataset_index);
   if (rewards_.rule) st.score = static_cast<float>(rewards_.rule(p, s));
   if (rewards_.batched) {
@@ -203,7 +249,6 @@ void RolloutCollector::take(Completion& c) {
     ++g.async_pending;
     async_slots_[st.uid] = {g.ordinal, static_cast<int64_t>(g.staged.size()), -1};
   }
-  st.out = std::move(s);
   if (g.joined) {
     add_to_batch(g, std::move(st));
   } else {
@@ -211,15 +256,234 @@ void RolloutCollector::take(Completion& c) {
   }
 }
 
+// --- multi-turn episodes ---------------------------------------------------------------------------
+
+std::string RolloutCollector::sample_where(int64_t ordinal, int64_t sample) const {
+  auto it = outstanding_.find(ordinal);
+  if (it == outstanding_.end()) return fmt::format("sample {} of prompt {}", sample, ordinal);
+  return fmt::format("prompt line {}, sample {}", prompts_.at(it->second.dataset_index).line, sample);
+}
+
+void RolloutCollector::start_episodes(Group& g) {
+  const Prompt& p = prompts_.at(g.dataset_index);
+  for (int64_t j = 0; j < cfg_.n; ++j) {
+    Episode ep;
+    ep.ordinal = g.ordinal;
+    ep.sample = j;
+    ep.engine = g.engine;
+    ep.session = fmt::format("{}-{}-{}", turns_.session_prefix, g.ordinal, j);
+    env::EpisodeStart es;
+    es.session_id = ep.session;
+    es.prompt = p.text;
+    es.label = p.label;
+    es.data_source = p.data_source;
+    es.extra_info = p.extra_info;
+    es.prompt_index = static_cast<uint64_t>(p.line);
+    es.sample_index = static_cast<uint32_t>(j);
+    es.step = static_cast<uint64_t>(batch_->step);
+    const uint64_t key = episode_key(g.ordinal, j);
+    episodes_[key] = std::move(ep);
+    turns_.env->start(key, std::move(es));
+  }
+}
+
+void RolloutCollector::first_turns(Group& g) {
+  // Every sample's prompt: the dataset's, then Start's observation as it is (token ids, or its
+  // text tokenized without a template).
+  const Prompt& p = prompts_.at(g.dataset_index);
+  std::vector<Episode*> eps;
+  for (int64_t j = 0; j < cfg_.n; ++j) {
+    Episode& ep = episodes_.at(episode_key(g.ordinal, j));
+    ep.history = p.tokens;
+    const std::vector<int64_t> obs = ep.first.tokens.empty() && !ep.first.text.empty()
+                                         ? turns_.observation_tokens(ep.first.text, false, /*raw=*/true)
+                                         : ep.first.tokens;
+    ep.history.insert(ep.history.end(), obs.begin(), obs.end());
+    ep.prompt_len = static_cast<int64_t>(ep.history.size());
+    ep.first = {};
+    eps.push_back(&ep);
+  }
+  for (Episode* ep : eps)
+    if (ep->prompt_len > cfg_.max_prompt_tokens)
+      throw Error(fmt::format("{}: the prompt and the environment's first observation are {} tokens, over "
+                              "rollout.max_prompt_tokens = {} (raise it, or shorten the observation)",
+                              sample_where(g.ordinal, ep->sample), ep->prompt_len, cfg_.max_prompt_tokens));
+  const bool same = std::all_of(eps.begin(), eps.end(), [&](const Episode* ep) { return ep->history == eps[0]->history; });
+  const int64_t room = std::min(cfg_.sampling.max_new_tokens, cfg_.max_response_tokens);
+  const uint64_t seed = group_seed(g.ordinal);
+  if (same) {  // one request of n samples: the prompt is prefilled once
+    for (Episode* ep : eps) {
+      ep->live = true;
+      ep->live_request = static_cast<uint64_t>(g.ordinal);
+    }
+    submit_turn(*eps[0], eps[0]->history, cfg_.n, static_cast<uint64_t>(g.ordinal), seed, room, false);
+    return;
+  }
+  for (Episode* ep : eps) {
+    const uint64_t id = next_turn_request_++;
+    turn_requests_[id] = episode_key(ep->ordinal, ep->sample);
+    ep->live = true;
+    ep->live_request = id;
+    submit_turn(*ep, ep->history, 1, id, seed + static_cast<uint64_t>(ep->sample), room, false);
+  }
+}
+
+void RolloutCollector::submit_turn(Episode& ep, std::vector<int64_t> prompt, int64_t n, uint64_t id, uint64_t seed,
+                                   int64_t max_new_tokens, bool resume) {
+  engine::Request r;
+  r.id = id;
+  r.prompt = std::move(prompt);
+  r.n = n;
+  r.params = cfg_.sampling;
+  r.params.seed = seed;
+  r.params.max_new_tokens = max_new_tokens;
+  r.keep_session = true;
+  r.resume = resume;
+  r.session = ep.parked;
+  const auto e = static_cast<size_t>(ep.engine);
+  if (in_flight_[e] == 0) last_progress_[e] = cfg_.clock->now();
+  engines_.submit(e, r, version_);
+  in_flight_[e] += n;
+}
+
+void RolloutCollector::take_turn(Episode& ep, engine::SampleOutput s) {
+  TILLER_CHECK(!s.tokens.empty(), "{}: the engine returned a turn without tokens", sample_where(ep.ordinal, ep.sample));
+  ep.live = false;
+  ++ep.turns;
+  engine::SampleOutput& o = ep.out;
+  const auto base = static_cast<int64_t>(o.tokens.size());
+  // The turn's weight versions, continuing the sample's runs (observation tokens belong to the run
+  // before them).
+  for (size_t i = 0; i < s.versions.size(); ++i)
+    if (o.versions.empty() || o.versions.back() != s.versions[i]) {
+      o.version_starts.push_back(base + s.version_starts[i]);
+      o.versions.push_back(s.versions[i]);
+    }
+  o.tokens.insert(o.tokens.end(), s.tokens.begin(), s.tokens.end());
+  o.logprobs.insert(o.logprobs.end(), s.logprobs.begin(), s.logprobs.end());
+  o.preemptions += s.preemptions;
+  o.finish_reason = s.finish_reason;
+  ep.info.loss_mask.insert(ep.info.loss_mask.end(), s.tokens.size(), 1);
+  ep.info.ends.push_back(static_cast<int64_t>(o.tokens.size()) - 1);
+  ep.history.insert(ep.history.end(), s.tokens.begin(), s.tokens.end());
+  ep.parked = {s.request_id, s.sample};
+  ep.has_parked = true;
+  env::Action a;
+  a.turn = ep.turns;
+  a.text = turns_.decode(s.tokens);
+  a.tokens = std::move(s.tokens);
+  a.finish_reason = s.finish_reason;
+  turns_.env->step(episode_key(ep.ordinal, ep.sample), ep.session, std::move(a));
+}
+
+void RolloutCollector::take_env_results() {
+  for (EnvRunner::Result& r : turns_.env->poll()) {
+    auto it = episodes_.find(r.key);
+    if (it == episodes_.end()) continue;  // its group was dropped
+    Episode& ep = it->second;
+    const auto step_where = [&] {
+      return fmt::format("{}, step {}", sample_where(ep.ordinal, ep.sample), batch_->step);
+    };
+    if (!r.error.empty()) throw Error(fmt::format("{} ({})", r.error, step_where()));
+    ep.env_seconds += r.seconds;
+    ++ep.env_calls;
+    if (r.start) {
+      ep.started = true;
+      ep.first = std::move(r.observation);
+      Group& g = outstanding_.at(ep.ordinal);
+      if (++g.starts == cfg_.n) first_turns(g);
+      continue;
+    }
+    if (!std::isfinite(r.reward))
+      throw Error(fmt::format("{} answered turn {} of session {} with the reward {}, which is not finite ({})",
+                              turns_.env->environment().name(), ep.turns, ep.session, r.reward, step_where()));
+    ep.info.rewards.push_back(static_cast<float>(r.reward));
+    if (r.done || ep.turns >= cfg_.max_turns) {
+      end_episode(ep, r.done);
+      continue;
+    }
+    next_turn(ep, r.observation);
+  }
+}
+
+void RolloutCollector::next_turn(Episode& ep, const env::Observation& obs) {
+  const bool closed = ep.out.finish_reason == "stop";
+  const std::vector<int64_t> tokens = !obs.tokens.empty() ? obs.tokens
+                                      : obs.text.empty()  ? std::vector<int64_t>{}
+                                                          : turns_.observation_tokens(obs.text, closed, false);
+  const auto used = static_cast<int64_t>(ep.out.tokens.size());
+  const int64_t room = cfg_.max_response_tokens - used - static_cast<int64_t>(tokens.size());
+  if (room < 1) {  // no room for another turn: the episode ends without the observation
+    end_episode(ep, false);
+    return;
+  }
+  // The engine's session holds the conversation but its last sampled token.
+  batch_->session_prefix_tokens += static_cast<int64_t>(ep.history.size()) - 1;
+  ep.history.insert(ep.history.end(), tokens.begin(), tokens.end());
+  ep.out.tokens.insert(ep.out.tokens.end(), tokens.begin(), tokens.end());
+  ep.out.logprobs.insert(ep.out.logprobs.end(), tokens.size(), 0.f);
+  ep.info.loss_mask.insert(ep.info.loss_mask.end(), tokens.size(), 0);
+  const uint64_t id = next_turn_request_++;
+  turn_requests_[id] = episode_key(ep.ordinal, ep.sample);
+  ep.live = true;
+  ep.live_request = id;
+  // Each turn draws with its own seed (the engine numbers draws from 0 in every request).
+  const uint64_t seed = group_seed(ep.ordinal) + static_cast<uint64_t>(ep.sample) +
+                        static_cast<uint64_t>(ep.turns) * 0x9E3779B97F4A7C15ull;
+  submit_turn(ep, ep.history, 1, id, seed, std::min(cfg_.sampling.max_new_tokens, room), ep.has_parked);
+  ep.has_parked = false;  // the resume takes the session over
+}
+
+void RolloutCollector::end_episode(Episode& ep, bool env_done) {
+  const uint64_t key = episode_key(ep.ordinal, ep.sample);
+  turns_.env->close(ep.session);
+  if (ep.has_parked) engines_.release_session(static_cast<size_t>(ep.engine), ep.parked);
+  Staged st;
+  st.out = std::move(ep.out);
+  st.out.request_id = static_cast<uint64_t>(ep.ordinal);
+  st.out.sample = ep.sample;
+  st.out.prompt_tokens = ep.prompt_len;
+  // Truncated unless the environment ended it: the turn or token limit cut the episode short.
+  st.out.finish_reason = env_done ? "stop" : "length";
+  st.turns = std::move(ep.info);
+  st.multi_turn = true;
+  for (float r : st.turns.rewards) st.turn_rewards += r;
+  st.prompt.assign(ep.history.begin(), ep.history.begin() + ep.prompt_len);
+  batch_->env_seconds += ep.env_seconds;
+  batch_->env_calls += ep.env_calls + 1;  // with the Close
+  Group& g = outstanding_.at(ep.ordinal);
+  episodes_.erase(key);
+  arrive(g, std::move(st));
+}
+
+void RolloutCollector::drop_episodes(const Group& g) {
+  bool group_request_aborted = false;
+  for (int64_t j = 0; j < cfg_.n; ++j) {
+    auto it = episodes_.find(episode_key(g.ordinal, j));
+    if (it == episodes_.end()) continue;  // arrived (or never started)
+    Episode& ep = it->second;
+    const auto e = static_cast<size_t>(ep.engine);
+    if (ep.live) {
+      const bool group_request = ep.live_request == static_cast<uint64_t>(g.ordinal);
+      if (!group_request || !group_request_aborted) engines_.abort(e, ep.live_request);
+      group_request_aborted = group_request_aborted || group_request;
+    }
+    turns_.env->close(ep.session);
+    if (ep.has_parked) engines_.release_session(e, ep.parked);
+    episodes_.erase(it);
+  }
+}
+
 void RolloutCollector::add_to_batch(Group& g, Staged st) {
   StepBatch& b = *batch_;
   const engine::SampleOutput& s = st.out;
-  const int64_t id = b.ro.add(g.batch_index, s.sample, prompts_.at(g.dataset_index).tokens, s.tokens, s.logprobs,
-                              s.finish_reason == "length", s.version_starts, s.versions, version_);
+  const int64_t id = b.ro.add(g.batch_index, s.sample, st.prompt.empty() ? prompts_.at(g.dataset_index).tokens : st.prompt,
+                              s.tokens, s.logprobs, s.finish_reason == "length", s.version_starts, s.versions, version_,
+                              st.multi_turn ? &st.turns : nullptr);
   b.ro.score[static_cast<size_t>(id)] = st.score;
   if (!cfg_.score_actor)  // nobody scores the actor: its log-probs are the engine's
     std::copy(s.logprobs.begin(), s.logprobs.end(), b.ro.logp.end() - static_cast<std::ptrdiff_t>(s.logprobs.size()));
-  b.generated_tokens += static_cast<int64_t>(s.tokens.size());
+  b.generated_tokens += st.multi_turn ? b.ro.model_tokens(id) : static_cast<int64_t>(s.tokens.size());
   b.last_sample = cfg_.clock->now();
   if (rewards_.batched) {
     auto slot = async_slots_.find(st.uid);
@@ -241,7 +505,12 @@ void RolloutCollector::join(Group& g) {
 
 void RolloutCollector::drop(Group& g, const char* why) {
   StepBatch& b = *batch_;
-  if (g.arrived < cfg_.n) engines_.abort(static_cast<size_t>(g.engine), static_cast<uint64_t>(g.ordinal));
+  if (multi_turn()) {
+    drop_episodes(g);
+  } else if (g.arrived < cfg_.n) {
+    engines_.abort(static_cast<size_t>(g.engine), static_cast<uint64_t>(g.ordinal));
+  }
+  load_[static_cast<size_t>(g.engine)] -= cfg_.n - g.arrived;
   for (const auto& st : g.staged) async_slots_.erase(st.uid);
   if (std::string(why) == "filtered") {
     ++b.filtered_groups;
@@ -283,8 +552,9 @@ void RolloutCollector::join_ready() {
         ++it;
         continue;
       }
+      const auto total = [](const Staged& s) { return s.score + s.turn_rewards; };
       const bool uniform = std::all_of(g.staged.begin(), g.staged.end(),
-                                       [&](const Staged& s) { return s.score == g.staged.front().score; });
+                                       [&](const Staged& s) { return total(s) == total(g.staged.front()); });
       if (uniform) {
         if (b.filtered_groups >= cfg_.filter_max_extra) {
           b.filter_cap_reached = true;
@@ -360,6 +630,12 @@ bool RolloutCollector::pump(int wait_ms) {
     const size_t slots = async_slots_.size();
     take_async_scores();
     any = any || async_slots_.size() != slots;
+  }
+  if (multi_turn()) {
+    const size_t live = episodes_.size(), turns = turn_requests_.size();
+    const int64_t flying = in_flight_samples();
+    take_env_results();
+    any = any || episodes_.size() != live || turn_requests_.size() != turns || in_flight_samples() != flying;
   }
   Completion c;
   int taken = 0;
@@ -439,8 +715,9 @@ void RolloutCollector::set_version(uint64_t version) {
 }
 
 int64_t RolloutCollector::in_flight_samples() const {
+  // Dispatched and not arrived: multi-turn samples count while their environment answers too.
   int64_t n = 0;
-  for (int64_t v : in_flight_) n += v;
+  for (int64_t v : load_) n += v;
   return n;
 }
 
@@ -454,8 +731,10 @@ std::vector<PendingPrompt> RolloutCollector::outstanding() const {
 void RolloutCollector::close() {
   if (!open_) return;
   open_ = false;
-  for (const auto& [o, g] : outstanding_)
-    if (g.arrived < cfg_.n) engines_.abort(static_cast<size_t>(g.engine), static_cast<uint64_t>(g.ordinal));
+  for (const auto& [o, g] : outstanding_) {
+    if (multi_turn()) drop_episodes(g);
+    else if (g.arrived < cfg_.n) engines_.abort(static_cast<size_t>(g.engine), static_cast<uint64_t>(g.ordinal));
+  }
   engines_.close();
 }
 

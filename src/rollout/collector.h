@@ -33,6 +33,17 @@
 // The step is ready when it has batch_size groups (or closed early), each complete, scored by
 // every group, with every reward. take_batch() hands it over and starts forming the next.
 //
+// Multi-turn samples (an environment, env_runner.h): a sample arrives when its episode ends, not
+// when the engine returns its first turn. Each sample is an episode: Start (its observation after
+// the prompt), then per turn the engine generates, the environment answers (Step), and the
+// observation's tokens are appended; the next turn resumes the engine's parked session of the
+// sample (its KV cache), so only the observation is prefilled. A group's first turn is one request
+// of n samples when the n Start observations are equal (the prompt is prefilled once); later turns
+// are a request per sample, on the engine of its first. The episode ends when the environment says
+// done, at rollout.max_turns, or when rollout.max_response_tokens leaves no room; then its session
+// is closed and the engine's cache released. The sample's response is every token after the
+// prompt, with a loss mask (observation tokens: 0) and the environment's reward per turn.
+//
 // Memory: joined samples live in the step's host arrays (experience.h); a sample of a group that
 // has not joined yet (drop policy, filtering) waits as the engine's output until it joins.
 //
@@ -54,12 +65,17 @@
 #include "rollout/trainer_groups.h"
 #include "tiller/core/clock.h"
 #include "tiller/core/config.h"
+#include "tiller/env/environment.h"
 #include "tiller/model/sampling_params.h"
 #include "tiller/rollout/experience.h"
 #include "tiller/rollout/prompt_dataset.h"
 
 namespace tiller::reward {
 class BatchedReward;
+}
+
+namespace tiller::rollout {
+class EnvRunner;
 }
 
 namespace tiller::rollout {
@@ -95,6 +111,18 @@ struct RewardSources {
   std::function<std::string(const std::vector<int64_t>&)> decode;
 };
 
+// The environment of multi-turn samples (env == null: single-turn).
+struct TurnSources {
+  EnvRunner* env = nullptr;
+  // An observation's text as tokens inside the chat template's tool turn (model::observation_turn;
+  // `turn_closed`: the model's turn ended with a stop token), or, `raw`, tokenized as it is (Start's
+  // observation, which follows the prompt).
+  std::function<std::vector<int64_t>(const std::string& text, bool turn_closed, bool raw)> observation_tokens;
+  // A model turn's text for the environment (special tokens left out).
+  std::function<std::string(const std::vector<int64_t>&)> decode;
+  std::string session_prefix = "tiller";  // session ids are "<prefix>-<ordinal>-<sample>"
+};
+
 struct CollectorConfig {
   int64_t batch_size = 1;  // groups per step
   int64_t n = 1;           // samples per group
@@ -116,6 +144,10 @@ struct CollectorConfig {
   model::SamplingParams sampling;        // every request's, but its seed
   uint64_t seed = 0;
   RolloutLayout layout;
+  // Multi-turn samples (TurnSources::env set): the episode's limits.
+  int64_t max_turns = 1;
+  int64_t max_response_tokens = 0;       // tokens after the prompt, model's and observations'
+  int64_t max_prompt_tokens = 0;         // the prompt with Start's observation
 
   static CollectorConfig from_job(const JobConfig& job, const std::vector<int64_t>& stop_ids, bool have_ref,
                                   bool have_critic);
@@ -154,6 +186,12 @@ struct StepBatch {
   int64_t stale_dropped_groups = 0, stale_dropped_samples = 0;
   bool filter_cap_reached = false;
   int64_t generated_tokens = 0;
+  // Multi-turn: environment call seconds of its samples, and the tokens their turns' resumes
+  // should find in the engines' sessions (prefix cached at the turn before; the engines' counter
+  // session_tokens_reused matches it when nothing is computed again).
+  double env_seconds = 0;
+  int64_t env_calls = 0;
+  int64_t session_prefix_tokens = 0;
   SteadyClock::time_point formed_since, first_dispatch, last_sample, ready_at;
   bool closed = false;  // takes no more groups
 };
@@ -162,7 +200,7 @@ class RolloutCollector {
  public:
   // `groups` are the scoring groups (trainer_groups.h); all references must outlive the collector.
   RolloutCollector(const CollectorConfig& cfg, EngineSet& engines, TrainerLink& link, PromptSource& prompts,
-                   RewardSources rewards, const std::vector<TrainerGroup>& groups);
+                   RewardSources rewards, const std::vector<TrainerGroup>& groups, TurnSources turns = {});
   ~RolloutCollector();
 
   // Opens the streams and starts forming `first_step` with the engines at `version`. `resend`
@@ -203,6 +241,30 @@ class RolloutCollector {
     engine::SampleOutput out;
     float score = 0;
     uint64_t uid = 0;  // batched reward id
+    TurnInfo turns;    // multi-turn samples
+    bool multi_turn = false;
+    float turn_rewards = 0;  // their sum
+    std::vector<int64_t> prompt;  // multi-turn: the prompt with Start's observation (empty: the dataset's)
+  };
+  // A multi-turn sample's episode, from its Start to its last Step.
+  struct Episode {
+    int64_t ordinal = 0;
+    int64_t sample = 0;
+    int engine = 0;
+    std::string session;                // the environment's session id
+    int turns = 0;                      // model turns done
+    std::vector<int64_t> history;       // prompt + everything after it: the next turn's prompt
+    int64_t prompt_len = 0;
+    engine::SampleOutput out;           // every token after the prompt (observations' log-probs 0)
+    TurnInfo info;
+    engine::SessionKey parked{};        // the engine session that holds its cache
+    bool has_parked = false;
+    bool live = false;                  // a turn is on the engine, as request live_request
+    uint64_t live_request = 0;
+    env::Observation first;             // Start's observation, until the group's first request
+    bool started = false;
+    double env_seconds = 0;
+    int64_t env_calls = 0;
   };
   struct Group {
     int64_t ordinal = 0;
@@ -216,6 +278,7 @@ class RolloutCollector {
     bool joined = false;
     int64_t batch_index = -1;      // once joined: its index in the forming step's groups
     std::vector<Staged> staged;    // arrived before joining
+    int64_t starts = 0;            // multi-turn: Start answers in
   };
   struct AsyncSlot {
     int64_t group = 0;       // ordinal
@@ -227,6 +290,24 @@ class RolloutCollector {
   void dispatch();
   void send(int64_t ordinal, int64_t dataset_index);
   void take(Completion& c);
+  // A sample of group `g` is complete (single-turn: the engine's output; multi-turn: the episode's).
+  void arrive(Group& g, Staged st);
+  // Multi-turn.
+  bool multi_turn() const { return turns_.env != nullptr; }
+  static uint64_t episode_key(int64_t ordinal, int64_t sample) {
+    return (static_cast<uint64_t>(ordinal) << 11) | static_cast<uint64_t>(sample);
+  }
+  void start_episodes(Group& g);
+  void take_turn(Episode& ep, engine::SampleOutput s);
+  void take_env_results();
+  void first_turns(Group& g);
+  void next_turn(Episode& ep, const env::Observation& obs);
+  void submit_turn(Episode& ep, std::vector<int64_t> prompt, int64_t n, uint64_t id, uint64_t seed,
+                   int64_t max_new_tokens, bool resume);
+  uint64_t group_seed(int64_t ordinal) const;
+  void end_episode(Episode& ep, bool env_done);
+  void drop_episodes(const Group& g);
+  std::string sample_where(int64_t ordinal, int64_t sample) const;
   void join_ready();
   void join(Group& g);
   void add_to_batch(Group& g, Staged s);
@@ -251,11 +332,16 @@ class RolloutCollector {
   bool open_ = false;
   std::map<int64_t, Group> outstanding_;  // by ordinal
   std::vector<PendingPrompt> resend_;     // a checkpoint's prompts still to send
-  std::vector<int64_t> in_flight_;        // samples per engine
+  std::vector<int64_t> in_flight_;        // samples of engine requests not returned, per engine
+  std::vector<int64_t> load_;             // samples dispatched and not arrived, per engine (dispatch balance)
   std::vector<SteadyClock::time_point> last_progress_;
   std::unordered_map<uint64_t, AsyncSlot> async_slots_;
   uint64_t next_uid_ = 0;
   bool async_unflushed_ = false;
+  TurnSources turns_;
+  std::unordered_map<uint64_t, Episode> episodes_;          // by episode_key
+  std::unordered_map<uint64_t, uint64_t> turn_requests_;    // a turn's engine request id -> its episode key
+  uint64_t next_turn_request_ = uint64_t{1} << 62;          // above every ordinal
 
   std::unique_ptr<StepBatch> batch_;                   // the forming step
   std::vector<Rollout> spare_;                         // cleared arrays of trained steps, for reuse

@@ -13,6 +13,7 @@
 #include "rollout/advantages.h"
 #include "rollout/checkpoint_manager.h"
 #include "rollout/engine_pool.h"
+#include "rollout/env_runner.h"
 #include "rollout/hybrid_phases.h"
 #include "rollout/off_policy.h"
 #include "rollout/role_worker.h"
@@ -25,6 +26,7 @@
 #include "tiller/core/logging.h"
 #include "tiller/core/tls.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/env/remote_env.h"
 #include "tiller/model/chat_template.h"
 #include "tiller/model/model_config.h"
 #include "tiller/model/tokenizer.h"
@@ -103,7 +105,7 @@ struct Controller::Impl {
   // This step.
   json metrics;
   SteadyClock::time_point run_start, step_end;
-  std::vector<double> engine_busy;
+  std::vector<engine::EngineStats> engine_stats;  // the engines' counters at the last step's end
   double sync_seconds_on_actor = 0, sync_wire_bytes = 0;
   json summary = json::object();
   json last_metrics;
@@ -322,6 +324,11 @@ struct Controller::Impl {
     metrics["time/score_tail"] = sampled ? std::chrono::duration<double>(b.ready_at - b.last_sample).count() : 0.0;
     metrics["throughput/generate_tokens_per_s"] = gen > 0 ? static_cast<double>(b.generated_tokens) / gen : 0.0;
     metrics["samples"] = static_cast<double>(b.ro.size());
+    if (cfg.multi_turn()) {
+      metrics["env/seconds_per_sample"] = b.ro.size() > 0 ? b.env_seconds / static_cast<double>(b.ro.size()) : 0.0;
+      metrics["env/calls"] = static_cast<double>(b.env_calls);
+      metrics["env/session_prefix_tokens"] = static_cast<double>(b.session_prefix_tokens);
+    }
     metrics["memory/controller_rollout_mb"] = static_cast<double>(b.ro.bytes()) / 1e6;
     if (w.rewards.batched) {
       const reward::RewardStats rs = w.rewards.batched->take_stats();
@@ -346,13 +353,29 @@ struct Controller::Impl {
       if (g.role == Role::kActor) b += value_or(metrics, "sync/seconds_on_actor");
       metrics["idle/" + std::string(role_name(g.role))] = std::max(0.0, step_s - b);
     }
-    const std::vector<double> now = w.engines->busy_seconds();
-    if (!now.empty() && now.size() == engine_busy.size()) {
+    const std::vector<engine::EngineStats> now = w.engines->stats();
+    if (!now.empty() && now.size() == engine_stats.size()) {
       double sum = 0;
-      for (size_t i = 0; i < now.size(); ++i) sum += now[i] - engine_busy[i];
+      for (size_t i = 0; i < now.size(); ++i) sum += now[i].seconds_in_steps - engine_stats[i].seconds_in_steps;
       metrics["idle/engines"] = std::max(0.0, step_s - sum / static_cast<double>(now.size()));
+      if (cfg.multi_turn()) {
+        // What the engines computed again and what the sessions spared them, this step.
+        double prefill = 0, resumes = 0, reused = 0, misses = 0, evictions = 0;
+        for (size_t i = 0; i < now.size(); ++i) {
+          prefill += static_cast<double>(now[i].prefill_tokens - engine_stats[i].prefill_tokens);
+          resumes += static_cast<double>(now[i].session_resumes - engine_stats[i].session_resumes);
+          reused += static_cast<double>(now[i].session_tokens_reused - engine_stats[i].session_tokens_reused);
+          misses += static_cast<double>(now[i].session_misses - engine_stats[i].session_misses);
+          evictions += static_cast<double>(now[i].session_evictions - engine_stats[i].session_evictions);
+        }
+        metrics["engine/prefill_tokens"] = prefill;
+        metrics["engine/session_resumes"] = resumes;
+        metrics["engine/session_tokens_reused"] = reused;
+        metrics["engine/session_misses"] = misses;
+        metrics["engine/session_evictions"] = evictions;
+      }
     }
-    engine_busy = now;
+    engine_stats = now;
   }
 
   // --- checkpoints --------------------------------------------------------------------------------
@@ -487,11 +510,12 @@ struct Controller::Impl {
   int run() {
     if (!w.sync_plan.empty()) plan_id = w.engines->install_sync_plan(w.sync_plan);
     if (cfg.checkpoint.resume || w.require_resume) resume();
-    collector = std::make_unique<RolloutCollector>(collect_cfg, *w.engines, link, *w.prompts, w.rewards, groups);
+    collector =
+        std::make_unique<RolloutCollector>(collect_cfg, *w.engines, link, *w.prompts, w.rewards, groups, w.turns);
     if (hybrid) collector->pause_dispatch(true);  // until the first generate phase
     collector->start(step + 1, version, resend, next_ordinal);
     run_start = step_end = w.clock->now();
-    engine_busy = w.engines->busy_seconds();
+    engine_stats = w.engines->stats();
     first_step = step;
     bool stopped_by_signal = false;
     while (step < cfg.train.num_steps) {
@@ -612,6 +636,41 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
     rewards.batched = batched.get();
   }
 
+  // Multi-turn samples: the environment, its calls off the controller's thread, and the
+  // observations' tokens inside the chat template's tool turn.
+  std::unique_ptr<EnvRunner> env_runner;
+  TurnSources turns;
+  if (cfg.multi_turn()) {
+    std::shared_ptr<env::Environment> environment;
+    if (cfg.env.type == "remote") {
+      env::RemoteEnvOptions eo;
+      eo.address = cfg.env.address;
+      eo.timeout_seconds = cfg.env.timeout_s;
+      eo.retries = static_cast<int>(cfg.env.retries);
+      if (!cfg.env.token_file.empty()) eo.token = read_secret_file(cfg.env.token_file, "env.token_file");
+      eo.tls.ca = cfg.env.tls_ca;
+      eo.tls.server_name = cfg.env.tls_server_name;
+      auto remote = std::make_shared<env::RemoteEnvironment>(eo);
+      const std::string name = remote->check_health(Deadline::after_seconds(cfg.timeouts.startup_s));
+      log::info("env: the service at {} runs '{}' (at most {} turns, {} response tokens a sample)", eo.address, name,
+                cfg.rollout.max_turns, cfg.response_limit());
+      environment = std::move(remote);
+    } else {
+      environment = env::make_env(cfg.env.name);
+      log::info("env: {} in-process (at most {} turns, {} response tokens a sample)", environment->name(),
+                cfg.rollout.max_turns, cfg.response_limit());
+    }
+    env_runner = std::make_unique<EnvRunner>(std::move(environment), static_cast<int>(cfg.env.concurrency),
+                                             cfg.env.timeout_s);
+    turns.env = env_runner.get();
+    const model::ChatFormat chat = cfg.data.apply_chat_template ? d.chat : model::ChatFormat::kNone;
+    turns.observation_tokens = [tok, chat](const std::string& text, bool closed, bool raw) {
+      return tok->encode(raw ? text : model::observation_turn(chat, text, closed), /*add_special_tokens=*/false);
+    };
+    turns.decode = [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, true); };
+    turns.session_prefix = fmt::format("{}-{}", cfg.run.name, cfg.run.seed);
+  }
+
   TlsFiles engine_tls;
   if (!cfg.engines.tls_cert.empty()) {
     engine_tls.ca = cfg.engines.tls_ca.empty() ? cfg.engines.tls_cert : cfg.engines.tls_ca;
@@ -627,6 +686,7 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   w.prompts = &prompts;
   w.dataset = &dataset;
   w.rewards = rewards;
+  w.turns = turns;
   w.sync_plan = sync::job_bucket_plan(cfg, mc, static_cast<int>(actor->ranks.size())).to_json();
   w.require_resume = opts.require_resume;
   w.stop_token_ids = model::eos_token_ids(actor_dir, mc, *tokenizer);

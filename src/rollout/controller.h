@@ -42,6 +42,7 @@ struct ControllerWiring {
   PromptSource* prompts = nullptr;
   PromptDataset* dataset = nullptr;  // its cursor goes into checkpoints (null: a synthetic source)
   RewardSources rewards;
+  TurnSources turns;                    // multi-turn samples: the environment (turns.env null: none)
   std::vector<int64_t> stop_token_ids;  // end a sample (the tokenizer's EOS ids)
   double attention_tokens = 0;          // the actor model's model::attention_cost_tokens (0: balance by tokens)
   std::string sync_plan;             // the bucket plan installed on the engines ("" : none)

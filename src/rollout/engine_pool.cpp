@@ -125,11 +125,13 @@ std::vector<engine::ServerMemory> EnginePool::wake(bool weights, bool cache) {
   return out;
 }
 
-std::vector<double> EnginePool::busy_seconds() {
-  std::vector<double> out;
+void EnginePool::release_session(size_t i, engine::SessionKey key) { sessions_.at(i)->release_session(key); }
+
+std::vector<engine::EngineStats> EnginePool::stats() {
+  std::vector<engine::EngineStats> out;
   for (size_t i = 0; i < clients_.size(); ++i) {
     try {
-      out.push_back(clients_[i]->stats().engine.seconds_in_steps);
+      out.push_back(clients_[i]->stats().engine);
     } catch (const std::exception& e) {
       throw CommError(fmt::format("{} failed to report its stats: {}", name(i), e.what()));
     }

@@ -36,7 +36,8 @@ class EnginePool final : public EngineSet {
   void end_update(uint64_t version, double timeout_s) override;
   std::vector<engine::ServerMemory> sleep(int level) override;
   std::vector<engine::ServerMemory> wake(bool weights, bool cache) override;
-  std::vector<double> busy_seconds() override;
+  void release_session(size_t i, engine::SessionKey key) override;
+  std::vector<engine::EngineStats> stats() override;
   void close() override;
 
  private:

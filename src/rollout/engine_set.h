@@ -47,9 +47,11 @@ class EngineSet {
   // memory, the KV cache); returns each engine's memory (its leader rank's) afterwards.
   virtual std::vector<engine::ServerMemory> sleep(int level) = 0;
   virtual std::vector<engine::ServerMemory> wake(bool weights, bool cache) = 0;
-  // Seconds each engine has spent running steps since it started (for idle time); empty when
-  // unknown.
-  virtual std::vector<double> busy_seconds() = 0;
+  // Frees a parked multi-turn session on engine i (its episode ended); a session that is gone is fine.
+  virtual void release_session(size_t i, engine::SessionKey key) = 0;
+  // Each engine's counters since it started (seconds in steps for idle time, prefill and session
+  // counters for multi-turn metrics); empty when unknown.
+  virtual std::vector<engine::EngineStats> stats() = 0;
   // Ends the streams; requests still in flight are aborted.
   virtual void close() = 0;
 };

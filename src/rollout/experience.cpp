@@ -20,7 +20,7 @@ void append_ids(std::vector<int32_t>& out, const std::vector<int64_t>& ids) {
 int64_t Rollout::add(int64_t prompt_index, int64_t sample_index, const std::vector<int64_t>& prompt_tokens,
                      const std::vector<int64_t>& response, const std::vector<float>& engine_logprobs, bool hit_length,
                      const std::vector<int64_t>& version_starts, const std::vector<uint64_t>& versions,
-                     uint64_t version) {
+                     uint64_t version, const TurnInfo* turn_info) {
   TILLER_CHECK(engine_logprobs.size() == response.size(), "{} log-probs for {} response tokens",
                engine_logprobs.size(), response.size());
   TILLER_CHECK(version_starts.size() == versions.size(), "{} version runs with {} versions", version_starts.size(),
@@ -29,6 +29,20 @@ int64_t Rollout::add(int64_t prompt_index, int64_t sample_index, const std::vect
     TILLER_CHECK(version_starts[i] >= 0 && static_cast<size_t>(version_starts[i]) < std::max<size_t>(response.size(), 1) &&
                      (i == 0 ? version_starts[i] == 0 : version_starts[i] > version_starts[i - 1]),
                  "version run {} starts at token {} of a response of {}", i, version_starts[i], response.size());
+  TILLER_CHECK(layout.turns || turn_info == nullptr, "turn information for a rollout without layout.turns");
+  if (turn_info) {
+    TILLER_CHECK(turn_info->loss_mask.size() == response.size(), "a loss mask of {} for {} response tokens",
+                 turn_info->loss_mask.size(), response.size());
+    TILLER_CHECK(turn_info->ends.size() == turn_info->rewards.size(), "{} turn ends with {} rewards",
+                 turn_info->ends.size(), turn_info->rewards.size());
+    for (size_t i = 0; i < turn_info->ends.size(); ++i) {
+      const int64_t e = turn_info->ends[i];
+      TILLER_CHECK(e >= 0 && static_cast<size_t>(e) < response.size() && turn_info->loss_mask[static_cast<size_t>(e)] &&
+                       (i == 0 || e > turn_info->ends[i - 1]),
+                   "turn {} ends at token {} of a response of {}, not after the turn before on a model token", i, e,
+                   response.size());
+    }
+  }
   const int64_t s = size();
   if (run_offset.empty()) run_offset.push_back(0);
   prompt.push_back(prompt_index);
@@ -51,6 +65,17 @@ int64_t Rollout::add(int64_t prompt_index, int64_t sample_index, const std::vect
   append_ids(tokens, response);
   engine_logp.insert(engine_logp.end(), engine_logprobs.begin(), engine_logprobs.end());
   const size_t n = engine_logp.size();
+  if (layout.turns) {
+    if (turn_offset.empty()) turn_offset.push_back(0);
+    if (turn_info) {
+      loss_mask.insert(loss_mask.end(), turn_info->loss_mask.begin(), turn_info->loss_mask.end());
+      turn_end.insert(turn_end.end(), turn_info->ends.begin(), turn_info->ends.end());
+      turn_reward.insert(turn_reward.end(), turn_info->rewards.begin(), turn_info->rewards.end());
+    } else {
+      loss_mask.resize(n, 1);
+    }
+    turn_offset.push_back(static_cast<int64_t>(turn_end.size()));
+  }
   logp.resize(n, 0.f);
   advantages.resize(n, 0.f);
   if (layout.ref) ref_logp.resize(n, 0.f);
@@ -62,7 +87,8 @@ int64_t Rollout::add(int64_t prompt_index, int64_t sample_index, const std::vect
 }
 
 int64_t Rollout::add_from(const Rollout& o, int64_t s, int64_t prompt_index) {
-  TILLER_CHECK(o.layout.ref == layout.ref && o.layout.critic == layout.critic, "rollouts of different layouts");
+  TILLER_CHECK(o.layout.ref == layout.ref && o.layout.critic == layout.critic && o.layout.turns == layout.turns,
+               "rollouts of different layouts");
   const int64_t d = size();
   if (run_offset.empty()) run_offset.push_back(0);
   prompt.push_back(prompt_index);
@@ -89,7 +115,30 @@ int64_t Rollout::add_from(const Rollout& o, int64_t s, int64_t prompt_index) {
     copy(values, o.values);
     copy(returns, o.returns);
   }
+  if (layout.turns) {
+    loss_mask.insert(loss_mask.end(), o.loss_mask.begin() + o.resp_offset[s],
+                     o.loss_mask.begin() + o.resp_offset[s] + o.response_len[s]);
+    if (turn_offset.empty()) turn_offset.push_back(0);
+    turn_end.insert(turn_end.end(), o.turn_end.begin() + o.turn_offset[s], o.turn_end.begin() + o.turn_offset[s + 1]);
+    turn_reward.insert(turn_reward.end(), o.turn_reward.begin() + o.turn_offset[s],
+                       o.turn_reward.begin() + o.turn_offset[s + 1]);
+    turn_offset.push_back(static_cast<int64_t>(turn_end.size()));
+  }
   return d;
+}
+
+int64_t Rollout::model_tokens(int64_t s) const {
+  if (!layout.turns) return response_len[s];
+  int64_t n = 0;
+  for (int64_t t = resp_offset[s]; t < resp_offset[s] + response_len[s]; ++t) n += loss_mask[static_cast<size_t>(t)];
+  return n;
+}
+
+double Rollout::total_reward(int64_t s) const {
+  double r = score[s];
+  if (layout.turns)
+    for (int64_t i = turn_offset[s]; i < turn_offset[s + 1]; ++i) r += turn_reward[static_cast<size_t>(i)];
+  return r;
 }
 
 uint64_t Rollout::oldest_version(int64_t s) const {
@@ -117,6 +166,10 @@ void Rollout::clear() {
   truncated.clear();
   run_version.clear();
   tokens.clear();
+  loss_mask.clear();
+  turn_offset.clear();
+  turn_end.clear();
+  turn_reward.clear();
   for (auto* v : {&score, &engine_logp, &logp, &advantages, &ref_logp, &values, &returns}) v->clear();
 }
 
@@ -125,6 +178,8 @@ size_t Rollout::bytes() const {
   for (auto* v : {&prompt, &sample, &seq_offset, &prompt_len, &response_len, &resp_offset, &run_offset, &run_start})
     b += v->capacity() * sizeof(int64_t);
   b += truncated.capacity() + run_version.capacity() * sizeof(uint64_t) + tokens.capacity() * sizeof(int32_t);
+  b += loss_mask.capacity() + (turn_offset.capacity() + turn_end.capacity()) * sizeof(int64_t) +
+       turn_reward.capacity() * sizeof(float);
   for (auto* v : {&score, &engine_logp, &logp, &advantages, &ref_logp, &values, &returns})
     b += v->capacity() * sizeof(float);
   return b;

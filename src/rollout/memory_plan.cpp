@@ -193,7 +193,7 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       if (kv == 0 && gpu_bytes > 0) {
         const double usable = cfg.engines.gpu_memory_fraction * static_cast<double>(gpu_bytes - kReserveBytes);
         kv = static_cast<int64_t>(usable) - gen.total();
-        const int64_t len = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens;
+        const int64_t len = cfg.rollout.max_prompt_tokens + cfg.response_limit();
         const int64_t blocks = (len + cfg.engines.kv_block_size - 1) / cfg.engines.kv_block_size;
         const int64_t need = blocks * cfg.engines.kv_block_size * per_token;
         if (kv < need)

@@ -387,14 +387,16 @@ Frame TrainActorRequest::encode() const {
   f.tensors.push_back(host(advantages, at::kFloat));
   if (ref_logp.defined()) f.tensors.push_back(host(ref_logp, at::kFloat));
   if (is_weights.defined()) f.tensors.push_back(host(is_weights, at::kFloat));
-  f.scalars = {normalizer, kl_coef, ref_logp.defined() ? 1.0 : 0.0, is_weights.defined() ? 1.0 : 0.0};
+  if (loss_mask.defined()) f.tensors.push_back(host(loss_mask, at::kByte));
+  f.scalars = {normalizer, kl_coef, ref_logp.defined() ? 1.0 : 0.0, is_weights.defined() ? 1.0 : 0.0,
+               loss_mask.defined() ? 1.0 : 0.0};
   return f;
 }
 
 TrainActorRequest TrainActorRequest::decode(Frame f) {
-  if (f.scalars.size() != 4) malformed(Op::kTrainActor, fmt::format("{} scalars, expected 4", f.scalars.size()));
-  const bool ref = f.scalars[2] != 0, weights = f.scalars[3] != 0;
-  expect(f, Op::kTrainActor, 6 + (ref ? 1 : 0) + (weights ? 1 : 0), 4);
+  if (f.scalars.size() != 5) malformed(Op::kTrainActor, fmt::format("{} scalars, expected 5", f.scalars.size()));
+  const bool ref = f.scalars[2] != 0, weights = f.scalars[3] != 0, mask = f.scalars[4] != 0;
+  expect(f, Op::kTrainActor, 6 + (ref ? 1 : 0) + (weights ? 1 : 0) + (mask ? 1 : 0), 5);
   TrainActorRequest r;
   r.batch = decode_batch(f);
   const int64_t n = r.batch.response_tokens();
@@ -403,6 +405,7 @@ TrainActorRequest TrainActorRequest::decode(Frame f) {
   r.advantages = tensor(f, i++, at::kFloat, n, "advantages");
   r.ref_logp = optional_floats(f, i, ref, n, "reference log-probs");
   r.is_weights = optional_floats(f, i, weights, n, "importance weights");
+  if (mask) r.loss_mask = tensor(f, i++, at::kByte, n, "loss mask");
   r.normalizer = f.scalars[0];
   r.kl_coef = f.scalars[1];
   if (!(r.normalizer > 0)) malformed(f.op, fmt::format("normalizer {}", r.normalizer));
@@ -415,17 +418,21 @@ Frame TrainCriticRequest::encode() const {
   encode_batch(batch, f);
   f.tensors.push_back(host(old_values, at::kFloat));
   f.tensors.push_back(host(returns, at::kFloat));
-  f.scalars = {normalizer};
+  if (loss_mask.defined()) f.tensors.push_back(host(loss_mask, at::kByte));
+  f.scalars = {normalizer, loss_mask.defined() ? 1.0 : 0.0};
   return f;
 }
 
 TrainCriticRequest TrainCriticRequest::decode(Frame f) {
-  expect(f, Op::kTrainCritic, 6, 1);
+  if (f.scalars.size() != 2) malformed(Op::kTrainCritic, fmt::format("{} scalars, expected 2", f.scalars.size()));
+  const bool mask = f.scalars[1] != 0;
+  expect(f, Op::kTrainCritic, 6 + (mask ? 1 : 0), 2);
   TrainCriticRequest r;
   r.batch = decode_batch(f);
   const int64_t n = r.batch.response_tokens();
   r.old_values = tensor(f, 4, at::kFloat, n, "old values");
   r.returns = tensor(f, 5, at::kFloat, n, "returns");
+  if (mask) r.loss_mask = tensor(f, 6, at::kByte, n, "loss mask");
   r.normalizer = f.scalars[0];
   if (!(r.normalizer > 0)) malformed(f.op, fmt::format("normalizer {}", r.normalizer));
   return r;

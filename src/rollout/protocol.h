@@ -152,6 +152,9 @@ struct TrainActorRequest {
   at::Tensor advantages;  // float [R]
   at::Tensor ref_logp;    // float [R], or undefined: no KL loss
   at::Tensor is_weights;  // float [R], or undefined: no importance weights (algo.importance_correction)
+  // uint8 [R], or undefined: every response token trains. Multi-turn samples: 0 for observation
+  // tokens, which get no gradient and count in no statistic.
+  at::Tensor loss_mask;
   double normalizer = 1;  // the loss's divisor (the optimizer step's tokens, or Dr.GRPO's constant)
   double kl_coef = 0;     // KL-loss coefficient (with ref_logp)
   Frame encode() const;
@@ -162,6 +165,7 @@ struct TrainCriticRequest {
   PackedSequences batch;
   at::Tensor old_values;  // float [R]
   at::Tensor returns;     // float [R]
+  at::Tensor loss_mask;   // uint8 [R] or undefined (TrainActorRequest's)
   double normalizer = 1;
   Frame encode() const;
   static TrainCriticRequest decode(Frame f);

@@ -12,6 +12,7 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
+#include "rollout/losses.h"
 #include "rollout/protocol.h"
 #include "rollout/trainer_groups.h"
 #include "tiller/algo/algo.h"
@@ -231,29 +232,23 @@ struct RoleWorker::Impl {
     at::Tensor entropy;
     at::Tensor lp = m.token_logprobs(mb.slice, mb.targets, temperature, &entropy);
     StepStats& a = acc[Role::kActor];
-    if (mb.resp_rows.numel() == 0) {
+    // Multi-turn samples: only the model's tokens train (losses.h applies the loss mask).
+    ActorLossSpec spec;
+    spec.clip = {cfg.algo.clip_eps_low, cfg.algo.clip_eps_high, cfg.algo.dual_clip};
+    spec.kl_estimator = cfg.algo.kl_estimator;
+    spec.entropy_coef = cfg.algo.entropy_coef;
+    spec.old_is_forward = cfg.train.old_logprobs == "forward";
+    const MicroBatchLoss l =
+        actor_loss(lp.index_select(0, mb.resp_rows), entropy.index_select(0, mb.resp_rows), in, spec);
+    if (!l.loss.defined()) {
       (lp.sum() * 0).backward();  // lockstep: the group's collectives run on every rank
     } else {
-      auto on = [&](const at::Tensor& t) { return t.to(device); };
-      at::Tensor logp = lp.index_select(0, mb.resp_rows);
-      // train.old_logprobs = forward: this forward is the sampling policy (the ratio is 1).
-      const at::Tensor old = cfg.train.old_logprobs == "forward" ? logp.detach() : on(in.old_logp);
-      const at::Tensor adv = on(in.advantages);
-      const at::Tensor is_w = in.is_weights.defined() ? on(in.is_weights) : at::Tensor();
-      algo::PolicyLossConfig pc{cfg.algo.clip_eps_low, cfg.algo.clip_eps_high, cfg.algo.dual_clip};
-      algo::PolicyLoss pl = algo::policy_loss(logp, old, adv, pc, in.normalizer, is_w);
-      at::Tensor loss = pl.loss;
-      if (in.kl_coef > 0 && in.ref_logp.defined())
-        loss = loss + algo::kl_loss(logp, on(in.ref_logp), cfg.algo.kl_estimator, in.kl_coef, in.normalizer);
-      const at::Tensor resp_entropy = entropy.index_select(0, mb.resp_rows);
-      if (cfg.algo.entropy_coef > 0)
-        loss = loss + algo::entropy_bonus(resp_entropy, cfg.algo.entropy_coef, in.normalizer);
-      loss.backward();
-      const double n = static_cast<double>(logp.numel());
-      a.loss += loss.item<double>();
-      a.clip_tokens += pl.clip_fraction * n;
-      a.approx_kl_tokens += pl.approx_kl * n;
-      a.entropy_sum += resp_entropy.detach().sum().item<double>();
+      l.loss.backward();
+      const auto n = static_cast<double>(l.tokens);
+      a.loss += l.loss.item<double>();
+      a.clip_tokens += l.clip_fraction * n;
+      a.approx_kl_tokens += l.approx_kl * n;
+      a.entropy_sum += l.entropy_sum;
       a.tokens += n;
     }
     a.train_seconds += seconds_since(t0);
@@ -267,16 +262,14 @@ struct RoleWorker::Impl {
     const MicroBatch mb = micro_batch(in.batch, device);
     at::Tensor v = m.values(mb.slice);
     StepStats& a = acc[Role::kCritic];
-    if (mb.resp_rows.numel() == 0) {
+    const MicroBatchLoss l = critic_loss(v.index_select(0, mb.resp_rows), in, cfg.algo.value_clip);
+    if (!l.loss.defined()) {
       (v.sum() * 0).backward();
     } else {
-      at::Tensor vals = v.index_select(0, mb.resp_rows);
-      algo::ValueLoss vl = algo::value_loss(vals, in.old_values.to(device), in.returns.to(device), cfg.algo.value_clip,
-                                            in.normalizer);
-      vl.loss.backward();
-      const double n = static_cast<double>(vals.numel());
-      a.loss += vl.loss.item<double>();
-      a.clip_tokens += vl.clip_fraction * n;
+      l.loss.backward();
+      const auto n = static_cast<double>(l.tokens);
+      a.loss += l.loss.item<double>();
+      a.clip_tokens += l.clip_fraction * n;
       a.tokens += n;
     }
     a.train_seconds += seconds_since(t0);

@@ -71,8 +71,14 @@ void ScoreRounds::post(TrainerLink& link, Rollout& ro, ScoreTotals& totals, bool
           if (roles.has(role)) totals.tokens[static_cast<size_t>(role_index(role))] += rows;
         if (roles.has(Role::kActor)) {
           scatter_tokens(ro, ro.logp, samples, r.actor_logp);
-          totals.entropy_sum += r.actor_entropy.to(at::kDouble).sum().item<double>();
-          totals.entropy_tokens += r.actor_entropy.numel();
+          if (ro.layout.turns) {  // the model's tokens only
+            const at::Tensor m = gather_mask(ro, samples).to(at::kBool);
+            totals.entropy_sum += r.actor_entropy.masked_select(m).to(at::kDouble).sum().item<double>();
+            totals.entropy_tokens += m.sum().item<int64_t>();
+          } else {
+            totals.entropy_sum += r.actor_entropy.to(at::kDouble).sum().item<double>();
+            totals.entropy_tokens += r.actor_entropy.numel();
+          }
         }
         if (roles.has(Role::kCritic)) scatter_tokens(ro, ro.values, samples, r.critic_values);
         if (roles.has(Role::kRef)) scatter_tokens(ro, ro.ref_logp, samples, r.ref_logp);

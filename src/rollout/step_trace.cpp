@@ -111,7 +111,17 @@ void StepOutputs::record(const StepBatch& batch, uint64_t trained_version,
     r["version_runs"] = runs;  // [first response token, version]
     r["response_len"] = ro.response_len[s];
     r["score"] = ro.score[static_cast<size_t>(s)];
+    if (ro.layout.turns) {  // multi-turn: each model turn's last response token and its reward
+      json turns = json::array();
+      for (int64_t i = ro.turn_offset[s]; i < ro.turn_offset[s + 1]; ++i)
+        turns.push_back({ro.turn_end[static_cast<size_t>(i)], ro.turn_reward[static_cast<size_t>(i)]});
+      r["turns"] = turns;
+      r["model_tokens"] = ro.model_tokens(s);
+    }
     if (record_tokens_) {
+      if (ro.layout.turns)
+        r["loss_mask"] = std::vector<int>(ro.loss_mask.begin() + ro.resp_offset[s],
+                                          ro.loss_mask.begin() + ro.resp_offset[s] + ro.response_len[s]);
       r["prompt_ids"] = std::vector<int32_t>(ro.tokens.begin() + ro.seq_offset[s],
                                              ro.tokens.begin() + ro.seq_offset[s] + ro.prompt_len[s]);
       r["response_ids"] = std::vector<int32_t>(ro.tokens.begin() + ro.seq_offset[s] + ro.prompt_len[s],

@@ -61,7 +61,8 @@ class SyntheticEngines final : public EngineSet {
   bool next(Completion& out, int wait_ms) override;
   void begin_update(uint64_t version, uint64_t plan_id) override;
   void end_update(uint64_t version, double timeout_s) override;
-  std::vector<double> busy_seconds() override { return {}; }
+  void release_session(size_t, engine::SessionKey) override {}  // keeps no KV cache to park
+  std::vector<engine::EngineStats> stats() override { return {}; }
   // Sleep and wake keep the real engines' rules: sleep only when idle, no request while the cache
   // sleeps, no sync into weights asleep at level 2 (each a broken invariant here).
   std::vector<engine::ServerMemory> sleep(int level) override;

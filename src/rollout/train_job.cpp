@@ -77,13 +77,14 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
   const std::string dir = cfg.engines.model.empty() ? cfg.roles.actor.model : cfg.engines.model;
   // Before the weights load: a context the model was not made for is a config error, not an
   // allocation of RoPE tables for it.
-  const int64_t max_model_len = checked_add(cfg.rollout.max_prompt_tokens, cfg.rollout.max_new_tokens,
-                                            "rollout.max_prompt_tokens + rollout.max_new_tokens");
+  const char* sum = cfg.multi_turn() ? "rollout.max_prompt_tokens + the response limit (rollout.max_response_tokens)"
+                                     : "rollout.max_prompt_tokens + rollout.max_new_tokens";
+  const int64_t max_model_len = checked_add(cfg.rollout.max_prompt_tokens, cfg.response_limit(), sum);
   const int64_t limit = model::context_limit(model::load_model_config(dir));
   if (max_model_len > limit)
-    throw ConfigError(fmt::format("rollout.max_prompt_tokens + rollout.max_new_tokens = {} exceeds the context of {} "
-                                  "({} tokens: max_position_embeddings, with its RoPE scaling); lower them",
-                                  max_model_len, dir, limit));
+    throw ConfigError(fmt::format("{} = {} exceeds the context of {} ({} tokens: max_position_embeddings, with its "
+                                  "RoPE scaling); lower them",
+                                  sum, max_model_len, dir, limit));
   engine::EngineWeights w = engine::load_engine_weights(dir, me.engine_tp_rank, tp, cfg.roles.actor.dtype, device);
   engine::EngineOptions eo;
   eo.device = device;
@@ -93,6 +94,8 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
   eo.limits.max_num_seqs = cfg.engines.max_num_seqs;
   eo.limits.max_batched_tokens = cfg.engines.max_batched_tokens;
   eo.max_model_len = max_model_len;
+  eo.session_timeout_s = cfg.engines.session_timeout_s;
+  eo.max_sessions = cfg.engines.max_sessions;
   eo.start_asleep = start_asleep;
   dist::Communicator* tp_comm = tp > 1 ? groups.engine_tp.get() : nullptr;
   if (tp_comm) tp_comm->set_timeout(cfg.timeouts.collective_s);

@@ -17,7 +17,7 @@ TrainingConfig TrainingConfig::from_job(const JobConfig& job, bool have_ref) {
   c.train_batch_size = job.train.train_batch_size;
   c.ppo_epochs = job.algo.ppo_epochs;
   c.micro_batch_tokens = job.train.micro_batch_tokens;
-  c.max_new_tokens = job.rollout.max_new_tokens;
+  c.max_new_tokens = job.response_limit();
   c.dr_grpo = job.algo.advantage_estimator == AdvantageEstimator::kDrGrpo;
   c.kl_loss = !job.algo.kl_in_reward && have_ref;
   c.seed = static_cast<uint64_t>(job.run.seed);
@@ -70,7 +70,7 @@ void TrainingDispatch::start(const StepBatch& batch, const OffPolicy& off_policy
         for (int64_t s : chunk)
           if (p.role != Role::kActor || !off_policy.masked[static_cast<size_t>(s)]) samples.push_back(s);
         int64_t tokens = 0;
-        for (int64_t s : samples) tokens += ro.response_len[s];
+        for (int64_t s : samples) tokens += ro.model_tokens(s);  // multi-turn: observations count nowhere
         p.normalizers.push_back(cfg_.dr_grpo ? static_cast<double>(samples.size() * cfg_.max_new_tokens)
                                              : static_cast<double>(std::max<int64_t>(tokens, 1)));
         const int sp = p.group->sequence_parallel;
@@ -113,6 +113,7 @@ void TrainingDispatch::post_step(size_t i) {
         const at::Tensor ref_logp = tokens_of(ro.ref_logp, actor && cfg_.kl_loss && kl_coef_ > 0);
         const at::Tensor is_weights = tokens_of(off_policy_->weights, actor && !off_policy_->weights.empty());
         const at::Tensor old_values = tokens_of(ro.values, !actor), returns = tokens_of(ro.returns, !actor);
+        const at::Tensor loss_mask = ro.layout.turns ? gather_mask(ro, mb) : at::Tensor();
         for (int j = 0; j < sp; ++j) {
           const PackedSequences& slice = slices[static_cast<size_t>(j)];
           const int rank = p.group->ranks[k * static_cast<size_t>(sp) + static_cast<size_t>(j)];
@@ -123,6 +124,7 @@ void TrainingDispatch::post_step(size_t i) {
             m.advantages = part(advantages, slice);
             if (ref_logp.defined()) m.ref_logp = part(ref_logp, slice);
             if (is_weights.defined()) m.is_weights = part(is_weights, slice);
+            if (loss_mask.defined()) m.loss_mask = part(loss_mask, slice);
             m.normalizer = p.normalizers[i];
             m.kl_coef = cfg_.kl_loss ? kl_coef_ : 0.0;
             link_.send(rank, m.encode());
@@ -131,6 +133,7 @@ void TrainingDispatch::post_step(size_t i) {
             m.batch = slice;
             m.old_values = part(old_values, slice);
             m.returns = part(returns, slice);
+            if (loss_mask.defined()) m.loss_mask = part(loss_mask, slice);
             m.normalizer = p.normalizers[i];
             link_.send(rank, m.encode());
           }

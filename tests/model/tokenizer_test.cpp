@@ -124,6 +124,25 @@ TEST(ChatTemplate, ChatMLAndLlama3) {
   // The template's special tokens encode as single ids.
   const auto ids = q->encode(apply_chat_template(ChatFormat::kChatML, {{"user", "hi"}}));
   EXPECT_EQ(ids.front(), *q->token_to_id("<|im_start|>"));
+  // Tool turns, as Qwen2.5's and Llama-3.1's templates write them; a run of tool messages is one
+  // ChatML user turn.
+  const std::vector<ChatMessage> tool{{"user", "q"}, {"assistant", "call"}, {"tool", "4"}, {"tool", "5"}};
+  EXPECT_EQ(apply_chat_template(ChatFormat::kChatML, tool),
+            "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\ncall<|im_end|>\n<|im_start|>user\n"
+            "<tool_response>\n4\n</tool_response>\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n");
+  EXPECT_EQ(apply_chat_template(ChatFormat::kLlama3, {{"tool", " 4 "}}, false),
+            "<|begin_of_text|><|start_header_id|>ipython<|end_header_id|>\n\n4<|eot_id|>");
+  // The observation after a model's turn continues the conversation exactly as the template
+  // writes it, whether the turn ended with its stop token or was cut off.
+  for (ChatFormat f : {ChatFormat::kChatML, ChatFormat::kLlama3}) {
+    const std::string end = f == ChatFormat::kChatML ? "<|im_end|>" : "<|eot_id|>";
+    const std::string whole = apply_chat_template(f, {{"user", "q"}, {"assistant", "call"}, {"tool", "4"}});
+    const std::string start = apply_chat_template(f, {{"user", "q"}});
+    EXPECT_EQ(start + "call" + end + observation_turn(f, "4", true), whole) << chat_format_name(f);
+    EXPECT_EQ(start + "call" + observation_turn(f, "4", false), whole) << chat_format_name(f);
+  }
+  EXPECT_EQ(observation_turn(ChatFormat::kNone, "\nResult: 4\n", true), "\nResult: 4\n");
   EXPECT_EQ(apply_input_template("Question: {}\nAnswer:", "1+1?"), "Question: 1+1?\nAnswer:");
   EXPECT_THROW(apply_input_template("no slot", "x"), ConfigError);
   EXPECT_THROW(apply_input_template("{} and {}", "x"), ConfigError);

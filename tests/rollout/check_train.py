@@ -30,6 +30,12 @@ CASE:
                built-in rule's. A parquet twin of the prompts (pyarrow) gives the JSONL run's rewards
                step for step. A reward that raises ends the job with one line naming the file,
                line and sample; one that never returns ends it at reward.python_timeout_s.
+  multi_turn   configs/quickstart_multiturn.yaml: GRPO over 3-turn episodes against the digits
+               environment (examples/envs/env_server.py, its first 2 calls failing UNAVAILABLE and
+               retried): the reward rises; every step's engine counters show no recomputed prefix
+               (resumes reuse exactly the cached conversation, prefill is prompts + observations +
+               one token a resume). A slow environment ends the job at env.timeout_s, one failing
+               past env.retries and one that is not there end it with a clear line.
   entropy      the entropy bonus: with algo.entropy_coef large, the policy's entropy after a few
                steps is clearly above the run without it (same seed).
   async        rollout.mode=async: PPO at max_staleness 1 and GRPO at 2 learn the toy task as sync
@@ -94,9 +100,9 @@ def base_sets(out):
             "timeouts.generate_s=120", "timeouts.startup_s=120"]
 
 
-def command(np_, out, *sets, extra=()):
+def command(np_, out, *sets, extra=(), config="quickstart.yaml"):
     args = [MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", str(np_), TILLER, "train", "-c",
-            str(REPO / "configs" / "quickstart.yaml"), *extra]
+            str(REPO / "configs" / config), *extra]
     for s in base_sets(out) + list(sets):
         args += ["--set", s]
     return args
@@ -111,10 +117,10 @@ def launch_command(out, *sets, restarts=2):
     return args
 
 
-def run(np_, out, *sets, extra=(), timeout=600):
+def run(np_, out, *sets, extra=(), timeout=600, config="quickstart.yaml"):
     shutil.rmtree(out, ignore_errors=True)
-    p = subprocess.run(command(np_, out, *sets, extra=extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, timeout=timeout)
+    p = subprocess.run(command(np_, out, *sets, extra=extra, config=config), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=timeout)
     return p.returncode, p.stdout
 
 
@@ -371,19 +377,22 @@ GRPO = ["algo.advantage_estimator=group_norm", "roles.critic.enabled=false", "al
         "algo.kl_estimator=k3"]
 
 
-def start_reward_server(name, *flags):
+def start_server(script, name, *flags):
     port_file = SCRATCH / f"{name}.port"
     port_file.unlink(missing_ok=True)
     log = open(SCRATCH / f"{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "reward_server" / "server.py"), "--host",
-                             "127.0.0.1", "--port", "0", "--task", "toy_digits", "--port-file", str(port_file),
-                             *flags], stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, str(REPO / "examples" / script), "--host", "127.0.0.1", "--port", "0",
+                             "--port-file", str(port_file), *flags], stdout=log, stderr=subprocess.STDOUT, text=True)
     end = time.time() + 60
     while not port_file.exists():
         if proc.poll() is not None or time.time() > end:
-            fail(f"the reward server did not start:\n{(SCRATCH / f'{name}.log').read_text()}")
+            fail(f"{script} did not start:\n{(SCRATCH / f'{name}.log').read_text()}")
         time.sleep(0.1)
     return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+def start_reward_server(name, *flags):
+    return start_server("reward_server/server.py", name, "--task", "toy_digits", *flags)
 
 
 def stop_reward_server(proc):
@@ -544,6 +553,67 @@ def check_python():
     expect_error("a Python reward file without the function",
                  command(3, SCRATCH / "python_missing", *GRPO, "reward.type=python", f"reward.python={missing}"),
                  r"has no function 'compute_score' \(its functions: score\)", code=2)
+
+
+def check_multi_turn():
+    server, address = start_server("envs/env_server.py", "env", "--env", "digits", "--fail-first", "2")
+    out = SCRATCH / "multi_turn"
+    try:
+        code, log = run(3, out, f"env.address={address}", "env.concurrency=8", timeout=800,
+                        config="quickstart_multiturn.yaml")
+    finally:
+        stop_reward_server(server)
+    if code != 0:
+        fail(f"exit code {code}:\n{log[-4000:]}")
+    rows = metrics(out)
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    print(f"multi_turn: mean reward {first:.3f} (steps 1-3) -> {last:.3f} (steps 28-30); "
+          f"turns {rows[-1]['turns/mean']:.2f}, tokens model {rows[-1]['tokens/model']:.0f} / observation "
+          f"{rows[-1]['tokens/observation']:.0f}, env {rows[-1]['env/seconds_per_sample'] * 1e3:.1f} ms a sample")
+    if not (first < 0.3 and last > 0.6):
+        fail(f"the reward did not rise clearly: {[round(r, 3) for r in rewards]}")
+    for r in rows:
+        if r["turns/mean"] <= 1.5 or r["tokens/observation"] <= 0 or abs(r["reward/env_mean"] - r["reward/mean"]) > 1e-6:
+            fail(f"step {r['step']}: turns {r['turns/mean']}, observation tokens {r['tokens/observation']}, "
+                 f"env reward {r['reward/env_mean']} vs {r['reward/mean']}")
+        # The engine kept every sample's conversation between turns: each resume found its session
+        # (no miss, nothing evicted) and reused exactly the cached prefix; what it prefilled is the
+        # groups' prompts (once per group of n), the observations, and one sampled token a resume.
+        n = 4
+        prompts = r["samples"] * r["prompt_length/mean"] / n
+        expect = prompts + r["tokens/observation"] + r["engine/session_resumes"]
+        if r["engine/session_misses"] != 0 or r["engine/session_evictions"] != 0 or \
+                r["engine/session_tokens_reused"] != r["env/session_prefix_tokens"] or \
+                abs(r["engine/prefill_tokens"] - expect) > 1e-6:
+            fail(f"step {r['step']}: the engine recomputed a continued prefix: "
+                 f"{ {k: v for k, v in r.items() if k.startswith(('engine/', 'env/', 'tokens/'))} }, "
+                 f"expected prefill {expect}")
+    print(f"multi_turn: every step's resumes reused their cached prefix ({rows[-1]['engine/session_tokens_reused']:.0f} "
+          f"tokens in the last), prefill = prompts + observations + one token a resume")
+
+    # A slow environment ends the job at env.timeout_s; one that is not there, at once; one whose
+    # failures outlast env.retries, with its status.
+    slow, slow_address = start_server("envs/env_server.py", "env_slow", "--env", "digits", "--delay", "5")
+    try:
+        expect_error("a slow environment",
+                     command(3, SCRATCH / "env_slow", f"env.address={slow_address}", "env.timeout_s=1",
+                             "train.num_steps=2", config="quickstart_multiturn.yaml"),
+                     r"Step of session .* (deadline|DEADLINE_EXCEEDED).*\(prompt line [0-9]+, sample [0-9]+, step 1\)")
+    finally:
+        stop_reward_server(slow)
+    flaky, flaky_address = start_server("envs/env_server.py", "env_flaky", "--env", "digits", "--fail-first", "1000")
+    try:
+        expect_error("an environment failing past its retries",
+                     command(3, SCRATCH / "env_flaky", f"env.address={flaky_address}", "env.retries=1",
+                             "train.num_steps=2", config="quickstart_multiturn.yaml"),
+                     r"UNAVAILABLE.*injected failure")
+    finally:
+        stop_reward_server(flaky)
+    expect_error("an environment that is not there",
+                 command(3, SCRATCH / "env_missing", "env.address=127.0.0.1:1", "train.num_steps=2",
+                         config="quickstart_multiturn.yaml"),
+                 r"127\.0\.0\.1:1")
 
 
 def check_entropy():
@@ -914,6 +984,8 @@ elif CASE == "python":
     check_python()
 elif CASE == "entropy":
     check_entropy()
+elif CASE == "multi_turn":
+    check_multi_turn()
 elif CASE == "async":
     check_async()
 elif CASE == "partial":

@@ -18,6 +18,7 @@
 #include "rollout/advantages.h"
 #include "rollout/checkpoint_manager.h"
 #include "rollout/controller.h"
+#include "rollout/env_runner.h"
 #include "rollout/off_policy.h"
 #include "rollout/supervisor.h"
 #include "rollout/synthetic.h"
@@ -295,6 +296,7 @@ struct Job {
   std::unique_ptr<SyntheticEngines> engines;
   std::unique_ptr<SyntheticPrompts> prompts;
   std::function<double(const Prompt&, const engine::SampleOutput&)> reward;
+  TurnSources turns;  // multi-turn jobs: the environment
   std::string out;
 
   explicit Job(const std::string& name, bool critic = false) {
@@ -387,6 +389,7 @@ struct Job {
     w.channel = channel.get();
     w.prompts = prompts.get();
     w.rewards.rule = reward;
+    w.turns = turns;
     w.print_summary = false;
     if (eo.clock) w.clock = eo.clock;
     Controller c(cfg, w);
@@ -725,6 +728,153 @@ TEST(ControllerInProcess, ATrainerRankFailureNamesTheRankAndTheCall) {
   const std::string error = job.run_with_actor(failing);
   EXPECT_NE(error.find("rank 1 (actor+ref) failed during the actor's update: CUDA out of memory"), std::string::npos)
       << error;
+}
+
+// --- multi-turn samples ------------------------------------------------------------------------
+
+// An in-process environment: each turn's reward is its share of even ids; the episode is done
+// when a turn starts with an even id (or at its turn limit). Its observation is "ok" and then one
+// more "!" per turn, so observation lengths differ; every session must be closed exactly once.
+class EvenGame final : public env::Environment {
+ public:
+  env::Observation start(const env::EpisodeStart& e, Deadline) override {
+    std::lock_guard<std::mutex> lock(mu);
+    ++starts;
+    open.insert(e.session_id);
+    return {};
+  }
+  env::StepResult step(const std::string& session, const env::Action& a, Deadline) override {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!open.count(session)) throw Error("step of a session that is not open: " + session);
+      ++steps;
+      if (fail_at_step > 0 && steps == fail_at_step) throw CommError("env even at test: Step of session " + session +
+                                                                       " turn " + std::to_string(a.turn) + " failed: boom");
+    }
+    double even = 0;
+    for (int64_t t : a.tokens) even += t % 2 == 0;
+    env::StepResult r;
+    r.reward = even / static_cast<double>(a.tokens.size());
+    r.done = a.tokens.front() % 2 == 0;
+    r.observation.text = "ok" + std::string(static_cast<size_t>(a.turn), '!');
+    return r;
+  }
+  void close(const std::string& session, Deadline) override {
+    std::lock_guard<std::mutex> lock(mu);
+    ++closes;
+    open.erase(session);
+  }
+  std::string name() const override { return "env even (in-process)"; }
+  std::mutex mu;
+  std::set<std::string> open;
+  int starts = 0, steps = 0, closes = 0, fail_at_step = 0;
+};
+
+struct MultiTurnJob : Job {
+  std::shared_ptr<EvenGame> game = std::make_shared<EvenGame>();
+  std::unique_ptr<EnvRunner> runner;
+  explicit MultiTurnJob(const std::string& name) : Job(name) {
+    cfg.env.type = "inprocess";
+    cfg.env.name = "even";
+    cfg.rollout.max_turns = 3;
+    cfg.rollout.max_new_tokens = 12;
+    cfg.rollout.max_response_tokens = 30;
+    cfg.logging.rollout_records_tokens = true;
+    runner = std::make_unique<EnvRunner>(game, 4, 10);
+    turns.env = runner.get();
+    // Observation text -> ids 900 + char % 50 (the synthetic vocabulary has 1000).
+    turns.observation_tokens = [](const std::string& text, bool, bool) {
+      std::vector<int64_t> ids;
+      for (char c : text) ids.push_back(900 + static_cast<unsigned char>(c) % 50);
+      return ids;
+    };
+    turns.decode = [](const std::vector<int64_t>& ids) { return std::to_string(ids.size()) + " ids"; };
+  }
+};
+
+// Each sample is an episode of up to 3 model turns with the environment's observations between
+// them: the record's loss mask covers exactly the observation tokens, each turn ends on a model
+// token, the turn rewards are the environment's, the response stays within max_response_tokens,
+// every session is started and closed once, and the metrics count turns and tokens by origin.
+TEST(ControllerInProcess, MultiTurnSamplesAreEpisodesWithTheirObservationsMasked) {
+  MultiTurnJob job("multi_turn");
+  job.cfg.train.num_steps = 3;
+  const json summary = json::parse(job.run());
+  EXPECT_EQ(summary["steps"], 3);
+  const auto recs = job.records();
+  ASSERT_EQ(recs.size(), 3u * 4 * 2);
+  int64_t multi = 0, cut = 0, model_total = 0;
+  for (const auto& r : recs) {
+    const auto mask = r["loss_mask"].get<std::vector<int>>();
+    const auto ids = r["response_ids"].get<std::vector<int64_t>>();
+    const auto turns = r["turns"];
+    ASSERT_EQ(mask.size(), ids.size()) << r.dump();
+    EXPECT_LE(static_cast<int64_t>(ids.size()), 30) << r.dump();
+    ASSERT_GE(turns.size(), 1u);
+    EXPECT_LE(turns.size(), 3u);
+    // The observations ("ok", then one "!" per turn: ids 911 907 933...) sit between the turns, and
+    // the mask is 0 there and only there.
+    std::vector<int> want(ids.size(), 1);
+    for (size_t t = 0; t + 1 < turns.size(); ++t)
+      for (size_t k = 0; k < 3 + t; ++k) {
+        const size_t at = turns[t][0].get<size_t>() + 1 + k;
+        ASSERT_LT(at, ids.size());
+        want[at] = 0;
+        EXPECT_EQ(ids[at], k == 0 ? 911 : k == 1 ? 907 : 933) << "token " << at << " of " << r.dump();
+      }
+    EXPECT_EQ(mask, want) << r.dump();
+    int64_t model = 0;
+    for (int v : mask) model += v;
+    EXPECT_EQ(r["model_tokens"].get<int64_t>(), model);
+    model_total += model;
+    size_t start = 0, last_start = 0;
+    for (size_t t = 0; t < turns.size(); ++t) {
+      const auto end = turns[t][0].get<size_t>();
+      ASSERT_LT(end, ids.size());
+      EXPECT_EQ(mask[end], 1);
+      EXPECT_TRUE(end + 1 == ids.size() || mask[end + 1] == 0) << "turn " << t << " of " << r.dump();
+      double even = 0;
+      for (size_t k = start; k <= end; ++k) even += ids[k] % 2 == 0;
+      EXPECT_NEAR(turns[t][1].get<double>(), even / static_cast<double>(end + 1 - start), 1e-6);
+      last_start = start;
+      start = end + 1 + 3 + t;  // after "ok" and one "!" per turn so far
+      if (t + 1 < turns.size()) EXPECT_NE(ids[last_start] % 2, 0) << "the game was done after turn " << t + 1;
+    }
+    const bool done = ids[last_start] % 2 == 0;
+    multi += turns.size() > 1;
+    cut += !done;
+  }
+  EXPECT_GT(multi, 0) << "no sample took more than one turn";
+  EXPECT_GT(cut, 0) << "no episode ran into its limits";
+  {
+    std::lock_guard<std::mutex> lock(job.game->mu);
+    EXPECT_EQ(job.game->starts, 3 * 4 * 2);
+    EXPECT_EQ(job.game->closes, job.game->starts);
+    EXPECT_TRUE(job.game->open.empty());
+  }
+  // Only the model's tokens trained: the synthetic actor was sent every response token, and the
+  // normalizer the controller sent counts the model's.
+  const auto metrics = job.lines("metrics.jsonl");
+  double model_metric = 0;
+  for (const auto& m : metrics) {
+    for (const char* k : {"turns/mean", "turns/max", "tokens/model", "tokens/observation", "reward/env_mean",
+                          "env/seconds_per_sample", "env/calls", "env/session_prefix_tokens"})
+      EXPECT_TRUE(m.contains(k)) << k;
+    model_metric += m["tokens/model"].get<double>();
+  }
+  EXPECT_EQ(model_metric, model_total);
+  EXPECT_GT(metrics.back()["turns/mean"].get<double>(), 1.0);
+}
+
+// A failing environment call ends the job with its message and the sample it was for.
+TEST(ControllerInProcess, AFailingEnvironmentEndsTheJobNamingTheSample) {
+  MultiTurnJob job("multi_turn_fails");
+  job.game->fail_at_step = 5;
+  std::string error;
+  job.run({}, &error);
+  EXPECT_NE(error.find("env even at test: Step of session tiller-"), std::string::npos) << error;
+  EXPECT_NE(error.find("failed: boom (prompt line"), std::string::npos) << error;
+  EXPECT_NE(error.find(", step 1)"), std::string::npos) << error;
 }
 
 // --- the supervisor (tiller launch) -----------------------------------------------------------

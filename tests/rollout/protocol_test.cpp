@@ -74,13 +74,14 @@ TEST(Protocol, ScoreReplyOfTheWrongSizeIsRefused) {
 }
 
 TEST(Protocol, TrainActorRequestRoundTripsWithAndWithoutItsOptionalTensors) {
-  for (int variant = 0; variant < 4; ++variant) {
+  for (int variant = 0; variant < 8; ++variant) {
     TrainActorRequest r;
     r.batch = batch();
     r.old_logp = floats({-1, -2, -3, -4, -5, -6});
     r.advantages = floats({1, 0, -1, 2, 0, 1});
     if (variant & 1) r.ref_logp = floats({-1.5, -2, -3, -4, -5, -6});
     if (variant & 2) r.is_weights = floats({1, 1, 0.5, 2, 1, 0});
+    if (variant & 4) r.loss_mask = at::tensor(std::vector<uint8_t>{1, 0, 0, 1, 1, 0}, at::kByte);
     r.normalizer = 12;
     r.kl_coef = 0.05;
     const TrainActorRequest d = TrainActorRequest::decode(r.encode());
@@ -91,18 +92,29 @@ TEST(Protocol, TrainActorRequestRoundTripsWithAndWithoutItsOptionalTensors) {
     ASSERT_EQ(d.is_weights.defined(), r.is_weights.defined());
     if (r.ref_logp.defined()) EXPECT_TRUE(at::equal(d.ref_logp, r.ref_logp));
     if (r.is_weights.defined()) EXPECT_TRUE(at::equal(d.is_weights, r.is_weights));
+    ASSERT_EQ(d.loss_mask.defined(), r.loss_mask.defined());
+    if (r.loss_mask.defined()) EXPECT_TRUE(at::equal(d.loss_mask, r.loss_mask));
     EXPECT_EQ(d.normalizer, 12);
     EXPECT_EQ(d.kl_coef, 0.05);
   }
 }
 
 TEST(Protocol, TrainCriticRequestRoundTrips) {
-  TrainCriticRequest r{batch(), floats({1, 2, 3, 4, 5, 6}), floats({6, 5, 4, 3, 2, 1}), 6};
-  const TrainCriticRequest d = TrainCriticRequest::decode(r.encode());
-  expect_batch(d.batch, r.batch);
-  EXPECT_TRUE(at::equal(d.old_values, r.old_values));
-  EXPECT_TRUE(at::equal(d.returns, r.returns));
-  EXPECT_EQ(d.normalizer, 6);
+  for (bool masked : {false, true}) {
+    TrainCriticRequest r{batch(), floats({1, 2, 3, 4, 5, 6}), floats({6, 5, 4, 3, 2, 1}), {}, 6};
+    if (masked) r.loss_mask = at::tensor(std::vector<uint8_t>{0, 1, 1, 1, 0, 1}, at::kByte);
+    const TrainCriticRequest d = TrainCriticRequest::decode(r.encode());
+    expect_batch(d.batch, r.batch);
+    EXPECT_TRUE(at::equal(d.old_values, r.old_values));
+    EXPECT_TRUE(at::equal(d.returns, r.returns));
+    ASSERT_EQ(d.loss_mask.defined(), masked);
+    if (masked) EXPECT_TRUE(at::equal(d.loss_mask, r.loss_mask));
+    EXPECT_EQ(d.normalizer, 6);
+  }
+  // A mask of the wrong size is refused with what it is.
+  TrainCriticRequest bad{batch(), floats({1, 2, 3, 4, 5, 6}), floats({6, 5, 4, 3, 2, 1}), {}, 6};
+  bad.loss_mask = at::ones({5}, at::kByte);
+  EXPECT_NE(error_of([&] { TrainCriticRequest::decode(bad.encode()); }).find("loss mask"), std::string::npos);
 }
 
 TEST(Protocol, StepMessagesRoundTrip) {
@@ -205,7 +217,7 @@ TEST(Protocol, AFrameThatDisagreesWithItselfIsRefusedByName) {
             std::string::npos);
   EXPECT_EQ(error_of([] { StepReply::decode(ErrorReply{"rank 3 ran out of memory"}.encode()); }),
             "rank 3 ran out of memory");
-  Frame h = TrainActorRequest{batch(), floats({1, 2, 3, 4, 5, 6}), floats({1, 2, 3, 4, 5, 6}), {}, {}, 0, 0}.encode();
+  Frame h = TrainActorRequest{batch(), floats({1, 2, 3, 4, 5, 6}), floats({1, 2, 3, 4, 5, 6}), {}, {}, {}, 0, 0}.encode();
   EXPECT_NE(error_of([&] { TrainActorRequest::decode(h); }).find("normalizer 0"), std::string::npos);
 }
 

@@ -25,7 +25,7 @@ enum class StalePolicy { kWait, kDrop };
 enum class AdvantageEstimator { kGae, kReinforce, kRloo, kReinforceBaseline, kGroupNorm, kDrGrpo };
 enum class KlEstimator { kK1, kK2, kK3 };
 enum class ImportanceCorrection { kNone, kTis, kDecoupled };
-enum class RewardType { kModel, kRule, kRemote, kPython };
+enum class RewardType { kModel, kRule, kRemote, kPython, kEnv };
 
 template <>
 struct EnumNames<RolloutMode> {
@@ -50,7 +50,7 @@ struct EnumNames<ImportanceCorrection> {
 };
 template <>
 struct EnumNames<RewardType> {
-  static constexpr std::array<std::string_view, 4> names = {"model", "rule", "remote", "python"};
+  static constexpr std::array<std::string_view, 5> names = {"model", "rule", "remote", "python", "env"};
 };
 
 // The YAML spelling of `e`.
@@ -127,6 +127,10 @@ struct EnginesConfig {
   // Hybrid: what an engine frees while the trainers score and train. 0: nothing; 1: its KV cache
   // and decode graphs; 2: its weights too (the next sync refills them).
   std::int64_t sleep_level = 1;
+  // Multi-turn sessions: how long a finished turn's KV cache waits for the next turn, and how many
+  // may wait (0: 4 x max_num_seqs).
+  double session_timeout_s = 300;
+  std::int64_t max_sessions = 0;
   // TLS of the engines' gRPC services (the controller dials them by host name).
   std::string tls_cert, tls_key, tls_ca, tls_server_name;
 };
@@ -148,6 +152,10 @@ struct RolloutConfig {
   bool partial = false;             // async: in-flight samples continue across a weight sync
   bool filter_groups = false;       // DAPO dynamic sampling: drop groups whose rewards are all equal
   std::int64_t filter_max_extra_batches = 3;  // at most this many x batch_size extra prompts per step
+  // Multi-turn samples (env.type set): model turns per sample, and the tokens after the prompt, the
+  // model's and the observations' (0: max_new_tokens x max_turns).
+  std::int64_t max_turns = 1;
+  std::int64_t max_response_tokens = 0;
 
   // The staleness bound in effect: 0 in sync mode, max_staleness (default 1) in async mode.
   std::int64_t staleness() const {
@@ -250,6 +258,18 @@ struct LoggingConfig {
   bool rollout_records_tokens = false;  // the records also carry token ids and engine log-probs
 };
 
+// The environment of multi-turn rollouts (docs/training.md, "Environments").
+struct EnvConfig {
+  std::string type = "none";  // none | remote | inprocess
+  std::string name;           // inprocess: the name it was registered under (tiller::env::register_env)
+  std::string address;        // remote: host:port
+  double timeout_s = 60;      // deadline of one call
+  std::int64_t retries = 3;
+  std::int64_t concurrency = 64;  // calls in flight at once
+  std::string token_file;
+  std::string tls_ca, tls_server_name;
+};
+
 struct TimeoutsConfig {
   double collective_s = 600.0;
   double startup_s = 300.0;
@@ -268,6 +288,7 @@ struct JobConfig {
   AlgoConfig algo;
   DataConfig data;
   RewardConfig reward;
+  EnvConfig env;
   TrainConfig train;
   CheckpointConfig checkpoint;
   LoggingConfig logging;
@@ -279,6 +300,10 @@ struct JobConfig {
   void validate_sequence_parallel() const;  // roles.*.sequence_parallel against gpus and colocation (part of validate)
   // The engines the job runs: engines.count, or with cluster.hybrid one per engines.tp actor GPUs.
   std::int64_t engine_count() const;
+  bool multi_turn() const { return env.type != "none"; }
+  // Tokens after the prompt of one sample: max_new_tokens, or with an environment
+  // rollout.max_response_tokens (0: max_new_tokens x max_turns).
+  std::int64_t response_limit() const;
 };
 
 // Loads `path`, then applies `overrides` ("a.b=c", values in YAML syntax) in order, then validates.

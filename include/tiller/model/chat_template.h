@@ -13,7 +13,7 @@ class Tokenizer;
 enum class ChatFormat { kNone, kChatML, kLlama3 };
 
 struct ChatMessage {
-  std::string role;  // system | user | assistant
+  std::string role;  // system | user | assistant | tool (a tool's or environment's answer)
   std::string content;
 };
 
@@ -26,6 +26,13 @@ const char* chat_format_name(ChatFormat f);
 // assistant's turn follows. kNone concatenates the contents.
 std::string apply_chat_template(ChatFormat format, const std::vector<ChatMessage>& messages,
                                 bool add_generation_prompt = true);
+
+// What follows a model's turn when a tool or environment answers `text` (multi-turn rollouts):
+// the end of the model's turn unless it ended with its stop token (`turn_closed`), the tool turn
+// (ChatML: a user turn of <tool_response>, as Qwen2.5's template; Llama-3: the ipython role), and
+// the opening of the model's next turn. kNone: the text as it is (the environment formats it). So
+// prompt + turn + observation_turn(...) is what apply_chat_template writes for the conversation.
+std::string observation_turn(ChatFormat format, const std::string& text, bool turn_closed);
 
 // Replaces the single "{}" in `input_template` with `input`; ConfigError unless there is exactly one.
 std::string apply_input_template(const std::string& input_template, const std::string& input);

@@ -1,0 +1,40 @@
+// The losses of one trainer micro-batch (private to src/rollout): what an actor or critic rank
+// computes from its forward's response rows and the controller's per-token arrays (protocol.h).
+//
+// The loss mask of multi-turn samples is applied here: observation tokens take no part in the
+// loss (so no gradient reaches the model through them), in the token counts, or in the clip and
+// KL statistics; the normalizer (the optimizer step's model tokens) comes with the request.
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+
+#include "rollout/protocol.h"
+#include "tiller/algo/algo.h"
+
+namespace tiller::rollout {
+
+struct MicroBatchLoss {
+  at::Tensor loss;          // scalar, differentiable; undefined when no token of the micro-batch trains
+  double clip_fraction = 0;
+  double approx_kl = 0;     // actor: mean of old - new log-prob over the trained tokens
+  double entropy_sum = 0;   // actor: over the trained tokens
+  int64_t tokens = 0;       // trained tokens
+};
+
+struct ActorLossSpec {
+  algo::PolicyLossConfig clip;
+  KlEstimator kl_estimator = KlEstimator::kK1;
+  double entropy_coef = 0;
+  bool old_is_forward = false;  // train.old_logprobs = forward: the ratio's old log-probs are these
+};
+
+// `logp` and `entropy`: float [R], the forward's values at the request's response rows (on the
+// model's device; logp differentiable).
+MicroBatchLoss actor_loss(const at::Tensor& logp, const at::Tensor& entropy, const TrainActorRequest& in,
+                          const ActorLossSpec& spec);
+// `values`: float [R] at the response rows (differentiable).
+MicroBatchLoss critic_loss(const at::Tensor& values, const TrainCriticRequest& in, double value_clip);
+
+}  // namespace tiller::rollout
