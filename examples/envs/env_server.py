@@ -81,8 +81,11 @@ class Calculator:
     ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
     def start(self, request):
-        return {"label": request.label.strip()}, ("Use <calc>expression</calc> to compute and "
-                                                  "<answer>number</answer> to answer.")
+        # The tool's instructions follow the prompt unless the prompt gives them already
+        # (make_calculator_prompts.py's do, so that a chat template's turns stay intact).
+        intro = "" if "<calc>" in request.prompt else ("Use <calc>expression</calc> to compute and "
+                                                       "<answer>number</answer> to answer.")
+        return {"label": request.label.strip()}, intro
 
     def step(self, state, request):
         text = request.action_text

@@ -384,7 +384,8 @@ void RolloutCollector::take_env_results() {
     const auto step_where = [&] {
       return fmt::format("{}, step {}", sample_where(ep.ordinal, ep.sample), batch_->step);
     };
-    if (!r.error.empty()) throw Error(fmt::format("{} ({})", r.error, step_where()));
+    if (!r.error.empty())  // a Start's message names the prompt line and sample already
+      throw Error(r.start ? fmt::format("{} (step {})", r.error, batch_->step) : fmt::format("{} ({})", r.error, step_where()));
     ep.env_seconds += r.seconds;
     ++ep.env_calls;
     if (r.start) {

@@ -360,8 +360,10 @@ struct Controller::Impl {
       metrics["idle/engines"] = std::max(0.0, step_s - sum / static_cast<double>(now.size()));
       if (cfg.multi_turn()) {
         // What the engines computed again and what the sessions spared them, this step.
-        double prefill = 0, resumes = 0, reused = 0, misses = 0, evictions = 0;
+        double prefill = 0, resumes = 0, reused = 0, misses = 0, evictions = 0, preemptions = 0;
         for (size_t i = 0; i < now.size(); ++i) {
+          preemptions += static_cast<double>(now[i].preemptions - engine_stats[i].preemptions +
+                                             now[i].kv_rebuilds - engine_stats[i].kv_rebuilds);
           prefill += static_cast<double>(now[i].prefill_tokens - engine_stats[i].prefill_tokens);
           resumes += static_cast<double>(now[i].session_resumes - engine_stats[i].session_resumes);
           reused += static_cast<double>(now[i].session_tokens_reused - engine_stats[i].session_tokens_reused);
@@ -373,6 +375,7 @@ struct Controller::Impl {
         metrics["engine/session_tokens_reused"] = reused;
         metrics["engine/session_misses"] = misses;
         metrics["engine/session_evictions"] = evictions;
+        metrics["engine/recomputed_sequences"] = preemptions;  // preempted, or rebuilt after a weight update
       }
     }
     engine_stats = now;
