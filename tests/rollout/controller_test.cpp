@@ -866,6 +866,44 @@ TEST(ControllerInProcess, MultiTurnSamplesAreEpisodesWithTheirObservationsMasked
   EXPECT_GT(metrics.back()["turns/mean"].get<double>(), 1.0);
 }
 
+// The asynchronous pipeline with multi-turn samples: episodes span weight syncs (partial
+// rollouts) within the lag bound, and with the drop policy groups dropped mid-episode have their
+// turns aborted and their sessions closed; every session the environment started is closed.
+TEST(ControllerInProcess, MultiTurnSamplesInTheAsynchronousPipeline) {
+  int64_t spanning = 0;
+  for (bool drop : {false, true}) {
+    MultiTurnJob job(drop ? "multi_turn_drop" : "multi_turn_async");
+    job.cfg.rollout.mode = RolloutMode::kAsync;
+    job.cfg.rollout.max_staleness = 1;
+    job.cfg.rollout.partial = true;
+    if (drop) job.cfg.rollout.stale_policy = StalePolicy::kDrop;
+    job.cfg.train.num_steps = 8;
+    job.cfg.rollout.max_new_tokens = 40;
+    job.cfg.rollout.max_response_tokens = 100;
+    SyntheticEngineOptions eo;
+    eo.min_len = 1;
+    eo.max_len = 40;
+    job.run(eo);
+    const auto recs = job.records();
+    EXPECT_EQ(recs.size(), 8u * 4 * 2) << "drop " << drop;
+    for (const auto& r : recs) {
+      EXPECT_LE(r["lag"].get<int64_t>(), 1) << r.dump();
+      EXPECT_LE(r["response_len"].get<int64_t>(), 100);
+      const auto& runs = r["version_runs"];
+      for (size_t i = 1; i < runs.size(); ++i) {  // turns drawn by later weights continue the runs
+        EXPECT_GT(runs[i][0].get<int64_t>(), runs[i - 1][0].get<int64_t>()) << r.dump();
+        EXPECT_GT(runs[i][1].get<int64_t>(), runs[i - 1][1].get<int64_t>()) << r.dump();
+      }
+      spanning += runs.size() > 1;
+    }
+    if (drop) EXPECT_GT(job.records("dropped_stale").size(), 0u) << "no group was dropped";
+    std::lock_guard<std::mutex> lock(job.game->mu);
+    EXPECT_EQ(job.game->closes, job.game->starts) << "drop " << drop;
+    EXPECT_TRUE(job.game->open.empty()) << job.game->open.size() << " sessions left open (drop " << drop << ")";
+  }
+  EXPECT_GT(spanning, 0) << "no episode spanned a weight sync";
+}
+
 // A failing environment call ends the job with its message and the sample it was for.
 TEST(ControllerInProcess, AFailingEnvironmentEndsTheJobNamingTheSample) {
   MultiTurnJob job("multi_turn_fails");
