@@ -563,7 +563,8 @@ void Engine::add(Request r) {
   if (r.resume) {
     // The cached prefix this prompt shares with the session, leaving at least the prompt's last
     // token to compute (its row gives the first draw).
-    if (auto k = m.session_ids.find(r.session); k != m.session_ids.end()) {
+    // (A session another waiting resume has claimed is not shared: this one is a miss.)
+    if (auto k = m.session_ids.find(r.session); k != m.session_ids.end() && !m.parked.at(k->second).claimed) {
       const int64_t pid = k->second;
       Sequence& old = m.parked.at(pid).seq;
       const int64_t limit = std::min<int64_t>(old.num_computed, s.prompt_len - 1);

@@ -205,16 +205,20 @@ void RolloutCollector::take(Completion& c) {
   }
   in_flight_[e] -= 1;
   last_progress_[e] = cfg_.clock->now();
-  if (it == outstanding_.end()) return;  // a sample of a group dropped while it was generating
+  if (it == outstanding_.end() || (multi_turn() && !episodes_.count(key))) {
+    // A sample of a group dropped while it was generating; a multi-turn turn that finished before
+    // its abort arrived left its cache parked.
+    if (multi_turn() && res.sample.finish_reason != "abort")
+      engines_.release_session(e, {res.sample.request_id, res.sample.sample});
+    return;
+  }
   Group& g = it->second;
   engine::SampleOutput s = std::move(c.result.sample);
   if (s.finish_reason == "abort")
     throw Error(fmt::format("{} aborted sample {} of prompt line {} that the controller did not drop", engines_.name(e),
                             s.sample, prompts_.at(g.dataset_index).line));
   if (multi_turn()) {
-    auto ep = episodes_.find(key);
-    if (ep == episodes_.end()) return;  // its episode was dropped
-    take_turn(ep->second, std::move(s));
+    take_turn(episodes_.at(key), std::move(s));
     return;
   }
   Staged st;
