@@ -7,25 +7,32 @@
 namespace tiller::rollout {
 namespace {
 
-// The positions a loss mask keeps (int64 on `device`), or undefined: all of them.
-at::Tensor kept_rows(const at::Tensor& loss_mask, int64_t rows, const at::Device& device) {
-  if (!loss_mask.defined()) return {};
-  TILLER_CHECK(loss_mask.numel() == rows, "a loss mask of {} for {} response rows", loss_mask.numel(), rows);
-  return at::nonzero(loss_mask.reshape({-1})).reshape({-1}).to(device);
-}
+// The trained tokens of a micro-batch's per-token arrays: the positions its loss mask keeps (all
+// of them without a mask), on the forward's device.
+class Trained {
+ public:
+  Trained(const at::Tensor& loss_mask, const at::Tensor& rows) : device_(rows.device()) {
+    if (!loss_mask.defined()) return;
+    TILLER_CHECK(loss_mask.numel() == rows.numel(), "a loss mask of {} for {} response rows", loss_mask.numel(),
+                 rows.numel());
+    kept_ = at::nonzero(loss_mask.reshape({-1})).reshape({-1}).to(device_);
+  }
+  at::Tensor operator()(const at::Tensor& t) const {
+    const at::Tensor d = t.to(device_);
+    return kept_.defined() ? d.index_select(0, kept_) : d;
+  }
+
+ private:
+  at::Device device_;
+  at::Tensor kept_;
+};
 
 }  // namespace
 
 MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy_rows, const TrainActorRequest& in,
                           const ActorLossSpec& spec) {
   MicroBatchLoss out;
-  const at::Device device = logp_rows.device();
-  const at::Tensor kept = kept_rows(in.loss_mask, logp_rows.numel(), device);
-  // The trained tokens only; every per-token array is taken at the same positions.
-  auto pick = [&](const at::Tensor& t) {
-    const at::Tensor d = t.to(device);
-    return kept.defined() ? d.index_select(0, kept) : d;
-  };
+  const Trained pick(in.loss_mask, logp_rows);  // every per-token array at the same positions
   const at::Tensor logp = pick(logp_rows);
   out.tokens = logp.numel();
   if (out.tokens == 0) return out;
@@ -45,12 +52,7 @@ MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy
 
 MicroBatchLoss critic_loss(const at::Tensor& value_rows, const TrainCriticRequest& in, double value_clip) {
   MicroBatchLoss out;
-  const at::Device device = value_rows.device();
-  const at::Tensor kept = kept_rows(in.loss_mask, value_rows.numel(), device);
-  auto pick = [&](const at::Tensor& t) {
-    const at::Tensor d = t.to(device);
-    return kept.defined() ? d.index_select(0, kept) : d;
-  };
+  const Trained pick(in.loss_mask, value_rows);
   const at::Tensor values = pick(value_rows);
   out.tokens = values.numel();
   if (out.tokens == 0) return out;

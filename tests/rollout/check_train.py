@@ -395,7 +395,7 @@ def start_reward_server(name, *flags):
     return start_server("reward_server/server.py", name, "--task", "toy_digits", *flags)
 
 
-def stop_reward_server(proc):
+def stop_server(proc):
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=30)
@@ -423,7 +423,7 @@ def check_remote():
     try:
         check_learns(3, *GRPO, *remote)
     finally:
-        stop_reward_server(server)
+        stop_server(server)
     rows = metrics(SCRATCH / CASE)
     retries = sum(r["reward/remote_retries"] for r in rows)
     calls = sum(r["reward/remote_calls"] for r in rows)
@@ -467,7 +467,7 @@ def check_remote():
                                  f"reward.remote_token_file={tls / 'token'}"),
                          re.escape(address) + r".*Health failed")
     finally:
-        stop_reward_server(server)
+        stop_server(server)
     if code != 0:
         fail(f"3-step remote run: exit code {code}:\n{log[-3000:]}")
     code, log = run(3, SCRATCH / "remote_rule", *GRPO, "train.num_steps=3")
@@ -496,7 +496,7 @@ def check_remote():
                              "reward.remote_retries=1"),
                      r"Score for step 1 .*failed after 2 attempt\(s\).*DEADLINE_EXCEEDED.*remote_timeout_s")
     finally:
-        stop_reward_server(slow)
+        stop_server(slow)
 
 
 def check_python():
@@ -562,7 +562,7 @@ def check_multi_turn():
         code, log = run(3, out, f"env.address={address}", "env.concurrency=8", timeout=800,
                         config="quickstart_multiturn.yaml")
     finally:
-        stop_reward_server(server)
+        stop_server(server)
     if code != 0:
         fail(f"exit code {code}:\n{log[-4000:]}")
     rows = metrics(out)
@@ -602,24 +602,21 @@ def check_multi_turn():
 
     # A slow environment ends the job at env.timeout_s; one that is not there, at once; one whose
     # failures outlast env.retries, with its status.
-    slow, slow_address = start_server("envs/env_server.py", "env_slow", "--env", "digits", "--delay", "5")
-    try:
-        expect_error("a slow environment",
-                     command(3, SCRATCH / "env_slow", f"env.address={slow_address}", "env.timeout_s=1",
-                             "train.num_steps=2", config="quickstart_multiturn.yaml"),
+    def expect_env_error(name, server_flags, sets, pattern):
+        server, address = start_server("envs/env_server.py", name, "--env", "digits", *server_flags)
+        try:
+            expect_error(name.replace("_", " "),
+                         command(3, SCRATCH / name, f"env.address={address}", "train.num_steps=2", *sets,
+                                 config="quickstart_multiturn.yaml"), pattern)
+        finally:
+            stop_server(server)
+
+    expect_env_error("a_slow_environment", ["--delay", "5"], ["env.timeout_s=1"],
                      r"Step of session \S+, turn 1 failed .*DEADLINE_EXCEEDED.*each call may take 1 s "
                      r"\(prompt line [0-9]+, sample [0-9]+, step 1\)")
-    finally:
-        stop_reward_server(slow)
-    flaky, flaky_address = start_server("envs/env_server.py", "env_flaky", "--env", "digits", "--fail-first", "1000")
-    try:
-        expect_error("an environment failing past its retries",
-                     command(3, SCRATCH / "env_flaky", f"env.address={flaky_address}", "env.retries=1",
-                             "train.num_steps=2", config="quickstart_multiturn.yaml"),
+    expect_env_error("an_environment_failing_past_its_retries", ["--fail-first", "1000"], ["env.retries=1"],
                      r"environment 127\.0\.0\.1:[0-9]+: (Start|Step) of session \S+.* failed after 2 attempt\(s\): "
                      r"injected failure [0-9]+ of 1000 \(UNAVAILABLE\).*step 1\)$")
-    finally:
-        stop_reward_server(flaky)
     expect_error("an environment that is not there",
                  command(3, SCRATCH / "env_missing", "env.address=127.0.0.1:1", "train.num_steps=2",
                          config="quickstart_multiturn.yaml"),
