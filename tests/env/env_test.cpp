@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "../common/error_of.h"
 #include "../model/fixtures.h"
 #include "tiller/core/error.h"
 #include "tiller/env/environment.h"
@@ -110,15 +111,6 @@ RemoteEnvOptions options(const std::string& address, int retries = 3, double tim
 }
 
 Action act(int turn, const std::string& text) { return Action{turn, text, {}, "stop"}; }
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 TEST(RemoteEnv, CalculatorAndGuessingGameEpisodesOverRealSockets) {
   if (!python_has_grpc()) GTEST_SKIP() << "the test Python has no grpcio/grpcio-tools (scripts/setup.sh installs them)";

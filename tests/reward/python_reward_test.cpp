@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include "../common/error_of.h"
 #include "../model/fixtures.h"
 #include "tiller/core/error.h"
 #include "tiller/reward/python_reward.h"
@@ -46,15 +47,6 @@ std::map<uint64_t, double> run(BatchedReward& r, const std::vector<RewardSample>
   std::map<uint64_t, double> out;
   for (auto [id, score] : r.finish(Deadline::after_seconds(60))) out[id] = score;
   return out;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
 }
 
 std::shared_ptr<PythonScorer> scorer(const std::string& path, bool batched = false, double timeout = 60) {

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "../common/error_of.h"
 #include "rollout/protocol.h"
 #include "tiller/core/error.h"
 
@@ -21,15 +22,6 @@ void expect_batch(const PackedSequences& a, const PackedSequences& b) {
   EXPECT_TRUE(at::equal(a.tokens, b.tokens));
   EXPECT_TRUE(at::equal(a.seq_lens, b.seq_lens));
   EXPECT_TRUE(at::equal(a.prompt_lens, b.prompt_lens));
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(Protocol, ScoreRequestRoundTrips) {
