@@ -720,9 +720,11 @@ void RolloutCollector::set_version(uint64_t version) {
 }
 
 int64_t RolloutCollector::in_flight_samples() const {
-  // Dispatched and not arrived: multi-turn samples count while their environment answers too.
+  // Samples the engines owe (aborted ones too, until they come back), and multi-turn samples
+  // whose environment is answering (a sync or a hybrid phase change waits for their next turn).
   int64_t n = 0;
-  for (int64_t v : load_) n += v;
+  for (int64_t v : in_flight_) n += v;
+  for (const auto& [key, ep] : episodes_) n += ep.live ? 0 : 1;
   return n;
 }
 

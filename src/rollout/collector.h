@@ -227,6 +227,7 @@ class RolloutCollector {
   void set_version(uint64_t version);
   // While paused no prompt is dispatched (a sync that waits out the samples in flight).
   void pause_dispatch(bool paused) { paused_ = paused; }
+  // Samples the engines still owe, and multi-turn samples waiting for their environment.
   int64_t in_flight_samples() const;
   int64_t forming_step() const;
 
