@@ -12,7 +12,9 @@
 // --recompute picks what the backward recomputes (train.recompute; auto as tiller train chooses).
 // --score times the actor's scoring pass instead (what a trainer rank does for each scoring
 // request): the sharded forward without autograd, the log-probs and entropies of every token,
-// copied to the host; compare it with `tiller bench forward` on the same shape.
+// copied to the host; compare it with `tiller bench forward` on the same shape. --frozen scores
+// with a frozen model (the reference's and reward's: no master or optimizer state), which lets a
+// 7B model be timed on one GPU.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -54,6 +56,7 @@ struct TrainBenchOptions {
   std::string recompute = "auto";  // train.recompute's choices
   std::string reduce_dtype = "fp32";
   bool score = false;  // time the scoring forward instead of training steps
+  bool frozen = false; // with score: a frozen model (the reference and reward roles)
 };
 
 // --recompute auto: the most kept activations that fit this GPU beside the shards and state, two
@@ -80,6 +83,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), "bench", log::Level::kWarn);
   if (o.steps < 3) throw ConfigError("--steps: at least 3 (two warm-up steps are not timed)");
+  if (o.frozen && !o.score) throw ConfigError("--frozen times a scoring pass: add --score");
   RankComm bc = open_rank_comm(env, o.backend, o.timeout_s, "bench.train");
   dist::Communicator& comm = bc.comm();
   const at::Device dev = bc.device;
@@ -92,6 +96,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   mo.logprob_chunk_rows = o.chunk_rows;
   mo.measure_waits = true;
   mo.reduce_dtype = o.reduce_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  mo.trainable = !o.frozen;
   zero::ShardedModel model(cfg, comm, mo);
   const int sp = o.sequence_parallel;
   if (comm.size() % sp != 0)
@@ -199,6 +204,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
     r["model"] = o.model;
     r["world"] = comm.size();
     r["backend"] = comm.backend();
+    r["trainable"] = model.options().trainable;
     r["seq"] = o.seq;
     r["mbs"] = o.micro_batch;
     r["sequence_parallel"] = sp;
@@ -273,6 +279,9 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   tr->add_flag("--score", o->score,
                "Time the actor's scoring pass (forward without autograd, log-probs and entropies to the host) "
                "instead of training steps");
+  tr->add_flag("--frozen", o->frozen,
+               "With --score: a frozen model, as the reference and reward roles hold (the compute shard only, "
+               "no fp32 master or optimizer state)");
   tr->callback([&run, o, &argc, &argv] { run = [o, &argc, &argv] { return run_train_bench(*o, &argc, &argv); }; });
 }
 

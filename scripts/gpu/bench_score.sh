@@ -6,6 +6,7 @@
 # scoring micro-batch: 25 sequences of 640 tokens (rollout.micro_batch_tokens 16384).
 #   NGPU=2 MODELS="qwen2-1.5b qwen2-7b" SEQ=640 MBS=25 scripts/gpu/bench_score.sh [OUT.json]
 # PROFILE_DIR=dir also writes a Chrome trace of rank 0's last scoring pass per model there.
+# FROZEN=1 scores with a frozen model (the reference and reward roles; 7B then fits one GPU).
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 out=${1:-}
@@ -18,7 +19,8 @@ for model in ${MODELS:-qwen2-1.5b qwen2-7b}; do
     > /dev/null
   mpirun -np "$n" --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST \
     -x NVSHMEM_DISABLE_NVLS "$gpu_build/bin/tiller" bench train --score --model "$model" --seq "$seq" \
-    --micro-batch "$mbs" ${PROFILE_DIR:+--profile "$PROFILE_DIR/score-$model.json"} --out "$tmp/score-$model.json" \
+    --micro-batch "$mbs" ${PROFILE_DIR:+--profile "$PROFILE_DIR/score-$model.json"} \
+    $([ "${FROZEN:-0}" = 1 ] && echo --frozen) --out "$tmp/score-$model.json" \
     > /dev/null
 done
 $python - "$tmp" "$out" ${MODELS:-qwen2-1.5b qwen2-7b} <<'PY'
