@@ -76,8 +76,9 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
   b.add(p + "replicate", [get](JobConfig& c) { return &get(c).replicate; },
         "Frozen roles (ref, reward) only: hold a full replica on every rank instead of ZeRO-3 shards.");
   b.add(p + "offload", [get](JobConfig& c) { return &get(c).offload; },
-        "Trainable roles with cluster.hybrid: move the fp32 masters, gradients and AdamW moments to pinned host "
-        "memory while the engines generate, and back before training (the compute shards stay for scoring).");
+        "Trainable roles with cluster.hybrid: move the fp32 masters and AdamW moments to pinned host memory while "
+        "the engines generate, and back before training, and free the gradient accumulators meanwhile (they hold "
+        "nothing between steps); the compute shards stay for scoring.");
   b.add(p + "sequence_parallel", [get](JobConfig& c) { return &get(c).sequence_parallel; },
         "Sequence parallelism: this many consecutive ranks of the role share each micro-batch, each holding and "
         "computing 1/S of its tokens (Ulysses attention; docs/zero.md). Must divide gpus and the model's attention "

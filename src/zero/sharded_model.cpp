@@ -46,8 +46,9 @@ struct ShardedModel::Impl {
   };
   struct Reduction {
     dist::WorkPtr work;
-    at::Tensor out;  // the reduced shard; added into the accumulator unless it is the accumulator
+    at::Tensor out;  // the reduced shard: the accumulator itself, or a buffer added (or copied) into it
     size_t unit = 0;
+    bool overwrite = false;  // the accumulator was fresh: `out` replaces its contents
   };
 
   model::ModelConfig cfg;
@@ -58,6 +59,7 @@ struct ShardedModel::Impl {
   std::vector<Unit> units;
   std::unique_ptr<ShardAdamW> adam;
   std::unique_ptr<model::StorageSwap> offloaded;  // set while the state is off the device
+  std::unique_ptr<model::StorageSwap> dropped_grads;  // the accumulators freed with it (nothing pending)
   dist::Communicator* sequence = nullptr;         // the sequence group, when S > 1
   model::Rope rope;
   at::Tensor anchor;  // requires grad: makes every segment's output part of the graph
@@ -138,7 +140,11 @@ struct ShardedModel::Impl {
   void finish(std::vector<Reduction>& rs) {
     for (auto& r : rs) {
       wait_for(*r.work);
-      if (!r.out.is_same(units[r.unit].grad)) units[r.unit].grad.add_(r.out);
+      if (r.out.is_same(units[r.unit].grad)) continue;
+      if (r.overwrite)
+        units[r.unit].grad.copy_(r.out);
+      else
+        units[r.unit].grad.add_(r.out);
     }
     rs.clear();
   }
@@ -184,6 +190,7 @@ struct ShardedModel::Impl {
     r.out = unit.grad_fresh && opts.reduce_dtype == at::kFloat
                 ? unit.grad
                 : at::empty({unit.layout.shard_numel()}, f32().dtype(opts.reduce_dtype));
+    r.overwrite = unit.grad_fresh;
     unit.grad_fresh = false;
     r.work = comm.reduce_scatter(flat, r.out, dist::ReduceOp::kSum);
     reducing_cur.push_back(std::move(r));
@@ -694,7 +701,10 @@ StepResult ShardedModel::step(double lr) {
   m.finish(m.reducing_prev);
   m.finish(m.reducing_cur);
   std::vector<at::Tensor> grads;
-  for (auto& u : m.units) grads.push_back(u.grad);
+  for (auto& u : m.units) {
+    if (u.grad_fresh) u.grad.zero_();  // no gradient since zero_grad (see there)
+    grads.push_back(u.grad);
+  }
   at::Tensor sq = at::stack(at::_foreach_norm(grads)).pow(2).sum().reshape({1}).to(at::kDouble);
   if (!m.local) m.comm.all_reduce(sq, dist::ReduceOp::kSum)->wait();
   StepResult r;
@@ -719,10 +729,9 @@ void ShardedModel::zero_grad() {
   if (!m.opts.trainable) return;
   m.finish(m.reducing_prev);
   m.finish(m.reducing_cur);
-  for (auto& u : m.units) {
-    u.grad.zero_();
-    u.grad_fresh = true;
-  }
+  // Lazily: the next reduce-scatter into a fresh accumulator overwrites it, and step() zeroes one
+  // that received nothing, so no pass over the accumulators runs here.
+  for (auto& u : m.units) u.grad_fresh = true;
 }
 
 double ShardedModel::take_wait_seconds() {
@@ -806,10 +815,14 @@ int64_t ShardedModel::offload_state() {
   Impl& m = *impl_;
   TILLER_CHECK(m.opts.trainable, "offload_state() of a frozen model: it has no optimizer state");
   if (m.offloaded) return 0;
-  std::vector<at::Tensor> state;
+  // Between optimizer steps every accumulator is fresh (its contents unused: the next backward
+  // overwrites it), so its memory is freed without a copy; a pending gradient moves with the rest.
+  bool pending = false;
+  for (const auto& u : m.units) pending = pending || (u.grad.defined() && !u.grad_fresh);
+  std::vector<at::Tensor> state, grads;
   for (const auto& u : m.units) {
     if (u.master.defined() && !u.master.is_same(u.shard)) state.push_back(u.master);
-    if (u.grad.defined()) state.push_back(u.grad);
+    if (u.grad.defined()) (pending ? state : grads).push_back(u.grad);
   }
   if (m.adam) {
     const std::vector<at::Tensor> s = m.adam->state_tensors();
@@ -818,6 +831,10 @@ int64_t ShardedModel::offload_state() {
   if (state.empty()) return 0;
   m.offloaded = std::make_unique<model::StorageSwap>(state);
   m.offloaded->offload();
+  if (!grads.empty()) {
+    m.dropped_grads = std::make_unique<model::StorageSwap>(grads);
+    m.dropped_grads->drop();
+  }
   return m.offloaded->bytes();
 }
 
@@ -827,6 +844,10 @@ int64_t ShardedModel::reload_state() {
   m.offloaded->reload();
   const int64_t n = m.offloaded->bytes();
   m.offloaded.reset();
+  if (m.dropped_grads) {  // memory back, contents undefined: every accumulator is still fresh
+    m.dropped_grads->reload();
+    m.dropped_grads.reset();
+  }
   return n;
 }
 

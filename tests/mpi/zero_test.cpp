@@ -459,9 +459,9 @@ TEST(Zero, OffloadThenReloadIsBitExactAndTheNextStepEqualsOneWithout) {
     train(*m, cfg, 0, 2);
   }
   const zero::ShardMemory before = b.memory();
-  // Gradients, moments, the fp32 masters unless they are the compute shards, and the step counts
-  // (a few fp32 scalars).
-  const int64_t state = before.gradients + before.optimizer + (o.compute_dtype == at::kFloat ? 0 : before.parameters * 4 / 6);
+  // Moments, the fp32 masters unless they are the compute shards, and the step counts (a few fp32
+  // scalars). The gradient accumulators hold nothing between steps: freed, not moved.
+  const int64_t state = before.optimizer + (o.compute_dtype == at::kFloat ? 0 : before.parameters * 4 / 6);
   const int64_t moved = b.offload_state();
   EXPECT_GE(moved, state);
   EXPECT_LT(moved, state + 4096);
@@ -486,6 +486,42 @@ TEST(Zero, OffloadThenReloadIsBitExactAndTheNextStepEqualsOneWithout) {
   train(a, cfg, 2, 1);
   train(b, cfg, 2, 1);
   expect_same_parameters(b.gather_parameters(), a.gather_parameters(), "offloaded and reloaded vs never");
+
+  // With a gradient pending (a backward, no step yet) the accumulators move too, and the step
+  // after the reload is the one without offload.
+  for (ShardedModel* m : {&a, &b}) {
+    const MicroBatch pending = micro_batch(cfg, 31, comm().rank(), 0, comm().size());
+    loss_of(forward(*m, pending), pending, 20).backward();
+  }
+  const int64_t with_grads = b.offload_state();
+  EXPECT_GE(with_grads, state + before.gradients);
+  EXPECT_LT(with_grads, state + before.gradients + 4096);
+  b.reload_state();
+  a.step(1e-2);
+  b.step(1e-2);
+  expect_same_parameters(b.gather_parameters(), a.gather_parameters(), "offloaded with a pending gradient");
+}
+
+// zero_grad() leaves the accumulators as they are (the next backward overwrites them): a step with
+// no backward since then must see zero gradients, not the last step's, also after an offload
+// freed their memory.
+TEST(Zero, AStepWithNoBackwardSinceZeroGradSeesNoGradient) {
+  const ModelConfig cfg = config("tiny-qwen2");
+  const auto o = options(Head::kLm, {0.9, 0.95, 1e-8, 0.05}, 0.5);
+  ShardedModel m(cfg, comm(), o);
+  m.load(model::init_weights(cfg, Head::kLm, 3, at::kFloat), "init");
+  const MicroBatch mb = micro_batch(cfg, 12, comm().rank(), 0, comm().size());
+  loss_of(forward(m, mb), mb, 20).backward();
+  EXPECT_GT(m.step(1e-2).grad_norm, 0);
+  EXPECT_EQ(m.step(1e-2).grad_norm, 0) << "the step before's gradients";
+  loss_of(forward(m, mb), mb, 20).backward();
+  m.zero_grad();
+  EXPECT_EQ(m.step(1e-2).grad_norm, 0) << "a gradient from before zero_grad";
+  loss_of(forward(m, mb), mb, 20).backward();
+  EXPECT_GT(m.step(1e-2).grad_norm, 0);
+  m.offload_state();
+  m.reload_state();
+  EXPECT_EQ(m.step(1e-2).grad_norm, 0) << "the reloaded accumulators' contents";
 }
 
 TEST(Zero, FailedSaveLeavesThePreviousCheckpoint) {
