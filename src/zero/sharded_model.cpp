@@ -815,6 +815,9 @@ int64_t ShardedModel::offload_state() {
   Impl& m = *impl_;
   TILLER_CHECK(m.opts.trainable, "offload_state() of a frozen model: it has no optimizer state");
   if (m.offloaded) return 0;
+  // A backward's last reductions may still be in flight into the accumulators: land them first.
+  m.finish(m.reducing_prev);
+  m.finish(m.reducing_cur);
   // Between optimizer steps every accumulator is fresh (its contents unused: the next backward
   // overwrites it), so its memory is freed without a copy; a pending gradient moves with the rest.
   bool pending = false;

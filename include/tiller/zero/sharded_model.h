@@ -175,8 +175,9 @@ class ShardedModel {
   // Trainable models (roles.<r>.offload): moves the fp32 masters (when they are not the compute
   // shards) and the AdamW state to host memory (pinned on CUDA) and frees their device memory; the
   // compute shards stay, so forwards (scoring) still run. The gradient accumulators, which hold
-  // nothing between optimizer steps, are freed without a copy (a gradient still pending moves with
-  // the rest). Meant for between optimizer steps. reload_state() brings them back, bit for bit, with
+  // nothing between optimizer steps, are freed without a copy; a gradient still pending (a backward
+  // without its step: its reductions are waited for first) moves with the rest. reload_state()
+  // brings the moved state back bit for bit (and the freed accumulators' memory), with
   // asynchronous copies ordered before the next kernels of the calling thread's stream; training
   // and step() must not run while offloaded. Not collective. Returns the bytes moved.
   int64_t offload_state();
