@@ -220,12 +220,21 @@ PolicyLoss policy_loss(const at::Tensor& logp, const at::Tensor& old_logp, const
     loss = loss * is_weights.detach().to(loss.scalar_type());
   }
   out.loss = loss.sum() / normalizer;
-  if (logp.numel() > 0) {
-    out.clip_fraction = took.to(at::kDouble).mean().item<double>();
-    out.approx_kl = (old_logp.detach() - logp.detach()).to(at::kDouble).mean().item<double>();
-  }
+  out.tokens = logp.numel();
+  out.clipped_tokens = took.to(at::kDouble).sum();
+  out.kl_sum = (old_logp.detach() - logp.detach()).to(at::kDouble).sum();
   return out;
 }
+
+namespace {
+double per_token(const at::Tensor& sum, int64_t tokens) {
+  return tokens > 0 && sum.defined() ? sum.item<double>() / static_cast<double>(tokens) : 0.0;
+}
+}  // namespace
+
+double PolicyLoss::clip_fraction() const { return per_token(clipped_tokens, tokens); }
+double PolicyLoss::approx_kl() const { return per_token(kl_sum, tokens); }
+double ValueLoss::clip_fraction() const { return per_token(clipped_tokens, tokens); }
 
 ValueLoss value_loss(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, double clip,
                      double normalizer) {
@@ -233,16 +242,18 @@ ValueLoss value_loss(const at::Tensor& values, const at::Tensor& old_values, con
   check_same(values, returns, "value_loss");
   TILLER_CHECK(normalizer > 0, "value_loss: normalizer must be > 0");
   ValueLoss out;
+  out.tokens = values.numel();
   const at::Tensor ret = returns.detach().to(values.scalar_type());
   const at::Tensor plain = (values - ret).pow(2);
   if (clip <= 0) {
     out.loss = 0.5 * plain.sum() / normalizer;
+    out.clipped_tokens = at::zeros({}, values.options().dtype(at::kDouble));
     return out;
   }
   const at::Tensor old = old_values.detach().to(values.scalar_type());
   const at::Tensor clipped = (old + (values - old).clamp(-clip, clip) - ret).pow(2);
   out.loss = 0.5 * at::maximum(plain, clipped).sum() / normalizer;
-  if (values.numel() > 0) out.clip_fraction = (clipped > plain).to(at::kDouble).mean().item<double>();
+  out.clipped_tokens = (clipped > plain).to(at::kDouble).sum();
   return out;
 }
 

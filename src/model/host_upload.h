@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -25,6 +26,16 @@ template <typename T>
 at::Tensor upload(const std::vector<T>& host, at::Device device) {
   at::Tensor t = host_tensor(host, device.is_cuda());
   return device.is_cpu() ? t : t.to(device, /*non_blocking=*/true);
+}
+
+// `t` (any tensor) on `device` as `dtype` (its own when undefined); a host tensor travels through
+// pinned memory with a non-blocking copy, so the host does not wait for the device's queue.
+inline at::Tensor upload(const at::Tensor& t, at::Device device, std::optional<at::ScalarType> dtype = std::nullopt) {
+  const at::ScalarType type = dtype.value_or(t.scalar_type());
+  if (!t.device().is_cpu() || !device.is_cuda()) return t.to(device, type);
+  at::Tensor pinned = at::empty(t.sizes(), at::TensorOptions().dtype(type).pinned_memory(true));
+  pinned.copy_(t);
+  return pinned.to(device, /*non_blocking=*/true);
 }
 
 }  // namespace tiller::model

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "model/host_upload.h"
 #include "tiller/core/error.h"
 
 namespace tiller::rollout {
@@ -15,10 +16,10 @@ class Trained {
     if (!loss_mask.defined()) return;
     TILLER_CHECK(loss_mask.numel() == rows.numel(), "a loss mask of {} for {} response rows", loss_mask.numel(),
                  rows.numel());
-    kept_ = at::nonzero(loss_mask.reshape({-1})).reshape({-1}).to(device_);
+    kept_ = model::upload(at::nonzero(loss_mask.reshape({-1})).reshape({-1}), device_);
   }
   at::Tensor operator()(const at::Tensor& t) const {
-    const at::Tensor d = t.to(device_);
+    const at::Tensor d = model::upload(t, device_);
     return kept_.defined() ? d.index_select(0, kept_) : d;
   }
 
@@ -44,9 +45,8 @@ MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy
     out.loss = out.loss + algo::kl_loss(logp, pick(in.ref_logp), spec.kl_estimator, in.kl_coef, in.normalizer);
   const at::Tensor entropy = pick(entropy_rows);
   if (spec.entropy_coef > 0) out.loss = out.loss + algo::entropy_bonus(entropy, spec.entropy_coef, in.normalizer);
-  out.clip_fraction = pl.clip_fraction;
-  out.approx_kl = pl.approx_kl;
-  out.entropy_sum = entropy.detach().sum().item<double>();
+  out.stats = at::stack({out.loss.detach().to(at::kDouble), pl.clipped_tokens, pl.kl_sum,
+                         entropy.detach().to(at::kDouble).sum()});
   return out;
 }
 
@@ -58,7 +58,8 @@ MicroBatchLoss critic_loss(const at::Tensor& value_rows, const TrainCriticReques
   if (out.tokens == 0) return out;
   algo::ValueLoss vl = algo::value_loss(values, pick(in.old_values), pick(in.returns), value_clip, in.normalizer);
   out.loss = vl.loss;
-  out.clip_fraction = vl.clip_fraction;
+  const at::Tensor zero = at::zeros({}, vl.clipped_tokens.options());
+  out.stats = at::stack({out.loss.detach().to(at::kDouble), vl.clipped_tokens, zero, zero});
   return out;
 }
 

@@ -17,9 +17,10 @@ namespace tiller::rollout {
 
 struct MicroBatchLoss {
   at::Tensor loss;          // scalar, differentiable; undefined when no token of the micro-batch trains
-  double clip_fraction = 0;
-  double approx_kl = 0;     // actor: mean of old - new log-prob over the trained tokens
-  double entropy_sum = 0;   // actor: over the trained tokens
+  // The statistics over the trained tokens, as fp64 [4] on the loss's device (reading them would
+  // wait for the device): the loss (detached), tokens whose clipped term was taken, the sum of old -
+  // new log-prob (actor), the sum of entropies (actor). Undefined with the loss.
+  at::Tensor stats;
   int64_t tokens = 0;       // trained tokens
 };
 

@@ -12,6 +12,7 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
+#include "model/host_upload.h"
 #include "rollout/losses.h"
 #include "rollout/protocol.h"
 #include "rollout/trainer_groups.h"
@@ -95,9 +96,11 @@ MicroBatch micro_batch(const PackedSequences& m, at::Device dev) {
   }
   mb.slice.tokens = m.tokens;
   mb.slice.first_row = first;
-  mb.targets = at::tensor(targets, at::kLong).to(dev);
-  mb.resp_rows = at::tensor(rows, at::kLong).to(dev);
-  mb.last_rows = at::tensor(last, at::kLong).to(dev);
+  // Non-blocking uploads: the host goes on to queue this micro-batch's forward while the device
+  // still runs the last one's backward.
+  mb.targets = model::upload(targets, dev);
+  mb.resp_rows = model::upload(rows, dev);
+  mb.last_rows = model::upload(last, dev);
   return mb;
 }
 
@@ -125,8 +128,10 @@ struct RoleWorker::Impl {
   std::unique_ptr<sync::WeightSender> sender;
   std::unique_ptr<sync::HybridHandoff> handoff;  // hybrid: to this process's engine
   double temperature = 1.0;
-  // Statistics of the micro-batches since the role's last optimizer step.
+  // Statistics of the micro-batches since the role's last optimizer step: the host's, and the
+  // losses' sums on the device (MicroBatchLoss::stats), read once, at the step.
   std::map<Role, StepStats> acc;
+  std::map<Role, at::Tensor> acc_device;
   std::vector<std::string> span_names;
   std::vector<double> span_begin, span_end;
 
@@ -244,12 +249,7 @@ struct RoleWorker::Impl {
       (lp.sum() * 0).backward();  // lockstep: the group's collectives run on every rank
     } else {
       l.loss.backward();
-      const auto n = static_cast<double>(l.tokens);
-      a.loss += l.loss.item<double>();
-      a.clip_tokens += l.clip_fraction * n;
-      a.approx_kl_tokens += l.approx_kl * n;
-      a.entropy_sum += l.entropy_sum;
-      a.tokens += n;
+      accumulate(Role::kActor, l);
     }
     a.train_seconds += seconds_since(t0);
     span("train.actor", w0);
@@ -267,18 +267,39 @@ struct RoleWorker::Impl {
       (v.sum() * 0).backward();
     } else {
       l.loss.backward();
-      const auto n = static_cast<double>(l.tokens);
-      a.loss += l.loss.item<double>();
-      a.clip_tokens += l.clip_fraction * n;
-      a.tokens += n;
+      accumulate(Role::kCritic, l);
     }
     a.train_seconds += seconds_since(t0);
     span("train.critic", w0);
   }
 
+  // Adds a micro-batch's statistics on the device, without waiting for it.
+  void accumulate(Role role, const MicroBatchLoss& l) {
+    at::Tensor& d = acc_device[role];
+    d = d.defined() ? d + l.stats : l.stats;
+    acc[role].tokens += static_cast<double>(l.tokens);
+  }
+
   StepReply step(const StepRequest& in) {
     TILLER_CHECK(roles.has(in.role), "rank {}: an optimizer step of {}, which this rank does not hold", rank,
                  role_name(in.role));
+    StepStats& a = acc[in.role];
+    // The micro-batches were queued without waiting for the device: what they still run counts
+    // as training, and their statistics come back in one copy.
+    {
+      const auto t0 = Clock::now();
+      auto it = acc_device.find(in.role);
+      if (it != acc_device.end()) {
+        const at::Tensor s = it->second.cpu();
+        const double* v = s.data_ptr<double>();
+        a.loss += v[0];
+        a.clip_tokens += v[1];
+        a.approx_kl_tokens += v[2];
+        a.entropy_sum += v[3];
+        acc_device.erase(it);
+      }
+      a.train_seconds += seconds_since(t0);
+    }
     const auto t0 = Clock::now();
     const double w0 = wall_us();
     const zero::StepResult r = models.at(in.role)->step(in.lr);

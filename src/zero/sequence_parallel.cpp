@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include "model/host_upload.h"
 #include "tiller/core/error.h"
 #include "tiller/dist/communicator.h"
 
@@ -131,15 +132,16 @@ SliceInput prepare_slice(const model::Rope& rope, const SequenceSlice& slice,
     for (int64_t r = std::max(start, from); r < std::min(start + len, to); ++r) positions.push_back(r - start);
     cu.push_back(static_cast<int32_t>(start + len));
   }
-  const at::Tensor pos = at::tensor(positions, at::kLong).to(device);
-  const at::Tensor cu_t = at::tensor(cu, at::kInt).to(device);
+  const at::Tensor pos = model::upload(positions, device);
+  const at::Tensor cu_t = model::upload(cu, device);
   auto [cos, sin] = rope.tables(pos, dtype, whole_row || s == 1 ? lens : std::vector<int64_t>{});
   in.ctx.cos = whole_row ? cos.narrow(0, first, in.padded) : cos;
   in.ctx.sin = whole_row ? sin.narrow(0, first, in.padded) : sin;
   in.ctx.backend = backend;
   in.ctx.attn = model::VarlenSpec::self(cu_t, lens);
   if (s > 1) use_ulysses(in.ctx, *group);
-  at::Tensor tokens = n > 0 ? slice.tokens.to(device, at::kLong) : at::empty({0}, at::TensorOptions(at::kLong).device(device));
+  at::Tensor tokens = n > 0 ? model::upload(slice.tokens, device, at::kLong)
+                            : at::empty({0}, at::TensorOptions(at::kLong).device(device));
   if (in.padded > n) tokens = at::cat({tokens, at::zeros({in.padded - n}, tokens.options())});
   in.tokens = tokens;
   return in;

@@ -92,7 +92,7 @@ TEST(Algo, PpoClipAsymmetricDualAndImportanceWeights) {
   const at::Tensor old = at::zeros({4}), adv = t({1, 1, -1, -2});
   PolicyLoss l = policy_loss(logp, old, adv, {}, 4.0);
   expect_values(l.loss, {0.225});
-  EXPECT_NEAR(l.clip_fraction, 0.5, 1e-12);
+  EXPECT_NEAR(l.clip_fraction(), 0.5, 1e-12);
   l.loss.backward();
   // Clipped tokens get no gradient; t1's is -A * ratio / 4 = -0.125.
   const at::Tensor g = logp.grad();
@@ -104,7 +104,7 @@ TEST(Algo, PpoClipAsymmetricDualAndImportanceWeights) {
   high.clip_high = 0.6;
   l = policy_loss(logp, old, adv, high, 4.0);
   expect_values(l.loss, {0.15});
-  EXPECT_NEAR(l.clip_fraction, 0.25, 1e-12);
+  EXPECT_NEAR(l.clip_fraction(), 0.25, 1e-12);
   // Importance weights [1, 2, 1, 0.5]: -1.2 - 1.0 + 1.0 + 0.8 = -0.4 -> -0.1.
   expect_values(policy_loss(logp, old, adv, {}, 4.0, t({1, 2, 1, 0.5})).loss, {-0.1});
   // Dual clip: ratio 3, A = -1: plain PPO gives max(3, 1.2) = 3; dual clip 1.5 caps it at 1.5.
@@ -123,7 +123,7 @@ TEST(Algo, ValueLossEntropyAndImportanceCap) {
   // t0: (1 - 2)^2 = 1 vs (0.5 + 0.2 - 2)^2 = 1.69 -> 1.69; t1: 1 vs 1 -> 1. 0.5 * 2.69 / 2 = 0.6725.
   const auto v = value_loss(t({1.0, 2.0}), t({0.5, 2.0}), t({2.0, 1.0}), 0.2, 2.0);
   expect_values(v.loss, {0.6725});
-  EXPECT_NEAR(v.clip_fraction, 0.5, 1e-12);
+  EXPECT_NEAR(v.clip_fraction(), 0.5, 1e-12);
   expect_values(value_loss(t({1.0, 2.0}), t({0.5, 2.0}), t({2.0, 1.0}), 0, 2.0).loss, {0.5});
   expect_values(entropy_bonus(t({1, 2, 3}), 0.01, 3.0), {-0.02});
   // exp(0 - -1) = e capped at 2; exp(-1 - 0).

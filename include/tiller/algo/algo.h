@@ -90,8 +90,13 @@ struct PolicyLossConfig {
 };
 struct PolicyLoss {
   at::Tensor loss;          // scalar: sum of per-token losses / normalizer (differentiable)
-  double clip_fraction = 0; // tokens whose clipped term was taken
-  double approx_kl = 0;     // mean of (old_logp - logp)
+  // Statistics as fp64 scalars on the loss's device, so that computing a loss never waits for the
+  // device (a trainer queues the next micro-batch meanwhile); the accessors read them (and wait).
+  at::Tensor clipped_tokens;  // tokens whose clipped term was taken
+  at::Tensor kl_sum;          // sum over tokens of (old_logp - logp)
+  int64_t tokens = 0;
+  double clip_fraction() const;  // clipped_tokens / tokens; 0 without tokens
+  double approx_kl() const;      // kl_sum / tokens: the mean of (old_logp - logp)
 };
 // PPO's clipped surrogate. `is_weights` (optional, [T], no gradient) multiplies each token's loss:
 // the truncated importance correction for engine vs trainer log-probs.
@@ -101,7 +106,9 @@ PolicyLoss policy_loss(const at::Tensor& logp, const at::Tensor& old_logp, const
 // normalizer (clip <= 0: unclipped). clip_fraction: tokens where the clipped term was larger.
 struct ValueLoss {
   at::Tensor loss;
-  double clip_fraction = 0;
+  at::Tensor clipped_tokens;  // fp64 scalar on the device, as PolicyLoss's
+  int64_t tokens = 0;
+  double clip_fraction() const;
 };
 ValueLoss value_loss(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, double clip,
                      double normalizer);
