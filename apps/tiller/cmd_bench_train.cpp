@@ -9,7 +9,10 @@
 // 989 TFLOP/s), peak memory, and where the step's time goes: optimizer; exposed communication
 // (GPU time compute stood waiting for a gather or reduce-scatter, from CUDA events); the rest is
 // compute, of which recomputation is estimated as the recomputed forward's share of the FLOPs.
-// --recompute picks what the backward recomputes (train.recompute; auto as tiller train chooses).
+// --recompute picks what the backward recomputes (train.recompute), --compute-shard whether a bf16
+// copy of the shards is kept (train.compute_shard), --optimizer-offload cpu runs AdamW on the host
+// (roles.<r>.optimizer_offload); `auto` as tiller train chooses, through the same memory plan,
+// which also refuses a job that cannot fit the GPU before anything is allocated.
 // --score times the actor's scoring pass instead (what a trainer rank does for each scoring
 // request): the sharded forward without autograd, the log-probs and entropies of every token,
 // copied to the host; compare it with `tiller bench forward` on the same shape. --frozen scores
@@ -29,6 +32,7 @@
 #include "commands.h"
 #include "step_profiler.h"
 #include "model/torch_compat.h"
+#include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
@@ -54,26 +58,34 @@ struct TrainBenchOptions {
   std::string out;
   std::string profile;  // Chrome trace of rank 0's last step
   std::string recompute = "auto";  // train.recompute's choices
+  std::string compute_shard = "auto";  // train.compute_shard's
+  std::string optimizer_offload = "none";  // roles.<r>.optimizer_offload's
+  int optimizer_threads = 0;
+  double gpu_memory_gb = 0;  // the plan's GPU size; 0: the device's
   std::string reduce_dtype = "fp32";
   bool score = false;  // time the scoring forward instead of training steps
   bool frozen = false; // with score: a frozen model (the reference and reward roles)
 };
 
-// --recompute auto: the most kept activations that fit this GPU beside the shards and state, two
-// gathered units and a unit's gradient buffers (as the memory plan counts them), with the memory
-// plan's reserve and margin (rollout::activations_fit). blocks on CPU.
-zero::Recompute choose_recompute(const TrainBenchOptions& o, const model::ModelConfig& cfg,
-                                 const zero::ShardedModel& m, int64_t tokens_per_rank) {
-  if (o.recompute != "auto") return zero::parse_recompute(o.recompute, "--recompute");
-  const int64_t gpu = model::device_memory(m.options().device).total;
-  if (gpu <= 0) return zero::Recompute::kBlocks;
-  const int64_t c = m.options().compute_dtype == at::kFloat ? 4 : 2;
-  int64_t unit = 0;
-  for (const auto& u : m.shards()) unit = std::max<int64_t>(unit, u.compute.numel() * m.world());
-  const int64_t others = m.memory().total() + 2 * unit * c + unit * (c + 8);
-  for (zero::Recompute r : {zero::Recompute::kNone, zero::Recompute::kAttentionOnly})
-    if (rollout::activations_fit(others, rollout::train_activation_bytes(cfg, tokens_per_rank, c, r), gpu)) return r;
-  return zero::Recompute::kBlocks;
+// The memory plan of this job (rollout/memory_plan.h, as tiller train plans a trained role):
+// recompute and compute_shard resolved, and a refusal naming the rank when it cannot fit.
+rollout::MemoryPlan plan_job(const TrainBenchOptions& o, const model::ModelConfig& cfg, const at::Device& dev,
+                             int world, int rank, int64_t tokens_per_rank) {
+  JobConfig job;
+  job.roles.actor.dtype = dev.is_cuda() ? "bf16" : "fp32";
+  job.roles.actor.optimizer_offload = o.optimizer_offload;
+  job.train.recompute = o.recompute;
+  job.train.compute_shard = o.compute_shard;
+  job.train.reduce_dtype = o.reduce_dtype;
+  int64_t gpu = static_cast<int64_t>(o.gpu_memory_gb * double(int64_t{1} << 30));
+  if (gpu == 0 && dev.is_cuda()) gpu = model::device_memory(dev).total;
+  rollout::MemoryPlan plan = rollout::plan_trainer(job, cfg, o.frozen ? 1 : world, tokens_per_rank, dev.is_cuda() ? gpu : 0);
+  if (!o.score) {
+    rollout::check_trainer_fits(plan, rank, "bench train, " + o.model,
+                                "lower --micro-batch or --seq, run on more ranks, or pass --recompute blocks, "
+                                "--compute-shard cast or --optimizer-offload cpu");
+  }
+  return plan;
 }
 
 using Clock = std::chrono::steady_clock;
@@ -97,8 +109,18 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   mo.measure_waits = true;
   mo.reduce_dtype = o.reduce_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   mo.trainable = !o.frozen;
-  zero::ShardedModel model(cfg, comm, mo);
+  mo.optimizer_on_host = o.optimizer_offload == "cpu" && !o.frozen;
+  mo.optimizer_threads = o.optimizer_threads;
   const int sp = o.sequence_parallel;
+  // The plan before any allocation; every rank takes the least-memory choice of any (GPUs of
+  // different sizes; one mode per sequence group).
+  rollout::MemoryPlan plan = plan_job(o, cfg, dev, comm.size(), comm.rank(), o.seq * o.micro_batch / sp);
+  at::Tensor choice = at::tensor({static_cast<float>(plan.recompute), plan.keep_compute_shard ? 1.0f : 0.0f});
+  bc.world->all_reduce(choice, dist::ReduceOp::kMin)->wait();
+  const auto recompute = static_cast<zero::Recompute>(static_cast<int>(choice[0].item<float>()));
+  mo.recompute = recompute;
+  mo.keep_compute_shard = choice[1].item<float>() > 0.5f;
+  zero::ShardedModel model(cfg, comm, mo);
   if (comm.size() % sp != 0)
     throw ConfigError(fmt::format("--sequence-parallel {} must divide the {} ranks", sp, comm.size()));
   if (o.seq * o.micro_batch < sp)
@@ -114,12 +136,6 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
     const model::NamedTensors init = model::init_weights(cfg, model::Head::kLm, 1, mo.compute_dtype, dev);
     model.load(init, o.model);
   }
-  // Every rank takes the least-memory choice of any (one mode per sequence group).
-  at::Tensor mode = at::full({1}, static_cast<float>(choose_recompute(o, cfg, model, o.seq * o.micro_batch / sp)),
-                             at::kFloat);
-  bc.world->all_reduce(mode, dist::ReduceOp::kMin)->wait();
-  const auto recompute = static_cast<zero::Recompute>(static_cast<int>(mode.item<float>()));
-  model.set_recompute(recompute);
 
   std::vector<std::vector<int64_t>> seqs;
   // A sequence group shares its data: the same sequences on each of its ranks, which keep their slice.
@@ -132,7 +148,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   const zero::SequenceSlice slice = zero::SequenceSlice::of(batch, sp, comm.rank() % sp);
   const at::Tensor targets = batch.tokens.roll(-1).narrow(0, slice.first_row, slice.tokens.numel());
 
-  std::vector<double> step_s, fwd_bwd_s, opt_s, wait_s;
+  std::vector<double> step_s, fwd_bwd_s, opt_s, wait_s, host_update_s, host_copy_wait_s;
   compat::reset_peak(dev);
   for (int s = 0; s < o.steps && o.score; ++s) {
     compat::synchronize(dev);
@@ -172,14 +188,22 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
     fwd_bwd_s.push_back(fb);
     opt_s.push_back(opt);
     wait_s.push_back(waited);
+    if (const zero::HostAdamW* h = model.host_optimizer()) {
+      host_update_s.push_back(h->last_timing().update_s);
+      host_copy_wait_s.push_back(h->last_timing().copy_wait_s);
+    }
   }
   // The slowest rank's medians.
-  at::Tensor t = at::tensor({median(step_s), median(fwd_bwd_s), median(opt_s), median(wait_s),
-                             static_cast<double>(compat::peak_allocated_bytes(dev))},
+  auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : median(v); };
+  at::Tensor t = at::tensor({med(step_s), med(fwd_bwd_s), med(opt_s), med(wait_s),
+                             static_cast<double>(compat::peak_allocated_bytes(dev)), med(host_update_s),
+                             med(host_copy_wait_s)},
                             at::kDouble);
   bc.world->all_reduce(t, dist::ReduceOp::kMax)->wait();
   const double step = t[0].item<double>(), fb = t[1].item<double>(), opt = t[2].item<double>(),
                waited = t[3].item<double>(), peak = t[4].item<double>();
+  // The plan's estimate of this rank's peak, to hold against the measured one.
+  const double planned = static_cast<double>(plan.ranks.front().peak());
 
   const int64_t tokens = o.seq * o.micro_batch / sp;  // per GPU
   const int64_t nparam = model::num_parameters(cfg);
@@ -218,6 +242,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
     if (env.rank() == 0) emit_json(r.dump(), o.out);
     return 0;
   }
+  const zero::ShardMemory held = model.memory();
   r["bench"] = "train";
   r["model"] = o.model;
   r["params_B"] = nparam / 1e9;
@@ -227,6 +252,8 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   r["mbs"] = o.micro_batch;
   r["sequence_parallel"] = sp;
   r["recompute"] = zero::recompute_name(recompute);
+  r["compute_shard"] = mo.keep_compute_shard ? "keep" : "cast";
+  r["optimizer_offload"] = o.optimizer_offload;
   r["reduce_dtype"] = o.reduce_dtype;
   r["tokens_per_gpu_per_step"] = tokens;
   r["steps_timed"] = o.steps - 2;
@@ -234,6 +261,9 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   r["tokens_per_s_per_gpu"] = tok_s;
   r["mfu_vs_989"] = flops_tok * tok_s / 989e12;
   r["peak_mem_GiB"] = peak / double(1 << 30);
+  r["planned_peak_GiB"] = planned / double(1 << 30);
+  r["plan_error"] = peak > 0 ? planned / peak - 1.0 : 0.0;  // estimate against measured, this rank's world max
+  r["host_optimizer_GiB"] = static_cast<double>(held.host) / double(1 << 30);
   nlohmann::ordered_json b;
   b["forward_backward_s"] = fb;
   b["exposed_comm_s"] = waited;
@@ -247,6 +277,13 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
                                                                        : 0.0;
   b["recompute_est_s"] = compute * redone / (3 * block_fwd + redone + head_flops);
   b["optimizer_s"] = opt;
+  if (mo.optimizer_on_host) {
+    // The host AdamW's part of optimizer_s: the update on the host, and waiting for the gradients'
+    // copies to the host (the rest: the norm and the last copies back).
+    b["host_update_s"] = t[5].item<double>();
+    b["host_copy_wait_s"] = t[6].item<double>();
+    b["host_threads"] = model.host_optimizer()->threads();
+  }
   r["breakdown"] = b;
   if (env.rank() == 0) {
     emit_json(r.dump(), o.out);
@@ -273,6 +310,17 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   tr->add_option("--recompute", o->recompute,
                  "auto (the most kept activations that fit the GPU; blocks on CPU), blocks, attention_only or none")
       ->check(CLI::IsMember({"auto", "blocks", "attention_only", "none"}));
+  tr->add_option("--compute-shard", o->compute_shard,
+                 "auto (keep when the memory plan fits it), keep (a persistent bf16 copy of the shards) or cast (each "
+                 "gather casts the fp32 master shard)")
+      ->check(CLI::IsMember({"auto", "keep", "cast"}));
+  tr->add_option("--optimizer-offload", o->optimizer_offload,
+                 "none, or cpu: fp32 masters and AdamW moments in host memory, AdamW on the CPU")
+      ->check(CLI::IsMember({"none", "cpu"}));
+  tr->add_option("--optimizer-threads", o->optimizer_threads, "The CPU AdamW's threads per rank (0: cores / local ranks)")
+      ->check(CLI::Range(0, 4096));
+  tr->add_option("--gpu-memory-gb", o->gpu_memory_gb, "GPU memory in GiB the plan checks against (0: the device's)")
+      ->check(CLI::Range(0.0, 1e6));
   tr->add_option("--reduce-dtype", o->reduce_dtype, "What gradients are reduce-scattered in: fp32 or bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   tr->add_option("--profile", o->profile, "Write a Chrome trace (torch.profiler format) of rank 0's last step here");

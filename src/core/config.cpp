@@ -364,6 +364,12 @@ void JobConfig::validate_sequence_parallel() const {
 }
 
 void JobConfig::validate_hybrid() const {
+  for (const char* name : {"ref", "reward"}) {
+    const RoleConfig& r = role_by_name(*this, name);
+    if (r.enabled && r.optimizer_offload != "none")
+      throw ConfigError(fmt::format("roles.{}.optimizer_offload = {}: a frozen role has no optimizer; set it to none",
+                                    name, r.optimizer_offload));
+  }
   for (const char* name : {"actor", "critic", "ref", "reward"}) {
     const RoleConfig& r = role_by_name(*this, name);
     if (!r.enabled || !r.offload) continue;

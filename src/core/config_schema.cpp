@@ -79,6 +79,12 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
         "Trainable roles with cluster.hybrid: move the fp32 masters and AdamW moments to pinned host memory while "
         "the engines generate, and back before training, and free the gradient accumulators meanwhile (they hold "
         "nothing between steps); the compute shards stay for scoring.");
+  b.add(p + "optimizer_offload", [get](JobConfig& c) { return &get(c).optimizer_offload; },
+        "Trainable roles: none, or cpu: the fp32 master weights and AdamW moments live in host memory for the whole "
+        "run and a multithreaded CPU AdamW updates them (docs/zero.md). The GPU keeps the bf16 shard and the fp32 "
+        "gradients, 6 bytes per parameter / N instead of 18; each step streams the gradients to the host and the new "
+        "bf16 shard back, overlapped with the update (train.optimizer_threads).")
+      .one_of({"none", "cpu"});
   b.add(p + "sequence_parallel", [get](JobConfig& c) { return &get(c).sequence_parallel; },
         "Sequence parallelism: this many consecutive ranks of the role share each micro-batch, each holding and "
         "computing 1/S of its tokens (Ulysses attention; docs/zero.md). Must divide gpus and the model's attention "
@@ -365,6 +371,16 @@ std::vector<Field> build() {
         "half), none (keep everything), or auto: the most kept that the memory plan fits on the GPU (tiller plan prints "
         "the choice; blocks on CPU).")
       .one_of({"auto", "blocks", "attention_only", "none"});
+  b.add("train.compute_shard", TILLER_FIELD(train.compute_shard),
+        "Whether the trained roles keep a persistent bf16 copy of their fp32 master shards: keep (2 bytes per "
+        "parameter / N more, no cast per gather), cast (each all-gather casts the master shard first, as FSDP2 does), "
+        "or auto: keep when the memory plan fits it beside the activations train.recompute keeps (tiller plan prints "
+        "the choice; cast when no GPU size is known). Moot with fp32 compute or optimizer_offload: cpu.")
+      .one_of({"auto", "keep", "cast"});
+  b.add("train.optimizer_threads", TILLER_FIELD(train.optimizer_threads),
+        "Threads of each rank's CPU AdamW (roles.<role>.optimizer_offload: cpu). 0: the host's cores divided by the "
+        "ranks on it.")
+      .range(0, 4096);
   b.add("train.reduce_dtype", TILLER_FIELD(train.reduce_dtype),
         "The dtype gradients are reduce-scattered in across a role's ranks: fp32, or bf16 (half the traffic; the "
         "ranks' sum is rounded to bf16 before it joins the fp32 accumulator, as FSDP2's reduce_dtype=bf16).")

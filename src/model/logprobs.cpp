@@ -82,13 +82,25 @@ ChunkResult chunk_forward(const at::Tensor& h, const at::Tensor& w, const at::Te
 std::pair<at::Tensor, at::Tensor> backward_chunks(const at::Tensor& hidden, const at::Tensor& weight,
                                                   const at::Tensor& targets, const at::Tensor& grad,
                                                   const at::Tensor& grad_entropy, double temperature, int64_t chunk,
-                                                  bool need_h, bool need_w, bool fp32_w = false) {
+                                                  bool need_h, bool need_w, bool fp32_w = false,
+                                                  const at::Tensor& grad_w_into = at::Tensor()) {
   const at::ScalarType ct = compute_type(hidden);
   const int64_t rows = hidden.size(0);
   const at::Tensor g = grad.defined() ? grad.to(ct) : at::zeros({rows}, hidden.options().dtype(ct));
   const at::Tensor ge = grad_entropy.defined() ? grad_entropy.to(ct) : at::Tensor();
   at::Tensor grad_h = need_h ? at::empty_like(hidden) : at::Tensor();
-  at::Tensor grad_w = need_w ? at::zeros(weight.sizes(), weight.options().dtype(ct)) : at::Tensor();
+  at::Tensor grad_w;
+  if (need_w && grad_w_into.defined()) {
+    TILLER_CHECK(grad_w_into.scalar_type() == ct && grad_w_into.sizes() == weight.sizes() &&
+                     grad_w_into.is_contiguous() && grad_w_into.device() == weight.device(),
+                 "token_logprobs_backward: a weight gradient buffer of {} elements of {}, expected {} of {} "
+                 "(the weight's shape, contiguous, on {})",
+                 grad_w_into.numel(), c10::toString(grad_w_into.scalar_type()), weight.numel(), c10::toString(ct),
+                 weight.device().str());
+    grad_w = grad_w_into;
+  } else if (need_w) {
+    grad_w = at::zeros(weight.sizes(), weight.options().dtype(ct));
+  }
   for (int64_t s = 0; s < rows; s += chunk) {
     const int64_t n = std::min(chunk, rows - s);
     at::Tensor h = hidden.narrow(0, s, n);
@@ -129,7 +141,7 @@ std::pair<at::Tensor, at::Tensor> backward_chunks(const at::Tensor& hidden, cons
     if (need_w) compat::addmm_accumulate(grad_w, dzw.t(), h);
   }
   if (!need_w) return {grad_h, at::Tensor()};
-  return {grad_h, fp32_w ? grad_w : grad_w.to(weight.scalar_type())};
+  return {grad_h, fp32_w || grad_w_into.defined() ? grad_w : grad_w.to(weight.scalar_type())};
 }
 
 // Outputs: the log-probs, and the entropies when asked for. Both are differentiable; gradients
@@ -172,12 +184,13 @@ std::pair<at::Tensor, at::Tensor> token_logprobs_backward(const at::Tensor& hidd
                                                           const at::Tensor& targets, const at::Tensor& grad,
                                                           double temperature, int64_t chunk_rows, bool need_hidden,
                                                           bool need_weight, bool fp32_weight_grad,
-                                                          const at::Tensor& grad_entropy) {
+                                                          const at::Tensor& grad_entropy,
+                                                          const at::Tensor& weight_grad_into) {
   for (const at::Tensor* t : {&grad, &grad_entropy})
     TILLER_CHECK(!t->defined() || (t->dim() == 1 && t->size(0) == hidden.size(0)),
                  "token_logprobs_backward: {} gradients for {} rows", t->numel(), hidden.size(0));
   return backward_chunks(hidden, lm_head, targets.to(at::kLong), grad, grad_entropy, temperature, chunk_rows,
-                         need_hidden, need_weight, fp32_weight_grad);
+                         need_hidden, need_weight, fp32_weight_grad, weight_grad_into);
 }
 
 at::Tensor token_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& targets,

@@ -1,6 +1,7 @@
 #include "tiller/rollout/memory_plan.h"
 
 #include <algorithm>
+#include <functional>
 
 #include <fmt/format.h>
 
@@ -30,26 +31,79 @@ const RoleConfig& role_cfg(const JobConfig& c, Role r) {
 int64_t dtype_bytes(const std::string& dtype) { return dtype == "fp32" ? 4 : 2; }
 
 struct Shape {
-  int64_t params = 0, largest_unit = 0;
+  int64_t params = 0, largest_unit = 0, largest_block = 0, embed = 0, head = 0;
   const model::ModelConfig* cfg = nullptr;
 };
 
 Shape shape_of(const model::ModelConfig& cfg, model::Head head) {
   Shape s;
   s.cfg = &cfg;
-  int64_t embed = 0, head_unit = 0;
   std::vector<int64_t> layers(static_cast<size_t>(cfg.num_layers), 0);
   for (const auto& p : model::parameter_specs(cfg, head)) {
     int64_t n = 1;
     for (int64_t d : p.shape) n *= d;
     s.params += n;
     if (p.layer >= 0) layers[static_cast<size_t>(p.layer)] += n;
-    else if (p.name == "model.embed_tokens.weight") embed += n;
-    else head_unit += n;
+    else if (p.name == "model.embed_tokens.weight") s.embed += n;
+    else s.head += n;
   }
-  s.largest_unit = std::max(embed, head_unit);
-  for (int64_t l : layers) s.largest_unit = std::max(s.largest_unit, l);
+  for (int64_t l : layers) s.largest_block = std::max(s.largest_block, l);
+  s.largest_unit = std::max({s.embed, s.head, s.largest_block});
   return s;
+}
+
+// One role as one rank of its group holds it (zero::ShardedModel).
+struct RoleSpec {
+  Shape shape;
+  int64_t ranks = 1;        // N: 1 when replicated
+  int64_t dtype_bytes = 2;  // compute dtype
+  bool trainable = false;
+  bool host_optimizer = false;  // roles.<r>.optimizer_offload: cpu
+  bool offload = false;         // roles.<r>.offload (hybrid: state off the GPU while generating)
+  int64_t reduce_bytes = 4;     // train.reduce_dtype
+};
+
+// Host AdamW's pinned staging (zero/host_adamw.cpp: 3 slots of 4M elements, in and out).
+constexpr int64_t kHostStagingBytes = int64_t{3} * (int64_t{1} << 22) * (4 + 2);
+
+struct RoleFootprint {
+  int64_t weights_train = 0;     // the compute shard while training (0: cast per gather)
+  int64_t weights_generate = 0;  // ... while the engines generate
+  int64_t state = 0;             // on the device: master, gradient accumulator, moments
+  int64_t state_generate = 0;
+  int64_t host = 0;              // on the host: a host optimizer's masters, moments and staging
+  int64_t gathers = 0;           // two gathered units (and their cast inputs)
+  int64_t grad_buffers = 0;      // training: the gradient buffers at the backward's peak
+};
+
+RoleFootprint footprint(const RoleSpec& r, bool keep_compute_shard) {
+  RoleFootprint f;
+  const int64_t c = r.dtype_bytes, n = r.ranks, p = r.shape.params;
+  const bool cast = r.trainable && c != 4 && !keep_compute_shard && !r.host_optimizer;
+  const int64_t shard = p * c / n;
+  f.weights_train = cast ? 0 : shard;
+  // Offloaded for generation, a casting role makes its compute shards for the scoring meanwhile.
+  f.weights_generate = cast && !r.offload ? 0 : shard;
+  if (r.trainable) {
+    if (r.host_optimizer) {
+      f.state = p * 4 / n;  // the gradient accumulators
+      f.host = p * 12 / n + kHostStagingBytes;
+    } else {
+      f.state = p * (c == 4 ? 12 : 16) / n;
+    }
+    f.state_generate = r.offload ? 0 : f.state;
+  }
+  if (r.ranks > 1 || cast) f.gathers = 2 * r.shape.largest_unit * c + (cast ? 2 * r.shape.largest_unit * c / n : 0);
+  if (r.trainable) {
+    const int64_t rb = r.reduce_bytes, block = r.shape.largest_block, big = std::max(r.shape.embed, r.shape.head);
+    // A block: autograd's gradients in the compute dtype, its flat buffer and the one before it in
+    // flight. With an fp32 reduction the LM head's and the embedding's gradients accumulate in their
+    // flat buffer (beside a block's in flight); with bf16 the head's gradient is fp32 first.
+    const int64_t blocks = block * (c + 2 * rb);
+    const int64_t head = rb == 4 ? big * rb + block * (c + rb) : big * (4 + 2 * rb);
+    f.grad_buffers = std::max(blocks, head);
+  }
+  return f;
 }
 
 // One block's intermediate tensors per token (q/k/v, attention out, norms, the MLP's gate, up and
@@ -127,10 +181,24 @@ namespace {
 
 constexpr const char* kTrainActivations = "activations (train.micro_batch_tokens)";
 
+RoleSpec role_spec(const JobConfig& cfg, Role r, const model::ModelConfig& mc, const dist::RoleGroup* g) {
+  const RoleConfig& rc = role_cfg(cfg, r);
+  RoleSpec s;
+  s.shape = shape_of(mc, r == Role::kActor || r == Role::kRef ? model::Head::kLm : model::Head::kValue);
+  s.ranks = rc.replicate || !g ? 1 : static_cast<int64_t>(g->ranks.size());
+  s.dtype_bytes = dtype_bytes(rc.dtype);
+  s.trainable = role_trains(r);
+  s.host_optimizer = s.trainable && rc.optimizer_offload == "cpu";
+  s.offload = s.trainable && rc.offload;
+  s.reduce_bytes = cfg.train.reduce_dtype == "bf16" ? 2 : 4;
+  return s;
+}
+
 MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes,
-                     zero::Recompute recompute) {
+                     zero::Recompute recompute, bool keep_compute_shard) {
   MemoryPlan out;
   out.recompute = recompute;
+  out.keep_compute_shard = keep_compute_shard;
   out.gpu_bytes = gpu_bytes;
   out.shared_gpus = cfg.cluster.ranks_per_gpu > 1;
   const bool hybrid = plan.hybrid;
@@ -147,28 +215,25 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       const std::string name(role_name(r));
       const model::ModelConfig* mc = find_shape(shapes, name);
       if (!mc) throw ConfigError(fmt::format("memory plan: no model shape for roles.{}", name));
-      const RoleConfig& rc = role_cfg(cfg, r);
       const dist::RoleGroup* g = plan.group(r);
       // Sequence parallelism: the role's heads must split S ways (the ranks check again at load).
       if (g && g->sequence_parallel > 1)
         zero::check_sequence_parallel(*mc, g->sequence_parallel, "roles." + name + ".sequence_parallel");
-      const int64_t n = rc.replicate || !g ? 1 : static_cast<int64_t>(g->ranks.size());
-      const int64_t c = dtype_bytes(rc.dtype);
-      const Shape s = shape_of(*mc, r == Role::kActor || r == Role::kRef ? model::Head::kLm : model::Head::kValue);
-      const int64_t weights = s.params * c / n;
-      const int64_t state = role_trains(r) ? s.params * (c == 4 ? 12 : 16) / n : 0;
-      for (PhaseMemory* p : {&gen, &train, &sync}) add(*p, name + " weights", weights);
-      add(train, name + " state", state);
-      add(sync, name + " state", state);
-      add(gen, name + " state", rc.offload ? 0 : state);
-      if (!rc.replicate) gathers = std::max(gathers, 2 * s.largest_unit * c);
-      if (role_trains(r)) {
-        act_train = std::max(act_train, train_activation_bytes(*mc, cfg.train.micro_batch_tokens, c, recompute));
-        // A unit's parameter gradients in the compute dtype, and two flat buffers of it in the reduction dtype (the
-        // reduce-scatter in flight and the one being filled).
-        grad_buffers = std::max(grad_buffers, s.largest_unit * (c + 2 * (cfg.train.reduce_dtype == "bf16" ? 2 : 4)));
+      const RoleSpec spec = role_spec(cfg, r, *mc, g);
+      const RoleFootprint f = footprint(spec, keep_compute_shard);
+      add(gen, name + " weights", f.weights_generate);
+      add(train, name + " weights", f.weights_train);
+      add(sync, name + " weights", f.weights_train);
+      add(train, name + " state", f.state);
+      add(sync, name + " state", f.state);
+      add(gen, name + " state", f.state_generate);
+      rm.host_bytes += f.host;
+      gathers = std::max(gathers, f.gathers);
+      if (spec.trainable) {
+        act_train = std::max(act_train, train_activation_bytes(*mc, cfg.train.micro_batch_tokens, spec.dtype_bytes, recompute));
+        grad_buffers = std::max(grad_buffers, f.grad_buffers);
       }
-      act_score = std::max(act_score, score_activations(*mc, cfg.rollout.micro_batch_tokens, c));
+      act_score = std::max(act_score, score_activations(*mc, cfg.rollout.micro_batch_tokens, spec.dtype_bytes));
     }
     add(train, "gathered units", gathers);
     add(gen, "gathered units", gathers);
@@ -243,28 +308,96 @@ bool activations_fit(int64_t others, int64_t activations, int64_t gpu_bytes) {
   return others + activations + activations / 8 + kReserveBytes <= gpu_bytes;
 }
 
-MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes) {
-  if (cfg.train.recompute != "auto") {
-    MemoryPlan m =
-        plan_with(cfg, plan, shapes, gpu_bytes, zero::parse_recompute(cfg.train.recompute, "train.recompute"));
-    m.recompute_reason = "set by train.recompute";
-    return m;
+namespace {
+
+// train.recompute and train.compute_shard: what they set, or for `auto` the first pair in the
+// order (none, keep), (none, cast), (attention_only, keep), ... whose plan fits every rank with
+// the activations' margin; the least memory when no GPU size is known or ranks share GPUs (no
+// fit to check), and also when nothing fits (the fit check then refuses the plan).
+MemoryPlan choose(const TrainConfig& t, int64_t gpu_bytes, bool shared_gpus,
+                  const std::function<MemoryPlan(zero::Recompute, bool)>& make) {
+  const bool auto_mode = t.recompute == "auto", auto_shard = t.compute_shard == "auto";
+  std::vector<zero::Recompute> modes{zero::Recompute::kNone, zero::Recompute::kAttentionOnly, zero::Recompute::kBlocks};
+  if (!auto_mode) modes = {zero::parse_recompute(t.recompute, "train.recompute")};
+  std::vector<bool> keeps{true, false};
+  if (!auto_shard) {
+    if (t.compute_shard != "keep" && t.compute_shard != "cast")
+      throw ConfigError(fmt::format("train.compute_shard '{}': use auto, keep or cast", t.compute_shard));
+    keeps = {t.compute_shard == "keep"};
   }
-  if (gpu_bytes <= 0 || cfg.cluster.ranks_per_gpu > 1) {
-    MemoryPlan m = plan_with(cfg, plan, shapes, gpu_bytes, zero::Recompute::kBlocks);
-    m.recompute_reason = gpu_bytes <= 0 ? "auto: no GPU size to plan with; tiller train plans with its GPU's" : "auto: ranks share GPUs";
+  auto reasons = [&](MemoryPlan m, const char* mode_why, const char* shard_why) {
+    m.recompute_reason = auto_mode ? mode_why : "set by train.recompute";
+    m.compute_shard_reason = auto_shard ? shard_why : "set by train.compute_shard";
     return m;
+  };
+  if (gpu_bytes <= 0 || shared_gpus) {
+    const char* why = gpu_bytes <= 0 ? "auto: no GPU size to plan with; tiller train plans with its GPU's"
+                                     : "auto: ranks share GPUs";
+    return reasons(make(modes.back(), keeps.back()), why, why);
   }
-  for (zero::Recompute mode : {zero::Recompute::kNone, zero::Recompute::kAttentionOnly}) {
-    MemoryPlan m = plan_with(cfg, plan, shapes, gpu_bytes, mode);
-    if (fits_with_margin(m)) {
-      m.recompute_reason = "auto: the most kept activations that fit";
-      return m;
+  for (zero::Recompute mode : modes)
+    for (bool keep : keeps) {
+      MemoryPlan m = make(mode, keep);
+      if (fits_with_margin(m))
+        return reasons(std::move(m), "auto: the most kept activations that fit",
+                       keep ? "auto: it fits beside the activations" : "auto: keeping it does not fit; cast per gather");
     }
-  }
-  MemoryPlan m = plan_with(cfg, plan, shapes, gpu_bytes, zero::Recompute::kBlocks);
-  m.recompute_reason = "auto: keeping more activations does not fit";
-  return m;
+  return reasons(make(modes.back(), keeps.back()), "auto: keeping more activations does not fit",
+                 "auto: keeping it does not fit");
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes) {
+  return choose(cfg.train, gpu_bytes, cfg.cluster.ranks_per_gpu > 1, [&](zero::Recompute mode, bool keep) {
+    return plan_with(cfg, plan, shapes, gpu_bytes, mode, keep);
+  });
+}
+
+MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, int64_t ranks, int64_t tokens,
+                        int64_t gpu_bytes) {
+  TILLER_CHECK(ranks >= 1 && tokens >= 0, "plan_trainer: {} ranks, {} tokens", ranks, tokens);
+  RoleSpec spec;
+  spec.shape = shape_of(shape, model::Head::kLm);
+  spec.ranks = ranks;
+  spec.dtype_bytes = dtype_bytes(cfg.roles.actor.dtype);
+  spec.trainable = true;
+  spec.host_optimizer = cfg.roles.actor.optimizer_offload == "cpu";
+  spec.reduce_bytes = cfg.train.reduce_dtype == "bf16" ? 2 : 4;
+  return choose(cfg.train, gpu_bytes, false, [&](zero::Recompute mode, bool keep) {
+    MemoryPlan out;
+    out.recompute = mode;
+    out.keep_compute_shard = keep;
+    out.gpu_bytes = gpu_bytes;
+    const RoleFootprint f = footprint(spec, keep);
+    RankMemory rm;
+    rm.label = "actor";
+    rm.host_bytes = f.host;
+    PhaseMemory train{Phase::kTrain, {}};
+    add(train, "actor weights", f.weights_train);
+    add(train, "actor state", f.state);
+    add(train, "gathered units", f.gathers);
+    add(train, kTrainActivations, train_activation_bytes(shape, tokens, spec.dtype_bytes, mode));
+    add(train, "gradient buffers", f.grad_buffers);
+    rm.phases.push_back(std::move(train));
+    out.ranks.push_back(std::move(rm));
+    return out;
+  });
+}
+
+void check_trainer_fits(const MemoryPlan& m, int rank, const std::string& role, const std::string& knobs) {
+  const RankMemory* r = m.overflow();
+  if (!r) return;
+  const PhaseMemory& p = *r->peak_phase();
+  std::vector<std::pair<std::string, int64_t>> items = p.items;
+  std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  std::string top;
+  for (size_t i = 0; i < items.size() && i < 3; ++i)
+    top += fmt::format("{}{} {} GiB", i ? ", " : "", items[i].first, gib(items[i].second));
+  throw ConfigError(fmt::format("memory plan: rank {} ({}) needs {} GiB in its {} phase (+{} GiB reserve) on a {} GiB "
+                                "GPU (train.recompute {}, compute shard {}); largest: {}; {}",
+                                rank, role, gib(r->peak()), phase_name(p.phase), gib(kReserveBytes), gib(m.gpu_bytes),
+                                zero::recompute_name(m.recompute), m.keep_compute_shard ? "kept" : "cast", top, knobs));
 }
 
 const RankMemory* MemoryPlan::overflow() const {
@@ -276,18 +409,20 @@ const RankMemory* MemoryPlan::overflow() const {
 
 std::string MemoryPlan::table() const {
   std::string out = fmt::format("memory per rank (GiB; estimates, {} GiB held back for the CUDA context){}; "
-                                "train.recompute: {} ({}):\n",
+                                "train.recompute: {} ({}); train.compute_shard: {} ({}):\n",
                                 gib(kReserveBytes),
                                 shared_gpus  ? std::string(" (ranks share GPUs, cluster.ranks_per_gpu > 1: the fit is "
                                                            "not checked)")
                                 : gpu_bytes > 0 ? fmt::format(" on {} GiB GPUs", gib(gpu_bytes))
                                                 : std::string(" (set cluster.gpu_memory_gb to check the fit)"),
-                                zero::recompute_name(recompute), recompute_reason);
+                                zero::recompute_name(recompute), recompute_reason,
+                                keep_compute_shard ? "keep" : "cast", compute_shard_reason);
   for (const auto& r : ranks) {
-    out += fmt::format("  rank {} ({}): peak {}{}\n", r.rank, r.label, gib(r.peak()),
+    out += fmt::format("  rank {} ({}): peak {}{}{}\n", r.rank, r.label, gib(r.peak()),
                        gpu_bytes <= 0 || shared_gpus         ? ""
                        : r.peak() + kReserveBytes > gpu_bytes ? "  DOES NOT FIT"
-                                                              : "  fits");
+                                                              : "  fits",
+                       r.host_bytes > 0 ? fmt::format("; host memory {} (optimizer_offload)", gib(r.host_bytes)) : "");
     for (const auto& p : r.phases) {
       std::string items;
       for (const auto& [name, b] : p.items) items += fmt::format("{}{} {}", items.empty() ? "" : ", ", name, gib(b));
@@ -311,9 +446,11 @@ void check_fits(const MemoryPlan& m, const JobConfig& cfg) {
     advice = cfg.cluster.hybrid ? "set roles.actor.offload=true, lower engines.kv_cache_gb or rollout.micro_batch_tokens"
                                 : "lower engines.kv_cache_gb / engines.gpu_memory_fraction or rollout.micro_batch_tokens";
   else
-    advice = cfg.cluster.hybrid ? "give the role more GPUs (roles.<role>.gpus), lower train.micro_batch_tokens, or set "
-                                  "engines.sleep_level=2"
-                                : "give the role more GPUs (roles.<role>.gpus) or lower train.micro_batch_tokens";
+    advice = std::string(cfg.cluster.hybrid ? "give the role more GPUs (roles.<role>.gpus), lower "
+                                              "train.micro_batch_tokens, set engines.sleep_level=2"
+                                            : "give the role more GPUs (roles.<role>.gpus), lower "
+                                              "train.micro_batch_tokens") +
+             ", or move the optimizer to the host (roles.<role>.optimizer_offload=cpu)";
   throw ConfigError(fmt::format("memory plan: rank {} ({}) needs {} GiB in its {} phase (+{} GiB reserve) on a {} GiB "
                                 "GPU; largest: {}; {}",
                                 r->rank, r->label, gib(r->peak()), phase_name(p.phase), gib(kReserveBytes),

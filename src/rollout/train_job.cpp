@@ -264,21 +264,29 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   if (!cpu) check_fits(memory, cfg);
   // train.recompute: every rank takes the least-memory mode any rank planned (GPUs of different
   // sizes plan differently; a sequence group's exchanges need one mode). Collective over the world.
+  // train.compute_shard likewise: cast (0) if any rank planned it.
   JobConfig job = cfg;
   {
-    at::Tensor mode = at::full({1}, static_cast<float>(memory.recompute), at::kFloat);
-    world->all_reduce(mode, dist::ReduceOp::kMin)->wait();
-    const auto agreed = static_cast<zero::Recompute>(static_cast<int>(mode.item<float>()));
+    at::Tensor choice = at::tensor({static_cast<float>(memory.recompute), memory.keep_compute_shard ? 1.0f : 0.0f});
+    world->all_reduce(choice, dist::ReduceOp::kMin)->wait();
+    const auto agreed = static_cast<zero::Recompute>(static_cast<int>(choice[0].item<float>()));
     if (agreed != memory.recompute) memory.recompute_reason += "; lowered to what another rank planned";
     memory.recompute = agreed;
     job.train.recompute = zero::recompute_name(memory.recompute);
+    const bool keep = choice[1].item<float>() > 0.5f;
+    if (keep != memory.keep_compute_shard) memory.compute_shard_reason += "; cast as another rank planned";
+    memory.keep_compute_shard = keep;
+    job.train.compute_shard = keep ? "keep" : "cast";
   }
   int64_t kv_bytes = 0;
   for (const auto& r : memory.ranks)
     if (r.rank == env.rank() && plan.hybrid) kv_bytes = r.kv_cache_bytes;
   if (env.rank() == plan.controller) {
     log::info("controller pid {}; rank plan:\n{}", static_cast<int64_t>(getpid()), plan.table());
-    if (plan.hybrid || !cpu) log::info("{}", memory.table());
+    // On CPU the table matters for the hybrid engine and for what an optimizer on the host holds.
+    bool host_optimizer = false;
+    for (const auto& r : memory.ranks) host_optimizer = host_optimizer || r.host_bytes > 0;
+    if (plan.hybrid || !cpu || host_optimizer) log::info("{}", memory.table());
   }
 
   dist::DeviceComm to_device;

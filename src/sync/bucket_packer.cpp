@@ -17,12 +17,16 @@ BucketPacker::BucketPacker(const BucketPlan& plan, const zero::ShardedModel& act
   const at::ScalarType wire = protocol::wire_scalar_type(plan.wire_dtype);
   for (size_t u = 0; u < shards.size(); ++u) {
     const auto& s = shards[u];
-    if (s.name != plan.units[u].name || s.compute.numel() != plan.units[u].shard_numel)
+    if (s.name != plan.units[u].name || s.numel != plan.units[u].shard_numel)
       throw ConfigError(fmt::format("{}: plan unit {} is '{}' of {} elements per rank; the actor's is '{}' of {}", what,
-                                    u, plan.units[u].name, plan.units[u].shard_numel, s.name, s.compute.numel()));
-    sources_.push_back(s.compute.scalar_type() == wire || !s.master.defined() ? s.compute : s.master);
+                                    u, plan.units[u].name, plan.units[u].shard_numel, s.name, s.numel));
+    // The compute shard when it has the wire's dtype (or is all there is); else the master, cast by
+    // the copy into the bucket exactly as the compute shard was cast from it (an actor that casts
+    // while gathering keeps no compute shard; a host optimizer's master is in host memory).
+    const bool compute = s.compute.defined() && (s.compute.scalar_type() == wire || !s.master.defined());
+    sources_.push_back(compute ? s.compute : s.master);
   }
-  device_ = shards.front().compute.device();
+  device_ = shards.front().compute.defined() ? shards.front().compute.device() : shards.front().master.device();
   const auto opts = at::TensorOptions().dtype(wire).device(device_);
   for (auto& b : buffers_) b = at::empty({plan.largest_bucket_numel()}, opts);
 }

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <optional>
 
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -35,8 +36,8 @@ constexpr int64_t kF32 = sizeof(float);
 struct ShardedModel::Impl {
   struct Unit {
     FlatLayout layout;
-    at::Tensor shard;   // compute dtype: what all-gathers read
-    at::Tensor master;  // fp32; the shard itself in fp32 compute; undefined when frozen
+    at::Tensor shard;   // compute dtype: what all-gathers read; undefined when the model casts while gathering
+    at::Tensor master;  // fp32; the shard itself in fp32 compute; on the host with a host optimizer; undefined when frozen
     at::Tensor grad;    // fp32 accumulator; undefined when frozen
     bool grad_fresh = true;  // nothing accumulated since zero_grad: the next reduce-scatter writes
   };
@@ -50,6 +51,15 @@ struct ShardedModel::Impl {
     size_t unit = 0;
     bool overwrite = false;  // the accumulator was fresh: `out` replaces its contents
   };
+  // A unit's gradient in one flat buffer of the reduction dtype, filled parameter by parameter
+  // (or accumulated straight into, for the LM head's and the embedding's: no second copy of a
+  // [vocab, hidden] gradient), then reduce-scattered by submit().
+  struct GradBuffer {
+    size_t unit = 0;
+    at::Tensor flat;
+    std::vector<at::Tensor> views;  // per parameter, in layout order
+    std::vector<bool> written;
+  };
 
   model::ModelConfig cfg;
   dist::Communicator& comm;
@@ -57,8 +67,11 @@ struct ShardedModel::Impl {
   int rank = 0, world = 1;
   bool local = true;  // one shard per unit: no collectives
   std::vector<Unit> units;
-  std::unique_ptr<ShardAdamW> adam;
-  std::unique_ptr<model::StorageSwap> offloaded;  // set while the state is off the device
+  std::unique_ptr<ShardAdamW> adam;          // AdamW on the device
+  std::unique_ptr<HostAdamW> host_adam;      // or on the host (options.optimizer_on_host)
+  bool cast = false;                         // no persistent compute shards: gathers cast the masters
+  bool offloaded = false;                    // offload_state() ... reload_state()
+  std::unique_ptr<model::StorageSwap> moved;          // what offload_state() moved to the host
   std::unique_ptr<model::StorageSwap> dropped_grads;  // the accumulators freed with it (nothing pending)
   dist::Communicator* sequence = nullptr;         // the sequence group, when S > 1
   model::Rope rope;
@@ -99,18 +112,32 @@ struct ShardedModel::Impl {
   at::TensorOptions f32() const { return at::TensorOptions().dtype(at::kFloat).device(opts.device); }
 
   // --- gathering ---
+  // Whether using unit u makes a transient full buffer (a gather, or a cast of the master), which
+  // is released after use; otherwise the persistent shard of a one-rank model is used as it is.
+  bool transient(size_t u) const { return !local || !units[u].shard.defined(); }
+  // What a gather of unit u reads: the compute shard, or the master cast to the compute dtype
+  // (the communicator keeps it alive until the gather has run).
+  at::Tensor gather_input(size_t u) const {
+    const Unit& unit = units[u];
+    return unit.shard.defined() ? unit.shard : unit.master.to(opts.compute_dtype);
+  }
   void prefetch(size_t u) {
-    if (local || gathered.count(u)) return;
+    if (!transient(u) || gathered.count(u)) return;
     Gathered g;
-    g.full = at::empty({units[u].layout.padded_numel()}, units[u].shard.options());
-    g.work = comm.all_gather(units[u].shard, g.full);
+    const at::Tensor in = gather_input(u);
+    if (local) {
+      g.full = in;
+    } else {
+      g.full = at::empty({units[u].layout.padded_numel()}, in.options());
+      g.work = comm.all_gather(in, g.full);
+    }
     gathered.emplace(u, std::move(g));
   }
   void prefetch_segment(size_t s) {
     for (size_t u : segment_units(s)) prefetch(u);
   }
   at::Tensor acquire(size_t u) {
-    if (local) return units[u].shard;
+    if (!transient(u)) return units[u].shard;
     prefetch(u);
     Gathered& g = gathered.at(u);
     if (g.work) {
@@ -148,37 +175,73 @@ struct ShardedModel::Impl {
     }
     rs.clear();
   }
+  // The embedding's gradient goes straight into the fp32 reduction buffer, row by row, without
+  // its weights; a bf16 reduction takes autograd's gradient (which needs them).
+  bool embed_backward_reads_weights() const { return opts.reduce_dtype != at::kFloat; }
   // Called when segment s's backward starts: its units and the next segment to backpropagate
   // (s - 1) are gathered, and the reductions two segments back must be done.
   void begin_backward(size_t s) {
-    prefetch_segment(s);
-    if (s > 0) prefetch_segment(s - 1);
+    if (s > 0 || embed_backward_reads_weights()) prefetch_segment(s);
+    if (s > 1 || (s == 1 && embed_backward_reads_weights())) prefetch_segment(s - 1);
     rotate_reductions();
   }
   void rotate_reductions() {
     finish(reducing_prev);
     std::swap(reducing_prev, reducing_cur);
   }
-  // `grads` per parameter of the unit, in layout order; undefined entries are zero.
-  void reduce(size_t u, const std::vector<at::Tensor>& grads) {
+  GradBuffer grad_buffer(size_t u) {
     TILLER_CHECK(!offloaded, "a backward pass while the optimizer state is offloaded: reload_state() first");
-    Unit& unit = units[u];
-    TILLER_CHECK(grads.size() == unit.layout.params().size(), "unit {}: {} gradients for {} parameters",
-                 unit.layout.name(), grads.size(), unit.layout.params().size());
-    at::Tensor flat = at::empty({unit.layout.padded_numel()}, f32().dtype(opts.reduce_dtype));
-    unit.layout.zero_padding(flat);
-    const auto views = unit.layout.views(flat);
+    const FlatLayout& layout = units[u].layout;
+    GradBuffer b;
+    b.unit = u;
+    b.flat = at::empty({layout.padded_numel()}, f32().dtype(opts.reduce_dtype));
+    layout.zero_padding(b.flat);
+    b.views = layout.views(b.flat);
+    b.written.assign(b.views.size(), false);
+    return b;
+  }
+  size_t param_index(size_t u, const std::string& name) const {
+    const auto& ps = units[u].layout.params();
+    for (size_t i = 0; i < ps.size(); ++i)
+      if (ps[i].spec.name == name) return i;
+    TILLER_CHECK(false, "unit {} has no parameter '{}'", units[u].layout.name(), name);
+    return 0;
+  }
+  // Parameter k's slot of `b`, zeroed, for a gradient accumulated into it (fp32 reductions only).
+  at::Tensor accumulate_into(GradBuffer& b, size_t k) {
+    TILLER_CHECK(b.flat.scalar_type() == at::kFloat, "accumulating a gradient into a {} buffer",
+                 c10::toString(b.flat.scalar_type()));
+    b.written[k] = true;
+    return b.views[k].zero_();
+  }
+  // `grads` per parameter of the unit, in layout order; undefined entries are left for submit().
+  void set_grads(GradBuffer& b, const std::vector<at::Tensor>& grads) {
+    TILLER_CHECK(grads.size() == b.views.size(), "unit {}: {} gradients for {} parameters",
+                 units[b.unit].layout.name(), grads.size(), b.views.size());
     // One multi-tensor launch converts every gradient to the reduction dtype into the flat buffer.
     std::vector<at::Tensor> dst, src;
     for (size_t i = 0; i < grads.size(); ++i) {
-      if (!grads[i].defined()) {
-        views[i].zero_();
-      } else {
-        dst.push_back(views[i]);
-        src.push_back(grads[i]);
-      }
+      if (!grads[i].defined()) continue;
+      dst.push_back(b.views[i]);
+      src.push_back(grads[i]);
+      b.written[i] = true;
     }
     if (!dst.empty()) at::_foreach_copy_(dst, src);
+  }
+  void reduce(size_t u, const std::vector<at::Tensor>& grads) {
+    GradBuffer b = grad_buffer(u);
+    set_grads(b, grads);
+    submit(std::move(b));
+  }
+  // Zeroes what no gradient reached, then reduce-scatters the buffer into the unit's accumulator
+  // (or adds it in, with one rank).
+  void submit(GradBuffer&& b) {
+    for (size_t i = 0; i < b.views.size(); ++i)
+      if (!b.written[i]) b.views[i].zero_();
+    const size_t u = b.unit;
+    Unit& unit = units[u];
+    at::Tensor flat = std::move(b.flat);
+    b.views.clear();
     if (local) {
       if (unit.grad_fresh) unit.grad.copy_(flat);
       else unit.grad.add_(flat);
@@ -294,6 +357,16 @@ struct EmbedSegment : public torch::autograd::Function<EmbedSegment> {
     Impl* m = impl_of(ctx);
     const at::Tensor tokens = ctx->get_saved_variables()[0];
     m->begin_backward(0);
+    if (!m->embed_backward_reads_weights()) {
+      // Each token's row of the output gradient added to its row of the fp32 buffer (as autograd's
+      // embedding backward adds them on the CPU), with no [vocab, hidden] gradient in between.
+      Impl::GradBuffer b = m->grad_buffer(0);
+      at::Tensor g = m->accumulate_into(b, m->param_index(0, "model.embed_tokens.weight"));
+      if (grads[0].defined() && tokens.numel() > 0)
+        g.index_add_(0, tokens.reshape({-1}), grads[0].reshape({-1, g.size(1)}).to(at::kFloat));
+      m->submit(std::move(b));
+      return {at::Tensor(), at::Tensor(), at::Tensor()};
+    }
     const auto views = m->units[0].layout.views(m->acquire(0));
     auto params = leaves(views);
     at::Tensor y;
@@ -368,7 +441,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     ctx->saved_data["kept_out"] = y;
     ctx->saved_data["kept_in"] = kept_in;
     ctx->saved_data["params"] = params;
-    if (!m->local) park(full);
+    if (m->transient(s)) park(full);
     m->release_segment(s);
     return y.detach();
   }
@@ -390,7 +463,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
       ctx->saved_data.erase("kept_out");
       ctx->saved_data.erase("kept_in");
       ctx->saved_data.erase("params");
-      if (!m->local) unpark(params.front(), full);
+      if (m->transient(s)) unpark(params.front(), full);
       variable_list inputs = params;
       inputs.push_back(kept_in);
       g = grads_of(y, inputs, grads[0]);
@@ -465,19 +538,33 @@ struct LmHeadSegment : public torch::autograd::Function<LmHeadSegment> {
       h = model::final_norm(m->cfg, norm_w, x);
     }
     const at::Tensor w = m->lm_weight(head_named, embed).detach();
+    // With an fp32 reduction the [vocab, hidden] weight gradient accumulates straight into its
+    // slot of the reduction buffer (the embedding's, when tied).
+    const bool into = m->opts.reduce_dtype == at::kFloat;
+    Impl::GradBuffer hb = m->grad_buffer(s);
+    std::optional<Impl::GradBuffer> eb;
+    at::Tensor gw_into;
+    if (into && m->tied_lm()) {
+      eb = m->grad_buffer(0);
+      gw_into = m->accumulate_into(*eb, m->param_index(0, "model.embed_tokens.weight"));
+    } else if (into) {
+      gw_into = m->accumulate_into(hb, m->param_index(s, "lm_head.weight"));
+    }
     auto [gh, gw] = model::token_logprobs_backward(h.detach(), w, saved[1], grads[0],
                                                    ctx->saved_data["temperature"].toDouble(),
                                                    m->opts.logprob_chunk_rows, true, true, /*fp32_weight_grad=*/true,
-                                                   grads.size() > 1 ? grads[1] : at::Tensor());
+                                                   grads.size() > 1 ? grads[1] : at::Tensor(), gw_into);
     variable_list g = grads_of(h, {x, norm_w}, gh);
     std::vector<at::Tensor> head_grads(head.size());
     for (size_t i = 0; i < head.size(); ++i) {
       const std::string& name = hl.params()[i].spec.name;
       if (name == "model.norm.weight") head_grads[i] = g[1];
-      else if (name == "lm_head.weight") head_grads[i] = gw;
+      else if (name == "lm_head.weight" && !into) head_grads[i] = gw;
     }
-    m->reduce(s, head_grads);
-    if (m->tied_lm()) m->reduce(0, {gw});
+    m->set_grads(hb, head_grads);
+    m->submit(std::move(hb));
+    if (eb) m->submit(std::move(*eb));
+    else if (m->tied_lm()) m->reduce(0, {gw});
     m->release_segment(s);
     at::Tensor gx = g[0].defined() ? g[0] : at::zeros_like(saved[0]);
     return {at::Tensor(), at::Tensor(), gx, at::Tensor(), at::Tensor(), at::Tensor()};
@@ -566,6 +653,16 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
   else if (train.reduce_dtype != "fp32")
     throw ConfigError(fmt::format("train.reduce_dtype '{}': use fp32 or bf16", train.reduce_dtype));
   if (trainable && train.recompute != "auto") o.recompute = parse_recompute(train.recompute, "train.recompute");
+  // compute_shard `auto` is resolved by the memory plan like recompute; unresolved, the least memory.
+  if (train.compute_shard != "auto" && train.compute_shard != "keep" && train.compute_shard != "cast")
+    throw ConfigError(fmt::format("train.compute_shard '{}': use auto, keep or cast", train.compute_shard));
+  o.keep_compute_shard = train.compute_shard == "keep";
+  if (role.optimizer_offload != "none" && role.optimizer_offload != "cpu")
+    throw ConfigError(fmt::format("roles.{}.optimizer_offload '{}': use none or cpu", name, role.optimizer_offload));
+  if (role.optimizer_offload == "cpu" && !trainable)
+    throw ConfigError(fmt::format("roles.{}.optimizer_offload = cpu: a frozen role has no optimizer", name));
+  o.optimizer_on_host = role.optimizer_offload == "cpu";
+  o.optimizer_threads = static_cast<int>(train.optimizer_threads);
   return o;
 }
 
@@ -576,19 +673,29 @@ ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& co
   TILLER_CHECK(opts.device.is_cpu() || opts.device.has_index(), "ShardedModel needs a device with an index (cuda:N)");
   TILLER_CHECK(opts.compute_dtype == at::kFloat || opts.compute_dtype == at::kBFloat16 || opts.compute_dtype == at::kHalf,
                "compute dtype {} is not supported: use bf16 or fp32", c10::toString(opts.compute_dtype));
+  TILLER_CHECK(opts.trainable || !opts.optimizer_on_host, "optimizer_on_host for a frozen model: it has no optimizer");
   m.world = opts.replicate ? 1 : comm.size();
   m.rank = opts.replicate ? 0 : comm.rank();
   m.local = m.world == 1;
+  m.cast = opts.trainable && opts.compute_dtype != at::kFloat && !opts.keep_compute_shard && !opts.optimizer_on_host;
   const auto shard_options = at::TensorOptions().dtype(opts.compute_dtype).device(opts.device);
-  if (opts.trainable) m.adam = std::make_unique<ShardAdamW>(opts.adamw);
+  if (opts.trainable && opts.optimizer_on_host)
+    m.host_adam = std::make_unique<HostAdamW>(
+        opts.adamw, opts.device, opts.optimizer_threads > 0 ? opts.optimizer_threads : default_optimizer_threads());
+  else if (opts.trainable)
+    m.adam = std::make_unique<ShardAdamW>(opts.adamw);
   for (auto& layout : model_layouts(cfg, opts.head, m.world)) {
     Impl::Unit u{std::move(layout), {}, {}, {}, true};
     const int64_t n = u.layout.shard_numel();
-    u.shard = at::zeros({n}, shard_options);
+    if (!m.cast) u.shard = at::zeros({n}, shard_options);
     if (opts.trainable) {
-      u.master = opts.compute_dtype == at::kFloat ? u.shard : at::zeros({n}, m.f32());
       u.grad = at::zeros({n}, m.f32());
-      m.adam->add(u.master, u.layout.decay_mask(m.rank, m.f32()), u.grad);
+      if (m.host_adam) {
+        u.master = m.host_adam->master(m.host_adam->add(n, u.layout.decay_mask(m.rank, at::TensorOptions())));
+      } else {
+        u.master = opts.compute_dtype == at::kFloat ? u.shard : at::zeros({n}, m.f32());
+        m.adam->add(u.master, u.layout.decay_mask(m.rank, m.f32()), u.grad);
+      }
     }
     m.units.push_back(std::move(u));
   }
@@ -602,7 +709,7 @@ void ShardedModel::load(const NamedTensors& named, const std::string& where) {
   for (auto& u : m.units) {
     at::Tensor& dst = u.master.defined() ? u.master : u.shard;
     u.layout.fill_shard(m.rank, named, dst, where);
-    if (!dst.is_same(u.shard)) u.shard.copy_(dst);
+    if (u.shard.defined() && !dst.is_same(u.shard)) u.shard.copy_(dst);
   }
 }
 
@@ -712,14 +819,20 @@ StepResult ShardedModel::step(double lr) {
   if (!std::isfinite(r.grad_norm)) {
     r.skipped = true;
     r.clip_factor = 0;
-    log::warn("step {} skipped: the gradient norm is {}", m.adam->steps() + 1, r.grad_norm);
+    log::warn("step {} skipped: the gradient norm is {}", steps() + 1, r.grad_norm);
     zero_grad();
     return r;
   }
   r.clip_factor = clip_coefficient(r.grad_norm, m.opts.max_grad_norm);
-  m.adam->step(lr, r.clip_factor);
-  for (auto& u : m.units)
-    if (!u.master.is_same(u.shard)) u.shard.copy_(u.master);
+  if (m.host_adam) {
+    std::vector<at::Tensor> compute;
+    for (auto& u : m.units) compute.push_back(u.shard);
+    m.host_adam->step(lr, r.clip_factor, grads, compute);
+  } else {
+    m.adam->step(lr, r.clip_factor);
+    for (auto& u : m.units)
+      if (u.shard.defined() && !u.master.is_same(u.shard)) u.shard.copy_(u.master);
+  }
   zero_grad();
   return r;
 }
@@ -746,13 +859,19 @@ double ShardedModel::take_wait_seconds() {
   return s;
 }
 
-int64_t ShardedModel::steps() const { return impl_->adam ? impl_->adam->steps() : 0; }
+int64_t ShardedModel::steps() const {
+  if (impl_->adam) return impl_->adam->steps();
+  return impl_->host_adam ? impl_->host_adam->steps() : 0;
+}
+
+const HostAdamW* ShardedModel::host_optimizer() const { return impl_->host_adam.get(); }
 
 NamedTensors ShardedModel::gather_parameters() {
   Impl& m = *impl_;
   NamedTensors out;
   for (auto& u : m.units) {
-    const at::Tensor& src = u.master.defined() ? u.master : u.shard;
+    at::Tensor src = u.master.defined() ? u.master : u.shard;
+    if (src.device() != m.opts.device) src = src.to(m.opts.device);  // a host optimizer's master
     at::Tensor full = src;
     if (!m.local) {
       full = at::empty({u.layout.padded_numel()}, src.options());
@@ -766,7 +885,7 @@ NamedTensors ShardedModel::gather_parameters() {
 
 std::vector<ShardedModel::UnitShard> ShardedModel::shards() const {
   std::vector<UnitShard> out;
-  for (const auto& u : impl_->units) out.push_back({u.layout.name(), u.shard, u.master});
+  for (const auto& u : impl_->units) out.push_back({u.layout.name(), u.shard, u.master, u.layout.shard_numel()});
   return out;
 }
 
@@ -780,6 +899,9 @@ std::vector<ShardedModel::UnitState> ShardedModel::unit_states() const {
     if (m.adam) {
       s.exp_avg = m.adam->exp_avg(i);
       s.exp_avg_sq = m.adam->exp_avg_sq(i);
+    } else if (m.host_adam) {
+      s.exp_avg = m.host_adam->exp_avg(i);
+      s.exp_avg_sq = m.host_adam->exp_avg_sq(i);
     }
     out.push_back(std::move(s));
   }
@@ -796,12 +918,14 @@ void ShardedModel::load_unit_state(size_t i, const at::Tensor& master, const at:
   TILLER_CHECK(master.numel() == dst.numel(), "unit {}: {} saved elements for a shard of {}", u.layout.name(),
                master.numel(), dst.numel());
   dst.copy_(master.reshape({-1}));
-  if (!dst.is_same(u.shard)) u.shard.copy_(dst);
+  if (u.shard.defined() && !dst.is_same(u.shard)) u.shard.copy_(dst);
   if (m.adam) m.adam->load_state(i, exp_avg, exp_avg_sq);
+  if (m.host_adam) m.host_adam->load_state(i, exp_avg, exp_avg_sq);
 }
 
 void ShardedModel::set_steps(int64_t steps) {
   if (impl_->adam) impl_->adam->set_steps(steps);
+  if (impl_->host_adam) impl_->host_adam->set_steps(steps);
 }
 
 const model::ModelConfig& ShardedModel::config() const { return impl_->cfg; }
@@ -823,48 +947,62 @@ int64_t ShardedModel::offload_state() {
   bool pending = false;
   for (const auto& u : m.units) pending = pending || (u.grad.defined() && !u.grad_fresh);
   std::vector<at::Tensor> state, grads;
-  for (const auto& u : m.units) {
-    if (u.master.defined() && !u.master.is_same(u.shard)) state.push_back(u.master);
+  for (auto& u : m.units) {
+    // A model that casts while gathering keeps compute shards while its masters are away, so that
+    // forwards (scoring) still run; reload_state() drops them again.
+    if (!u.shard.defined()) u.shard = u.master.to(m.opts.compute_dtype);
+    if (u.master.defined() && !u.master.is_same(u.shard) && !m.host_adam) state.push_back(u.master);
     if (u.grad.defined()) (pending ? state : grads).push_back(u.grad);
   }
   if (m.adam) {
     const std::vector<at::Tensor> s = m.adam->state_tensors();
     state.insert(state.end(), s.begin(), s.end());
   }
-  if (state.empty()) return 0;
-  m.offloaded = std::make_unique<model::StorageSwap>(state);
-  m.offloaded->offload();
+  int64_t moved = 0;
+  if (!state.empty()) {
+    m.moved = std::make_unique<model::StorageSwap>(state);
+    m.moved->offload();
+    moved = m.moved->bytes();
+  }
   if (!grads.empty()) {
     m.dropped_grads = std::make_unique<model::StorageSwap>(grads);
     m.dropped_grads->drop();
   }
-  return m.offloaded->bytes();
+  m.offloaded = true;
+  return moved;
 }
 
 int64_t ShardedModel::reload_state() {
   Impl& m = *impl_;
   if (!m.offloaded) return 0;
-  m.offloaded->reload();
-  const int64_t n = m.offloaded->bytes();
-  m.offloaded.reset();
+  int64_t n = 0;
+  if (m.moved) {
+    m.moved->reload();
+    n = m.moved->bytes();
+    m.moved.reset();
+  }
   if (m.dropped_grads) {  // memory back, contents undefined: every accumulator is still fresh
     m.dropped_grads->reload();
     m.dropped_grads.reset();
   }
+  if (m.cast)
+    for (auto& u : m.units) u.shard = at::Tensor();
+  m.offloaded = false;
   return n;
 }
 
-bool ShardedModel::state_offloaded() const { return impl_->offloaded != nullptr; }
+bool ShardedModel::state_offloaded() const { return impl_->offloaded; }
 
 ShardMemory ShardedModel::memory() const {
   const Impl& m = *impl_;
   ShardMemory r;
   for (const auto& u : m.units) {
-    r.parameters += u.shard.numel() * u.shard.element_size();
-    if (u.master.defined() && !u.master.is_same(u.shard)) r.parameters += u.master.numel() * kF32;
+    if (u.shard.defined()) r.parameters += u.shard.numel() * u.shard.element_size();
+    if (u.master.defined() && !u.master.is_same(u.shard) && !m.host_adam) r.parameters += u.master.numel() * kF32;
     if (u.grad.defined()) r.gradients += u.grad.numel() * kF32;
   }
   if (m.adam) r.optimizer = m.adam->state_bytes();
+  if (m.host_adam) r.host = m.host_adam->host_bytes();
   return r;
 }
 

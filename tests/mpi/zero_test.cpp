@@ -207,7 +207,8 @@ at::Tensor slice_loss(const SliceRun& r, const MicroBatch& mb, int64_t total_tok
 // and its outputs are checked row by row against the reference's before each step.
 void expect_sharded_equals_unsharded(const std::string& preset, Head head, int sp = 1, int64_t window = 0,
                                      bool dynamic_rope = false, zero::Recompute recompute = zero::Recompute::kBlocks,
-                                     at::ScalarType reduce = at::kFloat) {
+                                     at::ScalarType reduce = at::kFloat,
+                                     const std::function<void(zero::ShardedModelOptions&)>& tweak = {}) {
   const int world = comm().size(), me = comm().rank();
   if (world % sp != 0) GTEST_SKIP() << sp << " does not divide " << world << " ranks";
   ModelConfig cfg = config(preset);
@@ -227,6 +228,7 @@ void expect_sharded_equals_unsharded(const std::string& preset, Head head, int s
   zero::ShardedModelOptions opts = options(head, adam, max_norm);
   opts.recompute = recompute;
   opts.reduce_dtype = reduce;
+  if (tweak) tweak(opts);
   // bf16 reduction rounds each reduced gradient to ~3 significant digits.
   const bool rounded = on_gpu() || reduce != at::kFloat;
   ShardedModel m(cfg, comm(), opts);
@@ -240,8 +242,8 @@ void expect_sharded_equals_unsharded(const std::string& preset, Head head, int s
   const zero::LrSchedule sched{"cosine", 1, 4, 0.1};
   const int groups = world / sp, group = me / sp, j = me % sp;
   const double base_lr = on_gpu() ? 3e-3 : 1e-2;
-  const std::string what = fmt::format("{} sp {} recompute {} reduce {}", preset, sp, zero::recompute_name(recompute),
-                                       c10::toString(reduce));
+  const std::string what = fmt::format("{} sp {} recompute {} reduce {}{}", preset, sp, zero::recompute_name(recompute),
+                                       c10::toString(reduce), opts.optimizer_on_host ? " host optimizer" : "");
   bool clipped = false;
   double worst_out = 0;
   for (int step = 0; step < 3; ++step) {
@@ -349,6 +351,20 @@ INSTANTIATE_TEST_SUITE_P(Zero, KeptActivations,
                          [](const ::testing::TestParamInfo<zero::Recompute>& i) {
                            return std::string(zero::recompute_name(i.param));
                          });
+
+// roles.<r>.optimizer_offload: cpu. The masters and moments on the host, updated by the CPU AdamW
+// (its kernel equals ATen's fused AdamW to fp32 rounding: tests/zero/layout_optimizer_test.cpp):
+// training follows the unsharded reference within the bounds of the on-device optimizer, with
+// clipping, weight decay and an empty micro-batch; an LM (tied head) and a value head, one block's
+// activations kept (kNone: the graph's path) and recomputed.
+TEST(Zero, OptimizerOnTheHostTrainsAsTheReference) {
+  const auto host = [](zero::ShardedModelOptions& o) {
+    o.optimizer_on_host = true;
+    o.optimizer_threads = 2;
+  };
+  expect_sharded_equals_unsharded("tiny-qwen2", Head::kLm, 1, 0, false, zero::Recompute::kBlocks, at::kFloat, host);
+  expect_sharded_equals_unsharded("tiny-llama", Head::kValue, 1, 0, false, zero::Recompute::kNone, at::kFloat, host);
+}
 
 TEST(Zero, MemoryPerRankIsOneNth) {
   const ModelConfig cfg = config("tiny-llama");
@@ -500,6 +516,98 @@ TEST(Zero, OffloadThenReloadIsBitExactAndTheNextStepEqualsOneWithout) {
   a.step(1e-2);
   b.step(1e-2);
   expect_same_parameters(b.gather_parameters(), a.gather_parameters(), "offloaded with a pending gradient");
+}
+
+// The state a host optimizer keeps: the device holds the compute shard and the gradient
+// accumulator only; checkpoints written by either optimizer load into the other and training goes
+// on as if never stopped; an offload for the hybrid engine moves nothing (the state is on the
+// host already) and frees the accumulators; the next step equals one without it.
+TEST(Zero, OptimizerOnTheHostCheckpointsResumesAndOffloads) {
+  const ModelConfig cfg = config("tiny-qwen2");
+  const std::string dir = scratch("host_adamw");
+  // eps above the rounding noise of gradients that are zero in exact arithmetic (see
+  // expect_sharded_equals_unsharded): the two optimizers' last-bit differences stay that small.
+  auto o = options(Head::kLm, {0.9, 0.95, 1e-4, 0.05}, 0.5);
+  o.optimizer_on_host = true;
+  o.optimizer_threads = 3;
+  ShardedModel a(cfg, comm(), o);
+  a.load(model::init_weights(cfg, Head::kLm, 3, at::kFloat), "init");
+  const zero::ShardMemory mem = a.memory();
+  EXPECT_EQ(mem.optimizer, 0);
+  EXPECT_EQ(mem.parameters, mem.gradients * at::elementSize(compute_dtype()) / 4);
+  EXPECT_GE(mem.host, 3 * mem.gradients);  // masters and two moments
+  ASSERT_NE(a.host_optimizer(), nullptr);
+  EXPECT_EQ(a.host_optimizer()->threads(), 3);
+  train(a, cfg, 0, 2);
+  zero::save_checkpoint(a, dir);
+  train(a, cfg, 2, 2);
+
+  // Resumed with the host optimizer, and with the device's: the same parameters as uninterrupted
+  // (the device's AdamW within fp32 rounding of the host's over 2 steps).
+  ShardedModel b(cfg, comm(), o);
+  zero::load_checkpoint(b, dir);
+  EXPECT_EQ(b.steps(), 2);
+  train(b, cfg, 2, 2);
+  expect_same_parameters(b.gather_parameters(), a.gather_parameters(), "host optimizer resumed vs uninterrupted");
+  auto on_device = o;
+  on_device.optimizer_on_host = false;
+  ShardedModel c(cfg, comm(), on_device);
+  zero::load_checkpoint(c, dir);
+  train(c, cfg, 2, 2);
+  const NamedTensors pa = a.gather_parameters(), pc = c.gather_parameters();
+  for (const auto& [n, t] : pa)
+    EXPECT_LT((t - pc.at(n)).abs().max().item<double>(), on_gpu() ? 2e-2 : 1e-5) << "device optimizer resumed: " << n;
+
+  // The hybrid engine's offload: nothing moves, the accumulators are freed, scoring still runs.
+  const int64_t before = b.memory().gradients;
+  EXPECT_EQ(b.offload_state(), 0);
+  EXPECT_TRUE(b.state_offloaded());
+  const MicroBatch mb = micro_batch(cfg, 7, comm().rank(), 0, comm().size());
+  {
+    c10::AutoGradMode no_grad(false);
+    EXPECT_TRUE(at::equal(forward(b, mb), forward(a, mb))) << "scoring while offloaded";
+  }
+  EXPECT_THROW(b.step(1e-2), Error);
+  b.reload_state();
+  EXPECT_EQ(b.memory().gradients, before);
+  train(a, cfg, 4, 1);
+  train(b, cfg, 4, 1);
+  expect_same_parameters(b.gather_parameters(), a.gather_parameters(), "after an offload");
+}
+
+// train.compute_shard cast: no persistent compute-dtype shard; each gather casts the fp32 master
+// first. In bf16 (on the CPU too) the gathered weights are the same bits as the persistent shard's,
+// so training, scoring, an offload for generation and a checkpoint round trip equal the kept
+// shard's bit for bit, with blocks recomputed and with activations kept (the graph's parked
+// units), on 1, 2 and 4 ranks. The memory saved is the shard's.
+TEST(Zero, CastWhileGatheringEqualsThePersistentShardBitForBit) {
+  const ModelConfig cfg = config("tiny-qwen3");  // untied head: the LM head's own unit
+  for (zero::Recompute mode : {zero::Recompute::kBlocks, zero::Recompute::kNone}) {
+    auto keep = options(Head::kLm, {0.9, 0.95, 1e-8, 0.05}, 0.5);
+    keep.compute_dtype = at::kBFloat16;
+    keep.recompute = mode;
+    auto cast = keep;
+    cast.keep_compute_shard = false;
+    ShardedModel a(cfg, comm(), keep), b(cfg, comm(), cast);
+    for (ShardedModel* m : {&a, &b}) m->load(model::init_weights(cfg, Head::kLm, 3, at::kFloat), "init");
+    EXPECT_EQ(a.memory().parameters - b.memory().parameters, a.memory().gradients / 2) << "the bf16 shard";
+    for (const auto& u : b.shards()) EXPECT_FALSE(u.compute.defined()) << u.name;
+    for (int s = 0; s < 3; ++s) {
+      train(a, cfg, s, 1);
+      train(b, cfg, s, 1);
+      expect_same_parameters(b.gather_parameters(), a.gather_parameters(),
+                             fmt::format("cast vs kept, {} step {}", zero::recompute_name(mode), s));
+    }
+    const MicroBatch mb = micro_batch(cfg, 9, comm().rank(), 0, comm().size());
+    c10::AutoGradMode no_grad(false);
+    const at::Tensor want = forward(a, mb);
+    EXPECT_TRUE(on_gpu() || at::equal(forward(b, mb), want)) << "scoring";
+    b.offload_state();  // compute shards made for the scoring meanwhile
+    for (const auto& u : b.shards()) EXPECT_TRUE(u.compute.defined()) << u.name;
+    EXPECT_TRUE(on_gpu() || at::equal(forward(b, mb), want)) << "scoring while offloaded";
+    b.reload_state();
+    for (const auto& u : b.shards()) EXPECT_FALSE(u.compute.defined()) << u.name;
+  }
 }
 
 // zero_grad() leaves the accumulators as they are (the next backward overwrites them): a step with

@@ -60,6 +60,10 @@ CASE:
                cutting every micro-batch over 2 ranks gives the rewards and losses of the same ranks
                without it (data parallel) step for step; GRPO with S = 2 learns the toy task; each
                rank was sent only its slices (the controller's per-rank token metrics).
+  optimizer_offload
+               roles.<r>.optimizer_offload=cpu (AdamW on the CPU): PPO with the actor's and the critic's
+               optimizers on the host (separate pools) and hybrid GRPO with the actor's learn the toy
+               task, with checkpoints; the memory plan shows the host memory.
   old_logprobs train.old_logprobs=forward: GRPO with one mini-batch per step gives the losses, grad
                norms and rewards of recomputing the old log-probs step for step, with no actor
                scoring (its seconds are 0; the reference is still scored); ppo_epochs=2 is refused.
@@ -904,6 +908,29 @@ def check_hybrid():
     print("hybrid: a TP-2 engine over 2 actor ranks ran 4 steps")
 
 
+def check_optimizer_offload():
+    # AdamW on the CPU (the masters and moments in host memory): PPO with the actor's and the critic's
+    # optimizers offloaded (separate pools, 4 ranks), and hybrid GRPO with the actor's (2 ranks),
+    # learn the toy task as on the device, through checkpoints every 10 steps.
+    offload = ["roles.actor.optimizer_offload=cpu", "train.optimizer_threads=2"]
+    for name, np_, sets in [("ppo", 4, [*offload, "roles.critic.optimizer_offload=cpu"]),
+                            ("hybrid_grpo", 2, [*GRPO, *offload, *HYBRID])]:
+        out = SCRATCH / f"optimizer_offload_{name}"
+        log = run_ok(np_, out, *sets)
+        rewards = [r["reward/mean"] for r in metrics(out)]
+        first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+        print(f"optimizer_offload: {name}, mean reward {first:.3f} (steps 1-3) -> {last:.3f} (steps 28-30)")
+        if not (first < 0.3 and last > 0.7):
+            fail(f"{name} with the optimizer on the CPU did not learn: {[round(x, 3) for x in rewards]}")
+        s = summary(log)
+        if s["event"] != "done" or s["steps"] != 30:
+            fail(f"{name}: summary {s}")
+        if "(optimizer_offload)" not in log:
+            fail(f"{name}: the memory plan does not show the optimizer's host memory:\n{log[-3000:]}")
+        if not (out / "checkpoints").exists():
+            fail(f"{name}: no checkpoint under {out / 'checkpoints'}")
+
+
 def check_sequence_parallel():
     # Actor (+ref) on 2 ranks and critic on 2 ranks; S = 2 against plain data parallelism.
     two = ["roles.actor.gpus=2", "roles.critic.gpus=2", "train.num_steps=4", "checkpoint.every_steps=0"]
@@ -971,6 +998,8 @@ elif CASE == "sequence_parallel":
     check_sequence_parallel()
 elif CASE == "hybrid":
     check_hybrid()
+elif CASE == "optimizer_offload":
+    check_optimizer_offload()
 elif CASE == "ppo":
     check_learns(4)
 elif CASE == "grpo":

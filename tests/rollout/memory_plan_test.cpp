@@ -56,7 +56,8 @@ int64_t item(const PhaseMemory& p, const std::string& name) {
 }
 
 TEST(MemoryPlan, CountsShardsStateAndTheEngine) {
-  const JobConfig c = hybrid_job(4);
+  JobConfig c = hybrid_job(4);
+  c.train.compute_shard = "keep";
   const MemoryPlan m = plan_memory(c, plan_of(c, 4), shapes(), 0);
   ASSERT_EQ(m.ranks.size(), 4u);
   const RankMemory& r = m.ranks[0];
@@ -72,6 +73,22 @@ TEST(MemoryPlan, CountsShardsStateAndTheEngine) {
   EXPECT_NEAR(static_cast<double>(item(train, "engine weights")) / 1e9, 15.2, 0.2);
   EXPECT_EQ(item(train, "engine kv cache"), 0);
   EXPECT_EQ(m.overflow(), nullptr);  // no GPU size: no verdict
+  EXPECT_TRUE(m.keep_compute_shard);
+
+  // train.compute_shard cast: the trained roles hold no bf16 shard (the frozen reference does).
+  c.train.compute_shard = "cast";
+  const PhaseMemory cast = plan_memory(c, plan_of(c, 4), shapes(), 0).ranks[0].phases[1];
+  EXPECT_EQ(item(cast, "actor weights"), 0);
+  EXPECT_EQ(item(cast, "critic weights"), 0);
+  EXPECT_EQ(item(cast, "ref weights"), item(train, "ref weights"));
+  // The optimizer on the host: the device keeps the gradients (4 bytes/param/4: ~7.6 GB) and the
+  // bf16 shard; the host the masters and moments (12 bytes/param/4: ~22.8 GB).
+  c.roles.actor.optimizer_offload = "cpu";
+  const RankMemory host = plan_memory(c, plan_of(c, 4), shapes(), 0).ranks[0];
+  EXPECT_NEAR(static_cast<double>(item(host.phases[1], "actor state")) / 1e9, 7.6, 0.1);
+  EXPECT_NEAR(static_cast<double>(item(host.phases[1], "actor weights")) / 1e9, 3.8, 0.1);
+  EXPECT_NEAR(static_cast<double>(host.host_bytes) / 1e9, 22.9, 0.2);
+  EXPECT_NE(plan_memory(c, plan_of(c, 4), shapes(), 0).table().find("host memory"), std::string::npos);
 }
 
 TEST(MemoryPlan, TheHybridKvCacheIsWhatTheGeneratePhaseLeaves) {
@@ -111,7 +128,7 @@ TEST(MemoryPlan, APlanThatCannotFitIsRefusedNamingTheRole) {
   EXPECT_NE(msg.find("roles.actor.offload=true"), std::string::npos) << msg;
   // With a fixed cache the plan is made, and the fit check refuses it.
   JobConfig fixed = hybrid_job(1);
-  fixed.engines.kv_cache_gb = 10;
+  fixed.engines.kv_cache_gb = 2;
   const MemoryPlan m = plan_memory(fixed, plan_of(fixed, 1), shapes(), 80 * kGiB);
   ASSERT_NE(m.overflow(), nullptr);
   try {
@@ -125,6 +142,7 @@ TEST(MemoryPlan, APlanThatCannotFitIsRefusedNamingTheRole) {
   EXPECT_NE(msg.find("in its train phase"), std::string::npos) << msg;
   EXPECT_NE(msg.find("largest: actor state"), std::string::npos) << msg;
   EXPECT_NE(msg.find("give the role more GPUs (roles.<role>.gpus)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("roles.<role>.optimizer_offload=cpu"), std::string::npos) << msg;
   // A cache of 40 GiB makes generating the largest phase: offloading is what helps there.
   fixed.engines.kv_cache_gb = 40;
   try {
@@ -171,14 +189,21 @@ TEST(MemoryPlan, RecomputeAutoKeepsTheMostActivationsThatFit) {
   c.validate();
   const dist::RankPlan plan = plan_of(c, 5);
   auto planned = [&](int64_t gib) { return plan_memory(c, plan, shapes(), gib * kGiB); };
-  const MemoryPlan big = planned(141), mid = planned(80), small = planned(56);
+  // The mode first, then the bf16 shard if it still fits: on 141 GiB both; on 80 GiB keeping every
+  // activation fits once the shard is cast per gather; less, fewer activations.
+  const MemoryPlan big = planned(141), mid = planned(80), less = planned(76), small = planned(48);
   EXPECT_EQ(big.recompute, zero::Recompute::kNone) << big.table();
-  EXPECT_EQ(mid.recompute, zero::Recompute::kAttentionOnly) << mid.table();
+  EXPECT_TRUE(big.keep_compute_shard) << big.table();
+  EXPECT_EQ(mid.recompute, zero::Recompute::kNone) << mid.table();
+  EXPECT_FALSE(mid.keep_compute_shard) << mid.table();
+  EXPECT_EQ(less.recompute, zero::Recompute::kAttentionOnly) << less.table();
   EXPECT_EQ(small.recompute, zero::Recompute::kBlocks) << small.table();
-  for (const MemoryPlan* m : {&big, &mid, &small}) EXPECT_EQ(m->overflow(), nullptr) << m->table();
+  for (const MemoryPlan* m : {&big, &mid, &less, &small}) EXPECT_EQ(m->overflow(), nullptr) << m->table();
   EXPECT_NE(big.table().find("train.recompute: none (auto"), std::string::npos) << big.table();
+  EXPECT_NE(mid.table().find("train.compute_shard: cast (auto"), std::string::npos) << mid.table();
   // No GPU size: the least memory.
   EXPECT_EQ(planned(0).recompute, zero::Recompute::kBlocks);
+  EXPECT_FALSE(planned(0).keep_compute_shard);
 
   // The 7B shape at 8192 tokens: blocks keep one input per layer (1.5 GiB; 5.6 GiB with a block's
   // backward in flight and the logits' chunk), none ~32 GiB more.

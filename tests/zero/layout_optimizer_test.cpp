@@ -6,6 +6,7 @@
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/zero/flat_layout.h"
+#include "tiller/zero/host_adamw.h"
 #include "tiller/zero/optimizer.h"
 #include "tiller/zero/sharded_model.h"
 
@@ -102,6 +103,86 @@ TEST(ShardAdamW, ShardedStepsEqualUnshardedAdamW) {
     EXPECT_LT((sharded - ref).abs().max().item<double>(), 1e-6) << "step " << t;
   }
   EXPECT_EQ(opts[0].steps(), 5);
+}
+
+// The host AdamW (optimizer offload) against ATen's fused AdamW, the kernel ShardAdamW runs on the
+// device: 4 steps (one clipped, one of tiny gradients), weight decay masked per element, two
+// shards cut in uneven chunks and updated by 3 threads, so chunk and thread boundaries cross decay
+// runs. The stated tolerance: every element of the parameters and moments within 2e-6 of the
+// tensor's largest value (a few fp32 roundings: ATen's CPU kernel forms the first moment as a lerp
+// with fused multiply-adds, CUDA's and this one as b1 m + (1 - b1) g).
+TEST(HostAdamW, EqualsAtenFusedAdamWWithinFp32Rounding) {
+  at::manual_seed(1);
+  const AdamWConfig c{0.9, 0.95, 1e-8, 0.1};
+  const std::vector<int64_t> sizes{1000, 613};
+  HostAdamW host(c, at::kCPU, 3, /*chunk_elements=*/96);
+  ShardAdamW device(c);
+  std::vector<at::Tensor> masters, grads, compute, host_grads;
+  for (int64_t n : sizes) {
+    const at::Tensor init = at::randn({n});
+    const at::Tensor mask = (at::arange(n) % 7 < 4).to(at::kFloat);  // runs of 4 decayed, 3 not
+    masters.push_back(init.clone());
+    grads.push_back(at::zeros({n}));
+    device.add(masters.back(), mask, grads.back());
+    host.master(host.add(n, mask)).copy_(init);
+    host_grads.push_back(at::zeros({n}));
+    compute.push_back(at::zeros({n}, at::kBFloat16));
+  }
+  EXPECT_EQ(host.threads(), 3);
+  double worst = 0;
+  for (int t = 1; t <= 4; ++t) {
+    const double lr = 3e-3 * t, clip = t == 2 ? 0.37 : 1.0;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      grads[i].copy_(at::randn({sizes[i]}) * (t == 3 ? 1e-6 : 1.0));  // tiny gradients: eps matters
+      host_grads[i].copy_(grads[i]);
+    }
+    device.step(lr, clip);
+    host.step(lr, clip, host_grads, compute);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+        return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item<double>();
+      };
+      EXPECT_LT(rel(host.master(i), masters[i]), 2e-6) << "step " << t << " shard " << i;
+      EXPECT_LT(rel(host.exp_avg(i), device.exp_avg(i)), 2e-6) << "step " << t << " shard " << i;
+      EXPECT_LT(rel(host.exp_avg_sq(i), device.exp_avg_sq(i)), 2e-6) << "step " << t << " shard " << i;
+      worst = std::max({worst, rel(host.master(i), masters[i]), rel(host.exp_avg(i), device.exp_avg(i)),
+                        rel(host.exp_avg_sq(i), device.exp_avg_sq(i))});
+      // The bf16 copy is the master rounded as Tensor::copy_ rounds it, bit for bit.
+      EXPECT_TRUE(at::equal(compute[i], host.master(i).to(at::kBFloat16))) << "step " << t << " shard " << i;
+    }
+  }
+  EXPECT_EQ(host.steps(), 4);
+  EXPECT_GT(host.last_timing().total_s, 0);
+  std::printf("[host adamw] largest difference from ATen's fused AdamW: %.3g of the largest value\n", worst);
+}
+
+// The rounding of the vectorised bf16 store: ties to even, NaN and infinities, as c10::BFloat16.
+TEST(HostAdamW, Bf16RoundingMatchesTensorCopy) {
+  std::vector<float> values{1.0f, 1.00390625f, 1.01171875f, -2.5f, 65504.0f, 3.0e38f, 1e-40f, -0.0f};
+  for (uint32_t bits : {0x3F808000u, 0x3F818000u, 0x7F7FFFFFu, 0x7F800000u, 0xFF800000u, 0x7FC00001u, 0x00008000u})
+    values.push_back(*reinterpret_cast<const float*>(&bits));
+  const int64_t n = static_cast<int64_t>(values.size());
+  // An update that leaves the parameters as they are: zero gradients, zero moments, no decay.
+  at::Tensor p = at::tensor(values), g = at::zeros({n}), m = at::zeros({n}), v = at::zeros({n});
+  at::Tensor out = at::empty({n}, at::kBFloat16);
+  AdamWScalars s = AdamWScalars::make({0.9, 0.95, 1.0, 0.0}, 0.0, 1, 1.0, false);
+  adamw_update(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), n, s,
+               out.data_ptr(), RoundedOut::kBFloat16);
+  const at::Tensor want = at::tensor(values).to(at::kBFloat16);
+  for (int64_t i = 0; i < n; ++i) {
+    const float got = out[i].item<float>(), expect = want[i].item<float>();
+    if (std::isnan(expect)) EXPECT_TRUE(std::isnan(got)) << i;
+    else EXPECT_EQ(got, expect) << i << ": " << values[static_cast<size_t>(i)];
+  }
+}
+
+TEST(HostAdamW, RefusesMismatchedShards) {
+  HostAdamW host({}, at::kCPU, 1, 64);
+  host.add(100, at::ones({100}));
+  std::vector<at::Tensor> g{at::zeros({99})}, c{at::zeros({100}, at::kBFloat16)};
+  EXPECT_THROW(host.step(1e-3, 1.0, g, c), Error);
+  EXPECT_THROW(HostAdamW({}, at::kCPU, 1, 50), Error);  // chunks must be multiples of 32 elements
+  EXPECT_GE(default_optimizer_threads(), 1);
 }
 
 TEST(LrSchedule, WarmupThenDecayToTheMinimum) {

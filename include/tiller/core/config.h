@@ -92,6 +92,7 @@ struct RoleConfig {
   std::string dtype = "bf16";   // compute dtype: bf16 | fp32
   bool replicate = false;       // frozen roles only: replicate instead of ZeRO-3 sharding
   bool offload = false;         // hybrid: masters, gradients, moments in pinned host memory while engines generate
+  std::string optimizer_offload = "none";  // none | cpu: fp32 masters and AdamW moments in host memory, AdamW on the CPU
   std::int64_t sequence_parallel = 1;  // ranks that share each micro-batch's tokens (Ulysses); divides gpus
 };
 
@@ -235,6 +236,8 @@ struct TrainConfig {
   double min_lr_ratio = 0.1;
   std::int64_t critic_warmup_steps = 0;  // steps that train only the critic (no actor update, no sync)
   std::string recompute = "auto";
+  std::string compute_shard = "auto";  // auto | keep | cast: a persistent bf16 copy of the trained shards, or cast per gather
+  std::int64_t optimizer_threads = 0;  // host AdamW's threads per rank (optimizer_offload: cpu); 0: cores / local ranks
   std::string reduce_dtype = "fp32";
   std::string old_logprobs = "recompute";  // recompute | forward: where the PPO ratio's old log-probs come from     // fp32 | bf16: what gradients are reduce-scattered in        // auto | blocks | attention_only | none (zero/recompute.h)
 };

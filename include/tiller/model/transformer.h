@@ -164,13 +164,16 @@ at::Tensor token_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head, c
 // head themselves (the ZeRO-3 trainer); a gradient not asked for is undefined. The weight
 // gradient accumulates over chunks in fp32 and is returned in the weight's dtype, or in fp32 with
 // `fp32_weight_grad`. `grad_entropy` (d loss / d entropy, [T]) adds the entropies' gradient;
-// either gradient may be undefined (zero).
+// either gradient may be undefined (zero). `weight_grad_into`, when defined (fp32, or fp64 for
+// fp64 inputs; the weight's shape, contiguous), receives the weight gradient added to what it
+// holds, and is returned: a caller's buffer instead of a second [vocab, hidden] tensor.
 std::pair<at::Tensor, at::Tensor> token_logprobs_backward(const at::Tensor& hidden, const at::Tensor& lm_head,
                                                           const at::Tensor& targets, const at::Tensor& grad,
                                                           double temperature = 1.0, int64_t chunk_rows = 1024,
                                                           bool need_hidden = true, bool need_weight = true,
                                                           bool fp32_weight_grad = false,
-                                                          const at::Tensor& grad_entropy = at::Tensor());
+                                                          const at::Tensor& grad_entropy = at::Tensor(),
+                                                          const at::Tensor& weight_grad_into = at::Tensor());
 
 // Scalar value per row from the `score` head, fp32 [T].
 at::Tensor values(const at::Tensor& hidden, const at::Tensor& score);

@@ -3,12 +3,19 @@
 // `tiller train` checks it on the GPU and sizes the hybrid engines' KV caches with it).
 //
 // What it counts, per rank (bytes; ZeRO-3 shards are 1/N of each model, N the role's group):
-//   weights     each role's compute shard (dtype bytes x params / N); the engine's TP slice
+//   weights     each role's compute shard (dtype bytes x params / N); a trained role that casts
+//               while gathering (train.compute_shard) has none, but while its state is offloaded
+//               (hybrid generation); the engine's TP slice
 //   state       trainable roles: the fp32 master (unless the compute dtype is fp32), the fp32
-//               gradient accumulator, the two AdamW moments: 16 bytes / param / N (12 in fp32)
-//   gathers     two full units in the compute dtype (the one computing and the prefetch)
-//   gradients   training: the largest unit's gradients in the compute dtype and two flat
-//               buffers of it in train.reduce_dtype (the reduce-scatter being filled and the one in flight)
+//               gradient accumulator, the two AdamW moments: 16 bytes / param / N (12 in fp32);
+//               with roles.<r>.optimizer_offload: cpu only the accumulator (4), the rest on the
+//               host (RankMemory::host_bytes)
+//   gathers     two full units in the compute dtype (the one computing and the prefetch), and the
+//               cast shards they gather from when the role casts
+//   gradients   training: a block's gradients in the compute dtype and two flat buffers of it in
+//               train.reduce_dtype (the reduce-scatter being filled and the one in flight); the LM
+//               head's or the embedding's flat buffer (their gradient accumulates in it) beside a
+//               block's in flight
 //   activations training at train.micro_batch_tokens: what every block keeps under the
 //               recompute mode (train_activation_bytes), one block's backward in flight, and the
 //               LM head's fp32 chunk of logits; scoring (no autograd) one block's internals at
@@ -64,6 +71,7 @@ struct RankMemory {
   std::string label;             // the rank plan's ("actor+ref+engine0.tp0")
   std::vector<PhaseMemory> phases;
   int64_t kv_cache_bytes = 0;    // the engine's KV cache on this rank (0 without an engine)
+  int64_t host_bytes = 0;        // host memory of the optimizers on the host (optimizer_offload: cpu)
   int64_t peak() const;
   const PhaseMemory* peak_phase() const;
 };
@@ -75,6 +83,11 @@ struct MemoryPlan {
   // kBlocks when the GPU size is unknown or ranks share GPUs), and why.
   zero::Recompute recompute = zero::Recompute::kBlocks;
   std::string recompute_reason;
+  // The trained roles' train.compute_shard: keep a persistent compute-dtype shard, or cast while
+  // gathering; `auto` keeps it when it fits beside the activations of the recompute mode chosen
+  // (the mode first: kept activations buy more time per byte than the cast does).
+  bool keep_compute_shard = false;
+  std::string compute_shard_reason;
   bool shared_gpus = false;      // cluster.ranks_per_gpu > 1: ranks share GPUs; no fit check
   std::vector<RankMemory> ranks; // every worker rank with a GPU role, in rank order
   // Human-readable: one line per rank and phase, in GiB, with the fit.
@@ -104,6 +117,16 @@ MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const M
 // Throws ConfigError when `m` has a rank that cannot fit, naming the rank, its roles, the phase,
 // its largest items and what to change.
 void check_fits(const MemoryPlan& m, const JobConfig& cfg);
+
+// One trained role alone, one rank of its group (tiller bench train): the train phase of the role
+// `name` of `shape` (LM head) over `ranks` ranks at `tokens` tokens per micro-batch and rank, with
+// `cfg`'s train.* keys and roles.actor's dtype and optimizer_offload; recompute and compute_shard
+// `auto` chosen as plan_memory chooses. `gpu_bytes` 0: no choice by size (the least memory).
+MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, int64_t ranks, int64_t tokens,
+                        int64_t gpu_bytes);
+// Throws ConfigError when plan_trainer's rank cannot fit: the rank, the role, the phase, its
+// largest items and what to change, in the words of `knobs` (the command's flags).
+void check_trainer_fits(const MemoryPlan& m, int rank, const std::string& role, const std::string& knobs);
 
 // The shapes of the job's models, read from their config.json files; a role whose model cannot
 // be read is left out (and `missing` says which, when given).

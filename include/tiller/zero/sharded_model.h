@@ -4,7 +4,12 @@
 // Storage. The model is cut into units (flat_layout.h: the embedding, each block, the final norm
 // and head). Each rank holds 1/N of every unit: the compute-dtype shard that all-gathers feed
 // (bf16 on GPU), and, when trainable, the fp32 master shard, the fp32 gradient accumulator and
-// the two AdamW moments. In fp32 compute the master shard is the compute shard.
+// the two AdamW moments. In fp32 compute the master shard is the compute shard. A trainable model
+// may hold no compute shard (options.keep_compute_shard false): each gather then casts the master
+// shard into a transient buffer first, as FSDP2 does, and the model holds 16 bytes per parameter
+// / N instead of 18. With the optimizer on the host (options.optimizer_on_host) the masters and
+// moments live in host memory (host_adamw.h) and the device holds the compute shard and the
+// gradient accumulator: 6 bytes per parameter / N.
 //
 // Forward. A unit is all-gathered into a transient full buffer right before it is used, the
 // next unit's gather is issued on the communication stream before the current unit computes,
@@ -38,6 +43,7 @@
 #include "tiller/model/model_config.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
+#include "tiller/zero/host_adamw.h"
 #include "tiller/zero/optimizer.h"
 #include "tiller/zero/recompute.h"
 #include "tiller/zero/sequence_parallel.h"
@@ -71,6 +77,15 @@ struct ShardedModelOptions {
   // Benchmarks: record how long compute waits for gathers and reductions (CUDA events on the
   // compute stream; host time on CPU); read with take_wait_seconds().
   bool measure_waits = false;
+  // Trainable models: keep a persistent compute-dtype copy of the master shard (train.compute_shard
+  // keep), or cast the master into each gather's input (cast: 2 bytes per parameter / N less, one
+  // small cast kernel per gather). Moot in fp32 compute (the master is the shard) and with the
+  // optimizer on the host (the device needs the shard).
+  bool keep_compute_shard = true;
+  // AdamW on the host (roles.<r>.optimizer_offload: cpu): fp32 masters and moments in host
+  // memory, updated by HostAdamW with `optimizer_threads` threads (0: default_optimizer_threads()).
+  bool optimizer_on_host = false;
+  int optimizer_threads = 0;
 };
 
 // The options of role `name` from the job config: roles.<name>.dtype and .replicate, and train.*
@@ -87,10 +102,11 @@ struct StepResult {
 
 // Bytes this rank holds for the model between steps (not counting transient gathered units).
 struct ShardMemory {
-  int64_t parameters = 0;  // compute shard + fp32 master
+  int64_t parameters = 0;  // on the device: compute shard + fp32 master (when either is there)
   int64_t gradients = 0;
-  int64_t optimizer = 0;
-  int64_t total() const { return parameters + gradients + optimizer; }
+  int64_t optimizer = 0;   // on the device
+  int64_t host = 0;        // host memory of an optimizer on the host (masters, moments, staging)
+  int64_t total() const { return parameters + gradients + optimizer; }  // the device's
 };
 
 class ShardedModel {
@@ -139,17 +155,21 @@ class ShardedModel {
   // Exposed communication since the last call (measure_waits): seconds the compute stream stood
   // waiting for a gather or reduce-scatter. Synchronises the device.
   double take_wait_seconds();
+  // The host optimizer (optimizer_on_host), for its timings; nullptr otherwise.
+  const HostAdamW* host_optimizer() const;
 
   // The full parameters (HF names, fp32 masters when trainable), gathered on every rank; for
   // tests, small models and export. Collective.
   model::NamedTensors gather_parameters();
 
-  // This rank's shard of every unit, in model_layouts order: the compute-dtype shard, and the
-  // fp32 master when trainable (the same tensor in fp32 compute). Views: read, do not write
-  // (the weight sync reads them).
+  // This rank's shard of every unit, in model_layouts order: the compute-dtype shard (undefined
+  // when the model casts while gathering), and the fp32 master when trainable (the same tensor in
+  // fp32 compute; in host memory with the optimizer on the host). Views: read, do not write (the
+  // weight sync reads them). numel is the shard's elements either way.
   struct UnitShard {
     std::string name;
     at::Tensor compute, master;
+    int64_t numel = 0;
   };
   std::vector<UnitShard> shards() const;
 
@@ -174,7 +194,8 @@ class ShardedModel {
 
   // Trainable models (roles.<r>.offload): moves the fp32 masters (when they are not the compute
   // shards) and the AdamW state to host memory (pinned on CUDA) and frees their device memory; the
-  // compute shards stay, so forwards (scoring) still run. The gradient accumulators, which hold
+  // compute shards stay (a model that casts while gathering makes them for the while), so forwards
+  // (scoring) still run. With the optimizer on the host only the accumulators leave the device. The gradient accumulators, which hold
   // nothing between optimizer steps, are freed without a copy; a gradient still pending (a backward
   // without its step: its reductions are waited for first) moves with the rest. reload_state()
   // brings the moved state back bit for bit (and the freed accumulators' memory), with
