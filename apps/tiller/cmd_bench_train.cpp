@@ -58,6 +58,7 @@ struct TrainBenchOptions {
   std::string out;
   std::string profile;  // Chrome trace of rank 0's last step
   std::string recompute = "auto";  // train.recompute's choices
+  int64_t recompute_layers = -1;      // train.recompute_layers's
   std::string compute_shard = "auto";  // train.compute_shard's
   std::string optimizer_offload = "none";  // roles.<r>.optimizer_offload's
   int optimizer_threads = 0;
@@ -75,6 +76,7 @@ rollout::MemoryPlan plan_job(const TrainBenchOptions& o, const model::ModelConfi
   job.roles.actor.dtype = dev.is_cuda() ? "bf16" : "fp32";
   job.roles.actor.optimizer_offload = o.optimizer_offload;
   job.train.recompute = o.recompute;
+  job.train.recompute_layers = o.recompute_layers;
   job.train.compute_shard = o.compute_shard;
   job.train.reduce_dtype = o.reduce_dtype;
   int64_t gpu = static_cast<int64_t>(o.gpu_memory_gb * double(int64_t{1} << 30));
@@ -92,6 +94,8 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
+  // As a trainer rank without an engine has it in tiller train (no CUDA graphs here).
+  const bool expandable = model::prefer_expandable_segments();
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), "bench", log::Level::kWarn);
   if (o.steps < 3) throw ConfigError("--steps: at least 3 (two warm-up steps are not timed)");
@@ -115,11 +119,14 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   // The plan before any allocation; every rank takes the least-memory choice of any (GPUs of
   // different sizes; one mode per sequence group).
   rollout::MemoryPlan plan = plan_job(o, cfg, dev, comm.size(), comm.rank(), o.seq * o.micro_batch / sp);
-  at::Tensor choice = at::tensor({static_cast<float>(plan.recompute), plan.keep_compute_shard ? 1.0f : 0.0f});
+  at::Tensor choice = at::tensor({rollout::recompute_order(plan.recompute, plan.recompute_layers),
+                                  plan.keep_compute_shard ? 1.0 : 0.0},
+                                 at::kDouble);
   bc.world->all_reduce(choice, dist::ReduceOp::kMin)->wait();
-  const auto recompute = static_cast<zero::Recompute>(static_cast<int>(choice[0].item<float>()));
+  const auto [recompute, recompute_layers] = rollout::recompute_from_order(choice[0].item<double>());
   mo.recompute = recompute;
-  mo.keep_compute_shard = choice[1].item<float>() > 0.5f;
+  mo.recompute_layers = recompute_layers;
+  mo.keep_compute_shard = choice[1].item<double>() > 0.5;
   zero::ShardedModel model(cfg, comm, mo);
   if (comm.size() % sp != 0)
     throw ConfigError(fmt::format("--sequence-parallel {} must divide the {} ranks", sp, comm.size()));
@@ -252,9 +259,11 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   r["mbs"] = o.micro_batch;
   r["sequence_parallel"] = sp;
   r["recompute"] = zero::recompute_name(recompute);
+  r["recompute_layers"] = mo.recompute_layers;
   r["compute_shard"] = mo.keep_compute_shard ? "keep" : "cast";
   r["optimizer_offload"] = o.optimizer_offload;
   r["reduce_dtype"] = o.reduce_dtype;
+  r["expandable_segments"] = expandable;
   r["tokens_per_gpu_per_step"] = tokens;
   r["steps_timed"] = o.steps - 2;
   r["step_s"] = step;
@@ -271,10 +280,13 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   // What the backward recomputes: whole blocks, the attention half, or nothing.
   const double attn_params = static_cast<double>(cfg.num_layers) *
                              (cfg.hidden_size * (cfg.q_size() + 2 * cfg.kv_size()) + cfg.q_size() * cfg.hidden_size);
-  const double redone = recompute == zero::Recompute::kBlocks          ? block_fwd
-                        : recompute == zero::Recompute::kAttentionOnly ? 2.0 * attn_params +
-                                                                             2.0 * cfg.num_layers * cfg.hidden_size * o.seq
-                                                                       : 0.0;
+  const double mode_redone = recompute == zero::Recompute::kBlocks          ? block_fwd
+                             : recompute == zero::Recompute::kAttentionOnly ? 2.0 * attn_params +
+                                                                                  2.0 * cfg.num_layers * cfg.hidden_size * o.seq
+                                                                            : 0.0;
+  // Blocks past recompute_layers recompute whole blocks.
+  const double kept = recompute_layers < 0 ? 1.0 : std::min<double>(1.0, double(recompute_layers) / cfg.num_layers);
+  const double redone = mode_redone * kept + block_fwd * (1.0 - kept);
   b["recompute_est_s"] = compute * redone / (3 * block_fwd + redone + head_flops);
   b["optimizer_s"] = opt;
   if (mo.optimizer_on_host) {
@@ -310,6 +322,9 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   tr->add_option("--recompute", o->recompute,
                  "auto (the most kept activations that fit the GPU; blocks on CPU), blocks, attention_only or none")
       ->check(CLI::IsMember({"auto", "blocks", "attention_only", "none"}));
+  tr->add_option("--recompute-layers", o->recompute_layers,
+                 "Blocks (from the first) that keep what --recompute keeps; -1: all (with auto, the plan picks)")
+      ->check(CLI::Range(int64_t{-1}, int64_t{1} << 20));
   tr->add_option("--compute-shard", o->compute_shard,
                  "auto (keep when the memory plan fits it), keep (a persistent bf16 copy of the shards) or cast (each "
                  "gather casts the fp32 master shard)")

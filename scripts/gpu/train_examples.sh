@@ -59,7 +59,7 @@ for name in "$@"; do
   code=0
   CUDA_VISIBLE_DEVICES=$visible "${mpi[@]}" -x CUDA_VISIBLE_DEVICES -np "$np" "$tiller" train -c "$cfg" "${sets[@]}" \
     --set run.output_dir="$dir" --set checkpoint.dir= > "$dir/log.txt" 2>&1 || code=$?
-  grep -E "step [0-9]+/|error" "$dir/log.txt" | tail -4 || true
+  grep -E "step [0-9]+/|error|train.recompute:|efficiency \(" "$dir/log.txt" | cut -c1-400 | tail -6 || true
   $python - "${dir##*/}" "$dir" "$code" "$(( $(date +%s) - t0 ))" >> "$out/summary.jsonl" <<'PY'
 import json, sys
 name, d, code, wall = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -76,6 +76,9 @@ if rows:
     out.update({"step_s": avg("time/step"), "generate_s": avg("time/generate"), "score_tail_s": avg("time/score_tail"),
                 "train_s": avg("time/train"), "sync_s": avg("time/sync"),
                 "gen_tok_per_s": round(avg("throughput/generate_tokens_per_s")),
+                "train_tok_s_gpu": round(avg("throughput/train_tokens_per_s_per_gpu.actor")),
+                "samples": avg("samples"), "tokens_per_sample": round(avg("prompt_length/mean") + avg("response_length/mean"), 1),
+                "efficiency": {k[11:]: avg(k) for k in sorted(later[-1]) if k.startswith("efficiency/")},
                 "reward_first3": round(sum(r["reward/mean"] for r in rows[:3]) / len(rows[:3]), 3),
                 "reward_last3": round(sum(r["reward/mean"] for r in rows[-3:]) / len(rows[-3:]), 3)})
 print(json.dumps(out))

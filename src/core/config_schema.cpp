@@ -371,6 +371,11 @@ std::vector<Field> build() {
         "half), none (keep everything), or auto: the most kept that the memory plan fits on the GPU (tiller plan prints "
         "the choice; blocks on CPU).")
       .one_of({"auto", "blocks", "attention_only", "none"});
+  b.add("train.recompute_layers", TILLER_FIELD(train.recompute_layers),
+        "How many blocks, from the first, keep what train.recompute keeps; the others recompute whole blocks. -1: "
+        "every block. With train.recompute auto the memory plan sets it: attention_only for as many blocks as fit "
+        "when not all of them do.")
+      .range(-1, 1 << 20);
   b.add("train.compute_shard", TILLER_FIELD(train.compute_shard),
         "Whether the trained roles keep a persistent bf16 copy of their fp32 master shards: keep (2 bytes per "
         "parameter / N more, no cast per gather), cast (each all-gather casts the master shard first, as FSDP2 does), "
@@ -435,6 +440,11 @@ std::vector<Field> build() {
         "tokens, lag, reward, length (empty: none).");
   b.add("logging.rollout_records_tokens", TILLER_FIELD(logging.rollout_records_tokens),
         "The rollout records also carry each sample's token ids and engine log-probs.");
+  b.add("logging.efficiency", TILLER_FIELD(logging.efficiency),
+        "Report each phase's rate beside its benchmark at the job's shapes (efficiency/*, and a line in the log): "
+        "every trainer rank times a training micro-batch and a scoring forward of the job's sizes once (at its "
+        "first request of each), every engine a decode at its batch and lengths (at its first generation); "
+        "docs/training.md, 'Reading the efficiency metrics'.");
 
   b.add("timeouts.collective_s", TILLER_FIELD(timeouts.collective_s),
         "Deadline of one collective (all-gather, reduce-scatter, ...); a miss aborts the communicator.")

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <random>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -115,6 +116,7 @@ struct Engine::Impl {
   std::unique_ptr<KvBlockManager> kv;
   int64_t max_model_len = 0;
   bool shut_down = false;
+  bool calibrated = false;  // calibrate_if_due() ran
   WeightSink* sink = nullptr;
   std::string broken;  // why the weights cannot be served, or ""
   uint64_t weight_version = 0;  // of the weights the next step computes with
@@ -634,6 +636,46 @@ bool Engine::release_session(SessionKey key) {
 }
 
 bool Engine::has_work() const { return !impl_->seqs.empty() || !impl_->aborted.empty() || impl_->in_flight; }
+
+bool Engine::calibrate_if_due() {
+  Impl& m = *impl_;
+  const EngineOptions& o = m.opts;
+  if (m.calibrated || o.bench_batch <= 0 || o.bench_prompt <= 0 || o.bench_new_tokens <= 0) return false;
+  if (!m.leader() || m.shut_down || has_work() || !m.runner->cache_allocated()) return false;
+  m.calibrated = true;
+  const int64_t len = std::min(o.bench_prompt + o.bench_new_tokens, max_model_len());
+  const int64_t prompt = std::max<int64_t>(1, std::min(o.bench_prompt, len - 1));
+  const int64_t fresh = std::max<int64_t>(1, len - prompt);
+  const int64_t blocks_each = (len + o.block_size - 1) / o.block_size;
+  const int64_t batch = std::max<int64_t>(1, std::min({o.bench_batch, o.limits.max_num_seqs,
+                                                       m.kv->num_free() / std::max<int64_t>(1, blocks_each)}));
+  const EngineStats before = m.stats;
+  std::mt19937_64 rng(7);
+  auto run = [&](int64_t new_tokens, uint64_t first_id) {
+    for (int64_t i = 0; i < batch; ++i) {
+      Request r;
+      r.id = first_id + static_cast<uint64_t>(i);
+      r.prompt.resize(static_cast<size_t>(prompt));
+      for (auto& t : r.prompt) t = static_cast<int64_t>(rng() % static_cast<uint64_t>(m.cfg.vocab_size));
+      r.params.temperature = 1.0;
+      r.params.seed = r.id;
+      r.params.max_new_tokens = new_tokens;
+      add(std::move(r));
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    while (has_work()) step();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  // Request ids far from the service's (which count from 1).
+  constexpr uint64_t kBenchIds = uint64_t{1} << 62;
+  run(4, kBenchIds);  // warm-up: allocator, kernels, this batch's CUDA graph
+  const double seconds = run(fresh, kBenchIds + static_cast<uint64_t>(batch));
+  m.stats = before;
+  m.stats.bench_tokens_per_s = static_cast<double>(batch * fresh) / std::max(seconds, 1e-9);
+  log::info("engine benchmark at the job's shapes ({} requests of {} + {} tokens): {:.0f} tokens/s", batch, prompt,
+            fresh, m.stats.bench_tokens_per_s);
+  return true;
+}
 
 EngineStats Engine::stats() const {
   EngineStats s = impl_->stats;

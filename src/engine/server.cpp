@@ -383,6 +383,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
     resp->set_launched_ahead(snap.launched_ahead);
     resp->set_kv_rebuilds(snap.kv_rebuilds);
     resp->set_seconds_in_steps(snap.seconds_in_steps);
+    resp->set_bench_tokens_per_s(snap.bench_tokens_per_s);
     resp->set_prefill_tokens(snap.prefill_tokens);
     resp->set_sessions_parked(snap.sessions_parked);
     resp->set_session_resumes(snap.session_resumes);
@@ -459,6 +460,8 @@ struct EngineServer::Impl final : pb::Engine::Service {
     auto st = call<bool>(ctx, [this, weights = req->weights(), cache = req->cache(), resp] {
       if (paused) throw InvalidRequest(fmt::format("a weight update to version {} is in progress", pending_version));
       engine.wake(weights, cache);
+      // A hybrid engine starts asleep: its benchmark runs at its first wake (logging.efficiency).
+      if (cache) engine.calibrate_if_due();
       fill_memory(engine, resp);
       update_snapshot();
       return true;

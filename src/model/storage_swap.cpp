@@ -1,6 +1,8 @@
 #include "tiller/model/storage_swap.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -140,6 +142,16 @@ DeviceMemory device_memory(const at::Device& device) {
   (void)device;
 #endif
   return out;
+}
+
+bool prefer_expandable_segments() {
+  for (const char* var : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"})
+    if (const char* v = std::getenv(var)) return std::string(v).find("expandable_segments:True") != std::string::npos;
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  // Read when the allocator sets itself up, at the first allocation: later is too late.
+  if (c10::cuda::CUDACachingAllocator::get()->initialized()) return false;
+#endif
+  return ::setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", /*overwrite=*/0) == 0;
 }
 
 void reset_peak_device_memory(const at::Device& device) {

@@ -108,6 +108,9 @@ struct Controller::Impl {
   std::vector<engine::EngineStats> engine_stats;  // the engines' counters at the last step's end
   double sync_seconds_on_actor = 0, sync_wire_bytes = 0;
   json summary = json::object();
+  // efficiency/* summed over the run's first step (which calibrates the benchmarks) and the later
+  // ones: (sum, steps) per metric.
+  std::map<std::string, std::pair<double, int>> first_efficiency, efficiency_sums;
   json last_metrics;
   int64_t first_step = 0;  // completed steps when this run began (after a resume)
   // Times `tiller launch` restarted this job ($TILLER_RESTARTS; -1 when not supervised).
@@ -226,6 +229,7 @@ struct Controller::Impl {
     if (!critic_released) collector->release(Role::kCritic);
     for (const auto& [k, v] : training->metrics()) metrics[k] = v;
     metrics["time/train"] = seconds_since(t0);
+    for (const auto& [k, v] : training->efficiency(metrics["time/train"].get<double>())) metrics[k] = v;
     trace->span(b.step, "train", -1, w0, wall_us());
     if (train_actor) {
       sync_weights(b.step);
@@ -315,8 +319,13 @@ struct Controller::Impl {
       const double s = b.scores.seconds[role_index(r)];
       metrics["time/score." + std::string(role_name(r))] = s;
       // One rank's scoring rate: comparable with `tiller bench forward` on the same shape.
-      metrics["throughput/score_tokens_per_s." + std::string(role_name(r))] =
-          s > 0 ? static_cast<double>(b.scores.tokens[role_index(r)]) / s : 0.0;
+      const double rate = s > 0 ? static_cast<double>(b.scores.tokens[role_index(r)]) / s : 0.0;
+      metrics["throughput/score_tokens_per_s." + std::string(role_name(r))] = rate;
+      // Beside the rank's scoring benchmark at the job's shapes (logging.efficiency).
+      if (const double bench = b.scores.bench[role_index(r)]; bench > 0 && s > 0) {
+        metrics["throughput/score_bench_tokens_per_s." + std::string(role_name(r))] = bench;
+        metrics["efficiency/score." + std::string(role_name(r))] = rate / bench;
+      }
     }
     const bool sampled = b.first_dispatch != SteadyClock::time_point::max() && b.ro.size() > 0;
     const double gen = sampled ? std::chrono::duration<double>(b.last_sample - b.first_dispatch).count() : 0.0;
@@ -354,6 +363,21 @@ struct Controller::Impl {
       metrics["idle/" + std::string(role_name(g.role))] = std::max(0.0, step_s - b);
     }
     const std::vector<engine::EngineStats> now = w.engines->stats();
+    // The generate phase's rate per engine beside the engines' benchmark at the job's shapes.
+    if (!now.empty()) {
+      double bench = 0, measured = 0;
+      for (const auto& e : now)
+        if (e.bench_tokens_per_s > 0) {
+          bench += e.bench_tokens_per_s;
+          measured += 1;
+        }
+      const double per_engine = value_or(metrics, "throughput/generate_tokens_per_s") / static_cast<double>(now.size());
+      metrics["throughput/generate_tokens_per_s_per_engine"] = per_engine;
+      if (measured > 0 && per_engine > 0) {
+        metrics["throughput/generate_bench_tokens_per_s"] = bench / measured;
+        metrics["efficiency/generate"] = per_engine / (bench / measured);
+      }
+    }
     if (!now.empty() && now.size() == engine_stats.size()) {
       double sum = 0;
       for (size_t i = 0; i < now.size(); ++i) sum += now[i].seconds_in_steps - engine_stats[i].seconds_in_steps;
@@ -476,6 +500,14 @@ struct Controller::Impl {
       busy += value_or(metrics, k);
     metrics["time/controller_other"] = std::max(0.0, step_s - busy);
     metrics["memory/controller_host_peak_mb"] = peak_rss_mb();
+    // The run's efficiency: each phase's mean over the steps after the first (which calibrates
+    // the benchmarks and warms up), or the first when it is all there is.
+    for (auto it = metrics.begin(); it != metrics.end(); ++it)
+      if (it.key().rfind("efficiency/", 0) == 0) {
+        auto& [sum, n] = (step > first_step + 1 ? efficiency_sums : first_efficiency)[it.key()];
+        sum += it.value().get<double>();
+        n += 1;
+      }
     if (restarts >= 0) metrics["supervisor/restarts"] = static_cast<double>(restarts);
     Metrics flat;
     for (auto it = metrics.begin(); it != metrics.end(); ++it) flat.emplace_back(it.key(), it.value().get<double>());
@@ -555,6 +587,19 @@ struct Controller::Impl {
     }
     const auto all = checkpoints.list();
     summary["checkpoint"] = all.empty() ? "" : all.back().dir;
+    const bool later = !efficiency_sums.empty();
+    if (later || !first_efficiency.empty()) {
+      std::string line;
+      json eff = json::object();
+      for (const auto& [key, v] : later ? efficiency_sums : first_efficiency) {
+        const double mean = v.first / std::max(1, v.second);
+        eff[key.substr(std::string("efficiency/").size())] = mean;
+        line += fmt::format("{}{} {:.2f}", line.empty() ? "" : ", ", key.substr(11), mean);
+      }
+      summary["efficiency"] = eff;
+      log::info("efficiency (each phase's rate over its benchmark at the job's shapes, mean of steps {}-{}): {}",
+                later ? first_step + 2 : first_step + 1, step, line);
+    }
     if (w.print_summary) {
       std::printf("%s\n", summary.dump().c_str());
       std::fflush(stdout);

@@ -93,7 +93,10 @@ RoleFootprint footprint(const RoleSpec& r, bool keep_compute_shard) {
     }
     f.state_generate = r.offload ? 0 : f.state;
   }
-  if (r.ranks > 1 || cast) f.gathers = 2 * r.shape.largest_unit * c + (cast ? 2 * r.shape.largest_unit * c / n : 0);
+  // The unit computing and the one prefetched: at most the largest unit beside a block (the
+  // embedding's and the head's neighbours are blocks), and the cast shards they were gathered from.
+  const int64_t pair = r.shape.largest_unit + r.shape.largest_block;
+  if (r.ranks > 1 || cast) f.gathers = pair * c + (cast ? pair * c / n : 0);
   if (r.trainable) {
     const int64_t rb = r.reduce_bytes, block = r.shape.largest_block, big = std::max(r.shape.embed, r.shape.head);
     // A block: autograd's gradients in the compute dtype, its flat buffer and the one before it in
@@ -114,7 +117,8 @@ int64_t block_internals_per_token(const model::ModelConfig& c, int64_t bytes) {
 
 }  // namespace
 
-int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int64_t bytes, zero::Recompute mode) {
+int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int64_t bytes, zero::Recompute mode,
+                               int64_t layers) {
   // What autograd keeps of one block per token (elements; zero/sharded_model.cpp's modes):
   // the block's input; the attention half's normed input, RoPE'd q and k, v and the attention
   // output (q and k twice more before RoPE with qk_norm); the MLP half's input, normed input,
@@ -122,13 +126,16 @@ int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int6
   const int64_t input = c.hidden_size;
   const int64_t attention = c.hidden_size + 2 * c.q_size() + 2 * c.kv_size() + (c.qk_norm ? c.q_size() + c.kv_size() : 0);
   const int64_t mlp = 2 * c.hidden_size + 3 * c.intermediate_size;
-  int64_t kept = input;
-  if (mode == zero::Recompute::kAttentionOnly) kept += mlp;
-  if (mode == zero::Recompute::kNone) kept += attention + mlp;
+  int64_t extra = 0;
+  if (mode == zero::Recompute::kAttentionOnly) extra = mlp;
+  if (mode == zero::Recompute::kNone) extra = attention + mlp;
+  const int64_t keeping = layers < 0 ? c.num_layers : std::min(layers, c.num_layers);
   // One block's backward in flight: what it recomputes (kBlocks, kAttentionOnly) and the
   // gradients of its activations.
-  const int64_t per_token = c.num_layers * kept * bytes + block_internals_per_token(c, bytes);
-  return tokens * per_token + kLogitRows * c.vocab_size * 4 * 3;  // logits, softmax, their gradient
+  const int64_t per_token = (c.num_layers * input + keeping * extra) * bytes + block_internals_per_token(c, bytes);
+  // The LM head's chunk of logits: in fp32 with its softmax and gradient (3 copies); in bf16 the
+  // fused kernel turns the logits into their gradient in place (one copy, and its temporaries).
+  return tokens * per_token + kLogitRows * c.vocab_size * (bytes == 4 ? 12 : 2 * bytes);
 }
 
 namespace {
@@ -195,9 +202,10 @@ RoleSpec role_spec(const JobConfig& cfg, Role r, const model::ModelConfig& mc, c
 }
 
 MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes,
-                     zero::Recompute recompute, bool keep_compute_shard) {
+                     zero::Recompute recompute, int64_t layers, bool keep_compute_shard) {
   MemoryPlan out;
   out.recompute = recompute;
+  out.recompute_layers = layers;
   out.keep_compute_shard = keep_compute_shard;
   out.gpu_bytes = gpu_bytes;
   out.shared_gpus = cfg.cluster.ranks_per_gpu > 1;
@@ -230,7 +238,8 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       rm.host_bytes += f.host;
       gathers = std::max(gathers, f.gathers);
       if (spec.trainable) {
-        act_train = std::max(act_train, train_activation_bytes(*mc, cfg.train.micro_batch_tokens, spec.dtype_bytes, recompute));
+        act_train = std::max(act_train,
+                             train_activation_bytes(*mc, cfg.train.micro_batch_tokens, spec.dtype_bytes, recompute, layers));
         grad_buffers = std::max(grad_buffers, f.grad_buffers);
       }
       act_score = std::max(act_score, score_activations(*mc, cfg.rollout.micro_batch_tokens, spec.dtype_bytes));
@@ -304,21 +313,55 @@ bool fits_with_margin(const MemoryPlan& m) {
 
 }  // namespace
 
+namespace {
+constexpr int64_t kAllLayers = int64_t{1} << 20;  // above any layer count (train.recompute_layers' bound)
+}
+
+double recompute_order(zero::Recompute mode, int64_t layers) {
+  switch (mode) {
+    case zero::Recompute::kBlocks: return 0;
+    case zero::Recompute::kAttentionOnly: return static_cast<double>(layers < 0 ? kAllLayers : std::min(layers, kAllLayers));
+    case zero::Recompute::kNone: return static_cast<double>(layers < 0 ? 2 * kAllLayers : kAllLayers + std::min(layers, kAllLayers));
+  }
+  return 0;
+}
+
+std::pair<zero::Recompute, int64_t> recompute_from_order(double order) {
+  const auto o = static_cast<int64_t>(order);
+  if (o <= 0) return {zero::Recompute::kBlocks, -1};
+  if (o < kAllLayers) return {zero::Recompute::kAttentionOnly, o};
+  if (o == kAllLayers) return {zero::Recompute::kAttentionOnly, -1};
+  if (o < 2 * kAllLayers) return {zero::Recompute::kNone, o - kAllLayers};
+  return {zero::Recompute::kNone, -1};
+}
+
 bool activations_fit(int64_t others, int64_t activations, int64_t gpu_bytes) {
-  return others + activations + activations / 8 + kReserveBytes <= gpu_bytes;
+  return others + activations + activations / 8 + reserve_bytes(others + activations) <= gpu_bytes;
 }
 
 namespace {
 
-// train.recompute and train.compute_shard: what they set, or for `auto` the first pair in the
-// order (none, keep), (none, cast), (attention_only, keep), ... whose plan fits every rank with
-// the activations' margin; the least memory when no GPU size is known or ranks share GPUs (no
-// fit to check), and also when nothing fits (the fit check then refuses the plan).
-MemoryPlan choose(const TrainConfig& t, int64_t gpu_bytes, bool shared_gpus,
-                  const std::function<MemoryPlan(zero::Recompute, bool)>& make) {
+// train.recompute (with train.recompute_layers) and train.compute_shard: what they set, or for
+// `auto` the first choice in this order whose plan fits every rank with the activations' margin:
+// none in every block, attention_only in every block, attention_only in the first L - 1, L - 2,
+// ..., 1 blocks (the others recompute whole blocks), blocks; for each, the compute shard kept, then
+// cast. The least memory when no GPU size is known or ranks share GPUs (no fit to check), and also
+// when nothing fits (the fit check then refuses the plan). `layers`: the trained models' most blocks.
+MemoryPlan choose(const TrainConfig& t, int64_t layers, int64_t gpu_bytes, bool shared_gpus,
+                  const std::function<MemoryPlan(zero::Recompute, int64_t, bool)>& make) {
   const bool auto_mode = t.recompute == "auto", auto_shard = t.compute_shard == "auto";
-  std::vector<zero::Recompute> modes{zero::Recompute::kNone, zero::Recompute::kAttentionOnly, zero::Recompute::kBlocks};
-  if (!auto_mode) modes = {zero::parse_recompute(t.recompute, "train.recompute")};
+  struct Mode {
+    zero::Recompute mode;
+    int64_t layers;
+  };
+  std::vector<Mode> modes;
+  if (auto_mode) {
+    modes = {{zero::Recompute::kNone, -1}, {zero::Recompute::kAttentionOnly, -1}};
+    for (int64_t k = layers - 1; k >= 1; --k) modes.push_back({zero::Recompute::kAttentionOnly, k});
+    modes.push_back({zero::Recompute::kBlocks, -1});
+  } else {
+    modes = {{zero::parse_recompute(t.recompute, "train.recompute"), t.recompute_layers}};
+  }
   std::vector<bool> keeps{true, false};
   if (!auto_shard) {
     if (t.compute_shard != "keep" && t.compute_shard != "cast")
@@ -333,25 +376,30 @@ MemoryPlan choose(const TrainConfig& t, int64_t gpu_bytes, bool shared_gpus,
   if (gpu_bytes <= 0 || shared_gpus) {
     const char* why = gpu_bytes <= 0 ? "auto: no GPU size to plan with; tiller train plans with its GPU's"
                                      : "auto: ranks share GPUs";
-    return reasons(make(modes.back(), keeps.back()), why, why);
+    return reasons(make(modes.back().mode, modes.back().layers, keeps.back()), why, why);
   }
-  for (zero::Recompute mode : modes)
+  for (const Mode& m : modes)
     for (bool keep : keeps) {
-      MemoryPlan m = make(mode, keep);
-      if (fits_with_margin(m))
-        return reasons(std::move(m), "auto: the most kept activations that fit",
+      MemoryPlan p = make(m.mode, m.layers, keep);
+      if (fits_with_margin(p))
+        return reasons(std::move(p), "auto: the most kept activations that fit",
                        keep ? "auto: it fits beside the activations" : "auto: keeping it does not fit; cast per gather");
     }
-  return reasons(make(modes.back(), keeps.back()), "auto: keeping more activations does not fit",
+  return reasons(make(modes.back().mode, modes.back().layers, keeps.back()), "auto: keeping more activations does not fit",
                  "auto: keeping it does not fit");
 }
 
 }  // namespace
 
 MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes) {
-  return choose(cfg.train, gpu_bytes, cfg.cluster.ranks_per_gpu > 1, [&](zero::Recompute mode, bool keep) {
-    return plan_with(cfg, plan, shapes, gpu_bytes, mode, keep);
-  });
+  int64_t layers = 1;
+  for (Role r : {Role::kActor, Role::kCritic})
+    if (role_trains(r) && plan.group(r))
+      if (const model::ModelConfig* mc = find_shape(shapes, std::string(role_name(r)))) layers = std::max(layers, mc->num_layers);
+  return choose(cfg.train, layers, gpu_bytes, cfg.cluster.ranks_per_gpu > 1,
+                [&](zero::Recompute mode, int64_t kept, bool keep) {
+                  return plan_with(cfg, plan, shapes, gpu_bytes, mode, kept, keep);
+                });
 }
 
 MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, int64_t ranks, int64_t tokens,
@@ -364,9 +412,10 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
   spec.trainable = true;
   spec.host_optimizer = cfg.roles.actor.optimizer_offload == "cpu";
   spec.reduce_bytes = cfg.train.reduce_dtype == "bf16" ? 2 : 4;
-  return choose(cfg.train, gpu_bytes, false, [&](zero::Recompute mode, bool keep) {
+  return choose(cfg.train, shape.num_layers, gpu_bytes, false, [&](zero::Recompute mode, int64_t kept, bool keep) {
     MemoryPlan out;
     out.recompute = mode;
+    out.recompute_layers = kept;
     out.keep_compute_shard = keep;
     out.gpu_bytes = gpu_bytes;
     const RoleFootprint f = footprint(spec, keep);
@@ -377,7 +426,7 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
     add(train, "actor weights", f.weights_train);
     add(train, "actor state", f.state);
     add(train, "gathered units", f.gathers);
-    add(train, kTrainActivations, train_activation_bytes(shape, tokens, spec.dtype_bytes, mode));
+    add(train, kTrainActivations, train_activation_bytes(shape, tokens, spec.dtype_bytes, mode, kept));
     add(train, "gradient buffers", f.grad_buffers);
     rm.phases.push_back(std::move(train));
     out.ranks.push_back(std::move(rm));
@@ -396,31 +445,35 @@ void check_trainer_fits(const MemoryPlan& m, int rank, const std::string& role, 
     top += fmt::format("{}{} {} GiB", i ? ", " : "", items[i].first, gib(items[i].second));
   throw ConfigError(fmt::format("memory plan: rank {} ({}) needs {} GiB in its {} phase (+{} GiB reserve) on a {} GiB "
                                 "GPU (train.recompute {}, compute shard {}); largest: {}; {}",
-                                rank, role, gib(r->peak()), phase_name(p.phase), gib(kReserveBytes), gib(m.gpu_bytes),
+                                rank, role, gib(r->peak()), phase_name(p.phase), gib(reserve_bytes(r->peak())), gib(m.gpu_bytes),
                                 zero::recompute_name(m.recompute), m.keep_compute_shard ? "kept" : "cast", top, knobs));
 }
 
 const RankMemory* MemoryPlan::overflow() const {
   if (gpu_bytes <= 0 || shared_gpus) return nullptr;
   for (const auto& r : ranks)
-    if (r.peak() + kReserveBytes > gpu_bytes) return &r;
+    if (r.peak() + reserve_bytes(r.peak()) > gpu_bytes) return &r;
   return nullptr;
 }
 
 std::string MemoryPlan::table() const {
-  std::string out = fmt::format("memory per rank (GiB; estimates, {} GiB held back for the CUDA context){}; "
+  std::string out = fmt::format("memory per rank (GiB; estimates, {} GiB held back for the CUDA context and 1/{} of "
+                                "the peak for the allocator's fragmentation){}; "
                                 "train.recompute: {} ({}); train.compute_shard: {} ({}):\n",
-                                gib(kReserveBytes),
+                                gib(kReserveBytes), kAllocatorSlackDivisor,
                                 shared_gpus  ? std::string(" (ranks share GPUs, cluster.ranks_per_gpu > 1: the fit is "
                                                            "not checked)")
                                 : gpu_bytes > 0 ? fmt::format(" on {} GiB GPUs", gib(gpu_bytes))
                                                 : std::string(" (set cluster.gpu_memory_gb to check the fit)"),
-                                zero::recompute_name(recompute), recompute_reason,
+                                recompute_layers < 0 ? std::string(zero::recompute_name(recompute))
+                                                     : fmt::format("{} in the first {} blocks", zero::recompute_name(recompute),
+                                                                   recompute_layers),
+                                recompute_reason,
                                 keep_compute_shard ? "keep" : "cast", compute_shard_reason);
   for (const auto& r : ranks) {
     out += fmt::format("  rank {} ({}): peak {}{}{}\n", r.rank, r.label, gib(r.peak()),
                        gpu_bytes <= 0 || shared_gpus         ? ""
-                       : r.peak() + kReserveBytes > gpu_bytes ? "  DOES NOT FIT"
+                       : r.peak() + reserve_bytes(r.peak()) > gpu_bytes ? "  DOES NOT FIT"
                                                               : "  fits",
                        r.host_bytes > 0 ? fmt::format("; host memory {} (optimizer_offload)", gib(r.host_bytes)) : "");
     for (const auto& p : r.phases) {
@@ -453,7 +506,7 @@ void check_fits(const MemoryPlan& m, const JobConfig& cfg) {
              ", or move the optimizer to the host (roles.<role>.optimizer_offload=cpu)";
   throw ConfigError(fmt::format("memory plan: rank {} ({}) needs {} GiB in its {} phase (+{} GiB reserve) on a {} GiB "
                                 "GPU; largest: {}; {}",
-                                r->rank, r->label, gib(r->peak()), phase_name(p.phase), gib(kReserveBytes),
+                                r->rank, r->label, gib(r->peak()), phase_name(p.phase), gib(reserve_bytes(r->peak())),
                                 gib(m.gpu_bytes), top, advice));
 }
 

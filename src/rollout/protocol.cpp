@@ -350,6 +350,7 @@ Frame ScoreReply::encode() const {
   f.op = Op::kScoreReply;
   f.scalars.push_back(static_cast<double>(roles.bits()));
   f.scalars.insert(f.scalars.end(), seconds.begin(), seconds.end());
+  f.scalars.insert(f.scalars.end(), bench.begin(), bench.end());
   if (roles.has(Role::kActor)) {
     f.tensors.push_back(host(actor_logp, at::kFloat));
     f.tensors.push_back(host(actor_entropy, at::kFloat));
@@ -367,8 +368,11 @@ ScoreReply ScoreReply::decode(Frame f, const PackedSequences& request) {
   r.roles = RoleSet::from_bits(static_cast<unsigned>(f.scalars[0]));
   const size_t n = (r.roles.has(Role::kActor) ? 2 : 0) + (r.roles.has(Role::kCritic) ? 1 : 0) +
                    (r.roles.has(Role::kRef) ? 1 : 0) + (r.roles.has(Role::kReward) ? 1 : 0);
-  expect(f, Op::kScoreReply, n, 1 + kRoleCount);
-  for (int i = 0; i < kRoleCount; ++i) r.seconds[static_cast<size_t>(i)] = f.scalars[1 + static_cast<size_t>(i)];
+  expect(f, Op::kScoreReply, n, 1 + 2 * kRoleCount);
+  for (size_t i = 0; i < static_cast<size_t>(kRoleCount); ++i) {
+    r.seconds[i] = f.scalars[1 + i];
+    r.bench[i] = f.scalars[1 + kRoleCount + i];
+  }
   const int64_t tokens = request.response_tokens(), samples = request.ends();
   size_t i = 0;
   r.actor_logp = optional_floats(f, i, r.roles.has(Role::kActor), tokens, "actor log-probs");
@@ -457,16 +461,17 @@ Frame StepReply::encode() const {
   Frame f;
   f.op = Op::kStepReply;
   const StepStats& s = stats;
-  f.scalars = {s.grad_norm,     s.skipped ? 1.0 : 0.0, s.loss,          s.clip_tokens,  s.approx_kl_tokens,
-               s.entropy_sum,   s.tokens,              s.train_seconds, s.step_seconds, s.peak_host_mb};
+  f.scalars = {s.grad_norm,   s.skipped ? 1.0 : 0.0, s.loss,          s.clip_tokens,  s.approx_kl_tokens,
+               s.entropy_sum, s.tokens,              s.train_seconds, s.step_seconds, s.peak_host_mb,
+               s.bench_tokens_per_s};
   return f;
 }
 
 StepReply StepReply::decode(Frame f) {
-  expect(f, Op::kStepReply, 0, 10);
+  expect(f, Op::kStepReply, 0, 11);
   const auto& v = f.scalars;
   StepReply r;
-  r.stats = {v[0], v[1] != 0, v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9]};
+  r.stats = {v[0], v[1] != 0, v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10]};
   return r;
 }
 

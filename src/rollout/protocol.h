@@ -141,6 +141,8 @@ struct ScoreReply {
   at::Tensor ref_logp;
   at::Tensor reward_scores;
   std::array<double, kRoleCount> seconds{};  // compute seconds per role (canonical order)
+  // The rank's scoring benchmark per role (tokens/s at the job's shapes; 0: not measured).
+  std::array<double, kRoleCount> bench{};
   Frame encode() const;
   // `request` is what was asked: the sizes are checked against it.
   static ScoreReply decode(Frame f, const PackedSequences& request);
@@ -190,6 +192,7 @@ struct StepStats {
   double train_seconds = 0;      // forward + backward of the micro-batches
   double step_seconds = 0;       // the optimizer step
   double peak_host_mb = 0;
+  double bench_tokens_per_s = 0;  // the rank's training benchmark at the job's shapes (0: not measured)
 };
 
 struct StepReply {

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "model/host_upload.h"
+#include "model/torch_compat.h"
 #include "rollout/losses.h"
 #include "rollout/protocol.h"
 #include "rollout/trainer_groups.h"
@@ -128,6 +129,9 @@ struct RoleWorker::Impl {
   std::unique_ptr<sync::WeightSender> sender;
   std::unique_ptr<sync::HybridHandoff> handoff;  // hybrid: to this process's engine
   double temperature = 1.0;
+  // logging.efficiency: this rank's benchmark rates at the job's shapes (tokens/s), measured once
+  // per role: a training micro-batch's forward and backward, and a scoring forward.
+  std::map<Role, double> bench_train, bench_score;
   // Statistics of the micro-batches since the role's last optimizer step: the host's, and the
   // losses' sums on the device (MicroBatchLoss::stats), read once, at the step.
   std::map<Role, StepStats> acc;
@@ -198,11 +202,48 @@ struct RoleWorker::Impl {
     span_end.push_back(wall_us());
   }
 
+  // The benchmark of `role` at the job's shapes, as `tiller bench train` (or `--score`) times it:
+  // the role's first micro-batch of the kind (its real sequences, so its real shapes) run once
+  // untimed and kCalibrationIters times timed, back to back; training's gradients are dropped.
+  // Collective over the role's group: its ranks receive their first request of each kind in the
+  // same round, so they calibrate together.
+  double calibrate(Role role, bool train, const MicroBatch& mb) {
+    constexpr int kCalibrationIters = 2;
+    zero::ShardedModel& m = *models.at(role);
+    const bool lm = role == Role::kActor || role == Role::kRef;
+    auto once = [&] {
+      c10::AutoGradMode grad(train);
+      at::Tensor entropy;
+      const at::Tensor out = lm ? m.token_logprobs(mb.slice, mb.targets, temperature,
+                                                   role == Role::kActor ? &entropy : nullptr)
+                                : m.values(mb.slice);
+      if (train) out.sum().mul(0.0).backward();  // the backward's work; no gradient kept
+      else host_float(out);                      // as a scoring answer: back to the host
+    };
+    once();
+    compat::synchronize(device);
+    const auto t0 = Clock::now();
+    for (int i = 0; i < kCalibrationIters; ++i) once();
+    compat::synchronize(device);
+    const double seconds = seconds_since(t0);
+    if (train) m.zero_grad();
+    const int64_t rows = static_cast<int64_t>(mb.targets.numel());
+    const double rate = static_cast<double>(rows * kCalibrationIters) / std::max(seconds, 1e-9);
+    log::info("{} {} benchmark at the job's shapes (its first micro-batch: {} tokens, {} sequences): {:.0f} tokens/s",
+              role_name(role), train ? "training" : "scoring", rows, mb.slice.seq_lens.size(), rate);
+    return rate;
+  }
+
   ScoreReply score(const ScoreRequest& in) {
     c10::AutoGradMode no_grad(false);
     const MicroBatch mb = micro_batch(in.batch, device);
     ScoreReply out;
     out.roles = scored_roles(cfg.train.old_logprobs != "forward", roles);
+    for (Role role : kRoles)
+      if (out.roles.has(role) && cfg.logging.efficiency) {
+        if (!bench_score.count(role)) bench_score[role] = calibrate(role, false, mb);
+        out.bench[static_cast<size_t>(role_index(role))] = bench_score[role];
+      }
     for (Role role : kRoles) {
       if (!out.roles.has(role)) continue;
       const auto t0 = Clock::now();
@@ -230,10 +271,12 @@ struct RoleWorker::Impl {
   }
 
   void train_actor(const TrainActorRequest& in) {
+    const MicroBatch mb = micro_batch(in.batch, device);
+    if (cfg.logging.efficiency && !bench_train.count(Role::kActor))
+      bench_train[Role::kActor] = calibrate(Role::kActor, true, mb);
     const auto t0 = Clock::now();
     const double w0 = wall_us();
     zero::ShardedModel& m = *models.at(Role::kActor);
-    const MicroBatch mb = micro_batch(in.batch, device);
     at::Tensor entropy;
     at::Tensor lp = m.token_logprobs(mb.slice, mb.targets, temperature, &entropy);
     StepStats& a = acc[Role::kActor];
@@ -256,10 +299,12 @@ struct RoleWorker::Impl {
   }
 
   void train_critic(const TrainCriticRequest& in) {
+    const MicroBatch mb = micro_batch(in.batch, device);
+    if (cfg.logging.efficiency && !bench_train.count(Role::kCritic))
+      bench_train[Role::kCritic] = calibrate(Role::kCritic, true, mb);
     const auto t0 = Clock::now();
     const double w0 = wall_us();
     zero::ShardedModel& m = *models.at(Role::kCritic);
-    const MicroBatch mb = micro_batch(in.batch, device);
     at::Tensor v = m.values(mb.slice);
     StepStats& a = acc[Role::kCritic];
     const MicroBatchLoss l = critic_loss(v.index_select(0, mb.resp_rows), in, cfg.algo.value_clip);
@@ -309,6 +354,7 @@ struct RoleWorker::Impl {
     out.stats.grad_norm = r.grad_norm;
     out.stats.skipped = r.skipped;
     out.stats.step_seconds = seconds_since(t0);
+    out.stats.bench_tokens_per_s = bench_train.count(in.role) ? bench_train.at(in.role) : 0.0;
     out.stats.peak_host_mb = peak_rss_mb();
     span("step." + std::string(role_name(in.role)), w0);
     return out;

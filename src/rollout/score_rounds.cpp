@@ -38,7 +38,10 @@ struct SliceAnswers {
   ScoreReply joined() const {
     ScoreReply r = parts.front();
     for (size_t i = 1; i < parts.size(); ++i)
-      for (size_t k = 0; k < r.seconds.size(); ++k) r.seconds[k] += parts[i].seconds[k];
+      for (size_t k = 0; k < r.seconds.size(); ++k) {
+        r.seconds[k] += parts[i].seconds[k];
+        r.bench[k] = std::max(r.bench[k], parts[i].bench[k]);
+      }
     for (auto field : {&ScoreReply::actor_logp, &ScoreReply::actor_entropy, &ScoreReply::critic_values,
                        &ScoreReply::ref_logp, &ScoreReply::reward_scores})
       r.*field = join(parts, field);
@@ -66,7 +69,10 @@ void ScoreRounds::post(TrainerLink& link, Rollout& ro, ScoreTotals& totals, bool
       // Once every slice has answered: into the step's arrays.
       auto finish = [&ro, &totals, samples = (*round)[k], roles, rows = whole.rows(), answers_left,
                      in_flight = in_flight_, scored = scored_](const ScoreReply& r) {
-        for (int i = 0; i < kRoleCount; ++i) totals.seconds[static_cast<size_t>(i)] += r.seconds[static_cast<size_t>(i)];
+        for (size_t i = 0; i < static_cast<size_t>(kRoleCount); ++i) {
+          totals.seconds[i] += r.seconds[i];
+          totals.bench[i] = std::max(totals.bench[i], r.bench[i]);
+        }
         for (Role role : kRoles)
           if (roles.has(role)) totals.tokens[static_cast<size_t>(role_index(role))] += rows;
         if (roles.has(Role::kActor)) {

@@ -28,6 +28,7 @@ namespace tiller::rollout {
 struct ScoreTotals {
   std::array<double, kRoleCount> seconds{};  // compute seconds per role, summed over its ranks
   std::array<int64_t, kRoleCount> tokens{};  // tokens each role scored (over all its ranks)
+  std::array<double, kRoleCount> bench{};    // the fastest rank's scoring benchmark (tokens/s; 0: none)
   double entropy_sum = 0;                    // the actor's entropy over response tokens
   int64_t entropy_tokens = 0;
   int64_t rounds = 0;

@@ -97,6 +97,17 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
   eo.session_timeout_s = cfg.engines.session_timeout_s;
   eo.max_sessions = cfg.engines.max_sessions;
   eo.start_asleep = start_asleep;
+  if (cfg.logging.efficiency) {
+    // The engine's benchmark (Engine::calibrate_if_due): its share of a step's samples as one
+    // batch, prompts and responses as long as the job allows (capped: the calibration runs once,
+    // at start or at a hybrid engine's first wake, and should take seconds).
+    constexpr int64_t kBenchPromptCap = 256, kBenchNewCap = 512;
+    const int64_t engines = std::max<int64_t>(1, static_cast<int64_t>(plan.engines.size()));
+    const int64_t samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt;
+    eo.bench_batch = std::min(cfg.engines.max_num_seqs, (samples + engines - 1) / engines);
+    eo.bench_prompt = std::min(cfg.rollout.max_prompt_tokens, kBenchPromptCap);
+    eo.bench_new_tokens = std::min(cfg.rollout.max_new_tokens, kBenchNewCap);
+  }
   dist::Communicator* tp_comm = tp > 1 ? groups.engine_tp.get() : nullptr;
   if (tp_comm) tp_comm->set_timeout(cfg.timeouts.collective_s);
   own.engine = std::make_unique<engine::Engine>(w.config, std::move(w.weights), eo, tp_comm);
@@ -137,6 +148,7 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
     eng.follow();
     return 0;
   }
+  eng.calibrate_if_due();  // logging.efficiency: before serving (its followers follow already)
   engine::EngineServer& server = serve_engine(cfg, plan, rank, world, hostname, own);
   StopRequest::decode(wait_for_controller(world, plan.controller, [&] {
     const std::string failure = server.error();
@@ -249,6 +261,9 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   log::init(env.rank(), me.label(), log::parse_level(cfg.logging.level, "logging.level"));
   set_process_label(fmt::format("rank {} ({})", env.rank(), me.label()));
   std::string device = "cpu";
+  // A trainer rank without an engine in its process captures no CUDA graphs: its allocator can
+  // grow segments in place instead of fragmenting (model/storage_swap.h). Before any allocation.
+  if (!cpu && me.gpu >= 0 && me.engine < 0 && !me.trainer_roles.empty()) model::prefer_expandable_segments();
   if (!cpu && me.gpu >= 0) {
     device = fmt::format("cuda:{}", me.gpu);
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(me.gpu)));
@@ -267,13 +282,18 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   // train.compute_shard likewise: cast (0) if any rank planned it.
   JobConfig job = cfg;
   {
-    at::Tensor choice = at::tensor({static_cast<float>(memory.recompute), memory.keep_compute_shard ? 1.0f : 0.0f});
+    at::Tensor choice = at::tensor({recompute_order(memory.recompute, memory.recompute_layers),
+                                    memory.keep_compute_shard ? 1.0 : 0.0},
+                                   at::kDouble);
     world->all_reduce(choice, dist::ReduceOp::kMin)->wait();
-    const auto agreed = static_cast<zero::Recompute>(static_cast<int>(choice[0].item<float>()));
-    if (agreed != memory.recompute) memory.recompute_reason += "; lowered to what another rank planned";
+    const auto [agreed, layers] = recompute_from_order(choice[0].item<double>());
+    if (agreed != memory.recompute || layers != memory.recompute_layers)
+      memory.recompute_reason += "; lowered to what another rank planned";
     memory.recompute = agreed;
+    memory.recompute_layers = layers;
     job.train.recompute = zero::recompute_name(memory.recompute);
-    const bool keep = choice[1].item<float>() > 0.5f;
+    job.train.recompute_layers = layers;
+    const bool keep = choice[1].item<double>() > 0.5;
     if (keep != memory.keep_compute_shard) memory.compute_shard_reason += "; cast as another rank planned";
     memory.keep_compute_shard = keep;
     job.train.compute_shard = keep ? "keep" : "cast";

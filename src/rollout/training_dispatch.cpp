@@ -101,6 +101,7 @@ void TrainingDispatch::post_step(size_t i) {
         const std::vector<int64_t>& mb = p.steps[i][r][k];
         const PackedSequences whole = pack_sequences(ro, mb);
         rank_tokens.push_back(static_cast<double>(whole.rows()) / sp);
+        (*acc_)[p.role].rows += static_cast<double>(whole.rows());
         // Each rank of the sequence group gets its rows, and its part of each per-token array.
         const std::vector<PackedSequences> slices = whole.cut(sp);
         auto part = [](const at::Tensor& t, const PackedSequences& s) {
@@ -140,6 +141,7 @@ void TrainingDispatch::post_step(size_t i) {
         }
       }
       Totals& t = (*acc_)[p.role];
+      t.ranks = static_cast<double>(p.group->ranks.size());
       t.round_max_tokens += *std::max_element(rank_tokens.begin(), rank_tokens.end());
       t.round_mean_tokens += std::accumulate(rank_tokens.begin(), rank_tokens.end(), 0.0) / rank_tokens.size();
       t.rounds += 1;
@@ -168,6 +170,10 @@ void TrainingDispatch::post_step(size_t i) {
                    t.grad_norm = s.grad_norm;
                    t.skipped += (s.skipped ? 1.0 : 0.0) / ranks;
                    t.peak_mb = std::max(t.peak_mb, s.peak_host_mb);
+                   if (s.bench_tokens_per_s > 0) {
+                     t.bench_sum += s.bench_tokens_per_s;
+                     t.bench_n += 1;
+                   }
                    --(*left)[i];
                  });
   }
@@ -217,6 +223,21 @@ Metrics TrainingDispatch::metrics() const {
     m.emplace_back("balance/" + r + "_round_tokens_max", t.round_max_tokens / rounds);
     m.emplace_back("balance/" + r + "_round_tokens_mean", t.round_mean_tokens / rounds);
     m.emplace_back("balance/" + r + "_imbalance", t.round_mean_tokens > 0 ? t.round_max_tokens / t.round_mean_tokens : 1.0);
+  }
+  return m;
+}
+
+Metrics TrainingDispatch::efficiency(double phase_s) const {
+  Metrics m;
+  if (!acc_ || phase_s <= 0) return m;
+  for (const auto& [role, t] : *acc_) {
+    const std::string r(role_name(role));
+    const double rate = t.rows / (std::max(1.0, t.ranks) * phase_s);
+    m.emplace_back("throughput/train_tokens_per_s_per_gpu." + r, rate);
+    if (t.bench_n <= 0) continue;
+    const double bench = t.bench_sum / t.bench_n;
+    m.emplace_back("throughput/train_bench_tokens_per_s." + r, bench);
+    m.emplace_back("efficiency/train." + r, rate / bench);
   }
   return m;
 }

@@ -65,6 +65,11 @@ class TrainingDispatch {
   bool trains(Role role) const;
   // The step's training metrics (actor/loss, critic/grad_norm, actor/lr, time/train.actor, ...).
   Metrics metrics() const;
+  // Each trained role's rate in a training phase of `phase_s` seconds (its micro-batches' tokens
+  // over its GPUs and the phase) beside its ranks' mean benchmark at the job's shapes:
+  // throughput/train_tokens_per_s_per_gpu.<role>, throughput/train_bench_tokens_per_s.<role> and
+  // efficiency/train.<role> (their ratio; without a benchmark, the first alone).
+  Metrics efficiency(double phase_s) const;
   // Optimizer steps taken over the run, per role (the learning-rate schedules count them).
   int64_t updates(Role role) const { return role == Role::kActor ? actor_updates_ : critic_updates_; }
   void set_updates(int64_t actor, int64_t critic) {
@@ -84,6 +89,9 @@ class TrainingDispatch {
            skipped = 0, peak_mb = 0, lr = 0, updates = 0;
     // Tokens per rank and round: the busiest rank's and the mean, summed over rounds.
     double round_max_tokens = 0, round_mean_tokens = 0, rounds = 0;
+    double rows = 0;    // every token of the role's micro-batches (prompts included), over its ranks
+    double ranks = 1;   // the role's GPUs
+    double bench_sum = 0, bench_n = 0;  // the ranks' training benchmarks (StepStats::bench_tokens_per_s)
   };
   void post_step(size_t i);
 

@@ -413,7 +413,8 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     ctx->saved_data["lens"] = block->attn.lens_q;
     ctx->save_for_backward({x, block->cos, block->sin, block->attn.cu_q});
     model::BlockContext bctx = *block;
-    const Recompute mode = m->opts.recompute;
+    const int64_t kept = m->opts.recompute_layers;
+    const Recompute mode = kept < 0 || layer < kept ? m->opts.recompute : Recompute::kBlocks;
     if (mode == Recompute::kBlocks || x.size(0) == 0) return m->block_forward(layer, x, bctx);
     const size_t s = static_cast<size_t>(layer) + 1;
     m->prefetch_segment(s);
@@ -653,6 +654,7 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
   else if (train.reduce_dtype != "fp32")
     throw ConfigError(fmt::format("train.reduce_dtype '{}': use fp32 or bf16", train.reduce_dtype));
   if (trainable && train.recompute != "auto") o.recompute = parse_recompute(train.recompute, "train.recompute");
+  o.recompute_layers = train.recompute_layers;
   // compute_shard `auto` is resolved by the memory plan like recompute; unresolved, the least memory.
   if (train.compute_shard != "auto" && train.compute_shard != "keep" && train.compute_shard != "cast")
     throw ConfigError(fmt::format("train.compute_shard '{}': use auto, keep or cast", train.compute_shard));
@@ -771,7 +773,10 @@ void ShardedModel::set_sequence_group(dist::Communicator& group) {
   m.sequence = group.size() > 1 ? &group : nullptr;
 }
 
-void ShardedModel::set_recompute(Recompute mode) { impl_->opts.recompute = mode; }
+void ShardedModel::set_recompute(Recompute mode, int64_t layers) {
+  impl_->opts.recompute = mode;
+  impl_->opts.recompute_layers = layers;
+}
 
 int ShardedModel::sequence_parallel() const { return impl_->sequence ? impl_->sequence->size() : 1; }
 

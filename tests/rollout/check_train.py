@@ -167,6 +167,15 @@ def check_learns(np_, *sets):
             rate, sec = r.get(f"throughput/score_tokens_per_s.{role}"), r[f"time/score.{role}"]
             if rate is None or sec <= 0 or abs(rate * sec - tokens) > 1e-6 * tokens + 1e-3:
                 fail(f"step {r['step']}: {role} scored {tokens} tokens in {sec} s, reported rate {rate}")
+    # logging.efficiency: each phase's rate beside its benchmark at the job's shapes, and the run's
+    # means in the summary line.
+    for key in ["efficiency/generate", "efficiency/score.actor", "efficiency/score.ref", "efficiency/train.actor",
+                "throughput/train_tokens_per_s_per_gpu.actor", "throughput/train_bench_tokens_per_s.actor",
+                "throughput/generate_bench_tokens_per_s"]:
+        if not rows[-1].get(key, 0) > 0:
+            fail(f"metric {key} missing or not positive: {rows[-1].get(key)}")
+    if not all(s.get("efficiency", {}).get(k, 0) > 0 for k in ("generate", "score.actor", "train.actor")):
+        fail(f"the summary has no efficiency: {s}")
     if "critic/loss" in rows[-1] and CASE == "grpo":
         fail("GRPO reported a critic")
     if CASE == "ppo" and "critic/loss" not in rows[-1]:

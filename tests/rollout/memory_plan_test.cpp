@@ -1,6 +1,9 @@
 // The memory plan (rollout/memory_plan.h): what it counts per rank and phase, how the hybrid KV
 // cache is sized against the generate phase's footprint, and a plan that cannot fit refused with
 // the rank, its roles and what to change.
+#include <cstdio>
+
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "tiller/core/config.h"
@@ -189,18 +192,39 @@ TEST(MemoryPlan, RecomputeAutoKeepsTheMostActivationsThatFit) {
   c.validate();
   const dist::RankPlan plan = plan_of(c, 5);
   auto planned = [&](int64_t gib) { return plan_memory(c, plan, shapes(), gib * kGiB); };
-  // The mode first, then the bf16 shard if it still fits: on 141 GiB both; on 80 GiB keeping every
-  // activation fits once the shard is cast per gather; less, fewer activations.
-  const MemoryPlan big = planned(141), mid = planned(80), less = planned(76), small = planned(48);
+  // The most kept activations first, then the bf16 shard if it still fits: on 141 GiB every
+  // activation and the shard; on 80 GiB the MLP halves of every block; smaller GPUs keep them in
+  // fewer blocks (the rest recompute whole blocks), and a small one none.
+  const MemoryPlan big = planned(141), mid = planned(80), less = planned(60), small = planned(45);
   EXPECT_EQ(big.recompute, zero::Recompute::kNone) << big.table();
   EXPECT_TRUE(big.keep_compute_shard) << big.table();
-  EXPECT_EQ(mid.recompute, zero::Recompute::kNone) << mid.table();
-  EXPECT_FALSE(mid.keep_compute_shard) << mid.table();
+  EXPECT_EQ(mid.recompute, zero::Recompute::kAttentionOnly) << mid.table();
+  EXPECT_EQ(mid.recompute_layers, -1) << mid.table();
   EXPECT_EQ(less.recompute, zero::Recompute::kAttentionOnly) << less.table();
+  EXPECT_GT(less.recompute_layers, 0) << less.table();
+  EXPECT_LT(less.recompute_layers, 28) << less.table();
+  EXPECT_FALSE(less.keep_compute_shard) << less.table();
   EXPECT_EQ(small.recompute, zero::Recompute::kBlocks) << small.table();
   for (const MemoryPlan* m : {&big, &mid, &less, &small}) EXPECT_EQ(m->overflow(), nullptr) << m->table();
   EXPECT_NE(big.table().find("train.recompute: none (auto"), std::string::npos) << big.table();
-  EXPECT_NE(mid.table().find("train.compute_shard: cast (auto"), std::string::npos) << mid.table();
+  EXPECT_NE(less.table().find(fmt::format("train.recompute: attention_only in the first {} blocks (auto",
+                                          less.recompute_layers)),
+            std::string::npos)
+      << less.table();
+  EXPECT_NE(less.table().find("train.compute_shard: cast (auto"), std::string::npos) << less.table();
+  // One more block's activations would not fit, with the shard cast or kept.
+  JobConfig more = c;
+  more.train.recompute = "attention_only";
+  more.train.recompute_layers = less.recompute_layers + 1;
+  more.train.compute_shard = "cast";
+  const MemoryPlan one_more = plan_memory(more, plan, shapes(), 60 * kGiB);
+  bool fits = true;
+  for (const auto& r : one_more.ranks)
+    for (const auto& p : r.phases) {
+      const int64_t act = item(p, "activations (train.micro_batch_tokens)");
+      fits = fits && activations_fit(p.total() - act, act, one_more.gpu_bytes);
+    }
+  EXPECT_FALSE(fits) << "a block more of activations fits: auto did not keep the most\n" << one_more.table();
   // No GPU size: the least memory.
   EXPECT_EQ(planned(0).recompute, zero::Recompute::kBlocks);
   EXPECT_FALSE(planned(0).keep_compute_shard);

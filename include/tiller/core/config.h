@@ -236,6 +236,7 @@ struct TrainConfig {
   double min_lr_ratio = 0.1;
   std::int64_t critic_warmup_steps = 0;  // steps that train only the critic (no actor update, no sync)
   std::string recompute = "auto";
+  std::int64_t recompute_layers = -1;  // blocks (from the first) that keep what recompute keeps; -1: all
   std::string compute_shard = "auto";  // auto | keep | cast: a persistent bf16 copy of the trained shards, or cast per gather
   std::int64_t optimizer_threads = 0;  // host AdamW's threads per rank (optimizer_offload: cpu); 0: cores / local ranks
   std::string reduce_dtype = "fp32";
@@ -259,6 +260,7 @@ struct LoggingConfig {
   std::string profile_steps;    // "3" or "3,5" or "3-5": steps whose phases go into the Chrome trace
   std::string rollout_records;  // "": none; else a JSONL file with one line per trained or dropped sample
   bool rollout_records_tokens = false;  // the records also carry token ids and engine log-probs
+  bool efficiency = true;  // each phase's rate against its benchmark at the job's shapes (efficiency/*)
 };
 
 // The environment of multi-turn rollouts (docs/training.md, "Environments").

@@ -95,6 +95,9 @@ struct EngineOptions {
   double session_timeout_s = 300;
   int64_t max_sessions = 0;
   SchedulerLimits limits;
+  // The engine's benchmark at its job's shapes (logging.efficiency; calibrate_if_due()): this many
+  // requests of bench_prompt random tokens, bench_new_tokens sampled each. 0: none.
+  int64_t bench_batch = 0, bench_prompt = 0, bench_new_tokens = 0;
 };
 
 // What an engine rank holds on its device (the hybrid engine's phases report it).
@@ -156,6 +159,7 @@ struct EngineStats {
   int64_t session_misses = 0;          // resumes that found nothing to reuse
   int64_t session_evictions = 0;       // parked sessions dropped (memory, timeout, limit, weights, sleep)
   double seconds_in_steps = 0;                // wall time inside step()
+  double bench_tokens_per_s = 0;  // calibrate_if_due()'s result (0: not measured)
 };
 
 class Engine {
@@ -196,6 +200,12 @@ class Engine {
   std::vector<SampleOutput> drain();
   bool has_work() const;
   EngineStats stats() const;
+  // Leader, idle and awake: once, the engine's own benchmark at the options' bench_* shapes, as
+  // `tiller bench generate` runs it (a short warm-up, then bench_batch requests of random
+  // prompts, temperature 1, no stop token), recorded in stats().bench_tokens_per_s: generated
+  // tokens over the run's seconds, prefill included. The batch is capped by what the KV cache
+  // holds at full length; the other counters are left as they were. Returns whether it ran.
+  bool calibrate_if_due();
 
   // Leader, TP > 1: tells the followers the leader is alive while there is no work (they give up
   // after the communicator's timeout without a message). No-op without TP.

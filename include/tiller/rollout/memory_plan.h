@@ -54,6 +54,12 @@ namespace tiller::rollout {
 
 // Held back on every GPU for the CUDA context, NCCL buffers and the allocator's slack.
 inline constexpr int64_t kReserveBytes = int64_t{3} << 30;
+// What the caching allocator holds beyond what it hands out (fragmentation between segments),
+// as a share of a rank's peak: 1/16. Measured on 2×H100 (2026-11-25): a 7B ZeRO-3 job whose
+// tensors needed ~70 GiB failed to allocate on a 79.6 GiB GPU (docs/benchmarks.md).
+inline constexpr int64_t kAllocatorSlackDivisor = 16;
+// kReserveBytes and the allocator's slack for a rank whose tensors peak at `peak` bytes.
+inline int64_t reserve_bytes(int64_t peak) { return kReserveBytes + peak / kAllocatorSlackDivisor; }
 
 enum class Phase { kGenerate, kTrain, kSync };
 const char* phase_name(Phase p);
@@ -82,6 +88,7 @@ struct MemoryPlan {
   // activations whose train phase fits every rank with an eighth of the activations to spare;
   // kBlocks when the GPU size is unknown or ranks share GPUs), and why.
   zero::Recompute recompute = zero::Recompute::kBlocks;
+  int64_t recompute_layers = -1;  // blocks that keep what `recompute` keeps (train.recompute_layers); -1: all
   std::string recompute_reason;
   // The trained roles' train.compute_shard: keep a persistent compute-dtype shard, or cast while
   // gathering; `auto` keeps it when it fits beside the activations of the recompute mode chosen
@@ -92,7 +99,7 @@ struct MemoryPlan {
   std::vector<RankMemory> ranks; // every worker rank with a GPU role, in rank order
   // Human-readable: one line per rank and phase, in GiB, with the fit.
   std::string table() const;
-  // The first rank whose peak does not fit (peak + kReserveBytes > gpu_bytes), or nullptr.
+  // The first rank whose peak does not fit (peak + reserve_bytes(peak) > gpu_bytes), or nullptr.
   const RankMemory* overflow() const;
 };
 
@@ -100,12 +107,19 @@ struct MemoryPlan {
 // engines.model is set: pass it as "engine").
 using ModelShapes = std::map<std::string, model::ModelConfig>;
 
-// Bytes of activations one training micro-batch of `tokens` holds at its peak under `mode`
-// (`dtype_bytes` per element of the compute dtype).
-int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int64_t dtype_bytes, zero::Recompute mode);
+// Bytes of activations one training micro-batch of `tokens` holds at its peak under `mode` in its
+// first `layers` blocks (< 0: all) and kBlocks in the others (`dtype_bytes` per element of the
+// compute dtype).
+int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int64_t dtype_bytes, zero::Recompute mode,
+                               int64_t layers = -1);
+
+// A recompute choice (mode, kept layers; < 0: all) as one number that grows with the activations
+// kept, so ranks agree on the least with a min all-reduce; and back. Exact in a float.
+double recompute_order(zero::Recompute mode, int64_t layers);
+std::pair<zero::Recompute, int64_t> recompute_from_order(double order);
 
 // Whether activations of `activations` bytes fit beside `others` on a GPU of `gpu_bytes` with
-// kReserveBytes held back and an eighth of the activations as margin (what train.recompute = auto
+// reserve_bytes() held back and an eighth of the activations as margin (what train.recompute = auto
 // asks of a mode).
 bool activations_fit(int64_t others, int64_t activations, int64_t gpu_bytes);
 

@@ -73,6 +73,10 @@ struct ShardedModelOptions {
   at::ScalarType reduce_dtype = at::kFloat;
   int64_t logprob_chunk_rows = 1024;
   Recompute recompute = Recompute::kBlocks;
+  // How many blocks, from the first, keep what `recompute` keeps; the others recompute whole
+  // blocks (train.recompute_layers; < 0: every block). Lets a mode's activations fill the memory
+  // there is, block by block.
+  int64_t recompute_layers = -1;
   model::AttentionBackend attention = model::AttentionBackend::kAuto;
   // Benchmarks: record how long compute waits for gathers and reductions (CUDA events on the
   // compute stream; host time on CPU); read with take_wait_seconds().
@@ -139,7 +143,7 @@ class ShardedModel {
   int sequence_parallel() const;  // S (1 without a group)
   // options().recompute from now on (no forward's graph pending). A sequence group's ranks must
   // use one mode. Not collective.
-  void set_recompute(Recompute mode);
+  void set_recompute(Recompute mode, int64_t layers = -1);
   // token_logprobs / values of this rank's rows of a packed row ([n] for the slice's n rows;
   // `targets` [n]: each row's next token). With S = 1 the slice is the whole row. Collective over
   // the model's communicator and the sequence group.
