@@ -16,7 +16,8 @@ mbs=${MBS:-4}
 seq=${SEQ:-2048}
 peer=$tiller_root/.gpu/bench/peer_bench.py
 [ -f "$peer" ] || { echo "bench_memory.sh: $peer is missing; copy ../shared/bench/peer_bench.py there" >&2; exit 2; }
-tmp=$(mktemp -d)
+tmp=${LOGDIR:-$(mktemp -d)}  # each run's JSON and log (LOGDIR keeps them)
+mkdir -p "$tmp"
 mpi=(mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
      -x NVSHMEM_DISABLE_NVLS -x LD_LIBRARY_PATH)
 if [ -z "${SKIP_PEER:-}" ]; then
