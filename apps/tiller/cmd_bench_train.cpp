@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 
 #include <ATen/ATen.h>
@@ -73,19 +74,24 @@ struct TrainBenchOptions {
 rollout::MemoryPlan plan_job(const TrainBenchOptions& o, const model::ModelConfig& cfg, const at::Device& dev,
                              int world, int rank, int64_t tokens_per_rank) {
   JobConfig job;
-  job.roles.actor.dtype = dev.is_cuda() ? "bf16" : "fp32";
+  // The compute dtype of the run, or of the GPU run being planned.
+  job.roles.actor.dtype = dev.is_cuda() || o.gpu_memory_gb > 0 ? "bf16" : "fp32";
   job.roles.actor.optimizer_offload = o.optimizer_offload;
   job.train.recompute = o.recompute;
   job.train.recompute_layers = o.recompute_layers;
   job.train.compute_shard = o.compute_shard;
   job.train.reduce_dtype = o.reduce_dtype;
+  // --gpu-memory-gb plans for that GPU (on the CPU too: to check a job before renting GPUs).
   int64_t gpu = static_cast<int64_t>(o.gpu_memory_gb * double(int64_t{1} << 30));
   if (gpu == 0 && dev.is_cuda()) gpu = model::device_memory(dev).total;
-  rollout::MemoryPlan plan = rollout::plan_trainer(job, cfg, o.frozen ? 1 : world, tokens_per_rank, dev.is_cuda() ? gpu : 0);
+  rollout::MemoryPlan plan = rollout::plan_trainer(job, cfg, o.frozen ? 1 : world, tokens_per_rank, gpu);
   if (!o.score) {
-    rollout::check_trainer_fits(plan, rank, "bench train, " + o.model,
-                                "lower --micro-batch or --seq, run on more ranks, or pass --recompute blocks, "
-                                "--compute-shard cast or --optimizer-offload cpu");
+    // What to change: the flags not already at their least memory.
+    std::string knobs = "lower --micro-batch or --seq, run on more ranks";
+    if (plan.recompute != zero::Recompute::kBlocks) knobs += ", pass --recompute blocks";
+    if (plan.keep_compute_shard && o.optimizer_offload != "cpu") knobs += ", pass --compute-shard cast";
+    if (o.optimizer_offload != "cpu") knobs += ", or move the optimizer to the host (--optimizer-offload cpu)";
+    rollout::check_trainer_fits(plan, rank, "bench train, " + o.model, knobs);
   }
   return plan;
 }
@@ -94,8 +100,6 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
-  // As a trainer rank without an engine has it in tiller train (no CUDA graphs here).
-  const bool expandable = model::prefer_expandable_segments();
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), "bench", log::Level::kWarn);
   if (o.steps < 3) throw ConfigError("--steps: at least 3 (two warm-up steps are not timed)");
@@ -263,7 +267,10 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   r["compute_shard"] = mo.keep_compute_shard ? "keep" : "cast";
   r["optimizer_offload"] = o.optimizer_offload;
   r["reduce_dtype"] = o.reduce_dtype;
-  r["expandable_segments"] = expandable;
+  {
+    const char* conf = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
+    r["expandable_segments"] = conf && std::string(conf).find("expandable_segments:True") != std::string::npos;
+  }
   r["tokens_per_gpu_per_step"] = tokens;
   r["steps_timed"] = o.steps - 2;
   r["step_s"] = step;

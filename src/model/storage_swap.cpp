@@ -5,6 +5,7 @@
 #include <string>
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "tiller/core/error.h"
@@ -113,6 +114,10 @@ void StorageSwap::drop() {
 void StorageSwap::reload() {
   Impl& m = *impl_;
   if (m.resident) return;
+  // The allocator allocates on the current device: make it the tensors' (a caller's thread, an
+  // engine's service thread among them, may stand on another GPU).
+  c10::OptionalDeviceGuard on_device;
+  if (!m.device.is_cpu()) on_device.reset_device(m.device);
   for (auto& e : m.entries) {
     e.storage.set_data_ptr_noswap(e.allocator->allocate(e.nbytes));
     e.storage.set_nbytes(e.nbytes);
@@ -142,16 +147,6 @@ DeviceMemory device_memory(const at::Device& device) {
   (void)device;
 #endif
   return out;
-}
-
-bool prefer_expandable_segments() {
-  for (const char* var : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"})
-    if (const char* v = std::getenv(var)) return std::string(v).find("expandable_segments:True") != std::string::npos;
-#ifdef TILLER_HAVE_CUDA_KERNELS
-  // Read when the allocator sets itself up, at the first allocation: later is too late.
-  if (c10::cuda::CUDACachingAllocator::get()->initialized()) return false;
-#endif
-  return ::setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", /*overwrite=*/0) == 0;
 }
 
 void reset_peak_device_memory(const at::Device& device) {

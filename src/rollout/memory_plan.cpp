@@ -416,7 +416,8 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
     MemoryPlan out;
     out.recompute = mode;
     out.recompute_layers = kept;
-    out.keep_compute_shard = keep;
+    // An optimizer on the host, or fp32 compute, keeps the shard whatever the choice.
+    out.keep_compute_shard = keep || spec.host_optimizer || spec.dtype_bytes == 4;
     out.gpu_bytes = gpu_bytes;
     const RoleFootprint f = footprint(spec, keep);
     RankMemory rm;

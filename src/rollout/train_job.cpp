@@ -261,9 +261,6 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   log::init(env.rank(), me.label(), log::parse_level(cfg.logging.level, "logging.level"));
   set_process_label(fmt::format("rank {} ({})", env.rank(), me.label()));
   std::string device = "cpu";
-  // A trainer rank without an engine in its process captures no CUDA graphs: its allocator can
-  // grow segments in place instead of fragmenting (model/storage_swap.h). Before any allocation.
-  if (!cpu && me.gpu >= 0 && me.engine < 0 && !me.trainer_roles.empty()) model::prefer_expandable_segments();
   if (!cpu && me.gpu >= 0) {
     device = fmt::format("cuda:{}", me.gpu);
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(me.gpu)));
@@ -279,11 +276,15 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   if (!cpu) check_fits(memory, cfg);
   // train.recompute: every rank takes the least-memory mode any rank planned (GPUs of different
   // sizes plan differently; a sequence group's exchanges need one mode). Collective over the world.
-  // train.compute_shard likewise: cast (0) if any rank planned it.
+  // train.compute_shard likewise: cast (0) if any rank planned it. A rank with no GPU size to plan
+  // with (the controller, unless cluster.gpu_memory_gb is set) has no say: its plan is the least
+  // memory by default, and would otherwise hold every GPU rank to it.
   JobConfig job = cfg;
   {
-    at::Tensor choice = at::tensor({recompute_order(memory.recompute, memory.recompute_layers),
-                                    memory.keep_compute_shard ? 1.0 : 0.0},
+    const bool sized = gpu_bytes > 0 && !cpu;
+    at::Tensor choice = at::tensor({sized ? recompute_order(memory.recompute, memory.recompute_layers)
+                                          : recompute_order(zero::Recompute::kNone, -1),
+                                    sized ? (memory.keep_compute_shard ? 1.0 : 0.0) : 1.0},
                                    at::kDouble);
     world->all_reduce(choice, dist::ReduceOp::kMin)->wait();
     const auto [agreed, layers] = recompute_from_order(choice[0].item<double>());
@@ -297,6 +298,13 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
     if (keep != memory.keep_compute_shard) memory.compute_shard_reason += "; cast as another rank planned";
     memory.keep_compute_shard = keep;
     job.train.compute_shard = keep ? "keep" : "cast";
+    // The table of what was agreed (the controller's shows the GPU ranks' choice).
+    if (missing.empty()) {
+      const std::string mode_why = memory.recompute_reason, shard_why = memory.compute_shard_reason;
+      memory = plan_memory(job, plan, shapes, cpu ? 0 : gpu_bytes);
+      memory.recompute_reason = sized ? mode_why : "as the GPU ranks planned";
+      memory.compute_shard_reason = sized ? shard_why : "as the GPU ranks planned";
+    }
   }
   int64_t kv_bytes = 0;
   for (const auto& r : memory.ranks)

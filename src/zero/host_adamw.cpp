@@ -12,6 +12,7 @@
 #include <thread>
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -312,6 +313,8 @@ void HostAdamW::step(double lr, double grad_factor, const std::vector<at::Tensor
     TILLER_CHECK(c.scalar_type() == out_dtype, "host AdamW: compute shards of {} and {}", c10::toString(out_dtype),
                  c10::toString(c.scalar_type()));
   const RoundedOut kind = rounded_out(out_dtype);
+  // Pinned memory and copies in the device's context, whatever the calling thread stands on.
+  c10::DeviceGuard on_device(m.device);
   if (m.grad_stage.empty()) {
     const auto pinned = at::TensorOptions().device(at::kCPU).pinned_memory(true);
     for (int k = 0; k < kSlots; ++k) {

@@ -366,6 +366,15 @@ TEST(Zero, OptimizerOnTheHostTrainsAsTheReference) {
   expect_sharded_equals_unsharded("tiny-llama", Head::kValue, 1, 0, false, zero::Recompute::kNone, at::kFloat, host);
 }
 
+// train.recompute_layers: the first block keeps what the mode keeps, the others recompute whole
+// blocks; training still equals the unsharded reference exactly.
+TEST(Zero, KeptActivationsInTheFirstBlocksOnly) {
+  const auto first = [](zero::ShardedModelOptions& o) { o.recompute_layers = 1; };
+  expect_sharded_equals_unsharded("tiny-qwen3", Head::kLm, 1, 0, false, zero::Recompute::kAttentionOnly, at::kFloat,
+                                  first);
+  expect_sharded_equals_unsharded("tiny-llama", Head::kValue, 1, 0, false, zero::Recompute::kNone, at::kFloat, first);
+}
+
 TEST(Zero, MemoryPerRankIsOneNth) {
   const ModelConfig cfg = config("tiny-llama");
   const int n = comm().size();

@@ -247,5 +247,21 @@ TEST(MemoryPlan, RecomputeAutoKeepsTheMostActivationsThatFit) {
   EXPECT_THROW(check_fits(planned(48), c), ConfigError);
 }
 
+// The ranks agree on the least kept activations with a min all-reduce of one number per choice.
+TEST(MemoryPlan, RecomputeChoicesOrderByWhatTheyKeep) {
+  using zero::Recompute;
+  const std::vector<std::pair<Recompute, int64_t>> ascending{
+      {Recompute::kBlocks, -1}, {Recompute::kAttentionOnly, 1}, {Recompute::kAttentionOnly, 27},
+      {Recompute::kAttentionOnly, -1}, {Recompute::kNone, 3}, {Recompute::kNone, -1}};
+  double last = -1;
+  for (const auto& [mode, layers] : ascending) {
+    const double o = recompute_order(mode, layers);
+    EXPECT_GT(o, last) << zero::recompute_name(mode) << " " << layers;
+    last = o;
+    EXPECT_EQ(recompute_from_order(o), std::make_pair(mode, layers)) << zero::recompute_name(mode) << " " << layers;
+    EXPECT_EQ(static_cast<double>(static_cast<float>(o)), o) << "not exact in a float";
+  }
+}
+
 }  // namespace
 }  // namespace tiller::rollout

@@ -56,14 +56,4 @@ DeviceMemory device_memory(const at::Device& device);
 // Starts a new peak for device_memory().peak_allocated (no-op on CPU).
 void reset_peak_device_memory(const at::Device& device);
 
-// Asks PyTorch's CUDA caching allocator for expandable segments (PYTORCH_CUDA_ALLOC_CONF=
-// expandable_segments:True): one virtual range per stream that grows and shrinks in place, so a
-// training process's mix of [vocab, hidden] buffers, gathered units and activations does not
-// fragment its memory (measured: ~9 GiB of a 79.6 GiB H100 lost to fragmentation by a 7B ZeRO-3
-// step without it; docs/benchmarks.md). For processes that capture no CUDA graphs (trainer ranks
-// without an engine, tiller bench train); call it before the process's first CUDA allocation. A
-// setting of the user's (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF) wins. Returns whether
-// expandable segments are asked for.
-bool prefer_expandable_segments();
-
 }  // namespace tiller::model
