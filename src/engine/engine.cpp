@@ -669,9 +669,11 @@ bool Engine::calibrate_if_due() {
   // Request ids far from the service's (which count from 1).
   constexpr uint64_t kBenchIds = uint64_t{1} << 62;
   run(4, kBenchIds);  // warm-up: allocator, kernels, this batch's CUDA graph
+  const int64_t generated_before = m.stats.generated_tokens;
   const double seconds = run(fresh, kBenchIds + static_cast<uint64_t>(batch));
+  const int64_t generated = m.stats.generated_tokens - generated_before;  // no stop tokens: batch x fresh
   m.stats = before;
-  m.stats.bench_tokens_per_s = static_cast<double>(batch * fresh) / std::max(seconds, 1e-9);
+  m.stats.bench_tokens_per_s = static_cast<double>(generated) / std::max(seconds, 1e-9);
   log::info("engine benchmark at the job's shapes ({} requests of {} + {} tokens): {:.0f} tokens/s", batch, prompt,
             fresh, m.stats.bench_tokens_per_s);
   return true;
