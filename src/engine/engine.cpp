@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 #ifdef TILLER_HAVE_CUDA_KERNELS
 #include <cuda_runtime_api.h>
@@ -415,6 +416,11 @@ int64_t Engine::max_model_len() const { return impl_->max_model_len; }
 bool Engine::paged_decode() const { return impl_->runner->paged_decode(); }
 bool Engine::cuda_graphs() const { return impl_->runner->cuda_graphs(); }
 bool Engine::is_leader() const { return impl_->leader(); }
+
+void Engine::use_device_on_this_thread() const {
+  const at::Device d(impl_->opts.device);
+  if (d.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(d);
+}
 int Engine::tp_size() const { return impl_->tp ? impl_->tp->size() : 1; }
 int Engine::tp_rank() const { return impl_->tp ? impl_->tp->rank() : 0; }
 

@@ -224,6 +224,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
   void run_loop() {
     auto last_beat = Clock::now();
     try {
+      engine.use_device_on_this_thread();  // this thread runs every step, wake and sync of the engine
       for (;;) {
         std::deque<std::function<void()>> work;
         {

@@ -435,15 +435,25 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
   });
 }
 
-void check_trainer_fits(const MemoryPlan& m, int rank, const std::string& role, const std::string& knobs) {
-  const RankMemory* r = m.overflow();
-  if (!r) return;
-  const PhaseMemory& p = *r->peak_phase();
+namespace {
+
+// A phase's three largest items: "actor state 56.74 GiB, actor weights 7.09 GiB, ...".
+std::string largest_items(const PhaseMemory& p) {
   std::vector<std::pair<std::string, int64_t>> items = p.items;
   std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
   std::string top;
   for (size_t i = 0; i < items.size() && i < 3; ++i)
     top += fmt::format("{}{} {} GiB", i ? ", " : "", items[i].first, gib(items[i].second));
+  return top;
+}
+
+}  // namespace
+
+void check_trainer_fits(const MemoryPlan& m, int rank, const std::string& role, const std::string& knobs) {
+  const RankMemory* r = m.overflow();
+  if (!r) return;
+  const PhaseMemory& p = *r->peak_phase();
+  const std::string top = largest_items(p);
   throw ConfigError(fmt::format("memory plan: rank {} ({}) needs {} GiB in its {} phase (+{} GiB reserve) on a {} GiB "
                                 "GPU (train.recompute {}, compute shard {}); largest: {}; {}",
                                 rank, role, gib(r->peak()), phase_name(p.phase), gib(reserve_bytes(r->peak())), gib(m.gpu_bytes),
@@ -473,10 +483,10 @@ std::string MemoryPlan::table() const {
                                 keep_compute_shard ? "keep" : "cast", compute_shard_reason);
   for (const auto& r : ranks) {
     out += fmt::format("  rank {} ({}): peak {}{}{}\n", r.rank, r.label, gib(r.peak()),
+                       r.host_bytes > 0 ? fmt::format(", host memory {} (optimizer_offload)", gib(r.host_bytes)) : "",
                        gpu_bytes <= 0 || shared_gpus         ? ""
                        : r.peak() + reserve_bytes(r.peak()) > gpu_bytes ? "  DOES NOT FIT"
-                                                              : "  fits",
-                       r.host_bytes > 0 ? fmt::format("; host memory {} (optimizer_offload)", gib(r.host_bytes)) : "");
+                                                              : "  fits");
     for (const auto& p : r.phases) {
       std::string items;
       for (const auto& [name, b] : p.items) items += fmt::format("{}{} {}", items.empty() ? "" : ", ", name, gib(b));
@@ -490,11 +500,7 @@ void check_fits(const MemoryPlan& m, const JobConfig& cfg) {
   const RankMemory* r = m.overflow();
   if (!r) return;
   const PhaseMemory& p = *r->peak_phase();
-  std::vector<std::pair<std::string, int64_t>> items = p.items;
-  std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
-  std::string top;
-  for (size_t i = 0; i < items.size() && i < 3; ++i)
-    top += fmt::format("{}{} {} GiB", i ? ", " : "", items[i].first, gib(items[i].second));
+  const std::string top = largest_items(p);
   std::string advice;
   if (p.phase == Phase::kGenerate)
     advice = cfg.cluster.hybrid ? "set roles.actor.offload=true, lower engines.kv_cache_gb or rollout.micro_batch_tokens"

@@ -216,6 +216,10 @@ class Engine {
   // when the leader is silent for longer than the communicator's timeout.
   void follow();
   bool is_leader() const;
+  // Makes the engine's device the calling thread's current one (a CUDA engine on cuda:N): for a
+  // thread the engine did not start that will run its steps (the service's loop), so that what
+  // allocates or launches on "the current device" lands on the engine's.
+  void use_device_on_this_thread() const;
 
   // --- Weight updates in place (the weight sync, sync/weight_sync.h) ---
   // This rank's weights by HF name (its TP slices; a tied LM head is the embedding and not
