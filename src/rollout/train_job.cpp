@@ -282,11 +282,17 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   JobConfig job = cfg;
   {
     const bool sized = gpu_bytes > 0 && !cpu;
-    at::Tensor choice = at::tensor({sized ? recompute_order(memory.recompute, memory.recompute_layers)
-                                          : recompute_order(zero::Recompute::kNone, -1),
-                                    sized ? (memory.keep_compute_shard ? 1.0 : 0.0) : 1.0},
+    // No say: above every choice (no rank sized at all, on CPU: each keeps its least-memory plan).
+    constexpr double kNoSay = 1e12;
+    at::Tensor choice = at::tensor({sized ? recompute_order(memory.recompute, memory.recompute_layers) : kNoSay,
+                                    sized ? (memory.keep_compute_shard ? 1.0 : 0.0) : kNoSay},
                                    at::kDouble);
     world->all_reduce(choice, dist::ReduceOp::kMin)->wait();
+    const bool gpu_ranks_chose = choice[0].item<double>() < kNoSay;
+    if (!gpu_ranks_chose) {
+      choice[0] = recompute_order(memory.recompute, memory.recompute_layers);
+      choice[1] = memory.keep_compute_shard ? 1.0 : 0.0;
+    }
     const auto [agreed, layers] = recompute_from_order(choice[0].item<double>());
     if (agreed != memory.recompute || layers != memory.recompute_layers)
       memory.recompute_reason += "; lowered to what another rank planned";
@@ -302,8 +308,8 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
     if (missing.empty()) {
       const std::string mode_why = memory.recompute_reason, shard_why = memory.compute_shard_reason;
       memory = plan_memory(job, plan, shapes, cpu ? 0 : gpu_bytes);
-      memory.recompute_reason = sized ? mode_why : "as the GPU ranks planned";
-      memory.compute_shard_reason = sized ? shard_why : "as the GPU ranks planned";
+      memory.recompute_reason = sized || !gpu_ranks_chose ? mode_why : "as the GPU ranks planned";
+      memory.compute_shard_reason = sized || !gpu_ranks_chose ? shard_why : "as the GPU ranks planned";
     }
   }
   int64_t kv_bytes = 0;
