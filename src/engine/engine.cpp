@@ -656,7 +656,10 @@ bool Engine::calibrate_if_due() {
   const int64_t batch = std::max<int64_t>(1, std::min({o.bench_batch, o.limits.max_num_seqs,
                                                        m.kv->num_free() / std::max<int64_t>(1, blocks_each)}));
   const EngineStats before = m.stats;
+  int64_t generated_at_cut = -1;  // generated_tokens when the timed run was cut (-1: it was not)
   std::mt19937_64 rng(7);
+  // Returns the seconds until the run ended or was cut at bench_max_seconds (the tokens generated
+  // by then are counted; what the aborted requests hand back after is not timed).
   auto run = [&](int64_t new_tokens, uint64_t first_id) {
     for (int64_t i = 0; i < batch; ++i) {
       Request r;
@@ -669,15 +672,26 @@ bool Engine::calibrate_if_due() {
       add(std::move(r));
     }
     const auto t0 = std::chrono::steady_clock::now();
-    while (has_work()) step();
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+    double cut = -1;
+    while (has_work()) {
+      step();
+      if (cut < 0 && elapsed() > o.bench_max_seconds) {
+        cut = elapsed();
+        generated_at_cut = m.stats.generated_tokens;
+        for (int64_t i = 0; i < batch; ++i) abort(first_id + static_cast<uint64_t>(i));
+      }
+    }
+    return cut >= 0 ? cut : elapsed();
   };
   // Request ids far from the service's (which count from 1).
   constexpr uint64_t kBenchIds = uint64_t{1} << 62;
   run(4, kBenchIds);  // warm-up: allocator, kernels, this batch's CUDA graph
+  generated_at_cut = -1;
   const int64_t generated_before = m.stats.generated_tokens;
   const double seconds = run(fresh, kBenchIds + static_cast<uint64_t>(batch));
-  const int64_t generated = m.stats.generated_tokens - generated_before;  // no stop tokens: batch x fresh
+  // No stop tokens: batch x fresh, unless the run was cut.
+  const int64_t generated = (generated_at_cut >= 0 ? generated_at_cut : m.stats.generated_tokens) - generated_before;
   m.stats = before;
   m.stats.bench_tokens_per_s = static_cast<double>(generated) / std::max(seconds, 1e-9);
   log::info("engine benchmark at the job's shapes ({} requests of {} + {} tokens): {:.0f} tokens/s", batch, prompt,

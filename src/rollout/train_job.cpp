@@ -107,6 +107,8 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
     eo.bench_batch = std::min(cfg.engines.max_num_seqs, (samples + engines - 1) / engines);
     eo.bench_prompt = std::min(cfg.rollout.max_prompt_tokens, kBenchPromptCap);
     eo.bench_new_tokens = std::min(cfg.rollout.max_new_tokens, kBenchNewCap);
+    // A hybrid engine calibrates inside the controller's wake call: well within its deadline.
+    eo.bench_max_seconds = std::min(20.0, cfg.timeouts.rpc_s / 3);
   }
   dist::Communicator* tp_comm = tp > 1 ? groups.engine_tp.get() : nullptr;
   if (tp_comm) tp_comm->set_timeout(cfg.timeouts.collective_s);

@@ -283,6 +283,39 @@ TEST(Engine, AbortEndsEverySampleOfTheRequest) {
   EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
 }
 
+// logging.efficiency's engine benchmark: it runs once, leaves the engine idle with every block
+// free and its counters as they were, records a positive rate, and a budget of 0 seconds cuts
+// the timed run after one step (its requests aborted) yet still yields a rate.
+TEST(Engine, CalibrationRunsOnceLeavesTheCountersAndKeepsToItsBudget) {
+  TinyModel m = tiny("tiny-qwen2");
+  for (double budget : {60.0, 0.0}) {
+    EngineOptions o = small_options();
+    o.bench_batch = 4;
+    o.bench_prompt = 8;
+    o.bench_new_tokens = 40;
+    o.bench_max_seconds = budget;
+    Engine e(m.cfg, m.weights, o);
+    const EngineStats before = e.stats();
+    ASSERT_TRUE(e.calibrate_if_due()) << budget;
+    EXPECT_FALSE(e.calibrate_if_due()) << "a second calibration";
+    const EngineStats after = e.stats();
+    EXPECT_GT(after.bench_tokens_per_s, 0) << budget;
+    EXPECT_FALSE(e.has_work());
+    EXPECT_EQ(after.kv_blocks_free, after.kv_blocks_total);
+    EXPECT_EQ(after.generated_tokens, before.generated_tokens);
+    EXPECT_EQ(after.steps, before.steps);
+    // A request after it runs as on a fresh engine.
+    SamplingParams p;
+    p.max_new_tokens = 5;
+    e.add({7, {1, 2, 3}, p, 1});
+    EXPECT_EQ(run_all(e).at({7, 0}).tokens.size(), 5u);
+  }
+  EngineOptions none = small_options();
+  Engine e(m.cfg, m.weights, none);
+  EXPECT_FALSE(e.calibrate_if_due()) << "no bench_* shapes: no calibration";
+  EXPECT_EQ(e.stats().bench_tokens_per_s, 0);
+}
+
 // Multi-turn: each turn's prompt is the session's tokens plus an observation. Resuming the parked
 // session computes only the new tokens (the counters), and gives what a fresh engine gives for the
 // whole prompt (tokens equal, log-probs within fp32 rounding of a different prefill split); a

@@ -96,8 +96,11 @@ struct EngineOptions {
   int64_t max_sessions = 0;
   SchedulerLimits limits;
   // The engine's benchmark at its job's shapes (logging.efficiency; calibrate_if_due()): this many
-  // requests of bench_prompt random tokens, bench_new_tokens sampled each. 0: none.
+  // requests of bench_prompt random tokens, bench_new_tokens sampled each. 0: none. The timed
+  // run stops at bench_max_seconds (its requests aborted; the rate is of what ran), so the
+  // calibration fits inside the call that triggers it (a hybrid engine's wake).
   int64_t bench_batch = 0, bench_prompt = 0, bench_new_tokens = 0;
+  double bench_max_seconds = 20;
 };
 
 // What an engine rank holds on its device (the hybrid engine's phases report it).
@@ -204,7 +207,8 @@ class Engine {
   // `tiller bench generate` runs it (a short warm-up, then bench_batch requests of random
   // prompts, temperature 1, no stop token), recorded in stats().bench_tokens_per_s: generated
   // tokens over the run's seconds, prefill included. The batch is capped by what the KV cache
-  // holds at full length; the other counters are left as they were. Returns whether it ran.
+  // holds at full length, the timed run by bench_max_seconds; the other counters are left as they
+  // were. Returns whether it ran.
   bool calibrate_if_due();
 
   // Leader, TP > 1: tells the followers the leader is alive while there is no work (they give up
