@@ -1,6 +1,7 @@
 // tiller bench train: ZeRO-3 training throughput of a preset shape, one rank per GPU under
 // mpirun. Each step is a forward and backward of --micro-batch sequences of --seq random tokens
-// per rank (the loss is the mean token log-prob), then clipping and AdamW (with
+// per rank (the loss is the mean token log-prob; --accumulate N: N of them, their gradients
+// summed, as a job whose train batch is N micro-batches per rank), then clipping and AdamW (with
 // --sequence-parallel S, per group of S ranks, each holding 1/S of the tokens): the same work as
 // ../shared/bench/peer_bench.py fsdp, which scripts/gpu/bench_train.sh runs beside it.
 //
@@ -51,6 +52,7 @@ struct TrainBenchOptions {
   std::string model = "qwen2-1.5b";
   int64_t seq = 2048;
   int64_t micro_batch = 4;
+  int accumulate = 1;  // micro-batches per optimizer step
   int sequence_parallel = 1;  // ranks sharing each micro-batch (Ulysses)
   int steps = 6;  // the first two are warm-up, as in the peer
   std::string backend = "auto";
@@ -104,6 +106,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   log::init(env.rank(), "bench", log::Level::kWarn);
   if (o.steps < 3) throw ConfigError("--steps: at least 3 (two warm-up steps are not timed)");
   if (o.frozen && !o.score) throw ConfigError("--frozen times a scoring pass: add --score");
+  if (o.score && o.accumulate != 1) throw ConfigError("--accumulate counts training micro-batches: drop it with --score");
   RankComm bc = open_rank_comm(env, o.backend, o.timeout_s, "bench.train");
   dist::Communicator& comm = bc.comm();
   const at::Device dev = bc.device;
@@ -185,7 +188,10 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
     compat::synchronize(dev);
     StepProfiler profiler(!o.profile.empty() && s == o.steps - 1 && comm.rank() == 0);
     const auto t0 = Clock::now();
-    model.token_logprobs(slice, targets).mean().neg().backward();
+    // The gradients of --accumulate micro-batches add up (each reduce-scattered as its backward
+    // ends, as tiller train does), then one optimizer step.
+    for (int a = 0; a < o.accumulate; ++a)
+      model.token_logprobs(slice, targets).mean().neg().div(static_cast<double>(o.accumulate)).backward();
     compat::synchronize(dev);
     const double fb = since(t0);
     const auto t1 = Clock::now();
@@ -216,7 +222,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   // The plan's estimate of this rank's peak, to hold against the measured one.
   const double planned = static_cast<double>(plan.ranks.front().peak());
 
-  const int64_t tokens = o.seq * o.micro_batch / sp;  // per GPU
+  const int64_t tokens = o.seq * o.micro_batch * o.accumulate / sp;  // per GPU per step
   const int64_t nparam = model::num_parameters(cfg);
   const int64_t emb = cfg.vocab_size * cfg.hidden_size;
   const double flops_tok = 6.0 * static_cast<double>(nparam - (cfg.tie_word_embeddings ? 0 : emb)) +
@@ -261,6 +267,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   r["backend"] = comm.backend();
   r["seq"] = o.seq;
   r["mbs"] = o.micro_batch;
+  r["accumulate"] = o.accumulate;
   r["sequence_parallel"] = sp;
   r["recompute"] = zero::recompute_name(recompute);
   r["recompute_layers"] = mo.recompute_layers;
@@ -317,7 +324,11 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   auto o = std::make_shared<TrainBenchOptions>();
   tr->add_option("--model", o->model, "Preset shape: qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny-*");
   tr->add_option("--seq", o->seq, "Tokens per sequence")->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
-  tr->add_option("--micro-batch", o->micro_batch, "Sequences per rank per step")->check(CLI::Range(1, 4096));
+  tr->add_option("--micro-batch", o->micro_batch, "Sequences per rank per micro-batch")->check(CLI::Range(1, 4096));
+  tr->add_option("--accumulate", o->accumulate,
+                 "Micro-batches per optimizer step (their gradients add up; tiller train's train_batch_size / "
+                 "micro-batch)")
+      ->check(CLI::Range(1, 4096));
   tr->add_option("--sequence-parallel", o->sequence_parallel,
                  "Ranks that share each micro-batch (Ulysses); the --micro-batch sequences are per group")
       ->check(CLI::Range(1, 256));

@@ -7,6 +7,8 @@
 #   VARIANTS="--recompute blocks --compute-shard cast;--recompute auto;--optimizer-offload cpu" \
 #   scripts/gpu/bench_memory.sh [OUT.jsonl]
 # ONE_GPU="--optimizer-offload cpu" adds a run on one GPU (np 1) with those flags (no peer).
+# ACCUM=N times N micro-batches per optimizer step on both sides (tiller's --accumulate; the peer
+# is then scripts/gpu/fsdp_accumulate_peer.py), STEPS=S steps each (the first two untimed).
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 out=${1:-/dev/null}
@@ -14,6 +16,8 @@ n=${NGPU:-2}
 model=${MODEL:-qwen2-7b}
 mbs=${MBS:-4}
 seq=${SEQ:-2048}
+accum=${ACCUM:-1}
+steps=${STEPS:-6}
 peer=$tiller_root/.gpu/bench/peer_bench.py
 [ -f "$peer" ] || { echo "bench_memory.sh: $peer is missing; copy ../shared/bench/peer_bench.py there" >&2; exit 2; }
 tmp=${LOGDIR:-$(mktemp -d)}  # each run's JSON and log (LOGDIR keeps them)
@@ -21,7 +25,12 @@ mkdir -p "$tmp"
 mpi=(mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
      -x NVSHMEM_DISABLE_NVLS -x LD_LIBRARY_PATH)
 if [ -z "${SKIP_PEER:-}" ]; then
-  torchrun --standalone --nproc-per-node "$n" "$peer" fsdp "${model#qwen2-}" "$seq" "$mbs" | grep '^{' | tail -1 \
+  if [ "$accum" -eq 1 ] && [ "$steps" -eq 6 ]; then
+    peer_cmd=("$peer" fsdp "${model#qwen2-}" "$seq" "$mbs")
+  else
+    peer_cmd=("$tiller_root/scripts/gpu/fsdp_accumulate_peer.py" "${model#qwen2-}" "$seq" "$mbs" "$accum" "$steps")
+  fi
+  torchrun --standalone --nproc-per-node "$n" "${peer_cmd[@]}" | grep '^{' | tail -1 \
     > "$tmp/peer.json" || echo '{}' > "$tmp/peer.json"
   cat "$tmp/peer.json"
 else
@@ -33,7 +42,7 @@ run() {  # NP FLAGS...
   local np=$1; shift
   # shellcheck disable=SC2068
   if "${mpi[@]}" -np "$np" "$gpu_build/bin/tiller" bench train --model "$model" --seq "$seq" --micro-batch "$mbs" \
-       $@ --out "$tmp/t$i.json" > "$tmp/t$i.log" 2>&1; then
+       --accumulate "$accum" --steps "$steps" $@ --out "$tmp/t$i.json" > "$tmp/t$i.log" 2>&1; then
     :
   else
     # A refusal of the memory plan or a failure: keep its last lines as the row.

@@ -509,9 +509,16 @@ void Engine::Impl::sleep_here(int level) {
     runner->drop_weights();
     broken = "the weights were freed by sleep level 2; a weight sync refills them";
   }
+  // The freed cache (and weights) go back to the driver: the trainer of a hybrid process, its NCCL
+  // buffers and the next wake's one-piece cache then find whole free memory, not the cache's blocks.
+  model::release_cached_device_memory(runner->device());
 }
 
 void Engine::Impl::wake_here(bool weights, bool cache) {
+  // What the process's other phase left cached (a hybrid trainer's blocks) goes back first: the
+  // weights and the cache are large single allocations.
+  if ((weights && !runner->weights_resident()) || (cache && !runner->cache_allocated()))
+    model::release_cached_device_memory(runner->device());
   if ((weights || cache) && !runner->weights_resident()) runner->restore_weights();
   if (cache && !runner->cache_allocated()) runner->allocate_cache(cache_options);
 }

@@ -149,6 +149,17 @@ DeviceMemory device_memory(const at::Device& device) {
   return out;
 }
 
+void release_cached_device_memory(const at::Device& device) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (device.is_cuda() && c10::cuda::CUDACachingAllocator::get()->initialized()) {
+    c10::cuda::CUDAGuard guard(device.index());
+    c10::cuda::CUDACachingAllocator::emptyCache();
+  }
+#else
+  (void)device;
+#endif
+}
+
 void reset_peak_device_memory(const at::Device& device) {
 #ifdef TILLER_HAVE_CUDA_KERNELS
   if (device.is_cuda() && c10::cuda::CUDACachingAllocator::get()->initialized())

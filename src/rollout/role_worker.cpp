@@ -363,6 +363,9 @@ struct RoleWorker::Impl {
   SyncReply sync_weights(const SyncRequest& in) {
     TILLER_CHECK(sender != nullptr || handoff != nullptr, "rank {}: a weight sync, but this rank sends none", rank);
     const double w0 = wall_us();
+    // A hybrid rank's training blocks go back to the driver first: the sync's NCCL buffers are
+    // allocated outside the caching allocator, and the engine's wake comes next.
+    if (handoff) model::release_cached_device_memory(device);
     const sync::SyncStats s = handoff ? handoff->send(in.version) : sender->send(in.version);
     span("sync", w0);
     return {s.seconds, static_cast<double>(s.wire_bytes)};
@@ -396,6 +399,9 @@ struct RoleWorker::Impl {
       zero::ShardedModel& m = *models.at(role);
       out.moved_bytes += static_cast<double>(in.offload ? m.offload_state() : m.reload_state());
     }
+    // The phase ends here: its blocks go back to the driver before the engine's cache (offload) or
+    // the training (reload) cuts the memory to its own sizes.
+    model::release_cached_device_memory(device);
     const model::DeviceMemory d = model::device_memory(device);
     out.allocated = static_cast<double>(d.allocated);
     out.reserved = static_cast<double>(d.reserved);

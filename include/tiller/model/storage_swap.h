@@ -55,5 +55,10 @@ struct DeviceMemory {
 DeviceMemory device_memory(const at::Device& device);
 // Starts a new peak for device_memory().peak_allocated (no-op on CPU).
 void reset_peak_device_memory(const at::Device& device);
+// Gives the caching allocator's unused blocks back to the driver (no-op on CPU). The hybrid
+// process calls it at each phase change: blocks cut to one phase's sizes (the KV cache, the
+// training activations) would otherwise fragment the next phase's memory, and NCCL's buffers and
+// other allocations outside the allocator cannot use them at all.
+void release_cached_device_memory(const at::Device& device);
 
 }  // namespace tiller::model
