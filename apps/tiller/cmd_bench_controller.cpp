@@ -25,6 +25,7 @@
 #include "commands.h"
 #include "rollout/controller.h"
 #include "rollout/synthetic.h"
+#include "tiller/algo/advantage_estimator.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
@@ -89,7 +90,7 @@ int run_controller_bench(ControllerBenchOptions o) {
   cfg.roles.actor.gpus = o.actor_ranks;
   cfg.roles.critic.enabled = o.critic_ranks > 0;
   cfg.roles.critic.gpus = std::max<int64_t>(1, o.critic_ranks);
-  cfg.algo.advantage_estimator = o.critic_ranks > 0 ? AdvantageEstimator::kGae : AdvantageEstimator::kGroupNorm;
+  cfg.algo.advantage_estimator = o.critic_ranks > 0 ? "gae" : "group_norm";
   cfg.algo.kl_in_reward = o.critic_ranks > 0;
   cfg.engines.count = o.engines;
   cfg.engines.max_num_seqs = 256;
@@ -108,6 +109,7 @@ int run_controller_bench(ControllerBenchOptions o) {
   cfg.checkpoint.dir = "";
   cfg.timeouts.generate_s = 3600;
   cfg.validate();
+  algo::check_config(cfg);
 
   dist::NodeMap nodes;
   std::vector<int> ranks(static_cast<size_t>(dist::required_world_size(cfg)));

@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 
 #include "commands.h"
+#include "tiller/algo/advantage_estimator.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 
@@ -23,7 +24,7 @@ void add_config_command(CLI::App& app, Runner& run) {
         return 0;
       }
       if (path->empty()) throw ConfigError("tiller config: give a config file with -c FILE (or --reference)");
-      std::fputs(to_yaml(load_config(*path, *overrides)).c_str(), stdout);
+      std::fputs(to_yaml(algo::load_job(*path, *overrides)).c_str(), stdout);
       return 0;
     };
   });

@@ -12,6 +12,7 @@
 
 #include "commands.h"
 #include "rollout/supervisor.h"
+#include "tiller/algo/advantage_estimator.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
@@ -57,7 +58,7 @@ std::vector<std::string> launch_line(const LaunchOptions& o, int world) {
 }
 
 int run_launch(const LaunchOptions& o) {
-  const JobConfig cfg = load_config(o.config, o.overrides);  // a config error ends here, never retried
+  const JobConfig cfg = algo::load_job(o.config, o.overrides);  // a config error ends here, never retried
   rollout::SupervisorOptions so;
   so.command = launch_line(o, dist::required_world_size(cfg));
   so.checkpoint_dir = cfg.checkpoint.dir;

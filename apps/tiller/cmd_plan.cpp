@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
+#include "tiller/algo/advantage_estimator.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
@@ -53,7 +54,7 @@ void add_plan_command(CLI::App& app, Runner& run) {
       ->check(CLI::Range(1.0, 65536.0));
   cmd->callback([&run, o] {
     run = [o] {
-      JobConfig config = load_config(o->config, o->overrides);
+      JobConfig config = algo::load_job(o->config, o->overrides);
       std::vector<int> gpus = o->node_gpus.empty() ? std::vector<int>(o->nodes, o->gpus_per_node)
                                                    : parse_node_gpus(o->node_gpus);
       const int world = dist::required_world_size(config);

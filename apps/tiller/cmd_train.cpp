@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
+#include "tiller/algo/advantage_estimator.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/signals.h"
@@ -30,7 +31,7 @@ int run_train_cmd(const TrainCmdOptions& o, int* argc, char*** argv) {
   try {
     std::vector<std::string> overrides = o.overrides;
     if (!o.profile.empty()) overrides.push_back("logging.profile_steps=" + o.profile);
-    JobConfig cfg = load_config(o.config, overrides);
+    JobConfig cfg = algo::load_job(o.config, overrides);
     rollout::TrainOptions to;
     to.require_resume = o.resume;
     return rollout::run_train(cfg, env, to);

@@ -5,10 +5,13 @@
 //   int main(int argc, char** argv) { return tiller::run_main(argc, argv); }
 #pragma once
 
+#include "tiller/algo/advantage_estimator.h"
+#include "tiller/algo/algo.h"
 #include "tiller/core/config.h"
 #include "tiller/core/deadline.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
+#include "tiller/core/registry.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/dist/groups.h"
 #include "tiller/dist/mpi_env.h"

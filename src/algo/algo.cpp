@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "tiller/core/error.h"
+#include "tiller/core/registry.h"
 
 namespace tiller::algo {
 namespace {
@@ -84,20 +85,50 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
 
 }  // namespace
 
-KlEstimator parse_kl_estimator(const std::string& name) {
-  if (const auto k = parse_enum<KlEstimator>(name)) return *k;
-  throw ConfigError(fmt::format("KL estimator '{}': use k1, k2 or k3", name));
+namespace {
+
+void add_kl(Registry<KlEstimatorDef>& r, const std::string& name, KlEstimatorDef def) {
+  if (!def.estimate) throw ConfigError(fmt::format("KL estimator '{}': no estimate function", name));
+  r.add(name, std::move(def));
 }
 
-at::Tensor kl_estimate(const at::Tensor& logp, const at::Tensor& ref_logp, KlEstimator k) {
+// The registry, the built-ins added on first use (through the same call as a user's).
+Registry<KlEstimatorDef>& kl_registry() {
+  static Registry<KlEstimatorDef>* r = [] {
+    auto* reg = new Registry<KlEstimatorDef>("KL estimator");
+    add_kl(*reg, "k1", {[](const at::Tensor& logp, const at::Tensor& ref) { return logp - ref; }, "d = logp - ref"});
+    add_kl(*reg, "k2",
+           {[](const at::Tensor& logp, const at::Tensor& ref) {
+              const at::Tensor d = logp - ref;
+              return 0.5 * d * d;
+            },
+            "d^2 / 2"});
+    add_kl(*reg, "k3",
+           {[](const at::Tensor& logp, const at::Tensor& ref) {
+              const at::Tensor d = logp - ref;
+              return at::exp(-d) - 1 + d;
+            },
+            "exp(-d) - 1 + d (unbiased, never negative)"});
+    return reg;
+  }();
+  return *r;
+}
+
+}  // namespace
+
+void register_kl_estimator(const std::string& name, KlEstimatorDef def) { add_kl(kl_registry(), name, std::move(def)); }
+
+const KlEstimatorDef& kl_estimator(const std::string& name) { return kl_registry().at(name, "algo.kl_estimator"); }
+
+std::vector<std::string> kl_estimator_names() { return kl_registry().names(); }
+
+at::Tensor kl_estimate(const at::Tensor& logp, const at::Tensor& ref_logp, const std::string& estimator) {
   check_same(logp, ref_logp, "kl_estimate");
-  const at::Tensor d = logp - ref_logp;
-  switch (k) {
-    case KlEstimator::kK1: return d;
-    case KlEstimator::kK2: return 0.5 * d * d;
-    case KlEstimator::kK3: return at::exp(-d) - 1 + d;
-  }
-  return d;
+  at::Tensor kl = kl_estimator(estimator).estimate(logp, ref_logp);
+  if (!kl.defined() || kl.sizes() != logp.sizes())
+    throw Error(fmt::format("KL estimator {}: it returned {} for {} log-probs; return one value per token", estimator,
+                            kl.defined() ? fmt::format("{} values", kl.numel()) : "nothing", logp.numel()));
+  return kl;
 }
 
 at::Tensor token_rewards(const at::Tensor& scores, const at::Tensor& kl, const at::Tensor& cu, double kl_coef) {
@@ -262,9 +293,10 @@ at::Tensor entropy_bonus(const at::Tensor& entropy, double coef, double normaliz
   return -coef * entropy.sum() / normalizer;
 }
 
-at::Tensor kl_loss(const at::Tensor& logp, const at::Tensor& ref_logp, KlEstimator k, double coef, double normalizer) {
+at::Tensor kl_loss(const at::Tensor& logp, const at::Tensor& ref_logp, const std::string& estimator, double coef,
+                   double normalizer) {
   TILLER_CHECK(normalizer > 0, "kl_loss: normalizer must be > 0");
-  return coef * kl_estimate(logp, ref_logp.detach(), k).sum() / normalizer;
+  return coef * kl_estimate(logp, ref_logp.detach(), estimator).sum() / normalizer;
 }
 
 at::Tensor truncated_is_weights(const at::Tensor& trainer_logp, const at::Tensor& engine_logp, double cap) {

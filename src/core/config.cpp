@@ -220,25 +220,6 @@ void JobConfig::validate() const {
           target, role_by_name(*this, target).colocate_with, role_by_name(*this, target).colocate_with));
     }
   }
-  const std::string_view estimator = enum_name(algo.advantage_estimator);
-  const bool uses_critic = algo.advantage_estimator == AdvantageEstimator::kGae;
-  if (uses_critic && !roles.critic.enabled) {
-    throw ConfigError("algo.advantage_estimator = gae needs a critic; set roles.critic.enabled=true or choose "
-                      "reinforce, rloo, reinforce_baseline, group_norm or dr_grpo");
-  }
-  if (!uses_critic && roles.critic.enabled) {
-    throw ConfigError(fmt::format("algo.advantage_estimator = {} does not use a critic; set roles.critic.enabled=false",
-                                  estimator));
-  }
-  const bool group_baseline = algo.advantage_estimator == AdvantageEstimator::kRloo ||
-                              algo.advantage_estimator == AdvantageEstimator::kGroupNorm ||
-                              algo.advantage_estimator == AdvantageEstimator::kDrGrpo ||
-                              algo.advantage_estimator == AdvantageEstimator::kReinforceBaseline;
-  if (group_baseline && rollout.n_samples_per_prompt < 2) {
-    throw ConfigError(fmt::format("algo.advantage_estimator = {} compares samples of one prompt; set "
-                                  "rollout.n_samples_per_prompt >= 2 (it is {})",
-                                  estimator, rollout.n_samples_per_prompt));
-  }
   if (reward.type == RewardType::kModel && !roles.reward.enabled) {
     throw ConfigError("reward.type = model needs the reward role; set roles.reward.enabled=true and roles.reward.model");
   }
@@ -527,8 +508,10 @@ std::string config_reference_markdown() {
       "\n## Checks across keys\n\n"
       "- The actor is always enabled and never colocated; a colocated role names an enabled role that is not\n"
       "  itself colocated.\n"
-      "- `algo.advantage_estimator: gae` needs the critic; the other estimators need it disabled. Group\n"
-      "  baselines (rloo, reinforce_baseline, group_norm, dr_grpo) need `rollout.n_samples_per_prompt >= 2`.\n"
+      "- `algo.advantage_estimator` is a registered estimator; one that needs a critic (gae) needs the critic\n"
+      "  enabled, the others need it disabled; group baselines (rloo, reinforce_baseline, group_norm,\n"
+      "  dr_grpo) need `rollout.n_samples_per_prompt >= 2`; `algo.kl_estimator` is a registered KL estimator\n"
+      "  (checked by `algo::check_config`, after loading).\n"
       "- `reward.type: model` needs the reward role enabled, and the other types need it disabled;\n"
       "  `reward.type: remote` needs `reward.remote_address`.\n"
       "- `train.train_batch_size` divides `rollout.batch_size x rollout.n_samples_per_prompt`.\n"

@@ -225,8 +225,10 @@ std::vector<Field> build() {
         "this limit is near.")
       .range(0, kMaxSampleTokens);
 
-  b.add_enum("algo.advantage_estimator", TILLER_FIELD(algo.advantage_estimator),
-             "gae (PPO with a critic), reinforce (REINFORCE++), rloo, reinforce_baseline, group_norm (GRPO), dr_grpo.");
+  b.add("algo.advantage_estimator", TILLER_FIELD(algo.advantage_estimator),
+        "A registered advantage estimator. Built in: gae (PPO with a critic), reinforce (REINFORCE++), rloo, "
+        "reinforce_baseline, group_norm (GRPO), dr_grpo; a trainer of your own registers more "
+        "(docs/library.md).");
   b.add("algo.gamma", TILLER_FIELD(algo.gamma), "Discount factor.").range(0.0, 1.0);
   b.add("algo.lambd", TILLER_FIELD(algo.lambd), "GAE lambda.").range(0.0, 1.0);
   b.add("algo.clip_eps_low", TILLER_FIELD(algo.clip_eps_low), "PPO ratio clip below 1.").range(0.0, 1.0);
@@ -237,7 +239,9 @@ std::vector<Field> build() {
   b.add("algo.value_clip", TILLER_FIELD(algo.value_clip), "Value-loss clip range (0: off).").range(0.0, 100.0);
   b.add("algo.kl_coef", TILLER_FIELD(algo.kl_coef), "Initial KL coefficient against the reference model.")
       .range(0.0, 100.0);
-  b.add_enum("algo.kl_estimator", TILLER_FIELD(algo.kl_estimator), "KL estimator: k1, k2 or k3.");
+  b.add("algo.kl_estimator", TILLER_FIELD(algo.kl_estimator),
+        "A registered KL estimator. Built in: k1 (logp - ref), k2 (its square over 2), k3 (exp(-d) - 1 + d); a "
+        "trainer of your own registers more (docs/library.md).");
   b.add("algo.kl_in_reward", TILLER_FIELD(algo.kl_in_reward),
         "true: KL penalty in the per-token reward (PPO); false: KL as a loss term (GRPO).");
   b.add("algo.target_kl", TILLER_FIELD(algo.target_kl), "Adaptive KL controller target (0: fixed kl_coef).")

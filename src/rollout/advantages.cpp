@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 
 #include "tiller/core/error.h"
 
@@ -68,9 +69,7 @@ AdvantageSpec AdvantageSpec::from_job(const JobConfig& job, bool have_ref) {
   return s;
 }
 
-bool AdvantageSpec::skips_whitening() const {
-  return estimator == AdvantageEstimator::kGroupNorm || estimator == AdvantageEstimator::kDrGrpo;
-}
+bool AdvantageSpec::skips_whitening() const { return algo::advantage_estimator(estimator).normalized; }
 
 double overlong_penalty(int64_t length, int64_t max_new_tokens, int64_t buffer, double penalty) {
   if (buffer <= 0) return 0;
@@ -157,49 +156,48 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
       }
     return r;
   };
-  at::Tensor adv, ret;
-  switch (spec.estimator) {
-    case AdvantageEstimator::kGae: {
-      const at::Tensor rewards = token_rewards();
-      auto ar = algo::gae(rewards, model_part(ro.values), cu, spec.gamma, spec.lambda);
-      adv = ar.advantages;
-      ret = ar.returns;
-      break;
+  const algo::AdvantageEstimatorDef& est = algo::advantage_estimator(spec.estimator);
+  algo::AdvantageInputs in;
+  in.scores = scores;
+  in.rewards = token_rewards();
+  in.kl = kl;
+  in.kl_coef = kl_reward_coef;
+  in.cu = cu;
+  in.n = spec.n;
+  in.gamma = spec.gamma;
+  in.lambda = spec.lambda;
+  if (est.needs_critic) {
+    TILLER_CHECK(ro.values.size() == ro.logp.size(), "advantage estimator {} needs the critic's values: {} for {} tokens",
+                 spec.estimator, ro.values.size(), ro.logp.size());
+    in.values = model_part(ro.values);
+  }
+  if (est.group_baseline) {
+    // The n samples of each prompt, in (prompt, sample) order.
+    const int64_t n = spec.n;
+    TILLER_CHECK(n >= 1 && b % n == 0, "a group baseline over {} samples in groups of {}", b, n);
+    std::vector<int64_t> by_slot(static_cast<size_t>(b), -1);
+    for (int64_t s = 0; s < b; ++s) {
+      const int64_t slot = ro.prompt[s] * n + ro.sample[s];
+      TILLER_CHECK(slot >= 0 && slot < b && by_slot[static_cast<size_t>(slot)] < 0,
+                   "sample {} of group {} is out of place or twice", ro.sample[s], ro.prompt[s]);
+      by_slot[static_cast<size_t>(slot)] = s;
     }
-    case AdvantageEstimator::kReinforce: {
-      const at::Tensor rewards = token_rewards();
-      adv = algo::discounted_returns(rewards, cu, spec.gamma);
-      ret = adv;
-      break;
-    }
-    case AdvantageEstimator::kRloo:
-    case AdvantageEstimator::kReinforceBaseline:
-    case AdvantageEstimator::kGroupNorm:
-    case AdvantageEstimator::kDrGrpo: {
-      // Group baselines over the n samples of each prompt, in (prompt, sample) order.
-      const int64_t n = spec.n;
-      TILLER_CHECK(b % n == 0, "a group baseline over {} samples in groups of {}", b, n);
-      std::vector<int64_t> by_slot(static_cast<size_t>(b), -1);
-      for (int64_t s = 0; s < b; ++s) {
-        const int64_t slot = ro.prompt[s] * n + ro.sample[s];
-        TILLER_CHECK(slot >= 0 && slot < b && by_slot[static_cast<size_t>(slot)] < 0,
-                     "sample {} of group {} is out of place or twice", ro.sample[s], ro.prompt[s]);
-        by_slot[static_cast<size_t>(slot)] = s;
-      }
-      const at::Tensor order = at::tensor(by_slot, at::kLong);
-      const algo::GroupBaseline kind = spec.estimator == AdvantageEstimator::kRloo        ? algo::GroupBaseline::kRloo
-                                       : spec.estimator == AdvantageEstimator::kGroupNorm ? algo::GroupBaseline::kMeanStd
-                                                                                          : algo::GroupBaseline::kMean;
-      at::Tensor grouped = algo::group_advantages(scores.index_select(0, order), n, kind);
-      at::Tensor per_sample = at::empty_like(grouped);
-      per_sample.index_copy_(0, order, grouped);
-      adv = algo::per_token(per_sample, cu);
-      if (kl_reward_coef > 0)
-        adv = adv + algo::discounted_returns(algo::token_rewards(at::zeros_like(scores), kl, cu, kl_reward_coef), cu,
-                                             spec.gamma);
-      ret = adv;
-      break;
-    }
+    in.group_order = at::tensor(by_slot, at::kLong);
+  }
+  const algo::AdvantageOutputs est_out = est.compute(in);
+  const int64_t tokens = logp.numel();
+  auto check_out = [&](const at::Tensor& t, const char* what) {
+    if (!t.defined() || t.dim() != 1 || t.numel() != tokens)
+      throw Error(fmt::format("advantage estimator {}: its {} are {} for {} tokens; return one float per token",
+                              spec.estimator, what, t.defined() ? fmt::format("{} elements", t.numel()) : "undefined",
+                              tokens));
+  };
+  check_out(est_out.advantages, "advantages");
+  at::Tensor adv = est_out.advantages.to(at::kFloat);
+  at::Tensor ret = adv;
+  if (ro.layout.critic) {
+    check_out(est_out.returns, "returns");
+    ret = est_out.returns.to(at::kFloat);
   }
   const Moments adv_raw = moments(adv);
   if (spec.whiten && !spec.skips_whitening() && adv.numel() > 0) adv = algo::whiten(adv);

@@ -5,15 +5,16 @@
 //
 // In order: the score of each sample (rule, remote or reward model), DAPO's overlong penalty,
 // clipping, running normalisation; the KL estimate per token (with a reference model), in the
-// reward or left to the loss; then the estimator: GAE with the critic's values, discounted
-// returns (REINFORCE++), or a group baseline over each prompt's n samples (RLOO, REINFORCE with
-// baseline, GRPO's mean/std, Dr.GRPO's mean), and whitening where it applies.
+// reward or left to the loss; then the registered estimator (tiller/algo/advantage_estimator.h:
+// GAE with the critic's values, discounted returns, a group baseline over each prompt's n samples,
+// or a user's), and whitening unless the estimator's advantages come normalised.
 #pragma once
 
 #include <cstdint>
 #include <utility>
 #include <vector>
 
+#include "tiller/algo/advantage_estimator.h"
 #include "tiller/algo/algo.h"
 #include "tiller/core/config.h"
 #include "tiller/rollout/experience.h"
@@ -22,8 +23,8 @@
 namespace tiller::rollout {
 
 struct AdvantageSpec {
-  AdvantageEstimator estimator = AdvantageEstimator::kGae;
-  KlEstimator kl_estimator = KlEstimator::kK1;
+  std::string estimator = "gae";  // a registered advantage estimator
+  std::string kl_estimator = "k1";  // a registered KL estimator
   bool kl_in_reward = true;
   bool have_ref = false;
   double gamma = 1.0, lambda = 0.95;
@@ -36,8 +37,8 @@ struct AdvantageSpec {
   int64_t max_new_tokens = 0;
 
   static AdvantageSpec from_job(const JobConfig& job, bool have_ref);
-  // Estimators whose advantages are normalised already, so whitening is skipped: GRPO's mean/std,
-  // and Dr.GRPO, which removes the std on purpose.
+  // The estimator's record says its advantages are normalised already (GRPO's mean/std; Dr.GRPO,
+  // which removes the std on purpose): whitening is skipped.
   bool skips_whitening() const;
 };
 

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 
@@ -26,7 +27,7 @@ struct MicroBatchLoss {
 
 struct ActorLossSpec {
   algo::PolicyLossConfig clip;
-  KlEstimator kl_estimator = KlEstimator::kK1;
+  std::string kl_estimator = "k1";  // a registered KL estimator
   double entropy_coef = 0;
   bool old_is_forward = false;  // train.old_logprobs = forward: the ratio's old log-probs are these
 };

@@ -28,6 +28,7 @@
 #include "tiller/model/storage_swap.h"
 #include "tiller/rollout/memory_plan.h"
 #include "tiller/sync/hybrid_handoff.h"
+#include "tiller/algo/advantage_estimator.h"
 #include "tiller/sync/weight_sync.h"
 
 namespace tiller::rollout {
@@ -238,6 +239,9 @@ int run_rank(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& option
 int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& options) {
   // SIGINT/SIGTERM: the controller finishes its step and saves; the other ranks wait for its stop.
   block_stop_signals();
+  // A job built in code (not through algo::load_job) gets the algorithm's checks here, before any
+  // rank starts: every rank sees the same registrations, so every rank refuses alike.
+  algo::check_config(cfg);
 
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
   std::string device_kind = cfg.cluster.device;

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "rollout/batch.h"
+#include "tiller/algo/advantage_estimator.h"
 #include "tiller/core/checked_math.h"
 #include "tiller/core/error.h"
 
@@ -18,7 +19,8 @@ TrainingConfig TrainingConfig::from_job(const JobConfig& job, bool have_ref) {
   c.ppo_epochs = job.algo.ppo_epochs;
   c.micro_batch_tokens = job.train.micro_batch_tokens;
   c.max_new_tokens = job.response_limit();
-  c.dr_grpo = job.algo.advantage_estimator == AdvantageEstimator::kDrGrpo;
+  c.constant_normalizer =
+      algo::advantage_estimator(job.algo.advantage_estimator).loss_normalizer == algo::LossNormalizer::kConstant;
   c.kl_loss = !job.algo.kl_in_reward && have_ref;
   c.seed = static_cast<uint64_t>(job.run.seed);
   c.actor_lr = job.train.actor_lr;
@@ -71,7 +73,7 @@ void TrainingDispatch::start(const StepBatch& batch, const OffPolicy& off_policy
           if (p.role != Role::kActor || !off_policy.masked[static_cast<size_t>(s)]) samples.push_back(s);
         int64_t tokens = 0;
         for (int64_t s : samples) tokens += ro.model_tokens(s);  // multi-turn: observations count nowhere
-        p.normalizers.push_back(cfg_.dr_grpo ? static_cast<double>(samples.size() * cfg_.max_new_tokens)
+        p.normalizers.push_back(cfg_.constant_normalizer ? static_cast<double>(samples.size() * cfg_.max_new_tokens)
                                              : static_cast<double>(std::max<int64_t>(tokens, 1)));
         const int sp = p.group->sequence_parallel;
         p.steps.push_back(plan_rounds(samples, lens, p.group->data_parallel(),

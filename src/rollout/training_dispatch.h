@@ -36,7 +36,7 @@ struct TrainingConfig {
   int64_t micro_batch_tokens = 16384;  // per rank (a sequence group of S ranks takes S times as many)
   double attention_tokens = 0;         // plan_rounds' weight of long samples (0: tokens only)
   int64_t max_new_tokens = 1;
-  bool dr_grpo = false;      // Dr.GRPO's constant normaliser
+  bool constant_normalizer = false;  // the estimator's loss normaliser is constant (Dr.GRPO's)
   bool kl_loss = false;      // the KL term in the actor's loss (a reference, not in the reward)
   uint64_t seed = 0;
   double actor_lr = 0, critic_lr = 0;

@@ -4,7 +4,10 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "../common/error_of.h"
+#include "tiller/algo/advantage_estimator.h"
 #include "tiller/algo/algo.h"
+#include "tiller/core/registry.h"
 #include "tiller/core/error.h"
 
 namespace tiller::algo {
@@ -22,14 +25,46 @@ void expect_values(const at::Tensor& got, std::vector<double> want, double tol =
 TEST(Algo, KlEstimators) {
   // d = logp - ref = [0.5, -1]
   const at::Tensor logp = t({-1.0, -2.0}), ref = t({-1.5, -1.0});
-  expect_values(kl_estimate(logp, ref, KlEstimator::kK1), {0.5, -1.0});
-  expect_values(kl_estimate(logp, ref, KlEstimator::kK2), {0.125, 0.5});
+  expect_values(kl_estimate(logp, ref, "k1"), {0.5, -1.0});
+  expect_values(kl_estimate(logp, ref, "k2"), {0.125, 0.5});
   // exp(-0.5) - 1 + 0.5; exp(1) - 1 - 1
-  expect_values(kl_estimate(logp, ref, KlEstimator::kK3), {std::exp(-0.5) - 0.5, std::exp(1.0) - 2.0});
-  EXPECT_EQ(parse_kl_estimator("k3"), KlEstimator::kK3);
-  EXPECT_THROW(parse_kl_estimator("k4"), ConfigError);
+  expect_values(kl_estimate(logp, ref, "k3"), {std::exp(-0.5) - 0.5, std::exp(1.0) - 2.0});
+  EXPECT_EQ(error_of([&] { kl_estimate(logp, ref, "k4"); }),
+            "algo.kl_estimator = 'k4': not a registered KL estimator (registered: k1, k2, k3); did you mean 'k1'?");
+  EXPECT_THROW(kl_estimate(logp, ref, "k4"), ConfigError);
   // As a loss: coef 2 * (k1 sum = 1 + 0) / 2.
-  expect_values(kl_loss(t({0.0, -1.0}), t({-1.0, -1.0}), KlEstimator::kK1, 2.0, 2.0), {1.0});
+  expect_values(kl_loss(t({0.0, -1.0}), t({-1.0, -1.0}), "k1", 2.0, 2.0), {1.0});
+}
+
+// A user's KL estimator, registered by name, is the one the estimate, the loss (and its gradient)
+// and the config checks use; a wrong-sized result is an error naming it.
+TEST(Algo, ARegisteredKlEstimatorIsTheOneUsed) {
+  static const bool registered = [] {
+    // |d|, as verl's "abs"
+    register_kl_estimator("test_abs", {[](const at::Tensor& logp, const at::Tensor& ref) { return (logp - ref).abs(); },
+                                       "|logp - ref|"});
+    register_kl_estimator("test_short", {[](const at::Tensor& logp, const at::Tensor&) { return logp.narrow(0, 0, 1); },
+                                         "one value short"});
+    return true;
+  }();
+  ASSERT_TRUE(registered);
+  const at::Tensor ref = t({-1.5, -1.0});
+  expect_values(kl_estimate(t({-1.0, -2.0}), ref, "test_abs"), {0.5, 1.0});
+  // d(coef * sum|logp - ref| / normalizer)/dlogp = coef * sign(d) / normalizer = [1, -1] * 3 / 2.
+  at::Tensor logp = t({-1.0, -2.0}).requires_grad_(true);
+  kl_loss(logp, ref, "test_abs", 3.0, 2.0).backward();
+  expect_values(logp.grad(), {1.5, -1.5});
+  EXPECT_EQ(error_of([&] { kl_estimate(t({-1.0, -2.0}), ref, "test_short"); }),
+            "KL estimator test_short: it returned 1 values for 2 log-probs; return one value per token");
+  JobConfig job;
+  job.algo.kl_estimator = "test_abs";
+  EXPECT_NO_THROW(check_config(job));
+  job.algo.kl_estimator = "k5";
+  EXPECT_NE(error_of([&] { check_config(job); }).find("algo.kl_estimator = 'k5': not a registered KL estimator"),
+            std::string::npos);
+  EXPECT_EQ(error_of([&] { register_kl_estimator("k1", {[](const at::Tensor& a, const at::Tensor&) { return a; }, ""}); }),
+            "KL estimator 'k1' is registered already; register each name once");
+  EXPECT_EQ(error_of([&] { register_kl_estimator("test_none", {}); }), "KL estimator 'test_none': no estimate function");
 }
 
 TEST(Algo, TokenRewardsAndShaping) {
@@ -140,6 +175,103 @@ TEST(Algo, KlController) {
   EXPECT_NEAR(adaptive.value(), 0.1 * 1.00512, 1e-12);
   adaptive.update(3.0, 256);  // error -0.5 -> -0.2
   EXPECT_NEAR(adaptive.value(), 0.1 * 1.00512 * (1 - 0.00512), 1e-12);
+}
+
+// --- the advantage-estimator registry (algo/advantage_estimator.h) ---
+
+TEST(AdvantageEstimators, BuiltInsAreRegisteredWithTheirRecords) {
+  // Other tests register their own (test_*): the built-ins are among the names, sorted.
+  std::vector<std::string> builtin;
+  for (const std::string& n : advantage_estimator_names())
+    if (n.rfind("test_", 0) != 0) builtin.push_back(n);
+  EXPECT_EQ(builtin,
+            (std::vector<std::string>{"dr_grpo", "gae", "group_norm", "reinforce", "reinforce_baseline", "rloo"}));
+  EXPECT_TRUE(advantage_estimator("gae").needs_critic);
+  EXPECT_FALSE(advantage_estimator("gae").group_baseline);
+  for (const char* g : {"rloo", "reinforce_baseline", "group_norm", "dr_grpo"}) {
+    EXPECT_TRUE(advantage_estimator(g).group_baseline) << g;
+    EXPECT_FALSE(advantage_estimator(g).needs_critic) << g;
+  }
+  EXPECT_TRUE(advantage_estimator("group_norm").normalized);
+  EXPECT_TRUE(advantage_estimator("dr_grpo").normalized);
+  EXPECT_FALSE(advantage_estimator("rloo").normalized);
+  EXPECT_EQ(advantage_estimator("dr_grpo").loss_normalizer, LossNormalizer::kConstant);
+  EXPECT_EQ(advantage_estimator("group_norm").loss_normalizer, LossNormalizer::kTokenMean);
+}
+
+TEST(AdvantageEstimators, AnUnknownNameIsRefusedWithTheRegisteredOnesAndTheClosest) {
+  JobConfig job;
+  job.roles.critic.enabled = false;
+  job.rollout.n_samples_per_prompt = 4;
+  job.algo.advantage_estimator = "group_nrom";
+  const std::string msg = error_of([&] { check_config(job); });
+  EXPECT_EQ(msg.rfind("algo.advantage_estimator = 'group_nrom': not a registered advantage estimator (registered: ", 0),
+            0u)
+      << msg;
+  EXPECT_NE(msg.find("gae, group_norm,"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("; did you mean 'group_norm'?"), std::string::npos) << msg;
+  EXPECT_THROW(check_config(job), ConfigError);
+  job.algo.advantage_estimator = "group_norm";
+  EXPECT_NO_THROW(check_config(job));
+}
+
+// check_config asks the record, for built-ins and a user's alike.
+TEST(AdvantageEstimators, TheConfigChecksAskTheRecord) {
+  JobConfig job;
+  job.roles.critic.enabled = false;
+  job.algo.advantage_estimator = "gae";
+  EXPECT_NE(error_of([&] { check_config(job); }).find("gae needs a critic; set roles.critic.enabled=true or choose "
+                                                      "one without: dr_grpo, group_norm, reinforce"),
+            std::string::npos);
+  job.algo.advantage_estimator = "rloo";
+  job.rollout.n_samples_per_prompt = 1;
+  EXPECT_NE(error_of([&] { check_config(job); }).find("rloo compares samples of one prompt; set "
+                                                      "rollout.n_samples_per_prompt >= 2 (it is 1)"),
+            std::string::npos);
+  job.roles.critic.enabled = true;
+  job.algo.advantage_estimator = "reinforce";
+  EXPECT_NE(error_of([&] { check_config(job); }).find("reinforce does not use a critic"), std::string::npos);
+
+  static const bool registered = [] {
+    AdvantageEstimatorDef d;
+    d.needs_critic = true;
+    d.compute = [](const AdvantageInputs& in) { return AdvantageOutputs{in.rewards - in.values, in.rewards}; };
+    register_advantage_estimator("test_td0", d);
+    return true;
+  }();
+  ASSERT_TRUE(registered);
+  job.algo.advantage_estimator = "test_td0";
+  EXPECT_NO_THROW(check_config(job));
+  job.roles.critic.enabled = false;
+  EXPECT_NE(error_of([&] { check_config(job); }).find("test_td0 needs a critic"), std::string::npos);
+}
+
+TEST(AdvantageEstimators, RegistrationRefusesDuplicatesBadNamesAndNoFunction) {
+  AdvantageEstimatorDef d;
+  d.compute = [](const AdvantageInputs& in) { return AdvantageOutputs{in.rewards, in.rewards}; };
+  EXPECT_EQ(error_of([&] { register_advantage_estimator("gae", d); }),
+            "advantage estimator 'gae' is registered already; register each name once");
+  EXPECT_EQ(error_of([&] { register_advantage_estimator("My Estimator", d); }),
+            "advantage estimator name 'My Estimator': use 1 to 64 of a-z, 0-9, '_', '.', '-'");
+  EXPECT_EQ(error_of([&] { register_advantage_estimator("test_no_function", AdvantageEstimatorDef{}); }),
+            "advantage estimator 'test_no_function': no compute function");
+  EXPECT_FALSE(advantage_estimator_names().empty());
+  for (const std::string& n : advantage_estimator_names()) EXPECT_NE(n, "test_no_function");
+}
+
+// The mechanism itself, on a registry of its own.
+TEST(Registry, FindsAtAndNames) {
+  Registry<int> r("widget");
+  r.add("b", 2);
+  r.add("a", 1);
+  EXPECT_EQ(r.names(), (std::vector<std::string>{"a", "b"}));
+  ASSERT_NE(r.find("a"), nullptr);
+  EXPECT_EQ(*r.find("a"), 1);
+  EXPECT_EQ(r.find("c"), nullptr);
+  EXPECT_EQ(r.at("b", "x.widget"), 2);
+  EXPECT_EQ(error_of([&] { r.at("bb", "x.widget"); }),
+            "x.widget = 'bb': not a registered widget (registered: a, b); did you mean 'b'?");
+  EXPECT_EQ(error_of([&] { r.at("zzzz", "x.widget"); }), "x.widget = 'zzzz': not a registered widget (registered: a, b)");
 }
 
 }  // namespace

@@ -51,7 +51,7 @@ timeouts: {collective_s: 1.5}
   EXPECT_EQ(c.roles.actor.gpus, 4);
   EXPECT_EQ(c.roles.actor.dtype, "fp32");
   EXPECT_FALSE(c.roles.critic.enabled);
-  EXPECT_EQ(c.algo.advantage_estimator, AdvantageEstimator::kGroupNorm);
+  EXPECT_EQ(c.algo.advantage_estimator, "group_norm");
   EXPECT_DOUBLE_EQ(c.algo.kl_coef, 0.05);
   EXPECT_DOUBLE_EQ(c.timeouts.collective_s, 1.5);
 }
@@ -110,8 +110,6 @@ TEST(Config, OutOfRangeAndChoices) {
   EXPECT_EQ(msg, "j.yaml:2: engines.tp = 0 is out of range: must be in [1, 64]");
   msg = config_error([] { parse_config("rollout:\n  top_p: 1.5\n", "j.yaml"); });
   EXPECT_EQ(msg, "j.yaml:2: rollout.top_p = 1.5 is out of range: must be in [0, 1]");
-  msg = config_error([] { parse_config("algo:\n  kl_estimator: k4\n", "j.yaml"); });
-  EXPECT_EQ(msg, "j.yaml:2: algo.kl_estimator = 'k4' is not one of k1, k2, k3");
 }
 
 // Every number a user gives has an upper bound, so no sum or product of a few of them wraps and
@@ -173,12 +171,6 @@ TEST(Config, SetErrors) {
 }
 
 TEST(Config, CrossKeyChecks) {
-  EXPECT_NE(config_error([] { parse_config("algo: {advantage_estimator: gae}\nroles: {critic: {enabled: false}}", "j"); })
-                .find("needs a critic"),
-            std::string::npos);
-  EXPECT_NE(config_error([] { parse_config("algo: {advantage_estimator: rloo}\nroles: {critic: {enabled: false}}", "j"); })
-                .find("n_samples_per_prompt >= 2"),
-            std::string::npos);
   EXPECT_NE(config_error([] { parse_config("reward: {type: model}", "j"); }).find("needs the reward role"),
             std::string::npos);
   EXPECT_NE(config_error([] { parse_config("roles: {critic: {colocate_with: critic}}", "j"); }).find("itself"),

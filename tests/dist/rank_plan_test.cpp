@@ -23,7 +23,7 @@ JobConfig make_config(const Layout& l) {
   c.roles.actor.gpus = l.actor;
   c.roles.critic.enabled = l.critic > 0;
   c.roles.critic.gpus = std::max(l.critic, 1);
-  if (l.critic == 0) c.algo.advantage_estimator = AdvantageEstimator::kReinforce;
+  if (l.critic == 0) c.algo.advantage_estimator = "reinforce";
   c.roles.ref.colocate_with = l.ref_with;
   c.roles.ref.gpus = l.ref_gpus;
   c.roles.reward.enabled = l.reward > 0 || !l.reward_with.empty();

@@ -3,9 +3,10 @@
 # WORK_DIR/prefix, then, as a user who links tiller into a trainer would (find_package(Tiller)):
 #   consumer        builds tests/install/consumer and runs it, then the installed CLI
 #   custom_trainer  builds examples/custom_trainer, trains the quickstart with its own reward
-#                   (reward.rule=label_digits) under mpirun and checks the reward rises (below
-#                   0.15 in steps 1-3, above 0.3 in steps 28-30); the stock
-#                   tiller binary must refuse that rule (only the example registers it)
+#                   (reward.rule=label_digits) and advantage estimator (clipped_gae) under mpirun
+#                   and checks the reward rises (below 0.15 in steps 1-3, above 0.3 in steps
+#                   28-30); the stock tiller binary must refuse the estimator, and then the rule
+#                   (only the example registers them)
 set -euo pipefail
 mode=$1; build=$2; work=$3; prefix_path=$4; cmake=$5; mpirun=${6:-mpirun}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -33,12 +34,22 @@ python3 "$repo/scripts/make_quickstart.py" "$work/model" "$work/prompts.jsonl" >
 sets=(--set "roles.actor.model=$work/model" --set "roles.critic.model=$work/model"
       --set "data.prompts=$work/prompts.jsonl" --set "run.output_dir=$work/out"
       --set "checkpoint.dir=$work/out/checkpoints" --set reward.rule=label_digits)
-run() { "$mpirun" --oversubscribe --allow-run-as-root -np 4 "$@" train -c "$repo/configs/quickstart.yaml" "${sets[@]}"; }
-if run "$work/prefix/bin/tiller" > "$work/stock.log" 2>&1; then
-  echo "FAIL: the stock tiller accepted reward.rule=label_digits" >&2; exit 1
-fi
-grep -q "label_digits" "$work/stock.log" || { echo "FAIL: the stock tiller's error does not name the rule:" >&2; tail -5 "$work/stock.log" >&2; exit 1; }
-echo "stock tiller: $(grep -m1 'tiller: error' "$work/stock.log")"
+run() {  # BINARY [--set ...]
+  local bin=$1; shift
+  "$mpirun" --oversubscribe --allow-run-as-root -np 4 "$bin" train -c "$repo/configs/quickstart.yaml" "${sets[@]}" "$@"
+}
+stock_refuses() {  # WHAT: the stock tiller fails, naming WHAT
+  if run "$work/prefix/bin/tiller" "${@:2}" > "$work/stock.log" 2>&1; then
+    echo "FAIL: the stock tiller accepted $1" >&2; exit 1
+  fi
+  grep -q "$1" "$work/stock.log" || { echo "FAIL: the stock tiller's error does not name $1:" >&2; tail -5 "$work/stock.log" >&2; exit 1; }
+  echo "stock tiller: $(grep -m1 'tiller: error' "$work/stock.log")"
+}
+stock_refuses clipped_gae --set algo.advantage_estimator=clipped_gae
+stock_refuses label_digits
+sets+=(--set algo.advantage_estimator=clipped_gae)
+# The estimator's name reaches the job only through the example's registration (the stock binary
+# refused it above), so a run that trains is a run with it.
 run "$work/build/custom_trainer" > "$work/train.log" 2>&1 || { tail -40 "$work/train.log" >&2; exit 1; }
 python3 - "$work/out/metrics.jsonl" <<'PY'
 import json, sys

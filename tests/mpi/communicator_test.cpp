@@ -294,7 +294,7 @@ TEST(GroupCommunicators, FromRankPlan) {
   const int p = comm().size(), me = comm().rank();
   JobConfig c;
   c.roles.critic.enabled = false;
-  c.algo.advantage_estimator = AdvantageEstimator::kReinforce;
+  c.algo.advantage_estimator = "reinforce";
   if (p == 4) {
     c.roles.actor.gpus = 1;
     c.engines.count = 1;

@@ -12,8 +12,10 @@
 #include <numeric>
 #include <set>
 
+#include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "../common/error_of.h"
 #include "../core/faulty_file_system.h"
 #include "rollout/advantages.h"
 #include "rollout/checkpoint_manager.h"
@@ -73,7 +75,7 @@ Rollout two_groups() {
   return ro;
 }
 
-AdvantageSpec group_spec(AdvantageEstimator e) {
+AdvantageSpec group_spec(const std::string& e) {
   AdvantageSpec s;
   s.estimator = e;
   s.n = 2;
@@ -85,27 +87,66 @@ TEST(Advantages, GroupBaselinesEqualTheHandComputedValues) {
   const Rollout ro = two_groups();  // token order: (1,1)x2, (0,0)x2, (1,0), (0,1)
   // GRPO: prompt 0 scores {1, 0}: mean 0.5, std (Bessel) sqrt(0.5) -> +-0.5 / 0.70711; prompt 1: 0.
   const double z = 0.5 / (std::sqrt(0.5) + 1e-6);
-  expect_near(compute_advantages(ro, group_spec(AdvantageEstimator::kGroupNorm), {}).advantages, {0, 0, z, z, 0, -z});
+  expect_near(compute_advantages(ro, group_spec("group_norm"), {}).advantages, {0, 0, z, z, 0, -z});
   // RLOO: r_i minus the mean of the other: {1 - 0, 0 - 1} and {0, 0}.
-  expect_near(compute_advantages(ro, group_spec(AdvantageEstimator::kRloo), {}).advantages, {0, 0, 1, 1, 0, -1});
+  expect_near(compute_advantages(ro, group_spec("rloo"), {}).advantages, {0, 0, 1, 1, 0, -1});
   // REINFORCE with baseline and Dr.GRPO: minus the group mean.
-  for (auto e : {AdvantageEstimator::kReinforceBaseline, AdvantageEstimator::kDrGrpo})
+  for (auto e : {"reinforce_baseline", "dr_grpo"})
     expect_near(compute_advantages(ro, group_spec(e), {}).advantages, {0, 0, 0.5, 0.5, 0, -0.5});
 }
 
 TEST(Advantages, WhiteningSkipsOnlyGrpoAndDrGrpo) {
   const Rollout ro = two_groups();
-  for (auto e : {AdvantageEstimator::kRloo, AdvantageEstimator::kReinforceBaseline}) {
+  for (auto e : {"rloo", "reinforce_baseline"}) {
     AdvantageSpec s = group_spec(e);
     s.whiten = true;
     const auto a = compute_advantages(ro, s, {}).advantages;
     double mean = 0;
     for (float v : a) mean += v;
-    EXPECT_NEAR(mean / a.size(), 0.0, 1e-5) << enum_name(e);  // whitened
+    EXPECT_NEAR(mean / a.size(), 0.0, 1e-5) << e;  // whitened
   }
-  AdvantageSpec s = group_spec(AdvantageEstimator::kDrGrpo);
+  AdvantageSpec s = group_spec("dr_grpo");
   s.whiten = true;
   expect_near(compute_advantages(ro, s, {}).advantages, {0, 0, 0.5, 0.5, 0, -0.5});
+}
+
+// A user's estimator, registered by name, is the one compute_advantages runs: 3 x score - 1 on every
+// token of the sample, values no built-in gives; its record (normalized) turns whitening off, and
+// as a group estimator it is handed the groups' order.
+TEST(Advantages, ARegisteredEstimatorIsTheOneUsed) {
+  static const bool registered = [] {
+    algo::AdvantageEstimatorDef d;
+    d.group_baseline = true;
+    d.normalized = true;
+    d.compute = [](const algo::AdvantageInputs& in) {
+      if (!in.group_order.defined() || in.n != 2 || in.values.defined())
+        throw Error("the inputs of a group estimator without a critic are not what they should be");
+      const at::Tensor a = algo::per_token(in.scores * 3 - 1, in.cu);
+      return algo::AdvantageOutputs{a, a};
+    };
+    algo::register_advantage_estimator("test_three_score_minus_one", d);
+    return true;
+  }();
+  ASSERT_TRUE(registered);
+  const Rollout ro = two_groups();  // scores 0.5 (2 tokens), 1.0 (2), 0.5 (1), 0.0 (1)
+  AdvantageSpec s = group_spec("test_three_score_minus_one");
+  s.whiten = true;
+  expect_near(compute_advantages(ro, s, {}).advantages, {0.5, 0.5, 2, 2, 0.5, -1});
+  // Its outputs are checked: one float per token, or a clear error naming it.
+  static const bool short_one = [] {
+    algo::AdvantageEstimatorDef d;
+    d.compute = [](const algo::AdvantageInputs& in) {
+      const at::Tensor a = at::zeros({in.rewards.numel() - 1});
+      return algo::AdvantageOutputs{a, a};
+    };
+    algo::register_advantage_estimator("test_one_short", d);
+    return true;
+  }();
+  ASSERT_TRUE(short_one);
+  s = group_spec("test_one_short");
+  EXPECT_EQ(error_of([&] { compute_advantages(ro, s, {}); }),
+            "advantage estimator test_one_short: its advantages are 5 elements for 6 tokens; return one float per "
+            "token");
 }
 
 TEST(Advantages, GaeAndReinforceWithTheKlInTheReward) {
@@ -118,7 +159,7 @@ TEST(Advantages, GaeAndReinforceWithTheKlInTheReward) {
   ro.ref_logp = {-1.5f, -2.f};
   ro.values = {0.5f, 0.6f};
   AdvantageSpec s;
-  s.estimator = AdvantageEstimator::kGae;
+  s.estimator = "gae";
   s.have_ref = true;
   s.gamma = s.lambda = 1.0;
   s.whiten = false;
@@ -128,7 +169,7 @@ TEST(Advantages, GaeAndReinforceWithTheKlInTheReward) {
   EXPECT_NEAR(r.kl_mean_per_sample, 0.5, 1e-6);
   EXPECT_NEAR(metric(r.metrics, "kl/coef"), 0.1, 1e-12);
   // REINFORCE++, gamma 0.5: [-0.05 + 0.5 * 1.0, 1.0].
-  s.estimator = AdvantageEstimator::kReinforce;
+  s.estimator = "reinforce";
   s.gamma = 0.5;
   expect_near(compute_advantages(ro, s, {0.1, {}}).advantages, {0.45, 1.0});
 }
@@ -142,7 +183,7 @@ TEST(Advantages, RewardShapingAndItsState) {
   Rollout ro;
   add_sample(ro, 0, 0, 8, 1.0f);
   add_sample(ro, 0, 1, 2, 1.0f);
-  AdvantageSpec s = group_spec(AdvantageEstimator::kDrGrpo);
+  AdvantageSpec s = group_spec("dr_grpo");
   s.max_new_tokens = 10;
   s.overlong_buffer = 4;
   // Scores 1 - 0.5 and 1: mean 0.75 -> [-0.25] x 8 and [0.25] x 2.
@@ -303,7 +344,7 @@ struct Job {
     out = scratch(name);
     cfg.roles.actor.model = "unused";
     cfg.roles.critic.enabled = critic;
-    cfg.algo.advantage_estimator = critic ? AdvantageEstimator::kGae : AdvantageEstimator::kGroupNorm;
+    cfg.algo.advantage_estimator = critic ? "gae" : "group_norm";
     cfg.rollout.batch_size = 4;
     cfg.rollout.n_samples_per_prompt = 2;
     cfg.rollout.max_new_tokens = 64;

@@ -163,7 +163,7 @@ TEST(MemoryPlan, SeparatePoolsPlanTrainersAndEnginesApart) {
   JobConfig c;
   c.roles.actor.gpus = 2;
   c.engines.count = 2;
-  c.algo.advantage_estimator = AdvantageEstimator::kGroupNorm;
+  c.algo.advantage_estimator = "group_norm";
   c.roles.critic.enabled = false;
   c.rollout.n_samples_per_prompt = 4;
   c.engines.max_num_seqs = 4096;
@@ -184,7 +184,7 @@ TEST(MemoryPlan, RecomputeAutoKeepsTheMostActivationsThatFit) {
   JobConfig c;
   c.roles.actor.gpus = 4;
   c.engines.count = 1;
-  c.algo.advantage_estimator = AdvantageEstimator::kGroupNorm;
+  c.algo.advantage_estimator = "group_norm";
   c.roles.critic.enabled = false;
   c.roles.ref.enabled = false;
   c.rollout.n_samples_per_prompt = 4;

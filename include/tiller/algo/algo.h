@@ -15,7 +15,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -24,12 +26,24 @@
 namespace tiller::algo {
 
 // --- KL ---
-// Per-token estimators of KL(policy || reference) from the sampled tokens' log-probs (Schulman,
+// Per-token estimators of KL(policy || reference) from the sampled tokens' log-probs, by name
+// (algo.kl_estimator) in a registry (core/registry.h; docs/library.md). Built in (Schulman,
 // "Approximating KL divergence"), with d = logp - ref_logp: k1 = d, k2 = d^2 / 2,
-// k3 = exp(-d) - 1 + d (unbiased and never negative).
-using KlEstimator = tiller::KlEstimator;                  // the config's enum (algo.kl_estimator)
-KlEstimator parse_kl_estimator(const std::string& name);  // "k1", "k2", "k3"; ConfigError otherwise
-at::Tensor kl_estimate(const at::Tensor& logp, const at::Tensor& ref_logp, KlEstimator k);
+// k3 = exp(-d) - 1 + d (unbiased and never negative). A user's: register_kl_estimator before
+// tiller::run_main; `estimate` maps [T] log-probs to [T] estimates, differentiable in logp (the KL
+// loss's gradient flows through it), on the inputs' device.
+struct KlEstimatorDef {
+  std::function<at::Tensor(const at::Tensor& logp, const at::Tensor& ref_logp)> estimate;
+  std::string summary;  // one line
+};
+// A ConfigError for an invalid name, one registered already, or no function.
+void register_kl_estimator(const std::string& name, KlEstimatorDef def);
+// The estimator registered as `name`; a ConfigError naming algo.kl_estimator, the registered names
+// and the closest one otherwise.
+const KlEstimatorDef& kl_estimator(const std::string& name);
+std::vector<std::string> kl_estimator_names();
+// The named estimator on these log-probs; its result is checked to be one value per token.
+at::Tensor kl_estimate(const at::Tensor& logp, const at::Tensor& ref_logp, const std::string& estimator);
 
 // --- Rewards ---
 // Token rewards for KL in the reward: -kl_coef * kl on every token, plus each sample's score on
@@ -115,7 +129,8 @@ ValueLoss value_loss(const at::Tensor& values, const at::Tensor& old_values, con
 // -coef * sum(entropy) / normalizer: added to the policy loss, it rewards entropy.
 at::Tensor entropy_bonus(const at::Tensor& entropy, double coef, double normalizer);
 // KL as a loss: coef * sum(kl_estimate(logp, ref_logp, k)) / normalizer (differentiable in logp).
-at::Tensor kl_loss(const at::Tensor& logp, const at::Tensor& ref_logp, KlEstimator k, double coef, double normalizer);
+at::Tensor kl_loss(const at::Tensor& logp, const at::Tensor& ref_logp, const std::string& estimator, double coef,
+                   double normalizer);
 
 // Truncated importance-sampling weights exp(trainer_logp - engine_logp) capped at `cap` (TIS):
 // corrects for the engine sampling from slightly different probabilities than the trainer's.

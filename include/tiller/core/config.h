@@ -22,8 +22,6 @@ struct EnumNames;
 
 enum class RolloutMode { kSync, kAsync };
 enum class StalePolicy { kWait, kDrop };
-enum class AdvantageEstimator { kGae, kReinforce, kRloo, kReinforceBaseline, kGroupNorm, kDrGrpo };
-enum class KlEstimator { kK1, kK2, kK3 };
 enum class ImportanceCorrection { kNone, kTis, kDecoupled };
 enum class RewardType { kModel, kRule, kRemote, kPython, kEnv };
 
@@ -34,15 +32,6 @@ struct EnumNames<RolloutMode> {
 template <>
 struct EnumNames<StalePolicy> {
   static constexpr std::array<std::string_view, 2> names = {"wait", "drop"};
-};
-template <>
-struct EnumNames<AdvantageEstimator> {
-  static constexpr std::array<std::string_view, 6> names = {"gae",        "reinforce", "rloo", "reinforce_baseline",
-                                                            "group_norm", "dr_grpo"};
-};
-template <>
-struct EnumNames<KlEstimator> {
-  static constexpr std::array<std::string_view, 3> names = {"k1", "k2", "k3"};
 };
 template <>
 struct EnumNames<ImportanceCorrection> {
@@ -165,7 +154,9 @@ struct RolloutConfig {
 };
 
 struct AlgoConfig {
-  AdvantageEstimator advantage_estimator = AdvantageEstimator::kGae;
+  // A name in the advantage-estimator registry (tiller/algo/advantage_estimator.h; checked by
+  // algo::check_config, which knows what a trainer of one's own registered).
+  std::string advantage_estimator = "gae";
   double gamma = 1.0;
   double lambd = 0.95;
   double clip_eps_low = 0.2;
@@ -173,7 +164,7 @@ struct AlgoConfig {
   double dual_clip = 0.0;
   double value_clip = 0.2;
   double kl_coef = 0.01;
-  KlEstimator kl_estimator = KlEstimator::kK1;
+  std::string kl_estimator = "k1";  // a name in the KL-estimator registry (tiller/algo/algo.h)
   bool kl_in_reward = true;
   double target_kl = 0.0;
   double kl_horizon = 10000.0;

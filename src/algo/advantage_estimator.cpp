@@ -1,0 +1,116 @@
+#include "tiller/algo/advantage_estimator.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include "tiller/algo/algo.h"
+#include "tiller/core/registry.h"
+
+namespace tiller::algo {
+namespace {
+
+AdvantageOutputs gae_estimate(const AdvantageInputs& in) {
+  AdvantagesReturns ar = gae(in.rewards, in.values, in.cu, in.gamma, in.lambda);
+  return {ar.advantages, ar.returns};
+}
+
+AdvantageOutputs reinforce_estimate(const AdvantageInputs& in) {
+  at::Tensor adv = discounted_returns(in.rewards, in.cu, in.gamma);
+  return {adv, adv};
+}
+
+// A per-sample group baseline on every token of the sample; with KL in the reward, each token also
+// carries the discounted KL penalty that follows it.
+AdvantageOutputs group_estimate(const AdvantageInputs& in, GroupBaseline kind) {
+  at::Tensor grouped = group_advantages(in.scores.index_select(0, in.group_order), in.n, kind);
+  at::Tensor per_sample = at::empty_like(grouped);
+  per_sample.index_copy_(0, in.group_order, grouped);
+  at::Tensor adv = per_token(per_sample, in.cu);
+  if (in.kl_coef > 0)
+    adv = adv + discounted_returns(token_rewards(at::zeros_like(in.scores), in.kl, in.cu, in.kl_coef), in.cu,
+                                   in.gamma);
+  return {adv, adv};
+}
+
+AdvantageEstimatorDef group_def(GroupBaseline kind, bool normalized, LossNormalizer norm, std::string summary) {
+  AdvantageEstimatorDef d;
+  d.compute = [kind](const AdvantageInputs& in) { return group_estimate(in, kind); };
+  d.group_baseline = true;
+  d.normalized = normalized;
+  d.loss_normalizer = norm;
+  d.summary = std::move(summary);
+  return d;
+}
+
+void add_checked(Registry<AdvantageEstimatorDef>& r, const std::string& name, AdvantageEstimatorDef def) {
+  if (!def.compute) throw ConfigError(fmt::format("advantage estimator '{}': no compute function", name));
+  r.add(name, std::move(def));
+}
+
+// The registry, the built-ins added on first use (through the same call as a user's).
+Registry<AdvantageEstimatorDef>& registry() {
+  static Registry<AdvantageEstimatorDef>* r = [] {
+    auto* reg = new Registry<AdvantageEstimatorDef>("advantage estimator");
+    AdvantageEstimatorDef gae_def;
+    gae_def.compute = gae_estimate;
+    gae_def.needs_critic = true;
+    gae_def.summary = "GAE with the critic's values (PPO)";
+    add_checked(*reg, "gae", std::move(gae_def));
+    AdvantageEstimatorDef reinforce_def;
+    reinforce_def.compute = reinforce_estimate;
+    reinforce_def.summary = "discounted reward-to-go (REINFORCE++)";
+    add_checked(*reg, "reinforce", std::move(reinforce_def));
+    add_checked(*reg, "rloo", group_def(GroupBaseline::kRloo, false, LossNormalizer::kTokenMean,
+                                        "score minus the mean of the prompt's other samples (RLOO)"));
+    add_checked(*reg, "reinforce_baseline",
+                group_def(GroupBaseline::kMean, false, LossNormalizer::kTokenMean,
+                          "score minus the prompt's mean (REINFORCE with baseline)"));
+    add_checked(*reg, "group_norm", group_def(GroupBaseline::kMeanStd, true, LossNormalizer::kTokenMean,
+                                              "score normalised by the prompt's mean and std (GRPO)"));
+    add_checked(*reg, "dr_grpo", group_def(GroupBaseline::kMean, true, LossNormalizer::kConstant,
+                                           "score minus the prompt's mean, loss over a constant (Dr.GRPO)"));
+    return reg;
+  }();
+  return *r;
+}
+
+}  // namespace
+
+void register_advantage_estimator(const std::string& name, AdvantageEstimatorDef def) {
+  add_checked(registry(), name, std::move(def));
+}
+
+const AdvantageEstimatorDef& advantage_estimator(const std::string& name) {
+  return registry().at(name, "algo.advantage_estimator");
+}
+
+std::vector<std::string> advantage_estimator_names() { return registry().names(); }
+
+void check_config(const JobConfig& job) {
+  kl_estimator(job.algo.kl_estimator);
+  const std::string& name = job.algo.advantage_estimator;
+  const AdvantageEstimatorDef& est = advantage_estimator(name);
+  if (est.needs_critic && !job.roles.critic.enabled) {
+    std::vector<std::string> without;
+    for (const std::string& n : advantage_estimator_names())
+      if (!advantage_estimator(n).needs_critic) without.push_back(n);
+    throw ConfigError(fmt::format("algo.advantage_estimator = {} needs a critic; set roles.critic.enabled=true or "
+                                  "choose one without: {}",
+                                  name, fmt::join(without, ", ")));
+  }
+  if (!est.needs_critic && job.roles.critic.enabled)
+    throw ConfigError(
+        fmt::format("algo.advantage_estimator = {} does not use a critic; set roles.critic.enabled=false", name));
+  if (est.group_baseline && job.rollout.n_samples_per_prompt < 2)
+    throw ConfigError(fmt::format("algo.advantage_estimator = {} compares samples of one prompt; set "
+                                  "rollout.n_samples_per_prompt >= 2 (it is {})",
+                                  name, job.rollout.n_samples_per_prompt));
+}
+
+JobConfig load_job(const std::string& path, const std::vector<std::string>& overrides) {
+  JobConfig job = load_config(path, overrides);
+  check_config(job);
+  return job;
+}
+
+}  // namespace tiller::algo
