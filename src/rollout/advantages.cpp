@@ -193,11 +193,11 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
                               tokens));
   };
   check_out(est_out.advantages, "advantages");
-  at::Tensor adv = est_out.advantages.to(at::kFloat);
+  at::Tensor adv = est_out.advantages.to(at::kCPU, at::kFloat);
   at::Tensor ret = adv;
   if (ro.layout.critic) {
     check_out(est_out.returns, "returns");
-    ret = est_out.returns.to(at::kFloat);
+    ret = est_out.returns.to(at::kCPU, at::kFloat);
   }
   const Moments adv_raw = moments(adv);
   if (spec.whiten && !spec.skips_whitening() && adv.numel() > 0) adv = algo::whiten(adv);
