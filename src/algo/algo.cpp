@@ -257,6 +257,61 @@ PolicyLoss policy_loss(const at::Tensor& logp, const at::Tensor& old_logp, const
   return out;
 }
 
+PolicyLoss pg_loss(const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
+                   double normalizer, const at::Tensor& is_weights) {
+  check_same(logp, old_logp, "pg_loss");
+  check_same(logp, advantages, "pg_loss");
+  TILLER_CHECK(normalizer > 0, "pg_loss: normalizer must be > 0");
+  at::Tensor loss = -advantages.detach().to(logp.scalar_type()) * logp;
+  if (is_weights.defined()) {
+    check_same(logp, is_weights, "pg_loss is_weights");
+    loss = loss * is_weights.detach().to(loss.scalar_type());
+  }
+  PolicyLoss out;
+  out.loss = loss.sum() / normalizer;
+  out.tokens = logp.numel();
+  out.clipped_tokens = at::zeros({}, logp.options().dtype(at::kDouble));
+  out.kl_sum = (old_logp.detach() - logp.detach()).to(at::kDouble).sum();
+  return out;
+}
+
+namespace {
+
+void add_policy_loss(Registry<PolicyLossDef>& r, const std::string& name, PolicyLossDef def) {
+  if (!def.compute) throw ConfigError(fmt::format("policy loss '{}': no compute function", name));
+  r.add(name, std::move(def));
+}
+
+Registry<PolicyLossDef>& policy_loss_registry() {
+  static Registry<PolicyLossDef>* r = [] {
+    auto* reg = new Registry<PolicyLossDef>("policy loss");
+    add_policy_loss(*reg, "ppo",
+                    {[](const PolicyLossInputs& in) {
+                       return policy_loss(in.logp, in.old_logp, in.advantages, in.clip, in.normalizer, in.is_weights);
+                     },
+                     "PPO's clipped surrogate (clip-higher, dual clip)"});
+    add_policy_loss(*reg, "pg",
+                    {[](const PolicyLossInputs& in) {
+                       return pg_loss(in.logp, in.old_logp, in.advantages, in.normalizer, in.is_weights);
+                     },
+                     "-A * logp, no ratio or clipping (GPG)"});
+    return reg;
+  }();
+  return *r;
+}
+
+}  // namespace
+
+void register_policy_loss(const std::string& name, PolicyLossDef def) {
+  add_policy_loss(policy_loss_registry(), name, std::move(def));
+}
+
+const PolicyLossDef& policy_loss_def(const std::string& name) {
+  return policy_loss_registry().at(name, "algo.policy_loss");
+}
+
+std::vector<std::string> policy_loss_names() { return policy_loss_registry().names(); }
+
 namespace {
 double per_token(const at::Tensor& sum, int64_t tokens) {
   return tokens > 0 && sum.defined() ? sum.item<double>() / static_cast<double>(tokens) : 0.0;

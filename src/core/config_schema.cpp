@@ -229,6 +229,10 @@ std::vector<Field> build() {
         "A registered advantage estimator. Built in: gae (PPO with a critic), reinforce (REINFORCE++), rloo, "
         "reinforce_baseline, group_norm (GRPO), dr_grpo; a trainer of your own registers more "
         "(docs/library.md).");
+  b.add("algo.policy_loss", TILLER_FIELD(algo.policy_loss),
+        "A registered policy loss. Built in: ppo (the clipped surrogate, with clip_eps_low/high and dual_clip), pg "
+        "(-A * logp, no ratio or clipping: GPG); a trainer of your own registers more (docs/library.md). The KL loss "
+        "and the entropy bonus are added to it.");
   b.add("algo.gamma", TILLER_FIELD(algo.gamma), "Discount factor.").range(0.0, 1.0);
   b.add("algo.lambd", TILLER_FIELD(algo.lambd), "GAE lambda.").range(0.0, 1.0);
   b.add("algo.clip_eps_low", TILLER_FIELD(algo.clip_eps_low), "PPO ratio clip below 1.").range(0.0, 1.0);

@@ -1,6 +1,7 @@
 #include "rollout/losses.h"
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 
 #include "model/host_upload.h"
 #include "tiller/core/error.h"
@@ -39,8 +40,23 @@ MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy
   if (out.tokens == 0) return out;
   const at::Tensor old = spec.old_is_forward ? logp.detach() : pick(in.old_logp);
   const at::Tensor is_w = in.is_weights.defined() ? pick(in.is_weights) : at::Tensor();
-  algo::PolicyLoss pl = algo::policy_loss(logp, old, pick(in.advantages), spec.clip, in.normalizer, is_w);
-  out.loss = pl.loss;
+  algo::PolicyLossInputs pin;
+  pin.logp = logp;
+  pin.old_logp = old;
+  pin.advantages = pick(in.advantages);
+  pin.is_weights = is_w;
+  if (in.ref_logp.defined()) pin.ref_logp = pick(in.ref_logp);
+  pin.clip = spec.clip;
+  pin.normalizer = in.normalizer;
+  algo::PolicyLoss pl = algo::policy_loss_def(spec.policy_loss).compute(pin);
+  if (!pl.loss.defined() || pl.loss.numel() != 1)
+    throw Error(fmt::format("policy loss {}: it returned {}; return a scalar", spec.policy_loss,
+                            pl.loss.defined() ? fmt::format("{} values", pl.loss.numel()) : "no loss"));
+  const at::Tensor zero = at::zeros({}, logp.options().dtype(at::kDouble));
+  auto stat = [&](const at::Tensor& t) { return t.defined() ? t.detach().to(logp.device(), at::kDouble).reshape({}) : zero; };
+  pl.clipped_tokens = stat(pl.clipped_tokens);
+  pl.kl_sum = stat(pl.kl_sum);
+  out.loss = pl.loss.reshape({});
   if (in.kl_coef > 0 && in.ref_logp.defined())
     out.loss = out.loss + algo::kl_loss(logp, pick(in.ref_logp), spec.kl_estimator, in.kl_coef, in.normalizer);
   const at::Tensor entropy = pick(entropy_rows);

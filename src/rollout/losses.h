@@ -28,6 +28,7 @@ struct MicroBatchLoss {
 struct ActorLossSpec {
   algo::PolicyLossConfig clip;
   std::string kl_estimator = "k1";  // a registered KL estimator
+  std::string policy_loss = "ppo";  // a registered policy loss
   double entropy_coef = 0;
   bool old_is_forward = false;  // train.old_logprobs = forward: the ratio's old log-probs are these
 };

@@ -284,6 +284,7 @@ struct RoleWorker::Impl {
     ActorLossSpec spec;
     spec.clip = {cfg.algo.clip_eps_low, cfg.algo.clip_eps_high, cfg.algo.dual_clip};
     spec.kl_estimator = cfg.algo.kl_estimator;
+    spec.policy_loss = cfg.algo.policy_loss;
     spec.entropy_coef = cfg.algo.entropy_coef;
     spec.old_is_forward = cfg.train.old_logprobs == "forward";
     const MicroBatchLoss l =

@@ -154,6 +154,32 @@ TEST(Algo, PpoClipAsymmetricDualAndImportanceWeights) {
   expect_values(a.loss + b.loss, {0.225});
 }
 
+// The plain policy gradient: -A * logp summed / normalizer, weighted; its gradient is -A * w / n.
+TEST(Algo, PlainPolicyGradientLoss) {
+  at::Tensor logp = t({-1.0, -2.0, -0.5}).requires_grad_(true);
+  const at::Tensor old = t({-1.5, -2.0, -0.5}), adv = t({1.0, -2.0, 0.5}), w = t({1.0, 0.5, 2.0});
+  // -(1 * -1 * 1 + -2 * -2 * 0.5 + 0.5 * -0.5 * 2) / 2 = -(-1 + 2 - 0.5) / 2 = -0.25
+  const PolicyLoss pl = pg_loss(logp, old, adv, 2.0, w);
+  expect_values(pl.loss, {-0.25});
+  pl.loss.backward();
+  expect_values(logp.grad(), {-0.5, 0.5, -0.5});
+  EXPECT_EQ(pl.clip_fraction(), 0.0);
+  EXPECT_NEAR(pl.approx_kl(), (-1.5 + 1.0) / 3, 1e-6);  // mean of old - new
+  // Through the registry, by name; ppo by name is policy_loss.
+  PolicyLossInputs in;
+  in.logp = t({-1.0, -2.0, -0.5});
+  in.old_logp = old;
+  in.advantages = adv;
+  in.is_weights = w;
+  in.normalizer = 2.0;
+  expect_values(policy_loss_def("pg").compute(in).loss, {-0.25});
+  expect_values(policy_loss_def("ppo").compute(in).loss,
+                {policy_loss(in.logp, old, adv, in.clip, 2.0, w).loss.item<double>()});
+  EXPECT_EQ(error_of([] { policy_loss_def("ppo2"); }),
+            "algo.policy_loss = 'ppo2': not a registered policy loss (registered: pg, ppo); did you mean 'ppo'?");
+  EXPECT_EQ(error_of([] { register_policy_loss("ppo", {}); }), "policy loss 'ppo': no compute function");
+}
+
 TEST(Algo, ValueLossEntropyAndImportanceCap) {
   // t0: (1 - 2)^2 = 1 vs (0.5 + 0.2 - 2)^2 = 1.69 -> 1.69; t1: 1 vs 1 -> 1. 0.5 * 2.69 / 2 = 0.6725.
   const auto v = value_loss(t({1.0, 2.0}), t({0.5, 2.0}), t({2.0, 1.0}), 0.2, 2.0);

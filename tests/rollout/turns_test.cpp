@@ -221,6 +221,34 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
   TrainActorRequest none = request(0);
   none.loss_mask = at::zeros({7}, at::kByte);
   EXPECT_FALSE(actor_loss(at::tensor(lp), at::tensor(ent), none, spec).loss.defined());
+
+  // A registered policy loss is the one the rank uses (algo.policy_loss), on the trained tokens
+  // only, with the KL loss and the entropy bonus added by the rank; its statistics, left undefined,
+  // count as 0.
+  static const bool registered = [] {
+    algo::PolicyLossDef d;
+    d.compute = [](const algo::PolicyLossInputs& in) {
+      algo::PolicyLoss out;
+      out.loss = (in.logp * in.logp).sum() / in.normalizer;  // sum(logp^2) / n: no built-in's
+      out.tokens = in.logp.numel();
+      return out;
+    };
+    algo::register_policy_loss("test_square", d);
+    return true;
+  }();
+  ASSERT_TRUE(registered);
+  ActorLossSpec plain;  // no KL loss (kl_coef 0 below), no entropy bonus
+  plain.policy_loss = "test_square";
+  TrainActorRequest r = request(0);
+  r.kl_coef = 0;
+  at::Tensor logp = at::tensor(lp).set_requires_grad(true);
+  const MicroBatchLoss sq = actor_loss(logp, at::tensor(ent), r, plain);
+  // (1 + 1 + 1.44 + 0.81) / 4
+  EXPECT_NEAR(sq.loss.item<double>(), 4.25 / 4, 1e-6);
+  sq.loss.backward();
+  EXPECT_TRUE(at::allclose(logp.grad(), at::tensor(std::vector<float>{-0.5f, -0.5f, 0, 0, 0, -0.6f, -0.45f})));
+  EXPECT_EQ(sq.stats[1].item<double>(), 0.0);
+  EXPECT_EQ(sq.stats[2].item<double>(), 0.0);
 }
 
 }  // namespace

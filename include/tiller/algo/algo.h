@@ -116,6 +116,38 @@ struct PolicyLoss {
 // the truncated importance correction for engine vs trainer log-probs.
 PolicyLoss policy_loss(const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
                        const PolicyLossConfig& cfg, double normalizer, const at::Tensor& is_weights = {});
+// Plain policy gradient: -A * logp on every token (no ratio, no clipping: GPG's loss), the same
+// sum / normalizer, is_weights and statistics as policy_loss (its clipped_tokens are 0). On-policy
+// its gradient equals PPO's.
+PolicyLoss pg_loss(const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
+                   double normalizer, const at::Tensor& is_weights = {});
+
+// Policy losses by name (algo.policy_loss), in a registry (core/registry.h; docs/library.md). The
+// trainer rank calls the job's loss on each micro-batch's trained tokens and adds the KL loss and the
+// entropy bonus itself. Built in: ppo (policy_loss above), pg (pg_loss). A user's: register before
+// tiller::run_main; its loss is a differentiable scalar sum over tokens / normalizer on logp's device,
+// and its statistics (fp64 scalars on the device; undefined: 0) feed actor/clip_fraction and
+// actor/approx_kl.
+struct PolicyLossInputs {
+  at::Tensor logp;        // [T]: the trained tokens' log-probs under the policy being trained (differentiable)
+  at::Tensor old_logp;    // [T]: under the policy that sampled them (the ratio's denominator)
+  at::Tensor advantages;  // [T]
+  at::Tensor is_weights;  // [T] or undefined: the truncated importance weights (engine vs trainer)
+  at::Tensor ref_logp;    // [T] or undefined (no reference model)
+  PolicyLossConfig clip;  // algo.clip_eps_low / clip_eps_high / dual_clip
+  double normalizer = 1;
+};
+struct PolicyLossDef {
+  std::function<PolicyLoss(const PolicyLossInputs&)> compute;
+  std::string summary;  // one line
+};
+// A ConfigError for an invalid name, one registered already, or no function.
+void register_policy_loss(const std::string& name, PolicyLossDef def);
+// The loss registered as `name`; a ConfigError naming algo.policy_loss, the registered names and
+// the closest one otherwise.
+const PolicyLossDef& policy_loss_def(const std::string& name);
+std::vector<std::string> policy_loss_names();
+
 // Clipped value loss: 0.5 * max((v - R)^2, (old_v + clamp(v - old_v, +-clip) - R)^2) summed /
 // normalizer (clip <= 0: unclipped). clip_fraction: tokens where the clipped term was larger.
 struct ValueLoss {

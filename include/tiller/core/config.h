@@ -157,6 +157,7 @@ struct AlgoConfig {
   // A name in the advantage-estimator registry (tiller/algo/advantage_estimator.h; checked by
   // algo::check_config, which knows what a trainer of one's own registered).
   std::string advantage_estimator = "gae";
+  std::string policy_loss = "ppo";  // a name in the policy-loss registry (tiller/algo/algo.h)
   double gamma = 1.0;
   double lambd = 0.95;
   double clip_eps_low = 0.2;
