@@ -18,6 +18,7 @@ mbs=${MBS:-4}
 seq=${SEQ:-2048}
 accum=${ACCUM:-1}
 steps=${STEPS:-6}
+[ "$steps" -ge 3 ] || { echo "bench_memory.sh: STEPS=$steps: at least 3 (two warm-up steps are not timed)" >&2; exit 2; }
 peer=$tiller_root/.gpu/bench/peer_bench.py
 [ -f "$peer" ] || { echo "bench_memory.sh: $peer is missing; copy ../shared/bench/peer_bench.py there" >&2; exit 2; }
 tmp=${LOGDIR:-$(mktemp -d)}  # each run's JSON and log (LOGDIR keeps them)

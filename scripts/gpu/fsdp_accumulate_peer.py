@@ -67,4 +67,7 @@ def main(size, seq, mbs, accumulate, steps):
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]) if len(a) > 4 else 4)
+    steps = int(a[4]) if len(a) > 4 else 4
+    if steps < 3 or int(a[3]) < 1:
+        sys.exit(f"fsdp_accumulate_peer.py: steps {steps} (at least 3: two are warm-up) and accumulate {a[3]} (at least 1)")
+    main(a[0], int(a[1]), int(a[2]), int(a[3]), steps)

@@ -42,32 +42,28 @@ AdvantageEstimatorDef group_def(GroupBaseline kind, bool normalized, LossNormali
   return d;
 }
 
-void add_checked(Registry<AdvantageEstimatorDef>& r, const std::string& name, AdvantageEstimatorDef def) {
-  if (!def.compute) throw ConfigError(fmt::format("advantage estimator '{}': no compute function", name));
-  r.add(name, std::move(def));
-}
-
 // The registry, the built-ins added on first use (through the same call as a user's).
 Registry<AdvantageEstimatorDef>& registry() {
   static Registry<AdvantageEstimatorDef>* r = [] {
-    auto* reg = new Registry<AdvantageEstimatorDef>("advantage estimator");
+    auto* reg = new Registry<AdvantageEstimatorDef>(
+        "advantage estimator", [](const AdvantageEstimatorDef& d) { return d.compute ? "" : "no compute function"; });
     AdvantageEstimatorDef gae_def;
     gae_def.compute = gae_estimate;
     gae_def.needs_critic = true;
     gae_def.summary = "GAE with the critic's values (PPO)";
-    add_checked(*reg, "gae", std::move(gae_def));
+    reg->add("gae", std::move(gae_def));
     AdvantageEstimatorDef reinforce_def;
     reinforce_def.compute = reinforce_estimate;
     reinforce_def.summary = "discounted reward-to-go (REINFORCE++)";
-    add_checked(*reg, "reinforce", std::move(reinforce_def));
-    add_checked(*reg, "rloo", group_def(GroupBaseline::kRloo, false, LossNormalizer::kTokenMean,
+    reg->add("reinforce", std::move(reinforce_def));
+    reg->add("rloo", group_def(GroupBaseline::kRloo, false, LossNormalizer::kTokenMean,
                                         "score minus the mean of the prompt's other samples (RLOO)"));
-    add_checked(*reg, "reinforce_baseline",
+    reg->add("reinforce_baseline",
                 group_def(GroupBaseline::kMean, false, LossNormalizer::kTokenMean,
                           "score minus the prompt's mean (REINFORCE with baseline)"));
-    add_checked(*reg, "group_norm", group_def(GroupBaseline::kMeanStd, true, LossNormalizer::kTokenMean,
+    reg->add("group_norm", group_def(GroupBaseline::kMeanStd, true, LossNormalizer::kTokenMean,
                                               "score normalised by the prompt's mean and std (GRPO)"));
-    add_checked(*reg, "dr_grpo", group_def(GroupBaseline::kMean, true, LossNormalizer::kConstant,
+    reg->add("dr_grpo", group_def(GroupBaseline::kMean, true, LossNormalizer::kConstant,
                                            "score minus the prompt's mean, loss over a constant (Dr.GRPO)"));
     return reg;
   }();
@@ -77,7 +73,7 @@ Registry<AdvantageEstimatorDef>& registry() {
 }  // namespace
 
 void register_advantage_estimator(const std::string& name, AdvantageEstimatorDef def) {
-  add_checked(registry(), name, std::move(def));
+  registry().add(name, std::move(def));
 }
 
 const AdvantageEstimatorDef& advantage_estimator(const std::string& name) {

@@ -87,23 +87,19 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
 
 namespace {
 
-void add_kl(Registry<KlEstimatorDef>& r, const std::string& name, KlEstimatorDef def) {
-  if (!def.estimate) throw ConfigError(fmt::format("KL estimator '{}': no estimate function", name));
-  r.add(name, std::move(def));
-}
-
 // The registry, the built-ins added on first use (through the same call as a user's).
 Registry<KlEstimatorDef>& kl_registry() {
   static Registry<KlEstimatorDef>* r = [] {
-    auto* reg = new Registry<KlEstimatorDef>("KL estimator");
-    add_kl(*reg, "k1", {[](const at::Tensor& logp, const at::Tensor& ref) { return logp - ref; }, "d = logp - ref"});
-    add_kl(*reg, "k2",
+    auto* reg = new Registry<KlEstimatorDef>(
+        "KL estimator", [](const KlEstimatorDef& d) { return d.estimate ? "" : "no estimate function"; });
+    reg->add("k1", {[](const at::Tensor& logp, const at::Tensor& ref) { return logp - ref; }, "d = logp - ref"});
+    reg->add("k2",
            {[](const at::Tensor& logp, const at::Tensor& ref) {
               const at::Tensor d = logp - ref;
               return 0.5 * d * d;
             },
             "d^2 / 2"});
-    add_kl(*reg, "k3",
+    reg->add("k3",
            {[](const at::Tensor& logp, const at::Tensor& ref) {
               const at::Tensor d = logp - ref;
               return at::exp(-d) - 1 + d;
@@ -116,7 +112,7 @@ Registry<KlEstimatorDef>& kl_registry() {
 
 }  // namespace
 
-void register_kl_estimator(const std::string& name, KlEstimatorDef def) { add_kl(kl_registry(), name, std::move(def)); }
+void register_kl_estimator(const std::string& name, KlEstimatorDef def) { kl_registry().add(name, std::move(def)); }
 
 const KlEstimatorDef& kl_estimator(const std::string& name) { return kl_registry().at(name, "algo.kl_estimator"); }
 
@@ -277,20 +273,16 @@ PolicyLoss pg_loss(const at::Tensor& logp, const at::Tensor& old_logp, const at:
 
 namespace {
 
-void add_policy_loss(Registry<PolicyLossDef>& r, const std::string& name, PolicyLossDef def) {
-  if (!def.compute) throw ConfigError(fmt::format("policy loss '{}': no compute function", name));
-  r.add(name, std::move(def));
-}
-
 Registry<PolicyLossDef>& policy_loss_registry() {
   static Registry<PolicyLossDef>* r = [] {
-    auto* reg = new Registry<PolicyLossDef>("policy loss");
-    add_policy_loss(*reg, "ppo",
+    auto* reg = new Registry<PolicyLossDef>(
+        "policy loss", [](const PolicyLossDef& d) { return d.compute ? "" : "no compute function"; });
+    reg->add("ppo",
                     {[](const PolicyLossInputs& in) {
                        return policy_loss(in.logp, in.old_logp, in.advantages, in.clip, in.normalizer, in.is_weights);
                      },
                      "PPO's clipped surrogate (clip-higher, dual clip)"});
-    add_policy_loss(*reg, "pg",
+    reg->add("pg",
                     {[](const PolicyLossInputs& in) {
                        return pg_loss(in.logp, in.old_logp, in.advantages, in.normalizer, in.is_weights);
                      },
@@ -303,7 +295,7 @@ Registry<PolicyLossDef>& policy_loss_registry() {
 }  // namespace
 
 void register_policy_loss(const std::string& name, PolicyLossDef def) {
-  add_policy_loss(policy_loss_registry(), name, std::move(def));
+  policy_loss_registry().add(name, std::move(def));
 }
 
 const PolicyLossDef& policy_loss_def(const std::string& name) {

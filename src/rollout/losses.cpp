@@ -52,8 +52,10 @@ MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy
   if (!pl.loss.defined() || pl.loss.numel() != 1)
     throw Error(fmt::format("policy loss {}: it returned {}; return a scalar", spec.policy_loss,
                             pl.loss.defined() ? fmt::format("{} values", pl.loss.numel()) : "no loss"));
-  const at::Tensor zero = at::zeros({}, logp.options().dtype(at::kDouble));
-  auto stat = [&](const at::Tensor& t) { return t.defined() ? t.detach().to(logp.device(), at::kDouble).reshape({}) : zero; };
+  auto stat = [&](const at::Tensor& t) {
+    return t.defined() ? t.detach().to(logp.device(), at::kDouble).reshape({})
+                       : at::zeros({}, logp.options().dtype(at::kDouble));
+  };
   pl.clipped_tokens = stat(pl.clipped_tokens);
   pl.kl_sum = stat(pl.kl_sum);
   out.loss = pl.loss.reshape({});

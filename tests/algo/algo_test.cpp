@@ -298,6 +298,11 @@ TEST(Registry, FindsAtAndNames) {
   EXPECT_EQ(error_of([&] { r.at("bb", "x.widget"); }),
             "x.widget = 'bb': not a registered widget (registered: a, b); did you mean 'b'?");
   EXPECT_EQ(error_of([&] { r.at("zzzz", "x.widget"); }), "x.widget = 'zzzz': not a registered widget (registered: a, b)");
+  // An entry the registry's check finds wrong is refused, naming it, and not added.
+  Registry<int> positive("count", [](const int& n) { return n > 0 ? "" : "must be positive"; });
+  positive.add("one", 1);
+  EXPECT_EQ(error_of([&] { positive.add("zero", 0); }), "count 'zero': must be positive");
+  EXPECT_EQ(positive.names(), (std::vector<std::string>{"one"}));
 }
 
 }  // namespace

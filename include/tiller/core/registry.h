@@ -12,6 +12,7 @@
 // at its address for the life of the process.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -37,12 +38,17 @@ inline bool valid_registry_name(std::string_view name) {
 template <typename T>
 class Registry {
  public:
-  // `what`: the kind of entry, in messages ("advantage estimator").
-  explicit Registry(std::string what) : what_(std::move(what)) {}
+  // `what`: the kind of entry, in messages ("advantage estimator"). `invalid`, when given, says
+  // what is wrong with an entry ("no compute function"), or "" for a good one: `add` refuses it.
+  explicit Registry(std::string what, std::function<std::string(const T&)> invalid = {})
+      : what_(std::move(what)), invalid_(std::move(invalid)) {}
   Registry(const Registry&) = delete;
   Registry& operator=(const Registry&) = delete;
 
   void add(const std::string& name, T entry) {
+    if (invalid_)
+      if (const std::string why = invalid_(entry); !why.empty())
+        throw ConfigError(fmt::format("{} '{}': {}", what_, name, why));
     if (!valid_registry_name(name))
       throw ConfigError(fmt::format("{} name '{}': use 1 to 64 of a-z, 0-9, '_', '.', '-'", what_, name));
     std::lock_guard<std::mutex> lock(mu_);
@@ -82,6 +88,7 @@ class Registry {
 
  private:
   std::string what_;
+  std::function<std::string(const T&)> invalid_;
   mutable std::mutex mu_;
   std::map<std::string, T, std::less<>> entries_;
 };
