@@ -57,5 +57,6 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv);
 void add_bench_sync(CLI::App* bench, Runner& run, int& argc, char**& argv);
 void add_bench_controller(CLI::App* bench, Runner& run);
 void add_bench_tokenize(CLI::App* bench, Runner& run);
+void add_bench_adamw(CLI::App* bench, Runner& run, int& argc, char**& argv);
 
 }  // namespace tiller::cli

@@ -219,6 +219,7 @@ Metrics TrainingDispatch::metrics() const {
     m.emplace_back(r + "/lr", t.lr);
     m.emplace_back("memory/" + r + "_host_peak_mb", t.peak_mb);
     m.emplace_back("time/train." + r, t.train_s + t.step_s);
+    m.emplace_back("time/optimizer." + r, t.step_s);  // of it: the optimizer steps (clipping, AdamW)
     // Per-rank tokens of a lockstep round (S-way slices count 1/S): the busiest rank's, the mean,
     // and their ratio (1: balanced; every rank waits for the busiest).
     const double rounds = std::max(1.0, t.rounds);

@@ -1,6 +1,7 @@
 #include "tiller/zero/host_adamw.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -141,9 +142,10 @@ class WorkerPool {
   bool stop_ = false;
 };
 
-// Parts of a chunk start on multiples of this many elements (128 bytes of fp32): threads never
-// write the same cache line.
+// Chunks are multiples of this many elements (128 bytes of fp32), so blocks never share a cache line.
 constexpr int64_t kPartAlign = 32;
+// Elements a thread updates at a time (256 KiB of each fp32 stream): a multiple of kPartAlign.
+constexpr int64_t kBlock = int64_t{1} << 16;
 // Staged chunks in flight each way (a chunk's copy in, the update of another, a third's copy out).
 constexpr int kSlots = 3;
 
@@ -222,15 +224,22 @@ struct HostAdamW::Impl {
     float* m = s.exp_avg.data_ptr<float>() + b;
     float* v = s.exp_avg_sq.data_ptr<float>() + b;
     const size_t out_size = kind == RoundedOut::kBFloat16 || kind == RoundedOut::kHalf ? 2 : 4;
-    pool.run([&](int part, int parts) {
-      const int64_t per = (n / parts + kPartAlign - 1) / kPartAlign * kPartAlign;
-      const int64_t lo = std::min(n, per * part), hi = part + 1 == parts ? n : std::min(n, lo + per);
-      // The decay runs that meet [b + lo, b + hi).
-      for (const Run& r : s.runs) {
-        const int64_t x = std::max(lo, r.begin - b), y = std::min(hi, r.end - b);
-        if (x >= y) continue;
-        void* o = kind == RoundedOut::kNone ? nullptr : static_cast<char*>(out) + x * out_size;
-        adamw_update(p + x, grad + x, m + x, v + x, y - x, r.decay ? decayed : plain, o, kind);
+    // Blocks handed out in order to whichever thread asks next: a thread the scheduler holds back
+    // (the ranks of a node share its cores with their other threads) delays one block, not the
+    // whole chunk, as a split into one fixed part per thread would.
+    std::atomic<int64_t> next{0};
+    pool.run([&](int, int) {
+      for (;;) {
+        const int64_t lo = next.fetch_add(kBlock, std::memory_order_relaxed);
+        if (lo >= n) return;
+        const int64_t hi = std::min(n, lo + kBlock);
+        // The decay runs that meet [b + lo, b + hi).
+        for (const Run& r : s.runs) {
+          const int64_t x = std::max(lo, r.begin - b), y = std::min(hi, r.end - b);
+          if (x >= y) continue;
+          void* o = kind == RoundedOut::kNone ? nullptr : static_cast<char*>(out) + x * out_size;
+          adamw_update(p + x, grad + x, m + x, v + x, y - x, r.decay ? decayed : plain, o, kind);
+        }
       }
     });
   }

@@ -167,6 +167,10 @@ def check_learns(np_, *sets):
             rate, sec = r.get(f"throughput/score_tokens_per_s.{role}"), r[f"time/score.{role}"]
             if rate is None or sec <= 0 or abs(rate * sec - tokens) > 1e-6 * tokens + 1e-3:
                 fail(f"step {r['step']}: {role} scored {tokens} tokens in {sec} s, reported rate {rate}")
+        # The optimizer steps are part of the role's training seconds.
+        opt, train = r.get("time/optimizer.actor"), r.get("time/train.actor")
+        if opt is None or train is None or not 0 < opt < train:
+            fail(f"step {r['step']}: time/optimizer.actor {opt} not within time/train.actor {train}")
     # logging.efficiency: each phase's rate beside its benchmark at the job's shapes, and the run's
     # means in the summary line.
     for key in ["efficiency/generate", "efficiency/score.actor", "efficiency/score.ref", "efficiency/train.actor",

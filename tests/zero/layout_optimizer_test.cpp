@@ -176,6 +176,61 @@ TEST(HostAdamW, Bf16RoundingMatchesTensorCopy) {
   }
 }
 
+// The update is elementwise: how its elements are spread over threads and chunks does not change a
+// bit. The reference is adamw_update called once per decay run of each shard; against it, one
+// thread with one chunk a shard, and 4 threads sharing chunks of 4 blocks (the threads take
+// 64Ki-element blocks as they come), over decay runs of uneven length, 3 steps (one clipped).
+TEST(HostAdamW, ThreadsAndChunksDoNotChangeTheResult) {
+  at::manual_seed(3);
+  const AdamWConfig c{0.9, 0.95, 1e-8, 0.1};
+  const std::vector<int64_t> sizes{700001, 262144 + 77};
+  const int64_t run = 100003, decayed_len = 60000;  // in each run of 100003: 60000 decayed, then not
+  HostAdamW one(c, at::kCPU, 1, /*chunk_elements=*/int64_t{1} << 22);
+  HostAdamW four(c, at::kCPU, 4, /*chunk_elements=*/int64_t{1} << 18);
+  struct Ref {
+    at::Tensor p, m, v, out;
+  };
+  std::vector<Ref> ref;
+  std::vector<at::Tensor> grads, out_one, out_four;
+  for (int64_t n : sizes) {
+    const at::Tensor init = at::randn({n});
+    const at::Tensor mask = (at::arange(n) % run < decayed_len).to(at::kFloat);
+    one.master(one.add(n, mask)).copy_(init);
+    four.master(four.add(n, mask)).copy_(init);
+    ref.push_back({init.clone(), at::zeros({n}), at::zeros({n}), at::zeros({n}, at::kBFloat16)});
+    grads.push_back(at::zeros({n}));
+    out_one.push_back(at::zeros({n}, at::kBFloat16));
+    out_four.push_back(at::zeros({n}, at::kBFloat16));
+  }
+  for (int t = 1; t <= 3; ++t) {
+    const double lr = 1e-3, clip = t == 2 ? 0.5 : 1.0;
+    for (auto& g : grads) g.normal_();
+    one.step(lr, clip, grads, out_one);
+    four.step(lr, clip, grads, out_four);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      Ref& r = ref[i];
+      for (int64_t b = 0; b < sizes[i]; b += run) {
+        for (int part = 0; part < 2; ++part) {
+          const int64_t x = b + (part ? decayed_len : 0), y = std::min(sizes[i], part ? b + run : b + decayed_len);
+          if (x >= y) continue;
+          adamw_update(r.p.data_ptr<float>() + x, grads[i].data_ptr<float>() + x, r.m.data_ptr<float>() + x,
+                       r.v.data_ptr<float>() + x, y - x, AdamWScalars::make(c, lr, t, clip, part == 0),
+                       static_cast<c10::BFloat16*>(r.out.data_ptr()) + x, RoundedOut::kBFloat16);
+        }
+      }
+    }
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    for (const HostAdamW* h : {&one, &four}) {
+      EXPECT_TRUE(at::equal(h->master(i), ref[i].p)) << h->threads() << " threads, shard " << i;
+      EXPECT_TRUE(at::equal(h->exp_avg(i), ref[i].m)) << h->threads() << " threads, shard " << i;
+      EXPECT_TRUE(at::equal(h->exp_avg_sq(i), ref[i].v)) << h->threads() << " threads, shard " << i;
+    }
+    EXPECT_TRUE(at::equal(out_one[i], ref[i].out)) << "shard " << i;
+    EXPECT_TRUE(at::equal(out_four[i], ref[i].out)) << "shard " << i;
+  }
+}
+
 TEST(HostAdamW, RefusesMismatchedShards) {
   HostAdamW host({}, at::kCPU, 1, 64);
   host.add(100, at::ones({100}));
