@@ -85,6 +85,7 @@ std::vector<std::string> advantage_estimator_names() { return registry().names()
 void check_config(const JobConfig& job) {
   kl_estimator(job.algo.kl_estimator);
   policy_loss_def(job.algo.policy_loss);
+  value_loss_def(job.algo.value_loss);
   const std::string& name = job.algo.advantage_estimator;
   const AdvantageEstimatorDef& est = advantage_estimator(name);
   if (est.needs_critic && !job.roles.critic.enabled) {

@@ -335,6 +335,30 @@ ValueLoss value_loss(const at::Tensor& values, const at::Tensor& old_values, con
   return out;
 }
 
+namespace {
+
+Registry<ValueLossDef>& value_loss_registry() {
+  static Registry<ValueLossDef>* r = [] {
+    auto* reg = new Registry<ValueLossDef>(
+        "value loss", [](const ValueLossDef& d) { return d.compute ? "" : "no compute function"; });
+    reg->add("clipped",
+             {[](const ValueLossInputs& in) {
+                return value_loss(in.values, in.old_values, in.returns, in.clip, in.normalizer);
+              },
+              "0.5 max((v - R)^2, (clipped v - R)^2), clipped around the old values by algo.value_clip"});
+    return reg;
+  }();
+  return *r;
+}
+
+}  // namespace
+
+void register_value_loss(const std::string& name, ValueLossDef def) { value_loss_registry().add(name, std::move(def)); }
+
+const ValueLossDef& value_loss_def(const std::string& name) { return value_loss_registry().at(name, "algo.value_loss"); }
+
+std::vector<std::string> value_loss_names() { return value_loss_registry().names(); }
+
 at::Tensor entropy_bonus(const at::Tensor& entropy, double coef, double normalizer) {
   TILLER_CHECK(normalizer > 0, "entropy_bonus: normalizer must be > 0");
   return -coef * entropy.sum() / normalizer;

@@ -240,6 +240,9 @@ std::vector<Field> build() {
       .range(0.0, 10.0);
   b.add("algo.dual_clip", TILLER_FIELD(algo.dual_clip), "Dual-clip constant c > 1 for negative advantages (0: off).")
       .range(0.0, 100.0);
+  b.add("algo.value_loss", TILLER_FIELD(algo.value_loss),
+        "A registered value loss (the critic's). Built in: clipped (PPO's, clipped around the old values by "
+        "algo.value_clip); a trainer of your own registers more (docs/library.md).");
   b.add("algo.value_clip", TILLER_FIELD(algo.value_clip), "Value-loss clip range (0: off).").range(0.0, 100.0);
   b.add("algo.kl_coef", TILLER_FIELD(algo.kl_coef), "Initial KL coefficient against the reference model.")
       .range(0.0, 100.0);

@@ -68,16 +68,27 @@ MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy
   return out;
 }
 
-MicroBatchLoss critic_loss(const at::Tensor& value_rows, const TrainCriticRequest& in, double value_clip) {
+MicroBatchLoss critic_loss(const at::Tensor& value_rows, const TrainCriticRequest& in, const CriticLossSpec& spec) {
   MicroBatchLoss out;
   const Trained pick(in.loss_mask, value_rows);
   const at::Tensor values = pick(value_rows);
   out.tokens = values.numel();
   if (out.tokens == 0) return out;
-  algo::ValueLoss vl = algo::value_loss(values, pick(in.old_values), pick(in.returns), value_clip, in.normalizer);
-  out.loss = vl.loss;
-  const at::Tensor zero = at::zeros({}, vl.clipped_tokens.options());
-  out.stats = at::stack({out.loss.detach().to(at::kDouble), vl.clipped_tokens, zero, zero});
+  algo::ValueLossInputs vin;
+  vin.values = values;
+  vin.old_values = pick(in.old_values);
+  vin.returns = pick(in.returns);
+  vin.clip = spec.value_clip;
+  vin.normalizer = in.normalizer;
+  algo::ValueLoss vl = algo::value_loss_def(spec.value_loss).compute(vin);
+  if (!vl.loss.defined() || vl.loss.numel() != 1)
+    throw Error(fmt::format("value loss {}: it returned {}; return a scalar", spec.value_loss,
+                            vl.loss.defined() ? fmt::format("{} values", vl.loss.numel()) : "no loss"));
+  out.loss = vl.loss.reshape({});
+  const at::Tensor zero = at::zeros({}, values.options().dtype(at::kDouble));
+  const at::Tensor clipped =
+      vl.clipped_tokens.defined() ? vl.clipped_tokens.detach().to(values.device(), at::kDouble).reshape({}) : zero;
+  out.stats = at::stack({out.loss.detach().to(at::kDouble), clipped, zero, zero});
   return out;
 }
 

@@ -37,7 +37,11 @@ struct ActorLossSpec {
 // model's device; logp differentiable).
 MicroBatchLoss actor_loss(const at::Tensor& logp, const at::Tensor& entropy, const TrainActorRequest& in,
                           const ActorLossSpec& spec);
+struct CriticLossSpec {
+  std::string value_loss = "clipped";  // a registered value loss
+  double value_clip = 0.2;
+};
 // `values`: float [R] at the response rows (differentiable).
-MicroBatchLoss critic_loss(const at::Tensor& values, const TrainCriticRequest& in, double value_clip);
+MicroBatchLoss critic_loss(const at::Tensor& values, const TrainCriticRequest& in, const CriticLossSpec& spec);
 
 }  // namespace tiller::rollout

@@ -308,7 +308,7 @@ struct RoleWorker::Impl {
     zero::ShardedModel& m = *models.at(Role::kCritic);
     at::Tensor v = m.values(mb.slice);
     StepStats& a = acc[Role::kCritic];
-    const MicroBatchLoss l = critic_loss(v.index_select(0, mb.resp_rows), in, cfg.algo.value_clip);
+    const MicroBatchLoss l = critic_loss(v.index_select(0, mb.resp_rows), in, {cfg.algo.value_loss, cfg.algo.value_clip});
     if (!l.loss.defined()) {
       (v.sum() * 0).backward();
     } else {

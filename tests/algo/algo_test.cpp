@@ -186,6 +186,17 @@ TEST(Algo, ValueLossEntropyAndImportanceCap) {
   expect_values(v.loss, {0.6725});
   EXPECT_NEAR(v.clip_fraction(), 0.5, 1e-12);
   expect_values(value_loss(t({1.0, 2.0}), t({0.5, 2.0}), t({2.0, 1.0}), 0, 2.0).loss, {0.5});
+  // The built-in through the registry (algo.value_loss: clipped): the same numbers.
+  ValueLossInputs in{t({1.0, 2.0}), t({0.5, 2.0}), t({2.0, 1.0}), 0.2, 2.0};
+  const ValueLoss r = value_loss_def("clipped").compute(in);
+  expect_values(r.loss, {0.6725});
+  EXPECT_NEAR(r.clip_fraction(), 0.5, 1e-12);
+  const std::vector<std::string> names = value_loss_names();
+  EXPECT_NE(std::find(names.begin(), names.end(), "clipped"), names.end());
+  EXPECT_NE(error_of([] { value_loss_def("cliped"); })
+                .find("algo.value_loss = 'cliped': not a registered value loss (registered: clipped"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { value_loss_def("cliped"); }).find("did you mean 'clipped'?"), std::string::npos);
   expect_values(entropy_bonus(t({1, 2, 3}), 0.01, 3.0), {-0.02});
   // exp(0 - -1) = e capped at 2; exp(-1 - 0).
   expect_values(truncated_is_weights(t({0, -1}), t({-1, 0}), 2.0), {2.0, std::exp(-1.0)});

@@ -210,7 +210,7 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
     c.loss_mask = m;
     c.normalizer = 4;
     at::Tensor v = at::tensor(std::vector<float>{0.2f, 0.2f, 3, 3, 3, 0.2f, 0.2f}).set_requires_grad(true);
-    const MicroBatchLoss cl = critic_loss(v, c, 0.2);
+    const MicroBatchLoss cl = critic_loss(v, c, {"clipped", 0.2});
     cl.loss.backward();
     EXPECT_EQ(cl.tokens, 4);
     EXPECT_TRUE(at::equal(v.grad().masked_select(obs), at::zeros({3})));
@@ -249,6 +249,32 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
   EXPECT_TRUE(at::allclose(logp.grad(), at::tensor(std::vector<float>{-0.5f, -0.5f, 0, 0, 0, -0.6f, -0.45f})));
   EXPECT_EQ(sq.stats[1].item<double>(), 0.0);
   EXPECT_EQ(sq.stats[2].item<double>(), 0.0);
+
+  // A registered value loss likewise (algo.value_loss), on the model's tokens only.
+  static const bool registered_value = [] {
+    algo::ValueLossDef d;
+    d.compute = [](const algo::ValueLossInputs& in) {
+      algo::ValueLoss out;
+      out.loss = (in.values - in.returns).abs().sum() / in.normalizer;  // L1: no built-in's
+      out.tokens = in.values.numel();
+      return out;
+    };
+    algo::register_value_loss("test_l1", d);
+    return true;
+  }();
+  ASSERT_TRUE(registered_value);
+  TrainCriticRequest c;
+  c.old_values = at::tensor(std::vector<float>{0.1f, 0.2f, 0, 0, 0, 0.3f, 0.4f});
+  c.returns = at::tensor(std::vector<float>{1, 1, 9, 9, 9, 0.5f, -0.5f});
+  c.loss_mask = m;
+  c.normalizer = 4;
+  at::Tensor v = at::tensor(std::vector<float>{0.2f, 0.2f, 3, 3, 3, 0.2f, 0.2f}).set_requires_grad(true);
+  const MicroBatchLoss l1 = critic_loss(v, c, {"test_l1", 0.2});
+  EXPECT_NEAR(l1.loss.item<double>(), (0.8 + 0.8 + 0.3 + 0.7) / 4, 1e-6);
+  l1.loss.backward();
+  EXPECT_TRUE(at::allclose(v.grad(), at::tensor(std::vector<float>{-0.25f, -0.25f, 0, 0, 0, -0.25f, 0.25f})));
+  EXPECT_EQ(l1.stats[1].item<double>(), 0.0);  // no clipped tokens given: 0
+  EXPECT_THROW(critic_loss(v, c, {"test_l2", 0.2}), ConfigError);
 }
 
 }  // namespace

@@ -158,6 +158,29 @@ struct ValueLoss {
 };
 ValueLoss value_loss(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, double clip,
                      double normalizer);
+
+// Value losses by name (algo.value_loss), in a registry as the policy losses are. The critic's
+// trainer rank calls the job's loss on each micro-batch's trained tokens. Built in: clipped
+// (value_loss above, with algo.value_clip; 0 leaves it unclipped). A user's: register before
+// tiller::run_main; its loss is a differentiable scalar sum over tokens / normalizer on the values'
+// device, and its clipped_tokens (fp64 scalar on the device; undefined: 0) feed critic/clip_fraction.
+struct ValueLossInputs {
+  at::Tensor values;      // [T]: the trained tokens' values under the critic being trained (differentiable)
+  at::Tensor old_values;  // [T]: the critic's values when the step was scored
+  at::Tensor returns;     // [T]: the advantage estimator's returns
+  double clip = 0;        // algo.value_clip
+  double normalizer = 1;
+};
+struct ValueLossDef {
+  std::function<ValueLoss(const ValueLossInputs&)> compute;
+  std::string summary;  // one line
+};
+// A ConfigError for an invalid name, one registered already, or no function.
+void register_value_loss(const std::string& name, ValueLossDef def);
+// The loss registered as `name`; a ConfigError naming algo.value_loss, the registered names and the
+// closest one otherwise.
+const ValueLossDef& value_loss_def(const std::string& name);
+std::vector<std::string> value_loss_names();
 // -coef * sum(entropy) / normalizer: added to the policy loss, it rewards entropy.
 at::Tensor entropy_bonus(const at::Tensor& entropy, double coef, double normalizer);
 // KL as a loss: coef * sum(kl_estimate(logp, ref_logp, k)) / normalizer (differentiable in logp).

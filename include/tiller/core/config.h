@@ -158,6 +158,7 @@ struct AlgoConfig {
   // algo::check_config, which knows what a trainer of one's own registered).
   std::string advantage_estimator = "gae";
   std::string policy_loss = "ppo";  // a name in the policy-loss registry (tiller/algo/algo.h)
+  std::string value_loss = "clipped";  // a name in the value-loss registry (tiller/algo/algo.h)
   double gamma = 1.0;
   double lambd = 0.95;
   double clip_eps_low = 0.2;
