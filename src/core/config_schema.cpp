@@ -397,6 +397,10 @@ std::vector<Field> build() {
         "Threads of each rank's CPU AdamW (roles.<role>.optimizer_offload: cpu). 0: the host's cores divided by the "
         "ranks on it.")
       .range(0, 4096);
+  b.add("train.step_hooks", TILLER_FIELD(train.step_hooks),
+        "Step hooks of a trainer of your own, by registered name, comma-separated, run in that order on the "
+        "controller: after each step is scored (filter or reweight), at its end (metrics, stop), after each "
+        "checkpoint (docs/library.md). Empty: none.");
   b.add("train.reduce_dtype", TILLER_FIELD(train.reduce_dtype),
         "The dtype gradients are reduce-scattered in across a role's ranks: fp32, or bf16 (half the traffic; the "
         "ranks' sum is rounded to bf16 before it joins the fp32 accumulator, as FSDP2's reduce_dtype=bf16).")

@@ -678,6 +678,40 @@ bool RolloutCollector::batch_ready() const {
   return true;
 }
 
+StepBatch& RolloutCollector::ready_batch() {
+  TILLER_CHECK(batch_ready(), "ready_batch() before the step is ready");
+  return *batch_;
+}
+
+void RolloutCollector::drop_ready_groups(const std::vector<uint8_t>& keep) {
+  StepBatch& b = ready_batch();
+  TILLER_CHECK(keep.size() == b.groups.size(), "{} keep flags for {} prompt groups", keep.size(), b.groups.size());
+  if (std::all_of(keep.begin(), keep.end(), [](uint8_t k) { return k != 0; })) return;
+  std::vector<int64_t> index(b.groups.size(), -1);  // old group -> new
+  std::vector<uint64_t> oldest(b.groups.size(), UINT64_MAX);
+  for (int64_t s = 0; s < b.ro.size(); ++s) {
+    auto& o = oldest[static_cast<size_t>(b.ro.prompt[s])];
+    o = std::min(o, b.ro.oldest_version(s));
+  }
+  std::vector<StepBatch::Group> kept;
+  for (size_t g = 0; g < b.groups.size(); ++g) {
+    const StepBatch::Group& grp = b.groups[g];
+    if (keep[g]) {
+      index[g] = static_cast<int64_t>(kept.size());
+      kept.push_back(grp);
+      continue;
+    }
+    ++b.filtered_groups;
+    b.dropped.push_back({grp.ordinal, grp.dataset_index, grp.dispatch_version, oldest[g], "filtered"});
+    outstanding_.erase(grp.ordinal);
+  }
+  Rollout ro(b.ro.layout);
+  for (int64_t s = 0; s < b.ro.size(); ++s)
+    if (const int64_t g = index[static_cast<size_t>(b.ro.prompt[s])]; g >= 0) ro.add_from(b.ro, s, g);
+  b.ro = std::move(ro);
+  b.groups = std::move(kept);
+}
+
 std::unique_ptr<StepBatch> RolloutCollector::take_batch(RoleSet will_train) {
   TILLER_CHECK(batch_ready(), "take_batch() before the step is ready");
   std::unique_ptr<StepBatch> out = std::move(batch_);

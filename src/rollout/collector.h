@@ -214,6 +214,11 @@ class RolloutCollector {
 
   bool batch_ready() const;
   const StepBatch& forming() const { return *batch_; }
+  // The ready step's batch (batch_ready()), for the step hooks: its scores may change.
+  StepBatch& ready_batch();
+  // Drops the ready batch's prompt groups whose `keep` (one per group) is 0, as rollout.filter_groups
+  // drops ("filtered"): their samples leave the batch, the rest are renumbered in order.
+  void drop_ready_groups(const std::vector<uint8_t>& keep);
   // The formed step (batch_ready()); the collector starts forming the next one at once, with the
   // trainer groups that hold a role in `will_train` held back from scoring until release(). The
   // next step trains from one version later when `will_train` has the actor.

@@ -14,6 +14,7 @@
 #include "rollout/checkpoint_manager.h"
 #include "rollout/engine_pool.h"
 #include "rollout/env_runner.h"
+#include "rollout/hook_runner.h"
 #include "rollout/hybrid_phases.h"
 #include "rollout/off_policy.h"
 #include "rollout/role_worker.h"
@@ -92,6 +93,7 @@ struct Controller::Impl {
   std::unique_ptr<StepTrace> trace;
   std::unique_ptr<StepOutputs> outputs;
   std::unique_ptr<HybridPhases> hybrid;  // cluster.hybrid
+  StepHookRunner hooks;                   // train.step_hooks
   uint64_t plan_id = 0;
 
   // Run state (what a checkpoint keeps).
@@ -124,6 +126,7 @@ struct Controller::Impl {
              [p = wiring.plan](int r) { return fmt::format("rank {} ({})", r, p->ranks.at(static_cast<size_t>(r)).label()); },
              *wiring.clock),
         checkpoints(c.checkpoint.dir, c.checkpoint.keep_last),
+        hooks(c.train.step_hooks),
         kl_ctl(c.algo.kl_coef, c.algo.target_kl, c.algo.kl_horizon) {
     groups = trainer_groups(plan);
     for (const auto& g : groups) {
@@ -193,6 +196,7 @@ struct Controller::Impl {
     const auto t0 = w.clock->now();
     while (!collector->batch_ready()) pump();
     const int64_t j = collector->forming_step();
+    after_scoring_hooks(j);
     const bool empty = collector->forming().ro.size() == 0;  // nothing informative (filter cap)
     RoleSet will_train;
     if (j > cfg.train.critic_warmup_steps && !empty) will_train.add(Role::kActor);
@@ -201,6 +205,20 @@ struct Controller::Impl {
     if (w.rewards.batched) w.rewards.batched->label_step(static_cast<uint64_t>(j + 1));
     metrics["time/wait_batch"] = seconds_since(t0);
     return b;
+  }
+
+  // train.step_hooks' after_scoring: the ready step's scores, and the groups they drop.
+  void after_scoring_hooks(int64_t j) {
+    if (!hooks.has_after_scoring()) return;
+    const auto t0 = w.clock->now();
+    StepBatch& b = collector->ready_batch();
+    const std::vector<uint8_t> keep = hooks.after_scoring(
+        j, cfg.rollout.n_samples_per_prompt, b.ro, static_cast<int64_t>(b.groups.size()),
+        [&](int64_t g) -> const Prompt& { return w.prompts->at(b.groups[static_cast<size_t>(g)].dataset_index); },
+        w.rewards.decode);
+    metrics["hooks/dropped_groups"] = static_cast<double>(std::count(keep.begin(), keep.end(), uint8_t{0}));
+    collector->drop_ready_groups(keep);
+    metrics["time/hooks"] = seconds_since(t0);
   }
 
   void advantages(StepBatch& b) {
@@ -309,10 +327,9 @@ struct Controller::Impl {
     metrics["rollout/groups"] = static_cast<double>(b.groups.size());
     metrics["rollout/stale_dropped_groups"] = static_cast<double>(b.stale_dropped_groups);
     metrics["rollout/stale_dropped_samples"] = static_cast<double>(b.stale_dropped_samples);
-    if (cfg.rollout.filter_groups) {
-      metrics["rollout/filtered_groups"] = static_cast<double>(b.filtered_groups);
-      metrics["rollout/filter_cap_reached"] = b.filter_cap_reached ? 1.0 : 0.0;
-    }
+    if (cfg.rollout.filter_groups || hooks.has_after_scoring())
+      metrics["rollout/filtered_groups"] = static_cast<double>(b.filtered_groups);  // with the hooks' drops
+    if (cfg.rollout.filter_groups) metrics["rollout/filter_cap_reached"] = b.filter_cap_reached ? 1.0 : 0.0;
     metrics["entropy"] = b.scores.entropy_tokens > 0 ? b.scores.entropy_sum / b.scores.entropy_tokens : 0.0;
     for (Role r : kRoles) {
       if (!plan.group(r)) continue;
@@ -436,6 +453,7 @@ struct Controller::Impl {
     metrics["time/checkpoint"] = seconds_since(t0);
     trace->span(step, "checkpoint", -1, w0, wall_us());
     log::info("checkpoint: step {} saved in {} ({:.1f} s)", step, dir, seconds_since(t0));
+    hooks.checkpoint(step, dir);
   }
 
   void resume() {
@@ -488,7 +506,8 @@ struct Controller::Impl {
     step = j;
     const bool last = step == cfg.train.num_steps;
     const bool signal = stop_requested();
-    if ((cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0) || last || signal) save();
+    const bool saving = (cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0) || last || signal;
+    if (saving) save();
     const double step_s = seconds_since(step_end);
     step_end = w.clock->now();
     metrics["time/step"] = step_s;
@@ -511,6 +530,8 @@ struct Controller::Impl {
     if (restarts >= 0) metrics["supervisor/restarts"] = static_cast<double>(restarts);
     Metrics flat;
     for (auto it = metrics.begin(); it != metrics.end(); ++it) flat.emplace_back(it.key(), it.value().get<double>());
+    const bool hook_stop = hooks.step_end(step, flat) && !last;
+    for (size_t i = metrics.size(); i < flat.size(); ++i) metrics[flat[i].first] = flat[i].second;
     outputs->write(step, flat);
     if (step % cfg.logging.every_steps == 0 || last) {
       const double per_step = seconds_since(run_start) / static_cast<double>(std::max<int64_t>(1, step - first_step));
@@ -525,7 +546,8 @@ struct Controller::Impl {
     }
     last_metrics = metrics;
     collector->recycle(std::move(b));
-    return signal;
+    if (hook_stop && !saving) save();
+    return signal || hook_stop;
   }
 
   void stop_ranks() {
@@ -570,8 +592,10 @@ struct Controller::Impl {
       const bool signal = finish_step(std::move(b), op);
       if (signal && step < cfg.train.num_steps) {
         stopped_by_signal = true;
-        log::warn("stopping on a signal after step {}{}", step,
-                  checkpoints.enabled() ? " (checkpoint saved)" : " (checkpoint.dir is empty: nothing saved)");
+        log::warn("stopping {} after step {}{}",
+                  hooks.stopped_by().empty() ? std::string("on a signal")
+                                             : fmt::format("as step hook '{}' asked", hooks.stopped_by()),
+                  step, checkpoints.enabled() ? " (checkpoint saved)" : " (checkpoint.dir is empty: nothing saved)");
         break;
       }
     }

@@ -1,3 +1,4 @@
+#include "tiller/rollout/step_hooks.h"
 #include "tiller/rollout/train.h"
 
 #include <unistd.h>
@@ -242,6 +243,7 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   // A job built in code (not through algo::load_job) gets the algorithm's checks here, before any
   // rank starts: every rank sees the same registrations, so every rank refuses alike.
   algo::check_config(cfg);
+  parse_step_hooks(cfg.train.step_hooks);
 
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
   std::string device_kind = cfg.cluster.device;

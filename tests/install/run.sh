@@ -3,10 +3,11 @@
 # WORK_DIR/prefix, then, as a user who links tiller into a trainer would (find_package(Tiller)):
 #   consumer        builds tests/install/consumer and runs it, then the installed CLI
 #   custom_trainer  builds examples/custom_trainer, trains the quickstart with its own reward
-#                   (reward.rule=label_digits) and advantage estimator (clipped_gae) under mpirun
-#                   and checks the reward rises (below 0.15 in steps 1-3, above 0.3 in steps
-#                   28-30); the stock tiller binary must refuse the estimator, and then the rule
-#                   (only the example registers them)
+#                   (reward.rule=label_digits), advantage estimator (clipped_gae), policy loss
+#                   (cispo) and step hook (best_reward) under mpirun and checks the reward rises
+#                   (below 0.15 in steps 1-3, above 0.3 in steps 28-30) and the hook's metric and
+#                   file; the stock tiller binary must refuse each name (only the example
+#                   registers them)
 set -euo pipefail
 mode=$1; build=$2; work=$3; prefix_path=$4; cmake=$5; mpirun=${6:-mpirun}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -46,14 +47,27 @@ stock_refuses() {  # WHAT: the stock tiller fails, naming WHAT
   echo "stock tiller: $(grep -m1 'tiller: error' "$work/stock.log")"
 }
 stock_refuses clipped_gae --set algo.advantage_estimator=clipped_gae
+stock_refuses cispo --set algo.policy_loss=cispo
+stock_refuses best_reward --set train.step_hooks=best_reward
 stock_refuses label_digits
-sets+=(--set algo.advantage_estimator=clipped_gae)
-# The estimator's name reaches the job only through the example's registration (the stock binary
-# refused it above), so a run that trains is a run with it.
+sets+=(--set algo.advantage_estimator=clipped_gae --set algo.policy_loss=cispo --set train.step_hooks=best_reward)
+# The names reach the job only through the example's registrations (the stock binary refused them
+# above), so a run that trains is a run with them.
 run "$work/build/custom_trainer" > "$work/train.log" 2>&1 || { tail -40 "$work/train.log" >&2; exit 1; }
-python3 - "$work/out/metrics.jsonl" <<'PY'
-import json, sys
-rewards = [json.loads(l)["reward/mean"] for l in open(sys.argv[1])]
+python3 - "$work/out/metrics.jsonl" "$work/out/checkpoints" <<'PY'
+import glob, json, os, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+rewards = [m["reward/mean"] for m in lines]
+# The step hook: the running best of reward/mean, as a metric and beside the last checkpoint.
+best = [m.get("custom/best_reward_mean") for m in lines]
+if best != [max(rewards[:i + 1]) for i in range(len(rewards))]:
+    sys.exit(f"FAIL: custom/best_reward_mean {best} is not the running best of {rewards}")
+last_ckpt = sorted(glob.glob(os.path.join(sys.argv[2], "step_*")))[-1]
+saved = json.load(open(os.path.join(last_ckpt, "custom_trainer.json")))
+if saved["step"] != len(rewards) or abs(saved["best_reward_mean"] - max(rewards)) > 1e-9:
+    sys.exit(f"FAIL: {last_ckpt}/custom_trainer.json says {saved}; best {max(rewards)} at step {len(rewards)}")
+if not all("actor/clip_fraction" in m for m in lines):
+    sys.exit("FAIL: a step without actor/clip_fraction (the registered policy loss's statistic)")
 first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
 print(f"custom_trainer: label_digits reward {first:.3f} (steps 1-3) -> {last:.3f} (steps {len(rewards) - 2}-{len(rewards)})")
 if len(rewards) != 30 or not (first < 0.15 and last > 0.3):

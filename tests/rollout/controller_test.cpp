@@ -29,6 +29,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/rollout/step_hooks.h"
 
 namespace tiller::rollout {
 namespace {
@@ -661,6 +662,88 @@ TEST(ControllerInProcess, DynamicSamplingTrainsOnlyInformativeGroups) {
   double count = 0;
   for (const auto& m : job.lines("metrics.jsonl")) count += m["rollout/filtered_groups"].get<double>();
   EXPECT_EQ(count, static_cast<double>(filtered.size()));
+}
+
+// train.step_hooks: a registered hook drops each step's group of the lowest prompt line and shifts
+// every score by 10 (after scoring, before the advantages), adds a metric at each step's end and
+// stops the run after step 3, and sees each committed checkpoint.
+std::vector<std::pair<int64_t, std::string>> hook_checkpoints;
+const bool hooks_registered = [] {
+  StepHookDef d;
+  d.after_scoring = [](ScoredStep& s) {
+    int64_t lowest = 0;
+    for (int64_t g = 1; g < static_cast<int64_t>(s.keep_group->size()); ++g)
+      if (s.prompt(g).line < s.prompt(lowest).line) lowest = g;
+    (*s.keep_group)[static_cast<size_t>(lowest)] = 0;
+    for (float& x : s.rollout->score) x += 10;
+  };
+  d.step_end = [](StepEnd& e) {
+    const bool has_reward = std::any_of(e.metrics->begin(), e.metrics->end(),
+                                        [](const auto& m) { return m.first == "reward/mean"; });
+    e.add->emplace_back("test_hook/step", has_reward ? static_cast<double>(e.step) : -1.0);
+    if (e.step == 3) *e.stop = true;
+  };
+  d.checkpoint = [](const CheckpointSaved& c) { hook_checkpoints.emplace_back(c.step, c.dir); };
+  register_step_hook("test_hooks", d);
+  StepHookDef bad;
+  bad.after_scoring = [](ScoredStep& s) { s.rollout->score[0] = std::nanf(""); };
+  register_step_hook("test_nan_score", bad);
+  StepHookDef throws;
+  throws.step_end = [](StepEnd&) { throw std::runtime_error("the dashboard is down"); };
+  register_step_hook("test_throws", throws);
+  return true;
+}();
+
+TEST(ControllerInProcess, StepHooksFilterReweightLogStopAndSeeCheckpoints) {
+  ASSERT_TRUE(hooks_registered);
+  hook_checkpoints.clear();
+  Job job("hooks");
+  job.cfg.train.step_hooks = "test_hooks";
+  job.cfg.checkpoint.dir = job.out + "/ckpt";
+  job.cfg.checkpoint.every_steps = 2;
+  const json summary = json::parse(job.run());
+  EXPECT_EQ(summary["event"], "stopped");
+  EXPECT_EQ(summary["steps"], 3);
+  const auto trained = job.records();
+  const auto filtered = job.records("filtered");
+  ASSERT_EQ(trained.size(), 3u * 3 * 2) << "3 steps of 3 kept groups of 2 samples";
+  ASSERT_EQ(filtered.size(), 3u);
+  for (const auto& r : trained) EXPECT_GE(r["score"].get<double>(), 10.0) << "the reweighted score is trained";
+  for (const auto& f : filtered)
+    for (const auto& r : trained)
+      if (r["step"] == f["step"]) EXPECT_LT(f["prompt_line"].get<int64_t>(), r["prompt_line"].get<int64_t>());
+  int64_t tokens = 0;
+  for (const auto& r : trained) tokens += r["response_len"].get<int64_t>();
+  EXPECT_EQ(job.trained(Role::kActor), tokens) << "the dropped groups are not trained";
+  const auto lines = job.lines("metrics.jsonl");
+  ASSERT_EQ(lines.size(), 3u);
+  for (const auto& m : lines) {
+    EXPECT_EQ(m["hooks/dropped_groups"], 1.0);
+    EXPECT_EQ(m["rollout/filtered_groups"], 1.0);
+    EXPECT_EQ(m["test_hook/step"], m["step"].get<double>());
+  }
+  // Step 2 (checkpoint.every_steps) and step 3 (saved because the hook stopped the run).
+  ASSERT_EQ(hook_checkpoints.size(), 2u);
+  EXPECT_EQ(hook_checkpoints[0].first, 2);
+  EXPECT_EQ(hook_checkpoints[1].first, 3);
+  EXPECT_TRUE(std::filesystem::exists(hook_checkpoints[1].second + "/controller.json"));
+
+  // What a hook does wrong ends the job naming the hook; an unknown name is refused up front.
+  std::string error;
+  Job nan("hooks_nan");
+  nan.cfg.train.step_hooks = "test_nan_score";
+  nan.run({}, &error);
+  EXPECT_NE(error.find("step hook 'test_nan_score' (after_scoring): sample 0 (prompt group 0) has the score nan"),
+            std::string::npos) << error;
+  Job thrower("hooks_throw");
+  thrower.cfg.train.step_hooks = "test_hooks, test_throws";
+  thrower.run({}, &error);
+  EXPECT_EQ(error, "step hook 'test_throws' (step_end): the dashboard is down");
+  EXPECT_EQ(error_of([] { parse_step_hooks("test_hookz"); }),
+            "train.step_hooks = 'test_hookz': not a registered step hook (registered: test_hooks, test_nan_score, "
+            "test_throws); did you mean 'test_hooks'?");
+  EXPECT_EQ(error_of([] { parse_step_hooks("test_hooks,test_hooks"); }),
+            "train.step_hooks = 'test_hooks,test_hooks': 'test_hooks' is named twice; name each hook once");
 }
 
 TEST(ControllerInProcess, DynamicSamplingStopsAtItsCap) {

@@ -228,12 +228,13 @@ struct TrainConfig {
   std::int64_t warmup_steps = 0;
   double min_lr_ratio = 0.1;
   std::int64_t critic_warmup_steps = 0;  // steps that train only the critic (no actor update, no sync)
-  std::string recompute = "auto";
+  std::string recompute = "auto";      // auto | blocks | attention_only | none (zero/recompute.h)
   std::int64_t recompute_layers = -1;  // blocks (from the first) that keep what recompute keeps; -1: all
   std::string compute_shard = "auto";  // auto | keep | cast: a persistent bf16 copy of the trained shards, or cast per gather
   std::int64_t optimizer_threads = 0;  // host AdamW's threads per rank (optimizer_offload: cpu); 0: cores / local ranks
-  std::string reduce_dtype = "fp32";
-  std::string old_logprobs = "recompute";  // recompute | forward: where the PPO ratio's old log-probs come from     // fp32 | bf16: what gradients are reduce-scattered in        // auto | blocks | attention_only | none (zero/recompute.h)
+  std::string reduce_dtype = "fp32";   // fp32 | bf16: what gradients are reduce-scattered in
+  std::string old_logprobs = "recompute";  // recompute | forward: where the PPO ratio's old log-probs come from
+  std::string step_hooks;  // registered step hooks, by name, comma-separated (tiller/rollout/step_hooks.h)
 };
 
 struct CheckpointConfig {

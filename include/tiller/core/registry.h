@@ -69,6 +69,10 @@ class Registry {
     if (const T* e = find(name)) return *e;
     const std::vector<std::string> all = names();
     const std::string near = closest_word(name, all);
+    if (all.empty())
+      throw ConfigError(fmt::format("{} = '{}': not a registered {} (none is registered: a trainer of your own "
+                                    "registers them before tiller::run_main)",
+                                    key, name, what_));
     throw ConfigError(fmt::format("{} = '{}': not a registered {} (registered: {}){}", key, name, what_,
                                   fmt::join(all, ", "), near.empty() ? "" : fmt::format("; did you mean '{}'?", near)));
   }
