@@ -236,6 +236,8 @@ void JobConfig::validate() const {
   if (reward.type == RewardType::kRemote && reward.remote_address.empty()) {
     throw ConfigError("reward.type = remote needs reward.remote_address (host:port)");
   }
+  if (reward.type == RewardType::kScorer && reward.scorer.empty())
+    throw ConfigError("reward.type = scorer needs reward.scorer: the name of a batch scorer a trainer of your own registers");
   if (reward.type == RewardType::kPython && reward.python.empty()) {
     throw ConfigError("reward.type = python needs reward.python (FILE.py:FUNCTION, e.g. rewards/gsm8k.py:compute_score)");
   }
@@ -278,7 +280,7 @@ void JobConfig::validate() const {
                         "rollout.n_samples_per_prompt >= 2");
     if (reward.type == RewardType::kModel)
       throw ConfigError("rollout.filter_groups needs each group's rewards before it is scored; it works with "
-                        "reward.type = rule, remote, python or env, not model");
+                        "reward.type = rule, remote, python, scorer or env, not model");
   }
   if (algo.importance_correction == ImportanceCorrection::kTis && algo.tis_cap <= 0)
     throw ConfigError("algo.importance_correction = tis truncates the weights at algo.tis_cap; set it > 0 (e.g. 2)");
@@ -513,12 +515,13 @@ std::string config_reference_markdown() {
       "  dr_grpo) need `rollout.n_samples_per_prompt >= 2`; `algo.kl_estimator` is a registered KL estimator\n"
       "  (checked by `algo::check_config`, after loading).\n"
       "- `reward.type: model` needs the reward role enabled, and the other types need it disabled;\n"
-      "  `reward.type: remote` needs `reward.remote_address`.\n"
+      "  `reward.type: remote` needs `reward.remote_address`, `python` `reward.python`, `scorer` `reward.scorer`\n"
+      "  (a registered batch scorer, checked when the job starts).\n"
       "- `train.train_batch_size` divides `rollout.batch_size x rollout.n_samples_per_prompt`.\n"
       "- `algo.dual_clip` is 0 (off) or greater than 1; `algo.seq_mask_ratio` is 0 (off) or greater than 1.\n"
       "- `algo.importance_correction: tis` needs `algo.tis_cap > 0`; `algo.tis_cap > 0` needs a correction.\n"
       "- `rollout.mode: sync` takes no `max_staleness > 0`, `partial` or `stale_policy: drop` (they are async's).\n"
-      "- `rollout.filter_groups` needs `n_samples_per_prompt >= 2` and a rule, remote or python reward.\n"
+      "- `rollout.filter_groups` needs `n_samples_per_prompt >= 2` and a reward other than `model`.\n"
       "- `reward.overlong_buffer` is at most `rollout.max_new_tokens` (with an environment, the sample's\n"
       "  response limit).\n"
       "- `env.type: remote` needs `env.address`, `inprocess` needs `env.name`; `reward.type: env`,\n"

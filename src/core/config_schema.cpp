@@ -298,7 +298,8 @@ std::vector<Field> build() {
 
   b.add_enum("reward.type", TILLER_FIELD(reward.type),
              "model (the reward role scores), rule (a registered function), remote (a gRPC reward service), "
-             "python (a Python function run in-process: reward.python), env (the environment's rewards only). With "
+             "python (a Python function run in-process: reward.python), env (the environment's rewards only), scorer (a batch scorer a trainer of your own "
+             "registers: reward.scorer). With "
              "an environment, the other types score the whole response and the environment's rewards add to it.");
   b.add("reward.rule", TILLER_FIELD(reward.rule), "Registered rule reward used when reward.type is rule.");
   b.add("reward.remote_address", TILLER_FIELD(reward.remote_address),
@@ -337,6 +338,15 @@ std::vector<Field> build() {
   b.add("reward.python_timeout_s", TILLER_FIELD(reward.python_timeout_s),
         "Deadline of one call (a sample; a batch when batched): a call past it is interrupted and the job ends.")
       .range(0.001, 86400.0);
+  b.add("reward.scorer", TILLER_FIELD(reward.scorer),
+        "reward.type scorer: a batch scorer that a trainer of your own registers by this name "
+        "(tiller::reward::register_batch_scorer; docs/library.md).");
+  b.add("reward.scorer_args", TILLER_FIELD(reward.scorer_args),
+        "reward.type scorer: the scorer's settings, a string in a format of its own (a path, JSON, key=value).");
+  b.add("reward.scorer_batch_size", TILLER_FIELD(reward.scorer_batch_size),
+        "reward.type scorer: samples per batch (a scorer's factory may choose otherwise).").range(1, 4096);
+  b.add("reward.scorer_concurrency", TILLER_FIELD(reward.scorer_concurrency),
+        "reward.type scorer: batches scored at once, each on a worker thread.").range(1, 256);
   b.add("reward.clip", TILLER_FIELD(reward.clip), "Rewards are clipped to [-clip, clip] (0: off).")
       .range(0.0, 1e9);
   b.add("reward.normalize", TILLER_FIELD(reward.normalize), "Normalise rewards with running mean and std.");

@@ -15,6 +15,7 @@
 #include "rollout/engine_pool.h"
 #include "rollout/env_runner.h"
 #include "rollout/hook_runner.h"
+#include "rollout/job_rewards.h"
 #include "rollout/hybrid_phases.h"
 #include "rollout/off_policy.h"
 #include "rollout/role_worker.h"
@@ -31,8 +32,6 @@
 #include "tiller/model/chat_template.h"
 #include "tiller/model/model_config.h"
 #include "tiller/model/tokenizer.h"
-#include "tiller/reward/python_reward.h"
-#include "tiller/reward/remote_reward.h"
 #include "tiller/reward/rule_reward.h"
 #include "tiller/rollout/prompt_dataset.h"
 #include "tiller/sync/bucket_plan.h"
@@ -665,48 +664,8 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
               dataset.skipped(), dataset.skipped() + dataset.size(), cfg.rollout.max_prompt_tokens);
   DatasetPrompts prompts(dataset);
 
-  RewardSources rewards;
   const model::Tokenizer* tok = tokenizer.get();
-  rewards.decode = [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, true); };
-  if (cfg.reward.type == RewardType::kRule) {
-    reward::RewardFn rule = reward::find(cfg.reward.rule);
-    rewards.rule = [rule, tok](const Prompt& p, const engine::SampleOutput& s) {
-      return rule(reward::Sample{p.text, tok->decode(s.tokens, true), p.label});
-    };
-  }
-  std::unique_ptr<reward::BatchedReward> batched;
-  if (cfg.reward.type == RewardType::kRemote) {
-    reward::RemoteOptions ro;
-    ro.address = cfg.reward.remote_address;
-    ro.timeout_seconds = cfg.reward.remote_timeout_s;
-    ro.retries = static_cast<int>(cfg.reward.remote_retries);
-    ro.batch_size = static_cast<int>(cfg.reward.remote_batch_size);
-    ro.concurrency = static_cast<int>(cfg.reward.remote_concurrency);
-    if (!cfg.reward.remote_token_file.empty())
-      ro.token = read_secret_file(cfg.reward.remote_token_file, "reward.remote_token_file");
-    ro.tls.ca = cfg.reward.remote_tls_ca;
-    ro.tls.server_name = cfg.reward.remote_tls_server_name;
-    auto remote = std::make_shared<reward::RemoteScorer>(ro);
-    const std::string name = remote->check_health(Deadline::after_seconds(cfg.timeouts.startup_s));
-    log::info("reward: the remote service at {} scores '{}'", ro.address, name);
-    batched = std::make_unique<reward::BatchedReward>(remote, ro.batch_size, ro.concurrency);
-  }
-  if (cfg.reward.type == RewardType::kPython) {
-    reward::PythonOptions po;
-    po.spec = cfg.reward.python;
-    po.batched = cfg.reward.python_batched;
-    po.timeout_seconds = cfg.reward.python_timeout_s;
-    auto python = std::make_shared<reward::PythonScorer>(po);
-    log::info("reward: {}{} in {} ({} worker thread(s), batches of {})", python->where(),
-              po.batched ? " (batched)" : "", python->interpreter(), cfg.reward.python_workers,
-              cfg.reward.python_batch_size);
-    batched = std::make_unique<reward::BatchedReward>(python, static_cast<int>(cfg.reward.python_batch_size),
-                                                      static_cast<int>(cfg.reward.python_workers));
-  }
-  if (batched) {
-    batched->begin_step(1);
-    rewards.batched = batched.get();
-  }
+  JobRewards job_rewards = make_job_rewards(cfg, [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, true); });
 
   // Multi-turn samples: the environment, its calls off the controller's thread, and the
   // observations' tokens inside the chat template's tool turn.
@@ -757,7 +716,7 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   w.channel = &channel;
   w.prompts = &prompts;
   w.dataset = &dataset;
-  w.rewards = rewards;
+  w.rewards = job_rewards.sources;
   w.turns = turns;
   w.sync_plan = sync::job_bucket_plan(cfg, mc, static_cast<int>(actor->ranks.size())).to_json();
   w.require_resume = opts.require_resume;

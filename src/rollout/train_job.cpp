@@ -1,3 +1,4 @@
+#include "tiller/reward/scorer_registry.h"
 #include "tiller/rollout/step_hooks.h"
 #include "tiller/rollout/train.h"
 
@@ -244,6 +245,7 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   // rank starts: every rank sees the same registrations, so every rank refuses alike.
   algo::check_config(cfg);
   parse_step_hooks(cfg.train.step_hooks);
+  if (const std::string scorer = reward::job_batch_scorer(cfg); !scorer.empty()) reward::batch_scorer(scorer);
 
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
   std::string device_kind = cfg.cluster.device;

@@ -21,6 +21,7 @@
 #include "rollout/checkpoint_manager.h"
 #include "rollout/controller.h"
 #include "rollout/env_runner.h"
+#include "rollout/job_rewards.h"
 #include "rollout/off_policy.h"
 #include "rollout/supervisor.h"
 #include "rollout/synthetic.h"
@@ -29,6 +30,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/reward/scorer_registry.h"
 #include "tiller/rollout/step_hooks.h"
 
 namespace tiller::rollout {
@@ -744,6 +746,95 @@ TEST(ControllerInProcess, StepHooksFilterReweightLogStopAndSeeCheckpoints) {
             "test_throws); did you mean 'test_hooks'?");
   EXPECT_EQ(error_of([] { parse_step_hooks("test_hooks,test_hooks"); }),
             "train.step_hooks = 'test_hooks,test_hooks': 'test_hooks' is named twice; name each hook once");
+}
+
+// reward.type scorer: a batch scorer registered by name is the one the job's rewards use, made by
+// its factory from the config (reward.scorer_args, scorer_batch_size, scorer_concurrency); the
+// built-ins remote and python are in the same registry; what is wrong is named.
+class LengthScorer final : public reward::BatchScorer {
+ public:
+  explicit LengthScorer(double per_char) : per_char_(per_char) {}
+  reward::BatchScores score(uint64_t, const std::vector<reward::RewardSample>& samples) override {
+    reward::BatchScores out;
+    for (const auto& s : samples) out.scores.push_back(per_char_ * static_cast<double>(s.response.size()));
+    out.extras["chars"] = {0.0, 0};
+    for (const auto& s : samples) {
+      out.extras["chars"].first += static_cast<double>(s.response.size());
+      out.extras["chars"].second += 1;
+    }
+    return out;
+  }
+  std::string kind() const override { return "test_length"; }
+  std::string where() const override { return "test_length scorer"; }
+
+ private:
+  double per_char_;
+};
+
+TEST(Rewards, ARegisteredBatchScorerIsTheOneTheJobUses) {
+  static const bool registered = [] {
+    reward::BatchScorerDef d;
+    d.make = [](const JobConfig& c) {
+      TILLER_CHECK(c.reward.scorer_args.rfind("per_char=", 0) == 0, "scorer_args '{}'", c.reward.scorer_args);
+      return reward::ScorerSetup{std::make_shared<LengthScorer>(std::stod(c.reward.scorer_args.substr(9))),
+                                 static_cast<int>(c.reward.scorer_batch_size),
+                                 static_cast<int>(c.reward.scorer_concurrency)};
+    };
+    d.summary = "0.5 a character";
+    reward::register_batch_scorer("test_length", d);
+    reward::BatchScorerDef none;
+    none.make = [](const JobConfig&) { return reward::ScorerSetup{}; };
+    reward::register_batch_scorer("test_none", none);
+    return true;
+  }();
+  ASSERT_TRUE(registered);
+  JobConfig cfg;
+  cfg.reward.type = RewardType::kScorer;
+  cfg.reward.scorer = "test_length";
+  cfg.reward.scorer_args = "per_char=0.25";
+  cfg.reward.scorer_batch_size = 2;
+  cfg.reward.scorer_concurrency = 2;
+  cfg.validate();
+  auto decode = [](const std::vector<int64_t>& ids) { return std::string(ids.size(), 'x'); };
+  JobRewards r = make_job_rewards(cfg, decode);
+  ASSERT_NE(r.sources.batched, nullptr);
+  EXPECT_FALSE(r.sources.rule);
+  EXPECT_EQ(r.sources.batched->scorer().kind(), "test_length");
+  r.sources.batched->begin_step(1);
+  for (uint64_t i = 0; i < 5; ++i) {
+    reward::RewardSample s;
+    s.id = i;
+    s.response = std::string(i * 4, 'a');
+    r.sources.batched->add(s);
+  }
+  std::map<uint64_t, double> got;
+  for (auto [id, score] : r.sources.batched->finish(Deadline::after_seconds(30))) got[id] = score;
+  ASSERT_EQ(got.size(), 5u);
+  for (uint64_t i = 0; i < 5; ++i) EXPECT_EQ(got[i], 0.25 * 4 * static_cast<double>(i)) << i;
+  EXPECT_EQ(r.sources.batched->take_stats().calls, 3) << "batches of reward.scorer_batch_size = 2";
+
+  // The built-ins are in the same registry; the rule reward is not a batch scorer.
+  const auto names = reward::batch_scorer_names();
+  for (const char* n : {"python", "remote", "test_length"})
+    EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
+  JobConfig rule;
+  rule.reward.rule = "toy_digits";
+  JobRewards rr = make_job_rewards(rule, decode);
+  EXPECT_TRUE(rr.sources.rule);
+  EXPECT_EQ(rr.sources.batched, nullptr);
+  EXPECT_EQ(reward::job_batch_scorer(rule), "");
+
+  cfg.reward.scorer = "test_lenght";
+  EXPECT_NE(error_of([&] { make_job_rewards(cfg, decode); })
+                .find("reward.scorer = 'test_lenght': not a registered batch scorer (registered: "),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { make_job_rewards(cfg, decode); }).find("did you mean 'test_length'?"), std::string::npos);
+  cfg.reward.scorer = "test_none";
+  EXPECT_EQ(error_of([&] { make_job_rewards(cfg, decode); }), "batch scorer 'test_none': its factory returned no scorer");
+  JobConfig unset;
+  unset.reward.type = RewardType::kScorer;
+  EXPECT_EQ(error_of([&] { unset.validate(); }),
+            "reward.type = scorer needs reward.scorer: the name of a batch scorer a trainer of your own registers");
 }
 
 TEST(ControllerInProcess, DynamicSamplingStopsAtItsCap) {

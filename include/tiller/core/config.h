@@ -23,7 +23,7 @@ struct EnumNames;
 enum class RolloutMode { kSync, kAsync };
 enum class StalePolicy { kWait, kDrop };
 enum class ImportanceCorrection { kNone, kTis, kDecoupled };
-enum class RewardType { kModel, kRule, kRemote, kPython, kEnv };
+enum class RewardType { kModel, kRule, kRemote, kPython, kEnv, kScorer };
 
 template <>
 struct EnumNames<RolloutMode> {
@@ -39,7 +39,7 @@ struct EnumNames<ImportanceCorrection> {
 };
 template <>
 struct EnumNames<RewardType> {
-  static constexpr std::array<std::string_view, 5> names = {"model", "rule", "remote", "python", "env"};
+  static constexpr std::array<std::string_view, 6> names = {"model", "rule", "remote", "python", "env", "scorer"};
 };
 
 // The YAML spelling of `e`.
@@ -207,6 +207,10 @@ struct RewardConfig {
   std::int64_t python_batch_size = 64;
   std::int64_t python_workers = 1;     // threads calling the function (the GIL serialises pure Python)
   double python_timeout_s = 300;
+  std::string scorer;                  // a registered batch scorer (reward.type scorer; tiller/reward/scorer_registry.h)
+  std::string scorer_args;             // its settings, in a format of its own
+  std::int64_t scorer_batch_size = 16;
+  std::int64_t scorer_concurrency = 1;
   double clip = 10.0;
   bool normalize = false;
   std::int64_t overlong_buffer = 0;  // DAPO's soft overlong penalty over the last this many tokens (0: off)
