@@ -1,9 +1,9 @@
 // A trainer of your own: tiller's launcher with a reward function, an advantage estimator, a
-// policy loss and a step hook that tiller does not ship.
+// policy loss, a step hook and a prompt source that tiller does not ship.
 //
 //   mpirun -np 4 build-trainer/custom_trainer train -c configs/quickstart.yaml \
 //       --set reward.rule=label_digits --set algo.advantage_estimator=clipped_gae \
-//       --set algo.policy_loss=cispo --set train.step_hooks=best_reward
+//       --set algo.policy_loss=cispo --set train.step_hooks=best_reward --set data.source=digit_tasks
 //
 // Every rank registers them before run_main (the controller calls the reward, the estimator and
 // the hook; the actor's ranks call the loss).
@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <fstream>
 #include <iomanip>
+#include <map>
+#include <memory>
 #include <set>
 #include <string>
 
@@ -57,22 +59,82 @@ tiller::algo::PolicyLoss cispo(const tiller::algo::PolicyLossInputs& in) {
   return out;
 }
 
-// A step hook: the best mean reward so far, logged with every step (custom/best_reward_mean) and
-// written beside each checkpoint (custom_trainer.json), so a run's best is known without reading
-// its metrics.
+// A step hook: the best mean reward of a step so far, taken as each step is scored (so a step's
+// checkpoint counts the step), logged with every step (custom/best_reward_mean) and written beside
+// each checkpoint (custom_trainer.json), so a run's best is known without reading its metrics.
 double best_reward = -1e300;
 
-void best_reward_at_step_end(tiller::rollout::StepEnd& e) {
-  for (const auto& [name, value] : *e.metrics)
-    if (name == "reward/mean") best_reward = std::max(best_reward, value);
-  e.add->emplace_back("custom/best_reward_mean", best_reward);
+void best_reward_after_scoring(tiller::rollout::ScoredStep& s) {
+  const auto& scores = s.rollout->score;
+  if (scores.empty()) return;
+  double sum = 0;
+  for (float x : scores) sum += x;
+  best_reward = std::max(best_reward, sum / static_cast<double>(scores.size()));
 }
+
+void best_reward_at_step_end(tiller::rollout::StepEnd& e) { e.add->emplace_back("custom/best_reward_mean", best_reward); }
 
 void best_reward_at_checkpoint(const tiller::rollout::CheckpointSaved& c) {
   std::ofstream f(c.dir + "/custom_trainer.json");
   f << std::setprecision(17) << "{\"step\": " << c.step << ", \"best_reward_mean\": " << best_reward << "}\n";
   if (!f) throw tiller::IoError("cannot write " + c.dir + "/custom_trainer.json");
 }
+
+// A prompt source: the quickstart's kind of task, generated instead of read from a file. Prompt i
+// is made from (run.seed, i) alone - a few of the quickstart's words and a number to say - so a
+// resumed run makes the same prompts again; data.source_args "MIN-MAX" bounds the numbers.
+class DigitTasks final : public tiller::rollout::PromptSource {
+ public:
+  DigitTasks(const tiller::rollout::PromptSourceContext& c) : make_(c.make_prompt), seed_(c.job->run.seed) {
+    const std::string& a = c.job->data.source_args;
+    if (!a.empty()) {
+      const size_t dash = a.find('-');
+      try {
+        size_t used_lo = 0, used_hi = 0;
+        lo_ = std::stoll(a.substr(0, dash), &used_lo);
+        hi_ = std::stoll(a.substr(dash + 1), &used_hi);
+        if (dash == std::string::npos || used_lo != dash || used_hi != a.size() - dash - 1) lo_ = -1;
+      } catch (const std::exception&) {
+        lo_ = -1;
+      }
+    }
+    if (lo_ < 0 || hi_ < lo_ || hi_ > 999999)
+      throw tiller::ConfigError("data.source_args = '" + a + "': give MIN-MAX with 0 <= MIN <= MAX <= 999999, e.g. 10-99");
+  }
+  int64_t next() override { return position_++; }
+  const tiller::rollout::Prompt& at(int64_t i) const override {
+    auto it = made_.find(i);
+    if (it != made_.end()) return it->second;
+    static const char* words[] = {"write", "digits", "more", "count", "list", "numbers", "some", "now", "give"};
+    uint64_t h = mix(static_cast<uint64_t>(seed_) * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i));
+    std::string text;
+    for (int w = 0, n = 2 + static_cast<int>(h % 4); w < n; ++w) {
+      h = mix(h);
+      text += std::string(w ? " " : "") + words[h % 9];
+    }
+    h = mix(h);
+    const int64_t number = lo_ + static_cast<int64_t>(h % static_cast<uint64_t>(hi_ - lo_ + 1));
+    tiller::rollout::Prompt p = make_(text + ":", std::to_string(number));
+    p.line = i + 1;
+    return made_.emplace(i, std::move(p)).first->second;
+  }
+  tiller::rollout::DatasetCursor cursor() const override { return {0, position_}; }
+  void seek(const tiller::rollout::DatasetCursor& c) override { position_ = c.position; }
+
+ private:
+  static uint64_t mix(uint64_t x) {  // splitmix64's finaliser
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+  }
+  std::function<tiller::rollout::Prompt(const std::string&, const std::string&)> make_;
+  int64_t seed_;
+  int64_t lo_ = 10, hi_ = 99;
+  int64_t position_ = 0;
+  mutable std::map<int64_t, tiller::rollout::Prompt> made_;
+};
 
 }  // namespace
 
@@ -85,9 +147,15 @@ int main(int argc, char** argv) {
   tiller::algo::register_advantage_estimator("clipped_gae", est);
   tiller::algo::register_policy_loss("cispo", {cispo, "CISPO: -sg(clip(ratio)) * A * logp"});
   tiller::rollout::StepHookDef hook;
+  hook.after_scoring = best_reward_after_scoring;
   hook.step_end = best_reward_at_step_end;
   hook.checkpoint = best_reward_at_checkpoint;
   hook.summary = "the best reward/mean so far, as a metric and beside each checkpoint";
   tiller::rollout::register_step_hook("best_reward", hook);
+  tiller::rollout::register_prompt_source(
+      "digit_tasks", {[](const tiller::rollout::PromptSourceContext& c) -> std::unique_ptr<tiller::rollout::PromptSource> {
+                        return std::make_unique<DigitTasks>(c);
+                      },
+                      "generated quickstart tasks: a few words and a number to say"});
   return tiller::run_main(argc, argv);
 }

@@ -271,6 +271,11 @@ std::vector<Field> build() {
   b.add("algo.whiten_advantages", TILLER_FIELD(algo.whiten_advantages), "Normalise advantages over the batch.");
   b.add("algo.ppo_epochs", TILLER_FIELD(algo.ppo_epochs), "Passes over each rollout batch.").range(1, 100);
 
+  b.add("data.source", TILLER_FIELD(data.source),
+        "Where prompts come from: a registered prompt source. Built in: file (data.prompts); a trainer of your "
+        "own registers more, e.g. a generator of tasks (docs/library.md).");
+  b.add("data.source_args", TILLER_FIELD(data.source_args),
+        "data.source other than file: the source's settings, a string in a format of its own.");
   b.add("data.prompts", TILLER_FIELD(data.prompts),
         "File of prompts: JSONL, or parquet (a name ending in .parquet or .pq; read with the embedded Python's "
         "pyarrow).");

@@ -69,6 +69,7 @@
 #include "tiller/model/sampling_params.h"
 #include "tiller/rollout/experience.h"
 #include "tiller/rollout/prompt_dataset.h"
+#include "tiller/rollout/prompt_source.h"
 
 namespace tiller::reward {
 class BatchedReward;
@@ -82,23 +83,6 @@ namespace tiller::rollout {
 
 using SteadyClock = Clock;
 
-// Where prompts come from: the dataset, or a synthetic source (tiller bench controller).
-class PromptSource {
- public:
-  virtual ~PromptSource() = default;
-  virtual int64_t next() = 0;  // the next prompt's index (the cursor moves)
-  virtual const Prompt& at(int64_t index) const = 0;
-};
-
-class DatasetPrompts final : public PromptSource {
- public:
-  explicit DatasetPrompts(PromptDataset& d) : d_(d) {}
-  int64_t next() override { return d_.next(1).at(0); }
-  const Prompt& at(int64_t index) const override { return d_.at(index); }
-
- private:
-  PromptDataset& d_;
-};
 
 // How samples get their reward before the trainers see them: a rule (any function of the prompt
 // and the engine's output; the job's decodes the text for a registered rule), and/or a scorer

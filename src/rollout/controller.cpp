@@ -437,11 +437,9 @@ struct Controller::Impl {
     st.weight_version = version;
     st.actor_updates = training->updates(Role::kActor);
     st.critic_updates = training->updates(Role::kCritic);
-    if (w.dataset) {
-      st.dataset_epoch = w.dataset->cursor().epoch;
-      st.dataset_position = w.dataset->cursor().position;
-      st.dataset_size = w.dataset->size();
-    }
+    st.dataset_epoch = w.prompts->cursor().epoch;
+    st.dataset_position = w.prompts->cursor().position;
+    st.dataset_size = std::max<int64_t>(0, w.prompts->size());  // 0: not a fixed set
     st.kl_coef = kl_ctl.value();
     st.reward_mean = reward_moments.mean();
     st.reward_m2 = reward_moments.m2();
@@ -465,17 +463,17 @@ struct Controller::Impl {
     }
     const auto& [entry, st] = *latest;
     const std::string path = entry.dir + "/controller.json";
-    if (w.dataset && st.dataset_size != w.dataset->size())
-      throw ConfigError(fmt::format("{}: saved with a dataset of {} prompts, data.prompts = {} now has {}; resume "
-                                    "with the same data",
-                                    path, st.dataset_size, cfg.data.prompts, w.dataset->size()));
+    if (w.prompts->size() > 0 && st.dataset_size > 0 && st.dataset_size != w.prompts->size())
+      throw ConfigError(fmt::format("{}: saved with a dataset of {} prompts, data.source = {} (data.prompts = {}) now "
+                                    "has {}; resume with the same data",
+                                    path, st.dataset_size, cfg.data.source, cfg.data.prompts, w.prompts->size()));
     for (int r : trainers)
       link.call(r, LoadRequest{entry.dir}.encode(), cfg.timeouts.collective_s * 4, "loading the checkpoint",
                 [](Frame&& f) { DoneReply::decode(std::move(f)); });
     link.drain(trainers, [] { std::this_thread::sleep_for(std::chrono::milliseconds(kIdleWaitMs)); });
     step = st.step;
     training->set_updates(st.actor_updates, st.critic_updates);
-    if (w.dataset) w.dataset->seek({st.dataset_epoch, st.dataset_position});
+    w.prompts->seek({st.dataset_epoch, st.dataset_position});
     kl_ctl = algo::KlController(st.kl_coef, cfg.algo.target_kl, cfg.algo.kl_horizon);
     reward_moments.restore(st.reward_mean, st.reward_m2, st.reward_count);
     resend = st.outstanding;
@@ -644,25 +642,7 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   const std::string actor_dir = cfg.roles.actor.model;
   const auto tokenizer = model::load_tokenizer(actor_dir);
   const model::ModelConfig mc = model::load_model_config(actor_dir);
-  DatasetOptions d;
-  d.input_key = cfg.data.input_key;
-  d.label_key = cfg.data.label_key;
-  d.data_source_key = cfg.data.data_source_key;
-  d.extra_info_key = cfg.data.extra_info_key;
-  d.input_template = cfg.data.input_template;
-  d.chat = cfg.data.apply_chat_template ? model::parse_chat_format("auto", *tokenizer) : model::ChatFormat::kNone;
-  d.max_prompt_tokens = cfg.rollout.max_prompt_tokens;
-  d.long_prompts = parse_long_prompt_policy(cfg.data.long_prompt_policy);
-  d.shuffle = cfg.data.shuffle;
-  d.seed = static_cast<uint64_t>(cfg.run.seed);
-  d.max_samples = cfg.data.max_samples;
-  if (cfg.data.prompts.empty()) throw ConfigError("data.prompts: set the file of prompts (JSONL or parquet)");
-  PromptDataset dataset(cfg.data.prompts, *tokenizer, d);
-  if (dataset.skipped() > 0)
-    log::warn("data: {} of {} prompts are longer than rollout.max_prompt_tokens = {} and are skipped "
-              "(data.long_prompt_policy = skip)",
-              dataset.skipped(), dataset.skipped() + dataset.size(), cfg.rollout.max_prompt_tokens);
-  DatasetPrompts prompts(dataset);
+  const std::unique_ptr<PromptSource> prompts = make_job_prompt_source(cfg, *tokenizer);
 
   const model::Tokenizer* tok = tokenizer.get();
   JobRewards job_rewards = make_job_rewards(cfg, [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, true); });
@@ -694,7 +674,8 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
     env_runner = std::make_unique<EnvRunner>(std::move(environment), static_cast<int>(cfg.env.concurrency),
                                              cfg.env.timeout_s);
     turns.env = env_runner.get();
-    const model::ChatFormat chat = cfg.data.apply_chat_template ? d.chat : model::ChatFormat::kNone;
+    const model::ChatFormat chat =
+        cfg.data.apply_chat_template ? model::parse_chat_format("auto", *tokenizer) : model::ChatFormat::kNone;
     turns.observation_tokens = [tok, chat](const std::string& text, bool closed, bool raw) {
       return tok->encode(raw ? text : model::observation_turn(chat, text, closed), /*add_special_tokens=*/false);
     };
@@ -714,8 +695,7 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   w.plan = &plan;
   w.engines = &engines;
   w.channel = &channel;
-  w.prompts = &prompts;
-  w.dataset = &dataset;
+  w.prompts = prompts.get();
   w.rewards = job_rewards.sources;
   w.turns = turns;
   w.sync_plan = sync::job_bucket_plan(cfg, mc, static_cast<int>(actor->ranks.size())).to_json();

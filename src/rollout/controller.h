@@ -39,8 +39,7 @@ struct ControllerWiring {
   const dist::RankPlan* plan = nullptr;
   EngineSet* engines = nullptr;
   Channel* channel = nullptr;
-  PromptSource* prompts = nullptr;
-  PromptDataset* dataset = nullptr;  // its cursor goes into checkpoints (null: a synthetic source)
+  PromptSource* prompts = nullptr;  // its cursor goes into checkpoints
   RewardSources rewards;
   TurnSources turns;                    // multi-turn samples: the environment (turns.env null: none)
   std::vector<int64_t> stop_token_ids;  // end a sample (the tokenizer's EOS ids)

@@ -141,6 +141,8 @@ class SyntheticPrompts final : public PromptSource {
   SyntheticPrompts(int64_t count, int64_t len, int64_t vocab);
   int64_t next() override;
   const Prompt& at(int64_t index) const override { return prompts_.at(static_cast<size_t>(index)); }
+  DatasetCursor cursor() const override { return {0, cursor_}; }
+  void seek(const DatasetCursor& c) override { cursor_ = c.position; }
   int64_t drawn() const { return cursor_; }
 
  private:

@@ -1,4 +1,5 @@
 #include "tiller/reward/scorer_registry.h"
+#include "tiller/rollout/prompt_source.h"
 #include "tiller/rollout/step_hooks.h"
 #include "tiller/rollout/train.h"
 
@@ -245,6 +246,7 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   // rank starts: every rank sees the same registrations, so every rank refuses alike.
   algo::check_config(cfg);
   parse_step_hooks(cfg.train.step_hooks);
+  prompt_source(cfg.data.source);
   if (const std::string scorer = reward::job_batch_scorer(cfg); !scorer.empty()) reward::batch_scorer(scorer);
 
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();

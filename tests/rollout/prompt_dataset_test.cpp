@@ -3,15 +3,19 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <set>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "../common/error_of.h"
 #include "../model/fixtures.h"
 #include "tiller/core/error.h"
 #include "tiller/model/tokenizer.h"
 #include "tiller/rollout/prompt_dataset.h"
+#include "tiller/rollout/prompt_source.h"
 
 namespace tiller::rollout {
 namespace {
@@ -270,6 +274,84 @@ TEST(PromptDataset, ShuffledEpochsResumeFromTheCursor) {
   o.shuffle = false;
   PromptDataset plain(p, tokenizer(), o);
   EXPECT_EQ(plain.next(3), (std::vector<int64_t>{0, 1, 2}));
+}
+
+// data.source: a registered prompt source is the one the job draws from, made with the job's
+// tokenizer and templates; the built-in file source gives what PromptDataset gives; what is wrong
+// is named.
+class CountingPrompts final : public PromptSource {
+ public:
+  CountingPrompts(const PromptSourceContext& c, int64_t base) : make_(c.make_prompt), base_(base) {}
+  int64_t next() override { return position_++; }
+  const Prompt& at(int64_t i) const override {
+    auto it = made_.find(i);
+    if (it == made_.end()) {
+      Prompt p = make_("count to " + std::to_string(base_ + i), std::to_string(base_ + i));
+      p.line = i + 1;
+      it = made_.emplace(i, std::move(p)).first;
+    }
+    return it->second;
+  }
+  DatasetCursor cursor() const override { return {0, position_}; }
+  void seek(const DatasetCursor& c) override { position_ = c.position; }
+
+ private:
+  std::function<Prompt(const std::string&, const std::string&)> make_;
+  int64_t base_;
+  int64_t position_ = 0;
+  mutable std::map<int64_t, Prompt> made_;
+};
+
+TEST(PromptSources, ARegisteredSourceIsTheOneTheJobDrawsFrom) {
+  static const bool registered = [] {
+    PromptSourceDef d;
+    d.make = [](const PromptSourceContext& c) -> std::unique_ptr<PromptSource> {
+      return std::make_unique<CountingPrompts>(c, std::stoll(c.job->data.source_args));
+    };
+    register_prompt_source("test_counting", d);
+    return true;
+  }();
+  ASSERT_TRUE(registered);
+  JobConfig cfg;
+  cfg.data.source = "test_counting";
+  cfg.data.source_args = "40";
+  cfg.data.input_template = "Q: {}\nA:";
+  auto src = make_job_prompt_source(cfg, tokenizer());
+  EXPECT_EQ(src->next(), 0);
+  EXPECT_EQ(src->next(), 1);
+  const Prompt& p = src->at(1);
+  EXPECT_EQ(p.text, "Q: count to 41\nA:");
+  EXPECT_EQ(p.label, "41");
+  EXPECT_EQ(p.tokens, tokenizer().encode("Q: count to 41\nA:", false));
+  EXPECT_EQ(src->cursor().position, 2);
+  src->seek({0, 7});
+  EXPECT_EQ(src->next(), 7);
+  EXPECT_EQ(src->size(), -1);
+  // The make_prompt helper refuses a prompt over rollout.max_prompt_tokens.
+  cfg.rollout.max_prompt_tokens = 3;
+  auto tight = make_job_prompt_source(cfg, tokenizer());
+  EXPECT_NE(tiller::error_of([&] { tight->at(0); }).find("data.source = test_counting: a prompt of"), std::string::npos);
+
+  // file: the built-in, through the same registry, serves data.prompts as PromptDataset does.
+  const std::string path = file("source_file.jsonl", "{\"input\": \"a b\", \"label\": \"1\"}\n"
+                                                     "{\"input\": \"c d e\", \"label\": \"2\"}\n");
+  JobConfig fc;
+  fc.data.prompts = path;
+  fc.data.shuffle = false;
+  auto files = make_job_prompt_source(fc, tokenizer());
+  EXPECT_EQ(files->size(), 2);
+  EXPECT_EQ(files->at(files->next()).label, "1");
+  EXPECT_EQ(files->at(files->next()).label, "2");
+  EXPECT_EQ(files->cursor().position, 2);
+  const auto names = prompt_source_names();
+  EXPECT_NE(std::find(names.begin(), names.end(), "file"), names.end());
+  fc.data.prompts = "";
+  EXPECT_EQ(tiller::error_of([&] { make_job_prompt_source(fc, tokenizer()); }),
+            "data.prompts: set the file of prompts (JSONL or parquet)");
+  fc.data.source = "test_countng";
+  EXPECT_NE(tiller::error_of([&] { make_job_prompt_source(fc, tokenizer()); })
+                .find("data.source = 'test_countng': not a registered prompt source (registered: "),
+            std::string::npos);
 }
 
 }  // namespace

@@ -180,6 +180,8 @@ struct AlgoConfig {
 };
 
 struct DataConfig {
+  std::string source = "file";  // a registered prompt source (tiller/rollout/prompt_source.h)
+  std::string source_args;      // its settings, in a format of its own
   std::string prompts;
   std::string input_key = "input";
   std::string label_key = "label";

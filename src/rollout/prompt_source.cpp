@@ -1,0 +1,99 @@
+#include "tiller/rollout/prompt_source.h"
+
+#include <fmt/format.h>
+
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+#include "tiller/core/registry.h"
+#include "tiller/model/chat_template.h"
+#include "tiller/model/tokenizer.h"
+
+namespace tiller::rollout {
+namespace {
+
+model::ChatFormat job_chat(const JobConfig& cfg, const model::Tokenizer& tok) {
+  return cfg.data.apply_chat_template ? model::parse_chat_format("auto", tok) : model::ChatFormat::kNone;
+}
+
+// data.source file: the JSONL or parquet file of data.prompts, read once, served in epochs.
+class FilePrompts final : public PromptSource {
+ public:
+  FilePrompts(const JobConfig& cfg, const model::Tokenizer& tok) : dataset_(open(cfg, tok)) {
+    if (dataset_.skipped() > 0)
+      log::warn("data: {} of {} prompts are longer than rollout.max_prompt_tokens = {} and are skipped "
+                "(data.long_prompt_policy = skip)",
+                dataset_.skipped(), dataset_.skipped() + dataset_.size(), cfg.rollout.max_prompt_tokens);
+  }
+  int64_t next() override { return dataset_.next(1).at(0); }
+  const Prompt& at(int64_t index) const override { return dataset_.at(index); }
+  DatasetCursor cursor() const override { return dataset_.cursor(); }
+  void seek(const DatasetCursor& c) override { dataset_.seek(c); }
+  int64_t size() const override { return dataset_.size(); }
+
+ private:
+  static PromptDataset open(const JobConfig& cfg, const model::Tokenizer& tok) {
+    if (cfg.data.prompts.empty()) throw ConfigError("data.prompts: set the file of prompts (JSONL or parquet)");
+    DatasetOptions d;
+    d.input_key = cfg.data.input_key;
+    d.label_key = cfg.data.label_key;
+    d.data_source_key = cfg.data.data_source_key;
+    d.extra_info_key = cfg.data.extra_info_key;
+    d.input_template = cfg.data.input_template;
+    d.chat = job_chat(cfg, tok);
+    d.max_prompt_tokens = cfg.rollout.max_prompt_tokens;
+    d.long_prompts = parse_long_prompt_policy(cfg.data.long_prompt_policy);
+    d.shuffle = cfg.data.shuffle;
+    d.seed = static_cast<uint64_t>(cfg.run.seed);
+    d.max_samples = cfg.data.max_samples;
+    return PromptDataset(cfg.data.prompts, tok, d);
+  }
+  PromptDataset dataset_;
+};
+
+Registry<PromptSourceDef>& sources() {
+  static Registry<PromptSourceDef>* r = [] {
+    auto* reg = new Registry<PromptSourceDef>(
+        "prompt source", [](const PromptSourceDef& d) { return d.make ? "" : "no factory (make)"; });
+    reg->add("file", {[](const PromptSourceContext& c) -> std::unique_ptr<PromptSource> {
+                        return std::make_unique<FilePrompts>(*c.job, *c.tokenizer);
+                      },
+                      "the JSONL or parquet file of data.prompts"});
+    return reg;
+  }();
+  return *r;
+}
+
+}  // namespace
+
+void register_prompt_source(const std::string& name, PromptSourceDef def) { sources().add(name, std::move(def)); }
+
+const PromptSourceDef& prompt_source(const std::string& name) { return sources().at(name, "data.source"); }
+
+std::vector<std::string> prompt_source_names() { return sources().names(); }
+
+std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const model::Tokenizer& tokenizer) {
+  const PromptSourceDef& def = prompt_source(job.data.source);
+  PromptSourceContext ctx;
+  ctx.job = &job;
+  ctx.tokenizer = &tokenizer;
+  const model::ChatFormat chat = job_chat(job, tokenizer);
+  ctx.make_prompt = [&job, &tokenizer, chat](const std::string& text, const std::string& label) {
+    Prompt p;
+    p.text = text;
+    if (!job.data.input_template.empty()) p.text = model::apply_input_template(job.data.input_template, p.text);
+    if (chat != model::ChatFormat::kNone) p.text = model::apply_chat_template(chat, {{"user", p.text}});
+    p.tokens = tokenizer.encode(p.text, /*add_special_tokens=*/false);
+    p.label = label;
+    if (static_cast<int64_t>(p.tokens.size()) > job.rollout.max_prompt_tokens)
+      throw ConfigError(fmt::format("data.source = {}: a prompt of {} tokens, over rollout.max_prompt_tokens = {}: "
+                                    "'{}'",
+                                    job.data.source, p.tokens.size(), job.rollout.max_prompt_tokens,
+                                    text.substr(0, 60)));
+    return p;
+  };
+  std::unique_ptr<PromptSource> s = def.make(ctx);
+  if (!s) throw ConfigError(fmt::format("prompt source '{}': its factory returned no source", job.data.source));
+  return s;
+}
+
+}  // namespace tiller::rollout
