@@ -56,6 +56,7 @@ tiller::algo::PolicyLoss cispo(const tiller::algo::PolicyLossInputs& in) {
   out.tokens = in.logp.numel();
   out.clipped_tokens = (weight != ratio).to(at::kDouble).sum();  // tokens whose weight was clipped
   out.kl_sum = (in.old_logp - in.logp.detach()).to(at::kDouble).sum();
+  out.metrics.emplace_back("weight_mean", weight.to(at::kDouble).sum());  // logged per token: actor/policy_loss/weight_mean
   return out;
 }
 

@@ -1,10 +1,13 @@
 #include "rollout/losses.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
 #include "model/host_upload.h"
 #include "tiller/core/error.h"
+#include "tiller/core/registry.h"
 
 namespace tiller::rollout {
 namespace {
@@ -63,8 +66,23 @@ MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy
     out.loss = out.loss + algo::kl_loss(logp, pick(in.ref_logp), spec.kl_estimator, in.kl_coef, in.normalizer);
   const at::Tensor entropy = pick(entropy_rows);
   if (spec.entropy_coef > 0) out.loss = out.loss + algo::entropy_bonus(entropy, spec.entropy_coef, in.normalizer);
-  out.stats = at::stack({out.loss.detach().to(at::kDouble), pl.clipped_tokens, pl.kl_sum,
-                         entropy.detach().to(at::kDouble).sum()});
+  std::vector<at::Tensor> stats{out.loss.detach().to(at::kDouble), pl.clipped_tokens, pl.kl_sum,
+                                 entropy.detach().to(at::kDouble).sum()};
+  if (pl.metrics.size() > 16)
+    throw Error(fmt::format("policy loss {}: {} metrics; report at most 16", spec.policy_loss, pl.metrics.size()));
+  for (const auto& [name, value] : pl.metrics) {
+    if (!valid_registry_name(name))
+      throw Error(fmt::format("policy loss {}: a metric named '{}'; use 1 to 64 of a-z, 0-9, '_', '.', '-'",
+                              spec.policy_loss, name));
+    if (std::find(out.metric_names.begin(), out.metric_names.end(), name) != out.metric_names.end())
+      throw Error(fmt::format("policy loss {}: the metric '{}' is reported twice", spec.policy_loss, name));
+    if (!value.defined() || value.numel() != 1)
+      throw Error(fmt::format("policy loss {}: its metric '{}' is {}; report one sum over the tokens",
+                              spec.policy_loss, name, value.defined() ? fmt::format("{} values", value.numel()) : "undefined"));
+    out.metric_names.push_back(name);
+    stats.push_back(value.detach().to(logp.device(), at::kDouble).reshape({}));
+  }
+  out.stats = at::stack(stats);
   return out;
 }
 

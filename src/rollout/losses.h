@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -23,6 +24,8 @@ struct MicroBatchLoss {
   // new log-prob (actor), the sum of entropies (actor). Undefined with the loss.
   at::Tensor stats;
   int64_t tokens = 0;       // trained tokens
+  // The policy loss's named statistics: stats[4 + i] is the sum of metric_names[i].
+  std::vector<std::string> metric_names;
 };
 
 struct ActorLossSpec {

@@ -464,14 +464,28 @@ Frame StepReply::encode() const {
   f.scalars = {s.grad_norm,   s.skipped ? 1.0 : 0.0, s.loss,          s.clip_tokens,  s.approx_kl_tokens,
                s.entropy_sum, s.tokens,              s.train_seconds, s.step_seconds, s.peak_host_mb,
                s.bench_tokens_per_s};
+  // The loss's metrics: their values after the fixed scalars, their names one per line.
+  for (const auto& [name, value] : s.loss_metrics) {
+    f.scalars.push_back(value);
+    f.text += name + "\n";
+  }
   return f;
 }
 
 StepReply StepReply::decode(Frame f) {
-  expect(f, Op::kStepReply, 0, 11);
+  if (f.op != Op::kStepReply) expect(f, Op::kStepReply, 0, 11);  // an error reply, or another message
+  std::vector<std::string> names;
+  for (size_t b = 0; b < f.text.size();) {
+    const size_t e = f.text.find('\n', b);
+    if (e == std::string::npos) malformed(Op::kStepReply, "a metric name without its end of line");
+    names.push_back(f.text.substr(b, e - b));
+    b = e + 1;
+  }
+  expect(f, Op::kStepReply, 0, 11 + names.size());
   const auto& v = f.scalars;
   StepReply r;
   r.stats = {v[0], v[1] != 0, v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10]};
+  for (size_t i = 0; i < names.size(); ++i) r.stats.loss_metrics.emplace_back(names[i], v[11 + i]);
   return r;
 }
 

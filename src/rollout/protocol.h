@@ -28,6 +28,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -193,6 +194,8 @@ struct StepStats {
   double step_seconds = 0;       // the optimizer step
   double peak_host_mb = 0;
   double bench_tokens_per_s = 0;  // the rank's training benchmark at the job's shapes (0: not measured)
+  // The policy loss's named statistics, summed over the micro-batches (losses.h).
+  std::vector<std::pair<std::string, double>> loss_metrics;
 };
 
 struct StepReply {

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "model/host_upload.h"
 #include "model/torch_compat.h"
@@ -136,6 +137,7 @@ struct RoleWorker::Impl {
   // losses' sums on the device (MicroBatchLoss::stats), read once, at the step.
   std::map<Role, StepStats> acc;
   std::map<Role, at::Tensor> acc_device;
+  std::map<Role, std::vector<std::string>> acc_metric_names;  // of acc_device[role]'s stats past the fourth
   std::vector<std::string> span_names;
   std::vector<double> span_begin, span_end;
 
@@ -322,6 +324,12 @@ struct RoleWorker::Impl {
   // Adds a micro-batch's statistics on the device, without waiting for it.
   void accumulate(Role role, const MicroBatchLoss& l) {
     at::Tensor& d = acc_device[role];
+    std::vector<std::string>& names = acc_metric_names[role];
+    if (d.defined() && names != l.metric_names)
+      throw Error(fmt::format("rank {}: the policy loss {} reported the metrics [{}] on one micro-batch and [{}] on "
+                              "another; report the same names every time",
+                              rank, cfg.algo.policy_loss, fmt::join(names, ", "), fmt::join(l.metric_names, ", ")));
+    names = l.metric_names;
     d = d.defined() ? d + l.stats : l.stats;
     acc[role].tokens += static_cast<double>(l.tokens);
   }
@@ -342,6 +350,8 @@ struct RoleWorker::Impl {
         a.clip_tokens += v[1];
         a.approx_kl_tokens += v[2];
         a.entropy_sum += v[3];
+        const std::vector<std::string>& names = acc_metric_names[in.role];
+        for (size_t i = 0; i < names.size(); ++i) a.loss_metrics.emplace_back(names[i], v[4 + i]);
         acc_device.erase(it);
       }
       a.train_seconds += seconds_since(t0);

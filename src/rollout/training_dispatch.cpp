@@ -167,6 +167,7 @@ void TrainingDispatch::post_step(size_t i) {
                    t.clip_tokens += s.clip_tokens;
                    t.approx_kl_tokens += s.approx_kl_tokens;
                    t.tokens += s.tokens;
+                   for (const auto& [name, v] : s.loss_metrics) t.loss_metrics[name] += v;
                    t.train_s += s.train_seconds / ranks;
                    t.step_s += s.step_seconds / ranks;
                    t.grad_norm = s.grad_norm;
@@ -214,6 +215,8 @@ Metrics TrainingDispatch::metrics() const {
     m.emplace_back(r + "/loss", t.loss / updates);
     m.emplace_back(r + "/clip_fraction", t.tokens > 0 ? t.clip_tokens / t.tokens : 0.0);
     if (role == Role::kActor) m.emplace_back("actor/approx_kl", t.tokens > 0 ? t.approx_kl_tokens / t.tokens : 0.0);
+    for (const auto& [name, sum] : t.loss_metrics)  // per trained token of the step
+      m.emplace_back(r + "/policy_loss/" + name, t.tokens > 0 ? sum / t.tokens : 0.0);
     m.emplace_back(r + "/grad_norm", t.grad_norm);
     m.emplace_back(r + "/skipped_steps", t.skipped);
     m.emplace_back(r + "/lr", t.lr);

@@ -71,6 +71,10 @@ if saved["step"] != len(rewards) or abs(saved["best_reward_mean"] - max(rewards)
     sys.exit(f"FAIL: {last_ckpt}/custom_trainer.json says {saved}; best {max(rewards)} at step {len(rewards)}")
 if not all("actor/clip_fraction" in m for m in lines):
     sys.exit("FAIL: a step without actor/clip_fraction (the registered policy loss's statistic)")
+# The policy loss's own metric: its clipped importance weight's mean, within the clip range.
+weights = [m.get("actor/policy_loss/weight_mean") for m in lines]
+if any(w is None or not 0.8 - 1e-6 <= w <= 1.2 + 1e-6 for w in weights):
+    sys.exit(f"FAIL: actor/policy_loss/weight_mean {weights} is missing or outside the clip range")
 first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
 print(f"custom_trainer: label_digits reward {first:.3f} (steps 1-3) -> {last:.3f} (steps {len(rewards) - 2}-{len(rewards)})")
 if len(rewards) != 30 or not (first < 0.15 and last > 0.3):

@@ -231,6 +231,7 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
       algo::PolicyLoss out;
       out.loss = (in.logp * in.logp).sum() / in.normalizer;  // sum(logp^2) / n: no built-in's
       out.tokens = in.logp.numel();
+      out.metrics.emplace_back("logp_sum", in.logp.detach().to(at::kDouble).sum());
       return out;
     };
     algo::register_policy_loss("test_square", d);
@@ -249,6 +250,10 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
   EXPECT_TRUE(at::allclose(logp.grad(), at::tensor(std::vector<float>{-0.5f, -0.5f, 0, 0, 0, -0.6f, -0.45f})));
   EXPECT_EQ(sq.stats[1].item<double>(), 0.0);
   EXPECT_EQ(sq.stats[2].item<double>(), 0.0);
+  // Its named metric rides after the four statistics, over the trained tokens only.
+  EXPECT_EQ(sq.metric_names, std::vector<std::string>{"logp_sum"});
+  ASSERT_EQ(sq.stats.numel(), 5);
+  EXPECT_NEAR(sq.stats[4].item<double>(), -1 - 1 - 1.2 - 0.9, 1e-6);
 
   // A registered value loss likewise (algo.value_loss), on the model's tokens only.
   static const bool registered_value = [] {

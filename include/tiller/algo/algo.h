@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -108,6 +109,10 @@ struct PolicyLoss {
   // device (a trainer queues the next micro-batch meanwhile); the accessors read them (and wait).
   at::Tensor clipped_tokens;  // tokens whose clipped term was taken
   at::Tensor kl_sum;          // sum over tokens of (old_logp - logp)
+  // A registered loss's own statistics: sums over the trained tokens (fp64 scalars on the loss's
+  // device), reported per trained token of the step as actor/policy_loss/<name>. The same names
+  // on every micro-batch; at most 16; names as registry names (tiller/core/registry.h).
+  std::vector<std::pair<std::string, at::Tensor>> metrics;
   int64_t tokens = 0;
   double clip_fraction() const;  // clipped_tokens / tokens; 0 without tokens
   double approx_kl() const;      // kl_sum / tokens: the mean of (old_logp - logp)
