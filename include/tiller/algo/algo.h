@@ -1,4 +1,4 @@
-// The RL algorithms as pure tensor functions (DESIGN.md §4, algo): KL estimators, advantage
+// The RL algorithms as pure tensor functions (docs/algo.md): KL estimators, advantage
 // estimators, whitening, the PPO policy and value losses, the KL controller, reward shaping and
 // truncated importance sampling. No communication, no model: the controller and the trainer roles
 // call them on host or device tensors. The per-sample scans (token_rewards, gae,

@@ -11,7 +11,7 @@
 //   "toy_echo"     the share of the label's characters the response repeats from its start
 //   "regex:<re>"   1 when the whole response matches the ECMAScript regular expression <re>
 //                  (a format reward, e.g. "regex:(?:.|\n)*#### -?[0-9]+\s*").
-// Library users add their own before the job starts (DESIGN.md §1):
+// Library users add their own before the job starts (docs/library.md):
 //   tiller::reward::register_fn("my_reward", [](const tiller::reward::Sample& s) { return score(s.response_text); });
 //
 // Threading: register before the job starts; find() and the functions it returns may then be

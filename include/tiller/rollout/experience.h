@@ -1,5 +1,5 @@
 // The samples of one step as the controller holds them: compact host arrays, never a list of
-// objects and never on a GPU (DESIGN.md §3). Samples are numbered in the order they joined;
+// objects and never on a GPU (docs/architecture.md). Samples are numbered in the order they joined;
 // per-token arrays cover response tokens only, sample s's at [resp_offset[s], resp_offset[s] +
 // response_len[s]).
 //

@@ -1,4 +1,4 @@
-// Packing samples into token-budget micro-batches for lockstep groups (DESIGN.md §3).
+// Packing samples into token-budget micro-batches for lockstep groups (docs/architecture.md).
 //
 // A ZeRO-3 group runs collectives, so all of its ranks take one micro-batch each per round (an
 // empty one when there is nothing for them). The functions here decide which samples go to which

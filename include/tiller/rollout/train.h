@@ -1,5 +1,5 @@
-// `tiller train`: one PPO job under mpirun (DESIGN.md §1-§3). Every rank of the job calls
-// run_train with the same config; each computes the same rank plan and takes its part:
+// `tiller train`: one PPO job under mpirun (docs/architecture.md, docs/training.md). Every rank of
+// the job calls run_train with the same config; each computes the same rank plan and takes its part:
 //   rank plan.controller   the single controller (dataset, dispatch, advantages, metrics, checkpoints)
 //   trainer ranks          actor / critic / ref / reward models, serving the controller's micro-batches
 //   engine ranks           inference engines behind gRPC; the TP leader serves, the others follow
