@@ -32,6 +32,20 @@ class Trained {
   at::Tensor kept_;
 };
 
+// A registered loss's result as a scalar; an Error naming the loss (`kind` and `name`) otherwise.
+at::Tensor scalar_loss(const char* kind, const std::string& name, const at::Tensor& loss) {
+  if (!loss.defined() || loss.numel() != 1)
+    throw Error(fmt::format("{} {}: it returned {}; return a scalar", kind, name,
+                            loss.defined() ? fmt::format("{} values", loss.numel()) : "no loss"));
+  return loss.reshape({});
+}
+
+// A loss's statistic as an fp64 scalar on `device`, detached; 0 when the loss left it undefined.
+at::Tensor statistic(const at::Tensor& t, const at::Device& device) {
+  return t.defined() ? t.detach().to(device, at::kDouble).reshape({})
+                     : at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+}
+
 }  // namespace
 
 MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy_rows, const TrainActorRequest& in,
@@ -52,16 +66,9 @@ MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy
   pin.clip = spec.clip;
   pin.normalizer = in.normalizer;
   algo::PolicyLoss pl = algo::policy_loss_def(spec.policy_loss).compute(pin);
-  if (!pl.loss.defined() || pl.loss.numel() != 1)
-    throw Error(fmt::format("policy loss {}: it returned {}; return a scalar", spec.policy_loss,
-                            pl.loss.defined() ? fmt::format("{} values", pl.loss.numel()) : "no loss"));
-  auto stat = [&](const at::Tensor& t) {
-    return t.defined() ? t.detach().to(logp.device(), at::kDouble).reshape({})
-                       : at::zeros({}, logp.options().dtype(at::kDouble));
-  };
-  pl.clipped_tokens = stat(pl.clipped_tokens);
-  pl.kl_sum = stat(pl.kl_sum);
-  out.loss = pl.loss.reshape({});
+  out.loss = scalar_loss("policy loss", spec.policy_loss, pl.loss);
+  pl.clipped_tokens = statistic(pl.clipped_tokens, logp.device());
+  pl.kl_sum = statistic(pl.kl_sum, logp.device());
   if (in.kl_coef > 0 && in.ref_logp.defined())
     out.loss = out.loss + algo::kl_loss(logp, pick(in.ref_logp), spec.kl_estimator, in.kl_coef, in.normalizer);
   const at::Tensor entropy = pick(entropy_rows);
@@ -80,7 +87,7 @@ MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy
       throw Error(fmt::format("policy loss {}: its metric '{}' is {}; report one sum over the tokens",
                               spec.policy_loss, name, value.defined() ? fmt::format("{} values", value.numel()) : "undefined"));
     out.metric_names.push_back(name);
-    stats.push_back(value.detach().to(logp.device(), at::kDouble).reshape({}));
+    stats.push_back(statistic(value, logp.device()));
   }
   out.stats = at::stack(stats);
   return out;
@@ -99,14 +106,9 @@ MicroBatchLoss critic_loss(const at::Tensor& value_rows, const TrainCriticReques
   vin.clip = spec.value_clip;
   vin.normalizer = in.normalizer;
   algo::ValueLoss vl = algo::value_loss_def(spec.value_loss).compute(vin);
-  if (!vl.loss.defined() || vl.loss.numel() != 1)
-    throw Error(fmt::format("value loss {}: it returned {}; return a scalar", spec.value_loss,
-                            vl.loss.defined() ? fmt::format("{} values", vl.loss.numel()) : "no loss"));
-  out.loss = vl.loss.reshape({});
-  const at::Tensor zero = at::zeros({}, values.options().dtype(at::kDouble));
-  const at::Tensor clipped =
-      vl.clipped_tokens.defined() ? vl.clipped_tokens.detach().to(values.device(), at::kDouble).reshape({}) : zero;
-  out.stats = at::stack({out.loss.detach().to(at::kDouble), clipped, zero, zero});
+  out.loss = scalar_loss("value loss", spec.value_loss, vl.loss);
+  const at::Tensor zero = statistic({}, values.device());
+  out.stats = at::stack({out.loss.detach().to(at::kDouble), statistic(vl.clipped_tokens, values.device()), zero, zero});
   return out;
 }
 

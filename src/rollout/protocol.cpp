@@ -480,6 +480,7 @@ StepReply StepReply::decode(Frame f) {
     if (e == std::string::npos) malformed(Op::kStepReply, "a metric name without its end of line");
     names.push_back(f.text.substr(b, e - b));
     b = e + 1;
+    if (names.size() > 16) malformed(Op::kStepReply, "more than 16 loss metrics");  // losses.cpp's bound
   }
   expect(f, Op::kStepReply, 0, 11 + names.size());
   const auto& v = f.scalars;
