@@ -1,6 +1,6 @@
 // tiller bench controller: the controller's own cost at scale. The real Controller (collector,
 // streaming packer, host arrays, typed protocol, advantages, off-policy weights, training
-// dispatch, metrics) runs in one process against synthetic engines (src/rollout/synthetic.h: a
+// dispatch, metrics) runs in one process against synthetic engines (src/testing/synthetic.h: a
 // thread that produces samples of a length distribution, as fast as it can or at a set rate) and
 // synthetic trainer ranks behind an in-process channel (a worker thread that decodes every frame
 // and answers with numbers). What it reports:
@@ -23,8 +23,9 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
-#include "rollout/controller.h"
-#include "rollout/synthetic.h"
+#include "controller/controller.h"
+#include "core/process.h"
+#include "testing/synthetic.h"
 #include "tiller/algo/advantage_estimator.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
@@ -54,12 +55,6 @@ double thread_cpu_seconds() {
   timespec ts{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-double peak_rss_mb() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
 // The shape's defaults for whatever the options leave at 0.

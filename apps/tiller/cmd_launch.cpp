@@ -11,7 +11,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
-#include "rollout/supervisor.h"
+#include "job/supervisor.h"
 #include "tiller/algo/advantage_estimator.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"

@@ -215,6 +215,12 @@ std::vector<Field> build() {
         "they run out the step trains the informative groups it has (logged).")
       .range(0, 64);
 
+  b.add("rollout.loop", TILLER_FIELD(rollout.loop),
+        "How a prompt's samples are made: a registered sample loop. Built in: single_turn (one engine request of "
+        "n samples) and multi_turn (episodes with the environment, env.*); unset: multi_turn with an "
+        "environment, single_turn without. A trainer of your own registers its agent loops (docs/library.md).");
+  b.add("rollout.loop_args", TILLER_FIELD(rollout.loop_args),
+        "A registered sample loop's settings, a string in a format of its own.");
   b.add("rollout.max_turns", TILLER_FIELD(rollout.max_turns),
         "With an environment (env.type): most model turns of one sample; the episode ends at its environment's "
         "done, at this many turns, or at rollout.max_response_tokens.")

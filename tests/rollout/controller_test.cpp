@@ -1,6 +1,6 @@
 // The controller's parts without mpirun: advantages and off-policy weights against hand-computed
 // values, checkpoints on disk, and the collector, training dispatch and the whole controller over
-// an in-process channel to synthetic trainer ranks and synthetic engines (src/rollout/synthetic.h),
+// an in-process channel to synthetic trainer ranks and synthetic engines (src/testing/synthetic.h),
 // with the real packer, host arrays, protocol and algorithms.
 #include <gtest/gtest.h>
 
@@ -17,20 +17,21 @@
 
 #include "../common/error_of.h"
 #include "../core/faulty_file_system.h"
-#include "rollout/advantages.h"
-#include "rollout/checkpoint_manager.h"
-#include "rollout/controller.h"
-#include "rollout/env_runner.h"
-#include "rollout/job_rewards.h"
-#include "rollout/off_policy.h"
-#include "rollout/supervisor.h"
-#include "rollout/synthetic.h"
-#include "rollout/training_dispatch.h"
+#include "controller/advantages.h"
+#include "controller/checkpoint_manager.h"
+#include "controller/controller.h"
+#include "controller/job_rewards.h"
+#include "controller/off_policy.h"
+#include "controller/training_dispatch.h"
+#include "job/supervisor.h"
+#include "testing/synthetic.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/env/environment.h"
 #include "tiller/reward/scorer_registry.h"
+#include "tiller/rollout/sample_loop.h"
 #include "tiller/rollout/step_hooks.h"
 
 namespace tiller::rollout {
@@ -340,7 +341,7 @@ struct Job {
   std::unique_ptr<SyntheticEngines> engines;
   std::unique_ptr<SyntheticPrompts> prompts;
   std::function<double(const Prompt&, const engine::SampleOutput&)> reward;
-  TurnSources turns;  // multi-turn jobs: the environment
+  LoopSources loop;  // multi-turn jobs: the environment
   std::string out;
 
   explicit Job(const std::string& name, bool critic = false) {
@@ -433,7 +434,7 @@ struct Job {
     w.channel = channel.get();
     w.prompts = prompts.get();
     w.rewards.rule = reward;
-    w.turns = turns;
+    w.loop = loop;
     w.print_summary = false;
     if (eo.clock) w.clock = eo.clock;
     Controller c(cfg, w);
@@ -987,7 +988,6 @@ class EvenGame final : public env::Environment {
 
 struct MultiTurnJob : Job {
   std::shared_ptr<EvenGame> game = std::make_shared<EvenGame>();
-  std::unique_ptr<EnvRunner> runner;
   explicit MultiTurnJob(const std::string& name) : Job(name) {
     cfg.env.type = "inprocess";
     cfg.env.name = "even";
@@ -995,15 +995,16 @@ struct MultiTurnJob : Job {
     cfg.rollout.max_new_tokens = 12;
     cfg.rollout.max_response_tokens = 30;
     cfg.logging.rollout_records_tokens = true;
-    runner = std::make_unique<EnvRunner>(game, 4, 10);
-    turns.env = runner.get();
+    cfg.env.concurrency = 4;
+    cfg.env.timeout_s = 10;
+    loop.environment = game;
     // Observation text -> ids 900 + char % 50 (the synthetic vocabulary has 1000).
-    turns.observation_tokens = [](const std::string& text, bool, bool) {
+    loop.observation_tokens = [](const std::string& text, bool, bool) {
       std::vector<int64_t> ids;
       for (char c : text) ids.push_back(900 + static_cast<unsigned char>(c) % 50);
       return ids;
     };
-    turns.decode = [](const std::vector<int64_t>& ids) { return std::to_string(ids.size()) + " ids"; };
+    loop.decode = [](const std::vector<int64_t>& ids) { return std::to_string(ids.size()) + " ids"; };
   }
 };
 
@@ -1061,7 +1062,7 @@ TEST(ControllerInProcess, MultiTurnSamplesAreEpisodesWithTheirObservationsMasked
   }
   EXPECT_GT(multi, 0) << "no sample took more than one turn";
   EXPECT_GT(cut, 0) << "no episode ran into its limits";
-  job.runner.reset();  // the environment's calls still queued (the last Closes) go out first
+  // The controller (its sample loop) has waited for the environment's last calls (the Closes).
   {
     std::lock_guard<std::mutex> lock(job.game->mu);
     EXPECT_EQ(job.game->starts, 3 * 4 * 2);
@@ -1113,7 +1114,7 @@ TEST(ControllerInProcess, MultiTurnSamplesInTheAsynchronousPipeline) {
       spanning += runs.size() > 1;
     }
     if (drop) EXPECT_GT(job.records("dropped_stale").size(), 0u) << "no group was dropped";
-    job.runner.reset();  // the last Closes go out
+    // The controller (its sample loop) has waited for the last Closes.
     std::lock_guard<std::mutex> lock(job.game->mu);
     EXPECT_EQ(job.game->closes, job.game->starts) << "drop " << drop;
     EXPECT_TRUE(job.game->open.empty()) << job.game->open.size() << " sessions left open (drop " << drop << ")";
@@ -1130,6 +1131,180 @@ TEST(ControllerInProcess, AFailingEnvironmentEndsTheJobNamingTheSample) {
   EXPECT_NE(error.find("env even at test: Step of session tiller-"), std::string::npos) << error;
   EXPECT_NE(error.find("failed: boom (prompt line"), std::string::npos) << error;
   EXPECT_NE(error.find(", step 1)"), std::string::npos) << error;
+}
+
+// --- sample loops (tiller/rollout/sample_loop.h) ----------------------------------------------------
+
+// A loop of the kind an agent writes: each sample drafts (the group's one request of n), then
+// revises once (a request of one sample whose prompt is the prompt, the draft and two marker ids of
+// the loop's own), and hands back draft + markers + revision with the markers masked. loop_args
+// "marker=<id>" picks the first marker; "twice" finishes sample 0 twice (a broken loop).
+class ReviseLoop final : public SampleLoop {
+ public:
+  explicit ReviseLoop(const SampleLoopContext& c) : host_(*c.host), ctx_(c) {
+    const std::string& a = c.job->rollout.loop_args;
+    if (a == "twice") {
+      twice_ = true;
+    } else if (a.rfind("marker=", 0) == 0) {
+      marker_ = std::stoll(a.substr(7));
+    } else {
+      throw ConfigError("rollout.loop_args = '" + a + "': marker=<id> or twice");
+    }
+  }
+  void start(int64_t group) override {
+    engine::Request r;
+    r.prompt = host_.prompt(group).tokens;
+    r.n = ctx_.n;
+    r.params = ctx_.sampling;
+    r.params.seed = host_.seed(group);
+    host_.generate(group, std::move(r), true);
+  }
+  void generated(int64_t group, uint64_t request, engine::SampleOutput out) override {
+    if (request == static_cast<uint64_t>(group)) {  // a draft: revise it
+      Sample& s = samples_[{group, out.sample}];
+      s.draft = std::move(out);
+      const int64_t room = ctx_.max_response_tokens - static_cast<int64_t>(s.draft.tokens.size()) - 2;
+      if (room < 1) return finish(group, s.draft.sample, s, {});
+      engine::Request r;
+      r.prompt = host_.prompt(group).tokens;
+      r.prompt.insert(r.prompt.end(), s.draft.tokens.begin(), s.draft.tokens.end());
+      r.prompt.push_back(marker_);
+      r.prompt.push_back(marker_ + 1);
+      r.params = ctx_.sampling;
+      r.params.seed = host_.seed(group) + 1000 + static_cast<uint64_t>(s.draft.sample);
+      r.params.max_new_tokens = std::min(room, ctx_.sampling.max_new_tokens);
+      revisions_[host_.generate(group, std::move(r), false)] = {group, s.draft.sample};
+      return;
+    }
+    const auto key = revisions_.at(request);
+    revisions_.erase(request);
+    finish(key.first, key.second, samples_.at(key), std::move(out));
+  }
+  void drop(int64_t group) override {
+    host_.abort(group, static_cast<uint64_t>(group));
+    for (auto it = revisions_.begin(); it != revisions_.end();) {
+      if (it->second.first != group) {
+        ++it;
+        continue;
+      }
+      host_.abort(group, it->first);
+      it = revisions_.erase(it);
+    }
+    for (auto it = samples_.begin(); it != samples_.end();) it = it->first.first == group ? samples_.erase(it) : ++it;
+  }
+
+ private:
+  struct Sample {
+    engine::SampleOutput draft;
+  };
+  void finish(int64_t group, int64_t sample, Sample& s, engine::SampleOutput revision) {
+    FinishedSample f;
+    f.sample = sample;
+    f.out = std::move(s.draft);
+    const int64_t draft_len = static_cast<int64_t>(f.out.tokens.size());
+    f.turns.loss_mask.assign(f.out.tokens.size(), 1);
+    f.turns.ends.push_back(draft_len - 1);
+    f.turns.rewards.push_back(0.f);
+    if (!revision.tokens.empty()) {
+      for (int64_t m : {marker_, marker_ + 1}) {
+        f.out.tokens.push_back(m);
+        f.out.logprobs.push_back(0.f);
+        f.turns.loss_mask.push_back(0);
+      }
+      f.out.tokens.insert(f.out.tokens.end(), revision.tokens.begin(), revision.tokens.end());
+      f.out.logprobs.insert(f.out.logprobs.end(), revision.logprobs.begin(), revision.logprobs.end());
+      f.turns.loss_mask.insert(f.turns.loss_mask.end(), revision.tokens.size(), 1);
+      f.turns.ends.push_back(static_cast<int64_t>(f.out.tokens.size()) - 1);
+      f.turns.rewards.push_back(0.25f);
+      f.out.finish_reason = revision.finish_reason;
+    }
+    samples_.erase({group, sample});
+    if (twice_ && sample == 0) host_.finish(group, f);
+    host_.finish(group, std::move(f));
+  }
+
+  LoopHost& host_;
+  SampleLoopContext ctx_;
+  int64_t marker_ = 0;
+  bool twice_ = false;
+  std::map<std::pair<int64_t, int64_t>, Sample> samples_;
+  std::map<uint64_t, std::pair<int64_t, int64_t>> revisions_;  // request -> (group, sample)
+};
+
+void register_revise_loop() {
+  static const bool once = [] {
+    SampleLoopDef d;
+    d.make = [](const SampleLoopContext& c) -> std::unique_ptr<SampleLoop> { return std::make_unique<ReviseLoop>(c); };
+    d.turns = true;
+    d.summary = "draft, then revise once";
+    register_sample_loop("test_revise", d);
+    return true;
+  }();
+  ASSERT_TRUE(once);
+}
+
+// The registered loop makes the samples: every record is a draft, the loop's two marker ids
+// (masked) and a revision, with the loop's turn rewards; the built-in single_turn path would give
+// one unmasked turn. Unknown names, a loop that needs an environment without one, single_turn with
+// one, and a loop that finishes a sample twice are refused by name.
+TEST(SampleLoops, ARegisteredLoopIsTheOneThatMakesTheSamples) {
+  register_revise_loop();
+  Job job("sample_loop");
+  job.cfg.train.num_steps = 2;
+  job.cfg.rollout.loop = "test_revise";
+  job.cfg.rollout.loop_args = "marker=950";
+  job.cfg.logging.rollout_records_tokens = true;
+  const json summary = json::parse(job.run());
+  EXPECT_EQ(summary["steps"], 2);
+  const auto recs = job.records();
+  ASSERT_EQ(recs.size(), 2u * 4 * 2);
+  int64_t revised = 0;
+  for (const auto& r : recs) {
+    const auto ids = r["response_ids"].get<std::vector<int64_t>>();
+    const auto mask = r["loss_mask"].get<std::vector<int>>();
+    const auto turns = r["turns"];
+    ASSERT_EQ(mask.size(), ids.size()) << r.dump();
+    EXPECT_LE(static_cast<int64_t>(ids.size()), job.cfg.rollout.max_new_tokens) << r.dump();
+    ASSERT_GE(turns.size(), 1u) << r.dump();
+    if (turns.size() == 1) continue;  // no room to revise
+    ASSERT_EQ(turns.size(), 2u) << r.dump();
+    ++revised;
+    const auto draft_end = turns[0][0].get<size_t>();
+    std::vector<int> want(ids.size(), 1);
+    want[draft_end + 1] = want[draft_end + 2] = 0;
+    EXPECT_EQ(mask, want) << r.dump();
+    EXPECT_EQ(ids[draft_end + 1], 950);
+    EXPECT_EQ(ids[draft_end + 2], 951);
+    EXPECT_EQ(turns[1][0].get<size_t>(), ids.size() - 1);
+    EXPECT_FLOAT_EQ(turns[1][1].get<float>(), 0.25f);
+  }
+  EXPECT_GT(revised, 0) << "no sample was revised";
+
+  JobConfig cfg;
+  cfg.rollout.loop = "test_revis";
+  EXPECT_NE(error_of([&] { job_sample_loop(cfg); })
+                .find("rollout.loop = 'test_revis': not a registered sample loop (registered: multi_turn, single_turn, "
+                      "test_revise"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { job_sample_loop(cfg); }).find("did you mean 'test_revise'?"), std::string::npos);
+  cfg.rollout.loop = "multi_turn";
+  EXPECT_NE(error_of([&] { job_sample_loop(cfg); }).find("rollout.loop = multi_turn: this loop needs an environment"),
+            std::string::npos);
+  cfg.rollout.loop = "single_turn";
+  cfg.env.type = "inprocess";
+  cfg.env.name = "even";
+  EXPECT_NE(error_of([&] { job_sample_loop(cfg); }).find("the environment would never be called"), std::string::npos);
+  cfg.rollout.loop = "";
+  EXPECT_EQ(job_sample_loop(cfg), "multi_turn");
+  EXPECT_EQ(job_sample_loop(JobConfig{}), "single_turn");
+
+  Job broken("sample_loop_twice");
+  broken.cfg.rollout.loop = "test_revise";
+  broken.cfg.rollout.loop_args = "twice";
+  std::string error;
+  broken.run({}, &error);
+  EXPECT_NE(error.find("sample loop 'test_revise', prompt line"), std::string::npos) << error;
+  EXPECT_NE(error.find("sample 0: finished twice"), std::string::npos) << error;
 }
 
 // --- the supervisor (tiller launch) -----------------------------------------------------------

@@ -7,11 +7,11 @@
 
 #include <ATen/ATen.h>
 
-#include "rollout/advantages.h"
-#include "rollout/losses.h"
-#include "rollout/off_policy.h"
+#include "controller/advantages.h"
+#include "controller/off_policy.h"
 #include "tiller/core/error.h"
 #include "tiller/rollout/experience.h"
+#include "trainer/losses.h"
 
 namespace tiller::rollout {
 namespace {

@@ -134,6 +134,10 @@ struct RolloutConfig {
   double top_p = 1.0;
   std::int64_t top_k = -1;
   std::int64_t micro_batch_tokens = 16384;
+  // How a prompt's samples are made: a registered sample loop (tiller/rollout/sample_loop.h); ""
+  // picks multi_turn with an environment (env.type), single_turn without.
+  std::string loop;
+  std::string loop_args;  // its settings, in a format of its own
   // The pipeline (docs/training.md): sync is generate, score, train, sync, one step after the
   // other; async keeps the engines generating the next steps while the trainers train.
   RolloutMode mode = RolloutMode::kSync;

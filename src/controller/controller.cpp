@@ -1,0 +1,673 @@
+#include "controller/controller.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "controller/advantages.h"
+#include "controller/checkpoint_manager.h"
+#include "controller/engine_pool.h"
+#include "controller/hook_runner.h"
+#include "controller/hybrid_phases.h"
+#include "controller/job_environment.h"
+#include "controller/job_rewards.h"
+#include "controller/off_policy.h"
+#include "controller/step_trace.h"
+#include "controller/training_dispatch.h"
+#include "core/process.h"
+#include "tiller/algo/algo.h"
+#include "tiller/core/clock.h"
+#include "tiller/core/config.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+#include "tiller/core/tls.h"
+#include "tiller/dist/rank_plan.h"
+#include "tiller/env/remote_env.h"
+#include "tiller/model/chat_template.h"
+#include "tiller/model/model_config.h"
+#include "tiller/model/tokenizer.h"
+#include "tiller/reward/rule_reward.h"
+#include "tiller/rollout/prompt_dataset.h"
+#include "tiller/sync/bucket_plan.h"
+
+namespace tiller::rollout {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+std::atomic<bool> g_stop{false};
+
+// How long the controller waits for a completion when a round brought nothing (ms): the latency
+// of noticing a rank's answer.
+constexpr int kIdleWaitMs = 1;
+
+std::string hms(double s) {
+  const auto t = static_cast<int64_t>(std::max(0.0, s));
+  return fmt::format("{}:{:02d}:{:02d}", t / 3600, (t / 60) % 60, t % 60);
+}
+
+// The wall clock (trace time) at steady time `t`.
+double wall_us_at(const Clock& clock, Clock::time_point t) {
+  return wall_us() - 1e6 * std::chrono::duration<double>(clock.now() - t).count();
+}
+
+int64_t restarts_of_this_run() {
+  const char* v = std::getenv("TILLER_RESTARTS");
+  if (v == nullptr || *v == '\0') return -1;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  return *end == '\0' && n >= 0 && n < 1000000 ? n : -1;
+}
+
+double value_or(const json& j, const char* key, double fallback = 0) {
+  return j.contains(key) ? j[key].get<double>() : fallback;
+}
+
+}  // namespace
+
+void request_stop() { g_stop = true; }
+bool stop_requested() { return g_stop; }
+
+struct Controller::Impl {
+  const JobConfig& cfg;
+  ControllerWiring w;
+  const dist::RankPlan& plan;
+  std::vector<TrainerGroup> groups;
+  const TrainerGroup* actor_group = nullptr;
+  const TrainerGroup* critic_group = nullptr;
+  std::vector<int> trainers;  // every trainer rank once
+  TrainerLink link;
+  CollectorConfig collect_cfg;
+  std::unique_ptr<RolloutCollector> collector;
+  std::unique_ptr<TrainingDispatch> training;
+  AdvantageSpec adv_spec;
+  OffPolicySpec off_policy_spec;
+  CheckpointManager checkpoints;
+  std::unique_ptr<StepTrace> trace;
+  std::unique_ptr<StepOutputs> outputs;
+  std::unique_ptr<HybridPhases> hybrid;  // cluster.hybrid
+  StepHookRunner hooks;                   // train.step_hooks
+  uint64_t plan_id = 0;
+
+  // Run state (what a checkpoint keeps).
+  int64_t step = 0;      // completed steps
+  uint64_t version = 0;  // the engines' weight version (number of syncs)
+  algo::KlController kl_ctl;
+  algo::RunningMoments reward_moments;
+  std::vector<PendingPrompt> resend;
+  int64_t next_ordinal = 0;
+
+  // This step.
+  json metrics;
+  SteadyClock::time_point run_start, step_end;
+  std::vector<engine::EngineStats> engine_stats;  // the engines' counters at the last step's end
+  double sync_seconds_on_actor = 0, sync_wire_bytes = 0;
+  json summary = json::object();
+  // efficiency/* summed over the run's first step (which calibrates the benchmarks) and the later
+  // ones: (sum, steps) per metric.
+  std::map<std::string, std::pair<double, int>> first_efficiency, efficiency_sums;
+  json last_metrics;
+  int64_t first_step = 0;  // completed steps when this run began (after a resume)
+  // Times `tiller launch` restarted this job ($TILLER_RESTARTS; -1 when not supervised).
+  int64_t restarts = restarts_of_this_run();
+
+  Impl(const JobConfig& c, const ControllerWiring& wiring)
+      : cfg(c),
+        w(wiring),
+        plan(*wiring.plan),
+        link(*wiring.channel,
+             [p = wiring.plan](int r) { return fmt::format("rank {} ({})", r, p->ranks.at(static_cast<size_t>(r)).label()); },
+             *wiring.clock),
+        checkpoints(c.checkpoint.dir, c.checkpoint.keep_last),
+        hooks(c.train.step_hooks),
+        kl_ctl(c.algo.kl_coef, c.algo.target_kl, c.algo.kl_horizon) {
+    groups = trainer_groups(plan);
+    for (const auto& g : groups) {
+      if (g.has(Role::kActor)) actor_group = &g;
+      if (g.has(Role::kCritic)) critic_group = &g;
+    }
+    TILLER_CHECK(actor_group != nullptr, "the rank plan has no actor group");
+    trainers = trainer_ranks(groups);
+    const bool have_ref = plan.group(Role::kRef) != nullptr;
+    collect_cfg = CollectorConfig::from_job(cfg, w.stop_token_ids, have_ref, critic_group != nullptr);
+    collect_cfg.clock = w.clock;
+    adv_spec = AdvantageSpec::from_job(cfg, have_ref);
+    off_policy_spec = OffPolicySpec::from_job(cfg);
+    TrainingConfig train_cfg = TrainingConfig::from_job(cfg, have_ref);
+    train_cfg.attention_tokens = w.attention_tokens;
+    training = std::make_unique<TrainingDispatch>(train_cfg, link, actor_group, critic_group);
+    std::vector<std::string> labels;
+    for (const auto& a : plan.ranks) labels.push_back(a.label());
+    const std::string out = cfg.run.output_dir;
+    trace = std::make_unique<StepTrace>(cfg.logging.profile_steps,
+                                        cfg.logging.chrome_trace.empty() ? out + "/trace.json" : cfg.logging.chrome_trace,
+                                        labels, plan.controller);
+    outputs = std::make_unique<StepOutputs>(
+        cfg.logging.metrics_jsonl.empty() ? out + "/metrics.jsonl" : cfg.logging.metrics_jsonl,
+        cfg.logging.tensorboard_dir.empty() ? out + "/tensorboard" : cfg.logging.tensorboard_dir,
+        cfg.logging.rollout_records, cfg.logging.rollout_records_tokens);
+    if (plan.hybrid) hybrid = std::make_unique<HybridPhases>(cfg, *w.engines, link, trainers, *trace);
+  }
+
+  HybridPhases::Put put_metric() {
+    return [this](const std::string& k, double v) { metrics[k] = v; };
+  }
+
+  // Hybrid: the step's samples are all in; the engines sleep and the trainers take the GPUs.
+  void hybrid_train_phase(int64_t j, bool sync_follows) {
+    collector->pause_dispatch(true);
+    while (collector->in_flight_samples() > 0) pump();
+    hybrid->train(j, sync_follows, put_metric());
+  }
+
+  // Hybrid: the trainers give the GPUs back and the engines generate the next step.
+  void hybrid_generate_phase(int64_t j) {
+    hybrid->generate(j, put_metric());
+    collector->pause_dispatch(false);
+  }
+
+  // --- background work ---------------------------------------------------------------------------
+
+  // One round of what runs all along: the collector, the ranks' answers, the training's posts.
+  // Waits up to kIdleWaitMs for a completion when nothing happened; true when anything did.
+  bool pump() {
+    bool any = collector->pump(0);
+    any = link.poll() > 0 || any;
+    any = training->pump() || any;
+    if (!any) any = collector->pump(kIdleWaitMs);
+    return any;
+  }
+
+  // Waits (pumping) until no call to `ranks` is pending.
+  void drain(const std::vector<int>& ranks) {
+    link.drain(ranks, [&] { collector->pump(kIdleWaitMs); });
+  }
+
+  // --- one step -----------------------------------------------------------------------------------
+
+  std::unique_ptr<StepBatch> next_batch() {
+    const auto t0 = w.clock->now();
+    while (!collector->batch_ready()) pump();
+    const int64_t j = collector->forming_step();
+    after_scoring_hooks(j);
+    const bool empty = collector->forming().ro.size() == 0;  // nothing informative (filter cap)
+    RoleSet will_train;
+    if (j > cfg.train.critic_warmup_steps && !empty) will_train.add(Role::kActor);
+    if (critic_group && !empty) will_train.add(Role::kCritic);
+    std::unique_ptr<StepBatch> b = collector->take_batch(will_train);
+    if (w.rewards.batched) w.rewards.batched->label_step(static_cast<uint64_t>(j + 1));
+    metrics["time/wait_batch"] = seconds_since(t0);
+    return b;
+  }
+
+  // train.step_hooks' after_scoring: the ready step's scores, and the groups they drop.
+  void after_scoring_hooks(int64_t j) {
+    if (!hooks.has_after_scoring()) return;
+    const auto t0 = w.clock->now();
+    StepBatch& b = collector->ready_batch();
+    const std::vector<uint8_t> keep = hooks.after_scoring(
+        j, cfg.rollout.n_samples_per_prompt, b.ro, static_cast<int64_t>(b.groups.size()),
+        [&](int64_t g) -> const Prompt& { return w.prompts->at(b.groups[static_cast<size_t>(g)].dataset_index); },
+        w.rewards.decode);
+    metrics["hooks/dropped_groups"] = static_cast<double>(std::count(keep.begin(), keep.end(), uint8_t{0}));
+    collector->drop_ready_groups(keep);
+    metrics["time/hooks"] = seconds_since(t0);
+  }
+
+  void advantages(StepBatch& b) {
+    const auto t0 = w.clock->now();
+    AdvantageResult r = compute_advantages(b.ro, adv_spec, {kl_ctl.value(), reward_moments});
+    b.ro.advantages = std::move(r.advantages);
+    if (b.ro.layout.critic) b.ro.returns = std::move(r.returns);
+    reward_moments = r.state.reward_moments;
+    kl_ctl.update(r.kl_mean_per_sample, b.ro.size());
+    for (const auto& [k, v] : r.metrics) metrics[k] = v;
+    metrics["time/advantage"] = seconds_since(t0);
+  }
+
+  void train(const StepBatch& b, const OffPolicy& op, bool train_actor) {
+    const auto t0 = w.clock->now();
+    const double w0 = wall_us();
+    training->start(b, op, train_actor, kl_ctl.value());
+    bool critic_released = !critic_group;
+    while (!training->done()) {
+      pump();
+      if (!critic_released && training->posted(Role::kCritic)) {
+        collector->release(Role::kCritic);
+        critic_released = true;
+      }
+    }
+    if (!critic_released) collector->release(Role::kCritic);
+    for (const auto& [k, v] : training->metrics()) metrics[k] = v;
+    metrics["time/train"] = seconds_since(t0);
+    for (const auto& [k, v] : training->efficiency(metrics["time/train"].get<double>())) metrics[k] = v;
+    trace->span(b.step, "train", -1, w0, wall_us());
+    if (train_actor) {
+      sync_weights(b.step);
+    } else {
+      collector->release(Role::kActor);
+    }
+  }
+
+  // The weights of the actor to every engine at version `v` (the engines pause for it).
+  void push_weights(uint64_t v) {
+    if (hybrid) hybrid->before_sync(step + 1, put_metric());
+    w.engines->begin_update(v, plan_id);
+    sync_seconds_on_actor = sync_wire_bytes = 0;
+    for (int rank : actor_group->ranks)
+      link.call(rank, SyncRequest{v}.encode(), cfg.timeouts.weight_sync_s, "the weight sync", [this](Frame&& f) {
+        const SyncReply r = SyncReply::decode(std::move(f));
+        sync_seconds_on_actor = std::max(sync_seconds_on_actor, r.seconds);
+        sync_wire_bytes = r.wire_bytes;
+      });
+    w.engines->end_update(v, cfg.timeouts.weight_sync_s);
+    link.drain(actor_group->ranks, [] { std::this_thread::sleep_for(std::chrono::milliseconds(kIdleWaitMs)); });
+    version = v;
+  }
+
+  void sync_weights(int64_t j) {
+    const auto t0 = w.clock->now();
+    const double w0 = wall_us();
+    if (!cfg.rollout.partial) {
+      // The samples in flight finish with the weights they started with.
+      collector->pause_dispatch(true);
+      while (collector->in_flight_samples() > 0) pump();
+    }
+    const auto t1 = w.clock->now();
+    push_weights(version + 1);
+    collector->set_version(version);
+    // Hybrid: the engines' caches wake at the next step's generate phase.
+    if (!hybrid) collector->pause_dispatch(false);
+    collector->release(Role::kActor);
+    metrics["time/sync_wait_in_flight"] = std::chrono::duration<double>(t1 - t0).count();
+    metrics["time/sync"] = seconds_since(t1);
+    metrics["sync/seconds_on_actor"] = sync_seconds_on_actor;
+    metrics["sync/wire_mb"] = sync_wire_bytes / 1e6;
+    trace->span(j, "weight sync", -1, w0, wall_us());
+  }
+
+  void collect_traces(int64_t j) {
+    if (!trace->any()) return;
+    for (int r : trainers)
+      link.call(r, TraceRequest{}.encode(), cfg.timeouts.collective_s, "collecting the trace", [this, r, j](Frame&& f) {
+        const TraceReply t = TraceReply::decode(std::move(f));
+        for (size_t i = 0; i < t.names.size(); ++i) trace->span(j, t.names[i], r, t.begin_us[i], t.end_us[i]);
+      });
+    drain(trainers);
+    if (!trace->profiled(j)) return;
+    trace->write();
+    log::info("trace: step {} written to {}", j, trace->path());
+  }
+
+  // Staleness, scoring and rollout metrics of the batch.
+  void batch_metrics(const StepBatch& b) {
+    const uint64_t v = b.train_version;
+    std::vector<double> lags(static_cast<size_t>(collect_cfg.staleness) + 1, 0.0);
+    double lag_sum = 0, lag_max = 0, spanning = 0;
+    for (int64_t s = 0; s < b.ro.size(); ++s) {
+      const uint64_t oldest = b.ro.oldest_version(s);
+      const double lag = v > oldest ? static_cast<double>(v - oldest) : 0.0;
+      lags[std::min(lags.size() - 1, static_cast<size_t>(lag))] += 1;
+      lag_sum += lag;
+      lag_max = std::max(lag_max, lag);
+      if (b.ro.run_offset[s + 1] - b.ro.run_offset[s] > 1) spanning += 1;
+    }
+    const double n = std::max<double>(1, static_cast<double>(b.ro.size()));
+    for (size_t i = 0; i < lags.size(); ++i) metrics[fmt::format("staleness/lag_{}", i)] = lags[i];
+    metrics["staleness/lag_mean"] = lag_sum / n;
+    metrics["staleness/lag_max"] = lag_max;
+    metrics["staleness/multi_version_samples"] = spanning;
+    metrics["rollout/groups"] = static_cast<double>(b.groups.size());
+    metrics["rollout/stale_dropped_groups"] = static_cast<double>(b.stale_dropped_groups);
+    metrics["rollout/stale_dropped_samples"] = static_cast<double>(b.stale_dropped_samples);
+    if (cfg.rollout.filter_groups || hooks.has_after_scoring())
+      metrics["rollout/filtered_groups"] = static_cast<double>(b.filtered_groups);  // with the hooks' drops
+    if (cfg.rollout.filter_groups) metrics["rollout/filter_cap_reached"] = b.filter_cap_reached ? 1.0 : 0.0;
+    metrics["entropy"] = b.scores.entropy_tokens > 0 ? b.scores.entropy_sum / b.scores.entropy_tokens : 0.0;
+    for (Role r : kRoles) {
+      if (!plan.group(r)) continue;
+      const double s = b.scores.seconds[role_index(r)];
+      metrics["time/score." + std::string(role_name(r))] = s;
+      // One rank's scoring rate: comparable with `tiller bench forward` on the same shape.
+      const double rate = s > 0 ? static_cast<double>(b.scores.tokens[role_index(r)]) / s : 0.0;
+      metrics["throughput/score_tokens_per_s." + std::string(role_name(r))] = rate;
+      // Beside the rank's scoring benchmark at the job's shapes (logging.efficiency).
+      if (const double bench = b.scores.bench[role_index(r)]; bench > 0 && s > 0) {
+        metrics["throughput/score_bench_tokens_per_s." + std::string(role_name(r))] = bench;
+        metrics["efficiency/score." + std::string(role_name(r))] = rate / bench;
+      }
+    }
+    const bool sampled = b.first_dispatch != SteadyClock::time_point::max() && b.ro.size() > 0;
+    const double gen = sampled ? std::chrono::duration<double>(b.last_sample - b.first_dispatch).count() : 0.0;
+    metrics["time/generate"] = gen;
+    metrics["time/score_tail"] = sampled ? std::chrono::duration<double>(b.ready_at - b.last_sample).count() : 0.0;
+    metrics["throughput/generate_tokens_per_s"] = gen > 0 ? static_cast<double>(b.generated_tokens) / gen : 0.0;
+    metrics["samples"] = static_cast<double>(b.ro.size());
+    if (cfg.multi_turn()) {
+      metrics["env/seconds_per_sample"] = b.ro.size() > 0 ? b.env_seconds / static_cast<double>(b.ro.size()) : 0.0;
+      metrics["env/calls"] = static_cast<double>(b.env_calls);
+      metrics["env/session_prefix_tokens"] = static_cast<double>(b.session_prefix_tokens);
+    }
+    metrics["memory/controller_rollout_mb"] = static_cast<double>(b.ro.bytes()) / 1e6;
+    if (w.rewards.batched) {
+      const reward::RewardStats rs = w.rewards.batched->take_stats();
+      const std::string kind = w.rewards.batched->scorer().kind();
+      metrics["reward/" + kind + "_calls"] = rs.calls;
+      if (kind == "remote") metrics["reward/remote_retries"] = rs.retries;
+      metrics["reward/" + kind + "_seconds_per_call"] =
+          rs.calls > 0 ? rs.call_seconds / static_cast<double>(rs.calls) : 0.0;
+      for (const auto& [name, v] : rs.extras)
+        if (v.second > 0) metrics["reward/extra/" + name] = v.first / static_cast<double>(v.second);
+    }
+  }
+
+  // Seconds each role and the engines were not busy during the step.
+  void idle_metrics(double step_s) {
+    const auto busy = [&](Role r, double per_rank) {
+      return per_rank + value_or(metrics, ("time/train." + std::string(role_name(r))).c_str());
+    };
+    for (const auto& g : plan.groups) {
+      const double ranks = static_cast<double>(g.ranks.size());
+      double b = busy(g.role, value_or(metrics, ("time/score." + std::string(role_name(g.role))).c_str()) / ranks);
+      if (g.role == Role::kActor) b += value_or(metrics, "sync/seconds_on_actor");
+      metrics["idle/" + std::string(role_name(g.role))] = std::max(0.0, step_s - b);
+    }
+    const std::vector<engine::EngineStats> now = w.engines->stats();
+    // The generate phase's rate per engine beside the engines' benchmark at the job's shapes.
+    if (!now.empty()) {
+      double bench = 0, measured = 0;
+      for (const auto& e : now)
+        if (e.bench_tokens_per_s > 0) {
+          bench += e.bench_tokens_per_s;
+          measured += 1;
+        }
+      const double per_engine = value_or(metrics, "throughput/generate_tokens_per_s") / static_cast<double>(now.size());
+      metrics["throughput/generate_tokens_per_s_per_engine"] = per_engine;
+      if (measured > 0 && per_engine > 0) {
+        metrics["throughput/generate_bench_tokens_per_s"] = bench / measured;
+        metrics["efficiency/generate"] = per_engine / (bench / measured);
+      }
+    }
+    if (!now.empty() && now.size() == engine_stats.size()) {
+      double sum = 0;
+      for (size_t i = 0; i < now.size(); ++i) sum += now[i].seconds_in_steps - engine_stats[i].seconds_in_steps;
+      metrics["idle/engines"] = std::max(0.0, step_s - sum / static_cast<double>(now.size()));
+      if (cfg.multi_turn()) {
+        // What the engines computed again and what the sessions spared them, this step.
+        double prefill = 0, resumes = 0, reused = 0, misses = 0, evictions = 0, preemptions = 0;
+        for (size_t i = 0; i < now.size(); ++i) {
+          preemptions += static_cast<double>(now[i].preemptions - engine_stats[i].preemptions +
+                                             now[i].kv_rebuilds - engine_stats[i].kv_rebuilds);
+          prefill += static_cast<double>(now[i].prefill_tokens - engine_stats[i].prefill_tokens);
+          resumes += static_cast<double>(now[i].session_resumes - engine_stats[i].session_resumes);
+          reused += static_cast<double>(now[i].session_tokens_reused - engine_stats[i].session_tokens_reused);
+          misses += static_cast<double>(now[i].session_misses - engine_stats[i].session_misses);
+          evictions += static_cast<double>(now[i].session_evictions - engine_stats[i].session_evictions);
+        }
+        metrics["engine/prefill_tokens"] = prefill;
+        metrics["engine/session_resumes"] = resumes;
+        metrics["engine/session_tokens_reused"] = reused;
+        metrics["engine/session_misses"] = misses;
+        metrics["engine/session_evictions"] = evictions;
+        metrics["engine/recomputed_sequences"] = preemptions;  // preempted, or rebuilt after a weight update
+      }
+    }
+    engine_stats = now;
+  }
+
+  // --- checkpoints --------------------------------------------------------------------------------
+
+  void save() {
+    if (!checkpoints.enabled()) return;
+    const auto t0 = w.clock->now();
+    const double w0 = wall_us();
+    const std::string dir = checkpoints.begin(step);
+    for (int r : trainers)
+      link.call(r, SaveRequest{dir}.encode(), cfg.timeouts.collective_s * 4, "the checkpoint save",
+                [](Frame&& f) { DoneReply::decode(std::move(f)); });
+    drain(trainers);
+    ControllerState st;
+    st.step = step;
+    st.weight_version = version;
+    st.actor_updates = training->updates(Role::kActor);
+    st.critic_updates = training->updates(Role::kCritic);
+    st.dataset_epoch = w.prompts->cursor().epoch;
+    st.dataset_position = w.prompts->cursor().position;
+    st.dataset_size = std::max<int64_t>(0, w.prompts->size());  // 0: not a fixed set
+    st.kl_coef = kl_ctl.value();
+    st.reward_mean = reward_moments.mean();
+    st.reward_m2 = reward_moments.m2();
+    st.reward_count = reward_moments.count();
+    st.outstanding = collector->outstanding();
+    st.next_ordinal = collector->next_ordinal();
+    checkpoints.commit(step, st);
+    metrics["time/checkpoint"] = seconds_since(t0);
+    trace->span(step, "checkpoint", -1, w0, wall_us());
+    log::info("checkpoint: step {} saved in {} ({:.1f} s)", step, dir, seconds_since(t0));
+    hooks.checkpoint(step, dir);
+  }
+
+  void resume() {
+    const auto latest = checkpoints.latest();
+    if (!latest) {
+      if (w.require_resume)
+        throw ConfigError(fmt::format("--resume: no complete checkpoint under checkpoint.dir = {}",
+                                      checkpoints.root().empty() ? std::string("(empty)") : checkpoints.root()));
+      return;
+    }
+    const auto& [entry, st] = *latest;
+    const std::string path = entry.dir + "/controller.json";
+    if (w.prompts->size() > 0 && st.dataset_size > 0 && st.dataset_size != w.prompts->size())
+      throw ConfigError(fmt::format("{}: saved with a dataset of {} prompts, data.source = {} (data.prompts = {}) now "
+                                    "has {}; resume with the same data",
+                                    path, st.dataset_size, cfg.data.source, cfg.data.prompts, w.prompts->size()));
+    for (int r : trainers)
+      link.call(r, LoadRequest{entry.dir}.encode(), cfg.timeouts.collective_s * 4, "loading the checkpoint",
+                [](Frame&& f) { DoneReply::decode(std::move(f)); });
+    link.drain(trainers, [] { std::this_thread::sleep_for(std::chrono::milliseconds(kIdleWaitMs)); });
+    step = st.step;
+    training->set_updates(st.actor_updates, st.critic_updates);
+    w.prompts->seek({st.dataset_epoch, st.dataset_position});
+    kl_ctl = algo::KlController(st.kl_coef, cfg.algo.target_kl, cfg.algo.kl_horizon);
+    reward_moments.restore(st.reward_mean, st.reward_m2, st.reward_count);
+    resend = st.outstanding;
+    // A checkpoint from before the pipeline had nothing in flight: every prompt drawn was trained.
+    next_ordinal = st.next_ordinal > 0 ? st.next_ordinal : step * cfg.rollout.batch_size;
+    log::info("resumed from {} (step {}, weight version {}{})", entry.dir, step, st.weight_version,
+              resend.empty() ? "" : fmt::format(", {} prompts in flight sent again", resend.size()));
+    // The engines started from the HF model: give them the actor's trained weights.
+    if (st.weight_version > 0) push_weights(st.weight_version);
+  }
+
+  // --- the loop -----------------------------------------------------------------------------------
+
+  // Returns whether a stop was requested (then the step's checkpoint is saved).
+  bool finish_step(std::unique_ptr<StepBatch> b, const OffPolicy& op) {
+    const int64_t j = b->step;
+    batch_metrics(*b);
+    for (const auto& [k, v] : op.metrics) metrics[k] = v;
+    metrics["weight_version"] = static_cast<double>(version);
+    if (b->ro.size() > 0) {
+      trace->span(j, "generate", -1, wall_us_at(*w.clock, b->first_dispatch), wall_us_at(*w.clock, b->last_sample));
+      trace->span(j, "score (after generation)", -1, wall_us_at(*w.clock, b->last_sample), wall_us_at(*w.clock, b->ready_at));
+    }
+    collect_traces(j);
+    outputs->record(*b, b->train_version,
+                    [this](int64_t i) { return w.prompts->at(i).line; });
+    step = j;
+    const bool last = step == cfg.train.num_steps;
+    const bool signal = stop_requested();
+    const bool saving = (cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0) || last || signal;
+    if (saving) save();
+    const double step_s = seconds_since(step_end);
+    step_end = w.clock->now();
+    metrics["time/step"] = step_s;
+    metrics["throughput/tokens_per_s"] = step_s > 0 ? static_cast<double>(b->generated_tokens) / step_s : 0.0;
+    idle_metrics(step_s);
+    double busy = 0;
+    for (const char* k : {"time/wait_batch", "time/advantage", "time/train", "time/sync_wait_in_flight", "time/sync",
+                          "time/checkpoint"})
+      busy += value_or(metrics, k);
+    metrics["time/controller_other"] = std::max(0.0, step_s - busy);
+    metrics["memory/controller_host_peak_mb"] = peak_rss_mb();
+    // The run's efficiency: each phase's mean over the steps after the first (which calibrates
+    // the benchmarks and warms up), or the first when it is all there is.
+    for (auto it = metrics.begin(); it != metrics.end(); ++it)
+      if (it.key().rfind("efficiency/", 0) == 0) {
+        auto& [sum, n] = (step > first_step + 1 ? efficiency_sums : first_efficiency)[it.key()];
+        sum += it.value().get<double>();
+        n += 1;
+      }
+    if (restarts >= 0) metrics["supervisor/restarts"] = static_cast<double>(restarts);
+    Metrics flat;
+    for (auto it = metrics.begin(); it != metrics.end(); ++it) flat.emplace_back(it.key(), it.value().get<double>());
+    const bool hook_stop = hooks.step_end(step, flat) && !last;
+    for (size_t i = metrics.size(); i < flat.size(); ++i) metrics[flat[i].first] = flat[i].second;
+    outputs->write(step, flat);
+    if (step % cfg.logging.every_steps == 0 || last) {
+      const double per_step = seconds_since(run_start) / static_cast<double>(std::max<int64_t>(1, step - first_step));
+      log::info("step {}/{} | reward {:.3f} ± {:.3f} | kl {:.4f} | entropy {:.3f} | len {:.1f} | gen {:.2f}s "
+                "train {:.2f}s sync {:.2f}s{} | {:.1f} s/step | ETA {}",
+                step, cfg.train.num_steps, value_or(metrics, "reward/mean"), value_or(metrics, "reward/std"),
+                value_or(metrics, "kl/mean_per_sample"), value_or(metrics, "entropy"),
+                value_or(metrics, "response_length/mean"), value_or(metrics, "time/generate"),
+                value_or(metrics, "time/train"), value_or(metrics, "time/sync"),
+                collect_cfg.staleness > 0 ? fmt::format(" lag {:.2f}", value_or(metrics, "staleness/lag_mean")) : "",
+                step_s, hms(per_step * static_cast<double>(cfg.train.num_steps - step)));
+    }
+    last_metrics = metrics;
+    collector->recycle(std::move(b));
+    if (hook_stop && !saving) save();
+    return signal || hook_stop;
+  }
+
+  void stop_ranks() {
+    std::vector<int> ranks = trainers;
+    // A hybrid engine's leader is a trainer rank: it stops once.
+    for (const auto& e : plan.engines)
+      if (std::find(ranks.begin(), ranks.end(), e.ranks.front()) == ranks.end()) ranks.push_back(e.ranks.front());
+    double peak = peak_rss_mb();
+    for (int r : ranks)
+      link.call(r, StopRequest{}.encode(), cfg.timeouts.collective_s, "stopping",
+                [&peak](Frame&& f) { peak = std::max(peak, StopReply::decode(std::move(f)).peak_host_mb); });
+    link.drain(ranks, [] { std::this_thread::sleep_for(std::chrono::milliseconds(kIdleWaitMs)); });
+    w.channel->flush(Deadline::after_seconds(cfg.timeouts.collective_s));
+    summary["host_peak_mb"] = peak;
+  }
+
+  int run() {
+    if (!w.sync_plan.empty()) plan_id = w.engines->install_sync_plan(w.sync_plan);
+    if (cfg.checkpoint.resume || w.require_resume) resume();
+    collector =
+        std::make_unique<RolloutCollector>(collect_cfg, *w.engines, link, *w.prompts, w.rewards, groups, w.loop);
+    if (hybrid) collector->pause_dispatch(true);  // until the first generate phase
+    collector->start(step + 1, version, resend, next_ordinal);
+    run_start = step_end = w.clock->now();
+    engine_stats = w.engines->stats();
+    first_step = step;
+    bool stopped_by_signal = false;
+    while (step < cfg.train.num_steps) {
+      metrics = json::object();
+      if (hybrid) hybrid_generate_phase(step + 1);
+      std::unique_ptr<StepBatch> b = next_batch();
+      const bool train_actor = b->step > cfg.train.critic_warmup_steps && b->ro.size() > 0;
+      if (hybrid) hybrid_train_phase(b->step, train_actor);
+      OffPolicy op;
+      if (b->ro.size() > 0) {
+        advantages(*b);
+        op = off_policy(b->ro, off_policy_spec);
+        train(*b, op, train_actor);
+      } else {
+        log::warn("step {}: no informative group to train on (rollout.filter_groups); no update", b->step);
+      }
+      const bool signal = finish_step(std::move(b), op);
+      if (signal && step < cfg.train.num_steps) {
+        stopped_by_signal = true;
+        log::warn("stopping {} after step {}{}",
+                  hooks.stopped_by().empty() ? std::string("on a signal")
+                                             : fmt::format("as step hook '{}' asked", hooks.stopped_by()),
+                  step, checkpoints.enabled() ? " (checkpoint saved)" : " (checkpoint.dir is empty: nothing saved)");
+        break;
+      }
+    }
+    collector->close();
+    stop_ranks();
+    summary["event"] = stopped_by_signal ? "stopped" : "done";
+    summary["steps"] = step;
+    summary["seconds"] = seconds_since(run_start);
+    summary["weight_version"] = version;
+    if (!last_metrics.empty()) {
+      summary["reward_mean"] = last_metrics.value("reward/mean", 0.0);
+      summary["kl_mean_per_sample"] = last_metrics.value("kl/mean_per_sample", 0.0);
+    }
+    const auto all = checkpoints.list();
+    summary["checkpoint"] = all.empty() ? "" : all.back().dir;
+    const bool later = !efficiency_sums.empty();
+    if (later || !first_efficiency.empty()) {
+      std::string line;
+      json eff = json::object();
+      for (const auto& [key, v] : later ? efficiency_sums : first_efficiency) {
+        const double mean = v.first / std::max(1, v.second);
+        eff[key.substr(std::string("efficiency/").size())] = mean;
+        line += fmt::format("{}{} {:.2f}", line.empty() ? "" : ", ", key.substr(11), mean);
+      }
+      summary["efficiency"] = eff;
+      log::info("efficiency (each phase's rate over its benchmark at the job's shapes, mean of steps {}-{}): {}",
+                later ? first_step + 2 : first_step + 1, step, line);
+    }
+    if (w.print_summary) {
+      std::printf("%s\n", summary.dump().c_str());
+      std::fflush(stdout);
+    }
+    return 0;
+  }
+};
+
+Controller::Controller(const JobConfig& cfg, const ControllerWiring& wiring)
+    : impl_(std::make_unique<Impl>(cfg, wiring)) {}
+Controller::~Controller() = default;
+int Controller::run() { return impl_->run(); }
+std::string Controller::summary() const { return impl_->summary.dump(); }
+
+int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Communicator& world,
+                   const ControllerOptions& opts) {
+  const dist::RoleGroup* actor = plan.group(Role::kActor);
+  TILLER_CHECK(actor != nullptr, "the rank plan has no actor group");
+  const std::string actor_dir = cfg.roles.actor.model;
+  const auto tokenizer = model::load_tokenizer(actor_dir);
+  const model::ModelConfig mc = model::load_model_config(actor_dir);
+  const std::unique_ptr<PromptSource> prompts = make_job_prompt_source(cfg, *tokenizer);
+
+  const model::Tokenizer* tok = tokenizer.get();
+  JobRewards job_rewards = make_job_rewards(cfg, [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, true); });
+
+  TlsFiles engine_tls;
+  if (!cfg.engines.tls_cert.empty()) {
+    engine_tls.ca = cfg.engines.tls_ca.empty() ? cfg.engines.tls_cert : cfg.engines.tls_ca;
+    engine_tls.server_name = cfg.engines.tls_server_name;
+  }
+  EnginePool engines(opts.engine_addresses, opts.engine_token, cfg.timeouts.rpc_s, engine_tls);
+  if (engines.size() == 0) throw ConfigError("engines.count = 0: tiller train needs at least one engine");
+  MpiChannel channel(world);
+  ControllerWiring w;
+  w.plan = &plan;
+  w.engines = &engines;
+  w.channel = &channel;
+  w.prompts = prompts.get();
+  w.rewards = job_rewards.sources;
+  w.loop = make_job_loop_sources(cfg, *tokenizer);
+  w.sync_plan = sync::job_bucket_plan(cfg, mc, static_cast<int>(actor->ranks.size())).to_json();
+  w.require_resume = opts.require_resume;
+  w.stop_token_ids = model::eos_token_ids(actor_dir, mc, *tokenizer);
+  w.attention_tokens = model::attention_cost_tokens(mc);
+  Controller controller(cfg, w);
+  return controller.run();
+}
+
+}  // namespace tiller::rollout

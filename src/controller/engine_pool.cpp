@@ -1,0 +1,171 @@
+#include "controller/engine_pool.h"
+
+#include <chrono>
+
+#include <fmt/format.h>
+
+#include "tiller/core/error.h"
+
+namespace tiller::rollout {
+
+EnginePool::EnginePool(std::vector<std::string> addresses, const std::string& token, double rpc_timeout_s,
+                       const TlsFiles& tls)
+    : addresses_(std::move(addresses)), rpc_timeout_s_(rpc_timeout_s) {
+  for (const auto& a : addresses_) {
+    engine::ClientOptions o;
+    o.address = a;
+    o.token = token;
+    o.tls = tls;
+    o.timeout_seconds = rpc_timeout_s;
+    clients_.push_back(std::make_unique<engine::EngineClient>(o));
+  }
+}
+
+EnginePool::~EnginePool() {
+  // Only on a failure path are streams still open here, and the process is about to exit: a
+  // reader may be blocked inside its session, so neither is destroyed under it.
+  for (auto& t : readers_)
+    if (t.joinable()) t.detach();
+  for (auto& s : sessions_) (void)s.release();
+}
+
+std::string EnginePool::name(size_t i) const { return fmt::format("engine {} ({})", i, addresses_.at(i)); }
+
+uint64_t EnginePool::install_sync_plan(const std::string& plan_json) {
+  uint64_t id = 0;
+  for (auto& c : clients_) id = c->install_sync_plan(plan_json);
+  return id;
+}
+
+void EnginePool::open() {
+  TILLER_CHECK(sessions_.empty(), "EnginePool::open: the streams are already open");
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    // The streams live for the run; progress is watched by the collector (timeouts.generate_s).
+    sessions_.push_back(clients_[i]->open_session(Deadline::never()));
+    engine::GenerateSession* s = sessions_.back().get();
+    readers_.emplace_back([inbox = inbox_, s, i, name = name(i)] {
+      Completion c;
+      c.engine = static_cast<int>(i);
+      try {
+        while (s->next(c.result, Deadline::never())) {
+          std::lock_guard<std::mutex> lock(inbox->mu);
+          if (!inbox->closing) inbox->queue.push_back(std::move(c));
+          inbox->cv.notify_all();
+          c = Completion{};
+          c.engine = static_cast<int>(i);
+        }
+      } catch (const std::exception& e) {
+        c.failure = fmt::format("{}: {}", name, e.what());
+      }
+      std::lock_guard<std::mutex> lock(inbox->mu);
+      ++inbox->ended;
+      if (!inbox->closing && !c.failure.empty()) inbox->queue.push_back(std::move(c));
+      inbox->cv.notify_all();
+    });
+  }
+}
+
+void EnginePool::submit(size_t i, const engine::Request& r, uint64_t min_weight_version) {
+  sessions_.at(i)->send(r, min_weight_version);
+}
+
+void EnginePool::abort(size_t i, uint64_t request_id) { sessions_.at(i)->abort(request_id); }
+
+bool EnginePool::next(Completion& out, int wait_ms) {
+  Inbox& in = *inbox_;
+  std::unique_lock<std::mutex> lock(in.mu);
+  if (!in.cv.wait_for(lock, std::chrono::milliseconds(wait_ms), [&] { return !in.queue.empty(); })) return false;
+  out = std::move(in.queue.front());
+  in.queue.pop_front();
+  return true;
+}
+
+void EnginePool::begin_update(uint64_t version, uint64_t plan_id) {
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    try {
+      clients_[i]->begin_weight_update(version, false, plan_id);
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("weight sync {}: {} refused to begin: {}", version, name(i), e.what()));
+    }
+  }
+}
+
+void EnginePool::end_update(uint64_t version, double timeout_s) {
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    try {
+      clients_[i]->end_weight_update(version, timeout_s);
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("weight sync {} to {} failed: {}", version, name(i), e.what()));
+    }
+  }
+}
+
+std::vector<engine::ServerMemory> EnginePool::sleep(int level) {
+  std::vector<engine::ServerMemory> out;
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    try {
+      out.push_back(clients_[i]->sleep(level));
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("{} failed to sleep (level {}): {}", name(i), level, e.what()));
+    }
+  }
+  return out;
+}
+
+std::vector<engine::ServerMemory> EnginePool::wake(bool weights, bool cache) {
+  std::vector<engine::ServerMemory> out;
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    try {
+      out.push_back(clients_[i]->wake(weights, cache));
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("{} failed to wake ({}): {}", name(i), cache ? "its KV cache" : "its weights",
+                                  e.what()));
+    }
+  }
+  return out;
+}
+
+void EnginePool::release_session(size_t i, engine::SessionKey key) { sessions_.at(i)->release_session(key); }
+
+std::vector<engine::EngineStats> EnginePool::stats() {
+  std::vector<engine::EngineStats> out;
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    try {
+      out.push_back(clients_[i]->stats().engine);
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("{} failed to report its stats: {}", name(i), e.what()));
+    }
+  }
+  return out;
+}
+
+void EnginePool::close() {
+  Inbox& in = *inbox_;
+  {
+    std::lock_guard<std::mutex> lock(in.mu);
+    in.closing = true;
+  }
+  // No more requests: each server ends its stream once the requests on it have answered (the
+  // caller aborted what it no longer wants). A stream that has not ended by the deadline is
+  // cancelled, which makes its server abort whatever is left.
+  for (auto& s : sessions_) s->close_sends();
+  const Deadline deadline = Deadline::after_seconds(rpc_timeout_s_);
+  {
+    std::unique_lock<std::mutex> lock(in.mu);
+    in.cv.wait_until(lock, deadline.at(), [&] { return in.ended == readers_.size(); });
+  }
+  bool all_ended = false;
+  {
+    std::lock_guard<std::mutex> lock(in.mu);
+    all_ended = in.ended == readers_.size();
+  }
+  if (!all_ended)
+    for (auto& s : sessions_) s->cancel();
+  for (auto& t : readers_) t.join();
+  readers_.clear();
+  sessions_.clear();
+  std::lock_guard<std::mutex> lock(in.mu);
+  in.queue.clear();
+}
+
+}  // namespace tiller::rollout

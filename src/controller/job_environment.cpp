@@ -1,0 +1,54 @@
+#include "controller/job_environment.h"
+
+#include <fmt/format.h>
+
+#include "tiller/core/deadline.h"
+#include "tiller/core/logging.h"
+#include "tiller/core/tls.h"
+#include "tiller/env/environment.h"
+#include "tiller/env/remote_env.h"
+#include "tiller/model/chat_template.h"
+#include "tiller/model/tokenizer.h"
+
+namespace tiller::rollout {
+namespace {
+
+std::shared_ptr<env::Environment> job_environment(const JobConfig& cfg) {
+  if (cfg.env.type == "remote") {
+    env::RemoteEnvOptions eo;
+    eo.address = cfg.env.address;
+    eo.timeout_seconds = cfg.env.timeout_s;
+    eo.retries = static_cast<int>(cfg.env.retries);
+    if (!cfg.env.token_file.empty()) eo.token = read_secret_file(cfg.env.token_file, "env.token_file");
+    eo.tls.ca = cfg.env.tls_ca;
+    eo.tls.server_name = cfg.env.tls_server_name;
+    auto remote = std::make_shared<env::RemoteEnvironment>(eo);
+    const std::string name = remote->check_health(Deadline::after_seconds(cfg.timeouts.startup_s));
+    log::info("env: the service at {} runs '{}' (at most {} turns, {} response tokens a sample)", eo.address, name,
+              cfg.rollout.max_turns, cfg.response_limit());
+    return remote;
+  }
+  std::shared_ptr<env::Environment> environment = env::make_env(cfg.env.name);
+  log::info("env: {} in-process (at most {} turns, {} response tokens a sample)", environment->name(),
+            cfg.rollout.max_turns, cfg.response_limit());
+  return environment;
+}
+
+}  // namespace
+
+LoopSources make_job_loop_sources(const JobConfig& cfg, const model::Tokenizer& tokenizer) {
+  LoopSources s;
+  if (cfg.multi_turn()) s.environment = job_environment(cfg);
+  const model::Tokenizer* tok = &tokenizer;
+  // Observations inside the chat template's tool turn.
+  const model::ChatFormat chat =
+      cfg.data.apply_chat_template ? model::parse_chat_format("auto", tokenizer) : model::ChatFormat::kNone;
+  s.observation_tokens = [tok, chat](const std::string& text, bool closed, bool raw) {
+    return tok->encode(raw ? text : model::observation_turn(chat, text, closed), /*add_special_tokens=*/false);
+  };
+  s.decode = [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, true); };
+  s.session_prefix = fmt::format("{}-{}", cfg.run.name, cfg.run.seed);
+  return s;
+}
+
+}  // namespace tiller::rollout
