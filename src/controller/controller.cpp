@@ -18,6 +18,7 @@
 #include "controller/job_environment.h"
 #include "controller/job_rewards.h"
 #include "controller/off_policy.h"
+#include "controller/step_metrics.h"
 #include "controller/step_trace.h"
 #include "controller/training_dispatch.h"
 #include "core/process.h"
@@ -305,122 +306,6 @@ struct Controller::Impl {
     log::info("trace: step {} written to {}", j, trace->path());
   }
 
-  // Staleness, scoring and rollout metrics of the batch.
-  void batch_metrics(const StepBatch& b) {
-    const uint64_t v = b.train_version;
-    std::vector<double> lags(static_cast<size_t>(collect_cfg.staleness) + 1, 0.0);
-    double lag_sum = 0, lag_max = 0, spanning = 0;
-    for (int64_t s = 0; s < b.ro.size(); ++s) {
-      const uint64_t oldest = b.ro.oldest_version(s);
-      const double lag = v > oldest ? static_cast<double>(v - oldest) : 0.0;
-      lags[std::min(lags.size() - 1, static_cast<size_t>(lag))] += 1;
-      lag_sum += lag;
-      lag_max = std::max(lag_max, lag);
-      if (b.ro.run_offset[s + 1] - b.ro.run_offset[s] > 1) spanning += 1;
-    }
-    const double n = std::max<double>(1, static_cast<double>(b.ro.size()));
-    for (size_t i = 0; i < lags.size(); ++i) metrics[fmt::format("staleness/lag_{}", i)] = lags[i];
-    metrics["staleness/lag_mean"] = lag_sum / n;
-    metrics["staleness/lag_max"] = lag_max;
-    metrics["staleness/multi_version_samples"] = spanning;
-    metrics["rollout/groups"] = static_cast<double>(b.groups.size());
-    metrics["rollout/stale_dropped_groups"] = static_cast<double>(b.stale_dropped_groups);
-    metrics["rollout/stale_dropped_samples"] = static_cast<double>(b.stale_dropped_samples);
-    if (cfg.rollout.filter_groups || hooks.has_after_scoring())
-      metrics["rollout/filtered_groups"] = static_cast<double>(b.filtered_groups);  // with the hooks' drops
-    if (cfg.rollout.filter_groups) metrics["rollout/filter_cap_reached"] = b.filter_cap_reached ? 1.0 : 0.0;
-    metrics["entropy"] = b.scores.entropy_tokens > 0 ? b.scores.entropy_sum / b.scores.entropy_tokens : 0.0;
-    for (Role r : kRoles) {
-      if (!plan.group(r)) continue;
-      const double s = b.scores.seconds[role_index(r)];
-      metrics["time/score." + std::string(role_name(r))] = s;
-      // One rank's scoring rate: comparable with `tiller bench forward` on the same shape.
-      const double rate = s > 0 ? static_cast<double>(b.scores.tokens[role_index(r)]) / s : 0.0;
-      metrics["throughput/score_tokens_per_s." + std::string(role_name(r))] = rate;
-      // Beside the rank's scoring benchmark at the job's shapes (logging.efficiency).
-      if (const double bench = b.scores.bench[role_index(r)]; bench > 0 && s > 0) {
-        metrics["throughput/score_bench_tokens_per_s." + std::string(role_name(r))] = bench;
-        metrics["efficiency/score." + std::string(role_name(r))] = rate / bench;
-      }
-    }
-    const bool sampled = b.first_dispatch != SteadyClock::time_point::max() && b.ro.size() > 0;
-    const double gen = sampled ? std::chrono::duration<double>(b.last_sample - b.first_dispatch).count() : 0.0;
-    metrics["time/generate"] = gen;
-    metrics["time/score_tail"] = sampled ? std::chrono::duration<double>(b.ready_at - b.last_sample).count() : 0.0;
-    metrics["throughput/generate_tokens_per_s"] = gen > 0 ? static_cast<double>(b.generated_tokens) / gen : 0.0;
-    metrics["samples"] = static_cast<double>(b.ro.size());
-    if (cfg.multi_turn()) {
-      metrics["env/seconds_per_sample"] = b.ro.size() > 0 ? b.env_seconds / static_cast<double>(b.ro.size()) : 0.0;
-      metrics["env/calls"] = static_cast<double>(b.env_calls);
-      metrics["env/session_prefix_tokens"] = static_cast<double>(b.session_prefix_tokens);
-    }
-    metrics["memory/controller_rollout_mb"] = static_cast<double>(b.ro.bytes()) / 1e6;
-    if (w.rewards.batched) {
-      const reward::RewardStats rs = w.rewards.batched->take_stats();
-      const std::string kind = w.rewards.batched->scorer().kind();
-      metrics["reward/" + kind + "_calls"] = rs.calls;
-      if (kind == "remote") metrics["reward/remote_retries"] = rs.retries;
-      metrics["reward/" + kind + "_seconds_per_call"] =
-          rs.calls > 0 ? rs.call_seconds / static_cast<double>(rs.calls) : 0.0;
-      for (const auto& [name, v] : rs.extras)
-        if (v.second > 0) metrics["reward/extra/" + name] = v.first / static_cast<double>(v.second);
-    }
-  }
-
-  // Seconds each role and the engines were not busy during the step.
-  void idle_metrics(double step_s) {
-    const auto busy = [&](Role r, double per_rank) {
-      return per_rank + value_or(metrics, ("time/train." + std::string(role_name(r))).c_str());
-    };
-    for (const auto& g : plan.groups) {
-      const double ranks = static_cast<double>(g.ranks.size());
-      double b = busy(g.role, value_or(metrics, ("time/score." + std::string(role_name(g.role))).c_str()) / ranks);
-      if (g.role == Role::kActor) b += value_or(metrics, "sync/seconds_on_actor");
-      metrics["idle/" + std::string(role_name(g.role))] = std::max(0.0, step_s - b);
-    }
-    const std::vector<engine::EngineStats> now = w.engines->stats();
-    // The generate phase's rate per engine beside the engines' benchmark at the job's shapes.
-    if (!now.empty()) {
-      double bench = 0, measured = 0;
-      for (const auto& e : now)
-        if (e.bench_tokens_per_s > 0) {
-          bench += e.bench_tokens_per_s;
-          measured += 1;
-        }
-      const double per_engine = value_or(metrics, "throughput/generate_tokens_per_s") / static_cast<double>(now.size());
-      metrics["throughput/generate_tokens_per_s_per_engine"] = per_engine;
-      if (measured > 0 && per_engine > 0) {
-        metrics["throughput/generate_bench_tokens_per_s"] = bench / measured;
-        metrics["efficiency/generate"] = per_engine / (bench / measured);
-      }
-    }
-    if (!now.empty() && now.size() == engine_stats.size()) {
-      double sum = 0;
-      for (size_t i = 0; i < now.size(); ++i) sum += now[i].seconds_in_steps - engine_stats[i].seconds_in_steps;
-      metrics["idle/engines"] = std::max(0.0, step_s - sum / static_cast<double>(now.size()));
-      if (cfg.multi_turn()) {
-        // What the engines computed again and what the sessions spared them, this step.
-        double prefill = 0, resumes = 0, reused = 0, misses = 0, evictions = 0, preemptions = 0;
-        for (size_t i = 0; i < now.size(); ++i) {
-          preemptions += static_cast<double>(now[i].preemptions - engine_stats[i].preemptions +
-                                             now[i].kv_rebuilds - engine_stats[i].kv_rebuilds);
-          prefill += static_cast<double>(now[i].prefill_tokens - engine_stats[i].prefill_tokens);
-          resumes += static_cast<double>(now[i].session_resumes - engine_stats[i].session_resumes);
-          reused += static_cast<double>(now[i].session_tokens_reused - engine_stats[i].session_tokens_reused);
-          misses += static_cast<double>(now[i].session_misses - engine_stats[i].session_misses);
-          evictions += static_cast<double>(now[i].session_evictions - engine_stats[i].session_evictions);
-        }
-        metrics["engine/prefill_tokens"] = prefill;
-        metrics["engine/session_resumes"] = resumes;
-        metrics["engine/session_tokens_reused"] = reused;
-        metrics["engine/session_misses"] = misses;
-        metrics["engine/session_evictions"] = evictions;
-        metrics["engine/recomputed_sequences"] = preemptions;  // preempted, or rebuilt after a weight update
-      }
-    }
-    engine_stats = now;
-  }
-
   // --- checkpoints --------------------------------------------------------------------------------
 
   void save() {
@@ -490,7 +375,7 @@ struct Controller::Impl {
   // Returns whether a stop was requested (then the step's checkpoint is saved).
   bool finish_step(std::unique_ptr<StepBatch> b, const OffPolicy& op) {
     const int64_t j = b->step;
-    batch_metrics(*b);
+    batch_metrics(*b, cfg, plan, hooks.has_after_scoring(), w.rewards.batched, metrics);
     for (const auto& [k, v] : op.metrics) metrics[k] = v;
     metrics["weight_version"] = static_cast<double>(version);
     if (b->ro.size() > 0) {
@@ -509,7 +394,9 @@ struct Controller::Impl {
     step_end = w.clock->now();
     metrics["time/step"] = step_s;
     metrics["throughput/tokens_per_s"] = step_s > 0 ? static_cast<double>(b->generated_tokens) / step_s : 0.0;
-    idle_metrics(step_s);
+    const std::vector<engine::EngineStats> now = w.engines->stats();
+    idle_metrics(step_s, cfg, plan, engine_stats, now, metrics);
+    engine_stats = now;
     double busy = 0;
     for (const char* k : {"time/wait_batch", "time/advantage", "time/train", "time/sync_wait_in_flight", "time/sync",
                           "time/checkpoint"})

@@ -1,7 +1,5 @@
 // Byte-level BPE from a Hugging Face tokenizer.json, following the `tokenizers` pipeline:
 // added tokens split out -> normalizer -> pre-tokenizer -> BPE model -> post-processor.
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
 #include <utf8proc.h>
 
 #include <algorithm>
@@ -15,6 +13,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "model/split_regex.h"
 #include "model/utf8.h"
 #include "tiller/core/error.h"
 #include "tiller/model/tokenizer.h"
@@ -43,87 +42,6 @@ const ByteMap& byte_map() {
   return m;
 }
 
-// --- PCRE2 (Unicode properties on: \p{L}, \s over Unicode, ...) ---------------------------------
-
-// `tokenizers` runs its patterns through Oniguruma, whose \s is exactly \t \n \v \f \r, U+0085
-// and the Z categories. PCRE2's \s also takes its horizontal-space list (U+180E, the Mongolian
-// vowel separator, is Cf today), so \s and \S are spelled out. \S inside a class has no such
-// spelling and is refused.
-std::string oniguruma_spaces(const std::string& pattern, const std::string& where) {
-  static const std::string kSpace = R"(\t\n\x0B\f\r\x{85}\p{Z})";
-  std::string out;
-  bool in_class = false;
-  for (size_t i = 0; i < pattern.size(); ++i) {
-    const char c = pattern[i];
-    if (c == '\\' && i + 1 < pattern.size()) {
-      const char n = pattern[++i];
-      if (n == 's') out += in_class ? kSpace : "[" + kSpace + "]";
-      else if (n == 'S' && !in_class) out += "[^" + kSpace + "]";
-      else if (n == 'S') throw ConfigError(fmt::format("{}: regex /{}/ uses \\S inside a character class", where, pattern));
-      else out += std::string{c, n};
-      continue;
-    }
-    if (c == '[' && !in_class) {
-      in_class = true;
-      out += c;
-      if (i + 1 < pattern.size() && pattern[i + 1] == '^') out += pattern[++i];
-      if (i + 1 < pattern.size() && pattern[i + 1] == ']') out += pattern[++i];  // a literal ] first
-      continue;
-    }
-    if (c == ']' && in_class) in_class = false;
-    out += c;
-  }
-  return out;
-}
-
-class Regex {
- public:
-  Regex(const std::string& source, const std::string& where) {
-    const std::string pattern = oniguruma_spaces(source, where);
-    int err = 0;
-    PCRE2_SIZE off = 0;
-    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &err,
-                          &off, nullptr);
-    if (!code_) {
-      PCRE2_UCHAR msg[256];
-      pcre2_get_error_message(err, msg, sizeof msg);
-      throw ConfigError(fmt::format("{}: regex /{}/ does not compile at offset {}: {}", where, source, off,
-                                    reinterpret_cast<const char*>(msg)));
-    }
-    pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // falls back to the interpreter when JIT is unavailable
-  }
-  ~Regex() { pcre2_code_free(code_); }
-  Regex(const Regex&) = delete;
-  Regex& operator=(const Regex&) = delete;
-
-  // Non-overlapping matches [begin, end) left to right.
-  std::vector<std::pair<size_t, size_t>> find_all(const std::string& s) const {
-    std::vector<std::pair<size_t, size_t>> out;
-    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
-    size_t pos = 0;
-    uint32_t options = 0;
-    while (pos <= s.size()) {
-      // The subject's UTF-8 is checked once: PCRE2 would check all of it again on every call,
-      // which made splitting a long text quadratic in its length.
-      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, options, md, nullptr);
-      options = PCRE2_NO_UTF_CHECK;
-      if (rc < 0) break;
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
-      if (ov[1] == ov[0]) {  // empty match: step over one character
-        pos = ov[0] + std::max<size_t>(1, utf8::char_len(s, ov[0]));
-        continue;
-      }
-      out.emplace_back(ov[0], ov[1]);
-      pos = ov[1];
-    }
-    pcre2_match_data_free(md);
-    return out;
-  }
-
- private:
-  pcre2_code* code_ = nullptr;
-};
-
 // Token ids are below this (the largest published vocabularies have ~2^18 tokens): a file with an
 // id of 10^12 is refused, not allocated for, and pair keys hold two ids in 64 bits.
 constexpr int64_t kMaxVocab = int64_t{1} << 26;
@@ -131,74 +49,6 @@ constexpr int64_t kMaxVocab = int64_t{1} << 26;
 // The pre-tokenizer of GPT-2 (ByteLevel with use_regex).
 constexpr const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
-enum class Behavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
-
-Behavior parse_behavior(const std::string& b, const std::string& where) {
-  if (b == "Removed") return Behavior::kRemoved;
-  if (b == "Isolated") return Behavior::kIsolated;
-  if (b == "MergedWithPrevious") return Behavior::kMergedWithPrevious;
-  if (b == "MergedWithNext") return Behavior::kMergedWithNext;
-  if (b == "Contiguous") return Behavior::kContiguous;
-  throw ConfigError(fmt::format("{}: split behavior '{}' is unknown", where, b));
-}
-
-// Splits `s` by the matches of a regex according to `behavior` (the `tokenizers` semantics).
-std::vector<std::string> split_by(const std::string& s, const std::vector<std::pair<size_t, size_t>>& matches,
-                                  Behavior behavior, bool invert) {
-  struct Span {
-    size_t b, e;
-    bool match;
-  };
-  std::vector<Span> spans;
-  size_t prev = 0;
-  for (auto [b, e] : matches) {
-    if (b > prev) spans.push_back({prev, b, invert});
-    spans.push_back({b, e, !invert});
-    prev = e;
-  }
-  if (prev < s.size()) spans.push_back({prev, s.size(), invert});
-  std::vector<std::string> out;
-  auto text = [&](const Span& sp) { return s.substr(sp.b, sp.e - sp.b); };
-  switch (behavior) {
-    case Behavior::kRemoved:
-      for (const auto& sp : spans)
-        if (!sp.match) out.push_back(text(sp));
-      break;
-    case Behavior::kIsolated:
-      for (const auto& sp : spans) out.push_back(text(sp));
-      break;
-    case Behavior::kMergedWithPrevious: {
-      bool prev_ok = false;
-      for (const auto& sp : spans) {
-        if (sp.match && prev_ok) out.back() += text(sp);
-        else out.push_back(text(sp));
-        prev_ok = !sp.match;
-      }
-      break;
-    }
-    case Behavior::kMergedWithNext: {
-      bool pending = false;
-      for (const auto& sp : spans) {
-        if (pending) out.back() += text(sp);
-        else out.push_back(text(sp));
-        pending = sp.match;
-      }
-      break;
-    }
-    case Behavior::kContiguous: {
-      bool last_match = false;
-      for (const auto& sp : spans) {
-        if (sp.match && last_match) out.back() += text(sp);
-        else out.push_back(text(sp));
-        last_match = sp.match;
-      }
-      break;
-    }
-  }
-  out.erase(std::remove_if(out.begin(), out.end(), [](const std::string& x) { return x.empty(); }), out.end());
-  return out;
-}
 
 struct PreTokenizerStep {
   enum Kind { kByteLevel, kSplit } kind = kSplit;

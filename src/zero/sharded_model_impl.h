@@ -1,0 +1,322 @@
+// ShardedModel's state and its per-unit work (private to src/zero): the gathers with prefetch,
+// the gradient reductions, the host optimizer's hand-off, the forward of each segment. Shared by
+// sharded_model.cpp (the public methods) and sharded_segments.cpp (the autograd segments).
+#pragma once
+
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
+#include <c10/core/Event.h>
+#include <fmt/format.h>
+
+#include "tiller/core/config.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+#include "tiller/dist/communicator.h"
+#include "tiller/model/safetensors.h"
+#include "tiller/model/storage_swap.h"
+#include "tiller/zero/flat_layout.h"
+#include "tiller/zero/sharded_model.h"
+
+namespace tiller::zero {
+
+using model::NamedTensors;
+
+// Units and segments share indices: 0 is the embedding, 1 + i is block i, L + 1 is the head
+// (final norm and lm_head or score). The head segment of a tied LM also uses unit 0.
+struct ShardedModel::Impl {
+  struct Unit {
+    FlatLayout layout;
+    at::Tensor shard;   // compute dtype: what all-gathers read; undefined when the model casts while gathering
+    at::Tensor master;  // fp32; the shard itself in fp32 compute; on the host with a host optimizer; undefined when frozen
+    at::Tensor grad;    // fp32 accumulator; undefined when frozen
+    bool grad_fresh = true;  // nothing accumulated since zero_grad: the next reduce-scatter writes
+  };
+  struct Gathered {
+    at::Tensor full;
+    dist::WorkPtr work;  // null once waited for
+  };
+  struct Reduction {
+    dist::WorkPtr work;
+    at::Tensor out;  // the reduced shard: the accumulator itself, or a buffer added (or copied) into it
+    size_t unit = 0;
+    bool overwrite = false;  // the accumulator was fresh: `out` replaces its contents
+  };
+  // A unit's gradient in one flat buffer of the reduction dtype, filled parameter by parameter
+  // (or accumulated straight into, for the LM head's and the embedding's: no second copy of a
+  // [vocab, hidden] gradient), then reduce-scattered by submit().
+  struct GradBuffer {
+    size_t unit = 0;
+    at::Tensor flat;
+    std::vector<at::Tensor> views;  // per parameter, in layout order
+    std::vector<bool> written;
+  };
+
+  model::ModelConfig cfg;
+  dist::Communicator& comm;
+  ShardedModelOptions opts;
+  int rank = 0, world = 1;
+  bool local = true;  // one shard per unit: no collectives
+  std::vector<Unit> units;
+  std::unique_ptr<ShardAdamW> adam;          // AdamW on the device
+  std::unique_ptr<HostAdamW> host_adam;      // or on the host (options.optimizer_on_host)
+  bool cast = false;                         // no persistent compute shards: gathers cast the masters
+  bool offloaded = false;                    // offload_state() ... reload_state()
+  std::unique_ptr<model::StorageSwap> moved;          // what offload_state() moved to the host
+  std::unique_ptr<model::StorageSwap> dropped_grads;  // the accumulators freed with it (nothing pending)
+  dist::Communicator* sequence = nullptr;         // the sequence group, when S > 1
+  model::Rope rope;
+  at::Tensor anchor;  // requires grad: makes every segment's output part of the graph
+  std::map<size_t, Gathered> gathered;
+  std::vector<Reduction> reducing_prev, reducing_cur;
+  std::string source;  // HF directory loaded from
+  std::vector<std::pair<c10::Event, c10::Event>> waits;  // measure_waits on GPU: around each stream wait
+  double host_wait_s = 0;                                 // measure_waits on CPU
+
+  // Orders the compute stream after `w` (measuring how long it stands, when asked to).
+  void wait_for(dist::Work& w) {
+    if (!opts.measure_waits) return w.wait_on_stream();
+    if (opts.device.is_cpu()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      w.wait_on_stream();
+      host_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      return;
+    }
+    const c10::Stream stream = at::accelerator::getCurrentStream(opts.device.index());
+    c10::Event before(opts.device.type(), c10::EventFlag::BACKEND_DEFAULT);
+    c10::Event after(opts.device.type(), c10::EventFlag::BACKEND_DEFAULT);
+    before.record(stream);
+    w.wait_on_stream();
+    after.record(stream);
+    waits.emplace_back(std::move(before), std::move(after));
+  }
+
+  Impl(const model::ModelConfig& c, dist::Communicator& cm, ShardedModelOptions o)
+      : cfg(c), comm(cm), opts(o), rope(c) {}
+
+  size_t head_unit() const { return units.size() - 1; }
+  bool tied_lm() const { return opts.head == model::Head::kLm && cfg.tie_word_embeddings; }
+  std::vector<size_t> segment_units(size_t s) const {
+    if (s == head_unit() && tied_lm()) return {s, 0};
+    return {s};
+  }
+  at::TensorOptions f32() const { return at::TensorOptions().dtype(at::kFloat).device(opts.device); }
+
+  // --- gathering ---
+  // Whether using unit u makes a transient full buffer (a gather, or a cast of the master), which
+  // is released after use; otherwise the persistent shard of a one-rank model is used as it is.
+  bool transient(size_t u) const { return !local || !units[u].shard.defined(); }
+  // What a gather of unit u reads: the compute shard, or the master cast to the compute dtype
+  // (the communicator keeps it alive until the gather has run).
+  at::Tensor gather_input(size_t u) const {
+    const Unit& unit = units[u];
+    return unit.shard.defined() ? unit.shard : unit.master.to(opts.compute_dtype);
+  }
+  void prefetch(size_t u) {
+    if (!transient(u) || gathered.count(u)) return;
+    Gathered g;
+    const at::Tensor in = gather_input(u);
+    if (local) {
+      g.full = in;
+    } else {
+      g.full = at::empty({units[u].layout.padded_numel()}, in.options());
+      g.work = comm.all_gather(in, g.full);
+    }
+    gathered.emplace(u, std::move(g));
+  }
+  void prefetch_segment(size_t s) {
+    for (size_t u : segment_units(s)) prefetch(u);
+  }
+  at::Tensor acquire(size_t u) {
+    if (!transient(u)) return units[u].shard;
+    prefetch(u);
+    Gathered& g = gathered.at(u);
+    if (g.work) {
+      wait_for(*g.work);
+      g.work.reset();
+    }
+    return g.full;
+  }
+  void release_segment(size_t s) {
+    for (size_t u : segment_units(s)) gathered.erase(u);
+  }
+  // The layer's weights from per-parameter tensors (views of a gathered unit, or leaves over them).
+  model::LayerWeights layer_weights(int64_t layer, size_t u, const std::vector<at::Tensor>& ts) const {
+    NamedTensors named;
+    const auto& ps = units[u].layout.params();
+    for (size_t k = 0; k < ts.size(); ++k) named.emplace(ps[k].spec.name, ts[k]);
+    return model::bind_layer(cfg, layer, named, "unit layers." + std::to_string(layer));
+  }
+  NamedTensors named_views(size_t u, const at::Tensor& full) const {
+    NamedTensors out;
+    const auto views = units[u].layout.views(full);
+    for (size_t i = 0; i < views.size(); ++i) out.emplace(units[u].layout.params()[i].spec.name, views[i]);
+    return out;
+  }
+
+  // --- gradient reduction ---
+  void finish(std::vector<Reduction>& rs) {
+    for (auto& r : rs) {
+      wait_for(*r.work);
+      if (r.out.is_same(units[r.unit].grad)) continue;
+      if (r.overwrite)
+        units[r.unit].grad.copy_(r.out);
+      else
+        units[r.unit].grad.add_(r.out);
+    }
+    rs.clear();
+  }
+  // The embedding's gradient goes straight into the fp32 reduction buffer, row by row, without
+  // its weights; a bf16 reduction takes autograd's gradient (which needs them).
+  bool embed_backward_reads_weights() const { return opts.reduce_dtype != at::kFloat; }
+  // Called when segment s's backward starts: its units and the next segment to backpropagate
+  // (s - 1) are gathered, and the reductions two segments back must be done.
+  void begin_backward(size_t s) {
+    if (s > 0 || embed_backward_reads_weights()) prefetch_segment(s);
+    if (s > 1 || (s == 1 && embed_backward_reads_weights())) prefetch_segment(s - 1);
+    rotate_reductions();
+  }
+  void rotate_reductions() {
+    finish(reducing_prev);
+    std::swap(reducing_prev, reducing_cur);
+  }
+  GradBuffer grad_buffer(size_t u) {
+    TILLER_CHECK(!offloaded, "a backward pass while the optimizer state is offloaded: reload_state() first");
+    const FlatLayout& layout = units[u].layout;
+    GradBuffer b;
+    b.unit = u;
+    b.flat = at::empty({layout.padded_numel()}, f32().dtype(opts.reduce_dtype));
+    layout.zero_padding(b.flat);
+    b.views = layout.views(b.flat);
+    b.written.assign(b.views.size(), false);
+    return b;
+  }
+  size_t param_index(size_t u, const std::string& name) const {
+    const auto& ps = units[u].layout.params();
+    for (size_t i = 0; i < ps.size(); ++i)
+      if (ps[i].spec.name == name) return i;
+    TILLER_CHECK(false, "unit {} has no parameter '{}'", units[u].layout.name(), name);
+    return 0;
+  }
+  // Parameter k's slot of `b`, zeroed, for a gradient accumulated into it (fp32 reductions only).
+  at::Tensor accumulate_into(GradBuffer& b, size_t k) {
+    TILLER_CHECK(b.flat.scalar_type() == at::kFloat, "accumulating a gradient into a {} buffer",
+                 c10::toString(b.flat.scalar_type()));
+    b.written[k] = true;
+    return b.views[k].zero_();
+  }
+  // `grads` per parameter of the unit, in layout order; undefined entries are left for submit().
+  void set_grads(GradBuffer& b, const std::vector<at::Tensor>& grads) {
+    TILLER_CHECK(grads.size() == b.views.size(), "unit {}: {} gradients for {} parameters",
+                 units[b.unit].layout.name(), grads.size(), b.views.size());
+    // One multi-tensor launch converts every gradient to the reduction dtype into the flat buffer.
+    std::vector<at::Tensor> dst, src;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i].defined()) continue;
+      dst.push_back(b.views[i]);
+      src.push_back(grads[i]);
+      b.written[i] = true;
+    }
+    if (!dst.empty()) at::_foreach_copy_(dst, src);
+  }
+  void reduce(size_t u, const std::vector<at::Tensor>& grads) {
+    GradBuffer b = grad_buffer(u);
+    set_grads(b, grads);
+    submit(std::move(b));
+  }
+  // Zeroes what no gradient reached, then reduce-scatters the buffer into the unit's accumulator
+  // (or adds it in, with one rank).
+  void submit(GradBuffer&& b) {
+    for (size_t i = 0; i < b.views.size(); ++i)
+      if (!b.written[i]) b.views[i].zero_();
+    const size_t u = b.unit;
+    Unit& unit = units[u];
+    at::Tensor flat = std::move(b.flat);
+    b.views.clear();
+    if (local) {
+      if (unit.grad_fresh) unit.grad.copy_(flat);
+      else unit.grad.add_(flat);
+      unit.grad_fresh = false;
+      return;
+    }
+    Reduction r;
+    r.unit = u;
+    r.out = unit.grad_fresh && opts.reduce_dtype == at::kFloat
+                ? unit.grad
+                : at::empty({unit.layout.shard_numel()}, f32().dtype(opts.reduce_dtype));
+    r.overwrite = unit.grad_fresh;
+    unit.grad_fresh = false;
+    r.work = comm.reduce_scatter(flat, r.out, dist::ReduceOp::kSum);
+    reducing_cur.push_back(std::move(r));
+  }
+
+  // --- the segments' computations ---
+  // The context of a block from the tensors BlockSegment saves: RoPE tables and the packing.
+  model::BlockContext block_context(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cu,
+                                    const std::vector<int64_t>& lens) const {
+    model::BlockContext ctx;
+    ctx.cos = cos;
+    ctx.sin = sin;
+    ctx.attn = model::VarlenSpec::self(cu, lens);
+    ctx.backend = opts.attention;
+    if (sequence) use_ulysses(ctx, *sequence);  // the recomputation exchanges heads as its forward did
+    return ctx;
+  }
+  at::Tensor run_block(int64_t layer, const std::vector<at::Tensor>& params, const at::Tensor& x,
+                       model::BlockContext& ctx) const {
+    if (x.size(0) == 0) return x.clone();
+    return model::block_forward(cfg, layer, layer_weights(layer, static_cast<size_t>(layer) + 1, params), x, ctx);
+  }
+  at::Tensor lm_weight(const NamedTensors& head, const NamedTensors& embed) const {
+    return tied_lm() ? embed.at("model.embed_tokens.weight") : head.at("lm_head.weight");
+  }
+
+  // Forward of each segment, without autograd: gather (and prefetch the next), compute, release.
+  at::Tensor embed_forward(const at::Tensor& tokens) {
+    prefetch_segment(0);
+    prefetch_segment(1);
+    at::Tensor x = model::embed(named_views(0, acquire(0)).at("model.embed_tokens.weight"), tokens);
+    release_segment(0);
+    return x;
+  }
+  at::Tensor block_forward(int64_t layer, const at::Tensor& x, model::BlockContext& ctx) {
+    const size_t s = static_cast<size_t>(layer) + 1;
+    prefetch_segment(s);
+    prefetch_segment(s + 1);
+    at::Tensor y = run_block(layer, units[s].layout.views(acquire(s)), x, ctx);
+    release_segment(s);
+    return y;
+  }
+  at::Tensor lm_head_forward(const at::Tensor& x, const at::Tensor& targets, double temperature, at::Tensor* entropy) {
+    const size_t s = head_unit();
+    prefetch_segment(s);
+    const NamedTensors head = named_views(s, acquire(s));
+    const NamedTensors embed = tied_lm() ? named_views(0, acquire(0)) : NamedTensors{};
+    at::Tensor h = model::final_norm(cfg, head.at("model.norm.weight"), x);
+    at::Tensor out = model::token_logprobs(h, lm_weight(head, embed), targets, temperature, opts.logprob_chunk_rows, entropy);
+    release_segment(s);
+    return out;
+  }
+  at::Tensor value_head_forward(const at::Tensor& x) {
+    const size_t s = head_unit();
+    const NamedTensors head = named_views(s, acquire(s));
+    at::Tensor out = model::values(model::final_norm(cfg, head.at("model.norm.weight"), x), head.at("score.weight"));
+    release_segment(s);
+    return out;
+  }
+};
+
+// The autograd segments (sharded_segments.cpp). Embedding and blocks: [T, hidden]; as autograd
+// segments when `graph`.
+at::Tensor run_trunk(ShardedModel::Impl& m, const at::Tensor& tokens, model::BlockContext& bctx, bool graph);
+// The LM head's log-probs (and entropies) of `x`'s rows, through the autograd segment when `graph`.
+at::Tensor run_lm_head(ShardedModel::Impl& m, const at::Tensor& x, const at::Tensor& targets, double temperature,
+                       at::Tensor* entropy, bool graph);
+// The value head's scores of `x`'s rows, likewise.
+at::Tensor run_value_head(ShardedModel::Impl& m, const at::Tensor& x, bool graph);
+
+}  // namespace tiller::zero
