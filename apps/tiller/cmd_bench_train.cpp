@@ -32,8 +32,8 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
-#include "step_profiler.h"
 #include "model/torch_compat.h"
+#include "step_profiler.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
@@ -71,18 +71,25 @@ struct TrainBenchOptions {
   bool frozen = false; // with score: a frozen model (the reference and reward roles)
 };
 
+// A flag's value as the config's enum (the flags take the config keys' spellings).
+template <typename E>
+E choice(const std::string& value, const char* flag) {
+  if (const auto e = parse_enum<E>(value)) return *e;
+  throw ConfigError(fmt::format("{} {}: not one of its choices", flag, value));
+}
+
 // The memory plan of this job (rollout/memory_plan.h, as tiller train plans a trained role):
 // recompute and compute_shard resolved, and a refusal naming the rank when it cannot fit.
 rollout::MemoryPlan plan_job(const TrainBenchOptions& o, const model::ModelConfig& cfg, const at::Device& dev,
                              int world, int rank, int64_t tokens_per_rank) {
   JobConfig job;
   // The compute dtype of the run, or of the GPU run being planned.
-  job.roles.actor.dtype = dev.is_cuda() || o.gpu_memory_gb > 0 ? "bf16" : "fp32";
-  job.roles.actor.optimizer_offload = o.optimizer_offload;
-  job.train.recompute = o.recompute;
+  job.roles.actor.dtype = dev.is_cuda() || o.gpu_memory_gb > 0 ? Precision::kBf16 : Precision::kFp32;
+  job.roles.actor.optimizer_offload = choice<OptimizerOffload>(o.optimizer_offload, "--optimizer-offload");
+  job.train.recompute = choice<RecomputeChoice>(o.recompute, "--recompute");
   job.train.recompute_layers = o.recompute_layers;
-  job.train.compute_shard = o.compute_shard;
-  job.train.reduce_dtype = o.reduce_dtype;
+  job.train.compute_shard = choice<ComputeShard>(o.compute_shard, "--compute-shard");
+  job.train.reduce_dtype = choice<Precision>(o.reduce_dtype, "--reduce-dtype");
   // --gpu-memory-gb plans for that GPU (on the CPU too: to check a job before renting GPUs).
   int64_t gpu = static_cast<int64_t>(o.gpu_memory_gb * double(int64_t{1} << 30));
   if (gpu == 0 && dev.is_cuda()) gpu = model::device_memory(dev).total;

@@ -41,7 +41,7 @@ CollectorConfig CollectorConfig::from_job(const JobConfig& job, const std::vecto
   c.score_timeout_s = job.timeouts.train_s;
   c.score_micro_batch_tokens = r.micro_batch_tokens;
   c.score_temperature = r.temperature > 0 ? r.temperature : 1.0;
-  c.score_actor = job.train.old_logprobs != "forward";
+  c.score_actor = job.train.old_logprobs != OldLogprobs::kForward;
   c.sampling.greedy = r.temperature == 0;
   c.sampling.temperature = r.temperature > 0 ? r.temperature : 1.0;
   c.sampling.top_p = r.top_p > 0 ? r.top_p : 1.0;

@@ -549,7 +549,7 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   w.prompts = prompts.get();
   w.rewards = job_rewards.sources;
   w.loop = make_job_loop_sources(cfg, *tokenizer);
-  w.sync_plan = sync::job_bucket_plan(cfg, mc, static_cast<int>(actor->ranks.size())).to_json();
+  w.sync_plan = sync::job_bucket_plan(cfg, mc, plan).to_json();
   w.require_resume = opts.require_resume;
   w.stop_token_ids = model::eos_token_ids(actor_dir, mc, *tokenizer);
   w.attention_tokens = model::attention_cost_tokens(mc);

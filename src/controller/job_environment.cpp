@@ -14,7 +14,7 @@ namespace tiller::rollout {
 namespace {
 
 std::shared_ptr<env::Environment> job_environment(const JobConfig& cfg) {
-  if (cfg.env.type == "remote") {
+  if (cfg.env.type == EnvType::kRemote) {
     env::RemoteEnvOptions eo;
     eo.address = cfg.env.address;
     eo.timeout_seconds = cfg.env.timeout_s;

@@ -10,20 +10,13 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "python/parquet.h"
 #include "tiller/core/checked_math.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/model/tokenizer.h"
-#include "python/parquet.h"
 
 namespace tiller::rollout {
-
-LongPromptPolicy parse_long_prompt_policy(const std::string& name) {
-  if (name == "skip") return LongPromptPolicy::kSkip;
-  if (name == "truncate_left") return LongPromptPolicy::kTruncateLeft;
-  if (name == "error") return LongPromptPolicy::kError;
-  throw ConfigError(fmt::format("long prompt policy '{}': use skip, truncate_left or error", name));
-}
 
 namespace {
 

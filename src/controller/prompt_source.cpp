@@ -41,7 +41,7 @@ class FilePrompts final : public PromptSource {
     d.input_template = cfg.data.input_template;
     d.chat = job_chat(cfg, tok);
     d.max_prompt_tokens = cfg.rollout.max_prompt_tokens;
-    d.long_prompts = parse_long_prompt_policy(cfg.data.long_prompt_policy);
+    d.long_prompts = cfg.data.long_prompt_policy;
     d.shuffle = cfg.data.shuffle;
     d.seed = static_cast<uint64_t>(cfg.run.seed);
     d.max_samples = cfg.data.max_samples;

@@ -73,7 +73,7 @@ std::string job_sample_loop(const JobConfig& job) {
   if (name == "single_turn" && job.multi_turn())
     throw ConfigError(fmt::format("rollout.loop = single_turn with env.type = {}: the environment would never be "
                                   "called; use multi_turn (or leave rollout.loop unset), or set env.type = none",
-                                  job.env.type));
+                                  enum_name(job.env.type)));
   return name;
 }
 

@@ -241,9 +241,9 @@ void JobConfig::validate() const {
   if (reward.type == RewardType::kPython && reward.python.empty()) {
     throw ConfigError("reward.type = python needs reward.python (FILE.py:FUNCTION, e.g. rewards/gsm8k.py:compute_score)");
   }
-  if (env.type == "remote" && env.address.empty())
+  if (env.type == EnvType::kRemote && env.address.empty())
     throw ConfigError("env.type = remote needs env.address (host:port of the environment service)");
-  if (env.type == "inprocess" && env.name.empty())
+  if (env.type == EnvType::kInprocess && env.name.empty())
     throw ConfigError("env.type = inprocess needs env.name (the name given to tiller::env::register_env)");
   if (env.tls_ca.empty() && !env.tls_server_name.empty())
     throw ConfigError("env.tls_server_name needs env.tls_ca (TLS)");
@@ -300,7 +300,7 @@ void JobConfig::validate() const {
                                   "rollout.n_samples_per_prompt = {}",
                                   train.train_batch_size, samples));
   }
-  if (train.old_logprobs == "forward") {
+  if (train.old_logprobs == OldLogprobs::kForward) {
     // The first training forward is the policy that sampled only if nothing trains in between and
     // nothing before training needs the actor's log-probs.
     const char* why = rollout.mode != RolloutMode::kSync ? "rollout.mode is async (samples may lag the weights)"
@@ -349,9 +349,9 @@ void JobConfig::validate_sequence_parallel() const {
 void JobConfig::validate_hybrid() const {
   for (const char* name : {"ref", "reward"}) {
     const RoleConfig& r = role_by_name(*this, name);
-    if (r.enabled && r.optimizer_offload != "none")
+    if (r.enabled && r.optimizer_offload != OptimizerOffload::kNone)
       throw ConfigError(fmt::format("roles.{}.optimizer_offload = {}: a frozen role has no optimizer; set it to none",
-                                    name, r.optimizer_offload));
+                                    name, enum_name(r.optimizer_offload)));
   }
   for (const char* name : {"actor", "critic", "ref", "reward"}) {
     const RoleConfig& r = role_by_name(*this, name);

@@ -70,21 +70,21 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
         "Empty, or another role (actor, critic, ref, reward) whose ranks this role shares; "
         "colocated roles run one after the other on the same GPUs.")
       .one_of({"", "actor", "critic", "ref", "reward"});
-  b.add(p + "dtype", [get](JobConfig& c) { return &get(c).dtype; },
+  b.add_enum(p + "dtype", [get](JobConfig& c) { return &get(c).dtype; },
         "Compute dtype of the role's forward and backward passes.")
-      .one_of({"bf16", "fp32"});
+      ;
   b.add(p + "replicate", [get](JobConfig& c) { return &get(c).replicate; },
         "Frozen roles (ref, reward) only: hold a full replica on every rank instead of ZeRO-3 shards.");
   b.add(p + "offload", [get](JobConfig& c) { return &get(c).offload; },
         "Trainable roles with cluster.hybrid: move the fp32 masters and AdamW moments to pinned host memory while "
         "the engines generate, and back before training, and free the gradient accumulators meanwhile (they hold "
         "nothing between steps); the compute shards stay for scoring.");
-  b.add(p + "optimizer_offload", [get](JobConfig& c) { return &get(c).optimizer_offload; },
+  b.add_enum(p + "optimizer_offload", [get](JobConfig& c) { return &get(c).optimizer_offload; },
         "Trainable roles: none, or cpu: the fp32 master weights and AdamW moments live in host memory for the whole "
         "run and a multithreaded CPU AdamW updates them (docs/zero.md). The GPU keeps the bf16 shard and the fp32 "
         "gradients, 6 bytes per parameter / N instead of 18; each step streams the gradients to the host and the new "
         "bf16 shard back, overlapped with the update (train.optimizer_threads).")
-      .one_of({"none", "cpu"});
+      ;
   b.add(p + "sequence_parallel", [get](JobConfig& c) { return &get(c).sequence_parallel; },
         "Sequence parallelism: this many consecutive ranks of the role share each micro-batch, each holding and "
         "computing 1/S of its tokens (Ulysses attention; docs/zero.md). Must divide gpus and the model's attention "
@@ -102,12 +102,12 @@ std::vector<Field> build() {
   b.add("cluster.gpus_per_node", TILLER_FIELD(cluster.gpus_per_node),
         "GPUs on each node. 0: detect with the CUDA device count (on CPU: one slot per rank).")
       .range(0, 1024);
-  b.add("cluster.device", TILLER_FIELD(cluster.device),
+  b.add_enum("cluster.device", TILLER_FIELD(cluster.device),
         "Where roles compute. auto: CUDA when this build and the node have it, else CPU.")
-      .one_of({"auto", "cuda", "cpu"});
-  b.add("cluster.backend", TILLER_FIELD(cluster.backend),
+      ;
+  b.add_enum("cluster.backend", TILLER_FIELD(cluster.backend),
         "Communicator backend. auto: NCCL on CUDA, MPI on CPU.")
-      .one_of({"auto", "nccl", "mpi"});
+      ;
   b.add("cluster.ranks_per_gpu", TILLER_FIELD(cluster.ranks_per_gpu),
         "Worker ranks per GPU. 2 lets the engines share the trainers' GPUs (a one-GPU job: the actor and "
         "an engine on GPU 0). Worker rank i of a node gets GPU i mod gpus_per_node. A group with two "
@@ -300,10 +300,10 @@ std::vector<Field> build() {
   b.add("data.apply_chat_template", TILLER_FIELD(data.apply_chat_template),
         "Wrap each prompt in the tokenizer's chat format (ChatML, Llama-3).");
   b.add("data.shuffle", TILLER_FIELD(data.shuffle), "Shuffle prompts each epoch with run.seed.");
-  b.add("data.long_prompt_policy", TILLER_FIELD(data.long_prompt_policy),
+  b.add_enum("data.long_prompt_policy", TILLER_FIELD(data.long_prompt_policy),
         "Prompts over rollout.max_prompt_tokens: skip them (counted in the log), keep their last tokens "
         "(truncate_left), or stop with an error naming the line.")
-      .one_of({"skip", "truncate_left", "error"});
+      ;
   b.add("data.max_samples", TILLER_FIELD(data.max_samples), "Use at most this many prompts (0: all).")
       .range(0, kMaxCount);
 
@@ -369,11 +369,11 @@ std::vector<Field> build() {
         "The overlong penalty at rollout.max_new_tokens (see reward.overlong_buffer).")
       .range(0.0, 1000.0);
 
-  b.add("env.type", TILLER_FIELD(env.type),
+  b.add_enum("env.type", TILLER_FIELD(env.type),
         "Multi-turn rollouts: none (single-turn samples), remote (a gRPC environment service, "
         "proto/tiller/env.proto; examples/envs/), or inprocess (a C++ environment registered with "
         "tiller::env::register_env under env.name).")
-      .one_of({"none", "remote", "inprocess"});
+      ;
   b.add("env.name", TILLER_FIELD(env.name), "env.type inprocess: the name the environment was registered under.");
   b.add("env.address", TILLER_FIELD(env.address), "env.type remote: host:port of the environment service.");
   b.add("env.timeout_s", TILLER_FIELD(env.timeout_s),
@@ -397,23 +397,23 @@ std::vector<Field> build() {
       .range(1, kMaxCount);
   b.add("train.micro_batch_tokens", TILLER_FIELD(train.micro_batch_tokens),
         "Token budget of one packed training micro-batch per rank.").range(1, kMaxBatchTokens);
-  b.add("train.recompute", TILLER_FIELD(train.recompute),
+  b.add_enum("train.recompute", TILLER_FIELD(train.recompute),
         "What the trained roles recompute in the backward pass instead of keeping: blocks (keep each block's input, "
         "recompute the block: least memory), attention_only (also keep the MLP's activations, recompute the attention "
         "half), none (keep everything), or auto: the most kept that the memory plan fits on the GPU (tiller plan prints "
         "the choice; blocks on CPU).")
-      .one_of({"auto", "blocks", "attention_only", "none"});
+      ;
   b.add("train.recompute_layers", TILLER_FIELD(train.recompute_layers),
         "How many blocks, from the first, keep what train.recompute keeps; the others recompute whole blocks. -1: "
         "every block. With train.recompute auto the memory plan sets it: attention_only for as many blocks as fit "
         "when not all of them do.")
       .range(-1, 1 << 20);
-  b.add("train.compute_shard", TILLER_FIELD(train.compute_shard),
+  b.add_enum("train.compute_shard", TILLER_FIELD(train.compute_shard),
         "Whether the trained roles keep a persistent bf16 copy of their fp32 master shards: keep (2 bytes per "
         "parameter / N more, no cast per gather), cast (each all-gather casts the master shard first, as FSDP2 does), "
         "or auto: keep when the memory plan fits it beside the activations train.recompute keeps (tiller plan prints "
         "the choice; cast when no GPU size is known). Moot with fp32 compute or optimizer_offload: cpu.")
-      .one_of({"auto", "keep", "cast"});
+      ;
   b.add("train.optimizer_threads", TILLER_FIELD(train.optimizer_threads),
         "Threads of each rank's CPU AdamW (roles.<role>.optimizer_offload: cpu). 0: the host's cores divided by the "
         "ranks on it.")
@@ -422,16 +422,16 @@ std::vector<Field> build() {
         "Step hooks of a trainer of your own, by registered name, comma-separated, run in that order on the "
         "controller: after each step is scored (filter or reweight), at its end (metrics, stop), after each "
         "checkpoint (docs/library.md). Empty: none.");
-  b.add("train.reduce_dtype", TILLER_FIELD(train.reduce_dtype),
+  b.add_enum("train.reduce_dtype", TILLER_FIELD(train.reduce_dtype),
         "The dtype gradients are reduce-scattered in across a role's ranks: fp32, or bf16 (half the traffic; the "
         "ranks' sum is rounded to bf16 before it joins the fp32 accumulator, as FSDP2's reduce_dtype=bf16).")
-      .one_of({"fp32", "bf16"});
-  b.add("train.old_logprobs", TILLER_FIELD(train.old_logprobs),
+      ;
+  b.add_enum("train.old_logprobs", TILLER_FIELD(train.old_logprobs),
         "Where the policy loss's old log-probs come from: recompute (the actor scores every sample before training, "
         "a forward pass per token) or forward (strictly on-policy runs only: sync mode, one PPO epoch, one mini-batch, "
         "no KL in the reward, no importance correction; the training forward's own log-probs, detached, so the ratio "
         "is 1 and the actor's scoring pass is skipped).")
-      .one_of({"recompute", "forward"});
+      ;
   b.add("train.actor_lr", TILLER_FIELD(train.actor_lr), "Actor learning rate.").range(0.0, 1.0);
   b.add("train.critic_lr", TILLER_FIELD(train.critic_lr), "Critic learning rate.").range(0.0, 1.0);
   b.add("train.weight_decay", TILLER_FIELD(train.weight_decay), "AdamW weight decay (not on norms and biases).")
@@ -441,8 +441,8 @@ std::vector<Field> build() {
   b.add("train.adam_eps", TILLER_FIELD(train.adam_eps), "AdamW epsilon.").range(0.0, 1.0);
   b.add("train.max_grad_norm", TILLER_FIELD(train.max_grad_norm), "Global gradient-norm clip (0: off).")
       .range(0.0, 1e9);
-  b.add("train.lr_schedule", TILLER_FIELD(train.lr_schedule), "constant, linear or cosine, after the warmup.")
-      .one_of({"constant", "linear", "cosine"});
+  b.add_enum("train.lr_schedule", TILLER_FIELD(train.lr_schedule), "constant, linear or cosine, after the warmup.")
+      ;
   b.add("train.warmup_steps", TILLER_FIELD(train.warmup_steps), "Linear warmup in optimizer steps.")
       .range(0, kMaxCount);
   b.add("train.min_lr_ratio", TILLER_FIELD(train.min_lr_ratio), "Floor of linear/cosine decay, as a fraction of the LR.")

@@ -28,7 +28,7 @@ const RoleConfig& role_cfg(const JobConfig& c, Role r) {
   return c.roles.actor;
 }
 
-int64_t dtype_bytes(const std::string& dtype) { return dtype == "fp32" ? 4 : 2; }
+int64_t dtype_bytes(Precision dtype) { return dtype == Precision::kFp32 ? 4 : 2; }
 
 struct Shape {
   int64_t params = 0, largest_unit = 0, largest_block = 0, embed = 0, head = 0;
@@ -195,9 +195,9 @@ RoleSpec role_spec(const JobConfig& cfg, Role r, const model::ModelConfig& mc, c
   s.ranks = rc.replicate || !g ? 1 : static_cast<int64_t>(g->ranks.size());
   s.dtype_bytes = dtype_bytes(rc.dtype);
   s.trainable = role_trains(r);
-  s.host_optimizer = s.trainable && rc.optimizer_offload == "cpu";
+  s.host_optimizer = s.trainable && rc.optimizer_offload == OptimizerOffload::kCpu;
   s.offload = s.trainable && rc.offload;
-  s.reduce_bytes = cfg.train.reduce_dtype == "bf16" ? 2 : 4;
+  s.reduce_bytes = cfg.train.reduce_dtype == Precision::kBf16 ? 2 : 4;
   return s;
 }
 
@@ -253,7 +253,7 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       const model::ModelConfig* mc = find_shape(shapes, "engine");
       if (!mc) mc = find_shape(shapes, "actor");
       if (!mc) throw ConfigError("memory plan: no model shape for the engines");
-      const int64_t t = cfg.engines.tp, c = dtype_bytes(cfg.roles.actor.dtype);
+      const int64_t t = plan.engine_tp(), c = dtype_bytes(cfg.roles.actor.dtype);
       const int64_t weights = shape_of(*mc, model::Head::kLm).params * c / t;
       const int64_t per_token = 2 * mc->num_layers * mc->kv_size() * c / t;
       add(gen, "engine weights", weights);
@@ -349,7 +349,7 @@ namespace {
 // when nothing fits (the fit check then refuses the plan). `layers`: the trained models' most blocks.
 MemoryPlan choose(const TrainConfig& t, int64_t layers, int64_t gpu_bytes, bool shared_gpus,
                   const std::function<MemoryPlan(zero::Recompute, int64_t, bool)>& make) {
-  const bool auto_mode = t.recompute == "auto", auto_shard = t.compute_shard == "auto";
+  const bool auto_mode = t.recompute == RecomputeChoice::kAuto, auto_shard = t.compute_shard == ComputeShard::kAuto;
   struct Mode {
     zero::Recompute mode;
     int64_t layers;
@@ -360,14 +360,10 @@ MemoryPlan choose(const TrainConfig& t, int64_t layers, int64_t gpu_bytes, bool 
     for (int64_t k = layers - 1; k >= 1; --k) modes.push_back({zero::Recompute::kAttentionOnly, k});
     modes.push_back({zero::Recompute::kBlocks, -1});
   } else {
-    modes = {{zero::parse_recompute(t.recompute, "train.recompute"), t.recompute_layers}};
+    modes = {{zero::recompute_of(t.recompute), t.recompute_layers}};
   }
   std::vector<bool> keeps{true, false};
-  if (!auto_shard) {
-    if (t.compute_shard != "keep" && t.compute_shard != "cast")
-      throw ConfigError(fmt::format("train.compute_shard '{}': use auto, keep or cast", t.compute_shard));
-    keeps = {t.compute_shard == "keep"};
-  }
+  if (!auto_shard) keeps = {t.compute_shard == ComputeShard::kKeep};
   auto reasons = [&](MemoryPlan m, const char* mode_why, const char* shard_why) {
     m.recompute_reason = auto_mode ? mode_why : "set by train.recompute";
     m.compute_shard_reason = auto_shard ? shard_why : "set by train.compute_shard";
@@ -410,8 +406,8 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
   spec.ranks = ranks;
   spec.dtype_bytes = dtype_bytes(cfg.roles.actor.dtype);
   spec.trainable = true;
-  spec.host_optimizer = cfg.roles.actor.optimizer_offload == "cpu";
-  spec.reduce_bytes = cfg.train.reduce_dtype == "bf16" ? 2 : 4;
+  spec.host_optimizer = cfg.roles.actor.optimizer_offload == OptimizerOffload::kCpu;
+  spec.reduce_bytes = cfg.train.reduce_dtype == Precision::kBf16 ? 2 : 4;
   return choose(cfg.train, shape.num_layers, gpu_bytes, false, [&](zero::Recompute mode, int64_t kept, bool keep) {
     MemoryPlan out;
     out.recompute = mode;

@@ -79,7 +79,7 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
                             dist::GroupCommunicators& groups, const std::string& device, int64_t kv_bytes,
                             bool start_asleep, RankObjects& own) {
   const auto& me = plan.ranks.at(static_cast<size_t>(rank));
-  const int tp = static_cast<int>(cfg.engines.tp);
+  const int tp = plan.engine_tp();
   const std::string dir = cfg.engines.model.empty() ? cfg.roles.actor.model : cfg.engines.model;
   // Before the weights load: a context the model was not made for is a config error, not an
   // allocation of RoPE tables for it.
@@ -91,7 +91,7 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
     throw ConfigError(fmt::format("{} = {} exceeds the context of {} ({} tokens: max_position_embeddings, with its "
                                   "RoPE scaling); lower them",
                                   sum, max_model_len, dir, limit));
-  engine::EngineWeights w = engine::load_engine_weights(dir, me.engine_tp_rank, tp, cfg.roles.actor.dtype, device);
+  engine::EngineWeights w = engine::load_engine_weights(dir, me.engine_tp_rank, tp, std::string(enum_name(cfg.roles.actor.dtype)), device);
   engine::EngineOptions eo;
   eo.device = device;
   eo.block_size = cfg.engines.kv_block_size;
@@ -253,16 +253,16 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   if (const std::string scorer = reward::job_batch_scorer(cfg); !scorer.empty()) reward::batch_scorer(scorer);
 
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
-  std::string device_kind = cfg.cluster.device;
-  if (device_kind == "auto") device_kind = gpus > 0 && dist::MpiEnv::have_nccl() ? "cuda" : "cpu";
-  if (device_kind == "cuda" && gpus == 0)
+  DeviceKind device_kind = cfg.cluster.device;
+  if (device_kind == DeviceKind::kAuto) device_kind = gpus > 0 && dist::MpiEnv::have_nccl() ? DeviceKind::kCuda : DeviceKind::kCpu;
+  if (device_kind == DeviceKind::kCuda && gpus == 0)
     throw ConfigError(fmt::format("cluster.device = cuda: rank {} ({}) sees no CUDA device; use cluster.device=cpu "
                                   "or the GPU build on a GPU node",
                                   env.rank(), env.hostname()));
-  const bool cpu = device_kind == "cpu";
-  std::string backend = cfg.cluster.backend;
-  if (backend == "auto") backend = cpu ? "mpi" : "nccl";
-  if (backend == "nccl" && cpu) throw ConfigError("cluster.backend = nccl needs cluster.device = cuda");
+  const bool cpu = device_kind == DeviceKind::kCpu;
+  BackendKind backend = cfg.cluster.backend;
+  if (backend == BackendKind::kAuto) backend = cpu ? BackendKind::kMpi : BackendKind::kNccl;
+  if (backend == BackendKind::kNccl && cpu) throw ConfigError("cluster.backend = nccl needs cluster.device = cuda");
 
   auto world = env.world(cfg.timeouts.startup_s);
   const dist::NodeMap nodes = env.node_map(static_cast<int>(cfg.cluster.gpus_per_node), cpu, cfg.timeouts.startup_s);
@@ -313,12 +313,12 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
       memory.recompute_reason += "; lowered to what another rank planned";
     memory.recompute = agreed;
     memory.recompute_layers = layers;
-    job.train.recompute = zero::recompute_name(memory.recompute);
+    job.train.recompute = zero::recompute_choice(memory.recompute);
     job.train.recompute_layers = layers;
     const bool keep = choice[1].item<double>() > 0.5;
     if (keep != memory.keep_compute_shard) memory.compute_shard_reason += "; cast as another rank planned";
     memory.keep_compute_shard = keep;
-    job.train.compute_shard = keep ? "keep" : "cast";
+    job.train.compute_shard = keep ? ComputeShard::kKeep : ComputeShard::kCast;
     // The table of what was agreed (the controller's shows the GPU ranks' choice).
     if (missing.empty()) {
       const std::string mode_why = memory.recompute_reason, shard_why = memory.compute_shard_reason;
@@ -339,7 +339,7 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   }
 
   dist::DeviceComm to_device;
-  if (backend == "nccl")
+  if (backend == BackendKind::kNccl)
     to_device = [&](dist::Communicator& group, const std::string& name) -> std::unique_ptr<dist::Communicator> {
       // NCCL refuses two ranks on one GPU (cluster.ranks_per_gpu > 1): such a group goes through the host.
       if (dist::shares_a_device(group, me.node, me.gpu)) {

@@ -8,6 +8,8 @@
 
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
+#include "tiller/core/roles.h"
+#include "tiller/dist/rank_plan.h"
 #include "tiller/zero/flat_layout.h"
 
 namespace tiller::sync {
@@ -266,9 +268,11 @@ std::vector<SliceCopy> slice_copies(const BucketPlan& plan, const PlanSegment& g
   return out;
 }
 
-BucketPlan job_bucket_plan(const JobConfig& job, const model::ModelConfig& actor_model, int actor_ranks) {
-  return make_bucket_plan(actor_model, actor_ranks, static_cast<int>(job.engines.tp),
-                          job.roles.actor.dtype == "bf16" ? "bf16" : "fp32", job.engines.sync_bucket_mb << 20);
+BucketPlan job_bucket_plan(const JobConfig& job, const model::ModelConfig& actor_model, const dist::RankPlan& plan) {
+  const dist::RoleGroup* actor = plan.group(Role::kActor);
+  TILLER_CHECK(actor != nullptr, "the rank plan has no actor group");
+  return make_bucket_plan(actor_model, static_cast<int>(actor->ranks.size()), plan.engine_tp(),
+                          job.roles.actor.dtype == Precision::kBf16 ? "bf16" : "fp32", job.engines.sync_bucket_mb << 20);
 }
 
 }  // namespace tiller::sync

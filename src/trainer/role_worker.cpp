@@ -146,7 +146,7 @@ struct RoleWorker::Impl {
     if (roles.has(Role::kActor) && groups.weight_sync && !plan.hybrid) {
       auto& actor = *models.at(Role::kActor);
       sender = std::make_unique<sync::WeightSender>(actor, *groups.weight_sync,
-                                                    sync::job_bucket_plan(cfg, actor.config(), actor.world()),
+                                                    sync::job_bucket_plan(cfg, actor.config(), plan),
                                                     cfg.timeouts.weight_sync_s);
     }
   }
@@ -235,7 +235,7 @@ struct RoleWorker::Impl {
     c10::AutoGradMode no_grad(false);
     const MicroBatch mb = micro_batch(in.batch, device);
     ScoreReply out;
-    out.roles = scored_roles(cfg.train.old_logprobs != "forward", roles);
+    out.roles = scored_roles(cfg.train.old_logprobs != OldLogprobs::kForward, roles);
     for (Role role : kRoles)
       if (out.roles.has(role) && cfg.logging.efficiency) {
         if (!bench_score.count(role)) bench_score[role] = calibrate(role, false, mb);
@@ -283,7 +283,7 @@ struct RoleWorker::Impl {
     spec.kl_estimator = cfg.algo.kl_estimator;
     spec.policy_loss = cfg.algo.policy_loss;
     spec.entropy_coef = cfg.algo.entropy_coef;
-    spec.old_is_forward = cfg.train.old_logprobs == "forward";
+    spec.old_is_forward = cfg.train.old_logprobs == OldLogprobs::kForward;
     const MicroBatchLoss l =
         actor_loss(lp.index_select(0, mb.resp_rows), entropy.index_select(0, mb.resp_rows), in, spec);
     if (!l.loss.defined()) {
@@ -455,7 +455,7 @@ void RoleWorker::hand_off_to(sync::LocalWeightSink& sink) {
                "rank {}: a hybrid handoff needs an actor rank of a hybrid plan", m.rank);
   auto& actor = *m.models.at(Role::kActor);
   m.handoff = std::make_unique<sync::HybridHandoff>(actor, *m.groups.weight_sync,
-                                                    sync::job_bucket_plan(m.cfg, actor.config(), actor.world()), sink,
+                                                    sync::job_bucket_plan(m.cfg, actor.config(), m.plan), sink,
                                                     m.cfg.timeouts.weight_sync_s);
 }
 

@@ -83,16 +83,14 @@ int64_t ShardAdamW::state_bytes() const {
 
 double LrSchedule::factor(int64_t step) const {
   if (warmup_steps > 0 && step < warmup_steps) return static_cast<double>(step + 1) / warmup_steps;
-  if (kind == "constant") return 1.0;
+  if (kind == LrScheduleKind::kConstant) return 1.0;
   const int64_t span = std::max<int64_t>(1, total_steps - warmup_steps);
   const double progress = std::min(1.0, static_cast<double>(step - warmup_steps) / span);
-  if (kind == "linear") return 1.0 - (1.0 - min_ratio) * progress;
+  if (kind == LrScheduleKind::kLinear) return 1.0 - (1.0 - min_ratio) * progress;
   return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + std::cos(M_PI * progress));  // cosine
 }
 
 LrSchedule LrSchedule::from_config(const TrainConfig& t) {
-  if (t.lr_schedule != "constant" && t.lr_schedule != "linear" && t.lr_schedule != "cosine")
-    throw ConfigError(fmt::format("train.lr_schedule '{}': use constant, linear or cosine", t.lr_schedule));
   LrSchedule s;
   s.kind = t.lr_schedule;
   s.warmup_steps = t.warmup_steps;

@@ -30,15 +30,32 @@ Recompute parse_recompute(const std::string& text, const std::string& key) {
   throw ConfigError(fmt::format("{} = '{}': use blocks, attention_only or none", key, text));
 }
 
+Recompute recompute_of(RecomputeChoice c) {
+  switch (c) {
+    case RecomputeChoice::kAuto:
+    case RecomputeChoice::kBlocks: return Recompute::kBlocks;
+    case RecomputeChoice::kAttentionOnly: return Recompute::kAttentionOnly;
+    case RecomputeChoice::kNone: return Recompute::kNone;
+  }
+  return Recompute::kBlocks;
+}
+
+RecomputeChoice recompute_choice(Recompute r) {
+  switch (r) {
+    case Recompute::kBlocks: return RecomputeChoice::kBlocks;
+    case Recompute::kAttentionOnly: return RecomputeChoice::kAttentionOnly;
+    case Recompute::kNone: return RecomputeChoice::kNone;
+  }
+  return RecomputeChoice::kBlocks;
+}
+
 ShardedModelOptions role_options(const std::string& name, const RoleConfig& role, const TrainConfig& train,
                                  bool trainable, model::Head head, at::Device device) {
   ShardedModelOptions o;
   o.head = head;
   o.device = device;
   o.trainable = trainable;
-  if (role.dtype == "bf16") o.compute_dtype = at::kBFloat16;
-  else if (role.dtype == "fp32") o.compute_dtype = at::kFloat;
-  else throw ConfigError(fmt::format("roles.{}.dtype '{}': use bf16 or fp32", name, role.dtype));
+  o.compute_dtype = role.dtype == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
   if (role.replicate && trainable)
     throw ConfigError(fmt::format("roles.{}.replicate: only frozen roles (ref, reward) can be replicated; a trained "
                                   "role is always sharded", name));
@@ -47,20 +64,15 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
   o.max_grad_norm = train.max_grad_norm;
   // `auto` is resolved by the memory plan before the ranks build their models (tiller train);
   // unresolved it means the least memory.
-  if (train.reduce_dtype == "bf16") o.reduce_dtype = at::kBFloat16;
-  else if (train.reduce_dtype != "fp32")
-    throw ConfigError(fmt::format("train.reduce_dtype '{}': use fp32 or bf16", train.reduce_dtype));
-  if (trainable && train.recompute != "auto") o.recompute = parse_recompute(train.recompute, "train.recompute");
+  o.reduce_dtype = train.reduce_dtype == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
+  if (trainable) o.recompute = recompute_of(train.recompute);
   o.recompute_layers = train.recompute_layers;
   // compute_shard `auto` is resolved by the memory plan like recompute; unresolved, the least memory.
-  if (train.compute_shard != "auto" && train.compute_shard != "keep" && train.compute_shard != "cast")
-    throw ConfigError(fmt::format("train.compute_shard '{}': use auto, keep or cast", train.compute_shard));
-  o.keep_compute_shard = train.compute_shard == "keep";
-  if (role.optimizer_offload != "none" && role.optimizer_offload != "cpu")
-    throw ConfigError(fmt::format("roles.{}.optimizer_offload '{}': use none or cpu", name, role.optimizer_offload));
-  if (role.optimizer_offload == "cpu" && !trainable)
+  o.keep_compute_shard = train.compute_shard == ComputeShard::kKeep;
+  const bool on_host = role.optimizer_offload == OptimizerOffload::kCpu;
+  if (on_host && !trainable)
     throw ConfigError(fmt::format("roles.{}.optimizer_offload = cpu: a frozen role has no optimizer", name));
-  o.optimizer_on_host = role.optimizer_offload == "cpu";
+  o.optimizer_on_host = on_host;
   o.optimizer_threads = static_cast<int>(train.optimizer_threads);
   return o;
 }

@@ -49,7 +49,7 @@ timeouts: {collective_s: 1.5}
   EXPECT_EQ(c.run.seed, 7);
   EXPECT_EQ(c.roles.actor.model, "/m/qwen");
   EXPECT_EQ(c.roles.actor.gpus, 4);
-  EXPECT_EQ(c.roles.actor.dtype, "fp32");
+  EXPECT_EQ(c.roles.actor.dtype, Precision::kFp32);
   EXPECT_FALSE(c.roles.critic.enabled);
   EXPECT_EQ(c.algo.advantage_estimator, "group_norm");
   EXPECT_DOUBLE_EQ(c.algo.kl_coef, 0.05);

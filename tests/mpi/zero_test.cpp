@@ -14,11 +14,11 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "../core/faulty_file_system.h"
 #include "mpi_env_for_tests.h"
 #include "tiller/core/error.h"
 #include "tiller/core/file_system.h"
 #include "tiller/core/files.h"
-#include "../core/faulty_file_system.h"
 #include "tiller/model/safetensors.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
@@ -239,7 +239,7 @@ void expect_sharded_equals_unsharded(const std::string& preset, Head head, int s
   }
   m.load(init, "init");
   Reference ref(cfg, head, init, adam);
-  const zero::LrSchedule sched{"cosine", 1, 4, 0.1};
+  const zero::LrSchedule sched{LrScheduleKind::kCosine, 1, 4, 0.1};
   const int groups = world / sp, group = me / sp, j = me % sp;
   const double base_lr = on_gpu() ? 3e-3 : 1e-2;
   const std::string what = fmt::format("{} sp {} recompute {} reduce {}{}", preset, sp, zero::recompute_name(recompute),

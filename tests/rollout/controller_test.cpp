@@ -989,7 +989,7 @@ class EvenGame final : public env::Environment {
 struct MultiTurnJob : Job {
   std::shared_ptr<EvenGame> game = std::make_shared<EvenGame>();
   explicit MultiTurnJob(const std::string& name) : Job(name) {
-    cfg.env.type = "inprocess";
+    cfg.env.type = EnvType::kInprocess;
     cfg.env.name = "even";
     cfg.rollout.max_turns = 3;
     cfg.rollout.max_new_tokens = 12;
@@ -1291,7 +1291,7 @@ TEST(SampleLoops, ARegisteredLoopIsTheOneThatMakesTheSamples) {
   EXPECT_NE(error_of([&] { job_sample_loop(cfg); }).find("rollout.loop = multi_turn: this loop needs an environment"),
             std::string::npos);
   cfg.rollout.loop = "single_turn";
-  cfg.env.type = "inprocess";
+  cfg.env.type = EnvType::kInprocess;
   cfg.env.name = "even";
   EXPECT_NE(error_of([&] { job_sample_loop(cfg); }).find("the environment would never be called"), std::string::npos);
   cfg.rollout.loop = "";

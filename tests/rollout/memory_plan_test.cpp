@@ -60,7 +60,7 @@ int64_t item(const PhaseMemory& p, const std::string& name) {
 
 TEST(MemoryPlan, CountsShardsStateAndTheEngine) {
   JobConfig c = hybrid_job(4);
-  c.train.compute_shard = "keep";
+  c.train.compute_shard = ComputeShard::kKeep;
   const MemoryPlan m = plan_memory(c, plan_of(c, 4), shapes(), 0);
   ASSERT_EQ(m.ranks.size(), 4u);
   const RankMemory& r = m.ranks[0];
@@ -79,14 +79,14 @@ TEST(MemoryPlan, CountsShardsStateAndTheEngine) {
   EXPECT_TRUE(m.keep_compute_shard);
 
   // train.compute_shard cast: the trained roles hold no bf16 shard (the frozen reference does).
-  c.train.compute_shard = "cast";
+  c.train.compute_shard = ComputeShard::kCast;
   const PhaseMemory cast = plan_memory(c, plan_of(c, 4), shapes(), 0).ranks[0].phases[1];
   EXPECT_EQ(item(cast, "actor weights"), 0);
   EXPECT_EQ(item(cast, "critic weights"), 0);
   EXPECT_EQ(item(cast, "ref weights"), item(train, "ref weights"));
   // The optimizer on the host: the device keeps the gradients (4 bytes/param/4: ~7.6 GB) and the
   // bf16 shard; the host the masters and moments (12 bytes/param/4: ~22.8 GB).
-  c.roles.actor.optimizer_offload = "cpu";
+  c.roles.actor.optimizer_offload = OptimizerOffload::kCpu;
   const RankMemory host = plan_memory(c, plan_of(c, 4), shapes(), 0).ranks[0];
   EXPECT_NEAR(static_cast<double>(item(host.phases[1], "actor state")) / 1e9, 7.6, 0.1);
   EXPECT_NEAR(static_cast<double>(item(host.phases[1], "actor weights")) / 1e9, 3.8, 0.1);
@@ -214,9 +214,9 @@ TEST(MemoryPlan, RecomputeAutoKeepsTheMostActivationsThatFit) {
   EXPECT_NE(less.table().find("train.compute_shard: cast (auto"), std::string::npos) << less.table();
   // One more block's activations would not fit, with the shard cast or kept.
   JobConfig more = c;
-  more.train.recompute = "attention_only";
+  more.train.recompute = RecomputeChoice::kAttentionOnly;
   more.train.recompute_layers = less.recompute_layers + 1;
-  more.train.compute_shard = "cast";
+  more.train.compute_shard = ComputeShard::kCast;
   const MemoryPlan one_more = plan_memory(more, plan, shapes(), 60 * kGiB);
   bool fits = true;
   for (const auto& r : one_more.ranks)
@@ -238,12 +238,12 @@ TEST(MemoryPlan, RecomputeAutoKeepsTheMostActivationsThatFit) {
   EXPECT_GT(act(zero::Recompute::kAttentionOnly), act(zero::Recompute::kBlocks) + 25 * kGiB);
   EXPECT_GT(act(zero::Recompute::kNone), act(zero::Recompute::kAttentionOnly) + 3 * kGiB);
 
-  c.train.recompute = "blocks";
+  c.train.recompute = RecomputeChoice::kBlocks;
   const MemoryPlan set = planned(141);
   EXPECT_EQ(set.recompute, zero::Recompute::kBlocks);
   EXPECT_EQ(item(set.ranks[0].phases[1], "activations (train.micro_batch_tokens)"), act(zero::Recompute::kBlocks));
   // A set mode that does not fit is refused like any plan that does not fit.
-  c.train.recompute = "none";
+  c.train.recompute = RecomputeChoice::kNone;
   EXPECT_THROW(check_fits(planned(48), c), ConfigError);
 }
 

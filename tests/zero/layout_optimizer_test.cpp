@@ -241,23 +241,24 @@ TEST(HostAdamW, RefusesMismatchedShards) {
 }
 
 TEST(LrSchedule, WarmupThenDecayToTheMinimum) {
-  LrSchedule s{"cosine", 4, 14, 0.1};
+  LrSchedule s{LrScheduleKind::kCosine, 4, 14, 0.1};
   EXPECT_DOUBLE_EQ(s.factor(0), 0.25);
   EXPECT_DOUBLE_EQ(s.factor(3), 1.0);
   EXPECT_DOUBLE_EQ(s.factor(4), 1.0);
   EXPECT_NEAR(s.factor(9), 0.55, 1e-12);  // halfway: 0.1 + 0.9 * 0.5
   EXPECT_NEAR(s.factor(14), 0.1, 1e-12);
   EXPECT_NEAR(s.factor(100), 0.1, 1e-12);
-  LrSchedule l{"linear", 0, 10, 0.0};
+  LrSchedule l{LrScheduleKind::kLinear, 0, 10, 0.0};
   EXPECT_DOUBLE_EQ(l.factor(0), 1.0);
   EXPECT_DOUBLE_EQ(l.factor(5), 0.5);
   EXPECT_DOUBLE_EQ(l.factor(10), 0.0);
-  LrSchedule k{"constant", 2, 10, 0.0};
+  LrSchedule k{LrScheduleKind::kConstant, 2, 10, 0.0};
   EXPECT_DOUBLE_EQ(k.factor(0), 0.5);
   EXPECT_DOUBLE_EQ(k.factor(7), 1.0);
   TrainConfig t;
-  t.lr_schedule = "step";
-  EXPECT_THROW(LrSchedule::from_config(t), ConfigError);
+  t.lr_schedule = LrScheduleKind::kLinear;
+  t.num_steps = 10;
+  EXPECT_DOUBLE_EQ(LrSchedule::from_config(t).factor(5), 1.0 - 0.9 * 0.5);  // min_lr_ratio 0.1
   EXPECT_DOUBLE_EQ(clip_coefficient(10.0, 1.0), 1.0 / (10.0 + 1e-6));
   EXPECT_DOUBLE_EQ(clip_coefficient(0.5, 1.0), 1.0);
 }
@@ -282,8 +283,10 @@ TEST(RoleOptions, FromTheJobConfig) {
     EXPECT_NE(std::string(e.what()).find("roles.actor.replicate"), std::string::npos) << e.what();
   }
   role.replicate = false;
-  role.dtype = "fp8";
-  EXPECT_THROW(role_options("critic", role, train, true, model::Head::kValue, at::kCPU), ConfigError);
+  role.dtype = Precision::kFp32;
+  EXPECT_EQ(role_options("critic", role, train, true, model::Head::kValue, at::kCPU).compute_dtype, at::kFloat);
+  role.optimizer_offload = OptimizerOffload::kCpu;
+  EXPECT_THROW(role_options("ref", role, train, false, model::Head::kLm, at::kCPU), ConfigError);
 }
 
 }  // namespace

@@ -24,6 +24,16 @@ enum class RolloutMode { kSync, kAsync };
 enum class StalePolicy { kWait, kDrop };
 enum class ImportanceCorrection { kNone, kTis, kDecoupled };
 enum class RewardType { kModel, kRule, kRemote, kPython, kEnv, kScorer };
+enum class EnvType { kNone, kRemote, kInprocess };
+enum class DeviceKind { kAuto, kCuda, kCpu };                    // cluster.device
+enum class BackendKind { kAuto, kNccl, kMpi };                   // cluster.backend
+enum class Precision { kBf16, kFp32 };                           // roles.*.dtype, train.reduce_dtype
+enum class OptimizerOffload { kNone, kCpu };
+enum class LongPromptPolicy { kSkip, kTruncateLeft, kError };    // data.long_prompt_policy
+enum class RecomputeChoice { kAuto, kBlocks, kAttentionOnly, kNone };  // train.recompute (zero/recompute.h)
+enum class ComputeShard { kAuto, kKeep, kCast };
+enum class OldLogprobs { kRecompute, kForward };
+enum class LrScheduleKind { kConstant, kLinear, kCosine };
 
 template <>
 struct EnumNames<RolloutMode> {
@@ -40,6 +50,46 @@ struct EnumNames<ImportanceCorrection> {
 template <>
 struct EnumNames<RewardType> {
   static constexpr std::array<std::string_view, 6> names = {"model", "rule", "remote", "python", "env", "scorer"};
+};
+template <>
+struct EnumNames<EnvType> {
+  static constexpr std::array<std::string_view, 3> names = {"none", "remote", "inprocess"};
+};
+template <>
+struct EnumNames<DeviceKind> {
+  static constexpr std::array<std::string_view, 3> names = {"auto", "cuda", "cpu"};
+};
+template <>
+struct EnumNames<BackendKind> {
+  static constexpr std::array<std::string_view, 3> names = {"auto", "nccl", "mpi"};
+};
+template <>
+struct EnumNames<Precision> {
+  static constexpr std::array<std::string_view, 2> names = {"bf16", "fp32"};
+};
+template <>
+struct EnumNames<OptimizerOffload> {
+  static constexpr std::array<std::string_view, 2> names = {"none", "cpu"};
+};
+template <>
+struct EnumNames<LongPromptPolicy> {
+  static constexpr std::array<std::string_view, 3> names = {"skip", "truncate_left", "error"};
+};
+template <>
+struct EnumNames<RecomputeChoice> {
+  static constexpr std::array<std::string_view, 4> names = {"auto", "blocks", "attention_only", "none"};
+};
+template <>
+struct EnumNames<ComputeShard> {
+  static constexpr std::array<std::string_view, 3> names = {"auto", "keep", "cast"};
+};
+template <>
+struct EnumNames<OldLogprobs> {
+  static constexpr std::array<std::string_view, 2> names = {"recompute", "forward"};
+};
+template <>
+struct EnumNames<LrScheduleKind> {
+  static constexpr std::array<std::string_view, 3> names = {"constant", "linear", "cosine"};
 };
 
 // The YAML spelling of `e`.
@@ -63,8 +113,8 @@ struct RunConfig {
 
 struct ClusterConfig {
   std::int64_t gpus_per_node = 0;  // 0: detect (CUDA device count)
-  std::string device = "auto";     // auto | cuda | cpu
-  std::string backend = "auto";    // auto | nccl | mpi
+  DeviceKind device = DeviceKind::kAuto;
+  BackendKind backend = BackendKind::kAuto;
   std::int64_t ranks_per_gpu = 1;  // worker ranks that share one GPU (2: engines beside trainers)
   // Every actor GPU also runs an engine, in the actor rank's process (docs/training.md, hybrid).
   bool hybrid = false;
@@ -78,10 +128,10 @@ struct RoleConfig {
   std::string model;            // HF directory; "" means the actor's model (ref) or none
   std::int64_t gpus = 1;        // ranks in the role's group (ignored when colocated)
   std::string colocate_with;    // "" or the name of another role whose ranks this role shares
-  std::string dtype = "bf16";   // compute dtype: bf16 | fp32
+  Precision dtype = Precision::kBf16;  // compute dtype
   bool replicate = false;       // frozen roles only: replicate instead of ZeRO-3 sharding
   bool offload = false;         // hybrid: masters, gradients, moments in pinned host memory while engines generate
-  std::string optimizer_offload = "none";  // none | cpu: fp32 masters and AdamW moments in host memory, AdamW on the CPU
+  OptimizerOffload optimizer_offload = OptimizerOffload::kNone;  // cpu: fp32 masters and AdamW moments in host memory, AdamW on the CPU
   std::int64_t sequence_parallel = 1;  // ranks that share each micro-batch's tokens (Ulysses); divides gpus
 };
 
@@ -195,7 +245,7 @@ struct DataConfig {
   bool apply_chat_template = false;
   bool shuffle = true;
   std::int64_t max_samples = 0;
-  std::string long_prompt_policy = "skip";  // skip | truncate_left | error
+  LongPromptPolicy long_prompt_policy = LongPromptPolicy::kSkip;
 };
 
 struct RewardConfig {
@@ -234,16 +284,16 @@ struct TrainConfig {
   double adam_beta2 = 0.95;
   double adam_eps = 1e-8;
   double max_grad_norm = 1.0;
-  std::string lr_schedule = "constant";  // constant | linear | cosine
+  LrScheduleKind lr_schedule = LrScheduleKind::kConstant;
   std::int64_t warmup_steps = 0;
   double min_lr_ratio = 0.1;
   std::int64_t critic_warmup_steps = 0;  // steps that train only the critic (no actor update, no sync)
-  std::string recompute = "auto";      // auto | blocks | attention_only | none (zero/recompute.h)
+  RecomputeChoice recompute = RecomputeChoice::kAuto;  // zero/recompute.h
   std::int64_t recompute_layers = -1;  // blocks (from the first) that keep what recompute keeps; -1: all
-  std::string compute_shard = "auto";  // auto | keep | cast: a persistent bf16 copy of the trained shards, or cast per gather
+  ComputeShard compute_shard = ComputeShard::kAuto;  // a persistent bf16 copy of the trained shards, or cast per gather
   std::int64_t optimizer_threads = 0;  // host AdamW's threads per rank (optimizer_offload: cpu); 0: cores / local ranks
-  std::string reduce_dtype = "fp32";   // fp32 | bf16: what gradients are reduce-scattered in
-  std::string old_logprobs = "recompute";  // recompute | forward: where the PPO ratio's old log-probs come from
+  Precision reduce_dtype = Precision::kFp32;  // what gradients are reduce-scattered in
+  OldLogprobs old_logprobs = OldLogprobs::kRecompute;  // where the PPO ratio's old log-probs come from
   std::string step_hooks;  // registered step hooks, by name, comma-separated (tiller/rollout/step_hooks.h)
 };
 
@@ -269,7 +319,7 @@ struct LoggingConfig {
 
 // The environment of multi-turn rollouts (docs/training.md, "Environments").
 struct EnvConfig {
-  std::string type = "none";  // none | remote | inprocess
+  EnvType type = EnvType::kNone;
   std::string name;           // inprocess: the name it was registered under (tiller::env::register_env)
   std::string address;        // remote: host:port
   double timeout_s = 60;      // deadline of one call
@@ -309,7 +359,7 @@ struct JobConfig {
   void validate_sequence_parallel() const;  // roles.*.sequence_parallel against gpus and colocation (part of validate)
   // The engines the job runs: engines.count, or with cluster.hybrid one per engines.tp actor GPUs.
   std::int64_t engine_count() const;
-  bool multi_turn() const { return env.type != "none"; }
+  bool multi_turn() const { return env.type != EnvType::kNone; }
   // Tokens after the prompt of one sample: max_new_tokens, or with an environment
   // rollout.max_response_tokens (0: max_new_tokens x max_turns).
   std::int64_t response_limit() const;

@@ -84,6 +84,8 @@ struct RankPlan {
   // The group of `role`, or nullptr if the role is disabled (or the name is no role).
   const RoleGroup* group(Role role) const;
   const RoleGroup* group(std::string_view role) const;
+  // Ranks of each engine (engines.tp, as the plan placed them); 1 when there are none.
+  int engine_tp() const { return engines.empty() ? 1 : static_cast<int>(engines.front().ranks.size()); }
   // A human-readable table of every rank and a summary of the groups.
   std::string table() const;
 };

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "tiller/core/config.h"
 #include "tiller/model/chat_template.h"
 
 namespace tiller::model {
@@ -35,8 +36,7 @@ class Tokenizer;
 
 namespace tiller::rollout {
 
-enum class LongPromptPolicy { kSkip, kTruncateLeft, kError };
-LongPromptPolicy parse_long_prompt_policy(const std::string& name);  // skip | truncate_left | error
+using LongPromptPolicy = tiller::LongPromptPolicy;  // data.long_prompt_policy (tiller/core/config.h)
 
 struct DatasetOptions {
   std::string input_key = "input";

@@ -25,6 +25,10 @@
 
 #include "tiller/model/model_config.h"
 
+namespace tiller::dist {
+struct RankPlan;
+}
+
 namespace tiller {
 struct JobConfig;
 }
@@ -89,11 +93,11 @@ struct BucketPlan {
 BucketPlan make_bucket_plan(const model::ModelConfig& cfg, int senders, int tp_size, const std::string& wire_dtype,
                             int64_t bucket_bytes);
 
-// The plan of a `tiller train` job: the actor's model over its `actor_ranks` ZeRO-3 ranks, to
-// engines of engines.tp, in the actor's dtype (roles.actor.dtype), in buckets of
+// The plan of a `tiller train` job: the actor's model over the actor group's ZeRO-3 ranks, to
+// engines of the rank plan's TP size, in the actor's dtype (roles.actor.dtype), in buckets of
 // engines.sync_bucket_mb. The controller (which installs it on the engines) and the actor ranks
 // (which send under it) both build it here, so the two sides cannot disagree.
-BucketPlan job_bucket_plan(const JobConfig& job, const model::ModelConfig& actor_model, int actor_ranks);
+BucketPlan job_bucket_plan(const JobConfig& job, const model::ModelConfig& actor_model, const dist::RankPlan& plan);
 
 // How the engines split parameter `hf_name` over TP ranks (engine_weights.h's slicing): 0 for
 // q/k/v and gate/up (weights and biases), 1 for o_proj and down_proj, -1 for everything else.

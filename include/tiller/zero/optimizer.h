@@ -14,9 +14,8 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace tiller {
-struct TrainConfig;
-}
+#include "tiller/core/config.h"
+
 
 namespace tiller::zero {
 
@@ -75,13 +74,13 @@ class ShardAdamW {
 // Warm-up (all kinds): factor rises linearly, (step + 1) / warmup_steps, over the first
 // warmup_steps steps, so the first step already moves the weights.
 struct LrSchedule {
-  std::string kind = "constant";
+  LrScheduleKind kind = LrScheduleKind::kConstant;
   int64_t warmup_steps = 0;
   int64_t total_steps = 1;
   double min_ratio = 0.0;
 
   double factor(int64_t step) const;
-  // From train.lr_schedule / warmup_steps / min_lr_ratio / num_steps; ConfigError for an unknown kind.
+  // From train.lr_schedule / warmup_steps / min_lr_ratio / num_steps.
   static LrSchedule from_config(const TrainConfig& train);
 };
 

@@ -4,6 +4,10 @@
 
 #include <string>
 
+namespace tiller {
+enum class RecomputeChoice;  // train.recompute (tiller/core/config.h)
+}
+
 namespace tiller::zero {
 
 // What a trained block keeps for its backward pass (train.recompute; docs/zero.md):
@@ -20,5 +24,10 @@ enum class Recompute { kBlocks = 0, kAttentionOnly = 1, kNone = 2 };
 const char* recompute_name(Recompute r);
 // "blocks", "attention_only" or "none"; ConfigError naming `key` otherwise.
 Recompute parse_recompute(const std::string& text, const std::string& key);
+// train.recompute's mode; `auto` (which the memory plan resolves before models are built) is
+// kBlocks, the least memory.
+Recompute recompute_of(RecomputeChoice c);
+// The config's spelling of a mode.
+RecomputeChoice recompute_choice(Recompute r);
 
 }  // namespace tiller::zero
