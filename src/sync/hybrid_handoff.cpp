@@ -162,11 +162,7 @@ HybridHandoff::~HybridHandoff() = default;
 
 SyncStats HybridHandoff::send(uint64_t version) {
   Impl& m = *impl_;
-  const auto t0 = std::chrono::steady_clock::now();
-  const Deadline deadline = Deadline::after_seconds(m.timeout_s);
-  m.comm.set_timeout(m.timeout_s);
-  const auto control = protocol::control_options(m.comm, m.packer.device());
-  const int me = m.comm.rank();
+  const auto [t0, deadline, control, me] = protocol::begin_send(m.comm, m.timeout_s, m.packer.device());
   const std::string what = fmt::format("hybrid weight sync to version {} (actor rank {})", version, me);
 
   const bool parked = m.claim(version, deadline);

@@ -2,6 +2,7 @@
 // small control tensors live, and the side stream each side issues its copies on.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -15,6 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include "tiller/core/deadline.h"
 #include "tiller/dist/communicator.h"
 
 namespace tiller::sync::protocol {
@@ -40,6 +42,21 @@ inline const char* vote_reason(int64_t v) {
 // Small control tensors: on the device for NCCL, on the host for MPI.
 inline at::TensorOptions control_options(const dist::Communicator& comm, at::Device device) {
   return at::TensorOptions().dtype(at::kLong).device(std::string(comm.backend()) == "nccl" ? device : at::kCPU);
+}
+
+// What every sender's send() starts with: its clock, the sync's deadline (the communicator's
+// timeout set to it too), the control tensors' options and its rank.
+struct SendStart {
+  std::chrono::steady_clock::time_point t0;
+  Deadline deadline;
+  at::TensorOptions control;
+  int me = 0;
+};
+inline SendStart begin_send(dist::Communicator& comm, double timeout_s, at::Device device) {
+  SendStart s{std::chrono::steady_clock::now(), Deadline::after_seconds(timeout_s), {}, comm.rank()};
+  comm.set_timeout(timeout_s);
+  s.control = control_options(comm, device);
+  return s;
 }
 
 inline int64_t to_word(uint64_t v) {

@@ -39,11 +39,7 @@ const BucketPlan& WeightSender::plan() const { return impl_->plan; }
 
 SyncStats WeightSender::send(uint64_t version) {
   Impl& m = *impl_;
-  const auto t0 = std::chrono::steady_clock::now();
-  const Deadline deadline = Deadline::after_seconds(m.timeout_s);
-  m.comm.set_timeout(m.timeout_s);
-  const auto control = protocol::control_options(m.comm, m.packer.device());
-  const int me = m.comm.rank();
+  const auto [t0, deadline, control, me] = protocol::begin_send(m.comm, m.timeout_s, m.packer.device());
 
   at::Tensor header = at::zeros({protocol::kHeaderWords}, control);
   if (me == 0) {

@@ -140,29 +140,35 @@ void check_lm(const Impl& m, const at::Tensor& targets, int64_t rows, double tem
 
 }  // namespace
 
-at::Tensor ShardedModel::token_logprobs(const model::PackedBatch& batch, const at::Tensor& targets, double temperature,
-                                        at::Tensor* entropy) {
-  Impl& m = *impl_;
-  check_lm(m, targets, batch.num_tokens(), temperature);
+namespace {
+
+// A whole batch (no sequence parallelism) through the embedding and the blocks, then `head`
+// (given the trunk's output and whether a graph is recorded).
+template <typename Head>
+at::Tensor whole_batch(Impl& m, const model::PackedBatch& batch, Head&& head) {
   TILLER_CHECK(m.sequence == nullptr, "a sequence-parallel model takes slices (SequenceSlice), not whole batches");
   model::BlockContext bctx =
       model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   c10::AutoGradMode grad_mode(graph);  // a frozen model records no graph even under autograd
-  at::Tensor x = run_trunk(m, batch.tokens, bctx, graph);
-  return run_lm_head(m, x, targets.to(at::kLong), temperature, entropy, graph);
+  return head(run_trunk(m, batch.tokens, bctx, graph), graph);
+}
+
+}  // namespace
+
+at::Tensor ShardedModel::token_logprobs(const model::PackedBatch& batch, const at::Tensor& targets, double temperature,
+                                        at::Tensor* entropy) {
+  Impl& m = *impl_;
+  check_lm(m, targets, batch.num_tokens(), temperature);
+  return whole_batch(m, batch, [&](const at::Tensor& x, bool graph) {
+    return run_lm_head(m, x, targets.to(at::kLong), temperature, entropy, graph);
+  });
 }
 
 at::Tensor ShardedModel::values(const model::PackedBatch& batch) {
   Impl& m = *impl_;
   TILLER_CHECK(m.opts.head == model::Head::kValue, "values needs the value head; this model has an LM head");
-  TILLER_CHECK(m.sequence == nullptr, "a sequence-parallel model takes slices (SequenceSlice), not whole batches");
-  model::BlockContext bctx =
-      model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
-  const bool graph = m.opts.trainable && at::GradMode::is_enabled();
-  c10::AutoGradMode grad_mode(graph);  // a frozen model records no graph even under autograd
-  at::Tensor x = run_trunk(m, batch.tokens, bctx, graph);
-  return run_value_head(m, x, graph);
+  return whole_batch(m, batch, [&](const at::Tensor& x, bool graph) { return run_value_head(m, x, graph); });
 }
 
 void ShardedModel::set_sequence_group(dist::Communicator& group) {

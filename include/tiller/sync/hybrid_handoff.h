@@ -26,23 +26,7 @@
 // server loop, or a TP follower's follow()), in the same process.
 #pragma once
 
-#include <cstdint>
-#include <memory>
-#include <string>
-
-#include "tiller/engine/weight_sink.h"
-#include "tiller/sync/bucket_plan.h"
-#include "tiller/sync/weight_sync.h"
-
-namespace tiller::dist {
-class Communicator;
-}
-namespace tiller::zero {
-class ShardedModel;
-}
-namespace tiller::engine {
-class Engine;
-}
+#include "tiller/sync/weight_sync.h"  // SyncStats, SyncRefused, and the declarations both use
 
 namespace tiller::sync {
 
