@@ -1,9 +1,11 @@
 // A trainer of your own: tiller's launcher with a reward function, an advantage estimator, a
-// policy loss, a step hook and a prompt source that tiller does not ship.
+// policy loss, a step hook, a prompt source and a sample loop (an agent of two turns) that tiller
+// does not ship.
 //
 //   mpirun -np 4 build-trainer/custom_trainer train -c configs/quickstart.yaml \
 //       --set reward.rule=label_digits --set algo.advantage_estimator=clipped_gae \
 //       --set algo.policy_loss=cispo --set train.step_hooks=best_reward --set data.source=digit_tasks
+//   (and --set rollout.loop=revise --set "rollout.loop_args= Digits:" for the two-turn agent)
 //
 // Every rank registers them before run_main (the controller calls the reward, the estimator and
 // the hook; the actor's ranks call the loss).
@@ -16,6 +18,8 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <tiller/tiller.h>
@@ -137,6 +141,96 @@ class DigitTasks final : public tiller::rollout::PromptSource {
   mutable std::map<int64_t, tiller::rollout::Prompt> made_;
 };
 
+
+// A sample loop: each sample is a draft and a revision. The model answers the prompt (the group's
+// one request of n samples), the loop appends a hint of its own (rollout.loop_args, e.g.
+// '" digits please"') and the model answers once more, seeing its draft. The hint's tokens are the
+// loop's, not the model's: they are masked out of the loss. The draft and the revision share the
+// sample's budget (rollout.max_new_tokens) after the hint, half each.
+class Revise final : public tiller::rollout::SampleLoop {
+ public:
+  explicit Revise(const tiller::rollout::SampleLoopContext& c) : host_(*c.host), ctx_(c) {
+    if (c.job->rollout.loop_args.empty())
+      throw tiller::ConfigError("rollout.loop = revise: give the hint as rollout.loop_args, e.g. ' Digits:'");
+    hint_ = c.observation_tokens(c.job->rollout.loop_args, false, /*raw=*/true);
+    half_ = (c.max_response_tokens - static_cast<int64_t>(hint_.size())) / 2;
+    if (half_ < 1)
+      throw tiller::ConfigError("rollout.loop = revise: the hint leaves no room for two answers in rollout.max_new_tokens");
+  }
+  void start(int64_t group) override {
+    tiller::engine::Request r;
+    r.prompt = host_.prompt(group).tokens;
+    r.n = ctx_.n;
+    r.params = ctx_.sampling;
+    r.params.seed = host_.seed(group);
+    r.params.max_new_tokens = half_;
+    host_.generate(group, std::move(r), /*whole_group=*/true);
+  }
+  void generated(int64_t group, uint64_t request, tiller::engine::SampleOutput out) override {
+    if (request == static_cast<uint64_t>(group)) {  // a draft: ask for the revision
+      tiller::engine::Request r;
+      r.prompt = host_.prompt(group).tokens;
+      r.prompt.insert(r.prompt.end(), out.tokens.begin(), out.tokens.end());
+      r.prompt.insert(r.prompt.end(), hint_.begin(), hint_.end());
+      r.params = ctx_.sampling;
+      r.params.seed = host_.seed(group) + 7919 * static_cast<uint64_t>(ctx_.n) + static_cast<uint64_t>(out.sample);
+      r.params.max_new_tokens = half_;
+      revising_.emplace(host_.generate(group, std::move(r), false), std::make_pair(group, std::move(out)));
+      return;
+    }
+    auto it = revising_.find(request);
+    tiller::engine::SampleOutput draft = std::move(it->second.second);
+    revising_.erase(it);
+    finish(group, std::move(draft), std::move(out));
+  }
+  void drop(int64_t group) override {
+    host_.abort(group, static_cast<uint64_t>(group));
+    for (auto it = revising_.begin(); it != revising_.end();) {
+      if (it->second.first != group) {
+        ++it;
+        continue;
+      }
+      host_.abort(group, it->first);
+      it = revising_.erase(it);
+    }
+  }
+
+ private:
+  void finish(int64_t group, tiller::engine::SampleOutput draft, tiller::engine::SampleOutput revision) {
+    tiller::rollout::FinishedSample f;
+    f.sample = draft.sample;
+    f.turns.loss_mask.assign(draft.tokens.size(), 1);
+    f.turns.ends.push_back(static_cast<int64_t>(draft.tokens.size()) - 1);
+    f.turns.rewards.push_back(0.f);  // the reward (reward.rule) scores the whole sample
+    f.out = std::move(draft);
+    if (!revision.tokens.empty()) {
+      const auto base = static_cast<int64_t>(f.out.tokens.size() + hint_.size());
+      f.out.tokens.insert(f.out.tokens.end(), hint_.begin(), hint_.end());
+      f.out.logprobs.insert(f.out.logprobs.end(), hint_.size(), 0.f);
+      f.turns.loss_mask.insert(f.turns.loss_mask.end(), hint_.size(), 0);
+      f.out.tokens.insert(f.out.tokens.end(), revision.tokens.begin(), revision.tokens.end());
+      f.out.logprobs.insert(f.out.logprobs.end(), revision.logprobs.begin(), revision.logprobs.end());
+      f.turns.loss_mask.insert(f.turns.loss_mask.end(), revision.tokens.size(), 1);
+      // The revision's weight versions continue the draft's runs.
+      for (size_t i = 0; i < revision.versions.size(); ++i)
+        if (f.out.versions.empty() || f.out.versions.back() != revision.versions[i]) {
+          f.out.version_starts.push_back(base + revision.version_starts[i]);
+          f.out.versions.push_back(revision.versions[i]);
+        }
+      f.turns.ends.push_back(static_cast<int64_t>(f.out.tokens.size()) - 1);
+      f.turns.rewards.push_back(0.f);
+      f.out.finish_reason = revision.finish_reason;
+    }
+    host_.finish(group, std::move(f));
+  }
+
+  tiller::rollout::LoopHost& host_;
+  tiller::rollout::SampleLoopContext ctx_;
+  std::vector<int64_t> hint_;
+  int64_t half_ = 1;  // the draft's tokens, and the revision's
+  std::map<uint64_t, std::pair<int64_t, tiller::engine::SampleOutput>> revising_;  // request -> (group, draft)
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -158,5 +252,12 @@ int main(int argc, char** argv) {
                         return std::make_unique<DigitTasks>(c);
                       },
                       "generated quickstart tasks: a few words and a number to say"});
+  tiller::rollout::SampleLoopDef revise;
+  revise.make = [](const tiller::rollout::SampleLoopContext& c) -> std::unique_ptr<tiller::rollout::SampleLoop> {
+    return std::make_unique<Revise>(c);
+  };
+  revise.turns = true;  // its samples carry a loss mask (the hint's tokens: 0)
+  revise.summary = "a draft, the loop's hint, and a revision";
+  tiller::rollout::register_sample_loop("revise", revise);
   return tiller::run_main(argc, argv);
 }

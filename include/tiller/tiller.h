@@ -19,6 +19,7 @@
 #include "tiller/reward/rule_reward.h"
 #include "tiller/reward/scorer_registry.h"
 #include "tiller/rollout/prompt_source.h"
+#include "tiller/rollout/sample_loop.h"
 #include "tiller/rollout/step_hooks.h"
 #include "tiller/rollout/train.h"
 

@@ -7,8 +7,9 @@
 #                   (cispo), step hook (best_reward) and prompt source (digit_tasks: generated
 #                   prompts, not the file) under mpirun and checks the reward rises
 #                   (below 0.15 in steps 1-3, above 0.3 in steps 28-30) and the hook's metric and
-#                   file; the stock tiller binary must refuse each name (only the example
-#                   registers them)
+#                   file; then 3 steps with its sample loop (revise: a draft, a hint, a revision)
+#                   whose samples have two turns and the hint's tokens masked; the stock tiller
+#                   binary must refuse each name (only the example registers them)
 set -euo pipefail
 mode=$1; build=$2; work=$3; prefix_path=$4; cmake=$5; mpirun=${6:-mpirun}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -52,6 +53,7 @@ stock_refuses cispo --set algo.policy_loss=cispo
 stock_refuses best_reward --set train.step_hooks=best_reward
 stock_refuses digit_tasks --set data.source=digit_tasks
 stock_refuses label_digits
+stock_refuses "'revise': not a registered sample loop" --set rollout.loop=revise
 sets+=(--set algo.advantage_estimator=clipped_gae --set algo.policy_loss=cispo --set train.step_hooks=best_reward
        --set data.source=digit_tasks)
 # The names reach the job only through the example's registrations (the stock binary refused them
@@ -79,4 +81,18 @@ first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
 print(f"custom_trainer: label_digits reward {first:.3f} (steps 1-3) -> {last:.3f} (steps {len(rewards) - 2}-{len(rewards)})")
 if len(rewards) != 30 or not (first < 0.15 and last > 0.3):
     sys.exit(f"FAIL: the custom reward did not rise clearly: {[round(r, 3) for r in rewards]}")
+PY
+
+# The sample loop: 3 steps of the two-turn agent. Its samples have two model turns with the hint's
+# tokens between them, masked.
+run "$work/build/custom_trainer" --set rollout.loop=revise --set 'rollout.loop_args=" digits please"' --set train.num_steps=3 \
+  --set "run.output_dir=$work/loop" --set checkpoint.dir= > "$work/loop.log" 2>&1 || { tail -40 "$work/loop.log" >&2; exit 1; }
+python3 - "$work/loop/metrics.jsonl" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+turns = [m.get("turns/mean") for m in lines]
+hint = [m.get("tokens/observation") for m in lines]
+print(f"custom_trainer: revise loop turns/mean {turns}, hint tokens {hint}")
+if len(lines) != 3 or any(t != 2 for t in turns) or any(h is None or h <= 0 for h in hint):
+    sys.exit(f"FAIL: the revise loop's samples are not two turns with masked hint tokens: {turns} {hint}")
 PY
