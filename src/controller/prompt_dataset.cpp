@@ -10,78 +10,29 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "python/parquet.h"
+#include "controller/records.h"
 #include "tiller/core/checked_math.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/model/tokenizer.h"
 
 namespace tiller::rollout {
-
 namespace {
-
-bool is_parquet(const std::string& path) {
-  const auto ends = [&](const char* suffix) {
-    const size_t n = std::strlen(suffix);
-    return path.size() >= n && path.compare(path.size() - n, n, suffix) == 0;
-  };
-  return ends(".parquet") || ends(".pq");
-}
-
-// The value under `key`: the key itself, or else a dotted path into nested objects
-// ("reward_model.ground_truth"). nullptr when there is none.
-const nlohmann::json* lookup(const nlohmann::json& j, const std::string& key) {
-  if (key.empty()) return nullptr;
-  if (auto it = j.find(key); it != j.end()) return &*it;
-  const nlohmann::json* at = &j;
-  size_t from = 0;
-  for (;;) {
-    const size_t dot = key.find('.', from);
-    const std::string part = key.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
-    if (!at->is_object()) return nullptr;
-    auto it = at->find(part);
-    if (it == at->end()) return nullptr;
-    at = &*it;
-    if (dot == std::string::npos) return at;
-    from = dot + 1;
-  }
-}
-
+Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::json& j, const DatasetOptions& o);
 }  // namespace
 
 PromptDataset::PromptDataset(const std::string& path, const model::Tokenizer& tok, const DatasetOptions& o)
     : opts_(o) {
   if (o.max_prompt_tokens < 1) throw ConfigError(fmt::format("{}: max_prompt_tokens must be >= 1", path));
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0)
-    throw ConfigError(fmt::format("{}: cannot open the prompt file: {}", path, std::strerror(errno)));
-  if (S_ISDIR(st.st_mode))
-    throw ConfigError(fmt::format("{}: is a directory, not a file of prompts; set data.prompts to a JSONL or parquet file", path));
-  if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode))
-    throw ConfigError(fmt::format("{}: is not a regular file; set data.prompts to a JSONL or parquet file", path));
   const int64_t per_token = tok.max_bytes_per_token();
   byte_limit_ = per_token > 0 ? checked_mul(o.max_prompt_tokens, per_token, "max_prompt_tokens x bytes per token") : 0;
   bytes_per_token_ = per_token;
-  int64_t n = 0;  // records read
-  if (is_parquet(path)) {
-    python::for_each_parquet_row(path, [&](int64_t row, const std::string& json) {
-      n = row;
-      if (o.max_samples > 0 && size() >= o.max_samples) return false;
-      add_record(fmt::format("{}: row {}", path, row), row, json, tok);
-      return true;
-    });
-  } else {
-    std::ifstream in(path);
-    if (!in) throw ConfigError(fmt::format("{}: cannot open the prompt file", path));
-    std::string line;
-    while (std::getline(in, line)) {
-      ++n;
-      if (o.max_samples > 0 && size() >= o.max_samples) break;
-      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines are allowed
-      add_record(fmt::format("{}:{}", path, n), n, line, tok);
-    }
-    if (in.bad()) throw IoError(fmt::format("{}: read error after line {}: {}", path, n, std::strerror(errno)));
-  }
+  const int64_t n = for_each_record(path, "the prompt file", "data.prompts",
+                                    [&](const std::string& where, int64_t number, const nlohmann::json& j) {
+                                      if (o.max_samples > 0 && size() >= o.max_samples) return false;
+                                      add_prompt(where, parse_prompt(where, number, j, o), tok);
+                                      return true;
+                                    });
   if (prompts_.empty())
     throw ConfigError(fmt::format("{}: no prompt left ({} records read, {} over max_prompt_tokens {})", path, n,
                                   skipped_, o.max_prompt_tokens));
@@ -89,17 +40,12 @@ PromptDataset::PromptDataset(const std::string& path, const model::Tokenizer& to
   order_epoch();
 }
 
-void PromptDataset::add_record(const std::string& where, int64_t number, const std::string& text,
-                               const model::Tokenizer& tok) {
-  const DatasetOptions& o = opts_;
+namespace {
+
+// A record's prompt: its text through the templates, label, data source and extra info (not yet
+// tokenized). ConfigError naming `where` for a record without a usable prompt.
+Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::json& j, const DatasetOptions& o) {
   auto bad = [&](const std::string& what) { throw ConfigError(fmt::format("{}: {}", where, what)); };
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    bad(fmt::format("not valid JSON ({})", e.what()));
-  }
-  if (!j.is_object()) bad("not a JSON object");
   Prompt p;
   p.line = number;
   const nlohmann::json* input = lookup(j, o.input_key);
@@ -139,6 +85,14 @@ void PromptDataset::add_record(const std::string& where, int64_t number, const s
     p.data_source = d->get<std::string>();
   }
   if (const nlohmann::json* e = lookup(j, o.extra_info_key); e != nullptr && !e->is_null()) p.extra_info = e->dump();
+  return p;
+}
+
+}  // namespace
+
+void PromptDataset::add_prompt(const std::string& where, Prompt p, const model::Tokenizer& tok) {
+  const DatasetOptions& o = opts_;
+  auto bad = [&](const std::string& what) { throw ConfigError(fmt::format("{}: {}", where, what)); };
   // A prompt too long in bytes to fit max_prompt_tokens is over the limit without encoding it,
   // so one huge line costs the skip and error policies a length check (truncate_left keeps
   // its last tokens and has to encode it).

@@ -238,7 +238,7 @@ TEST(PromptDataset, AHugePromptIsRefusedBeforeItIsEncoded) {
 TEST(PromptDataset, APathThatIsNotAFileIsNamed) {
   std::filesystem::create_directories(test::scratch_dir() + "/rollout/prompts_dir");
   EXPECT_EQ(error_of(test::scratch_dir() + "/rollout/prompts_dir"),
-            test::scratch_dir() + "/rollout/prompts_dir: is a directory, not a file of prompts; set "
+            test::scratch_dir() + "/rollout/prompts_dir: is a directory, not the prompt file; set "
                                   "data.prompts to a JSONL or parquet file");
   EXPECT_NE(error_of(test::scratch_dir() + "/rollout/nope.jsonl").find("nope.jsonl: cannot open the prompt file: No such"),
             std::string::npos);

@@ -85,8 +85,9 @@ class PromptDataset {
 
  private:
   void order_epoch();
-  // Parses one record (`where` names it in errors) and keeps it unless the length policy skips it.
-  void add_record(const std::string& where, int64_t number, const std::string& json, const model::Tokenizer& tok);
+  // Tokenizes a record's prompt (`where` names it in errors) and keeps it unless the length policy
+  // skips it.
+  void add_prompt(const std::string& where, Prompt p, const model::Tokenizer& tok);
 
   std::vector<Prompt> prompts_;
   DatasetOptions opts_;

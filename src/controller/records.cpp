@@ -1,0 +1,86 @@
+#include "controller/records.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "python/parquet.h"
+#include "tiller/core/error.h"
+
+namespace tiller::rollout {
+namespace {
+
+bool is_parquet(const std::string& path) {
+  const auto ends = [&](const char* suffix) {
+    const size_t n = std::strlen(suffix);
+    return path.size() >= n && path.compare(path.size() - n, n, suffix) == 0;
+  };
+  return ends(".parquet") || ends(".pq");
+}
+
+nlohmann::json parse_record(const std::string& where, const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError(fmt::format("{}: not valid JSON ({})", where, e.what()));
+  }
+  if (!j.is_object()) throw ConfigError(fmt::format("{}: not a JSON object", where));
+  return j;
+}
+
+}  // namespace
+
+int64_t for_each_record(const std::string& path, const std::string& what, const std::string& key,
+                        const std::function<bool(const std::string&, int64_t, const nlohmann::json&)>& fn) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0)
+    throw ConfigError(fmt::format("{}: cannot open {}: {}", path, what, std::strerror(errno)));
+  if (S_ISDIR(st.st_mode))
+    throw ConfigError(fmt::format("{}: is a directory, not {}; set {} to a JSONL or parquet file", path, what, key));
+  if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode))
+    throw ConfigError(fmt::format("{}: is not a regular file; set {} to a JSONL or parquet file", path, key));
+  int64_t n = 0;
+  if (is_parquet(path)) {
+    python::for_each_parquet_row(path, [&](int64_t row, const std::string& json) {
+      n = row;
+      const std::string where = fmt::format("{}: row {}", path, row);
+      return fn(where, row, parse_record(where, json));
+    });
+    return n;
+  }
+  std::ifstream in(path);
+  if (!in) throw ConfigError(fmt::format("{}: cannot open {}", path, what));
+  std::string line;
+  while (std::getline(in, line)) {
+    ++n;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines are allowed
+    const std::string where = fmt::format("{}:{}", path, n);
+    if (!fn(where, n, parse_record(where, line))) break;
+  }
+  if (in.bad()) throw IoError(fmt::format("{}: read error after line {}: {}", path, n, std::strerror(errno)));
+  return n;
+}
+
+const nlohmann::json* lookup(const nlohmann::json& j, const std::string& key) {
+  if (key.empty()) return nullptr;
+  if (auto it = j.find(key); it != j.end()) return &*it;
+  const nlohmann::json* at = &j;
+  size_t from = 0;
+  for (;;) {
+    const size_t dot = key.find('.', from);
+    const std::string part = key.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
+    if (!at->is_object()) return nullptr;
+    auto it = at->find(part);
+    if (it == at->end()) return nullptr;
+    at = &*it;
+    if (dot == std::string::npos) return at;
+    from = dot + 1;
+  }
+}
+
+}  // namespace tiller::rollout

@@ -1,0 +1,164 @@
+#include "offline/sft_data.h"
+
+#include <algorithm>
+#include <random>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "controller/records.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+#include "tiller/model/tokenizer.h"
+
+namespace tiller::offline {
+namespace {
+
+bool known_role(const std::string& r) { return r == "system" || r == "user" || r == "assistant" || r == "tool"; }
+
+// Appends `text`'s tokens with mask value `trained`.
+void append(SftSample& s, const model::Tokenizer& tok, const std::string& text, uint8_t trained) {
+  if (text.empty()) return;
+  const std::vector<int64_t> ids = tok.encode(text, /*add_special_tokens=*/false);
+  s.tokens.insert(s.tokens.end(), ids.begin(), ids.end());
+  s.loss_mask.insert(s.loss_mask.end(), ids.size(), trained);
+}
+
+// `longer` minus its prefix `shorter`; ConfigError when it does not start with it.
+std::string extension(const std::string& where, const std::string& shorter, const std::string& longer, size_t turn) {
+  if (longer.compare(0, shorter.size(), shorter) != 0)
+    throw ConfigError(fmt::format("{}: the chat template does not extend the conversation turn by turn at turn {}; "
+                                  "its tokens cannot be masked per turn",
+                                  where, turn + 1));
+  return longer.substr(shorter.size());
+}
+
+}  // namespace
+
+int64_t SftSample::trained() const {
+  int64_t n = 0;
+  for (uint8_t m : loss_mask) n += m;
+  return n;
+}
+
+SftSample encode_conversation(const std::string& where, const std::vector<model::ChatMessage>& messages,
+                              const model::Tokenizer& tok, model::ChatFormat chat) {
+  if (chat == model::ChatFormat::kNone)
+    throw ConfigError(fmt::format("{}: a conversation of chat messages needs a chat template; set "
+                                  "data.apply_chat_template: true",
+                                  where));
+  bool assistant = false;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (!known_role(messages[i].role))
+      throw ConfigError(fmt::format("{}: message {} has the role '{}'; use system, user, assistant or tool", where, i + 1,
+                                    messages[i].role));
+    assistant = assistant || messages[i].role == "assistant";
+  }
+  if (!assistant) throw ConfigError(fmt::format("{}: the conversation has no assistant turn: nothing to train", where));
+  SftSample s;
+  std::vector<model::ChatMessage> upto;
+  std::string before = model::apply_chat_template(chat, upto, false);
+  append(s, tok, before, 0);  // what the format writes before any turn (Llama-3: <|begin_of_text|>)
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const model::ChatMessage& m = messages[i];
+    if (m.role == "assistant") {
+      const std::string opened = model::apply_chat_template(chat, upto, true);
+      append(s, tok, extension(where, before, opened, i), 0);  // the assistant's header
+      before = opened;
+    }
+    upto.push_back(m);
+    const std::string after = model::apply_chat_template(chat, upto, false);
+    append(s, tok, extension(where, before, after, i), m.role == "assistant" ? 1 : 0);
+    before = after;
+  }
+  if (!s.loss_mask.empty()) s.loss_mask[0] = 0;  // the first token has no token before it
+  return s;
+}
+
+SftSample encode_pair(const std::string& where, const std::string& prompt, const std::string& response,
+                      const model::Tokenizer& tok, const SftDataOptions& o) {
+  const std::string p = o.input_template.empty() ? prompt : model::apply_input_template(o.input_template, prompt);
+  if (o.chat != model::ChatFormat::kNone) return encode_conversation(where, {{"user", p}, {"assistant", response}}, tok, o.chat);
+  if (!o.eos_id)
+    throw ConfigError(fmt::format("{}: without a chat template a response ends with the tokenizer's EOS token, and "
+                                  "this tokenizer has none (tokenizer_config.json's eos_token)",
+                                  where));
+  SftSample s;
+  append(s, tok, p, 0);
+  append(s, tok, response, 1);
+  s.tokens.push_back(*o.eos_id);
+  s.loss_mask.push_back(1);
+  if (!s.loss_mask.empty()) s.loss_mask[0] = 0;
+  return s;
+}
+
+SftDataset::SftDataset(const std::string& path, const model::Tokenizer& tok, const SftDataOptions& o) {
+  if (o.max_tokens < 2) throw ConfigError(fmt::format("{}: max_tokens must be >= 2", path));
+  const int64_t n = rollout::for_each_record(
+      path, "the SFT data file", o.path_key, [&](const std::string& where, int64_t number, const nlohmann::json& j) {
+        if (o.max_samples > 0 && size() >= o.max_samples) return false;
+        auto bad = [&](const std::string& what) { throw ConfigError(fmt::format("{}: {}", where, what)); };
+        SftSample s;
+        if (const nlohmann::json* msgs = rollout::lookup(j, o.messages_key); msgs != nullptr && !msgs->is_null()) {
+          if (!msgs->is_array() || msgs->empty())
+            bad(fmt::format("'{}' must be a non-empty list of chat messages", o.messages_key));
+          std::vector<model::ChatMessage> messages;
+          for (const auto& m : *msgs) {
+            if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
+                !m["content"].is_string())
+              bad(fmt::format("the messages under '{}' must be objects with string \"role\" and \"content\"",
+                              o.messages_key));
+            messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+          }
+          s = encode_conversation(where, messages, tok, o.chat);
+        } else {
+          const nlohmann::json* p = rollout::lookup(j, o.prompt_key);
+          const nlohmann::json* r = rollout::lookup(j, o.response_key);
+          if (p == nullptr || r == nullptr || !p->is_string() || !r->is_string())
+            bad(fmt::format("neither chat messages under '{}' nor text under '{}' and '{}'", o.messages_key,
+                            o.prompt_key, o.response_key));
+          s = encode_pair(where, p->get<std::string>(), r->get<std::string>(), tok, o);
+        }
+        s.line = number;
+        if (static_cast<int64_t>(s.tokens.size()) > o.max_tokens) {
+          const std::string what = fmt::format("the sample has {} tokens, over max_tokens {}", s.tokens.size(), o.max_tokens);
+          if (o.long_samples == LongSamples::kError) bad(what + " (the policy is error)");
+          if (o.long_samples == LongSamples::kTruncate) {
+            s.tokens.resize(static_cast<size_t>(o.max_tokens));
+            s.loss_mask.resize(static_cast<size_t>(o.max_tokens));
+            ++truncated_;
+          } else {
+            if (skipped_++ == 0) log::warn("{}: {}; skipped (and so is every other such sample)", where, what);
+            return true;
+          }
+        }
+        if (s.trained() == 0) {
+          ++skipped_;  // truncated before its first trained token
+          return true;
+        }
+        samples_.push_back(std::move(s));
+        return true;
+      });
+  if (samples_.empty())
+    throw ConfigError(fmt::format("{}: no sample left ({} records read, {} over max_tokens {})", path, n, skipped_,
+                                  o.max_tokens));
+  if (skipped_ > 0) log::warn("{}: {} of {} samples left out as too long", path, skipped_, skipped_ + size());
+}
+
+SftDataset::Split SftDataset::split(int64_t eval, uint64_t seed) const {
+  if (eval < 0 || eval >= size())
+    throw ConfigError(fmt::format("a held-out split of {} samples out of {}: keep at least one for training", eval, size()));
+  std::vector<int64_t> order(static_cast<size_t>(size()));
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  // Fisher-Yates with mt19937_64 (fully specified by the standard, unlike std::shuffle).
+  std::mt19937_64 gen(seed * 1000003ull + 17);
+  for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[gen() % i]);
+  Split s;
+  s.eval.assign(order.begin(), order.begin() + eval);
+  s.train.assign(order.begin() + eval, order.end());
+  std::sort(s.eval.begin(), s.eval.end());
+  std::sort(s.train.begin(), s.train.end());
+  return s;
+}
+
+}  // namespace tiller::offline

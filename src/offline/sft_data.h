@@ -1,0 +1,84 @@
+// The samples of supervised fine-tuning (private to src/offline): conversations or prompt/response
+// pairs from a JSONL or parquet file (controller/records.h: errors name file:line), tokenized with
+// the chat template, each with the mask of the tokens the loss trains.
+//
+// What is trained. A conversation is rendered turn by turn; the tokens each turn adds are encoded
+// on their own, so the mask's boundaries are exactly the turns' (the concatenation decodes to the
+// whole conversation as apply_chat_template writes it). Every assistant turn's content and its
+// end-of-turn marker are trained (the model learns to stop); the assistant header ("<|im_start|>
+// assistant\n"), system, user and tool turns are not. A prompt/response record is the conversation
+// [user: prompt, assistant: response]; without a chat template it is the prompt's text (through the
+// input template) then the response and the tokenizer's EOS, the response and EOS trained.
+//
+// Threading: none; built once, then read.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tiller/model/chat_template.h"
+
+namespace tiller::model {
+class Tokenizer;
+}
+
+namespace tiller::offline {
+
+// A sample over max_tokens: left out (counted), cut to its first max_tokens tokens, or an error.
+enum class LongSamples { kSkip, kTruncate, kError };
+
+struct SftDataOptions {
+  std::string messages_key = "messages";  // a list of {"role", "content"}
+  std::string prompt_key = "prompt";      // or a prompt and a response, as text
+  std::string response_key = "response";
+  std::string input_template;             // "" or one "{}": the prompt of prompt/response records
+  model::ChatFormat chat = model::ChatFormat::kNone;
+  std::optional<int64_t> eos_id;          // without a chat template: ends each response (trained)
+  int64_t max_tokens = 2048;
+  LongSamples long_samples = LongSamples::kSkip;
+  int64_t max_samples = 0;                // 0: every record
+  std::string path_key = "the data path";  // the config key that gave the file, for errors
+};
+
+struct SftSample {
+  int64_t line = 0;                 // 1-based line (JSONL) or row (parquet)
+  std::vector<int64_t> tokens;
+  std::vector<uint8_t> loss_mask;   // per token: 1 when the loss trains its prediction (from the token before)
+  int64_t trained() const;          // tokens the loss trains
+};
+
+// The tokens and loss mask of one conversation (see above). ConfigError, prefixed by `where`, for
+// a role other than system, user, assistant or tool, no assistant turn, no chat template, or a
+// template that does not extend the conversation turn by turn.
+SftSample encode_conversation(const std::string& where, const std::vector<model::ChatMessage>& messages,
+                              const model::Tokenizer& tok, model::ChatFormat chat);
+// A prompt/response pair (see above).
+SftSample encode_pair(const std::string& where, const std::string& prompt, const std::string& response,
+                      const model::Tokenizer& tok, const SftDataOptions& o);
+
+class SftDataset {
+ public:
+  // Reads and encodes every record; ConfigError naming file:line for a bad record, and when no
+  // sample is left.
+  SftDataset(const std::string& path, const model::Tokenizer& tok, const SftDataOptions& o);
+
+  int64_t size() const { return static_cast<int64_t>(samples_.size()); }
+  const SftSample& at(int64_t i) const { return samples_.at(static_cast<size_t>(i)); }
+  int64_t skipped() const { return skipped_; }      // over max_tokens (kSkip)
+  int64_t truncated() const { return truncated_; }  // cut to max_tokens (kTruncate)
+
+  // A held-out split: `eval` samples drawn with `seed`, the others for training, each in file
+  // order. ConfigError unless 0 <= eval < size().
+  struct Split {
+    std::vector<int64_t> train, eval;
+  };
+  Split split(int64_t eval, uint64_t seed) const;
+
+ private:
+  std::vector<SftSample> samples_;
+  int64_t skipped_ = 0, truncated_ = 0;
+};
+
+}  // namespace tiller::offline

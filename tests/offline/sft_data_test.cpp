@@ -1,0 +1,162 @@
+// The data of supervised fine-tuning (src/offline/sft_data.h): conversations masked per turn (only
+// the assistant's content and end of turn trained), prompt/response pairs, the length policies, the
+// held-out split, and bad records named by file:line. Tokenizers: the Qwen2 (ChatML) and Llama-3
+// fixtures (make_hf_fixtures.py).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <set>
+
+#include "../model/fixtures.h"
+#include "offline/sft_data.h"
+#include "tiller/core/error.h"
+#include "tiller/model/tokenizer.h"
+
+namespace tiller::offline {
+namespace {
+
+const model::Tokenizer& qwen2() {
+  static auto t = model::load_tokenizer(test::hf_fixtures() + "/tokenizers/qwen2");
+  return *t;
+}
+const model::Tokenizer& llama3() {
+  static auto t = model::load_tokenizer(test::hf_fixtures() + "/tokenizers/llama3");
+  return *t;
+}
+
+std::string file(const std::string& name, const std::string& text) {
+  std::filesystem::create_directories(test::scratch_dir() + "/offline");
+  const std::string p = test::scratch_dir() + "/offline/" + name;
+  test::write_text(p, text);
+  return p;
+}
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// The trained tokens, and the others, as text.
+std::pair<std::string, std::string> split_text(const SftSample& s, const model::Tokenizer& tok) {
+  std::vector<int64_t> on, off;
+  for (size_t i = 0; i < s.tokens.size(); ++i) (s.loss_mask[i] ? on : off).push_back(s.tokens[i]);
+  return {tok.decode(on), tok.decode(off)};
+}
+
+const std::vector<model::ChatMessage> kTalk = {{"system", "Be brief."},
+                                              {"user", "What is 2+2?"},
+                                              {"assistant", "4"},
+                                              {"user", "And 3+3?"},
+                                              {"tool", "calc: 6"},
+                                              {"assistant", "It is 6."}};
+
+// Every token comes from the whole conversation as the template writes it, and exactly the
+// assistant turns' content and end of turn are trained, in ChatML and Llama-3.
+TEST(SftData, AConversationTrainsTheAssistantTurnsOnly) {
+  for (auto [chat, tok, end] : {std::tuple{model::ChatFormat::kChatML, &qwen2(), std::string("<|im_end|>\n")},
+                                std::tuple{model::ChatFormat::kLlama3, &llama3(), std::string("<|eot_id|>")}}) {
+    const SftSample s = encode_conversation("talk", kTalk, *tok, chat);
+    ASSERT_EQ(s.tokens.size(), s.loss_mask.size());
+    EXPECT_EQ(tok->decode(s.tokens), model::apply_chat_template(chat, kTalk, false)) << model::chat_format_name(chat);
+    const auto [trained, rest] = split_text(s, *tok);
+    EXPECT_EQ(trained, "4" + end + "It is 6." + end) << model::chat_format_name(chat);
+    for (const char* never : {"Be brief.", "What is 2+2?", "And 3+3?", "calc: 6", "assistant"})
+      EXPECT_NE(rest.find(never), std::string::npos) << never << " should not be trained (" << model::chat_format_name(chat) << ")";
+    EXPECT_EQ(s.loss_mask.front(), 0);
+  }
+  EXPECT_NE(error_of([] { encode_conversation("x.jsonl:3", {{"user", "hi"}}, qwen2(), model::ChatFormat::kChatML); })
+                .find("x.jsonl:3: the conversation has no assistant turn"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              encode_conversation("x.jsonl:4", {{"user", "hi"}, {"bot", "yo"}}, qwen2(), model::ChatFormat::kChatML);
+            }).find("x.jsonl:4: message 2 has the role 'bot'"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { encode_conversation("x.jsonl:5", kTalk, qwen2(), model::ChatFormat::kNone); })
+                .find("needs a chat template"),
+            std::string::npos);
+}
+
+// A prompt/response pair: with a template, the conversation [user, assistant]; without one, the
+// prompt (through the input template), the response and EOS, the last two trained.
+TEST(SftData, APromptAndResponsePair) {
+  SftDataOptions o;
+  o.chat = model::ChatFormat::kChatML;
+  const SftSample c = encode_pair("p", "Q?", "A.", qwen2(), o);
+  EXPECT_EQ(split_text(c, qwen2()).first, "A.<|im_end|>\n");
+  o.chat = model::ChatFormat::kNone;
+  o.input_template = "Question: {}\nAnswer:";
+  o.eos_id = qwen2().eos_id;
+  ASSERT_TRUE(o.eos_id.has_value());
+  const SftSample p = encode_pair("p", "Q?", " A.", qwen2(), o);
+  EXPECT_EQ(qwen2().decode(p.tokens), "Question: Q?\nAnswer: A." + qwen2().id_to_token(*o.eos_id));
+  EXPECT_EQ(split_text(p, qwen2()).first, " A." + qwen2().id_to_token(*o.eos_id));
+  o.eos_id.reset();
+  EXPECT_NE(error_of([&] { encode_pair("p:1", "Q?", "A.", qwen2(), o); }).find("p:1: without a chat template"),
+            std::string::npos);
+}
+
+// The file: both record kinds, custom keys, the length policies, the split, and bad records by
+// file:line.
+TEST(SftData, AFileOfRecordsWithItsPoliciesAndSplit) {
+  const std::string long_answer(400, 'x');
+  const std::string path = file("sft.jsonl",
+                                R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})"
+                                "\n\n"
+                                R"({"q": "2+2?", "a": "4"})"
+                                "\n"
+                                R"({"q": "long?", "a": ")" + long_answer + R"("})" "\n"
+                                R"({"q": "3+3?", "a": "6"})" "\n");
+  SftDataOptions o;
+  o.chat = model::ChatFormat::kChatML;
+  o.prompt_key = "q";
+  o.response_key = "a";
+  o.max_tokens = 64;
+  SftDataset d(path, qwen2(), o);
+  ASSERT_EQ(d.size(), 3);
+  EXPECT_EQ(d.skipped(), 1);
+  EXPECT_EQ(d.at(0).line, 1);
+  EXPECT_EQ(d.at(1).line, 3);  // a blank line is allowed, and counted
+  EXPECT_EQ(d.at(2).line, 5);
+  EXPECT_EQ(split_text(d.at(1), qwen2()).first, "4<|im_end|>\n");
+  o.long_samples = LongSamples::kTruncate;
+  SftDataset t(path, qwen2(), o);
+  ASSERT_EQ(t.size(), 4);
+  EXPECT_EQ(t.truncated(), 1);
+  EXPECT_EQ(static_cast<int64_t>(t.at(2).tokens.size()), 64);
+  EXPECT_GT(t.at(2).trained(), 0);
+  o.long_samples = LongSamples::kError;
+  EXPECT_NE(error_of([&] { SftDataset(path, qwen2(), o); }).find("sft.jsonl:4: the sample has"), std::string::npos);
+
+  // The split: disjoint, complete, in file order, the same for the same seed.
+  const auto s1 = t.split(2, 7), s2 = t.split(2, 7);
+  EXPECT_EQ(s1.eval, s2.eval);
+  ASSERT_EQ(s1.eval.size(), 2u);
+  ASSERT_EQ(s1.train.size(), 2u);
+  std::set<int64_t> all(s1.eval.begin(), s1.eval.end());
+  all.insert(s1.train.begin(), s1.train.end());
+  EXPECT_EQ(all.size(), 4u);
+  EXPECT_TRUE(std::is_sorted(s1.eval.begin(), s1.eval.end()));
+  EXPECT_NE(error_of([&] { t.split(4, 7); }).find("keep at least one for training"), std::string::npos);
+
+  o.long_samples = LongSamples::kSkip;
+  const std::string bad = file("bad.jsonl", R"({"q": "2+2?", "a": "4"})" "\n" R"({"question": "x"})" "\n");
+  EXPECT_NE(error_of([&] { SftDataset(bad, qwen2(), o); })
+                .find("bad.jsonl:2: neither chat messages under 'messages' nor text under 'q' and 'a'"),
+            std::string::npos);
+  const std::string msgs = file("msgs.jsonl", R"({"messages": [{"role": "user"}]})" "\n");
+  EXPECT_NE(error_of([&] { SftDataset(msgs, qwen2(), o); }).find("msgs.jsonl:1: the messages under 'messages' must be"),
+            std::string::npos);
+  o.path_key = "data.train_file";
+  std::filesystem::create_directories(test::scratch_dir() + "/offline/dir");
+  EXPECT_NE(error_of([&] { SftDataset(test::scratch_dir() + "/offline/dir", qwen2(), o); })
+                .find("is a directory, not the SFT data file; set data.train_file"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace tiller::offline
