@@ -1,0 +1,52 @@
+// The losses of preference learning as pure tensor functions (docs/algo.md, "Preference losses"):
+// the Bradley-Terry loss of a reward model on chosen/rejected pairs, and DPO (with cDPO's label
+// smoothing, or IPO). No model, no communication: the reward-model and DPO trainers call them on
+// the scores or sequence log-probs of a micro-batch's pairs.
+//
+// Conventions. Inputs are [P] (one value per pair), on any device, float or double. The loss comes
+// back per pair, differentiable, so that the caller divides its sum by the optimizer step's pairs
+// across micro-batches and ranks (as the PPO losses divide by the step's tokens); the statistics
+// come back as sums over the pairs, for the same all-reduce.
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+
+namespace tiller::algo {
+
+struct PreferenceLoss {
+  at::Tensor losses;          // [P], differentiable in the inputs
+  // Sums over the pairs (no gradient): the chosen and rejected rewards (a reward model's scores;
+  // DPO's implicit rewards beta * (policy - reference)), pairs whose chosen reward is higher, and
+  // the margins chosen - rejected.
+  double chosen_reward_sum = 0, rejected_reward_sum = 0, correct = 0, margin_sum = 0;
+  int64_t pairs = 0;
+};
+
+// Bradley-Terry: -log sigmoid(chosen - rejected - margin) per pair, with `margin` [P] (undefined:
+// none), as Llama 2's reward models and OpenRLHF's PairWiseLoss. Statistics of the scores
+// themselves (the margin only shifts the loss).
+PreferenceLoss bradley_terry_loss(const at::Tensor& chosen, const at::Tensor& rejected,
+                                  const at::Tensor& margin = at::Tensor());
+
+enum class DpoLossType { kSigmoid, kIpo };
+
+struct DpoOptions {
+  double beta = 0.1;
+  // cDPO (Mitchell, 2023): the chance a pair's label is flipped, in [0, 0.5); sigmoid loss only.
+  double label_smoothing = 0;
+  DpoLossType type = DpoLossType::kSigmoid;
+};
+
+// DPO over sequence log-probs (the sum over each response's tokens; for IPO the mean over them, as
+// TRL computes it), with h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected):
+//   sigmoid  -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
+//   ipo      (h - 1 / (2 beta))^2
+// The rewards are beta (policy - reference) of the chosen and rejected responses. The reference's
+// log-probs carry no gradient. ConfigError for beta <= 0 or label smoothing outside [0, 0.5), or
+// label smoothing with IPO.
+PreferenceLoss dpo_loss(const at::Tensor& policy_chosen, const at::Tensor& policy_rejected,
+                        const at::Tensor& ref_chosen, const at::Tensor& ref_rejected, const DpoOptions& options);
+
+}  // namespace tiller::algo
