@@ -35,6 +35,26 @@ std::string extension(const std::string& where, const std::string& shorter, cons
 
 }  // namespace
 
+bool apply_length_policy(const std::string& where, SftSample& s, int64_t max_tokens, LongSamples policy,
+                         int64_t& skipped, int64_t& truncated) {
+  if (static_cast<int64_t>(s.tokens.size()) > max_tokens) {
+    const std::string what = fmt::format("the sample has {} tokens, over max_tokens {}", s.tokens.size(), max_tokens);
+    if (policy == LongSamples::kError) throw ConfigError(fmt::format("{}: {} (the policy is error)", where, what));
+    if (policy == LongSamples::kSkip) {
+      if (skipped++ == 0) log::warn("{}: {}; skipped (and so is every other such sample)", where, what);
+      return false;
+    }
+    s.tokens.resize(static_cast<size_t>(max_tokens));
+    s.loss_mask.resize(static_cast<size_t>(max_tokens));
+    ++truncated;
+  }
+  if (s.trained() == 0) {  // truncated before its first trained token
+    ++skipped;
+    return false;
+  }
+  return true;
+}
+
 int64_t SftSample::trained() const {
   int64_t n = 0;
   for (uint8_t m : loss_mask) n += m;
@@ -42,7 +62,7 @@ int64_t SftSample::trained() const {
 }
 
 SftSample encode_conversation(const std::string& where, const std::vector<model::ChatMessage>& messages,
-                              const model::Tokenizer& tok, model::ChatFormat chat) {
+                              const model::Tokenizer& tok, model::ChatFormat chat, size_t first_trained) {
   if (chat == model::ChatFormat::kNone)
     throw ConfigError(fmt::format("{}: a conversation of chat messages needs a chat template; set "
                                   "data.apply_chat_template: true",
@@ -52,7 +72,7 @@ SftSample encode_conversation(const std::string& where, const std::vector<model:
     if (!known_role(messages[i].role))
       throw ConfigError(fmt::format("{}: message {} has the role '{}'; use system, user, assistant or tool", where, i + 1,
                                     messages[i].role));
-    assistant = assistant || messages[i].role == "assistant";
+    assistant = assistant || (messages[i].role == "assistant" && i >= first_trained);
   }
   if (!assistant) throw ConfigError(fmt::format("{}: the conversation has no assistant turn: nothing to train", where));
   SftSample s;
@@ -68,7 +88,7 @@ SftSample encode_conversation(const std::string& where, const std::vector<model:
     }
     upto.push_back(m);
     const std::string after = model::apply_chat_template(chat, upto, false);
-    append(s, tok, extension(where, before, after, i), m.role == "assistant" ? 1 : 0);
+    append(s, tok, extension(where, before, after, i), m.role == "assistant" && i >= first_trained ? 1 : 0);
     before = after;
   }
   if (!s.loss_mask.empty()) s.loss_mask[0] = 0;  // the first token has no token before it
@@ -120,22 +140,7 @@ SftDataset::SftDataset(const std::string& path, const model::Tokenizer& tok, con
           s = encode_pair(where, p->get<std::string>(), r->get<std::string>(), tok, o);
         }
         s.line = number;
-        if (static_cast<int64_t>(s.tokens.size()) > o.max_tokens) {
-          const std::string what = fmt::format("the sample has {} tokens, over max_tokens {}", s.tokens.size(), o.max_tokens);
-          if (o.long_samples == LongSamples::kError) bad(what + " (the policy is error)");
-          if (o.long_samples == LongSamples::kTruncate) {
-            s.tokens.resize(static_cast<size_t>(o.max_tokens));
-            s.loss_mask.resize(static_cast<size_t>(o.max_tokens));
-            ++truncated_;
-          } else {
-            if (skipped_++ == 0) log::warn("{}: {}; skipped (and so is every other such sample)", where, what);
-            return true;
-          }
-        }
-        if (s.trained() == 0) {
-          ++skipped_;  // truncated before its first trained token
-          return true;
-        }
+        if (!apply_length_policy(where, s, o.max_tokens, o.long_samples, skipped_, truncated_)) return true;
         samples_.push_back(std::move(s));
         return true;
       });
@@ -145,15 +150,15 @@ SftDataset::SftDataset(const std::string& path, const model::Tokenizer& tok, con
   if (skipped_ > 0) log::warn("{}: {} of {} samples left out as too long", path, skipped_, skipped_ + size());
 }
 
-SftDataset::Split SftDataset::split(int64_t eval, uint64_t seed) const {
-  if (eval < 0 || eval >= size())
-    throw ConfigError(fmt::format("a held-out split of {} samples out of {}: keep at least one for training", eval, size()));
-  std::vector<int64_t> order(static_cast<size_t>(size()));
+HeldOutSplit held_out_split(int64_t n, int64_t eval, uint64_t seed) {
+  if (eval < 0 || eval >= n)
+    throw ConfigError(fmt::format("a held-out split of {} samples out of {}: keep at least one for training", eval, n));
+  std::vector<int64_t> order(static_cast<size_t>(n));
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
   // Fisher-Yates with mt19937_64 (fully specified by the standard, unlike std::shuffle).
   std::mt19937_64 gen(seed * 1000003ull + 17);
   for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[gen() % i]);
-  Split s;
+  HeldOutSplit s;
   s.eval.assign(order.begin(), order.begin() + eval);
   s.train.assign(order.begin() + eval, order.end());
   std::sort(s.eval.begin(), s.eval.end());

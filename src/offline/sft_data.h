@@ -49,14 +49,29 @@ struct SftSample {
   int64_t trained() const;          // tokens the loss trains
 };
 
-// The tokens and loss mask of one conversation (see above). ConfigError, prefixed by `where`, for
-// a role other than system, user, assistant or tool, no assistant turn, no chat template, or a
-// template that does not extend the conversation turn by turn.
+// The tokens and loss mask of one conversation (see above); only the assistant turns from message
+// `first_trained` on are trained (a preference pair's response after its shared prompt).
+// ConfigError, prefixed by `where`, for a role other than system, user, assistant or tool, no
+// assistant turn to train, no chat template, or a template that does not extend the conversation
+// turn by turn.
 SftSample encode_conversation(const std::string& where, const std::vector<model::ChatMessage>& messages,
-                              const model::Tokenizer& tok, model::ChatFormat chat);
+                              const model::Tokenizer& tok, model::ChatFormat chat, size_t first_trained = 0);
+// Applies the length policy to `s` (`where` names it): false when it is left out (over max_tokens
+// under kSkip, counted in `skipped`, or cut before its first trained token); cut under kTruncate
+// (counted in `truncated`); ConfigError under kError.
+bool apply_length_policy(const std::string& where, SftSample& s, int64_t max_tokens, LongSamples policy,
+                         int64_t& skipped, int64_t& truncated);
+
 // A prompt/response pair (see above).
 SftSample encode_pair(const std::string& where, const std::string& prompt, const std::string& response,
                       const model::Tokenizer& tok, const SftDataOptions& o);
+
+// A held-out split of `n` samples: `eval` of them drawn with `seed`, the others for training, each
+// in file order. ConfigError unless 0 <= eval < n.
+struct HeldOutSplit {
+  std::vector<int64_t> train, eval;
+};
+HeldOutSplit held_out_split(int64_t n, int64_t eval, uint64_t seed);
 
 class SftDataset {
  public:
@@ -69,12 +84,8 @@ class SftDataset {
   int64_t skipped() const { return skipped_; }      // over max_tokens (kSkip)
   int64_t truncated() const { return truncated_; }  // cut to max_tokens (kTruncate)
 
-  // A held-out split: `eval` samples drawn with `seed`, the others for training, each in file
-  // order. ConfigError unless 0 <= eval < size().
-  struct Split {
-    std::vector<int64_t> train, eval;
-  };
-  Split split(int64_t eval, uint64_t seed) const;
+  using Split = HeldOutSplit;
+  Split split(int64_t eval, uint64_t seed) const { return held_out_split(size(), eval, seed); }
 
  private:
   std::vector<SftSample> samples_;

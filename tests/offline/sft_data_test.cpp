@@ -1,6 +1,7 @@
 // The data of supervised fine-tuning (src/offline/sft_data.h): conversations masked per turn (only
 // the assistant's content and end of turn trained), prompt/response pairs, the length policies, the
-// held-out split, and bad records named by file:line. Tokenizers: the Qwen2 (ChatML) and Llama-3
+// held-out split, and bad records named by file:line; and the pairs of reward-model training and
+// DPO (preference_data.h): each side's mask on its response after the shared prompt, margins. Tokenizers: the Qwen2 (ChatML) and Llama-3
 // fixtures (make_hf_fixtures.py).
 #include <gtest/gtest.h>
 
@@ -8,6 +9,7 @@
 #include <set>
 
 #include "../model/fixtures.h"
+#include "offline/preference_data.h"
 #include "offline/sft_data.h"
 #include "tiller/core/error.h"
 #include "tiller/model/tokenizer.h"
@@ -156,6 +158,52 @@ TEST(SftData, AFileOfRecordsWithItsPoliciesAndSplit) {
   EXPECT_NE(error_of([&] { SftDataset(test::scratch_dir() + "/offline/dir", qwen2(), o); })
                 .find("is a directory, not the SFT data file; set data.train_file"),
             std::string::npos);
+}
+
+// Preference pairs in their three shapes: text prompt and answers; a prompt of messages with
+// answers as text or turns; whole conversations without a prompt. Each side shares the prompt's
+// tokens and trains only its response (a history's earlier assistant turns are not trained).
+TEST(PreferenceData, PairsShareThePromptAndTrainTheirResponseOnly) {
+  const std::string path = file("pairs.jsonl",
+      R"({"prompt": "2+2?", "chosen": "4", "rejected": "5", "margin": 1.5})" "\n"
+      R"({"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"}], "chosen": "4", "rejected": [{"role": "assistant", "content": "five"}]})" "\n"
+      R"({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "good"}], "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "bad"}]})" "\n");
+  PreferenceDataOptions o;
+  o.chat = model::ChatFormat::kChatML;
+  PreferenceDataset d(path, qwen2(), o);
+  ASSERT_EQ(d.size(), 3);
+  EXPECT_TRUE(d.has_margins());
+  EXPECT_DOUBLE_EQ(d.at(0).margin, 1.5);
+  EXPECT_DOUBLE_EQ(d.at(1).margin, 0);
+  const std::vector<std::pair<std::string, std::string>> want = {
+      {"4<|im_end|>\n", "5<|im_end|>\n"}, {"4<|im_end|>\n", "five<|im_end|>\n"}, {"good<|im_end|>\n", "bad<|im_end|>\n"}};
+  for (int64_t i = 0; i < d.size(); ++i) {
+    const PreferencePair& p = d.at(i);
+    EXPECT_EQ(split_text(p.chosen, qwen2()).first, want[static_cast<size_t>(i)].first) << "pair " << i;
+    EXPECT_EQ(split_text(p.rejected, qwen2()).first, want[static_cast<size_t>(i)].second) << "pair " << i;
+    // The untrained prefix (prompt and assistant header) is the same tokens on both sides.
+    size_t c = 0, r = 0;
+    while (!p.chosen.loss_mask[c]) ++c;
+    while (!p.rejected.loss_mask[r]) ++r;
+    ASSERT_EQ(c, r) << "pair " << i;
+    EXPECT_TRUE(std::equal(p.chosen.tokens.begin(), p.chosen.tokens.begin() + static_cast<std::ptrdiff_t>(c),
+                           p.rejected.tokens.begin()))
+        << "pair " << i;
+  }
+  const std::string bad = file("bad_pairs.jsonl", R"({"prompt": "q", "chosen": "a"})" "\n"
+                                                  R"({"prompt": "q", "chosen": "a", "rejected": "b", "margin": "big"})" "\n");
+  EXPECT_NE(error_of([&] { PreferenceDataset(bad, qwen2(), o); }).find("bad_pairs.jsonl:1: no response under 'rejected'"),
+            std::string::npos);
+  const std::string bad2 = file("bad_pairs2.jsonl", R"({"prompt": "q", "chosen": "a", "rejected": "b", "margin": "big"})" "\n");
+  EXPECT_NE(error_of([&] { PreferenceDataset(bad2, qwen2(), o); }).find("bad_pairs2.jsonl:1: the margin under 'margin'"),
+            std::string::npos);
+  // A side over max_tokens leaves the pair out (both sides, so pairs stay pairs).
+  o.max_tokens = 20;
+  const std::string longer = file("long_pairs.jsonl", R"({"prompt": "q", "chosen": "a", "rejected": "b"})" "\n"
+                                                      R"({"prompt": "q", "chosen": "a", "rejected": ")" + std::string(200, 'z') + R"("})" "\n");
+  PreferenceDataset l(longer, qwen2(), o);
+  EXPECT_EQ(l.size(), 1);
+  EXPECT_EQ(l.skipped(), 1);
 }
 
 }  // namespace
