@@ -247,6 +247,7 @@ class RolloutCollector final : private LoopHost {
     int64_t batch_index = -1;      // once joined: its index in the forming step's groups
     std::vector<Staged> staged;    // arrived before joining
     std::vector<uint8_t> finished;  // per sample: the loop handed it back
+    bool whole_sent = false;        // the loop sent the group's own request of n samples
   };
   struct AsyncSlot {
     int64_t group = 0;       // ordinal

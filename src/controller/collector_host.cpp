@@ -1,6 +1,8 @@
 // The collector as its sample loop's host (collector.h, tiller/rollout/sample_loop.h): requests
 // sent to a group's engine and tracked until their last sample is back, finished samples checked
 // and handed on to arrive().
+#include <cmath>
+
 #include <fmt/format.h>
 
 #include "controller/collector.h"
@@ -27,10 +29,11 @@ uint64_t RolloutCollector::generate(int64_t group, engine::Request r, bool whole
   Group& g = live_group(group, "generate");
   if (whole_group) {
     r.id = static_cast<uint64_t>(group);
-    if (live_.count(r.id) != 0 || r.n != cfg_.n)
+    if (g.whole_sent || r.n != cfg_.n)
       throw Error(fmt::format("sample loop '{}': the whole-group request of prompt group {} is sent once, with n = {} "
-                              "samples (it had n = {})",
-                              cfg_.loop, group, cfg_.n, r.n));
+                              "samples (it had n = {}{})",
+                              cfg_.loop, group, cfg_.n, r.n, g.whole_sent ? ", and was sent already" : ""));
+    g.whole_sent = true;
   } else {
     r.id = next_request_++;
   }
@@ -76,6 +79,18 @@ void RolloutCollector::finish(int64_t group, FinishedSample f) {
                             who, f.turns.loss_mask.size(), len, f.turns.ends.size(), f.turns.rewards.size()));
   if (!loop_turns_ && (!f.turns.loss_mask.empty() || !f.turns.ends.empty()))
     throw Error(fmt::format("{}: turn information from a loop registered without turns", who));
+  for (size_t t = 0; t < f.turns.ends.size(); ++t) {
+    const int64_t end = f.turns.ends[t];
+    if (end < 0 || end >= static_cast<int64_t>(len) || (t > 0 && end <= f.turns.ends[t - 1]))
+      throw Error(fmt::format("{}: turn {} ends at token {} (turn ends rise, within the {} response tokens)", who, t + 1,
+                              end, len));
+    if (!std::isfinite(f.turns.rewards[t]))
+      throw Error(fmt::format("{}: turn {}'s reward is {}, not a finite number", who, t + 1, f.turns.rewards[t]));
+  }
+  if (f.out.version_starts.size() != f.out.versions.size())
+    throw Error(fmt::format("{}: {} weight-version runs with {} starts (the engine's runs, continued over the loop's "
+                            "requests)",
+                            who, f.out.versions.size(), f.out.version_starts.size()));
   g.finished[static_cast<size_t>(f.sample)] = 1;
   Staged st;
   st.out = std::move(f.out);

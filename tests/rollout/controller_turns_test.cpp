@@ -197,17 +197,18 @@ TEST(ControllerInProcess, AFailingEnvironmentEndsTheJobNamingTheSample) {
 // A loop of the kind an agent writes: each sample drafts (the group's one request of n), then
 // revises once (a request of one sample whose prompt is the prompt, the draft and two marker ids of
 // the loop's own), and hands back draft + markers + revision with the markers masked. loop_args
-// "marker=<id>" picks the first marker; "twice" finishes sample 0 twice (a broken loop).
+// "marker=<id>" picks the first marker; "twice" finishes sample 0 twice, "resend" sends the group's
+// own request twice, "nan" gives a turn a NaN reward (broken loops).
 class ReviseLoop final : public SampleLoop {
  public:
   explicit ReviseLoop(const SampleLoopContext& c) : host_(*c.host), ctx_(c) {
     const std::string& a = c.job->rollout.loop_args;
-    if (a == "twice") {
-      twice_ = true;
+    if (a == "twice" || a == "resend" || a == "nan") {
+      broken_ = a;
     } else if (a.rfind("marker=", 0) == 0) {
       marker_ = std::stoll(a.substr(7));
     } else {
-      throw ConfigError("rollout.loop_args = '" + a + "': marker=<id> or twice");
+      throw ConfigError("rollout.loop_args = '" + a + "': marker=<id>, twice, resend or nan");
     }
   }
   void start(int64_t group) override {
@@ -216,6 +217,7 @@ class ReviseLoop final : public SampleLoop {
     r.n = ctx_.n;
     r.params = ctx_.sampling;
     r.params.seed = host_.seed(group);
+    if (broken_ == "resend") host_.generate(group, r, true);
     host_.generate(group, std::move(r), true);
   }
   void generated(int64_t group, uint64_t request, engine::SampleOutput out) override {
@@ -278,14 +280,15 @@ class ReviseLoop final : public SampleLoop {
       f.out.finish_reason = revision.finish_reason;
     }
     samples_.erase({group, sample});
-    if (twice_ && sample == 0) host_.finish(group, f);
+    if (broken_ == "nan") f.turns.rewards.back() = std::nanf("");
+    if (broken_ == "twice" && sample == 0) host_.finish(group, f);
     host_.finish(group, std::move(f));
   }
 
   LoopHost& host_;
   SampleLoopContext ctx_;
   int64_t marker_ = 0;
-  bool twice_ = false;
+  std::string broken_;
   std::map<std::pair<int64_t, int64_t>, Sample> samples_;
   std::map<uint64_t, std::pair<int64_t, int64_t>> revisions_;  // request -> (group, sample)
 };
@@ -305,7 +308,8 @@ void register_revise_loop() {
 // The registered loop makes the samples: every record is a draft, the loop's two marker ids
 // (masked) and a revision, with the loop's turn rewards; the built-in single_turn path would give
 // one unmasked turn. Unknown names, a loop that needs an environment without one, single_turn with
-// one, and a loop that finishes a sample twice are refused by name.
+// one, and loops that finish a sample twice, send the group's request twice or give a NaN turn
+// reward are refused by name.
 TEST(SampleLoops, ARegisteredLoopIsTheOneThatMakesTheSamples) {
   register_revise_loop();
   Job job("sample_loop");
@@ -364,6 +368,16 @@ TEST(SampleLoops, ARegisteredLoopIsTheOneThatMakesTheSamples) {
   broken.run({}, &error);
   EXPECT_NE(error.find("sample loop 'test_revise', prompt line"), std::string::npos) << error;
   EXPECT_NE(error.find("sample 0: finished twice"), std::string::npos) << error;
+  for (const auto& [args, want] : {std::pair<std::string, std::string>{"resend", "is sent once, with n = 2 samples (it had n = 2, and was sent already)"},
+                                   {"nan", "reward is nan, not a finite number"}}) {
+    Job bad("sample_loop_" + args);
+    bad.cfg.rollout.loop = "test_revise";
+    bad.cfg.rollout.loop_args = args;
+    std::string why;
+    bad.run({}, &why);
+    EXPECT_NE(why.find("sample loop 'test_revise'"), std::string::npos) << why;
+    EXPECT_NE(why.find(want), std::string::npos) << why;
+  }
 }
 
 }  // namespace
