@@ -1,0 +1,29 @@
+// Supervised fine-tuning's loss as a pure tensor function (docs/algo.md, "Supervised fine-tuning"):
+// the negative log-likelihood of the trained tokens, averaged over tokens or over sequences.
+//
+// Conventions as in algo.h: per-token tensors [T] are packed, `cu` ([B + 1]) says where each
+// sequence's tokens lie, and the loss is a sum divided by `normalizer`, so that micro-batches and
+// ranks add up to the optimizer step's mean: the step's trained tokens (token mean: transformers'
+// causal-LM loss with the untrained labels at -100), or its sequences (sequence mean: each
+// sequence's own mean, then their mean).
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+
+namespace tiller::algo {
+
+enum class SftMean { kToken, kSequence };
+
+struct SftLoss {
+  at::Tensor loss;   // scalar, differentiable in logp
+  double nll = 0;    // the trained tokens' summed negative log-likelihood (no gradient)
+  int64_t tokens = 0;
+};
+
+// `logp` [T]: each row's log-prob of its target; `mask` [T] (uint8 or bool): 1 where the row's
+// target is trained. ConfigError-free: sizes are checked (TILLER_CHECK); normalizer > 0.
+SftLoss sft_loss(const at::Tensor& logp, const at::Tensor& mask, const at::Tensor& cu, SftMean mean, double normalizer);
+
+}  // namespace tiller::algo
