@@ -31,6 +31,20 @@ void add_stats(PreferenceLoss& out, const at::Tensor& chosen, const at::Tensor& 
 
 }  // namespace
 
+at::Tensor sequence_logps(const at::Tensor& logp, const at::Tensor& mask, const at::Tensor& cu, bool average) {
+  TILLER_CHECK(logp.dim() == 1 && mask.dim() == 1 && mask.numel() == logp.numel(),
+               "sequence_logps: {} log-probs, {} mask values", logp.numel(), mask.numel());
+  const at::Tensor c = cu.to(at::kCPU, at::kLong).contiguous();
+  const int64_t b = c.numel() - 1;
+  TILLER_CHECK(b >= 0 && c.data_ptr<int64_t>()[b] == logp.numel() && c.data_ptr<int64_t>()[0] == 0,
+               "sequence_logps: cu does not span the {} tokens", logp.numel());
+  const at::Tensor m = mask.to(logp.device(), logp.scalar_type());
+  const at::Tensor seg = at::repeat_interleave(at::arange(b, at::kLong), c.diff()).to(logp.device());
+  at::Tensor sums = at::zeros({b}, logp.options()).index_add(0, seg, logp * m);
+  if (average) sums = sums / at::zeros({b}, m.options()).index_add(0, seg, m).clamp_min(1);
+  return sums;
+}
+
 PreferenceLoss bradley_terry_loss(const at::Tensor& chosen, const at::Tensor& rejected, const at::Tensor& margin) {
   if (margin.defined()) check_pairs("bradley_terry_loss", {&chosen, &rejected, &margin});
   else check_pairs("bradley_terry_loss", {&chosen, &rejected});

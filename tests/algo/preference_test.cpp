@@ -1,4 +1,5 @@
-// The preference losses (tiller/algo/preference.h) against hand-computed values: Bradley-Terry
+// The preference losses (tiller/algo/preference.h) against hand-computed values: the responses'
+// sequence log-probs, Bradley-Terry
 // with and without margins, DPO's sigmoid loss with and without cDPO's label smoothing (TRL's
 // formula), IPO, the implicit rewards and their statistics, and the gradients.
 #include <gtest/gtest.h>
@@ -20,6 +21,20 @@ void expect_values(const at::Tensor& t, std::vector<double> want) {
   ASSERT_EQ(t.numel(), static_cast<int64_t>(want.size()));
   const at::Tensor d = t.detach().to(at::kDouble);
   for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(d[static_cast<int64_t>(i)].item<double>(), want[i], 1e-12) << i;
+}
+
+TEST(Preference, SequenceLogpsSumOrAverageTheResponse) {
+  // Sequences of 3 and 2 tokens; the response is the last 2 and the last 1.
+  const at::Tensor logp = doubles({-1, -2, -3, -4, -5}, true);
+  const at::Tensor mask = at::tensor({0, 1, 1, 0, 1}, at::kByte);
+  const at::Tensor cu = at::tensor({0, 3, 5}, at::kLong);
+  at::Tensor sums = sequence_logps(logp, mask, cu, false);
+  expect_values(sums, {-5, -5});
+  expect_values(sequence_logps(logp, mask, cu, true), {-2.5, -5});
+  sums.sum().backward();
+  expect_values(logp.grad(), {0, 1, 1, 0, 1});
+  EXPECT_NE(error_of([&] { sequence_logps(logp, mask, at::tensor({0, 3, 4}, at::kLong), false); }).find("does not span"),
+            std::string::npos);
 }
 
 TEST(Preference, BradleyTerry) {

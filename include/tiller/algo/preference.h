@@ -30,6 +30,11 @@ struct PreferenceLoss {
 PreferenceLoss bradley_terry_loss(const at::Tensor& chosen, const at::Tensor& rejected,
                                   const at::Tensor& margin = at::Tensor());
 
+// Each sequence's log-prob of its response: the sum over its trained tokens (`mask` [T], 1 on the
+// response's tokens) of `logp` [T], or with `average` their mean (IPO's); packed as in algo.h, `cu`
+// [B + 1]. [B], differentiable in logp. A sequence without trained tokens is 0.
+at::Tensor sequence_logps(const at::Tensor& logp, const at::Tensor& mask, const at::Tensor& cu, bool average);
+
 enum class DpoLossType { kSigmoid, kIpo };
 
 struct DpoOptions {
