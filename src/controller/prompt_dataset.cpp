@@ -5,7 +5,6 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
-#include <random>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -37,7 +36,7 @@ PromptDataset::PromptDataset(const std::string& path, const model::Tokenizer& to
     throw ConfigError(fmt::format("{}: no prompt left ({} records read, {} over max_prompt_tokens {})", path, n,
                                   skipped_, o.max_prompt_tokens));
   if (skipped_ > 0) log::warn("{}: {} of {} prompts skipped as too long", path, skipped_, skipped_ + size());
-  order_epoch();
+  order_ = EpochOrder(size(), o.shuffle, o.seed);
 }
 
 namespace {
@@ -119,35 +118,6 @@ void PromptDataset::add_prompt(const std::string& where, Prompt p, const model::
   prompts_.push_back(std::move(p));
 }
 
-void PromptDataset::order_epoch() {
-  order_.resize(prompts_.size());
-  for (size_t i = 0; i < order_.size(); ++i) order_[i] = static_cast<int64_t>(i);
-  if (!opts_.shuffle) return;
-  // Fisher-Yates with mt19937_64 (fully specified by the standard, unlike std::shuffle).
-  std::mt19937_64 gen(opts_.seed * 1000003ull + static_cast<uint64_t>(cursor_.epoch));
-  for (size_t i = order_.size(); i > 1; --i) std::swap(order_[i - 1], order_[gen() % i]);
-}
-
-std::vector<int64_t> PromptDataset::next(int64_t n) {
-  std::vector<int64_t> out;
-  out.reserve(static_cast<size_t>(std::max<int64_t>(n, 0)));
-  while (static_cast<int64_t>(out.size()) < n) {
-    if (cursor_.position == size()) {
-      ++cursor_.epoch;
-      cursor_.position = 0;
-      order_epoch();
-    }
-    out.push_back(order_[static_cast<size_t>(cursor_.position++)]);
-  }
-  return out;
-}
-
-void PromptDataset::seek(const DatasetCursor& c) {
-  if (c.epoch < 0 || c.position < 0 || c.position > size())
-    throw ConfigError(fmt::format("dataset cursor (epoch {}, position {}) is outside the dataset of {} prompts",
-                                  c.epoch, c.position, size()));
-  cursor_ = c;
-  order_epoch();
-}
+std::vector<int64_t> PromptDataset::next(int64_t n) { return order_.next(n); }
 
 }  // namespace tiller::rollout

@@ -1,7 +1,6 @@
 #include "offline/sft_data.h"
 
 #include <algorithm>
-#include <random>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -10,6 +9,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/model/tokenizer.h"
+#include "tiller/rollout/epoch_order.h"
 
 namespace tiller::offline {
 namespace {
@@ -153,11 +153,7 @@ SftDataset::SftDataset(const std::string& path, const model::Tokenizer& tok, con
 HeldOutSplit held_out_split(int64_t n, int64_t eval, uint64_t seed) {
   if (eval < 0 || eval >= n)
     throw ConfigError(fmt::format("a held-out split of {} samples out of {}: keep at least one for training", eval, n));
-  std::vector<int64_t> order(static_cast<size_t>(n));
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  // Fisher-Yates with mt19937_64 (fully specified by the standard, unlike std::shuffle).
-  std::mt19937_64 gen(seed * 1000003ull + 17);
-  for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[gen() % i]);
+  const std::vector<int64_t> order = rollout::shuffled_indices(n, seed * 1000003ull + 17);
   HeldOutSplit s;
   s.eval.assign(order.begin(), order.begin() + eval);
   s.train.assign(order.begin() + eval, order.end());

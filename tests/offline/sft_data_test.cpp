@@ -13,6 +13,7 @@
 #include "offline/sft_data.h"
 #include "tiller/core/error.h"
 #include "tiller/model/tokenizer.h"
+#include "tiller/rollout/epoch_order.h"
 
 namespace tiller::offline {
 namespace {
@@ -204,6 +205,25 @@ TEST(PreferenceData, PairsShareThePromptAndTrainTheirResponseOnly) {
   PreferenceDataset l(longer, qwen2(), o);
   EXPECT_EQ(l.size(), 1);
   EXPECT_EQ(l.skipped(), 1);
+}
+
+// The order the offline trainers draw their training split in: each epoch a permutation, another
+// one the next epoch, the same for the same seed, and a resumed order continues from its cursor.
+TEST(EpochOrder, EpochsArePermutationsAndAResumeContinuesFromTheCursor) {
+  rollout::EpochOrder a(5, true, 3), b(5, true, 3);
+  const std::vector<int64_t> first = a.next(5), second = a.next(5);
+  EXPECT_EQ(std::set<int64_t>(first.begin(), first.end()).size(), 5u);
+  EXPECT_EQ(std::set<int64_t>(second.begin(), second.end()).size(), 5u);
+  EXPECT_NE(first, second) << "each epoch is shuffled anew";
+  std::vector<int64_t> want = first;
+  want.insert(want.end(), {second[0], second[1]});
+  EXPECT_EQ(b.next(7), want);
+  rollout::EpochOrder c(5, true, 3);
+  c.seek(b.cursor(), "samples");
+  EXPECT_EQ(c.next(3), (std::vector<int64_t>{second[2], second[3], second[4]}));
+  EXPECT_THROW(c.seek({0, 6}, "samples"), ConfigError);
+  rollout::EpochOrder plain(3, false, 0);
+  EXPECT_EQ(plain.next(4), (std::vector<int64_t>{0, 1, 2, 0}));
 }
 
 }  // namespace

@@ -29,6 +29,7 @@
 
 #include "tiller/core/config.h"
 #include "tiller/model/chat_template.h"
+#include "tiller/rollout/epoch_order.h"
 
 namespace tiller::model {
 class Tokenizer;
@@ -62,11 +63,6 @@ struct Prompt {
   std::string extra_info;        // JSON text; "" when the record has none
 };
 
-struct DatasetCursor {
-  int64_t epoch = 0;
-  int64_t position = 0;  // prompts of this epoch already served
-};
-
 class PromptDataset {
  public:
   // Reads, templates and tokenizes the whole file. ConfigError names the file and line or row (or
@@ -80,11 +76,10 @@ class PromptDataset {
 
   // The next n prompts (indices into at()), continuing into the next epoch when this one ends.
   std::vector<int64_t> next(int64_t n);
-  DatasetCursor cursor() const { return cursor_; }
-  void seek(const DatasetCursor& c);  // ConfigError when the position is outside an epoch
+  DatasetCursor cursor() const { return order_.cursor(); }
+  void seek(const DatasetCursor& c) { order_.seek(c, "prompts"); }  // ConfigError outside an epoch
 
  private:
-  void order_epoch();
   // Tokenizes a record's prompt (`where` names it in errors) and keeps it unless the length policy
   // skips it.
   void add_prompt(const std::string& where, Prompt p, const model::Tokenizer& tok);
@@ -93,8 +88,7 @@ class PromptDataset {
   DatasetOptions opts_;
   int64_t skipped_ = 0, truncated_ = 0;
   int64_t byte_limit_ = 0, bytes_per_token_ = 0;  // while reading: the length check before encoding
-  DatasetCursor cursor_;
-  std::vector<int64_t> order_;  // this epoch's permutation
+  EpochOrder order_;
 };
 
 }  // namespace tiller::rollout
