@@ -21,11 +21,11 @@ void check_pairs(const char* what, std::initializer_list<const at::Tensor*> ts) 
 // The statistics of chosen/rejected rewards, without gradient.
 void add_stats(PreferenceLoss& out, const at::Tensor& chosen, const at::Tensor& rejected) {
   at::NoGradGuard no_grad;
-  const at::Tensor c = chosen.detach().to(at::kDouble).cpu(), r = rejected.detach().to(at::kDouble).cpu();
-  out.chosen_reward_sum = c.sum().item<double>();
-  out.rejected_reward_sum = r.sum().item<double>();
-  out.correct = (c > r).sum().item<double>();
-  out.margin_sum = (c - r).sum().item<double>();
+  const at::Tensor c = chosen.detach().to(at::kDouble), r = rejected.detach().to(at::kDouble);
+  out.chosen_reward_sum = c.sum();
+  out.rejected_reward_sum = r.sum();
+  out.correct = (c > r).sum().to(at::kDouble);
+  out.margin_sum = (c - r).sum();
   out.pairs = c.numel();
 }
 

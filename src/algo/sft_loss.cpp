@@ -22,8 +22,8 @@ SftLoss sft_loss(const at::Tensor& logp, const at::Tensor& mask, const at::Tenso
     out.loss = -sequence_logps(logp, mask, cu, /*average=*/true).sum() / normalizer;
   }
   at::NoGradGuard no_grad;
-  out.nll = nll.detach().sum().item<double>();
-  out.tokens = m.sum().item<int64_t>();
+  out.nll = nll.detach().sum().to(at::kDouble);
+  out.tokens = m.sum().to(at::kDouble);
   return out;
 }
 

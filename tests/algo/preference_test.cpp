@@ -46,15 +46,15 @@ TEST(Preference, BradleyTerry) {
   l.losses.sum().backward();
   expect_values(chosen.grad(), {-0.2689414213699951, -0.7310585786300049});
   expect_values(rejected.grad(), {0.2689414213699951, 0.7310585786300049});
-  EXPECT_DOUBLE_EQ(l.chosen_reward_sum, 2.5);
-  EXPECT_DOUBLE_EQ(l.rejected_reward_sum, 2.5);
-  EXPECT_DOUBLE_EQ(l.correct, 1);
-  EXPECT_DOUBLE_EQ(l.margin_sum, 0);
+  EXPECT_DOUBLE_EQ(l.chosen_reward_sum.item<double>(), 2.5);
+  EXPECT_DOUBLE_EQ(l.rejected_reward_sum.item<double>(), 2.5);
+  EXPECT_DOUBLE_EQ(l.correct.item<double>(), 1);
+  EXPECT_DOUBLE_EQ(l.margin_sum.item<double>(), 0);
   EXPECT_EQ(l.pairs, 2);
   // A margin of 0.5 on the first pair: -log sigmoid(0.5); the statistics stay the scores'.
   const PreferenceLoss m = bradley_terry_loss(doubles({2.0, 0.5}), doubles({1.0, 1.5}), doubles({0.5, 0.0}));
   expect_values(m.losses, {0.47407698418010663, 1.3132616875182228});
-  EXPECT_DOUBLE_EQ(m.margin_sum, 0);
+  EXPECT_DOUBLE_EQ(m.margin_sum.item<double>(), 0);
   EXPECT_NE(error_of([] { bradley_terry_loss(doubles({1.0}), doubles({1.0, 2.0})); }).find("1 and 2 values"),
             std::string::npos);
 }
@@ -73,10 +73,10 @@ TEST(Preference, DpoSigmoidCdpoAndIpo) {
     expect_values(r.grad(), {0.047502081252106004, 0.0549833997312478});
     EXPECT_FALSE(refc.grad().defined()) << "the reference's log-probs carry no gradient";
     // Rewards beta (policy - reference): chosen 0.05, -0.1; rejected -0.05, 0.1.
-    EXPECT_NEAR(l.chosen_reward_sum, -0.05, 1e-12);
-    EXPECT_NEAR(l.rejected_reward_sum, 0.05, 1e-12);
-    EXPECT_DOUBLE_EQ(l.correct, 1);
-    EXPECT_NEAR(l.margin_sum, -0.1, 1e-12);
+    EXPECT_NEAR(l.chosen_reward_sum.item<double>(), -0.05, 1e-12);
+    EXPECT_NEAR(l.rejected_reward_sum.item<double>(), 0.05, 1e-12);
+    EXPECT_DOUBLE_EQ(l.correct.item<double>(), 1);
+    EXPECT_NEAR(l.margin_sum.item<double>(), -0.1, 1e-12);
   }
   {
     o.label_smoothing = 0.2;  // TRL: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)

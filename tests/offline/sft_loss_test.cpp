@@ -25,8 +25,8 @@ TEST(SftLoss, TokenAndSequenceMeansByHand) {
   const at::Tensor cu = at::tensor({0, 2, 5}, at::kLong);
   SftLoss t = sft_loss(logp, mask, cu, SftMean::kToken, 3);
   EXPECT_DOUBLE_EQ(t.loss.item<double>(), (2.0 + 4.0 + 5.0) / 3);
-  EXPECT_DOUBLE_EQ(t.nll, 11.0);
-  EXPECT_EQ(t.tokens, 3);
+  EXPECT_DOUBLE_EQ(t.nll.item<double>(), 11.0);
+  EXPECT_DOUBLE_EQ(t.tokens.item<double>(), 3);
   SftLoss s = sft_loss(logp, mask, cu, SftMean::kSequence, 2);
   EXPECT_DOUBLE_EQ(s.loss.item<double>(), (2.0 + (4.0 + 5.0) / 2) / 2);
   s.loss.backward();

@@ -6,7 +6,8 @@
 // Conventions. Inputs are [P] (one value per pair), on any device, float or double. The loss comes
 // back per pair, differentiable, so that the caller divides its sum by the optimizer step's pairs
 // across micro-batches and ranks (as the PPO losses divide by the step's tokens); the statistics
-// come back as sums over the pairs, for the same all-reduce.
+// come back as sums over the pairs, for the same all-reduce, as fp64 scalars on the inputs' device
+// (computing a loss never waits for the device, as algo.h's PolicyLoss).
 #pragma once
 
 #include <cstdint>
@@ -17,10 +18,10 @@ namespace tiller::algo {
 
 struct PreferenceLoss {
   at::Tensor losses;          // [P], differentiable in the inputs
-  // Sums over the pairs (no gradient): the chosen and rejected rewards (a reward model's scores;
-  // DPO's implicit rewards beta * (policy - reference)), pairs whose chosen reward is higher, and
-  // the margins chosen - rejected.
-  double chosen_reward_sum = 0, rejected_reward_sum = 0, correct = 0, margin_sum = 0;
+  // Sums over the pairs (fp64 scalars, no gradient): the chosen and rejected rewards (a reward
+  // model's scores; DPO's implicit rewards beta * (policy - reference)), pairs whose chosen reward
+  // is higher, and the margins chosen - rejected.
+  at::Tensor chosen_reward_sum, rejected_reward_sum, correct, margin_sum;
   int64_t pairs = 0;
 };
 
@@ -32,7 +33,8 @@ PreferenceLoss bradley_terry_loss(const at::Tensor& chosen, const at::Tensor& re
 
 // Each sequence's log-prob of its response: the sum over its trained tokens (`mask` [T], 1 on the
 // response's tokens) of `logp` [T], or with `average` their mean (IPO's); packed as in algo.h, `cu`
-// [B + 1]. [B], differentiable in logp. A sequence without trained tokens is 0.
+// [B + 1] on the host (as the packer makes it; on the device it is read back, a wait). [B],
+// differentiable in logp. A sequence without trained tokens is 0.
 at::Tensor sequence_logps(const at::Tensor& logp, const at::Tensor& mask, const at::Tensor& cu, bool average);
 
 enum class DpoLossType { kSigmoid, kIpo };

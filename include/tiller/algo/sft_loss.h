@@ -17,9 +17,10 @@ namespace tiller::algo {
 enum class SftMean { kToken, kSequence };
 
 struct SftLoss {
-  at::Tensor loss;   // scalar, differentiable in logp
-  double nll = 0;    // the trained tokens' summed negative log-likelihood (no gradient)
-  int64_t tokens = 0;
+  at::Tensor loss;    // scalar, differentiable in logp
+  // fp64 scalars on logp's device, no gradient (reading them waits for the device; computing them
+  // does not): the trained tokens' summed negative log-likelihood, and their count.
+  at::Tensor nll, tokens;
 };
 
 // `logp` [T]: each row's log-prob of its target; `mask` [T] (uint8 or bool): 1 where the row's
