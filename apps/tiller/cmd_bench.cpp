@@ -161,7 +161,7 @@ void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
     run = [o, &argc, &argv] { return run_collectives(*o, &argc, &argv); };
   });
   add_bench_forward(bench, run);
-  add_bench_generate(bench, run);
+  add_bench_generate(bench, run, argc, argv);
   add_bench_train(bench, run, argc, argv);
   add_bench_sync(bench, run, argc, argv);
   add_bench_controller(bench, run);

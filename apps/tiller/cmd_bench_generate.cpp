@@ -1,7 +1,9 @@
 // tiller bench generate: the engine's generation throughput on a preset shape with random
 // weights (B prompts of P random tokens, N new tokens each, temperature-1 sampling, no stop
 // tokens), with the memory-bandwidth floor of a decode step. Prints JSON. With --profile, a
-// separate short run afterwards records a Chrome trace of --profile-steps decode steps.
+// separate short run afterwards records a Chrome trace of --profile-steps decode steps. With
+// --tp N under `mpirun -np N`, one engine of tensor parallelism N: each rank holds its slice of
+// the weights (engine_weights.h), rank 0 leads and measures, the others follow its steps.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -17,7 +19,9 @@
 #include "step_profiler.h"
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
+#include "tiller/core/logging.h"
 #include "tiller/engine/engine.h"
+#include "tiller/engine/engine_weights.h"
 #include "tiller/model/weights.h"
 
 namespace tiller::cli {
@@ -32,17 +36,46 @@ struct GenBenchOptions {
   bool no_rope_in_attention = false;
   std::string profile;
   int64_t profile_steps = 5;
+  int tp = 1;                   // > 1: one engine over that many ranks (mpirun -np tp)
+  std::string backend = "auto";  // the TP group's: auto, nccl or mpi
+  double timeout_s = 300;
 };
 
 using Clock = std::chrono::steady_clock;
 
-int run_bench_generate(const GenBenchOptions& o) {
+int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
-  const std::string device = o.device == "auto" ? (gpus > 0 ? "cuda:0" : "cpu") : o.device;
+  std::string device = o.device == "auto" ? (gpus > 0 ? "cuda:0" : "cpu") : o.device;
+  // --tp > 1: the TP group is the whole world; under NCCL each rank drives its local GPU.
+  std::unique_ptr<dist::MpiEnv> env;
+  RankComm rc;
+  if (o.tp > 1) {
+    env = std::make_unique<dist::MpiEnv>(argc, argv);
+    log::init(env->rank(), "bench", log::Level::kWarn);
+    rc = open_rank_comm(*env, o.backend, o.timeout_s, "bench.generate.tp");
+    if (rc.comm().size() != o.tp) {
+      throw ConfigError(fmt::format("bench generate --tp {}: launch {} ranks (mpirun -np {}); this run has {}", o.tp, o.tp,
+                                    o.tp, rc.comm().size()));
+    }
+    if (rc.nccl) device = rc.device.str();
+    else if (o.device == "auto") device = "cpu";
+  }
   const at::ScalarType dtype = parse_dtype(o.dtype);
   const model::ModelConfig cfg = model::preset(o.model);
-  model::NamedTensors named = model::init_weights(cfg, model::Head::kLm, 0, dtype, at::Device(device));
-  model::ModelWeights w = model::bind_weights(cfg, named, model::Head::kLm, o.model);
+  model::ModelWeights w;
+  {  // every rank makes the same full weights (seed 0) and keeps its slice
+    model::NamedTensors named = model::init_weights(cfg, model::Head::kLm, 0, dtype, at::Device(device));
+    w = model::bind_weights(cfg, named, model::Head::kLm, o.model);
+    if (o.tp > 1) {
+      w = engine::slice_for_tp(cfg, w, rc.comm().rank(), o.tp);
+      // Row slices are views of the full matrices: copy them so that the full weights are freed.
+      for (auto& l : w.layers) {
+        for (at::Tensor* t : {&l.q_proj, &l.k_proj, &l.v_proj, &l.q_bias, &l.k_bias, &l.v_bias, &l.gate_proj, &l.up_proj}) {
+          if (t->defined()) *t = t->clone();
+        }
+      }
+    }
+  }
   engine::EngineOptions eo;
   eo.device = device;
   eo.block_size = o.block_size;
@@ -52,7 +85,11 @@ int run_bench_generate(const GenBenchOptions& o) {
   eo.cuda_graphs = !o.no_cuda_graphs;
   eo.async_scheduling = !o.no_async;
   eo.rope_in_attention = !o.no_rope_in_attention;
-  engine::Engine e(cfg, std::move(w), eo);
+  engine::Engine e(cfg, std::move(w), eo, o.tp > 1 ? &rc.comm() : nullptr);
+  if (!e.is_leader()) {
+    e.follow();  // the leader's steps, until its shutdown()
+    return 0;
+  }
 
   std::mt19937_64 rng(1);
   auto run = [&](int64_t batch, int64_t new_tokens, uint64_t first_id) {
@@ -89,15 +126,19 @@ int run_bench_generate(const GenBenchOptions& o) {
   const double step_ms = decode_ms.empty() ? 0 : sum / static_cast<double>(decode_ms.size());
   const double median_ms = decode_ms.empty() ? 0 : decode_ms[decode_ms.size() / 2];
   // Floor of a decode step: every weight read once, plus the KV cache read at the mean context
-  // (the peer decode_peer.py counts its whole static cache, P + N).
-  const double weight_bytes = static_cast<double>(model::num_parameters(cfg)) * at::elementSize(dtype);
-  const double kv_per_token = 2.0 * static_cast<double>(cfg.num_layers * cfg.kv_size()) * at::elementSize(dtype);
+  // (the peer decode_peer.py counts its whole static cache, P + N); with TP, one rank's share
+  // (its weight slices, the embedding and LM head whole, and 1/tp of the KV heads).
+  double weight_bytes = 0;
+  for (const auto& [name, t] : e.parameters()) weight_bytes += static_cast<double>(t.numel() * t.element_size());
+  const double kv_per_token =
+      2.0 * static_cast<double>(cfg.num_layers * cfg.kv_size()) * at::elementSize(dtype) / static_cast<double>(o.tp);
   const double mean_ctx = static_cast<double>(o.prompt) + static_cast<double>(o.new_tokens) / 2;
   const double floor_ms = (weight_bytes + kv_per_token * mean_ctx * static_cast<double>(o.batch)) / (o.hbm_gbps * 1e9) * 1e3;
   nlohmann::ordered_json j{{"bench", "tiller_generate"},
                            {"model", o.model},
                            {"device", device},
                            {"dtype", o.dtype},
+                           {"tp", o.tp},
                            {"batch", o.batch},
                            {"prompt", o.prompt},
                            {"new_tokens", o.new_tokens},
@@ -143,6 +184,7 @@ int run_bench_generate(const GenBenchOptions& o) {
     j["profile"] = o.profile;
     j["profile_steps"] = o.profile_steps;
   }
+  e.shutdown();  // ends the followers' follow()
   const std::string text = j.dump();
   std::printf("%s\n", text.c_str());
   if (!o.out.empty()) write_file_atomic(o.out, text + "\n");
@@ -151,7 +193,7 @@ int run_bench_generate(const GenBenchOptions& o) {
 
 }  // namespace
 
-void add_bench_generate(CLI::App* bench, Runner& run) {
+void add_bench_generate(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   auto* g = bench->add_subcommand("generate", "Engine generation throughput on a preset shape (random weights)");
   auto o = std::make_shared<GenBenchOptions>();
   g->add_option("--model", o->model, "Preset shape: qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny-*");
@@ -170,7 +212,12 @@ void add_bench_generate(CLI::App* bench, Runner& run) {
               "Wait for each step's draws before launching the next (no host/GPU overlap)");
   g->add_option("--profile", o->profile, "Write a Chrome trace of --profile-steps decode steps here");
   g->add_option("--profile-steps", o->profile_steps, "Decode steps in the trace")->check(CLI::Range(1, 100));
-  g->callback([&run, o] { run = [o] { return run_bench_generate(*o); }; });
+  g->add_option("--tp", o->tp,
+                "Tensor parallelism: one engine over this many ranks, launched with mpirun -np TP (rank 0 measures)")
+      ->check(CLI::Range(1, 64));
+  g->add_option("--backend", o->backend, "The TP group's backend with --tp > 1: auto, nccl or mpi");
+  g->add_option("--timeout", o->timeout_s, "Seconds a TP rank waits for the others")->check(CLI::Range(1.0, 86400.0));
+  g->callback([&run, &argc, &argv, o] { run = [o, &argc, &argv] { return run_bench_generate(*o, &argc, &argv); }; });
 }
 
 }  // namespace tiller::cli

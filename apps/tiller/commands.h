@@ -44,7 +44,7 @@ void add_plan_command(CLI::App& app, Runner& run);
 void add_config_command(CLI::App& app, Runner& run);
 void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_bench_forward(CLI::App* bench, Runner& run);
-void add_bench_generate(CLI::App* bench, Runner& run);
+void add_bench_generate(CLI::App* bench, Runner& run, int& argc, char**& argv);
 void add_model_commands(CLI::App& app, Runner& run);
 // The engine's shared secret: the first line of `file`, or $TILLER_ENGINE_TOKEN when `file` is
 // empty ("" when neither). ConfigError names `flag` and the file.
