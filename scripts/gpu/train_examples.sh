@@ -2,7 +2,8 @@
 # Runs GPU example configs (configs/gpu/) for a few steps each with random weights of their shape
 # (scripts/gpu/make_models.sh), after scripts/gpu/build.sh. Each run's log and metrics land in
 # OUT/<config name>/; one JSON line per run (steps, and the mean seconds per step and per phase
-# over steps 2 to N) goes to OUT/summary.jsonl. Runs that need more GPUs than the machine has
+# over steps 2 to N; in async runs 2 to N-1, since the last step has no next batch to score
+# beside its training and would flatter the mean) goes to OUT/summary.jsonl. Runs that need more GPUs than the machine has
 # are skipped, saying so. Timing runs: no checkpoints are written (a 7B PPO checkpoint with its
 # optimizer states is ~240 GB).
 #   scripts/gpu/train_examples.sh OUT STEPS NAME...      e.g. out/gpu 3 qwen2.5-0.5b-grpo-1gpu toy-1gpu
@@ -70,10 +71,14 @@ except OSError:
     pass
 out = {"config": name, "exit": code, "wall_s": wall, "steps": len(rows)}
 if rows:
-    # Step 1 warms up (CUDA graphs, allocations).
+    # Step 1 warms up (CUDA graphs, allocations). An async run's last step trains without the
+    # next step's samples arriving to be scored on the same ranks: leave it out when there are
+    # steps enough (async runs record staleness/lag_1).
     later = rows[1:] or rows
+    if any("staleness/lag_1" in r for r in rows) and len(rows) >= 4:
+        later = rows[1:-1]
     avg = lambda k: round(sum(r.get(k, 0) for r in later) / len(later), 3)
-    out.update({"step_s": avg("time/step"), "generate_s": avg("time/generate"), "score_tail_s": avg("time/score_tail"),
+    out.update({"steps_averaged": f"{rows.index(later[0]) + 1}-{rows.index(later[-1]) + 1}", "step_s": avg("time/step"), "generate_s": avg("time/generate"), "score_tail_s": avg("time/score_tail"),
                 "train_s": avg("time/train"), "sync_s": avg("time/sync"),
                 "gen_tok_per_s": round(avg("throughput/generate_tokens_per_s")),
                 "train_tok_s_gpu": round(avg("throughput/train_tokens_per_s_per_gpu.actor")),
