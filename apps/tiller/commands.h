@@ -53,6 +53,7 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_zero_commands(CLI::App& app, Runner& run);
 void add_train_command(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_launch_command(CLI::App& app, Runner& run);
+void add_offline_commands(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv);
 void add_bench_sync(CLI::App* bench, Runner& run, int& argc, char**& argv);
 void add_bench_controller(CLI::App* bench, Runner& run);

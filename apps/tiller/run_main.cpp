@@ -110,6 +110,7 @@ int run_main(int argc, char** argv) {
     cli::add_zero_commands(app, run);
     cli::add_train_command(app, run, argc, argv);
     cli::add_launch_command(app, run);
+    cli::add_offline_commands(app, run, argc, argv);
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {

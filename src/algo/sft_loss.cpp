@@ -27,4 +27,19 @@ SftLoss sft_loss(const at::Tensor& logp, const at::Tensor& mask, const at::Tenso
   return out;
 }
 
+SftLoss sft_loss_weighted(const at::Tensor& logp, const at::Tensor& mask, const at::Tensor& weight, double normalizer) {
+  TILLER_CHECK(logp.dim() == 1 && mask.dim() == 1 && weight.dim() == 1 && mask.numel() == logp.numel() &&
+                   weight.numel() == logp.numel(),
+               "sft_loss_weighted: {} log-probs, {} mask values, {} weights", logp.numel(), mask.numel(), weight.numel());
+  TILLER_CHECK(normalizer > 0, "sft_loss_weighted: normalizer {} must be > 0", normalizer);
+  const at::Tensor m = mask.to(logp.device(), logp.scalar_type());
+  const at::Tensor nll = -(logp * m);
+  SftLoss out;
+  out.loss = (nll * weight.to(logp.device(), logp.scalar_type())).sum() / normalizer;
+  at::NoGradGuard no_grad;
+  out.nll = nll.detach().sum().to(at::kDouble);
+  out.tokens = m.sum().to(at::kDouble);
+  return out;
+}
+
 }  // namespace tiller::algo

@@ -482,6 +482,52 @@ std::vector<Field> build() {
         "first request of each), every engine a decode at its batch and lengths (at its first generation); "
         "docs/training.md, 'Reading the efficiency metrics'.");
 
+  b.add("offline.data", TILLER_FIELD(offline.data),
+        "tiller sft / train-rm / dpo: the training data, JSONL or parquet (docs/offline.md): conversations under "
+        "offline.messages_key, or prompt/response (sft), or prompt/chosen/rejected (train-rm, dpo).");
+  b.add("offline.eval_data", TILLER_FIELD(offline.eval_data),
+        "A held-out file in the same format. Empty: offline.eval_samples records of offline.data are held out.");
+  b.add("offline.eval_samples", TILLER_FIELD(offline.eval_samples),
+        "Records of offline.data held out for evaluation (drawn with run.seed) when offline.eval_data is empty.")
+      .range(0, kMaxCount);
+  b.add("offline.eval_every", TILLER_FIELD(offline.eval_every),
+        "Evaluate on the held-out split every N optimizer steps (0: after the last step only).")
+      .range(0, kMaxCount);
+  b.add("offline.epochs", TILLER_FIELD(offline.epochs), "Passes over the training data.").range(1, 100000);
+  b.add("offline.max_steps", TILLER_FIELD(offline.max_steps),
+        "Stop after this many optimizer steps (0: when offline.epochs are done). The LR schedule spans the steps run.")
+      .range(0, kMaxCount);
+  b.add("offline.max_tokens", TILLER_FIELD(offline.max_tokens),
+        "Longest sample in tokens (a preference pair: each side, prompt included).")
+      .range(2, 1 << 22);
+  b.add_enum("offline.long_samples", TILLER_FIELD(offline.long_samples),
+        "A sample over offline.max_tokens: skip (counted), truncate (keep its first max_tokens tokens), or error.");
+  b.add("offline.messages_key", TILLER_FIELD(offline.messages_key),
+        "Key of a conversation: a list of {role, content}; every assistant turn is trained (data.apply_chat_template).");
+  b.add("offline.prompt_key", TILLER_FIELD(offline.prompt_key), "Key of a record's prompt (text or messages).");
+  b.add("offline.response_key", TILLER_FIELD(offline.response_key), "sft: key of the response to a prompt (text).");
+  b.add("offline.chosen_key", TILLER_FIELD(offline.chosen_key),
+        "train-rm / dpo: key of the preferred response (text, or the assistant messages after the prompt).");
+  b.add("offline.rejected_key", TILLER_FIELD(offline.rejected_key), "train-rm / dpo: key of the other response.");
+  b.add("offline.margin_key", TILLER_FIELD(offline.margin_key),
+        "train-rm: key of an optional per-pair margin (a number; absent: 0).");
+  b.add_enum("offline.loss_mean", TILLER_FIELD(offline.loss_mean),
+        "sft: token (the mean over the step's trained tokens, as transformers' causal-LM loss) or sequence (each "
+        "sample's own mean, then their mean).");
+  b.add("offline.dpo_beta", TILLER_FIELD(offline.dpo_beta),
+        "dpo: beta, the strength of the KL tie to the reference (the implicit reward is beta x the log-ratio).")
+      .range(1e-6, 1e6);
+  b.add("offline.dpo_label_smoothing", TILLER_FIELD(offline.dpo_label_smoothing),
+        "dpo: cDPO's chance that a pair's label is flipped, in [0, 0.5) (sigmoid loss only).")
+      .range(0.0, 0.499);
+  b.add_enum("offline.dpo_loss", TILLER_FIELD(offline.dpo_loss),
+        "dpo: sigmoid (DPO, with offline.dpo_label_smoothing: cDPO) or ipo (IPO, on the responses' mean log-probs).");
+  b.add_enum("offline.dpo_reference", TILLER_FIELD(offline.dpo_reference),
+        "dpo: precompute (the reference's log-probs of every pair once, then the reference is freed) or on_the_fly "
+        "(the frozen reference, ZeRO-3 sharded, scores each micro-batch beside the policy).");
+  b.add("offline.export_dir", TILLER_FIELD(offline.export_dir),
+        "Where the trained model is exported as an HF checkpoint at the end. Empty: run.output_dir/model.");
+
   b.add("timeouts.collective_s", TILLER_FIELD(timeouts.collective_s),
         "Deadline of one collective (all-gather, reduce-scatter, ...); a miss aborts the communicator.")
       .range(0.001, kMaxSeconds);
@@ -534,6 +580,7 @@ const std::vector<Section>& sections() {
       {"train", "Optimisation of the actor and critic."},
       {"checkpoint", "Sharded checkpoints and HF export."},
       {"logging", "Logs, metrics and traces."},
+      {"offline", "tiller sft, train-rm and dpo: the data and the schedule (docs/offline.md)."},
       {"timeouts", "Deadlines of blocking calls, in seconds. None waits forever."},
   };
   return kSections;

@@ -35,6 +35,35 @@ TEST(SftLoss, TokenAndSequenceMeansByHand) {
   for (int64_t i = 0; i < 5; ++i) EXPECT_DOUBLE_EQ(g[i].item<double>(), want[static_cast<size_t>(i)]) << i;
 }
 
+TEST(SftLoss, WeightedRowsEqualTheSequenceMeanAcrossSlices) {
+  // The sequence mean from per-row weights, the rows cut into two slices (as two sequence-parallel
+  // ranks hold them): the slices' losses and gradients add up to sft_loss over whole sequences.
+  const at::Tensor logp = at::tensor({-1.0, -2.0, -3.0, -4.0, -5.0}, at::kDouble);
+  const at::Tensor mask = at::tensor({0, 1, 0, 1, 1}, at::kByte);
+  const at::Tensor weight = at::tensor({1.0, 1.0, 0.5, 0.5, 0.5}, at::kDouble);  // 1 / trained tokens of the sequence
+  const at::Tensor whole_lp = logp.clone().requires_grad_(true);
+  SftLoss whole = sft_loss(whole_lp, mask, at::tensor({0, 2, 5}, at::kLong), SftMean::kSequence, 2);
+  whole.loss.backward();
+  double sum = 0, nll = 0, tokens = 0;
+  std::vector<double> grad;
+  for (const auto& [lo, n] : std::vector<std::pair<int64_t, int64_t>>{{0, 3}, {3, 2}}) {
+    const at::Tensor lp = logp.narrow(0, lo, n).clone().requires_grad_(true);
+    SftLoss part = sft_loss_weighted(lp, mask.narrow(0, lo, n), weight.narrow(0, lo, n), 2);
+    part.loss.backward();
+    sum += part.loss.item<double>();
+    nll += part.nll.item<double>();
+    tokens += part.tokens.item<double>();
+    for (int64_t i = 0; i < n; ++i) grad.push_back(lp.grad()[i].item<double>());
+  }
+  EXPECT_DOUBLE_EQ(sum, whole.loss.item<double>());
+  EXPECT_DOUBLE_EQ(nll, 11.0);
+  EXPECT_DOUBLE_EQ(tokens, 3);
+  for (int64_t i = 0; i < 5; ++i) EXPECT_DOUBLE_EQ(grad[static_cast<size_t>(i)], whole_lp.grad()[i].item<double>()) << i;
+  // Unit weights: the token mean.
+  const SftLoss t = sft_loss_weighted(logp, mask, at::ones({5}, at::kDouble), 3);
+  EXPECT_DOUBLE_EQ(t.loss.item<double>(), sft_loss(logp, mask, at::tensor({0, 2, 5}, at::kLong), SftMean::kToken, 3).loss.item<double>());
+}
+
 TEST(SftLoss, EqualsTransformersCausalLmLossWithThePromptIgnored) {
   nlohmann::json ref;
   std::ifstream(test::hf_fixtures() + "/models/reference.json") >> ref;

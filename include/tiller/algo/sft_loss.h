@@ -27,4 +27,10 @@ struct SftLoss {
 // target is trained. ConfigError-free: sizes are checked (TILLER_CHECK); normalizer > 0.
 SftLoss sft_loss(const at::Tensor& logp, const at::Tensor& mask, const at::Tensor& cu, SftMean mean, double normalizer);
 
+// The same loss from per-row weights, for rows that need not be whole sequences (one rank's slice
+// under sequence parallelism): `weight` [T] is 1 for the token mean, and 1 / (the trained tokens
+// of the row's whole sequence) for the sequence mean; rows outside `mask` add nothing. Over whole
+// sequences it equals sft_loss; summed over a sequence group's slices, sft_loss of the whole row.
+SftLoss sft_loss_weighted(const at::Tensor& logp, const at::Tensor& mask, const at::Tensor& weight, double normalizer);
+
 }  // namespace tiller::algo

@@ -34,6 +34,10 @@ enum class RecomputeChoice { kAuto, kBlocks, kAttentionOnly, kNone };  // train.
 enum class ComputeShard { kAuto, kKeep, kCast };
 enum class OldLogprobs { kRecompute, kForward };
 enum class LrScheduleKind { kConstant, kLinear, kCosine };
+enum class OfflineLossMean { kToken, kSequence };               // offline.loss_mean
+enum class LongSamplePolicy { kSkip, kTruncate, kError };       // offline.long_samples
+enum class DpoLossKind { kSigmoid, kIpo };                      // offline.dpo_loss
+enum class DpoReference { kPrecompute, kOnTheFly };             // offline.dpo_reference
 
 template <>
 struct EnumNames<RolloutMode> {
@@ -90,6 +94,24 @@ struct EnumNames<OldLogprobs> {
 template <>
 struct EnumNames<LrScheduleKind> {
   static constexpr std::array<std::string_view, 3> names = {"constant", "linear", "cosine"};
+};
+
+template <>
+struct EnumNames<OfflineLossMean> {
+  static constexpr std::array<std::string_view, 2> names = {"token", "sequence"};
+};
+template <>
+struct EnumNames<LongSamplePolicy> {
+  static constexpr std::array<std::string_view, 3> names = {"skip", "truncate", "error"};
+};
+
+template <>
+struct EnumNames<DpoLossKind> {
+  static constexpr std::array<std::string_view, 2> names = {"sigmoid", "ipo"};
+};
+template <>
+struct EnumNames<DpoReference> {
+  static constexpr std::array<std::string_view, 2> names = {"precompute", "on_the_fly"};
 };
 
 // The YAML spelling of `e`.
@@ -329,6 +351,33 @@ struct EnvConfig {
   std::string tls_ca, tls_server_name;
 };
 
+// The offline trainers (tiller sft, train-rm, dpo; docs/offline.md): their data and schedule. They
+// train roles.actor.model with train.* (actor_lr, schedule, clipping, micro_batch_tokens, and
+// train_batch_size samples or pairs per optimizer step); dpo's reference is roles.ref.model (or
+// the actor's).
+struct OfflineConfig {
+  std::string data;                 // JSONL or parquet
+  std::string eval_data;            // a held-out file; "" holds out eval_samples of `data`
+  std::int64_t eval_samples = 0;
+  std::int64_t eval_every = 0;      // steps between evaluations (0: only after the last step)
+  std::int64_t epochs = 1;
+  std::int64_t max_steps = 0;       // > 0: stop after this many steps
+  std::int64_t max_tokens = 2048;   // per sample (per pair side for preferences)
+  LongSamplePolicy long_samples = LongSamplePolicy::kSkip;
+  std::string messages_key = "messages";
+  std::string prompt_key = "prompt";
+  std::string response_key = "response";
+  std::string chosen_key = "chosen";
+  std::string rejected_key = "rejected";
+  std::string margin_key = "margin";
+  OfflineLossMean loss_mean = OfflineLossMean::kToken;
+  double dpo_beta = 0.1;
+  double dpo_label_smoothing = 0.0;  // cDPO
+  DpoLossKind dpo_loss = DpoLossKind::kSigmoid;
+  DpoReference dpo_reference = DpoReference::kPrecompute;
+  std::string export_dir;           // HF export of the result; "": <output_dir>/model
+};
+
 struct TimeoutsConfig {
   double collective_s = 600.0;
   double startup_s = 300.0;
@@ -351,6 +400,7 @@ struct JobConfig {
   TrainConfig train;
   CheckpointConfig checkpoint;
   LoggingConfig logging;
+  OfflineConfig offline;
   TimeoutsConfig timeouts;
 
   // Cross-key checks that no single key's range can express (e.g. ref colocated with itself).

@@ -1,0 +1,40 @@
+// The offline trainers: jobs with no engines and no controller, every rank one ZeRO-3 group
+// training roles.actor on a dataset (docs/offline.md).
+//
+//   tiller sft       supervised fine-tuning: the negative log-likelihood of the trained tokens
+//                    (assistant turns, or responses), token or sequence mean
+//   tiller train-rm  a reward model (a value head scoring each sequence at its last token) with the
+//                    Bradley-Terry loss on chosen/rejected pairs, optional per-pair margins
+//   tiller dpo       DPO (sigmoid, cDPO, IPO) against a frozen reference (roles.ref.model, else the
+//                    starting model), its log-probs precomputed once per pair or on the fly
+//
+// Launched like tiller train: `mpirun -np roles.actor.gpus tiller sft -c cfg.yaml`. Each rank reads
+// the data itself (the same file, the same order), so the ranks agree on every step's samples
+// without communicating; a step's samples are packed into micro-batches of at most
+// train.micro_batch_tokens and dealt to the ranks in lockstep rounds (rollout/packer.h), empty
+// micro-batches where a round has fewer than the ranks. Under roles.actor.sequence_parallel S,
+// each group of S consecutive ranks shares a micro-batch.
+#pragma once
+
+namespace tiller {
+struct JobConfig;
+}
+namespace tiller::dist {
+class MpiEnv;
+}
+
+namespace tiller::offline {
+
+struct OfflineOptions {
+  bool require_resume = false;  // --resume: fail when checkpoint.dir holds no checkpoint
+};
+
+// Every rank runs it. Returns the exit code (0: done, or stopped by SIGINT/SIGTERM after saving).
+// Throws ConfigError / IoError naming the key, file:line or rank; a failing rank ends the job.
+int run_sft(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& options = {});
+// The reward model and DPO: the same contract; sequence parallelism is refused (each pair's scores
+// or log-probs are taken on one rank).
+int run_train_rm(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& options = {});
+int run_dpo(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& options = {});
+
+}  // namespace tiller::offline

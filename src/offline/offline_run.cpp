@@ -1,0 +1,312 @@
+#include "offline/offline_run.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <system_error>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <fmt/format.h>
+
+#include "tiller/core/config.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
+#include "tiller/dist/mpi_env.h"
+#include "tiller/dist/rank_plan.h"
+#include "tiller/model/chat_template.h"
+#include "tiller/model/tokenizer.h"
+#include "tiller/model/safetensors.h"
+#include "tiller/offline/offline.h"
+#include "tiller/zero/checkpoint.h"
+
+namespace tiller::offline {
+
+namespace fs = std::filesystem;
+
+OfflineRun::OfflineRun(const JobConfig& c, dist::MpiEnv& env, const std::string& n, model::Head h)
+    : cfg(c), name(n), head(h), checkpoints_(c.checkpoint.dir, c.checkpoint.keep_last) {
+  const int gpus = at::detail::getCUDAHooks().getNumGPUs();
+  DeviceKind kind = cfg.cluster.device;
+  if (kind == DeviceKind::kAuto) kind = gpus > 0 && dist::MpiEnv::have_nccl() ? DeviceKind::kCuda : DeviceKind::kCpu;
+  if (kind == DeviceKind::kCuda && gpus == 0)
+    throw ConfigError(fmt::format("cluster.device = cuda: rank {} ({}) sees no CUDA device; use cluster.device=cpu "
+                                  "or the GPU build on a GPU node",
+                                  env.rank(), env.hostname()));
+  const bool cpu = kind == DeviceKind::kCpu;
+  BackendKind backend = cfg.cluster.backend;
+  if (backend == BackendKind::kAuto) backend = cpu ? BackendKind::kMpi : BackendKind::kNccl;
+  if (backend == BackendKind::kNccl && cpu) throw ConfigError("cluster.backend = nccl needs cluster.device = cuda");
+
+  rank = env.rank();
+  world = env.size();
+  if (world != cfg.roles.actor.gpus)
+    throw ConfigError(fmt::format("tiller {} trains roles.actor over every rank: roles.actor.gpus = {}, the job has {} "
+                                  "ranks; run it with mpirun -np {}",
+                                  name, cfg.roles.actor.gpus, world, cfg.roles.actor.gpus));
+  log::init(rank, name, log::parse_level(cfg.logging.level, "logging.level"));
+  world_comm_ = env.world(cfg.timeouts.startup_s);
+  const dist::NodeMap nodes = env.node_map(static_cast<int>(cfg.cluster.gpus_per_node), cpu, cfg.timeouts.startup_s);
+  if (!cpu) {
+    const int gpu = nodes.local_position(rank).index % gpus;
+    device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(gpu));
+    c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);
+  }
+  if (backend == BackendKind::kNccl) {
+    device_comm_ = dist::MpiEnv::nccl(*world_comm_, device.index(), name, cfg.timeouts.startup_s);
+    comm_ = device_comm_.get();
+  } else {
+    comm_ = world_comm_.get();
+  }
+  comm_->set_timeout(cfg.timeouts.collective_s);
+  world_comm_->set_timeout(cfg.timeouts.collective_s);
+
+  if (cfg.roles.actor.model.empty()) throw ConfigError(fmt::format("roles.actor.model: tiller {} needs the model to train", name));
+  model_config = model::load_model_config(cfg.roles.actor.model);
+  attention_tokens = model::attention_cost_tokens(model_config);
+  model = std::make_unique<zero::ShardedModel>(
+      model_config, *comm_, zero::role_options("actor", cfg.roles.actor, cfg.train, true, head, device));
+  sp = static_cast<int>(cfg.roles.actor.sequence_parallel);
+  if (sp > 1) {
+    zero::check_sequence_parallel(model_config, sp, "roles.actor.sequence_parallel");
+    sequence_group_ = comm_->split(rank / sp, rank, name + ".sequence");
+    model->set_sequence_group(*sequence_group_);
+  }
+  sp_rank = rank % sp;
+  dp = world / sp;
+  dp_rank = rank / sp;
+
+  if (rank == 0) {
+    const std::string out = cfg.run.output_dir;
+    jsonl_ = std::make_unique<rollout::JsonlWriter>(cfg.logging.metrics_jsonl.empty() ? out + "/metrics.jsonl"
+                                                                                       : cfg.logging.metrics_jsonl);
+    tensorboard_ = std::make_unique<rollout::TensorBoardWriter>(
+        cfg.logging.tensorboard_dir.empty() ? out + "/tensorboard" : cfg.logging.tensorboard_dir);
+    log::info("tiller {}: rank 0 pid {}; {} ranks on {} ({} backend), sequence groups of {}, model {}", name,
+              static_cast<int64_t>(getpid()), world, cpu ? "CPU" : "GPUs", comm_->backend(), sp, cfg.roles.actor.model);
+  }
+  watcher_ = std::make_unique<StopSignalWatcher>([this] { stop_requested_ = true; });
+}
+
+OfflineRun::~OfflineRun() = default;
+
+int64_t OfflineRun::budget() const { return cfg.train.micro_batch_tokens * sp; }
+
+HeldOutSplit OfflineRun::split(int64_t data_size, int64_t eval_file_size, const char* what) const {
+  HeldOutSplit s;
+  if (eval_file_size >= 0) {
+    for (int64_t i = 0; i < data_size; ++i) s.train.push_back(i);
+    for (int64_t i = 0; i < eval_file_size; ++i) s.eval.push_back(i);
+    return s;
+  }
+  if (cfg.offline.eval_samples >= data_size)
+    throw ConfigError(fmt::format("offline.eval_samples = {}: {} holds {} usable {}; hold out fewer",
+                                  cfg.offline.eval_samples, cfg.offline.data, data_size, what));
+  return held_out_split(data_size, cfg.offline.eval_samples, static_cast<uint64_t>(cfg.run.seed));
+}
+
+OfflineRun::Batch OfflineRun::next_batch(rollout::EpochOrder& order) {
+  const int64_t n = order.size();
+  Batch b;
+  b.at_start = order.cursor();
+  if (b.at_start.position == n) b.at_start = {b.at_start.epoch + 1, 0};  // the next epoch starts with this step
+  b.picks = order.next(std::min(cfg.train.train_batch_size, n - b.at_start.position));
+  b.epochs_done = static_cast<double>(b.at_start.epoch) +
+                  static_cast<double>(b.at_start.position + static_cast<int64_t>(b.picks.size())) / static_cast<double>(n);
+  return b;
+}
+
+rollout::Metrics OfflineRun::step_metrics(const StepOutcome& st, const Batch& b, double tokens, double seconds) const {
+  return {{"train/tokens", tokens},
+          {"train/grad_norm", st.grad_norm},
+          {"train/clip_factor", st.clip_factor},
+          {"train/skipped", st.skipped ? 1.0 : 0.0},
+          {"train/lr", st.lr},
+          {"epoch", b.epochs_done},
+          {"time/step", seconds},
+          {"throughput/tokens_per_s_per_gpu", tokens / seconds / static_cast<double>(world)}};
+}
+
+SftDataOptions sft_options(const JobConfig& cfg, const model::Tokenizer& tok, const model::ModelConfig& mc,
+                           const std::string& path_key) {
+  SftDataOptions o;
+  o.messages_key = cfg.offline.messages_key;
+  o.prompt_key = cfg.offline.prompt_key;
+  o.response_key = cfg.offline.response_key;
+  o.input_template = cfg.data.input_template;
+  o.chat = cfg.data.apply_chat_template ? model::parse_chat_format("auto", tok) : model::ChatFormat::kNone;
+  const std::vector<int64_t> eos = model::eos_token_ids(cfg.roles.actor.model, mc, tok);
+  if (!eos.empty()) o.eos_id = eos.front();
+  o.max_tokens = cfg.offline.max_tokens;
+  o.long_samples = static_cast<LongSamples>(static_cast<int>(cfg.offline.long_samples));
+  o.max_samples = cfg.data.max_samples;
+  o.path_key = path_key;
+  return o;
+}
+
+PreferenceDataOptions preference_options(const JobConfig& cfg, const model::Tokenizer& tok,
+                                         const model::ModelConfig& mc, const std::string& path_key) {
+  const SftDataOptions s = sft_options(cfg, tok, mc, path_key);
+  PreferenceDataOptions o;
+  o.prompt_key = cfg.offline.prompt_key;
+  o.chosen_key = cfg.offline.chosen_key;
+  o.rejected_key = cfg.offline.rejected_key;
+  o.margin_key = cfg.offline.margin_key;
+  o.input_template = s.input_template;
+  o.chat = s.chat;
+  o.eos_id = s.eos_id;
+  o.max_tokens = s.max_tokens;
+  o.long_samples = s.long_samples;
+  o.max_samples = s.max_samples;
+  o.path_key = path_key;
+  return o;
+}
+
+int64_t OfflineRun::start(const OfflineOptions& options, int64_t dataset_size, rollout::EpochOrder& order) {
+  if (options.require_resume && !checkpoints_.enabled())
+    throw ConfigError("--resume: checkpoint.dir is empty; set it to the directory the run saved into");
+  if (checkpoints_.enabled() && (cfg.checkpoint.resume || options.require_resume)) {
+    if (const auto latest = checkpoints_.latest()) {
+      const auto& [entry, state] = *latest;
+      if (state.dataset_size != dataset_size)
+        throw ConfigError(fmt::format("checkpoint {} was made with {} training samples and offline.data now gives {}; "
+                                      "resume on the same data, or start in an empty checkpoint.dir",
+                                      entry.dir, state.dataset_size, dataset_size));
+      zero::load_checkpoint(*model, entry.dir + "/actor");
+      order.seek({state.dataset_epoch, state.dataset_position}, "offline.data");
+      saved_step_ = entry.step;
+      if (rank == 0) log::info("resumed from {} (step {})", entry.dir, entry.step);
+      return entry.step;
+    }
+    if (options.require_resume)
+      throw ConfigError(fmt::format("--resume: no complete checkpoint in {} (checkpoint.dir)", checkpoints_.root()));
+  }
+  if (head == model::Head::kLm) {
+    model->load_hf(cfg.roles.actor.model);
+    return 0;
+  }
+  model::CheckpointReader reader(cfg.roles.actor.model);
+  model::NamedTensors named = reader.all();
+  if (!named.count("score.weight")) {
+    // Every rank draws the same head (a seeded CPU generator) and keeps its shard of it.
+    at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(cfg.run.seed));
+    const double std = 1.0 / static_cast<double>(model_config.hidden_size + 1);
+    named["score.weight"] = at::empty({1, model_config.hidden_size}, at::kFloat).normal_(0.0, std, gen);
+    if (rank == 0) log::info("{} has no value head; starting one (normal, std {:.3g})", cfg.roles.actor.model, std);
+  }
+  model->load(named, cfg.roles.actor.model);
+  return 0;
+}
+
+int64_t OfflineRun::total_steps(int64_t samples) const {
+  const int64_t batch = cfg.train.train_batch_size;
+  const int64_t total = (samples + batch - 1) / batch * cfg.offline.epochs;
+  return cfg.offline.max_steps > 0 ? std::min(total, cfg.offline.max_steps) : total;
+}
+
+void OfflineRun::plan_schedule(int64_t total_steps) {
+  schedule_.kind = cfg.train.lr_schedule;
+  schedule_.warmup_steps = cfg.train.warmup_steps;
+  schedule_.total_steps = std::max<int64_t>(1, total_steps);
+  schedule_.min_ratio = cfg.train.min_lr_ratio;
+}
+
+OfflineRun::StepOutcome OfflineRun::optimizer_step(int64_t step) {
+  StepOutcome o;
+  o.lr = cfg.train.actor_lr * schedule_.factor(step);
+  const zero::StepResult r = model->step(o.lr);
+  o.grad_norm = r.grad_norm;
+  o.clip_factor = r.clip_factor;
+  o.skipped = r.skipped;
+  return o;
+}
+
+at::Tensor OfflineRun::sum(const at::Tensor& t) {
+  at::Tensor x = t.to(device, at::kDouble).contiguous();
+  comm_->all_reduce(x)->wait();
+  return x.cpu();
+}
+
+void OfflineRun::log_metrics(int64_t step, const rollout::Metrics& metrics) {
+  if (rank != 0) return;
+  jsonl_->write(step, metrics);
+  tensorboard_->scalars(step, metrics);
+}
+
+bool OfflineRun::stop_agreed() {
+  at::Tensor flag = at::tensor({stop_requested_.load() ? 1 : 0}, at::kInt);
+  world_comm_->all_reduce(flag, dist::ReduceOp::kMax)->wait();
+  stopped_ = flag.item<int>() > 0;
+  return stopped_;
+}
+
+void OfflineRun::save(int64_t step, const rollout::DatasetCursor& cursor, int64_t dataset_size) {
+  at::Tensor ok = at::ones({1}, at::kInt);
+  if (rank == 0) checkpoints_.begin(step);  // the step's directory, incomplete until commit
+  world_comm_->all_reduce(ok)->wait();      // every rank sees it before writing into it
+  zero::SaveOptions so;
+  so.source_model = cfg.roles.actor.model;
+  zero::save_checkpoint(*model, checkpoints_.dir(step) + "/actor", so);
+  if (rank == 0) {
+    rollout::ControllerState st;
+    st.step = step;
+    st.actor_updates = step;
+    st.dataset_epoch = cursor.epoch;
+    st.dataset_position = cursor.position;
+    st.dataset_size = dataset_size;
+    checkpoints_.commit(step, st);
+    log::info("step {}: checkpoint {}", step, checkpoints_.dir(step));
+  }
+  world_comm_->all_reduce(ok)->wait();
+  saved_step_ = step;
+}
+
+void OfflineRun::maybe_save(int64_t step, const rollout::DatasetCursor& cursor, int64_t dataset_size, bool force) {
+  if (!checkpoints_.enabled() || step == saved_step_) return;
+  const int64_t every = cfg.checkpoint.every_steps;
+  if (force || (every > 0 && step % every == 0)) save(step, cursor, dataset_size);
+}
+
+void OfflineRun::export_model(const std::string& checkpoint) {
+  const std::string out = cfg.offline.export_dir.empty() ? cfg.run.output_dir + "/model" : cfg.offline.export_dir;
+  if (rank == 0) {
+    zero::export_hf(checkpoint, out,
+                    cfg.roles.actor.dtype == Precision::kFp32 ? at::kFloat : at::kBFloat16);
+    log::info("exported the trained model to {} (loads as {})", out,
+              head == model::Head::kValue ? "roles.reward.model" : "roles.actor.model");
+  }
+  at::Tensor ok = at::ones({1}, at::kInt);
+  world_comm_->all_reduce(ok)->wait();
+}
+
+int OfflineRun::finish(int64_t steps_done, int64_t total, int64_t dataset_size, const rollout::DatasetCursor& cursor) {
+  if (steps_done < total) {  // stopped by a signal
+    if (checkpoints_.enabled()) {
+      maybe_save(steps_done, cursor, dataset_size, /*force=*/true);
+      if (rank == 0) log::info("stopped after step {} of {}; tiller {} --resume continues from the checkpoint", steps_done, total, name);
+    } else if (rank == 0) {
+      log::warn("stopped after step {} of {}; nothing saved (checkpoint.dir is empty)", steps_done, total);
+    }
+    return 0;
+  }
+  if (checkpoints_.enabled()) {
+    maybe_save(steps_done, cursor, dataset_size, /*force=*/true);
+    export_model(checkpoints_.dir(steps_done) + "/actor");
+    return 0;
+  }
+  // No checkpoint directory: a transient checkpoint of the final state is what the export reads.
+  const std::string tmp = cfg.run.output_dir + "/.final_checkpoint";
+  zero::SaveOptions so;
+  so.source_model = cfg.roles.actor.model;
+  zero::save_checkpoint(*model, tmp, so);
+  export_model(tmp);
+  if (rank == 0) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+  }
+  return 0;
+}
+
+}  // namespace tiller::offline

@@ -1,0 +1,138 @@
+// What the offline trainers share (private to src/offline): the ranks' devices and communicators,
+// the trained model (roles.actor, ZeRO-3 over every rank, sequence groups of
+// roles.actor.sequence_parallel), the learning-rate schedule and the optimizer step, metrics
+// (JSONL, TensorBoard, rank 0), checkpoints under checkpoint.dir with the data cursor (the
+// controller's step_NNNNNN layout, so `tiller launch` resumes them), SIGINT/SIGTERM as a clean
+// stop, and the HF export at the end.
+//
+// Collective contract: every rank constructs it and calls start, optimizer_step, sum,
+// stop_agreed, maybe_save and finish in the same order.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "controller/checkpoint_manager.h"
+#include "offline/preference_data.h"
+#include "offline/sft_data.h"
+#include "tiller/core/signals.h"
+#include "tiller/dist/communicator.h"
+#include "tiller/model/model_config.h"
+#include "tiller/rollout/epoch_order.h"
+#include "tiller/rollout/metrics.h"
+#include "tiller/zero/optimizer.h"
+#include "tiller/zero/sharded_model.h"
+
+namespace tiller {
+struct JobConfig;
+}
+namespace tiller::dist {
+class MpiEnv;
+}
+
+namespace tiller::offline {
+
+struct OfflineOptions;
+
+class OfflineRun {
+ public:
+  // Devices, communicators and the (empty) model with `head` (the LM head, or a reward model's
+  // value head); `name` is the command ("sft"). ConfigError when the job's ranks are not
+  // roles.actor.gpus, or the device or backend cannot be had.
+  OfflineRun(const JobConfig& cfg, dist::MpiEnv& env, const std::string& name, model::Head head = model::Head::kLm);
+  ~OfflineRun();
+  OfflineRun(const OfflineRun&) = delete;
+  OfflineRun& operator=(const OfflineRun&) = delete;
+
+  // Loads the newest checkpoint under checkpoint.dir (checkpoint.resume, or --resume, which fails
+  // without one) and moves `order` to its cursor, or else the HF model roles.actor.model (a value
+  // head it lacks starts as OpenRLHF's does: normal, std 1 / (hidden + 1), seeded by run.seed). Returns
+  // the optimizer steps already done. ConfigError when the checkpoint was made on data of another
+  // size (`dataset_size` training samples now).
+  int64_t start(const OfflineOptions& options, int64_t dataset_size, rollout::EpochOrder& order);
+  // The run's steps over `samples` training samples: offline.epochs of ceil(samples /
+  // train.train_batch_size), or offline.max_steps if fewer.
+  int64_t total_steps(int64_t samples) const;
+  // The run's optimizer steps, for the learning-rate schedule (train.lr_schedule over them).
+  void plan_schedule(int64_t total_steps);
+
+  struct StepOutcome {
+    double lr = 0, grad_norm = 0, clip_factor = 1;
+    bool skipped = false;  // a non-finite gradient norm: no update
+  };
+  // Clipping and AdamW at step `step` (from 0) of the schedule.
+  StepOutcome optimizer_step(int64_t step);
+  // `t` (fp64, on the run's device) summed over every rank; returned on the host.
+  at::Tensor sum(const at::Tensor& t);
+  // Rank 0: appends the metrics of `step` to the JSONL file and TensorBoard.
+  void log_metrics(int64_t step, const rollout::Metrics& metrics);
+  // True on every rank once any rank was asked to stop (SIGINT/SIGTERM).
+  bool stop_agreed();
+  // Saves a checkpoint of `step` when checkpoint.every_steps says so, or `force` (checkpoint.dir set).
+  void maybe_save(int64_t step, const rollout::DatasetCursor& cursor, int64_t dataset_size, bool force);
+  // After the loop: a run that did all `total` steps is exported as an HF checkpoint
+  // (offline.export_dir); a stopped one saves where it stands. Returns the exit code.
+  int finish(int64_t steps_done, int64_t total, int64_t dataset_size, const rollout::DatasetCursor& cursor);
+
+  int64_t budget() const;  // tokens of one micro-batch (per sequence group)
+  dist::Communicator& communicator() const { return *comm_; }  // the model's
+
+  // The training and held-out samples: with an offline.eval_data file of `eval_file_size` records
+  // (>= 0), every record of offline.data trains; else offline.eval_samples of its `data_size` are
+  // held out (drawn with run.seed). ConfigError when nothing would be left to train on.
+  HeldOutSplit split(int64_t data_size, int64_t eval_file_size, const char* what) const;
+
+  // One step's samples: positions in the training split's epoch order (an epoch's last step may
+  // take fewer), the cursor where the step started, and the epochs done after it.
+  struct Batch {
+    std::vector<int64_t> picks;
+    rollout::DatasetCursor at_start;
+    double epochs_done = 0;
+  };
+  Batch next_batch(rollout::EpochOrder& order);
+  // The metrics every offline step reports beside its loss's: the optimizer step, the epoch, time
+  // and throughput (`tokens` of the step, every rank's).
+  rollout::Metrics step_metrics(const StepOutcome& st, const Batch& b, double tokens, double seconds) const;
+
+  const JobConfig& cfg;
+  const std::string name;
+  const model::Head head;
+  int rank = 0, world = 1;
+  int sp = 1, sp_rank = 0;   // the sequence group: S ranks, this rank's place in it
+  int dp = 1, dp_rank = 0;   // data-parallel groups (world / S) and this rank's
+  at::Device device = at::kCPU;
+  model::ModelConfig model_config;
+  double attention_tokens = 0;
+
+ private:
+  std::unique_ptr<dist::Communicator> world_comm_, device_comm_, sequence_group_;
+  dist::Communicator* comm_ = nullptr;  // the model's: NCCL on GPUs, else the world
+ public:
+  std::unique_ptr<zero::ShardedModel> model;
+
+ private:
+  void save(int64_t step, const rollout::DatasetCursor& cursor, int64_t dataset_size);
+  void export_model(const std::string& checkpoint);
+
+  zero::LrSchedule schedule_;
+  rollout::CheckpointManager checkpoints_;
+  int64_t saved_step_ = -1;
+  std::unique_ptr<rollout::JsonlWriter> jsonl_;
+  std::unique_ptr<rollout::TensorBoardWriter> tensorboard_;
+  std::atomic<bool> stop_requested_{false};
+  bool stopped_ = false;
+  std::unique_ptr<StopSignalWatcher> watcher_;
+};
+
+// The data options of offline.* and data.* (the chat format from the tokenizer when
+// data.apply_chat_template; its EOS ends plain-text responses); `path_key` names the file's key.
+SftDataOptions sft_options(const JobConfig& cfg, const model::Tokenizer& tok, const model::ModelConfig& mc,
+                           const std::string& path_key);
+PreferenceDataOptions preference_options(const JobConfig& cfg, const model::Tokenizer& tok,
+                                         const model::ModelConfig& mc, const std::string& path_key);
+
+}  // namespace tiller::offline

@@ -1,0 +1,332 @@
+#!/usr/bin/env python3
+"""End-to-end tests of the offline trainers on CPU under mpirun: `tiller sft`
+(configs/sft_quickstart.yaml), `tiller train-rm` (configs/rm_quickstart.yaml) and `tiller dpo`
+(configs/dpo_quickstart.yaml), on the data of scripts/make_sft_data.py.
+
+  check_offline.py TILLER MPIRUN SCRATCH CASE
+
+CASE:
+  learns      one rank: the training loss and the held-out loss fall; metrics in JSONL and
+              TensorBoard; the exported model (run.output_dir/model) loads in transformers and gives
+              the held-out file's loss that tiller reported for it (prompt tokens labelled -100, the
+              mean over the response tokens and EOS), so data, masks, loss and export agree.
+  sharded     ZeRO-3 over 2 ranks, and 2 ranks sharing each micro-batch (sequence parallelism),
+              give the losses, gradient norms and held-out losses of one rank, step for step.
+  resume      --resume from the step-10 checkpoint of a run (copied alone into a fresh directory)
+              gives that run's steps 11 to the end exactly; SIGTERM to rank 0 of two stops both ranks
+              after the step, which is saved, with exit 0; --resume with no checkpoint is refused.
+  chat        conversations (data/sft/toy_chat.jsonl, ChatML, some with two assistant turns) with the
+              sequence mean: the loss falls; a parquet twin of the file gives the same losses.
+  bad_inputs  a malformed line (named by file:line), a missing offline.data, and a rank count that is
+              not roles.actor.gpus: each ends with one clear line and a non-zero exit.
+  reward_model  tiller train-rm on pairs labelled by a hidden rule: the held-out accuracy rises
+              above 0.8 and the loss falls; ZeRO-3 over 2 ranks gives one rank's losses; the export
+              has a value head, and tiller train loads it as roles.reward.model (a GRPO step with
+              reward.type model runs); per-pair margins shift the loss.
+  dpo         tiller dpo: the held-out reward accuracy rises above 0.8 with the reference's
+              log-probs precomputed, and the reference on the fly gives the same losses; IPO and
+              cDPO run; 2 ranks give one rank's losses.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TILLER, MPIRUN, SCRATCH, CASE = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+REPO = Path(__file__).resolve().parents[2]
+FIX = SCRATCH / "fixture"
+MODEL = FIX / "tiny-qwen2"
+DATA = FIX / "sft"
+
+
+def fail(msg):
+    print(f"FAIL ({CASE}): {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def fixture():
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart.py"), str(MODEL), str(FIX / "prompts.jsonl")],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_sft_data.py"), str(DATA)], check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+def command(np_, out, *sets, extra=(), cmd="sft"):
+    config = {"sft": "sft_quickstart.yaml", "train-rm": "rm_quickstart.yaml", "dpo": "dpo_quickstart.yaml"}[cmd]
+    data = DATA / ("toy.jsonl" if cmd == "sft" else "toy_pairs.jsonl")
+    args = [MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", str(np_), TILLER, cmd, "-c",
+            str(REPO / "configs" / config), *extra]
+    for s in [f"roles.actor.model={MODEL}", f"offline.data={data}", f"run.output_dir={out}",
+              f"checkpoint.dir={out}/checkpoints", f"roles.actor.gpus={np_}"] + list(sets):
+        args += ["--set", s]
+    return args
+
+
+def run(np_, out, *sets, extra=(), fresh=True, expect=0, cmd="sft"):
+    if fresh:
+        shutil.rmtree(out, ignore_errors=True)
+    p = subprocess.run(command(np_, out, *sets, extra=extra, cmd=cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=300)
+    if expect is not None and p.returncode != expect:
+        fail(f"exit code {p.returncode} (wanted {expect}):\n{p.stdout[-4000:]}")
+    return p.stdout
+
+
+def metrics(out):
+    return [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def series(rows, key):
+    return [(r["step"], r[key]) for r in rows if key in r]
+
+
+def close(a, b, rel):
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def split_eval_file():
+    """The last 40 records of toy.jsonl as a held-out file; the first 360 for training."""
+    lines = (DATA / "toy.jsonl").read_text().splitlines(keepends=True)
+    (DATA / "train.jsonl").write_text("".join(lines[:360]))
+    (DATA / "eval.jsonl").write_text("".join(lines[360:]))
+
+
+def transformers_eval_loss(model_dir, eval_path):
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    eos = json.loads((Path(model_dir) / "generation_config.json").read_text())["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    nll, count = 0.0, 0
+    for line in Path(eval_path).read_text().splitlines():
+        rec = json.loads(line)
+        prompt = tok.encode(rec["prompt"], add_special_tokens=False).ids
+        response = tok.encode(rec["response"], add_special_tokens=False).ids + [eos]
+        ids = torch.tensor([prompt + response])
+        labels = torch.tensor([[-100] * len(prompt) + response])
+        with torch.no_grad():
+            logits = model(ids).logits.float()
+        lp = torch.log_softmax(logits[0, :-1], -1)
+        tgt = labels[0, 1:]
+        keep = tgt != -100
+        nll -= lp[keep.nonzero()[:, 0], tgt[keep]].sum().item()
+        count += int(keep.sum())
+    return nll / count
+
+
+def case_learns():
+    split_eval_file()
+    out = SCRATCH / "learns"
+    log = run(1, out, f"offline.data={DATA / 'train.jsonl'}", f"offline.eval_data={DATA / 'eval.jsonl'}")
+    if "0 skipped over offline.max_tokens" not in log:
+        fail("samples were skipped; the transformers check assumes none:\n" + log[-2000:])
+    rows = metrics(out)
+    loss = series(rows, "train/loss")
+    ev = series(rows, "eval/loss")
+    if [s for s, _ in loss] != list(range(1, 25)):
+        fail(f"steps {[s for s, _ in loss]}")
+    if not loss[-1][1] < 0.6 * loss[0][1]:
+        fail(f"the training loss did not fall: {loss}")
+    if [s for s, _ in ev] != [10, 20, 24] or not ev[-1][1] < ev[0][1]:
+        fail(f"held-out losses {ev}")
+    tb = list((out / "tensorboard").glob("events.out.tfevents.*"))
+    if len(tb) != 1 or tb[0].stat().st_size < 1000:
+        fail(f"TensorBoard events: {tb}")
+    model_dir = out / "model"
+    for f in ["config.json", "model.safetensors", "tokenizer.json"]:
+        if not (model_dir / f).exists():
+            fail(f"export lacks {f}")
+    ref = transformers_eval_loss(model_dir, DATA / "eval.jsonl")
+    print(f"learns: train loss {loss[0][1]:.3f} -> {loss[-1][1]:.3f}; held-out {ev[0][1]:.4f} -> {ev[-1][1]:.4f}; "
+          f"transformers on the export: {ref:.6f}")
+    if not close(ref, ev[-1][1], 1e-4):
+        fail(f"transformers gives {ref} on the held-out file, tiller reported {ev[-1][1]}")
+
+
+def case_sharded():
+    base = metrics_of(1, "np1")
+    for np_, sp, name in [(2, 1, "np2"), (2, 2, "sp2")]:
+        other = metrics_of(np_, name, f"roles.actor.sequence_parallel={sp}")
+        for key, rel in [("train/loss", 1e-5), ("train/grad_norm", 1e-4), ("eval/loss", 1e-5)]:
+            a, b = series(base, key), series(other, key)
+            if [s for s, _ in a] != [s for s, _ in b] or not all(close(x, y, rel) for (_, x), (_, y) in zip(a, b)):
+                fail(f"{name}: {key} differs from one rank's:\n{a}\n{b}")
+        print(f"sharded: {name} equals one rank over {len(series(base, 'train/loss'))} steps")
+
+
+def metrics_of(np_, name, *sets):
+    out = SCRATCH / name
+    run(np_, out, "checkpoint.dir=", *sets)
+    return metrics(out)
+
+
+def case_resume():
+    full = SCRATCH / "full"
+    run(1, full, "checkpoint.keep_last=3")
+    part = SCRATCH / "part"
+    shutil.rmtree(part, ignore_errors=True)
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "step_000010", part / "checkpoints" / "step_000010")
+    run(1, part, extra=["--resume"], fresh=False)
+    a = [x for x in series(metrics(full), "train/loss") if x[0] > 10]
+    b = series(metrics(part), "train/loss")
+    if a != b:
+        fail(f"resumed losses differ from the uninterrupted run's:\n{a}\n{b}")
+    # SIGTERM to rank 0 of two mid-run: both ranks finish the step, save it and exit 0.
+    stop = SCRATCH / "stop"
+    shutil.rmtree(stop, ignore_errors=True)
+    p = subprocess.Popen(command(2, stop, "offline.epochs=200", "checkpoint.every_steps=0"), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    lines, pid = [], None
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"rank 0 pid (\d+)", line)
+        if m:
+            pid = int(m.group(1))
+        if pid and re.search(r"step 5/", line):
+            os.kill(pid, signal.SIGTERM)
+            break
+    if pid is None:
+        p.kill()
+        fail("no pid line or step 5:\n" + "".join(lines)[-3000:])
+    try:
+        rest, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        fail("the job did not end after SIGTERM (a hang)")
+    log = "".join(lines) + rest
+    saved = sorted((stop / "checkpoints").glob("step_*"))
+    if p.returncode != 0 or len(saved) != 1 or "--resume continues" not in log:
+        fail(f"SIGTERM: exit {p.returncode}, checkpoints {saved}:\n{log[-3000:]}")
+    print(f"resume: steps 11-24 equal after --resume; SIGTERM saved {saved[0].name}")
+    log = run(1, SCRATCH / "none", extra=["--resume"], expect=2)
+    if "--resume: no complete checkpoint in" not in log:
+        fail("--resume without a checkpoint:\n" + log[-2000:])
+
+
+def case_chat():
+    out = SCRATCH / "chat"
+    sets = [f"offline.data={DATA / 'toy_chat.jsonl'}", "data.apply_chat_template=true", "offline.loss_mean=sequence",
+            "offline.max_tokens=256",
+            "checkpoint.dir="]
+    run(1, out, *sets)
+    loss = series(metrics(out), "train/loss")
+    if not loss[-1][1] < 0.6 * loss[0][1]:
+        fail(f"the chat loss did not fall: {loss}")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [json.loads(l) for l in (DATA / "toy_chat.jsonl").read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(rows), DATA / "toy_chat.parquet")
+    out2 = SCRATCH / "chat_parquet"
+    run(1, out2, *(sets + [f"offline.data={DATA / 'toy_chat.parquet'}"]))
+    if series(metrics(out2), "train/loss") != loss:
+        fail("the parquet twin's losses differ from the JSONL file's")
+    print(f"chat: sequence-mean loss {loss[0][1]:.3f} -> {loss[-1][1]:.3f}; parquet equal")
+
+
+def case_bad_inputs():
+    bad = DATA / "bad.jsonl"
+    lines = (DATA / "toy.jsonl").read_text().splitlines()
+    bad.write_text("\n".join(lines[:3] + ['{"prompt": "x", "response": '] + lines[3:50]) + "\n")
+    checks = [
+        (1, [f"offline.data={bad}"], f"{bad}:4:"),
+        (1, ["offline.data="], "offline.data: tiller sft needs a data file"),
+    ]
+    for np_, sets, want in checks:
+        log = run(np_, SCRATCH / "bad", *sets, expect=None)
+        line = [l for l in log.splitlines() if l.startswith("tiller: error")]
+        if not line or want not in line[0]:
+            fail(f"{sets}: wanted one line with '{want}':\n{log[-2000:]}")
+    p = subprocess.run(command(2, SCRATCH / "bad", "roles.actor.gpus=1"), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=120)
+    if p.returncode == 0 or "roles.actor.gpus = 1, the job has 2 ranks; run it with mpirun -np 1" not in p.stdout:
+        fail("a rank count that is not roles.actor.gpus:\n" + p.stdout[-2000:])
+    print("bad_inputs: each refused with one line")
+
+
+def case_reward_model():
+    out = SCRATCH / "rm"
+    log = run(1, out, cmd="train-rm")
+    rows = metrics(out)
+    loss, acc = series(rows, "train/loss"), series(rows, "eval/accuracy")
+    print(f"reward_model: loss {loss[0][1]:.3f} -> {loss[-1][1]:.3f}; held-out accuracy {acc}")
+    if not (loss[-1][1] < loss[0][1] and acc[-1][1] > 0.8):
+        fail(f"the reward model did not learn the rule: losses {loss}, accuracy {acc}\n{log[-2000:]}")
+    two = run(2, SCRATCH / "rm2", "checkpoint.dir=", cmd="train-rm")
+    b = series(metrics(SCRATCH / "rm2"), "train/loss")
+    if not all(close(x, y, 1e-5) for (_, x), (_, y) in zip(loss, b)) or len(b) != len(loss):
+        fail(f"2 ranks differ from one:\n{loss}\n{b}")
+    from safetensors import safe_open
+    with safe_open(str(out / "model" / "model.safetensors"), "pt") as f:
+        if "score.weight" not in f.keys():
+            fail("the exported reward model has no score.weight")
+    # The export as tiller train's reward model: one GRPO step with reward.type model.
+    rl = SCRATCH / "rl"
+    shutil.rmtree(rl, ignore_errors=True)
+    args = [MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", "4", TILLER, "train", "-c",
+            str(REPO / "configs" / "quickstart.yaml")]
+    for s in [f"roles.actor.model={MODEL}", "roles.critic.enabled=false", "algo.advantage_estimator=group_norm",
+              "reward.type=model", "roles.reward.enabled=true", f"roles.reward.model={out / 'model'}",
+              "roles.reward.dtype=fp32", f"data.prompts={FIX / 'prompts.jsonl'}", f"run.output_dir={rl}",
+              "checkpoint.dir=", "train.num_steps=2", "timeouts.startup_s=120"]:
+        args += ["--set", s]
+    p = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    if p.returncode != 0 or len(metrics(rl)) != 2:
+        fail(f"tiller train with the trained reward model: exit {p.returncode}\n{p.stdout[-3000:]}")
+    # Margins: a margin of 1 on every pair raises the first step's loss (same weights, same batch).
+    pairs = [json.loads(l) for l in (DATA / "toy_pairs.jsonl").read_text().splitlines()]
+    (DATA / "margins.jsonl").write_text("".join(json.dumps({**p, "margin": 1.0}) + "\n" for p in pairs))
+    run(1, SCRATCH / "rm_margin", f"offline.data={DATA / 'margins.jsonl'}", "checkpoint.dir=", "offline.max_steps=1",
+        cmd="train-rm")
+    run(1, SCRATCH / "rm_nomargin", "checkpoint.dir=", "offline.max_steps=1", cmd="train-rm")
+    with_m = series(metrics(SCRATCH / "rm_margin"), "train/loss")[0][1]
+    without = series(metrics(SCRATCH / "rm_nomargin"), "train/loss")[0][1]
+    if not with_m > without:
+        fail(f"margins did not raise the loss: {with_m} vs {without}")
+    print(f"reward_model: 2 ranks equal; exported value head loads in tiller train; margin loss {with_m:.3f} > {without:.3f}")
+
+
+def case_dpo():
+    out = SCRATCH / "dpo"
+    log = run(1, out, cmd="dpo")
+    rows = metrics(out)
+    loss, acc = series(rows, "train/loss"), series(rows, "eval/reward_accuracy")
+    print(f"dpo: loss {loss[0][1]:.4f} -> {loss[-1][1]:.4f}; held-out reward accuracy {acc}")
+    if not (loss[-1][1] < loss[0][1] and acc[-1][1] > 0.8):
+        fail(f"DPO did not learn the preference: losses {loss}, accuracy {acc}\n{log[-2000:]}")
+    if "the reference is freed" not in log:
+        fail("the precomputed reference was not freed")
+    fly = SCRATCH / "dpo_fly"
+    run(1, fly, "offline.dpo_reference=on_the_fly", "checkpoint.dir=", cmd="dpo")
+    b = series(metrics(fly), "train/loss")
+    if not all(close(x, y, 1e-6) for (_, x), (_, y) in zip(loss, b)) or len(b) != len(loss):
+        fail(f"the reference on the fly differs from the precomputed one:\n{loss}\n{b}")
+    two = SCRATCH / "dpo2"
+    run(2, two, "checkpoint.dir=", cmd="dpo")
+    c = series(metrics(two), "train/loss")
+    if not all(close(x, y, 1e-5) for (_, x), (_, y) in zip(loss, c)) or len(c) != len(loss):
+        fail(f"2 ranks differ from one:\n{loss}\n{c}")
+    for sets in (["offline.dpo_loss=ipo"], ["offline.dpo_label_smoothing=0.1"]):
+        run(1, SCRATCH / "dpo_variant", "checkpoint.dir=", "offline.max_steps=3", *sets, cmd="dpo")
+    print("dpo: on the fly equals precomputed; 2 ranks equal; IPO and cDPO run")
+
+
+def main():
+    fixture()
+    {"learns": case_learns, "sharded": case_sharded, "resume": case_resume, "chat": case_chat,
+     "bad_inputs": case_bad_inputs, "reward_model": case_reward_model, "dpo": case_dpo}[CASE]()
+
+
+if __name__ == "__main__":
+    main()
