@@ -9,6 +9,8 @@
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/model/model_config.h"
+#include "tiller/offline/offline.h"
 #include "tiller/rollout/memory_plan.h"
 
 namespace tiller::cli {
@@ -31,6 +33,49 @@ std::vector<int> parse_node_gpus(const std::string& list) {
   return out;
 }
 
+// tiller plan --command sft|train-rm|dpo: roles.actor.gpus ranks, one per GPU, filling the nodes in
+// order; the trained model's memory plan (offline_run.h).
+int plan_offline(const JobConfig& config, const std::string& command, const std::string& path,
+                 const std::vector<std::string>& overrides, const std::vector<int>& gpus, int64_t gpu_bytes) {
+  const int64_t world = config.roles.actor.gpus;
+  int64_t have = 0;
+  for (int g : gpus) have += g;
+  if (have < world)
+    throw ConfigError(fmt::format("tiller {}: roles.actor.gpus = {} ranks need {} GPUs; the nodes have {}", command, world,
+                                  world, have));
+  std::string out = fmt::format("# {}: {} ranks, tiller {} (ZeRO-3 over all, sequence groups of {}; no controller, "
+                                "no engines)\n\n rank  node  gpu  role\n",
+                                path, world, command, config.roles.actor.sequence_parallel);
+  std::string hostfile;
+  int64_t r = 0;
+  for (size_t n = 0; n < gpus.size() && r < world; ++n) {
+    const int64_t here = std::min<int64_t>(gpus[n], world - r);
+    for (int64_t g = 0; g < here; ++g, ++r) out += fmt::format("{:>5}  {:>4}  {:>3}  {}\n", r, n, g, command == "train-rm" ? "reward model" : "actor");
+    hostfile += fmt::format("node{} slots={}\n", n, here);
+  }
+  const bool multi = gpus.size() > 1 && world > gpus[0];
+  if (multi) out += "\nhostfile 'hosts' (replace nodeN with your host names):\n" + hostfile;
+  out += fmt::format("\nlaunch:\n  mpirun -np {}{} --bind-to none -x NCCL_NVLS_ENABLE=0 -x TORCH_SYMM_MEM_DISABLE_MULTICAST=1 "
+                     "-x NVSHMEM_DISABLE_NVLS=1 tiller {} -c {}",
+                     world, multi ? " --hostfile hosts" : "", command, path);
+  for (const std::string& kv : overrides) out += " --set " + kv;
+  out += "\n";
+  model::ModelConfig shape;
+  try {
+    shape = model::load_model_config(config.roles.actor.model);
+  } catch (const std::exception&) {
+    out += fmt::format("\nmemory plan: skipped, the model's config.json cannot be read here: {}\n", config.roles.actor.model);
+    std::fputs(out.c_str(), stdout);
+    return 0;
+  }
+  const rollout::MemoryPlan memory = offline::offline_memory_plan(config, shape, gpu_bytes, command, /*check=*/false);
+  out += "\n" + memory.table();
+  std::fputs(out.c_str(), stdout);
+  std::fflush(stdout);
+  offline::offline_memory_plan(config, shape, gpu_bytes, command, /*check=*/gpu_bytes > 0);  // exit 2 when it cannot fit
+  return 0;
+}
+
 }  // namespace
 
 void add_plan_command(CLI::App& app, Runner& run) {
@@ -42,6 +87,7 @@ void add_plan_command(CLI::App& app, Runner& run) {
     int gpus_per_node = 8;
     std::string node_gpus;
     double gpu_memory_gb = -1;
+    std::string command = "train";
   };
   auto o = std::make_shared<Options>();
   cmd->add_option("-c,--config", o->config, "Job config (YAML)")->required();
@@ -52,11 +98,18 @@ void add_plan_command(CLI::App& app, Runner& run) {
   cmd->add_option("--gpu-memory-gb", o->gpu_memory_gb,
                   "GPU memory in GiB to check the memory plan against (default: cluster.gpu_memory_gb)")
       ->check(CLI::Range(1.0, 65536.0));
+  cmd->add_option("--command", o->command,
+                  "The command the config is for: train (default), or sft, train-rm, dpo (every rank trains roles.actor)")
+      ->check(CLI::IsMember({"train", "sft", "train-rm", "dpo"}));
   cmd->callback([&run, o] {
     run = [o] {
       JobConfig config = algo::load_job(o->config, o->overrides);
       std::vector<int> gpus = o->node_gpus.empty() ? std::vector<int>(o->nodes, o->gpus_per_node)
                                                    : parse_node_gpus(o->node_gpus);
+      if (o->command != "train") {
+        const double gb = o->gpu_memory_gb > 0 ? o->gpu_memory_gb : config.cluster.gpu_memory_gb;
+        return plan_offline(config, o->command, o->config, o->overrides, gpus, static_cast<int64_t>(gb * (1ull << 30)));
+      }
       const int world = dist::required_world_size(config);
       const int per_gpu = static_cast<int>(config.cluster.ranks_per_gpu);
       dist::NodeMap nodes = dist::NodeMap::fill_by_slot(gpus, world, per_gpu);

@@ -17,6 +17,7 @@
 #include "tiller/dist/mpi_env.h"
 #include "tiller/dist/rank_plan.h"
 #include "tiller/model/chat_template.h"
+#include "tiller/model/storage_swap.h"
 #include "tiller/model/tokenizer.h"
 #include "tiller/model/safetensors.h"
 #include "tiller/offline/offline.h"
@@ -66,8 +67,21 @@ OfflineRun::OfflineRun(const JobConfig& c, dist::MpiEnv& env, const std::string&
   if (cfg.roles.actor.model.empty()) throw ConfigError(fmt::format("roles.actor.model: tiller {} needs the model to train", name));
   model_config = model::load_model_config(cfg.roles.actor.model);
   attention_tokens = model::attention_cost_tokens(model_config);
-  model = std::make_unique<zero::ShardedModel>(
-      model_config, *comm_, zero::role_options("actor", cfg.roles.actor, cfg.train, true, head, device));
+  // The plan before any allocation; every rank takes the least-memory choice of any.
+  int64_t gpu_bytes = static_cast<int64_t>(cfg.cluster.gpu_memory_gb * double(int64_t{1} << 30));
+  if (gpu_bytes == 0 && !cpu) gpu_bytes = model::device_memory(device).total;
+  const rollout::MemoryPlan plan = offline_memory_plan(cfg, model_config, cpu ? 0 : gpu_bytes, name, !cpu);
+  at::Tensor choice = at::tensor({rollout::recompute_order(plan.recompute, plan.recompute_layers),
+                                  plan.keep_compute_shard ? 1.0 : 0.0},
+                                 at::kDouble);
+  world_comm_->all_reduce(choice, dist::ReduceOp::kMin)->wait();
+  const auto [recompute, layers] = rollout::recompute_from_order(choice[0].item<double>());
+  zero::ShardedModelOptions mo = zero::role_options("actor", cfg.roles.actor, cfg.train, true, head, device);
+  mo.recompute = recompute;
+  mo.recompute_layers = layers;
+  mo.keep_compute_shard = choice[1].item<double>() > 0.5;
+  if (rank == 0 && !cpu) log::info("memory plan:\n{}", plan.table());
+  model = std::make_unique<zero::ShardedModel>(model_config, *comm_, mo);
   sp = static_cast<int>(cfg.roles.actor.sequence_parallel);
   if (sp > 1) {
     zero::check_sequence_parallel(model_config, sp, "roles.actor.sequence_parallel");
@@ -127,6 +141,22 @@ rollout::Metrics OfflineRun::step_metrics(const StepOutcome& st, const Batch& b,
           {"epoch", b.epochs_done},
           {"time/step", seconds},
           {"throughput/tokens_per_s_per_gpu", tokens / seconds / static_cast<double>(world)}};
+}
+
+rollout::MemoryPlan offline_memory_plan(const JobConfig& cfg, const model::ModelConfig& shape, int64_t gpu_bytes,
+                                        const std::string& command, bool check) {
+  rollout::MemoryPlan plan =
+      rollout::plan_trainer(cfg, shape, cfg.roles.actor.gpus, cfg.train.micro_batch_tokens, gpu_bytes);
+  if (check) {
+    std::string knobs = "lower train.micro_batch_tokens, raise roles.actor.gpus";
+    if (plan.recompute != zero::Recompute::kBlocks) knobs += ", set train.recompute=blocks";
+    if (plan.keep_compute_shard && cfg.roles.actor.optimizer_offload != OptimizerOffload::kCpu)
+      knobs += ", set train.compute_shard=cast";
+    if (cfg.roles.actor.optimizer_offload != OptimizerOffload::kCpu)
+      knobs += ", or move the optimizer to the host (roles.actor.optimizer_offload=cpu)";
+    rollout::check_trainer_fits(plan, 0, "tiller " + command + ", " + cfg.roles.actor.model, knobs);
+  }
+  return plan;
 }
 
 SftDataOptions sft_options(const JobConfig& cfg, const model::Tokenizer& tok, const model::ModelConfig& mc,

@@ -5,6 +5,11 @@
 // controller's step_NNNNNN layout, so `tiller launch` resumes them), SIGINT/SIGTERM as a clean
 // stop, and the HF export at the end.
 //
+// Memory: the trained model's plan (offline_memory_plan in tiller/offline/offline.h, which `tiller
+// plan --command` prints) resolves
+// train.recompute and train.compute_shard `auto`, every rank taking the least-memory choice of any,
+// and on GPUs a plan that cannot fit is refused before anything is allocated.
+//
 // Collective contract: every rank constructs it and calls start, optimizer_step, sum,
 // stop_agreed, maybe_save and finish in the same order.
 #pragma once
@@ -23,6 +28,7 @@
 #include "tiller/dist/communicator.h"
 #include "tiller/model/model_config.h"
 #include "tiller/rollout/epoch_order.h"
+#include "tiller/rollout/memory_plan.h"
 #include "tiller/rollout/metrics.h"
 #include "tiller/zero/optimizer.h"
 #include "tiller/zero/sharded_model.h"

@@ -16,6 +16,11 @@
 // each group of S consecutive ranks shares a micro-batch.
 #pragma once
 
+#include <cstdint>
+#include <string>
+
+#include "tiller/rollout/memory_plan.h"
+
 namespace tiller {
 struct JobConfig;
 }
@@ -36,5 +41,13 @@ int run_sft(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& optio
 // or log-probs are taken on one rank).
 int run_train_rm(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& options = {});
 int run_dpo(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& options = {});
+
+// The trained model's memory plan (rollout/memory_plan.h: plan_trainer over roles.actor.gpus ranks
+// at train.micro_batch_tokens per rank) on GPUs of `gpu_bytes` (0: no choice by size), as the job
+// plans it at start-up; `tiller plan --command` prints it. A reward model is planned with the LM
+// head (a slight overestimate); DPO's reference on the fly is not counted. With `check`,
+// ConfigError naming what to change when it cannot fit.
+rollout::MemoryPlan offline_memory_plan(const JobConfig& cfg, const model::ModelConfig& shape, int64_t gpu_bytes,
+                                        const std::string& command, bool check);
 
 }  // namespace tiller::offline
