@@ -1,4 +1,5 @@
-// tiller launch: runs `tiller train` under mpirun (or srun) with the rank count the config needs,
+// tiller launch: runs `tiller train` (or with --command, `tiller sft`, `train-rm` or `dpo`) under
+// mpirun (or srun) with the rank count the config needs,
 // and restarts it from the newest complete checkpoint when it fails for a reason a restart can
 // cure (rollout/supervisor.h).
 #include <unistd.h>
@@ -21,7 +22,7 @@ namespace tiller::cli {
 namespace {
 
 struct LaunchOptions {
-  std::string config, launcher = "mpirun", hostfile;
+  std::string config, launcher = "mpirun", hostfile, command = "train";
   std::vector<std::string> overrides, launcher_args;
   int max_restarts = 3;
   double backoff_s = 10;
@@ -52,7 +53,7 @@ std::vector<std::string> launch_line(const LaunchOptions& o, int world) {
     cmd = {"srun", "-n", std::to_string(world), "--kill-on-bad-exit=1"};
     cmd.insert(cmd.end(), o.launcher_args.begin(), o.launcher_args.end());
   }
-  cmd.insert(cmd.end(), {this_executable(), "train", "-c", o.config});
+  cmd.insert(cmd.end(), {this_executable(), o.command, "-c", o.config});
   for (const auto& s : o.overrides) cmd.insert(cmd.end(), {"--set", s});
   return cmd;
 }
@@ -60,7 +61,9 @@ std::vector<std::string> launch_line(const LaunchOptions& o, int world) {
 int run_launch(const LaunchOptions& o) {
   const JobConfig cfg = algo::load_job(o.config, o.overrides);  // a config error ends here, never retried
   rollout::SupervisorOptions so;
-  so.command = launch_line(o, dist::required_world_size(cfg));
+  // The offline trainers run roles.actor.gpus ranks and nothing else (tiller/offline/offline.h).
+  const int world = o.command == "train" ? dist::required_world_size(cfg) : static_cast<int>(cfg.roles.actor.gpus);
+  so.command = launch_line(o, world);
   so.checkpoint_dir = cfg.checkpoint.dir;
   so.max_restarts = o.max_restarts;
   so.backoff_first_s = o.backoff_s;
@@ -72,7 +75,9 @@ int run_launch(const LaunchOptions& o) {
 
 void add_launch_command(CLI::App& app, Runner& run) {
   auto* cmd = app.add_subcommand(
-      "launch", "Run `tiller train` under mpirun or srun, restarting it from the last checkpoint when a rank fails");
+      "launch",
+      "Run `tiller train` (or sft, train-rm, dpo) under mpirun or srun, restarting it from the last checkpoint when a "
+      "rank fails");
   auto o = std::make_shared<LaunchOptions>();
   cmd->add_option("-c,--config", o->config, "Job config (YAML)")->required();
   cmd->add_option("--set", o->overrides, "Override a key: --set rollout.batch_size=512 (repeatable)");
@@ -84,6 +89,8 @@ void add_launch_command(CLI::App& app, Runner& run) {
       ->check(CLI::Range(0.0, 3600.0));
   cmd->add_option("--launcher", o->launcher, "mpirun, or srun inside a Slurm allocation")
       ->check(CLI::IsMember({"mpirun", "srun"}));
+  cmd->add_option("--command", o->command, "What to run: train (default), sft, train-rm or dpo")
+      ->check(CLI::IsMember({"train", "sft", "train-rm", "dpo"}));
   cmd->add_option("--hostfile", o->hostfile, "mpirun: the hostfile (with --map-by slot; tiller plan shows one)");
   cmd->add_option("--launcher-arg", o->launcher_args,
                   "An argument for mpirun/srun, before the program (repeatable), e.g. --launcher-arg=--oversubscribe")

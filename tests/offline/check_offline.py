@@ -19,6 +19,9 @@ CASE:
               sequence mean: the loss falls; a parquet twin of the file gives the same losses.
   bad_inputs  a malformed line (named by file:line), a missing offline.data, and a rank count that is
               not roles.actor.gpus: each ends with one clear line and a non-zero exit.
+  supervised  tiller launch --command sft: rank 1 of 2 killed after step 12; the supervisor restarts the
+              job once from the step-10 checkpoint, it finishes all 24 steps and exports the model;
+              a config error is not retried.
   reward_model  tiller train-rm on pairs labelled by a hidden rule: the held-out accuracy rises
               above 0.8 and the loss falls; ZeRO-3 over 2 ranks gives one rank's losses; the export
               has a value head, and tiller train loads it as roles.reward.model (a GRPO step with
@@ -322,10 +325,56 @@ def case_dpo():
     print("dpo: on the fly equals precomputed; 2 ranks equal; IPO and cDPO run")
 
 
+def case_supervised():
+    out = SCRATCH / "launch"
+    shutil.rmtree(out, ignore_errors=True)
+    args = [TILLER, "launch", "--command", "sft", "-c", str(REPO / "configs" / "sft_quickstart.yaml"), "--max-restarts",
+            "2", "--backoff", "1", "--launcher-arg=--oversubscribe", "--launcher-arg=--allow-run-as-root"]
+    for s in [f"roles.actor.model={MODEL}", f"offline.data={DATA / 'toy.jsonl'}", f"run.output_dir={out}",
+              f"checkpoint.dir={out}/checkpoints", "roles.actor.gpus=2", "logging.level=debug"]:
+        args += ["--set", s]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, killed = [], False
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if not killed and re.search(r"step 12/24: loss", line):
+            # Rank 1: the other process of the job (not rank 0, whose pid the log names).
+            pid0 = int(re.search(r"rank 0 pid (\d+)", "".join(lines)).group(1))
+            ranks = subprocess.run(["pgrep", "-f", f"tiller sft -c"], stdout=subprocess.PIPE, text=True).stdout.split()
+            others = [int(x) for x in ranks if int(x) != pid0 and int(x) != p.pid]
+            others = [x for x in others if "mpirun" not in Path(f"/proc/{x}/cmdline").read_bytes().decode(errors="replace").split("\0")[0]]
+            if not others:
+                p.kill()
+                fail("no rank-1 process to kill")
+            os.kill(others[0], signal.SIGKILL)
+            killed = True
+    try:
+        rest, _ = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        fail("tiller launch did not end")
+    log = "".join(lines) + rest
+    steps = [r["step"] for r in metrics(out) if "train/loss" in r]
+    if p.returncode != 0 or not killed or steps[-1] != 24 or 11 not in steps[steps.index(12) + 1:]:
+        fail(f"exit {p.returncode}, killed {killed}, steps {steps}:\n{log[-3000:]}")
+    if not (out / "model" / "model.safetensors").exists() or "restart" not in log:
+        fail("no export after the restart, or no restart reported:\n" + log[-3000:])
+    bad = subprocess.run([TILLER, "launch", "--command", "sft", "-c", str(REPO / "configs" / "sft_quickstart.yaml"),
+                          "--set", "offline.epochs=0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=60)
+    if bad.returncode != 2 or "offline.epochs" not in bad.stdout:
+        fail(f"a config error: exit {bad.returncode}\n{bad.stdout[-1000:]}")
+    print(f"supervised: rank 1 killed after step 12, restarted from step 10, finished at step {steps[-1]}")
+
+
 def main():
     fixture()
     {"learns": case_learns, "sharded": case_sharded, "resume": case_resume, "chat": case_chat,
-     "bad_inputs": case_bad_inputs, "reward_model": case_reward_model, "dpo": case_dpo}[CASE]()
+     "bad_inputs": case_bad_inputs, "supervised": case_supervised, "reward_model": case_reward_model, "dpo": case_dpo}[CASE]()
 
 
 if __name__ == "__main__":
