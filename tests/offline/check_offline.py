@@ -10,8 +10,9 @@ CASE:
               TensorBoard; the exported model (run.output_dir/model) loads in transformers and gives
               the held-out file's loss that tiller reported for it (prompt tokens labelled -100, the
               mean over the response tokens and EOS), so data, masks, loss and export agree.
-  sharded     ZeRO-3 over 2 ranks, and 2 ranks sharing each micro-batch (sequence parallelism),
-              give the losses, gradient norms and held-out losses of one rank, step for step.
+  sharded     ZeRO-3 over 2 and 4 ranks, and groups of 2 ranks sharing each micro-batch (sequence
+              parallelism, at 2 and 4 ranks), give the losses, gradient norms and held-out losses of
+              one rank, step for step.
   resume      --resume from the step-10 checkpoint of a run (copied alone into a fresh directory)
               gives that run's steps 11 to the end exactly; SIGTERM to rank 0 of two stops both ranks
               after the step, which is saved, with exit 0; --resume with no checkpoint is refused.
@@ -155,7 +156,7 @@ def case_learns():
 
 def case_sharded():
     base = metrics_of(1, "np1")
-    for np_, sp, name in [(2, 1, "np2"), (2, 2, "sp2")]:
+    for np_, sp, name in [(2, 1, "np2"), (2, 2, "sp2"), (4, 1, "np4"), (4, 2, "np4_sp2")]:
         other = metrics_of(np_, name, f"roles.actor.sequence_parallel={sp}")
         for key, rel in [("train/loss", 1e-5), ("train/grad_norm", 1e-4), ("eval/loss", 1e-5)]:
             a, b = series(base, key), series(other, key)
