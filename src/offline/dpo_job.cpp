@@ -1,6 +1,7 @@
 // tiller dpo: direct preference optimisation against a frozen reference (tiller/offline/offline.h).
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -161,14 +162,19 @@ class DpoTrainer {
   std::unique_ptr<zero::ShardedModel> ref_;
 };
 
-rollout::Metrics dpo_metrics(const std::string& prefix, const DpoSums& s) {
+OfflineRun::Pass dpo_pass(const DpoSums& s) {
   const double p = std::max(1.0, s.pairs);
-  return {{prefix + "loss", s.loss},
-          {prefix + "reward_accuracy", s.correct / p},
-          {prefix + "chosen_reward", s.chosen / p},
-          {prefix + "rejected_reward", s.rejected / p},
-          {prefix + "reward_margin", s.margin / p},
-          {prefix + "pairs", s.pairs}};
+  OfflineRun::Pass out;
+  out.metrics = {{"loss", s.loss},
+                 {"reward_accuracy", s.correct / p},
+                 {"chosen_reward", s.chosen / p},
+                 {"rejected_reward", s.rejected / p},
+                 {"reward_margin", s.margin / p},
+                 {"pairs", s.pairs}};
+  out.tokens = s.tokens;
+  out.summary = fmt::format("loss {:.4f}, reward accuracy {:.3f}, margin {:.4f} over {} pairs", s.loss, s.correct / p,
+                            s.margin / p, s.pairs);
+  return out;
 }
 
 }  // namespace
@@ -178,78 +184,39 @@ int run_dpo(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& optio
     throw ConfigError("roles.actor.sequence_parallel: tiller dpo sums each response's log-probs on one rank and "
                       "needs whole sequences there; set it to 1");
   OfflineRun run(cfg, env, "dpo");
-  if (cfg.offline.data.empty()) throw ConfigError("offline.data: tiller dpo needs a file of preference pairs (JSONL or parquet)");
   const std::unique_ptr<model::Tokenizer> tok = model::load_tokenizer(cfg.roles.actor.model);
-  const PreferenceDataset data(cfg.offline.data, *tok, preference_options(cfg, *tok, run.model_config, "offline.data"));
-  std::optional<PreferenceDataset> eval_file;
-  if (!cfg.offline.eval_data.empty())
-    eval_file.emplace(cfg.offline.eval_data, *tok, preference_options(cfg, *tok, run.model_config, "offline.eval_data"));
-  const HeldOutSplit split = run.split(data.size(), eval_file ? eval_file->size() : -1, "pairs");
-  const std::vector<int64_t>& train_ids = split.train;
-  const std::vector<int64_t>& eval_ids = split.eval;
-  const PreferenceDataset& eval_data = eval_file ? *eval_file : data;
-  const int64_t n = static_cast<int64_t>(train_ids.size());
+  const OfflineData<PreferenceDataset> d = load_offline_data<PreferenceDataset>(
+      run, *tok, [&](const std::string& key) { return preference_options(cfg, *tok, run.model_config, key); }, "pairs");
+  const int64_t n = static_cast<int64_t>(d.split.train.size());
   rollout::EpochOrder order(n, cfg.data.shuffle, static_cast<uint64_t>(cfg.run.seed));
   const int64_t total = run.total_steps(n);
   const int64_t start = run.start(options, n, order);
   run.plan_schedule(total);
-
   DpoTrainer dpo(cfg, run);
   // The reference's log-probs once per pair (then the reference is freed), or on the fly.
   at::Tensor ref_train, ref_eval;
-  const bool cached = cfg.offline.dpo_reference == DpoReference::kPrecompute;
-  if (cached) {
+  if (cfg.offline.dpo_reference == DpoReference::kPrecompute) {
     const auto t0 = Clock::now();
-    ref_train = dpo.precompute(data, train_ids);
-    if (!eval_ids.empty()) ref_eval = dpo.precompute(eval_data, eval_ids);
+    ref_train = dpo.precompute(*d.data, d.split.train);
+    if (!d.split.eval.empty()) ref_eval = dpo.precompute(d.eval(), d.split.eval);
     dpo.drop_reference();
     if (run.rank == 0)
-      log::info("dpo: the reference's log-probs of {} pairs in {:.1f} s; the reference is freed", train_ids.size() + eval_ids.size(),
-                std::chrono::duration<double>(Clock::now() - t0).count());
+      log::info("dpo: the reference's log-probs of {} pairs in {:.1f} s; the reference is freed",
+                d.split.train.size() + d.split.eval.size(), std::chrono::duration<double>(Clock::now() - t0).count());
   }
-  if (run.rank == 0)
-    log::info("dpo data: {} training and {} held-out pairs ({} skipped over offline.max_tokens, {} truncated)",
-              train_ids.size(), eval_ids.size(), data.skipped(), data.truncated());
-  // The cached rows of the pairs at positions `picks` of the training split.
-  auto rows = [](const at::Tensor& all, const std::vector<int64_t>& picks) {
-    return all.defined() ? all.index_select(0, at::tensor(picks, at::kLong)) : at::Tensor();
+  // The cached rows of training pairs `ids` (indices into offline.data; ref_train is in split order).
+  std::vector<int64_t> row_of(static_cast<size_t>(d.data->size()), -1);
+  for (size_t i = 0; i < d.split.train.size(); ++i) row_of[static_cast<size_t>(d.split.train[i])] = static_cast<int64_t>(i);
+  auto rows = [&](const at::Tensor& all, const std::vector<int64_t>& ids) {
+    if (!all.defined()) return at::Tensor();
+    std::vector<int64_t> r;
+    for (int64_t id : ids) r.push_back(row_of[static_cast<size_t>(id)]);
+    return all.index_select(0, at::tensor(r, at::kLong));
   };
-
-  auto evaluate = [&](int64_t step) {
-    if (eval_ids.empty()) return;
-    const auto t0 = Clock::now();
-    const DpoSums e = dpo.run(eval_data, eval_ids, ref_eval, /*train=*/false);
-    rollout::Metrics m = dpo_metrics("eval/", e);
-    m.emplace_back("time/eval", std::chrono::duration<double>(Clock::now() - t0).count());
-    run.log_metrics(step, m);
-    if (run.rank == 0)
-      log::info("step {}/{}: eval loss {:.4f}, reward accuracy {:.3f}, margin {:.3f} over {} pairs", step, total, e.loss,
-                e.correct / std::max(1.0, e.pairs), e.margin / std::max(1.0, e.pairs), eval_ids.size());
-  };
-
-  int64_t done = start;
-  for (int64_t step = start; step < total && !run.stop_agreed(); ++step) {
-    const auto t0 = Clock::now();
-    const OfflineRun::Batch b = run.next_batch(order);
-    std::vector<int64_t> ids;
-    for (int64_t p : b.picks) ids.push_back(train_ids[static_cast<size_t>(p)]);
-    const DpoSums s = dpo.run(data, ids, rows(ref_train, b.picks), /*train=*/true);
-    const OfflineRun::StepOutcome st = run.optimizer_step(step);
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    rollout::Metrics m = dpo_metrics("train/", s);
-    const rollout::Metrics common = run.step_metrics(st, b, s.tokens, seconds);
-    m.insert(m.end(), common.begin(), common.end());
-    run.log_metrics(step + 1, m);
-    if (run.rank == 0)
-      log::info("step {}/{}: loss {:.4f}, reward accuracy {:.3f}, margin {:.4f}, lr {:.3g}, grad norm {:.3f}{}, epoch {}",
-                step + 1, total, s.loss, s.correct / s.pairs, s.margin / s.pairs, st.lr, st.grad_norm,
-                st.skipped ? " (skipped: not finite)" : "", b.at_start.epoch + 1);
-    const bool last = step + 1 == total;
-    if (last || (cfg.offline.eval_every > 0 && (step + 1) % cfg.offline.eval_every == 0)) evaluate(step + 1);
-    run.maybe_save(step + 1, order.cursor(), n, last);
-    done = step + 1;
-  }
-  return run.finish(done, total, n, order.cursor());
+  auto train = [&](const std::vector<int64_t>& ids) { return dpo_pass(dpo.run(*d.data, ids, rows(ref_train, ids), /*train=*/true)); };
+  std::function<OfflineRun::Pass()> eval;
+  if (!d.split.eval.empty()) eval = [&] { return dpo_pass(dpo.run(d.eval(), d.split.eval, ref_eval, /*train=*/false)); };
+  return run.train(d.split.train, start, total, order, train, eval);
 }
 
 }  // namespace tiller::offline

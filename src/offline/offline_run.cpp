@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <system_error>
 
@@ -132,15 +133,54 @@ OfflineRun::Batch OfflineRun::next_batch(rollout::EpochOrder& order) {
   return b;
 }
 
-rollout::Metrics OfflineRun::step_metrics(const StepOutcome& st, const Batch& b, double tokens, double seconds) const {
-  return {{"train/tokens", tokens},
-          {"train/grad_norm", st.grad_norm},
-          {"train/clip_factor", st.clip_factor},
-          {"train/skipped", st.skipped ? 1.0 : 0.0},
-          {"train/lr", st.lr},
-          {"epoch", b.epochs_done},
-          {"time/step", seconds},
-          {"throughput/tokens_per_s_per_gpu", tokens / seconds / static_cast<double>(world)}};
+int OfflineRun::train(const std::vector<int64_t>& train_ids, int64_t start, int64_t total, rollout::EpochOrder& order,
+                      const std::function<Pass(const std::vector<int64_t>& ids)>& train_pass,
+                      const std::function<Pass()>& eval_pass) {
+  using Clock = std::chrono::steady_clock;
+  const int64_t n = static_cast<int64_t>(train_ids.size());
+  auto prefixed = [](const std::string& prefix, const rollout::Metrics& m) {
+    rollout::Metrics out;
+    for (const auto& [k, v] : m) out.emplace_back(prefix + k, v);
+    return out;
+  };
+  auto evaluate = [&](int64_t step) {
+    if (!eval_pass) return;
+    const auto t0 = Clock::now();
+    const Pass e = eval_pass();
+    rollout::Metrics m = prefixed("eval/", e.metrics);
+    m.emplace_back("time/eval", std::chrono::duration<double>(Clock::now() - t0).count());
+    log_metrics(step, m);
+    if (rank == 0) log::info("step {}/{}: eval {}", step, total, e.summary);
+  };
+  int64_t done = start;
+  for (int64_t step = start; step < total && !stop_agreed(); ++step) {
+    const auto t0 = Clock::now();
+    const Batch b = next_batch(order);
+    std::vector<int64_t> ids;
+    for (int64_t p : b.picks) ids.push_back(train_ids[static_cast<size_t>(p)]);
+    const Pass s = train_pass(ids);
+    const StepOutcome st = optimizer_step(step);
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double rate = s.tokens / seconds / static_cast<double>(world);
+    rollout::Metrics m = prefixed("train/", s.metrics);
+    m.insert(m.end(), {{"train/tokens", s.tokens},
+                       {"train/grad_norm", st.grad_norm},
+                       {"train/clip_factor", st.clip_factor},
+                       {"train/skipped", st.skipped ? 1.0 : 0.0},
+                       {"train/lr", st.lr},
+                       {"epoch", b.epochs_done},
+                       {"time/step", seconds},
+                       {"throughput/tokens_per_s_per_gpu", rate}});
+    log_metrics(step + 1, m);
+    if (rank == 0)
+      log::info("step {}/{}: {}, lr {:.3g}, grad norm {:.3f}{}, {:.0f} tokens/s/GPU, epoch {}", step + 1, total, s.summary,
+                st.lr, st.grad_norm, st.skipped ? " (skipped: not finite)" : "", rate, b.at_start.epoch + 1);
+    const bool last = step + 1 == total;
+    if (last || (cfg.offline.eval_every > 0 && (step + 1) % cfg.offline.eval_every == 0)) evaluate(step + 1);
+    maybe_save(step + 1, order.cursor(), n, last);
+    done = step + 1;
+  }
+  return finish(done, total, n, order.cursor());
 }
 
 rollout::MemoryPlan offline_memory_plan(const JobConfig& cfg, const model::ModelConfig& shape, int64_t gpu_bytes,

@@ -16,14 +16,21 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include <fmt/format.h>
 
 #include <ATen/core/Tensor.h>
 
 #include "controller/checkpoint_manager.h"
 #include "offline/preference_data.h"
 #include "offline/sft_data.h"
+#include "tiller/core/config.h"
+#include "tiller/core/error.h"
+#include "tiller/core/logging.h"
 #include "tiller/core/signals.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/model/model_config.h"
@@ -33,8 +40,8 @@
 #include "tiller/zero/optimizer.h"
 #include "tiller/zero/sharded_model.h"
 
-namespace tiller {
-struct JobConfig;
+namespace tiller::model {
+class Tokenizer;
 }
 namespace tiller::dist {
 class MpiEnv;
@@ -100,9 +107,22 @@ class OfflineRun {
     double epochs_done = 0;
   };
   Batch next_batch(rollout::EpochOrder& order);
-  // The metrics every offline step reports beside its loss's: the optimizer step, the epoch, time
-  // and throughput (`tokens` of the step, every rank's).
-  rollout::Metrics step_metrics(const StepOutcome& st, const Batch& b, double tokens, double seconds) const;
+  // What a pass over samples reports: its metrics (unprefixed: "loss", ...), its tokens (every
+  // rank's), and its part of the progress line ("loss 0.41, accuracy 0.90").
+  struct Pass {
+    rollout::Metrics metrics;
+    double tokens = 0;
+    std::string summary;
+  };
+  // Steps start .. total - 1 over the training split `train_ids` in `order`: each step's sample
+  // ids go to `train_pass` (collective: the loss over them, backpropagated), then the optimizer
+  // step, the metrics (train/..., the optimizer's, epoch, time, throughput), the progress line, the
+  // held-out `eval_pass` (eval/...; every offline.eval_every steps and after the last; none when
+  // null), and the checkpoints. Stops early, on every rank, when a rank is asked to (SIGTERM).
+  // Returns finish()'s exit code.
+  int train(const std::vector<int64_t>& train_ids, int64_t start, int64_t total, rollout::EpochOrder& order,
+            const std::function<Pass(const std::vector<int64_t>& ids)>& train_pass,
+            const std::function<Pass()>& eval_pass);
 
   const JobConfig& cfg;
   const std::string name;
@@ -133,6 +153,32 @@ class OfflineRun {
   bool stopped_ = false;
   std::unique_ptr<StopSignalWatcher> watcher_;
 };
+
+// A job's data: offline.data, and offline.eval_data when set; the training and held-out split.
+template <typename Dataset>
+struct OfflineData {
+  std::unique_ptr<Dataset> data, eval_file;
+  HeldOutSplit split;
+  const Dataset& eval() const { return eval_file ? *eval_file : *data; }
+};
+// Reads them (every rank; `options(path_key)` gives the dataset's options) and logs the split on
+// rank 0; `what` names the records ("samples", "pairs"). ConfigError without offline.data.
+template <typename Dataset, typename MakeOptions>
+OfflineData<Dataset> load_offline_data(const OfflineRun& run, const model::Tokenizer& tok, MakeOptions options,
+                                       const char* what) {
+  const JobConfig& cfg = run.cfg;
+  if (cfg.offline.data.empty())
+    throw ConfigError(fmt::format("offline.data: tiller {} needs a data file (JSONL or parquet)", run.name));
+  OfflineData<Dataset> d;
+  d.data = std::make_unique<Dataset>(cfg.offline.data, tok, options("offline.data"));
+  if (!cfg.offline.eval_data.empty())
+    d.eval_file = std::make_unique<Dataset>(cfg.offline.eval_data, tok, options("offline.eval_data"));
+  d.split = run.split(d.data->size(), d.eval_file ? d.eval_file->size() : -1, what);
+  if (run.rank == 0)
+    log::info("{} data: {} training and {} held-out {} ({} skipped over offline.max_tokens, {} truncated)", run.name,
+              d.split.train.size(), d.split.eval.size(), what, d.data->skipped(), d.data->truncated());
+  return d;
+}
 
 // The data options of offline.* and data.* (the chat format from the tokenizer when
 // data.apply_chat_template; its EOS ends plain-text responses); `path_key` names the file's key.

@@ -1,6 +1,6 @@
 // tiller train-rm: a reward model from preference pairs (tiller/offline/offline.h).
 #include <algorithm>
-#include <chrono>
+#include <functional>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -20,8 +20,6 @@
 
 namespace tiller::offline {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 struct PairSums {
   double loss = 0, chosen = 0, rejected = 0, correct = 0, margin = 0, tokens = 0, pairs = 0;
@@ -85,14 +83,19 @@ PairSums run_pairs(OfflineRun& run, const PreferenceDataset& data, const std::ve
   return s;
 }
 
-rollout::Metrics pair_metrics(const std::string& prefix, const PairSums& s) {
+OfflineRun::Pass pair_pass(const PairSums& s) {
   const double p = std::max(1.0, s.pairs);
-  return {{prefix + "loss", s.loss},
-          {prefix + "accuracy", s.correct / p},
-          {prefix + "chosen_reward", s.chosen / p},
-          {prefix + "rejected_reward", s.rejected / p},
-          {prefix + "margin", s.margin / p},
-          {prefix + "pairs", s.pairs}};
+  OfflineRun::Pass out;
+  out.metrics = {{"loss", s.loss},
+                 {"accuracy", s.correct / p},
+                 {"chosen_reward", s.chosen / p},
+                 {"rejected_reward", s.rejected / p},
+                 {"margin", s.margin / p},
+                 {"pairs", s.pairs}};
+  out.tokens = s.tokens;
+  out.summary = fmt::format("loss {:.4f}, accuracy {:.3f}, margin {:.3f} over {} pairs", s.loss, s.correct / p,
+                            s.margin / p, s.pairs);
+  return out;
 }
 
 }  // namespace
@@ -102,63 +105,18 @@ int run_train_rm(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& 
     throw ConfigError("roles.actor.sequence_parallel: tiller train-rm scores each sequence at its last token and "
                       "needs whole sequences on a rank; set it to 1");
   OfflineRun run(cfg, env, "train-rm", model::Head::kValue);
-  if (cfg.offline.data.empty()) throw ConfigError("offline.data: tiller train-rm needs a file of preference pairs (JSONL or parquet)");
   const std::unique_ptr<model::Tokenizer> tok = model::load_tokenizer(cfg.roles.actor.model);
-  const PreferenceDataset data(cfg.offline.data, *tok, preference_options(cfg, *tok, run.model_config, "offline.data"));
-  std::optional<PreferenceDataset> eval_file;
-  if (!cfg.offline.eval_data.empty())
-    eval_file.emplace(cfg.offline.eval_data, *tok, preference_options(cfg, *tok, run.model_config, "offline.eval_data"));
-  const HeldOutSplit split = run.split(data.size(), eval_file ? eval_file->size() : -1, "pairs");
-  const std::vector<int64_t>& train_ids = split.train;
-  const std::vector<int64_t>& eval_ids = split.eval;
-  const PreferenceDataset& eval_data = eval_file ? *eval_file : data;
-  if (run.rank == 0)
-    log::info("train-rm data: {} training and {} held-out pairs ({} skipped over offline.max_tokens, {} truncated){}",
-              train_ids.size(), eval_ids.size(), data.skipped(), data.truncated(),
-              data.has_margins() ? ", with margins" : "");
-
-  const int64_t n = static_cast<int64_t>(train_ids.size());
+  const OfflineData<PreferenceDataset> d = load_offline_data<PreferenceDataset>(
+      run, *tok, [&](const std::string& key) { return preference_options(cfg, *tok, run.model_config, key); }, "pairs");
+  const int64_t n = static_cast<int64_t>(d.split.train.size());
   rollout::EpochOrder order(n, cfg.data.shuffle, static_cast<uint64_t>(cfg.run.seed));
   const int64_t total = run.total_steps(n);
   const int64_t start = run.start(options, n, order);
   run.plan_schedule(total);
-
-  auto evaluate = [&](int64_t step) {
-    if (eval_ids.empty()) return;
-    const auto t0 = Clock::now();
-    const PairSums e = run_pairs(run, eval_data, eval_ids, /*train=*/false);
-    rollout::Metrics m = pair_metrics("eval/", e);
-    m.emplace_back("time/eval", std::chrono::duration<double>(Clock::now() - t0).count());
-    run.log_metrics(step, m);
-    if (run.rank == 0)
-      log::info("step {}/{}: eval loss {:.4f}, accuracy {:.3f}, margin {:.3f} over {} pairs", step, total,
-                e.loss, e.correct / std::max(1.0, e.pairs),
-                e.margin / std::max(1.0, e.pairs), eval_ids.size());
-  };
-
-  int64_t done = start;
-  for (int64_t step = start; step < total && !run.stop_agreed(); ++step) {
-    const auto t0 = Clock::now();
-    const OfflineRun::Batch b = run.next_batch(order);
-    std::vector<int64_t> ids;
-    for (int64_t p : b.picks) ids.push_back(train_ids[static_cast<size_t>(p)]);
-    const PairSums s = run_pairs(run, data, ids, /*train=*/true);
-    const OfflineRun::StepOutcome st = run.optimizer_step(step);
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    rollout::Metrics m = pair_metrics("train/", s);
-    const rollout::Metrics common = run.step_metrics(st, b, s.tokens, seconds);
-    m.insert(m.end(), common.begin(), common.end());
-    run.log_metrics(step + 1, m);
-    if (run.rank == 0)
-      log::info("step {}/{}: loss {:.4f}, accuracy {:.3f}, margin {:.3f}, lr {:.3g}, grad norm {:.3f}{}, epoch {}",
-                step + 1, total, s.loss, s.correct / s.pairs, s.margin / s.pairs, st.lr, st.grad_norm,
-                st.skipped ? " (skipped: not finite)" : "", b.at_start.epoch + 1);
-    const bool last = step + 1 == total;
-    if (last || (cfg.offline.eval_every > 0 && (step + 1) % cfg.offline.eval_every == 0)) evaluate(step + 1);
-    run.maybe_save(step + 1, order.cursor(), n, last);
-    done = step + 1;
-  }
-  return run.finish(done, total, n, order.cursor());
+  auto train = [&](const std::vector<int64_t>& ids) { return pair_pass(run_pairs(run, *d.data, ids, /*train=*/true)); };
+  std::function<OfflineRun::Pass()> eval;
+  if (!d.split.eval.empty()) eval = [&] { return pair_pass(run_pairs(run, d.eval(), d.split.eval, /*train=*/false)); };
+  return run.train(d.split.train, start, total, order, train, eval);
 }
 
 }  // namespace tiller::offline

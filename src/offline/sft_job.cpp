@@ -1,16 +1,12 @@
 // tiller sft: supervised fine-tuning on the ZeRO-3 trainer (tiller/offline/offline.h).
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <cmath>
-#include <filesystem>
+#include <functional>
 #include <optional>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
-#include "controller/checkpoint_manager.h"
 #include "offline/offline_run.h"
 #include "offline/sft_data.h"
 #include "tiller/algo/sft_loss.h"
@@ -26,8 +22,6 @@
 
 namespace tiller::offline {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 // One micro-batch's rows on this rank (its slice under sequence parallelism), as the loss takes them.
 struct SftMicroBatch {
@@ -115,73 +109,43 @@ Sums run_rounds(OfflineRun& run, const SftDataset& data, const std::vector<int64
   return s;
 }
 
+OfflineRun::Pass sft_pass(const Sums& s) {
+  const double nll = s.trained > 0 ? s.nll / s.trained : 0;
+  OfflineRun::Pass p;
+  p.metrics = {{"loss", s.loss}, {"nll_per_token", nll}, {"samples", s.samples}, {"trained_tokens", s.trained}};
+  p.tokens = s.tokens;
+  p.summary = fmt::format("loss {:.4f} ({:.4f} per token)", s.loss, nll);
+  return p;
+}
+
 }  // namespace
 
 int run_sft(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& options) {
   OfflineRun run(cfg, env, "sft");
   const bool sequence_mean = cfg.offline.loss_mean == OfflineLossMean::kSequence;
-
   // The data: every rank reads it (same file, same order).
-  if (cfg.offline.data.empty()) throw ConfigError("offline.data: tiller sft needs a data file (JSONL or parquet)");
   const std::unique_ptr<model::Tokenizer> tok = model::load_tokenizer(cfg.roles.actor.model);
-  const auto t_data = Clock::now();
-  const SftDataset data(cfg.offline.data, *tok, sft_options(cfg, *tok, run.model_config, "offline.data"));
-  std::optional<SftDataset> eval_file;
-  if (!cfg.offline.eval_data.empty())
-    eval_file.emplace(cfg.offline.eval_data, *tok, sft_options(cfg, *tok, run.model_config, "offline.eval_data"));
-  const HeldOutSplit split = run.split(data.size(), eval_file ? eval_file->size() : -1, "samples");
-  const std::vector<int64_t>& train_ids = split.train;
-  const std::vector<int64_t>& eval_ids = split.eval;
-  const SftDataset& eval_data = eval_file ? *eval_file : data;
-  if (run.rank == 0)
-    log::info("sft data: {} training and {} held-out samples ({} skipped over offline.max_tokens, {} truncated) in {:.1f} s",
-              train_ids.size(), eval_ids.size(), data.skipped(), data.truncated(),
-              std::chrono::duration<double>(Clock::now() - t_data).count());
-
-  const int64_t n = static_cast<int64_t>(train_ids.size());
+  const OfflineData<SftDataset> d = load_offline_data<SftDataset>(
+      run, *tok, [&](const std::string& key) { return sft_options(cfg, *tok, run.model_config, key); }, "samples");
+  const int64_t n = static_cast<int64_t>(d.split.train.size());
   rollout::EpochOrder order(n, cfg.data.shuffle, static_cast<uint64_t>(cfg.run.seed));
   const int64_t total = run.total_steps(n);
-
   const int64_t start = run.start(options, n, order);
   run.plan_schedule(total);
-
-  auto evaluate = [&](int64_t step) {
-    if (eval_ids.empty()) return;
-    const auto t0 = Clock::now();
-    const Sums e = run_rounds(run, eval_data, eval_ids, /*train=*/false, sequence_mean);
-    const double nll = e.trained > 0 ? e.nll / e.trained : 0;
-    run.log_metrics(step, {{"eval/loss", nll}, {"eval/trained_tokens", e.trained}, {"eval/samples", e.samples},
-                           {"time/eval", std::chrono::duration<double>(Clock::now() - t0).count()}});
-    if (run.rank == 0) log::info("step {}/{}: eval loss {:.4f} over {} samples", step, total, nll, eval_ids.size());
+  auto train = [&](const std::vector<int64_t>& ids) {
+    return sft_pass(run_rounds(run, *d.data, ids, /*train=*/true, sequence_mean));
   };
-
-  int64_t done = start;
-  for (int64_t step = start; step < total && !run.stop_agreed(); ++step) {
-    const auto t0 = Clock::now();
-    const OfflineRun::Batch b = run.next_batch(order);
-    std::vector<int64_t> ids;
-    for (int64_t p : b.picks) ids.push_back(train_ids[static_cast<size_t>(p)]);
-    const Sums s = run_rounds(run, data, ids, /*train=*/true, sequence_mean);
-    const OfflineRun::StepOutcome st = run.optimizer_step(step);
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    const double nll = s.trained > 0 ? s.nll / s.trained : 0;
-    rollout::Metrics m{{"train/loss", s.loss},
-                       {"train/nll_per_token", nll},
-                       {"train/samples", s.samples},
-                       {"train/trained_tokens", s.trained}};
-    const rollout::Metrics common = run.step_metrics(st, b, s.tokens, seconds);
-    m.insert(m.end(), common.begin(), common.end());
-    run.log_metrics(step + 1, m);
-    if (run.rank == 0)
-      log::info("step {}/{}: loss {:.4f} ({:.4f} per token), lr {:.3g}, grad norm {:.3f}{}, {:.0f} tokens/s/GPU, epoch {}",
-                step + 1, total, s.loss, nll, st.lr, st.grad_norm, st.skipped ? " (skipped: not finite)" : "",
-                s.tokens / seconds / static_cast<double>(run.world), b.at_start.epoch + 1);
-    const bool last = step + 1 == total;
-    if (last || (cfg.offline.eval_every > 0 && (step + 1) % cfg.offline.eval_every == 0)) evaluate(step + 1);
-    run.maybe_save(step + 1, order.cursor(), n, last);
-    done = step + 1;
-  }
-  return run.finish(done, total, n, order.cursor());
+  std::function<OfflineRun::Pass()> eval;
+  if (!d.split.eval.empty())
+    eval = [&] {
+      // Held out: the token mean of the negative log-likelihood, whatever the training objective.
+      const Sums e = run_rounds(run, d.eval(), d.split.eval, /*train=*/false, /*sequence_mean=*/false);
+      OfflineRun::Pass p = sft_pass(e);
+      p.metrics = {{"loss", e.trained > 0 ? e.nll / e.trained : 0}, {"trained_tokens", e.trained}, {"samples", e.samples}};
+      p.summary = fmt::format("loss {:.4f} over {} samples", e.trained > 0 ? e.nll / e.trained : 0, d.split.eval.size());
+      return p;
+    };
+  return run.train(d.split.train, start, total, order, train, eval);
 }
 
 }  // namespace tiller::offline

@@ -250,26 +250,28 @@ def write_models(root):
 
     # Supervised fine-tuning's loss (tiller's sft_loss over packed log-probs): transformers' causal-LM
     # loss on a right-padded batch whose prompt tokens and padding are labelled -100, its gradient in
-    # the final norm's weight, and each sequence's own loss (the sequence mean's terms).
-    model = AutoModelForCausalLM.from_pretrained(str(root / "qwen2"), dtype=torch.float32).eval()
-    seqs = [[5, 17, 42, 99, 7, 8, 9], list(range(10, 21)), [3, 4, 250, 251, 252]]
-    prompt_lens = [3, 5, 2]
-    width = max(len(x) for x in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
-    for i, (x, p) in enumerate(zip(seqs, prompt_lens)):
-        ids[i, :len(x)] = torch.tensor(x)
-        mask[i, :len(x)] = 1
-        labels[i, p:len(x)] = torch.tensor(x[p:])
-    out = model(input_ids=ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    with torch.no_grad():
-        per_seq = [float(model(input_ids=torch.tensor([x]), labels=torch.tensor([[-100] * p + x[p:]])).loss)
-                   for x, p in zip(seqs, prompt_lens)]
-    save_file({"norm_grad": model.model.norm.weight.grad.contiguous()}, str(root / "qwen2" / "sft_reference.safetensors"))
-    ref["sft"] = {"model": "qwen2", "seqs": seqs, "prompt_lens": prompt_lens, "loss": float(out.loss),
-                  "per_sequence": per_seq}
+    # the final norm's weight, and each sequence's own loss (the sequence mean's terms); for Qwen2
+    # (ref["sft"]) and Llama (ref["sft_llama"]).
+    for name, key in [("qwen2", "sft"), ("llama", "sft_llama")]:
+        model = AutoModelForCausalLM.from_pretrained(str(root / name), dtype=torch.float32).eval()
+        seqs = [[5, 17, 42, 99, 7, 8, 9], list(range(10, 21)), [3, 4, 250, 251, 252]]
+        prompt_lens = [3, 5, 2]
+        width = max(len(x) for x in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+        for i, (x, p) in enumerate(zip(seqs, prompt_lens)):
+            ids[i, :len(x)] = torch.tensor(x)
+            mask[i, :len(x)] = 1
+            labels[i, p:len(x)] = torch.tensor(x[p:])
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        with torch.no_grad():
+            per_seq = [float(model(input_ids=torch.tensor([x]), labels=torch.tensor([[-100] * p + x[p:]])).loss)
+                       for x, p in zip(seqs, prompt_lens)]
+        save_file({"norm_grad": model.model.norm.weight.grad.contiguous()}, str(root / name / "sft_reference.safetensors"))
+        ref[key] = {"model": name, "seqs": seqs, "prompt_lens": prompt_lens, "loss": float(out.loss),
+                    "per_sequence": per_seq}
 
     cfg = model_configs()["qwen2"]
     cfg.num_labels = 1

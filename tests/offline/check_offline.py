@@ -6,7 +6,8 @@
   check_offline.py TILLER MPIRUN SCRATCH CASE
 
 CASE:
-  learns      one rank: the training loss and the held-out loss fall; metrics in JSONL and
+  learns      one rank: the training loss and the held-out loss fall; greedy answers to held-out
+              prompts become digits (tiller generate on the export); metrics in JSONL and
               TensorBoard; the exported model (run.output_dir/model) loads in transformers and gives
               the held-out file's loss that tiller reported for it (prompt tokens labelled -100, the
               mean over the response tokens and EOS), so data, masks, loss and export agree.
@@ -21,15 +22,17 @@ CASE:
   bad_inputs  a malformed line (named by file:line), a missing offline.data, and a rank count that is
               not roles.actor.gpus: each ends with one clear line and a non-zero exit.
   supervised  tiller launch --command sft: rank 1 of 2 killed after step 12; the supervisor restarts the
-              job once from the step-10 checkpoint, it finishes all 24 steps and exports the model;
+              job once from the step-10 checkpoint, it finishes every step and exports the model;
               a config error is not retried.
-  reward_model  tiller train-rm on pairs labelled by a hidden rule: the held-out accuracy rises
-              above 0.8 and the loss falls; ZeRO-3 over 2 ranks gives one rank's losses; the export
+  reward_model  tiller train-rm on pairs labelled by a hidden rule: the held-out accuracy reaches
+              0.9 and the loss falls; transformers scores the held-out pairs with the export as tiller
+              did; --resume from step 10 gives the uninterrupted run's steps; ZeRO-3 over 2 ranks gives one rank's losses; the export
               has a value head, and tiller train loads it as roles.reward.model (a GRPO step with
               reward.type model runs); per-pair margins shift the loss.
   dpo         tiller dpo: the held-out reward accuracy rises above 0.8 with the reference's
               log-probs precomputed, and the reference on the fly gives the same losses; IPO and
-              cDPO run; 2 ranks give one rank's losses.
+              cDPO run; 2 ranks give one rank's losses; --resume from step 10 gives the uninterrupted
+              run's steps.
 """
 import json
 import os
@@ -134,11 +137,11 @@ def case_learns():
     rows = metrics(out)
     loss = series(rows, "train/loss")
     ev = series(rows, "eval/loss")
-    if [s for s, _ in loss] != list(range(1, 25)):
+    if [s for s, _ in loss] != list(range(1, 73)):
         fail(f"steps {[s for s, _ in loss]}")
     if not loss[-1][1] < 0.6 * loss[0][1]:
         fail(f"the training loss did not fall: {loss}")
-    if [s for s, _ in ev] != [10, 20, 24] or not ev[-1][1] < ev[0][1]:
+    if [s for s, _ in ev] != [10, 20, 30, 40, 50, 60, 70, 72] or not ev[-1][1] < ev[0][1]:
         fail(f"held-out losses {ev}")
     tb = list((out / "tensorboard").glob("events.out.tfevents.*"))
     if len(tb) != 1 or tb[0].stat().st_size < 1000:
@@ -147,9 +150,18 @@ def case_learns():
     for f in ["config.json", "model.safetensors", "tokenizer.json"]:
         if not (model_dir / f).exists():
             fail(f"export lacks {f}")
+    # The toy outputs become right: greedy answers to held-out prompts are digits (the random model's
+    # are ~3% digits).
+    gen = subprocess.run([TILLER, "generate", "--model", str(model_dir), "--prompts", str(DATA / "eval.jsonl"),
+                          "--input-key", "prompt", "--greedy", "--max-new-tokens", "8"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, timeout=120)
+    texts = [json.loads(l)["response"] for l in gen.stdout.splitlines() if l.startswith("{")]
+    share = sum(sum(c.isdigit() for c in t) / max(1, len(t.replace(" ", ""))) for t in texts) / max(1, len(texts))
+    if len(texts) != 40 or share < 0.8:
+        fail(f"greedy answers after SFT: {len(texts)}, digit share {share:.2f}: {texts[:5]}\n{gen.stdout[-1000:]}")
     ref = transformers_eval_loss(model_dir, DATA / "eval.jsonl")
     print(f"learns: train loss {loss[0][1]:.3f} -> {loss[-1][1]:.3f}; held-out {ev[0][1]:.4f} -> {ev[-1][1]:.4f}; "
-          f"transformers on the export: {ref:.6f}")
+          f"transformers on the export: {ref:.6f}; greedy answers {share:.2f} digits, e.g. {texts[:3]}")
     if not close(ref, ev[-1][1], 1e-4):
         fail(f"transformers gives {ref} on the held-out file, tiller reported {ev[-1][1]}")
 
@@ -171,18 +183,24 @@ def metrics_of(np_, name, *sets):
     return metrics(out)
 
 
-def case_resume():
-    full = SCRATCH / "full"
-    run(1, full, "checkpoint.keep_last=3")
-    part = SCRATCH / "part"
+def check_resume(cmd, *sets):
+    """--resume from a run's step-10 checkpoint (copied alone into a fresh directory) gives that run's
+    later steps exactly."""
+    full = SCRATCH / f"full_{cmd}"
+    run(1, full, "checkpoint.keep_last=100", *sets, cmd=cmd)
+    part = SCRATCH / f"part_{cmd}"
     shutil.rmtree(part, ignore_errors=True)
     (part / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step_000010", part / "checkpoints" / "step_000010")
-    run(1, part, extra=["--resume"], fresh=False)
+    run(1, part, *sets, extra=["--resume"], fresh=False, cmd=cmd)
     a = [x for x in series(metrics(full), "train/loss") if x[0] > 10]
     b = series(metrics(part), "train/loss")
-    if a != b:
-        fail(f"resumed losses differ from the uninterrupted run's:\n{a}\n{b}")
+    if a != b or not a:
+        fail(f"{cmd}: resumed losses differ from the uninterrupted run's:\n{a}\n{b}")
+
+
+def case_resume():
+    check_resume("sft")
     # SIGTERM to rank 0 of two mid-run: both ranks finish the step, save it and exit 0.
     stop = SCRATCH / "stop"
     shutil.rmtree(stop, ignore_errors=True)
@@ -213,7 +231,7 @@ def case_resume():
     saved = sorted((stop / "checkpoints").glob("step_*"))
     if p.returncode != 0 or len(saved) != 1 or "--resume continues" not in log:
         fail(f"SIGTERM: exit {p.returncode}, checkpoints {saved}:\n{log[-3000:]}")
-    print(f"resume: steps 11-24 equal after --resume; SIGTERM saved {saved[0].name}")
+    print(f"resume: the steps after 10 equal after --resume; SIGTERM saved {saved[0].name}")
     log = run(1, SCRATCH / "none", extra=["--resume"], expect=2)
     if "--resume: no complete checkpoint in" not in log:
         fail("--resume without a checkpoint:\n" + log[-2000:])
@@ -259,15 +277,54 @@ def case_bad_inputs():
     print("bad_inputs: each refused with one line")
 
 
+def split_pairs():
+    """The last 100 pairs as a held-out file; the first 500 for training."""
+    lines = (DATA / "toy_pairs.jsonl").read_text().splitlines(keepends=True)
+    (DATA / "pairs_train.jsonl").write_text("".join(lines[:500]))
+    (DATA / "pairs_eval.jsonl").write_text("".join(lines[500:]))
+
+
+def transformers_rm_scores(model_dir, eval_path):
+    """The exported reward model's mean score of the chosen and of the rejected responses, at each
+    sequence's last token (the EOS), through transformers' sequence-classification model."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForSequenceClassification
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    eos = json.loads((Path(model_dir) / "generation_config.json").read_text())["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32, num_labels=1).eval()
+    sums, n = [0.0, 0.0], 0
+    for line in Path(eval_path).read_text().splitlines():
+        rec = json.loads(line)
+        prompt = tok.encode(rec["prompt"], add_special_tokens=False).ids
+        for k, side in enumerate(["chosen", "rejected"]):
+            ids = prompt + tok.encode(rec[side], add_special_tokens=False).ids + [eos]
+            with torch.no_grad():
+                hidden = model.model(torch.tensor([ids])).last_hidden_state
+                sums[k] += float(model.score(hidden)[0, -1, 0])
+        n += 1
+    return sums[0] / n, sums[1] / n
+
+
 def case_reward_model():
+    split_pairs()
     out = SCRATCH / "rm"
-    log = run(1, out, cmd="train-rm")
+    log = run(1, out, f"offline.data={DATA / 'pairs_train.jsonl'}", f"offline.eval_data={DATA / 'pairs_eval.jsonl'}",
+              "offline.epochs=3", cmd="train-rm")
     rows = metrics(out)
     loss, acc = series(rows, "train/loss"), series(rows, "eval/accuracy")
     print(f"reward_model: loss {loss[0][1]:.3f} -> {loss[-1][1]:.3f}; held-out accuracy {acc}")
-    if not (loss[-1][1] < loss[0][1] and acc[-1][1] > 0.8):
+    if not (loss[-1][1] < loss[0][1] and acc[-1][1] >= 0.9):
         fail(f"the reward model did not learn the rule: losses {loss}, accuracy {acc}\n{log[-2000:]}")
-    two = run(2, SCRATCH / "rm2", "checkpoint.dir=", cmd="train-rm")
+    # The export scores as the trainer scored: transformers on the held-out pairs.
+    chosen, rejected = transformers_rm_scores(out / "model", DATA / "pairs_eval.jsonl")
+    want_c, want_r = series(rows, "eval/chosen_reward")[-1][1], series(rows, "eval/rejected_reward")[-1][1]
+    if not (close(chosen, want_c, 1e-4) and close(rejected, want_r, 1e-4)):
+        fail(f"transformers scores the export {chosen:.6f} / {rejected:.6f}, tiller reported {want_c:.6f} / {want_r:.6f}")
+    check_resume("train-rm")
+    run(2, SCRATCH / "rm2", "checkpoint.dir=", f"offline.data={DATA / 'pairs_train.jsonl'}",
+        f"offline.eval_data={DATA / 'pairs_eval.jsonl'}", "offline.epochs=3", cmd="train-rm")
     b = series(metrics(SCRATCH / "rm2"), "train/loss")
     if not all(close(x, y, 1e-5) for (_, x), (_, y) in zip(loss, b)) or len(b) != len(loss):
         fail(f"2 ranks differ from one:\n{loss}\n{b}")
@@ -298,7 +355,8 @@ def case_reward_model():
     without = series(metrics(SCRATCH / "rm_nomargin"), "train/loss")[0][1]
     if not with_m > without:
         fail(f"margins did not raise the loss: {with_m} vs {without}")
-    print(f"reward_model: 2 ranks equal; exported value head loads in tiller train; margin loss {with_m:.3f} > {without:.3f}")
+    print(f"reward_model: transformers scores the export as tiller did ({chosen:.4f} / {rejected:.4f}); resume exact; "
+          f"2 ranks equal; the value head loads in tiller train; margin loss {with_m:.3f} > {without:.3f}")
 
 
 def case_dpo():
@@ -323,7 +381,8 @@ def case_dpo():
         fail(f"2 ranks differ from one:\n{loss}\n{c}")
     for sets in (["offline.dpo_loss=ipo"], ["offline.dpo_label_smoothing=0.1"]):
         run(1, SCRATCH / "dpo_variant", "checkpoint.dir=", "offline.max_steps=3", *sets, cmd="dpo")
-    print("dpo: on the fly equals precomputed; 2 ranks equal; IPO and cDPO run")
+    check_resume("dpo")
+    print("dpo: on the fly equals precomputed; 2 ranks equal; IPO and cDPO run; resume exact")
 
 
 def case_supervised():
@@ -342,12 +401,20 @@ def case_supervised():
         if not line:
             break
         lines.append(line)
-        if not killed and re.search(r"step 12/24: loss", line):
+        if not killed and re.search(r"step 12/\d+: loss", line):
             # Rank 1: the other process of the job (not rank 0, whose pid the log names).
             pid0 = int(re.search(r"rank 0 pid (\d+)", "".join(lines)).group(1))
-            ranks = subprocess.run(["pgrep", "-f", f"tiller sft -c"], stdout=subprocess.PIPE, text=True).stdout.split()
-            others = [int(x) for x in ranks if int(x) != pid0 and int(x) != p.pid]
-            others = [x for x in others if "mpirun" not in Path(f"/proc/{x}/cmdline").read_bytes().decode(errors="replace").split("\0")[0]]
+            # This job's processes only (tests run side by side): its output directory is in their
+            # command lines; not tiller launch itself, not mpirun, not rank 0.
+            procs = subprocess.run(["pgrep", "-f", f"run.output_dir={out}"], stdout=subprocess.PIPE, text=True).stdout.split()
+            others = []
+            for x in map(int, procs):
+                try:
+                    argv = Path(f"/proc/{x}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                except OSError:
+                    continue
+                if x not in (pid0, p.pid) and "mpirun" not in argv[0] and len(argv) > 1 and argv[1] == "sft":
+                    others.append(x)
             if not others:
                 p.kill()
                 fail("no rank-1 process to kill")
@@ -360,7 +427,7 @@ def case_supervised():
         fail("tiller launch did not end")
     log = "".join(lines) + rest
     steps = [r["step"] for r in metrics(out) if "train/loss" in r]
-    if p.returncode != 0 or not killed or steps[-1] != 24 or 11 not in steps[steps.index(12) + 1:]:
+    if p.returncode != 0 or not killed or steps[-1] != 72 or 11 not in steps[steps.index(12) + 1:]:
         fail(f"exit {p.returncode}, killed {killed}, steps {steps}:\n{log[-3000:]}")
     if not (out / "model" / "model.safetensors").exists() or "restart" not in log:
         fail("no export after the restart, or no restart reported:\n" + log[-3000:])

@@ -1,6 +1,7 @@
 // Supervised fine-tuning's loss (tiller/algo/sft_loss.h): by hand, and against transformers'
 // causal-LM loss with the prompt tokens labelled -100 on a padded batch (make_hf_fixtures.py), from
-// tiller's packed forward: the loss, its gradient in the final norm, and the sequence mean.
+// tiller's packed forward on tiny Qwen2 and Llama models: the loss, its gradient in the final norm,
+// and the sequence mean.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -67,42 +68,45 @@ TEST(SftLoss, WeightedRowsEqualTheSequenceMeanAcrossSlices) {
 TEST(SftLoss, EqualsTransformersCausalLmLossWithThePromptIgnored) {
   nlohmann::json ref;
   std::ifstream(test::hf_fixtures() + "/models/reference.json") >> ref;
-  const auto& r = ref["sft"];
-  const std::string dir = test::hf_fixtures() + "/models/" + r["model"].get<std::string>();
-  model::LoadedModel m = model::load_model(dir, model::Head::kLm, at::kFloat, at::kCPU);
-  const auto seqs = r["seqs"].get<std::vector<std::vector<int64_t>>>();
-  const auto prompt_lens = r["prompt_lens"].get<std::vector<int64_t>>();
-  // Packed rows: each row's target is the next token; trained where that token is the response's.
-  std::vector<int64_t> targets, mask, cu{0};
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    const auto n = static_cast<int64_t>(seqs[i].size());
-    for (int64_t t = 0; t < n; ++t) {
-      targets.push_back(t + 1 < n ? seqs[i][static_cast<size_t>(t + 1)] : 0);
-      mask.push_back(t + 1 < n && t + 1 >= prompt_lens[i] ? 1 : 0);
+  for (const char* key : {"sft", "sft_llama"}) {  // tiny Qwen2 and Llama
+    SCOPED_TRACE(key);
+    const auto& r = ref[key];
+    const std::string dir = test::hf_fixtures() + "/models/" + r["model"].get<std::string>();
+    model::LoadedModel m = model::load_model(dir, model::Head::kLm, at::kFloat, at::kCPU);
+    const auto seqs = r["seqs"].get<std::vector<std::vector<int64_t>>>();
+    const auto prompt_lens = r["prompt_lens"].get<std::vector<int64_t>>();
+    // Packed rows: each row's target is the next token; trained where that token is the response's.
+    std::vector<int64_t> targets, mask, cu{0};
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const auto n = static_cast<int64_t>(seqs[i].size());
+      for (int64_t t = 0; t < n; ++t) {
+        targets.push_back(t + 1 < n ? seqs[i][static_cast<size_t>(t + 1)] : 0);
+        mask.push_back(t + 1 < n && t + 1 >= prompt_lens[i] ? 1 : 0);
+      }
+      cu.push_back(cu.back() + n);
     }
-    cu.push_back(cu.back() + n);
+    const at::Tensor mask_t = at::tensor(mask, at::kLong).to(at::kByte);
+    m.weights.final_norm.requires_grad_(true);
+    const model::PackedBatch batch = model::PackedBatch::pack(seqs, at::kCPU);
+    const at::Tensor logp = model::token_logprobs(model::forward_hidden(m.config, m.weights, batch), m.weights.lm_head,
+                                                  at::tensor(targets, at::kLong));
+    const int64_t trained = mask_t.sum().item<int64_t>();
+    SftLoss l = sft_loss(logp, mask_t, at::tensor(cu, at::kLong), SftMean::kToken, static_cast<double>(trained));
+    EXPECT_NEAR(l.loss.item<double>(), r["loss"].get<double>(), 1e-5);
+    l.loss.backward();
+    model::SafetensorsFile g(dir + "/sft_reference.safetensors");
+    const at::Tensor want = g.tensor("norm_grad");
+    const double scale = want.abs().max().item<double>();
+    EXPECT_LT((m.weights.final_norm.grad() - want).abs().max().item<double>(), 1e-4 * scale + 1e-7);
+    // The sequence mean: the mean of each sequence's own transformers loss.
+    const auto per_seq = r["per_sequence"].get<std::vector<double>>();
+    double want_seq = 0;
+    for (double x : per_seq) want_seq += x / static_cast<double>(per_seq.size());
+    c10::AutoGradMode no_grad(false);
+    SftLoss s = sft_loss(logp.detach(), mask_t, at::tensor(cu, at::kLong), SftMean::kSequence,
+                         static_cast<double>(seqs.size()));
+    EXPECT_NEAR(s.loss.item<double>(), want_seq, 1e-5);
   }
-  const at::Tensor mask_t = at::tensor(mask, at::kLong).to(at::kByte);
-  m.weights.final_norm.requires_grad_(true);
-  const model::PackedBatch batch = model::PackedBatch::pack(seqs, at::kCPU);
-  const at::Tensor logp = model::token_logprobs(model::forward_hidden(m.config, m.weights, batch), m.weights.lm_head,
-                                                at::tensor(targets, at::kLong));
-  const int64_t trained = mask_t.sum().item<int64_t>();
-  SftLoss l = sft_loss(logp, mask_t, at::tensor(cu, at::kLong), SftMean::kToken, static_cast<double>(trained));
-  EXPECT_NEAR(l.loss.item<double>(), r["loss"].get<double>(), 1e-5);
-  l.loss.backward();
-  model::SafetensorsFile g(dir + "/sft_reference.safetensors");
-  const at::Tensor want = g.tensor("norm_grad");
-  const double scale = want.abs().max().item<double>();
-  EXPECT_LT((m.weights.final_norm.grad() - want).abs().max().item<double>(), 1e-4 * scale + 1e-7);
-  // The sequence mean: the mean of each sequence's own transformers loss.
-  const auto per_seq = r["per_sequence"].get<std::vector<double>>();
-  double want_seq = 0;
-  for (double x : per_seq) want_seq += x / static_cast<double>(per_seq.size());
-  c10::AutoGradMode no_grad(false);
-  SftLoss s = sft_loss(logp.detach(), mask_t, at::tensor(cu, at::kLong), SftMean::kSequence,
-                       static_cast<double>(seqs.size()));
-  EXPECT_NEAR(s.loss.item<double>(), want_seq, 1e-5);
 }
 
 }  // namespace
