@@ -36,6 +36,7 @@
 #include "tiller/reward/rule_reward.h"
 #include "tiller/rollout/prompt_dataset.h"
 #include "tiller/sync/bucket_plan.h"
+#include "tiller/zero/checkpoint.h"
 
 namespace tiller::rollout {
 namespace {
@@ -332,6 +333,11 @@ struct Controller::Impl {
     st.outstanding = collector->outstanding();
     st.next_ordinal = collector->next_ordinal();
     checkpoints.commit(step, st);
+    if (cfg.checkpoint.save_hf) {  // the actor as an HF directory beside its shards (the files are complete now)
+      zero::export_hf(dir + "/actor", dir + "/actor_hf",
+                      cfg.roles.actor.dtype == Precision::kFp32 ? at::kFloat : at::kBFloat16);
+      log::info("checkpoint: step {}: the actor exported to {}/actor_hf", step, dir);
+    }
     metrics["time/checkpoint"] = seconds_since(t0);
     trace->span(step, "checkpoint", -1, w0, wall_us());
     log::info("checkpoint: step {} saved in {} ({:.1f} s)", step, dir, seconds_since(t0));

@@ -458,7 +458,7 @@ std::vector<Field> build() {
   b.add("checkpoint.keep_last", TILLER_FIELD(checkpoint.keep_last), "Checkpoints kept; older ones are deleted.")
       .range(1, 1000000);
   b.add("checkpoint.resume", TILLER_FIELD(checkpoint.resume), "Resume from the newest checkpoint in dir, if any.");
-  b.add("checkpoint.save_hf", TILLER_FIELD(checkpoint.save_hf), "Also export the actor as HF safetensors at each save.");
+  b.add("checkpoint.save_hf", TILLER_FIELD(checkpoint.save_hf), "Also export the actor as an HF directory at each save: <step dir>/actor_hf (loads as roles.actor.model).");
 
   b.add("logging.level", TILLER_FIELD(logging.level), "Log level; the TILLER_LOG_LEVEL environment variable wins.")
       .one_of({"trace", "debug", "info", "warn", "error", "off"});
