@@ -61,9 +61,6 @@ PairBatch pair_batch(const PreferenceDataset& data, const std::vector<int64_t>& 
   return b;
 }
 
-struct DpoSums {
-  double loss = 0, chosen = 0, rejected = 0, correct = 0, margin = 0, tokens = 0, pairs = 0;
-};
 
 class DpoTrainer {
  public:
@@ -98,7 +95,7 @@ class DpoTrainer {
 
   // The DPO loss over pairs `ids`; `cached` [pairs, 2] the reference's log-probs in `ids` order, or
   // undefined to run the reference on the fly. With `train` the gradients accumulate. Collective.
-  DpoSums run(const PreferenceDataset& data, const std::vector<int64_t>& ids, const at::Tensor& cached, bool train) {
+  PreferenceSums run(const PreferenceDataset& data, const std::vector<int64_t>& ids, const at::Tensor& cached, bool train) {
     const double pairs = static_cast<double>(ids.size());
     at::Tensor acc = at::zeros({5}, at::TensorOptions().dtype(at::kDouble).device(run_.device));
     double tokens = 0;
@@ -130,7 +127,7 @@ class DpoTrainer {
       acc += at::stack({loss.detach().to(at::kDouble), l.chosen_reward_sum, l.rejected_reward_sum, l.correct, l.margin_sum});
     }
     const at::Tensor t = run_.sum(at::cat({acc, at::tensor({tokens}, at::kDouble).to(run_.device)}));
-    DpoSums s;
+    PreferenceSums s;
     s.loss = t[0].item<double>();
     s.chosen = t[1].item<double>();
     s.rejected = t[2].item<double>();
@@ -162,21 +159,6 @@ class DpoTrainer {
   std::unique_ptr<zero::ShardedModel> ref_;
 };
 
-OfflineRun::Pass dpo_pass(const DpoSums& s) {
-  const double p = std::max(1.0, s.pairs);
-  OfflineRun::Pass out;
-  out.metrics = {{"loss", s.loss},
-                 {"reward_accuracy", s.correct / p},
-                 {"chosen_reward", s.chosen / p},
-                 {"rejected_reward", s.rejected / p},
-                 {"reward_margin", s.margin / p},
-                 {"pairs", s.pairs}};
-  out.tokens = s.tokens;
-  out.summary = fmt::format("loss {:.4f}, reward accuracy {:.3f}, margin {:.4f} over {} pairs", s.loss, s.correct / p,
-                            s.margin / p, s.pairs);
-  return out;
-}
-
 }  // namespace
 
 int run_dpo(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& options) {
@@ -187,11 +169,7 @@ int run_dpo(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& optio
   const std::unique_ptr<model::Tokenizer> tok = model::load_tokenizer(cfg.roles.actor.model);
   const OfflineData<PreferenceDataset> d = load_offline_data<PreferenceDataset>(
       run, *tok, [&](const std::string& key) { return preference_options(cfg, *tok, run.model_config, key); }, "pairs");
-  const int64_t n = static_cast<int64_t>(d.split.train.size());
-  rollout::EpochOrder order(n, cfg.data.shuffle, static_cast<uint64_t>(cfg.run.seed));
-  const int64_t total = run.total_steps(n);
-  const int64_t start = run.start(options, n, order);
-  run.plan_schedule(total);
+  OfflineRun::Schedule plan = run.schedule(options, static_cast<int64_t>(d.split.train.size()));
   DpoTrainer dpo(cfg, run);
   // The reference's log-probs once per pair (then the reference is freed), or on the fly.
   at::Tensor ref_train, ref_eval;
@@ -213,10 +191,17 @@ int run_dpo(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& optio
     for (int64_t id : ids) r.push_back(row_of[static_cast<size_t>(id)]);
     return all.index_select(0, at::tensor(r, at::kLong));
   };
-  auto train = [&](const std::vector<int64_t>& ids) { return dpo_pass(dpo.run(*d.data, ids, rows(ref_train, ids), /*train=*/true)); };
+  auto train = [&](const std::vector<int64_t>& ids) {
+    return preference_pass(dpo.run(*d.data, ids, rows(ref_train, ids), /*train=*/true), "reward_accuracy",
+                           "reward_margin");
+  };
   std::function<OfflineRun::Pass()> eval;
-  if (!d.split.eval.empty()) eval = [&] { return dpo_pass(dpo.run(d.eval(), d.split.eval, ref_eval, /*train=*/false)); };
-  return run.train(d.split.train, start, total, order, train, eval);
+  if (!d.split.eval.empty())
+    eval = [&] {
+      return preference_pass(dpo.run(d.eval(), d.split.eval, ref_eval, /*train=*/false), "reward_accuracy",
+                             "reward_margin");
+    };
+  return run.train(d.split.train, plan.start, plan.total, plan.order, train, eval);
 }
 
 }  // namespace tiller::offline

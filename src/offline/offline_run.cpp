@@ -276,6 +276,28 @@ int64_t OfflineRun::total_steps(int64_t samples) const {
   return cfg.offline.max_steps > 0 ? std::min(total, cfg.offline.max_steps) : total;
 }
 
+OfflineRun::Schedule OfflineRun::schedule(const OfflineOptions& options, int64_t samples) {
+  Schedule s{rollout::EpochOrder(samples, cfg.data.shuffle, static_cast<uint64_t>(cfg.run.seed)), total_steps(samples), 0};
+  s.start = start(options, samples, s.order);
+  plan_schedule(s.total);
+  return s;
+}
+
+OfflineRun::Pass preference_pass(const PreferenceSums& s, const char* accuracy, const char* margin) {
+  const double p = std::max(1.0, s.pairs);
+  OfflineRun::Pass out;
+  out.metrics = {{"loss", s.loss},
+                 {accuracy, s.correct / p},
+                 {"chosen_reward", s.chosen / p},
+                 {"rejected_reward", s.rejected / p},
+                 {margin, s.margin / p},
+                 {"pairs", s.pairs}};
+  out.tokens = s.tokens;
+  out.summary = fmt::format("loss {:.4f}, {} {:.3f}, {} {:.4f} over {} pairs", s.loss, accuracy, s.correct / p, margin,
+                            s.margin / p, s.pairs);
+  return out;
+}
+
 void OfflineRun::plan_schedule(int64_t total_steps) {
   schedule_.kind = cfg.train.lr_schedule;
   schedule_.warmup_steps = cfg.train.warmup_steps;

@@ -70,6 +70,14 @@ class OfflineRun {
   // The run's steps over `samples` training samples: offline.epochs of ceil(samples /
   // train.train_batch_size), or offline.max_steps if fewer.
   int64_t total_steps(int64_t samples) const;
+  // The schedule over `samples` training samples: their epoch order (run.seed, data.shuffle), the
+  // steps, and the steps already done (start(): a resumed run's, the order at its cursor); the
+  // learning-rate schedule planned over the steps.
+  struct Schedule {
+    rollout::EpochOrder order;
+    int64_t total = 0, start = 0;
+  };
+  Schedule schedule(const OfflineOptions& options, int64_t samples);
   // The run's optimizer steps, for the learning-rate schedule (train.lr_schedule over them).
   void plan_schedule(int64_t total_steps);
 
@@ -153,6 +161,14 @@ class OfflineRun {
   bool stopped_ = false;
   std::unique_ptr<StopSignalWatcher> watcher_;
 };
+
+// What a pass over preference pairs sums over every rank (train-rm's scores, dpo's implicit rewards).
+struct PreferenceSums {
+  double loss = 0, chosen = 0, rejected = 0, correct = 0, margin = 0, tokens = 0, pairs = 0;
+};
+// Its metrics: loss, `accuracy` (pairs whose chosen reward is higher), chosen_reward,
+// rejected_reward, `margin` (the mean chosen - rejected), pairs; under the given names.
+OfflineRun::Pass preference_pass(const PreferenceSums& s, const char* accuracy, const char* margin);
 
 // A job's data: offline.data, and offline.eval_data when set; the training and held-out split.
 template <typename Dataset>

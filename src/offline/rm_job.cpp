@@ -21,14 +21,11 @@
 namespace tiller::offline {
 namespace {
 
-struct PairSums {
-  double loss = 0, chosen = 0, rejected = 0, correct = 0, margin = 0, tokens = 0, pairs = 0;
-};
 
 // The Bradley-Terry loss over pairs `ids` of `data`, each pair's two sequences side by side in one
 // micro-batch (chosen, then rejected), scored at their last tokens. With `train` the gradients
 // accumulate. Collective; sums over every rank.
-PairSums run_pairs(OfflineRun& run, const PreferenceDataset& data, const std::vector<int64_t>& ids, bool train) {
+PreferenceSums run_pairs(OfflineRun& run, const PreferenceDataset& data, const std::vector<int64_t>& ids, bool train) {
   std::vector<int64_t> order(ids.size()), lens;
   for (size_t i = 0; i < ids.size(); ++i) {
     order[i] = static_cast<int64_t>(i);
@@ -72,7 +69,7 @@ PairSums run_pairs(OfflineRun& run, const PreferenceDataset& data, const std::ve
     acc += at::stack({loss.detach().to(at::kDouble), l.chosen_reward_sum, l.rejected_reward_sum, l.correct, l.margin_sum});
   }
   const at::Tensor t = run.sum(at::cat({acc, at::tensor({tokens}, at::kDouble).to(run.device)}));
-  PairSums s;
+  PreferenceSums s;
   s.loss = t[0].item<double>();
   s.chosen = t[1].item<double>();
   s.rejected = t[2].item<double>();
@@ -81,21 +78,6 @@ PairSums run_pairs(OfflineRun& run, const PreferenceDataset& data, const std::ve
   s.tokens = t[5].item<double>();
   s.pairs = pairs;
   return s;
-}
-
-OfflineRun::Pass pair_pass(const PairSums& s) {
-  const double p = std::max(1.0, s.pairs);
-  OfflineRun::Pass out;
-  out.metrics = {{"loss", s.loss},
-                 {"accuracy", s.correct / p},
-                 {"chosen_reward", s.chosen / p},
-                 {"rejected_reward", s.rejected / p},
-                 {"margin", s.margin / p},
-                 {"pairs", s.pairs}};
-  out.tokens = s.tokens;
-  out.summary = fmt::format("loss {:.4f}, accuracy {:.3f}, margin {:.3f} over {} pairs", s.loss, s.correct / p,
-                            s.margin / p, s.pairs);
-  return out;
 }
 
 }  // namespace
@@ -108,15 +90,14 @@ int run_train_rm(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& 
   const std::unique_ptr<model::Tokenizer> tok = model::load_tokenizer(cfg.roles.actor.model);
   const OfflineData<PreferenceDataset> d = load_offline_data<PreferenceDataset>(
       run, *tok, [&](const std::string& key) { return preference_options(cfg, *tok, run.model_config, key); }, "pairs");
-  const int64_t n = static_cast<int64_t>(d.split.train.size());
-  rollout::EpochOrder order(n, cfg.data.shuffle, static_cast<uint64_t>(cfg.run.seed));
-  const int64_t total = run.total_steps(n);
-  const int64_t start = run.start(options, n, order);
-  run.plan_schedule(total);
-  auto train = [&](const std::vector<int64_t>& ids) { return pair_pass(run_pairs(run, *d.data, ids, /*train=*/true)); };
+  OfflineRun::Schedule plan = run.schedule(options, static_cast<int64_t>(d.split.train.size()));
+  auto train = [&](const std::vector<int64_t>& ids) {
+    return preference_pass(run_pairs(run, *d.data, ids, /*train=*/true), "accuracy", "margin");
+  };
   std::function<OfflineRun::Pass()> eval;
-  if (!d.split.eval.empty()) eval = [&] { return pair_pass(run_pairs(run, d.eval(), d.split.eval, /*train=*/false)); };
-  return run.train(d.split.train, start, total, order, train, eval);
+  if (!d.split.eval.empty())
+    eval = [&] { return preference_pass(run_pairs(run, d.eval(), d.split.eval, /*train=*/false), "accuracy", "margin"); };
+  return run.train(d.split.train, plan.start, plan.total, plan.order, train, eval);
 }
 
 }  // namespace tiller::offline

@@ -127,11 +127,7 @@ int run_sft(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& optio
   const std::unique_ptr<model::Tokenizer> tok = model::load_tokenizer(cfg.roles.actor.model);
   const OfflineData<SftDataset> d = load_offline_data<SftDataset>(
       run, *tok, [&](const std::string& key) { return sft_options(cfg, *tok, run.model_config, key); }, "samples");
-  const int64_t n = static_cast<int64_t>(d.split.train.size());
-  rollout::EpochOrder order(n, cfg.data.shuffle, static_cast<uint64_t>(cfg.run.seed));
-  const int64_t total = run.total_steps(n);
-  const int64_t start = run.start(options, n, order);
-  run.plan_schedule(total);
+  OfflineRun::Schedule plan = run.schedule(options, static_cast<int64_t>(d.split.train.size()));
   auto train = [&](const std::vector<int64_t>& ids) {
     return sft_pass(run_rounds(run, *d.data, ids, /*train=*/true, sequence_mean));
   };
@@ -145,7 +141,7 @@ int run_sft(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& optio
       p.summary = fmt::format("loss {:.4f} over {} samples", e.trained > 0 ? e.nll / e.trained : 0, d.split.eval.size());
       return p;
     };
-  return run.train(d.split.train, start, total, order, train, eval);
+  return run.train(d.split.train, plan.start, plan.total, plan.order, train, eval);
 }
 
 }  // namespace tiller::offline
