@@ -339,4 +339,18 @@ LaunchCommand mpirun_command(const std::vector<int>& gpus_per_node, int world_si
   return out;
 }
 
+DeviceChoice choose_device(const ClusterConfig& cluster, int gpus, bool have_nccl, int rank, const std::string& host) {
+  DeviceKind kind = cluster.device;
+  if (kind == DeviceKind::kAuto) kind = gpus > 0 && have_nccl ? DeviceKind::kCuda : DeviceKind::kCpu;
+  if (kind == DeviceKind::kCuda && gpus == 0)
+    throw ConfigError(fmt::format("cluster.device = cuda: rank {} ({}) sees no CUDA device; use cluster.device=cpu "
+                                  "or the GPU build on a GPU node",
+                                  rank, host));
+  DeviceChoice c;
+  c.cpu = kind == DeviceKind::kCpu;
+  c.backend = cluster.backend == BackendKind::kAuto ? (c.cpu ? BackendKind::kMpi : BackendKind::kNccl) : cluster.backend;
+  if (c.backend == BackendKind::kNccl && c.cpu) throw ConfigError("cluster.backend = nccl needs cluster.device = cuda");
+  return c;
+}
+
 }  // namespace tiller::dist

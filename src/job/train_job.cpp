@@ -253,16 +253,10 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   if (const std::string scorer = reward::job_batch_scorer(cfg); !scorer.empty()) reward::batch_scorer(scorer);
 
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
-  DeviceKind device_kind = cfg.cluster.device;
-  if (device_kind == DeviceKind::kAuto) device_kind = gpus > 0 && dist::MpiEnv::have_nccl() ? DeviceKind::kCuda : DeviceKind::kCpu;
-  if (device_kind == DeviceKind::kCuda && gpus == 0)
-    throw ConfigError(fmt::format("cluster.device = cuda: rank {} ({}) sees no CUDA device; use cluster.device=cpu "
-                                  "or the GPU build on a GPU node",
-                                  env.rank(), env.hostname()));
-  const bool cpu = device_kind == DeviceKind::kCpu;
-  BackendKind backend = cfg.cluster.backend;
-  if (backend == BackendKind::kAuto) backend = cpu ? BackendKind::kMpi : BackendKind::kNccl;
-  if (backend == BackendKind::kNccl && cpu) throw ConfigError("cluster.backend = nccl needs cluster.device = cuda");
+  const dist::DeviceChoice placed =
+      dist::choose_device(cfg.cluster, gpus, dist::MpiEnv::have_nccl(), env.rank(), env.hostname());
+  const bool cpu = placed.cpu;
+  const BackendKind backend = placed.backend;
 
   auto world = env.world(cfg.timeouts.startup_s);
   const dist::NodeMap nodes = env.node_map(static_cast<int>(cfg.cluster.gpus_per_node), cpu, cfg.timeouts.startup_s);

@@ -124,18 +124,9 @@ class DpoTrainer {
                                                     reference.select(1, 1), opts_);
       const at::Tensor loss = l.losses.sum() / pairs;
       if (train) loss.backward();
-      acc += at::stack({loss.detach().to(at::kDouble), l.chosen_reward_sum, l.rejected_reward_sum, l.correct, l.margin_sum});
+      acc += preference_row(loss, l);
     }
-    const at::Tensor t = run_.sum(at::cat({acc, at::tensor({tokens}, at::kDouble).to(run_.device)}));
-    PreferenceSums s;
-    s.loss = t[0].item<double>();
-    s.chosen = t[1].item<double>();
-    s.rejected = t[2].item<double>();
-    s.correct = t[3].item<double>();
-    s.margin = t[4].item<double>();
-    s.tokens = t[5].item<double>();
-    s.pairs = pairs;
-    return s;
+    return preference_totals(run_, acc, tokens, pairs);
   }
 
   // Frees the reference (its log-probs are cached).

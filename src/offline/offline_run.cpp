@@ -12,6 +12,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 
+#include "tiller/algo/preference.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
@@ -31,16 +32,10 @@ namespace fs = std::filesystem;
 OfflineRun::OfflineRun(const JobConfig& c, dist::MpiEnv& env, const std::string& n, model::Head h)
     : cfg(c), name(n), head(h), checkpoints_(c.checkpoint.dir, c.checkpoint.keep_last) {
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
-  DeviceKind kind = cfg.cluster.device;
-  if (kind == DeviceKind::kAuto) kind = gpus > 0 && dist::MpiEnv::have_nccl() ? DeviceKind::kCuda : DeviceKind::kCpu;
-  if (kind == DeviceKind::kCuda && gpus == 0)
-    throw ConfigError(fmt::format("cluster.device = cuda: rank {} ({}) sees no CUDA device; use cluster.device=cpu "
-                                  "or the GPU build on a GPU node",
-                                  env.rank(), env.hostname()));
-  const bool cpu = kind == DeviceKind::kCpu;
-  BackendKind backend = cfg.cluster.backend;
-  if (backend == BackendKind::kAuto) backend = cpu ? BackendKind::kMpi : BackendKind::kNccl;
-  if (backend == BackendKind::kNccl && cpu) throw ConfigError("cluster.backend = nccl needs cluster.device = cuda");
+  const dist::DeviceChoice placed =
+      dist::choose_device(cfg.cluster, gpus, dist::MpiEnv::have_nccl(), env.rank(), env.hostname());
+  const bool cpu = placed.cpu;
+  const BackendKind backend = placed.backend;
 
   rank = env.rank();
   world = env.size();
@@ -280,6 +275,23 @@ OfflineRun::Schedule OfflineRun::schedule(const OfflineOptions& options, int64_t
   Schedule s{rollout::EpochOrder(samples, cfg.data.shuffle, static_cast<uint64_t>(cfg.run.seed)), total_steps(samples), 0};
   s.start = start(options, samples, s.order);
   plan_schedule(s.total);
+  return s;
+}
+
+at::Tensor preference_row(const at::Tensor& loss, const algo::PreferenceLoss& l) {
+  return at::stack({loss.detach().to(at::kDouble), l.chosen_reward_sum, l.rejected_reward_sum, l.correct, l.margin_sum});
+}
+
+PreferenceSums preference_totals(OfflineRun& run, const at::Tensor& acc, double tokens, double pairs) {
+  const at::Tensor t = run.sum(at::cat({acc, at::tensor({tokens}, at::kDouble).to(run.device)}));
+  PreferenceSums s;
+  s.loss = t[0].item<double>();
+  s.chosen = t[1].item<double>();
+  s.rejected = t[2].item<double>();
+  s.correct = t[3].item<double>();
+  s.margin = t[4].item<double>();
+  s.tokens = t[5].item<double>();
+  s.pairs = pairs;
   return s;
 }
 

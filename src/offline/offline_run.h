@@ -43,6 +43,9 @@
 namespace tiller::model {
 class Tokenizer;
 }
+namespace tiller::algo {
+struct PreferenceLoss;
+}
 namespace tiller::dist {
 class MpiEnv;
 }
@@ -166,6 +169,11 @@ class OfflineRun {
 struct PreferenceSums {
   double loss = 0, chosen = 0, rejected = 0, correct = 0, margin = 0, tokens = 0, pairs = 0;
 };
+// A micro-batch's row of the sums (on the device, no wait): its loss and the loss's statistics.
+at::Tensor preference_row(const at::Tensor& loss, const algo::PreferenceLoss& l);
+// The sums of the rows `acc` ([5]: loss, chosen, rejected, correct, margin) over every rank, with
+// the pass's `tokens` (this rank's) and `pairs`.
+PreferenceSums preference_totals(OfflineRun& run, const at::Tensor& acc, double tokens, double pairs);
 // Its metrics: loss, `accuracy` (pairs whose chosen reward is higher), chosen_reward,
 // rejected_reward, `margin` (the mean chosen - rejected), pairs; under the given names.
 OfflineRun::Pass preference_pass(const PreferenceSums& s, const char* accuracy, const char* margin);

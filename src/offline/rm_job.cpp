@@ -66,18 +66,9 @@ PreferenceSums run_pairs(OfflineRun& run, const PreferenceDataset& data, const s
     const algo::PreferenceLoss l = algo::bradley_terry_loss(scores.select(1, 0), scores.select(1, 1), margin);
     const at::Tensor loss = l.losses.sum() / pairs;
     if (train) loss.backward();
-    acc += at::stack({loss.detach().to(at::kDouble), l.chosen_reward_sum, l.rejected_reward_sum, l.correct, l.margin_sum});
+    acc += preference_row(loss, l);
   }
-  const at::Tensor t = run.sum(at::cat({acc, at::tensor({tokens}, at::kDouble).to(run.device)}));
-  PreferenceSums s;
-  s.loss = t[0].item<double>();
-  s.chosen = t[1].item<double>();
-  s.rejected = t[2].item<double>();
-  s.correct = t[3].item<double>();
-  s.margin = t[4].item<double>();
-  s.tokens = t[5].item<double>();
-  s.pairs = pairs;
-  return s;
+  return preference_totals(run, acc, tokens, pairs);
 }
 
 }  // namespace

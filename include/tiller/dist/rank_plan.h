@@ -92,6 +92,15 @@ struct RankPlan {
 
 // Ranks the config needs: 1 controller + non-colocated trainer roles' gpus + engines x tp.
 int required_world_size(const JobConfig& config);
+
+// cluster.device and cluster.backend resolved on a rank that sees `gpus` CUDA devices (`have_nccl`:
+// this build has NCCL): auto is CUDA with NCCL when both are there, else the CPU with MPI.
+// ConfigError naming the rank (`rank`, `host`) for cuda without a GPU, or nccl on the CPU.
+struct DeviceChoice {
+  bool cpu = true;
+  BackendKind backend = BackendKind::kMpi;
+};
+DeviceChoice choose_device(const ClusterConfig& cluster, int gpus, bool have_nccl, int rank, const std::string& host);
 // One line saying where required_world_size comes from, e.g. "1 controller + 4 actor + 8 engine (2 x TP 4)".
 std::string world_size_breakdown(const JobConfig& config);
 
