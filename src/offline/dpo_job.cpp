@@ -8,6 +8,7 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
+#include "model/host_upload.h"
 #include "offline/offline_run.h"
 #include "offline/preference_data.h"
 #include "tiller/algo/preference.h"
@@ -55,8 +56,8 @@ PairBatch pair_batch(const PreferenceDataset& data, const std::vector<int64_t>& 
   }
   b.tokens = static_cast<int64_t>(all.size());
   b.slice.tokens = at::tensor(all, at::kLong);
-  b.targets = at::tensor(targets, at::kLong).to(device);
-  b.mask = at::tensor(mask, at::kFloat).to(device);
+  b.targets = model::upload(targets, device);
+  b.mask = model::upload(mask, device);
   b.cu = at::tensor(cu, at::kLong);
   return b;
 }
@@ -88,7 +89,7 @@ class DpoTrainer {
       const at::Tensor lp = ref_->token_logprobs(b.slice, b.targets);
       if (mine.empty()) continue;
       const at::Tensor seq = algo::sequence_logps(lp, b.mask, b.cu, average_).to(at::kDouble).view({-1, 2});
-      out.index_copy_(0, at::tensor(mine, at::kLong).to(run_.device), seq);
+      out.index_copy_(0, model::upload(mine, run_.device), seq);
     }
     return run_.sum(out);  // each pair was computed on one rank; the others hold zeros
   }
@@ -118,7 +119,7 @@ class DpoTrainer {
       const at::Tensor policy = algo::sequence_logps(lp, b.mask, b.cu, average_).view({-1, 2});
       const at::Tensor reference =
           cached.defined()
-              ? cached.index_select(0, at::tensor(mine, at::kLong)).to(run_.device, policy.scalar_type())
+              ? model::upload(cached.index_select(0, at::tensor(mine, at::kLong)), run_.device, policy.scalar_type())
               : algo::sequence_logps(ref, b.mask, b.cu, average_).view({-1, 2});
       const algo::PreferenceLoss l = algo::dpo_loss(policy.select(1, 0), policy.select(1, 1), reference.select(1, 0),
                                                     reference.select(1, 1), opts_);

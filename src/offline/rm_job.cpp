@@ -7,6 +7,7 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
+#include "model/host_upload.h"
 #include "offline/offline_run.h"
 #include "offline/preference_data.h"
 #include "tiller/algo/preference.h"
@@ -60,7 +61,7 @@ PreferenceSums run_pairs(OfflineRun& run, const PreferenceDataset& data, const s
       if (train) (values.sum() * 0).backward();  // lockstep: the group's collectives run on every rank
       continue;
     }
-    const at::Tensor scores = values.index_select(0, at::tensor(last, at::kLong).to(run.device)).view({-1, 2});
+    const at::Tensor scores = values.index_select(0, model::upload(last, run.device)).view({-1, 2});
     const at::Tensor margin =
         data.has_margins() ? at::tensor(margins, at::kDouble).to(run.device, scores.scalar_type()) : at::Tensor();
     const algo::PreferenceLoss l = algo::bradley_terry_loss(scores.select(1, 0), scores.select(1, 1), margin);

@@ -7,6 +7,7 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
+#include "model/host_upload.h"
 #include "offline/offline_run.h"
 #include "offline/sft_data.h"
 #include "tiller/algo/sft_loss.h"
@@ -58,9 +59,9 @@ SftMicroBatch sft_micro_batch(const std::vector<const SftSample*>& samples, cons
   }
   mb.slice.tokens = at::tensor(std::vector<int64_t>(all.begin() + first, all.begin() + first + n), at::kLong);
   mb.slice.first_row = first;
-  mb.targets = at::tensor(targets, at::kLong).to(run.device);
-  mb.mask = at::tensor(mask, at::kFloat).to(run.device);
-  mb.weight = at::tensor(weight, at::kFloat).to(run.device);
+  mb.targets = model::upload(targets, run.device);
+  mb.mask = model::upload(mask, run.device);
+  mb.weight = model::upload(weight, run.device);
   return mb;
 }
 

@@ -406,14 +406,18 @@ def case_supervised():
             pid0 = int(re.search(r"rank 0 pid (\d+)", "".join(lines)).group(1))
             # This job's processes only (tests run side by side): its output directory is in their
             # command lines; not tiller launch itself, not mpirun, not rank 0.
-            procs = subprocess.run(["pgrep", "-f", f"run.output_dir={out}"], stdout=subprocess.PIPE, text=True).stdout.split()
+            # (from /proc: no procps needed)
             others = []
-            for x in map(int, procs):
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit():
+                    continue
                 try:
-                    argv = Path(f"/proc/{x}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                    argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
                 except OSError:
                     continue
-                if x not in (pid0, p.pid) and "mpirun" not in argv[0] and len(argv) > 1 and argv[1] == "sft":
+                x = int(entry.name)
+                if (f"run.output_dir={out}" in argv and x not in (pid0, p.pid) and "mpirun" not in argv[0]
+                        and len(argv) > 1 and argv[1] == "sft"):
                     others.append(x)
             if not others:
                 p.kill()
