@@ -474,7 +474,7 @@ struct Controller::Impl {
       OffPolicy op;
       if (b->ro.size() > 0) {
         advantages(*b);
-        op = off_policy(b->ro, off_policy_spec);
+        op = off_policy(b->ro, off_policy_spec, b->train_version);
         train(*b, op, train_actor);
       } else {
         log::warn("step {}: no informative group to train on (rollout.filter_groups); no update", b->step);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace tiller::rollout {
 
@@ -9,7 +10,7 @@ OffPolicySpec OffPolicySpec::from_job(const JobConfig& job) {
   return {job.algo.importance_correction, job.algo.tis_cap, job.algo.seq_mask_ratio};
 }
 
-OffPolicy off_policy(const Rollout& ro, const OffPolicySpec& spec) {
+OffPolicy off_policy(const Rollout& ro, const OffPolicySpec& spec, uint64_t proximal_version) {
   OffPolicy out;
   const int64_t tokens = ro.response_tokens();
   const bool weighted = spec.correction != ImportanceCorrection::kNone;
@@ -19,16 +20,23 @@ OffPolicy off_policy(const Rollout& ro, const OffPolicySpec& spec) {
   int64_t masked_tokens = 0, truncated_tokens = 0;
   // Multi-turn samples: observation tokens were not sampled; they count nowhere here (weight 1).
   const bool masked = ro.layout.turns;
-  int64_t counted = 0;
+  int64_t counted = 0, compared = 0, differing = 0;
   for (int64_t s = 0; s < ro.size(); ++s) {
     double d_sum = 0;
     int64_t n_s = 0;
+    int64_t run = ro.run_offset[s];  // the engine's run of weight versions that token t falls in
     for (int64_t t = ro.resp_offset[s]; t < ro.resp_offset[s] + ro.response_len[s]; ++t) {
       if (masked && !ro.loss_mask[static_cast<size_t>(t)]) {
         if (weighted) out.weights[static_cast<size_t>(t)] = 1.f;
         continue;
       }
       ++n_s;
+      while (run + 1 < ro.run_offset[s + 1] && t - ro.resp_offset[s] >= ro.run_start[static_cast<size_t>(run + 1)]) ++run;
+      if (ro.run_version[static_cast<size_t>(run)] == proximal_version) {
+        ++compared;
+        differing += std::memcmp(&ro.logp[static_cast<size_t>(t)], &ro.engine_logp[static_cast<size_t>(t)],
+                                 sizeof(float)) != 0;
+      }
       const double d = static_cast<double>(ro.logp[static_cast<size_t>(t)]) - ro.engine_logp[static_cast<size_t>(t)];
       const double w = std::exp(d);
       d_sum += d;
@@ -59,6 +67,8 @@ OffPolicy off_policy(const Rollout& ro, const OffPolicySpec& spec) {
   out.metrics.emplace_back("mismatch/kl", kl / n);
   out.metrics.emplace_back("mismatch/max_abs_logp_diff", max_diff);
   out.metrics.emplace_back("mismatch/is_weight_mean", counted > 0 ? weight_sum / n : 1.0);
+  out.metrics.emplace_back("mismatch/tokens_compared", compared);
+  out.metrics.emplace_back("mismatch/tokens_differing", differing);
   if (spec.correction == ImportanceCorrection::kTis) out.metrics.emplace_back("off_policy/truncated_tokens", truncated_tokens);
   if (spec.correction == ImportanceCorrection::kDecoupled)
     out.metrics.emplace_back("off_policy/masked_tokens", masked_tokens);

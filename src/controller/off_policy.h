@@ -30,9 +30,14 @@ struct OffPolicy {
   std::vector<uint8_t> masked;  // per sample: left out of the actor's loss
   int64_t masked_samples = 0;
   Metrics metrics;              // mismatch/kl (k3 estimate of KL(behaviour || proximal), per token),
-                                // mismatch/max_abs_logp_diff, off_policy/*
+                                // mismatch/max_abs_logp_diff, mismatch/tokens_compared and
+                                // mismatch/tokens_differing, off_policy/*
 };
 
-OffPolicy off_policy(const Rollout& ro, const OffPolicySpec& spec);
+// `proximal_version`: the weight version the actor scored the rollout with (the step's
+// train_version). Tokens the engine drew with that same version are compared bit for bit
+// (mismatch/tokens_differing of mismatch/tokens_compared: 0 under algo.logprob_match = bitwise);
+// tokens of older versions (asynchronous rollouts) differ by design and are not counted there.
+OffPolicy off_policy(const Rollout& ro, const OffPolicySpec& spec, uint64_t proximal_version);
 
 }  // namespace tiller::rollout

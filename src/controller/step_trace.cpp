@@ -128,6 +128,11 @@ void StepOutputs::record(const StepBatch& batch, uint64_t trained_version,
                                                ro.tokens.begin() + ro.seq_offset[s] + ro.seq_len(s));
       r["engine_logprobs"] = std::vector<float>(ro.engine_logp.begin() + ro.resp_offset[s],
                                                 ro.engine_logp.begin() + ro.resp_offset[s] + ro.response_len[s]);
+      // The actor's scored log-probs of the same tokens (the proximal policy, trained_version's
+      // weights): equal to engine_logprobs bit for bit where the engine drew with those weights,
+      // under algo.logprob_match = bitwise.
+      r["actor_logprobs"] = std::vector<float>(ro.logp.begin() + ro.resp_offset[s],
+                                               ro.logp.begin() + ro.resp_offset[s] + ro.response_len[s]);
     }
     records_->append(r.dump());
   }

@@ -288,6 +288,15 @@ void JobConfig::validate() const {
     throw ConfigError(fmt::format("algo.tis_cap = {} has no effect with algo.importance_correction = none; set "
                                   "algo.importance_correction=tis (truncated importance sampling) or decoupled",
                                   format_double(algo.tis_cap)));
+  if (algo.logprob_match == LogprobMatch::kBitwise) {
+    if (engines.tp > 1)
+      throw ConfigError(fmt::format("algo.logprob_match = bitwise needs engines.tp = 1 (got {}): a tensor-parallel "
+                                    "engine adds partial sums across its ranks, an order the trainer does not share",
+                                    engines.tp));
+    if (cluster.device == DeviceKind::kCuda)
+      throw ConfigError("algo.logprob_match = bitwise runs on CPU only so far (its batch-invariant kernels have no "
+                        "CUDA version yet); set cluster.device=cpu or algo.logprob_match=off");
+  }
   if (algo.seq_mask_ratio != 0.0 && algo.seq_mask_ratio <= 1.0)
     throw ConfigError(fmt::format("algo.seq_mask_ratio = {} must be 0 (off) or > 1", format_double(algo.seq_mask_ratio)));
   if (reward.overlong_buffer > response_limit())

@@ -269,6 +269,12 @@ std::vector<Field> build() {
   b.add("algo.tis_cap", TILLER_FIELD(algo.tis_cap),
         "Cap of the importance weights: truncation (tis) or mask threshold (decoupled; 0: no mask).")
       .range(0.0, 1000.0);
+  b.add_enum("algo.logprob_match", TILLER_FIELD(algo.logprob_match),
+             "off: the fastest kernels, and the engine's log-probs differ from the trainer's in their last bits "
+             "(mismatch/*). bitwise: every rank runs batch-invariant forward kernels (one reduction order whatever "
+             "the batch), so each sampled token's engine log-prob equals the trainer's bit for bit "
+             "(mismatch/tokens_differing is 0) and the first mini-batch's PPO ratio is exactly 1. CPU only so far; "
+             "needs engines.tp = 1 (docs/training.md).");
   b.add("algo.seq_mask_ratio", TILLER_FIELD(algo.seq_mask_ratio),
         "Sequence-level mask: a sample whose geometric-mean importance weight exp(mean(proximal - behaviour)) "
         "is outside [1/r, r] is left out of the policy loss (r > 1; 0: off). Counted in off_policy/masked_samples.")
@@ -475,7 +481,8 @@ std::vector<Field> build() {
         "JSONL file with one line per trained or dropped sample: step, prompt line, weight versions of its "
         "tokens, lag, reward, length (empty: none).");
   b.add("logging.rollout_records_tokens", TILLER_FIELD(logging.rollout_records_tokens),
-        "The rollout records also carry each sample's token ids and engine log-probs.");
+        "The rollout records also carry each sample's token ids, the engine's log-probs and the actor's scored "
+        "log-probs (actor_logprobs).");
   b.add("logging.efficiency", TILLER_FIELD(logging.efficiency),
         "Report each phase's rate beside its benchmark at the job's shapes (efficiency/*, and a line in the log): "
         "every trainer rank times a training micro-batch and a scoring forward of the job's sizes once (at its "

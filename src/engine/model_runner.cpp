@@ -25,6 +25,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
+#include "tiller/model/numerics.h"
 #include "tiller/model/sampling.h"
 #include "tiller/model/transformer.h"
 
@@ -327,6 +328,14 @@ ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weig
                          int64_t block_size, dist::Communicator* tp)
     : local_(config_for_rank(cfg, tp ? tp->size() : 1)), device_(device) {
   TILLER_CHECK(block_size > 0, "block_size must be > 0");
+  if (model::batch_invariant() && tp && tp->size() > 1)
+    throw ConfigError(fmt::format("algo.logprob_match = bitwise needs engines.tp = 1 (got {}): a tensor-parallel "
+                                  "engine adds o_proj's and down_proj's partial sums across its ranks, an order the "
+                                  "trainer's full-width matmul does not share",
+                                  tp->size()));
+  if (model::batch_invariant() && model::Rope(cfg).per_sequence())
+    throw ConfigError("algo.logprob_match = bitwise: the model's dynamic NTK RoPE scaling grows with the sequence the "
+                      "engine is still generating, so its tables differ from the trainer's; use another rope_scaling");
   TILLER_CHECK(weights.embed.defined() && weights.embed.device() == device, "engine weights must be on {}",
                device.str());
   {
@@ -521,7 +530,7 @@ void ModelRunner::launch(const StepBatch& b, bool sample) {
   Impl::Pending p;
   if (rows_all) {
     // Logits in the weights' dtype: the sampler reads bf16 directly (math in fp32).
-    model::SampledTokens drawn = model::sample_tokens(at::matmul(h, m.weights.lm_head.t()), b.sampling);
+    model::SampledTokens drawn = model::sample_tokens(model::lm_logits(h, m.weights.lm_head), b.sampling);
     drawn.tokens = drawn.tokens.to(at::kLong).contiguous();  // no-ops for the sampler's outputs
     drawn.logprobs = drawn.logprobs.to(at::kFloat).contiguous();
     m.last_drawn = drawn.tokens;

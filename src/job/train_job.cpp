@@ -29,6 +29,7 @@
 #include "tiller/engine/engine_weights.h"
 #include "tiller/engine/server.h"
 #include "tiller/model/model_config.h"
+#include "tiller/model/numerics.h"
 #include "tiller/model/storage_swap.h"
 #include "tiller/rollout/memory_plan.h"
 #include "tiller/sync/hybrid_handoff.h"
@@ -257,6 +258,13 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
       dist::choose_device(cfg.cluster, gpus, dist::MpiEnv::have_nccl(), env.rank(), env.hostname());
   const bool cpu = placed.cpu;
   const BackendKind backend = placed.backend;
+  if (cfg.algo.logprob_match == LogprobMatch::kBitwise) {
+    if (!cpu)
+      throw ConfigError("algo.logprob_match = bitwise runs on CPU only so far (its batch-invariant kernels have no "
+                        "CUDA version yet), and this rank found GPUs; set cluster.device=cpu or "
+                        "algo.logprob_match=off");
+    model::set_numerics(model::Numerics::kBatchInvariant);  // every rank, before its first forward
+  }
 
   auto world = env.world(cfg.timeouts.startup_s);
   const dist::NodeMap nodes = env.node_map(static_cast<int>(cfg.cluster.gpus_per_node), cpu, cfg.timeouts.startup_s);

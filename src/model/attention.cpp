@@ -2,8 +2,13 @@
 
 #include <ATen/ATen.h>
 
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "model/batch_invariant.h"
 #include "model/torch_compat.h"
 #include "tiller/core/error.h"
+#include "tiller/model/numerics.h"
 
 namespace tiller::model {
 
@@ -64,6 +69,45 @@ at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const a
   return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
 }
 
+// Numerics::kBatchInvariant: the invariant kernel forward, the reference's gradient backward.
+struct InvariantAttention : public torch::autograd::Function<InvariantAttention> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const VarlenSpec& spec, double scale) {
+    ctx->save_for_backward({q, k, v});
+    // The reference reads the lengths and the window only.
+    ctx->saved_data["lens_q"] = spec.lens_q;
+    ctx->saved_data["lens_k"] = spec.lens_k;
+    ctx->saved_data["window"] = spec.window;
+    ctx->saved_data["scale"] = scale;
+    return invariant::attention_forward(q, k, v, spec, scale);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    std::vector<at::Tensor> in, want;
+    for (int i = 0; i < 3; ++i) {
+      in.push_back(saved[static_cast<size_t>(i)].detach().requires_grad_(ctx->needs_input_grad(i)));
+      if (in.back().requires_grad()) want.push_back(in.back());
+    }
+    if (want.empty()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    VarlenSpec spec;
+    spec.lens_q = ctx->saved_data["lens_q"].toIntVector();
+    spec.lens_k = ctx->saved_data["lens_k"].toIntVector();
+    spec.window = ctx->saved_data["window"].toInt();
+    at::Tensor out;
+    {
+      at::AutoGradMode on(true);
+      out = reference_attention(in[0], in[1], in[2], spec, ctx->saved_data["scale"].toDouble());
+    }
+    const auto g = torch::autograd::grad({out}, want, {grads[0]}, false, false, true);
+    torch::autograd::variable_list r(5);
+    size_t j = 0;
+    for (size_t i = 0; i < 3; ++i)
+      if (in[i].requires_grad()) r[i] = g[j++];
+    return r;
+  }
+};
+
 }  // namespace
 
 at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const VarlenSpec& spec,
@@ -74,6 +118,7 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
                spec.lens_q.size(), spec.lens_k.size());
   const bool flash = backend == AttentionBackend::kFlash ||
                      (backend == AttentionBackend::kAuto && flash_attention_applies(q));
+  if (batch_invariant()) return InvariantAttention::apply(q, k, v, spec, scale);
   if (!flash) return reference_attention(q, k, v, spec, scale);
   TILLER_CHECK(flash_attention_applies(q), "flash attention needs CUDA bf16/fp16 inputs with head_dim % 8 == 0 and <= 256");
   return compat::flash_attention_varlen(q.contiguous(), k.contiguous(), v.contiguous(), spec.cu_q, spec.cu_k,

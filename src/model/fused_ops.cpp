@@ -13,7 +13,9 @@
 #include "model/cuda/aten_dtype.h"
 #endif
 
+#include "model/batch_invariant.h"
 #include "tiller/core/error.h"
+#include "tiller/model/numerics.h"
 #include "tiller/model/transformer.h"
 
 namespace tiller::model {
@@ -110,6 +112,7 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   TILLER_CHECK(x.dim() == 3 && cos.dim() == 2 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
                    sin.sizes() == cos.sizes(),
                "apply_rope: x [T, H, D] and tables [T, D] expected");
+  if (batch_invariant()) return invariant::rope(x, cos.to(x.scalar_type()), sin.to(x.scalar_type()));
   return RopeNode::apply(x, cos.to(x.scalar_type()), sin.to(x.scalar_type()));
 }
 
@@ -117,6 +120,7 @@ at::Tensor swiglu_packed(const at::Tensor& gate_up) {
   TILLER_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "swiglu_packed wants [tokens, 2 * width]");
   TILLER_CHECK(!(gate_up.requires_grad() && at::GradMode::is_enabled()), "swiglu_packed has no backward");
   const int64_t width = gate_up.size(1) / 2;
+  if (batch_invariant()) return invariant::swiglu(gate_up.narrow(1, 0, width), gate_up.narrow(1, width, width));
 #ifdef TILLER_HAVE_CUDA_KERNELS
   if (gate_up.is_cuda() && gate_up.stride(1) == 1 &&
       (gate_up.scalar_type() == at::kBFloat16 || gate_up.scalar_type() == at::kHalf ||
@@ -135,6 +139,10 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& add, const at::Tensor& 
                "add_rms_norm wants x, add [T, width] and weight [width]");
   TILLER_CHECK(!(at::GradMode::is_enabled() && (x.requires_grad() || add.requires_grad())),
                "add_rms_norm has no backward");
+  if (batch_invariant()) {
+    x.add_(add);
+    return invariant::rms_norm(x, weight, eps);
+  }
 #ifdef TILLER_HAVE_CUDA_KERNELS
   const at::ScalarType t = x.scalar_type();
   if (x.is_cuda() && x.stride(1) == 1 && add.stride(1) == 1 && weight.is_contiguous() && add.scalar_type() == t &&
@@ -152,6 +160,7 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& add, const at::Tensor& 
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   TILLER_CHECK(gate.sizes() == up.sizes(), "swiglu: gate and up shapes differ");
+  if (batch_invariant()) return invariant::swiglu(gate, up);
   return SwiGlu::apply(gate, up);
 }
 

@@ -14,8 +14,10 @@
 #include "model/cuda/aten_dtype.h"
 #endif
 
+#include "model/batch_invariant.h"
 #include "model/torch_compat.h"
 #include "tiller/core/error.h"
+#include "tiller/model/numerics.h"
 #include "tiller/model/transformer.h"
 
 namespace tiller::model {
@@ -51,6 +53,18 @@ bool fused(const at::Tensor& h, const at::Tensor& w) {
 
 ChunkResult chunk_forward(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, double temperature,
                           bool want_entropy) {
+  if (batch_invariant()) {
+    // The engine's head: logits rounded to the weights' dtype, then the one log-softmax kernel at
+    // the temperature as the sampler holds it (fp32). The entropy need not be invariant.
+    const at::Tensor z = invariant::linear(h, w);
+    ChunkResult r;
+    r.logprobs = invariant::logprobs(z, targets, {static_cast<float>(temperature)});
+    if (want_entropy) {
+      const at::Tensor logp = at::log_softmax(z.to(compute_type(h)) / static_cast<float>(temperature), -1);
+      r.entropy = -(logp.exp() * logp).sum(-1);
+    }
+    return r;
+  }
 #ifdef TILLER_HAVE_CUDA_KERNELS
   if (fused(h, w)) {
     const at::Tensor z = at::matmul(h, w.t()).contiguous();

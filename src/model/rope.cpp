@@ -4,7 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include "model/batch_invariant.h"
 #include "tiller/core/error.h"
+#include "tiller/model/numerics.h"
 #include "tiller/model/transformer.h"
 
 namespace tiller::model {
@@ -107,6 +109,10 @@ std::pair<at::Tensor, at::Tensor> Rope::tables(const at::Tensor& positions, at::
     freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq_.to(positions.device()).unsqueeze(0);
   }
   at::Tensor emb = at::cat({freqs, freqs}, 1);
+  if (batch_invariant()) {
+    auto [c, s] = invariant::rope_tables(emb, attention_scaling_);
+    return {c.to(dtype), s.to(dtype)};
+  }
   at::Tensor cos = emb.cos(), sin = emb.sin();
   if (attention_scaling_ != 1.0) {
     cos = cos * attention_scaling_;

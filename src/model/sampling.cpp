@@ -9,8 +9,10 @@
 
 #include "model/cuda/kernels.h"
 #endif
+#include "model/batch_invariant.h"
 #include "model/host_upload.h"
 #include "tiller/core/error.h"
+#include "tiller/model/numerics.h"
 
 namespace tiller::model {
 namespace {
@@ -75,7 +77,25 @@ SampledTokens sample_on_gpu(const at::Tensor& logits, const SamplingRows& rows) 
 }  // namespace
 #endif
 
+namespace {
+SampledTokens draw(const at::Tensor& logits_in, const SamplingRows& rows);
+}  // namespace
+
 SampledTokens sample_tokens(const at::Tensor& logits_in, const SamplingRows& rows) {
+  SampledTokens out = draw(logits_in, rows);
+  if (batch_invariant() && out.tokens.numel() > 0) {
+    // The reported log-prob from the kernel the trainer's head uses (numerics.h), at the row's
+    // temperature (1 for greedy rows, as the rules say).
+    std::vector<float> t(rows.temperature.size());
+    for (size_t i = 0; i < t.size(); ++i) t[i] = rows.temperature[i] > 0 ? rows.temperature[i] : 1.0f;
+    out.logprobs = invariant::logprobs(logits_in, out.tokens, t).to(at::kFloat);
+  }
+  return out;
+}
+
+namespace {
+
+SampledTokens draw(const at::Tensor& logits_in, const SamplingRows& rows) {
   TILLER_CHECK(logits_in.dim() == 2 && (logits_in.scalar_type() == at::kFloat ||
                                         logits_in.scalar_type() == at::kBFloat16 ||
                                         logits_in.scalar_type() == at::kHalf),
@@ -146,5 +166,7 @@ SampledTokens sample_tokens(const at::Tensor& logits_in, const SamplingRows& row
   out.logprobs = logp.gather(1, out.tokens.unsqueeze(1)).squeeze(1);
   return out;
 }
+
+}  // namespace
 
 }  // namespace tiller::model

@@ -4,7 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include "model/batch_invariant.h"
 #include "tiller/core/error.h"
+#include "tiller/model/numerics.h"
 
 namespace tiller::model {
 
@@ -91,6 +93,7 @@ BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const 
 // ATen's rms_norm: one fused kernel each way on CUDA, statistics in fp32 for half types (as HF;
 // the weight is applied before rounding to the input type rather than after).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (batch_invariant()) return invariant::rms_norm(x, weight, eps);
   return at::rms_norm(x, {x.size(-1)}, weight, eps);
 }
 
@@ -99,6 +102,7 @@ at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens) { return
 namespace {
 
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {}) {
+  if (batch_invariant()) return invariant::linear(x, w, b);
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
 
@@ -220,6 +224,11 @@ at::Tensor forward_hidden(const ModelConfig& cfg, const ModelWeights& w, const P
 
 at::Tensor logits(const at::Tensor& hidden, const at::Tensor& lm_head) {
   return at::matmul(hidden, lm_head.t()).to(at::kFloat);
+}
+
+at::Tensor lm_logits(const at::Tensor& hidden, const at::Tensor& lm_head) {
+  if (batch_invariant()) return invariant::linear(hidden, lm_head);
+  return at::matmul(hidden, lm_head.t());
 }
 
 at::Tensor values(const at::Tensor& hidden, const at::Tensor& score) {

@@ -168,5 +168,134 @@ void expect_async_equals_sync(const TinyModel& m, const model::ModelWeights& w, 
   EXPECT_GT(got_stats.launched_ahead, got_stats.steps / 3);
 }
 
+// Multi-turn: each turn's prompt is the session's tokens plus an observation. Resuming the parked
+// session computes only the new tokens (the counters), and gives what a fresh engine gives for the
+// whole prompt (tokens equal, log-probs within fp32 rounding of a different prefill split); a
+// prompt that diverges from the session inside it reuses the common prefix.
+void check_sessions(const std::string& device, double tol) {
+  TinyModel m = tiny("tiny-qwen2");
+  EngineOptions o = small_options(256);
+  o.device = device;
+  model::NamedTensors named;
+  for (const auto& [name, t] : m.named) named[name] = t.to(at::Device(device));
+  const model::ModelWeights w = model::bind_weights(m.cfg, named, model::Head::kLm, "tiny-qwen2");
+  Engine e(m.cfg, w, o);
+  const auto ps = prompts(1, 5, m.cfg.vocab_size, 12);
+  SamplingParams p;
+  p.temperature = 1.0;
+  p.seed = 9;
+  p.max_new_tokens = 6;
+  Request first{1, ps[0], p, 2};
+  first.keep_session = true;
+  e.add(first);
+  auto out = run_all(e);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(e.stats().sessions_parked, 2);
+  EXPECT_LT(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
+  std::vector<std::vector<int64_t>> turn(2);
+  for (int64_t j = 0; j < 2; ++j) {
+    turn[static_cast<size_t>(j)] = ps[0];
+    const auto& g = out.at({1, j}).tokens;
+    turn[static_cast<size_t>(j)].insert(turn[static_cast<size_t>(j)].end(), g.begin(), g.end());
+    for (int64_t k = 0; k < 3 + j; ++k) turn[static_cast<size_t>(j)].push_back(11 + k);  // the observation
+  }
+  // Turns 2 and 3 resume; the reference engine serves the same prompts from scratch.
+  Engine fresh(m.cfg, w, o);
+  for (int t = 0; t < 2; ++t) {
+    const EngineStats before = e.stats();
+    int64_t cached = 0;
+    for (int64_t j = 0; j < 2; ++j) {
+      Request r{static_cast<uint64_t>(10 * (t + 1) + j), turn[static_cast<size_t>(j)], p, 1};
+      r.params.seed = 100 + t;
+      r.keep_session = true;
+      r.resume = true;
+      r.session = {t == 0 ? 1 : static_cast<uint64_t>(10 * t + j), t == 0 ? j : 0};
+      // The session's computed tokens: all but its last sampled one.
+      const int64_t prev = t == 0 ? static_cast<int64_t>(ps[0].size()) + 6 : 0;
+      cached += t == 0 ? prev - 1 : 0;
+      e.add(r);
+      Request f = r;
+      f.resume = false;
+      f.keep_session = false;
+      fresh.add(f);
+    }
+    auto got = run_all(e), want = run_all(fresh);
+    const EngineStats after = e.stats();
+    EXPECT_EQ(after.session_resumes - before.session_resumes, 2);
+    EXPECT_EQ(after.session_misses, 0);
+    const int64_t reused = after.session_tokens_reused - before.session_tokens_reused;
+    if (t == 0) EXPECT_EQ(reused, cached);
+    int64_t whole = 0;
+    for (int64_t j = 0; j < 2; ++j) whole += static_cast<int64_t>(turn[static_cast<size_t>(j)].size());
+    EXPECT_EQ(after.prefill_tokens - before.prefill_tokens, whole - reused) << "turn " << t + 2;
+    for (int64_t j = 0; j < 2; ++j) {
+      const auto key = std::make_pair(static_cast<uint64_t>(10 * (t + 1) + j), int64_t{0});
+      EXPECT_EQ(got.at(key).tokens, want.at(key).tokens) << "turn " << t + 2 << " sample " << j;
+      ASSERT_EQ(got.at(key).logprobs.size(), want.at(key).logprobs.size());
+      for (size_t k = 0; k < got.at(key).logprobs.size(); ++k)
+        EXPECT_NEAR(got.at(key).logprobs[k], want.at(key).logprobs[k], tol);
+      auto& next = turn[static_cast<size_t>(j)];
+      next.insert(next.end(), got.at(key).tokens.begin(), got.at(key).tokens.end());
+      next.push_back(17);
+      next.push_back(18);
+    }
+  }
+  // A prompt that leaves the session after its 3rd token reuses those 3.
+  Request diverge{40, turn[0], p, 1};
+  diverge.prompt[3] = (diverge.prompt[3] + 1) % m.cfg.vocab_size;
+  diverge.resume = true;
+  diverge.session = {20, 0};
+  const int64_t reused_before = e.stats().session_tokens_reused;
+  e.add(diverge);
+  run_all(e);
+  EXPECT_EQ(e.stats().session_tokens_reused - reused_before, 3);
+  // A session that is gone (released) is served from the prompt: a miss.
+  EXPECT_TRUE(e.release_session({21, 0}));
+  EXPECT_FALSE(e.release_session({21, 0}));
+  Request gone{41, turn[1], p, 1};
+  gone.resume = true;
+  gone.session = {21, 0};
+  e.add(gone);
+  run_all(e);
+  EXPECT_EQ(e.stats().session_misses, 1);
+  EXPECT_EQ(e.stats().sessions_parked, 0);
+  EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
+  Request many{42, turn[1], p, 2};
+  many.resume = true;
+  EXPECT_THROW(e.add(many), InvalidRequest);
+}
+
+// A weight update at an arbitrary step under load: several prompts of four samples each decoding in
+// one batch, chunked prefills. `a` is served first, then `b`; every log-prob must be its version's.
+void check_weight_update_under_load(const std::string& device, double tol) {
+  TinyModel a = tiny("tiny-qwen2", 1), b = tiny("tiny-qwen2", 2);
+  model::NamedTensors served;  // the engine's own storage, overwritten by the update
+  for (const auto& [name, t] : a.named) served[name] = t.to(at::Device(device), /*non_blocking=*/false, /*copy=*/true);
+  const model::ModelWeights w = model::bind_weights(a.cfg, served, model::Head::kLm, "tiny-qwen2");
+  EngineOptions o = small_options();
+  o.device = device;
+  o.limits.max_num_seqs = 32;
+  Engine e(a.cfg, w, o);
+  const auto ps = prompts(6, 33, a.cfg.vocab_size, 30);
+  SamplingParams p;
+  p.temperature = 1.0;
+  p.seed = 5;
+  p.max_new_tokens = 20;
+  for (size_t i = 0; i < ps.size(); ++i) e.add({i, ps[i], p, 4});
+  std::map<std::pair<uint64_t, int64_t>, SampleOutput> out;
+  for (int s = 0; s < 9; ++s)
+    for (auto& x : e.step()) out[{x.request_id, x.sample}] = std::move(x);
+  for (auto& x : e.drain()) out[{x.request_id, x.sample}] = std::move(x);
+  {
+    c10::InferenceMode inference;  // the engine's weights are inference tensors
+    for (auto& [name, t] : e.parameters()) t.copy_(b.named.at(name));
+  }
+  e.weights_updated(1);
+  for (auto& [k, x] : run_all(e)) out[k] = std::move(x);
+  ASSERT_EQ(out.size(), 24u);
+  expect_logprobs_of_their_versions(out, ps, a, b, tol);
+  EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
+}
+
 }  // namespace
 }  // namespace tiller::engine

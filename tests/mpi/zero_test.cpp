@@ -5,6 +5,8 @@
 // MPI backend on CPU in fp32 (tight tolerances); NCCL on GPUs in bf16 (tolerances for bf16).
 #include "zero_fixture.h"
 
+#include "tiller/model/numerics.h"
+
 namespace tiller::test {
 namespace {
 
@@ -137,6 +139,94 @@ TEST(Zero, FrozenShardedAndReplicatedForwardEqualTheReference) {
   at::Tensor want = model::token_logprobs(model::forward_hidden(cfg, w, batch), w.lm_head, targets, 0.7, 1024, &want_entropy);
   EXPECT_LT((a - want).abs().max().item<double>(), on_gpu() ? 1e-2 : 1e-5);
   EXPECT_LT((entropy - want_entropy).abs().max().item<double>(), on_gpu() ? 1e-2 : 1e-5);
+}
+
+
+// algo.logprob_match = bitwise on the trainer's side: the ZeRO-3 model's log-probs, at any world
+// size, sequence-parallel size 2, every recompute mode, with or without a graph (the training
+// forward and the scoring forward), and however the sequences are packed, equal bit for bit the
+// unsharded forward of each sequence alone (which the engine's equal: tests/engine/bitwise_test.cpp).
+// bf16 compute, as on GPUs; CPU only (the kernels' scope).
+TEST(Zero, BitwiseLogprobsEqualTheUnshardedForwardOfEachSequenceAlone) {
+  if (on_gpu()) GTEST_SKIP() << "the batch-invariant kernels run on CPU";
+  model::ScopedNumerics bitwise(model::Numerics::kBatchInvariant);
+  const int world = comm().size(), me = comm().rank();
+  const ModelConfig cfg = config("tiny-qwen2");
+  const NamedTensors init = model::init_weights(cfg, Head::kLm, 9, at::kFloat);
+  NamedTensors cast;
+  for (const auto& [n, t] : init) cast[n] = t.to(at::kBFloat16);
+  const auto w = model::bind_weights(cfg, cast, Head::kLm, "reference");
+  const double temperature = 0.8;
+  // Sequences of 1-40 tokens; the reference computes each alone.
+  std::mt19937_64 rng(77);
+  std::vector<std::vector<int64_t>> seqs(7);
+  std::vector<std::vector<int64_t>> targets(seqs.size());
+  std::vector<at::Tensor> want;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    seqs[i].resize(1 + rng() % 40);
+    for (auto& t : seqs[i]) t = static_cast<int64_t>(rng() % static_cast<uint64_t>(cfg.vocab_size));
+    for (size_t j = 0; j < seqs[i].size(); ++j) targets[i].push_back(static_cast<int64_t>(rng() % 512));
+    c10::AutoGradMode no_grad(false);
+    want.push_back(model::token_logprobs(model::forward_hidden(cfg, w, model::PackedBatch::pack({seqs[i]}, at::kCPU)),
+                                         w.lm_head, at::tensor(targets[i], at::kLong), temperature, 1024));
+  }
+  int differing = 0, checked = 0;
+  // Packs `order` into one micro-batch and compares each sequence's rows with its reference.
+  auto expect_packed = [&](ShardedModel& m, const std::vector<size_t>& order, bool graph, int sp, const std::string& what) {
+    std::vector<std::vector<int64_t>> packed;
+    std::vector<int64_t> tgt;
+    for (size_t i : order) {
+      packed.push_back(seqs[i]);
+      tgt.insert(tgt.end(), targets[i].begin(), targets[i].end());
+    }
+    const auto batch = model::PackedBatch::pack(packed, device());
+    c10::AutoGradMode grad_mode(graph);
+    at::Tensor lp;
+    int64_t first = 0;
+    if (sp == 1) {
+      lp = m.token_logprobs(batch, at::tensor(tgt, at::kLong), temperature);
+    } else {
+      const auto slice = zero::SequenceSlice::of(batch, sp, me % sp);
+      first = slice.first_row;
+      lp = m.token_logprobs(slice, at::tensor(tgt, at::kLong).narrow(0, first, slice.tokens.numel()), temperature);
+    }
+    if (graph) (lp.sum() * 0).backward();  // the training forward's graph runs its backward too
+    const at::Tensor got = lp.detach().cpu();
+    at::Tensor whole = at::cat(
+        [&] {
+          std::vector<at::Tensor> parts;
+          for (size_t i : order) parts.push_back(want[i]);
+          return parts;
+        }(),
+        0);
+    const at::Tensor expect = whole.narrow(0, first, got.size(0));
+    for (int64_t r = 0; r < got.size(0); ++r) {
+      ++checked;
+      if (got[r].item<float>() != expect[r].item<float>()) ++differing;
+    }
+    EXPECT_EQ(differing, 0) << what;
+  };
+  for (const zero::Recompute mode : {zero::Recompute::kBlocks, zero::Recompute::kAttentionOnly, zero::Recompute::kNone}) {
+    zero::ShardedModelOptions o = options(Head::kLm, {}, 1.0);
+    o.compute_dtype = at::kBFloat16;
+    o.recompute = mode;
+    ShardedModel m(cfg, comm(), o);
+    m.load(init, "init");
+    const std::string what = fmt::format("world {} recompute {}", world, zero::recompute_name(mode));
+    expect_packed(m, {0, 1, 2, 3, 4, 5, 6}, false, 1, what + " scoring, all packed");
+    expect_packed(m, {6, 2, 4, 0, 5, 1, 3}, true, 1, what + " training, shuffled");
+    expect_packed(m, {3}, false, 1, what + " one sequence");
+    expect_packed(m, {5, 1}, true, 1, what + " two sequences");
+    if (world % 2 == 0) {
+      auto group = comm().split(me / 2, me, "sequence");  // outlives the model that holds it
+      ShardedModel s(cfg, comm(), o);
+      s.load(init, "init");
+      s.set_sequence_group(*group);
+      expect_packed(s, {0, 1, 2, 3, 4, 5, 6}, false, 2, what + " sp 2 scoring");
+      expect_packed(s, {4, 6, 1}, true, 2, what + " sp 2 training");
+    }
+  }
+  EXPECT_GT(checked, 100);
 }
 
 }  // namespace

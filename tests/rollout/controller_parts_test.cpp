@@ -151,21 +151,35 @@ TEST(OffPolicy, WeightsMasksAndMismatch) {
   add_sample(ro, 0, 1, 1, 0);
   ro.engine_logp = {-2.f, -1.f, -1.f};
   ro.logp = {static_cast<float>(-2 + std::log(3.0)), -1.f, static_cast<float>(-1 - std::log(4.0))};
-  const OffPolicy tis = off_policy(ro, {ImportanceCorrection::kTis, 2.0, 0});
+  const OffPolicy tis = off_policy(ro, {ImportanceCorrection::kTis, 2.0, 0}, 0);
   expect_near(tis.weights, {2.0, 1.0, 0.25});
   EXPECT_EQ(metric(tis.metrics, "off_policy/truncated_tokens"), 1);
-  const OffPolicy dec = off_policy(ro, {ImportanceCorrection::kDecoupled, 2.0, 0});
+  const OffPolicy dec = off_policy(ro, {ImportanceCorrection::kDecoupled, 2.0, 0}, 0);
   expect_near(dec.weights, {0.0, 1.0, 0.25});  // 3 > cap: masked
   EXPECT_EQ(metric(dec.metrics, "off_policy/masked_tokens"), 1);
-  EXPECT_TRUE(off_policy(ro, {ImportanceCorrection::kNone, 0, 0}).weights.empty());
+  EXPECT_TRUE(off_policy(ro, {ImportanceCorrection::kNone, 0, 0}, 0).weights.empty());
   // Geometric means: sample 0 sqrt(3) = 1.73, sample 1 0.25: with r = 2 only sample 1 is out.
-  const OffPolicy mask = off_policy(ro, {ImportanceCorrection::kNone, 0, 2.0});
+  const OffPolicy mask = off_policy(ro, {ImportanceCorrection::kNone, 0, 2.0}, 0);
   EXPECT_EQ(mask.masked, (std::vector<uint8_t>{0, 1}));
   EXPECT_EQ(mask.masked_samples, 1);
   // k3 of KL(behaviour || proximal) per token: mean of exp(d) - 1 - d.
   const double kl = ((3 - 1 - std::log(3.0)) + 0 + (0.25 - 1 + std::log(4.0))) / 3;
   EXPECT_NEAR(metric(tis.metrics, "mismatch/kl"), kl, 1e-6);
   EXPECT_NEAR(metric(tis.metrics, "mismatch/max_abs_logp_diff"), std::log(4.0), 1e-6);
+  EXPECT_EQ(metric(tis.metrics, "mismatch/tokens_compared"), 3);
+  EXPECT_EQ(metric(tis.metrics, "mismatch/tokens_differing"), 2);
+}
+
+// The bitwise count compares the tokens the scoring weights drew, to the bit: a sample whose first
+// two tokens came from version 4 and the rest from version 5, scored with version 5.
+TEST(OffPolicy, TokensDifferingCountsTheScoringVersionsTokensBitForBit) {
+  Rollout ro;
+  ro.add(0, 0, {1, 2}, {7, 7, 7, 7, 7}, {-1.f, -2.f, -3.f, -4.f, -5.f}, false, {0, 2}, {4, 5}, 5);
+  add_sample(ro, 0, 1, 2, 0);  // all of version 0: not compared
+  ro.logp = {-1.f, -2.5f, -3.f, std::nextafter(-4.f, 0.f), -5.f, 0.f, 0.f};
+  const OffPolicy o = off_policy(ro, {}, 5);
+  EXPECT_EQ(metric(o.metrics, "mismatch/tokens_compared"), 3);
+  EXPECT_EQ(metric(o.metrics, "mismatch/tokens_differing"), 1);  // one ulp is a difference
 }
 
 // --- checkpoints ---------------------------------------------------------------------------------

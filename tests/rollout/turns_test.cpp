@@ -143,7 +143,7 @@ TEST(Turns, OffPolicyWeightsIgnoreObservations) {
   Rollout ro(turns_layout());
   add_two_turns(ro, 0, 0, 0.f, 0.f, 0.f);
   ro.logp = {-1, -1, -9, -9, -9, -1, -1};  // observations: the engine gave them 0, the actor did not
-  const OffPolicy o = off_policy(ro, {ImportanceCorrection::kTis, 2.0, 1.5});
+  const OffPolicy o = off_policy(ro, {ImportanceCorrection::kTis, 2.0, 1.5}, 0);
   for (float w : o.weights) EXPECT_FLOAT_EQ(w, 1.f);
   EXPECT_EQ(o.masked_samples, 0);
   for (const auto& [k, v] : o.metrics)

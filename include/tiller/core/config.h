@@ -38,6 +38,7 @@ enum class OfflineLossMean { kToken, kSequence };               // offline.loss_
 enum class LongSamplePolicy { kSkip, kTruncate, kError };       // offline.long_samples
 enum class DpoLossKind { kSigmoid, kIpo };                      // offline.dpo_loss
 enum class DpoReference { kPrecompute, kOnTheFly };             // offline.dpo_reference
+enum class LogprobMatch { kOff, kBitwise };                     // algo.logprob_match (model/numerics.h)
 
 template <>
 struct EnumNames<RolloutMode> {
@@ -112,6 +113,10 @@ struct EnumNames<DpoLossKind> {
 template <>
 struct EnumNames<DpoReference> {
   static constexpr std::array<std::string_view, 2> names = {"precompute", "on_the_fly"};
+};
+template <>
+struct EnumNames<LogprobMatch> {
+  static constexpr std::array<std::string_view, 2> names = {"off", "bitwise"};
 };
 
 // The YAML spelling of `e`.
@@ -251,6 +256,9 @@ struct AlgoConfig {
   ImportanceCorrection importance_correction = ImportanceCorrection::kNone;
   double tis_cap = 0.0;         // tis: weights truncated here; decoupled: tokens over it masked (0: no mask)
   double seq_mask_ratio = 0.0;  // > 1: mask samples whose geometric-mean weight is outside [1/r, r]
+  // bitwise: the engine's and the trainer's forward kernels are batch-invariant, so a sampled
+  // token's engine log-prob equals the trainer's bit for bit (tiller/model/numerics.h).
+  LogprobMatch logprob_match = LogprobMatch::kOff;
   bool whiten_advantages = true;
   std::int64_t ppo_epochs = 1;
 };

@@ -149,6 +149,9 @@ at::Tensor forward_hidden(const ModelConfig& cfg, const ModelWeights& w, const P
 
 // Full logits [T, vocab] in fp32. Only for short inputs and tests: prefer token_logprobs.
 at::Tensor logits(const at::Tensor& hidden, const at::Tensor& lm_head);
+// The sampler's logits [T, vocab], in the weights' dtype (the engine's head; numerics.h's kernel
+// under Numerics::kBatchInvariant, the one token_logprobs uses then).
+at::Tensor lm_logits(const at::Tensor& hidden, const at::Tensor& lm_head);
 
 // log softmax(hidden @ lm_head^T / temperature)[t, targets[t]] for every row t, [T] in fp32
 // (fp64 for fp64 inputs).

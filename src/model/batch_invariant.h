@@ -1,0 +1,43 @@
+// The batch-invariant forward kernels of Numerics::kBatchInvariant (tiller/model/numerics.h),
+// private to src/model. Each output row is computed from its own inputs alone, with reductions
+// in one fixed order that depends only on their length:
+//  - a dot product of length K sums into 8 lanes (element k into lane k % 8, in k order) and
+//    adds the lanes as ((0+1)+(2+3))+((4+5)+(6+7)); in fp32 (fp64 for fp64 inputs), the result
+//    rounded once to the output type;
+//  - attention sums a query's keys in key order (scores, max, exp, the normaliser and the
+//    weighted values);
+//  - elementwise kernels (RoPE, SwiGLU) compute in fp32 and round once.
+// CPU tensors of fp32, fp64, bf16 and fp16. The differentiable ones take their gradient from the
+// ordinary formulas (the backward need not be invariant).
+#pragma once
+
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "tiller/model/attention.h"
+
+namespace tiller::model::invariant {
+
+// x [..., K] @ w[N, K]^T (+ b[N]) -> [..., N] in x's dtype. Differentiable.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {});
+// RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight, in x's dtype. Differentiable.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// silu(gate) * up, in gate's dtype. Differentiable.
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+// x [T, H, D] * cos + rotate_half(x) * sin with tables [T, D] in x's dtype. Differentiable.
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// Causal varlen attention (attention.h's layout and mask), forward only: [Tq, H, D] in q's dtype.
+at::Tensor attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const VarlenSpec& spec,
+                             double scale);
+// log softmax(logits[r] / temperature[r])[targets[r]] per row, fp32 [R] (fp64 for fp64 logits).
+// `temperatures`: one per row, or one for all. Not differentiable.
+at::Tensor logprobs(const at::Tensor& logits, const at::Tensor& targets, const std::vector<float>& temperatures);
+// cos and sin of freqs [T, D] (fp32), times `scaling`, element by element with the C library's
+// functions (no vector path whose result depends on where an element sits).
+std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& freqs, double scaling);
+
+// The one-line error for a tensor the kernels do not take (CUDA: no batch-invariant GPU kernels).
+void check_cpu(const at::Tensor& t, const char* what);
+
+}  // namespace tiller::model::invariant

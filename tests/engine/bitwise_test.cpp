@@ -1,0 +1,225 @@
+// algo.logprob_match = bitwise (Numerics::kBatchInvariant): every log-prob the engine reports
+// equals, bit for bit, the trainer's forward of the same tokens with the same weights, whatever
+// the batch on either side; and the batch-invariant kernels themselves. The trainer's sharded side
+// (ZeRO-3 at np 1/2/4, SP 2, recompute modes) is tests/mpi/zero_test.cpp's
+// BitwiseLogprobsEqualTheUnshardedForwardOfEachSequenceAlone.
+#include "engine_fixture.h"
+
+#include <torch/csrc/autograd/autograd.h>
+
+#include "model/batch_invariant.h"
+#include "tiller/model/numerics.h"
+
+namespace tiller::engine {
+namespace {
+
+using model::Numerics;
+using model::ScopedNumerics;
+
+TinyModel in_dtype(const std::string& preset, at::ScalarType dtype, uint64_t seed = 1) {
+  TinyModel m = tiny(preset, seed);
+  for (auto& [name, t] : m.named) t = t.to(dtype);
+  m.weights = model::bind_weights(m.cfg, m.named, model::Head::kLm, preset);
+  return m;
+}
+
+struct EngineRun {
+  std::map<std::pair<uint64_t, int64_t>, SampleOutput> out;
+  std::vector<std::vector<int64_t>> prompts;
+  std::map<uint64_t, float> temperature;  // of each request's reported log-probs
+  EngineStats stats;
+};
+
+// A busy engine: prompts of 1-40 tokens with 1-3 samples each, greedy and sampled rows (top-k,
+// top-p) in one batch, chunked prefills (24 tokens a step), a cache too small for everything
+// (preemption and recompute), and asynchronous scheduling.
+EngineRun busy_engine(const TinyModel& m, bool async) {
+  EngineRun r;
+  r.prompts = prompts(14, 5, m.cfg.vocab_size, 40);
+  EngineOptions o = small_options(20);
+  o.limits.max_num_seqs = 6;
+  o.async_scheduling = async;
+  Engine e(m.cfg, m.weights, o);
+  for (size_t i = 0; i < r.prompts.size(); ++i) {
+    SamplingParams p;
+    p.greedy = i % 4 == 0;
+    p.temperature = 0.8f;
+    p.top_k = i % 4 == 1 ? 30 : 0;
+    p.top_p = i % 4 == 2 ? 0.9f : 1.0f;
+    p.seed = 11 * i + 3;
+    p.max_new_tokens = 4 + static_cast<int64_t>(i % 5) * 5;
+    r.temperature[i] = p.greedy ? 1.0f : 0.8f;
+    e.add({i, r.prompts[i], p, 1 + static_cast<int64_t>(i % 3)});
+  }
+  r.out = run_all(e);
+  r.stats = e.stats();
+  return r;
+}
+
+// The trainer's log-probs of every sample's generated tokens with the samples packed `per_batch`
+// at a time (0: all in one batch) in a shuffled order, the head computed `chunk_rows` rows at a
+// time. Keyed like the engine's outputs.
+std::map<std::pair<uint64_t, int64_t>, std::vector<float>> trainer_side(const TinyModel& m, const EngineRun& r,
+                                                                        size_t per_batch, int64_t chunk_rows,
+                                                                        uint64_t shuffle) {
+  c10::AutoGradMode no_grad(false);
+  std::vector<std::pair<uint64_t, int64_t>> keys;
+  for (const auto& [key, o] : r.out) keys.push_back(key);
+  std::shuffle(keys.begin(), keys.end(), std::mt19937_64(shuffle));
+  if (per_batch == 0) per_batch = keys.size();
+  std::map<std::pair<uint64_t, int64_t>, std::vector<float>> got;
+  for (size_t b = 0; b < keys.size(); b += per_batch) {
+    const size_t end = std::min(keys.size(), b + per_batch);
+    std::vector<std::vector<int64_t>> seqs;
+    std::vector<int64_t> rows, targets;
+    std::vector<float> temps;
+    int64_t offset = 0;
+    for (size_t i = b; i < end; ++i) {
+      const auto& prompt = r.prompts[keys[i].first];
+      const auto& gen = r.out.at(keys[i]).tokens;
+      std::vector<int64_t> seq = prompt;
+      seq.insert(seq.end(), gen.begin(), gen.end());
+      for (size_t j = 0; j < gen.size(); ++j) {
+        rows.push_back(offset + static_cast<int64_t>(prompt.size() + j) - 1);
+        targets.push_back(gen[j]);
+      }
+      offset += static_cast<int64_t>(seq.size());
+      seqs.push_back(std::move(seq));
+    }
+    const at::Tensor h = model::forward_hidden(m.cfg, m.weights, model::PackedBatch::pack(seqs, at::kCPU))
+                             .index_select(0, at::tensor(rows, at::kLong));
+    // One head pass per temperature the batch holds (greedy rows report temperature 1).
+    const at::Tensor tgt = at::tensor(targets, at::kLong);
+    const at::Tensor at08 = model::token_logprobs(h, m.weights.lm_head, tgt, 0.8, chunk_rows);
+    const at::Tensor at1 = model::token_logprobs(h, m.weights.lm_head, tgt, 1.0, chunk_rows);
+    int64_t row = 0;
+    for (size_t i = b; i < end; ++i) {
+      const at::Tensor& lp = r.temperature.at(keys[i].first) == 1.0f ? at1 : at08;
+      auto& v = got[keys[i]];
+      for (size_t j = 0; j < r.out.at(keys[i]).tokens.size(); ++j, ++row) v.push_back(lp[row].item<float>());
+    }
+  }
+  return got;
+}
+
+// Tokens whose engine log-prob differs from the trainer's in any bit.
+int64_t differing(const EngineRun& r, const std::map<std::pair<uint64_t, int64_t>, std::vector<float>>& trainer,
+                  int64_t* total = nullptr) {
+  int64_t n = 0, all = 0;
+  for (const auto& [key, o] : r.out) {
+    const auto& t = trainer.at(key);
+    EXPECT_EQ(t.size(), o.logprobs.size());
+    for (size_t j = 0; j < std::min(t.size(), o.logprobs.size()); ++j, ++all)
+      n += std::memcmp(&t[j], &o.logprobs[j], sizeof(float)) != 0;
+  }
+  if (total) *total = all;
+  return n;
+}
+
+struct Case {
+  const char* preset;
+  at::ScalarType dtype;
+  const char* name;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class Bitwise : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Bitwise, EngineLogprobsEqualTheTrainersForEveryBatchAndPacking) {
+  ScopedNumerics bitwise(Numerics::kBatchInvariant);
+  const TinyModel m = in_dtype(GetParam().preset, GetParam().dtype);
+  for (const bool async : {false, true}) {
+    const EngineRun r = busy_engine(m, async);
+    EXPECT_GT(r.stats.preemptions, 0) << "the cache was meant to be too small";
+    int64_t total = 0;
+    EXPECT_EQ(differing(r, trainer_side(m, r, 1, 1024, 1), &total), 0) << "each sample alone, async " << async;
+    EXPECT_EQ(differing(r, trainer_side(m, r, 0, 7, 2)), 0) << "all packed, 7-row head chunks, async " << async;
+    EXPECT_EQ(differing(r, trainer_side(m, r, 5, 3, 3)), 0) << "5 a batch, async " << async;
+    EXPECT_GT(total, 150);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, Bitwise,
+                         ::testing::Values(Case{"tiny-qwen2", at::kBFloat16, "qwen2_bf16"},
+                                           Case{"tiny-qwen2", at::kFloat, "qwen2_fp32"},
+                                           Case{"tiny-qwen3", at::kBFloat16, "qwen3_qk_norm_bf16"},
+                                           Case{"tiny-llama", at::kBFloat16, "llama_bf16"},
+                                           Case{"tiny-mistral", at::kBFloat16, "mistral_window_bf16"}),
+                         [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+
+// Without the mode the same comparison finds differences (bf16): what the mode is for.
+TEST(Bitwise, TheDefaultKernelsDifferInBf16) {
+  const TinyModel m = in_dtype("tiny-qwen2", at::kBFloat16);
+  const EngineRun r = busy_engine(m, false);
+  int64_t total = 0;
+  const int64_t n = differing(r, trainer_side(m, r, 0, 7, 2), &total);
+  std::printf("[bitwise] default kernels, bf16: %lld of %lld log-probs differ\n", static_cast<long long>(n),
+              static_cast<long long>(total));
+  EXPECT_GT(n, 0);
+}
+
+// The engine's other paths in the mode, to the bit: a session resumed for the next turn equals a
+// fresh request, asynchronous scheduling equals synchronous, and after a weight update mid-sample
+// each token's log-prob is its version's trainer log-prob.
+TEST(Bitwise, SessionsAsyncSchedulingAndWeightUpdatesAreExact) {
+  ScopedNumerics bitwise(Numerics::kBatchInvariant);
+  check_sessions("cpu", 0.0);
+  const TinyModel m = tiny("tiny-qwen2");
+  expect_async_equals_sync(m, m.weights, "cpu", 0.0);
+  check_weight_update_under_load("cpu", 0.0);
+}
+
+// The kernels: a row's result does not depend on the rows beside it, and stays within rounding of
+// the ordinary kernel; the gradients are the ordinary ones.
+TEST(Bitwise, KernelRowsDoNotDependOnTheirNeighbours) {
+  at::manual_seed(3);
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor x = at::randn({37, 72}).to(dtype), w = at::randn({45, 72}).to(dtype), b = at::randn({45}).to(dtype);
+    const at::Tensor all = model::invariant::linear(x, w, b);
+    for (const int64_t r : {0, 5, 36}) {
+      EXPECT_TRUE(at::equal(all[r], model::invariant::linear(x.narrow(0, r, 1), w, b)[0])) << "row " << r;
+      EXPECT_TRUE(at::equal(all.narrow(0, r, 1), model::invariant::linear(x.narrow(0, 0, r + 1), w, b).narrow(0, r, 1)));
+    }
+    const double tol = dtype == at::kFloat ? 1e-4 : 0.1;
+    EXPECT_LT((all.to(at::kFloat) - at::linear(x, w, b).to(at::kFloat)).abs().max().item<double>(), tol);
+    const at::Tensor nw = at::rand({72}).to(dtype);
+    const at::Tensor n = model::invariant::rms_norm(x, nw, 1e-6);
+    EXPECT_TRUE(at::equal(n[4], model::invariant::rms_norm(x.narrow(0, 4, 1), nw, 1e-6)[0]));
+    EXPECT_LT((n.to(at::kFloat) - at::rms_norm(x, {72}, nw, 1e-6).to(at::kFloat)).abs().max().item<double>(),
+              dtype == at::kFloat ? 1e-5 : 0.05);
+  }
+  // Gradients in fp64: the ordinary formulas.
+  const at::Tensor x = at::randn({6, 8}, at::kDouble).requires_grad_(),
+                   w = at::randn({5, 8}, at::kDouble).requires_grad_(), b = at::randn({5}, at::kDouble).requires_grad_();
+  const at::Tensor g = at::randn({6, 5}, at::kDouble);
+  auto grads = [&](const at::Tensor& y) { return torch::autograd::grad({y}, {x, w, b}, {g}); };
+  const auto got = grads(model::invariant::linear(x, w, b)), want = grads(at::linear(x, w, b));
+  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(at::allclose(got[i], want[i], 1e-10, 1e-12)) << "gradient " << i;
+  // Attention over the keys in order: the last query of a sequence equals a decode step over the
+  // same keys (one query, the rest as cache).
+  const at::Tensor q = at::randn({9, 4, 8}), k = at::randn({9, 2, 8}), v = at::randn({9, 2, 8});
+  const auto cu = at::tensor(std::vector<int32_t>{0, 9}, at::kInt);
+  const at::Tensor full = model::invariant::attention_forward(q, k, v, model::VarlenSpec::self(cu, {9}), 0.3);
+  model::VarlenSpec decode;
+  decode.lens_q = {1};
+  decode.lens_k = {9};
+  const at::Tensor step = model::invariant::attention_forward(q.narrow(0, 8, 1), k, v, decode, 0.3);
+  EXPECT_TRUE(at::equal(full[8], step[0]));
+}
+
+// The kernels refuse CUDA tensors by name (no batch-invariant GPU kernels yet).
+TEST(Bitwise, KernelsRefuseGpuTensorsWithTheKeyToChange) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU";
+  ScopedNumerics bitwise(Numerics::kBatchInvariant);
+  const at::Tensor x = at::randn({2, 8}, at::kCUDA), w = at::randn({3, 8}, at::kCUDA);
+  try {
+    model::invariant::linear(x, w);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("algo.logprob_match"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace tiller::engine
