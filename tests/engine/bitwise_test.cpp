@@ -2,7 +2,7 @@
 // equals, bit for bit, the trainer's forward of the same tokens with the same weights, whatever
 // the batch on either side; and the batch-invariant kernels themselves. The trainer's sharded side
 // (ZeRO-3 at np 1/2/4, SP 2, recompute modes) is tests/mpi/zero_test.cpp's
-// BitwiseLogprobsEqualTheUnshardedForwardOfEachSequenceAlone.
+// BitwiseLogprobsEqualTheEnginesAtAnyWorldSpAndPacking.
 #include "engine_fixture.h"
 
 #include <torch/csrc/autograd/autograd.h>
