@@ -30,6 +30,10 @@ at::ScalarType engine_dtype(const std::string& name, const at::Device& device) {
 }  // namespace
 
 model::ModelWeights slice_for_tp(const model::ModelConfig& cfg, const model::ModelWeights& full, int rank, int size) {
+  if (cfg.moe() && size > 1)
+    throw ConfigError(fmt::format("engines.tp = {}: tensor parallelism does not split a mixture-of-experts model's "
+                                  "experts yet; serve {} with engines.tp = 1",
+                                  size, model::family_name(cfg.family)));
   if (cfg.num_heads % size || cfg.num_kv_heads % size || cfg.intermediate_size % size)
     throw ConfigError(fmt::format("tensor parallel size {} must divide the attention heads ({}), the KV heads ({}) "
                                   "and the MLP width ({})",
@@ -86,6 +90,10 @@ EngineWeights load_engine_weights(const std::string& dir, int tp_rank, int tp_si
     d.gate_proj = place(l.gate_proj, dt, device);
     d.up_proj = place(l.up_proj, dt, device);
     d.down_proj = place(l.down_proj, dt, device);
+    d.router = place(l.router, dt, device);
+    d.shared_expert_gate = place(l.shared_expert_gate, dt, device);
+    for (const auto& e : l.experts)
+      d.experts.push_back({place(e.gate_proj, dt, device), place(e.up_proj, dt, device), place(e.down_proj, dt, device)});
     w.layers.push_back(std::move(d));
   }
   return out;

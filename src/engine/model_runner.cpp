@@ -214,6 +214,7 @@ void fuse_projections(model::LayerWeights& w) {
     w.qkv_bias = at::cat({w.q_bias, w.k_bias, w.v_bias}, 0);
     split(w.qkv_bias, {&w.q_bias, &w.k_bias, &w.v_bias});
   }
+  if (!w.gate_proj.defined()) return;  // a sparse layer without a shared expert
   w.gate_up_proj = at::cat({w.gate_proj, w.up_proj}, 0);
   split(w.gate_up_proj, {&w.gate_proj, &w.up_proj});
 }
@@ -328,6 +329,10 @@ ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weig
                          int64_t block_size, dist::Communicator* tp)
     : local_(config_for_rank(cfg, tp ? tp->size() : 1)), device_(device) {
   TILLER_CHECK(block_size > 0, "block_size must be > 0");
+  if (cfg.moe() && tp && tp->size() > 1)
+    throw ConfigError(fmt::format("engines.tp = {}: tensor parallelism does not split a mixture-of-experts model's "
+                                  "experts yet; serve {} with engines.tp = 1",
+                                  tp->size(), model::family_name(cfg.family)));
   if (model::batch_invariant() && tp && tp->size() > 1)
     throw ConfigError(fmt::format("algo.logprob_match = bitwise needs engines.tp = 1 (got {}): a tensor-parallel "
                                   "engine adds o_proj's and down_proj's partial sums across its ranks, an order the "

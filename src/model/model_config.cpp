@@ -40,8 +40,12 @@ Family parse_family(const std::string& model_type, const std::string& where) {
   if (model_type == "qwen2") return Family::kQwen2;
   if (model_type == "qwen3") return Family::kQwen3;
   if (model_type == "mistral") return Family::kMistral;
-  throw ConfigError(fmt::format(
-      "{}: model_type '{}' is not supported; tiller runs llama, qwen2, qwen3 and mistral", where, model_type));
+  if (model_type == "qwen2_moe") return Family::kQwen2Moe;
+  if (model_type == "qwen3_moe") return Family::kQwen3Moe;
+  if (model_type == "mixtral") return Family::kMixtral;
+  throw ConfigError(fmt::format("{}: model_type '{}' is not supported; tiller runs llama, qwen2, qwen3, mistral, "
+                                "qwen2_moe, qwen3_moe and mixtral",
+                                where, model_type));
 }
 
 RopeScaling parse_rope(const json& r, const std::string& where, const char* key) {
@@ -75,8 +79,17 @@ const char* family_name(Family f) {
     case Family::kQwen2: return "qwen2";
     case Family::kQwen3: return "qwen3";
     case Family::kMistral: return "mistral";
+    case Family::kQwen2Moe: return "qwen2_moe";
+    case Family::kQwen3Moe: return "qwen3_moe";
+    case Family::kMixtral: return "mixtral";
   }
   return "?";
+}
+
+bool ModelConfig::sparse_layer(int64_t i) const {
+  if (num_experts <= 0) return false;
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) != mlp_only_layers.end()) return false;
+  return (i + 1) % std::max<int64_t>(1, decoder_sparse_step) == 0;
 }
 
 ModelConfig parse_model_config(const std::string& text, const std::string& where) {
@@ -102,8 +115,32 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
   c.tie_word_embeddings = rd.get<bool>("tie_word_embeddings", false);
   c.initializer_range = rd.get<double>("initializer_range", 0.02);
   c.torch_dtype = rd.get<std::string>("torch_dtype", rd.get<std::string>("dtype", "float32"));
-  c.attention_bias = c.family == Family::kQwen2 ? true : rd.get<bool>("attention_bias", false);
-  c.qk_norm = c.family == Family::kQwen3;
+  c.attention_bias = c.family == Family::kQwen2      ? true
+                     : c.family == Family::kQwen2Moe ? rd.get<bool>("qkv_bias", true)
+                                                     : rd.get<bool>("attention_bias", false);
+  c.qk_norm = c.family == Family::kQwen3 || c.family == Family::kQwen3Moe;
+  if (c.family == Family::kQwen2Moe || c.family == Family::kQwen3Moe || c.family == Family::kMixtral) {
+    // 4.x names the count num_experts (qwen) or num_local_experts (mixtral); 5.x writes either.
+    c.num_experts = rd.get<int64_t>("num_experts", rd.get<int64_t>("num_local_experts", 0));
+    c.experts_per_token = rd.need<int64_t>("num_experts_per_tok");
+    c.router_aux_loss_coef = rd.get<double>("router_aux_loss_coef", 0.001);
+    if (c.num_experts <= 0)
+      throw ConfigError(fmt::format("{}: num_experts (or num_local_experts) must be > 0 for {}", where,
+                                    family_name(c.family)));
+    if (c.family == Family::kMixtral) {
+      c.moe_intermediate_size = c.intermediate_size;
+      c.norm_topk_prob = true;
+    } else {
+      c.moe_intermediate_size = rd.need<int64_t>("moe_intermediate_size");
+      c.norm_topk_prob = rd.get<bool>("norm_topk_prob", c.family == Family::kQwen3Moe);
+      c.decoder_sparse_step = rd.get<int64_t>("decoder_sparse_step", 1);
+      c.mlp_only_layers = rd.get<std::vector<int64_t>>("mlp_only_layers", {});
+      if (c.family == Family::kQwen2Moe)
+        c.shared_expert_intermediate_size = rd.need<int64_t>("shared_expert_intermediate_size");
+    }
+    if (rd.get<double>("router_jitter_noise", 0.0) != 0.0)
+      throw ConfigError(fmt::format("{}: router_jitter_noise other than 0 is not supported", where));
+  }
 
   const std::string act = rd.get<std::string>("hidden_act", "silu");
   if (act != "silu") throw ConfigError(fmt::format("{}: hidden_act '{}' is not supported (only silu)", where, act));
@@ -130,8 +167,8 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
   // (5.x) or use the window from max_window_layers on (4.x).
   const int64_t window = rd.get<int64_t>("sliding_window", 0);
   c.layer_window.assign(std::max<int64_t>(c.num_layers, 0), 0);
-  if (c.family == Family::kMistral || c.family == Family::kLlama) {
-    if (c.family == Family::kMistral && window > 0) c.layer_window.assign(c.layer_window.size(), window);
+  if (c.family == Family::kMistral || c.family == Family::kLlama || c.family == Family::kMixtral) {
+    if (c.family != Family::kLlama && window > 0) c.layer_window.assign(c.layer_window.size(), window);
   } else if (rd.has("layer_types")) {
     const auto types = rd.get<std::vector<std::string>>("layer_types", {});
     if ((int64_t)types.size() != c.num_layers)
@@ -171,8 +208,12 @@ int64_t context_limit(const ModelConfig& cfg) {
 
 double attention_cost_tokens(const ModelConfig& c) {
   const double h = static_cast<double>(c.hidden_size);
+  // A sparse layer's MLP: the experts one token runs through, and the shared expert.
+  const double mlp = c.moe() ? static_cast<double>(c.experts_per_token * c.moe_intermediate_size +
+                                                   c.shared_expert_intermediate_size)
+                             : static_cast<double>(c.intermediate_size);
   const double per_layer = h * static_cast<double>(c.q_size()) * 2 + h * static_cast<double>(c.kv_size()) * 2 +
-                           3 * h * static_cast<double>(c.intermediate_size);
+                           3 * h * mlp;
   return per_layer / static_cast<double>(std::max<int64_t>(1, c.q_size()));
 }
 
@@ -209,10 +250,21 @@ void validate(const ModelConfig& c, const std::string& where) {
   in_vocab(c.bos_token_id, "bos_token_id");
   in_vocab(c.pad_token_id, "pad_token_id");
   for (int64_t e : c.eos_token_ids) in_vocab(e, "eos_token_id");
+  if (c.moe()) {
+    positive(c.experts_per_token, "num_experts_per_tok");
+    positive(c.moe_intermediate_size, "moe_intermediate_size");
+    positive(c.decoder_sparse_step, "decoder_sparse_step");
+    if (c.experts_per_token > c.num_experts)
+      throw ConfigError(fmt::format("{}: num_experts_per_tok {} exceeds the {} experts", where, c.experts_per_token,
+                                    c.num_experts));
+    if (c.num_experts > 4096) throw ConfigError(fmt::format("{}: {} experts (at most 4096)", where, c.num_experts));
+    if (c.shared_expert_intermediate_size < 0)
+      throw ConfigError(fmt::format("{}: shared_expert_intermediate_size must be >= 0", where));
+  }
 }
 
 std::string to_hf_config_json(const ModelConfig& c, bool value_head) {
-  static const char* kArch[] = {"Llama", "Qwen2", "Qwen3", "Mistral"};
+  static const char* kArch[] = {"Llama", "Qwen2", "Qwen3", "Mistral", "Qwen2Moe", "Qwen3Moe", "Mixtral"};
   const std::string arch = std::string(kArch[static_cast<int>(c.family)]) +
                            (value_head ? "ForSequenceClassification" : "ForCausalLM");
   json j;
@@ -231,7 +283,23 @@ std::string to_hf_config_json(const ModelConfig& c, bool value_head) {
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["initializer_range"] = c.initializer_range;
   j["torch_dtype"] = c.torch_dtype;
-  if (c.family == Family::kLlama || c.family == Family::kMistral) j["attention_bias"] = c.attention_bias;
+  if (c.family == Family::kLlama || c.family == Family::kMistral || c.family == Family::kQwen3Moe)
+    j["attention_bias"] = c.attention_bias;
+  if (c.family == Family::kQwen2Moe) j["qkv_bias"] = c.attention_bias;
+  if (c.moe()) {
+    j["num_experts_per_tok"] = c.experts_per_token;
+    j["router_aux_loss_coef"] = c.router_aux_loss_coef;
+    if (c.family == Family::kMixtral) {
+      j["num_local_experts"] = c.num_experts;
+    } else {
+      j["num_experts"] = c.num_experts;
+      j["moe_intermediate_size"] = c.moe_intermediate_size;
+      j["norm_topk_prob"] = c.norm_topk_prob;
+      j["decoder_sparse_step"] = c.decoder_sparse_step;
+      j["mlp_only_layers"] = c.mlp_only_layers;
+      if (c.family == Family::kQwen2Moe) j["shared_expert_intermediate_size"] = c.shared_expert_intermediate_size;
+    }
+  }
   // The 4.x spelling: every transformers version reads it.
   j["rope_theta"] = c.rope_theta;
   const RopeScaling& r = c.rope_scaling;
@@ -256,8 +324,8 @@ std::string to_hf_config_json(const ModelConfig& c, bool value_head) {
     if (w > 0) window = w;
   }
   for (int64_t w : c.layer_window) all_same = all_same && w == window;
-  if (c.family == Family::kMistral) {
-    TILLER_CHECK(all_same, "mistral applies one sliding window to every layer");
+  if (c.family == Family::kMistral || c.family == Family::kMixtral) {
+    TILLER_CHECK(all_same, "{} applies one sliding window to every layer", family_name(c.family));
     j["sliding_window"] = window > 0 ? json(window) : json(nullptr);
   } else if (c.family != Family::kLlama) {
     j["sliding_window"] = window > 0 ? json(window) : json(nullptr);
@@ -295,8 +363,8 @@ ModelConfig make(Family f, int64_t vocab, int64_t hidden, int64_t inter, int64_t
   c.rope_theta = theta;
   c.tie_word_embeddings = tied;
   c.max_position_embeddings = max_pos;
-  c.attention_bias = f == Family::kQwen2;
-  c.qk_norm = f == Family::kQwen3;
+  c.attention_bias = f == Family::kQwen2 || f == Family::kQwen2Moe;
+  c.qk_norm = f == Family::kQwen3 || f == Family::kQwen3Moe;
   c.layer_window.assign(layers, 0);
   c.torch_dtype = "bfloat16";
   return c;
@@ -304,7 +372,8 @@ ModelConfig make(Family f, int64_t vocab, int64_t hidden, int64_t inter, int64_t
 }  // namespace
 
 std::vector<std::string> preset_names() {
-  return {"qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"};
+  return {"qwen2-0.5b", "qwen2-1.5b",     "qwen2-7b",       "tiny-llama",  "tiny-qwen2",
+          "tiny-qwen3", "tiny-mistral",  "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"};
 }
 
 ModelConfig preset(const std::string& name) {
@@ -324,6 +393,26 @@ ModelConfig preset(const std::string& name) {
     c.head_dim = 32;  // Qwen3 decouples head_dim from hidden/heads
   } else if (name == "tiny-mistral") {
     c = make(Family::kMistral, 512, 64, 176, 2, 4, 1, 1e6, false, 2048);
+  } else if (name == "tiny-qwen3-moe") {  // 8 experts of 48, top 2, renormalised
+    c = make(Family::kQwen3Moe, 512, 64, 176, 2, 4, 2, 1e6, false, 2048);
+    c.head_dim = 32;
+    c.num_experts = 8;
+    c.experts_per_token = 2;
+    c.moe_intermediate_size = 48;
+    c.norm_topk_prob = true;
+  } else if (name == "tiny-qwen2-moe") {  // a shared expert, and layer 0 dense
+    c = make(Family::kQwen2Moe, 512, 64, 176, 2, 4, 2, 1e6, true, 2048);
+    c.num_experts = 6;
+    c.experts_per_token = 2;
+    c.moe_intermediate_size = 48;
+    c.shared_expert_intermediate_size = 96;
+    c.mlp_only_layers = {0};
+  } else if (name == "tiny-mixtral") {
+    c = make(Family::kMixtral, 512, 64, 96, 2, 4, 2, 1e6, false, 2048);
+    c.num_experts = 4;
+    c.experts_per_token = 2;
+    c.moe_intermediate_size = 96;
+    c.norm_topk_prob = true;
   } else {
     std::string names;
     for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
@@ -338,15 +427,29 @@ ModelConfig preset(const std::string& name) {
   return c;
 }
 
-int64_t num_parameters(const ModelConfig& c) {
+namespace {
+// Every parameter, or with `active` only the experts a token runs through.
+int64_t count_parameters(const ModelConfig& c, bool active) {
   const int64_t h = c.hidden_size;
-  int64_t layer = h * c.q_size() + 2 * h * c.kv_size() + c.q_size() * h  // q, k, v, o
-                  + 3 * h * c.intermediate_size + 2 * h;                 // mlp, two norms
-  if (c.attention_bias) layer += c.q_size() + 2 * c.kv_size();
-  if (c.qk_norm) layer += 2 * c.head_dim;
-  int64_t n = c.num_layers * layer + c.vocab_size * h + h;
+  int64_t attn = h * c.q_size() + 2 * h * c.kv_size() + c.q_size() * h + 2 * h;  // q, k, v, o, two norms
+  if (c.attention_bias) attn += c.q_size() + 2 * c.kv_size();
+  if (c.qk_norm) attn += 2 * c.head_dim;
+  int64_t n = c.vocab_size * h + h;
   if (!c.tie_word_embeddings) n += c.vocab_size * h;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    n += attn;
+    if (!c.sparse_layer(i)) {
+      n += 3 * h * c.intermediate_size;
+      continue;
+    }
+    n += c.num_experts * h + 3 * h * c.moe_intermediate_size * (active ? c.experts_per_token : c.num_experts);
+    if (c.shared_expert_intermediate_size > 0) n += 3 * h * c.shared_expert_intermediate_size + h;
+  }
   return n;
 }
+}  // namespace
+
+int64_t num_parameters(const ModelConfig& c) { return count_parameters(c, false); }
+int64_t active_parameters(const ModelConfig& c) { return count_parameters(c, true); }
 
 }  // namespace tiller::model

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "model/batch_invariant.h"
+#include "model/host_upload.h"
 #include "tiller/core/error.h"
 #include "tiller/model/numerics.h"
 
@@ -158,15 +159,56 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   return o;
 }
 
-// The MLP's output for normed input h (before the residual add).
-at::Tensor mlp_out(const LayerWeights& w, const at::Tensor& h, BlockContext& ctx) {
+// The dense SwiGLU MLP of w's gate/up/down projections (a dense layer's, or the shared expert's).
+at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h) {
   at::Tensor act;
   if (w.gate_up_proj.defined()) {
     act = swiglu_packed(project(h, w.gate_up_proj));
   } else {
     act = swiglu(project(h, w.gate_proj), project(h, w.up_proj));
   }
-  at::Tensor mlp = project(act, w.down_proj);
+  return project(act, w.down_proj);
+}
+
+// A sparse layer's MLP, as transformers computes it: the router's softmax (fp32) picks each token's
+// top-k experts (weights renormalised with norm_topk_prob; rounded to the compute dtype except in
+// mixtral); each expert runs on its tokens, scaled by their weights, and the experts' outputs are
+// added in expert order; qwen2_moe adds the shared expert behind its sigmoid gate.
+at::Tensor moe_mlp(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& h) {
+  const int64_t t = h.size(0), k = cfg.experts_per_token, e_count = static_cast<int64_t>(w.experts.size());
+  const at::Tensor probs = at::softmax(project(h, w.router).to(at::kFloat), -1);
+  auto [top, index] = probs.topk(k, -1);  // [T, k]
+  if (cfg.norm_topk_prob) top = top / top.sum(-1, true);
+  if (cfg.family != Family::kMixtral) top = top.to(h.scalar_type());
+  // Each expert's tokens (rows of h) and their slots in `top`, on the host: one copy of the indices.
+  const at::Tensor host = index.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* ix = host.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(e_count)), slots(static_cast<size_t>(e_count));
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = ix[r * k + j];
+      TILLER_CHECK(e >= 0 && e < e_count, "router chose expert {} of {}", e, e_count);
+      rows[static_cast<size_t>(e)].push_back(r);
+      slots[static_cast<size_t>(e)].push_back(r * k + j);
+    }
+  const at::Tensor weights = top.reshape({t * k});
+  at::Tensor out = at::zeros_like(h);
+  for (int64_t e = 0; e < e_count; ++e) {
+    if (rows[static_cast<size_t>(e)].empty()) continue;
+    const ExpertWeights& ex = w.experts[static_cast<size_t>(e)];
+    const at::Tensor r = upload(rows[static_cast<size_t>(e)], h.device());
+    const at::Tensor x = h.index_select(0, r);
+    at::Tensor y = project(swiglu(project(x, ex.gate_proj), project(x, ex.up_proj)), ex.down_proj);
+    y = y * weights.index_select(0, upload(slots[static_cast<size_t>(e)], h.device())).unsqueeze(1);
+    out = out.index_add(0, r, y.to(h.scalar_type()));
+  }
+  if (w.shared_expert_gate.defined()) out = out + at::sigmoid(project(h, w.shared_expert_gate)) * dense_mlp(w, h);
+  return out;
+}
+
+// The MLP's output for normed input h (before the residual add).
+at::Tensor mlp_out(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& h, BlockContext& ctx) {
+  at::Tensor mlp = w.router.defined() ? moe_mlp(cfg, w, h) : dense_mlp(w, h);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(mlp);
   return mlp;
 }
@@ -186,7 +228,7 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   }
   const at::Tensor o = attention_out(cfg, layer, w, h, ctx);
   h = add_rms_norm(stream, o, w.post_attn_norm, cfg.rms_norm_eps);
-  ctx.deferred = mlp_out(w, h, ctx);
+  ctx.deferred = mlp_out(cfg, w, h, ctx);
   return stream;
 }
 
@@ -198,7 +240,7 @@ at::Tensor attention_residual(const ModelConfig& cfg, int64_t layer, const Layer
 
 at::Tensor mlp_residual(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& y, BlockContext& ctx) {
   TILLER_CHECK(!ctx.fuse_residual, "mlp_residual: not with fuse_residual");
-  return y + mlp_out(w, rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps), ctx);
+  return y + mlp_out(cfg, w, rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps), ctx);
 }
 
 void add_deferred(at::Tensor& x, BlockContext& ctx) {

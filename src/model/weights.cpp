@@ -1,6 +1,7 @@
 #include "tiller/model/weights.h"
 
 #include <filesystem>
+#include <functional>
 #include <optional>
 
 
@@ -16,27 +17,75 @@ namespace {
 
 std::string layer_name(int64_t i, const char* rest) { return fmt::format("model.layers.{}.{}", i, rest); }
 
-// The per-layer members in spec order, with the HF suffix of each.
-struct LayerField {
-  const char* suffix;
-  at::Tensor LayerWeights::*member;
+// One parameter of a block: its HF suffix, shape, and where LayerWeights keeps it.
+struct Slot {
+  std::string suffix;
+  std::vector<int64_t> shape;
+  bool no_decay = false;
+  bool is_norm = false;
+  std::function<at::Tensor&(LayerWeights&)> ref;
 };
-constexpr LayerField kLayerFields[] = {
-    {"input_layernorm.weight", &LayerWeights::input_norm},
-    {"self_attn.q_proj.weight", &LayerWeights::q_proj},
-    {"self_attn.q_proj.bias", &LayerWeights::q_bias},
-    {"self_attn.k_proj.weight", &LayerWeights::k_proj},
-    {"self_attn.k_proj.bias", &LayerWeights::k_bias},
-    {"self_attn.v_proj.weight", &LayerWeights::v_proj},
-    {"self_attn.v_proj.bias", &LayerWeights::v_bias},
-    {"self_attn.q_norm.weight", &LayerWeights::q_norm},
-    {"self_attn.k_norm.weight", &LayerWeights::k_norm},
-    {"self_attn.o_proj.weight", &LayerWeights::o_proj},
-    {"post_attention_layernorm.weight", &LayerWeights::post_attn_norm},
-    {"mlp.gate_proj.weight", &LayerWeights::gate_proj},
-    {"mlp.up_proj.weight", &LayerWeights::up_proj},
-    {"mlp.down_proj.weight", &LayerWeights::down_proj},
-};
+
+// Block `i`'s parameters in spec order: attention, then the dense MLP or the mixture of experts
+// (router, experts in order, shared expert and its gate).
+std::vector<Slot> layer_slots(const ModelConfig& c, int64_t i) {
+  const int64_t h = c.hidden_size;
+  std::vector<Slot> s;
+  auto member = [](at::Tensor LayerWeights::*m) {
+    return [m](LayerWeights& w) -> at::Tensor& { return w.*m; };
+  };
+  s.push_back({"input_layernorm.weight", {h}, true, true, member(&LayerWeights::input_norm)});
+  // q, k, v weights back to back, then their biases.
+  s.push_back({"self_attn.q_proj.weight", {c.q_size(), h}, false, false, member(&LayerWeights::q_proj)});
+  s.push_back({"self_attn.k_proj.weight", {c.kv_size(), h}, false, false, member(&LayerWeights::k_proj)});
+  s.push_back({"self_attn.v_proj.weight", {c.kv_size(), h}, false, false, member(&LayerWeights::v_proj)});
+  if (c.attention_bias) {
+    s.push_back({"self_attn.q_proj.bias", {c.q_size()}, true, false, member(&LayerWeights::q_bias)});
+    s.push_back({"self_attn.k_proj.bias", {c.kv_size()}, true, false, member(&LayerWeights::k_bias)});
+    s.push_back({"self_attn.v_proj.bias", {c.kv_size()}, true, false, member(&LayerWeights::v_bias)});
+  }
+  if (c.qk_norm) {
+    s.push_back({"self_attn.q_norm.weight", {c.head_dim}, true, true, member(&LayerWeights::q_norm)});
+    s.push_back({"self_attn.k_norm.weight", {c.head_dim}, true, true, member(&LayerWeights::k_norm)});
+  }
+  s.push_back({"self_attn.o_proj.weight", {h, c.q_size()}, false, false, member(&LayerWeights::o_proj)});
+  s.push_back({"post_attention_layernorm.weight", {h}, true, true, member(&LayerWeights::post_attn_norm)});
+  if (!c.sparse_layer(i)) {
+    s.push_back({"mlp.gate_proj.weight", {c.intermediate_size, h}, false, false, member(&LayerWeights::gate_proj)});
+    s.push_back({"mlp.up_proj.weight", {c.intermediate_size, h}, false, false, member(&LayerWeights::up_proj)});
+    s.push_back({"mlp.down_proj.weight", {h, c.intermediate_size}, false, false, member(&LayerWeights::down_proj)});
+    return s;
+  }
+  const bool mixtral = c.family == Family::kMixtral;
+  const std::string moe = mixtral ? "block_sparse_moe." : "mlp.";
+  const int64_t e_inter = c.moe_intermediate_size;
+  s.push_back({moe + "gate.weight", {c.num_experts, h}, false, false, member(&LayerWeights::router)});
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    auto expert = [e](at::Tensor ExpertWeights::*m) {
+      return [e, m](LayerWeights& w) -> at::Tensor& {
+        if (static_cast<int64_t>(w.experts.size()) <= e) w.experts.resize(static_cast<size_t>(e + 1));
+        return w.experts[static_cast<size_t>(e)].*m;
+      };
+    };
+    const std::string p = fmt::format("{}experts.{}.", moe, e);
+    s.push_back({p + (mixtral ? "w1.weight" : "gate_proj.weight"), {e_inter, h}, false, false,
+                 expert(&ExpertWeights::gate_proj)});
+    s.push_back({p + (mixtral ? "w3.weight" : "up_proj.weight"), {e_inter, h}, false, false,
+                 expert(&ExpertWeights::up_proj)});
+    s.push_back({p + (mixtral ? "w2.weight" : "down_proj.weight"), {h, e_inter}, false, false,
+                 expert(&ExpertWeights::down_proj)});
+  }
+  if (c.shared_expert_intermediate_size > 0) {
+    const int64_t si = c.shared_expert_intermediate_size;
+    s.push_back({"mlp.shared_expert.gate_proj.weight", {si, h}, false, false, member(&LayerWeights::gate_proj)});
+    s.push_back({"mlp.shared_expert.up_proj.weight", {si, h}, false, false, member(&LayerWeights::up_proj)});
+    s.push_back({"mlp.shared_expert.down_proj.weight", {h, si}, false, false, member(&LayerWeights::down_proj)});
+    s.push_back({"mlp.shared_expert_gate.weight", {1, h}, false, false, member(&LayerWeights::shared_expert_gate)});
+  }
+  return s;
+}
+
+std::string shape_text(const std::vector<int64_t>& v) { return fmt::format("{}", fmt::join(v, "x")); }
 
 }  // namespace
 
@@ -44,68 +93,48 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& c, Head head) {
   const int64_t h = c.hidden_size;
   std::vector<ParamSpec> s;
   s.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, -1, false, false});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const int l = static_cast<int>(i);
-    s.push_back({layer_name(i, "input_layernorm.weight"), {h}, l, true, true});
-    // q, k, v weights back to back, then their biases.
-    s.push_back({layer_name(i, "self_attn.q_proj.weight"), {c.q_size(), h}, l, false, false});
-    s.push_back({layer_name(i, "self_attn.k_proj.weight"), {c.kv_size(), h}, l, false, false});
-    s.push_back({layer_name(i, "self_attn.v_proj.weight"), {c.kv_size(), h}, l, false, false});
-    if (c.attention_bias) {
-      s.push_back({layer_name(i, "self_attn.q_proj.bias"), {c.q_size()}, l, true, false});
-      s.push_back({layer_name(i, "self_attn.k_proj.bias"), {c.kv_size()}, l, true, false});
-      s.push_back({layer_name(i, "self_attn.v_proj.bias"), {c.kv_size()}, l, true, false});
-    }
-    if (c.qk_norm) {
-      s.push_back({layer_name(i, "self_attn.q_norm.weight"), {c.head_dim}, l, true, true});
-      s.push_back({layer_name(i, "self_attn.k_norm.weight"), {c.head_dim}, l, true, true});
-    }
-    s.push_back({layer_name(i, "self_attn.o_proj.weight"), {h, c.q_size()}, l, false, false});
-    s.push_back({layer_name(i, "post_attention_layernorm.weight"), {h}, l, true, true});
-    s.push_back({layer_name(i, "mlp.gate_proj.weight"), {c.intermediate_size, h}, l, false, false});
-    s.push_back({layer_name(i, "mlp.up_proj.weight"), {c.intermediate_size, h}, l, false, false});
-    s.push_back({layer_name(i, "mlp.down_proj.weight"), {h, c.intermediate_size}, l, false, false});
-  }
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    for (Slot& slot : layer_slots(c, i))
+      s.push_back({layer_name(i, slot.suffix.c_str()), std::move(slot.shape), static_cast<int>(i), slot.no_decay,
+                   slot.is_norm});
   s.push_back({"model.norm.weight", {h}, -1, true, true});
   if (head == Head::kValue) s.push_back({"score.weight", {1, h}, -1, false, false});
   else if (!c.tie_word_embeddings) s.push_back({"lm_head.weight", {c.vocab_size, h}, -1, false, false});
   return s;
 }
 
-ModelWeights bind_weights(const ModelConfig& c, const NamedTensors& named, Head head, const std::string& where) {
-  auto get = [&](const ParamSpec& spec) {
-    auto it = named.find(spec.name);
-    if (it == named.end()) {
-      const char* hint = spec.name == "score.weight"
-                             ? " (a value model needs a checkpoint saved with a score head)"
-                             : "";
-      throw IoError(fmt::format("{}: missing tensor '{}'{}", where, spec.name, hint));
-    }
-    if (it->second.sizes().vec() != spec.shape)
-      throw IoError(fmt::format("{}: tensor '{}' has shape {} but config.json implies {}", where, spec.name,
-                                fmt::format("{}", fmt::join(it->second.sizes().vec(), "x")),
-                                fmt::format("{}", fmt::join(spec.shape, "x"))));
-    return it->second;
-  };
-  ModelWeights w;
-  w.layers.resize(c.num_layers);
-  for (const ParamSpec& spec : parameter_specs(c, head)) {
-    at::Tensor t = get(spec);
-    if (spec.layer >= 0) {
-      const std::string prefix = layer_name(spec.layer, "");
-      const std::string suffix = spec.name.substr(prefix.size());
-      for (const auto& f : kLayerFields)
-        if (suffix == f.suffix) w.layers[spec.layer].*(f.member) = t;
-    } else if (spec.name == "model.embed_tokens.weight") {
-      w.embed = t;
-    } else if (spec.name == "model.norm.weight") {
-      w.final_norm = t;
-    } else if (spec.name == "lm_head.weight") {
-      w.lm_head = t;
-    } else if (spec.name == "score.weight") {
-      w.score = t;
-    }
+namespace {
+
+// Looks `name` up in `named` with the spec's shape; IoError naming the tensor otherwise.
+const at::Tensor& lookup(const NamedTensors& named, const std::string& name, const std::vector<int64_t>& shape,
+                         const std::string& where) {
+  auto it = named.find(name);
+  if (it == named.end()) {
+    const char* hint = name == "score.weight" ? " (a value model needs a checkpoint saved with a score head)" : "";
+    throw IoError(fmt::format("{}: missing tensor '{}'{}", where, name, hint));
   }
+  if (it->second.sizes().vec() != shape)
+    throw IoError(fmt::format("{}: tensor '{}' has shape {} but config.json implies {}", where, name,
+                              shape_text(it->second.sizes().vec()), shape_text(shape)));
+  return it->second;
+}
+
+}  // namespace
+
+ModelWeights bind_weights(const ModelConfig& c, const NamedTensors& named, Head head, const std::string& where) {
+  ModelWeights w;
+  w.layers.resize(static_cast<size_t>(c.num_layers));
+  for (const ParamSpec& spec : parameter_specs(c, head)) {
+    if (spec.layer >= 0) continue;  // below, block by block
+    const at::Tensor& t = lookup(named, spec.name, spec.shape, where);
+    if (spec.name == "model.embed_tokens.weight") w.embed = t;
+    else if (spec.name == "model.norm.weight") w.final_norm = t;
+    else if (spec.name == "lm_head.weight") w.lm_head = t;
+    else if (spec.name == "score.weight") w.score = t;
+  }
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    for (Slot& slot : layer_slots(c, i))
+      slot.ref(w.layers[static_cast<size_t>(i)]) = lookup(named, layer_name(i, slot.suffix.c_str()), slot.shape, where);
   if (head == Head::kLm && c.tie_word_embeddings) w.lm_head = w.embed;
   return w;
 }
@@ -113,39 +142,33 @@ ModelWeights bind_weights(const ModelConfig& c, const NamedTensors& named, Head 
 LayerWeights bind_layer(const ModelConfig& c, int64_t layer, const NamedTensors& named, const std::string& where) {
   TILLER_CHECK(layer >= 0 && layer < c.num_layers, "{}: layer {} outside [0, {})", where, layer, c.num_layers);
   LayerWeights w;
-  const std::string prefix = layer_name(layer, "");
-  for (const auto& f : kLayerFields) {
-    auto it = named.find(prefix + f.suffix);
-    if (it != named.end()) w.*(f.member) = it->second;
+  for (Slot& slot : layer_slots(c, layer)) {
+    const std::string name = layer_name(layer, slot.suffix.c_str());
+    if (!named.count(name)) throw IoError(fmt::format("{}: layer {} lacks '{}', which its config needs", where, layer, name));
+    slot.ref(w) = lookup(named, name, slot.shape, where);
   }
-  const bool complete = w.input_norm.defined() && w.q_proj.defined() && w.k_proj.defined() && w.v_proj.defined() &&
-                        w.o_proj.defined() && w.post_attn_norm.defined() && w.gate_proj.defined() &&
-                        w.up_proj.defined() && w.down_proj.defined() &&
-                        (!c.attention_bias || (w.q_bias.defined() && w.k_bias.defined() && w.v_bias.defined())) &&
-                        (!c.qk_norm || (w.q_norm.defined() && w.k_norm.defined()));
-  if (!complete) throw IoError(fmt::format("{}: layer {} lacks parameters its config needs", where, layer));
   return w;
 }
 
 NamedTensors named_weights(const ModelConfig& c, const ModelWeights& w, Head head) {
   NamedTensors out;
   for (const ParamSpec& spec : parameter_specs(c, head)) {
-    at::Tensor t;
-    if (spec.layer >= 0) {
-      const std::string suffix = spec.name.substr(layer_name(spec.layer, "").size());
-      for (const auto& f : kLayerFields)
-        if (suffix == f.suffix) t = w.layers[spec.layer].*(f.member);
-    } else if (spec.name == "model.embed_tokens.weight") {
-      t = w.embed;
-    } else if (spec.name == "model.norm.weight") {
-      t = w.final_norm;
-    } else if (spec.name == "lm_head.weight") {
-      t = w.lm_head;
-    } else if (spec.name == "score.weight") {
-      t = w.score;
-    }
+    if (spec.layer >= 0) continue;
+    at::Tensor t = spec.name == "model.embed_tokens.weight" ? w.embed
+                   : spec.name == "model.norm.weight"       ? w.final_norm
+                   : spec.name == "lm_head.weight"          ? w.lm_head
+                                                            : w.score;
     TILLER_CHECK(t.defined(), "parameter '{}' is not bound", spec.name);
     out[spec.name] = t;
+  }
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    LayerWeights layer = w.layers.at(static_cast<size_t>(i));  // handles; the slots' refs want it mutable
+    for (Slot& slot : layer_slots(c, i)) {
+      const std::string name = layer_name(i, slot.suffix.c_str());
+      const at::Tensor& t = slot.ref(layer);
+      TILLER_CHECK(t.defined(), "parameter '{}' is not bound", name);
+      out[name] = t;
+    }
   }
   return out;
 }

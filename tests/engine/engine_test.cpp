@@ -33,7 +33,14 @@ TEST_P(EngineFamily, GreedyEqualsReferenceAndTrainerArgmax) {
   EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tiny, EngineFamily, ::testing::Values("tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-mistral"));
+INSTANTIATE_TEST_SUITE_P(Tiny, EngineFamily,
+                         ::testing::Values("tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-mistral", "tiny-qwen3-moe",
+                                           "tiny-qwen2-moe", "tiny-mixtral"),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           std::string n = i.param;
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           return n;
+                         });
 
 TEST(Engine, SampledTokensEqualReferenceAndLogprobsEqualTrainer) {
   TinyModel m = tiny("tiny-qwen2");

@@ -167,7 +167,8 @@ def common_config():
 
 
 def model_configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
     common = common_config()
     return {
         # Llama 3.1 style: llama3 RoPE scaling, untied embeddings.
@@ -186,6 +187,17 @@ def model_configs():
         # Mistral: sliding window shorter than the inputs, dynamic NTK past max_position_embeddings.
         "mistral": MistralConfig(**common, max_position_embeddings=16, sliding_window=8, tie_word_embeddings=False,
                                  rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+        # Mixtures of experts. Qwen3-MoE: 8 experts, top 2 renormalised, layer 1 dense.
+        "qwen3_moe": Qwen3MoeConfig(**common, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
+                                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    norm_topk_prob=True, mlp_only_layers=[1]),
+        # Qwen2-MoE: a shared expert behind its sigmoid gate, top 2 not renormalised, qkv bias, tied.
+        "qwen2_moe": Qwen2MoeConfig(**common, max_position_embeddings=64, tie_word_embeddings=True, num_experts=6,
+                                    num_experts_per_tok=2, moe_intermediate_size=48,
+                                    shared_expert_intermediate_size=96, norm_topk_prob=False),
+        # Mixtral: 4 experts of intermediate_size, top 2, a sliding window shorter than the inputs.
+        "mixtral": MixtralConfig(**common, max_position_embeddings=64, sliding_window=8, tie_word_embeddings=False,
+                                 num_local_experts=4, num_experts_per_tok=2),
     }
 
 

@@ -84,7 +84,8 @@ TEST_P(HfModel, GreedyContinuationsEqualTransformers) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, HfModel, ::testing::Values("llama", "qwen2", "qwen3", "mistral"));
+INSTANTIATE_TEST_SUITE_P(Families, HfModel,
+                         ::testing::Values("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"));
 
 TEST(HfModelValue, ScoreHeadEqualsTransformers) {
   LoadedModel m = load_model(model_dir("qwen2-value"), Head::kValue, at::kFloat, at::kCPU);

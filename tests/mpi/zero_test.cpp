@@ -14,6 +14,14 @@ namespace {
 TEST(Zero, ShardedTrainingEqualsUnshardedTiedLm) { expect_sharded_equals_unsharded("tiny-qwen2", Head::kLm); }
 TEST(Zero, ShardedTrainingEqualsUnshardedUntiedLm) { expect_sharded_equals_unsharded("tiny-qwen3", Head::kLm); }
 TEST(Zero, ShardedTrainingEqualsUnshardedValueHead) { expect_sharded_equals_unsharded("tiny-llama", Head::kValue); }
+// Mixtures of experts: every expert, the router and the shared expert sharded with their block.
+TEST(Zero, ShardedTrainingEqualsUnshardedQwen3Moe) { expect_sharded_equals_unsharded("tiny-qwen3-moe", Head::kLm); }
+TEST(Zero, ShardedTrainingEqualsUnshardedQwen2MoeSharedExpert) {
+  expect_sharded_equals_unsharded("tiny-qwen2-moe", Head::kLm);
+}
+TEST(Zero, ShardedTrainingEqualsUnshardedMixtralSequenceParallel) {
+  expect_sharded_equals_unsharded("tiny-mixtral", Head::kLm, comm().size() % 2 == 0 ? 2 : 1);
+}
 
 // Sequence parallelism: S = 2 and 4 against the unsharded reference (which S = 1 equals, above).
 // Micro-batches of 0-36 tokens in 1-3 sequences: shorter than S, divisible by S and not.

@@ -2,9 +2,10 @@
 // from (and written as) a Hugging Face `config.json`, or taken from a named preset.
 //
 // Both config dialects of transformers are read: `rope_theta` + `rope_scaling` (4.x, and every
-// published Qwen/Llama checkpoint) and `rope_parameters` (5.x). Anything the model code does
-// not implement (another activation, MoE, partial rotary, ...) is rejected with the key named,
-// never silently ignored.
+// published Qwen/Llama checkpoint) and `rope_parameters` (5.x). Mixture-of-experts models
+// (qwen2_moe, qwen3_moe, mixtral) carry their routing settings below. Anything the model code does
+// not implement (another activation, partial rotary, ...) is rejected with the key named, never
+// silently ignored.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +14,7 @@
 
 namespace tiller::model {
 
-enum class Family { kLlama, kQwen2, kQwen3, kMistral };
+enum class Family { kLlama, kQwen2, kQwen3, kMistral, kQwen2Moe, kQwen3Moe, kMixtral };
 
 const char* family_name(Family f);  // "llama", "qwen2", ... (HF model_type)
 
@@ -52,9 +53,26 @@ struct ModelConfig {
   int64_t pad_token_id = -1;
   double initializer_range = 0.02;
   std::string torch_dtype = "float32";  // what the checkpoint stores
+  // Mixture of experts (num_experts 0: a dense model). A sparse layer's MLP is a router
+  // ([num_experts, hidden]) choosing experts_per_token experts per token by softmax then top-k
+  // (their weights renormalised to sum 1 with norm_topk_prob; mixtral always), each expert a SwiGLU
+  // MLP of moe_intermediate_size; qwen2_moe adds a shared expert of shared_expert_intermediate_size
+  // behind a sigmoid gate. Dense layers (qwen*_moe's mlp_only_layers and decoder_sparse_step) keep
+  // the MLP of intermediate_size.
+  int64_t num_experts = 0;
+  int64_t experts_per_token = 0;
+  int64_t moe_intermediate_size = 0;
+  bool norm_topk_prob = false;
+  int64_t shared_expert_intermediate_size = 0;
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  double router_aux_loss_coef = 0.001;  // written back to config.json; tiller's own is algo.*
 
   int64_t q_size() const { return num_heads * head_dim; }
   int64_t kv_size() const { return num_kv_heads * head_dim; }
+  bool moe() const { return num_experts > 0; }
+  // Whether layer i's MLP is the mixture of experts.
+  bool sparse_layer(int64_t i) const;
 };
 
 // Reads DIR/config.json (or the file itself). Throws ConfigError naming the file and key.
@@ -82,7 +100,10 @@ int64_t context_limit(const ModelConfig& cfg);
 // weight for long samples (rollout/packer.h).
 double attention_cost_tokens(const ModelConfig& cfg);
 
-// Parameter count of the causal LM (lm_head counted once when tied).
+// Parameter count of the causal LM (lm_head counted once when tied; every expert).
 int64_t num_parameters(const ModelConfig& cfg);
+// Parameters one token runs through (the experts it is routed to, not all of them): the
+// num_parameters of a dense model; what FLOPs per token follow.
+int64_t active_parameters(const ModelConfig& cfg);
 
 }  // namespace tiller::model

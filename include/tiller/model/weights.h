@@ -21,6 +21,12 @@ namespace tiller::model {
 // so) or the scalar value head of critic and reward models (HF's `score`, [1, hidden], no bias).
 enum class Head { kLm, kValue };
 
+// One routed expert of a mixture-of-experts layer: a SwiGLU MLP.
+struct ExpertWeights {
+  at::Tensor gate_proj, up_proj;  // [moe_intermediate, hidden]
+  at::Tensor down_proj;           // [hidden, moe_intermediate]
+};
+
 struct LayerWeights {
   at::Tensor input_norm;                // [hidden]
   at::Tensor q_proj, k_proj, v_proj;    // [q_size|kv_size, hidden]
@@ -30,6 +36,12 @@ struct LayerWeights {
   at::Tensor post_attn_norm;            // [hidden]
   at::Tensor gate_proj, up_proj;        // [intermediate, hidden]
   at::Tensor down_proj;                 // [hidden, intermediate]
+  // A sparse layer (ModelConfig::sparse_layer): the router and the routed experts; gate/up/down_proj
+  // above are then the shared expert ([shared_expert_intermediate, hidden] ...) behind the sigmoid
+  // gate shared_expert_gate (qwen2_moe), or undefined.
+  at::Tensor router;                    // [num_experts, hidden]
+  std::vector<ExpertWeights> experts;
+  at::Tensor shared_expert_gate;        // [1, hidden]
   // Optional fused projections (the engine's): when defined, block_forward runs one GEMM for
   // q/k/v ([q_size + 2 kv_size, hidden], bias likewise) and one for gate/up ([2 intermediate,
   // hidden]); the separate tensors above are then views into them.
