@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Makes what configs/quickstart.yaml needs, with transformers and tokenizers (CPU, seconds):
 
-  make_quickstart.py [MODEL_DIR] [PROMPTS]   (defaults: models/tiny-qwen2, data/quickstart/prompts.jsonl)
+  make_quickstart.py [MODEL_DIR] [PROMPTS] [--moe]
+                     (defaults: models/tiny-qwen2, data/quickstart/prompts.jsonl)
 
 MODEL_DIR  a randomly initialised tiny Qwen2 (2 layers, hidden 64) with a byte-level BPE tokenizer
            of 320 tokens trained on this repository's docs, saved as Hugging Face safetensors.
+           With --moe, a tiny Qwen3-MoE instead (4 experts of 64, top 2) with the same tokenizer.
 PROMPTS    256 prompts for the toy task "toy_digits" (reward: the share of the response's
            characters that are digits), one JSON object per line.
 
@@ -19,8 +21,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "models" / "tiny-qwen2"
-PROMPTS = Path(sys.argv[2]) if len(sys.argv) > 2 else REPO / "data" / "quickstart" / "prompts.jsonl"
+ARGS = [a for a in sys.argv[1:] if a != "--moe"]
+MOE = "--moe" in sys.argv[1:]
+MODEL = Path(ARGS[0]) if len(ARGS) > 0 else REPO / "models" / "tiny-qwen2"
+PROMPTS = Path(ARGS[1]) if len(ARGS) > 1 else REPO / "data" / "quickstart" / "prompts.jsonl"
 STAMP = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
@@ -39,13 +43,15 @@ def main():
     lines = "".join(json.dumps(p) + "\n" for p in prompts())
     if not PROMPTS.exists() or PROMPTS.read_text() != lines:
         PROMPTS.write_text(lines)
-    if (MODEL / "stamp").exists() and (MODEL / "stamp").read_text() == STAMP:
+    stamp = STAMP + (" moe" if MOE else "")
+    if (MODEL / "stamp").exists() and (MODEL / "stamp").read_text() == stamp:
         print(f"{MODEL} is current")
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -67,8 +73,16 @@ def main():
                       tie_word_embeddings=True, eos_token_id=tok.token_to_id("<|endoftext|>"),
                       bos_token_id=tok.token_to_id("<|endoftext|>"), torch_dtype="float32")
     model = Qwen2ForCausalLM(cfg).eval()
+    if MOE:
+        cfg = Qwen3MoeConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                             max_position_embeddings=512, tie_word_embeddings=True,
+                             eos_token_id=tok.token_to_id("<|endoftext|>"),
+                             bos_token_id=tok.token_to_id("<|endoftext|>"), torch_dtype="float32")
+        model = Qwen3MoeForCausalLM(cfg).eval()
     model.save_pretrained(MODEL, safe_serialization=True)
-    (MODEL / "stamp").write_text(STAMP)
+    (MODEL / "stamp").write_text(stamp)
     print(f"wrote {MODEL} ({sum(p.numel() for p in model.parameters())} parameters) and {PROMPTS}")
 
 

@@ -109,10 +109,19 @@ RoleFootprint footprint(const RoleSpec& r, bool keep_compute_shard) {
   return f;
 }
 
+// Per token, the elements of the MLP's gate, up and product: a sparse layer runs experts_per_token
+// experts (and the shared one) on it, each on a gathered copy of the token whose scaled output is
+// kept too, beside the router's probabilities.
+int64_t mlp_elements(const model::ModelConfig& c) {
+  if (!c.moe()) return 3 * c.intermediate_size;
+  return 3 * (c.experts_per_token * c.moe_intermediate_size + c.shared_expert_intermediate_size) +
+         2 * c.experts_per_token * c.hidden_size + c.num_experts;
+}
+
 // One block's intermediate tensors per token (q/k/v, attention out, norms, the MLP's gate, up and
 // product), twice over for what autograd keeps and the recomputation's temporaries.
 int64_t block_internals_per_token(const model::ModelConfig& c, int64_t bytes) {
-  return 2 * (4 * c.hidden_size + c.q_size() + 2 * c.kv_size() + 3 * c.intermediate_size) * bytes;
+  return 2 * (4 * c.hidden_size + c.q_size() + 2 * c.kv_size() + mlp_elements(c)) * bytes;
 }
 
 }  // namespace
@@ -125,7 +134,7 @@ int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int6
   // gate, up and their product.
   const int64_t input = c.hidden_size;
   const int64_t attention = c.hidden_size + 2 * c.q_size() + 2 * c.kv_size() + (c.qk_norm ? c.q_size() + c.kv_size() : 0);
-  const int64_t mlp = 2 * c.hidden_size + 3 * c.intermediate_size;
+  const int64_t mlp = 2 * c.hidden_size + mlp_elements(c);
   int64_t extra = 0;
   if (mode == zero::Recompute::kAttentionOnly) extra = mlp;
   if (mode == zero::Recompute::kNone) extra = attention + mlp;

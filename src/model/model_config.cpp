@@ -373,7 +373,8 @@ ModelConfig make(Family f, int64_t vocab, int64_t hidden, int64_t inter, int64_t
 
 std::vector<std::string> preset_names() {
   return {"qwen2-0.5b", "qwen2-1.5b",     "qwen2-7b",       "tiny-llama",  "tiny-qwen2",
-          "tiny-qwen3", "tiny-mistral",  "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"};
+          "tiny-qwen3", "tiny-mistral",  "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral",
+          "qwen3-30b-a3b", "qwen3-30b-a3b-8l"};
 }
 
 ModelConfig preset(const std::string& name) {
@@ -384,6 +385,15 @@ ModelConfig preset(const std::string& name) {
     c = make(Family::kQwen2, 151936, 1536, 8960, 28, 12, 2, 1e6, true, 32768);
   } else if (name == "qwen2-7b") {
     c = make(Family::kQwen2, 152064, 3584, 18944, 28, 28, 4, 1e6, false, 32768);
+  } else if (name == "qwen3-30b-a3b" || name == "qwen3-30b-a3b-8l") {
+    // The published Qwen3-30B-A3B (128 experts of 768, top 8), or its first 8 layers (5.6B
+    // parameters: training on 2 GPUs, decoding on one).
+    c = make(Family::kQwen3Moe, 151936, 2048, 6144, name == "qwen3-30b-a3b" ? 48 : 8, 32, 4, 1e6, false, 40960);
+    c.head_dim = 128;
+    c.num_experts = 128;
+    c.experts_per_token = 8;
+    c.moe_intermediate_size = 768;
+    c.norm_topk_prob = true;
   } else if (name == "tiny-llama") {
     c = make(Family::kLlama, 512, 64, 176, 2, 4, 2, 500000.0, false, 2048);
   } else if (name == "tiny-qwen2") {

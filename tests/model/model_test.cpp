@@ -272,6 +272,17 @@ TEST(Config, PresetsHaveThePublishedParameterCounts) {
     n += k;
   }
   EXPECT_EQ(n, 7615616512);
+  // Qwen3-30B-A3B: transformers' count of Qwen3MoeForCausalLM with the published config; 3.3B active.
+  EXPECT_EQ(num_parameters(preset("qwen3-30b-a3b")), 30532122624);
+  EXPECT_NEAR(static_cast<double>(active_parameters(preset("qwen3-30b-a3b"))), 3.35e9, 0.01e9);
+  n = 0;
+  for (const auto& s : parameter_specs(preset("tiny-qwen2-moe"))) {
+    int64_t k = 1;
+    for (int64_t d : s.shape) k *= d;
+    n += k;
+  }
+  EXPECT_EQ(n, num_parameters(preset("tiny-qwen2-moe")));
+  EXPECT_LT(active_parameters(preset("tiny-qwen2-moe")), n);
   EXPECT_THROW(preset("gpt-5"), ConfigError);
 }
 
@@ -303,7 +314,8 @@ TEST(HfWrite, CheckpointsForTransformers) {
   for (const auto& [name, t] : m.tensors) EXPECT_TRUE(at::equal(back.tensors.at(name), t)) << name;
 
   const auto inputs = reference()["qwen3"]["inputs"].get<std::vector<std::vector<int64_t>>>();
-  for (const std::string preset_name : {"tiny-qwen2", "tiny-llama", "tiny-mistral"}) {
+  for (const std::string preset_name :
+       {"tiny-qwen2", "tiny-llama", "tiny-mistral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"}) {
     ModelConfig cfg = preset(preset_name);
     cfg.initializer_range = 0.1;
     LoadedModel fresh;
@@ -317,7 +329,8 @@ TEST(HfWrite, CheckpointsForTransformers) {
   }
   nlohmann::json manifest;
   manifest["inputs"] = inputs;
-  manifest["models"] = {"qwen3", "tiny-qwen2", "tiny-llama", "tiny-mistral"};
+  manifest["models"] = {"qwen3", "tiny-qwen2", "tiny-llama", "tiny-mistral", "tiny-qwen3-moe", "tiny-qwen2-moe",
+                        "tiny-mixtral"};
   test::write_text(out + "/manifest.json", manifest.dump());
 }
 

@@ -38,26 +38,29 @@ std::vector<Layout> layouts(int p) {
 
 std::string wire_name(at::ScalarType t) { return t == at::kBFloat16 ? "bf16" : t == at::kHalf ? "fp16" : "fp32"; }
 
-model::ModelConfig tiny() {
-  model::ModelConfig cfg = model::preset("tiny-qwen2");
+model::ModelConfig tiny(const std::string& preset = "tiny-qwen2") {
+  model::ModelConfig cfg = model::preset(preset);
   cfg.initializer_range = 0.25;  // logits far enough apart that greedy tokens are stable
   return cfg;
 }
 
 // The actor's initial weights (seed 1) and the engines' different ones (seed 9), on the host.
-model::NamedTensors initial(int seed) { return model::init_weights(tiny(), model::Head::kLm, seed, at::kFloat); }
+model::NamedTensors initial(int seed, const std::string& preset = "tiny-qwen2") {
+  return model::init_weights(tiny(preset), model::Head::kLm, seed, at::kFloat);
+}
 
 // One rank's part: communicators, the actor (on actor ranks) or an engine with its receiver.
 struct Rig {
   Layout layout;
-  model::ModelConfig cfg = tiny();
+  model::ModelConfig cfg;
   int me = 0;
   std::unique_ptr<dist::Communicator> actor_comm, tp, sync, control;
   std::unique_ptr<zero::ShardedModel> actor;
   std::unique_ptr<engine::Engine> engine;
   std::unique_ptr<sync::WeightReceiver> receiver;
 
-  Rig(Layout l, at::ScalarType engine_dtype, double timeout_s) : layout(l), me(comm().rank()) {
+  Rig(Layout l, at::ScalarType engine_dtype, double timeout_s, const std::string& preset = "tiny-qwen2")
+      : layout(l), cfg(tiny(preset)), me(comm().rank()) {
     const bool is_actor = me < l.actors;
     const int engine_index = is_actor ? -1 : (me - l.actors) / l.tp;
     actor_comm = comm().split(is_actor ? 0 : -1, me, "actor");
@@ -71,9 +74,9 @@ struct Rig {
       o.compute_dtype = on_gpu() ? at::kBFloat16 : at::kFloat;
       o.device = device();
       actor = std::make_unique<zero::ShardedModel>(cfg, *actor_comm, o);
-      actor->load(initial(1), "seed 1");
+      actor->load(initial(1, preset), "seed 1");
     } else {
-      model::NamedTensors w = initial(9);
+      model::NamedTensors w = initial(9, preset);
       for (auto& [n, t] : w) t = t.to(device(), engine_dtype);
       const model::ModelWeights full = model::bind_weights(cfg, w, model::Head::kLm, "seed 9");
       engine::EngineOptions o;
@@ -180,6 +183,32 @@ TEST(WeightSync, EngineEqualsActorBitForBit) {
         EXPECT_EQ(st.buckets, static_cast<int64_t>(plan.buckets.size()));
       }
       if (r.engine) expect_engine_holds(r, initial(1), c.wire, what);
+    }
+}
+
+// A mixture of experts (qwen2_moe: the router, every expert, the shared expert and its gate, and a
+// dense layer) reaches the engine bit for bit through the same bucket plan (engines at TP 1).
+TEST(WeightSync, ExpertsReachTheEngineBitForBit) {
+  const auto ls = layouts(comm().size());
+  if (ls.empty()) GTEST_SKIP() << "needs 2 to 4 ranks";
+  const at::ScalarType direct = on_gpu() ? at::kBFloat16 : at::kFloat;
+  for (const int64_t bytes : {int64_t{96}, int64_t{6000}})
+    for (const Layout& l : ls) {
+      if (l.tp != 1) continue;
+      const std::string what = fmt::format("qwen2_moe, {} actor ranks, buckets of {} B", l.actors, bytes);
+      SCOPED_TRACE(what);
+      Rig r(l, direct, 60, "tiny-qwen2-moe");
+      const sync::BucketPlan plan = sync::make_bucket_plan(r.cfg, l.actors, l.tp, wire_name(direct), bytes);
+      if (r.is_leader()) {
+        EXPECT_EQ(r.engine->install_sync_plan(plan.to_json()), plan.id);
+        const auto res = r.engine->receive_weights(1);
+        EXPECT_TRUE(res.complete) << res.error;
+        r.engine->shutdown();
+      } else if (r.is_actor()) {
+        sync::WeightSender sender(*r.actor, *r.sync, plan, 60);
+        EXPECT_EQ(sender.send(1).buckets, static_cast<int64_t>(plan.buckets.size()));
+      }
+      if (r.engine) expect_engine_holds(r, initial(1, "tiny-qwen2-moe"), direct, what);
     }
 }
 

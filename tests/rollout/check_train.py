@@ -49,6 +49,7 @@ CASE:
                multi-turn, every token the engine drew with the weights the actor scored with has
                the actor's log-prob bit for bit (the per-token records and
                mismatch/tokens_differing = 0 every step); in sync mode the PPO ratio is exactly 1.
+  moe          GRPO with a tiny Qwen3-MoE actor (scripts/make_quickstart.py --moe) learns as grpo does.
   dynamic      rollout.filter_groups (DAPO): no trained group has equal rewards, the filtered ones are
                counted, and the task is learned.
   supervised   tiller launch: a rank killed mid-run; the supervisor removes a cut-short checkpoint,
@@ -950,6 +951,14 @@ def check_optimizer_offload():
             fail(f"{name}: no checkpoint under {out / 'checkpoints'}")
 
 
+def check_moe():
+    """GRPO with a tiny Qwen3-MoE actor (4 experts, top 2; made by transformers) learns the toy task."""
+    moe = FIX / "tiny-qwen3-moe"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart.py"), str(moe), str(PROMPTS), "--moe"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    check_learns(3, *GRPO, f"roles.actor.model={moe}")
+
+
 def check_sequence_parallel():
     # Actor (+ref) on 2 ranks and critic on 2 ranks; S = 2 against plain data parallelism.
     two = ["roles.actor.gpus=2", "roles.critic.gpus=2", "train.num_steps=4", "checkpoint.every_steps=0"]
@@ -1118,6 +1127,8 @@ elif CASE == "ppo":
     check_learns(4)
 elif CASE == "grpo":
     check_learns(3, *GRPO)
+elif CASE == "moe":
+    check_moe()
 elif CASE == "resume":
     check_resume()
 elif CASE == "supervised":

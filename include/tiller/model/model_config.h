@@ -86,8 +86,9 @@ std::string to_hf_config_json(const ModelConfig& cfg, bool value_head = false);
 // Consistency checks (divisibility, positivity); throws ConfigError prefixed with `where`.
 void validate(const ModelConfig& cfg, const std::string& where);
 
-// Architecture presets for tests and benchmarks: qwen2-0.5b, qwen2-1.5b, qwen2-7b (the published
-// shapes), and tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral (a few hundred thousand
+// Architecture presets for tests and benchmarks: qwen2-0.5b, qwen2-1.5b, qwen2-7b, qwen3-30b-a3b
+// (the published shapes) and qwen3-30b-a3b-8l (its first 8 layers), and tiny-llama, tiny-qwen2,
+// tiny-qwen3, tiny-mistral, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral (a few hundred thousand
 // parameters). Throws ConfigError listing the names for an unknown one.
 ModelConfig preset(const std::string& name);
 std::vector<std::string> preset_names();
