@@ -260,6 +260,52 @@ struct RopeNode : public torch::autograd::Function<RopeNode> {
   }
 };
 
+at::Tensor softmax_forward(const at::Tensor& x) {
+  check_cpu(x, "a router's softmax input");
+  const int64_t c = x.size(-1);
+  const at::ScalarType acc = acc_type(x);
+  const at::Tensor xa = acc_rows(x, c, acc);
+  const int64_t rows = xa.size(0);
+  at::Tensor out = at::empty({rows, c}, xa.options());
+  AT_DISPATCH_FLOATING_TYPES(acc, "invariant_softmax", [&] {
+    using A = scalar_t;
+    const A* xp = xa.data_ptr<A>();
+    A* op = out.data_ptr<A>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, c)), [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const A* xr = xp + r * c;
+        A mx = -std::numeric_limits<A>::infinity();
+        for (int64_t j = 0; j < c; ++j) mx = std::max(mx, xr[j]);
+        A l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t j = 0; j < c; ++j) {
+          op[r * c + j] = std::exp(xr[j] - mx);
+          l[j % 8] += op[r * c + j];
+        }
+        const A sum = lanes_sum(l);
+        for (int64_t j = 0; j < c; ++j) op[r * c + j] /= sum;
+      }
+    });
+  });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  return out.view(shape);
+}
+
+// d x = p * (g - sum(g * p)), the ordinary formula.
+struct SoftmaxNode : public torch::autograd::Function<SoftmaxNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x) {
+    at::Tensor p = softmax_forward(x);
+    ctx->save_for_backward({p});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
+    return p;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor p = ctx->get_saved_variables()[0];
+    const at::Tensor g = grads[0].to(p.scalar_type());
+    const at::Tensor gx = p * (g - (g * p).sum(-1, true));
+    return {gx.to(static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt()))};
+  }
+};
+
 }  // namespace
 
 void check_cpu(const at::Tensor& t, const char* what) {
@@ -278,6 +324,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) { return SwiGluNode::apply(gate, up); }
+
+at::Tensor softmax(const at::Tensor& x) { return SoftmaxNode::apply(x); }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   return RopeNode::apply(x, cos, sin);

@@ -30,6 +30,9 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // Causal varlen attention (attention.h's layout and mask), forward only: [Tq, H, D] in q's dtype.
 at::Tensor attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const VarlenSpec& spec,
                              double scale);
+// softmax over the last dim of x [R, C], in fp32 (fp64 for fp64 x): a mixture of experts' router.
+// Differentiable.
+at::Tensor softmax(const at::Tensor& x);
 // log softmax(logits[r] / temperature[r])[targets[r]] per row, fp32 [R] (fp64 for fp64 logits).
 // `temperatures`: one per row, or one for all. Not differentiable.
 at::Tensor logprobs(const at::Tensor& logits, const at::Tensor& targets, const std::vector<float>& temperatures);

@@ -176,7 +176,9 @@ at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h) {
 // added in expert order; qwen2_moe adds the shared expert behind its sigmoid gate.
 at::Tensor moe_mlp(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& h) {
   const int64_t t = h.size(0), k = cfg.experts_per_token, e_count = static_cast<int64_t>(w.experts.size());
-  const at::Tensor probs = at::softmax(project(h, w.router).to(at::kFloat), -1);
+  const at::Tensor logits = project(h, w.router);
+  const at::Tensor probs =
+      batch_invariant() ? invariant::softmax(logits.to(at::kFloat)) : at::softmax(logits.to(at::kFloat), -1);
   auto [top, index] = probs.topk(k, -1);  // [T, k]
   if (cfg.norm_topk_prob) top = top / top.sum(-1, true);
   if (cfg.family != Family::kMixtral) top = top.to(h.scalar_type());

@@ -145,7 +145,9 @@ INSTANTIATE_TEST_SUITE_P(Tiny, Bitwise,
                                            Case{"tiny-qwen2", at::kFloat, "qwen2_fp32"},
                                            Case{"tiny-qwen3", at::kBFloat16, "qwen3_qk_norm_bf16"},
                                            Case{"tiny-llama", at::kBFloat16, "llama_bf16"},
-                                           Case{"tiny-mistral", at::kBFloat16, "mistral_window_bf16"}),
+                                           Case{"tiny-mistral", at::kBFloat16, "mistral_window_bf16"},
+                                           Case{"tiny-qwen3-moe", at::kBFloat16, "qwen3_moe_bf16"},
+                                           Case{"tiny-qwen2-moe", at::kBFloat16, "qwen2_moe_shared_bf16"}),
                          [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 // Without the mode the same comparison finds differences (bf16): what the mode is for.
