@@ -285,7 +285,7 @@ void add_model_commands(CLI::App& app, Runner& run) {
 
   auto* init = app.add_subcommand("init-model", "Write a randomly initialised HF checkpoint of a preset shape");
   auto io = std::make_shared<InitOptions>();
-  init->add_option("--preset", io->preset, "qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral")->required();
+  init->add_option("--preset", io->preset, "qwen2-0.5b, qwen2-1.5b, qwen2-7b, qwen3-30b-a3b, qwen3-30b-a3b-8l, tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral")->required();
   init->add_option("--out", io->out, "Output directory")->required();
   init->add_option("--dtype", io->dtype, "bf16, fp16 or fp32");
   init->add_option("--seed", io->seed, "Random seed");
