@@ -259,6 +259,23 @@ TEST(Config, ErrorsNameTheKey) {
   EXPECT_NE(error("{\"model_type\":\"llama\"," + base + ",\"hidden_act\":\"gelu\"}").find("hidden_act 'gelu'"), std::string::npos);
   EXPECT_NE(error("{\"model_type\":\"llama\"," + base + ",\"rope_scaling\":{\"type\":\"longrope\",\"factor\":2}}").find("'longrope' is not supported"), std::string::npos);
   EXPECT_NE(error("{\"model_type\":\"llama\"," + base + ",\"hidden_size\":\"8\"}").find("key 'hidden_size' has the wrong type"), std::string::npos);
+  // Mixtures of experts: the routing keys are required and checked.
+  const std::string moe = base + R"(,"num_experts":4,"moe_intermediate_size":8)";
+  EXPECT_EQ(error("{\"model_type\":\"qwen3_moe\"," + moe + ",\"num_experts_per_tok\":2}"), "(no error)");
+  EXPECT_NE(error("{\"model_type\":\"qwen3_moe\"," + moe + "}").find("required key 'num_experts_per_tok' is missing"),
+            std::string::npos);
+  EXPECT_NE(error("{\"model_type\":\"qwen3_moe\"," + moe + ",\"num_experts_per_tok\":5}")
+                .find("num_experts_per_tok 5 exceeds the 4 experts"),
+            std::string::npos);
+  EXPECT_NE(error("{\"model_type\":\"qwen2_moe\"," + moe + ",\"num_experts_per_tok\":2}")
+                .find("required key 'shared_expert_intermediate_size' is missing"),
+            std::string::npos);
+  EXPECT_NE(error("{\"model_type\":\"mixtral\"," + base + ",\"num_experts_per_tok\":2}").find("num_local_experts"),
+            std::string::npos);
+  EXPECT_NE(error("{\"model_type\":\"mixtral\"," + base +
+                  ",\"num_local_experts\":4,\"num_experts_per_tok\":2,\"router_jitter_noise\":0.1}")
+                .find("router_jitter_noise"),
+            std::string::npos);
 }
 
 TEST(Config, PresetsHaveThePublishedParameterCounts) {
@@ -296,6 +313,22 @@ TEST(Weights, ShapeMismatchIsNamed) {
   } catch (const IoError& e) {
     EXPECT_NE(std::string(e.what()).find("ckpt: tensor 'model.layers.1.mlp.up_proj.weight' has shape 3x3 but config.json implies 176x64"),
               std::string::npos) << e.what();
+  }
+}
+
+// A checkpoint that lacks one expert is refused with that tensor's name.
+TEST(Weights, AMissingExpertIsNamed) {
+  const ModelConfig cfg = preset("tiny-qwen3-moe");
+  NamedTensors named = init_weights(cfg, Head::kLm, 1, at::kFloat);
+  EXPECT_NO_THROW(bind_weights(cfg, named, Head::kLm, "ckpt"));
+  named.erase("model.layers.1.mlp.experts.5.up_proj.weight");
+  try {
+    bind_weights(cfg, named, Head::kLm, "ckpt");
+    ADD_FAILURE() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt: missing tensor 'model.layers.1.mlp.experts.5.up_proj.weight'"),
+              std::string::npos)
+        << e.what();
   }
 }
 
