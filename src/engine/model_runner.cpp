@@ -382,7 +382,10 @@ void ModelRunner::allocate_cache(const CacheOptions& o) {
             o.num_blocks * m.block_size < (int64_t{1} << 31);  // slots and block ids travel as int32
   m.paged_rope = m.paged && o.rope_in_attention &&
                  cuda::paged_decode_rotates(kernel_dtype(dtype), local_.head_dim, local_.num_heads, local_.num_kv_heads);
-  m.graphs = m.paged && o.cuda_graphs && m.cos_table.defined() && !(m.tp && m.tp->size() > 1) && o.max_graph_batch > 0;
+  // A mixture of experts groups its tokens by expert on the host (model::block_forward's unfused
+  // path), which a captured graph cannot replay: its decode steps run eagerly.
+  m.graphs = m.paged && o.cuda_graphs && m.cos_table.defined() && !(m.tp && m.tp->size() > 1) &&
+             o.max_graph_batch > 0 && !local_.moe();
   if (m.graphs) {
     m.max_graph_batch = o.max_graph_batch;
     m.graph_rows = graph_bucket(o.max_graph_batch);

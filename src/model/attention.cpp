@@ -116,9 +116,9 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TILLER_CHECK(q.size(1) % k.size(1) == 0, "{} query heads are not a multiple of {} kv heads", q.size(1), k.size(1));
   TILLER_CHECK(spec.lens_q.size() == spec.lens_k.size(), "varlen attention: {} query and {} key sequences",
                spec.lens_q.size(), spec.lens_k.size());
+  if (batch_invariant()) return InvariantAttention::apply(q, k, v, spec, scale);
   const bool flash = backend == AttentionBackend::kFlash ||
                      (backend == AttentionBackend::kAuto && flash_attention_applies(q));
-  if (batch_invariant()) return InvariantAttention::apply(q, k, v, spec, scale);
   if (!flash) return reference_attention(q, k, v, spec, scale);
   TILLER_CHECK(flash_attention_applies(q), "flash attention needs CUDA bf16/fp16 inputs with head_dim % 8 == 0 and <= 256");
   return compat::flash_attention_varlen(q.contiguous(), k.contiguous(), v.contiguous(), spec.cu_q, spec.cu_k,

@@ -36,13 +36,14 @@ inline A lanes_sum(const A (&l)[8]) {
   return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
-template <typename A>
-A dot(const A* a, const A* b, int64_t n) {
+// b may be stored in a narrower type (bf16, fp16): each element is widened to A exactly.
+template <typename A, typename B>
+A dot(const A* a, const B* b, int64_t n) {
   A l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t k = 0;
   for (; k + 8 <= n; k += 8)
-    for (int j = 0; j < 8; ++j) l[j] += a[k + j] * b[k + j];
-  for (int j = 0; k < n; ++k, ++j) l[j] += a[k] * b[k];
+    for (int j = 0; j < 8; ++j) l[j] += a[k + j] * static_cast<A>(b[k + j]);
+  for (int j = 0; k < n; ++k, ++j) l[j] += a[k] * static_cast<A>(b[k]);
   return lanes_sum(l);
 }
 
@@ -61,7 +62,9 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Te
                x.size(-1), w.dim() == 2 ? w.size(1) : -1);
   const int64_t k = w.size(1), n = w.size(0);
   const at::ScalarType acc = acc_type(x);
-  const at::Tensor xa = acc_rows(x, k, acc), wa = w.to(acc).contiguous();
+  // The activations in the accumulation type (an exact conversion); the weight read in place in
+  // x's dtype (converted element by element, exactly: no [N, K] fp32 copy per call).
+  const at::Tensor xa = acc_rows(x, k, acc), wc = w.to(x.scalar_type()).contiguous();
   const at::Tensor ba = b.defined() ? b.to(acc).contiguous() : at::Tensor();
   const int64_t m = xa.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -71,7 +74,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Te
   TILLER_DISPATCH_INVARIANT(x.scalar_type(), "invariant_linear", [&] {
     using A = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const A* xp = xa.data_ptr<A>();
-    const A* wp = wa.data_ptr<A>();
+    const scalar_t* wp = wc.data_ptr<scalar_t>();
     const A* bp = ba.defined() ? ba.data_ptr<A>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     // Work items are (row, 64-column tile); every output is one dot() whoever computes it.
@@ -180,6 +183,8 @@ struct RmsNormNode : public torch::autograd::Function<RmsNormNode> {
   }
 };
 
+}  // namespace
+
 at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
   check_cpu(gate, "SwiGLU's input");
   TILLER_CHECK(gate.sizes() == up.sizes(), "swiglu: gate and up shapes differ");
@@ -198,19 +203,6 @@ at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
   });
   return out;
 }
-
-struct SwiGluNode : public torch::autograd::Function<SwiGluNode> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
-    ctx->save_for_backward({gate, up});
-    return swiglu_forward(gate, up);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& g = saved[0];
-    const at::Tensor& u = saved[1];
-    return {at::silu_backward(grads[0] * u, g), grads[0] * at::silu(g)};
-  }
-};
 
 at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_cpu(x, "RoPE's input");
@@ -244,21 +236,7 @@ at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Te
   return out;
 }
 
-struct RopeNode : public torch::autograd::Function<RopeNode> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-    ctx->save_for_backward({cos, sin});
-    return rope_forward(x, cos, sin);
-  }
-  // g c + rotate_half^T(g s), where rotate_half^T(y) = [y2, -y1].
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& g = grads[0];
-    const at::Tensor c = saved[0].to(g.scalar_type()).unsqueeze(1), s = saved[1].to(g.scalar_type()).unsqueeze(1);
-    const int64_t half = g.size(-1) / 2;
-    const at::Tensor gs = g * s;
-    return {g * c + at::cat({gs.narrow(-1, half, half), -gs.narrow(-1, 0, half)}, -1), at::Tensor(), at::Tensor()};
-  }
-};
+namespace {
 
 at::Tensor softmax_forward(const at::Tensor& x) {
   check_cpu(x, "a router's softmax input");
@@ -323,13 +301,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return RmsNormNode::apply(x, weight, eps);
 }
 
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) { return SwiGluNode::apply(gate, up); }
 
 at::Tensor softmax(const at::Tensor& x) { return SoftmaxNode::apply(x); }
 
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  return RopeNode::apply(x, cos, sin);
-}
 
 at::Tensor attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const VarlenSpec& s,
                              double scale) {

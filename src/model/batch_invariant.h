@@ -23,10 +23,12 @@ namespace tiller::model::invariant {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {});
 // RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight, in x's dtype. Differentiable.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-// silu(gate) * up, in gate's dtype. Differentiable.
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
-// x [T, H, D] * cos + rotate_half(x) * sin with tables [T, D] in x's dtype. Differentiable.
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// silu(gate) * up, in gate's dtype. Forward only: fused_ops.cpp's SwiGLU node runs it under the
+// mode and keeps its own backward.
+at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up);
+// x [T, H, D] * cos + rotate_half(x) * sin with tables [T, D] in x's dtype. Forward only, likewise
+// (fused_ops.cpp's RoPE node).
+at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // Causal varlen attention (attention.h's layout and mask), forward only: [Tq, H, D] in q's dtype.
 at::Tensor attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const VarlenSpec& spec,
                              double scale);

@@ -38,6 +38,7 @@ bool swiglu_kernels_take(const at::Tensor& gate, const at::Tensor& up) {
 struct SwiGlu : public torch::autograd::Function<SwiGlu> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
     ctx->save_for_backward({gate, up});
+    if (batch_invariant()) return invariant::swiglu_forward(gate, up);
 #ifdef TILLER_HAVE_CUDA_KERNELS
     if (swiglu_kernels_take(gate, up)) {
       at::Tensor out = at::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
@@ -98,6 +99,7 @@ at::Tensor rope_apply(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 struct RopeNode : public torch::autograd::Function<RopeNode> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
     ctx->save_for_backward({cos, sin});
+    if (batch_invariant()) return invariant::rope_forward(x, cos, sin);
     return rope_apply(x, cos, sin, false);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -112,7 +114,6 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   TILLER_CHECK(x.dim() == 3 && cos.dim() == 2 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
                    sin.sizes() == cos.sizes(),
                "apply_rope: x [T, H, D] and tables [T, D] expected");
-  if (batch_invariant()) return invariant::rope(x, cos.to(x.scalar_type()), sin.to(x.scalar_type()));
   return RopeNode::apply(x, cos.to(x.scalar_type()), sin.to(x.scalar_type()));
 }
 
@@ -120,7 +121,8 @@ at::Tensor swiglu_packed(const at::Tensor& gate_up) {
   TILLER_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "swiglu_packed wants [tokens, 2 * width]");
   TILLER_CHECK(!(gate_up.requires_grad() && at::GradMode::is_enabled()), "swiglu_packed has no backward");
   const int64_t width = gate_up.size(1) / 2;
-  if (batch_invariant()) return invariant::swiglu(gate_up.narrow(1, 0, width), gate_up.narrow(1, width, width));
+  if (batch_invariant())
+    return invariant::swiglu_forward(gate_up.narrow(1, 0, width), gate_up.narrow(1, width, width));
 #ifdef TILLER_HAVE_CUDA_KERNELS
   if (gate_up.is_cuda() && gate_up.stride(1) == 1 &&
       (gate_up.scalar_type() == at::kBFloat16 || gate_up.scalar_type() == at::kHalf ||
@@ -160,7 +162,6 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& add, const at::Tensor& 
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   TILLER_CHECK(gate.sizes() == up.sizes(), "swiglu: gate and up shapes differ");
-  if (batch_invariant()) return invariant::swiglu(gate, up);
   return SwiGlu::apply(gate, up);
 }
 

@@ -260,6 +260,9 @@ void validate(const ModelConfig& c, const std::string& where) {
     if (c.num_experts > 4096) throw ConfigError(fmt::format("{}: {} experts (at most 4096)", where, c.num_experts));
     if (c.shared_expert_intermediate_size < 0)
       throw ConfigError(fmt::format("{}: shared_expert_intermediate_size must be >= 0", where));
+    for (int64_t l : c.mlp_only_layers)
+      if (l < 0 || l >= c.num_layers)
+        throw ConfigError(fmt::format("{}: mlp_only_layers names layer {} of {}", where, l, c.num_layers));
   }
 }
 

@@ -182,26 +182,35 @@ at::Tensor moe_mlp(const ModelConfig& cfg, const LayerWeights& w, const at::Tens
   auto [top, index] = probs.topk(k, -1);  // [T, k]
   if (cfg.norm_topk_prob) top = top / top.sum(-1, true);
   if (cfg.family != Family::kMixtral) top = top.to(h.scalar_type());
-  // Each expert's tokens (rows of h) and their slots in `top`, on the host: one copy of the indices.
+  // Each expert's tokens (rows of h) and their slots in `top`, grouped by expert on the host: one
+  // copy of the routes down, one upload of the grouping up (the unfused path; a grouped-GEMM
+  // kernel would keep them on the device).
   const at::Tensor host = index.to(at::kCPU, at::kLong).contiguous();
   const int64_t* ix = host.data_ptr<int64_t>();
-  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(e_count)), slots(static_cast<size_t>(e_count));
-  for (int64_t r = 0; r < t; ++r)
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t e = ix[r * k + j];
-      TILLER_CHECK(e >= 0 && e < e_count, "router chose expert {} of {}", e, e_count);
-      rows[static_cast<size_t>(e)].push_back(r);
-      slots[static_cast<size_t>(e)].push_back(r * k + j);
-    }
+  std::vector<int64_t> count(static_cast<size_t>(e_count) + 1, 0);
+  for (int64_t i = 0; i < t * k; ++i) {
+    TILLER_CHECK(ix[i] >= 0 && ix[i] < e_count, "router chose expert {} of {}", ix[i], e_count);
+    ++count[static_cast<size_t>(ix[i]) + 1];
+  }
+  for (size_t e = 1; e < count.size(); ++e) count[e] += count[e - 1];  // each expert's first position
+  std::vector<int64_t> grouped(static_cast<size_t>(2 * t * k));       // [rows | slots], by expert
+  std::vector<int64_t> next(count.begin(), count.end() - 1);
+  for (int64_t i = 0; i < t * k; ++i) {  // token order within each expert, as transformers
+    const auto at = static_cast<size_t>(next[static_cast<size_t>(ix[i])]++);
+    grouped[at] = i / k;
+    grouped[at + static_cast<size_t>(t * k)] = i;
+  }
+  const at::Tensor dev = upload(grouped, h.device());
   const at::Tensor weights = top.reshape({t * k});
   at::Tensor out = at::zeros_like(h);
   for (int64_t e = 0; e < e_count; ++e) {
-    if (rows[static_cast<size_t>(e)].empty()) continue;
+    const int64_t first = count[static_cast<size_t>(e)], n = count[static_cast<size_t>(e) + 1] - first;
+    if (n == 0) continue;
     const ExpertWeights& ex = w.experts[static_cast<size_t>(e)];
-    const at::Tensor r = upload(rows[static_cast<size_t>(e)], h.device());
+    const at::Tensor r = dev.narrow(0, first, n);
     const at::Tensor x = h.index_select(0, r);
     at::Tensor y = project(swiglu(project(x, ex.gate_proj), project(x, ex.up_proj)), ex.down_proj);
-    y = y * weights.index_select(0, upload(slots[static_cast<size_t>(e)], h.device())).unsqueeze(1);
+    y = y * weights.index_select(0, dev.narrow(0, t * k + first, n)).unsqueeze(1);
     out = out.index_add(0, r, y.to(h.scalar_type()));
   }
   if (w.shared_expert_gate.defined()) out = out + at::sigmoid(project(h, w.shared_expert_gate)) * dense_mlp(w, h);
