@@ -59,7 +59,9 @@ std::vector<std::string> launch_line(const LaunchOptions& o, int world) {
 }
 
 int run_launch(const LaunchOptions& o) {
-  const JobConfig cfg = algo::load_job(o.config, o.overrides);  // a config error ends here, never retried
+  // A config error ends here, never retried; the offline trainers skip the RL loop's rules.
+  const JobConfig cfg =
+      o.command == "train" ? algo::load_job(o.config, o.overrides) : load_config(o.config, o.overrides);
   rollout::SupervisorOptions so;
   // The offline trainers run roles.actor.gpus ranks and nothing else (tiller/offline/offline.h).
   const int world = o.command == "train" ? dist::required_world_size(cfg) : static_cast<int>(cfg.roles.actor.gpus);

@@ -29,7 +29,8 @@ int run_offline_cmd(const OfflineCmdOptions& o, OfflineMain main, int* argc, cha
   block_stop_signals();
   dist::MpiEnv env(argc, argv);
   try {
-    const JobConfig cfg = algo::load_job(o.config, o.overrides);
+    // The config's own checks; not algo::check_config, whose rules are the RL loop's.
+    const JobConfig cfg = load_config(o.config, o.overrides);
     offline::OfflineOptions oo;
     oo.require_resume = o.resume;
     return main(cfg, env, oo);

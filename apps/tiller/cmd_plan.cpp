@@ -103,7 +103,8 @@ void add_plan_command(CLI::App& app, Runner& run) {
       ->check(CLI::IsMember({"train", "sft", "train-rm", "dpo"}));
   cmd->callback([&run, o] {
     run = [o] {
-      JobConfig config = algo::load_job(o->config, o->overrides);
+      JobConfig config = o->command == "train" ? algo::load_job(o->config, o->overrides)
+                                               : load_config(o->config, o->overrides);  // no RL-loop rules
       std::vector<int> gpus = o->node_gpus.empty() ? std::vector<int>(o->nodes, o->gpus_per_node)
                                                    : parse_node_gpus(o->node_gpus);
       if (o->command != "train") {

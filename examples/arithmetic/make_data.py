@@ -8,7 +8,7 @@ right to left, carrying; the last line is "#### <sum>" (what reward.rule math_an
   prompt:   "Q: 4821+377="
   response: " 1+7=8 2+7=9 8+3=11 4+1=5 #### 5198"
 OUT_DIR/model      a Qwen2-shaped causal LM from random weights (base: hidden 768, 12 layers, 12 heads,
-                   4 KV heads, MLP 2048, tied embeddings: ~86M parameters; tiny: 2 layers of 64,
+                   4 KV heads, MLP 2048, tied embeddings: ~76M parameters; tiny: 2 layers of 64,
                    for the CPU smoke test), with a byte-level tokenizer (no merges: one token per
                    character, so the model adds digit by digit)
 OUT_DIR/sft.jsonl  --train prompt/response pairs for tiller sft

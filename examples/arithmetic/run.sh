@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A GPU example that learns a real task (docs/offline.md, "The arithmetic example"): an ~86M-parameter
+# A GPU example that learns a real task (docs/offline.md, "The arithmetic example"): a ~76M-parameter
 # Qwen2-shaped model learns multi-digit addition from random weights with tiller sft, then GRPO
-# with a rule reward raises its greedy accuracy on held-out problems. One GPU, ~15 minutes:
+# with a rule reward raises its greedy accuracy on held-out problems. One GPU, a few minutes:
 #   examples/arithmetic/run.sh [OUT]          (default out/arithmetic; prints one JSON line: the curve)
 # SMOKE=1 runs the same pipeline on CPU at toy scale (2-digit problems, a 2-layer model, a few steps):
 # the CI test that keeps the example working; it checks that it runs, not that it learns.
@@ -18,7 +18,7 @@ grpo=(--set run.output_dir="$out/grpo" --set roles.actor.model="$out/sft/model" 
 if [ "${SMOKE:-0}" = 1 ]; then
   data=(--digits 2 --train 2000 --eval 50 --shape tiny)
   sft+=(--set cluster.device=cpu --set roles.actor.dtype=fp32 --set offline.epochs=1 --set offline.max_steps=6
-        --set offline.eval_samples=50 --set offline.eval_every=3 --set train.train_batch_size=64)
+        --set offline.eval_samples=50 --set offline.eval_every=3)
   grpo+=(--set cluster.device=cpu --set roles.actor.dtype=fp32 --set roles.ref.dtype=fp32 --set train.num_steps=2
          --set rollout.batch_size=8 --set rollout.max_new_tokens=24 --set train.train_batch_size=64
          --set engines.max_num_seqs=64)
@@ -39,12 +39,16 @@ echo "after sft ($((t1 - t0)) s): $(cut -c1-300 "$out/eval_sft.json")"
   --set checkpoint.dir="$out/grpo/checkpoints" --set checkpoint.save_hf=true > "$out/grpo.log" 2>&1 ||
   { tail -20 "$out/grpo.log"; exit 1; }
 t2=$(date +%s)
-# The final checkpoint's actor, exported as an HF directory (checkpoint.save_hf).
-last=$(ls -d "$out"/grpo/checkpoints/step_* | tail -1)
-python3 examples/arithmetic/eval.py "$last/actor_hf" "$out/data/eval.jsonl" "${eval_args[@]}" > "$out/eval_grpo.json"
+# Each kept checkpoint's actor (every 100 steps), exported as an HF directory (checkpoint.save_hf);
+# the last one is the final model.
+for ck in "$out"/grpo/checkpoints/step_*; do
+  python3 examples/arithmetic/eval.py "$ck/actor_hf" "$out/data/eval.jsonl" "${eval_args[@]}" \
+    > "$out/eval_grpo_$(basename "$ck").json"
+  cp "$out/eval_grpo_$(basename "$ck").json" "$out/eval_grpo.json"
+done
 echo "after grpo ($((t2 - t1)) s): $(cut -c1-300 "$out/eval_grpo.json")"
 python3 - "$out" "$((t1 - t0))" "$((t2 - t1))" <<'PY'
-import json, sys
+import glob, json, os, sys
 out, sft_s, grpo_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 sft = [json.loads(l) for l in open(f"{out}/sft/metrics.jsonl")]
 grpo = [json.loads(l) for l in open(f"{out}/grpo/metrics.jsonl")]
@@ -52,6 +56,8 @@ curve = {
     "accuracy_random": json.load(open(f"{out}/eval_random.json"))["accuracy"],
     "accuracy_after_sft": json.load(open(f"{out}/eval_sft.json"))["accuracy"],
     "accuracy_after_grpo": json.load(open(f"{out}/eval_grpo.json"))["accuracy"],
+    "grpo_accuracy_by_step": [[int(os.path.basename(p)[len("eval_grpo_step_"):-5]), json.load(open(p))["accuracy"]]
+                              for p in sorted(glob.glob(f"{out}/eval_grpo_step_*.json"))],
     "sft_eval_loss": [[r["step"], round(r["eval/loss"], 4)] for r in sft if "eval/loss" in r],
     "grpo_reward_per_step": [round(r["reward/mean"], 4) for r in grpo],
     "sft_seconds": sft_s, "grpo_seconds": grpo_s,

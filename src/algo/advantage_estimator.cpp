@@ -83,6 +83,13 @@ const AdvantageEstimatorDef& advantage_estimator(const std::string& name) {
 std::vector<std::string> advantage_estimator_names() { return registry().names(); }
 
 void check_config(const JobConfig& job) {
+  // A step's samples split into mini-batches of train.train_batch_size (an RL job's rule: the
+  // offline trainers read train.train_batch_size as records per step and skip check_config).
+  const std::int64_t samples = job.rollout.batch_size * job.rollout.n_samples_per_prompt;
+  if (samples % job.train.train_batch_size != 0)
+    throw ConfigError(fmt::format("train.train_batch_size = {} must divide rollout.batch_size x "
+                                  "rollout.n_samples_per_prompt = {}",
+                                  job.train.train_batch_size, samples));
   kl_estimator(job.algo.kl_estimator);
   policy_loss_def(job.algo.policy_loss);
   value_loss_def(job.algo.value_loss);

@@ -304,11 +304,6 @@ void JobConfig::validate() const {
                                   reward.overlong_buffer, response_limit(),
                                   multi_turn() ? "rollout.max_response_tokens" : "rollout.max_new_tokens"));
   const std::int64_t samples = rollout.batch_size * rollout.n_samples_per_prompt;
-  if (samples % train.train_batch_size != 0) {
-    throw ConfigError(fmt::format("train.train_batch_size = {} must divide rollout.batch_size x "
-                                  "rollout.n_samples_per_prompt = {}",
-                                  train.train_batch_size, samples));
-  }
   if (train.old_logprobs == OldLogprobs::kForward) {
     // The first training forward is the policy that sampled only if nothing trains in between and
     // nothing before training needs the actor's log-probs.
@@ -526,7 +521,8 @@ std::string config_reference_markdown() {
       "- `reward.type: model` needs the reward role enabled, and the other types need it disabled;\n"
       "  `reward.type: remote` needs `reward.remote_address`, `python` `reward.python`, `scorer` `reward.scorer`\n"
       "  (a registered batch scorer, checked when the job starts).\n"
-      "- `train.train_batch_size` divides `rollout.batch_size x rollout.n_samples_per_prompt`.\n"
+      "- `tiller train`: `train.train_batch_size` divides `rollout.batch_size x rollout.n_samples_per_prompt`\n"
+      "  (checked by `algo::check_config`; for sft, train-rm and dpo it is the records per step, free).\n"
       "- `algo.dual_clip` is 0 (off) or greater than 1; `algo.seq_mask_ratio` is 0 (off) or greater than 1.\n"
       "- `algo.importance_correction: tis` needs `algo.tis_cap > 0`; `algo.tis_cap > 0` needs a correction.\n"
       "- `rollout.mode: sync` takes no `max_staleness > 0`, `partial` or `stale_policy: drop` (they are async's).\n"

@@ -15,6 +15,7 @@
 #include "tiller/algo/preference.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
+#include "tiller/core/files.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/mpi_env.h"
 #include "tiller/dist/rank_plan.h"
@@ -407,8 +408,11 @@ int OfflineRun::finish(int64_t steps_done, int64_t total, int64_t dataset_size, 
   zero::save_checkpoint(*model, tmp, so);
   export_model(tmp);
   if (rank == 0) {
-    std::error_code ec;
-    fs::remove_all(tmp, ec);
+    try {
+      remove_tree(tmp);
+    } catch (const std::exception& e) {
+      log::warn("could not remove the transient checkpoint {}: {}", tmp, e.what());
+    }
   }
   return 0;
 }
