@@ -157,6 +157,8 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   cmd->add_option("--max-graph-batch", o->engine.max_graph_batch,
                   "Largest decode batch replayed from a CUDA graph (default: max-num-seqs, at most 512)")
       ->check(CLI::Range(1, 1 << 16));
+  cmd->add_flag("--record-routes", o->engine.record_routes,
+                "Routing replay: return each sample's experts per token (mixture-of-experts models)");
   cmd->add_option("--max-model-len", o->engine.max_model_len, "Prompt + new tokens at most (default: the config's)")
       ->check(CLI::Range(int64_t{1}, engine::kMaxModelLen));
   cmd->add_option("--token-file", o->token_file,

@@ -27,6 +27,18 @@ PackedSequences pack_sequences(const Rollout& ro, const std::vector<int64_t>& sa
     sl[i] = ro.seq_len(s);
     pl[i] = ro.prompt_len[s];
   }
+  // Routing replay: the engine's experts of each row (-1 where none were recorded).
+  bool any = false;
+  for (int64_t s : samples) any |= ro.has_routes(s);
+  if (any) {
+    const int64_t w = ro.route_width;
+    b.routes = at::full({total, w}, -1, at::kShort);
+    int16_t* rp = b.routes.data_ptr<int16_t>();
+    for (int64_t s : samples) {
+      if (ro.has_routes(s)) std::copy(ro.routes.begin() + ro.route_offset[s], ro.routes.begin() + ro.route_offset[s + 1], rp);
+      rp += ro.seq_len(s) * w;
+    }
+  }
   return b;
 }
 

@@ -266,6 +266,7 @@ void RolloutCollector::add_to_batch(Group& g, Staged st) {
                               s.tokens, s.logprobs, s.finish_reason == "length", s.version_starts, s.versions, version_,
                               loop_turns_ ? &st.turns : nullptr);
   b.ro.score[static_cast<size_t>(id)] = st.score;
+  if (s.route_width > 0) b.ro.set_routes(s.routes, s.route_width);  // routing replay
   if (!cfg_.score_actor)  // nobody scores the actor: its log-probs are the engine's
     std::copy(s.logprobs.begin(), s.logprobs.end(), b.ro.logp.end() - static_cast<std::ptrdiff_t>(s.logprobs.size()));
   b.generated_tokens += loop_turns_ ? b.ro.model_tokens(id) : static_cast<int64_t>(s.tokens.size());

@@ -61,6 +61,8 @@ int64_t Rollout::add(int64_t prompt_index, int64_t sample_index, const std::vect
     run_version.insert(run_version.end(), versions.begin(), versions.end());
   }
   run_offset.push_back(static_cast<int64_t>(run_start.size()));
+  if (route_offset.empty()) route_offset.push_back(0);
+  route_offset.push_back(static_cast<int64_t>(routes.size()));
   append_ids(tokens, prompt_tokens);
   append_ids(tokens, response);
   engine_logp.insert(engine_logp.end(), engine_logprobs.begin(), engine_logprobs.end());
@@ -86,6 +88,22 @@ int64_t Rollout::add(int64_t prompt_index, int64_t sample_index, const std::vect
   return s;
 }
 
+void Rollout::set_routes(const std::vector<int16_t>& rows, int64_t width) {
+  TILLER_CHECK(size() > 0 && route_offset.back() == static_cast<int64_t>(routes.size()) &&
+                   route_offset[static_cast<size_t>(size()) - 1] == route_offset.back(),
+               "set_routes: the last sample has routes already");
+  TILLER_CHECK(width > 0 && rows.size() % static_cast<size_t>(width) == 0, "{} routes do not make rows of {}",
+               rows.size(), width);
+  TILLER_CHECK(route_width == 0 || route_width == width, "routes of width {} in a rollout of width {}", width,
+               route_width);
+  const int64_t s = size() - 1, n = static_cast<int64_t>(rows.size()) / width;
+  TILLER_CHECK(n <= seq_len(s), "routes for {} tokens of a sample of {}", n, seq_len(s));
+  route_width = width;
+  routes.insert(routes.end(), rows.begin(), rows.end());
+  routes.resize(routes.size() + static_cast<size_t>((seq_len(s) - n) * width), -1);
+  route_offset.back() = static_cast<int64_t>(routes.size());
+}
+
 int64_t Rollout::add_from(const Rollout& o, int64_t s, int64_t prompt_index) {
   TILLER_CHECK(o.layout.ref == layout.ref && o.layout.critic == layout.critic && o.layout.turns == layout.turns,
                "rollouts of different layouts");
@@ -103,6 +121,14 @@ int64_t Rollout::add_from(const Rollout& o, int64_t s, int64_t prompt_index) {
   run_version.insert(run_version.end(), o.run_version.begin() + o.run_offset[s],
                      o.run_version.begin() + o.run_offset[s + 1]);
   run_offset.push_back(static_cast<int64_t>(run_start.size()));
+  if (route_offset.empty()) route_offset.push_back(0);
+  if (o.has_routes(s)) {
+    TILLER_CHECK(route_width == 0 || route_width == o.route_width, "routes of width {} in a rollout of width {}",
+                 o.route_width, route_width);
+    route_width = o.route_width;
+    routes.insert(routes.end(), o.routes.begin() + o.route_offset[s], o.routes.begin() + o.route_offset[s + 1]);
+  }
+  route_offset.push_back(static_cast<int64_t>(routes.size()));
   tokens.insert(tokens.end(), o.tokens.begin() + o.seq_offset[s], o.tokens.begin() + o.seq_offset[s] + o.seq_len(s));
   const auto copy = [&](std::vector<float>& dst, const std::vector<float>& src) {
     dst.insert(dst.end(), src.begin() + o.resp_offset[s], src.begin() + o.resp_offset[s] + o.response_len[s]);
@@ -161,8 +187,11 @@ std::vector<int64_t> Rollout::response_ids(int64_t s) const {
 }
 
 void Rollout::clear() {
-  for (auto* v : {&prompt, &sample, &seq_offset, &prompt_len, &response_len, &resp_offset, &run_offset, &run_start})
+  for (auto* v : {&prompt, &sample, &seq_offset, &prompt_len, &response_len, &resp_offset, &run_offset, &run_start,
+                  &route_offset})
     v->clear();
+  routes.clear();
+  route_width = 0;
   truncated.clear();
   run_version.clear();
   tokens.clear();
@@ -175,8 +204,10 @@ void Rollout::clear() {
 
 size_t Rollout::bytes() const {
   size_t b = 0;
-  for (auto* v : {&prompt, &sample, &seq_offset, &prompt_len, &response_len, &resp_offset, &run_offset, &run_start})
+  for (auto* v : {&prompt, &sample, &seq_offset, &prompt_len, &response_len, &resp_offset, &run_offset, &run_start,
+                  &route_offset})
     b += v->capacity() * sizeof(int64_t);
+  b += routes.capacity() * sizeof(int16_t);
   b += truncated.capacity() + run_version.capacity() * sizeof(uint64_t) + tokens.capacity() * sizeof(int32_t);
   b += loss_mask.capacity() + (turn_offset.capacity() + turn_end.capacity()) * sizeof(int64_t) +
        turn_reward.capacity() * sizeof(float);

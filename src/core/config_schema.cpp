@@ -275,6 +275,11 @@ std::vector<Field> build() {
              "the batch), so each sampled token's engine log-prob equals the trainer's bit for bit "
              "(mismatch/tokens_differing is 0) and the first mini-batch's PPO ratio is exactly 1. CPU only so far; "
              "needs engines.tp = 1 (docs/training.md).");
+  b.add("algo.routing_replay", TILLER_FIELD(algo.routing_replay),
+        "Routing replay (mixture-of-experts actors): the engine records the experts that routed every prompt and "
+        "generated token, the controller ships them with the micro-batches, and the actor's scoring and training "
+        "forwards take those experts (the router's probabilities at them still weight them and get the gradient). "
+        "Dense actors are refused (docs/training.md).");
   b.add("algo.seq_mask_ratio", TILLER_FIELD(algo.seq_mask_ratio),
         "Sequence-level mask: a sample whose geometric-mean importance weight exp(mean(proximal - behaviour)) "
         "is outside [1/r, r] is left out of the policy loss (r > 1; 0: off). Counted in off_policy/masked_samples.")

@@ -63,6 +63,13 @@ SampleOutput Engine::Impl::finish(Sequence& s, const char* reason, bool keep) {
   o.preemptions = s.preemptions;
   o.version_starts = std::move(s.version_starts);
   o.versions = std::move(s.versions);
+  if (s.route_width > 0) {  // every row but the last token's, which nothing computed
+    const auto n = static_cast<size_t>((static_cast<int64_t>(s.tokens.size()) - 1) * s.route_width);
+    TILLER_CHECK(s.routes.size() >= n, "sequence {} has routes for {} of its {} computed tokens", s.id,
+                 static_cast<int64_t>(s.routes.size()) / s.route_width, s.tokens.size() - 1);
+    o.routes.assign(s.routes.begin(), s.routes.begin() + static_cast<std::ptrdiff_t>(n));
+    o.route_width = s.route_width;
+  }
   if (!keep) kv->release(s.table);
   auto it = requests.find(s.request);
   // An unforked prompt finishing early takes its pending samples with it (abort only).
@@ -100,7 +107,13 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
                                   max_len, model::context_limit(cfg), cfg.max_position_embeddings,
                                   cfg.rope_scaling.type, cfg.rope_scaling.factor));
   const at::Device device(opts.device);
+  if (opts.record_routes && !cfg.moe())
+    throw ConfigError("routing replay (algo.routing_replay) needs a mixture-of-experts model; this one is dense");
+  if (opts.record_routes && cfg.num_experts > 32767)
+    throw ConfigError(fmt::format("routing replay records experts as int16; the model has {} experts (at most 32767)",
+                                  cfg.num_experts));
   m.runner = std::make_unique<ModelRunner>(cfg, std::move(weights), device, opts.block_size, tp);
+  m.runner->set_record_routes(opts.record_routes);
   int64_t blocks = opts.num_blocks;
   if (blocks <= 0 && opts.kv_cache_gb > 0)
     blocks = static_cast<int64_t>(opts.kv_cache_gb * (1ull << 30)) / m.runner->block_bytes();

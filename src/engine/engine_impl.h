@@ -60,6 +60,17 @@ struct Sequence {
   int64_t resume_common = 0;
   std::vector<int64_t> version_starts;  // SampleOutput's runs of weight versions
   std::vector<uint64_t> versions;
+  // Routing replay: the experts of each computed position, [positions, route_width].
+  std::vector<int16_t> routes;
+  int64_t route_width = 0;
+
+  // Stores the experts of positions [start, start + count) from `rows` ([count, width]).
+  void set_routes(int64_t start, int64_t count, const int16_t* rows, int64_t width) {
+    route_width = width;
+    const auto end = static_cast<size_t>((start + count) * width);
+    if (routes.size() < end) routes.resize(end, -1);
+    std::copy(rows, rows + count * width, routes.begin() + static_cast<std::ptrdiff_t>(start * width));
+  }
 
   // Appends a sampled token, drawn with weights `version`.
   void append(int64_t token, float logprob, uint64_t version) {
@@ -85,6 +96,10 @@ struct InFlight {
   };
   std::vector<Draw> draws;  // in the runner's sample-row order
   int64_t prefill_tokens = 0;
+  struct Chunk {  // the step's rows [row, row + count): positions [start, start + count) of seq
+    int64_t seq, start, count, row;
+  };
+  std::vector<Chunk> chunks;
 };
 
 inline void insert_by_age(std::vector<int64_t>& ids, int64_t id) {

@@ -40,6 +40,11 @@ void Engine::Impl::adopt(Sequence& s, int64_t pid, int64_t common) {
   old.table = BlockTable{};
   kv->truncate(s.table, common);
   s.num_computed = common;
+  if (old.route_width > 0) {  // the reused positions' experts
+    const auto n = std::min(old.routes.size(), static_cast<size_t>(common * old.route_width));
+    s.routes.assign(old.routes.begin(), old.routes.begin() + static_cast<std::ptrdiff_t>(n));
+    s.route_width = old.route_width;
+  }
   ++stats.session_resumes;
   stats.session_tokens_reused += common;
   parked.at(pid).claimed = false;

@@ -45,6 +45,7 @@ InFlight Engine::Impl::launch(const StepPlan& plan, const std::unordered_map<int
     TILLER_CHECK(c.start + c.count <= total, "chunk of sequence {} ends at {}, past its {} tokens", c.id,
                  c.start + c.count, total);
     const int64_t row0 = b.num_tokens();
+    f.chunks.push_back({c.id, c.start, c.count, row0});
     for (int64_t pos = c.start; pos < c.start + c.count; ++pos) {
       if (pos == known) {  // the token the step in flight draws
         b.prev_rows.push_back(b.num_tokens());
@@ -111,6 +112,16 @@ void Engine::Impl::collect(const InFlight& f, std::vector<SampleOutput>& done) {
   // Sequences aborted, or stopped by the step before, since `f` was launched: their draws are
   // dropped.
   auto live = [&](int64_t id) { return seqs.find(id) != seqs.end(); };
+  // Routing replay: each chunk's experts into its sequence (before forks copy the parent's).
+  if (drawn.route_width > 0) {
+    for (const auto& c : f.chunks) {
+      if (!live(c.seq)) continue;
+      TILLER_CHECK(static_cast<int64_t>(drawn.routes.size()) >= (c.row + c.count) * drawn.route_width,
+                   "the runner recorded routes for {} rows, the step has more",
+                   static_cast<int64_t>(drawn.routes.size()) / drawn.route_width);
+      seqs.at(c.seq).set_routes(c.start, c.count, drawn.routes.data() + c.row * drawn.route_width, drawn.route_width);
+    }
+  }
   // Forks first: they copy the parent's tokens before the parent's own draw is appended.
   std::vector<int64_t> sampled;
   for (size_t i = 0; i < f.draws.size(); ++i) {
@@ -127,6 +138,8 @@ void Engine::Impl::collect(const InFlight& f, std::vector<SampleOutput>& done) {
     child.logprobs = parent.logprobs;
     child.version_starts = parent.version_starts;
     child.versions = parent.versions;
+    child.routes = parent.routes;
+    child.route_width = parent.route_width;
     child.append(drawn.tokens[i], drawn.logprobs[i], weight_version);
     sampled.push_back(child.id);
     running.push_back(child.id);  // the newest: ids only grow

@@ -249,11 +249,16 @@ struct ModelRunner::Impl {
   struct Pending {
     at::Tensor tokens, logprobs;
     at::Tensor device_tokens, device_logprobs;
+    std::vector<int16_t> routes;
+    int64_t route_width = 0;
 #ifdef TILLER_HAVE_CUDA_KERNELS
     std::unique_ptr<at::cuda::CUDAEvent> copied;
 #endif
   };
   std::deque<Pending> pending;
+  // Routing replay: the forward of a sampling step records each sparse layer's experts here.
+  bool record_routes = false;
+  std::vector<at::Tensor>* recording = nullptr;
   at::Tensor last_drawn;  // the latest launch's sampled ids on the device (int64)
 
 #ifdef TILLER_HAVE_CUDA_KERNELS
@@ -296,6 +301,7 @@ struct ModelRunner::Impl {
     if (tp && tp->size() > 1)
       ctx.reduce_partial_sums = [comm = tp](at::Tensor& x) { comm->all_reduce(x)->wait_on_stream(); };
     ctx.fuse_residual = true;
+    ctx.recorded_routes = recording;
     at::Tensor x = model::embed(weights.embed, in.tokens);
     for (int64_t l = 0; l < local.num_layers; ++l) x = model::block_forward(local, l, weights.layers[l], x, ctx);
     if (norm && ctx.deferred.defined())
@@ -411,6 +417,8 @@ void ModelRunner::release_cache() {
   num_blocks_ = 0;
 }
 
+void ModelRunner::set_record_routes(bool on) { impl_->record_routes = on; }
+
 bool ModelRunner::cache_allocated() const { return impl_->cache.defined(); }
 
 int64_t ModelRunner::cache_bytes() const {
@@ -516,6 +524,15 @@ void ModelRunner::launch(const StepBatch& b, bool sample) {
 #ifdef TILLER_HAVE_CUDA_KERNELS
   graphs = m.graphs && n <= m.max_graph_batch;
 #endif
+  // Routing replay: the experts of every row, recorded by the forward below.
+  const bool routes = sample && m.record_routes && local_.moe();
+  std::vector<at::Tensor> recorded(routes ? static_cast<size_t>(local_.num_layers) : 0);
+  TILLER_CHECK(!(routes && graphs), "routing replay records the experts on the host; a captured graph cannot");
+  m.recording = routes ? &recorded : nullptr;
+  struct Unset {
+    std::vector<at::Tensor>*& r;
+    ~Unset() { r = nullptr; }
+  } unset{m.recording};
   if (b.is_decode() && graphs) {
     at::Tensor all = m.run_decode_graph(b);
     if (rows_all) h = sample_rows(all);
@@ -536,6 +553,23 @@ void ModelRunner::launch(const StepBatch& b, bool sample) {
   }
   if (!sample) return;
   Impl::Pending p;
+  if (routes) {
+    const int64_t rows = b.num_tokens(), k = local_.experts_per_token, layers = model::sparse_layers(local_);
+    p.route_width = layers * k;
+    p.routes.assign(static_cast<size_t>(rows * p.route_width), -1);
+    int64_t s = 0;
+    for (int64_t l = 0; l < local_.num_layers; ++l) {
+      if (!local_.sparse_layer(l)) continue;
+      const at::Tensor& r = recorded[static_cast<size_t>(l)];
+      TILLER_CHECK(r.defined() && r.size(0) == rows && r.size(1) == k, "layer {} recorded no routes for {} rows", l,
+                   rows);
+      const int64_t* e = r.data_ptr<int64_t>();
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < k; ++j)
+          p.routes[static_cast<size_t>(i * p.route_width + s * k + j)] = static_cast<int16_t>(e[i * k + j]);
+      ++s;
+    }
+  }
   if (rows_all) {
     // Logits in the weights' dtype: the sampler reads bf16 directly (math in fp32).
     model::SampledTokens drawn = model::sample_tokens(model::lm_logits(h, m.weights.lm_head), b.sampling);
@@ -575,6 +609,8 @@ ModelRunner::Sampled ModelRunner::collect() {
   Impl::Pending p = std::move(m.pending.front());
   m.pending.pop_front();
   Sampled out;
+  out.routes = std::move(p.routes);
+  out.route_width = p.route_width;
   if (!p.tokens.defined()) return out;
 #ifdef TILLER_HAVE_CUDA_KERNELS
   if (p.copied) p.copied->synchronize();
@@ -639,6 +675,7 @@ at::Tensor ModelRunner::run_packed(const StepBatch& b, bool sample) {
   if (m.tp && m.tp->size() > 1)
     ctx.reduce_partial_sums = [comm = m.tp](at::Tensor& x) { comm->all_reduce(x)->wait_on_stream(); };
   ctx.fuse_residual = true;
+  ctx.recorded_routes = m.recording;
   at::Tensor x = model::embed(m.weights.embed, tokens);
   for (int64_t l = 0; l < local_.num_layers; ++l) x = model::block_forward(local_, l, m.weights.layers[l], x, ctx);
   if (!sample) return {};

@@ -71,7 +71,14 @@ class ModelRunner {
   struct Sampled {
     std::vector<int64_t> tokens;
     std::vector<float> logprobs;
+    // With record_routes and a mixture of experts: every row of the step's experts, [rows, width]
+    // (width = sparse layers x experts per token; layer order, each layer's top-k in router order).
+    std::vector<int16_t> routes;
+    int64_t route_width = 0;
   };
+  // Routing replay: whether steps that sample record each row's experts (Sampled::routes). A
+  // mixture of experts decodes without CUDA graphs, so nothing captured is affected.
+  void set_record_routes(bool on);
   // Enqueues the step on the device (the forward, and with `sample`, the sampler and the copy of
   // its ids and log-probs to pinned host memory) and returns without waiting for it. With
   // `sample`, collect() returns its draws, one per sample row, in launch order; followers pass

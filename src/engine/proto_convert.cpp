@@ -1,5 +1,11 @@
 #include "engine/proto_convert.h"
 
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "tiller/core/error.h"
+
 namespace tiller::engine {
 
 Request from_proto(const v1::GenerateRequest& g, uint64_t fallback_seed) {
@@ -53,6 +59,10 @@ void to_proto(const SampleOutput& o, uint64_t weight_version, v1::SampleResult& 
   s.set_weight_version(weight_version);
   s.mutable_version_starts()->Add(o.version_starts.begin(), o.version_starts.end());
   s.mutable_versions()->Add(o.versions.begin(), o.versions.end());
+  if (o.route_width > 0) {  // int16 little-endian (every supported host is)
+    s.set_routes(std::string(reinterpret_cast<const char*>(o.routes.data()), o.routes.size() * sizeof(int16_t)));
+    s.set_route_width(static_cast<int32_t>(o.route_width));
+  }
 }
 
 SampleOutput from_proto(const v1::SampleResult& s) {
@@ -65,6 +75,17 @@ SampleOutput from_proto(const v1::SampleResult& s) {
   o.prompt_tokens = s.prompt_tokens();
   o.version_starts.assign(s.version_starts().begin(), s.version_starts().end());
   o.versions.assign(s.versions().begin(), s.versions().end());
+  if (s.route_width() > 0 || !s.routes().empty()) {
+    const int64_t rows = o.prompt_tokens + static_cast<int64_t>(o.tokens.size()) - 1;
+    const auto bytes = static_cast<int64_t>(s.routes().size());
+    if (s.route_width() <= 0 || rows < 0 || bytes != rows * s.route_width() * 2)
+      throw CommError(fmt::format("engine sample {} of request {}: {} bytes of routes of width {} do not cover its {} "
+                                 "computed tokens",
+                                 s.sample(), s.request_id(), bytes, s.route_width(), rows));
+    o.route_width = s.route_width();
+    o.routes.resize(static_cast<size_t>(rows * o.route_width));
+    std::memcpy(o.routes.data(), s.routes().data(), static_cast<size_t>(bytes));
+  }
   return o;
 }
 

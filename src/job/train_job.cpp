@@ -104,6 +104,7 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
   eo.session_timeout_s = cfg.engines.session_timeout_s;
   eo.max_sessions = cfg.engines.max_sessions;
   eo.start_asleep = start_asleep;
+  eo.record_routes = cfg.algo.routing_replay;
   if (cfg.logging.efficiency) {
     // The engine's benchmark (Engine::calibrate_if_due): its share of a step's samples as one
     // batch, prompts and responses as long as the job allows (capped: the calibration runs once,

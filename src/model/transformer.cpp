@@ -70,6 +70,7 @@ BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const 
   std::tie(ctx.cos, ctx.sin) = rope.tables(batch.positions, dtype, batch.seq_lens);
   ctx.backend = backend;
   ctx.cache = cache;
+  ctx.replay_routes = batch.routes;
   if (!cache) {
     ctx.attn = VarlenSpec::self(batch.cu_seqlens, batch.seq_lens);
     return ctx;
@@ -173,20 +174,51 @@ at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h) {
 // A sparse layer's MLP, as transformers computes it: the router's softmax (fp32) picks each token's
 // top-k experts (weights renormalised with norm_topk_prob; rounded to the compute dtype except in
 // mixtral); each expert runs on its tokens, scaled by their weights, and the experts' outputs are
-// added in expert order; qwen2_moe adds the shared expert behind its sigmoid gate.
-at::Tensor moe_mlp(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& h) {
+// added in expert order; qwen2_moe adds the shared expert behind its sigmoid gate. With
+// ctx.replay_routes the experts are the replayed ones (BlockContext); ctx.recorded_routes gets them.
+at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& h,
+                   BlockContext& ctx) {
   const int64_t t = h.size(0), k = cfg.experts_per_token, e_count = static_cast<int64_t>(w.experts.size());
   const at::Tensor logits = project(h, w.router);
   const at::Tensor probs =
       batch_invariant() ? invariant::softmax(logits.to(at::kFloat)) : at::softmax(logits.to(at::kFloat), -1);
   auto [top, index] = probs.topk(k, -1);  // [T, k]
+  // The routes on the host: one copy down, then the grouping below goes up once (the unfused
+  // path; a grouped-GEMM kernel would keep them on the device).
+  at::Tensor host = index.to(at::kCPU, at::kLong).contiguous();
+  int64_t* ix = host.data_ptr<int64_t>();
+  if (ctx.replay_routes.defined()) {
+    const at::Tensor& r = ctx.replay_routes;
+    const int64_t s = sparse_index(cfg, layer);
+    TILLER_CHECK(r.dim() == 3 && r.size(0) == t && r.size(1) > s && r.size(2) == k &&
+                     r.scalar_type() == at::kShort && r.device().is_cpu() && r.is_contiguous(),
+                 "replayed routes (int16 [rows, sparse layers, k] on the host; got {} dims of {}) do not fit {} rows "
+                 "of {} experts in sparse layer {}",
+                 r.dim(), r.numel(), t, k, s);
+    const int16_t* rp = r.data_ptr<int16_t>();
+    const int64_t row_stride = r.size(1) * k;
+    bool replayed = false;
+    for (int64_t i = 0; i < t; ++i) {
+      const int16_t* e = rp + i * row_stride + s * k;
+      if (e[0] < 0) continue;  // a token the engine never computed: its own routes
+      for (int64_t j = 0; j < k; ++j) {
+        TILLER_CHECK(e[j] >= 0 && e[j] < e_count, "replayed route {} of row {} in sparse layer {}: expert {} of {}",
+                     j, i, s, e[j], e_count);
+        ix[i * k + j] = e[j];
+      }
+      replayed = true;
+    }
+    // The router's probabilities at the experts taken (the gradient reaches the router through them).
+    if (replayed) top = probs.gather(1, upload(std::vector<int64_t>(ix, ix + t * k), h.device()).view({t, k}));
+  }
+  if (ctx.recorded_routes) {
+    TILLER_CHECK(static_cast<int64_t>(ctx.recorded_routes->size()) > layer, "recorded_routes has {} entries, layer {}",
+                 ctx.recorded_routes->size(), layer);
+    (*ctx.recorded_routes)[static_cast<size_t>(layer)] = host;
+  }
   if (cfg.norm_topk_prob) top = top / top.sum(-1, true);
   if (cfg.family != Family::kMixtral) top = top.to(h.scalar_type());
-  // Each expert's tokens (rows of h) and their slots in `top`, grouped by expert on the host: one
-  // copy of the routes down, one upload of the grouping up (the unfused path; a grouped-GEMM
-  // kernel would keep them on the device).
-  const at::Tensor host = index.to(at::kCPU, at::kLong).contiguous();
-  const int64_t* ix = host.data_ptr<int64_t>();
+  // Each expert's tokens (rows of h) and their slots in `top`, grouped by expert.
   std::vector<int64_t> count(static_cast<size_t>(e_count) + 1, 0);
   for (int64_t i = 0; i < t * k; ++i) {
     TILLER_CHECK(ix[i] >= 0 && ix[i] < e_count, "router chose expert {} of {}", ix[i], e_count);
@@ -218,8 +250,9 @@ at::Tensor moe_mlp(const ModelConfig& cfg, const LayerWeights& w, const at::Tens
 }
 
 // The MLP's output for normed input h (before the residual add).
-at::Tensor mlp_out(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& h, BlockContext& ctx) {
-  at::Tensor mlp = w.router.defined() ? moe_mlp(cfg, w, h) : dense_mlp(w, h);
+at::Tensor mlp_out(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& h,
+                   BlockContext& ctx) {
+  at::Tensor mlp = w.router.defined() ? moe_mlp(cfg, layer, w, h, ctx) : dense_mlp(w, h);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(mlp);
   return mlp;
 }
@@ -228,7 +261,7 @@ at::Tensor mlp_out(const ModelConfig& cfg, const LayerWeights& w, const at::Tens
 
 at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
                          BlockContext& ctx) {
-  if (!ctx.fuse_residual) return mlp_residual(cfg, w, attention_residual(cfg, layer, w, x, ctx), ctx);
+  if (!ctx.fuse_residual) return mlp_residual(cfg, layer, w, attention_residual(cfg, layer, w, x, ctx), ctx);
   at::Tensor stream = x;  // the residual stream, updated in place
   at::Tensor h;
   if (ctx.deferred.defined()) {
@@ -239,7 +272,7 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   }
   const at::Tensor o = attention_out(cfg, layer, w, h, ctx);
   h = add_rms_norm(stream, o, w.post_attn_norm, cfg.rms_norm_eps);
-  ctx.deferred = mlp_out(cfg, w, h, ctx);
+  ctx.deferred = mlp_out(cfg, layer, w, h, ctx);
   return stream;
 }
 
@@ -249,10 +282,19 @@ at::Tensor attention_residual(const ModelConfig& cfg, int64_t layer, const Layer
   return x + attention_out(cfg, layer, w, rms_norm(x, w.input_norm, cfg.rms_norm_eps), ctx);
 }
 
-at::Tensor mlp_residual(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& y, BlockContext& ctx) {
+at::Tensor mlp_residual(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& y,
+                        BlockContext& ctx) {
   TILLER_CHECK(!ctx.fuse_residual, "mlp_residual: not with fuse_residual");
-  return y + mlp_out(cfg, w, rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps), ctx);
+  return y + mlp_out(cfg, layer, w, rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps), ctx);
 }
+
+int64_t sparse_index(const ModelConfig& cfg, int64_t layer) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < layer; ++i) n += cfg.sparse_layer(i) ? 1 : 0;
+  return n;
+}
+
+int64_t sparse_layers(const ModelConfig& cfg) { return sparse_index(cfg, cfg.num_layers); }
 
 void add_deferred(at::Tensor& x, BlockContext& ctx) {
   if (!ctx.deferred.defined()) return;

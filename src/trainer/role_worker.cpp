@@ -67,6 +67,13 @@ struct MicroBatch {
   at::Tensor targets;    // [n]: each held row's next token (0 at a sequence's end)
   at::Tensor resp_rows;  // [R]: the held rows whose next token is a response token
   at::Tensor last_rows;  // the held rows that end a sequence
+  at::Tensor routes;     // routing replay: the engine's experts of the held rows (the actor's forwards)
+  // The slice as the actor takes it: with the engine's routes (the other roles route themselves).
+  zero::SequenceSlice actor_slice() const {
+    zero::SequenceSlice s = slice;
+    s.routes = routes;
+    return s;
+  }
 };
 
 // The request's rows as the model takes them (protocol.h has checked the lengths).
@@ -93,6 +100,7 @@ MicroBatch micro_batch(const PackedSequences& m, at::Device dev) {
   }
   mb.slice.tokens = m.tokens;
   mb.slice.first_row = first;
+  mb.routes = m.routes;
   // Non-blocking uploads: the host goes on to queue this micro-batch's forward while the device
   // still runs the last one's backward.
   mb.targets = model::upload(targets, dev);
@@ -249,7 +257,7 @@ struct RoleWorker::Impl {
       switch (role) {
         case Role::kActor: {
           at::Tensor entropy;
-          const at::Tensor lp = m.token_logprobs(mb.slice, mb.targets, in.temperature, &entropy);
+          const at::Tensor lp = m.token_logprobs(mb.actor_slice(), mb.targets, in.temperature, &entropy);
           out.actor_logp = host_float(lp.index_select(0, mb.resp_rows));
           out.actor_entropy = host_float(entropy.index_select(0, mb.resp_rows));
           break;
@@ -275,7 +283,7 @@ struct RoleWorker::Impl {
     const double w0 = wall_us();
     zero::ShardedModel& m = *models.at(Role::kActor);
     at::Tensor entropy;
-    at::Tensor lp = m.token_logprobs(mb.slice, mb.targets, temperature, &entropy);
+    at::Tensor lp = m.token_logprobs(mb.actor_slice(), mb.targets, temperature, &entropy);
     StepStats& a = acc[Role::kActor];
     // Multi-turn samples: only the model's tokens train (losses.h applies the loss mask).
     ActorLossSpec spec;

@@ -72,6 +72,7 @@ std::vector<PackedSequences> PackedSequences::cut(int parts) const {
     s.first_row = split.begin(j);
     const int64_t end = s.first_row + split.size(j);
     s.tokens = tokens.narrow(0, s.first_row, split.size(j));
+    if (routes.defined()) s.routes = routes.narrow(0, s.first_row, split.size(j));
     s.next_token = end < split.rows ? tokens.data_ptr<int64_t>()[end] : 0;
     out.push_back(std::move(s));
   }

@@ -20,6 +20,9 @@ struct PackedSequences {
   at::Tensor prompt_lens;  // int64 [B], each in [1, seq_len)
   int64_t first_row = 0;
   int64_t next_token = 0;  // the token of row first_row + n (a slice's last target); 0 past the end
+  // Routing replay: int16 [held rows, sparse layers x k], the engine's experts of each held row
+  // (-1: none recorded, the model routes the row itself); undefined without it.
+  at::Tensor routes;
 
   int64_t size() const { return seq_lens.defined() ? seq_lens.numel() : 0; }  // sequences of the row
   int64_t rows() const;               // tokens of the whole packed row

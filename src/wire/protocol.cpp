@@ -178,6 +178,9 @@ Frame IncomingFrame::take() {
 
 namespace {
 
+// Sparse layers x experts per token of one row (routing replay): far above any model's.
+constexpr int64_t kMaxRouteWidth = 1 << 16;
+
 [[noreturn]] void malformed(Op op, const std::string& why) {
   throw CommError(fmt::format("protocol: a malformed '{}' message: {}", op_name(op), why));
 }
@@ -192,6 +195,14 @@ class Encoder {
   void batch(const PackedSequences& b) {
     for (const at::Tensor* t : {&b.tokens, &b.seq_lens, &b.prompt_lens}) tensor(*t, "batch", at::kLong, Rows::kAny);
     f_.tensors.push_back(at::tensor(std::vector<int64_t>{b.first_row, b.next_token}, at::kLong));
+    // Routing replay: the width, then the int16 routes as their bytes.
+    const int64_t width = b.routes.defined() ? b.routes.size(1) : 0;
+    f_.scalars.push_back(static_cast<double>(width));
+    if (width > 0) {
+      TILLER_CHECK(b.routes.dim() == 2 && b.routes.size(0) == b.tokens.numel() && b.routes.scalar_type() == at::kShort,
+                   "protocol: routes for {} rows of a batch holding {}", b.routes.size(0), b.tokens.numel());
+      f_.tensors.push_back(b.routes.to(at::kCPU).contiguous().view(at::kByte).reshape({-1}));
+    }
   }
   void tensor(const at::Tensor& t, const char* what, at::ScalarType dtype, Rows) {
     TILLER_CHECK(t.defined(), "protocol: a '{}' message without its {}", op_name(f_.op), what);
@@ -265,6 +276,14 @@ class Decoder {
     if (b.first_row < 0 || b.first_row > total || b.tokens.numel() > total - b.first_row)
       malformed(f_.op, fmt::format("rows [{}, {}) of a packed row of {}", b.first_row, b.first_row + b.tokens.numel(),
                                    total));
+    const double width = next_scalar("routes' width");
+    if (!(width >= 0 && width <= kMaxRouteWidth) || width != static_cast<double>(static_cast<int64_t>(width)))
+      malformed(f_.op, fmt::format("routes of width {} (0 to {})", width, kMaxRouteWidth));
+    b.routes = at::Tensor();
+    if (width > 0) {
+      const auto w = static_cast<int64_t>(width);
+      b.routes = next_tensor("routes", at::kByte, b.tokens.numel() * w * 2).view(at::kShort).view({-1, w});
+    }
     sizes_ = &b;
   }
   void tensor(at::Tensor& t, const char* what, at::ScalarType dtype, Rows rows) {

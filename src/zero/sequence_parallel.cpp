@@ -25,6 +25,7 @@ SequenceSlice SequenceSlice::of(const model::PackedBatch& whole, int parts, int 
   s.first_row = split.begin(j);
   s.tokens = whole.tokens.narrow(0, s.first_row, split.size(j));
   s.seq_lens = whole.seq_lens;
+  if (whole.routes.defined()) s.routes = whole.routes.narrow(0, s.first_row, split.size(j)).contiguous();
   return s;
 }
 
@@ -144,6 +145,15 @@ SliceInput prepare_slice(const model::Rope& rope, const SequenceSlice& slice,
                             : at::empty({0}, at::TensorOptions(at::kLong).device(device));
   if (in.padded > n) tokens = at::cat({tokens, at::zeros({in.padded - n}, tokens.options())});
   in.tokens = tokens;
+  if (slice.routes.defined()) {
+    const at::Tensor& r = slice.routes;
+    TILLER_CHECK(r.dim() == 3 && r.size(0) == n && r.scalar_type() == at::kShort,
+                 "routing replay: the slice's routes cover {} rows, its tokens {}", r.dim() == 3 ? r.size(0) : -1, n);
+    at::Tensor routes = r.cpu().contiguous();
+    if (in.padded > n)  // padding rows route by themselves
+      routes = at::cat({routes, at::full({in.padded - n, r.size(1), r.size(2)}, -1, routes.options())});
+    in.ctx.replay_routes = routes;
+  }
   return in;
 }
 

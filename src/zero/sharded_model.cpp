@@ -186,10 +186,28 @@ void ShardedModel::set_recompute(Recompute mode, int64_t layers) {
 
 int ShardedModel::sequence_parallel() const { return impl_->sequence ? impl_->sequence->size() : 1; }
 
+namespace {
+// Routing replay: the slice's routes [n, width] as [n, sparse layers, k] for this model, checked.
+SequenceSlice shaped_routes(const SequenceSlice& slice, const model::ModelConfig& cfg) {
+  if (!slice.routes.defined() || slice.routes.dim() == 3) return slice;
+  const int64_t layers = model::sparse_layers(cfg), k = cfg.experts_per_token;
+  if (layers == 0)
+    throw ConfigError("algo.routing_replay: the batch carries the engine's experts, but the actor is not a mixture of "
+                      "experts");
+  TILLER_CHECK(slice.routes.dim() == 2 && slice.routes.size(1) == layers * k,
+               "routing replay: the engine's routes have {} experts a token, the model routes {} sparse layers x {}",
+               slice.routes.dim() == 2 ? slice.routes.size(1) : -1, layers, k);
+  SequenceSlice s = slice;
+  s.routes = slice.routes.contiguous().view({slice.routes.size(0), layers, k});
+  return s;
+}
+}  // namespace
+
 at::Tensor ShardedModel::token_logprobs(const SequenceSlice& slice, const at::Tensor& targets, double temperature,
                                         at::Tensor* entropy) {
   Impl& m = *impl_;
-  SliceInput in = prepare_slice(m.rope, slice, m.sequence, m.opts.compute_dtype, m.opts.device, m.opts.attention);
+  SliceInput in = prepare_slice(m.rope, shaped_routes(slice, m.cfg), m.sequence, m.opts.compute_dtype, m.opts.device,
+                                m.opts.attention);
   check_lm(m, targets, in.rows, temperature);
   at::Tensor tgt = targets.to(m.opts.device, at::kLong);
   if (in.padded > in.rows) tgt = at::cat({tgt, at::zeros({in.padded - in.rows}, tgt.options())});
@@ -204,7 +222,8 @@ at::Tensor ShardedModel::token_logprobs(const SequenceSlice& slice, const at::Te
 at::Tensor ShardedModel::values(const SequenceSlice& slice) {
   Impl& m = *impl_;
   TILLER_CHECK(m.opts.head == model::Head::kValue, "values needs the value head; this model has an LM head");
-  SliceInput in = prepare_slice(m.rope, slice, m.sequence, m.opts.compute_dtype, m.opts.device, m.opts.attention);
+  SliceInput in = prepare_slice(m.rope, shaped_routes(slice, m.cfg), m.sequence, m.opts.compute_dtype, m.opts.device,
+                                m.opts.attention);
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);

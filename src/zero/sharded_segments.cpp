@@ -107,6 +107,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     remember(ctx, m, {x, block->cos, block->sin, block->attn.cu_q});
     ctx->saved_data["layer"] = layer;
     ctx->saved_data["lens"] = block->attn.lens_q;
+    ctx->saved_data["routes"] = block->replay_routes;  // routing replay: the recomputation routes alike
     model::BlockContext bctx = *block;
     const int64_t kept = m->opts.recompute_layers;
     const Recompute mode = kept < 0 || layer < kept ? m->opts.recompute : Recompute::kBlocks;
@@ -130,7 +131,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
           a = model::attention_residual(m->cfg, layer, w, x, bctx);
         }
         kept_in = a.requires_grad_(true);
-        y = model::mlp_residual(m->cfg, w, kept_in, bctx);
+        y = model::mlp_residual(m->cfg, layer, w, kept_in, bctx);
       }
     }
     ctx->saved_data["attention_half"] = mode == Recompute::kAttentionOnly;  // recomputed in the backward
@@ -172,6 +173,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
         {
           at::AutoGradMode on(true);
           auto bctx = m->block_context(saved[1], saved[2], saved[3], lens);
+          bctx.replay_routes = ctx->saved_data["routes"].toTensor();
           a = model::attention_residual(m->cfg, layer, m->layer_weights(layer, s, params), x, bctx);
         }
         inputs = params;
@@ -187,6 +189,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
       {
         at::AutoGradMode on(true);
         auto bctx = m->block_context(saved[1], saved[2], saved[3], lens);
+        bctx.replay_routes = ctx->saved_data["routes"].toTensor();
         y = m->run_block(layer, params, x, bctx);
       }
       variable_list inputs = params;

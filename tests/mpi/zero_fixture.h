@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <algorithm>
+#include <numeric>
 #include <random>
 
 #include <ATen/ATen.h>
@@ -56,11 +58,12 @@ struct MicroBatch {
   std::vector<std::vector<int64_t>> seqs;
   std::vector<int64_t> targets;
   std::vector<float> weights;  // per token: the "advantages" of the loss
+  at::Tensor routes;           // routing replay: int16 [tokens, sparse layers, k], or undefined
 };
 
 // Deterministic data for (step, rank, index): 1-3 sequences of 1-12 tokens; rank `empty_rank`
 // gets an empty micro-batch at index 1 of step 1 (the lockstep rule: every rank takes part).
-inline MicroBatch micro_batch(const ModelConfig& c, int step, int rank, int index, int world) {
+inline MicroBatch micro_batch(const ModelConfig& c, int step, int rank, int index, int world, bool routes = false) {
   MicroBatch mb;
   if (step == 1 && index == 1 && rank == world - 1) return mb;
   std::mt19937_64 rng(1000003ull * step + 1009ull * rank + index);
@@ -73,6 +76,21 @@ inline MicroBatch micro_batch(const ModelConfig& c, int step, int rank, int inde
       mb.weights.push_back(static_cast<float>(static_cast<int64_t>(rng() % 2001) - 1000) / 1000.0f);
     }
     mb.seqs.push_back(std::move(seq));
+  }
+  if (routes) {  // routing replay: random distinct experts per row, every fourth row left to the router
+    const int64_t t = static_cast<int64_t>(mb.targets.size()), layers = model::sparse_layers(c),
+                  k = c.experts_per_token;
+    mb.routes = at::full({t, layers, k}, -1, at::kShort);
+    int16_t* r = mb.routes.data_ptr<int16_t>();
+    std::vector<int16_t> experts(static_cast<size_t>(c.num_experts));
+    for (int64_t i = 0; i < t; ++i) {
+      if (rng() % 4 == 0) continue;
+      for (int64_t l = 0; l < layers; ++l) {
+        std::iota(experts.begin(), experts.end(), int16_t{0});
+        std::shuffle(experts.begin(), experts.end(), rng);
+        std::copy(experts.begin(), experts.begin() + k, r + (i * layers + l) * k);
+      }
+    }
   }
   return mb;
 }
@@ -88,7 +106,8 @@ inline at::Tensor loss_of(const at::Tensor& out, const MicroBatch& mb, int64_t t
 int64_t tokens_in(const MicroBatch& mb) { return static_cast<int64_t>(mb.targets.size()); }
 
 inline at::Tensor forward(ShardedModel& m, const MicroBatch& mb) {
-  const auto batch = model::PackedBatch::pack(mb.seqs, device());
+  auto batch = model::PackedBatch::pack(mb.seqs, device());
+  batch.routes = mb.routes;
   if (m.options().head == Head::kValue) return m.values(batch);
   // The entropy joins the loss (the entropy bonus), so its gradient is checked too.
   at::Tensor entropy;
@@ -114,7 +133,8 @@ struct Reference {
   }
   at::Tensor forward(const MicroBatch& mb) {
     const auto w = model::bind_weights(cfg, params, head, "reference");
-    const auto batch = model::PackedBatch::pack(mb.seqs, device());
+    auto batch = model::PackedBatch::pack(mb.seqs, device());
+    batch.routes = mb.routes;
     at::Tensor h = model::forward_hidden(cfg, w, batch);
     if (head == Head::kValue) return model::values(h, w.score);
     at::Tensor entropy;
@@ -186,7 +206,8 @@ struct SliceRun {
 };
 inline SliceRun forward_slice(ShardedModel& m, const MicroBatch& mb, int sp, int j) {
   if (sp == 1) return {forward(m, mb), 0};
-  const auto whole = model::PackedBatch::pack(mb.seqs, device());
+  auto whole = model::PackedBatch::pack(mb.seqs, device());
+  whole.routes = mb.routes;
   const auto slice = zero::SequenceSlice::of(whole, sp, j);
   const int64_t n = slice.tokens.numel();
   if (m.options().head == Head::kValue) return {m.values(slice), slice.first_row};
@@ -208,7 +229,8 @@ inline at::Tensor slice_loss(const SliceRun& r, const MicroBatch& mb, int64_t to
 inline void expect_sharded_equals_unsharded(const std::string& preset, Head head, int sp = 1, int64_t window = 0,
                                      bool dynamic_rope = false, zero::Recompute recompute = zero::Recompute::kBlocks,
                                      at::ScalarType reduce = at::kFloat,
-                                     const std::function<void(zero::ShardedModelOptions&)>& tweak = {}) {
+                                     const std::function<void(zero::ShardedModelOptions&)>& tweak = {},
+                                     bool replay_routes = false) {
   const int world = comm().size(), me = comm().rank();
   if (world % sp != 0) GTEST_SKIP() << sp << " does not divide " << world << " ranks";
   ModelConfig cfg = config(preset);
@@ -251,7 +273,7 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
     int64_t total = 0;
     for (int r = 0; r < groups; ++r)
       for (int i = 0; i < 2; ++i) {
-        all.push_back(micro_batch(cfg, step, r, i, groups));
+        all.push_back(micro_batch(cfg, step, r, i, groups, replay_routes));
         total += tokens_in(all.back());
       }
     for (int i = 0; i < 2; ++i) {

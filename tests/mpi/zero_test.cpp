@@ -22,6 +22,13 @@ TEST(Zero, ShardedTrainingEqualsUnshardedQwen2MoeSharedExpert) {
 TEST(Zero, ShardedTrainingEqualsUnshardedMixtralSequenceParallel) {
   expect_sharded_equals_unsharded("tiny-mixtral", Head::kLm, comm().size() % 2 == 0 ? 2 : 1);
 }
+// Routing replay: random replayed experts (a quarter of the rows left to the router) sliced with
+// the rows under SP 2 and kept through the recomputed blocks, against the unsharded reference that
+// replays the same routes; the router trains through the probabilities at the replayed experts.
+TEST(Zero, RoutingReplayShardedEqualsUnshardedQwen3Moe) {
+  expect_sharded_equals_unsharded("tiny-qwen3-moe", Head::kLm, comm().size() % 2 == 0 ? 2 : 1, 0, false,
+                                  zero::Recompute::kBlocks, at::kFloat, {}, /*replay_routes=*/true);
+}
 
 // Sequence parallelism: S = 2 and 4 against the unsharded reference (which S = 1 equals, above).
 // Micro-batches of 0-36 tokens in 1-3 sequences: shorter than S, divisible by S and not.

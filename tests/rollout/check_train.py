@@ -957,6 +957,27 @@ def check_moe():
     subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart.py"), str(moe), str(PROMPTS), "--moe"],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     check_learns(3, *GRPO, f"roles.actor.model={moe}")
+    # Routing replay: the engine's experts of every prompt and generated token route the actor's
+    # scoring and training forwards. With the batch-invariant kernels (which make the actor route as
+    # the engine did anyway) every sampled token's two log-probs are equal bit for bit: a route
+    # replayed on the wrong row, or cut wrongly, would change them.
+    out = SCRATCH / "moe_replay_bitwise"
+    run_ok(3, out, *GRPO, f"roles.actor.model={moe}", "algo.routing_replay=true", "algo.logprob_match=bitwise",
+           "roles.actor.dtype=bf16", "roles.ref.dtype=bf16", "train.num_steps=3", "train.train_batch_size=64",
+           f"logging.rollout_records={out}/records.jsonl", "logging.rollout_records_tokens=true")
+    compared, samples = exact_tokens(out, "routing replay, bitwise")
+    print(f"moe routing replay (bitwise, bf16): {compared} tokens of {samples} samples, every engine log-prob equal to "
+          "the actor's")
+    # With the ordinary kernels: the mismatch metrics with and without replay, bf16.
+    for replay in ("true", "false"):
+        out = SCRATCH / f"moe_replay_{replay}"
+        run_ok(3, out, *GRPO, f"roles.actor.model={moe}", f"algo.routing_replay={replay}", "roles.actor.dtype=bf16",
+               "roles.ref.dtype=bf16", "train.num_steps=2", "train.train_batch_size=64")
+        m = metrics(out)
+        kl = [f"{r['mismatch/kl']:.2e}" for r in m]
+        print(f"moe bf16, routing_replay={replay}: mismatch/kl {kl}, "
+              f"tokens differing {[int(r['mismatch/tokens_differing']) for r in m]} of "
+              f"{[int(r['mismatch/tokens_compared']) for r in m]}")
 
 
 def check_sequence_parallel():

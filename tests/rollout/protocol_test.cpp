@@ -9,6 +9,8 @@
 
 #include "../common/error_of.h"
 #include "tiller/core/error.h"
+#include "controller/batch.h"
+#include "tiller/rollout/experience.h"
 #include "wire/protocol.h"
 
 namespace tiller::rollout {
@@ -361,6 +363,45 @@ TEST(Protocol, AFrameThatDisagreesWithItselfIsRefusedByName) {
             "rank 3 ran out of memory");
   Frame h = TrainActorRequest{batch(), floats({1, 2, 3, 4, 5, 6}), floats({1, 2, 3, 4, 5, 6}), {}, {}, {}, 0, 0}.encode();
   EXPECT_NE(error_of([&] { TrainActorRequest::decode(h); }).find("normalizer 0"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tiller::rollout
+
+namespace tiller::rollout {
+namespace {
+
+// Routing replay: the engine's experts travel from the rollout (samples with and without routes,
+// the last token's row never recorded) in the packed batch, through encode and decode, and are
+// cut with the rows under sequence parallelism.
+TEST(Protocol, RoutesTravelWithTheBatchAndAreCutWithItsRows) {
+  Rollout ro;
+  const std::vector<uint64_t> none;
+  ro.add(0, 0, {5, 6}, {7, 8, 9}, {-1, -1, -1}, false, {}, none, 1);
+  // Width 4 (2 sparse layers x top-2): rows for the 4 computed tokens of 5.
+  ro.set_routes({0, 1, 2, 3, 1, 2, 3, 0, 2, 3, 0, 1, 3, 0, 1, 2}, 4);
+  ro.add(0, 1, {1}, {2, 3, 4}, {-1, -1, -1}, false, {}, none, 1);  // no routes recorded
+  EXPECT_THROW(ro.set_routes({0, 1, 2}, 4), std::exception);  // not whole rows
+  const PackedSequences b = pack_sequences(ro, {0, 1});
+  ASSERT_TRUE(b.routes.defined());
+  ASSERT_EQ(b.routes.size(0), 9);
+  ASSERT_EQ(b.routes.size(1), 4);
+  EXPECT_EQ(b.routes[3][2].item<int16_t>(), 1);
+  for (int64_t r : {4, 5, 6, 7, 8}) EXPECT_EQ(b.routes[r][0].item<int16_t>(), -1) << "row " << r;
+  const ScoreRequest d = ScoreRequest::decode(ScoreRequest{b, 1.0}.encode());
+  ASSERT_TRUE(d.batch.routes.defined());
+  EXPECT_TRUE(at::equal(d.batch.routes, b.routes));
+  int64_t rows = 0;
+  for (const PackedSequences& s : b.cut(2)) {
+    ASSERT_TRUE(s.routes.defined());
+    EXPECT_TRUE(at::equal(s.routes, b.routes.narrow(0, s.first_row, s.held())));
+    const ScoreRequest ds = ScoreRequest::decode(ScoreRequest{s, 1.0}.encode());
+    EXPECT_TRUE(at::equal(ds.batch.routes, s.routes));
+    rows += s.held();
+  }
+  EXPECT_EQ(rows, 9);
+  // Without routes nothing extra travels.
+  EXPECT_FALSE(ScoreRequest::decode(ScoreRequest{batch(), 1.0}.encode()).batch.routes.defined());
 }
 
 }  // namespace

@@ -259,6 +259,9 @@ struct AlgoConfig {
   // bitwise: the engine's and the trainer's forward kernels are batch-invariant, so a sampled
   // token's engine log-prob equals the trainer's bit for bit (tiller/model/numerics.h).
   LogprobMatch logprob_match = LogprobMatch::kOff;
+  // Mixture-of-experts actors: the engine records each token's experts and the actor's scoring and
+  // training forwards route by them (model::BlockContext::replay_routes).
+  bool routing_replay = false;
   bool whiten_advantages = true;
   std::int64_t ppo_epochs = 1;
 };

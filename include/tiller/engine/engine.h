@@ -90,6 +90,9 @@ struct EngineOptions {
   // Start asleep at level 1: the KV cache is allocated by the first wake() (the hybrid engine,
   // whose trainer may still hold the memory when the engine is built).
   bool start_asleep = false;
+  // Routing replay (algo.routing_replay): each sample's experts per token (SampleOutput::routes).
+  // Mixture-of-experts models only; at most 32767 experts (int16).
+  bool record_routes = false;
   // Multi-turn sessions (above): how long a parked session waits for its next turn, and how many
   // may be parked (0: 4 x max_num_seqs).
   double session_timeout_s = 300;
@@ -143,6 +146,12 @@ struct SampleOutput {
   // the sample spanned a weight update (see weights_updated()). Empty when no token was generated.
   std::vector<int64_t> version_starts;
   std::vector<uint64_t> versions;
+  // EngineOptions::record_routes with a mixture of experts: the experts that routed every token
+  // the engine computed (the prompt and every generated token but the last), [prompt_tokens +
+  // tokens.size() - 1, route_width], route_width = sparse layers x experts per token (each layer's
+  // top-k in router order). Empty otherwise.
+  std::vector<int16_t> routes;
+  int64_t route_width = 0;
 };
 
 struct EngineStats {

@@ -33,6 +33,7 @@ struct PackedBatch {
   at::Tensor positions;   // int64 [T]
   at::Tensor cu_seqlens;  // int32 [B+1]
   std::vector<int64_t> seq_lens;
+  at::Tensor routes;      // optional: replayed experts, int16 [T, sparse layers, k] (BlockContext)
 
   int64_t num_tokens() const { return tokens.defined() ? tokens.size(0) : 0; }
   int64_t num_seqs() const { return static_cast<int64_t>(seq_lens.size()); }
@@ -110,6 +111,15 @@ struct BlockContext {
   // norm; after the last block, add_deferred() or add_rms_norm(x, deferred, final norm) adds it.
   bool fuse_residual = false;
   at::Tensor deferred;
+  // Mixture-of-experts routing (routing replay, docs/training.md). `replay_routes`, when defined:
+  // int16 [T, sparse layers, k] on the host, row t's experts in each sparse layer (layer order),
+  // taken instead of the router's top-k; the router's probabilities at those experts still weight
+  // them (renormalised as the model's norm_topk_prob says), so the router trains. A row whose first
+  // expert is -1 routes by itself (a token the engine never computed). `recorded_routes`, when set,
+  // gets each sparse layer's experts [T, k] (int64 on the host) at that layer's index (sized to
+  // the model's layers; a recomputed block overwrites its entry).
+  at::Tensor replay_routes;
+  std::vector<at::Tensor>* recorded_routes = nullptr;
 };
 BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
                                 at::ScalarType dtype, DenseKvCache* cache = nullptr,
@@ -140,7 +150,12 @@ at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeigh
 // (zero::Recompute::kAttentionOnly).
 at::Tensor attention_residual(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
                               BlockContext& ctx);
-at::Tensor mlp_residual(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& y, BlockContext& ctx);
+at::Tensor mlp_residual(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& y,
+                        BlockContext& ctx);
+// The number of sparse (mixture-of-experts) layers before `layer`: its index in
+// BlockContext::replay_routes' second dimension.
+int64_t sparse_index(const ModelConfig& cfg, int64_t layer);
+int64_t sparse_layers(const ModelConfig& cfg);
 at::Tensor final_norm(const ModelConfig& cfg, const at::Tensor& weight, const at::Tensor& x);
 
 // Embedding, every block and the final norm: [T, hidden].

@@ -63,6 +63,13 @@ struct Rollout {
   std::vector<uint8_t> loss_mask;
   std::vector<int64_t> turn_offset, turn_end;
   std::vector<float> turn_reward;
+  // Routing replay (engine.h's SampleOutput::routes): sample s's experts per token at
+  // [route_offset[s], route_offset[s + 1]) of `routes`, seq_len(s) rows of route_width (2 bytes
+  // each), or nothing when the engine recorded none. Rows the engine never computed (the last
+  // token, observations after the last turn) hold -1: the trainer routes them itself.
+  std::vector<int16_t> routes;
+  std::vector<int64_t> route_offset;
+  int64_t route_width = 0;
 
   int64_t size() const { return static_cast<int64_t>(prompt.size()); }
   int64_t response_tokens() const { return static_cast<int64_t>(engine_logp.size()); }
@@ -79,6 +86,10 @@ struct Rollout {
               const std::vector<int64_t>& response, const std::vector<float>& engine_logprobs, bool hit_length,
               const std::vector<int64_t>& version_starts, const std::vector<uint64_t>& versions, uint64_t version,
               const TurnInfo* turn_info = nullptr);
+  // The engine's routes of the sample added last: `rows` [n, width], n <= its seq_len (the rest -1).
+  // Every sample's width is the same.
+  void set_routes(const std::vector<int16_t>& rows, int64_t width);
+  bool has_routes(int64_t s) const { return route_offset[s + 1] > route_offset[s]; }
   // Appends sample `s` of `other` (same layout), with every array it has.
   int64_t add_from(const Rollout& other, int64_t s, int64_t prompt_index);
   // The oldest and newest weight version among sample s's tokens.

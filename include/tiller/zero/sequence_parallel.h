@@ -54,6 +54,9 @@ struct SequenceSlice {
   at::Tensor tokens;               // int64 [n]: rows [first_row, first_row + n) of the packed row
   int64_t first_row = 0;
   std::vector<int64_t> seq_lens;   // every sequence of the packed row (positions restart at 0 in each)
+  // Routing replay (model::BlockContext::replay_routes): int16 [n, sparse layers, k] on the host
+  // for the same rows as `tokens`, or undefined (the router routes).
+  at::Tensor routes;
 
   int64_t rows() const;  // T: the sum of seq_lens
   // Rank j of `parts`' slice of `whole` (tests and benchmarks; the controller cuts its own).
