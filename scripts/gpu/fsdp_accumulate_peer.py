@@ -19,8 +19,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from peer_bench import log, qwen_cfg  # noqa: E402
 
 
-def main(size, seq, mbs, accumulate, steps):
+def fsdp2_setup(model):
+    """peer_bench.py's FSDP2 recipe on an HF model: activation checkpointing, each decoder layer
+    and then the whole model sharded with bf16 compute and fp32 reduce, fused AdamW. Returns the
+    optimizer and the parameter count."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    nparam = sum(p.full_tensor().numel() if hasattr(p, "full_tensor") else p.numel() for p in model.parameters())
+    return opt, nparam
+
+
+def main(size, seq, mbs, accumulate, steps):
     from transformers import AutoModelForCausalLM
 
     dist.init_process_group("nccl")
@@ -32,14 +47,7 @@ def main(size, seq, mbs, accumulate, steps):
     cfg._attn_implementation = "sdpa"
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.gradient_checkpointing_enable()
-    model.config.use_cache = False
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    nparam = sum(p.full_tensor().numel() if hasattr(p, "full_tensor") else p.numel() for p in model.parameters())
+    opt, nparam = fsdp2_setup(model)
     emb = cfg.vocab_size * cfg.hidden_size
     times = []
     for _ in range(steps):

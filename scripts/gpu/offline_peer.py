@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".gpu", "bench"))
 from peer_bench import log, qwen_cfg  # noqa: E402
+from fsdp_accumulate_peer import fsdp2_setup  # noqa: E402  (this script's folder)
 
 
 def main(job, size, seq, rows, prompt, steps):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     dist.init_process_group("nccl")
@@ -39,14 +39,7 @@ def main(job, size, seq, rows, prompt, steps):
     with torch.device("cuda"):
         model = (AutoModelForSequenceClassification if job == "rm" else AutoModelForCausalLM).from_config(
             cfg, dtype=torch.float32)
-    model.gradient_checkpointing_enable()
-    model.config.use_cache = False
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    nparam = sum(p.full_tensor().numel() if hasattr(p, "full_tensor") else p.numel() for p in model.parameters())
+    opt, nparam = fsdp2_setup(model)
     n_rows = 2 * rows if job == "rm" else rows
     times, losses = [], []
     for _ in range(steps):
