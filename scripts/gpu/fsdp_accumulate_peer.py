@@ -35,16 +35,21 @@ def fsdp2_setup(model):
     return opt, nparam
 
 
-def main(size, seq, mbs, accumulate, steps):
-    from transformers import AutoModelForCausalLM
-
+def init_rank(size):
+    """The NCCL process group, this rank's GPU, seed 0, and peer_bench.py's config of `size` (SDPA).
+    Returns the world size and the config."""
     dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    world = dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     torch.manual_seed(0)
     cfg = qwen_cfg(size)
     cfg._attn_implementation = "sdpa"
+    return dist.get_world_size(), cfg
+
+
+def main(size, seq, mbs, accumulate, steps):
+    from transformers import AutoModelForCausalLM
+
+    world, cfg = init_rank(size)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     opt, nparam = fsdp2_setup(model)

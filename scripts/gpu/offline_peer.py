@@ -19,20 +19,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".gpu", "bench"))
-from peer_bench import log, qwen_cfg  # noqa: E402
-from fsdp_accumulate_peer import fsdp2_setup  # noqa: E402  (this script's folder)
+from peer_bench import log  # noqa: E402
+from fsdp_accumulate_peer import fsdp2_setup, init_rank  # noqa: E402  (this script's folder)
 
 
 def main(job, size, seq, rows, prompt, steps):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    world = dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    torch.manual_seed(0)
-    cfg = qwen_cfg(size)
-    cfg._attn_implementation = "sdpa"
+    world, cfg = init_rank(size)
     cfg.pad_token_id = cfg.vocab_size - 1  # never drawn below: the reward is read at the last token
     if job == "rm":
         cfg.num_labels = 1
