@@ -13,11 +13,15 @@ cd "$tiller_root"
   $python scripts/pad_tokenizer.py models/tiny-qwen2 models/qwen2.5-tokenizer 152064 > /dev/null
 for spec in "$@"; do
   size=${spec%-rm}
-  case "$size" in 0.5b|1.5b|7b) ;; *) echo "make_models.sh: unknown size '$spec' (0.5b, 1.5b, 7b, with -rm for a reward model)" >&2; exit 2 ;; esac
-  out=models/qwen2.5-$spec
+  case "$size" in
+    0.5b|1.5b|7b) preset=qwen2-$size out=models/qwen2.5-$spec ;;
+    qwen3-30b-a3b-8l) preset=$size out=models/$spec ;;  # a mixture of experts (configs/gpu/qwen3-30b-a3b-8l-*)
+    *) echo "make_models.sh: unknown size '$spec' (0.5b, 1.5b, 7b, qwen3-30b-a3b-8l, with -rm for a reward model)" >&2
+       exit 2 ;;
+  esac
   [ -f "$out/config.json" ] && continue
   extra=()
   [ "$spec" != "$size" ] && extra=(--value-head --seed 7)
-  "$gpu_build/bin/tiller" init-model --preset "qwen2-$size" --out "$out" --dtype bf16 --tokenizer-from models/qwen2.5-tokenizer \
+  "$gpu_build/bin/tiller" init-model --preset "$preset" --out "$out" --dtype bf16 --tokenizer-from models/qwen2.5-tokenizer \
     "${extra[@]}"
 done

@@ -44,7 +44,8 @@ for name in "$@"; do
     line=$(grep -m1 '^#   mpirun -np ' "$cfg")
     np=$(sed 's/.*-np \([0-9]*\).*/\1/' <<< "$line")
     need=$(grep -m1 '^#   tiller plan ' "$cfg" | sed 's/.*--gpus-per-node \([0-9]*\).*/\1/')
-    sizes=$(grep -o 'models/qwen2.5-[0-9.]*b\(-rm\)\?' "$cfg" | sed 's#models/qwen2.5-##' | sort -u | tr '\n' ' ')
+    sizes=$(grep -o 'models/qwen2.5-[0-9.]*b\(-rm\)\?\|models/qwen3-30b-a3b-8l' "$cfg" | sed 's#models/qwen2.5-##; s#models/##' |
+            sort -u | tr '\n' ' ')
     # shellcheck disable=SC2086
     bash scripts/gpu/make_models.sh $sizes
     sets=(--set train.num_steps="$steps")

@@ -64,10 +64,10 @@ SampleOutput Engine::Impl::finish(Sequence& s, const char* reason, bool keep) {
   o.version_starts = std::move(s.version_starts);
   o.versions = std::move(s.versions);
   if (s.route_width > 0) {  // every row but the last token's, which nothing computed
+    // A sample aborted mid-prefill has rows nothing computed yet: -1, they route themselves.
     const auto n = static_cast<size_t>((static_cast<int64_t>(s.tokens.size()) - 1) * s.route_width);
-    TILLER_CHECK(s.routes.size() >= n, "sequence {} has routes for {} of its {} computed tokens", s.id,
-                 static_cast<int64_t>(s.routes.size()) / s.route_width, s.tokens.size() - 1);
-    o.routes.assign(s.routes.begin(), s.routes.begin() + static_cast<std::ptrdiff_t>(n));
+    o.routes.assign(s.routes.begin(), s.routes.begin() + static_cast<std::ptrdiff_t>(std::min(n, s.routes.size())));
+    o.routes.resize(n, -1);
     o.route_width = s.route_width;
   }
   if (!keep) kv->release(s.table);

@@ -15,6 +15,7 @@ for spec in 0.5b 1.5b 7b 1.5b-rm 7b-rm; do
   [ "$spec" != "$size" ] && flags+=(--value-head)
   "$tiller" init-model --preset "qwen2-$size" --out "models/qwen2.5-$spec" "${flags[@]}" > /dev/null
 done
+"$tiller" init-model --preset qwen3-30b-a3b-8l --out models/qwen3-30b-a3b-8l --config-only > /dev/null
 n=0
 for f in "$repo"/configs/gpu/*.yaml; do
   line=$(grep -m1 '^#   tiller plan ' "$f" | sed 's/^#   tiller plan //; s/ *#.*$//') || true
