@@ -4,6 +4,7 @@
 #include <numeric>
 #include <random>
 
+#include <ATen/ATen.h>
 #include <fmt/format.h>
 
 #include "controller/batch.h"
@@ -168,6 +169,16 @@ void TrainingDispatch::post_step(size_t i) {
                    t.approx_kl_tokens += s.approx_kl_tokens;
                    t.tokens += s.tokens;
                    for (const auto& [name, v] : s.loss_metrics) t.loss_metrics[name] += v;
+                   if (s.expert_load.defined()) {  // flattened [sparse layers, experts]
+                     const auto e = static_cast<int64_t>(s.expert_load_experts);
+                     TILLER_CHECK(e > 0 && s.expert_load.numel() % e == 0,
+                                  "a step reply's expert load of {} numbers is not rows of {} experts",
+                                  s.expert_load.numel(), e);
+                     const at::Tensor load = s.expert_load.view({-1, e});
+                     TILLER_CHECK(!t.expert_load.defined() || t.expert_load.sizes() == load.sizes(),
+                                  "the ranks' expert loads differ in shape");
+                     t.expert_load = t.expert_load.defined() ? t.expert_load + load : load.clone();
+                   }
                    t.train_s += s.train_seconds / ranks;
                    t.step_s += s.step_seconds / ranks;
                    t.grad_norm = s.grad_norm;
@@ -217,6 +228,18 @@ Metrics TrainingDispatch::metrics() const {
     if (role == Role::kActor) m.emplace_back("actor/approx_kl", t.tokens > 0 ? t.approx_kl_tokens / t.tokens : 0.0);
     for (const auto& [name, sum] : t.loss_metrics)  // per trained token of the step
       m.emplace_back(r + "/policy_loss/" + name, t.tokens > 0 ? sum / t.tokens : 0.0);
+    if (t.expert_load.defined() && t.expert_load.numel() > 0) {
+      // Each sparse layer's busiest expert: its tokens, and their ratio to the mean (1: balanced).
+      const at::Tensor max = std::get<0>(t.expert_load.max(1)), mean = t.expert_load.mean(1);
+      double worst = 0;
+      for (int64_t i = 0; i < t.expert_load.size(0); ++i) {
+        const double mx = max[i].item<double>(), mn = mean[i].item<double>(), ratio = mn > 0 ? mx / mn : 0.0;
+        m.emplace_back(fmt::format("moe/{}/sparse_layer_{}/load_max", r, i), mx);
+        m.emplace_back(fmt::format("moe/{}/sparse_layer_{}/load_max_over_mean", r, i), ratio);
+        worst = std::max(worst, ratio);
+      }
+      m.emplace_back("moe/" + r + "/load_max_over_mean", worst);
+    }
     m.emplace_back(r + "/grad_norm", t.grad_norm);
     m.emplace_back(r + "/skipped_steps", t.skipped);
     m.emplace_back(r + "/lr", t.lr);

@@ -93,6 +93,7 @@ class TrainingDispatch {
     double ranks = 1;   // the role's GPUs
     double bench_sum = 0, bench_n = 0;  // the ranks' training benchmarks (StepStats::bench_tokens_per_s)
     std::map<std::string, double> loss_metrics;  // the policy loss's named sums over ranks and steps
+    at::Tensor expert_load;  // a mixture of experts: tokens per expert [sparse layers, experts], over ranks and steps
   };
   void post_step(size_t i);
 

@@ -211,6 +211,16 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
     // The router's probabilities at the experts taken (the gradient reaches the router through them).
     if (replayed) top = probs.gather(1, upload(std::vector<int64_t>(ix, ix + t * k), h.device()).view({t, k}));
   }
+  if (ctx.expert_load) {
+    at::Tensor& load = *ctx.expert_load;
+    if (!load.defined()) load = at::zeros({sparse_layers(cfg), e_count}, at::kDouble);
+    TILLER_CHECK(load.dim() == 2 && load.size(0) == sparse_layers(cfg) && load.size(1) == e_count,
+                 "expert_load holds {} numbers, the model has {} sparse layers of {} experts", load.numel(),
+                 sparse_layers(cfg), e_count);
+    double* l = load.data_ptr<double>() + sparse_index(cfg, layer) * e_count;
+    const int64_t rows = ctx.expert_load_rows < 0 ? t : std::min(t, ctx.expert_load_rows);
+    for (int64_t i = 0; i < rows * k; ++i) l[ix[i]] += 1;
+  }
   if (ctx.recorded_routes) {
     TILLER_CHECK(static_cast<int64_t>(ctx.recorded_routes->size()) > layer, "recorded_routes has {} entries, layer {}",
                  ctx.recorded_routes->size(), layer);

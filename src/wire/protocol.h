@@ -243,6 +243,10 @@ struct StepStats {
   double bench_tokens_per_s = 0;  // the rank's training benchmark at the job's shapes (0: not measured)
   // The policy loss's named statistics, summed over the micro-batches (losses.h).
   std::vector<std::pair<std::string, double>> loss_metrics;
+  // A mixture of experts: this rank's training forwards' tokens per expert, double, flattened
+  // [sparse layers, expert_load_experts] (ShardedModel::take_expert_load); undefined otherwise.
+  at::Tensor expert_load;
+  double expert_load_experts = 0;
 };
 
 struct StepReply {
@@ -264,6 +268,8 @@ struct StepReply {
     v.num(s.peak_host_mb, "peak_host_mb");
     v.num(s.bench_tokens_per_s, "bench_tokens_per_s");
     v.named(s.loss_metrics, "loss metrics", kMaxLossMetrics);
+    v.num(s.expert_load_experts, "experts");
+    v.optional(s.expert_load, "expert load", at::kDouble, Rows::kAny);
   }
   Frame encode() const;
   static StepReply decode(Frame f);

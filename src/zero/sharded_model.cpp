@@ -150,6 +150,7 @@ at::Tensor whole_batch(Impl& m, const model::PackedBatch& batch, Head&& head) {
   model::BlockContext bctx =
       model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
+  if (graph && m.cfg.moe()) bctx.expert_load = &m.expert_load;  // the training forward's routing
   c10::AutoGradMode grad_mode(graph);  // a frozen model records no graph even under autograd
   return head(run_trunk(m, batch.tokens, bctx, graph), graph);
 }
@@ -212,6 +213,10 @@ at::Tensor ShardedModel::token_logprobs(const SequenceSlice& slice, const at::Te
   at::Tensor tgt = targets.to(m.opts.device, at::kLong);
   if (in.padded > in.rows) tgt = at::cat({tgt, at::zeros({in.padded - in.rows}, tgt.options())});
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
+  if (graph && m.cfg.moe()) {  // the training forward's routing, this rank's real rows
+    in.ctx.expert_load = &m.expert_load;
+    in.ctx.expert_load_rows = in.rows;
+  }
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
   at::Tensor lp = run_lm_head(m, x, tgt, temperature, entropy, graph);
@@ -225,6 +230,10 @@ at::Tensor ShardedModel::values(const SequenceSlice& slice) {
   SliceInput in = prepare_slice(m.rope, shaped_routes(slice, m.cfg), m.sequence, m.opts.compute_dtype, m.opts.device,
                                 m.opts.attention);
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
+  if (graph && m.cfg.moe()) {
+    in.ctx.expert_load = &m.expert_load;
+    in.ctx.expert_load_rows = in.rows;
+  }
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
   at::Tensor v = run_value_head(m, x, graph);
@@ -275,6 +284,12 @@ void ShardedModel::zero_grad() {
   // Lazily: the next reduce-scatter into a fresh accumulator overwrites it, and step() zeroes one
   // that received nothing, so no pass over the accumulators runs here.
   for (auto& u : m.units) u.grad_fresh = true;
+}
+
+at::Tensor ShardedModel::take_expert_load() {
+  at::Tensor out = impl_->expert_load;
+  impl_->expert_load = at::Tensor();
+  return out;
 }
 
 double ShardedModel::take_wait_seconds() {

@@ -75,7 +75,8 @@ struct ShardedModel::Impl {
   std::vector<Reduction> reducing_prev, reducing_cur;
   std::string source;  // HF directory loaded from
   std::vector<std::pair<c10::Event, c10::Event>> waits;  // measure_waits on GPU: around each stream wait
-  double host_wait_s = 0;                                 // measure_waits on CPU
+  double host_wait_s = 0;
+  at::Tensor expert_load;  // take_expert_load(): the training forwards' tokens per expert                                 // measure_waits on CPU
 
   // Orders the compute stream after `w` (measuring how long it stands, when asked to).
   void wait_for(dist::Work& w) {

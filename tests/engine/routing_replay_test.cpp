@@ -71,6 +71,35 @@ TEST(RoutingReplay, ReplayedRoutesRouteTheForwardAndTrainTheRouter) {
   EXPECT_GT(router.grad().abs().max().item<double>(), 0);
 }
 
+// Expert-load metrics (moe/<role>/sparse_layer_<i>/load_max...): each sparse layer's tokens per
+// expert are its routes counted, over the rows asked for (a sequence-parallel slice's padding left out).
+TEST(RoutingReplay, ExpertLoadCountsEachSparseLayersRoutedRows) {
+  TinyModel m = tiny("tiny-qwen2-moe", 4);  // layer 0 dense: sparse layers are counted in their own order
+  const auto seqs = prompts(3, 2, m.cfg.vocab_size, 10);
+  const model::PackedBatch batch = model::PackedBatch::pack(seqs, at::kCPU);
+  c10::AutoGradMode no_grad(false);
+  const Routed own = forward_routed(m.cfg, m.weights, batch);
+  const at::Tensor routes = replayable(m.cfg, own.routes).to(at::kLong);  // [T, sparse layers, k]
+  for (int64_t rows : {int64_t{-1}, int64_t{5}}) {
+    const model::Rope rope(m.cfg);
+    model::BlockContext ctx = model::make_block_context(m.cfg, rope, batch, m.weights.embed.scalar_type());
+    at::Tensor load;
+    ctx.expert_load = &load;
+    ctx.expert_load_rows = rows;
+    at::Tensor x = model::embed(m.weights.embed, batch.tokens);
+    for (int64_t l = 0; l < m.cfg.num_layers; ++l) x = model::block_forward(m.cfg, l, m.weights.layers[l], x, ctx);
+    const int64_t n = rows < 0 ? batch.num_tokens() : rows, layers = model::sparse_layers(m.cfg);
+    ASSERT_TRUE(load.defined());
+    ASSERT_EQ(load.size(0), layers);
+    ASSERT_EQ(load.size(1), m.cfg.num_experts);
+    for (int64_t s = 0; s < layers; ++s) {
+      const at::Tensor want = at::bincount(routes.narrow(0, 0, n).select(1, s).reshape({-1}), {}, m.cfg.num_experts);
+      EXPECT_TRUE(at::equal(load[s].to(at::kLong), want)) << "sparse layer " << s << ", rows " << rows;
+    }
+    EXPECT_EQ(load.sum().item<double>(), static_cast<double>(n * layers * m.cfg.experts_per_token));
+  }
+}
+
 TEST(RoutingReplay, RoutesOutOfRangeAreRefused) {
   TinyModel m = tiny("tiny-qwen3-moe", 3);
   model::PackedBatch batch = model::PackedBatch::pack({{1, 2, 3}}, at::kCPU);

@@ -957,6 +957,14 @@ def check_moe():
     subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart.py"), str(moe), str(PROMPTS), "--moe"],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     check_learns(3, *GRPO, f"roles.actor.model={moe}")
+    # Expert-load metrics: each sparse layer's busiest expert, over the step's training forwards.
+    rows = metrics(SCRATCH / "moe")
+    layers = sorted(k for k in rows[0] if k.startswith("moe/actor/sparse_layer_") and k.endswith("/load_max_over_mean"))
+    if len(layers) != 2 or any(not (1 <= r[k] <= 4) for r in rows for k in layers) or \
+            any(r["moe/actor/load_max_over_mean"] != max(r[k] for k in layers) for r in rows):
+        fail(f"expert-load metrics: {layers} {[{k: r.get(k) for k in layers} for r in rows[:2]]}")
+    print(f"moe expert load: busiest expert / mean per sparse layer, step 1 "
+          f"{[round(rows[0][k], 2) for k in layers]}, last step {[round(rows[-1][k], 2) for k in layers]}")
     # Routing replay: the engine's experts of every prompt and generated token route the actor's
     # scoring and training forwards. With the batch-invariant kernels (which make the actor route as
     # the engine did anyway) every sampled token's two log-probs are equal bit for bit: a route

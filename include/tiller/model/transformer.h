@@ -120,6 +120,11 @@ struct BlockContext {
   // the model's layers; a recomputed block overwrites its entry).
   at::Tensor replay_routes;
   std::vector<at::Tensor>* recorded_routes = nullptr;
+  // Expert-load metrics: when set, each sparse layer adds the tokens routed to each of its experts
+  // (double [sparse layers, experts] on the host, created at the first sparse layer) over the
+  // first `expert_load_rows` rows (-1: every row; a sequence-parallel slice's padding is not counted).
+  at::Tensor* expert_load = nullptr;
+  int64_t expert_load_rows = -1;
 };
 BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
                                 at::ScalarType dtype, DenseKvCache* cache = nullptr,

@@ -159,6 +159,10 @@ class ShardedModel {
   // Exposed communication since the last call (measure_waits): seconds the compute stream stood
   // waiting for a gather or reduce-scatter. Synchronises the device.
   double take_wait_seconds();
+  // A mixture of experts: the tokens its training forwards (token_logprobs / values with a graph)
+  // routed to each expert since the last call, double [sparse layers, experts] on the host
+  // (this rank's rows only); undefined for a dense model or when nothing trained.
+  at::Tensor take_expert_load();
   // The host optimizer (optimizer_on_host), for its timings; nullptr otherwise.
   const HostAdamW* host_optimizer() const;
 
