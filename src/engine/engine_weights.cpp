@@ -30,10 +30,13 @@ at::ScalarType engine_dtype(const std::string& name, const at::Device& device) {
 }  // namespace
 
 model::ModelWeights slice_for_tp(const model::ModelConfig& cfg, const model::ModelWeights& full, int rank, int size) {
-  if (cfg.moe() && size > 1)
-    throw ConfigError(fmt::format("engines.tp = {}: tensor parallelism does not split a mixture-of-experts model's "
-                                  "experts yet; serve {} with engines.tp = 1",
-                                  size, model::family_name(cfg.family)));
+  // A mixture of experts: every rank holds every expert's slice of its inner dimension (and of the
+  // shared expert's), the router whole; each rank routes alike, and the partial sums of the
+  // experts' down projections add up over the group like a dense MLP's (docs/engine.md).
+  if (cfg.moe() && (cfg.moe_intermediate_size % size || cfg.shared_expert_intermediate_size % size))
+    throw ConfigError(fmt::format("tensor parallel size {} must divide the experts' width ({}) and the shared "
+                                  "expert's ({})",
+                                  size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size));
   if (cfg.num_heads % size || cfg.num_kv_heads % size || cfg.intermediate_size % size)
     throw ConfigError(fmt::format("tensor parallel size {} must divide the attention heads ({}), the KV heads ({}) "
                                   "and the MLP width ({})",
@@ -55,6 +58,11 @@ model::ModelWeights slice_for_tp(const model::ModelConfig& cfg, const model::Mod
     s.gate_proj = part(l.gate_proj, 0, rank, size);
     s.up_proj = part(l.up_proj, 0, rank, size);
     s.down_proj = part(l.down_proj, 1, rank, size);
+    for (auto& e : s.experts) {
+      e.gate_proj = part(e.gate_proj, 0, rank, size);
+      e.up_proj = part(e.up_proj, 0, rank, size);
+      e.down_proj = part(e.down_proj, 1, rank, size);
+    }
     w.layers.push_back(std::move(s));
   }
   return w;

@@ -194,6 +194,8 @@ model::ModelConfig config_for_rank(const model::ModelConfig& cfg, int tp) {
   local.num_heads /= tp;
   local.num_kv_heads /= tp;
   local.intermediate_size /= tp;
+  local.moe_intermediate_size /= tp;  // each rank: every expert's slice (engine_weights.h)
+  local.shared_expert_intermediate_size /= tp;
   return local;
 }
 
@@ -335,10 +337,6 @@ ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weig
                          int64_t block_size, dist::Communicator* tp)
     : local_(config_for_rank(cfg, tp ? tp->size() : 1)), device_(device) {
   TILLER_CHECK(block_size > 0, "block_size must be > 0");
-  if (cfg.moe() && tp && tp->size() > 1)
-    throw ConfigError(fmt::format("engines.tp = {}: tensor parallelism does not split a mixture-of-experts model's "
-                                  "experts yet; serve {} with engines.tp = 1",
-                                  tp->size(), model::family_name(cfg.family)));
   if (model::batch_invariant() && tp && tp->size() > 1)
     throw ConfigError(fmt::format("algo.logprob_match = bitwise needs engines.tp = 1 (got {}): a tensor-parallel "
                                   "engine adds o_proj's and down_proj's partial sums across its ranks, an order the "

@@ -167,9 +167,9 @@ BucketPlan BucketPlan::from_json(const std::string& text, const std::string& whe
 
 int tp_split_dim(const std::string& n) {
   for (const char* s : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
-                        "v_proj.bias", "gate_proj.weight", "up_proj.weight"})
-    if (ends_with(n, std::string(".") + s)) return 0;
-  if (ends_with(n, ".o_proj.weight") || ends_with(n, ".down_proj.weight")) return 1;
+                        "v_proj.bias", "gate_proj.weight", "up_proj.weight", "w1.weight", "w3.weight"})
+    if (ends_with(n, std::string(".") + s)) return 0;  // w1/w3/w2: Mixtral's experts
+  if (ends_with(n, ".o_proj.weight") || ends_with(n, ".down_proj.weight") || ends_with(n, ".w2.weight")) return 1;
   return -1;
 }
 

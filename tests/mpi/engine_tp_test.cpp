@@ -19,14 +19,18 @@ namespace {
 dist::Communicator& comm() { return *mpi_test_env().comm; }
 at::Device device() { return mpi_test_env().device.device(); }
 
-TEST(EngineTp, TwoRanksGiveWhatOneGives) {
+// Dense, and mixtures of experts (each rank holds every expert's slice; Qwen2-MoE's shared expert
+// too, Mixtral's w1/w3/w2 names).
+class EngineTp : public ::testing::TestWithParam<const char*> {};
+TEST_P(EngineTp, TwoRanksGiveWhatOneGives) {
   if (comm().size() < 2) GTEST_SKIP() << "needs 2 ranks";
-  model::ModelConfig cfg = model::preset("tiny-qwen2");
+  const std::string preset = GetParam();
+  model::ModelConfig cfg = model::preset(preset);
   cfg.initializer_range = 0.25;
   const at::ScalarType dtype = at::kFloat;
   model::NamedTensors named = model::init_weights(cfg, model::Head::kLm, 3, at::kFloat);
   for (auto& [n, t] : named) t = t.to(device(), dtype);
-  const model::ModelWeights full = model::bind_weights(cfg, named, model::Head::kLm, "tiny-qwen2");
+  const model::ModelWeights full = model::bind_weights(cfg, named, model::Head::kLm, preset);
 
   const int pair = comm().rank() / 2;
   const bool in_pair = pair * 2 + 1 < comm().size();
@@ -69,6 +73,12 @@ TEST(EngineTp, TwoRanksGiveWhatOneGives) {
       EXPECT_NEAR(g.logprobs[j], w.logprobs[j], tol) << "request " << key.first << " token " << j;
   }
 }
+INSTANTIATE_TEST_SUITE_P(Engine, EngineTp, ::testing::Values("tiny-qwen2", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"),
+                         [](const ::testing::TestParamInfo<const char*>& i) {
+                           std::string n = i.param;
+                           for (char& c : n) c = c == '-' ? '_' : c;
+                           return n;
+                         });
 
 }  // namespace
 }  // namespace tiller::test

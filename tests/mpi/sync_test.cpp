@@ -186,20 +186,24 @@ TEST(WeightSync, EngineEqualsActorBitForBit) {
     }
 }
 
-// A mixture of experts (qwen2_moe: the router, every expert, the shared expert and its gate, and a
-// dense layer) reaches the engine bit for bit through the same bucket plan (engines at TP 1).
+// A mixture of experts reaches the engine bit for bit through the same bucket plan, at engine TP 1
+// and 2 (each TP rank gets every expert's slice): qwen2_moe (the router, every expert, the shared
+// expert and its gate, and a dense layer) and mixtral (experts named w1/w3/w2).
 TEST(WeightSync, ExpertsReachTheEngineBitForBit) {
   const auto ls = layouts(comm().size());
   if (ls.empty()) GTEST_SKIP() << "needs 2 to 4 ranks";
   const at::ScalarType direct = on_gpu() ? at::kBFloat16 : at::kFloat;
+  for (const char* preset : {"tiny-qwen2-moe", "tiny-mixtral"})
   for (const int64_t bytes : {int64_t{96}, int64_t{6000}})
     for (const Layout& l : ls) {
-      if (l.tp != 1) continue;
-      const std::string what = fmt::format("qwen2_moe, {} actor ranks, buckets of {} B", l.actors, bytes);
+      const std::string what =
+          fmt::format("{}, {} actor ranks, engine TP {}, buckets of {} B", preset, l.actors, l.tp, bytes);
       SCOPED_TRACE(what);
-      Rig r(l, direct, 60, "tiny-qwen2-moe");
+      Rig r(l, direct, 60, preset);
       const sync::BucketPlan plan = sync::make_bucket_plan(r.cfg, l.actors, l.tp, wire_name(direct), bytes);
-      if (r.is_leader()) {
+      if (r.is_follower()) {
+        r.engine->follow();
+      } else if (r.is_leader()) {
         EXPECT_EQ(r.engine->install_sync_plan(plan.to_json()), plan.id);
         const auto res = r.engine->receive_weights(1);
         EXPECT_TRUE(res.complete) << res.error;
@@ -208,7 +212,7 @@ TEST(WeightSync, ExpertsReachTheEngineBitForBit) {
         sync::WeightSender sender(*r.actor, *r.sync, plan, 60);
         EXPECT_EQ(sender.send(1).buckets, static_cast<int64_t>(plan.buckets.size()));
       }
-      if (r.engine) expect_engine_holds(r, initial(1, "tiny-qwen2-moe"), direct, what);
+      if (r.engine) expect_engine_holds(r, initial(1, preset), direct, what);
     }
 }
 
