@@ -976,16 +976,8 @@ def check_moe():
     compared, samples = exact_tokens(out, "routing replay, bitwise")
     print(f"moe routing replay (bitwise, bf16): {compared} tokens of {samples} samples, every engine log-prob equal to "
           "the actor's")
-    # With the ordinary kernels: the mismatch metrics with and without replay, bf16.
-    for replay in ("true", "false"):
-        out = SCRATCH / f"moe_replay_{replay}"
-        run_ok(3, out, *GRPO, f"roles.actor.model={moe}", f"algo.routing_replay={replay}", "roles.actor.dtype=bf16",
-               "roles.ref.dtype=bf16", "train.num_steps=2", "train.train_batch_size=64")
-        m = metrics(out)
-        kl = [f"{r['mismatch/kl']:.2e}" for r in m]
-        print(f"moe bf16, routing_replay={replay}: mismatch/kl {kl}, "
-              f"tokens differing {[int(r['mismatch/tokens_differing']) for r in m]} of "
-              f"{[int(r['mismatch/tokens_compared']) for r in m]}")
+    # The mismatch metrics with and without replay are measured on GPUs (docs/benchmarks.md): on this
+    # tiny CPU model no route flips, and both runs print the same numbers.
 
 
 def check_sequence_parallel():
