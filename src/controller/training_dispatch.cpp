@@ -170,8 +170,10 @@ void TrainingDispatch::post_step(size_t i) {
                    t.tokens += s.tokens;
                    for (const auto& [name, v] : s.loss_metrics) t.loss_metrics[name] += v;
                    if (s.expert_load.defined()) {  // flattened [sparse layers, experts]
+                     TILLER_CHECK(s.expert_load_experts >= 1 && s.expert_load_experts <= 65536,
+                                  "a step reply's expert load names {} experts a layer", s.expert_load_experts);
                      const auto e = static_cast<int64_t>(s.expert_load_experts);
-                     TILLER_CHECK(e > 0 && s.expert_load.numel() % e == 0,
+                     TILLER_CHECK(s.expert_load.numel() % e == 0,
                                   "a step reply's expert load of {} numbers is not rows of {} experts",
                                   s.expert_load.numel(), e);
                      const at::Tensor load = s.expert_load.view({-1, e});

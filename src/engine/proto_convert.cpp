@@ -78,7 +78,9 @@ SampleOutput from_proto(const v1::SampleResult& s) {
   if (s.route_width() > 0 || !s.routes().empty()) {
     const int64_t rows = o.prompt_tokens + static_cast<int64_t>(o.tokens.size()) - 1;
     const auto bytes = static_cast<int64_t>(s.routes().size());
-    if (s.route_width() <= 0 || rows < 0 || bytes != rows * s.route_width() * 2)
+    constexpr int32_t kMaxRouteWidth = 1 << 16;  // sparse layers x top-k: far above any model's
+    if (s.route_width() <= 0 || s.route_width() > kMaxRouteWidth || rows < 0 ||
+        bytes != rows * int64_t{s.route_width()} * 2)
       throw CommError(fmt::format("engine sample {} of request {}: {} bytes of routes of width {} do not cover its {} "
                                  "computed tokens",
                                  s.sample(), s.request_id(), bytes, s.route_width(), rows));

@@ -183,10 +183,11 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
   const at::Tensor probs =
       batch_invariant() ? invariant::softmax(logits.to(at::kFloat)) : at::softmax(logits.to(at::kFloat), -1);
   auto [top, index] = probs.topk(k, -1);  // [T, k]
-  // The routes on the host: one copy down, then the grouping below goes up once (the unfused
-  // path; a grouped-GEMM kernel would keep them on the device).
+  // The routes on the host: one copy down, then the grouping below (with the replayed routes) goes
+  // up once (the unfused path; a grouped-GEMM kernel would keep them on the device).
   at::Tensor host = index.to(at::kCPU, at::kLong).contiguous();
   int64_t* ix = host.data_ptr<int64_t>();
+  bool replayed = false;  // then the router's probabilities at the replayed experts weight them
   if (ctx.replay_routes.defined()) {
     const at::Tensor& r = ctx.replay_routes;
     const int64_t s = sparse_index(cfg, layer);
@@ -197,7 +198,6 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
                  r.dim(), r.numel(), t, k, s);
     const int16_t* rp = r.data_ptr<int16_t>();
     const int64_t row_stride = r.size(1) * k;
-    bool replayed = false;
     for (int64_t i = 0; i < t; ++i) {
       const int16_t* e = rp + i * row_stride + s * k;
       if (e[0] < 0) continue;  // a token the engine never computed: its own routes
@@ -208,8 +208,6 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
       }
       replayed = true;
     }
-    // The router's probabilities at the experts taken (the gradient reaches the router through them).
-    if (replayed) top = probs.gather(1, upload(std::vector<int64_t>(ix, ix + t * k), h.device()).view({t, k}));
   }
   if (ctx.expert_load) {
     at::Tensor& load = *ctx.expert_load;
@@ -226,8 +224,6 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
                  ctx.recorded_routes->size(), layer);
     (*ctx.recorded_routes)[static_cast<size_t>(layer)] = host;
   }
-  if (cfg.norm_topk_prob) top = top / top.sum(-1, true);
-  if (cfg.family != Family::kMixtral) top = top.to(h.scalar_type());
   // Each expert's tokens (rows of h) and their slots in `top`, grouped by expert.
   std::vector<int64_t> count(static_cast<size_t>(e_count) + 1, 0);
   for (int64_t i = 0; i < t * k; ++i) {
@@ -235,14 +231,20 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
     ++count[static_cast<size_t>(ix[i]) + 1];
   }
   for (size_t e = 1; e < count.size(); ++e) count[e] += count[e - 1];  // each expert's first position
-  std::vector<int64_t> grouped(static_cast<size_t>(2 * t * k));       // [rows | slots], by expert
+  // [rows | slots] by expert, then (replay) the routes taken
+  std::vector<int64_t> grouped(static_cast<size_t>((replayed ? 3 : 2) * t * k));
   std::vector<int64_t> next(count.begin(), count.end() - 1);
   for (int64_t i = 0; i < t * k; ++i) {  // token order within each expert, as transformers
     const auto at = static_cast<size_t>(next[static_cast<size_t>(ix[i])]++);
     grouped[at] = i / k;
     grouped[at + static_cast<size_t>(t * k)] = i;
   }
+  if (replayed) std::copy(ix, ix + t * k, grouped.begin() + 2 * t * k);
   const at::Tensor dev = upload(grouped, h.device());
+  // The router's probabilities at the experts taken (the gradient reaches the router through them).
+  if (replayed) top = probs.gather(1, dev.narrow(0, 2 * t * k, t * k).view({t, k}));
+  if (cfg.norm_topk_prob) top = top / top.sum(-1, true);
+  if (cfg.family != Family::kMixtral) top = top.to(h.scalar_type());
   const at::Tensor weights = top.reshape({t * k});
   at::Tensor out = at::zeros_like(h);
   for (int64_t e = 0; e < e_count; ++e) {

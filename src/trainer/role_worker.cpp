@@ -277,8 +277,10 @@ struct RoleWorker::Impl {
 
   void train_actor(const TrainActorRequest& in) {
     const MicroBatch mb = micro_batch(in.batch, device);
-    if (cfg.logging.efficiency && !bench_train.count(Role::kActor))
+    if (cfg.logging.efficiency && !bench_train.count(Role::kActor)) {
       bench_train[Role::kActor] = calibrate(Role::kActor, true, mb);
+      models.at(Role::kActor)->take_expert_load();  // the benchmark's forwards route no trained tokens
+    }
     const auto t0 = Clock::now();
     const double w0 = wall_us();
     zero::ShardedModel& m = *models.at(Role::kActor);
@@ -306,8 +308,10 @@ struct RoleWorker::Impl {
 
   void train_critic(const TrainCriticRequest& in) {
     const MicroBatch mb = micro_batch(in.batch, device);
-    if (cfg.logging.efficiency && !bench_train.count(Role::kCritic))
+    if (cfg.logging.efficiency && !bench_train.count(Role::kCritic)) {
       bench_train[Role::kCritic] = calibrate(Role::kCritic, true, mb);
+      models.at(Role::kCritic)->take_expert_load();  // the benchmark's forwards route no trained tokens
+    }
     const auto t0 = Clock::now();
     const double w0 = wall_us();
     zero::ShardedModel& m = *models.at(Role::kCritic);

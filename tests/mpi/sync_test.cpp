@@ -152,6 +152,23 @@ void expect_engine_holds(const Rig& r, const model::NamedTensors& actor_full, at
     EXPECT_TRUE(at::equal(got.at(n).cpu(), t)) << what << ": " << n << " differs on world rank " << r.me;
 }
 
+// One sync of `plan` at version 1 through every rank of the rig: the engines' leaders install the
+// plan and receive, their followers follow, the actors send.
+void sync_once(Rig& r, const sync::BucketPlan& plan) {
+  if (r.is_follower()) {
+    r.engine->follow();
+  } else if (r.is_leader()) {
+    EXPECT_EQ(r.engine->install_sync_plan(plan.to_json()), plan.id);
+    const auto res = r.engine->receive_weights(1);
+    EXPECT_TRUE(res.complete) << res.error;
+    EXPECT_TRUE(r.engine->weights_broken().empty());
+    r.engine->shutdown();
+  } else if (r.is_actor()) {
+    sync::WeightSender sender(*r.actor, *r.sync, plan, 60);
+    EXPECT_EQ(sender.send(1).buckets, static_cast<int64_t>(plan.buckets.size()));
+  }
+}
+
 TEST(WeightSync, EngineEqualsActorBitForBit) {
   const auto ls = layouts(comm().size());
   if (ls.empty()) GTEST_SKIP() << "needs 2 to 4 ranks";
@@ -168,20 +185,7 @@ TEST(WeightSync, EngineEqualsActorBitForBit) {
                                            wire_name(c.wire));
       SCOPED_TRACE(what);
       Rig r(l, c.wire, 60);
-      const sync::BucketPlan plan = sync::make_bucket_plan(r.cfg, l.actors, l.tp, wire_name(c.wire), c.bytes);
-      if (r.is_follower()) {
-        r.engine->follow();
-      } else if (r.is_leader()) {
-        EXPECT_EQ(r.engine->install_sync_plan(plan.to_json()), plan.id);
-        const auto res = r.engine->receive_weights(1);
-        EXPECT_TRUE(res.complete) << res.error;
-        EXPECT_TRUE(r.engine->weights_broken().empty());
-        r.engine->shutdown();
-      } else {
-        sync::WeightSender sender(*r.actor, *r.sync, plan, 60);
-        const auto st = sender.send(1);
-        EXPECT_EQ(st.buckets, static_cast<int64_t>(plan.buckets.size()));
-      }
+      sync_once(r, sync::make_bucket_plan(r.cfg, l.actors, l.tp, wire_name(c.wire), c.bytes));
       if (r.engine) expect_engine_holds(r, initial(1), c.wire, what);
     }
 }
@@ -200,18 +204,7 @@ TEST(WeightSync, ExpertsReachTheEngineBitForBit) {
           fmt::format("{}, {} actor ranks, engine TP {}, buckets of {} B", preset, l.actors, l.tp, bytes);
       SCOPED_TRACE(what);
       Rig r(l, direct, 60, preset);
-      const sync::BucketPlan plan = sync::make_bucket_plan(r.cfg, l.actors, l.tp, wire_name(direct), bytes);
-      if (r.is_follower()) {
-        r.engine->follow();
-      } else if (r.is_leader()) {
-        EXPECT_EQ(r.engine->install_sync_plan(plan.to_json()), plan.id);
-        const auto res = r.engine->receive_weights(1);
-        EXPECT_TRUE(res.complete) << res.error;
-        r.engine->shutdown();
-      } else if (r.is_actor()) {
-        sync::WeightSender sender(*r.actor, *r.sync, plan, 60);
-        EXPECT_EQ(sender.send(1).buckets, static_cast<int64_t>(plan.buckets.size()));
-      }
+      sync_once(r, sync::make_bucket_plan(r.cfg, l.actors, l.tp, wire_name(direct), bytes));
       if (r.engine) expect_engine_holds(r, initial(1, preset), direct, what);
     }
 }
