@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
@@ -97,6 +98,11 @@ std::string unknown_subcommand(CLI::App& app, int argc, char** argv) {
 
 int run_main(int argc, char** argv) {
   install_crash_handlers();
+  // Intel MKL (libtorch's CPU BLAS) gives run-to-run identical results only in its conditional
+  // numerical reproducibility mode: otherwise a GEMM may take another code path by its buffers'
+  // alignment. tiller's CPU runs are meant to repeat bit for bit (algo.logprob_match bitwise,
+  // resumes, the tests' equivalences). Before any MKL call; a user's own MKL_CBWR wins.
+  setenv("MKL_CBWR", "AUTO", /*overwrite=*/0);
   try {
     CLI::App app{"tiller: RLHF (PPO, GRPO, RLOO, REINFORCE++) on GPU clusters"};
     app.set_version_flag("--version", std::string("tiller ") + version());

@@ -326,7 +326,9 @@ def case_reward_model():
     run(2, SCRATCH / "rm2", "checkpoint.dir=", f"offline.data={DATA / 'pairs_train.jsonl'}",
         f"offline.eval_data={DATA / 'pairs_eval.jsonl'}", "offline.epochs=3", cmd="train-rm")
     b = series(metrics(SCRATCH / "rm2"), "train/loss")
-    if not all(close(x, y, 1e-5) for (_, x), (_, y) in zip(loss, b)) or len(b) != len(loss):
+    # Two ranks sum the gradients in another order than one; over 48 Adam steps that drifts the
+    # fp32 losses by ~1e-5 relative (CI's CPU: 1.1e-5 at step 39). A wrong scale would be 1e-2 off.
+    if not all(close(x, y, 1e-4) for (_, x), (_, y) in zip(loss, b)) or len(b) != len(loss):
         fail(f"2 ranks differ from one:\n{loss}\n{b}")
     from safetensors import safe_open
     with safe_open(str(out / "model" / "model.safetensors"), "pt") as f:
@@ -377,7 +379,8 @@ def case_dpo():
     two = SCRATCH / "dpo2"
     run(2, two, "checkpoint.dir=", cmd="dpo")
     c = series(metrics(two), "train/loss")
-    if not all(close(x, y, 1e-5) for (_, x), (_, y) in zip(loss, c)) or len(c) != len(loss):
+    # 1e-4: the reduction-order drift of two ranks against one (case_reward_model says more).
+    if not all(close(x, y, 1e-4) for (_, x), (_, y) in zip(loss, c)) or len(c) != len(loss):
         fail(f"2 ranks differ from one:\n{loss}\n{c}")
     for sets in (["offline.dpo_loss=ipo"], ["offline.dpo_label_smoothing=0.1"]):
         run(1, SCRATCH / "dpo_variant", "checkpoint.dir=", "offline.max_steps=3", *sets, cmd="dpo")
