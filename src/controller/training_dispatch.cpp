@@ -72,8 +72,12 @@ void TrainingDispatch::start(const StepBatch& batch, const OffPolicy& off_policy
         std::vector<int64_t> samples;
         for (int64_t s : chunk)
           if (p.role != Role::kActor || !off_policy.masked[static_cast<size_t>(s)]) samples.push_back(s);
-        int64_t tokens = 0;
-        for (int64_t s : samples) tokens += ro.model_tokens(s);  // multi-turn: observations count nowhere
+        int64_t tokens = 0, rows = 0;
+        for (int64_t s : samples) {
+          tokens += ro.model_tokens(s);  // multi-turn: observations count nowhere
+          rows += lens[static_cast<size_t>(s)];
+        }
+        p.step_rows.push_back(static_cast<double>(std::max<int64_t>(rows, 1)));
         p.normalizers.push_back(cfg_.constant_normalizer ? static_cast<double>(samples.size() * cfg_.max_new_tokens)
                                              : static_cast<double>(std::max<int64_t>(tokens, 1)));
         const int sp = p.group->sequence_parallel;
@@ -130,6 +134,7 @@ void TrainingDispatch::post_step(size_t i) {
             if (is_weights.defined()) m.is_weights = part(is_weights, slice);
             if (loss_mask.defined()) m.loss_mask = part(loss_mask, slice);
             m.normalizer = p.normalizers[i];
+            m.step_rows = p.step_rows[i];
             m.kl_coef = cfg_.kl_loss ? kl_coef_ : 0.0;
             link_.send(rank, m.encode());
           } else {
@@ -139,6 +144,7 @@ void TrainingDispatch::post_step(size_t i) {
             m.returns = part(returns, slice);
             if (loss_mask.defined()) m.loss_mask = part(loss_mask, slice);
             m.normalizer = p.normalizers[i];
+            m.step_rows = p.step_rows[i];
             link_.send(rank, m.encode());
           }
         }
@@ -169,6 +175,8 @@ void TrainingDispatch::post_step(size_t i) {
                    t.approx_kl_tokens += s.approx_kl_tokens;
                    t.tokens += s.tokens;
                    for (const auto& [name, v] : s.loss_metrics) t.loss_metrics[name] += v;
+                   t.router_aux += s.router_aux;
+                   t.router_z += s.router_z;
                    if (s.expert_load.defined()) {  // flattened [sparse layers, experts]
                      TILLER_CHECK(s.expert_load_experts >= 1 && s.expert_load_experts <= 65536,
                                   "a step reply's expert load names {} experts a layer", s.expert_load_experts);
@@ -241,6 +249,10 @@ Metrics TrainingDispatch::metrics() const {
         worst = std::max(worst, ratio);
       }
       m.emplace_back("moe/" + r + "/load_max_over_mean", worst);
+    }
+    if (t.router_aux > 0 || t.router_z > 0) {  // the router losses (on: the load-balancing loss is > 0)
+      m.emplace_back("moe/" + r + "/router_aux_loss", t.router_aux / updates);
+      m.emplace_back("moe/" + r + "/router_z_loss", t.router_z / updates);
     }
     m.emplace_back(r + "/grad_norm", t.grad_norm);
     m.emplace_back(r + "/skipped_steps", t.skipped);

@@ -83,6 +83,7 @@ class TrainingDispatch {
     Role role = Role::kActor;
     std::vector<std::vector<Round>> steps;  // per optimizer step: its lockstep rounds
     std::vector<double> normalizers;        // per optimizer step
+    std::vector<double> step_rows;          // per optimizer step: its micro-batches' rows, all ranks
   };
   struct Totals {
     double loss = 0, clip_tokens = 0, approx_kl_tokens = 0, tokens = 0, train_s = 0, step_s = 0, grad_norm = 0,
@@ -94,6 +95,7 @@ class TrainingDispatch {
     double bench_sum = 0, bench_n = 0;  // the ranks' training benchmarks (StepStats::bench_tokens_per_s)
     std::map<std::string, double> loss_metrics;  // the policy loss's named sums over ranks and steps
     at::Tensor expert_load;  // a mixture of experts: tokens per expert [sparse layers, experts], over ranks and steps
+    double router_aux = 0, router_z = 0;  // router losses: each optimizer step's mean, summed over the steps
   };
   void post_step(size_t i);
 

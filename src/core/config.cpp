@@ -356,6 +356,10 @@ void JobConfig::validate_hybrid() const {
     if (r.enabled && r.optimizer_offload != OptimizerOffload::kNone)
       throw ConfigError(fmt::format("roles.{}.optimizer_offload = {}: a frozen role has no optimizer; set it to none",
                                     name, enum_name(r.optimizer_offload)));
+    if (r.enabled && (r.router_aux_loss_coef > 0 || r.router_z_loss_coef > 0))
+      throw ConfigError(fmt::format("roles.{}.router_aux_loss_coef / router_z_loss_coef: a frozen role trains no "
+                                    "router; set them to 0",
+                                    name));
   }
   for (const char* name : {"actor", "critic", "ref", "reward"}) {
     const RoleConfig& r = role_by_name(*this, name);

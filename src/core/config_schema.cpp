@@ -90,6 +90,17 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
         "computing 1/S of its tokens (Ulysses attention; docs/zero.md). Must divide gpus and the model's attention "
         "heads; a colocated role takes its host's value. train.micro_batch_tokens stays per rank.")
       .range(1, 256);
+  b.add(p + "router_aux_loss_coef", [get](JobConfig& c) { return &get(c).router_aux_loss_coef; },
+        "Trained mixture-of-experts roles: the coefficient of the load-balancing loss added to the training loss "
+        "(transformers' formula per sparse layer, E * sum_e f_e * P_e, averaged over the layers; the model's "
+        "config.json calls its value router_aux_loss_coef, e.g. 0.001 for Qwen3-MoE). 0: off. Metric "
+        "moe/<role>/router_aux_loss (docs/training.md).")
+      .range(0.0, 100.0);
+  b.add(p + "router_z_loss_coef", [get](JobConfig& c) { return &get(c).router_z_loss_coef; },
+        "Trained mixture-of-experts roles: the coefficient of the router z-loss (ST-MoE: the mean squared "
+        "logsumexp of the router's logits, averaged over the sparse layers; 0.001 is usual). 0: off. Metric "
+        "moe/<role>/router_z_loss.")
+      .range(0.0, 100.0);
 }
 
 std::vector<Field> build() {

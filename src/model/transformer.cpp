@@ -108,6 +108,52 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
 
+// splitmix64's finaliser on int64 lanes (wrapping multiplies; logical shifts as arithmetic ones masked).
+at::Tensor mix64(at::Tensor h) {
+  auto shr = [](const at::Tensor& x, int s) {
+    return at::bitwise_and(at::bitwise_right_shift(x, s), static_cast<int64_t>((~0ull) >> s));
+  };
+  h = at::bitwise_xor(h, shr(h, 30)) * static_cast<int64_t>(0xbf58476d1ce4e5b9ull);
+  h = at::bitwise_xor(h, shr(h, 27)) * static_cast<int64_t>(0x94d049bb133111ebull);
+  return at::bitwise_xor(h, shr(h, 31));
+}
+
+// LoRA's dropout of an adapter's input x [T, in] (BlockContext::lora_dropout): each element kept
+// with probability 1 - p, by a hash of (seed, layer, module, row from lora_first_row, column), and
+// scaled by 1 / (1 - p).
+at::Tensor lora_dropout(const at::Tensor& x, const BlockContext& ctx, int64_t layer, size_t module) {
+  const double p = ctx.lora_dropout;
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(x.device());
+  uint64_t key = static_cast<uint64_t>(ctx.lora_dropout_seed) * 0x9e3779b97f4a7c15ull +
+                 static_cast<uint64_t>(layer * kLoraModules + static_cast<int64_t>(module) + 1) * 0xd1b54a32d192ed03ull;
+  key ^= key >> 29;
+  const at::Tensor at_ = (at::arange(rows, opts) + ctx.lora_first_row).unsqueeze(1) * cols + at::arange(cols, opts);
+  const at::Tensor h = mix64(at::bitwise_xor(at_, static_cast<int64_t>(key)));
+  const at::Tensor u = at::bitwise_and(h, static_cast<int64_t>((1ull << 53) - 1)).to(at::kDouble) * std::ldexp(1.0, -53);
+  return x * (u >= p).to(x.scalar_type()) * (1.0 / (1.0 - p));
+}
+
+// y (x's projection by the base weight of `module`) with the layer's LoRA adapter of it added, as
+// PEFT adds it: scale * B(A(dropout(x))) in the adapters' dtype, the sum rounded to y's dtype.
+at::Tensor with_lora(const at::Tensor& y, const at::Tensor& x, const LayerWeights& w, LoraModule module,
+                     const BlockContext& ctx, int64_t layer) {
+  const auto m = static_cast<size_t>(module);
+  const LoraAdapters& l = w.lora;
+  if (ctx.lora_off || !l.a[m].defined()) return y;
+  at::Tensor in = x.scalar_type() == l.a[m].scalar_type() ? x : x.to(l.a[m].scalar_type());
+  if (ctx.lora_dropout > 0) in = lora_dropout(in, ctx, layer, m);
+  const at::Tensor d = project(project(in, l.a[m]), l.b[m]) * l.scale;
+  return y.scalar_type() == d.scalar_type() ? y + d : (y.to(d.scalar_type()) + d).to(y.scalar_type());
+}
+
+bool has_lora(const LayerWeights& w, const BlockContext& ctx, std::initializer_list<LoraModule> modules) {
+  if (ctx.lora_off) return false;
+  for (LoraModule m : modules)
+    if (w.lora.a[static_cast<size_t>(m)].defined()) return true;
+  return false;
+}
+
 }  // namespace
 
 namespace {
@@ -119,7 +165,13 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   const bool rotate = !(ctx.cache && ctx.cache->applies_rope());  // else the cache's attention rotates
   at::Tensor q, k, v;
   if (w.qkv_proj.defined()) {
-    const at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias);
+    at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias);
+    if (has_lora(w, ctx, {LoraModule::kQ, LoraModule::kK, LoraModule::kV}))
+      qkv = at::cat({with_lora(qkv.narrow(1, 0, cfg.q_size()), h, w, LoraModule::kQ, ctx, layer),
+                     with_lora(qkv.narrow(1, cfg.q_size(), cfg.kv_size()), h, w, LoraModule::kK, ctx, layer),
+                     with_lora(qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size()), h, w, LoraModule::kV,
+                               ctx, layer)},
+                    1);
     v = qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size()).view({t, cfg.num_kv_heads, cfg.head_dim});
     if (!cfg.qk_norm && rotate) {
       // q and k are side by side in each row: one RoPE over [T, heads + kv_heads, head_dim].
@@ -133,9 +185,10 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
       k = qkv.narrow(1, cfg.q_size(), cfg.kv_size());
     }
   } else {
-    q = project(h, w.q_proj, w.q_bias);
-    k = project(h, w.k_proj, w.k_bias);
-    v = project(h, w.v_proj, w.v_bias).view({t, cfg.num_kv_heads, cfg.head_dim});
+    q = with_lora(project(h, w.q_proj, w.q_bias), h, w, LoraModule::kQ, ctx, layer);
+    k = with_lora(project(h, w.k_proj, w.k_bias), h, w, LoraModule::kK, ctx, layer);
+    v = with_lora(project(h, w.v_proj, w.v_bias), h, w, LoraModule::kV, ctx, layer)
+            .view({t, cfg.num_kv_heads, cfg.head_dim});
   }
   if (!w.qkv_proj.defined() || cfg.qk_norm || !rotate) {
     q = q.view({t, cfg.num_heads, cfg.head_dim});
@@ -155,27 +208,55 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   at::Tensor attn = ctx.cache       ? ctx.cache->attend(layer, q, k, v, spec, scale, ctx.backend)
                    : ctx.attention ? ctx.attention(q, k, v, spec, scale, ctx.backend)
                                    : varlen_attention(q, k, v, spec, scale, ctx.backend);
-  at::Tensor o = project(attn.reshape({t, cfg.q_size()}), w.o_proj);
+  const at::Tensor flat = attn.reshape({t, cfg.q_size()});
+  at::Tensor o = with_lora(project(flat, w.o_proj), flat, w, LoraModule::kO, ctx, layer);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(o);
   return o;
 }
 
-// The dense SwiGLU MLP of w's gate/up/down projections (a dense layer's, or the shared expert's).
-at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h) {
+// The dense SwiGLU MLP of w's gate/up/down projections (a dense layer's, or the shared expert's),
+// with its LoRA adapters.
+at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h, const BlockContext& ctx, int64_t layer) {
   at::Tensor act;
-  if (w.gate_up_proj.defined()) {
+  if (w.gate_up_proj.defined() && !has_lora(w, ctx, {LoraModule::kGate, LoraModule::kUp})) {
     act = swiglu_packed(project(h, w.gate_up_proj));
+  } else if (w.gate_up_proj.defined()) {
+    const at::Tensor gu = project(h, w.gate_up_proj);
+    const int64_t i = gu.size(1) / 2;
+    act = swiglu(with_lora(gu.narrow(1, 0, i), h, w, LoraModule::kGate, ctx, layer),
+                 with_lora(gu.narrow(1, i, i), h, w, LoraModule::kUp, ctx, layer));
   } else {
-    act = swiglu(project(h, w.gate_proj), project(h, w.up_proj));
+    act = swiglu(with_lora(project(h, w.gate_proj), h, w, LoraModule::kGate, ctx, layer),
+                 with_lora(project(h, w.up_proj), h, w, LoraModule::kUp, ctx, layer));
   }
-  return project(act, w.down_proj);
+  return with_lora(project(act, w.down_proj), act, w, LoraModule::kDown, ctx, layer);
+}
+
+// RouterLoss's two losses of one sparse layer over its first `rows` rows; `routed`: each expert's
+// routes among them.
+void add_router_loss(RouterLoss& rl, const at::Tensor& logits, const at::Tensor& probs,
+                     const std::vector<double>& routed, int64_t rows) {
+  if (rows == 0) {
+    rl.layer = at::zeros({}, probs.options());
+    return;
+  }
+  const auto e = static_cast<int64_t>(routed.size());
+  std::vector<float> share(routed.size());  // f_e: the share of the rows' routes (they sum to k)
+  for (size_t i = 0; i < routed.size(); ++i) share[i] = static_cast<float>(routed[i] / static_cast<double>(rows));
+  const at::Tensor f = at::tensor(share, at::kFloat).to(probs.device());
+  const at::Tensor aux = (f * probs.narrow(0, 0, rows).mean(0)).sum() * static_cast<double>(e);
+  const at::Tensor z = at::logsumexp(logits.narrow(0, 0, rows).to(at::kFloat), -1).pow(2).mean();
+  rl.layer = aux * rl.aux_coef + z * rl.z_coef;
+  rl.aux_sum = rl.aux_sum.defined() ? rl.aux_sum + aux.detach() : aux.detach();
+  rl.z_sum = rl.z_sum.defined() ? rl.z_sum + z.detach() : z.detach();
 }
 
 // A sparse layer's MLP, as transformers computes it: the router's softmax (fp32) picks each token's
 // top-k experts (weights renormalised with norm_topk_prob; rounded to the compute dtype except in
 // mixtral); each expert runs on its tokens, scaled by their weights, and the experts' outputs are
 // added in expert order; qwen2_moe adds the shared expert behind its sigmoid gate. With
-// ctx.replay_routes the experts are the replayed ones (BlockContext); ctx.recorded_routes gets them.
+// ctx.replay_routes the experts are the replayed ones (BlockContext); ctx.recorded_routes gets them;
+// ctx.expert_load counts them and ctx.router_loss gets the layer's router losses.
 at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& h,
                    BlockContext& ctx) {
   const int64_t t = h.size(0), k = cfg.experts_per_token, e_count = static_cast<int64_t>(w.experts.size());
@@ -209,6 +290,16 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
       replayed = true;
     }
   }
+  // Each expert's routes among the counted rows (the expert load's and the router losses').
+  const int64_t counted = ctx.routed_rows < 0 ? t : std::min(t, ctx.routed_rows);
+  std::vector<double> routed;
+  if (ctx.expert_load || ctx.router_loss) {
+    routed.assign(static_cast<size_t>(e_count), 0.0);
+    for (int64_t i = 0; i < counted * k; ++i) {
+      TILLER_CHECK(ix[i] >= 0 && ix[i] < e_count, "router chose expert {} of {}", ix[i], e_count);
+      routed[static_cast<size_t>(ix[i])] += 1;
+    }
+  }
   if (ctx.expert_load) {
     at::Tensor& load = *ctx.expert_load;
     if (!load.defined()) load = at::zeros({sparse_layers(cfg), e_count}, at::kDouble);
@@ -216,9 +307,9 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
                  "expert_load holds {} numbers, the model has {} sparse layers of {} experts", load.numel(),
                  sparse_layers(cfg), e_count);
     double* l = load.data_ptr<double>() + sparse_index(cfg, layer) * e_count;
-    const int64_t rows = ctx.expert_load_rows < 0 ? t : std::min(t, ctx.expert_load_rows);
-    for (int64_t i = 0; i < rows * k; ++i) l[ix[i]] += 1;
+    for (int64_t e = 0; e < e_count; ++e) l[e] += routed[static_cast<size_t>(e)];
   }
+  if (ctx.router_loss) add_router_loss(*ctx.router_loss, logits, probs, routed, counted);
   if (ctx.recorded_routes) {
     TILLER_CHECK(static_cast<int64_t>(ctx.recorded_routes->size()) > layer, "recorded_routes has {} entries, layer {}",
                  ctx.recorded_routes->size(), layer);
@@ -257,14 +348,14 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
     y = y * weights.index_select(0, dev.narrow(0, t * k + first, n)).unsqueeze(1);
     out = out.index_add(0, r, y.to(h.scalar_type()));
   }
-  if (w.shared_expert_gate.defined()) out = out + at::sigmoid(project(h, w.shared_expert_gate)) * dense_mlp(w, h);
+  if (w.shared_expert_gate.defined()) out = out + at::sigmoid(project(h, w.shared_expert_gate)) * dense_mlp(w, h, ctx, layer);
   return out;
 }
 
 // The MLP's output for normed input h (before the residual add).
 at::Tensor mlp_out(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& h,
                    BlockContext& ctx) {
-  at::Tensor mlp = w.router.defined() ? moe_mlp(cfg, layer, w, h, ctx) : dense_mlp(w, h);
+  at::Tensor mlp = w.router.defined() ? moe_mlp(cfg, layer, w, h, ctx) : dense_mlp(w, h, ctx, layer);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(mlp);
   return mlp;
 }

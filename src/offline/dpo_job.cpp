@@ -97,7 +97,7 @@ class DpoTrainer {
   // The DPO loss over pairs `ids`; `cached` [pairs, 2] the reference's log-probs in `ids` order, or
   // undefined to run the reference on the fly. With `train` the gradients accumulate. Collective.
   PreferenceSums run(const PreferenceDataset& data, const std::vector<int64_t>& ids, const at::Tensor& cached, bool train) {
-    const double pairs = static_cast<double>(ids.size());
+    const double pairs = static_cast<double>(ids.size()), step_rows = pair_rows(data, ids);
     at::Tensor acc = at::zeros({5}, at::TensorOptions().dtype(at::kDouble).device(run_.device));
     double tokens = 0;
     std::optional<at::NoGradGuard> no_grad;
@@ -112,8 +112,10 @@ class DpoTrainer {
         ref = ref_->token_logprobs(b.slice, b.targets);
       }
       const at::Tensor lp = run_.model->token_logprobs(b.slice, b.targets);
+      // With a mixture of experts' router losses, when on (roles.actor.router_*_loss_coef).
       if (mine.empty()) {
-        if (train) (lp.sum() * 0).backward();  // lockstep: the group's collectives run on every rank
+        // Lockstep: the group's collectives run on every rank.
+        if (train) run_.model->add_router_loss(lp.sum() * 0, step_rows).backward();
         continue;
       }
       const at::Tensor policy = algo::sequence_logps(lp, b.mask, b.cu, average_).view({-1, 2});
@@ -124,7 +126,7 @@ class DpoTrainer {
       const algo::PreferenceLoss l = algo::dpo_loss(policy.select(1, 0), policy.select(1, 1), reference.select(1, 0),
                                                     reference.select(1, 1), opts_);
       const at::Tensor loss = l.losses.sum() / pairs;
-      if (train) loss.backward();
+      if (train) run_.model->add_router_loss(loss, step_rows).backward();
       acc += preference_row(loss, l);
     }
     return preference_totals(run_, acc, tokens, pairs);
@@ -139,7 +141,7 @@ class DpoTrainer {
     for (size_t i = 0; i < ids.size(); ++i) {
       order[i] = static_cast<int64_t>(i);
       const PreferencePair& p = data.at(ids[i]);
-      lens.push_back(static_cast<int64_t>(p.chosen.tokens.size() + p.rejected.tokens.size()));
+      lens.push_back(p.rows());
     }
     return rollout::plan_rounds(order, lens, run_.dp, run_.budget(), run_.attention_tokens);
   }

@@ -167,6 +167,11 @@ int OfflineRun::train(const std::vector<int64_t>& train_ids, int64_t start, int6
                        {"epoch", b.epochs_done},
                        {"time/step", seconds},
                        {"throughput/tokens_per_s_per_gpu", rate}});
+    if (cfg.roles.actor.router_aux_loss_coef > 0 || cfg.roles.actor.router_z_loss_coef > 0) {
+      // A mixture of experts' router losses: every rank's weighted share, summed (the step's mean).
+      const at::Tensor r = sum(model->take_router_stats().to(device));
+      m.insert(m.end(), {{"train/router_aux_loss", r[0].item<double>()}, {"train/router_z_loss", r[1].item<double>()}});
+    }
     log_metrics(step + 1, m);
     if (rank == 0)
       log::info("step {}/{}: {}, lr {:.3g}, grad norm {:.3f}{}, {:.0f} tokens/s/GPU, epoch {}", step + 1, total, s.summary,

@@ -9,6 +9,7 @@
 // response's. margin_key (optional, a number) is the Bradley-Terry margin of the pair.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -36,6 +37,8 @@ struct PreferencePair {
   int64_t line = 0;
   SftSample chosen, rejected;
   double margin = 0;
+  // Both sequences' tokens: the pair's rows in a micro-batch.
+  int64_t rows() const { return static_cast<int64_t>(chosen.tokens.size() + rejected.tokens.size()); }
 };
 
 class PreferenceDataset {
@@ -55,5 +58,12 @@ class PreferenceDataset {
   int64_t long_sides_ = 0;  // sides left out (the length policy warns at the first)
   bool margins_ = false;
 };
+
+// The rows of the pairs `ids` of `data`: an optimizer step's, which weigh the router losses.
+inline double pair_rows(const PreferenceDataset& data, const std::vector<int64_t>& ids) {
+  int64_t n = 0;
+  for (int64_t id : ids) n += data.at(id).rows();
+  return static_cast<double>(std::max<int64_t>(n, 1));
+}
 
 }  // namespace tiller::offline

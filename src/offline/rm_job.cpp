@@ -31,9 +31,9 @@ PreferenceSums run_pairs(OfflineRun& run, const PreferenceDataset& data, const s
   for (size_t i = 0; i < ids.size(); ++i) {
     order[i] = static_cast<int64_t>(i);
     const PreferencePair& p = data.at(ids[i]);
-    lens.push_back(static_cast<int64_t>(p.chosen.tokens.size() + p.rejected.tokens.size()));
+    lens.push_back(p.rows());
   }
-  const double pairs = static_cast<double>(ids.size());
+  const double pairs = static_cast<double>(ids.size()), step_rows = pair_rows(data, ids);
   const std::vector<rollout::Round> rounds = rollout::plan_rounds(order, lens, run.dp, run.budget(), run.attention_tokens);
   // loss, chosen, rejected, correct, margin sums
   at::Tensor acc = at::zeros({5}, at::TensorOptions().dtype(at::kDouble).device(run.device));
@@ -57,8 +57,10 @@ PreferenceSums run_pairs(OfflineRun& run, const PreferenceDataset& data, const s
     tokens += static_cast<double>(all.size());
     slice.tokens = at::tensor(all, at::kLong);
     const at::Tensor values = run.model->values(slice);
+    // With a mixture of experts' router losses, when on (roles.actor.router_*_loss_coef).
     if (mine.empty()) {
-      if (train) (values.sum() * 0).backward();  // lockstep: the group's collectives run on every rank
+      // Lockstep: the group's collectives run on every rank.
+      if (train) run.model->add_router_loss(values.sum() * 0, step_rows).backward();
       continue;
     }
     const at::Tensor scores = values.index_select(0, model::upload(last, run.device)).view({-1, 2});
@@ -66,7 +68,7 @@ PreferenceSums run_pairs(OfflineRun& run, const PreferenceDataset& data, const s
         data.has_margins() ? at::tensor(margins, at::kDouble).to(run.device, scores.scalar_type()) : at::Tensor();
     const algo::PreferenceLoss l = algo::bradley_terry_loss(scores.select(1, 0), scores.select(1, 1), margin);
     const at::Tensor loss = l.losses.sum() / pairs;
-    if (train) loss.backward();
+    if (train) run.model->add_router_loss(loss, step_rows).backward();
     acc += preference_row(loss, l);
   }
   return preference_totals(run, acc, tokens, pairs);

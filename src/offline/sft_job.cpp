@@ -1,6 +1,7 @@
 // tiller sft: supervised fine-tuning on the ZeRO-3 trainer (tiller/offline/offline.h).
 #include <algorithm>
 #include <functional>
+#include <numeric>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -79,6 +80,7 @@ Sums run_rounds(OfflineRun& run, const SftDataset& data, const std::vector<int64
     lens.push_back(static_cast<int64_t>(data.at(id).tokens.size()));
     normalizer += sequence_mean ? 1.0 : static_cast<double>(data.at(id).trained());
   }
+  const double step_rows = static_cast<double>(std::max<int64_t>(1, std::accumulate(lens.begin(), lens.end(), int64_t{0})));
   std::vector<int64_t> order(ids.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
   const std::vector<rollout::Round> rounds = rollout::plan_rounds(order, lens, run.dp, run.budget(), run.attention_tokens);
@@ -92,12 +94,14 @@ Sums run_rounds(OfflineRun& run, const SftDataset& data, const std::vector<int64
     const SftMicroBatch mb = sft_micro_batch(mine, run, sequence_mean);
     if (run.sp_rank == 0) tokens += static_cast<double>(mb.tokens);
     const at::Tensor lp = run.model->token_logprobs(mb.slice, mb.targets);
+    // With a mixture of experts' router losses, when on (roles.actor.router_*_loss_coef).
     if (mine.empty() || normalizer == 0) {
-      if (train) (lp.sum() * 0).backward();  // lockstep: the group's collectives run on every rank
+      // Lockstep: the group's collectives run on every rank.
+      if (train) run.model->add_router_loss(lp.sum() * 0, step_rows).backward();
       continue;
     }
     const algo::SftLoss l = algo::sft_loss_weighted(lp, mb.mask, mb.weight, normalizer);
-    if (train) l.loss.backward();
+    if (train) run.model->add_router_loss(l.loss, step_rows).backward();
     acc += at::stack({l.loss.detach().to(at::kDouble), l.nll, l.tokens});
   }
   const at::Tensor totals = run.sum(at::cat({acc, at::tensor({tokens}, at::kDouble).to(run.device)}));

@@ -296,10 +296,12 @@ struct RoleWorker::Impl {
     spec.old_is_forward = cfg.train.old_logprobs == OldLogprobs::kForward;
     const MicroBatchLoss l =
         actor_loss(lp.index_select(0, mb.resp_rows), entropy.index_select(0, mb.resp_rows), in, spec);
+    // With a mixture of experts' router losses, when on.
     if (!l.loss.defined()) {
-      (lp.sum() * 0).backward();  // lockstep: the group's collectives run on every rank
+      // Lockstep: the group's collectives run on every rank (the router losses still train).
+      m.add_router_loss(lp.sum() * 0, in.step_rows).backward();
     } else {
-      l.loss.backward();
+      m.add_router_loss(l.loss, in.step_rows).backward();
       accumulate(Role::kActor, l);
     }
     a.train_seconds += seconds_since(t0);
@@ -319,9 +321,9 @@ struct RoleWorker::Impl {
     StepStats& a = acc[Role::kCritic];
     const MicroBatchLoss l = critic_loss(v.index_select(0, mb.resp_rows), in, {cfg.algo.value_loss, cfg.algo.value_clip});
     if (!l.loss.defined()) {
-      (v.sum() * 0).backward();
+      m.add_router_loss(v.sum() * 0, in.step_rows).backward();
     } else {
-      l.loss.backward();
+      m.add_router_loss(l.loss, in.step_rows).backward();
       accumulate(Role::kCritic, l);
     }
     a.train_seconds += seconds_since(t0);
@@ -378,6 +380,9 @@ struct RoleWorker::Impl {
       out.stats.expert_load = load.reshape({-1});
       out.stats.expert_load_experts = static_cast<double>(load.size(1));
     }
+    const at::Tensor router = models.at(in.role)->take_router_stats();  // zeros without router losses
+    out.stats.router_aux = router[0].item<double>();
+    out.stats.router_z = router[1].item<double>();
     span("step." + std::string(role_name(in.role)), w0);
     return out;
   }

@@ -457,12 +457,18 @@ std::string ScoreReply::check() const {
   return "";
 }
 
-std::string TrainActorRequest::check() const {
-  return normalizer > 0 ? "" : fmt::format("normalizer {}", normalizer);
+namespace {
+// What the train requests share: a positive normalizer and a positive, bounded count of the
+// optimizer step's rows (ShardedModel::router_loss checks it against the rows it trained).
+std::string check_train(double normalizer, double step_rows) {
+  if (!(normalizer > 0)) return fmt::format("normalizer {}", normalizer);
+  if (!(step_rows > 0 && step_rows < 1e15)) return fmt::format("step_rows {}", step_rows);
+  return "";
 }
+}  // namespace
 
-std::string TrainCriticRequest::check() const {
-  return normalizer > 0 ? "" : fmt::format("normalizer {}", normalizer);
-}
+std::string TrainActorRequest::check() const { return check_train(normalizer, step_rows); }
+
+std::string TrainCriticRequest::check() const { return check_train(normalizer, step_rows); }
 
 }  // namespace tiller::rollout

@@ -179,6 +179,9 @@ struct TrainActorRequest {
   at::Tensor loss_mask;
   double normalizer = 1;  // the loss's divisor (the optimizer step's tokens, or Dr.GRPO's constant)
   double kl_coef = 0;     // KL-loss coefficient (with ref_logp)
+  // The rows of every micro-batch of this optimizer step, over every rank: a mixture of experts'
+  // router losses weigh each micro-batch by its share (ShardedModel::router_loss).
+  double step_rows = 1;
   template <typename V>
   void fields(V& v) {
     v.batch(batch);
@@ -189,6 +192,7 @@ struct TrainActorRequest {
     v.optional(loss_mask, "loss mask", at::kByte, Rows::kResponse);
     v.num(normalizer, "normalizer");
     v.num(kl_coef, "kl_coef");
+    v.num(step_rows, "step_rows");
   }
   std::string check() const;
   Frame encode() const;
@@ -202,6 +206,7 @@ struct TrainCriticRequest {
   at::Tensor returns;     // float [R]
   at::Tensor loss_mask;   // uint8 [R] or undefined (TrainActorRequest's)
   double normalizer = 1;
+  double step_rows = 1;   // TrainActorRequest's
   template <typename V>
   void fields(V& v) {
     v.batch(batch);
@@ -209,6 +214,7 @@ struct TrainCriticRequest {
     v.tensor(returns, "returns", at::kFloat, Rows::kResponse);
     v.optional(loss_mask, "loss mask", at::kByte, Rows::kResponse);
     v.num(normalizer, "normalizer");
+    v.num(step_rows, "step_rows");
   }
   std::string check() const;
   Frame encode() const;
@@ -247,6 +253,11 @@ struct StepStats {
   // [sparse layers, expert_load_experts] (ShardedModel::take_expert_load); undefined otherwise.
   at::Tensor expert_load;
   double expert_load_experts = 0;
+  // Router losses (roles.<role>.router_*_loss_coef): this rank's weighted load-balancing and z
+  // losses (ShardedModel::take_router_stats), summed over the micro-batches; the ranks' sum is the
+  // step's mean.
+  double router_aux = 0;
+  double router_z = 0;
 };
 
 struct StepReply {
@@ -270,6 +281,8 @@ struct StepReply {
     v.named(s.loss_metrics, "loss metrics", kMaxLossMetrics);
     v.num(s.expert_load_experts, "experts");
     v.optional(s.expert_load, "expert load", at::kDouble, Rows::kAny);
+    v.num(s.router_aux, "router_aux");
+    v.num(s.router_z, "router_z");
   }
   Frame encode() const;
   static StepReply decode(Frame f);

@@ -74,6 +74,13 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
     throw ConfigError(fmt::format("roles.{}.optimizer_offload = cpu: a frozen role has no optimizer", name));
   o.optimizer_on_host = on_host;
   o.optimizer_threads = static_cast<int>(train.optimizer_threads);
+  o.role = name;
+  if (!trainable && (role.router_aux_loss_coef > 0 || role.router_z_loss_coef > 0))
+    throw ConfigError(fmt::format("roles.{}.router_aux_loss_coef / router_z_loss_coef: a frozen role trains no "
+                                  "router; set them to 0",
+                                  name));
+  o.router_aux_coef = role.router_aux_loss_coef;
+  o.router_z_coef = role.router_z_loss_coef;
   return o;
 }
 
@@ -85,6 +92,12 @@ ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& co
   TILLER_CHECK(opts.compute_dtype == at::kFloat || opts.compute_dtype == at::kBFloat16 || opts.compute_dtype == at::kHalf,
                "compute dtype {} is not supported: use bf16 or fp32", c10::toString(opts.compute_dtype));
   TILLER_CHECK(opts.trainable || !opts.optimizer_on_host, "optimizer_on_host for a frozen model: it has no optimizer");
+  if ((opts.router_aux_coef > 0 || opts.router_z_coef > 0) && !cfg.moe())
+    throw ConfigError(fmt::format("roles.{}.router_aux_loss_coef / router_z_loss_coef: the {} model has no experts "
+                                  "(no router to balance); set them to 0",
+                                  opts.role, opts.role));
+  TILLER_CHECK(opts.trainable || (opts.router_aux_coef == 0 && opts.router_z_coef == 0),
+               "router losses for a frozen model: it trains no router");
   m.world = opts.replicate ? 1 : comm.size();
   m.rank = opts.replicate ? 0 : comm.rank();
   m.local = m.world == 1;
@@ -150,7 +163,7 @@ at::Tensor whole_batch(Impl& m, const model::PackedBatch& batch, Head&& head) {
   model::BlockContext bctx =
       model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
-  if (graph && m.cfg.moe()) bctx.expert_load = &m.expert_load;  // the training forward's routing
+  if (graph) m.training_routing(bctx, batch.num_tokens());
   c10::AutoGradMode grad_mode(graph);  // a frozen model records no graph even under autograd
   return head(run_trunk(m, batch.tokens, bctx, graph), graph);
 }
@@ -213,10 +226,7 @@ at::Tensor ShardedModel::token_logprobs(const SequenceSlice& slice, const at::Te
   at::Tensor tgt = targets.to(m.opts.device, at::kLong);
   if (in.padded > in.rows) tgt = at::cat({tgt, at::zeros({in.padded - in.rows}, tgt.options())});
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
-  if (graph && m.cfg.moe()) {  // the training forward's routing, this rank's real rows
-    in.ctx.expert_load = &m.expert_load;
-    in.ctx.expert_load_rows = in.rows;
-  }
+  if (graph) m.training_routing(in.ctx, in.rows);  // this rank's real rows
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
   at::Tensor lp = run_lm_head(m, x, tgt, temperature, entropy, graph);
@@ -230,10 +240,7 @@ at::Tensor ShardedModel::values(const SequenceSlice& slice) {
   SliceInput in = prepare_slice(m.rope, shaped_routes(slice, m.cfg), m.sequence, m.opts.compute_dtype, m.opts.device,
                                 m.opts.attention);
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
-  if (graph && m.cfg.moe()) {
-    in.ctx.expert_load = &m.expert_load;
-    in.ctx.expert_load_rows = in.rows;
-  }
+  if (graph) m.training_routing(in.ctx, in.rows);
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
   at::Tensor v = run_value_head(m, x, graph);
@@ -289,6 +296,38 @@ void ShardedModel::zero_grad() {
 at::Tensor ShardedModel::take_expert_load() {
   at::Tensor out = impl_->expert_load;
   impl_->expert_load = at::Tensor();
+  return out;
+}
+
+at::Tensor ShardedModel::router_loss(double step_rows) {
+  Impl& m = *impl_;
+  if (m.router_terms.empty()) return at::Tensor();
+  TILLER_CHECK(step_rows >= static_cast<double>(m.router_rows) && step_rows > 0,
+               "router_loss: the optimizer step's rows ({}) are fewer than this forward's ({})", step_rows,
+               m.router_rows);
+  const double weight = static_cast<double>(m.router_rows) / step_rows;
+  const double layers = static_cast<double>(m.router_terms.size());
+  at::Tensor loss = m.router_terms.front();
+  for (size_t i = 1; i < m.router_terms.size(); ++i) loss = loss + m.router_terms[i];
+  m.router_terms.clear();
+  const auto dev = at::TensorOptions().dtype(at::kDouble).device(loss.device());
+  const at::Tensor aux = m.router.aux_sum.defined() ? m.router.aux_sum.to(at::kDouble) : at::zeros({}, dev);
+  const at::Tensor z = m.router.z_sum.defined() ? m.router.z_sum.to(at::kDouble) : at::zeros({}, dev);
+  const at::Tensor stats = at::stack({aux, z}) * (weight / layers);
+  m.router_stats = m.router_stats.defined() ? m.router_stats + stats : stats;
+  m.router = model::RouterLoss{m.opts.router_aux_coef, m.opts.router_z_coef, {}, {}, {}};
+  return loss * (weight / layers);
+}
+
+at::Tensor ShardedModel::add_router_loss(const at::Tensor& loss, double step_rows) {
+  const at::Tensor r = router_loss(step_rows);
+  return r.defined() ? loss + r.to(loss.scalar_type()) : loss;
+}
+
+at::Tensor ShardedModel::take_router_stats() {
+  Impl& m = *impl_;
+  at::Tensor out = m.router_stats.defined() ? m.router_stats.to(at::kCPU) : at::zeros({2}, at::kDouble);
+  m.router_stats = at::Tensor();
   return out;
 }
 

@@ -76,7 +76,29 @@ struct ShardedModel::Impl {
   std::string source;  // HF directory loaded from
   std::vector<std::pair<c10::Event, c10::Event>> waits;  // measure_waits on GPU: around each stream wait
   double host_wait_s = 0;
-  at::Tensor expert_load;  // take_expert_load(): the training forwards' tokens per expert                                 // measure_waits on CPU
+  at::Tensor expert_load;  // take_expert_load(): the training forwards' tokens per expert
+  // Router losses (router_loss()): the training forward's context points at `router`; run_trunk
+  // keeps each sparse layer's loss (BlockSegment's second output) in router_terms.
+  model::RouterLoss router;
+  std::vector<at::Tensor> router_terms;
+  int64_t router_rows = 0;  // the counted rows of the forward the terms are from
+  at::Tensor router_stats;  // fp64 [2] (weighted aux, z) since take_router_stats()
+
+  bool router_losses_on() const {
+    return opts.trainable && cfg.moe() && (opts.router_aux_coef > 0 || opts.router_z_coef > 0);
+  }
+  // A training forward's routing (a mixture of experts): the expert load and the router losses
+  // count its first `rows` rows.
+  void training_routing(model::BlockContext& ctx, int64_t rows) {
+    if (!cfg.moe()) return;
+    ctx.expert_load = &expert_load;
+    ctx.routed_rows = rows;
+    if (!router_losses_on()) return;
+    router = model::RouterLoss{opts.router_aux_coef, opts.router_z_coef, {}, {}, {}};
+    router_terms.clear();
+    router_rows = rows;
+    ctx.router_loss = &router;
+  }
 
   // Orders the compute stream after `w` (measuring how long it stands, when asked to).
   void wait_for(dist::Work& w) {

@@ -42,6 +42,15 @@ variable_list grads_of(const at::Tensor& out, const variable_list& inputs, const
   return torch::autograd::grad({out}, inputs, {grad_out}, /*retain_graph=*/false, /*create_graph=*/false,
                                /*allow_unused=*/true);
 }
+// The same for a block's output and, when the block has one, its router loss (`loss`, a scalar,
+// with incoming gradient `grad_loss`): one backward through both.
+variable_list grads_of(const at::Tensor& out, const at::Tensor& loss, const variable_list& inputs,
+                       const at::Tensor& grad_out, const at::Tensor& grad_loss) {
+  if (!loss.defined() || !loss.requires_grad() || !grad_loss.defined()) return grads_of(out, inputs, grad_out);
+  if (!out.requires_grad()) return torch::autograd::grad({loss}, inputs, {grad_loss}, false, false, true);
+  return torch::autograd::grad({out, loss}, inputs, {grad_out, grad_loss}, /*retain_graph=*/false,
+                               /*create_graph=*/false, /*allow_unused=*/true);
+}
 
 // Segment 0: token ids -> embeddings.
 struct EmbedSegment : public torch::autograd::Function<EmbedSegment> {
@@ -100,18 +109,29 @@ void unpark(const at::Tensor& parked, const at::Tensor& fresh) {
 // the backward recomputes the whole block; with kNone the forward records the block's graph and
 // the backward runs it; with kAttentionOnly the forward runs the attention half without autograd
 // and records the MLP half's graph, and the backward runs that graph, then recomputes the
-// attention half.
+// attention half. A sparse layer with router losses on (block->router_loss) has a second output,
+// its router loss (a scalar), and the backward takes both outputs' gradients in one pass.
 struct BlockSegment : public torch::autograd::Function<BlockSegment> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, int64_t layer,
-                            const at::Tensor& x, const model::BlockContext* block) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& anchor, Impl* m, int64_t layer,
+                               const at::Tensor& x, const model::BlockContext* block) {
     remember(ctx, m, {x, block->cos, block->sin, block->attn.cu_q});
     ctx->saved_data["layer"] = layer;
     ctx->saved_data["lens"] = block->attn.lens_q;
     ctx->saved_data["routes"] = block->replay_routes;  // routing replay: the recomputation routes alike
+    ctx->saved_data["routed_rows"] = block->routed_rows;  // the recomputed router loss counts the same rows
+    const bool router = block->router_loss != nullptr && m->cfg.sparse_layer(layer);
+    ctx->saved_data["router"] = router;
     model::BlockContext bctx = *block;
+    if (router) block->router_loss->layer = at::Tensor();
+    // The layer's router loss (detached: the output), a zero when the block computed none (no rows).
+    auto outputs = [&](const at::Tensor& y) -> variable_list {
+      if (!router) return {y};
+      const at::Tensor l = block->router_loss->layer;
+      return {y, l.defined() ? l.detach() : at::zeros({}, y.options().dtype(at::kFloat))};
+    };
     const int64_t kept = m->opts.recompute_layers;
     const Recompute mode = kept < 0 || layer < kept ? m->opts.recompute : Recompute::kBlocks;
-    if (mode == Recompute::kBlocks || x.size(0) == 0) return m->block_forward(layer, x, bctx);
+    if (mode == Recompute::kBlocks || x.size(0) == 0) return outputs(m->block_forward(layer, x, bctx));
     const size_t s = static_cast<size_t>(layer) + 1;
     m->prefetch_segment(s);
     m->prefetch_segment(s + 1);
@@ -138,9 +158,10 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     ctx->saved_data["kept_out"] = y;
     ctx->saved_data["kept_in"] = kept_in;
     ctx->saved_data["params"] = params;
+    if (router) ctx->saved_data["kept_loss"] = block->router_loss->layer;  // in the recorded graph
     if (m->transient(s)) park(full);
     m->release_segment(s);
-    return y.detach();
+    return outputs(y.detach());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     Impl* m = impl_of(ctx);
@@ -153,17 +174,21 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     at::Tensor x = saved[0].detach().requires_grad_(true);
     variable_list g;
     at::Tensor gx;
+    const bool router = ctx->saved_data["router"].toBool();
+    const at::Tensor grad_loss = router ? grads[1] : at::Tensor();
     if (ctx->saved_data.count("kept_out")) {
       const at::Tensor y = ctx->saved_data["kept_out"].toTensor();
       const at::Tensor kept_in = ctx->saved_data["kept_in"].toTensor();
       variable_list params = ctx->saved_data["params"].toTensorVector();
+      const at::Tensor loss = router ? ctx->saved_data["kept_loss"].toTensor() : at::Tensor();
       ctx->saved_data.erase("kept_out");
       ctx->saved_data.erase("kept_in");
       ctx->saved_data.erase("params");
+      ctx->saved_data.erase("kept_loss");
       if (m->transient(s)) unpark(params.front(), full);
       variable_list inputs = params;
       inputs.push_back(kept_in);
-      g = grads_of(y, inputs, grads[0]);
+      g = grads_of(y, loss, inputs, grads[0], grad_loss);
       at::Tensor g_in = g.back();
       g.pop_back();
       if (!ctx->saved_data["attention_half"].toBool()) {
@@ -186,15 +211,19 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     } else {
       auto params = leaves(m->units[s].layout.views(full));
       at::Tensor y;
+      // The recomputed router loss; its statistics were counted by the forward.
+      model::RouterLoss recomputed{m->opts.router_aux_coef, m->opts.router_z_coef, {}, {}, {}};
       {
         at::AutoGradMode on(true);
         auto bctx = m->block_context(saved[1], saved[2], saved[3], lens);
         bctx.replay_routes = ctx->saved_data["routes"].toTensor();
+        bctx.routed_rows = ctx->saved_data["routed_rows"].toInt();
+        if (router) bctx.router_loss = &recomputed;
         y = m->run_block(layer, params, x, bctx);
       }
       variable_list inputs = params;
       inputs.push_back(x);
-      g = grads_of(y, inputs, grads[0]);
+      g = grads_of(y, recomputed.layer, inputs, grads[0], grad_loss);
       gx = g.back();
       g.pop_back();
     }
@@ -305,7 +334,11 @@ struct ValueHeadSegment : public torch::autograd::Function<ValueHeadSegment> {
 at::Tensor run_trunk(Impl& m, const at::Tensor& tokens, model::BlockContext& bctx, bool graph) {
   if (graph) {
     at::Tensor x = EmbedSegment::apply(m.anchor, &m, tokens);
-    for (int64_t i = 0; i < m.cfg.num_layers; ++i) x = BlockSegment::apply(m.anchor, &m, i, x, &bctx);
+    for (int64_t i = 0; i < m.cfg.num_layers; ++i) {
+      const variable_list out = BlockSegment::apply(m.anchor, &m, i, x, &bctx);
+      x = out[0];
+      if (out.size() > 1) m.router_terms.push_back(out[1]);  // router_loss() sums them
+    }
     return x;
   }
   at::Tensor x = m.embed_forward(tokens);

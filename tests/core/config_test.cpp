@@ -205,6 +205,24 @@ TEST(Config, HybridRules) {
   EXPECT_EQ(ok.engine_count(), 4);
 }
 
+// Router losses train a router: a frozen role has none to train; the coefficients are bounded.
+TEST(Config, RouterLossRules) {
+  auto err = [](const std::string& yaml) { return config_error([&] { parse_config(yaml, "j"); }); };
+  EXPECT_NE(err("roles: {ref: {router_aux_loss_coef: 0.01}}")
+                .find("roles.ref.router_aux_loss_coef / router_z_loss_coef: a frozen role trains no router"),
+            std::string::npos);
+  EXPECT_NE(err("reward: {type: model}\nroles: {reward: {enabled: true, model: m, router_z_loss_coef: 0.01}}")
+                .find("roles.reward.router_aux_loss_coef / router_z_loss_coef: a frozen role"),
+            std::string::npos);
+  EXPECT_NE(err("roles: {actor: {router_aux_loss_coef: -1}}").find("roles.actor.router_aux_loss_coef"),
+            std::string::npos);
+  EXPECT_NE(err("roles: {critic: {router_z_loss_coef: 1000}}").find("roles.critic.router_z_loss_coef"),
+            std::string::npos);
+  const JobConfig ok = parse_config("roles: {actor: {router_aux_loss_coef: 0.001, router_z_loss_coef: 0.0001}}", "j");
+  EXPECT_DOUBLE_EQ(ok.roles.actor.router_aux_loss_coef, 0.001);
+  EXPECT_DOUBLE_EQ(ok.roles.actor.router_z_loss_coef, 0.0001);
+}
+
 TEST(Config, SequenceParallelRules) {
   auto err = [](const std::string& yaml) { return config_error([&] { parse_config(yaml, "j"); }); };
   EXPECT_NE(err("roles: {actor: {gpus: 3, sequence_parallel: 2}}")

@@ -85,7 +85,7 @@ TEST(RoutingReplay, ExpertLoadCountsEachSparseLayersRoutedRows) {
     model::BlockContext ctx = model::make_block_context(m.cfg, rope, batch, m.weights.embed.scalar_type());
     at::Tensor load;
     ctx.expert_load = &load;
-    ctx.expert_load_rows = rows;
+    ctx.routed_rows = rows;
     at::Tensor x = model::embed(m.weights.embed, batch.tokens);
     for (int64_t l = 0; l < m.cfg.num_layers; ++l) x = model::block_forward(m.cfg, l, m.weights.layers[l], x, ctx);
     const int64_t n = rows < 0 ? batch.num_tokens() : rows, layers = model::sparse_layers(m.cfg);

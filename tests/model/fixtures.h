@@ -6,6 +6,7 @@
 #include <sstream>
 #include <string>
 
+#include <ATen/core/Tensor.h>
 #include <nlohmann/json.hpp>
 
 namespace tiller::test {
@@ -30,5 +31,10 @@ inline void write_text(const std::string& path, const std::string& data) {
   std::ofstream out(path, std::ios::binary);
   out << data;
 }
+
+// The fixtures' models (make_hf_fixtures.py): a model's directory, and the reference outputs.
+inline std::string model_dir(const std::string& name) { return hf_fixtures() + "/models/" + name; }
+inline nlohmann::json model_reference() { return read_json(hf_fixtures() + "/models/reference.json"); }
+inline double max_diff(const at::Tensor& a, const at::Tensor& b) { return a.sub(b).abs().max().item<double>(); }
 
 }  // namespace tiller::test

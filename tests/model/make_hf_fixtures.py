@@ -8,6 +8,8 @@ OUT_DIR/models/<name>/       random tiny Llama, Qwen2, Qwen3, Mistral checkpoint
                              safetensors + index) and a Qwen2 value model (score head)
 OUT_DIR/models/reference.json  per model: input ids, greedy continuations, value-head scores
 OUT_DIR/models/<name>/reference_logits.safetensors  fp32 logits of each input
+OUT_DIR/models/<name>-lora/  PEFT LoRA adapters of llama and qwen2, their logits and gradients;
+                             <name>-lora-merged/ their merge_and_unload
 OUT_DIR/tokenizers/<name>/   byte-level BPE tokenizer.json files trained on local text, and a
                              SentencePiece model
 OUT_DIR/tokenizers/reference.json  per tokenizer: the corpus, its ids and decodings
@@ -295,6 +297,36 @@ def write_models(root):
     with torch.no_grad():
         scores = [float(vm(torch.tensor([ids])).logits[0, 0]) for ids in inputs]
     ref["qwen2-value"] = {"inputs": inputs, "scores": scores}
+
+    # LoRA with PEFT: random A and B (PEFT starts B at zero, which would hide the adapters) on
+    # llama (all-linear) and qwen2 (three projections, rsLoRA); the logits of each input, the
+    # adapters' gradients of input 2's next-token log-prob sum, and merge_and_unload's model.
+    from peft import LoraConfig, get_peft_model
+    for name, kw in [("llama", dict(r=4, lora_alpha=8, target_modules="all-linear")),
+                     ("qwen2", dict(r=3, lora_alpha=5, target_modules=["q_proj", "v_proj", "down_proj"],
+                                    use_rslora=True))]:
+        base = AutoModelForCausalLM.from_pretrained(str(root / name), dtype=torch.float32).eval()
+        model = get_peft_model(base, LoraConfig(lora_dropout=0.0, **kw)).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.normal_(0.0, 0.1)
+        d = root / f"{name}-lora"
+        model.save_pretrained(str(d))
+        with torch.no_grad():
+            logits = {f"logits_{i}": model(torch.tensor([ids])).logits[0].contiguous() for i, ids in enumerate(inputs)}
+        ids = torch.tensor([inputs[2]])
+        lp = model(ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:].unsqueeze(1)).sum()
+        lp.backward()
+        grads = {n.replace("base_model.model.", "").replace(".default", ""): p.grad.contiguous()
+                 for n, p in model.named_parameters() if p.grad is not None}
+        save_file(logits, str(d / "reference_logits.safetensors"))
+        save_file(grads, str(d / "reference_grads.safetensors"))
+        layer = model.base_model.model.model.layers[0]
+        targets = sum(1 for m in [*layer.self_attn.children(), *layer.mlp.children()] if hasattr(m, "lora_A"))
+        ref[f"{name}-lora"] = {"r": kw["r"], "use_rslora": kw.get("use_rslora", False),
+                               "scaling": layer.self_attn.q_proj.scaling["default"], "targets": targets}
+        model.merge_and_unload().save_pretrained(str(root / f"{name}-lora-merged"))
     (root / "reference.json").write_text(json.dumps(ref, indent=1))
 
 

@@ -21,10 +21,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string model_dir(const std::string& name) { return test::hf_fixtures() + "/models/" + name; }
-nlohmann::json reference() { return test::read_json(test::hf_fixtures() + "/models/reference.json"); }
-
-double max_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
+using test::max_diff;
+using test::model_dir;
+nlohmann::json reference() { return test::model_reference(); }
 
 at::Tensor full_logits(const LoadedModel& m, const std::vector<std::vector<int64_t>>& seqs) {
   c10::AutoGradMode no_grad(false);

@@ -142,11 +142,56 @@ struct Reference {
                                           &entropy);
     return lp + 0.3 * entropy;
   }
-  // Returns the gradient norm before clipping.
-  double step(const std::vector<MicroBatch>& all, int64_t total_tokens, double lr, double max_norm) {
+  // Router losses (a mixture of experts; ShardedModel::router_loss), written out apart from the
+  // model's code: the hidden state entering each sparse layer's MLP, its router's softmax and
+  // top-k, and per slice [first, first + n) of the micro-batch (a sequence-parallel rank's rows,
+  // `sp` of them): aux = E * sum_e f_e * P_e (f_e: the slice's routes to e / n, P_e: its mean
+  // probability of e), z = mean over rows of logsumexp(logits)^2; each slice weighted n / total,
+  // averaged over the sparse layers. `stats` gets the weighted aux and z (without coefficients).
+  double aux_coef = 0, z_coef = 0;
+  int sp = 1;
+  at::Tensor router_loss(const MicroBatch& mb, int64_t total_tokens, at::Tensor* stats) {
+    const auto w = model::bind_weights(cfg, params, head, "reference");
+    auto batch = model::PackedBatch::pack(mb.seqs, device());
+    const model::Rope rope(cfg);
+    model::BlockContext ctx = model::make_block_context(cfg, rope, batch, at::kFloat);
+    at::Tensor x = model::embed(w.embed, batch.tokens);
+    at::Tensor loss = at::zeros({}, x.options());
+    at::Tensor sums = at::zeros({2}, x.options().dtype(at::kDouble));
+    const int64_t layers = model::sparse_layers(cfg), e = cfg.num_experts;
+    for (int64_t l = 0; l < cfg.num_layers; ++l) {
+      const model::LayerWeights& lw = w.layers[static_cast<size_t>(l)];
+      const at::Tensor a = model::attention_residual(cfg, l, lw, x, ctx);
+      if (cfg.sparse_layer(l)) {
+        const at::Tensor h = model::rms_norm(a, lw.post_attn_norm, cfg.rms_norm_eps);
+        const at::Tensor logits = at::matmul(h, lw.router.t()).to(at::kFloat);
+        const at::Tensor probs = at::softmax(logits, -1);
+        const at::Tensor chosen = std::get<1>(probs.topk(cfg.experts_per_token, -1));
+        for (int j = 0; j < sp; ++j) {
+          const zero::SequenceSlice slice = zero::SequenceSlice::of(batch, sp, j);
+          const int64_t n = slice.tokens.numel(), first = slice.first_row;
+          if (n == 0) continue;
+          const at::Tensor f = at::one_hot(chosen.narrow(0, first, n), e).sum({0, 1}).to(at::kFloat) / n;
+          const at::Tensor aux = (f * probs.narrow(0, first, n).mean(0)).sum() * static_cast<double>(e);
+          const at::Tensor z = at::logsumexp(logits.narrow(0, first, n), -1).pow(2).mean();
+          const double weight = static_cast<double>(n) / static_cast<double>(total_tokens * layers);
+          loss = loss + (aux * aux_coef + z * z_coef) * weight;
+          sums = sums + at::stack({aux.detach(), z.detach()}).to(at::kDouble) * weight;
+        }
+      }
+      x = model::mlp_residual(cfg, l, lw, a, ctx);
+    }
+    if (stats) *stats = *stats + sums.cpu();
+    return loss;
+  }
+  // Returns the gradient norm before clipping. `router_stats`, when given, gets router_loss()'s.
+  double step(const std::vector<MicroBatch>& all, int64_t total_tokens, double lr, double max_norm,
+              at::Tensor* router_stats = nullptr) {
     at::Tensor loss = at::zeros({}, params.begin()->second.options());
-    for (const auto& mb : all)
+    for (const auto& mb : all) {
       if (!mb.seqs.empty()) loss = loss + loss_of(forward(mb), mb, total_tokens);
+      if (!mb.seqs.empty() && (aux_coef > 0 || z_coef > 0)) loss = loss + router_loss(mb, total_tokens, router_stats);
+    }
     for (auto& [n, p] : params) p.mutable_grad() = at::Tensor();
     loss.backward();
     double sq = 0;
@@ -261,11 +306,16 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
   }
   m.load(init, "init");
   Reference ref(cfg, head, init, adam);
+  ref.aux_coef = opts.router_aux_coef;
+  ref.z_coef = opts.router_z_coef;
+  ref.sp = sp;
+  const bool router = opts.router_aux_coef > 0 || opts.router_z_coef > 0;
   const zero::LrSchedule sched{LrScheduleKind::kCosine, 1, 4, 0.1};
   const int groups = world / sp, group = me / sp, j = me % sp;
   const double base_lr = on_gpu() ? 3e-3 : 1e-2;
-  const std::string what = fmt::format("{} sp {} recompute {} reduce {}{}", preset, sp, zero::recompute_name(recompute),
-                                       c10::toString(reduce), opts.optimizer_on_host ? " host optimizer" : "");
+  const std::string what = fmt::format("{} sp {} recompute {} reduce {}{}{}", preset, sp, zero::recompute_name(recompute),
+                                       c10::toString(reduce), opts.optimizer_on_host ? " host optimizer" : "",
+                                       opts.router_aux_coef > 0 || opts.router_z_coef > 0 ? " router losses" : "");
   bool clipped = false;
   double worst_out = 0;
   for (int step = 0; step < 3; ++step) {
@@ -295,11 +345,23 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
         // drift of bf16 training from the fp32 reference (the update's few % above).
         EXPECT_LT(rel, !on_gpu() ? 1e-5 : step == 0 ? 3e-2 : 6e-2) << what << " step " << step << " micro-batch " << i;
       }
-      slice_loss(run, mb, total).backward();
+      // With the router losses, when on: this rank's rows of the step weigh them.
+      m.add_router_loss(slice_loss(run, mb, total), static_cast<double>(total)).backward();
     }
     const double lr = base_lr * sched.factor(step);
     const zero::StepResult r = m.step(lr);
-    const double ref_norm = ref.step(all, total, lr, max_norm);
+    at::Tensor want_router = at::zeros({2}, at::kDouble);
+    const double ref_norm = ref.step(all, total, lr, max_norm, &want_router);
+    if (router) {  // the ranks' weighted losses add up to the reference's: each slice counted once
+      at::Tensor got = m.take_router_stats().to(device());
+      comm().all_reduce(got, dist::ReduceOp::kSum)->wait();
+      got = got.cpu();
+      EXPECT_GT(want_router[0].item<double>(), 0.5) << what;  // k when balanced: the losses ran
+      for (int i = 0; i < 2; ++i)
+        EXPECT_NEAR(got[i].item<double>(), want_router[i].item<double>(),
+                    (on_gpu() ? 3e-2 : 1e-5) * want_router[i].item<double>())
+            << what << " step " << step << (i == 0 ? " aux" : " z");
+    }
     clipped |= r.clip_factor < 1;
     EXPECT_FALSE(r.skipped);
     EXPECT_NEAR(r.grad_norm, ref_norm, ref_norm * (on_gpu() ? 3e-2 : rounded ? 3e-3 : 1e-5)) << what << " step " << step;

@@ -30,6 +30,30 @@ TEST(Zero, RoutingReplayShardedEqualsUnshardedQwen3Moe) {
                                   zero::Recompute::kBlocks, at::kFloat, {}, /*replay_routes=*/true);
 }
 
+// Router losses (roles.<r>.router_aux_loss_coef / router_z_loss_coef): each sparse layer's
+// load-balancing and z losses, weighted by each rank's rows of the step, train the routers as the
+// reference's written-out losses do, through recomputed and kept blocks, and over SP 2 slices; the
+// ranks' reported losses add up to the reference's. Large coefficients, so that the routers'
+// gradients would show a lost term.
+class RouterLosses : public ::testing::TestWithParam<zero::Recompute> {};
+const auto router_losses = [](zero::ShardedModelOptions& o) {
+  o.router_aux_coef = 0.5;
+  o.router_z_coef = 0.05;
+};
+TEST_P(RouterLosses, Qwen3MoeTrainsAsTheReference) {
+  expect_sharded_equals_unsharded("tiny-qwen3-moe", Head::kLm, 1, 0, false, GetParam(), at::kFloat, router_losses);
+}
+TEST_P(RouterLosses, Qwen2MoeSequenceParallelTrainsAsTheReference) {
+  expect_sharded_equals_unsharded("tiny-qwen2-moe", Head::kLm, comm().size() % 2 == 0 ? 2 : 1, 0, false, GetParam(),
+                                  at::kFloat, router_losses);
+}
+INSTANTIATE_TEST_SUITE_P(Zero, RouterLosses,
+                         ::testing::Values(zero::Recompute::kBlocks, zero::Recompute::kAttentionOnly,
+                                           zero::Recompute::kNone),
+                         [](const ::testing::TestParamInfo<zero::Recompute>& i) {
+                           return std::string(zero::recompute_name(i.param));
+                         });
+
 // Sequence parallelism: S = 2 and 4 against the unsharded reference (which S = 1 equals, above).
 // Micro-batches of 0-36 tokens in 1-3 sequences: shorter than S, divisible by S and not.
 class SequenceParallel : public ::testing::TestWithParam<int> {};

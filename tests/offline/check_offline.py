@@ -13,7 +13,8 @@ CASE:
               mean over the response tokens and EOS), so data, masks, loss and export agree.
   sharded     ZeRO-3 over 2 and 4 ranks, and groups of 2 ranks sharing each micro-batch (sequence
               parallelism, at 2 and 4 ranks), give the losses, gradient norms and held-out losses of
-              one rank, step for step.
+              one rank, step for step; a tiny mixture of experts with router losses reports the
+              same z-loss at 1 and 2 ranks and S = 2.
   resume      --resume from the step-10 checkpoint of a run (copied alone into a fresh directory)
               gives that run's steps 11 to the end exactly; SIGTERM to rank 0 of two stops both ranks
               after the step, which is saved, with exit 0; --resume with no checkpoint is refused.
@@ -175,6 +176,23 @@ def case_sharded():
             if [s for s, _ in a] != [s for s, _ in b] or not all(close(x, y, rel) for (_, x), (_, y) in zip(a, b)):
                 fail(f"{name}: {key} differs from one rank's:\n{a}\n{b}")
         print(f"sharded: {name} equals one rank over {len(series(base, 'train/loss'))} steps")
+    # A mixture of experts with router losses: the z-loss is a mean over the step's rows, the same
+    # however ranks and S cut them (the first step's: same weights); the load-balancing loss is
+    # each micro-batch's, so it only stays near.
+    moe = FIX / "tiny-qwen3-moe"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart.py"), str(moe), str(FIX / "prompts.jsonl"),
+                    "--moe"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sets = [f"roles.actor.model={moe}", "roles.actor.router_aux_loss_coef=0.1", "roles.actor.router_z_loss_coef=0.01",
+            "offline.max_steps=3", "offline.eval_samples=0"]
+    one = metrics_of(1, "moe_np1", *sets)
+    for np_, sp, name in [(2, 1, "moe_np2"), (2, 2, "moe_sp2")]:
+        other = metrics_of(np_, name, f"roles.actor.sequence_parallel={sp}", *sets)
+        (_, z1), (_, z2) = series(one, "train/router_z_loss")[0], series(other, "train/router_z_loss")[0]
+        (_, a1), (_, a2) = series(one, "train/router_aux_loss")[0], series(other, "train/router_aux_loss")[0]
+        if not (close(z1, z2, 1e-5) and z1 > 0 and 0 < a1 <= 4 and close(a1, a2, 0.2)):
+            fail(f"{name}: router losses at step 1: z {z2} against one rank's {z1}, load balancing {a2} against {a1}")
+        print(f"sharded: {name}, a mixture of experts: step 1's router z-loss {z2:.5f} as one rank's, "
+              f"load-balancing loss {a2:.4f} (one rank: {a1:.4f})")
 
 
 def metrics_of(np_, name, *sets):

@@ -49,7 +49,9 @@ CASE:
                multi-turn, every token the engine drew with the weights the actor scored with has
                the actor's log-prob bit for bit (the per-token records and
                mismatch/tokens_differing = 0 every step); in sync mode the PPO ratio is exactly 1.
-  moe          GRPO with a tiny Qwen3-MoE actor (scripts/make_quickstart.py --moe) learns as grpo does.
+  moe          GRPO with a tiny Qwen3-MoE actor (scripts/make_quickstart.py --moe) learns as grpo does;
+               the expert-load metrics; the router losses' metrics, and a large load-balancing
+               coefficient balances the experts more; routing replay in the bitwise mode.
   dynamic      rollout.filter_groups (DAPO): no trained group has equal rewards, the filtered ones are
                counted, and the task is learned.
   supervised   tiller launch: a rank killed mid-run; the supervisor removes a cut-short checkpoint,
@@ -387,6 +389,8 @@ def check_bad_inputs():
          r"rollout\.max_new_tokens = 4611686018427387904 is out of range"),
         ("context past the model's", ["rollout.max_new_tokens=100000"], None,
          r"rollout\.max_prompt_tokens \+ rollout\.max_new_tokens = 100064 exceeds the context of .*\(512 tokens"),
+        ("router losses on a dense model", ["roles.actor.router_aux_loss_coef=0.01"], None,
+         r"roles\.actor\.router_aux_loss_coef / router_z_loss_coef: the actor model has no experts"),
     ]
     for name, sets, cfg, pattern in cases:
         args = command(4, bad / "out", *sets)
@@ -965,6 +969,23 @@ def check_moe():
         fail(f"expert-load metrics: {layers} {[{k: r.get(k) for k in layers} for r in rows[:2]]}")
     print(f"moe expert load: busiest expert / mean per sparse layer, step 1 "
           f"{[round(rows[0][k], 2) for k in layers]}, last step {[round(rows[-1][k], 2) for k in layers]}")
+    # Router losses: reported per step within their ranges (the load-balancing loss between 0 and
+    # the 4 experts; the z-loss positive), and a large load-balancing coefficient balances the
+    # experts more than the run above without it (which routes everything to 2 of the 4 experts
+    # within ~5 steps: a ratio of 2), over steps 3-10.
+    out = SCRATCH / "moe_router"
+    run_ok(3, out, *GRPO, f"roles.actor.model={moe}", "roles.actor.router_aux_loss_coef=1.0",
+           "roles.actor.router_z_loss_coef=0.01", "train.num_steps=10")
+    router = metrics(out)
+    aux, z = [r["moe/actor/router_aux_loss"] for r in router], [r["moe/actor/router_z_loss"] for r in router]
+    if len(aux) != 10 or not all(0 < a <= 4 for a in aux) or not all(x > 0 for x in z):
+        fail(f"router loss metrics: aux {aux}, z {z}")
+    load = lambda rs: sum(r["moe/actor/load_max_over_mean"] for r in rs[2:10]) / 8
+    balanced, plain = load(router), load(rows)
+    print(f"moe router losses: load-balancing loss {aux[0]:.3f} -> {aux[-1]:.3f}, z-loss {z[0]:.3f} -> {z[-1]:.3f}; "
+          f"busiest expert / mean over steps 3-10 {balanced:.3f} with the loss, {plain:.3f} without")
+    if not balanced < plain:
+        fail(f"the load-balancing loss did not balance the experts: {balanced} vs {plain} without it")
     # Routing replay: the engine's experts of every prompt and generated token route the actor's
     # scoring and training forwards. With the batch-invariant kernels (which make the actor route as
     # the engine did anyway) every sampled token's two log-probs are equal bit for bit: a route

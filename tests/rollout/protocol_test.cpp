@@ -216,6 +216,7 @@ TEST(Protocol, TrainActorRequestRoundTripsWithAndWithoutItsOptionalTensors) {
     if (variant & 4) r.loss_mask = at::tensor(std::vector<uint8_t>{1, 0, 0, 1, 1, 0}, at::kByte);
     r.normalizer = 12;
     r.kl_coef = 0.05;
+    r.step_rows = 40;
     const TrainActorRequest d = TrainActorRequest::decode(r.encode());
     expect_batch(d.batch, r.batch);
     EXPECT_TRUE(at::equal(d.old_logp, r.old_logp));
@@ -228,6 +229,7 @@ TEST(Protocol, TrainActorRequestRoundTripsWithAndWithoutItsOptionalTensors) {
     if (r.loss_mask.defined()) EXPECT_TRUE(at::equal(d.loss_mask, r.loss_mask));
     EXPECT_EQ(d.normalizer, 12);
     EXPECT_EQ(d.kl_coef, 0.05);
+    EXPECT_EQ(d.step_rows, 40);
   }
 }
 
@@ -363,6 +365,9 @@ TEST(Protocol, AFrameThatDisagreesWithItselfIsRefusedByName) {
             "rank 3 ran out of memory");
   Frame h = TrainActorRequest{batch(), floats({1, 2, 3, 4, 5, 6}), floats({1, 2, 3, 4, 5, 6}), {}, {}, {}, 0, 0}.encode();
   EXPECT_NE(error_of([&] { TrainActorRequest::decode(h); }).find("normalizer 0"), std::string::npos);
+  TrainActorRequest rows{batch(), floats({1, 2, 3, 4, 5, 6}), floats({1, 2, 3, 4, 5, 6}), {}, {}, {}, 1, 0};
+  rows.step_rows = -3;  // the router losses' weights
+  EXPECT_NE(error_of([&] { TrainActorRequest::decode(rows.encode()); }).find("step_rows -3"), std::string::npos);
 }
 
 }  // namespace

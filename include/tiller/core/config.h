@@ -160,6 +160,9 @@ struct RoleConfig {
   bool offload = false;         // hybrid: masters, gradients, moments in pinned host memory while engines generate
   OptimizerOffload optimizer_offload = OptimizerOffload::kNone;  // cpu: fp32 masters and AdamW moments in host memory, AdamW on the CPU
   std::int64_t sequence_parallel = 1;  // ranks that share each micro-batch's tokens (Ulysses); divides gpus
+  // A mixture of experts' router losses in training (zero::ShardedModel::router_loss): 0 is off.
+  double router_aux_loss_coef = 0;  // load balancing
+  double router_z_loss_coef = 0;    // ST-MoE's z-loss
 };
 
 struct RolesConfig {

@@ -90,6 +90,21 @@ class DenseKvCache : public KvCache {
   std::vector<int64_t> lens;  // cached tokens per sequence
 };
 
+// A mixture of experts' router losses over one sparse layer's counted rows (T of them; probs the
+// router's softmax in fp32, [T, E]; f_e the share of the T * k routes that went to expert e):
+//   aux = E * sum_e f_e * mean_t probs[t, e]   (load balancing: transformers' formula, per layer;
+//                                               k when the load is even, up to E * k when not)
+//   z   = mean_t logsumexp(logits[t])^2       (ST-MoE's z-loss: keeps the router's logits small)
+// Each sparse layer sets `layer` to aux_coef * aux + z_coef * z (differentiable through the router
+// and its input; the routes themselves are not) and adds its aux and z (detached, fp32 scalars on
+// the device) to `aux_sum` and `z_sum`. A layer with no counted rows sets `layer` to a zero.
+struct RouterLoss {
+  double aux_coef = 0;
+  double z_coef = 0;
+  at::Tensor layer;
+  at::Tensor aux_sum, z_sum;
+};
+
 // What every block of one forward shares: RoPE tables, the attention layout, the cache.
 struct BlockContext {
   at::Tensor cos, sin;  // [T, head_dim]
@@ -122,9 +137,22 @@ struct BlockContext {
   std::vector<at::Tensor>* recorded_routes = nullptr;
   // Expert-load metrics: when set, each sparse layer adds the tokens routed to each of its experts
   // (double [sparse layers, experts] on the host, created at the first sparse layer) over the
-  // first `expert_load_rows` rows (-1: every row; a sequence-parallel slice's padding is not counted).
+  // first `routed_rows` rows.
   at::Tensor* expert_load = nullptr;
-  int64_t expert_load_rows = -1;
+  // Router losses (the trainer's training forward): when set, each sparse layer computes them over
+  // the first `routed_rows` rows (RouterLoss).
+  RouterLoss* router_loss = nullptr;
+  // The rows the expert load and the router losses count: -1 every row; a sequence-parallel
+  // slice's padding rows do not count.
+  int64_t routed_rows = -1;
+  // LoRA adapters (LayerWeights::lora, model/lora.h). `lora_off`: the base weights alone (a LoRA
+  // actor's reference). lora_dropout > 0 (training) drops the adapters' inputs as PEFT does, by a
+  // mask that a hash of (lora_dropout_seed, layer, projection, lora_first_row + row, column)
+  // decides, so that a recomputed block and a sequence-parallel slice draw the same mask.
+  bool lora_off = false;
+  double lora_dropout = 0;
+  int64_t lora_dropout_seed = 0;
+  int64_t lora_first_row = 0;
 };
 BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
                                 at::ScalarType dtype, DenseKvCache* cache = nullptr,

@@ -6,6 +6,7 @@
 // shapes that every owner of storage builds from.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -27,6 +28,16 @@ struct ExpertWeights {
   at::Tensor down_proj;           // [hidden, moe_intermediate]
 };
 
+// The projections LoRA adapters attach to (model/lora.h), in a fixed order.
+enum class LoraModule { kQ, kK, kV, kO, kGate, kUp, kDown };
+constexpr int kLoraModules = 7;
+// A layer's LoRA adapters: a[m] [r, in] and b[m] [out, r] of each adapted projection m (undefined
+// elsewhere), and their scale (alpha / r). block_forward adds them unmerged (lora.h).
+struct LoraAdapters {
+  std::array<at::Tensor, kLoraModules> a, b;
+  double scale = 0;
+};
+
 struct LayerWeights {
   at::Tensor input_norm;                // [hidden]
   at::Tensor q_proj, k_proj, v_proj;    // [q_size|kv_size, hidden]
@@ -46,6 +57,7 @@ struct LayerWeights {
   // q/k/v ([q_size + 2 kv_size, hidden], bias likewise) and one for gate/up ([2 intermediate,
   // hidden]); the separate tensors above are then views into them.
   at::Tensor qkv_proj, qkv_bias, gate_up_proj;
+  LoraAdapters lora;  // none unless bound (model/lora.h: bind_lora)
 };
 
 struct ModelWeights {

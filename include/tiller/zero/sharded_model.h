@@ -90,6 +90,11 @@ struct ShardedModelOptions {
   // memory, updated by HostAdamW with `optimizer_threads` threads (0: default_optimizer_threads()).
   bool optimizer_on_host = false;
   int optimizer_threads = 0;
+  // A mixture of experts' router losses in training (roles.<role>.router_aux_loss_coef and
+  // router_z_loss_coef; router_loss()). ConfigError at construction for a model without experts.
+  double router_aux_coef = 0;
+  double router_z_coef = 0;
+  std::string role = "actor";  // the role's name, for error messages
 };
 
 // The options of role `name` from the job config: roles.<name>.dtype and .replicate, and train.*
@@ -163,6 +168,19 @@ class ShardedModel {
   // routed to each expert since the last call, double [sparse layers, experts] on the host
   // (this rank's rows only); undefined for a dense model or when nothing trained.
   at::Tensor take_expert_load();
+  // Router losses (a mixture of experts with options.router_aux_coef or router_z_coef > 0;
+  // model::RouterLoss): the last training forward's, to add to the loss before its backward:
+  // the mean over the sparse layers of aux_coef * aux + z_coef * z, times this rank's rows of that
+  // forward / `step_rows` (the rows of every micro-batch of the optimizer step, over every rank),
+  // so that an optimizer step's terms add up to the rows' weighted mean. Differentiable; the
+  // gradient reaches the routers through each block's backward. Undefined when the losses are off
+  // or no training forward ran since the last call. Not collective.
+  at::Tensor router_loss(double step_rows);
+  // loss + router_loss(step_rows), or `loss` when that is undefined: what a trainer backpropagates.
+  at::Tensor add_router_loss(const at::Tensor& loss, double step_rows);
+  // The weighted aux and z (as router_loss weighs them, without the coefficients) summed since
+  // the last call: fp64 [2] on the host; zeros when none. Synchronises the device.
+  at::Tensor take_router_stats();
   // The host optimizer (optimizer_on_host), for its timings; nullptr otherwise.
   const HostAdamW* host_optimizer() const;
 
