@@ -19,6 +19,8 @@
 #include "tiller/engine/server.h"
 #include "tiller/model/chat_template.h"
 #include "tiller/model/generate.h"
+#include "tiller/model/lora.h"
+#include "tiller/model/safetensors.h"
 #include "tiller/model/tokenizer.h"
 #include "tiller/model/weights.h"
 
@@ -68,6 +70,7 @@ struct GenerateOptions {
   std::string engine, engine_token_file;  // generate on a running engine instead
   std::string engine_tls_ca, engine_tls_server_name;
   double engine_timeout_s = 600;
+  std::string lora;  // a PEFT LoRA adapter directory, applied unmerged
 };
 
 // The same completions from a running engine (`tiller engine`): one stream, prompt i as request i
@@ -159,8 +162,18 @@ std::vector<Prompt> read_prompts(const GenerateOptions& o, const model::Tokenize
 
 int run_generate(GenerateOptions o) {
   model::LoadedModel m;
+  if (!o.lora.empty() && !o.engine.empty())
+    throw ConfigError("--lora with --engine: the engine serves the weights it loaded; merge the adapter into a "
+                      "checkpoint (tiller merge-lora) and serve that");
   if (o.engine.empty()) m = model::load_model(o.model, model::Head::kLm, parse_dtype(o.dtype), parse_device(o.device));
   else m.config = model::load_model_config(o.model);  // the engine holds the weights
+  if (!o.lora.empty()) {  // PEFT's adapters in fp32 beside the base, as PEFT runs them
+    const model::PeftAdapter a = model::read_peft_adapter(o.lora, m.config);
+    model::NamedTensors adapters;
+    for (const auto& [name, t] : a.tensors) adapters[name] = t.to(parse_device(o.device));
+    model::bind_lora(m.config, a.spec, adapters, m.weights, o.lora);
+    for (auto& [name, t] : adapters) m.tensors[name] = std::move(t);  // kept alive with the model
+  }
   auto tok = model::load_tokenizer(o.tokenizer.empty() ? o.model : o.tokenizer);
   if (tok->vocab_size() > m.config.vocab_size)
     throw ConfigError(fmt::format("the tokenizer has {} tokens but the model's vocab_size is {}", tok->vocab_size(),
@@ -203,6 +216,50 @@ int run_generate(GenerateOptions o) {
   }
   std::fprintf(stderr, "tiller generate: %zu prompts, %lld tokens in %.1f s (%.1f tokens/s)\n", prompts.size(),
                static_cast<long long>(generated), secs, generated / std::max(secs, 1e-9));
+  return 0;
+}
+
+// --- merge-lora ---------------------------------------------------------------------------------
+struct MergeLoraOptions {
+  std::string model, lora, to, dtype;
+};
+
+// A full Hugging Face checkpoint: the base with a PEFT adapter merged into its weights as PEFT's
+// merge_and_unload does, and the base's other files (config, tokenizer, generation config).
+int run_merge_lora(const MergeLoraOptions& o) {
+  if (fs::exists(o.to) && fs::exists(o.model) && fs::equivalent(o.to, o.model))
+    throw ConfigError(fmt::format("--to {} is the base model's directory; write the merged model elsewhere", o.to));
+  const model::ModelConfig cfg = model::load_model_config(o.model);
+  const model::PeftAdapter a = model::read_peft_adapter(o.lora, cfg);
+  const model::CheckpointReader reader(o.model);
+  model::NamedTensors merged = model::merge_lora(cfg, a.spec, reader.all(), a.tensors);
+  if (!o.dtype.empty()) {
+    const at::ScalarType t = parse_dtype(o.dtype);
+    for (auto& [name, w] : merged) w = w.to(t);
+  }
+  fs::create_directories(o.to);
+  for (const auto& entry : fs::directory_iterator(o.model)) {  // everything but the weights
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_regular_file() || name.find(".safetensors") != std::string::npos || name == "README.md") continue;
+    fs::copy_file(entry.path(), fs::path(o.to) / name, fs::copy_options::overwrite_existing);
+  }
+  if (!o.dtype.empty()) {  // the config's dtype follows the weights
+    json c = json::parse(read_file(o.to + "/config.json").value_or("{}"));
+    const char* hf = o.dtype == "bf16" ? "bfloat16" : o.dtype == "fp16" ? "float16" : "float32";
+    if (c.contains("dtype")) c["dtype"] = hf;
+    c["torch_dtype"] = hf;
+    write_file_atomic(o.to + "/config.json", c.dump(2) + "\n");
+  }
+  model::write_checkpoint(o.to, merged);
+  int64_t targeted = 0;
+  for (bool t : a.spec.targets) targeted += t;
+  std::printf("%s\n", json{{"model", o.model},
+                            {"lora", o.lora},
+                            {"to", o.to},
+                            {"rank", a.spec.rank},
+                            {"merged_weights", targeted * cfg.num_layers}}
+                           .dump()
+                           .c_str());
   return 0;
 }
 
@@ -281,7 +338,18 @@ void add_model_commands(CLI::App& app, Runner& run) {
   gen->add_option("--engine-tls-server-name", go->engine_tls_server_name,
                   "The name the engine's certificate must carry (default: the host of --engine)");
   gen->add_option("--engine-timeout", go->engine_timeout_s, "Seconds the engine may take for all prompts");
+  gen->add_option("--lora", go->lora,
+                  "A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to apply, "
+                  "unmerged and in fp32, as PEFT runs it (not with --engine)");
   gen->callback([&run, go] { run = [go] { return run_generate(*go); }; });
+
+  auto* ml = app.add_subcommand("merge-lora", "Merge a PEFT LoRA adapter into its base: a full HF checkpoint");
+  auto mo = std::make_shared<MergeLoraOptions>();
+  ml->add_option("--model", mo->model, "The base: an HF model directory")->required();
+  ml->add_option("--lora", mo->lora, "The PEFT adapter directory")->required();
+  ml->add_option("--to", mo->to, "Output directory (the base's config and tokenizer files are copied)")->required();
+  ml->add_option("--dtype", mo->dtype, "bf16, fp16 or fp32 (default: each weight's dtype in the base)");
+  ml->callback([&run, mo] { run = [mo] { return run_merge_lora(*mo); }; });
 
   auto* init = app.add_subcommand("init-model", "Write a randomly initialised HF checkpoint of a preset shape");
   auto io = std::make_shared<InitOptions>();

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""`tiller tokenize` and `tiller generate` end to end against the Hugging Face references.
+"""`tiller tokenize`, `tiller generate` (with and without a PEFT LoRA adapter) and `tiller merge-lora`
+end to end against the Hugging Face and PEFT references.
 
   check_cli.py TILLER_BINARY FIXTURES_DIR SCRATCH_DIR
 """
@@ -50,4 +51,38 @@ for i, row in enumerate(rows):
           f"prompt {i}: one log-prob <= 0 per token")
     stopped = bool(row["response_ids"]) and row["response_ids"][-1] == ref["greedy"][i][-1] and len(ref["greedy"][i]) < 10
     check(row["finish_reason"] == ("stop" if stopped else "length"), f"prompt {i}: finish_reason {row['finish_reason']}")
+
+# LoRA: generate --lora runs PEFT's adapter unmerged and gives PEFT's greedy ids; merge-lora writes
+# PEFT's merge_and_unload weight for weight, and the merged model generates the same ids.
+lora_ref = json.loads((fixtures / "models" / "reference.json").read_text())["qwen2-chat-lora"]["greedy"]
+base_args = ["--prompts", str(prompts), "--input-key", "question", "--chat-template", "auto", "--greedy",
+             "--max-new-tokens", "10"]
+lora_out = scratch / "lora.jsonl"
+subprocess.run([tiller, "generate", "--model", str(fixtures / "models" / "qwen2-chat"), "--lora",
+                str(fixtures / "models" / "qwen2-chat-lora"), *base_args, "--out", str(lora_out)], check=True)
+got = [json.loads(l)["response_ids"] for l in lora_out.read_text().splitlines()]
+check(got == lora_ref and got != ref["greedy"], f"generate --lora: greedy ids {got} == PEFT's {lora_ref}")
+merged = scratch / "merged"
+for name in ["llama", "qwen2-chat"]:
+    p = subprocess.run([tiller, "merge-lora", "--model", str(fixtures / "models" / name), "--lora",
+                        str(fixtures / "models" / f"{name}-lora"), "--to", str(merged / name)], capture_output=True, text=True)
+    check(p.returncode == 0, f"merge-lora {name}: exit {p.returncode} {p.stderr[-500:]}")
+from safetensors import safe_open  # noqa: E402
+with safe_open(str(merged / "llama" / "model.safetensors"), "pt") as got_f, \
+        safe_open(str(fixtures / "models" / "llama-lora-merged" / "model.safetensors"), "pt") as want_f:
+    worst = max(float((got_f.get_tensor(k) - want_f.get_tensor(k)).abs().max()) for k in want_f.keys())
+    check(set(got_f.keys()) == set(want_f.keys()) and worst <= 1e-6,
+          f"merge-lora llama: every weight equals PEFT's merge_and_unload (max diff {worst:.2g})")
+merged_out = scratch / "merged.jsonl"
+subprocess.run([tiller, "generate", "--model", str(merged / "qwen2-chat"), *base_args, "--out", str(merged_out)],
+               check=True)
+got = [json.loads(l)["response_ids"] for l in merged_out.read_text().splitlines()]
+check(got == lora_ref, f"generate on the merged chat model: greedy ids {got} == PEFT's")
+half = scratch / "half_adapter"  # adapter_config.json without its weights
+half.mkdir(parents=True, exist_ok=True)
+(half / "adapter_config.json").write_bytes((fixtures / "models" / "llama-lora" / "adapter_config.json").read_bytes())
+p = subprocess.run([tiller, "merge-lora", "--model", str(fixtures / "models" / "llama"), "--lora", str(half), "--to",
+                    str(merged / "bad")], capture_output=True, text=True)
+check(p.returncode != 0 and "adapter_model.safetensors" in p.stderr and p.stderr.count("\n") == 1,
+      f"merge-lora with an adapter missing its weights: one line naming the file ({p.stderr.strip()[:300]})")
 sys.exit(1 if failures else 0)

@@ -327,6 +327,22 @@ def write_models(root):
         ref[f"{name}-lora"] = {"r": kw["r"], "use_rslora": kw.get("use_rslora", False),
                                "scaling": layer.self_attn.q_proj.scaling["default"], "targets": targets}
         model.merge_and_unload().save_pretrained(str(root / f"{name}-lora-merged"))
+    # An adapter of the chat model for `tiller generate --lora` and `tiller merge-lora`: PEFT's
+    # greedy continuations of the chat prompts.
+    base = AutoModelForCausalLM.from_pretrained(str(root / "qwen2-chat"), dtype=torch.float32).eval()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                            target_modules=["q_proj", "v_proj", "up_proj"])).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0.0, 0.1)
+        greedy = []
+        for ids in ref["qwen2-chat"]["prompt_ids"]:
+            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=0)
+            greedy.append(out[0, len(ids):].tolist())
+    model.save_pretrained(str(root / "qwen2-chat-lora"))
+    ref["qwen2-chat-lora"] = {"greedy": greedy}
     (root / "reference.json").write_text(json.dumps(ref, indent=1))
 
 
