@@ -97,6 +97,7 @@ void load_rng(const model::SafetensorsFile& f, const at::Device& device) {
 }  // namespace
 
 void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOptions& options) {
+  TILLER_CHECK(!model.lora(), "{}: checkpoints of a LoRA model (adapters on a frozen base) are not written yet", dir);
   dist::Communicator& comm = model.communicator();
   const int me = comm.rank();
   const std::string tmp = dir + ".tmp", old = dir + ".old";
@@ -163,6 +164,7 @@ void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOpti
 }
 
 void load_checkpoint(ShardedModel& model, const std::string& dir_in) {
+  TILLER_CHECK(!model.lora(), "{}: checkpoints of a LoRA model (adapters on a frozen base) are not read yet", dir_in);
   std::exception_ptr error;
   const std::string err = attempt([&] {
     const std::string dir = resolve(dir_in);

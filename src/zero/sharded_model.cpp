@@ -101,7 +101,18 @@ ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& co
   m.world = opts.replicate ? 1 : comm.size();
   m.rank = opts.replicate ? 0 : comm.rank();
   m.local = m.world == 1;
-  m.cast = opts.trainable && opts.compute_dtype != at::kFloat && !opts.keep_compute_shard && !opts.optimizer_on_host;
+  m.lora = opts.lora.enabled();
+  if (m.lora) {
+    if (!opts.trainable || opts.head != model::Head::kLm)
+      throw ConfigError(fmt::format("roles.{}.lora: LoRA trains a language model's adapters; the {} has {}", opts.role,
+                                    opts.role, opts.trainable ? "a value head" : "nothing to train"));
+    if (opts.optimizer_on_host)
+      throw ConfigError(fmt::format("roles.{}.lora with optimizer_offload cpu: the adapters' optimizer state is "
+                                    "megabytes; set optimizer_offload to none",
+                                    opts.role));
+  }
+  const bool trains_base = opts.trainable && !m.lora;  // a LoRA model's base is frozen
+  m.cast = trains_base && opts.compute_dtype != at::kFloat && !opts.keep_compute_shard && !opts.optimizer_on_host;
   const auto shard_options = at::TensorOptions().dtype(opts.compute_dtype).device(opts.device);
   if (opts.trainable && opts.optimizer_on_host)
     m.host_adam = std::make_unique<HostAdamW>(
@@ -112,7 +123,7 @@ ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& co
     Impl::Unit u{std::move(layout), {}, {}, {}, true};
     const int64_t n = u.layout.shard_numel();
     if (!m.cast) u.shard = at::zeros({n}, shard_options);
-    if (opts.trainable) {
+    if (trains_base) {
       u.grad = at::zeros({n}, m.f32());
       if (m.host_adam) {
         u.master = m.host_adam->master(m.host_adam->add(n, u.layout.decay_mask(m.rank, at::TensorOptions())));
@@ -122,6 +133,28 @@ ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& co
       }
     }
     m.units.push_back(std::move(u));
+  }
+  if (m.lora) {  // the adapters: one fp32 buffer and its gradient, whole on every rank, under AdamW
+    m.lora_specs = model::lora_parameter_specs(cfg, opts.lora);
+    auto numel = [](const model::ParamSpec& p) {
+      int64_t n = 1;
+      for (int64_t d : p.shape) n *= d;
+      return n;
+    };
+    int64_t total = 0;
+    for (const auto& p : m.lora_specs) total += numel(p);
+    m.lora_master = at::zeros({total}, m.f32());
+    m.lora_grad = at::zeros({total}, m.f32());
+    m.lora_of_layer.resize(static_cast<size_t>(cfg.num_layers));
+    int64_t at = 0;
+    for (size_t i = 0; i < m.lora_specs.size(); ++i) {
+      const int64_t n = numel(m.lora_specs[i]);
+      m.lora_views.push_back(m.lora_master.narrow(0, at, n).view(m.lora_specs[i].shape));
+      m.lora_grad_views.push_back(m.lora_grad.narrow(0, at, n).view(m.lora_specs[i].shape));
+      m.lora_of_layer[static_cast<size_t>(m.lora_specs[i].layer)].push_back(i);
+      at += n;
+    }
+    m.adam->add(m.lora_master, at::ones({total}, m.f32()), m.lora_grad);  // decay on every adapter, as PEFT's
   }
   m.anchor = at::zeros({}, m.f32()).requires_grad_(true);
 }
@@ -135,6 +168,15 @@ void ShardedModel::load(const NamedTensors& named, const std::string& where) {
     u.layout.fill_shard(m.rank, named, dst, where);
     if (u.shard.defined() && !dst.is_same(u.shard)) u.shard.copy_(dst);
   }
+  if (!m.lora) return;
+  // The adapters: `named`'s when it has them (every rank the same), else PEFT's initialisation.
+  const bool given = named.count(m.lora_specs.front().name) > 0;
+  const NamedTensors init = given ? NamedTensors{} : model::init_lora(m.cfg, m.opts.lora, m.opts.lora_seed);
+  const NamedTensors& src = given ? named : init;
+  model::ModelWeights probe;
+  probe.layers.resize(static_cast<size_t>(m.cfg.num_layers));
+  model::bind_lora(m.cfg, m.opts.lora, src, probe, where);  // every adapter present, with its shape
+  for (size_t i = 0; i < m.lora_specs.size(); ++i) m.lora_views[i].copy_(src.at(m.lora_specs[i].name));
 }
 
 void ShardedModel::load_hf(const std::string& dir) {
@@ -164,6 +206,7 @@ at::Tensor whole_batch(Impl& m, const model::PackedBatch& batch, Head&& head) {
       model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   if (graph) m.training_routing(bctx, batch.num_tokens());
+  m.lora_context(bctx, graph, 0);
   c10::AutoGradMode grad_mode(graph);  // a frozen model records no graph even under autograd
   return head(run_trunk(m, batch.tokens, bctx, graph), graph);
 }
@@ -227,6 +270,7 @@ at::Tensor ShardedModel::token_logprobs(const SequenceSlice& slice, const at::Te
   if (in.padded > in.rows) tgt = at::cat({tgt, at::zeros({in.padded - in.rows}, tgt.options())});
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   if (graph) m.training_routing(in.ctx, in.rows);  // this rank's real rows
+  m.lora_context(in.ctx, graph, slice.first_row);
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
   at::Tensor lp = run_lm_head(m, x, tgt, temperature, entropy, graph);
@@ -241,6 +285,7 @@ at::Tensor ShardedModel::values(const SequenceSlice& slice) {
                                 m.opts.attention);
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   if (graph) m.training_routing(in.ctx, in.rows);
+  m.lora_context(in.ctx, graph, slice.first_row);
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
   at::Tensor v = run_value_head(m, x, graph);
@@ -255,11 +300,18 @@ StepResult ShardedModel::step(double lr) {
   m.finish(m.reducing_cur);
   std::vector<at::Tensor> grads;
   for (auto& u : m.units) {
+    if (!u.grad.defined()) continue;  // a LoRA model's frozen base
     if (u.grad_fresh) u.grad.zero_();  // no gradient since zero_grad (see there)
     grads.push_back(u.grad);
   }
-  at::Tensor sq = at::stack(at::_foreach_norm(grads)).pow(2).sum().reshape({1}).to(at::kDouble);
-  if (!m.local) m.comm.all_reduce(sq, dist::ReduceOp::kSum)->wait();
+  at::Tensor sq;
+  if (m.lora) {  // the adapters' gradients, whole on every rank: their sum over the ranks
+    if (!m.local) m.comm.all_reduce(m.lora_grad, dist::ReduceOp::kSum)->wait();
+    sq = m.lora_grad.pow(2).sum().reshape({1}).to(at::kDouble);
+  } else {
+    sq = at::stack(at::_foreach_norm(grads)).pow(2).sum().reshape({1}).to(at::kDouble);
+    if (!m.local) m.comm.all_reduce(sq, dist::ReduceOp::kSum)->wait();
+  }
   StepResult r;
   r.grad_norm = std::sqrt(sq.item<double>());
   if (!std::isfinite(r.grad_norm)) {
@@ -277,7 +329,7 @@ StepResult ShardedModel::step(double lr) {
   } else {
     m.adam->step(lr, r.clip_factor);
     for (auto& u : m.units)
-      if (u.shard.defined() && !u.master.is_same(u.shard)) u.shard.copy_(u.master);
+      if (u.shard.defined() && u.master.defined() && !u.master.is_same(u.shard)) u.shard.copy_(u.master);
   }
   zero_grad();
   return r;
@@ -291,6 +343,21 @@ void ShardedModel::zero_grad() {
   // Lazily: the next reduce-scatter into a fresh accumulator overwrites it, and step() zeroes one
   // that received nothing, so no pass over the accumulators runs here.
   for (auto& u : m.units) u.grad_fresh = true;
+  if (m.lora) m.lora_grad.zero_();  // the adapters' (megabytes) accumulate in place
+}
+
+bool ShardedModel::lora() const { return impl_->lora; }
+
+NamedTensors ShardedModel::lora_parameters() const {
+  const Impl& m = *impl_;
+  NamedTensors out;
+  for (size_t i = 0; i < m.lora_specs.size(); ++i) out.emplace(m.lora_specs[i].name, m.lora_views[i].to(at::kCPU).clone());
+  return out;
+}
+
+void ShardedModel::set_adapters_enabled(bool on) {
+  TILLER_CHECK(impl_->lora || on, "set_adapters_enabled(false) on a model without LoRA adapters");
+  impl_->adapters_off = !on;
 }
 
 at::Tensor ShardedModel::take_expert_load() {
@@ -422,6 +489,8 @@ int ShardedModel::world() const { return impl_->world; }
 int64_t ShardedModel::offload_state() {
   Impl& m = *impl_;
   TILLER_CHECK(m.opts.trainable, "offload_state() of a frozen model: it has no optimizer state");
+  TILLER_CHECK(!m.lora, "offload_state() of a LoRA model: its optimizer state is the adapters' (megabytes); not "
+                        "offloaded");
   if (m.offloaded) return 0;
   // A backward's last reductions may still be in flight into the accumulators: land them first.
   m.finish(m.reducing_prev);
@@ -484,6 +553,10 @@ ShardMemory ShardedModel::memory() const {
     if (u.shard.defined()) r.parameters += u.shard.numel() * u.shard.element_size();
     if (u.master.defined() && !u.master.is_same(u.shard) && !m.host_adam) r.parameters += u.master.numel() * kF32;
     if (u.grad.defined()) r.gradients += u.grad.numel() * kF32;
+  }
+  if (m.lora) {  // the adapters: values and gradients in fp32 (their moments count in the optimizer's)
+    r.parameters += m.lora_master.numel() * kF32;
+    r.gradients += m.lora_grad.numel() * kF32;
   }
   if (m.adam) r.optimizer = m.adam->state_bytes();
   if (m.host_adam) r.host = m.host_adam->host_bytes();

@@ -84,6 +84,53 @@ struct ShardedModel::Impl {
   int64_t router_rows = 0;  // the counted rows of the forward the terms are from
   at::Tensor router_stats;  // fp64 [2] (weighted aux, z) since take_router_stats()
 
+  // LoRA (options.lora): the adapters' fp32 values and gradients, each one flat buffer held whole
+  // on every rank, with a view per adapter tensor (lora_specs' order: per layer, A and B of each
+  // adapted projection); lora_of_layer[l]: layer l's indices into them.
+  bool lora = false;
+  std::vector<model::ParamSpec> lora_specs;
+  at::Tensor lora_master, lora_grad;
+  std::vector<at::Tensor> lora_views, lora_grad_views;
+  std::vector<std::vector<size_t>> lora_of_layer;
+  bool adapters_off = false;  // set_adapters_enabled(false): the base alone
+  int64_t lora_forwards = 0;  // training forwards so far: each draws its own dropout masks
+
+  // Layer `layer`'s adapter tensors: views of the values, or leaves over them (a graph's inputs).
+  std::vector<at::Tensor> layer_adapters(int64_t layer, bool as_leaves) const {
+    std::vector<at::Tensor> out;
+    for (size_t i : lora_of_layer[static_cast<size_t>(layer)])
+      out.push_back(as_leaves ? lora_views[i].detach().requires_grad_(true) : lora_views[i]);
+    return out;
+  }
+  // Binds them into `w` (A and B of each adapted projection, in order).
+  void bind_adapters(model::LayerWeights& w, const std::vector<at::Tensor>& a) const {
+    size_t k = 0;
+    for (size_t m = 0; m < opts.lora.targets.size(); ++m) {
+      if (!opts.lora.targets[m]) continue;
+      w.lora.a[m] = a.at(k++);
+      w.lora.b[m] = a.at(k++);
+    }
+    w.lora.scale = opts.lora.scale();
+  }
+  // Adds a layer's adapter gradients (layer_adapters' order; undefined ones skipped).
+  void accumulate_adapters(int64_t layer, const std::vector<at::Tensor>& grads) {
+    const auto& idx = lora_of_layer[static_cast<size_t>(layer)];
+    TILLER_CHECK(grads.size() == idx.size(), "layer {}: {} adapter gradients for {} adapters", layer, grads.size(),
+                 idx.size());
+    for (size_t k = 0; k < idx.size(); ++k)
+      if (grads[k].defined()) lora_grad_views[idx[k]].add_(grads[k]);
+  }
+  // The LoRA fields of a forward's block context: the switch, and in a training forward the
+  // dropout's seed for this forward and the rows' offset in the packed row.
+  void lora_context(model::BlockContext& ctx, bool training, int64_t first_row) {
+    if (!lora) return;
+    ctx.lora_off = adapters_off;
+    if (!training || opts.lora_dropout <= 0) return;
+    ctx.lora_dropout = opts.lora_dropout;
+    ctx.lora_dropout_seed = static_cast<int64_t>(opts.lora_seed * 1000003ull + static_cast<uint64_t>(++lora_forwards));
+    ctx.lora_first_row = first_row;
+  }
+
   bool router_losses_on() const {
     return opts.trainable && cfg.moe() && (opts.router_aux_coef > 0 || opts.router_z_coef > 0);
   }
@@ -167,12 +214,16 @@ struct ShardedModel::Impl {
   void release_segment(size_t s) {
     for (size_t u : segment_units(s)) gathered.erase(u);
   }
-  // The layer's weights from per-parameter tensors (views of a gathered unit, or leaves over them).
-  model::LayerWeights layer_weights(int64_t layer, size_t u, const std::vector<at::Tensor>& ts) const {
+  // The layer's weights from per-parameter tensors (views of a gathered unit, or leaves over them),
+  // with a LoRA model's adapters: `adapters` (layer_adapters' tensors), or else views of them.
+  model::LayerWeights layer_weights(int64_t layer, size_t u, const std::vector<at::Tensor>& ts,
+                                    const std::vector<at::Tensor>* adapters = nullptr) const {
     NamedTensors named;
     const auto& ps = units[u].layout.params();
     for (size_t k = 0; k < ts.size(); ++k) named.emplace(ps[k].spec.name, ts[k]);
-    return model::bind_layer(cfg, layer, named, "unit layers." + std::to_string(layer));
+    model::LayerWeights w = model::bind_layer(cfg, layer, named, "unit layers." + std::to_string(layer));
+    if (lora) bind_adapters(w, adapters ? *adapters : layer_adapters(layer, false));
+    return w;
   }
   NamedTensors named_views(size_t u, const at::Tensor& full) const {
     NamedTensors out;
@@ -290,9 +341,10 @@ struct ShardedModel::Impl {
     return ctx;
   }
   at::Tensor run_block(int64_t layer, const std::vector<at::Tensor>& params, const at::Tensor& x,
-                       model::BlockContext& ctx) const {
+                       model::BlockContext& ctx, const std::vector<at::Tensor>* adapters = nullptr) const {
     if (x.size(0) == 0) return x.clone();
-    return model::block_forward(cfg, layer, layer_weights(layer, static_cast<size_t>(layer) + 1, params), x, ctx);
+    return model::block_forward(cfg, layer, layer_weights(layer, static_cast<size_t>(layer) + 1, params, adapters), x,
+                                ctx);
   }
   at::Tensor lm_weight(const NamedTensors& head, const NamedTensors& embed) const {
     return tied_lm() ? embed.at("model.embed_tokens.weight") : head.at("lm_head.weight");

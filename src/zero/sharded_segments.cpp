@@ -105,6 +105,20 @@ void unpark(const at::Tensor& parked, const at::Tensor& fresh) {
   from.set_nbytes(0);
 }
 
+// The context a block's backward recomputes it in: RoPE tables, the packing, and what the forward
+// saved of the replayed routes, the router losses' rows and the adapters' switch and dropout.
+model::BlockContext recompute_context(Impl* m, AutogradContext* ctx, const variable_list& saved,
+                                      const std::vector<int64_t>& lens) {
+  model::BlockContext bctx = m->block_context(saved[1], saved[2], saved[3], lens);
+  bctx.replay_routes = ctx->saved_data["routes"].toTensor();
+  bctx.routed_rows = ctx->saved_data["routed_rows"].toInt();
+  bctx.lora_off = ctx->saved_data["lora_off"].toBool();
+  bctx.lora_dropout = ctx->saved_data["lora_dropout"].toDouble();
+  bctx.lora_dropout_seed = ctx->saved_data["lora_seed"].toInt();
+  bctx.lora_first_row = ctx->saved_data["lora_first_row"].toInt();
+  return bctx;
+}
+
 // Segment 1 + layer: one transformer block. With Recompute::kBlocks only its input is saved and
 // the backward recomputes the whole block; with kNone the forward records the block's graph and
 // the backward runs it; with kAttentionOnly the forward runs the attention half without autograd
@@ -119,6 +133,11 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     ctx->saved_data["lens"] = block->attn.lens_q;
     ctx->saved_data["routes"] = block->replay_routes;  // routing replay: the recomputation routes alike
     ctx->saved_data["routed_rows"] = block->routed_rows;  // the recomputed router loss counts the same rows
+    // LoRA: the recomputation runs the adapters (off or on) with the same dropout masks.
+    ctx->saved_data["lora_off"] = block->lora_off;
+    ctx->saved_data["lora_dropout"] = block->lora_dropout;
+    ctx->saved_data["lora_seed"] = block->lora_dropout_seed;
+    ctx->saved_data["lora_first_row"] = block->lora_first_row;
     const bool router = block->router_loss != nullptr && m->cfg.sparse_layer(layer);
     ctx->saved_data["router"] = router;
     model::BlockContext bctx = *block;
@@ -136,8 +155,10 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     m->prefetch_segment(s);
     m->prefetch_segment(s + 1);
     const at::Tensor full = m->acquire(s);
-    std::vector<at::Tensor> params = leaves(m->units[s].layout.views(full));
-    const model::LayerWeights w = m->layer_weights(layer, s, params);
+    // A LoRA model's graph takes the adapters as its leaves; the frozen base's views take none.
+    std::vector<at::Tensor> params = m->lora ? m->units[s].layout.views(full) : leaves(m->units[s].layout.views(full));
+    const std::vector<at::Tensor> adapters = m->lora ? m->layer_adapters(layer, true) : std::vector<at::Tensor>{};
+    const model::LayerWeights w = m->layer_weights(layer, s, params, m->lora ? &adapters : nullptr);
     at::Tensor y, kept_in;  // the recorded graph's output and input
     {
       at::AutoGradMode on(true);
@@ -158,6 +179,7 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
     ctx->saved_data["kept_out"] = y;
     ctx->saved_data["kept_in"] = kept_in;
     ctx->saved_data["params"] = params;
+    ctx->saved_data["adapters"] = adapters;
     if (router) ctx->saved_data["kept_loss"] = block->router_loss->layer;  // in the recorded graph
     if (m->transient(s)) park(full);
     m->release_segment(s);
@@ -180,13 +202,15 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
       const at::Tensor y = ctx->saved_data["kept_out"].toTensor();
       const at::Tensor kept_in = ctx->saved_data["kept_in"].toTensor();
       variable_list params = ctx->saved_data["params"].toTensorVector();
+      const variable_list adapters = ctx->saved_data["adapters"].toTensorVector();
       const at::Tensor loss = router ? ctx->saved_data["kept_loss"].toTensor() : at::Tensor();
       ctx->saved_data.erase("kept_out");
       ctx->saved_data.erase("kept_in");
       ctx->saved_data.erase("params");
+      ctx->saved_data.erase("adapters");
       ctx->saved_data.erase("kept_loss");
       if (m->transient(s)) unpark(params.front(), full);
-      variable_list inputs = params;
+      variable_list inputs = m->lora ? adapters : params;  // what trains: the adapters, or the block
       inputs.push_back(kept_in);
       g = grads_of(y, loss, inputs, grads[0], grad_loss);
       at::Tensor g_in = g.back();
@@ -197,11 +221,11 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
         at::Tensor a;
         {
           at::AutoGradMode on(true);
-          auto bctx = m->block_context(saved[1], saved[2], saved[3], lens);
-          bctx.replay_routes = ctx->saved_data["routes"].toTensor();
-          a = model::attention_residual(m->cfg, layer, m->layer_weights(layer, s, params), x, bctx);
+          auto bctx = recompute_context(m, ctx, saved, lens);
+          a = model::attention_residual(m->cfg, layer, m->layer_weights(layer, s, params, m->lora ? &adapters : nullptr),
+                                        x, bctx);
         }
-        inputs = params;
+        inputs = m->lora ? adapters : params;
         inputs.push_back(x);
         variable_list ga = grads_of(a, inputs, g_in);
         gx = ga.back();
@@ -209,25 +233,25 @@ struct BlockSegment : public torch::autograd::Function<BlockSegment> {
           if (ga[i].defined()) g[i] = g[i].defined() ? g[i] + ga[i] : ga[i];
       }
     } else {
-      auto params = leaves(m->units[s].layout.views(full));
+      auto params = m->lora ? m->units[s].layout.views(full) : leaves(m->units[s].layout.views(full));
+      const std::vector<at::Tensor> adapters = m->lora ? m->layer_adapters(layer, true) : std::vector<at::Tensor>{};
       at::Tensor y;
       // The recomputed router loss; its statistics were counted by the forward.
       model::RouterLoss recomputed{m->opts.router_aux_coef, m->opts.router_z_coef, {}, {}, {}};
       {
         at::AutoGradMode on(true);
-        auto bctx = m->block_context(saved[1], saved[2], saved[3], lens);
-        bctx.replay_routes = ctx->saved_data["routes"].toTensor();
-        bctx.routed_rows = ctx->saved_data["routed_rows"].toInt();
+        auto bctx = recompute_context(m, ctx, saved, lens);
         if (router) bctx.router_loss = &recomputed;
-        y = m->run_block(layer, params, x, bctx);
+        y = m->run_block(layer, params, x, bctx, m->lora ? &adapters : nullptr);
       }
-      variable_list inputs = params;
+      variable_list inputs = m->lora ? adapters : params;
       inputs.push_back(x);
       g = grads_of(y, recomputed.layer, inputs, grads[0], grad_loss);
       gx = g.back();
       g.pop_back();
     }
-    m->reduce(s, g);
+    if (m->lora) m->accumulate_adapters(layer, g);  // the frozen base has no gradient
+    else m->reduce(s, g);
     m->release_segment(s);
     if (!gx.defined()) gx = at::zeros_like(saved[0]);
     return {at::Tensor(), at::Tensor(), at::Tensor(), gx, at::Tensor()};
@@ -253,6 +277,7 @@ struct LmHeadSegment : public torch::autograd::Function<LmHeadSegment> {
     const auto saved = ctx->get_saved_variables();
     const size_t s = m->head_unit();
     m->begin_backward(s);
+    if (m->lora) return lora_backward(m, ctx, saved, grads);
     const FlatLayout& hl = m->units[s].layout;
     auto head = leaves(hl.views(m->acquire(s)));
     const NamedTensors embed = m->tied_lm() ? m->named_views(0, m->acquire(0)) : NamedTensors{};
@@ -296,6 +321,27 @@ struct LmHeadSegment : public torch::autograd::Function<LmHeadSegment> {
     at::Tensor gx = g[0].defined() ? g[0] : at::zeros_like(saved[0]);
     return {at::Tensor(), at::Tensor(), gx, at::Tensor(), at::Tensor(), at::Tensor()};
   }
+  // A LoRA model's frozen head: the gradient of its input alone, no weight gradient computed.
+  static variable_list lora_backward(Impl* m, AutogradContext* ctx, const variable_list& saved,
+                                     const variable_list& grads) {
+    const size_t s = m->head_unit();
+    const NamedTensors head = m->named_views(s, m->acquire(s));
+    const NamedTensors embed = m->tied_lm() ? m->named_views(0, m->acquire(0)) : NamedTensors{};
+    at::Tensor x = saved[0].detach().requires_grad_(true);
+    at::Tensor h;
+    {
+      at::AutoGradMode on(true);
+      h = model::final_norm(m->cfg, head.at("model.norm.weight"), x);
+    }
+    auto [gh, unused] = model::token_logprobs_backward(
+        h.detach(), m->lm_weight(head, embed), saved[1], grads[0], ctx->saved_data["temperature"].toDouble(),
+        m->opts.logprob_chunk_rows, /*need_hidden=*/true, /*need_weight=*/false, /*fp32_weight_grad=*/true,
+        grads.size() > 1 ? grads[1] : at::Tensor());
+    const variable_list g = grads_of(h, {x}, gh);
+    m->release_segment(s);
+    at::Tensor gx = g[0].defined() ? g[0] : at::zeros_like(saved[0]);
+    return {at::Tensor(), at::Tensor(), gx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
 };
 
 // The last segment, value head: final norm -> score.
@@ -333,7 +379,8 @@ struct ValueHeadSegment : public torch::autograd::Function<ValueHeadSegment> {
 
 at::Tensor run_trunk(Impl& m, const at::Tensor& tokens, model::BlockContext& bctx, bool graph) {
   if (graph) {
-    at::Tensor x = EmbedSegment::apply(m.anchor, &m, tokens);
+    // A LoRA model's embedding is frozen and first: no graph before the blocks (the anchor starts it).
+    at::Tensor x = m.lora ? m.embed_forward(tokens) : EmbedSegment::apply(m.anchor, &m, tokens);
     for (int64_t i = 0; i < m.cfg.num_layers; ++i) {
       const variable_list out = BlockSegment::apply(m.anchor, &m, i, x, &bctx);
       x = out[0];

@@ -21,6 +21,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/file_system.h"
 #include "tiller/core/files.h"
+#include "tiller/model/lora.h"
 #include "tiller/model/safetensors.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
@@ -131,8 +132,10 @@ struct Reference {
       exp_avg_sq[n] = at::zeros_like(params[n]);
     }
   }
+  model::LoraSpec lora;  // LoRA: the adapters (in params) train, the base stays
   at::Tensor forward(const MicroBatch& mb) {
-    const auto w = model::bind_weights(cfg, params, head, "reference");
+    auto w = model::bind_weights(cfg, params, head, "reference");
+    if (lora.enabled()) model::bind_lora(cfg, lora, params, w, "reference");
     auto batch = model::PackedBatch::pack(mb.seqs, device());
     batch.routes = mb.routes;
     at::Tensor h = model::forward_hidden(cfg, w, batch);
@@ -202,7 +205,7 @@ struct Reference {
     ++t;
     const double bc1 = 1 - std::pow(adam.beta1, t), bc2 = 1 - std::pow(adam.beta2, t);
     c10::AutoGradMode no_grad(false);
-    for (const auto& spec : model::parameter_specs(cfg, head)) {
+    for (const auto& spec : lora.enabled() ? model::lora_parameter_specs(cfg, lora) : model::parameter_specs(cfg, head)) {
       at::Tensor& p = params.at(spec.name);
       at::Tensor g = p.grad().defined() ? p.grad() * clip : at::zeros_like(p);
       if (!spec.no_decay) p.mul_(1 - lr * adam.weight_decay);
@@ -291,11 +294,16 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
   // elementwise in tests/zero/layout_optimizer_test.cpp.
   const zero::AdamWConfig adam{0.9, 0.95, 1e-4, 0.1};
   const double max_norm = 0.3;  // clips some steps
-  const NamedTensors init = model::init_weights(cfg, head, 5, at::kFloat);
+  NamedTensors init = model::init_weights(cfg, head, 5, at::kFloat);
   zero::ShardedModelOptions opts = options(head, adam, max_norm);
   opts.recompute = recompute;
   opts.reduce_dtype = reduce;
   if (tweak) tweak(opts);
+  if (opts.lora.enabled()) {  // adapters with B not zero (PEFT starts it at zero), so A trains from step 1
+    at::Generator gen = at::detail::createCPUGenerator(17);
+    for (auto& [name, t] : model::init_lora(cfg, opts.lora, 3))
+      init[name] = name.find("lora_B") != std::string::npos ? at::normal(0.0, 0.05, t.sizes(), gen) : t;
+  }
   // bf16 reduction rounds each reduced gradient to ~3 significant digits.
   const bool rounded = on_gpu() || reduce != at::kFloat;
   ShardedModel m(cfg, comm(), opts);
@@ -306,6 +314,10 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
   }
   m.load(init, "init");
   Reference ref(cfg, head, init, adam);
+  ref.lora = opts.lora;
+  if (opts.lora.enabled())  // the base is frozen
+    for (auto& [name, p] : ref.params)
+      if (name.find(".lora_") == std::string::npos) p.requires_grad_(false);
   ref.aux_coef = opts.router_aux_coef;
   ref.z_coef = opts.router_z_coef;
   ref.sp = sp;
@@ -313,9 +325,11 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
   const zero::LrSchedule sched{LrScheduleKind::kCosine, 1, 4, 0.1};
   const int groups = world / sp, group = me / sp, j = me % sp;
   const double base_lr = on_gpu() ? 3e-3 : 1e-2;
-  const std::string what = fmt::format("{} sp {} recompute {} reduce {}{}{}", preset, sp, zero::recompute_name(recompute),
-                                       c10::toString(reduce), opts.optimizer_on_host ? " host optimizer" : "",
-                                       opts.router_aux_coef > 0 || opts.router_z_coef > 0 ? " router losses" : "");
+  const std::string what = fmt::format("{} sp {} recompute {} reduce {}{}{}{}", preset, sp,
+                                       zero::recompute_name(recompute), c10::toString(reduce),
+                                       opts.optimizer_on_host ? " host optimizer" : "",
+                                       opts.router_aux_coef > 0 || opts.router_z_coef > 0 ? " router losses" : "",
+                                       opts.lora.enabled() ? " lora" : "");
   bool clipped = false;
   double worst_out = 0;
   for (int step = 0; step < 3; ++step) {
@@ -365,7 +379,13 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
     clipped |= r.clip_factor < 1;
     EXPECT_FALSE(r.skipped);
     EXPECT_NEAR(r.grad_norm, ref_norm, ref_norm * (on_gpu() ? 3e-2 : rounded ? 3e-3 : 1e-5)) << what << " step " << step;
-    const Diff d = compare(m.gather_parameters(), ref.params, init);
+    NamedTensors got = m.gather_parameters();
+    for (auto& [name, t] : m.lora_parameters()) got.emplace(name, t);
+    const Diff d = compare(got, ref.params, init);
+    if (opts.lora.enabled())  // the base did not move
+      for (const auto& spec : model::parameter_specs(cfg, head))
+        EXPECT_TRUE(at::equal(got.at(spec.name).cpu(), init.at(spec.name).to(got.at(spec.name).scalar_type())))
+            << what << " " << spec.name;
     if (rounded) {
       EXPECT_LT(d.update_rel, on_gpu() ? 0.15 : 2e-2) << what << " step " << step << " (max abs " << d.max_abs << ")";
       // fp32 compute with a bf16 reduction: the rounding shows (the option took effect), and

@@ -40,6 +40,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "tiller/model/lora.h"
 #include "tiller/model/model_config.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
@@ -95,6 +96,13 @@ struct ShardedModelOptions {
   double router_aux_coef = 0;
   double router_z_coef = 0;
   std::string role = "actor";  // the role's name, for error messages
+  // LoRA (model/lora.h): with lora.rank > 0 the base is frozen (its compute-dtype shards, no
+  // master, gradients or optimizer state) and the adapters train: fp32, held whole on every rank
+  // (megabytes), their gradients all-reduced over the model's ranks at step(), AdamW on them.
+  // Language-model heads only; checkpoints and offload refuse a LoRA model for now.
+  model::LoraSpec lora;
+  double lora_dropout = 0;  // PEFT's lora_dropout in the training forwards
+  uint64_t lora_seed = 0;   // PEFT's initialisation when load() finds no adapters, and the dropout's masks
 };
 
 // The options of role `name` from the job config: roles.<name>.dtype and .replicate, and train.*
@@ -181,6 +189,12 @@ class ShardedModel {
   // The weighted aux and z (as router_loss weighs them, without the coefficients) summed since
   // the last call: fp64 [2] on the host; zeros when none. Synchronises the device.
   at::Tensor take_router_stats();
+  // LoRA: whether the model trains adapters on a frozen base; the adapters (fp32 copies on the
+  // host, PEFT's names without its prefix), empty without LoRA; and the forwards' switch: with the
+  // adapters off they run the base alone (a LoRA actor's reference). Not collective.
+  bool lora() const;
+  model::NamedTensors lora_parameters() const;
+  void set_adapters_enabled(bool on);
   // The host optimizer (optimizer_on_host), for its timings; nullptr otherwise.
   const HostAdamW* host_optimizer() const;
 
