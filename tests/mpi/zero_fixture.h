@@ -174,7 +174,7 @@ struct Reference {
           const zero::SequenceSlice slice = zero::SequenceSlice::of(batch, sp, j);
           const int64_t n = slice.tokens.numel(), first = slice.first_row;
           if (n == 0) continue;
-          const at::Tensor f = at::one_hot(chosen.narrow(0, first, n), e).sum({0, 1}).to(at::kFloat) / n;
+          const at::Tensor f = at::one_hot(chosen.narrow(0, first, n), e).sum(at::IntArrayRef({0, 1})).to(at::kFloat) / n;
           const at::Tensor aux = (f * probs.narrow(0, first, n).mean(0)).sum() * static_cast<double>(e);
           const at::Tensor z = at::logsumexp(logits.narrow(0, first, n), -1).pow(2).mean();
           const double weight = static_cast<double>(n) / static_cast<double>(total_tokens * layers);

@@ -58,13 +58,19 @@ INSTANTIATE_TEST_SUITE_P(Zero, RouterLosses,
 // whole on every rank with their gradients all-reduced, train as the unsharded reference that
 // binds the same adapters and steps them alone: Llama with every projection adapted and Qwen2
 // (biases, tied head) with three, over recomputed and kept blocks, and Qwen2 over SP 2 slices.
+// On GPUs in fp32 compute, which checks the CUDA path tightly: with a bf16 base (1xH100,
+// 2026-11-26) the gradient norms agreed with the fp32 reference within 0.1% but the updates were
+// 0.27-0.41 apart (the bound is 0.15) - Adam's first steps normalise the bf16 noise of the
+// adapters' small gradients. The bf16 path is checked bit for bit against a frozen model below.
 class LoraTraining : public ::testing::TestWithParam<zero::Recompute> {};
 const auto lora_all = [](zero::ShardedModelOptions& o) {
+  if (on_gpu()) o.compute_dtype = at::kFloat;
   o.lora.rank = 4;
   o.lora.alpha = 8;
   o.lora.targets.fill(true);
 };
 const auto lora_some = [](zero::ShardedModelOptions& o) {
+  if (on_gpu()) o.compute_dtype = at::kFloat;
   o.lora.rank = 3;
   o.lora.alpha = 5;
   o.lora.use_rslora = true;
@@ -94,6 +100,7 @@ TEST(Zero, LoraAdaptersOffScoreAsTheBaseBitForBit) {
   const NamedTensors init = model::init_weights(cfg, Head::kLm, 5, at::kFloat);
   zero::ShardedModelOptions o = options(Head::kLm, {0.9, 0.95, 1e-8, 0.0}, 1.0);
   lora_all(o);
+  o.compute_dtype = compute_dtype();  // bf16 on GPUs, as the frozen model's
   ShardedModel actor(cfg, comm(), o);
   actor.load(init, "init");
   zero::ShardedModelOptions f = options(Head::kLm, {}, 1.0);
