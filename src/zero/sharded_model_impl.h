@@ -246,7 +246,7 @@ struct ShardedModel::Impl {
   }
   // The embedding's gradient goes straight into the fp32 reduction buffer, row by row, without
   // its weights; a bf16 reduction takes autograd's gradient (which needs them).
-  bool embed_backward_reads_weights() const { return opts.reduce_dtype != at::kFloat; }
+  bool embed_backward_reads_weights() const { return !lora && opts.reduce_dtype != at::kFloat; }  // LoRA: no embedding backward
   // Called when segment s's backward starts: its units and the next segment to backpropagate
   // (s - 1) are gathered, and the reductions two segments back must be done.
   void begin_backward(size_t s) {
