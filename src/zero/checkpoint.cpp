@@ -17,6 +17,7 @@
 #include "tiller/core/files.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
+#include "tiller/model/lora.h"
 #include "tiller/model/safetensors.h"
 #include "tiller/model/weights.h"
 #include "tiller/zero/flat_layout.h"
@@ -94,10 +95,17 @@ void load_rng(const model::SafetensorsFile& f, const at::Device& device) {
   }
 }
 
+// A LoRA model's spec as meta.json records it.
+json lora_meta(const model::LoraSpec& spec) {
+  json targets = json::array();
+  for (size_t m = 0; m < spec.targets.size(); ++m)
+    if (spec.targets[m]) targets.push_back(model::lora_module_name(static_cast<model::LoraModule>(m)));
+  return {{"rank", spec.rank}, {"alpha", spec.alpha}, {"use_rslora", spec.use_rslora}, {"target_modules", targets}};
+}
+
 }  // namespace
 
 void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOptions& options) {
-  TILLER_CHECK(!model.lora(), "{}: checkpoints of a LoRA model (adapters on a frozen base) are not written yet", dir);
   dist::Communicator& comm = model.communicator();
   const int me = comm.rank();
   const std::string tmp = dir + ".tmp", old = dir + ".old";
@@ -109,9 +117,21 @@ void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOpti
   int bad = first_failure(model, !err.empty());
   if (bad >= 0) throw IoError(fmt::format("checkpoint {}: cannot create {}: {}", dir, tmp, err.empty() ? "see rank 0" : err));
 
-  const auto states = model.unit_states();
+  // A LoRA model saves its adapters and their moments (rank 0: every rank holds the same); its
+  // frozen base is the source model's, which the role loads before a resume.
+  const bool lora = model.lora();
+  const auto states = lora ? std::vector<ShardedModel::UnitState>{} : model.unit_states();
   err = attempt([&] {
-    if (!model.options().replicate || me == 0) {
+    if (lora) {
+      if (me == 0) {
+        const ShardedModel::LoraState st = model.lora_state();
+        model::NamedTensors tensors = st.adapters;
+        tensors["lora.exp_avg"] = st.exp_avg;
+        tensors["lora.exp_avg_sq"] = st.exp_avg_sq;
+        save_rng(tensors, model.options().device);
+        model::write_safetensors(tmp + "/lora.safetensors", tensors);
+      }
+    } else if (!model.options().replicate || me == 0) {
       model::NamedTensors tensors;
       for (const auto& s : states) {
         tensors[s.name + ".master"] = s.master;
@@ -147,6 +167,7 @@ void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOpti
     json units = json::array();
     for (const auto& s : states) units.push_back({{"name", s.name}, {"shard_numel", s.master.numel()}});
     meta["units"] = units;
+    if (lora) meta["lora"] = lora_meta(o.lora);
     write_file_atomic(tmp + "/config.json", model::to_hf_config_json(model.config(), o.head == model::Head::kValue));
     write_file_atomic(tmp + "/meta.json", meta.dump(2));
     fsync_dir(tmp);
@@ -164,12 +185,29 @@ void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOpti
 }
 
 void load_checkpoint(ShardedModel& model, const std::string& dir_in) {
-  TILLER_CHECK(!model.lora(), "{}: checkpoints of a LoRA model (adapters on a frozen base) are not read yet", dir_in);
   std::exception_ptr error;
   const std::string err = attempt([&] {
     const std::string dir = resolve(dir_in);
     const json meta = read_meta(dir);
     const auto& o = model.options();
+    if (meta.contains("lora") != model.lora())
+      throw ConfigError(fmt::format("{}: {}", dir, model.lora() ? "saved without LoRA adapters; this role trains them"
+                                                                : "holds LoRA adapters; this role trains no adapters"));
+    if (model.lora()) {  // the adapters and their moments; the base is the source model's, loaded already
+      if (meta.at("lora") != lora_meta(o.lora))
+        throw ConfigError(fmt::format("{}: adapters {}, this role's are {}; resume with the same LoRA settings", dir,
+                                      meta.at("lora").dump(), lora_meta(o.lora).dump()));
+      const std::string path = dir + "/lora.safetensors";
+      if (!fs::exists(path)) throw IoError(fmt::format("{}: missing; the checkpoint is incomplete", path));
+      model::SafetensorsFile f(path);
+      model::NamedTensors adapters;
+      for (const auto& e : f.entries())
+        if (e.name.rfind("lora.", 0) != 0 && e.name.rfind("rng.", 0) != 0) adapters[e.name] = f.tensor(e.name);
+      model.load_lora_state(adapters, f.tensor("lora.exp_avg"), f.tensor("lora.exp_avg_sq"));
+      model.set_steps(meta.value("steps", int64_t{0}));
+      load_rng(f, o.device);
+      return;
+    }
     const int world = meta.value("world", 0);
     if (world != model.world())
       throw ConfigError(fmt::format("{}: saved by a group of {} ranks, this group has {}; resume with the same world "
@@ -222,6 +260,9 @@ int64_t checkpoint_steps(const std::string& dir) { return read_meta(resolve(dir)
 void export_hf(const std::string& checkpoint_dir, const std::string& out_dir, at::ScalarType dtype) {
   const std::string dir = resolve(checkpoint_dir);
   const json meta = read_meta(dir);
+  if (meta.contains("lora"))
+    throw ConfigError(fmt::format("{}: a LoRA checkpoint (adapters on {}); exporting adapters is not built yet", dir,
+                                  meta.value("source_model", std::string("the source model"))));
   const model::ModelConfig cfg = model::load_model_config(dir + "/config.json");
   const model::Head head = meta.value("head", "lm") == "value" ? model::Head::kValue : model::Head::kLm;
   const int world = meta.value("world", 0);

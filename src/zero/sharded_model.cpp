@@ -447,7 +447,8 @@ std::vector<ShardedModel::UnitState> ShardedModel::unit_states() const {
   for (size_t i = 0; i < m.units.size(); ++i) {
     const auto& u = m.units[i];
     UnitState s{u.layout.name(), u.master.defined() ? u.master : u.shard, {}, {}};
-    if (m.adam) {
+    if (m.lora) {  // a frozen base: its moments are the adapters' (lora_state)
+    } else if (m.adam) {
       s.exp_avg = m.adam->exp_avg(i);
       s.exp_avg_sq = m.adam->exp_avg_sq(i);
     } else if (m.host_adam) {
@@ -472,6 +473,28 @@ void ShardedModel::load_unit_state(size_t i, const at::Tensor& master, const at:
   if (u.shard.defined() && !dst.is_same(u.shard)) u.shard.copy_(dst);
   if (m.adam) m.adam->load_state(i, exp_avg, exp_avg_sq);
   if (m.host_adam) m.host_adam->load_state(i, exp_avg, exp_avg_sq);
+}
+
+ShardedModel::LoraState ShardedModel::lora_state() const {
+  const Impl& m = *impl_;
+  TILLER_CHECK(m.lora, "lora_state() of a model without LoRA adapters");
+  return {lora_parameters(), m.adam->exp_avg(0).to(at::kCPU), m.adam->exp_avg_sq(0).to(at::kCPU)};
+}
+
+void ShardedModel::load_lora_state(const NamedTensors& adapters, const at::Tensor& exp_avg,
+                                   const at::Tensor& exp_avg_sq) {
+  Impl& m = *impl_;
+  TILLER_CHECK(m.lora, "load_lora_state() of a model without LoRA adapters");
+  TILLER_CHECK(exp_avg.numel() == m.lora_master.numel() && exp_avg_sq.numel() == m.lora_master.numel(),
+               "the adapters' moments hold {} and {} elements, the adapters {}", exp_avg.numel(), exp_avg_sq.numel(),
+               m.lora_master.numel());
+  for (size_t i = 0; i < m.lora_specs.size(); ++i) {
+    const auto it = adapters.find(m.lora_specs[i].name);
+    TILLER_CHECK(it != adapters.end() && it->second.sizes() == m.lora_views[i].sizes(), "the adapter '{}' is {}",
+                 m.lora_specs[i].name, it == adapters.end() ? "missing" : "misshapen");
+    m.lora_views[i].copy_(it->second);
+  }
+  m.adam->load_state(0, exp_avg.reshape({-1}).to(m.opts.device), exp_avg_sq.reshape({-1}).to(m.opts.device));
 }
 
 void ShardedModel::set_steps(int64_t steps) {

@@ -46,6 +46,55 @@ TEST(Zero, ResumeContinuesAsIfNeverStopped) {
   EXPECT_EQ(b.steps(), 4);
 }
 
+// A LoRA model's checkpoint holds its adapters and their moments (not the frozen base, which the
+// role loads from the source model): a model of the same base resumes from it as if never
+// stopped; other LoRA settings, or a checkpoint of the other kind, are refused by name; export
+// refuses it.
+TEST(Zero, LoraCheckpointResumesTheAdapters) {
+  const ModelConfig cfg = config("tiny-qwen2");
+  const std::string dir = scratch("lora_resume");
+  const NamedTensors base = model::init_weights(cfg, Head::kLm, 3, at::kFloat);
+  auto o = options(Head::kLm, {0.9, 0.95, 1e-8, 0.05}, 0.5);
+  o.lora.rank = 4;
+  o.lora.alpha = 8;
+  o.lora.targets.fill(true);
+  ShardedModel a(cfg, comm(), o);
+  a.load(base, "init");
+  train(a, cfg, 0, 2);
+  zero::save_checkpoint(a, dir);
+  EXPECT_EQ(zero::checkpoint_steps(dir), 2);
+  EXPECT_TRUE(fs::exists(dir + "/lora.safetensors"));
+  train(a, cfg, 2, 2);
+
+  o.lora_seed = 99;  // other initial adapters: the checkpoint's must replace them
+  ShardedModel b(cfg, comm(), o);
+  b.load(base, "init");
+  zero::load_checkpoint(b, dir);
+  EXPECT_EQ(b.steps(), 2);
+  train(b, cfg, 2, 2);
+  expect_same_parameters(b.lora_parameters(), a.lora_parameters(), "resumed adapters vs uninterrupted");
+  expect_same_parameters(b.gather_parameters(), a.gather_parameters(), "the frozen bases");
+
+  auto refused = [&](const zero::ShardedModelOptions& opts) {
+    ShardedModel c(cfg, comm(), opts);
+    c.load(base, "init");
+    try {
+      zero::load_checkpoint(c, dir);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto other = o;
+  other.lora.rank = 8;
+  EXPECT_NE(refused(other).find("resume with the same LoRA settings"), std::string::npos);
+  auto full = o;
+  full.lora = {};
+  EXPECT_NE(refused(full).find("holds LoRA adapters; this role trains no adapters"), std::string::npos);
+  if (comm().rank() == 0)
+    EXPECT_THROW(zero::export_hf(dir, scratch("lora_export"), at::kFloat), ConfigError);
+}
+
 // roles.<r>.offload: the state leaves the device and comes back bit for bit; a forward (scoring)
 // runs meanwhile from the compute shards; the next step is the one without offload.
 TEST(Zero, OffloadThenReloadIsBitExactAndTheNextStepEqualsOneWithout) {

@@ -219,9 +219,17 @@ class ShardedModel {
     at::Tensor master;          // fp32 (trainable) or the compute shard (frozen)
     at::Tensor exp_avg, exp_avg_sq;  // undefined when frozen
   };
-  std::vector<UnitState> unit_states() const;
+  std::vector<UnitState> unit_states() const;  // a LoRA model's units: the frozen base's shards
   void load_unit_state(size_t unit, const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq);
   void set_steps(int64_t steps);
+  // LoRA: the adapters (lora_parameters()) and their AdamW moments, flat fp32 on the host, the same
+  // on every rank; and back.
+  struct LoraState {
+    model::NamedTensors adapters;
+    at::Tensor exp_avg, exp_avg_sq;
+  };
+  LoraState lora_state() const;
+  void load_lora_state(const model::NamedTensors& adapters, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq);
 
   const model::ModelConfig& config() const;
   dist::Communicator& communicator() const;
