@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include <unistd.h>
 
@@ -227,39 +228,15 @@ struct MergeLoraOptions {
 // A full Hugging Face checkpoint: the base with a PEFT adapter merged into its weights as PEFT's
 // merge_and_unload does, and the base's other files (config, tokenizer, generation config).
 int run_merge_lora(const MergeLoraOptions& o) {
-  if (fs::exists(o.to) && fs::exists(o.model) && fs::equivalent(o.to, o.model))
-    throw ConfigError(fmt::format("--to {} is the base model's directory; write the merged model elsewhere", o.to));
   const model::ModelConfig cfg = model::load_model_config(o.model);
   const model::PeftAdapter a = model::read_peft_adapter(o.lora, cfg);
-  const model::CheckpointReader reader(o.model);
-  model::NamedTensors merged = model::merge_lora(cfg, a.spec, reader.all(), a.tensors);
-  if (!o.dtype.empty()) {
-    const at::ScalarType t = parse_dtype(o.dtype);
-    for (auto& [name, w] : merged) w = w.to(t);
-  }
-  fs::create_directories(o.to);
-  for (const auto& entry : fs::directory_iterator(o.model)) {  // everything but the weights
-    const std::string name = entry.path().filename().string();
-    if (!entry.is_regular_file() || name.find(".safetensors") != std::string::npos || name == "README.md") continue;
-    fs::copy_file(entry.path(), fs::path(o.to) / name, fs::copy_options::overwrite_existing);
-  }
-  if (!o.dtype.empty()) {  // the config's dtype follows the weights
-    json c = json::parse(read_file(o.to + "/config.json").value_or("{}"));
-    const char* hf = o.dtype == "bf16" ? "bfloat16" : o.dtype == "fp16" ? "float16" : "float32";
-    if (c.contains("dtype")) c["dtype"] = hf;
-    c["torch_dtype"] = hf;
-    write_file_atomic(o.to + "/config.json", c.dump(2) + "\n");
-  }
-  model::write_checkpoint(o.to, merged);
-  int64_t targeted = 0;
-  for (bool t : a.spec.targets) targeted += t;
-  std::printf("%s\n", json{{"model", o.model},
-                            {"lora", o.lora},
-                            {"to", o.to},
-                            {"rank", a.spec.rank},
-                            {"merged_weights", targeted * cfg.num_layers}}
-                           .dump()
-                           .c_str());
+  std::optional<at::ScalarType> dtype;
+  if (!o.dtype.empty()) dtype = parse_dtype(o.dtype);
+  const int64_t merged = model::write_merged_model(o.model, a.spec, a.tensors, o.to, dtype);
+  std::printf("%s\n",
+              json{{"model", o.model}, {"lora", o.lora}, {"to", o.to}, {"rank", a.spec.rank}, {"merged_weights", merged}}
+                  .dump()
+                  .c_str());
   return 0;
 }
 

@@ -88,6 +88,16 @@ void assign(JobConfig& config, const Field& f, const YAML::Node& value, const st
     throw ConfigError(fmt::format("{}: {} {}", where, f.path, why));
   };
   if (value.IsNull() && f.kind != Kind::kString) fail("needs a value (" + std::string(kind_name(f.kind)) + ")");
+  if (f.list && value.IsSequence()) {  // [a, b] is "a,b"
+    std::string joined;
+    for (const auto& item : value) {
+      if (!item.IsScalar() || item.Scalar().empty() || item.Scalar().find(',') != std::string::npos)
+        fail("must be a list of names");
+      joined += (joined.empty() ? "" : ",") + item.Scalar();
+    }
+    *static_cast<std::string*>(f.get(config)) = joined;
+    return;
+  }
   if (!value.IsNull() && !value.IsScalar()) fail(fmt::format("must be a {}, not a list or mapping", kind_name(f.kind)));
   void* target = f.kind == Kind::kEnum ? nullptr : f.get(config);
   auto check_range = [&](double v) {

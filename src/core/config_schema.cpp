@@ -101,6 +101,27 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
         "logsumexp of the router's logits, averaged over the sparse layers; 0.001 is usual). 0: off. Metric "
         "moe/<role>/router_z_loss.")
       .range(0.0, 100.0);
+  if (name != "actor" && name != "critic") return;  // frozen roles train no adapters
+  const std::string l = p + "lora.";
+  b.add(l + "rank", [get](JobConfig& c) { return &get(c).lora.rank; },
+        "LoRA: the adapters' rank r. 0: full fine-tuning. With r > 0 the base weights are frozen (sharded, no "
+        "optimizer state) and only the adapters train (docs/training.md, LoRA).")
+      .range(0, 4096);
+  b.add(l + "alpha", [get](JobConfig& c) { return &get(c).lora.alpha; },
+        "LoRA: alpha; the adapters' output is scaled by alpha / r (alpha / sqrt(r) with use_rslora).")
+      .range(1e-6, 1e6);
+  b.add(l + "target_modules", [get](JobConfig& c) { return &get(c).lora.target_modules; },
+        "LoRA: the projections that get adapters, PEFT's names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+        "down_proj; a list or comma-separated), or all-linear (all of them; a mixture of experts' attention only).")
+      .as_list();
+  b.add(l + "dropout", [get](JobConfig& c) { return &get(c).lora.dropout; },
+        "LoRA: dropout of the adapters' inputs in training (PEFT's lora_dropout).")
+      .range(0.0, 0.9);
+  b.add(l + "use_rslora", [get](JobConfig& c) { return &get(c).lora.use_rslora; },
+        "LoRA: rank-stabilised scaling, alpha / sqrt(r) (PEFT's use_rslora).");
+  b.add(l + "init_from", [get](JobConfig& c) { return &get(c).lora.init_from; },
+        "LoRA: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from; its r, "
+        "alpha and target modules must match these keys. Empty: PEFT's initialisation (A random, B zero).");
 }
 
 std::vector<Field> build() {
@@ -591,7 +612,9 @@ const std::vector<Section>& sections() {
       {"cluster", "The machines: GPUs per node, device and communicator backend."},
       {"roles", "The trainer roles. Each is a ZeRO-3 group of ranks, or colocated with another role."},
       {"roles.actor", "The policy being trained; source of the weight sync."},
+      {"roles.actor.lora", "LoRA adapters of the actor: a frozen base, adapters trained (docs/training.md)."},
       {"roles.critic", "The value model (PPO with GAE only)."},
+      {"roles.critic.lora", "LoRA adapters of the critic."},
       {"roles.ref", "The frozen reference policy for the KL penalty."},
       {"roles.reward", "The reward model (when reward.type is model)."},
       {"engines", "The inference-engine pool. Each engine is a TP group inside one node."},

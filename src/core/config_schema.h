@@ -23,6 +23,7 @@ struct Field {
   std::optional<double> min;
   std::optional<double> max;
   std::vector<std::string> choices;  // strings only; empty = any string
+  bool list = false;  // strings only: a YAML list of names is accepted too, kept comma-separated
 
   Field& range(std::optional<double> lo, std::optional<double> hi) {
     min = lo;
@@ -31,6 +32,10 @@ struct Field {
   }
   Field& one_of(std::vector<std::string> c) {
     choices = std::move(c);
+    return *this;
+  }
+  Field& as_list() {
+    list = true;
     return *this;
   }
 };

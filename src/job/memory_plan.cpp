@@ -8,6 +8,7 @@
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/model/lora.h"
 #include "tiller/model/weights.h"
 #include "tiller/zero/sequence_parallel.h"
 
@@ -414,7 +415,21 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
   spec.shape = shape_of(shape, model::Head::kLm);
   spec.ranks = ranks;
   spec.dtype_bytes = dtype_bytes(cfg.roles.actor.dtype);
-  spec.trainable = true;
+  // A LoRA actor's base is held as a frozen role's; its adapters are fp32 values, gradients and
+  // two AdamW moments, whole on every rank (docs/zero.md).
+  const LoraConfig& lora = cfg.roles.actor.lora;
+  int64_t adapter_bytes = 0;
+  if (lora.rank > 0) {
+    model::LoraSpec ls;
+    ls.rank = lora.rank;
+    ls.targets = model::lora_targets(lora.target_modules, shape, "roles.actor.lora.target_modules");
+    for (const model::ParamSpec& p : model::lora_parameter_specs(shape, ls)) {
+      int64_t n = 16;
+      for (int64_t d : p.shape) n *= d;
+      adapter_bytes += n;
+    }
+  }
+  spec.trainable = lora.rank <= 0;
   spec.host_optimizer = cfg.roles.actor.optimizer_offload == OptimizerOffload::kCpu;
   spec.reduce_bytes = cfg.train.reduce_dtype == Precision::kBf16 ? 2 : 4;
   return choose(cfg.train, shape.num_layers, gpu_bytes, false, [&](zero::Recompute mode, int64_t kept, bool keep) {
@@ -434,6 +449,7 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
     add(train, "gathered units", f.gathers);
     add(train, kTrainActivations, train_activation_bytes(shape, tokens, spec.dtype_bytes, mode, kept));
     add(train, "gradient buffers", f.grad_buffers);
+    if (adapter_bytes > 0) add(train, "actor LoRA adapters (fp32 values, gradients, moments)", adapter_bytes);
     rm.phases.push_back(std::move(train));
     out.ranks.push_back(std::move(rm));
     return out;

@@ -281,3 +281,36 @@ NamedTensors merge_lora(const ModelConfig& cfg, const LoraSpec& spec, const Name
 }
 
 }  // namespace tiller::model
+
+namespace tiller::model {
+
+int64_t write_merged_model(const std::string& base_dir, const LoraSpec& spec, const NamedTensors& adapters,
+                           const std::string& out_dir, std::optional<at::ScalarType> dtype) {
+  namespace fs = std::filesystem;
+  if (fs::exists(out_dir) && fs::exists(base_dir) && fs::equivalent(out_dir, base_dir))
+    throw ConfigError(fmt::format("{} is the base model's directory; write the merged model elsewhere", out_dir));
+  const ModelConfig cfg = load_model_config(base_dir);
+  const CheckpointReader reader(base_dir);
+  NamedTensors merged = merge_lora(cfg, spec, reader.all(), adapters);
+  if (dtype)
+    for (auto& [name, w] : merged) w = w.to(*dtype);
+  fs::create_directories(out_dir);
+  for (const auto& entry : fs::directory_iterator(base_dir)) {  // everything but the weights
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_regular_file() || name.find(".safetensors") != std::string::npos || name == "README.md") continue;
+    fs::copy_file(entry.path(), fs::path(out_dir) / name, fs::copy_options::overwrite_existing);
+  }
+  if (dtype) {  // the config's dtype follows the weights
+    nlohmann::json c = nlohmann::json::parse(read_file(out_dir + "/config.json").value_or("{}"));
+    const char* hf = *dtype == at::kBFloat16 ? "bfloat16" : *dtype == at::kHalf ? "float16" : "float32";
+    if (c.contains("dtype")) c["dtype"] = hf;
+    c["torch_dtype"] = hf;
+    write_file_atomic(out_dir + "/config.json", c.dump(2) + "\n");
+  }
+  write_checkpoint(out_dir, merged);
+  int64_t n = 0;
+  for (bool t : spec.targets) n += t ? cfg.num_layers : 0;
+  return n;
+}
+
+}  // namespace tiller::model

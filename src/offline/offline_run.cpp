@@ -20,6 +20,7 @@
 #include "tiller/dist/mpi_env.h"
 #include "tiller/dist/rank_plan.h"
 #include "tiller/model/chat_template.h"
+#include "tiller/model/lora.h"
 #include "tiller/model/storage_swap.h"
 #include "tiller/model/tokenizer.h"
 #include "tiller/model/safetensors.h"
@@ -74,6 +75,7 @@ OfflineRun::OfflineRun(const JobConfig& c, dist::MpiEnv& env, const std::string&
   world_comm_->all_reduce(choice, dist::ReduceOp::kMin)->wait();
   const auto [recompute, layers] = rollout::recompute_from_order(choice[0].item<double>());
   zero::ShardedModelOptions mo = zero::role_options("actor", cfg.roles.actor, cfg.train, true, head, device);
+  zero::apply_lora(mo, cfg.roles.actor.lora, model_config, static_cast<uint64_t>(cfg.run.seed));  // lora.rank 0: none
   mo.recompute = recompute;
   mo.recompute_layers = layers;
   mo.keep_compute_shard = choice[1].item<double>() > 0.5;
@@ -245,6 +247,7 @@ int64_t OfflineRun::start(const OfflineOptions& options, int64_t dataset_size, r
         throw ConfigError(fmt::format("checkpoint {} was made with {} training samples and offline.data now gives {}; "
                                       "resume on the same data, or start in an empty checkpoint.dir",
                                       entry.dir, state.dataset_size, dataset_size));
+      if (model->lora()) model->load_hf(cfg.roles.actor.model);  // the frozen base: the checkpoint holds the adapters
       zero::load_checkpoint(*model, entry.dir + "/actor");
       order.seek({state.dataset_epoch, state.dataset_position}, "offline.data");
       saved_step_ = entry.step;
@@ -253,6 +256,21 @@ int64_t OfflineRun::start(const OfflineOptions& options, int64_t dataset_size, r
     }
     if (options.require_resume)
       throw ConfigError(fmt::format("--resume: no complete checkpoint in {} (checkpoint.dir)", checkpoints_.root()));
+  }
+  if (head == model::Head::kLm && model->lora() && !cfg.roles.actor.lora.init_from.empty()) {
+    // The base with a PEFT adapter to start from, its settings the config's.
+    const std::string& from = cfg.roles.actor.lora.init_from;
+    const model::PeftAdapter a = model::read_peft_adapter(from, model_config);
+    if (!(a.spec == model->options().lora))
+      throw ConfigError(fmt::format("roles.actor.lora.init_from = {}: its r {}, lora_alpha {}, use_rslora {} or target "
+                                    "modules differ from roles.actor.lora's (rank {}, alpha {}); make them equal",
+                                    from, a.spec.rank, a.spec.alpha, a.spec.use_rslora,
+                                    model->options().lora.rank, model->options().lora.alpha));
+    model::CheckpointReader reader(cfg.roles.actor.model);
+    model::NamedTensors named = reader.all();
+    for (const auto& [n, t] : a.tensors) named[n] = t;
+    model->load(named, from);
+    return 0;
   }
   if (head == model::Head::kLm) {
     model->load_hf(cfg.roles.actor.model);
@@ -381,6 +399,21 @@ void OfflineRun::maybe_save(int64_t step, const rollout::DatasetCursor& cursor, 
 
 void OfflineRun::export_model(const std::string& checkpoint) {
   const std::string out = cfg.offline.export_dir.empty() ? cfg.run.output_dir + "/model" : cfg.offline.export_dir;
+  if (model->lora()) {  // the adapters as PEFT's files beside the merged model, from the live state
+    if (rank == 0) {
+      const zero::ShardedModel::LoraState st = model->lora_state();
+      const at::ScalarType dtype = cfg.roles.actor.dtype == Precision::kFp32 ? at::kFloat : at::kBFloat16;
+      model::write_merged_model(cfg.roles.actor.model, model->options().lora, st.adapters, out, dtype);
+      model::write_peft_adapter(out + "/adapter", model_config, model->options().lora, cfg.roles.actor.lora.dropout,
+                                st.adapters, cfg.roles.actor.model);
+      log::info("exported the merged model to {} (loads as roles.actor.model) and the LoRA adapter to {}/adapter "
+                "(PEFT's files)",
+                out, out);
+    }
+    at::Tensor ok = at::ones({1}, at::kInt);
+    world_comm_->all_reduce(ok)->wait();
+    return;
+  }
   if (rank == 0) {
     zero::export_hf(checkpoint, out,
                     cfg.roles.actor.dtype == Precision::kFp32 ? at::kFloat : at::kBFloat16);
@@ -404,6 +437,10 @@ int OfflineRun::finish(int64_t steps_done, int64_t total, int64_t dataset_size, 
   if (checkpoints_.enabled()) {
     maybe_save(steps_done, cursor, dataset_size, /*force=*/true);
     export_model(checkpoints_.dir(steps_done) + "/actor");
+    return 0;
+  }
+  if (model->lora()) {  // exported from the live adapters
+    export_model("");
     return 0;
   }
   // No checkpoint directory: a transient checkpoint of the final state is what the export reads.

@@ -84,6 +84,16 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
   return o;
 }
 
+void apply_lora(ShardedModelOptions& opts, const LoraConfig& lora, const model::ModelConfig& cfg, uint64_t seed) {
+  if (lora.rank <= 0) return;
+  opts.lora.rank = lora.rank;
+  opts.lora.alpha = lora.alpha;
+  opts.lora.use_rslora = lora.use_rslora;
+  opts.lora.targets = model::lora_targets(lora.target_modules, cfg, "roles." + opts.role + ".lora.target_modules");
+  opts.lora_dropout = lora.dropout;
+  opts.lora_seed = seed;
+}
+
 ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& comm, ShardedModelOptions opts)
     : impl_(std::make_unique<Impl>(cfg, comm, opts)) {
   Impl& m = *impl_;

@@ -94,6 +94,28 @@ TEST(MemoryPlan, CountsShardsStateAndTheEngine) {
   EXPECT_NE(plan_memory(c, plan_of(c, 4), shapes(), 0).table().find("host memory"), std::string::npos);
 }
 
+// LoRA (roles.actor.lora, the offline trainers): the base costs its compute shard alone, the
+// adapters 16 bytes a parameter whole on every rank (fp32 values, gradients, two moments): r 16 on
+// every projection of the 7B shape is 40.4M parameters; the full run's optimizer state is gone.
+TEST(MemoryPlan, ALoraActorHoldsItsBaseFrozenAndItsAdaptersWhole) {
+  JobConfig c;
+  c.roles.actor.gpus = 2;
+  c.train.micro_batch_tokens = 4096;
+  const PhaseMemory full = plan_trainer(c, qwen7b(), 2, 4096, 80 * kGiB).ranks.at(0).phases.at(0);
+  c.roles.actor.lora.rank = 16;
+  const PhaseMemory lora = plan_trainer(c, qwen7b(), 2, 4096, 80 * kGiB).ranks.at(0).phases.at(0);
+  EXPECT_GT(item(full, "actor state"), 40 * kGiB);
+  EXPECT_EQ(item(lora, "actor state"), 0);
+  EXPECT_EQ(item(lora, "gradient buffers"), 0);
+  EXPECT_EQ(item(lora, "actor weights"), model::num_parameters(qwen7b()) * 2 / 2);  // its bf16 shard of 2 ranks
+  const int64_t adapters = item(lora, "actor LoRA adapters (fp32 values, gradients, moments)");
+  EXPECT_EQ(adapters, int64_t{16} * 28 * 16 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944)));
+  c.roles.actor.lora.target_modules = "q_proj,v_proj";
+  const PhaseMemory qv = plan_trainer(c, qwen7b(), 2, 4096, 80 * kGiB).ranks.at(0).phases.at(0);
+  EXPECT_EQ(item(qv, "actor LoRA adapters (fp32 values, gradients, moments)"),
+            int64_t{16} * 28 * 16 * ((3584 + 3584) + (3584 + 512)));
+}
+
 TEST(MemoryPlan, TheHybridKvCacheIsWhatTheGeneratePhaseLeaves) {
   JobConfig c = hybrid_job(4);
   c.roles.actor.offload = c.roles.critic.offload = true;

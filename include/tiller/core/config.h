@@ -150,6 +150,16 @@ struct ClusterConfig {
 
 // One trainer role (actor, critic, ref, reward): a ZeRO-3 group of `gpus` ranks, or colocated in
 // the processes of another role.
+// LoRA adapters of a trained role (roles.<role>.lora; model/lora.h). rank 0: full fine-tuning.
+struct LoraConfig {
+  std::int64_t rank = 0;
+  double alpha = 16;
+  std::string target_modules = "all-linear";  // PEFT's names, comma-separated (a YAML list too), or all-linear
+  double dropout = 0;
+  bool use_rslora = false;
+  std::string init_from;  // a PEFT adapter directory to start from; "": PEFT's initialisation
+};
+
 struct RoleConfig {
   bool enabled = true;
   std::string model;            // HF directory; "" means the actor's model (ref) or none
@@ -163,6 +173,7 @@ struct RoleConfig {
   // A mixture of experts' router losses in training (zero::ShardedModel::router_loss): 0 is off.
   double router_aux_loss_coef = 0;  // load balancing
   double router_z_loss_coef = 0;    // ST-MoE's z-loss
+  LoraConfig lora;
 };
 
 struct RolesConfig {

@@ -12,6 +12,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,5 +72,10 @@ at::Tensor merge_lora(const at::Tensor& w, const at::Tensor& a, const at::Tensor
 // The base weights `base` (HF names) with every adapter of `adapters` merged in: a full checkpoint.
 NamedTensors merge_lora(const ModelConfig& cfg, const LoraSpec& spec, const NamedTensors& base,
                         const NamedTensors& adapters);
+// Writes `out_dir`: the HF checkpoint in `base_dir` with the adapters merged (in `dtype`, or each
+// weight's own when undefined), and base_dir's other files (config, tokenizer, generation
+// config). Returns the number of weights merged. ConfigError when out_dir is base_dir.
+int64_t write_merged_model(const std::string& base_dir, const LoraSpec& spec, const NamedTensors& adapters,
+                           const std::string& out_dir, std::optional<at::ScalarType> dtype = std::nullopt);
 
 }  // namespace tiller::model

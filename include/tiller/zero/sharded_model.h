@@ -50,6 +50,7 @@
 #include "tiller/zero/sequence_parallel.h"
 
 namespace tiller {
+struct LoraConfig;
 struct RoleConfig;
 struct TrainConfig;
 }  // namespace tiller
@@ -110,6 +111,9 @@ struct ShardedModelOptions {
 // replicate is asked of a trainable role or the dtype is unknown.
 ShardedModelOptions role_options(const std::string& name, const RoleConfig& role, const TrainConfig& train,
                                  bool trainable, model::Head head, at::Device device);
+// roles.<role>.lora into `opts` for the model `cfg`: the spec (its targets checked against the
+// model; ConfigError naming the key), the dropout, and `seed` for PEFT's initialisation.
+void apply_lora(ShardedModelOptions& opts, const LoraConfig& lora, const model::ModelConfig& cfg, uint64_t seed);
 
 struct StepResult {
   double grad_norm = 0;     // global L2 norm before clipping
