@@ -295,10 +295,11 @@ int64_t write_merged_model(const std::string& base_dir, const LoraSpec& spec, co
   if (dtype)
     for (auto& [name, w] : merged) w = w.to(*dtype);
   fs::create_directories(out_dir);
-  for (const auto& entry : fs::directory_iterator(base_dir)) {  // everything but the weights
-    const std::string name = entry.path().filename().string();
-    if (!entry.is_regular_file() || name.find(".safetensors") != std::string::npos || name == "README.md") continue;
-    fs::copy_file(entry.path(), fs::path(out_dir) / name, fs::copy_options::overwrite_existing);
+  for (const char* name : {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+                           "added_tokens.json", "chat_template.jinja"}) {  // the model's files but its weights
+    const fs::path src = fs::path(base_dir) / name;
+    if (fs::exists(src)) fs::copy_file(src, fs::path(out_dir) / name, fs::copy_options::overwrite_existing);
   }
   if (dtype) {  // the config's dtype follows the weights
     nlohmann::json c = nlohmann::json::parse(read_file(out_dir + "/config.json").value_or("{}"));
