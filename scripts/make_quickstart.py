@@ -5,7 +5,9 @@
                      (defaults: models/tiny-qwen2, data/quickstart/prompts.jsonl)
 
 MODEL_DIR  a randomly initialised tiny Qwen2 (2 layers, hidden 64) with a byte-level BPE tokenizer
-           of 320 tokens trained on this repository's docs, saved as Hugging Face safetensors.
+           of 320 tokens, saved as Hugging Face safetensors. The tokenizer is the file
+           scripts/quickstart_tokenizer.json (trained once on this repository's docs of 2026-11-26):
+           a fixed file, so that editing the docs no longer changes the model and every e2e curve.
            With --moe, a tiny Qwen3-MoE instead (4 experts of 64, top 2) with the same tokenizer.
 PROMPTS    256 prompts for the toy task "toy_digits" (reward: the share of the response's
            characters that are digits), one JSON object per line.
@@ -25,7 +27,8 @@ ARGS = [a for a in sys.argv[1:] if a != "--moe"]
 MOE = "--moe" in sys.argv[1:]
 MODEL = Path(ARGS[0]) if len(ARGS) > 0 else REPO / "models" / "tiny-qwen2"
 PROMPTS = Path(ARGS[1]) if len(ARGS) > 1 else REPO / "data" / "quickstart" / "prompts.jsonl"
-STAMP = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+TOKENIZER = Path(__file__).resolve().parent / "quickstart_tokenizer.json"
+STAMP = hashlib.sha256(Path(__file__).read_bytes() + TOKENIZER.read_bytes()).hexdigest()
 
 
 def prompts():
@@ -49,20 +52,11 @@ def main():
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
     from transformers import (PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    text = []
-    for p in sorted(REPO.glob("docs/*.md")) + [REPO / "README.md"]:
-        text += p.read_text(encoding="utf-8").splitlines()
-    tok.train_from_iterator(text, trainer=trainer)
+    tok = Tokenizer.from_file(str(TOKENIZER))
     MODEL.mkdir(parents=True, exist_ok=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.save_pretrained(MODEL)

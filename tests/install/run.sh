@@ -6,7 +6,7 @@
 #                   (reward.rule=label_digits), advantage estimator (clipped_gae), policy loss
 #                   (cispo), step hook (best_reward) and prompt source (digit_tasks: generated
 #                   prompts, not the file) under mpirun and checks the reward rises
-#                   (below 0.15 in steps 1-3, above 0.25 in steps 28-30) and the hook's metric and
+#                   (below 0.15 in steps 1-3, above 0.3 in steps 28-30) and the hook's metric and
 #                   file; then 3 steps with its sample loop (revise: a draft, a hint, a revision)
 #                   whose samples have two turns and the hint's tokens masked; the stock tiller
 #                   binary must refuse each name (only the example registers them)
@@ -79,9 +79,7 @@ if any(w is None or not 0.8 - 1e-6 <= w <= 1.2 + 1e-6 for w in weights):
     sys.exit(f"FAIL: actor/policy_loss/weight_mean {weights} is missing or outside the clip range")
 first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
 print(f"custom_trainer: label_digits reward {first:.3f} (steps 1-3) -> {last:.3f} (steps {len(rewards) - 2}-{len(rewards)})")
-# 0.25: the quickstart's tokenizer is trained on the repository's docs (make_quickstart.py), so an
-# edit of the docs changes the model and the curve; 0.06 -> 0.29 on 2026-11-26, 0.3 before.
-if len(rewards) != 30 or not (first < 0.15 and last > 0.25):
+if len(rewards) != 30 or not (first < 0.15 and last > 0.3):
     sys.exit(f"FAIL: the custom reward did not rise clearly: {[round(r, 3) for r in rewards]}")
 PY
 
