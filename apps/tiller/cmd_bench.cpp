@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "tiller/model/numerics.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/mpi_env.h"
@@ -142,6 +143,16 @@ RankComm open_rank_comm(dist::MpiEnv& env, const std::string& backend_opt, doubl
     bc.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local));
   }
   return bc;
+}
+
+void add_logprob_match(CLI::App* cmd, std::string& value) {
+  cmd->add_option("--logprob-match", value,
+                  "off: the default kernels; bitwise: algo.logprob_match = bitwise's batch-invariant kernels")
+      ->check(CLI::IsMember({"off", "bitwise"}));
+}
+
+void apply_logprob_match(const std::string& value) {
+  model::set_numerics(value == "bitwise" ? model::Numerics::kBatchInvariant : model::Numerics::kDefault);
 }
 
 void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv) {

@@ -34,6 +34,7 @@ struct ForwardOptions {
   int warmup = 2;
   int iters = 5;
   std::string out;
+  std::string logprob_match = "off";
 };
 
 using Clock = std::chrono::steady_clock;
@@ -118,6 +119,7 @@ nlohmann::ordered_json bench_model(const std::string& name, const ForwardOptions
 }
 
 int run_forward(const ForwardOptions& o) {
+  apply_logprob_match(o.logprob_match);
   at::Device dev = at::kCPU;
   if (o.device == "auto") {
     if (at::detail::getCUDAHooks().getNumGPUs() > 0) dev = at::Device(at::kCUDA, 0);
@@ -132,7 +134,10 @@ int run_forward(const ForwardOptions& o) {
   out["dtype"] = o.dtype;
   out["seq"] = o.seq;
   out["micro_batch"] = o.micro_batch;
-  out["attention"] = dev.is_cuda() && dtype != at::kFloat ? "flash (ATen varlen)" : "reference";
+  out["logprob_match"] = o.logprob_match;
+  out["attention"] = o.logprob_match == "bitwise"                   ? "batch-invariant (decode kernel)"
+                     : dev.is_cuda() && dtype != at::kFloat ? "flash (ATen varlen)"
+                                                            : "reference";
   out["matmul_tflops"] = peak;
   out["results"] = nlohmann::ordered_json::array();
   for (const auto& name : o.models) {
@@ -156,6 +161,7 @@ void add_bench_forward(CLI::App* bench, Runner& run) {
   fw->add_option("--warmup", o->warmup, "Untimed steps")->check(CLI::Range(0, 100));
   fw->add_option("--iters", o->iters, "Timed steps")->check(CLI::Range(1, 1000));
   fw->add_option("--out", o->out, "Also write the JSON here");
+  add_logprob_match(fw, o->logprob_match);
   fw->callback([&run, o] { run = [o] { return run_forward(*o); }; });
 }
 

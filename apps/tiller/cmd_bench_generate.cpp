@@ -28,7 +28,7 @@ namespace tiller::cli {
 namespace {
 
 struct GenBenchOptions {
-  std::string model = "qwen2-0.5b", device = "auto", dtype = "bf16", out;
+  std::string model = "qwen2-0.5b", device = "auto", dtype = "bf16", out, logprob_match = "off";
   int64_t batch = 64, prompt = 128, new_tokens = 256, block_size = 16;
   double hbm_gbps = 4300;  // measured H200 copy bandwidth (DESIGN.md §7), for the floor
   bool no_cuda_graphs = false;
@@ -44,6 +44,7 @@ struct GenBenchOptions {
 using Clock = std::chrono::steady_clock;
 
 int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
+  apply_logprob_match(o.logprob_match);
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
   std::string device = o.device == "auto" ? (gpus > 0 ? "cuda:0" : "cpu") : o.device;
   // --tp > 1: the TP group is the whole world; under NCCL each rank drives its local GPU.
@@ -135,6 +136,7 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
   const double mean_ctx = static_cast<double>(o.prompt) + static_cast<double>(o.new_tokens) / 2;
   const double floor_ms = (weight_bytes + kv_per_token * mean_ctx * static_cast<double>(o.batch)) / (o.hbm_gbps * 1e9) * 1e3;
   nlohmann::ordered_json j{{"bench", "tiller_generate"},
+                           {"logprob_match", o.logprob_match},
                            {"model", o.model},
                            {"device", device},
                            {"dtype", o.dtype},
@@ -206,6 +208,7 @@ void add_bench_generate(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   g->add_option("--hbm-gbps", o->hbm_gbps, "Memory bandwidth for the floor, GB/s")->check(CLI::Range(1.0, 1e6));
   g->add_option("--out", o->out, "Also write the JSON here");
   g->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "Run decode steps eagerly");
+  add_logprob_match(g, o->logprob_match);
   g->add_flag("--no-rope-in-attention", o->no_rope_in_attention,
               "Rotate q and k with a RoPE kernel before decode attention instead of inside it");
   g->add_flag("--no-async-scheduling", o->no_async,

@@ -50,6 +50,7 @@ namespace {
 
 struct TrainBenchOptions {
   std::string model = "qwen2-1.5b";
+  std::string logprob_match = "off";
   int64_t seq = 2048;
   int64_t micro_batch = 4;
   int accumulate = 1;  // micro-batches per optimizer step
@@ -109,6 +110,7 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
+  apply_logprob_match(o.logprob_match);
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), "bench", log::Level::kWarn);
   if (o.steps < 3) throw ConfigError("--steps: at least 3 (two warm-up steps are not timed)");
@@ -249,6 +251,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
     if (cfg.tie_word_embeddings) matmul_params += emb;
     const double fwd_tok = 2.0 * static_cast<double>(matmul_params) + 2.0 * 2.0 * (o.seq / 2.0) * cfg.q_size() * cfg.num_layers;
     r["bench"] = "score";
+    r["logprob_match"] = o.logprob_match;
     r["model"] = o.model;
     r["world"] = comm.size();
     r["backend"] = comm.backend();
@@ -268,6 +271,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   }
   const zero::ShardMemory held = model.memory();
   r["bench"] = "train";
+  r["logprob_match"] = o.logprob_match;
   r["model"] = o.model;
   r["params_B"] = nparam / 1e9;
   r["world"] = comm.size();
@@ -341,6 +345,7 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
       ->check(CLI::Range(1, 256));
   tr->add_option("--steps", o->steps, "Steps, the first two untimed")->check(CLI::Range(3, 10000));
   tr->add_option("--backend", o->backend, "auto (NCCL when GPUs are visible), nccl or mpi");
+  add_logprob_match(tr, o->logprob_match);
   tr->add_option("--chunk-rows", o->chunk_rows, "Rows per log-prob chunk")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   tr->add_option("--timeout", o->timeout_s, "Deadline of each collective, seconds")->check(CLI::Range(0.001, 1e7));
   tr->add_option("--out", o->out, "Also write the JSON here");

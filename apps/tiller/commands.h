@@ -26,6 +26,13 @@ using Runner = std::function<int()>;
 void emit_json(const std::string& text, const std::string& out);
 double median(std::vector<double> v);
 
+// --logprob-match off | bitwise of the benchmarks (generate, forward, train, score): bitwise runs
+// algo.logprob_match = bitwise's batch-invariant kernels, so the mode's cost is measured beside
+// the default kernels. apply_logprob_match sets the process's numerics; call it before the first
+// forward.
+void add_logprob_match(CLI::App* cmd, std::string& value);
+void apply_logprob_match(const std::string& value);
+
 // --dtype bf16 | fp16 | fp32; ConfigError otherwise.
 c10::ScalarType parse_dtype(const std::string& dtype);
 

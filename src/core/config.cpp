@@ -303,9 +303,6 @@ void JobConfig::validate() const {
       throw ConfigError(fmt::format("algo.logprob_match = bitwise needs engines.tp = 1 (got {}): a tensor-parallel "
                                     "engine adds partial sums across its ranks, an order the trainer does not share",
                                     engines.tp));
-    if (cluster.device == DeviceKind::kCuda)
-      throw ConfigError("algo.logprob_match = bitwise runs on CPU only so far (its batch-invariant kernels have no "
-                        "CUDA version yet); set cluster.device=cpu or algo.logprob_match=off");
   }
   if (algo.seq_mask_ratio != 0.0 && algo.seq_mask_ratio <= 1.0)
     throw ConfigError(fmt::format("algo.seq_mask_ratio = {} must be 0 (off) or > 1", format_double(algo.seq_mask_ratio)));

@@ -384,7 +384,10 @@ void ModelRunner::allocate_cache(const CacheOptions& o) {
   m.paged = device_.is_cuda() && cuda::paged_decode_supports(local_.head_dim) &&
             (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat) &&
             o.num_blocks * m.block_size < (int64_t{1} << 31);  // slots and block ids travel as int32
-  m.paged_rope = m.paged && o.rope_in_attention &&
+  // algo.logprob_match = bitwise: RoPE by the same kernel as the trainer's (not fused here), and
+  // one KV split per query (decode_splits), so that a decode step sums its keys as the trainer's
+  // attention (the same kernel, model/batch_invariant.h) does.
+  m.paged_rope = m.paged && o.rope_in_attention && !model::batch_invariant() &&
                  cuda::paged_decode_rotates(kernel_dtype(dtype), local_.head_dim, local_.num_heads, local_.num_kv_heads);
   // A mixture of experts groups its tokens by expert on the host (model::block_forward's unfused
   // path), which a captured graph cannot replay: its decode steps run eagerly.
@@ -474,8 +477,10 @@ at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b) {
   Graph& g = it->second;
   if (fresh) {
     DecodeInputs in = decode_views(graph_inputs, graph_rows, rows);
-    in.splits = cuda::paged_decode_splits(kernel_dtype(weights.embed.scalar_type()), local.head_dim, rows,
-                                          local.num_heads, local.num_kv_heads, 0, device.index());
+    in.splits = model::batch_invariant()
+                    ? 1
+                    : cuda::paged_decode_splits(kernel_dtype(weights.embed.scalar_type()), local.head_dim, rows,
+                                                local.num_heads, local.num_kv_heads, 0, device.index());
     g.splits = in.splits;
     const std::vector<int64_t> lens(static_cast<size_t>(rows), 1);
     if (!capture_stream) capture_stream = c10::cuda::getStreamFromPool(false, device.index());
@@ -540,9 +545,11 @@ void ModelRunner::launch(const StepBatch& b, bool sample) {
     m.take_previous_draws(words.narrow(0, 0, n), b);
     DecodeInputs in = decode_views(words, n, n);
 #ifdef TILLER_HAVE_CUDA_KERNELS
-    in.splits = cuda::paged_decode_splits(kernel_dtype(m.weights.embed.scalar_type()), local_.head_dim, n,
-                                          local_.num_heads, local_.num_kv_heads,
-                                          *std::max_element(b.lens_k.begin(), b.lens_k.end()), device_.index());
+    in.splits = model::batch_invariant()
+                    ? 1
+                    : cuda::paged_decode_splits(kernel_dtype(m.weights.embed.scalar_type()), local_.head_dim, n,
+                                                local_.num_heads, local_.num_kv_heads,
+                                                *std::max_element(b.lens_k.begin(), b.lens_k.end()), device_.index());
 #endif
     at::Tensor x = m.decode_hidden(in, b.lens_q, /*norm=*/false);
     if (rows_all) h = model::final_norm(local_, m.weights.final_norm, sample_rows(x));

@@ -259,13 +259,8 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
       dist::choose_device(cfg.cluster, gpus, dist::MpiEnv::have_nccl(), env.rank(), env.hostname());
   const bool cpu = placed.cpu;
   const BackendKind backend = placed.backend;
-  if (cfg.algo.logprob_match == LogprobMatch::kBitwise) {
-    if (!cpu)
-      throw ConfigError("algo.logprob_match = bitwise runs on CPU only so far (its batch-invariant kernels have no "
-                        "CUDA version yet), and this rank found GPUs; set cluster.device=cpu or "
-                        "algo.logprob_match=off");
+  if (cfg.algo.logprob_match == LogprobMatch::kBitwise)
     model::set_numerics(model::Numerics::kBatchInvariant);  // every rank, before its first forward
-  }
 
   auto world = env.world(cfg.timeouts.startup_s);
   const dist::NodeMap nodes = env.node_map(static_cast<int>(cfg.cluster.gpus_per_node), cpu, cfg.timeouts.startup_s);

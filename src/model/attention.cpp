@@ -79,6 +79,16 @@ struct InvariantAttention : public torch::autograd::Function<InvariantAttention>
     ctx->saved_data["lens_k"] = spec.lens_k;
     ctx->saved_data["window"] = spec.window;
     ctx->saved_data["scale"] = scale;
+    // On CUDA the backward recomputes with flash attention (its own forward and backward), which
+    // needs the device lengths; elsewhere the reference's.
+    const bool flash = flash_attention_applies(q) && spec.cu_q.defined() && spec.cu_k.defined();
+    ctx->saved_data["flash"] = flash;
+    if (flash) {
+      ctx->saved_data["cu_q"] = spec.cu_q;
+      ctx->saved_data["cu_k"] = spec.cu_k;
+      ctx->saved_data["max_q"] = spec.max_q;
+      ctx->saved_data["max_k"] = spec.max_k;
+    }
     return invariant::attention_forward(q, k, v, spec, scale);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -97,7 +107,14 @@ struct InvariantAttention : public torch::autograd::Function<InvariantAttention>
     at::Tensor out;
     {
       at::AutoGradMode on(true);
-      out = reference_attention(in[0], in[1], in[2], spec, ctx->saved_data["scale"].toDouble());
+      const double scale = ctx->saved_data["scale"].toDouble();
+      if (ctx->saved_data["flash"].toBool())
+        out = compat::flash_attention_varlen(in[0].contiguous(), in[1].contiguous(), in[2].contiguous(),
+                                             ctx->saved_data["cu_q"].toTensor(), ctx->saved_data["cu_k"].toTensor(),
+                                             ctx->saved_data["max_q"].toInt(), ctx->saved_data["max_k"].toInt(), scale,
+                                             spec.window > 0 ? spec.window - 1 : -1);
+      else
+        out = reference_attention(in[0], in[1], in[2], spec, scale);
     }
     const auto g = torch::autograd::grad({out}, want, {grads[0]}, false, false, true);
     torch::autograd::variable_list r(5);

@@ -10,8 +10,16 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "model/host_upload.h"
 #include "tiller/core/error.h"
 #include "tiller/model/numerics.h"
+
+#ifdef TILLER_HAVE_CUDA_KERNELS
+#include <c10/cuda/CUDAStream.h>
+
+#include "engine/cuda/paged_attention.h"
+#include "model/cuda/aten_dtype.h"
+#endif
 
 namespace tiller::model {
 namespace {
@@ -55,9 +63,179 @@ at::Tensor acc_rows(const at::Tensor& x, int64_t k, at::ScalarType acc) {
 #define TILLER_DISPATCH_INVARIANT(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
 
+#ifdef TILLER_HAVE_CUDA_KERNELS
+// The CUDA forms (model/cuda/kernels.h): bf16, fp16 and fp32 tensors.
+void* stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  const int64_t k = w.size(1), n = w.size(0);
+  TILLER_CHECK(k * x.element_size() % 16 == 0,
+               "algo.logprob_match = bitwise: a matmul over {} inputs ({} bytes a row) needs rows of a multiple of 16 "
+               "bytes on CUDA",
+               k, k * x.element_size());
+  at::Tensor wc = w.to(x.scalar_type()).contiguous();
+  if (!aligned16(wc)) wc = wc.clone();
+  at::Tensor x2 = x.reshape({-1, k});
+  if (x2.stride(1) != 1 || x2.stride(0) < k || x2.stride(0) * x2.element_size() % 16 != 0 || !aligned16(x2))
+    x2 = x2.contiguous().clone();
+  const int64_t m = x2.size(0);
+  at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto dtype = cuda::kernel_dtype(x.scalar_type());
+  const int device = x.device().index();
+  void* stream = stream_of(x);
+  const size_t ws = cuda::invariant_gemm_workspace(dtype, k, device, stream);
+  const at::Tensor work = ws ? at::empty({static_cast<int64_t>(ws)}, x.options().dtype(at::kByte)) : at::Tensor();
+  try {
+    cuda::invariant_gemm(dtype, x2.data_ptr(), x2.stride(0), wc.data_ptr(), out.data_ptr(), m, n, k,
+                         ws ? work.data_ptr() : nullptr, ws, device, stream);
+  } catch (const std::exception& e) {
+    throw Error(e.what());
+  }
+  if (b.defined()) out.add_(b.to(x.scalar_type()));
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return out.view(shape);
+}
+
+at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t d = x.size(-1);
+  const at::Tensor xc = x.contiguous(), wc = weight.to(x.scalar_type()).contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  cuda::invariant_rms_norm(cuda::kernel_dtype(x.scalar_type()), xc.data_ptr(), wc.data_ptr(), out.data_ptr(),
+                           d ? x.numel() / d : 0, d, static_cast<float>(eps), stream_of(x));
+  return out;
+}
+
+at::Tensor softmax_cuda(const at::Tensor& x) {
+  const at::Tensor xc = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(xc.sizes(), xc.options());
+  const int64_t c = x.size(-1);
+  cuda::invariant_softmax(xc.data_ptr<float>(), out.data_ptr<float>(), c ? xc.numel() / c : 0, c, stream_of(x));
+  return out;
+}
+
+// The trainer's (and the engine's prefill) attention through the engine's decode kernel: each
+// query is a decode step over its own keys (paged_attention.h's contiguous mode, one split), so
+// it sums them in the order a decode step of the same token does.
+at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const VarlenSpec& s,
+                          double scale) {
+  const int64_t tq = q.size(0), heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
+  TILLER_CHECK(engine::cuda::paged_decode_supports(d),
+               "algo.logprob_match = bitwise: head size {} has no decode attention kernel on CUDA (16, 32, 64, 128, "
+               "256 do)",
+               d);
+  TILLER_CHECK(k.size(0) < (int64_t{1} << 31), "attention: {} keys exceed the kernel's int32 slots", k.size(0));
+  std::vector<int32_t> words(static_cast<size_t>(2 * tq));  // keys per query, then its sequence's first key
+  int64_t sq = 0, sk = 0;
+  for (size_t i = 0; i < s.lens_q.size(); ++i) {
+    const int64_t lq = s.lens_q[i], lk = s.lens_k[i];
+    TILLER_CHECK(lq <= lk, "attention: sequence {} has {} queries for {} keys", i, lq, lk);
+    TILLER_CHECK(sq + lq <= tq, "varlen attention: lengths cover more than {} queries", tq);
+    for (int64_t r = 0; r < lq; ++r) {
+      words[static_cast<size_t>(sq + r)] = static_cast<int32_t>(r + lk - lq + 1);
+      words[static_cast<size_t>(tq + sq + r)] = static_cast<int32_t>(sk);
+    }
+    sq += lq;
+    sk += lk;
+  }
+  TILLER_CHECK(sq == tq && sk == k.size(0), "varlen attention: lengths cover {} of {} queries and {} of {} keys", sq, tq,
+               sk, k.size(0));
+  at::Tensor out = at::empty({tq, heads, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (tq == 0) return out;
+  const at::Tensor qc = q.stride(2) == 1 && q.stride(1) == d && aligned16(q) && q.stride(0) * q.element_size() % 16 == 0
+                            ? q
+                            : q.contiguous().clone();
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  const auto dtype = cuda::kernel_dtype(q.scalar_type());
+  if (s.window == 0 && engine::cuda::paged_decode_prefill_serves(dtype, d, heads, kv_heads)) {
+    // 16 query tokens of a sequence per tile (paged_attention.h's PrefillRows).
+    std::vector<int32_t> blocks;
+    int64_t row = 0, key = 0;
+    for (size_t i = 0; i < s.lens_q.size(); ++i) {
+      const int64_t lq = s.lens_q[i], lk = s.lens_k[i];
+      for (int64_t r0 = 0; r0 < lq; r0 += 16)
+        blocks.insert(blocks.end(), {static_cast<int32_t>(row + r0), static_cast<int32_t>(std::min<int64_t>(16, lq - r0)),
+                                     static_cast<int32_t>(key), static_cast<int32_t>(r0 + lk - lq)});
+      row += lq;
+      key += lk;
+    }
+    const at::Tensor dev = upload(blocks, q.device());
+    engine::cuda::PrefillRows a;
+    a.dtype = dtype;
+    a.q = qc.data_ptr();
+    a.q_token_stride = qc.stride(0);
+    a.k = kc.data_ptr();
+    a.v = vc.data_ptr();
+    a.out = out.data_ptr();
+    a.blocks = dev.data_ptr<int32_t>();
+    a.count = static_cast<int64_t>(blocks.size() / 4);
+    a.heads = heads;
+    a.kv_heads = kv_heads;
+    a.head_dim = d;
+    a.scale = static_cast<float>(scale);
+    try {
+      engine::cuda::paged_decode_prefill(a, stream_of(q));
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("attention (algo.logprob_match = bitwise): {}", e.what()));
+    }
+    return out;
+  }
+  const at::Tensor dev = upload(words, q.device());
+  engine::cuda::PagedDecode a;
+  a.dtype = dtype;
+  a.q_token_stride = qc.stride(0);
+  a.k_cache = const_cast<void*>(kc.data_ptr());
+  a.v_cache = const_cast<void*>(vc.data_ptr());
+  a.heads = heads;
+  a.kv_heads = kv_heads;
+  a.head_dim = d;
+  a.block_size = 1;
+  a.window = s.window;
+  a.scale = static_cast<float>(scale);
+  a.splits = 1;
+  const int64_t es = q.element_size();
+  constexpr int64_t kRowsPerLaunch = 65535;  // the grid's y limit
+  try {
+    for (int64_t r0 = 0; r0 < tq; r0 += kRowsPerLaunch) {
+      a.batch = std::min(kRowsPerLaunch, tq - r0);
+      a.q = static_cast<const char*>(qc.data_ptr()) + r0 * qc.stride(0) * es;
+      a.out = static_cast<char*>(out.data_ptr()) + r0 * heads * d * es;
+      a.seq_lens = dev.data_ptr<int32_t>() + r0;
+      a.key_base = dev.data_ptr<int32_t>() + tq + r0;
+      engine::cuda::paged_decode_attention(a, stream_of(q));
+    }
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("attention (algo.logprob_match = bitwise): {}", e.what()));
+  }
+  return out;
+}
+
+at::Tensor logprobs_cuda(const at::Tensor& logits, const at::Tensor& targets, const std::vector<float>& temperatures) {
+  for (size_t i = 0; i < temperatures.size(); ++i)
+    TILLER_CHECK(temperatures[i] > 0, "logprobs: temperature {} of row {} is not > 0", temperatures[i], i);
+  const at::Tensor z = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const at::Tensor tgt = targets.to(logits.device(), at::kLong).contiguous();
+  const at::Tensor temps = upload(temperatures, logits.device());
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  cuda::invariant_logprobs(cuda::kernel_dtype(z.scalar_type()), z.data_ptr(), z.size(0), z.size(1), z.stride(0),
+                           tgt.data_ptr<int64_t>(), temps.data_ptr<float>(), temperatures.size() > 1,
+                           out.data_ptr<float>(), stream_of(logits));
+  return out;
+}
+#endif
+
 at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
-  check_cpu(x, "a matmul's input");
-  check_cpu(w, "a matmul's weight");
+  check_device(x, "a matmul's input");
+  check_device(w, "a matmul's weight");
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (x.is_cuda()) {
+    TILLER_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "linear: input [..., {}] against a weight of {} columns",
+                 x.size(-1), w.dim() == 2 ? w.size(1) : -1);
+    return linear_cuda(x, w, b);
+  }
+#endif
   TILLER_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "linear: input [..., {}] against a weight of {} columns",
                x.size(-1), w.dim() == 2 ? w.size(1) : -1);
   const int64_t k = w.size(1), n = w.size(0);
@@ -126,9 +304,12 @@ struct LinearNode : public torch::autograd::Function<LinearNode<kBias>> {
 };
 
 at::Tensor rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_cpu(x, "RMSNorm's input");
+  check_device(x, "RMSNorm's input");
   const int64_t d = x.size(-1);
   TILLER_CHECK(weight.dim() == 1 && weight.size(0) == d, "rms_norm: a weight of {} for rows of {}", weight.numel(), d);
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (x.is_cuda()) return rms_norm_cuda(x, weight, eps);
+#endif
   const at::ScalarType acc = acc_type(x);
   const at::Tensor xa = acc_rows(x, d, acc), wa = weight.to(acc).contiguous();
   const int64_t rows = xa.size(0);
@@ -186,8 +367,20 @@ struct RmsNormNode : public torch::autograd::Function<RmsNormNode> {
 }  // namespace
 
 at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
-  check_cpu(gate, "SwiGLU's input");
+  check_device(gate, "SwiGLU's input");
   TILLER_CHECK(gate.sizes() == up.sizes(), "swiglu: gate and up shapes differ");
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (gate.is_cuda()) {  // an elementwise kernel: invariant as it is (one for the packed and the split forms)
+    const int64_t width = gate.size(-1);
+    at::Tensor g = gate.reshape({-1, width}), u = up.reshape({-1, width}).to(gate.scalar_type());
+    if (g.stride(1) != 1) g = g.contiguous();
+    if (u.stride(1) != 1) u = u.contiguous();
+    at::Tensor out = at::empty(g.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
+    cuda::swiglu(cuda::kernel_dtype(gate.scalar_type()), g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0),
+                 out.data_ptr(), g.size(0), width, stream_of(gate));
+    return out.view(gate.sizes());
+  }
+#endif
   const at::ScalarType acc = acc_type(gate);
   const at::Tensor ga = gate.to(acc).contiguous(), ua = up.to(acc).contiguous();
   at::Tensor out = at::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
@@ -205,10 +398,20 @@ at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
 }
 
 at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  check_cpu(x, "RoPE's input");
+  check_device(x, "RoPE's input");
   TILLER_CHECK(x.dim() == 3 && cos.dim() == 2 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
                    sin.sizes() == cos.sizes() && x.size(2) % 2 == 0,
                "rope: x [T, H, D] and tables [T, D] expected");
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (x.is_cuda()) {  // an elementwise kernel: invariant as it is
+    const at::Tensor xc = x.stride(2) == 1 ? x : x.contiguous();
+    const at::Tensor c = cos.to(x.scalar_type()).contiguous(), sn = sin.to(x.scalar_type()).contiguous();
+    at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    cuda::rope(cuda::kernel_dtype(x.scalar_type()), xc.data_ptr(), c.data_ptr(), sn.data_ptr(), out.data_ptr(),
+               x.size(0), x.size(1), x.size(2), xc.stride(0), xc.stride(1), /*backward=*/false, stream_of(x));
+    return out;
+  }
+#endif
   const at::ScalarType acc = acc_type(x);
   const at::Tensor xa = x.to(acc).contiguous();
   const at::Tensor ca = cos.to(x.scalar_type()).to(acc).contiguous(), sa = sin.to(x.scalar_type()).to(acc).contiguous();
@@ -239,7 +442,10 @@ at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Te
 namespace {
 
 at::Tensor softmax_forward(const at::Tensor& x) {
-  check_cpu(x, "a router's softmax input");
+  check_device(x, "a router's softmax input");
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (x.is_cuda()) return softmax_cuda(x);
+#endif
   const int64_t c = x.size(-1);
   const at::ScalarType acc = acc_type(x);
   const at::Tensor xa = acc_rows(x, c, acc);
@@ -286,13 +492,20 @@ struct SoftmaxNode : public torch::autograd::Function<SoftmaxNode> {
 
 }  // namespace
 
-void check_cpu(const at::Tensor& t, const char* what) {
-  if (!t.is_cpu())
-    throw Error(fmt::format("algo.logprob_match = bitwise: {} is on {}, and the batch-invariant kernels run on CPU "
-                            "only so far; set algo.logprob_match: off for GPU runs",
-                            what, t.device().str()));
+void check_device(const at::Tensor& t, const char* what) {
+  if (t.is_cpu()) return;
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const at::ScalarType type = t.scalar_type();
+  if (t.is_cuda() && (type == at::kBFloat16 || type == at::kHalf || type == at::kFloat)) return;
+  throw Error(fmt::format("algo.logprob_match = bitwise: {} is a {} tensor on {}; the batch-invariant kernels take CPU "
+                          "tensors and CUDA tensors of bf16, fp16 or fp32",
+                          what, c10::toString(type), t.device().str()));
+#else
+  throw Error(fmt::format("algo.logprob_match = bitwise: {} is on {}, and this build of tiller has no CUDA kernels; "
+                          "build it with CUDA or set algo.logprob_match: off",
+                          what, t.device().str()));
+#endif
 }
-
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   return b.defined() ? LinearNode<true>::apply(x, w, b) : LinearNode<false>::apply(x, w);
 }
@@ -307,7 +520,10 @@ at::Tensor softmax(const at::Tensor& x) { return SoftmaxNode::apply(x); }
 
 at::Tensor attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const VarlenSpec& s,
                              double scale) {
-  check_cpu(q, "attention's query");
+  check_device(q, "attention's query");
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (q.is_cuda()) return attention_cuda(q, k, v, s, scale);
+#endif
   const int64_t heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
   const int64_t groups = heads / kv_heads;
   const at::ScalarType acc = acc_type(q);
@@ -369,12 +585,15 @@ at::Tensor attention_forward(const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 at::Tensor logprobs(const at::Tensor& logits, const at::Tensor& targets, const std::vector<float>& temperatures) {
-  check_cpu(logits, "the log-prob head's logits");
+  check_device(logits, "the log-prob head's logits");
   TILLER_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
                "logprobs: [R, vocab] logits and [R] targets expected");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   TILLER_CHECK(temperatures.size() == 1 || static_cast<int64_t>(temperatures.size()) == rows,
                "logprobs: {} temperatures for {} rows", temperatures.size(), rows);
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (logits.is_cuda()) return logprobs_cuda(logits, targets, temperatures);
+#endif
   const at::ScalarType acc = acc_type(logits);
   const at::Tensor za = logits.to(acc).contiguous();
   const at::Tensor tgt = targets.to(at::kLong).contiguous();

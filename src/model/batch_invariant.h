@@ -9,6 +9,16 @@
 //  - elementwise kernels (RoPE, SwiGLU) compute in fp32 and round once.
 // CPU tensors of fp32, fp64, bf16 and fp16. The differentiable ones take their gradient from the
 // ordinary formulas (the backward need not be invariant).
+//
+// On CUDA (bf16, fp16, fp32; model/cuda/kernels.h) the orders differ from the CPU's but hold the
+// same property, for the engine's and the trainer's GPUs alike:
+//  - matmuls: one cuBLASLt algorithm per (device, dtype, K) whatever M and N are, split-K
+//    excluded, kept only after a probe finds its rows independent of M (invariant_gemm.cpp);
+//  - attention: every query, the trainer's and the engine's prefill included, runs through the
+//    engine's decode kernel with one KV split, so it sums its keys as a decode step does;
+//  - RMSNorm, the router's softmax and the log-prob head: one thread block per row, scalar loads
+//    in a fixed order (invariant.cu); RoPE and SwiGLU: the ordinary elementwise kernels, one for
+//    the engine's packed and the trainer's split forms.
 #pragma once
 
 #include <vector>
@@ -42,7 +52,8 @@ at::Tensor logprobs(const at::Tensor& logits, const at::Tensor& targets, const s
 // functions (no vector path whose result depends on where an element sits).
 std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& freqs, double scaling);
 
-// The one-line error for a tensor the kernels do not take (CUDA: no batch-invariant GPU kernels).
-void check_cpu(const at::Tensor& t, const char* what);
+// The one-line error for a tensor the kernels do not take (CUDA tensors of fp64, or any CUDA
+// tensor in a build without CUDA kernels).
+void check_device(const at::Tensor& t, const char* what);
 
 }  // namespace tiller::model::invariant

@@ -13,8 +13,9 @@
 // RoPE (and its tables), SwiGLU and the log-softmax are one kernel each, used by the engine and
 // the trainer alike. Then a token sampled by the engine has, bit for bit, the log-prob the
 // trainer computes for it with the same weights. Backward passes still use the ordinary kernels
-// (the gradient need not be invariant). CPU tensors only so far: the kernels refuse CUDA tensors
-// with a one-line error.
+// (the gradient need not be invariant). CPU tensors, and in the GPU build CUDA tensors of bf16,
+// fp16 and fp32 (src/model/batch_invariant.h says how; the CUDA order is not the CPU's, so an
+// engine and a trainer compare bitwise on the same kind of device).
 //
 // The setting is process-wide (like torch.use_deterministic_algorithms): every rank of a job sets
 // it once, before its first forward, from the job's config (tiller train does). Reads are

@@ -59,6 +59,26 @@ __device__ __forceinline__ SplitRange split_range(const PagedDecode& a, int b, i
 // l[...] and acc[(part * stride + g) * D + d] — and writes the split's result: the output itself
 // when there is one split, else the split's normalised output and log-sum-exp in the workspace.
 // Every thread of the block calls it.
+// Row g, column d of that merge: the maximum mx, the normaliser sum and the unnormalised output
+// o over the parts, in part order. One definition for the decode kernels and the bitwise prefill
+// (paged_decode_prefill), so that they round alike.
+template <int D>
+__device__ __forceinline__ void merge_parts(const float* s_m, const float* s_l, const float* s_acc, int parts,
+                                            int stride, int g, int d, float& mx, float& sum, float& o) {
+  mx = -INFINITY;
+  for (int p = 0; p < parts; ++p) mx = fmaxf(mx, s_m[p * stride + g]);
+  sum = 0.f;
+  o = 0.f;
+  if (mx != -INFINITY)
+    for (int p = 0; p < parts; ++p) {
+      const float m = s_m[p * stride + g];
+      if (m == -INFINITY) continue;
+      const float w = exp2f(m - mx);
+      sum = fmaf(s_l[p * stride + g], w, sum);
+      o = fmaf(s_acc[(p * stride + g) * D + d], w, o);
+    }
+}
+
 template <class T, int D>
 __device__ void store_merged(const PagedDecode& a, const float* s_m, const float* s_l, const float* s_acc, int parts,
                              int stride, int heads_here, int head0, int b, int split) {
@@ -67,17 +87,8 @@ __device__ void store_merged(const PagedDecode& a, const float* s_m, const float
   float* ws_lse = a.workspace + a.batch * a.heads * splits * D;
   for (int idx = threadIdx.x; idx < heads_here * D; idx += blockDim.x) {
     const int g = idx / D, d = idx % D;
-    float mx = -INFINITY;
-    for (int p = 0; p < parts; ++p) mx = fmaxf(mx, s_m[p * stride + g]);
-    float sum = 0.f, o = 0.f;
-    if (mx != -INFINITY)
-      for (int p = 0; p < parts; ++p) {
-        const float m = s_m[p * stride + g];
-        if (m == -INFINITY) continue;
-        const float w = exp2f(m - mx);
-        sum = fmaf(s_l[p * stride + g], w, sum);
-        o = fmaf(s_acc[(p * stride + g) * D + d], w, o);
-      }
+    float mx, sum, o;
+    merge_parts<D>(s_m, s_l, s_acc, parts, stride, g, d, mx, sum, o);
     const float out = sum > 0.f ? o / sum : 0.f;
     const int64_t bh = static_cast<int64_t>(b) * a.heads + head0 + g;
     if (splits == 1) {
@@ -123,5 +134,6 @@ void launch_combine(const PagedDecode& a, cudaStream_t stream) {
 // false when the shape is not one it serves.
 bool paged_decode_mma_serves(DType dtype, int64_t head_dim, int64_t group);
 bool paged_decode_mma(const PagedDecode& a, cudaStream_t stream);
+void paged_decode_prefill_mma(const PrefillRows& a, cudaStream_t stream);
 
 }  // namespace tiller::engine::cuda::detail

@@ -142,7 +142,8 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(PagedDecode a
     l[g] = 0.f;
   }
 
-  const int32_t* blocks = a.blocks + a.offsets[b];
+  const int32_t* blocks = a.key_base ? nullptr : a.blocks + a.offsets[b];
+  const int64_t key0 = a.key_base ? a.key_base[b] : 0;
   const int64_t row = a.kv_heads * D, bs = a.block_size;
   const T* kc = static_cast<const T*>(a.k_cache) + kv_head * D + lane * kVec;
   const T* vc = static_cast<const T*>(a.v_cache) + kv_head * D + lane * kVec;
@@ -162,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(PagedDecode a
   auto locate = [&](int it, int r, bool& ok) -> int64_t {
     const int t = lo + it * 2 * kRows + r * kRows + rg;
     ok = it < iters && t < hi;
-    return ok ? static_cast<int64_t>(blocks[t / bs]) * bs + t % bs : 0;
+    return !ok ? 0 : blocks ? static_cast<int64_t>(blocks[t / bs]) * bs + t % bs : key0 + t;
   };
   auto issue = [&](int it, int64_t slot_a, bool ok_a, int64_t slot_b, bool ok_b) {
     const int st = it % kStages;
@@ -317,6 +318,17 @@ int64_t paged_decode_workspace_floats(int64_t batch, int64_t heads, int64_t head
 
 bool paged_decode_rotates(DType dtype, int64_t head_dim, int64_t heads, int64_t kv_heads) {
   return kv_heads > 0 && heads % kv_heads == 0 && detail::paged_decode_mma_serves(dtype, head_dim, heads / kv_heads);
+}
+
+bool paged_decode_prefill_serves(DType dtype, int64_t head_dim, int64_t heads, int64_t kv_heads) {
+  return paged_decode_rotates(dtype, head_dim, heads, kv_heads);  // where decode steps run on tensor cores
+}
+
+void paged_decode_prefill(const PrefillRows& a, void* stream) {
+  if (a.count == 0) return;
+  if (!paged_decode_prefill_serves(a.dtype, a.head_dim, a.heads, a.kv_heads))
+    throw std::invalid_argument("bitwise prefill attention: a shape the tensor-core decode kernel does not serve");
+  detail::paged_decode_prefill_mma(a, static_cast<cudaStream_t>(stream));
 }
 
 void paged_decode_attention(const PagedDecode& a, void* stream) {

@@ -59,7 +59,37 @@ struct PagedDecode {
   // stores the rotated key), so no RoPE kernel runs before it.
   const void* rope_cos = nullptr;
   const void* rope_sin = nullptr;
+  // Optional: contiguous keys instead of block lists (algo.logprob_match = bitwise runs the
+  // trainer's and the engine's prefill attention through these kernels, so that a query sums its
+  // keys in the decode step's order): key t of row b at slot key_base[b] + t; offsets and blocks
+  // are then unused. Each row is one query (a token) with its own seq_lens[b] keys.
+  const int32_t* key_base = nullptr;
 };
+
+// algo.logprob_match = bitwise: causal attention of packed query tokens over contiguous keys
+// (the trainer's varlen forward, the engine's prefill) where every query sums its keys exactly as
+// the tensor-core decode kernel does for a decode step of that token with one split (the same
+// 16-key tiles dealt to the same 4 partial states, merged in the same order), so the two agree
+// bit for bit; but 16 query tokens of one head share each K/V tile instead of one token's group.
+// For the shapes paged_decode_prefill_serves names (else each query runs as a decode step,
+// PagedDecode::key_base). K and V [keys, kv_heads, head_dim] contiguous; q [tokens, heads,
+// head_dim] (head stride head_dim, token stride given); out [tokens, heads, head_dim] contiguous.
+struct PrefillRows {
+  DType dtype = DType::kBFloat16;
+  const void* q = nullptr;
+  int64_t q_token_stride = 0;  // elements
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  // [count][4] int32: the block's first query row, its rows (1 to 16, consecutive tokens of one
+  // sequence), the sequence's first key row, and the key position of the first query row (its
+  // keys are 0 ..= position).
+  const int32_t* blocks = nullptr;
+  int64_t count = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  float scale = 1.0f;
+};
+bool paged_decode_prefill_serves(DType dtype, int64_t head_dim, int64_t heads, int64_t kv_heads);
+void paged_decode_prefill(const PrefillRows& a, void* stream);
 
 // Whether paged_decode_attention takes RoPE tables for this shape (the tensor-core kernel's:
 // bf16/fp16, head size 64 or 128, 2 to 16 query heads per KV head).

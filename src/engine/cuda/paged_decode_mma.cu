@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
   // With RoPE: each warp's copy of the step's key, rotated, past the pipeline's memory.
   T* k_rot = reinterpret_cast<T*>(smem + kSmemBytes<D>) + warp * D;
   const uint32_t k_rot_addr = static_cast<uint32_t>(__cvta_generic_to_shared(k_rot));
-  const int32_t* blocks = a.blocks + a.offsets[b];
+  const int32_t* blocks = a.key_base ? nullptr : a.blocks + a.offsets[b];
+  const int key0 = a.key_base ? a.key_base[b] : 0;
   const int64_t row_elems = a.kv_heads * D;
   const int bs = static_cast<int>(a.block_size);
   const T* kc = static_cast<const T*>(a.k_cache) + kv_head * D;
@@ -146,7 +147,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
   auto key_slot = [&](int i) -> int {
     if (i >= mine || lane >= kKeys) return -1;
     const int t = tile_start(i) + lane;
-    return t >= hi ? -1 : t == last ? -2 : blocks[t / bs] * bs + t % bs;
+    return t >= hi ? -1 : t == last ? -2 : blocks ? blocks[t / bs] * bs + t % bs : key0 + t;
   };
   auto issue = [&](int i, int slot) {
     if (i < mine) {  // warp-uniform
@@ -392,6 +393,207 @@ void dispatch_dim(const PagedDecode& a, cudaStream_t stream) {
   return launch<T, 128>(a, stream);
 }
 
+
+// algo.logprob_match = bitwise: the prefill form of the kernel above (paged_attention.h's
+// PrefillRows). One warp serves one PrefillRows block of up to 16 query tokens of one query head;
+// the MMA tile's rows are those tokens. For each part w of the decode kernel's 4 (its warp w: key
+// tiles w, w + 4, ...) the warp runs the same online softmax over the same tiles, each row masked
+// at its own length, and keeps the part's state in shared memory; the parts merge as the decode
+// kernel's do (merge_parts). A row's arithmetic is the decode kernel's for that token: the tiles
+// past a row's keys are masked whole, which leaves its state as it was (an empty state stays
+// empty: the exponent's offset is 0 while the row's maximum is -inf).
+template <int D>
+constexpr int kPrefillSmem = kStagesOf<D> * 2 * kKeys * D * 2 + kWarps * kTileRows * (D + 2) * 4;
+
+template <class T, int D>
+__global__ void __launch_bounds__(32) paged_prefill_mma_kernel(PrefillRows a) {
+  constexpr int kChunks = D / 8;
+  constexpr int kTileBytes = kKeys * D * 2;
+  constexpr int kStages = detail::kStagesOf<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x;
+  const int32_t* info = a.blocks + 4 * static_cast<int64_t>(blockIdx.x);
+  const int q_row0 = info[0], rows = info[1], key0 = info[2], pos0 = info[3];
+  const int head = blockIdx.y;
+  const int kv_head = head / static_cast<int>(a.heads / a.kv_heads);
+  const int r = lane / 4, c2 = 2 * (lane % 4);
+  // Row i's keys: 0 ..= pos0 + i (none past the block's rows).
+  const int hi_lo = r < rows ? pos0 + r + 1 : 0, hi_hi = r + 8 < rows ? pos0 + r + 9 : 0;
+  const int hi = pos0 + rows;  // the block's last row's keys
+  const int64_t row_elems = a.kv_heads * D;
+  const T* kc = static_cast<const T*>(a.k) + static_cast<int64_t>(key0) * row_elems + kv_head * D;
+  const T* vc = static_cast<const T*>(a.v) + static_cast<int64_t>(key0) * row_elems + kv_head * D;
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  auto* s_m = reinterpret_cast<float*>(smem + kStages * 2 * kTileBytes);  // [kWarps parts][kTileRows]
+  float* s_l = s_m + kWarps * kTileRows;
+  float* s_acc = s_l + kWarps * kTileRows;  // [kWarps parts][kTileRows][D]
+  const int tiles = (hi + kKeys - 1) / kKeys;
+
+  uint32_t qf[D / 16][4];
+  {
+    const T* qp = static_cast<const T*>(a.q) + static_cast<int64_t>(q_row0) * a.q_token_stride +
+                  static_cast<int64_t>(head) * D;
+    auto ld = [&](int row, int col) {
+      return row < rows ? *reinterpret_cast<const uint32_t*>(qp + row * a.q_token_stride + col) : 0u;
+    };
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      qf[kk][0] = ld(r, kk * 16 + c2);
+      qf[kk][1] = ld(r + 8, kk * 16 + c2);
+      qf[kk][2] = ld(r, kk * 16 + 8 + c2);
+      qf[kk][3] = ld(r + 8, kk * 16 + 8 + c2);
+    }
+  }
+  const float qscale = a.scale * kLog2e;
+
+  for (int part = 0; part < kWarps; ++part) {
+    const int mine = tiles > part ? (tiles - part + kWarps - 1) / kWarps : 0;
+    auto tile_start = [&](int i) { return (part + i * kWarps) * kKeys; };
+    auto issue = [&](int i) {
+      if (i < mine) {
+        const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
+#pragma unroll
+        for (int j = 0; j < kKeys * kChunks / 32; ++j) {
+          const int c = lane + 32 * j, key = c / kChunks, col = c % kChunks;
+          const int t = tile_start(i) + key;
+          const bool ok = t < hi;
+          const int64_t at = ok ? static_cast<int64_t>(t) * row_elems + col * 8 : 0;
+          cp_async16(k_tile + tile_offset<D>(key, col), kc + at, ok);
+          cp_async16(v_tile + tile_offset<D>(key, col), vc + at, ok);
+        }
+      }
+      cp_async_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) issue(i);
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+    for (int i = 0; i < mine; ++i) {
+      issue(i + kStages - 1);
+      cp_async_wait<kStages - 1>();
+      __syncwarp();
+      const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
+      float s[2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int mat = lane / 8, key = (mat >> 1) * 8 + lane % 8, col = 2 * kk + (mat & 1);
+        uint32_t kb[4];
+        ldsm_x4(k_tile + tile_offset<D>(key, col), kb);
+        mma16816<T>(s[0], qf[kk], kb[0], kb[1]);
+        mma16816<T>(s[1], qf[kk], kb[2], kb[3]);
+      }
+      const int t0 = tile_start(i);
+      float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int t = t0 + n * 8 + c2 + e;
+          s[n][e] = t < hi_lo ? s[n][e] * qscale : -INFINITY;
+          s[n][2 + e] = t < hi_hi ? s[n][2 + e] * qscale : -INFINITY;
+          mx_lo = fmaxf(mx_lo, s[n][e]);
+          mx_hi = fmaxf(mx_hi, s[n][2 + e]);
+        }
+#pragma unroll
+      for (int off = 1; off < 4; off <<= 1) {
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(kFull, mx_lo, off));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(kFull, mx_hi, off));
+      }
+      // A row without a key so far keeps an empty state (the decode kernel never meets one).
+      const float e_lo = mx_lo == -INFINITY ? 0.f : mx_lo, e_hi = mx_hi == -INFINITY ? 0.f : mx_hi;
+      const float alpha_lo = exp2f(m_lo - e_lo), alpha_hi = exp2f(m_hi - e_hi);
+      m_lo = mx_lo;
+      m_hi = mx_hi;
+      float p[2][4];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        p[n][0] = exp2f(s[n][0] - e_lo);
+        p[n][1] = exp2f(s[n][1] - e_lo);
+        p[n][2] = exp2f(s[n][2] - e_hi);
+        p[n][3] = exp2f(s[n][3] - e_hi);
+      }
+      l_lo = fmaf(l_lo, alpha_lo, (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
+      l_hi = fmaf(l_hi, alpha_hi, (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]));
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][0] *= alpha_lo;
+        o[n][1] *= alpha_lo;
+        o[n][2] *= alpha_hi;
+        o[n][3] *= alpha_hi;
+      }
+      const uint32_t pa[4] = {pack2<T>(p[0][0], p[0][1]), pack2<T>(p[0][2], p[0][3]), pack2<T>(p[1][0], p[1][1]),
+                              pack2<T>(p[1][2], p[1][3])};
+#pragma unroll
+      for (int n = 0; n < D / 8; n += 2) {
+        const int mat = lane / 8, key = (mat & 1) * 8 + lane % 8, col = n + (mat >> 1);
+        uint32_t vb[4];
+        ldsm_x4_trans(v_tile + tile_offset<D>(key, col), vb);
+        mma16816<T>(o[n], pa, vb[0], vb[1]);
+        mma16816<T>(o[n + 1], pa, vb[2], vb[3]);
+      }
+      __syncwarp();
+    }
+    cp_async_wait<0>();
+    __syncwarp();
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      l_lo += __shfl_xor_sync(kFull, l_lo, off);
+      l_hi += __shfl_xor_sync(kFull, l_hi, off);
+    }
+    const int row_lo = part * kTileRows + r, row_hi = row_lo + 8;
+    if (lane % 4 == 0) {
+      s_m[row_lo] = m_lo;
+      s_m[row_hi] = m_hi;
+      s_l[row_lo] = l_lo;
+      s_l[row_hi] = l_hi;
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      s_acc[row_lo * D + n * 8 + c2] = o[n][0];
+      s_acc[row_lo * D + n * 8 + c2 + 1] = o[n][1];
+      s_acc[row_hi * D + n * 8 + c2] = o[n][2];
+      s_acc[row_hi * D + n * 8 + c2 + 1] = o[n][3];
+    }
+    __syncwarp();
+  }
+  T* out = static_cast<T*>(a.out);
+  for (int idx = lane; idx < rows * D; idx += 32) {
+    const int g = idx / D, d = idx % D;
+    float mx, sum, o;
+    merge_parts<D>(s_m, s_l, s_acc, kWarps, kTileRows, g, d, mx, sum, o);
+    store(out + (static_cast<int64_t>(q_row0 + g) * a.heads + head) * D + d, sum > 0.f ? o / sum : 0.f);
+  }
+}
+
+template <class T, int D>
+void launch_prefill(const PrefillRows& a, cudaStream_t stream) {
+  constexpr int kSmem = kPrefillSmem<D>;
+  if constexpr (kSmem > 48 * 1024) {
+    static bool done[64] = {};
+    int device = 0;
+    if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
+      throw std::runtime_error(std::string("bitwise prefill attention: cudaGetDevice failed: ") + cudaGetErrorString(err));
+    if (device < 0 || device >= 64 || !done[device]) {
+      const cudaError_t err =
+          cudaFuncSetAttribute(paged_prefill_mma_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+      if (err != cudaSuccess)
+        throw std::runtime_error("bitwise prefill attention: cannot reserve " + std::to_string(kSmem) +
+                                 " bytes of shared memory: " + cudaGetErrorString(err));
+      if (device >= 0 && device < 64) done[device] = true;
+    }
+  }
+  for (int64_t b0 = 0; b0 < a.count; b0 += 0x7fffffff) {
+    PrefillRows part = a;
+    part.blocks = a.blocks + 4 * b0;
+    part.count = std::min<int64_t>(0x7fffffff, a.count - b0);
+    const dim3 grid(static_cast<unsigned>(part.count), static_cast<unsigned>(a.heads));
+    paged_prefill_mma_kernel<T, D><<<grid, 32, kSmem, stream>>>(part);
+    check_launch("bitwise prefill attention (tensor cores)");
+  }
+}
 }  // namespace
 
 bool paged_decode_mma_serves(DType dtype, int64_t head_dim, int64_t group) {
@@ -407,6 +609,18 @@ bool paged_decode_mma(const PagedDecode& a, cudaStream_t stream) {
   else
     dispatch_dim<__half>(a, stream);
   return true;
+}
+
+void paged_decode_prefill_mma(const PrefillRows& a, cudaStream_t stream) {
+  auto run = [&](auto t) {
+    using T = decltype(t);
+    if (a.head_dim == 64) return launch_prefill<T, 64>(a, stream);
+    return launch_prefill<T, 128>(a, stream);
+  };
+  if (a.dtype == DType::kBFloat16)
+    run(__nv_bfloat16{});
+  else
+    run(__half{});
 }
 
 }  // namespace tiller::engine::cuda::detail

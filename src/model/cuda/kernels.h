@@ -3,6 +3,7 @@
 // (TILLER_HAVE_CUDA_KERNELS); callers fall back to ATen ops elsewhere.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace tiller::model::cuda {
@@ -56,5 +57,29 @@ void logprob_rows(DType dtype, const void* logits, int64_t rows, int64_t vocab, 
 void logprob_rows_backward(DType dtype, void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
                            const int64_t* targets, float inv_temperature, const float* grad, const float* grad_entropy,
                            void* stream);
+
+// algo.logprob_match = bitwise (model/batch_invariant.h): kernels whose result for a row depends
+// on that row alone, in one fixed reduction order.
+// RMSNorm of contiguous rows [rows, width] into out (contiguous): T(x * rsqrt(mean(x^2) + eps) *
+// weight), the statistics in fp32 (invariant.cu).
+void invariant_rms_norm(DType dtype, const void* x, const void* weight, void* out, int64_t rows, int64_t width,
+                        float eps, void* stream);
+// softmax of contiguous fp32 rows [rows, width] into out (contiguous, fp32) (invariant.cu).
+void invariant_softmax(const float* x, float* out, int64_t rows, int64_t width, void* stream);
+// log softmax(z / t)[target] per row of logits [rows, vocab] (row stride in elements), fp32
+// [rows], t = temperatures[r] (per_row) or temperatures[0]; both device arrays. NaN for a target
+// outside [0, vocab) (invariant.cu).
+void invariant_logprobs(DType dtype, const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
+                        const int64_t* targets, const float* temperatures, bool per_row, float* logprobs,
+                        void* stream);
+// y [m, n] (contiguous) = x [m, k] (row stride x_stride elements) @ w [n, k]^T (contiguous), one
+// cuBLASLt algorithm per (device, dtype, k) whatever m and n are (chosen once from the heuristic
+// for a reference shape with split-K excluded, and kept only if a probe finds its rows
+// independent of m), so each output element is one K-ordered sum. Pointers and x_stride * the
+// element size 16-byte aligned. `workspace`: invariant_gemm_workspace(...) bytes, which
+// chooses the algorithm on first use (not inside a CUDA graph capture) (invariant_gemm.cpp). Throws std::runtime_error naming the cuBLAS status.
+size_t invariant_gemm_workspace(DType dtype, int64_t k, int device, void* stream);
+void invariant_gemm(DType dtype, const void* x, int64_t x_stride, const void* w, void* y, int64_t m, int64_t n,
+                    int64_t k, void* workspace, size_t workspace_bytes, int device, void* stream);
 
 }  // namespace tiller::model::cuda
