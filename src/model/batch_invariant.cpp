@@ -85,7 +85,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const auto dtype = cuda::kernel_dtype(x.scalar_type());
   const int device = x.device().index();
   void* stream = stream_of(x);
-  const size_t ws = cuda::invariant_gemm_workspace(dtype, k, device, stream);
+  const size_t ws = cuda::invariant_gemm_workspace(dtype, m, n, k, x2.stride(0), device, stream);
   const at::Tensor work = ws ? at::empty({static_cast<int64_t>(ws)}, x.options().dtype(at::kByte)) : at::Tensor();
   try {
     cuda::invariant_gemm(dtype, x2.data_ptr(), x2.stride(0), wc.data_ptr(), out.data_ptr(), m, n, k,
@@ -212,16 +212,18 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
   return out;
 }
 
-at::Tensor logprobs_cuda(const at::Tensor& logits, const at::Tensor& targets, const std::vector<float>& temperatures) {
+at::Tensor logprobs_cuda(const at::Tensor& logits, const at::Tensor& targets, const std::vector<float>& temperatures,
+                         at::Tensor* entropy) {
   for (size_t i = 0; i < temperatures.size(); ++i)
     TILLER_CHECK(temperatures[i] > 0, "logprobs: temperature {} of row {} is not > 0", temperatures[i], i);
   const at::Tensor z = logits.stride(1) == 1 ? logits : logits.contiguous();
   const at::Tensor tgt = targets.to(logits.device(), at::kLong).contiguous();
   const at::Tensor temps = upload(temperatures, logits.device());
   at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  if (entropy) *entropy = at::empty_like(out);
   cuda::invariant_logprobs(cuda::kernel_dtype(z.scalar_type()), z.data_ptr(), z.size(0), z.size(1), z.stride(0),
                            tgt.data_ptr<int64_t>(), temps.data_ptr<float>(), temperatures.size() > 1,
-                           out.data_ptr<float>(), stream_of(logits));
+                           out.data_ptr<float>(), entropy ? entropy->data_ptr<float>() : nullptr, stream_of(logits));
   return out;
 }
 #endif
@@ -517,6 +519,23 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 at::Tensor softmax(const at::Tensor& x) { return SoftmaxNode::apply(x); }
 
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& add, const at::Tensor& weight, double eps) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const at::ScalarType t = x.scalar_type();
+  if (x.is_cuda() && x.dim() == 2 && x.stride(1) == 1 && add.stride(1) == 1 && add.scalar_type() == t &&
+      (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat)) {
+    const at::Tensor w = weight.to(t).contiguous();
+    at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    cuda::invariant_add_rms_norm(cuda::kernel_dtype(t), x.data_ptr(), add.data_ptr(), w.data_ptr(), out.data_ptr(),
+                                 x.size(0), x.size(1), x.stride(0), add.stride(0), static_cast<float>(eps),
+                                 stream_of(x));
+    return out;
+  }
+#endif
+  x.add_(add);
+  return rms_norm(x, weight, eps);
+}
+
 
 at::Tensor attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const VarlenSpec& s,
                              double scale) {
@@ -584,7 +603,8 @@ at::Tensor attention_forward(const at::Tensor& q, const at::Tensor& k, const at:
   return out;
 }
 
-at::Tensor logprobs(const at::Tensor& logits, const at::Tensor& targets, const std::vector<float>& temperatures) {
+at::Tensor logprobs(const at::Tensor& logits, const at::Tensor& targets, const std::vector<float>& temperatures,
+                    at::Tensor* entropy) {
   check_device(logits, "the log-prob head's logits");
   TILLER_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
                "logprobs: [R, vocab] logits and [R] targets expected");
@@ -592,7 +612,7 @@ at::Tensor logprobs(const at::Tensor& logits, const at::Tensor& targets, const s
   TILLER_CHECK(temperatures.size() == 1 || static_cast<int64_t>(temperatures.size()) == rows,
                "logprobs: {} temperatures for {} rows", temperatures.size(), rows);
 #ifdef TILLER_HAVE_CUDA_KERNELS
-  if (logits.is_cuda()) return logprobs_cuda(logits, targets, temperatures);
+  if (logits.is_cuda()) return logprobs_cuda(logits, targets, temperatures, entropy);
 #endif
   const at::ScalarType acc = acc_type(logits);
   const at::Tensor za = logits.to(acc).contiguous();
@@ -621,6 +641,13 @@ at::Tensor logprobs(const at::Tensor& logits, const at::Tensor& targets, const s
       }
     });
   });
+  if (entropy) {  // the ordinary formula (the entropy need not be invariant)
+    const at::Tensor t = temperatures.size() == 1
+                             ? at::full({1, 1}, temperatures[0], za.options())
+                             : at::tensor(temperatures, at::kFloat).to(za.scalar_type()).unsqueeze(1);
+    const at::Tensor logp = at::log_softmax(za / t, -1);
+    *entropy = -(logp.exp() * logp).sum(-1);
+  }
   return out;
 }
 

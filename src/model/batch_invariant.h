@@ -12,8 +12,9 @@
 //
 // On CUDA (bf16, fp16, fp32; model/cuda/kernels.h) the orders differ from the CPU's but hold the
 // same property, for the engine's and the trainer's GPUs alike:
-//  - matmuls: one cuBLASLt algorithm per (device, dtype, K) whatever M and N are, split-K
-//    excluded, kept only after a probe finds its rows independent of M (invariant_gemm.cpp);
+//  - matmuls: cuBLASLt without split-K; per (device, dtype, K) a reference algorithm whose rows
+//    a probe finds independent of M, and per shape the fastest algorithm that gives the
+//    reference's bits on the probe (invariant_gemm.cpp);
 //  - attention: every query, the trainer's and the engine's prefill included, runs through the
 //    engine's decode kernel with one KV split, so it sums its keys as a decode step does;
 //  - RMSNorm, the router's softmax and the log-prob head: one thread block per row, scalar loads
@@ -33,6 +34,9 @@ namespace tiller::model::invariant {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {});
 // RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight, in x's dtype. Differentiable.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// x += add (in place, in x's dtype), then rms_norm of it: on CUDA one kernel of the same bits as
+// the two steps. Inference only.
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& add, const at::Tensor& weight, double eps);
 // silu(gate) * up, in gate's dtype. Forward only: fused_ops.cpp's SwiGLU node runs it under the
 // mode and keeps its own backward.
 at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up);
@@ -47,7 +51,10 @@ at::Tensor attention_forward(const at::Tensor& q, const at::Tensor& k, const at:
 at::Tensor softmax(const at::Tensor& x);
 // log softmax(logits[r] / temperature[r])[targets[r]] per row, fp32 [R] (fp64 for fp64 logits).
 // `temperatures`: one per row, or one for all. Not differentiable.
-at::Tensor logprobs(const at::Tensor& logits, const at::Tensor& targets, const std::vector<float>& temperatures);
+// With `entropy`, also each row's entropy of softmax(logits / temperature) into it (not part of
+// the invariance promise; on CUDA from the same pass).
+at::Tensor logprobs(const at::Tensor& logits, const at::Tensor& targets, const std::vector<float>& temperatures,
+                    at::Tensor* entropy = nullptr);
 // cos and sin of freqs [T, D] (fp32), times `scaling`, element by element with the C library's
 // functions (no vector path whose result depends on where an element sits).
 std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& freqs, double scaling);

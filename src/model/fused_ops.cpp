@@ -141,10 +141,7 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& add, const at::Tensor& 
                "add_rms_norm wants x, add [T, width] and weight [width]");
   TILLER_CHECK(!(at::GradMode::is_enabled() && (x.requires_grad() || add.requires_grad())),
                "add_rms_norm has no backward");
-  if (batch_invariant()) {
-    x.add_(add);
-    return invariant::rms_norm(x, weight, eps);
-  }
+  if (batch_invariant()) return invariant::add_rms_norm(x, add, weight, eps);
 #ifdef TILLER_HAVE_CUDA_KERNELS
   const at::ScalarType t = x.scalar_type();
   if (x.is_cuda() && x.stride(1) == 1 && add.stride(1) == 1 && weight.is_contiguous() && add.scalar_type() == t &&

@@ -58,11 +58,7 @@ ChunkResult chunk_forward(const at::Tensor& h, const at::Tensor& w, const at::Te
     // the temperature as the sampler holds it (fp32). The entropy need not be invariant.
     const at::Tensor z = invariant::linear(h, w);
     ChunkResult r;
-    r.logprobs = invariant::logprobs(z, targets, {static_cast<float>(temperature)});
-    if (want_entropy) {
-      const at::Tensor logp = at::log_softmax(z.to(compute_type(h)) / static_cast<float>(temperature), -1);
-      r.entropy = -(logp.exp() * logp).sum(-1);
-    }
+    r.logprobs = invariant::logprobs(z, targets, {static_cast<float>(temperature)}, want_entropy ? &r.entropy : nullptr);
     return r;
   }
 #ifdef TILLER_HAVE_CUDA_KERNELS

@@ -262,6 +262,21 @@ TEST(EngineGpu, BitwiseKernelRowsDoNotDependOnTheirNeighbours) {
     EXPECT_TRUE(at::equal(n.narrow(0, 17, 3), model::invariant::rms_norm(x.narrow(0, 17, 3), nw, 1e-6)));
     EXPECT_LT((n.to(at::kFloat) - at::rms_norm(x, {896}, nw, 1e-6).to(at::kFloat)).abs().max().item<double>(),
               dtype == at::kFloat ? 1e-4 : 0.1);
+    // Rows that start off a vector boundary take the same order (element loads instead of vectors).
+    auto shifted = [&](const at::Tensor& t) {
+      at::Tensor flat = at::empty({t.numel() + 1}, t.options());
+      at::Tensor view = flat.narrow(0, 1, t.numel()).view(t.sizes());
+      view.copy_(t);
+      return view;
+    };
+    EXPECT_TRUE(at::equal(n, model::invariant::rms_norm(shifted(x), nw, 1e-6)));
+    // The residual add fused: the same bits as the add, then the norm.
+    at::Tensor x1 = x.clone(), x2 = x.clone();
+    const at::Tensor addend = at::randn_like(x);
+    const at::Tensor fused = model::invariant::add_rms_norm(x1, addend, nw, 1e-6);
+    x2.add_(addend);
+    EXPECT_TRUE(at::equal(x1, x2));
+    EXPECT_TRUE(at::equal(fused, model::invariant::rms_norm(x2, nw, 1e-6)));
     const at::Tensor logits = at::randn({40, 60}, cuda).to(dtype);
     const at::Tensor p = model::invariant::softmax(logits);
     EXPECT_TRUE(at::equal(p.narrow(0, 3, 1), model::invariant::softmax(logits.narrow(0, 3, 1))));
@@ -271,6 +286,7 @@ TEST(EngineGpu, BitwiseKernelRowsDoNotDependOnTheirNeighbours) {
     const std::vector<float> temps{0.7f, 1.f, 1.3f, 0.7f, 1.f, 1.3f, 0.7f, 1.f, 1.3f};
     const at::Tensor lp = model::invariant::logprobs(z, tgt, temps);
     EXPECT_TRUE(at::equal(lp.narrow(0, 4, 1), model::invariant::logprobs(z.narrow(0, 4, 1), tgt.narrow(0, 4, 1), {1.f})));
+    EXPECT_TRUE(at::equal(lp, model::invariant::logprobs(shifted(z), tgt, temps)));
     const at::Tensor want =
         at::log_softmax(z.to(at::kDouble) / at::tensor(std::vector<double>(temps.begin(), temps.end()), at::kDouble)
                                                 .to(cuda)

@@ -19,6 +19,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kVec = 8;  // elements per chunk
 
 void check_launch(const char* what) {
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess)
@@ -27,6 +28,7 @@ void check_launch(const char* what) {
 
 // The block's sum of one value per thread: each warp's butterfly, then the warps' partials in
 // warp order (every thread gets the same result).
+template <int kBlock = kThreads>
 __device__ __forceinline__ float block_sum(float v, float* partial) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
@@ -35,10 +37,11 @@ __device__ __forceinline__ float block_sum(float v, float* partial) {
   __syncthreads();
   float total = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += partial[w];
+  for (int w = 0; w < kBlock / 32; ++w) total += partial[w];
   return total;
 }
 
+template <int kBlock = kThreads>
 __device__ __forceinline__ float block_max(float v, float* partial) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
@@ -47,44 +50,142 @@ __device__ __forceinline__ float block_max(float v, float* partial) {
   __syncthreads();
   float m = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, partial[w]);
+  for (int w = 0; w < kBlock / 32; ++w) m = fmaxf(m, partial[w]);
   return m;
 }
 
-// out = T(x * rsqrt(mean(x^2) + eps) * weight), the statistics in fp32.
+// A row's elements in one order, whatever its alignment: thread t takes the chunks of kVec
+// elements t, t + kBlock, ... (each chunk's elements in order), then the row's last width % kVec
+// elements one each (threads 0, 1, ...). `vec` only says whether a chunk arrives as one vector
+// load or element by element.
 template <class T>
-__global__ void __launch_bounds__(kThreads) rms_norm_rows_kernel(const T* x, const T* weight, T* out, int64_t width,
+struct Chunk {
+  float v[kVec];
+};
+template <class T>
+__device__ __forceinline__ Chunk<T> load_chunk(const T* p, bool vec) {
+  Chunk<T> c;
+  if (vec) {
+    const Pack<T, kVec> x = *reinterpret_cast<const Pack<T, kVec>*>(p);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) c.v[i] = to_f(x.v[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) c.v[i] = to_f(p[i]);
+  }
+  return c;
+}
+template <class T>
+__device__ __forceinline__ bool vector_ok(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * kVec) == 0;
+}
+
+// x = T(x + add) in place when kAdd; then out = T(x * rsqrt(mean(x^2) + eps) * weight), the
+// statistics in fp32 over the rounded x.
+template <class T, bool kAdd>
+__global__ void __launch_bounds__(kThreads) rms_norm_rows_kernel(T* x, const T* add, const T* weight, T* out,
+                                                                 int64_t width, int64_t x_stride, int64_t add_stride,
                                                                  float eps) {
   __shared__ float partial[kWarps];
-  const T* xr = x + blockIdx.x * width;
+  T* xr = x + blockIdx.x * x_stride;
+  const T* ar = kAdd ? add + blockIdx.x * add_stride : nullptr;
   T* orow = out + blockIdx.x * width;
+  const int64_t chunks = width / kVec, tail = width % kVec;
+  const bool vec = vector_ok<T>(xr) && (!kAdd || vector_ok<T>(ar)) && vector_ok<T>(orow) && vector_ok<T>(weight);
   float sq = 0.f;
-  for (int64_t j = threadIdx.x; j < width; j += kThreads) {
-    const float v = to_f(xr[j]);
+  for (int64_t c = threadIdx.x; c < chunks; c += kThreads) {
+    Chunk<T> v = load_chunk(xr + c * kVec, vec);
+    if constexpr (kAdd) {
+      const Chunk<T> a = load_chunk(ar + c * kVec, vec);
+      Pack<T, kVec> y;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        y.v[i] = from_f<T>(v.v[i] + a.v[i]);
+        v.v[i] = to_f(y.v[i]);
+      }
+      if (vec) {
+        *reinterpret_cast<Pack<T, kVec>*>(xr + c * kVec) = y;
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) xr[c * kVec + i] = y.v[i];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) sq = fmaf(v.v[i], v.v[i], sq);
+  }
+  if (threadIdx.x < tail) {
+    const int64_t j = chunks * kVec + threadIdx.x;
+    float v = to_f(xr[j]);
+    if constexpr (kAdd) {
+      const T y = from_f<T>(v + to_f(ar[j]));
+      xr[j] = y;
+      v = to_f(y);
+    }
     sq = fmaf(v, v, sq);
   }
   const float rstd = rsqrtf(block_sum(sq, partial) / static_cast<float>(width) + eps);
-  for (int64_t j = threadIdx.x; j < width; j += kThreads) orow[j] = from_f<T>(to_f(xr[j]) * rstd * to_f(weight[j]));
+  // Each thread reads back only the elements it wrote.
+  for (int64_t c = threadIdx.x; c < chunks; c += kThreads) {
+    const Chunk<T> v = load_chunk(xr + c * kVec, vec), w = load_chunk(weight + c * kVec, vec);
+    Pack<T, kVec> o;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) o.v[i] = from_f<T>(v.v[i] * rstd * w.v[i]);
+    if (vec) {
+      *reinterpret_cast<Pack<T, kVec>*>(orow + c * kVec) = o;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) orow[c * kVec + i] = o.v[i];
+    }
+  }
+  if (threadIdx.x < tail) {
+    const int64_t j = chunks * kVec + threadIdx.x;
+    orow[j] = from_f<T>(to_f(xr[j]) * rstd * to_f(weight[j]));
+  }
 }
 
 // logprobs[r] = z[target] - max(z) - log(sum(exp(z - max(z)))), z = logits[r] / temperature.
+constexpr int kLogprobThreads = 1024;
 template <class T>
-__global__ void __launch_bounds__(kThreads) logprob_rows_kernel(const T* logits, int64_t vocab, int64_t row_stride,
-                                                                const int64_t* targets, const float* temperatures,
-                                                                bool per_row, float* out) {
-  __shared__ float partial[kWarps];
+__global__ void __launch_bounds__(kLogprobThreads) logprob_rows_kernel(const T* logits, int64_t vocab,
+                                                                       int64_t row_stride, const int64_t* targets,
+                                                                       const float* temperatures, bool per_row,
+                                                                       float* out, float* entropy) {
+  __shared__ float partial[kLogprobThreads / 32];
   const int64_t r = blockIdx.x;
   const T* z = logits + r * row_stride;
   const float t = temperatures[per_row ? r : 0];
+  const int64_t chunks = vocab / kVec, tail = vocab % kVec;
+  const bool vec = vector_ok<T>(z);
   float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j < vocab; j += kThreads) mx = fmaxf(mx, to_f(z[j]) / t);
-  mx = block_max(mx, partial);
-  float sum = 0.f;
-  for (int64_t j = threadIdx.x; j < vocab; j += kThreads) sum += expf(to_f(z[j]) / t - mx);
-  sum = block_sum(sum, partial);
+  for (int64_t c = threadIdx.x; c < chunks; c += kLogprobThreads) {
+    const Chunk<T> v = load_chunk(z + c * kVec, vec);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) mx = fmaxf(mx, v.v[i] / t);
+  }
+  if (threadIdx.x < tail) mx = fmaxf(mx, to_f(z[chunks * kVec + threadIdx.x]) / t);
+  mx = block_max<kLogprobThreads>(mx, partial);
+  // The normaliser, and for the entropy the sum of exp(y - mx) (y - mx): H = log(sum) - that / sum.
+  float sum = 0.f, weighted = 0.f;
+  for (int64_t c = threadIdx.x; c < chunks; c += kLogprobThreads) {
+    const Chunk<T> v = load_chunk(z + c * kVec, vec);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      const float d = v.v[i] / t - mx, e = expf(d);
+      sum += e;
+      if (entropy) weighted = fmaf(e, d, weighted);
+    }
+  }
+  if (threadIdx.x < tail) {
+    const float d = to_f(z[chunks * kVec + threadIdx.x]) / t - mx, e = expf(d);
+    sum += e;
+    if (entropy) weighted = fmaf(e, d, weighted);
+  }
+  sum = block_sum<kLogprobThreads>(sum, partial);
+  if (entropy) weighted = block_sum<kLogprobThreads>(weighted, partial);
   if (threadIdx.x == 0) {
     const int64_t target = targets[r];
     out[r] = target >= 0 && target < vocab ? to_f(z[target]) / t - mx - logf(sum) : NAN;
+    if (entropy) entropy[r] = logf(sum) - weighted / sum;
   }
 }
 
@@ -121,21 +222,35 @@ void invariant_rms_norm(DType dtype, const void* x, const void* weight, void* ou
   if (rows > 0x7fffffff) throw std::invalid_argument("invariant RMSNorm: more than 2^31 - 1 rows");
   with_dtype(dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    rms_norm_rows_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<T*>(out), width, eps);
+    rms_norm_rows_kernel<T, false><<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        const_cast<T*>(static_cast<const T*>(x)), nullptr, static_cast<const T*>(weight), static_cast<T*>(out), width,
+        width, 0, eps);
   });
   check_launch("invariant RMSNorm");
 }
 
+void invariant_add_rms_norm(DType dtype, void* x, const void* add, const void* weight, void* out, int64_t rows,
+                            int64_t width, int64_t x_stride, int64_t add_stride, float eps, void* stream) {
+  if (rows == 0 || width == 0) return;
+  if (rows > 0x7fffffff) throw std::invalid_argument("invariant RMSNorm: more than 2^31 - 1 rows");
+  with_dtype(dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    rms_norm_rows_kernel<T, true><<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<T*>(x), static_cast<const T*>(add), static_cast<const T*>(weight), static_cast<T*>(out), width,
+        x_stride, add_stride, eps);
+  });
+  check_launch("invariant residual add and RMSNorm");
+}
+
 void invariant_logprobs(DType dtype, const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
                         const int64_t* targets, const float* temperatures, bool per_row, float* logprobs,
-                        void* stream) {
+                        float* entropy, void* stream) {
   if (rows == 0) return;
   if (rows > 0x7fffffff) throw std::invalid_argument("invariant log-probs: more than 2^31 - 1 rows");
   with_dtype(dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    logprob_rows_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(logits), vocab, row_stride, targets, temperatures, per_row, logprobs);
+    logprob_rows_kernel<T><<<static_cast<unsigned>(rows), kLogprobThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const T*>(logits), vocab, row_stride, targets, temperatures, per_row, logprobs, entropy);
   });
   check_launch("invariant log-probs");
 }

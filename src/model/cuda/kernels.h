@@ -64,21 +64,29 @@ void logprob_rows_backward(DType dtype, void* logits, int64_t rows, int64_t voca
 // weight), the statistics in fp32 (invariant.cu).
 void invariant_rms_norm(DType dtype, const void* x, const void* weight, void* out, int64_t rows, int64_t width,
                         float eps, void* stream);
+// x = T(x + add) in place, then the RMSNorm above of the rounded x into out (contiguous): the
+// same bits as the two steps apart (x rows and add rows at their strides, in elements).
+void invariant_add_rms_norm(DType dtype, void* x, const void* add, const void* weight, void* out, int64_t rows,
+                            int64_t width, int64_t x_stride, int64_t add_stride, float eps, void* stream);
 // softmax of contiguous fp32 rows [rows, width] into out (contiguous, fp32) (invariant.cu).
 void invariant_softmax(const float* x, float* out, int64_t rows, int64_t width, void* stream);
 // log softmax(z / t)[target] per row of logits [rows, vocab] (row stride in elements), fp32
 // [rows], t = temperatures[r] (per_row) or temperatures[0]; both device arrays. NaN for a target
-// outside [0, vocab) (invariant.cu).
+// outside [0, vocab). With `entropy`, also each row's entropy of softmax(z / t) (not part of the
+// invariance promise, but computed in the same pass) (invariant.cu).
 void invariant_logprobs(DType dtype, const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
                         const int64_t* targets, const float* temperatures, bool per_row, float* logprobs,
-                        void* stream);
-// y [m, n] (contiguous) = x [m, k] (row stride x_stride elements) @ w [n, k]^T (contiguous), one
-// cuBLASLt algorithm per (device, dtype, k) whatever m and n are (chosen once from the heuristic
-// for a reference shape with split-K excluded, and kept only if a probe finds its rows
-// independent of m), so each output element is one K-ordered sum. Pointers and x_stride * the
-// element size 16-byte aligned. `workspace`: invariant_gemm_workspace(...) bytes, which
-// chooses the algorithm on first use (not inside a CUDA graph capture) (invariant_gemm.cpp). Throws std::runtime_error naming the cuBLAS status.
-size_t invariant_gemm_workspace(DType dtype, int64_t k, int device, void* stream);
+                        float* entropy, void* stream);
+// y [m, n] (contiguous) = x [m, k] (row stride x_stride elements) @ w [n, k]^T (contiguous), each
+// output element the same K-ordered sum whatever m and n are: per (device, dtype, k) a reference
+// cuBLASLt algorithm (split-K excluded, kept only if a probe finds its rows independent of m and
+// its columns of n), and for each shape the heuristic's fastest algorithm that gives the
+// reference's bits on the probe (invariant_gemm.cpp). Pointers and x_stride * the element size
+// 16-byte aligned. `workspace`: invariant_gemm_workspace(...) bytes for the same shape, which
+// also makes the choices on first use (a new K must not come first inside a CUDA graph capture).
+// Throws std::runtime_error naming the cuBLAS status.
+size_t invariant_gemm_workspace(DType dtype, int64_t m, int64_t n, int64_t k, int64_t x_stride, int device,
+                                void* stream);
 void invariant_gemm(DType dtype, const void* x, int64_t x_stride, const void* w, void* y, int64_t m, int64_t n,
                     int64_t k, void* workspace, size_t workspace_bytes, int device, void* stream);
 
