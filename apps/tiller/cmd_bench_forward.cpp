@@ -135,9 +135,10 @@ int run_forward(const ForwardOptions& o) {
   out["seq"] = o.seq;
   out["micro_batch"] = o.micro_batch;
   out["logprob_match"] = o.logprob_match;
-  out["attention"] = o.logprob_match == "bitwise"                   ? "batch-invariant (decode kernel)"
-                     : dev.is_cuda() && dtype != at::kFloat ? "flash (ATen varlen)"
-                                                            : "reference";
+  if (o.logprob_match == "bitwise")
+    out["attention"] = dev.is_cuda() ? "batch-invariant (the decode kernel's order)" : "batch-invariant (key order)";
+  else
+    out["attention"] = dev.is_cuda() && dtype != at::kFloat ? "flash (ATen varlen)" : "reference";
   out["matmul_tflops"] = peak;
   out["results"] = nlohmann::ordered_json::array();
   for (const auto& name : o.models) {

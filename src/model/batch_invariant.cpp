@@ -116,9 +116,10 @@ at::Tensor softmax_cuda(const at::Tensor& x) {
   return out;
 }
 
-// The trainer's (and the engine's prefill) attention through the engine's decode kernel: each
-// query is a decode step over its own keys (paged_attention.h's contiguous mode, one split), so
-// it sums them in the order a decode step of the same token does.
+// The trainer's (and the engine's prefill) attention in the engine's decode kernel's order: its
+// prefill form where the tensor-core kernel serves the shape (PrefillRows, 16 tokens a tile),
+// else each query as a decode step over its own keys (PagedDecode::key_base); one split either
+// way, so a query sums its keys as a decode step of the same token does.
 at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const VarlenSpec& s,
                           double scale) {
   const int64_t tq = q.size(0), heads = q.size(1), kv_heads = k.size(1), d = q.size(2);

@@ -106,6 +106,93 @@ constexpr int kSmemBytes = kWarps * kStagesOf<D> * 2 * kKeys * D * 2;
 template <int D>
 constexpr int kSmemTotal = kSmemBytes<D> + kWarps * D * 2;
 
+// One 16-key tile of the online softmax, shared by the decode kernel and its prefill form so that
+// both round alike. A lane holds rows r and r + 8 (r = lane / 4) and columns c2, c2 + 1 of each n8
+// tile.
+// S = Q K^T for the tile at k_tile: two n8 tiles of keys x D/16 k-steps, K via ldmatrix.
+template <class T, int D>
+__device__ __forceinline__ void tile_scores(const uint32_t (&qf)[D / 16][4], uint32_t k_tile, int lane,
+                                            float (&s)[2][4]) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    // Matrices: keys 0-7 at chunks 2kk, 2kk+1; keys 8-15 at the same (b0, b1 of each n8 tile).
+    const int mat = lane / 8, key = (mat >> 1) * 8 + lane % 8, col = 2 * kk + (mat & 1);
+    uint32_t kb[4];
+    ldsm_x4(k_tile + tile_offset<D>(key, col), kb);
+    mma16816<T>(s[0], qf[kk], kb[0], kb[1]);
+    mma16816<T>(s[1], qf[kk], kb[2], kb[3]);
+  }
+}
+
+// The scores in log2 units, -inf at keys t >= the row's end (hi_lo for row r, hi_hi for r + 8);
+// t0 is the tile's first key.
+__device__ __forceinline__ void scale_and_mask(float (&s)[2][4], int t0, int c2, int hi_lo, int hi_hi, float qscale) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = t0 + n * 8 + c2 + e;
+      s[n][e] = t < hi_lo ? s[n][e] * qscale : -INFINITY;
+      s[n][2 + e] = t < hi_hi ? s[n][2 + e] * qscale : -INFINITY;
+    }
+}
+
+// The online softmax's step over the tile's scores and O += P V with V at v_tile: the running
+// maxima m (log2 units), this lane's share of the sums l, and O rescaled. A row whose maximum is
+// still -inf (no key yet: the decode kernel never has one) keeps an empty state.
+template <class T, int D>
+__device__ __forceinline__ void online_step(const float (&s)[2][4], float& m_lo, float& m_hi, float& l_lo, float& l_hi,
+                                            float (&o)[D / 8][4], uint32_t v_tile, int lane) {
+  float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      mx_lo = fmaxf(mx_lo, s[n][e]);
+      mx_hi = fmaxf(mx_hi, s[n][2 + e]);
+    }
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {  // the 4 lanes of a row
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(kFull, mx_lo, off));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(kFull, mx_hi, off));
+  }
+  const float e_lo = mx_lo == -INFINITY ? 0.f : mx_lo, e_hi = mx_hi == -INFINITY ? 0.f : mx_hi;
+  const float alpha_lo = exp2f(m_lo - e_lo), alpha_hi = exp2f(m_hi - e_hi);
+  m_lo = mx_lo;
+  m_hi = mx_hi;
+  float p[2][4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    p[n][0] = exp2f(s[n][0] - e_lo);
+    p[n][1] = exp2f(s[n][1] - e_lo);
+    p[n][2] = exp2f(s[n][2] - e_hi);
+    p[n][3] = exp2f(s[n][3] - e_hi);
+  }
+  l_lo = fmaf(l_lo, alpha_lo, (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
+  l_hi = fmaf(l_hi, alpha_hi, (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]));
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    o[n][0] *= alpha_lo;
+    o[n][1] *= alpha_lo;
+    o[n][2] *= alpha_hi;
+    o[n][3] *= alpha_hi;
+  }
+  // The S accumulators of the two key tiles are exactly P's A fragment for k = 16 keys.
+  const uint32_t pa[4] = {pack2<T>(p[0][0], p[0][1]), pack2<T>(p[0][2], p[0][3]), pack2<T>(p[1][0], p[1][1]),
+                          pack2<T>(p[1][2], p[1][3])};
+#pragma unroll
+  for (int n = 0; n < D / 8; n += 2) {
+    // Matrices (transposed): keys 0-7 and 8-15 at chunk n, then at chunk n + 1.
+    const int mat = lane / 8, key = (mat & 1) * 8 + lane % 8, col = n + (mat >> 1);
+    uint32_t vb[4];
+    ldsm_x4_trans(v_tile + tile_offset<D>(key, col), vb);
+    mma16816<T>(o[n], pa, vb[0], vb[1]);
+    mma16816<T>(o[n + 1], pa, vb[2], vb[3]);
+  }
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma_kernel(PagedDecode a) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per K/V row
@@ -259,68 +346,10 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
     cp_async_wait<kStages - 1>();
     __syncwarp();
     const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
-
-    float s[2][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      // Matrices: keys 0-7 at chunks 2kk, 2kk+1; keys 8-15 at the same (b0, b1 of each n8 tile).
-      const int mat = lane / 8, key = (mat >> 1) * 8 + lane % 8, col = 2 * kk + (mat & 1);
-      uint32_t kb[4];
-      ldsm_x4(k_tile + tile_offset<D>(key, col), kb);
-      mma16816<T>(s[0], qf[kk], kb[0], kb[1]);
-      mma16816<T>(s[1], qf[kk], kb[2], kb[3]);
-    }
-
-    const int t0 = tile_start(i);
-    float mx_lo = m_lo, mx_hi = m_hi;
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool ok = t0 + n * 8 + c2 + e < hi;
-        s[n][e] = ok ? s[n][e] * qscale : -INFINITY;
-        s[n][2 + e] = ok ? s[n][2 + e] * qscale : -INFINITY;
-        mx_lo = fmaxf(mx_lo, s[n][e]);
-        mx_hi = fmaxf(mx_hi, s[n][2 + e]);
-      }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {  // the 4 lanes of a row
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(kFull, mx_lo, off));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(kFull, mx_hi, off));
-    }
-    // The tile's first key is valid, so the maxima are finite from here on.
-    const float alpha_lo = exp2f(m_lo - mx_lo), alpha_hi = exp2f(m_hi - mx_hi);
-    m_lo = mx_lo;
-    m_hi = mx_hi;
-    float p[2][4];
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      p[n][0] = exp2f(s[n][0] - mx_lo);
-      p[n][1] = exp2f(s[n][1] - mx_lo);
-      p[n][2] = exp2f(s[n][2] - mx_hi);
-      p[n][3] = exp2f(s[n][3] - mx_hi);
-    }
-    l_lo = fmaf(l_lo, alpha_lo, (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
-    l_hi = fmaf(l_hi, alpha_hi, (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]));
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n][0] *= alpha_lo;
-      o[n][1] *= alpha_lo;
-      o[n][2] *= alpha_hi;
-      o[n][3] *= alpha_hi;
-    }
-    // The S accumulators of the two key tiles are exactly P's A fragment for k = 16 keys.
-    const uint32_t pa[4] = {pack2<T>(p[0][0], p[0][1]), pack2<T>(p[0][2], p[0][3]), pack2<T>(p[1][0], p[1][1]),
-                            pack2<T>(p[1][2], p[1][3])};
-#pragma unroll
-    for (int n = 0; n < D / 8; n += 2) {
-      // Matrices (transposed): keys 0-7 and 8-15 at chunk n, then at chunk n + 1.
-      const int mat = lane / 8, key = (mat & 1) * 8 + lane % 8, col = n + (mat >> 1);
-      uint32_t vb[4];
-      ldsm_x4_trans(v_tile + tile_offset<D>(key, col), vb);
-      mma16816<T>(o[n], pa, vb[0], vb[1]);
-      mma16816<T>(o[n + 1], pa, vb[2], vb[3]);
-    }
+    float s[2][4];
+    tile_scores<T, D>(qf, k_tile, lane, s);
+    scale_and_mask(s, tile_start(i), c2, hi, hi, qscale);
+    online_step<T, D>(s, m_lo, m_hi, l_lo, l_hi, o, v_tile, lane);
     __syncwarp();  // every lane has read this stage before it is refilled
   }
   cp_async_wait<0>();
@@ -395,26 +424,31 @@ void dispatch_dim(const PagedDecode& a, cudaStream_t stream) {
 
 
 // algo.logprob_match = bitwise: the prefill form of the kernel above (paged_attention.h's
-// PrefillRows). One warp serves one PrefillRows block of up to 16 query tokens of one query head;
-// the MMA tile's rows are those tokens. For each part w of the decode kernel's 4 (its warp w: key
-// tiles w, w + 4, ...) the warp runs the same online softmax over the same tiles, each row masked
-// at its own length, and keeps the part's state in shared memory; the parts merge as the decode
-// kernel's do (merge_parts). A row's arithmetic is the decode kernel's for that token: the tiles
-// past a row's keys are masked whole, which leaves its state as it was (an empty state stays
-// empty: the exponent's offset is 0 while the row's maximum is -inf).
+// PrefillRows). One warp serves one PrefillRows block of up to 16 query tokens of one query head
+// (the MMA tile's rows); a thread block holds kPrefillWarps such warps, each with its own
+// cp.async pipeline. A row's arithmetic is the decode kernel's for that token:
+//  - first a pass over the K tiles finds each row's maximum scaled score: the maximum over the
+//    decode kernel's 4 partial states, which their merge takes first (a maximum is exact);
+//  - then for each part w (the decode kernel's warp w: key tiles w, w + 4, ...) the same online
+//    softmax over the same tiles, each row masked at its own length (tiles past a row's keys are
+//    masked whole, which leaves its state as it was; an empty state stays empty), folded into
+//    the merged sums right away in part order with merge_parts' formulas.
+constexpr int kPrefillWarps = 4;
 template <int D>
-constexpr int kPrefillSmem = kStagesOf<D> * 2 * kKeys * D * 2 + kWarps * kTileRows * (D + 2) * 4;
+constexpr int kPrefillSmem = kPrefillWarps * kStagesOf<D> * 2 * kKeys * D * 2;
 
 template <class T, int D>
-__global__ void __launch_bounds__(32) paged_prefill_mma_kernel(PrefillRows a) {
+__global__ void __launch_bounds__(kPrefillWarps * 32) paged_prefill_mma_kernel(PrefillRows a) {
   constexpr int kChunks = D / 8;
   constexpr int kTileBytes = kKeys * D * 2;
   constexpr int kStages = detail::kStagesOf<D>;
   extern __shared__ __align__(16) unsigned char smem[];
-  const int lane = threadIdx.x;
-  const int32_t* info = a.blocks + 4 * static_cast<int64_t>(blockIdx.x);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kPrefillWarps + warp;  // (row block, head)
+  if (item >= a.count * a.heads) return;  // warp-uniform; no block barrier below
+  const int head = static_cast<int>(item % a.heads);
+  const int32_t* info = a.blocks + 4 * (item / a.heads);
   const int q_row0 = info[0], rows = info[1], key0 = info[2], pos0 = info[3];
-  const int head = blockIdx.y;
   const int kv_head = head / static_cast<int>(a.heads / a.kv_heads);
   const int r = lane / 4, c2 = 2 * (lane % 4);
   // Row i's keys: 0 ..= pos0 + i (none past the block's rows).
@@ -423,11 +457,9 @@ __global__ void __launch_bounds__(32) paged_prefill_mma_kernel(PrefillRows a) {
   const int64_t row_elems = a.kv_heads * D;
   const T* kc = static_cast<const T*>(a.k) + static_cast<int64_t>(key0) * row_elems + kv_head * D;
   const T* vc = static_cast<const T*>(a.v) + static_cast<int64_t>(key0) * row_elems + kv_head * D;
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  auto* s_m = reinterpret_cast<float*>(smem + kStages * 2 * kTileBytes);  // [kWarps parts][kTileRows]
-  float* s_l = s_m + kWarps * kTileRows;
-  float* s_acc = s_l + kWarps * kTileRows;  // [kWarps parts][kTileRows][D]
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * kStages * 2 * kTileBytes;
   const int tiles = (hi + kKeys - 1) / kKeys;
+  const float qscale = a.scale * kLog2e;
 
   uint32_t qf[D / 16][4];
   {
@@ -444,96 +476,75 @@ __global__ void __launch_bounds__(32) paged_prefill_mma_kernel(PrefillRows a) {
       qf[kk][3] = ld(r + 8, kk * 16 + 8 + c2);
     }
   }
-  const float qscale = a.scale * kLog2e;
+  // The tiles at `starts(i)` for i < count into the pipeline: K always, V with `with_v`.
+  auto issue = [&](int i, int count, int start, bool with_v) {
+    if (i < count) {
+      const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
+#pragma unroll
+      for (int j = 0; j < kKeys * kChunks / 32; ++j) {
+        const int c = lane + 32 * j, key = c / kChunks, col = c % kChunks;
+        const int t = start + key;
+        const bool ok = t < hi;
+        const int64_t at = ok ? static_cast<int64_t>(t) * row_elems + col * 8 : 0;
+        cp_async16(k_tile + tile_offset<D>(key, col), kc + at, ok);
+        if (with_v) cp_async16(v_tile + tile_offset<D>(key, col), vc + at, ok);
+      }
+    }
+    cp_async_commit();
+  };
+  auto scores = [&](int i, int t0, float (&s)[2][4]) {
+    tile_scores<T, D>(qf, base + (i % kStages) * 2 * kTileBytes, lane, s);
+    scale_and_mask(s, t0, c2, hi_lo, hi_hi, qscale);
+  };
 
+  // Pass 1: each row's maximum over all its keys.
+  float g_lo = -INFINITY, g_hi = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i, tiles, i * kKeys, false);
+  for (int i = 0; i < tiles; ++i) {
+    issue(i + kStages - 1, tiles, (i + kStages - 1) * kKeys, false);
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    float s[2][4];
+    scores(i, i * kKeys, s);
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        g_lo = fmaxf(g_lo, s[n][e]);
+        g_hi = fmaxf(g_hi, s[n][2 + e]);
+      }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+  __syncwarp();
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    g_lo = fmaxf(g_lo, __shfl_xor_sync(kFull, g_lo, off));
+    g_hi = fmaxf(g_hi, __shfl_xor_sync(kFull, g_hi, off));
+  }
+
+  // Pass 2: the parts, each folded into the merged sums as merge_parts does.
+  float acc[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float sum_lo = 0.f, sum_hi = 0.f;
   for (int part = 0; part < kWarps; ++part) {
     const int mine = tiles > part ? (tiles - part + kWarps - 1) / kWarps : 0;
     auto tile_start = [&](int i) { return (part + i * kWarps) * kKeys; };
-    auto issue = [&](int i) {
-      if (i < mine) {
-        const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
 #pragma unroll
-        for (int j = 0; j < kKeys * kChunks / 32; ++j) {
-          const int c = lane + 32 * j, key = c / kChunks, col = c % kChunks;
-          const int t = tile_start(i) + key;
-          const bool ok = t < hi;
-          const int64_t at = ok ? static_cast<int64_t>(t) * row_elems + col * 8 : 0;
-          cp_async16(k_tile + tile_offset<D>(key, col), kc + at, ok);
-          cp_async16(v_tile + tile_offset<D>(key, col), vc + at, ok);
-        }
-      }
-      cp_async_commit();
-    };
-#pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) issue(i);
-
+    for (int i = 0; i < kStages - 1; ++i) issue(i, mine, tile_start(i), true);
     float o[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
     for (int i = 0; i < mine; ++i) {
-      issue(i + kStages - 1);
+      issue(i + kStages - 1, mine, tile_start(i + kStages - 1), true);
       cp_async_wait<kStages - 1>();
       __syncwarp();
-      const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
-      float s[2][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int mat = lane / 8, key = (mat >> 1) * 8 + lane % 8, col = 2 * kk + (mat & 1);
-        uint32_t kb[4];
-        ldsm_x4(k_tile + tile_offset<D>(key, col), kb);
-        mma16816<T>(s[0], qf[kk], kb[0], kb[1]);
-        mma16816<T>(s[1], qf[kk], kb[2], kb[3]);
-      }
-      const int t0 = tile_start(i);
-      float mx_lo = m_lo, mx_hi = m_hi;
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int t = t0 + n * 8 + c2 + e;
-          s[n][e] = t < hi_lo ? s[n][e] * qscale : -INFINITY;
-          s[n][2 + e] = t < hi_hi ? s[n][2 + e] * qscale : -INFINITY;
-          mx_lo = fmaxf(mx_lo, s[n][e]);
-          mx_hi = fmaxf(mx_hi, s[n][2 + e]);
-        }
-#pragma unroll
-      for (int off = 1; off < 4; off <<= 1) {
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(kFull, mx_lo, off));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(kFull, mx_hi, off));
-      }
-      // A row without a key so far keeps an empty state (the decode kernel never meets one).
-      const float e_lo = mx_lo == -INFINITY ? 0.f : mx_lo, e_hi = mx_hi == -INFINITY ? 0.f : mx_hi;
-      const float alpha_lo = exp2f(m_lo - e_lo), alpha_hi = exp2f(m_hi - e_hi);
-      m_lo = mx_lo;
-      m_hi = mx_hi;
-      float p[2][4];
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        p[n][0] = exp2f(s[n][0] - e_lo);
-        p[n][1] = exp2f(s[n][1] - e_lo);
-        p[n][2] = exp2f(s[n][2] - e_hi);
-        p[n][3] = exp2f(s[n][3] - e_hi);
-      }
-      l_lo = fmaf(l_lo, alpha_lo, (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
-      l_hi = fmaf(l_hi, alpha_hi, (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]));
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[n][0] *= alpha_lo;
-        o[n][1] *= alpha_lo;
-        o[n][2] *= alpha_hi;
-        o[n][3] *= alpha_hi;
-      }
-      const uint32_t pa[4] = {pack2<T>(p[0][0], p[0][1]), pack2<T>(p[0][2], p[0][3]), pack2<T>(p[1][0], p[1][1]),
-                              pack2<T>(p[1][2], p[1][3])};
-#pragma unroll
-      for (int n = 0; n < D / 8; n += 2) {
-        const int mat = lane / 8, key = (mat & 1) * 8 + lane % 8, col = n + (mat >> 1);
-        uint32_t vb[4];
-        ldsm_x4_trans(v_tile + tile_offset<D>(key, col), vb);
-        mma16816<T>(o[n], pa, vb[0], vb[1]);
-        mma16816<T>(o[n + 1], pa, vb[2], vb[3]);
-      }
+      float s[2][4];
+      scores(i, tile_start(i), s);
+      online_step<T, D>(s, m_lo, m_hi, l_lo, l_hi, o, base + (i % kStages) * 2 * kTileBytes + kTileBytes, lane);
       __syncwarp();
     }
     cp_async_wait<0>();
@@ -543,28 +554,39 @@ __global__ void __launch_bounds__(32) paged_prefill_mma_kernel(PrefillRows a) {
       l_lo += __shfl_xor_sync(kFull, l_lo, off);
       l_hi += __shfl_xor_sync(kFull, l_hi, off);
     }
-    const int row_lo = part * kTileRows + r, row_hi = row_lo + 8;
-    if (lane % 4 == 0) {
-      s_m[row_lo] = m_lo;
-      s_m[row_hi] = m_hi;
-      s_l[row_lo] = l_lo;
-      s_l[row_hi] = l_hi;
-    }
+    // merge_parts: parts with no key are skipped; the weights against the rows' maxima.
+    if (m_lo != -INFINITY) {
+      const float w = exp2f(m_lo - g_lo);
+      sum_lo = fmaf(l_lo, w, sum_lo);
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      s_acc[row_lo * D + n * 8 + c2] = o[n][0];
-      s_acc[row_lo * D + n * 8 + c2 + 1] = o[n][1];
-      s_acc[row_hi * D + n * 8 + c2] = o[n][2];
-      s_acc[row_hi * D + n * 8 + c2 + 1] = o[n][3];
+      for (int n = 0; n < D / 8; ++n) {
+        acc[n][0] = fmaf(o[n][0], w, acc[n][0]);
+        acc[n][1] = fmaf(o[n][1], w, acc[n][1]);
+      }
     }
-    __syncwarp();
+    if (m_hi != -INFINITY) {
+      const float w = exp2f(m_hi - g_hi);
+      sum_hi = fmaf(l_hi, w, sum_hi);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        acc[n][2] = fmaf(o[n][2], w, acc[n][2]);
+        acc[n][3] = fmaf(o[n][3], w, acc[n][3]);
+      }
+    }
   }
-  T* out = static_cast<T*>(a.out);
-  for (int idx = lane; idx < rows * D; idx += 32) {
-    const int g = idx / D, d = idx % D;
-    float mx, sum, o;
-    merge_parts<D>(s_m, s_l, s_acc, kWarps, kTileRows, g, d, mx, sum, o);
-    store(out + (static_cast<int64_t>(q_row0 + g) * a.heads + head) * D + d, sum > 0.f ? o / sum : 0.f);
+  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(q_row0) * a.heads + head) * D;
+  const int64_t row_stride = a.heads * D;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const int d = n * 8 + c2;
+    if (r < rows) {
+      store(out + r * row_stride + d, sum_lo > 0.f ? acc[n][0] / sum_lo : 0.f);
+      store(out + r * row_stride + d + 1, sum_lo > 0.f ? acc[n][1] / sum_lo : 0.f);
+    }
+    if (r + 8 < rows) {
+      store(out + (r + 8) * row_stride + d, sum_hi > 0.f ? acc[n][2] / sum_hi : 0.f);
+      store(out + (r + 8) * row_stride + d + 1, sum_hi > 0.f ? acc[n][3] / sum_hi : 0.f);
+    }
   }
 }
 
@@ -585,12 +607,15 @@ void launch_prefill(const PrefillRows& a, cudaStream_t stream) {
       if (device >= 0 && device < 64) done[device] = true;
     }
   }
-  for (int64_t b0 = 0; b0 < a.count; b0 += 0x7fffffff) {
+  // Blocks of kPrefillWarps (row block, head) items; at most 2^31 - 1 items a launch.
+  const int64_t per_launch = std::max<int64_t>(1, int64_t{0x7fffffff} / a.heads);
+  for (int64_t b0 = 0; b0 < a.count; b0 += per_launch) {
     PrefillRows part = a;
     part.blocks = a.blocks + 4 * b0;
-    part.count = std::min<int64_t>(0x7fffffff, a.count - b0);
-    const dim3 grid(static_cast<unsigned>(part.count), static_cast<unsigned>(a.heads));
-    paged_prefill_mma_kernel<T, D><<<grid, 32, kSmem, stream>>>(part);
+    part.count = std::min<int64_t>(per_launch, a.count - b0);
+    const int64_t items = part.count * a.heads;
+    const dim3 grid(static_cast<unsigned>((items + kPrefillWarps - 1) / kPrefillWarps));
+    paged_prefill_mma_kernel<T, D><<<grid, kPrefillWarps * 32, kSmem, stream>>>(part);
     check_launch("bitwise prefill attention (tensor cores)");
   }
 }
