@@ -392,23 +392,27 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
   }
 }
 
+// Opts `kernel` in to `bytes` of dynamic shared memory (above the default 48 KiB), once per
+// device (`done`: the kernel's flags by device).
+template <class Kernel>
+void reserve_shared_memory(Kernel kernel, int bytes, bool (&done)[64], const char* what) {
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": cudaGetDevice failed: " + cudaGetErrorString(err));
+  if (device >= 0 && device < 64 && done[device]) return;
+  if (const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      err != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": cannot reserve " + std::to_string(bytes) +
+                             " bytes of shared memory: " + cudaGetErrorString(err));
+  if (device >= 0 && device < 64) done[device] = true;
+}
+
 template <class T, int D>
 void launch(const PagedDecode& a, cudaStream_t stream) {
   constexpr int kSmem = kSmemTotal<D>;
   if constexpr (kSmem > 48 * 1024) {
-    // Above the default 48 KiB of dynamic shared memory: opt in, once per device.
     static bool done[64] = {};
-    int device = 0;
-    if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-      throw std::runtime_error(std::string("paged decode attention: cudaGetDevice failed: ") + cudaGetErrorString(err));
-    if (device < 0 || device >= 64 || !done[device]) {
-      const cudaError_t err =
-          cudaFuncSetAttribute(paged_decode_mma_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-      if (err != cudaSuccess)
-        throw std::runtime_error("paged decode attention: cannot reserve " + std::to_string(kSmem) +
-                                 " bytes of shared memory: " + cudaGetErrorString(err));
-      if (device >= 0 && device < 64) done[device] = true;
-    }
+    reserve_shared_memory(paged_decode_mma_kernel<T, D>, kSmem, done, "paged decode attention");
   }
   const dim3 grid(static_cast<unsigned>(a.kv_heads), static_cast<unsigned>(a.batch), static_cast<unsigned>(a.splits));
   paged_decode_mma_kernel<T, D><<<grid, kWarps * 32, kSmem, stream>>>(a);
@@ -595,17 +599,7 @@ void launch_prefill(const PrefillRows& a, cudaStream_t stream) {
   constexpr int kSmem = kPrefillSmem<D>;
   if constexpr (kSmem > 48 * 1024) {
     static bool done[64] = {};
-    int device = 0;
-    if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-      throw std::runtime_error(std::string("bitwise prefill attention: cudaGetDevice failed: ") + cudaGetErrorString(err));
-    if (device < 0 || device >= 64 || !done[device]) {
-      const cudaError_t err =
-          cudaFuncSetAttribute(paged_prefill_mma_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-      if (err != cudaSuccess)
-        throw std::runtime_error("bitwise prefill attention: cannot reserve " + std::to_string(kSmem) +
-                                 " bytes of shared memory: " + cudaGetErrorString(err));
-      if (device >= 0 && device < 64) done[device] = true;
-    }
+    reserve_shared_memory(paged_prefill_mma_kernel<T, D>, kSmem, done, "bitwise prefill attention");
   }
   // Blocks of kPrefillWarps (row block, head) items; at most 2^31 - 1 items a launch.
   const int64_t per_launch = std::max<int64_t>(1, int64_t{0x7fffffff} / a.heads);
