@@ -78,8 +78,8 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor wc = w.to(x.scalar_type()).contiguous();
   if (!aligned16(wc)) wc = wc.clone();
   at::Tensor x2 = x.reshape({-1, k});
-  if (x2.stride(1) != 1 || x2.stride(0) < k || x2.stride(0) * x2.element_size() % 16 != 0 || !aligned16(x2))
-    x2 = x2.contiguous().clone();
+  if (x2.stride(1) != 1 || x2.stride(0) < k || x2.stride(0) * x2.element_size() % 16 != 0) x2 = x2.contiguous();
+  if (!aligned16(x2)) x2 = x2.clone(at::MemoryFormat::Contiguous);
   const int64_t m = x2.size(0);
   at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const auto dtype = cuda::kernel_dtype(x.scalar_type());
@@ -127,16 +127,28 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
                "algo.logprob_match = bitwise: head size {} has no decode attention kernel on CUDA (16, 32, 64, 128, "
                "256 do)",
                d);
-  TILLER_CHECK(k.size(0) < (int64_t{1} << 31), "attention: {} keys exceed the kernel's int32 slots", k.size(0));
-  std::vector<int32_t> words(static_cast<size_t>(2 * tq));  // keys per query, then its sequence's first key
+  TILLER_CHECK(k.size(0) < (int64_t{1} << 31) && tq < (int64_t{1} << 31),
+               "attention: {} queries and {} keys exceed the kernel's int32 rows", tq, k.size(0));
+  const auto dtype = cuda::kernel_dtype(q.scalar_type());
+  // The tensor-core prefill form (16 query tokens of a sequence a tile, paged_attention.h's
+  // PrefillRows: `blocks`), or each query as a decode step (`words`: keys per query, then its
+  // sequence's first key).
+  const bool tiles = s.window == 0 && engine::cuda::paged_decode_prefill_serves(dtype, d, heads, kv_heads);
+  std::vector<int32_t> blocks, words(tiles ? 0 : static_cast<size_t>(2 * tq));
   int64_t sq = 0, sk = 0;
   for (size_t i = 0; i < s.lens_q.size(); ++i) {
     const int64_t lq = s.lens_q[i], lk = s.lens_k[i];
     TILLER_CHECK(lq <= lk, "attention: sequence {} has {} queries for {} keys", i, lq, lk);
     TILLER_CHECK(sq + lq <= tq, "varlen attention: lengths cover more than {} queries", tq);
-    for (int64_t r = 0; r < lq; ++r) {
-      words[static_cast<size_t>(sq + r)] = static_cast<int32_t>(r + lk - lq + 1);
-      words[static_cast<size_t>(tq + sq + r)] = static_cast<int32_t>(sk);
+    if (tiles) {
+      for (int64_t r0 = 0; r0 < lq; r0 += 16)
+        blocks.insert(blocks.end(), {static_cast<int32_t>(sq + r0), static_cast<int32_t>(std::min<int64_t>(16, lq - r0)),
+                                     static_cast<int32_t>(sk), static_cast<int32_t>(r0 + lk - lq)});
+    } else {
+      for (int64_t r = 0; r < lq; ++r) {
+        words[static_cast<size_t>(sq + r)] = static_cast<int32_t>(r + lk - lq + 1);
+        words[static_cast<size_t>(tq + sq + r)] = static_cast<int32_t>(sk);
+      }
     }
     sq += lq;
     sk += lk;
@@ -145,23 +157,11 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
                sk, k.size(0));
   at::Tensor out = at::empty({tq, heads, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (tq == 0) return out;
-  const at::Tensor qc = q.stride(2) == 1 && q.stride(1) == d && aligned16(q) && q.stride(0) * q.element_size() % 16 == 0
-                            ? q
-                            : q.contiguous().clone();
+  at::Tensor qc = q;
+  if (!(q.stride(2) == 1 && q.stride(1) == d && q.stride(0) * q.element_size() % 16 == 0)) qc = q.contiguous();
+  if (!aligned16(qc)) qc = qc.clone(at::MemoryFormat::Contiguous);
   const at::Tensor kc = k.contiguous(), vc = v.contiguous();
-  const auto dtype = cuda::kernel_dtype(q.scalar_type());
-  if (s.window == 0 && engine::cuda::paged_decode_prefill_serves(dtype, d, heads, kv_heads)) {
-    // 16 query tokens of a sequence per tile (paged_attention.h's PrefillRows).
-    std::vector<int32_t> blocks;
-    int64_t row = 0, key = 0;
-    for (size_t i = 0; i < s.lens_q.size(); ++i) {
-      const int64_t lq = s.lens_q[i], lk = s.lens_k[i];
-      for (int64_t r0 = 0; r0 < lq; r0 += 16)
-        blocks.insert(blocks.end(), {static_cast<int32_t>(row + r0), static_cast<int32_t>(std::min<int64_t>(16, lq - r0)),
-                                     static_cast<int32_t>(key), static_cast<int32_t>(r0 + lk - lq)});
-      row += lq;
-      key += lk;
-    }
+  if (tiles) {
     const at::Tensor dev = upload(blocks, q.device());
     engine::cuda::PrefillRows a;
     a.dtype = dtype;

@@ -558,25 +558,20 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) paged_prefill_mma_kernel(P
       l_lo += __shfl_xor_sync(kFull, l_lo, off);
       l_hi += __shfl_xor_sync(kFull, l_hi, off);
     }
-    // merge_parts: parts with no key are skipped; the weights against the rows' maxima.
-    if (m_lo != -INFINITY) {
-      const float w = exp2f(m_lo - g_lo);
-      sum_lo = fmaf(l_lo, w, sum_lo);
+    // merge_parts: parts with no key are skipped; the weights against the rows' maxima. Row r
+    // holds fragment elements 0 and 1, row r + 8 elements 2 and 3.
+    auto fold = [&](float m, float g, float l, float& sum, int e0) {
+      if (m == -INFINITY) return;
+      const float w = exp2f(m - g);
+      sum = fmaf(l, w, sum);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
-        acc[n][0] = fmaf(o[n][0], w, acc[n][0]);
-        acc[n][1] = fmaf(o[n][1], w, acc[n][1]);
+        acc[n][e0] = fmaf(o[n][e0], w, acc[n][e0]);
+        acc[n][e0 + 1] = fmaf(o[n][e0 + 1], w, acc[n][e0 + 1]);
       }
-    }
-    if (m_hi != -INFINITY) {
-      const float w = exp2f(m_hi - g_hi);
-      sum_hi = fmaf(l_hi, w, sum_hi);
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        acc[n][2] = fmaf(o[n][2], w, acc[n][2]);
-        acc[n][3] = fmaf(o[n][3], w, acc[n][3]);
-      }
-    }
+    };
+    fold(m_lo, g_lo, l_lo, sum_lo, 0);
+    fold(m_hi, g_hi, l_hi, sum_hi, 2);
   }
   T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(q_row0) * a.heads + head) * D;
   const int64_t row_stride = a.heads * D;
