@@ -1,8 +1,14 @@
 #include "tiller/model/transformer.h"
 
+#include <array>
+#include <atomic>
 #include <cmath>
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#ifdef TILLER_HAVE_CUDA_KERNELS
+#include <cuda_runtime_api.h>
+#endif
 
 #include "model/batch_invariant.h"
 #include "model/host_upload.h"
@@ -233,17 +239,16 @@ at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h, const BlockCont
 }
 
 // RouterLoss's two losses of one sparse layer over its first `rows` rows; `routed`: each expert's
-// routes among them.
-void add_router_loss(RouterLoss& rl, const at::Tensor& logits, const at::Tensor& probs,
-                     const std::vector<double>& routed, int64_t rows) {
+// routes among them ([experts], on any device).
+void add_router_loss(RouterLoss& rl, const at::Tensor& logits, const at::Tensor& probs, const at::Tensor& routed,
+                     int64_t rows) {
   if (rows == 0) {
     rl.layer = at::zeros({}, probs.options());
     return;
   }
-  const auto e = static_cast<int64_t>(routed.size());
-  std::vector<float> share(routed.size());  // f_e: the share of the rows' routes (they sum to k)
-  for (size_t i = 0; i < routed.size(); ++i) share[i] = static_cast<float>(routed[i] / static_cast<double>(rows));
-  const at::Tensor f = at::tensor(share, at::kFloat).to(probs.device());
+  const int64_t e = routed.numel();
+  // f_e: the share of the rows' routes (they sum to k)
+  const at::Tensor f = (routed.to(at::kDouble) / static_cast<double>(rows)).to(probs.device(), at::kFloat);
   const at::Tensor aux = (f * probs.narrow(0, 0, rows).mean(0)).sum() * static_cast<double>(e);
   const at::Tensor z = at::logsumexp(logits.narrow(0, 0, rows).to(at::kFloat), -1).pow(2).mean();
   rl.layer = aux * rl.aux_coef + z * rl.z_coef;
@@ -251,12 +256,138 @@ void add_router_loss(RouterLoss& rl, const at::Tensor& logits, const at::Tensor&
   rl.z_sum = rl.z_sum.defined() ? rl.z_sum + z.detach() : z.detach();
 }
 
+// The replayed experts of sparse layer `layer` (ctx.replay_routes, checked here) written over the
+// rows of `ix` ([t, k] int64 on the host) that the engine computed; whether there was one.
+bool take_replayed_routes(const ModelConfig& cfg, int64_t layer, const BlockContext& ctx, int64_t t, int64_t k,
+                          int64_t e_count, int64_t* ix) {
+  if (!ctx.replay_routes.defined()) return false;
+  const at::Tensor& r = ctx.replay_routes;
+  const int64_t s = sparse_index(cfg, layer);
+  TILLER_CHECK(r.dim() == 3 && r.size(0) == t && r.size(1) > s && r.size(2) == k && r.scalar_type() == at::kShort &&
+                   r.device().is_cpu() && r.is_contiguous(),
+               "replayed routes (int16 [rows, sparse layers, k] on the host; got {} dims of {}) do not fit {} rows "
+               "of {} experts in sparse layer {}",
+               r.dim(), r.numel(), t, k, s);
+  const int16_t* rp = r.data_ptr<int16_t>();
+  const int64_t row_stride = r.size(1) * k;
+  bool replayed = false;
+  for (int64_t i = 0; i < t; ++i) {
+    const int16_t* e = rp + i * row_stride + s * k;
+    if (e[0] < 0) continue;  // a token the engine never computed: its own routes
+    for (int64_t j = 0; j < k; ++j) {
+      TILLER_CHECK(e[j] >= 0 && e[j] < e_count, "replayed route {} of row {} in sparse layer {}: expert {} of {}", j,
+                   i, s, e[j], e_count);
+      ix[i * k + j] = e[j];
+    }
+    replayed = true;
+  }
+  return replayed;
+}
+
+// Adds one sparse layer's routes per expert (`routed`, [experts]) to ctx.expert_load, which is
+// created on `routed`'s device at the first sparse layer.
+void add_expert_load(const ModelConfig& cfg, int64_t layer, BlockContext& ctx, const at::Tensor& routed) {
+  at::Tensor& load = *ctx.expert_load;
+  const int64_t e_count = routed.numel();
+  if (!load.defined()) load = at::zeros({sparse_layers(cfg), e_count}, routed.options().dtype(at::kDouble));
+  TILLER_CHECK(load.dim() == 2 && load.size(0) == sparse_layers(cfg) && load.size(1) == e_count,
+               "expert_load holds {} numbers, the model has {} sparse layers of {} experts", load.numel(),
+               sparse_layers(cfg), e_count);
+  load.select(0, sparse_index(cfg, layer)).add_(routed.to(load.device(), at::kDouble));
+}
+
+// What a sparse layer reports of its routes ([T, k] int64): the expert load and the router losses
+// over the first `counted` rows (`routed`: each expert's routes among them; needed only when
+// either is asked for), and the routes themselves.
+void report_routes(const ModelConfig& cfg, int64_t layer, BlockContext& ctx, const at::Tensor& logits,
+                   const at::Tensor& probs, const at::Tensor& routed, int64_t counted, const at::Tensor& routes) {
+  if (ctx.expert_load) add_expert_load(cfg, layer, ctx, routed);
+  if (ctx.router_loss) add_router_loss(*ctx.router_loss, logits, probs, routed, counted);
+  if (ctx.recorded_routes) {
+    TILLER_CHECK(static_cast<int64_t>(ctx.recorded_routes->size()) > layer, "recorded_routes has {} entries, layer {}",
+                 ctx.recorded_routes->size(), layer);
+    (*ctx.recorded_routes)[static_cast<size_t>(layer)] = routes;
+  }
+}
+
+// The experts' combining weights from the router's probabilities at the experts taken [T, k]:
+// renormalised with norm_topk_prob, rounded to the compute dtype except in mixtral.
+at::Tensor expert_weights(const ModelConfig& cfg, at::Tensor top, at::ScalarType dtype) {
+  if (cfg.norm_topk_prob) top = top / top.sum(-1, true);
+  if (cfg.family != Family::kMixtral) top = top.to(dtype);
+  return top;
+}
+
+// The grouped path of moe_mlp (grouped_experts()): the routes stay on the device. The token slots
+// are sorted by expert (stable: token order within each expert), each expert's end offset found
+// by a binary search, the gate/up and down projections run as grouped GEMMs over the sorted slots
+// (at::_grouped_mm: one kernel for all experts, no host sync, so a CUDA graph can capture it),
+// and each token sums its k outputs times their weights (in fp32 for bf16 outputs: a reduction,
+// so no atomics and the same order every run).
+at::Tensor grouped_moe(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& h,
+                       BlockContext& ctx, const at::Tensor& logits, const at::Tensor& probs, at::Tensor top,
+                       at::Tensor index) {
+  const int64_t t = h.size(0), k = cfg.experts_per_token, e_count = static_cast<int64_t>(w.experts.size());
+  if (ctx.replay_routes.defined()) {
+    std::vector<int64_t> replay(static_cast<size_t>(t * k), -1);
+    if (take_replayed_routes(cfg, layer, ctx, t, k, e_count, replay.data())) {
+      const at::Tensor r = upload(replay, h.device()).view({t, k});
+      index = at::where(r >= 0, r, index);
+      top = probs.gather(1, index);
+    }
+  }
+  const int64_t counted = ctx.routed_rows < 0 ? t : std::min(t, ctx.routed_rows);
+  at::Tensor routed;
+  if (ctx.expert_load || ctx.router_loss) {
+    const at::Tensor slots = index.narrow(0, 0, counted).reshape({counted * k});
+    routed = at::zeros({e_count}, probs.options().dtype(at::kDouble))
+                 .index_add_(0, slots, at::ones({counted * k}, probs.options().dtype(at::kDouble)));
+  }
+  report_routes(cfg, layer, ctx, logits, probs, routed, counted, index);
+  const at::Tensor flat = index.reshape({t * k});
+  const auto sorted = at::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const at::Tensor& experts = std::get<0>(sorted);
+  const at::Tensor& order = std::get<1>(sorted);  // the slots (token * k + j), grouped by expert
+  // Each expert's end in the sorted slots (int32, as _grouped_mm takes them).
+  const at::Tensor ends = at::searchsorted(experts, at::arange(e_count, flat.options()), /*out_int32=*/true,
+                                           /*right=*/true);
+  const at::Tensor x = h.index_select(0, at::div(order, k, "trunc"));
+  at::Tensor act;
+  if (w.experts_gate_up.defined() && !c10::GradMode::is_enabled()) {  // the engine's stacked weights
+    act = swiglu_packed(at::_grouped_mm(x, w.experts_gate_up.transpose(1, 2), ends));
+  } else {
+    std::vector<at::Tensor> gate, up;
+    for (const ExpertWeights& e : w.experts) {
+      gate.push_back(e.gate_proj);
+      up.push_back(e.up_proj);
+    }
+    act = swiglu(at::_grouped_mm(x, at::stack(gate).transpose(1, 2), ends),
+                 at::_grouped_mm(x, at::stack(up).transpose(1, 2), ends));
+  }
+  at::Tensor down = w.experts_down;
+  if (!down.defined() || c10::GradMode::is_enabled()) {
+    std::vector<at::Tensor> d;
+    for (const ExpertWeights& e : w.experts) d.push_back(e.down_proj);
+    down = at::stack(d);
+  }
+  const at::Tensor y = at::_grouped_mm(act, down.transpose(1, 2), ends);  // [T k, hidden], sorted slots
+  // Back to slot order: slot i's output is row inverse[i] of y.
+  const at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(t * k, order.options()));
+  const at::Tensor weights = expert_weights(cfg, top, h.scalar_type());
+  const at::Tensor per_slot = y.index_select(0, inverse).view({t, k, h.size(1)}) * weights.unsqueeze(-1);
+  const bool half = per_slot.scalar_type() == at::kBFloat16 || per_slot.scalar_type() == at::kHalf;
+  at::Tensor out = (half ? per_slot.sum(at::IntArrayRef{1}, false, at::kFloat) : per_slot.sum(1)).to(h.scalar_type());
+  if (w.shared_expert_gate.defined()) out = out + at::sigmoid(project(h, w.shared_expert_gate)) * dense_mlp(w, h, ctx, layer);
+  return out;
+}
+
 // A sparse layer's MLP, as transformers computes it: the router's softmax (fp32) picks each token's
 // top-k experts (weights renormalised with norm_topk_prob; rounded to the compute dtype except in
 // mixtral); each expert runs on its tokens, scaled by their weights, and the experts' outputs are
 // added in expert order; qwen2_moe adds the shared expert behind its sigmoid gate. With
 // ctx.replay_routes the experts are the replayed ones (BlockContext); ctx.recorded_routes gets them;
-// ctx.expert_load counts them and ctx.router_loss gets the layer's router losses.
+// ctx.expert_load counts them and ctx.router_loss gets the layer's router losses. The experts run
+// grouped (grouped_moe) where grouped_experts() says so, else in the loop below.
 at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& h,
                    BlockContext& ctx) {
   const int64_t t = h.size(0), k = cfg.experts_per_token, e_count = static_cast<int64_t>(w.experts.size());
@@ -264,57 +395,26 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
   const at::Tensor probs =
       batch_invariant() ? invariant::softmax(logits.to(at::kFloat)) : at::softmax(logits.to(at::kFloat), -1);
   auto [top, index] = probs.topk(k, -1);  // [T, k]
-  // The routes on the host: one copy down, then the grouping below (with the replayed routes) goes
-  // up once (the unfused path; a grouped-GEMM kernel would keep them on the device).
+  if (t > 0 && grouped_experts(cfg, h.scalar_type(), h.device()))
+    return grouped_moe(cfg, layer, w, h, ctx, logits, probs, top, index);
+  // The loop: the routes on the host (one copy down), grouped there with the replayed routes, and
+  // up again once.
   at::Tensor host = index.to(at::kCPU, at::kLong).contiguous();
   int64_t* ix = host.data_ptr<int64_t>();
-  bool replayed = false;  // then the router's probabilities at the replayed experts weight them
-  if (ctx.replay_routes.defined()) {
-    const at::Tensor& r = ctx.replay_routes;
-    const int64_t s = sparse_index(cfg, layer);
-    TILLER_CHECK(r.dim() == 3 && r.size(0) == t && r.size(1) > s && r.size(2) == k &&
-                     r.scalar_type() == at::kShort && r.device().is_cpu() && r.is_contiguous(),
-                 "replayed routes (int16 [rows, sparse layers, k] on the host; got {} dims of {}) do not fit {} rows "
-                 "of {} experts in sparse layer {}",
-                 r.dim(), r.numel(), t, k, s);
-    const int16_t* rp = r.data_ptr<int16_t>();
-    const int64_t row_stride = r.size(1) * k;
-    for (int64_t i = 0; i < t; ++i) {
-      const int16_t* e = rp + i * row_stride + s * k;
-      if (e[0] < 0) continue;  // a token the engine never computed: its own routes
-      for (int64_t j = 0; j < k; ++j) {
-        TILLER_CHECK(e[j] >= 0 && e[j] < e_count, "replayed route {} of row {} in sparse layer {}: expert {} of {}",
-                     j, i, s, e[j], e_count);
-        ix[i * k + j] = e[j];
-      }
-      replayed = true;
-    }
-  }
+  // Then the router's probabilities at the replayed experts weight them.
+  const bool replayed = take_replayed_routes(cfg, layer, ctx, t, k, e_count, ix);
   // Each expert's routes among the counted rows (the expert load's and the router losses').
   const int64_t counted = ctx.routed_rows < 0 ? t : std::min(t, ctx.routed_rows);
-  std::vector<double> routed;
+  at::Tensor routed;
   if (ctx.expert_load || ctx.router_loss) {
-    routed.assign(static_cast<size_t>(e_count), 0.0);
+    routed = at::zeros({e_count}, at::kDouble);
+    double* r = routed.data_ptr<double>();
     for (int64_t i = 0; i < counted * k; ++i) {
       TILLER_CHECK(ix[i] >= 0 && ix[i] < e_count, "router chose expert {} of {}", ix[i], e_count);
-      routed[static_cast<size_t>(ix[i])] += 1;
+      r[ix[i]] += 1;
     }
   }
-  if (ctx.expert_load) {
-    at::Tensor& load = *ctx.expert_load;
-    if (!load.defined()) load = at::zeros({sparse_layers(cfg), e_count}, at::kDouble);
-    TILLER_CHECK(load.dim() == 2 && load.size(0) == sparse_layers(cfg) && load.size(1) == e_count,
-                 "expert_load holds {} numbers, the model has {} sparse layers of {} experts", load.numel(),
-                 sparse_layers(cfg), e_count);
-    double* l = load.data_ptr<double>() + sparse_index(cfg, layer) * e_count;
-    for (int64_t e = 0; e < e_count; ++e) l[e] += routed[static_cast<size_t>(e)];
-  }
-  if (ctx.router_loss) add_router_loss(*ctx.router_loss, logits, probs, routed, counted);
-  if (ctx.recorded_routes) {
-    TILLER_CHECK(static_cast<int64_t>(ctx.recorded_routes->size()) > layer, "recorded_routes has {} entries, layer {}",
-                 ctx.recorded_routes->size(), layer);
-    (*ctx.recorded_routes)[static_cast<size_t>(layer)] = host;
-  }
+  report_routes(cfg, layer, ctx, logits, probs, routed, counted, host);
   // Each expert's tokens (rows of h) and their slots in `top`, grouped by expert.
   std::vector<int64_t> count(static_cast<size_t>(e_count) + 1, 0);
   for (int64_t i = 0; i < t * k; ++i) {
@@ -334,9 +434,7 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
   const at::Tensor dev = upload(grouped, h.device());
   // The router's probabilities at the experts taken (the gradient reaches the router through them).
   if (replayed) top = probs.gather(1, dev.narrow(0, 2 * t * k, t * k).view({t, k}));
-  if (cfg.norm_topk_prob) top = top / top.sum(-1, true);
-  if (cfg.family != Family::kMixtral) top = top.to(h.scalar_type());
-  const at::Tensor weights = top.reshape({t * k});
+  const at::Tensor weights = expert_weights(cfg, top, h.scalar_type()).reshape({t * k});
   at::Tensor out = at::zeros_like(h);
   for (int64_t e = 0; e < e_count; ++e) {
     const int64_t first = count[static_cast<size_t>(e)], n = count[static_cast<size_t>(e) + 1] - first;
@@ -389,6 +487,37 @@ at::Tensor mlp_residual(const ModelConfig& cfg, int64_t layer, const LayerWeight
                         BlockContext& ctx) {
   TILLER_CHECK(!ctx.fuse_residual, "mlp_residual: not with fuse_residual");
   return y + mlp_out(cfg, layer, w, rms_norm(y, w.post_attn_norm, cfg.rms_norm_eps), ctx);
+}
+
+namespace {
+std::atomic<ExpertKernels> g_expert_kernels{ExpertKernels::kAuto};
+}  // namespace
+
+void set_expert_kernels(ExpertKernels k) { g_expert_kernels.store(k, std::memory_order_relaxed); }
+ExpertKernels expert_kernels() { return g_expert_kernels.load(std::memory_order_relaxed); }
+
+bool grouped_experts(const ModelConfig& cfg, at::ScalarType dtype, const at::Device& device) {
+  const ExpertKernels k = expert_kernels();
+  if (!cfg.moe() || batch_invariant() || k == ExpertKernels::kLoop) return false;
+  if (device.is_cpu()) return k == ExpertKernels::kGrouped;
+  // CUTLASS's grouped GEMM in ATen: bf16, rows of 16-byte multiples, on Hopper or newer (older
+  // GPUs get ATen's fallback, a loop that reads the offsets on the host).
+  if (!device.is_cuda() || dtype != at::kBFloat16 || cfg.hidden_size % 8 || cfg.moe_intermediate_size % 8) return false;
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  int index = device.index();
+  if (index < 0) TILLER_CHECK(cudaGetDevice(&index) == cudaSuccess, "cudaGetDevice failed");
+  static std::array<std::atomic<int>, 64> majors{};  // each GPU's compute capability, once read (0: not yet)
+  TILLER_CHECK(index >= 0 && index < static_cast<int>(majors.size()), "GPU index {} out of range", index);
+  int major = majors[static_cast<size_t>(index)].load(std::memory_order_relaxed);
+  if (major == 0) {
+    TILLER_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) == cudaSuccess,
+                 "cudaDeviceGetAttribute(compute capability) failed for GPU {}", index);
+    majors[static_cast<size_t>(index)].store(major, std::memory_order_relaxed);
+  }
+  return major >= 9;
+#else
+  return false;
+#endif
 }
 
 int64_t sparse_index(const ModelConfig& cfg, int64_t layer) {

@@ -371,8 +371,9 @@ void ShardedModel::set_adapters_enabled(bool on) {
 }
 
 at::Tensor ShardedModel::take_expert_load() {
-  at::Tensor out = impl_->expert_load;
+  at::Tensor out = impl_->expert_load;  // on the device when the experts ran grouped
   impl_->expert_load = at::Tensor();
+  if (out.defined()) out = out.to(at::kCPU);
   return out;
 }
 

@@ -30,6 +30,16 @@ void set_numerics(Numerics n);
 Numerics numerics();
 inline bool batch_invariant() { return numerics() == Numerics::kBatchInvariant; }
 
+// How a mixture of experts runs its experts (model/transformer.h: grouped_experts()).
+// kAuto: grouped GEMMs on CUDA (bf16, widths that are multiples of 8), the per-expert loop
+// elsewhere. kGrouped: grouped wherever ATen can (the CPU too: its grouped GEMM is a loop of
+// matmuls; the tests compare the two paths with it). kLoop: one matmul per expert, the routes
+// grouped on the host. kBatchInvariant numerics always take the loop (its matmuls are the
+// invariant ones). Process-wide like the numerics; set it before the first forward.
+enum class ExpertKernels { kAuto, kGrouped, kLoop };
+void set_expert_kernels(ExpertKernels k);
+ExpertKernels expert_kernels();
+
 // Sets the numerics for a scope and restores the previous setting after (tests).
 class ScopedNumerics {
  public:
@@ -40,6 +50,18 @@ class ScopedNumerics {
 
  private:
   Numerics saved_;
+};
+
+// Sets the expert kernels for a scope and restores the previous setting after (tests, benchmarks).
+class ScopedExpertKernels {
+ public:
+  explicit ScopedExpertKernels(ExpertKernels k) : saved_(expert_kernels()) { set_expert_kernels(k); }
+  ~ScopedExpertKernels() { set_expert_kernels(saved_); }
+  ScopedExpertKernels(const ScopedExpertKernels&) = delete;
+  ScopedExpertKernels& operator=(const ScopedExpertKernels&) = delete;
+
+ private:
+  ExpertKernels saved_;
 };
 
 }  // namespace tiller::model

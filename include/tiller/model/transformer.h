@@ -131,13 +131,14 @@ struct BlockContext {
   // taken instead of the router's top-k; the router's probabilities at those experts still weight
   // them (renormalised as the model's norm_topk_prob says), so the router trains. A row whose first
   // expert is -1 routes by itself (a token the engine never computed). `recorded_routes`, when set,
-  // gets each sparse layer's experts [T, k] (int64 on the host) at that layer's index (sized to
-  // the model's layers; a recomputed block overwrites its entry).
+  // gets each sparse layer's experts [T, k] (int64; on the host from the loop, on the forward's
+  // device from grouped_experts()) at that layer's index (sized to the model's layers; a
+  // recomputed block overwrites its entry).
   at::Tensor replay_routes;
   std::vector<at::Tensor>* recorded_routes = nullptr;
   // Expert-load metrics: when set, each sparse layer adds the tokens routed to each of its experts
-  // (double [sparse layers, experts] on the host, created at the first sparse layer) over the
-  // first `routed_rows` rows.
+  // (double [sparse layers, experts], created at the first sparse layer: on the host from the
+  // loop, on the forward's device from grouped_experts()) over the first `routed_rows` rows.
   at::Tensor* expert_load = nullptr;
   // Router losses (the trainer's training forward): when set, each sparse layer computes them over
   // the first `routed_rows` rows (RouterLoss).
@@ -185,6 +186,10 @@ at::Tensor attention_residual(const ModelConfig& cfg, int64_t layer, const Layer
                               BlockContext& ctx);
 at::Tensor mlp_residual(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& y,
                         BlockContext& ctx);
+// Whether a mixture of experts of this (rank-local) config runs its experts as grouped GEMMs on
+// tensors of this dtype and device (numerics.h: ExpertKernels): the routes then stay on the
+// device and a CUDA graph can capture the layer. False for a dense model.
+bool grouped_experts(const ModelConfig& cfg, at::ScalarType dtype, const at::Device& device);
 // The number of sparse (mixture-of-experts) layers before `layer`: its index in
 // BlockContext::replay_routes' second dimension.
 int64_t sparse_index(const ModelConfig& cfg, int64_t layer);

@@ -57,6 +57,10 @@ struct LayerWeights {
   // q/k/v ([q_size + 2 kv_size, hidden], bias likewise) and one for gate/up ([2 intermediate,
   // hidden]); the separate tensors above are then views into them.
   at::Tensor qkv_proj, qkv_bias, gate_up_proj;
+  // Optional stacked experts (the engine's, for the grouped GEMMs of model::grouped_experts):
+  // [experts, 2 moe_intermediate, hidden] (each expert's gate then up rows) and [experts, hidden,
+  // moe_intermediate]; the experts' tensors are then views into them.
+  at::Tensor experts_gate_up, experts_down;
   LoraAdapters lora;  // none unless bound (model/lora.h: bind_lora)
 };
 
