@@ -216,6 +216,28 @@ void fuse_projections(model::LayerWeights& w) {
     w.qkv_bias = at::cat({w.q_bias, w.k_bias, w.v_bias}, 0);
     split(w.qkv_bias, {&w.q_bias, &w.k_bias, &w.v_bias});
   }
+  if (!w.experts.empty()) {
+    // The experts stacked for the grouped GEMMs (model::grouped_experts), each expert's gate and
+    // up rows together; the weight sync then writes into the stacks through the views.
+    const auto n = static_cast<int64_t>(w.experts.size());
+    const at::Tensor& g0 = w.experts[0].gate_proj;
+    const int64_t inner = g0.size(0), hidden = g0.size(1);
+    w.experts_gate_up = at::empty({n, 2 * inner, hidden}, g0.options());
+    w.experts_down = at::empty({n, hidden, inner}, g0.options());
+    for (int64_t e = 0; e < n; ++e) {
+      model::ExpertWeights& x = w.experts[static_cast<size_t>(e)];
+      TILLER_CHECK(x.gate_proj.sizes() == g0.sizes() && x.up_proj.sizes() == g0.sizes() &&
+                       x.down_proj.size(0) == hidden && x.down_proj.size(1) == inner,
+                   "expert {} of a sparse layer differs in shape from expert 0", e);
+      const at::Tensor gu = w.experts_gate_up.select(0, e);
+      gu.narrow(0, 0, inner).copy_(x.gate_proj);
+      gu.narrow(0, inner, inner).copy_(x.up_proj);
+      w.experts_down.select(0, e).copy_(x.down_proj);
+      x.gate_proj = gu.narrow(0, 0, inner);
+      x.up_proj = gu.narrow(0, inner, inner);
+      x.down_proj = w.experts_down.select(0, e);
+    }
+  }
   if (!w.gate_proj.defined()) return;  // a sparse layer without a shared expert
   w.gate_up_proj = at::cat({w.gate_proj, w.up_proj}, 0);
   split(w.gate_up_proj, {&w.gate_proj, &w.up_proj});
@@ -251,7 +273,7 @@ struct ModelRunner::Impl {
   struct Pending {
     at::Tensor tokens, logprobs;
     at::Tensor device_tokens, device_logprobs;
-    std::vector<int16_t> routes;
+    at::Tensor routes, device_routes;  // routing replay: int16 [tokens, route_width]
     int64_t route_width = 0;
 #ifdef TILLER_HAVE_CUDA_KERNELS
     std::unique_ptr<at::cuda::CUDAEvent> copied;
@@ -268,6 +290,7 @@ struct ModelRunner::Impl {
     int64_t splits = 1;
     std::unique_ptr<at::cuda::CUDAGraph> graph;
     at::Tensor hidden;  // output: final-normed hidden states [bucket, hidden]
+    std::vector<at::Tensor> routes;  // a mixture of experts: each sparse layer's experts [bucket, k]
   };
   bool graphs = false;
   int64_t max_graph_batch = 0, graph_rows = 0;
@@ -313,7 +336,8 @@ struct ModelRunner::Impl {
     return x;
   }
 
-  at::Tensor run_decode_graph(const StepBatch& b);
+  // A captured decode step; `routes`, when set, gets each sparse layer's experts for the batch's rows.
+  at::Tensor run_decode_graph(const StepBatch& b, std::vector<at::Tensor>* routes);
 
   // Writes the tokens that batch.prev_rows take from the previous launch's draws into `tokens`
   // (the step's device token ids, int32 or int64), on the stream, behind that launch.
@@ -389,10 +413,10 @@ void ModelRunner::allocate_cache(const CacheOptions& o) {
   // attention (the same kernel, model/batch_invariant.h) does.
   m.paged_rope = m.paged && o.rope_in_attention && !model::batch_invariant() &&
                  cuda::paged_decode_rotates(kernel_dtype(dtype), local_.head_dim, local_.num_heads, local_.num_kv_heads);
-  // A mixture of experts groups its tokens by expert on the host (model::block_forward's unfused
-  // path), which a captured graph cannot replay: its decode steps run eagerly.
+  // A mixture of experts is captured when its experts run as grouped GEMMs on the device; the
+  // per-expert loop groups the tokens on the host, which a graph cannot replay.
   m.graphs = m.paged && o.cuda_graphs && m.cos_table.defined() && !(m.tp && m.tp->size() > 1) &&
-             o.max_graph_batch > 0 && !local_.moe();
+             o.max_graph_batch > 0 && (!local_.moe() || model::grouped_experts(local_, dtype, device_));
   if (m.graphs) {
     m.max_graph_batch = o.max_graph_batch;
     m.graph_rows = graph_bucket(o.max_graph_batch);
@@ -465,7 +489,7 @@ bool ModelRunner::cuda_graphs() const {
 #ifdef TILLER_HAVE_CUDA_KERNELS
 // Replays (capturing on first use) the graph of the batch's bucket over the static inputs:
 // final-normed hidden states [bucket, hidden], valid until the next replay.
-at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b) {
+at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b, std::vector<at::Tensor>* routes) {
   const int64_t n = b.num_seqs(), rows = graph_bucket(n);
   fill_decode_words(b, graph_rows, block_size, words);
   const auto used = static_cast<int64_t>(words.size());
@@ -488,6 +512,15 @@ at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b) {
     c10::cuda::getCurrentCUDAStream(device.index()).synchronize();  // the inputs are in place
     {
       c10::cuda::CUDAStreamGuard on_side(side);
+      // A mixture of experts records its routes in every replay (the tensors the graph writes).
+      std::vector<at::Tensor>* const outer = recording;
+      g.routes.assign(local.moe() ? static_cast<size_t>(local.num_layers) : 0, at::Tensor());
+      recording = local.moe() ? &g.routes : nullptr;
+      struct Restore {
+        std::vector<at::Tensor>*& r;
+        std::vector<at::Tensor>* saved;
+        ~Restore() { r = saved; }
+      } restore{recording, outer};
       decode_hidden(in, lens, true);  // warm-up: cuBLAS handles and workspaces for this stream
       side.synchronize();
       g.graph = std::make_unique<at::cuda::CUDAGraph>();
@@ -498,10 +531,15 @@ at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b) {
     log::debug("engine: captured the decode graph of batch {} ({} KV splits)", rows, g.splits);
   }
   g.graph->replay();
+  if (routes) {
+    TILLER_CHECK(g.routes.size() == routes->size(), "the decode graph of batch {} recorded no routes", rows);
+    for (size_t l = 0; l < routes->size(); ++l)
+      if (g.routes[l].defined()) (*routes)[l] = g.routes[l].narrow(0, 0, n);
+  }
   return g.hidden;
 }
 #else
-at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch&) { return {}; }
+at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch&, std::vector<at::Tensor>*) { return {}; }
 #endif
 
 ModelRunner::Sampled ModelRunner::run(const StepBatch& b, bool sample) {
@@ -530,14 +568,13 @@ void ModelRunner::launch(const StepBatch& b, bool sample) {
   // Routing replay: the experts of every row, recorded by the forward below.
   const bool routes = sample && m.record_routes && local_.moe();
   std::vector<at::Tensor> recorded(routes ? static_cast<size_t>(local_.num_layers) : 0);
-  TILLER_CHECK(!(routes && graphs), "routing replay records the experts on the host; a captured graph cannot");
   m.recording = routes ? &recorded : nullptr;
   struct Unset {
     std::vector<at::Tensor>*& r;
     ~Unset() { r = nullptr; }
   } unset{m.recording};
   if (b.is_decode() && graphs) {
-    at::Tensor all = m.run_decode_graph(b);
+    at::Tensor all = m.run_decode_graph(b, routes ? &recorded : nullptr);
     if (rows_all) h = sample_rows(all);
   } else if (b.is_decode() && m.paged) {
     fill_decode_words(b, n, bs, m.words);
@@ -558,22 +595,19 @@ void ModelRunner::launch(const StepBatch& b, bool sample) {
   }
   if (!sample) return;
   Impl::Pending p;
+  at::Tensor routes_all;  // int16 [rows, sparse layers * k], where the forward left them
   if (routes) {
-    const int64_t rows = b.num_tokens(), k = local_.experts_per_token, layers = model::sparse_layers(local_);
-    p.route_width = layers * k;
-    p.routes.assign(static_cast<size_t>(rows * p.route_width), -1);
-    int64_t s = 0;
+    const int64_t rows = b.num_tokens(), k = local_.experts_per_token;
+    std::vector<at::Tensor> layers;
     for (int64_t l = 0; l < local_.num_layers; ++l) {
       if (!local_.sparse_layer(l)) continue;
       const at::Tensor& r = recorded[static_cast<size_t>(l)];
-      TILLER_CHECK(r.defined() && r.size(0) == rows && r.size(1) == k, "layer {} recorded no routes for {} rows", l,
-                   rows);
-      const int64_t* e = r.data_ptr<int64_t>();
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < k; ++j)
-          p.routes[static_cast<size_t>(i * p.route_width + s * k + j)] = static_cast<int16_t>(e[i * k + j]);
-      ++s;
+      TILLER_CHECK(r.defined() && r.dim() == 2 && r.size(0) == rows && r.size(1) == k,
+                   "layer {} recorded no routes for {} rows", l, rows);
+      layers.push_back(r);
     }
+    p.route_width = static_cast<int64_t>(layers.size()) * k;
+    routes_all = at::stack(layers, 1).reshape({rows, p.route_width}).to(at::kShort);
   }
   if (rows_all) {
     // Logits in the weights' dtype: the sampler reads bf16 directly (math in fp32).
@@ -594,6 +628,11 @@ void ModelRunner::launch(const StepBatch& b, bool sample) {
       p.logprobs = at::empty(drawn.logprobs.sizes(), drawn.logprobs.options().device(at::kCPU).pinned_memory(true));
       p.tokens.copy_(drawn.tokens, /*non_blocking=*/true);
       p.logprobs.copy_(drawn.logprobs, /*non_blocking=*/true);
+      if (routes_all.defined() && routes_all.is_cuda()) {
+        p.device_routes = routes_all;
+        p.routes = at::empty(routes_all.sizes(), routes_all.options().device(at::kCPU).pinned_memory(true));
+        p.routes.copy_(routes_all, /*non_blocking=*/true);
+      }
       p.copied = std::make_unique<at::cuda::CUDAEvent>();
       p.copied->record(*m.copy_stream);
     }
@@ -605,6 +644,7 @@ void ModelRunner::launch(const StepBatch& b, bool sample) {
   } else {
     m.last_drawn = at::Tensor();
   }
+  if (routes_all.defined() && !p.routes.defined()) p.routes = routes_all.cpu();
   m.pending.push_back(std::move(p));
 }
 
@@ -614,12 +654,15 @@ ModelRunner::Sampled ModelRunner::collect() {
   Impl::Pending p = std::move(m.pending.front());
   m.pending.pop_front();
   Sampled out;
-  out.routes = std::move(p.routes);
   out.route_width = p.route_width;
-  if (!p.tokens.defined()) return out;
 #ifdef TILLER_HAVE_CUDA_KERNELS
   if (p.copied) p.copied->synchronize();
 #endif
+  if (p.routes.defined()) {
+    const int16_t* r = p.routes.data_ptr<int16_t>();
+    out.routes.assign(r, r + p.routes.numel());
+  }
+  if (!p.tokens.defined()) return out;
   const int64_t* t = p.tokens.data_ptr<int64_t>();
   const float* lp = p.logprobs.data_ptr<float>();
   out.tokens.assign(t, t + p.tokens.numel());
