@@ -33,6 +33,7 @@ int64_t dtype_bytes(Precision dtype) { return dtype == Precision::kFp32 ? 4 : 2;
 
 struct Shape {
   int64_t params = 0, largest_unit = 0, largest_block = 0, embed = 0, head = 0;
+  int64_t layer_experts = 0;  // a sparse layer's routed experts (elements): what the grouped GEMMs stack
   const model::ModelConfig* cfg = nullptr;
 };
 
@@ -50,6 +51,7 @@ Shape shape_of(const model::ModelConfig& cfg, model::Head head) {
   }
   for (int64_t l : layers) s.largest_block = std::max(s.largest_block, l);
   s.largest_unit = std::max({s.embed, s.head, s.largest_block});
+  if (cfg.moe()) s.layer_experts = cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size;
   return s;
 }
 
@@ -98,6 +100,10 @@ RoleFootprint footprint(const RoleSpec& r, bool keep_compute_shard) {
   // embedding's and the head's neighbours are blocks), and the cast shards they were gathered from.
   const int64_t pair = r.shape.largest_unit + r.shape.largest_block;
   if (r.ranks > 1 || cast) f.gathers = pair * c + (cast ? pair * c / n : 0);
+  // A mixture of experts' grouped GEMMs (model::grouped_experts, the GPU's default) run on the
+  // gathered experts stacked into one tensor per projection: a copy of a sparse layer's experts
+  // while it computes, and in training its stacked gradient beside it.
+  f.gathers += (r.trainable ? 2 : 1) * r.shape.layer_experts * c;
   if (r.trainable) {
     const int64_t rb = r.reduce_bytes, block = r.shape.largest_block, big = std::max(r.shape.embed, r.shape.head);
     // A block: autograd's gradients in the compute dtype, its flat buffer and the one before it in

@@ -11,7 +11,9 @@
 //               with roles.<r>.optimizer_offload: cpu only the accumulator (4), the rest on the
 //               host (RankMemory::host_bytes)
 //   gathers     two full units in the compute dtype (the one computing and the prefetch), and the
-//               cast shards they gather from when the role casts
+//               cast shards they gather from when the role casts; a mixture of experts' sparse
+//               layer's experts stacked for the grouped GEMMs (and in training their stacked
+//               gradient)
 //   gradients   training: a block's gradients in the compute dtype and two flat buffers of it in
 //               train.reduce_dtype (the reduce-scatter being filled and the one in flight); the LM
 //               head's or the embedding's flat buffer (their gradient accumulates in it) beside a
