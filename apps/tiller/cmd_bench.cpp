@@ -155,6 +155,19 @@ void apply_logprob_match(const std::string& value) {
   model::set_numerics(value == "bitwise" ? model::Numerics::kBatchInvariant : model::Numerics::kDefault);
 }
 
+void add_expert_kernels(CLI::App* cmd, std::string& value) {
+  cmd->add_option("--experts", value,
+                  "A mixture of experts' kernels: auto (grouped GEMMs on the GPU), grouped, or loop (one matmul per "
+                  "expert, the routes grouped on the host)")
+      ->check(CLI::IsMember({"auto", "grouped", "loop"}));
+}
+
+void apply_expert_kernels(const std::string& value) {
+  model::set_expert_kernels(value == "grouped" ? model::ExpertKernels::kGrouped
+                            : value == "loop"  ? model::ExpertKernels::kLoop
+                                               : model::ExpertKernels::kAuto);
+}
+
 void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   auto* bench = app.add_subcommand("bench", "Benchmarks; each prints JSON");
   bench->require_subcommand(1);

@@ -35,6 +35,7 @@ struct ForwardOptions {
   int iters = 5;
   std::string out;
   std::string logprob_match = "off";
+  std::string experts = "auto";
 };
 
 using Clock = std::chrono::steady_clock;
@@ -75,7 +76,8 @@ nlohmann::ordered_json bench_model(const std::string& name, const ForwardOptions
   model::PackedBatch batch = model::PackedBatch::pack(seqs, dev);
   at::Tensor targets = batch.tokens.roll(-1);
 
-  int64_t matmul_params = model::num_parameters(cfg) - cfg.vocab_size * cfg.hidden_size;  // minus the embedding
+  // minus the embedding; a mixture of experts multiplies by the experts each token routes to
+  int64_t matmul_params = model::active_parameters(cfg) - cfg.vocab_size * cfg.hidden_size;
   if (cfg.tie_word_embeddings) matmul_params += cfg.vocab_size * cfg.hidden_size;         // the head still multiplies
   const double attn_flops = 2.0 * 2.0 * (o.seq / 2.0) * cfg.q_size() * cfg.num_layers;
   const double fwd_flops = tokens * (2.0 * matmul_params + attn_flops);
@@ -120,6 +122,7 @@ nlohmann::ordered_json bench_model(const std::string& name, const ForwardOptions
 
 int run_forward(const ForwardOptions& o) {
   apply_logprob_match(o.logprob_match);
+  apply_expert_kernels(o.experts);
   at::Device dev = at::kCPU;
   if (o.device == "auto") {
     if (at::detail::getCUDAHooks().getNumGPUs() > 0) dev = at::Device(at::kCUDA, 0);
@@ -135,6 +138,7 @@ int run_forward(const ForwardOptions& o) {
   out["seq"] = o.seq;
   out["micro_batch"] = o.micro_batch;
   out["logprob_match"] = o.logprob_match;
+  out["experts"] = o.experts;
   if (o.logprob_match == "bitwise")
     out["attention"] = dev.is_cuda() ? "batch-invariant (the decode kernel's order)" : "batch-invariant (key order)";
   else
@@ -163,6 +167,7 @@ void add_bench_forward(CLI::App* bench, Runner& run) {
   fw->add_option("--iters", o->iters, "Timed steps")->check(CLI::Range(1, 1000));
   fw->add_option("--out", o->out, "Also write the JSON here");
   add_logprob_match(fw, o->logprob_match);
+  add_expert_kernels(fw, o->experts);
   fw->callback([&run, o] { run = [o] { return run_forward(*o); }; });
 }
 

@@ -6,6 +6,7 @@
 // the weights (engine_weights.h), rank 0 leads and measures, the others follow its steps.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -28,7 +29,7 @@ namespace tiller::cli {
 namespace {
 
 struct GenBenchOptions {
-  std::string model = "qwen2-0.5b", device = "auto", dtype = "bf16", out, logprob_match = "off";
+  std::string model = "qwen2-0.5b", device = "auto", dtype = "bf16", out, logprob_match = "off", experts = "auto";
   int64_t batch = 64, prompt = 128, new_tokens = 256, block_size = 16;
   double hbm_gbps = 4300;  // measured H200 copy bandwidth (DESIGN.md §7), for the floor
   bool no_cuda_graphs = false;
@@ -45,6 +46,7 @@ using Clock = std::chrono::steady_clock;
 
 int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
   apply_logprob_match(o.logprob_match);
+  apply_expert_kernels(o.experts);
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
   std::string device = o.device == "auto" ? (gpus > 0 ? "cuda:0" : "cpu") : o.device;
   // --tp > 1: the TP group is the whole world; under NCCL each rank drives its local GPU.
@@ -129,14 +131,25 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
   // Floor of a decode step: every weight read once, plus the KV cache read at the mean context
   // (the peer decode_peer.py counts its whole static cache, P + N); with TP, one rank's share
   // (its weight slices, the embedding and LM head whole, and 1/tp of the KV heads).
-  double weight_bytes = 0;
-  for (const auto& [name, t] : e.parameters()) weight_bytes += static_cast<double>(t.numel() * t.element_size());
+  // A mixture of experts reads the experts its batch routes to: under uniform routing each
+  // expert of a sparse layer is missed by all `batch` tokens with probability (1 - k/E)^batch.
+  double weight_bytes = 0, expert_share = 1;
+  if (cfg.moe()) {
+    const double k = static_cast<double>(cfg.experts_per_token), n = static_cast<double>(cfg.num_experts);
+    expert_share = 1 - std::pow(1 - k / n, static_cast<double>(o.batch));
+  }
+  for (const auto& [name, t] : e.parameters()) {
+    const double bytes = static_cast<double>(t.numel() * t.element_size());
+    weight_bytes += name.find(".experts.") != std::string::npos ? bytes * expert_share : bytes;
+  }
   const double kv_per_token =
       2.0 * static_cast<double>(cfg.num_layers * cfg.kv_size()) * at::elementSize(dtype) / static_cast<double>(o.tp);
   const double mean_ctx = static_cast<double>(o.prompt) + static_cast<double>(o.new_tokens) / 2;
   const double floor_ms = (weight_bytes + kv_per_token * mean_ctx * static_cast<double>(o.batch)) / (o.hbm_gbps * 1e9) * 1e3;
   nlohmann::ordered_json j{{"bench", "tiller_generate"},
                            {"logprob_match", o.logprob_match},
+                           {"experts", cfg.moe() ? o.experts : "dense"},
+                           {"expert_share_read", expert_share},
                            {"model", o.model},
                            {"device", device},
                            {"dtype", o.dtype},
@@ -209,6 +222,7 @@ void add_bench_generate(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   g->add_option("--out", o->out, "Also write the JSON here");
   g->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "Run decode steps eagerly");
   add_logprob_match(g, o->logprob_match);
+  add_expert_kernels(g, o->experts);
   g->add_flag("--no-rope-in-attention", o->no_rope_in_attention,
               "Rotate q and k with a RoPE kernel before decode attention instead of inside it");
   g->add_flag("--no-async-scheduling", o->no_async,

@@ -51,6 +51,7 @@ namespace {
 struct TrainBenchOptions {
   std::string model = "qwen2-1.5b";
   std::string logprob_match = "off";
+  std::string experts = "auto";
   int64_t seq = 2048;
   int64_t micro_batch = 4;
   int accumulate = 1;  // micro-batches per optimizer step
@@ -111,6 +112,7 @@ double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 
 int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   apply_logprob_match(o.logprob_match);
+  apply_expert_kernels(o.experts);
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), "bench", log::Level::kWarn);
   if (o.steps < 3) throw ConfigError("--steps: at least 3 (two warm-up steps are not timed)");
@@ -232,7 +234,8 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   const double planned = static_cast<double>(plan.ranks.front().peak());
 
   const int64_t tokens = o.seq * o.micro_batch * o.accumulate / sp;  // per GPU per step
-  const int64_t nparam = model::num_parameters(cfg);
+  // A mixture of experts multiplies by the experts each token routes to (active parameters).
+  const int64_t nparam = model::active_parameters(cfg);
   const int64_t emb = cfg.vocab_size * cfg.hidden_size;
   const double flops_tok = 6.0 * static_cast<double>(nparam - (cfg.tie_word_embeddings ? 0 : emb)) +
                            6.0 * cfg.num_layers * cfg.hidden_size * o.seq;
@@ -252,6 +255,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
     const double fwd_tok = 2.0 * static_cast<double>(matmul_params) + 2.0 * 2.0 * (o.seq / 2.0) * cfg.q_size() * cfg.num_layers;
     r["bench"] = "score";
     r["logprob_match"] = o.logprob_match;
+    if (cfg.moe()) r["experts"] = o.experts;
     r["model"] = o.model;
     r["world"] = comm.size();
     r["backend"] = comm.backend();
@@ -272,8 +276,10 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   const zero::ShardMemory held = model.memory();
   r["bench"] = "train";
   r["logprob_match"] = o.logprob_match;
+  if (cfg.moe()) r["experts"] = o.experts;
   r["model"] = o.model;
-  r["params_B"] = nparam / 1e9;
+  r["params_B"] = model::num_parameters(cfg) / 1e9;
+  if (cfg.moe()) r["active_params_B"] = nparam / 1e9;
   r["world"] = comm.size();
   r["backend"] = comm.backend();
   r["seq"] = o.seq;
@@ -346,6 +352,7 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   tr->add_option("--steps", o->steps, "Steps, the first two untimed")->check(CLI::Range(3, 10000));
   tr->add_option("--backend", o->backend, "auto (NCCL when GPUs are visible), nccl or mpi");
   add_logprob_match(tr, o->logprob_match);
+  add_expert_kernels(tr, o->experts);
   tr->add_option("--chunk-rows", o->chunk_rows, "Rows per log-prob chunk")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   tr->add_option("--timeout", o->timeout_s, "Deadline of each collective, seconds")->check(CLI::Range(0.001, 1e7));
   tr->add_option("--out", o->out, "Also write the JSON here");

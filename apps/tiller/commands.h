@@ -32,6 +32,11 @@ double median(std::vector<double> v);
 // forward.
 void add_logprob_match(CLI::App* cmd, std::string& value);
 void apply_logprob_match(const std::string& value);
+// --experts auto | grouped | loop of the benchmarks (generate, forward, train): how a mixture of
+// experts runs its experts (model/numerics.h: ExpertKernels), so the grouped GEMMs are measured
+// beside the per-expert loop. apply_expert_kernels sets it; call it before the first forward.
+void add_expert_kernels(CLI::App* cmd, std::string& value);
+void apply_expert_kernels(const std::string& value);
 
 // --dtype bf16 | fp16 | fp32; ConfigError otherwise.
 c10::ScalarType parse_dtype(const std::string& dtype);

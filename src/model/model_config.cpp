@@ -377,7 +377,7 @@ ModelConfig make(Family f, int64_t vocab, int64_t hidden, int64_t inter, int64_t
 std::vector<std::string> preset_names() {
   return {"qwen2-0.5b", "qwen2-1.5b",     "qwen2-7b",       "tiny-llama",  "tiny-qwen2",
           "tiny-qwen3", "tiny-mistral",  "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral",
-          "qwen3-30b-a3b", "qwen3-30b-a3b-8l"};
+          "qwen3-30b-a3b", "qwen3-30b-a3b-8l", "qwen3-a3b-dense-8l"};
 }
 
 ModelConfig preset(const std::string& name) {
@@ -397,6 +397,11 @@ ModelConfig preset(const std::string& name) {
     c.experts_per_token = 8;
     c.moe_intermediate_size = 768;
     c.norm_topk_prob = true;
+  } else if (name == "qwen3-a3b-dense-8l") {
+    // A dense Qwen3 with qwen3-30b-a3b-8l's active parameters (its MLP as wide as the 8 experts a
+    // token runs through: 8 x 768): the dense side of the mixture's decode comparison.
+    c = make(Family::kQwen3, 151936, 2048, 6144, 8, 32, 4, 1e6, false, 40960);
+    c.head_dim = 128;
   } else if (name == "tiny-llama") {
     c = make(Family::kLlama, 512, 64, 176, 2, 4, 2, 500000.0, false, 2048);
   } else if (name == "tiny-qwen2") {
