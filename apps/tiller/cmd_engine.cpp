@@ -23,7 +23,7 @@ namespace tiller::cli {
 namespace {
 
 struct EngineCmdOptions {
-  std::string model, host = "127.0.0.1", device = "auto", dtype = "auto", token_file, tls_cert, tls_key;
+  std::string model, host = "127.0.0.1", device = "auto", dtype = "auto", token_file, tls_cert, tls_key, lora;
   bool insecure = false;
   int port = 50051;
   int tp = 1;
@@ -73,6 +73,10 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
   dist::Communicator* tp = o.tp > 1 ? &rc.comm() : nullptr;
   if (tp) tp->set_timeout(o.timeout_s);
   engine::EngineWeights w = engine::load_engine_weights(o.model, env.rank(), o.tp, o.dtype, o.engine.device);
+  if (!o.lora.empty()) {  // a PEFT adapter, unmerged beside the base (fp32, each rank its slice)
+    const model::PeftAdapter a = model::read_peft_adapter(o.lora, w.config);
+    engine::bind_lora_for_tp(w.config, a.spec, a.tensors, w.weights, env.rank(), o.tp, o.engine.device, o.lora);
+  }
   engine::Engine eng(w.config, std::move(w.weights), o.engine, tp);
   if (!eng.is_leader()) {
     eng.follow();
@@ -88,6 +92,7 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
                                      {"port", server.port()},
                                      {"pid", static_cast<int64_t>(getpid())},
                                      {"model", o.model},
+                                     {"lora", o.lora},
                                      {"tp", o.tp},
                                      {"device", o.engine.device},
                                      {"max_model_len", eng.max_model_len()},
@@ -136,6 +141,9 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   cmd->add_option("--tls-cert", o->tls_cert, "PEM certificate to serve TLS with (with --tls-key)");
   cmd->add_option("--tls-key", o->tls_key, "PEM private key of --tls-cert");
   cmd->add_option("--port", o->port, "Port to bind (0: any free port; printed on stdout)")->check(CLI::Range(0, 65535));
+  cmd->add_option("--lora", o->lora,
+                  "A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), served unmerged "
+                  "beside the base in fp32, as PEFT and tiller's trainer run it");
   cmd->add_option("--tp", o->tp, "Tensor-parallel size (the number of ranks)")->check(CLI::Range(1, 64));
   cmd->add_option("--device", o->device, "auto, cpu or cuda[:N] (TP ranks take the GPU of their local rank)");
   cmd->add_option("--dtype", o->dtype, "auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32");

@@ -164,8 +164,8 @@ std::vector<Prompt> read_prompts(const GenerateOptions& o, const model::Tokenize
 int run_generate(GenerateOptions o) {
   model::LoadedModel m;
   if (!o.lora.empty() && !o.engine.empty())
-    throw ConfigError("--lora with --engine: the engine serves the weights it loaded; merge the adapter into a "
-                      "checkpoint (tiller merge-lora) and serve that");
+    throw ConfigError("--lora with --engine: the engine serves the weights and adapter it loaded; start it with "
+                      "`tiller engine --lora DIR`, or merge the adapter into a checkpoint (tiller merge-lora)");
   if (o.engine.empty()) m = model::load_model(o.model, model::Head::kLm, parse_dtype(o.dtype), parse_device(o.device));
   else m.config = model::load_model_config(o.model);  // the engine holds the weights
   if (!o.lora.empty()) {  // PEFT's adapters in fp32 beside the base, as PEFT runs them

@@ -1,5 +1,6 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "tiller/core/error.h"
 #include "tiller/engine/engine.h"
@@ -66,6 +67,33 @@ model::ModelWeights slice_for_tp(const model::ModelConfig& cfg, const model::Mod
     w.layers.push_back(std::move(s));
   }
   return w;
+}
+
+void bind_lora_for_tp(const model::ModelConfig& cfg, const model::LoraSpec& spec, const model::NamedTensors& adapters,
+                      model::ModelWeights& weights, int tp_rank, int tp_size, const std::string& device,
+                      const std::string& where) {
+  if (!spec.enabled()) return;
+  TILLER_CHECK(tp_rank >= 0 && tp_rank < tp_size, "tp rank {} of {}", tp_rank, tp_size);
+  model::NamedTensors local;
+  for (const model::ParamSpec& p : model::lora_parameter_specs(cfg, spec)) {
+    const auto it = adapters.find(p.name);
+    if (it == adapters.end()) throw IoError(fmt::format("{}: the adapter lacks '{}'", where, p.name));
+    if (it->second.sizes().vec() != p.shape)
+      throw IoError(fmt::format("{}: '{}' is {}, the model and rank {} need {}", where, p.name,
+                                fmt::join(it->second.sizes(), "x"), spec.rank, fmt::join(p.shape, "x")));
+    const bool is_a = p.name.find(".lora_A.") != std::string::npos;
+    const bool row_parallel = p.name.find(".o_proj.") != std::string::npos || p.name.find(".down_proj.") != std::string::npos;
+    at::Tensor t = it->second;
+    if (is_a && row_parallel) t = part(t, 1, tp_rank, tp_size);
+    if (!is_a && !row_parallel) t = part(t, 0, tp_rank, tp_size);
+    local[p.name] = t.to(at::Device(device), at::kFloat).contiguous();
+  }
+  // The rank's own shapes: its heads and MLP width (as its base slices have).
+  model::ModelConfig rank_cfg = cfg;
+  rank_cfg.num_heads /= tp_size;
+  rank_cfg.num_kv_heads /= tp_size;
+  rank_cfg.intermediate_size /= tp_size;
+  model::bind_lora(rank_cfg, spec, local, weights, where);
 }
 
 EngineWeights load_engine_weights(const std::string& dir, int tp_rank, int tp_size, const std::string& dtype,

@@ -21,6 +21,7 @@
 #endif
 
 #include "model/host_upload.h"
+#include "tiller/model/lora.h"
 #include "tiller/model/storage_swap.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
@@ -371,6 +372,8 @@ ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weig
                       "engine is still generating, so its tables differ from the trainer's; use another rope_scaling");
   TILLER_CHECK(weights.embed.defined() && weights.embed.device() == device, "engine weights must be on {}",
                device.str());
+  for (const auto& [name, t] : model::named_lora(weights))
+    TILLER_CHECK(t.device() == device, "LoRA adapter {} is on {}, the engine on {}", name, t.device().str(), device.str());
   {
     c10::InferenceMode guard;
     for (auto& layer : weights.layers) fuse_projections(layer);
@@ -381,7 +384,10 @@ ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weig
 ModelRunner::~ModelRunner() = default;
 
 model::NamedTensors ModelRunner::parameters() const {
-  return model::named_weights(local_, impl_->weights, model::Head::kLm);
+  // LoRA adapters (engine_weights.h: bind_lora_for_tp) beside the base, under their PEFT names.
+  model::NamedTensors out = model::named_weights(local_, impl_->weights, model::Head::kLm);
+  for (auto& [name, t] : model::named_lora(impl_->weights)) out[name] = t;
+  return out;
 }
 
 int64_t ModelRunner::block_bytes() const {

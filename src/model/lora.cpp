@@ -111,6 +111,19 @@ std::vector<ParamSpec> lora_parameter_specs(const ModelConfig& cfg, const LoraSp
   return out;
 }
 
+NamedTensors named_lora(const ModelWeights& w) {
+  NamedTensors out;
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LoraAdapters& a = w.layers[l].lora;
+    for (size_t m = 0; m < a.a.size(); ++m) {
+      if (!a.a[m].defined()) continue;
+      out[a_name(static_cast<int64_t>(l), m)] = a.a[m];
+      out[b_name(static_cast<int64_t>(l), m)] = a.b[m];
+    }
+  }
+  return out;
+}
+
 NamedTensors init_lora(const ModelConfig& cfg, const LoraSpec& spec, uint64_t seed) {
   at::Generator gen = at::detail::createCPUGenerator(seed);
   NamedTensors out;

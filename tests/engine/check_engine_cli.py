@@ -2,7 +2,8 @@
 """`tiller engine` + `tiller generate --engine` end to end: the engine (TP 1, and TP 2 under
 mpirun) gives the reference generator's output, greedy and seeded (a seeded sample may part from
 the reference's at one sampling boundary within rounding, after a prefix with equal log-probs, in
-at most one prompt; and it repeats exactly); SIGTERM stops it cleanly.
+at most one prompt; and it repeats exactly); SIGTERM stops it cleanly. `tiller engine --lora`
+serves a PEFT adapter unmerged, at TP 1 and 2: PEFT's greedy ids.
 
   check_engine_cli.py TILLER_BINARY FIXTURES_DIR SCRATCH_DIR MPIRUN [MPIRUN_ARGS...]
 """
@@ -40,9 +41,10 @@ def generate(name, extra):
     return [json.loads(l) for l in out.read_text(encoding="utf-8").split("\n") if l]
 
 
-def start_engine(launcher, tp):
+def start_engine(launcher, tp, extra=()):
     proc = subprocess.Popen(launcher + [tiller, "engine", "--model", str(model), "--port", "0", "--host", "127.0.0.1",
-                                        "--tp", str(tp), "--device", "cpu", "--num-blocks", "64", "--block-size", "8"],
+                                        "--tp", str(tp), "--device", "cpu", "--num-blocks", "64", "--block-size", "8",
+                                        *extra],
                             stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line:
@@ -94,6 +96,30 @@ for tp, launcher in [(1, []), (2, mpirun + ["-np", "2"])]:
             proc.kill()
             code = None
         check(code == 0, f"tp {tp}: SIGTERM stops the engine with exit 0 (got {code}) in {time.time() - t0:.1f} s")
+
+def stop(proc, info, what):
+    os.kill(info["pid"], signal.SIGTERM)  # the serving rank itself (a signal to mpirun ends the whole job)
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = None
+    check(code == 0, f"{what}: SIGTERM stops the engine with exit 0 (got {code})")
+
+
+# A PEFT adapter served unmerged (fp32 beside the base; each TP rank its slice): PEFT's greedy ids.
+lora_dir = fixtures / "models" / "qwen2-chat-lora"
+lora_ref = json.loads((fixtures / "models" / "reference.json").read_text())["qwen2-chat-lora"]["greedy"]
+for tp, launcher in [(1, []), (2, mpirun + ["-np", "2"])]:
+    proc, address, info = start_engine(launcher, tp, ["--lora", str(lora_dir)])
+    check(info["lora"] == str(lora_dir), f"lora tp {tp}: engine serving the adapter ({info})")
+    try:
+        greedy = generate(f"engine{tp}_lora", ["--greedy", "--engine", address])
+        got = [row["response_ids"][:10] for row in greedy]
+        check(got == [r[:10] for r in lora_ref] and got != [r[:10] for r in ref["greedy"]],
+              f"lora tp {tp}: greedy ids {got} == PEFT's {lora_ref}")
+    finally:
+        stop(proc, info, f"lora tp {tp}")
 
 # No engine at the address: a clear error, not a hang.
 bad = subprocess.run([tiller, "generate", "--model", str(model), "--prompts", str(prompts), "--input-key", "question",

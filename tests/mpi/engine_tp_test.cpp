@@ -11,6 +11,7 @@
 #include "mpi_env_for_tests.h"
 #include "tiller/engine/engine.h"
 #include "tiller/engine/engine_weights.h"
+#include "tiller/model/lora.h"
 #include "tiller/model/weights.h"
 
 namespace tiller::test {
@@ -20,17 +21,31 @@ dist::Communicator& comm() { return *mpi_test_env().comm; }
 at::Device device() { return mpi_test_env().device.device(); }
 
 // Dense, and mixtures of experts (each rank holds every expert's slice; Qwen2-MoE's shared expert
-// too, Mixtral's w1/w3/w2 names).
+// too, Mixtral's w1/w3/w2 names); "+lora": with LoRA adapters served unmerged (every projection
+// of the dense model, the attention of the mixture), each rank its slice (bind_lora_for_tp).
 class EngineTp : public ::testing::TestWithParam<const char*> {};
 TEST_P(EngineTp, TwoRanksGiveWhatOneGives) {
   if (comm().size() < 2) GTEST_SKIP() << "needs 2 ranks";
-  const std::string preset = GetParam();
+  std::string preset = GetParam();
+  const bool lora = preset.size() > 5 && preset.substr(preset.size() - 5) == "+lora";
+  if (lora) preset.resize(preset.size() - 5);
   model::ModelConfig cfg = model::preset(preset);
   cfg.initializer_range = 0.25;
   const at::ScalarType dtype = at::kFloat;
   model::NamedTensors named = model::init_weights(cfg, model::Head::kLm, 3, at::kFloat);
   for (auto& [n, t] : named) t = t.to(device(), dtype);
-  const model::ModelWeights full = model::bind_weights(cfg, named, model::Head::kLm, preset);
+  model::ModelWeights full = model::bind_weights(cfg, named, model::Head::kLm, preset);
+  model::LoraSpec spec;
+  model::NamedTensors adapters;
+  if (lora) {
+    spec.rank = 4;
+    spec.alpha = 8;
+    spec.targets = model::lora_targets(cfg.moe() ? "q_proj,k_proj,v_proj,o_proj" : "all-linear", cfg, "test");
+    adapters = model::init_lora(cfg, spec, 5);
+    at::Generator gen = at::detail::createCPUGenerator(6);
+    for (auto& [n, t] : adapters)  // B is zero at PEFT's start: give it weight, so the adapters count
+      if (n.find("lora_B") != std::string::npos) t = at::randn(t.sizes(), gen, at::kFloat) * 0.3;
+  }
 
   const int pair = comm().rank() / 2;
   const bool in_pair = pair * 2 + 1 < comm().size();
@@ -41,7 +56,10 @@ TEST_P(EngineTp, TwoRanksGiveWhatOneGives) {
   o.block_size = 8;
   o.num_blocks = 64;
   o.limits.max_batched_tokens = 40;
-  engine::Engine e(cfg, engine::slice_for_tp(cfg, full, tp->rank(), tp->size()), o, tp.get());
+  model::ModelWeights mine = engine::slice_for_tp(cfg, full, tp->rank(), tp->size());
+  engine::bind_lora_for_tp(cfg, spec, adapters, mine, tp->rank(), tp->size(), device().str(), "test adapters");
+  engine::bind_lora_for_tp(cfg, spec, adapters, full, 0, 1, device().str(), "test adapters");
+  engine::Engine e(cfg, std::move(mine), o, tp.get());
   if (!e.is_leader()) {
     e.follow();
     return;
@@ -65,6 +83,21 @@ TEST_P(EngineTp, TwoRanksGiveWhatOneGives) {
   }
   e.shutdown();
   ASSERT_EQ(got.size(), want.size());
+  if (lora) {  // the adapters change what the model says
+    engine::Engine base(cfg, engine::slice_for_tp(cfg, model::bind_weights(cfg, named, model::Head::kLm, preset), 0, 1), o);
+    model::SamplingParams p;
+    p.greedy = true;
+    p.max_new_tokens = 8;
+    base.add({100, {1, 2, 3, 4, 5}, p, 1});
+    single.add({100, {1, 2, 3, 4, 5}, p, 1});
+    std::vector<float> with, without;
+    while (base.has_work()) for (auto& r : base.step()) without = r.logprobs;
+    while (single.has_work()) for (auto& r : single.step()) with = r.logprobs;
+    ASSERT_EQ(with.size(), without.size());
+    double diff = 0;
+    for (size_t j = 0; j < with.size(); ++j) diff = std::max(diff, std::abs(static_cast<double>(with[j] - without[j])));
+    EXPECT_GT(diff, 1e-3) << "the adapters changed nothing";
+  }
   const double tol = device().is_cuda() ? 1e-3 : 1e-5;  // cuBLAS and NCCL sum in other orders
   for (const auto& [key, w] : want) {
     const auto& g = got.at(key);
@@ -73,10 +106,12 @@ TEST_P(EngineTp, TwoRanksGiveWhatOneGives) {
       EXPECT_NEAR(g.logprobs[j], w.logprobs[j], tol) << "request " << key.first << " token " << j;
   }
 }
-INSTANTIATE_TEST_SUITE_P(Engine, EngineTp, ::testing::Values("tiny-qwen2", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"),
+INSTANTIATE_TEST_SUITE_P(Engine, EngineTp,
+                         ::testing::Values("tiny-qwen2", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral",
+                                           "tiny-qwen2+lora", "tiny-qwen3-moe+lora"),
                          [](const ::testing::TestParamInfo<const char*>& i) {
                            std::string n = i.param;
-                           for (char& c : n) c = c == '-' ? '_' : c;
+                           for (char& c : n) c = c == '-' || c == '+' ? '_' : c;
                            return n;
                          });
 

@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "tiller/model/lora.h"
 #include "tiller/model/model_config.h"
 #include "tiller/model/weights.h"
 
@@ -22,5 +23,15 @@ EngineWeights load_engine_weights(const std::string& dir, int tp_rank, int tp_si
 // The same slicing applied to weights already in memory (tests, and the weight sync's layout).
 model::ModelWeights slice_for_tp(const model::ModelConfig& cfg, const model::ModelWeights& full, int tp_rank,
                                  int tp_size);
+
+// LoRA adapters (PEFT names, model/lora.h; `adapters` whole, on any device) bound unmerged into an
+// engine rank's `weights` (slice_for_tp's), as the trainer runs them: this TP rank's slice of each,
+// in fp32 on `device`. B by rows for q/k/v/gate/up (their outputs are split over the ranks), A by
+// columns for o/down (their inputs are), the others whole; so each rank's adapter path adds its
+// slice of the output, or its partial sum before the all-reduce, like the base projection beside
+// it. IoError naming `where` for a missing or misshapen adapter.
+void bind_lora_for_tp(const model::ModelConfig& cfg, const model::LoraSpec& spec, const model::NamedTensors& adapters,
+                      model::ModelWeights& weights, int tp_rank, int tp_size, const std::string& device,
+                      const std::string& where);
 
 }  // namespace tiller::engine

@@ -44,6 +44,8 @@ std::array<bool, kLoraModules> lora_targets(const std::string& list, const Model
 
 // Every adapter tensor's name and shape, layer by layer (A before B, projections in LoraModule order).
 std::vector<ParamSpec> lora_parameter_specs(const ModelConfig& cfg, const LoraSpec& spec);
+// The adapters bound in `w` (LayerWeights::lora), under their PEFT names; none when unbound.
+NamedTensors named_lora(const ModelWeights& w);
 // PEFT's initialisation: A Kaiming-uniform with a = sqrt(5) (uniform in +-1/sqrt(in)), B zero, so
 // the adapted model starts as the base. fp32, on the CPU, drawn from `seed`.
 NamedTensors init_lora(const ModelConfig& cfg, const LoraSpec& spec, uint64_t seed);
