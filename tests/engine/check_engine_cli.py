@@ -54,6 +54,18 @@ def start_engine(launcher, tp, extra=()):
     return proc, f"127.0.0.1:{info['port']}", info
 
 
+def stop(proc, info, what):
+    # To the serving rank itself (under mpirun, a signal to mpirun ends the whole job instead).
+    os.kill(info["pid"], signal.SIGTERM)
+    t0 = time.time()
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = None
+    check(code == 0, f"{what}: SIGTERM stops the engine with exit 0 (got {code}) in {time.time() - t0:.1f} s")
+
+
 sampled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "7"]
 reference_greedy = generate("ref_greedy", ["--greedy"])
 reference_sampled = generate("ref_sampled", sampled)
@@ -87,25 +99,7 @@ for tp, launcher in [(1, []), (2, mpirun + ["-np", "2"])]:
                   f"tp {tp} prompt {i}: seeded sample equals the reference's up to token {k}, with equal log-probs")
         check(diverged <= 1, f"tp {tp}: seeded samples diverge from the reference's in {diverged} of 3 prompts (at most 1)")
     finally:
-        # To the serving rank itself (under mpirun, a signal to mpirun ends the whole job instead).
-        os.kill(info["pid"], signal.SIGTERM)
-        t0 = time.time()
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = None
-        check(code == 0, f"tp {tp}: SIGTERM stops the engine with exit 0 (got {code}) in {time.time() - t0:.1f} s")
-
-def stop(proc, info, what):
-    os.kill(info["pid"], signal.SIGTERM)  # the serving rank itself (a signal to mpirun ends the whole job)
-    try:
-        code = proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = None
-    check(code == 0, f"{what}: SIGTERM stops the engine with exit 0 (got {code})")
-
+        stop(proc, info, f"tp {tp}")
 
 # A PEFT adapter served unmerged (fp32 beside the base; each TP rank its slice): PEFT's greedy ids.
 lora_dir = fixtures / "models" / "qwen2-chat-lora"
