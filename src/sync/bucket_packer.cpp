@@ -11,10 +11,25 @@ namespace tiller::sync {
 
 BucketPacker::BucketPacker(const BucketPlan& plan, const zero::ShardedModel& actor, const std::string& what)
     : plan_(&plan) {
+  const at::ScalarType wire = protocol::wire_scalar_type(plan.wire_dtype);
+  if (plan.adapters_only() || actor.lora()) {  // a LoRA actor sends its fp32 adapters alone
+    if (!plan.adapters_only() || !actor.lora())
+      throw ConfigError(fmt::format("{}: {}", what,
+                                    actor.lora() ? "a LoRA actor syncs its adapters only: its plan must be "
+                                                   "make_lora_bucket_plan's (the engines keep the base they loaded)"
+                                                 : "an adapter-only plan, but the actor has no LoRA adapters"));
+    const at::Tensor flat = actor.lora_flat();
+    if (flat.numel() != plan.units[0].shard_numel || wire != at::kFloat)
+      throw ConfigError(fmt::format("{}: the plan's adapters are {} {} elements, the actor's {} fp32", what,
+                                    plan.units[0].shard_numel, plan.wire_dtype, flat.numel()));
+    sources_.push_back(flat);
+    device_ = flat.device();
+    for (auto& b : buffers_) b = at::empty({plan.largest_bucket_numel()}, flat.options());
+    return;
+  }
   const auto shards = actor.shards();
   if (shards.size() != plan.units.size())
     throw ConfigError(fmt::format("{}: the plan has {} units, the actor {}", what, plan.units.size(), shards.size()));
-  const at::ScalarType wire = protocol::wire_scalar_type(plan.wire_dtype);
   for (size_t u = 0; u < shards.size(); ++u) {
     const auto& s = shards[u];
     if (s.name != plan.units[u].name || s.numel != plan.units[u].shard_numel)

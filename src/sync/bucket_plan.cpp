@@ -11,6 +11,7 @@
 #include "tiller/core/roles.h"
 #include "tiller/dist/rank_plan.h"
 #include "tiller/zero/flat_layout.h"
+#include "tiller/zero/sharded_model.h"
 
 namespace tiller::sync {
 namespace {
@@ -101,6 +102,8 @@ int64_t PlanParam::numel() const {
   return n;
 }
 
+bool BucketPlan::adapters_only() const { return units.size() == 1 && units[0].name == "lora"; }
+
 int64_t BucketPlan::element_size() const { return wire_dtype == "fp32" ? 4 : 2; }
 
 int64_t BucketPlan::wire_bytes() const {
@@ -166,6 +169,11 @@ BucketPlan BucketPlan::from_json(const std::string& text, const std::string& whe
 }
 
 int tp_split_dim(const std::string& n) {
+  if (ends_with(n, ".lora_A.weight") || ends_with(n, ".lora_B.weight")) {  // the projection's own split, on its side
+    const bool a = ends_with(n, ".lora_A.weight");
+    const bool row_parallel = n.find(".o_proj.") != std::string::npos || n.find(".down_proj.") != std::string::npos;
+    return a ? (row_parallel ? 1 : -1) : (row_parallel ? -1 : 0);
+  }
   for (const char* s : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
                         "v_proj.bias", "gate_proj.weight", "up_proj.weight", "w1.weight", "w3.weight"})
     if (ends_with(n, std::string(".") + s)) return 0;  // w1/w3/w2: Mixtral's experts
@@ -231,6 +239,46 @@ BucketPlan make_bucket_plan(const model::ModelConfig& cfg, int senders, int tp_s
   return p;
 }
 
+BucketPlan make_lora_bucket_plan(const model::ModelConfig& cfg, const model::LoraSpec& spec, int senders, int tp_size,
+                                 int64_t bucket_bytes) {
+  TILLER_CHECK(spec.enabled(), "make_lora_bucket_plan: no adapters (rank 0)");
+  TILLER_CHECK(senders >= 1 && tp_size >= 1 && bucket_bytes > 0, "bucket plan: {} senders, TP {}, {} bytes", senders,
+               tp_size, bucket_bytes);
+  BucketPlan p;
+  p.wire_dtype = "fp32";
+  p.senders = senders;
+  p.tp_size = tp_size;
+  p.bucket_bytes = bucket_bytes;
+  int64_t total = 0;
+  for (const model::ParamSpec& s : model::lora_parameter_specs(cfg, spec)) {
+    p.params.push_back({s.name, s.shape, tp_split_dim(s.name)});
+    total += p.params.back().numel();
+  }
+  p.units.push_back({"lora", total});
+  // Actor rank 0's copy of the buffer, cut into buckets; each bucket's segments are the adapters
+  // (or their parts) that its range covers.
+  const int64_t limit = std::max<int64_t>(1, bucket_bytes / p.element_size());
+  size_t param = 0;
+  int64_t param_start = 0;  // param's first element in the buffer
+  for (int64_t at = 0; at < total;) {
+    Bucket b;
+    b.sender = 0;
+    b.numel = std::min(limit, total - at);
+    b.sources.push_back({0, at, b.numel, 0});
+    for (int64_t pos = at; pos < at + b.numel;) {
+      while (param_start + p.params[param].numel() <= pos) param_start += p.params[param++].numel();
+      const int64_t end = std::min(at + b.numel, param_start + p.params[param].numel());
+      b.segments.push_back({static_cast<int>(param), pos - param_start, end - pos, pos - at});
+      pos = end;
+    }
+    at += b.numel;
+    p.buckets.push_back(std::move(b));
+  }
+  check(p, "make_lora_bucket_plan");
+  p.id = p.content_hash();
+  return p;
+}
+
 std::vector<int64_t> local_shape(const PlanParam& p, int tp_size) {
   std::vector<int64_t> s = p.shape;
   if (p.tp_dim >= 0) s[p.tp_dim] /= tp_size;
@@ -271,6 +319,12 @@ std::vector<SliceCopy> slice_copies(const BucketPlan& plan, const PlanSegment& g
 BucketPlan job_bucket_plan(const JobConfig& job, const model::ModelConfig& actor_model, const dist::RankPlan& plan) {
   const dist::RoleGroup* actor = plan.group(Role::kActor);
   TILLER_CHECK(actor != nullptr, "the rank plan has no actor group");
+  if (job.roles.actor.lora.rank > 0) {  // the adapters alone (the spec as the actor builds it)
+    zero::ShardedModelOptions o;
+    zero::apply_lora(o, job.roles.actor.lora, actor_model, 0);
+    return make_lora_bucket_plan(actor_model, o.lora, static_cast<int>(actor->ranks.size()), plan.engine_tp(),
+                                 job.engines.sync_bucket_mb << 20);
+  }
   return make_bucket_plan(actor_model, static_cast<int>(actor->ranks.size()), plan.engine_tp(),
                           job.roles.actor.dtype == Precision::kBf16 ? "bf16" : "fp32", job.engines.sync_bucket_mb << 20);
 }

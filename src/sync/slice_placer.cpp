@@ -35,8 +35,11 @@ SlicePlacer::SlicePlacer(const BucketPlan& p, const engine::Engine& engine) {
     dest_.push_back(t.view({-1}));
     planned.insert(q.name);
   }
+  // An adapter-only plan (a LoRA actor's) leaves the base the engine loaded; it must send every
+  // adapter. Any other plan must send every parameter.
   for (const auto& [name, t] : params)
-    if (!planned.count(name)) bad(fmt::format("the plan never sends {}", name));
+    if (!planned.count(name) && (!p.adapters_only() || name.find(".lora_") != std::string::npos))
+      bad(fmt::format("the plan never sends {}", name));
   for (const auto& b : p.buckets) {
     std::vector<SliceCopy> c;
     for (const auto& g : b.segments)

@@ -27,8 +27,6 @@ struct WeightSender::Impl {
 WeightSender::WeightSender(zero::ShardedModel& actor, dist::Communicator& comm, BucketPlan plan, double timeout_s)
     : impl_(std::make_unique<Impl>(actor, comm, std::move(plan), timeout_s)) {
   Impl& m = *impl_;
-  if (actor.lora())  // the base's shards alone would leave the engines without the adapters
-    throw ConfigError("weight sync of a LoRA actor: the adapter-only sync is not built yet");
   if (m.plan.senders != actor.world() || comm.rank() != actor.rank() || comm.size() <= actor.world())
     throw ConfigError(fmt::format("weight sync: the plan is for {} actor ranks and the actor group has {}; actor rank "
                                   "{} must be rank {} of the sync communicator ({} ranks: the actor's, then the engines')",

@@ -358,6 +358,8 @@ void ShardedModel::zero_grad() {
 
 bool ShardedModel::lora() const { return impl_->lora; }
 
+at::Tensor ShardedModel::lora_flat() const { return impl_->lora_master; }
+
 NamedTensors ShardedModel::lora_parameters() const {
   const Impl& m = *impl_;
   NamedTensors out;

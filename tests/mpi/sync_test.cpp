@@ -13,6 +13,7 @@
 #include "tiller/engine/engine.h"
 #include "tiller/engine/engine_weights.h"
 #include "tiller/engine/server.h"
+#include "tiller/model/lora.h"
 #include "tiller/model/weights.h"
 #include "tiller/sync/weight_sync.h"
 #include "tiller/zero/sharded_model.h"
@@ -59,7 +60,10 @@ struct Rig {
   std::unique_ptr<engine::Engine> engine;
   std::unique_ptr<sync::WeightReceiver> receiver;
 
-  Rig(Layout l, at::ScalarType engine_dtype, double timeout_s, const std::string& preset = "tiny-qwen2")
+  // `lora`: a LoRA actor (its adapters `adapters`, its base seed 1) and engines that loaded the
+  // same base with zeroed adapters, as an adapter-only sync expects.
+  Rig(Layout l, at::ScalarType engine_dtype, double timeout_s, const std::string& preset = "tiny-qwen2",
+      const model::LoraSpec* lora = nullptr, const model::NamedTensors* adapters = nullptr)
       : layout(l), cfg(tiny(preset)), me(comm().rank()) {
     const bool is_actor = me < l.actors;
     const int engine_index = is_actor ? -1 : (me - l.actors) / l.tp;
@@ -73,19 +77,27 @@ struct Rig {
       zero::ShardedModelOptions o;
       o.compute_dtype = on_gpu() ? at::kBFloat16 : at::kFloat;
       o.device = device();
+      if (lora) o.lora = *lora;
       actor = std::make_unique<zero::ShardedModel>(cfg, *actor_comm, o);
-      actor->load(initial(1, preset), "seed 1");
+      model::NamedTensors w = initial(1, preset);
+      if (adapters) w.insert(adapters->begin(), adapters->end());
+      actor->load(w, "seed 1");
     } else {
-      model::NamedTensors w = initial(9, preset);
+      model::NamedTensors w = initial(lora ? 1 : 9, preset);
       for (auto& [n, t] : w) t = t.to(device(), engine_dtype);
       const model::ModelWeights full = model::bind_weights(cfg, w, model::Head::kLm, "seed 9");
+      model::ModelWeights mine = engine::slice_for_tp(cfg, full, tp->rank(), tp->size());
+      if (lora) {
+        model::NamedTensors zeros;
+        for (const model::ParamSpec& p : model::lora_parameter_specs(cfg, *lora)) zeros[p.name] = at::zeros(p.shape);
+        engine::bind_lora_for_tp(cfg, *lora, zeros, mine, tp->rank(), tp->size(), device().str(), "zeroed adapters");
+      }
       engine::EngineOptions o;
       o.device = device().str();
       o.block_size = 8;
       o.num_blocks = 96;
       o.limits.max_batched_tokens = 64;
-      engine = std::make_unique<engine::Engine>(cfg, engine::slice_for_tp(cfg, full, tp->rank(), tp->size()), o,
-                                                tp.get());
+      engine = std::make_unique<engine::Engine>(cfg, std::move(mine), o, tp.get());
       receiver = std::make_unique<sync::WeightReceiver>(*engine, *sync, timeout_s);
       engine->set_weight_sink(receiver.get());
     }
@@ -206,6 +218,85 @@ TEST(WeightSync, ExpertsReachTheEngineBitForBit) {
       Rig r(l, direct, 60, preset);
       sync_once(r, sync::make_bucket_plan(r.cfg, l.actors, l.tp, wire_name(direct), bytes));
       if (r.engine) expect_engine_holds(r, initial(1, preset), direct, what);
+    }
+}
+
+// A LoRA actor syncs its adapters alone (make_lora_bucket_plan): every engine rank keeps the base
+// it loaded and holds the actor's fp32 adapters bit for bit, its TP slice of each (B by rows for
+// q/k/v/gate/up, A by columns for o/down); a second sync with other adapters replaces them, so
+// nothing accumulates; and the wire carries the adapters only.
+TEST(WeightSync, LoraActorSyncsItsAdaptersOnly) {
+  const auto ls = layouts(comm().size());
+  if (ls.empty()) GTEST_SKIP() << "needs 2 to 4 ranks";
+  const at::ScalarType direct = on_gpu() ? at::kBFloat16 : at::kFloat;
+  const model::ModelConfig cfg = tiny();
+  model::LoraSpec spec;
+  spec.rank = 4;
+  spec.alpha = 8;
+  spec.targets = model::lora_targets("all-linear", cfg, "test");
+  model::NamedTensors adapters = model::init_lora(cfg, spec, 3);
+  at::Generator gen = at::detail::createCPUGenerator(4);
+  for (auto& [n, t] : adapters)  // B starts at zero in PEFT: give it values to check
+    if (n.find("lora_B") != std::string::npos) t = at::randn(t.sizes(), gen, at::kFloat);
+  // What an engine rank must hold: the adapters scaled by `factor`, its slice of each.
+  auto expect_adapters = [&](const Rig& r, double factor, const std::string& what) {
+    model::NamedTensors scaled;
+    for (const auto& [n, t] : adapters) scaled[n] = t * factor;
+    model::ModelWeights w;
+    w.layers.resize(static_cast<size_t>(cfg.num_layers));
+    engine::bind_lora_for_tp(cfg, spec, scaled, w, r.engine->tp_rank(), r.engine->tp_size(), "cpu", what);
+    const auto got = r.engine->parameters();
+    int64_t checked = 0;
+    for (const auto& [n, t] : model::named_lora(w)) {
+      EXPECT_TRUE(at::equal(got.at(n).cpu(), t)) << what << ": " << n << " on world rank " << r.me;
+      ++checked;
+    }
+    EXPECT_EQ(checked, static_cast<int64_t>(adapters.size()));
+  };
+  for (const int64_t bytes : {int64_t{96}, int64_t{1} << 40})
+    for (const Layout& l : ls) {
+      const std::string what = fmt::format("{} actor ranks, engine TP {}, buckets of {} B", l.actors, l.tp, bytes);
+      SCOPED_TRACE(what);
+      Rig r(l, direct, 60, "tiny-qwen2", &spec, &adapters);
+      const sync::BucketPlan plan = sync::make_lora_bucket_plan(r.cfg, spec, l.actors, l.tp, bytes);
+      EXPECT_TRUE(plan.adapters_only());
+      EXPECT_EQ(plan.wire_bytes(), static_cast<int64_t>(4 * [&] {
+                  int64_t n = 0;
+                  for (const auto& [k, t] : adapters) n += t.numel();
+                  return n;
+                }()));
+      if (r.is_follower()) {
+        r.engine->follow();
+      } else if (r.is_leader()) {
+        EXPECT_EQ(r.engine->install_sync_plan(plan.to_json()), plan.id);
+        for (uint64_t version : {1, 2}) {
+          const auto res = r.engine->receive_weights(version);
+          EXPECT_TRUE(res.complete) << res.error;
+          if (version == 1) expect_adapters(r, 1.0, what + ", first sync");
+        }
+        expect_adapters(r, -2.0, what + ", second sync");
+        r.engine->shutdown();
+      } else if (r.is_actor()) {
+        sync::WeightSender sender(*r.actor, *r.sync, plan, 60);
+        sender.send(1);
+        r.actor->lora_flat().mul_(-2.0);  // other adapters: the engines must hold these, not a sum
+        sender.send(2);
+        // A LoRA actor refuses a full-weight plan (the engines would get a base and no adapters).
+        EXPECT_THROW(sync::WeightSender(*r.actor, *r.sync, sync::make_bucket_plan(r.cfg, l.actors, l.tp, "fp32", bytes),
+                                        60),
+                     ConfigError);
+      }
+      if (r.engine && !r.is_follower()) {
+        // The base is the one the engine loaded: its seed-1 weights, untouched by either sync.
+        model::NamedTensors w = initial(1);
+        for (auto& [n, t] : w) t = t.to(direct);
+        const auto want = model::named_weights(
+            r.cfg, engine::slice_for_tp(r.cfg, model::bind_weights(r.cfg, w, model::Head::kLm, "base"),
+                                        r.engine->tp_rank(), r.engine->tp_size()),
+            model::Head::kLm);
+        const auto got = r.engine->parameters();
+        for (const auto& [n, t] : want) EXPECT_TRUE(at::equal(got.at(n).cpu(), t)) << what << ": base " << n;
+      }
     }
 }
 

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "tiller/model/lora.h"
 #include "tiller/model/model_config.h"
 
 namespace tiller::dist {
@@ -76,6 +77,8 @@ struct BucketPlan {
   std::vector<PlanParam> params;   // in unit order; a tied LM head is not among them (the embedding is)
   std::vector<Bucket> buckets;     // in sending order
 
+  // A LoRA actor's plan (make_lora_bucket_plan): one unit, "lora", its adapters alone.
+  bool adapters_only() const;
   int64_t element_size() const;           // of the wire dtype
   int64_t wire_bytes() const;             // every bucket, gaps included
   int64_t parameter_bytes() const;        // the parameters alone
@@ -93,6 +96,15 @@ struct BucketPlan {
 BucketPlan make_bucket_plan(const model::ModelConfig& cfg, int senders, int tp_size, const std::string& wire_dtype,
                             int64_t bucket_bytes);
 
+// The adapter-only plan of a LoRA actor (model/lora.h): its base is frozen and every engine loaded
+// the same base, so a sync sends the adapters alone, in fp32 (the engines hold them unmerged in
+// fp32, as the trainer does: engine_weights.h, bind_lora_for_tp). The adapters are one flat fp32
+// buffer that every actor rank holds whole (zero::ShardedModel::lora_flat(), lora_parameter_specs'
+// order, no gaps): one unit "lora" of that size, sent by actor rank 0 in buckets of at most
+// `bucket_bytes`. TP: B by rows for q/k/v/gate/up, A by columns for o/down (tp_split_dim).
+BucketPlan make_lora_bucket_plan(const model::ModelConfig& cfg, const model::LoraSpec& spec, int senders, int tp_size,
+                                 int64_t bucket_bytes);
+
 // The plan of a `tiller train` job: the actor's model over the actor group's ZeRO-3 ranks, to
 // engines of the rank plan's TP size, in the actor's dtype (roles.actor.dtype), in buckets of
 // engines.sync_bucket_mb. The controller (which installs it on the engines) and the actor ranks
@@ -100,7 +112,8 @@ BucketPlan make_bucket_plan(const model::ModelConfig& cfg, int senders, int tp_s
 BucketPlan job_bucket_plan(const JobConfig& job, const model::ModelConfig& actor_model, const dist::RankPlan& plan);
 
 // How the engines split parameter `hf_name` over TP ranks (engine_weights.h's slicing): 0 for
-// q/k/v and gate/up (weights and biases), 1 for o_proj and down_proj, -1 for everything else.
+// q/k/v and gate/up (weights and biases), 1 for o_proj and down_proj, -1 for everything else; a
+// LoRA adapter: 0 for lora_B of q/k/v/gate/up, 1 for lora_A of o/down, -1 for the others.
 int tp_split_dim(const std::string& hf_name);
 
 // One copy of an engine rank's slice: `rows` runs of `cols` elements, from the bucket at

@@ -197,6 +197,10 @@ class ShardedModel {
   // host, PEFT's names without its prefix), empty without LoRA; and the forwards' switch: with the
   // adapters off they run the base alone (a LoRA actor's reference). Not collective.
   bool lora() const;
+  // LoRA: every adapter's fp32 values as one flat buffer on the device (lora_parameters()' specs in
+  // model::lora_parameter_specs order, no gaps), the same on every rank: what the adapter-only
+  // weight sync sends (sync/bucket_plan.h). Undefined without LoRA.
+  at::Tensor lora_flat() const;
   model::NamedTensors lora_parameters() const;
   void set_adapters_enabled(bool on);
   // The host optimizer (optimizer_on_host), for its timings; nullptr otherwise.
