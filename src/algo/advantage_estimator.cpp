@@ -92,12 +92,13 @@ void check_config(const JobConfig& job) {
     throw ConfigError(fmt::format("train.train_batch_size = {} must divide rollout.batch_size x "
                                   "rollout.n_samples_per_prompt = {}",
                                   job.train.train_batch_size, samples));
-  // LoRA runs in the offline trainers; tiller train's engines would need the adapters sent to them.
+  // LoRA runs in the offline trainers; tiller train's engines do not hold adapters yet.
   for (const auto& [key, lora] : {std::pair{"roles.actor.lora.rank", &job.roles.actor.lora},
                                   std::pair{"roles.critic.lora.rank", &job.roles.critic.lora}})
     if (lora->rank > 0)
-      throw ConfigError(fmt::format("{} = {}: tiller train's adapter-only weight sync is not built yet; LoRA trains "
-                                    "in tiller sft and tiller dpo for now (docs/training.md, LoRA)",
+      throw ConfigError(fmt::format("{} = {}: tiller train does not run LoRA yet (its engines start without "
+                                    "adapters, and the hybrid weight sync cannot send them); LoRA trains in tiller sft "
+                                    "and tiller dpo for now (docs/training.md, LoRA)",
                                     key, lora->rank));
   kl_estimator(job.algo.kl_estimator);
   policy_loss_def(job.algo.policy_loss);

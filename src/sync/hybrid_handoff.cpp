@@ -153,7 +153,8 @@ HybridHandoff::HybridHandoff(zero::ShardedModel& actor, dist::Communicator& comm
     : impl_(std::make_unique<Impl>(actor, comm, std::move(plan), sink, timeout_s)) {
   Impl& m = *impl_;
   if (actor.lora())  // the base's shards alone would leave the engine without the adapters
-    throw ConfigError("hybrid weight sync of a LoRA actor: the adapter-only sync is not built yet");
+    throw ConfigError("hybrid weight sync of a LoRA actor: not built yet (an engine asleep at level 2 drops the base "
+                      "that an adapter-only sync does not resend); the disaggregated sync sends adapters (docs/sync.md)");
   if (m.plan.senders != actor.world() || comm.size() != actor.world() || comm.rank() != actor.rank())
     throw ConfigError(fmt::format("hybrid weight sync: the plan is for {} actor ranks and the actor group has {}; "
                                   "actor rank {} must be rank {} of the sync communicator of {} ranks (the actor's)",

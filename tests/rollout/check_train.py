@@ -392,7 +392,7 @@ def check_bad_inputs():
         ("router losses on a dense model", ["roles.actor.router_aux_loss_coef=0.01"], None,
          r"roles\.actor\.router_aux_loss_coef / router_z_loss_coef: the actor model has no experts"),
         ("LoRA in tiller train", ["roles.actor.lora.rank=8"], None,
-         r"roles\.actor\.lora\.rank = 8: tiller train's adapter-only weight sync is not built yet"),
+         r"roles\.actor\.lora\.rank = 8: tiller train does not run LoRA yet"),
     ]
     for name, sets, cfg, pattern in cases:
         args = command(4, bad / "out", *sets)
