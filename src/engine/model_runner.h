@@ -77,7 +77,8 @@ class ModelRunner {
     int64_t route_width = 0;
   };
   // Routing replay: whether steps that sample record each row's experts (Sampled::routes). A
-  // mixture of experts decodes without CUDA graphs, so nothing captured is affected.
+  // captured MoE decode graph writes its routes in every replay (tensors of the graph), so turning
+  // this on or off needs no recapture.
   void set_record_routes(bool on);
   // Enqueues the step on the device (the forward, and with `sample`, the sampler and the copy of
   // its ids and log-probs to pinned host memory) and returns without waiting for it. With
