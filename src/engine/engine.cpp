@@ -292,6 +292,8 @@ int Engine::sleep_level() const {
   return !r.weights_resident() ? 2 : r.cache_allocated() ? 0 : 1;
 }
 
+uint64_t Engine::weight_drops() const { return impl_->runner->weight_drops(); }
+
 EngineMemory Engine::memory() const {
   const ModelRunner& r = *impl_->runner;
   EngineMemory out;

@@ -1,6 +1,7 @@
 #include "engine/model_runner.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <deque>
@@ -267,6 +268,7 @@ struct ModelRunner::Impl {
   bool paged_rope = false;          // ... which also applies RoPE (PagedKv::rotate_with)
   std::vector<int32_t> words;       // host staging of decode inputs
   std::unique_ptr<model::StorageSwap> weight_swap;  // the weights' storages (sleep level 2)
+  std::atomic<uint64_t> weight_drops{0};            // read by a hybrid handoff on the actor's thread
 
   // A launched step's draws on their way to the host: ids (int64) and log-probs (fp32), pinned
   // on CUDA, copied on a side stream so the next step's kernels need not wait for the copy; the
@@ -469,7 +471,10 @@ void ModelRunner::drop_weights() {
   TILLER_CHECK(m.pending.empty(), "drop_weights() with a step in flight");
   if (!m.weight_swap) m.weight_swap = std::make_unique<model::StorageSwap>(tensors_of(parameters()));
   m.weight_swap->drop();
+  m.weight_drops.fetch_add(1);
 }
+
+uint64_t ModelRunner::weight_drops() const { return impl_->weight_drops.load(); }
 
 void ModelRunner::restore_weights() {
   if (impl_->weight_swap) impl_->weight_swap->reload();

@@ -57,6 +57,7 @@ class ModelRunner {
   void drop_weights();
   void restore_weights();
   bool weights_resident() const;
+  uint64_t weight_drops() const;  // drop_weights() calls so far (their contents were lost each time)
   int64_t weight_bytes() const;  // of this rank's weights, resident or not
   int64_t cache_bytes() const;   // of the KV cache while allocated, else 0
   // Whether decode steps use the paged kernel / CUDA graphs (for logs and benchmarks).

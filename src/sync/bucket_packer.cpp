@@ -9,10 +9,13 @@
 
 namespace tiller::sync {
 
-BucketPacker::BucketPacker(const BucketPlan& plan, const zero::ShardedModel& actor, const std::string& what)
+BucketPacker::BucketPacker(const BucketPlan& plan, const zero::ShardedModel& actor, const std::string& what,
+                           bool lora_base)
     : plan_(&plan) {
   const at::ScalarType wire = protocol::wire_scalar_type(plan.wire_dtype);
-  if (plan.adapters_only() || actor.lora()) {  // a LoRA actor sends its fp32 adapters alone
+  if (lora_base && (!actor.lora() || plan.adapters_only()))
+    throw ConfigError(fmt::format("{}: a LoRA base's plan needs a LoRA actor and a full plan", what));
+  if (!lora_base && (plan.adapters_only() || actor.lora())) {  // a LoRA actor sends its fp32 adapters alone
     if (!plan.adapters_only() || !actor.lora())
       throw ConfigError(fmt::format("{}: {}", what,
                                     actor.lora() ? "a LoRA actor syncs its adapters only: its plan must be "

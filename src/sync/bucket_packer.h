@@ -22,7 +22,10 @@ class BucketPacker {
  public:
   // ConfigError, prefixed with `what` ("weight sync"), when the plan's units are not the actor's
   // (names, elements per rank). `plan` and `actor` must outlive the packer.
-  BucketPacker(const BucketPlan& plan, const zero::ShardedModel& actor, const std::string& what);
+  // `lora_base`: `plan` is a full plan for the frozen base of a LoRA actor (its compute shards),
+  // which the hybrid handoff sends to an engine that dropped its weights.
+  BucketPacker(const BucketPlan& plan, const zero::ShardedModel& actor, const std::string& what,
+               bool lora_base = false);
 
   // Bucket k's staging buffer (the first numel elements of buffer k % 2), in the wire dtype on the
   // actor's device. Its previous bucket (k - 2) must be off the wire before it is packed again.

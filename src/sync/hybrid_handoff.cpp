@@ -26,6 +26,14 @@ namespace {
 // The hybrid votes (the disaggregated ones are protocol::Vote).
 enum HybridVote : int64_t { kParked = 0, kNotParked = 1, kWrongPlan = 2, kWeightsAsleep = 3 };
 
+// A LoRA actor's frozen base as a full plan (the engine's weights are the actor's compute dtype):
+// what a handoff sends, before the adapters, to an engine that dropped its weights (sleep level 2).
+// Both sides derive it from the adapter-only plan, so they agree without a second install.
+BucketPlan lora_base_plan(const model::ModelConfig& cfg, const BucketPlan& adapters, at::ScalarType dtype) {
+  return make_bucket_plan(cfg, adapters.senders, adapters.tp_size, protocol::wire_dtype_name(dtype),
+                          adapters.bucket_bytes);
+}
+
 const char* hybrid_vote_reason(int64_t v) {
   switch (v) {
     case kNotParked: return "its engine did not begin this update in time (BeginWeightUpdate names the version)";
@@ -46,6 +54,11 @@ struct LocalWeightSink::Impl {
   double timeout_s;
   std::optional<BucketPlan> plan;
   SlicePlacer placer;
+  // An adapter-only plan's: the base's plan and placer, and the engine's weight_drops() when the
+  // base was last whole (its load counts as whole: it is the actor's base).
+  std::optional<BucketPlan> base_plan;
+  SlicePlacer base_placer;
+  uint64_t base_whole_at = 0;
 
   std::mutex mu;
   std::condition_variable cv;
@@ -75,10 +88,18 @@ uint64_t LocalWeightSink::install_plan(const std::string& text) {
   Impl& m = *impl_;
   BucketPlan p = BucketPlan::from_json(text, "weight sync plan");
   SlicePlacer placer(p, m.engine);
+  std::optional<BucketPlan> base;
+  SlicePlacer base_placer;
+  if (p.adapters_only()) {
+    base = lora_base_plan(m.engine.config(), p, m.engine.parameters().at("model.embed_tokens.weight").scalar_type());
+    base_placer = SlicePlacer(*base, m.engine, /*lora_base=*/true);
+  }
   std::lock_guard<std::mutex> lock(m.mu);
   TILLER_CHECK(!m.parked, "a sync plan installed during a handoff");
   m.placer = std::move(placer);
   m.plan = std::move(p);
+  m.base_plan = std::move(base);
+  m.base_placer = std::move(base_placer);
   log::info("weight sync plan {:016x} (hybrid, on the device): {} buckets, {:.1f} MiB", m.plan->id,
             m.plan->buckets.size(), static_cast<double>(m.plan->wire_bytes()) / (1 << 20));
   return m.plan->id;
@@ -124,9 +145,16 @@ struct HybridHandoff::Impl {
   LocalWeightSink::Impl& sink;
   double timeout_s;
   BucketPacker packer;
+  // A LoRA actor's frozen base (lora_base_plan), for an engine that dropped its weights.
+  std::unique_ptr<BucketPlan> base_plan;
+  std::unique_ptr<BucketPacker> base_packer;
 
   Impl(zero::ShardedModel& a, dist::Communicator& c, BucketPlan p, LocalWeightSink& s, double t)
-      : actor(a), comm(c), plan(std::move(p)), sink(*s.impl_), timeout_s(t), packer(plan, actor, "hybrid weight sync") {}
+      : actor(a), comm(c), plan(std::move(p)), sink(*s.impl_), timeout_s(t), packer(plan, actor, "hybrid weight sync") {
+    if (!actor.lora()) return;
+    base_plan = std::make_unique<BucketPlan>(lora_base_plan(actor.config(), plan, actor.options().compute_dtype));
+    base_packer = std::make_unique<BucketPacker>(*base_plan, actor, "hybrid weight sync (the LoRA base)", true);
+  }
 
   // Waits until the engine is parked on `version` and claims the park; false at the deadline.
   bool claim(uint64_t version, const Deadline& deadline) {
@@ -143,8 +171,36 @@ struct HybridHandoff::Impl {
     if (!parked) return kNotParked;
     std::lock_guard<std::mutex> lock(sink.mu);
     if (!sink.plan || sink.plan->id != plan.id) return kWrongPlan;
+    if (base_plan && (!sink.base_plan || sink.base_plan->id != base_plan->id)) return kWrongPlan;
     if (sink.engine.sleep_level() >= 2) return kWeightsAsleep;
     return kParked;
+  }
+
+  // Whether this rank's engine lost its base since it was last whole (a LoRA actor's plan only).
+  bool base_lost() {
+    std::lock_guard<std::mutex> lock(sink.mu);
+    return base_plan && sink.engine.weight_drops() != sink.base_whole_at;
+  }
+
+  // Broadcasts `p`'s buckets over the actor group, each packed by its sender, and places this
+  // rank's slices of each into the engine's weights (two buffers: bucket k + 1 travels while k is
+  // placed). Sets r.weights_changed once a bucket is placed.
+  void run(const BucketPlan& p, const BucketPacker& pk, const SlicePlacer& placer, int me, const Deadline& deadline,
+           engine::WeightSink::Result& r) {
+    std::vector<dist::WorkPtr> works(p.buckets.size());
+    auto issue = [&](size_t k) {
+      // The buffer's previous bucket (k - 2) was placed on this stream before this packing runs.
+      pk.pack(k, me);
+      works[k] = comm.broadcast(pk.buffer(k), p.buckets[k].sender);
+    };
+    if (!p.buckets.empty()) issue(0);
+    for (size_t k = 0; k < p.buckets.size(); ++k) {
+      if (k + 1 < p.buckets.size()) issue(k + 1);
+      works[k]->wait_on_stream();
+      r.weights_changed = true;
+      placer.place(k, pk.buffer(k));
+    }
+    for (auto& w : works) w->wait(deadline);
   }
 };
 
@@ -152,9 +208,6 @@ HybridHandoff::HybridHandoff(zero::ShardedModel& actor, dist::Communicator& comm
                              LocalWeightSink& sink, double timeout_s)
     : impl_(std::make_unique<Impl>(actor, comm, std::move(plan), sink, timeout_s)) {
   Impl& m = *impl_;
-  if (actor.lora())  // the base's shards alone would leave the engine without the adapters
-    throw ConfigError("hybrid weight sync of a LoRA actor: not built yet (an engine asleep at level 2 drops the base "
-                      "that an adapter-only sync does not resend); the disaggregated sync sends adapters (docs/sync.md)");
   if (m.plan.senders != actor.world() || comm.size() != actor.world() || comm.rank() != actor.rank())
     throw ConfigError(fmt::format("hybrid weight sync: the plan is for {} actor ranks and the actor group has {}; "
                                   "actor rank {} must be rank {} of the sync communicator of {} ranks (the actor's)",
@@ -184,10 +237,16 @@ SyncStats HybridHandoff::send(uint64_t version) {
     }
   } release{m, parked, r};
 
-  at::Tensor votes = at::zeros({m.comm.size()}, control);
-  votes[me].fill_(m.vote(parked));
-  m.comm.all_reduce(votes)->wait(vote_deadline);
-  votes = votes.cpu();
+  // Each rank's vote, then (a LoRA actor) whether its engine lost the base: then every rank sends
+  // the base before the adapters.
+  const int64_t n = m.comm.size();
+  at::Tensor ballot = at::zeros({2 * n}, control);
+  ballot[me].fill_(m.vote(parked));
+  if (parked && m.base_lost()) ballot[n + me].fill_(1);
+  m.comm.all_reduce(ballot)->wait(vote_deadline);
+  ballot = ballot.cpu();
+  const at::Tensor votes = ballot.narrow(0, 0, n);
+  const bool send_base = ballot.narrow(0, n, n).count_nonzero().item<int64_t>() > 0;
   if (votes.count_nonzero().item<int64_t>() != 0) {
     std::string why;
     for (int64_t i = 0; i < votes.numel(); ++i)
@@ -197,23 +256,14 @@ SyncStats HybridHandoff::send(uint64_t version) {
     throw SyncRefused(r.error);
   }
 
+  uint64_t drops = 0;
   try {
-    const BucketPlan& p = m.plan;
     c10::InferenceMode inference;  // the engine's weights are inference tensors
-    std::vector<dist::WorkPtr> works(p.buckets.size());
-    auto issue = [&](size_t k) {
-      // The buffer's previous bucket (k - 2) was placed on this stream before this packing runs.
-      m.packer.pack(k, me);
-      works[k] = m.comm.broadcast(m.packer.buffer(k), p.buckets[k].sender);
-    };
-    if (!p.buckets.empty()) issue(0);
-    for (size_t k = 0; k < p.buckets.size(); ++k) {
-      if (k + 1 < p.buckets.size()) issue(k + 1);
-      works[k]->wait_on_stream();
-      r.weights_changed = true;
-      m.sink.placer.place(k, m.packer.buffer(k));
+    if (send_base) {
+      drops = m.sink.engine.weight_drops();  // the engine is parked: it cannot sleep meanwhile
+      m.run(*m.base_plan, *m.base_packer, m.sink.base_placer, me, vote_deadline, r);
     }
-    for (auto& w : works) w->wait(vote_deadline);
+    m.run(m.plan, m.packer, m.sink.placer, me, vote_deadline, r);
     synchronize(m.packer.device());  // the copies into the engine's weights are complete
   } catch (const std::exception& e) {
     r.error = fmt::format("{} failed {}: {}", what,
@@ -230,10 +280,14 @@ SyncStats HybridHandoff::send(uint64_t version) {
     r.error = fmt::format("{}: another actor rank failed to place its engine's weights (see its log)", what);
   r.complete = r.error.empty();
   if (!r.complete) throw CommError(r.error);
+  if (send_base) {
+    std::lock_guard<std::mutex> lock(m.sink.mu);
+    m.sink.base_whole_at = drops;
+  }
   SyncStats st;
   st.version = version;
-  st.buckets = static_cast<int64_t>(m.plan.buckets.size());
-  st.wire_bytes = m.plan.wire_bytes();
+  st.buckets = static_cast<int64_t>(m.plan.buckets.size() + (send_base ? m.base_plan->buckets.size() : 0));
+  st.wire_bytes = m.plan.wire_bytes() + (send_base ? m.base_plan->wire_bytes() : 0);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }

@@ -100,6 +100,10 @@ inline at::ScalarType wire_scalar_type(const std::string& dtype) {
   return at::kFloat;
 }
 
+inline std::string wire_dtype_name(at::ScalarType t) {
+  return t == at::kBFloat16 ? "bf16" : t == at::kHalf ? "fp16" : "fp32";
+}
+
 inline std::string refusals(const at::Tensor& votes, int senders) {
   std::string out;
   const at::Tensor v = votes.cpu();

@@ -12,7 +12,7 @@
 
 namespace tiller::sync {
 
-SlicePlacer::SlicePlacer(const BucketPlan& p, const engine::Engine& engine) {
+SlicePlacer::SlicePlacer(const BucketPlan& p, const engine::Engine& engine, bool lora_base) {
   const int tp_rank = engine.tp_rank();
   auto bad = [&](const std::string& what) {
     throw ConfigError(fmt::format("weight sync plan {:016x} does not fit engine TP rank {}: {}", p.id, tp_rank, what));
@@ -36,10 +36,12 @@ SlicePlacer::SlicePlacer(const BucketPlan& p, const engine::Engine& engine) {
     planned.insert(q.name);
   }
   // An adapter-only plan (a LoRA actor's) leaves the base the engine loaded; it must send every
-  // adapter. Any other plan must send every parameter.
-  for (const auto& [name, t] : params)
-    if (!planned.count(name) && (!p.adapters_only() || name.find(".lora_") != std::string::npos))
-      bad(fmt::format("the plan never sends {}", name));
+  // adapter. A LoRA base's plan must send all but the adapters; any other plan every parameter.
+  for (const auto& [name, t] : params) {
+    const bool adapter = name.find(".lora_") != std::string::npos;
+    if (planned.count(name) || (p.adapters_only() && !adapter) || (lora_base && adapter)) continue;
+    bad(fmt::format("the plan never sends {}", name));
+  }
   for (const auto& b : p.buckets) {
     std::vector<SliceCopy> c;
     for (const auto& g : b.segments)

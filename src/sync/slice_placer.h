@@ -22,7 +22,9 @@ class SlicePlacer {
   // Checks `plan` against the weights of `engine` (this rank's TP slices: names, shapes, dtype,
   // TP size): ConfigError naming the engine's TP rank and what does not fit. The destinations
   // are views of the engine's storage and stay valid across sleep and wake.
-  SlicePlacer(const BucketPlan& plan, const engine::Engine& engine);
+  // `lora_base`: the plan is a LoRA engine's base alone (the hybrid handoff refilling a base its
+  // engine dropped), which must send every parameter but the adapters.
+  SlicePlacer(const BucketPlan& plan, const engine::Engine& engine, bool lora_base = false);
 
   // Copies this rank's parts of bucket `k` (its first numel elements in `stage`) into place, on
   // the calling thread's current stream. Inside c10::InferenceMode (the weights are inference tensors).

@@ -50,28 +50,39 @@ struct HybridRig {
   sync::BucketPlan plan;
   std::thread follower;
 
-  HybridRig(int tp_size, int engine_seed, double timeout_s) : tp(tp_size) {
+  // `lora`: a LoRA actor (its adapters `actor_adapters`), whose engine starts with `engine_adapters`.
+  HybridRig(int tp_size, int engine_seed, double timeout_s, const model::LoraSpec* lora = nullptr,
+            const model::NamedTensors* actor_adapters = nullptr, const model::NamedTensors* engine_adapters = nullptr)
+      : tp(tp_size) {
     const int me = comm().rank();
     tp_comm = comm().split(me / tp, me, "engine.tp");
     sync_comm = comm().split(0, me, "weight_sync");
     zero::ShardedModelOptions o;
     o.compute_dtype = compute();
     o.device = device();
+    model::NamedTensors from = initial(1);
+    if (lora) {
+      o.trainable = true;
+      o.lora = *lora;
+      for (const auto& [n, t] : *actor_adapters) from[n] = t;
+    }
     actor = std::make_unique<zero::ShardedModel>(cfg, comm(), o);
-    actor->load(initial(1), "seed 1");
+    actor->load(from, "seed 1");
     model::NamedTensors w = initial(engine_seed);
     for (auto& [n, t] : w) t = t.to(device(), compute());
+    model::ModelWeights local =
+        engine::slice_for_tp(cfg, model::bind_weights(cfg, w, model::Head::kLm, "engine"), tp_comm->rank(), tp);
+    if (lora) engine::bind_lora_for_tp(cfg, *lora, *engine_adapters, local, tp_comm->rank(), tp, device().str(), "test");
     engine::EngineOptions eo;
     eo.device = device().str();
     eo.block_size = 8;
     eo.num_blocks = 96;
     eo.limits.max_batched_tokens = 64;
-    engine = std::make_unique<engine::Engine>(
-        cfg, engine::slice_for_tp(cfg, model::bind_weights(cfg, w, model::Head::kLm, "engine"), tp_comm->rank(), tp),
-        eo, tp > 1 ? tp_comm.get() : nullptr);
+    engine = std::make_unique<engine::Engine>(cfg, std::move(local), eo, tp > 1 ? tp_comm.get() : nullptr);
     sink = std::make_unique<sync::LocalWeightSink>(*engine, timeout_s);
     engine->set_weight_sink(sink.get());
-    plan = sync::make_bucket_plan(cfg, comm().size(), tp, wire_name(), 3000);
+    plan = lora ? sync::make_lora_bucket_plan(cfg, *lora, comm().size(), tp, 3000)
+                : sync::make_bucket_plan(cfg, comm().size(), tp, wire_name(), 3000);
     handoff = std::make_unique<sync::HybridHandoff>(*actor, *sync_comm, plan, *sink, timeout_s);
     if (engine->is_leader()) {
       EXPECT_EQ(engine->install_sync_plan(plan.to_json()), plan.id);
@@ -86,7 +97,7 @@ struct HybridRig {
 
   // Every rank: one handoff to `version` (the leader's engine receives on a thread, as its server
   // loop does); returns the leader's outcome, or a complete result on followers.
-  engine::WeightSink::Result sync(uint64_t version, bool expect_refusal) {
+  engine::WeightSink::Result sync(uint64_t version, bool expect_refusal, sync::SyncStats* stats = nullptr) {
     engine::WeightSink::Result r;
     r.complete = true;
     std::thread receive;
@@ -94,7 +105,9 @@ struct HybridRig {
     if (expect_refusal) {
       EXPECT_THROW(handoff->send(version), sync::SyncRefused);
     } else {
-      EXPECT_NO_THROW(handoff->send(version));
+      sync::SyncStats st;
+      EXPECT_NO_THROW(st = handoff->send(version));
+      if (stats) *stats = st;
     }
     if (receive.joinable()) receive.join();
     return r;
@@ -217,6 +230,80 @@ TEST(HybridSync, AHandoffIntoSleepingWeightsOrAnEngineThatDidNotParkIsRefused) {
     EXPECT_NE(res.error.find("asleep"), std::string::npos) << res.error;
   }
   barrier();
+}
+
+// A LoRA actor's handoff: the adapters alone while the engine keeps its base (sleep level 1 or
+// awake), the base before them when the engine dropped its weights (level 2); the engine then
+// holds the actor's base and adapters bit for bit, and a later handoff replaces the adapters
+// (nothing accumulates).
+TEST(HybridSync, LoraActorSendsItsAdaptersAndTheBaseOnlyAfterTheEngineDroppedIt) {
+  const model::ModelConfig cfg = tiny();
+  model::LoraSpec spec;
+  spec.rank = 4;
+  spec.alpha = 8;
+  spec.targets = model::lora_targets("q_proj,v_proj,o_proj,down_proj", cfg, "test");
+  model::NamedTensors adapters = model::init_lora(cfg, spec, 3);
+  at::Generator gen = at::detail::createCPUGenerator(4);
+  for (auto& [n, t] : adapters)  // B starts at zero in PEFT: give it values to check
+    if (n.find("lora_B") != std::string::npos) t = at::randn(t.sizes(), gen, at::kFloat);
+  const model::NamedTensors engine_adapters = model::init_lora(cfg, spec, 5);  // other A, zero B
+  int64_t adapter_bytes = 0;
+  for (const auto& [n, t] : adapters) adapter_bytes += 4 * t.numel();
+  // This rank's engine holds the actor's base (seed 1) and its adapters times `factor`.
+  auto expect_engine = [&](const HybridRig& r, double factor, const std::string& what) {
+    model::NamedTensors w, scaled;
+    for (const auto& [n, t] : initial(1)) w[n] = t.to(compute());
+    for (const auto& [n, t] : adapters) scaled[n] = t * factor;
+    model::ModelWeights want = engine::slice_for_tp(r.cfg, model::bind_weights(r.cfg, w, model::Head::kLm, "actor"),
+                                                    r.engine->tp_rank(), r.engine->tp_size());
+    engine::bind_lora_for_tp(r.cfg, spec, scaled, want, r.engine->tp_rank(), r.engine->tp_size(), "cpu", what);
+    model::NamedTensors all = model::named_weights(r.cfg, want, model::Head::kLm);
+    for (const auto& [n, t] : model::named_lora(want)) all[n] = t;
+    const auto got = r.engine->parameters();
+    ASSERT_EQ(got.size(), all.size());
+    for (const auto& [n, t] : all)
+      EXPECT_TRUE(at::equal(got.at(n).cpu(), t.cpu())) << what << ": " << n << " differs on rank " << comm().rank();
+  };
+  for (int tp : tp_sizes()) {
+    SCOPED_TRACE(fmt::format("{} actor ranks, TP {}", comm().size(), tp));
+    HybridRig r(tp, /*engine_seed=*/1, 60, &spec, &adapters, &engine_adapters);
+    EXPECT_TRUE(r.plan.adapters_only());
+    sync::SyncStats st;
+    auto res = r.sync(1, false, &st);
+    EXPECT_TRUE(res.complete) << res.error;
+    EXPECT_EQ(st.wire_bytes, adapter_bytes) << "an engine that kept its base gets the adapters alone";
+    barrier();
+    expect_engine(r, 1.0, "after the first handoff");
+    barrier();  // a follower's engine sleeps next: every rank has read its weights first
+
+    if (r.engine->is_leader()) {
+      r.engine->weights_updated(1);
+      r.engine->sleep(2);
+      r.engine->wake(/*weights=*/true, /*cache=*/false);  // memory back, contents undefined
+    }
+    barrier();
+    r.actor->lora_flat().mul_(-2.0);
+    res = r.sync(2, false, &st);
+    EXPECT_TRUE(res.complete) << res.error;
+    EXPECT_EQ(st.wire_bytes, adapter_bytes + sync::make_bucket_plan(cfg, comm().size(), tp, wire_name(), 3000).wire_bytes())
+        << "after sleep level 2 the base travels too";
+    barrier();
+    expect_engine(r, -2.0, "after sleep 2, wake and the handoff");
+    barrier();  // a follower's engine sleeps next: every rank has read its weights first
+
+    if (r.engine->is_leader()) {
+      r.engine->weights_updated(2);
+      r.engine->sleep(1);
+      r.engine->wake(true, true);
+    }
+    barrier();
+    r.actor->lora_flat().mul_(-0.5);
+    res = r.sync(3, false, &st);
+    EXPECT_TRUE(res.complete) << res.error;
+    EXPECT_EQ(st.wire_bytes, adapter_bytes) << "sleep level 1 keeps the base";
+    barrier();
+    expect_engine(r, 1.0, "after sleep 1 and the handoff: the adapters replaced, not added");
+  }
 }
 
 }  // namespace

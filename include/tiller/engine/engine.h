@@ -272,6 +272,9 @@ class Engine {
   // the cache once the trainers have freed their memory.
   void wake(bool weights, bool cache);
   int sleep_level() const;
+  // How many times this rank's weights were dropped (level 2) so far: a handoff that refills them
+  // compares it with the count when it last did (any thread).
+  uint64_t weight_drops() const;
   EngineMemory memory() const;  // this rank's
 
  private:
