@@ -94,6 +94,19 @@ void apply_lora(ShardedModelOptions& opts, const LoraConfig& lora, const model::
   opts.lora_seed = seed;
 }
 
+model::NamedTensors initial_adapters(const ShardedModelOptions& opts, const LoraConfig& lora,
+                                     const model::ModelConfig& cfg) {
+  TILLER_CHECK(opts.lora.enabled(), "initial_adapters: roles.{}.lora has no rank", opts.role);
+  if (lora.init_from.empty()) return model::init_lora(cfg, opts.lora, opts.lora_seed);
+  const model::PeftAdapter a = model::read_peft_adapter(lora.init_from, cfg);
+  if (!(a.spec == opts.lora))
+    throw ConfigError(fmt::format("roles.{}.lora.init_from = {}: its r {}, lora_alpha {}, use_rslora {} or target "
+                                  "modules differ from roles.{}.lora's (rank {}, alpha {}); make them equal",
+                                  opts.role, lora.init_from, a.spec.rank, a.spec.alpha, a.spec.use_rslora, opts.role,
+                                  opts.lora.rank, opts.lora.alpha));
+  return a.tensors;
+}
+
 ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& comm, ShardedModelOptions opts)
     : impl_(std::make_unique<Impl>(cfg, comm, opts)) {
   Impl& m = *impl_;
@@ -113,9 +126,8 @@ ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& co
   m.local = m.world == 1;
   m.lora = opts.lora.enabled();
   if (m.lora) {
-    if (!opts.trainable || opts.head != model::Head::kLm)
-      throw ConfigError(fmt::format("roles.{}.lora: LoRA trains a language model's adapters; the {} has {}", opts.role,
-                                    opts.role, opts.trainable ? "a value head" : "nothing to train"));
+    if (!opts.trainable)
+      throw ConfigError(fmt::format("roles.{}.lora: LoRA trains adapters; the {} is frozen", opts.role, opts.role));
     if (opts.optimizer_on_host)
       throw ConfigError(fmt::format("roles.{}.lora with optimizer_offload cpu: the adapters' optimizer state is "
                                     "megabytes; set optimizer_offload to none",
@@ -146,6 +158,12 @@ ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& co
   }
   if (m.lora) {  // the adapters: one fp32 buffer and its gradient, whole on every rank, under AdamW
     m.lora_specs = model::lora_parameter_specs(cfg, opts.lora);
+    // A value head trains whole beside the adapters (PEFT's modules_to_save for a sequence
+    // classifier's score), last in the buffer.
+    if (opts.head == model::Head::kValue) {
+      m.lora_score = static_cast<int64_t>(m.lora_specs.size());
+      m.lora_specs.push_back({"score.weight", {1, cfg.hidden_size}, -1, false, false});
+    }
     auto numel = [](const model::ParamSpec& p) {
       int64_t n = 1;
       for (int64_t d : p.shape) n *= d;
@@ -161,7 +179,7 @@ ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& co
       const int64_t n = numel(m.lora_specs[i]);
       m.lora_views.push_back(m.lora_master.narrow(0, at, n).view(m.lora_specs[i].shape));
       m.lora_grad_views.push_back(m.lora_grad.narrow(0, at, n).view(m.lora_specs[i].shape));
-      m.lora_of_layer[static_cast<size_t>(m.lora_specs[i].layer)].push_back(i);
+      if (m.lora_specs[i].layer >= 0) m.lora_of_layer[static_cast<size_t>(m.lora_specs[i].layer)].push_back(i);
       at += n;
     }
     m.adam->add(m.lora_master, at::ones({total}, m.f32()), m.lora_grad);  // decay on every adapter, as PEFT's
@@ -186,7 +204,12 @@ void ShardedModel::load(const NamedTensors& named, const std::string& where) {
   model::ModelWeights probe;
   probe.layers.resize(static_cast<size_t>(m.cfg.num_layers));
   model::bind_lora(m.cfg, m.opts.lora, src, probe, where);  // every adapter present, with its shape
-  for (size_t i = 0; i < m.lora_specs.size(); ++i) m.lora_views[i].copy_(src.at(m.lora_specs[i].name));
+  for (size_t i = 0; i < m.lora_specs.size(); ++i) {
+    if (static_cast<int64_t>(i) == m.lora_score) continue;
+    m.lora_views[i].copy_(src.at(m.lora_specs[i].name));
+  }
+  // A value head's trained copy starts as the checkpoint's (fill_shard above has checked it).
+  if (m.lora_score >= 0) m.lora_views[static_cast<size_t>(m.lora_score)].copy_(named.at("score.weight"));
 }
 
 void ShardedModel::load_hf(const std::string& dir) {
@@ -525,9 +548,9 @@ int ShardedModel::world() const { return impl_->world; }
 int64_t ShardedModel::offload_state() {
   Impl& m = *impl_;
   TILLER_CHECK(m.opts.trainable, "offload_state() of a frozen model: it has no optimizer state");
-  TILLER_CHECK(!m.lora, "offload_state() of a LoRA model: its optimizer state is the adapters' (megabytes); not "
-                        "offloaded");
-  if (m.offloaded) return 0;
+  // A LoRA model keeps everything: its optimizer state is the adapters' (megabytes), and its frozen
+  // base scores the rollouts while the engines generate.
+  if (m.lora || m.offloaded) return 0;
   // A backward's last reductions may still be in flight into the accumulators: land them first.
   m.finish(m.reducing_prev);
   m.finish(m.reducing_cur);

@@ -88,6 +88,7 @@ struct ShardedModel::Impl {
   // on every rank, with a view per adapter tensor (lora_specs' order: per layer, A and B of each
   // adapted projection); lora_of_layer[l]: layer l's indices into them.
   bool lora = false;
+  int64_t lora_score = -1;  // a value head's: the index of its trained score.weight in lora_specs, else -1
   std::vector<model::ParamSpec> lora_specs;
   at::Tensor lora_master, lora_grad;
   std::vector<at::Tensor> lora_views, lora_grad_views;
@@ -379,9 +380,14 @@ struct ShardedModel::Impl {
   at::Tensor value_head_forward(const at::Tensor& x) {
     const size_t s = head_unit();
     const NamedTensors head = named_views(s, acquire(s));
-    at::Tensor out = model::values(model::final_norm(cfg, head.at("model.norm.weight"), x), head.at("score.weight"));
+    at::Tensor out = model::values(model::final_norm(cfg, head.at("model.norm.weight"), x), score_weight(head));
     release_segment(s);
     return out;
+  }
+  // The value head's score: with LoRA the trained fp32 copy, in the compute dtype; else the unit's.
+  at::Tensor score_weight(const NamedTensors& head) const {
+    if (lora_score < 0) return head.at("score.weight");
+    return lora_views[static_cast<size_t>(lora_score)].to(opts.compute_dtype);
   }
 };
 

@@ -355,6 +355,7 @@ struct ValueHeadSegment : public torch::autograd::Function<ValueHeadSegment> {
     const at::Tensor x0 = ctx->get_saved_variables()[0];
     const size_t s = m->head_unit();
     m->begin_backward(s);
+    if (m->lora) return lora_backward(m, x0, grads[0]);
     const FlatLayout& hl = m->units[s].layout;
     auto head = leaves(hl.views(m->acquire(s)));
     const NamedTensors hn = named(hl, head);
@@ -372,6 +373,24 @@ struct ValueHeadSegment : public torch::autograd::Function<ValueHeadSegment> {
     m->reduce(s, g);
     m->release_segment(s);
     return {at::Tensor(), at::Tensor(), gx.defined() ? gx : at::zeros_like(x0)};
+  }
+  // A LoRA model's value head: the base's final norm frozen, the score trained in fp32 beside the
+  // adapters (its gradient accumulates into theirs, all-reduced with them at the step).
+  static variable_list lora_backward(Impl* m, const at::Tensor& x0, const at::Tensor& grad) {
+    const size_t s = m->head_unit();
+    const NamedTensors head = m->named_views(s, m->acquire(s));
+    at::Tensor x = x0.detach().requires_grad_(true);
+    const size_t k = static_cast<size_t>(m->lora_score);
+    at::Tensor score = m->lora_views[k].detach().requires_grad_(true);
+    at::Tensor y;
+    {
+      at::AutoGradMode on(true);
+      y = model::values(model::final_norm(m->cfg, head.at("model.norm.weight"), x), score.to(m->opts.compute_dtype));
+    }
+    const variable_list g = grads_of(y, {x, score}, grad);
+    if (g[1].defined()) m->lora_grad_views[k].add_(g[1]);
+    m->release_segment(s);
+    return {at::Tensor(), at::Tensor(), g[0].defined() ? g[0] : at::zeros_like(x0)};
   }
 };
 

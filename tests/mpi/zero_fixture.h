@@ -205,7 +205,10 @@ struct Reference {
     ++t;
     const double bc1 = 1 - std::pow(adam.beta1, t), bc2 = 1 - std::pow(adam.beta2, t);
     c10::AutoGradMode no_grad(false);
-    for (const auto& spec : lora.enabled() ? model::lora_parameter_specs(cfg, lora) : model::parameter_specs(cfg, head)) {
+    std::vector<model::ParamSpec> trained = lora.enabled() ? model::lora_parameter_specs(cfg, lora)
+                                                           : model::parameter_specs(cfg, head);
+    if (lora.enabled() && head == Head::kValue) trained.push_back({"score.weight", {1, cfg.hidden_size}});  // trained whole
+    for (const auto& spec : trained) {
       at::Tensor& p = params.at(spec.name);
       at::Tensor g = p.grad().defined() ? p.grad() * clip : at::zeros_like(p);
       if (!spec.no_decay) p.mul_(1 - lr * adam.weight_decay);
@@ -315,9 +318,10 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
   m.load(init, "init");
   Reference ref(cfg, head, init, adam);
   ref.lora = opts.lora;
-  if (opts.lora.enabled())  // the base is frozen
+  if (opts.lora.enabled())  // the base is frozen (a value head's score trains beside the adapters)
     for (auto& [name, p] : ref.params)
-      if (name.find(".lora_") == std::string::npos) p.requires_grad_(false);
+      if (name.find(".lora_") == std::string::npos && !(head == Head::kValue && name == "score.weight"))
+        p.requires_grad_(false);
   ref.aux_coef = opts.router_aux_coef;
   ref.z_coef = opts.router_z_coef;
   ref.sp = sp;
@@ -380,11 +384,11 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
     EXPECT_FALSE(r.skipped);
     EXPECT_NEAR(r.grad_norm, ref_norm, ref_norm * (on_gpu() ? 3e-2 : rounded ? 3e-3 : 1e-5)) << what << " step " << step;
     NamedTensors got = m.gather_parameters();
-    for (auto& [name, t] : m.lora_parameters()) got.emplace(name, t);
+    for (auto& [name, t] : m.lora_parameters()) got[name] = t;  // a LoRA value head's trained score too
     const Diff d = compare(got, ref.params, init);
     if (opts.lora.enabled())  // the base did not move
       for (const auto& spec : model::parameter_specs(cfg, head))
-        EXPECT_TRUE(at::equal(got.at(spec.name).cpu(), init.at(spec.name).to(got.at(spec.name).scalar_type())))
+        if (spec.name != "score.weight") EXPECT_TRUE(at::equal(got.at(spec.name).cpu(), init.at(spec.name).to(got.at(spec.name).scalar_type())))
             << what << " " << spec.name;
     if (rounded) {
       EXPECT_LT(d.update_rel, on_gpu() ? 0.15 : 2e-2) << what << " step " << step << " (max abs " << d.max_abs << ")";

@@ -85,6 +85,11 @@ TEST_P(LoraTraining, Qwen2SequenceParallelAdaptersTrainAsTheReference) {
   expect_sharded_equals_unsharded("tiny-qwen2", Head::kLm, comm().size() % 2 == 0 ? 2 : 1, 0, false, GetParam(),
                                   at::kFloat, lora_some);
 }
+// A critic with LoRA: the adapters and the value head's score (trained whole, as PEFT's
+// modules_to_save) train as the reference; the rest of the base stays.
+TEST_P(LoraTraining, LlamaValueHeadTrainsItsAdaptersAndScore) {
+  expect_sharded_equals_unsharded("tiny-llama", Head::kValue, 1, 0, false, GetParam(), at::kFloat, lora_some);
+}
 INSTANTIATE_TEST_SUITE_P(Zero, LoraTraining,
                          ::testing::Values(zero::Recompute::kBlocks, zero::Recompute::kAttentionOnly,
                                            zero::Recompute::kNone),

@@ -114,6 +114,12 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
 // roles.<role>.lora into `opts` for the model `cfg`: the spec (its targets checked against the
 // model; ConfigError naming the key), the dropout, and `seed` for PEFT's initialisation.
 void apply_lora(ShardedModelOptions& opts, const LoraConfig& lora, const model::ModelConfig& cfg, uint64_t seed);
+// The adapters a LoRA role starts from (`opts` after apply_lora): roles.<role>.lora.init_from's PEFT
+// adapter when given (ConfigError naming the key when its r, alpha, rsLoRA or targets differ from
+// the spec), else PEFT's initialisation drawn from opts.lora_seed, as load() draws it; fp32 on the
+// CPU. The trainer and the engines start from the same adapters this way.
+model::NamedTensors initial_adapters(const ShardedModelOptions& opts, const LoraConfig& lora,
+                                     const model::ModelConfig& cfg);
 
 struct StepResult {
   double grad_norm = 0;     // global L2 norm before clipping
@@ -256,7 +262,8 @@ class ShardedModel {
   // without its step: its reductions are waited for first) moves with the rest. reload_state()
   // brings the moved state back bit for bit (and the freed accumulators' memory), with
   // asynchronous copies ordered before the next kernels of the calling thread's stream; training
-  // and step() must not run while offloaded. Not collective. Returns the bytes moved.
+  // and step() must not run while offloaded. Not collective. Returns the bytes moved. A LoRA model moves
+  // nothing (0): its optimizer state is megabytes, and its frozen base scores while the engines generate.
   int64_t offload_state();
   int64_t reload_state();
   bool state_offloaded() const;
