@@ -404,6 +404,11 @@ std::int64_t JobConfig::response_limit() const {
   return rollout.max_new_tokens * rollout.max_turns;  // both bounded (1 << 24, 1024): no overflow
 }
 
+bool JobConfig::ref_is_actor_base() const {
+  return roles.actor.lora.rank > 0 && roles.ref.enabled && roles.ref.colocate_with == "actor" &&
+         (roles.ref.model.empty() || roles.ref.model == roles.actor.model);
+}
+
 std::int64_t JobConfig::engine_count() const {
   return cluster.hybrid ? roles.actor.gpus / std::max<std::int64_t>(engines.tp, 1) : engines.count;
 }

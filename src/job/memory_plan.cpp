@@ -64,7 +64,26 @@ struct RoleSpec {
   bool host_optimizer = false;  // roles.<r>.optimizer_offload: cpu
   bool offload = false;         // roles.<r>.offload (hybrid: state off the GPU while generating)
   int64_t reduce_bytes = 4;     // train.reduce_dtype
+  // roles.<r>.lora: the base frozen (trainable false), the adapters (and a value head's score)
+  // trained in fp32, whole on every rank: values, gradients and two moments.
+  bool lora = false;
+  int64_t lora_elements = 0;
 };
+
+// The elements a LoRA role trains: its adapters, and a value head's score beside them.
+int64_t lora_elements(const LoraConfig& lora, const model::ModelConfig& mc, model::Head head, const std::string& key) {
+  if (lora.rank <= 0) return 0;
+  model::LoraSpec ls;
+  ls.rank = lora.rank;
+  ls.targets = model::lora_targets(lora.target_modules, mc, key);
+  int64_t n = head == model::Head::kValue ? mc.hidden_size : 0;
+  for (const model::ParamSpec& p : model::lora_parameter_specs(mc, ls)) {
+    int64_t e = 1;
+    for (int64_t d : p.shape) e *= d;
+    n += e;
+  }
+  return n;
+}
 
 // Host AdamW's pinned staging (zero/host_adamw.cpp: 3 slots of 4M elements, in and out).
 constexpr int64_t kHostStagingBytes = int64_t{3} * (int64_t{1} << 22) * (4 + 2);
@@ -211,6 +230,12 @@ RoleSpec role_spec(const JobConfig& cfg, Role r, const model::ModelConfig& mc, c
   s.ranks = rc.replicate || !g ? 1 : static_cast<int64_t>(g->ranks.size());
   s.dtype_bytes = dtype_bytes(rc.dtype);
   s.trainable = role_trains(r);
+  if (s.trainable && rc.lora.rank > 0) {
+    s.lora = true;
+    s.trainable = false;  // the base
+    s.lora_elements = lora_elements(rc.lora, mc, r == Role::kActor ? model::Head::kLm : model::Head::kValue,
+                                    fmt::format("roles.{}.lora.target_modules", role_name(r)));
+  }
   s.host_optimizer = s.trainable && rc.optimizer_offload == OptimizerOffload::kCpu;
   s.offload = s.trainable && rc.offload;
   s.reduce_bytes = cfg.train.reduce_dtype == Precision::kBf16 ? 2 : 4;
@@ -240,6 +265,14 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       const model::ModelConfig* mc = find_shape(shapes, name);
       if (!mc) throw ConfigError(fmt::format("memory plan: no model shape for roles.{}", name));
       const dist::RoleGroup* g = plan.group(r);
+      if (r == Role::kRef && cfg.ref_is_actor_base()) {  // LoRA: no second model
+        const int64_t saved = footprint(role_spec(cfg, r, *mc, g), keep_compute_shard).weights_train;
+        const std::string note = fmt::format("ref: the actor's base with its LoRA adapters off, no reference model "
+                                             "loaded ({} GiB per rank not held)",
+                                             gib(saved));
+        if (std::find(out.notes.begin(), out.notes.end(), note) == out.notes.end()) out.notes.push_back(note);
+        continue;
+      }
       // Sequence parallelism: the role's heads must split S ways (the ranks check again at load).
       if (g && g->sequence_parallel > 1)
         zero::check_sequence_parallel(*mc, g->sequence_parallel, "roles." + name + ".sequence_parallel");
@@ -253,7 +286,13 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       add(gen, name + " state", f.state_generate);
       rm.host_bytes += f.host;
       gathers = std::max(gathers, f.gathers);
-      if (spec.trainable) {
+      if (spec.lora) {  // the adapters stay on the device in every phase
+        const int64_t adapters = spec.lora_elements * 16;
+        add(gen, name + " LoRA adapters", adapters);
+        add(train, name + " LoRA adapters", adapters);
+        add(sync, name + " LoRA adapters", adapters);
+      }
+      if (spec.trainable || spec.lora) {
         act_train = std::max(act_train,
                              train_activation_bytes(*mc, cfg.train.micro_batch_tokens, spec.dtype_bytes, recompute, layers));
         grad_buffers = std::max(grad_buffers, f.grad_buffers);
@@ -272,9 +311,17 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       const int64_t t = plan.engine_tp(), c = dtype_bytes(cfg.roles.actor.dtype);
       const int64_t weights = shape_of(*mc, model::Head::kLm).params * c / t;
       const int64_t per_token = 2 * mc->num_layers * mc->kv_size() * c / t;
+      // A LoRA actor's adapters, fp32 beside the base (about 1/t of them on each rank).
+      const int64_t adapters =
+          lora_elements(cfg.roles.actor.lora, *mc, model::Head::kLm, "roles.actor.lora.target_modules") * 4 / t;
       add(gen, "engine weights", weights);
-      if (!hybrid || cfg.engines.sleep_level < 2) add(train, "engine weights", weights);
+      add(gen, "engine LoRA adapters", adapters);
+      if (!hybrid || cfg.engines.sleep_level < 2) {
+        add(train, "engine weights", weights);
+        add(train, "engine LoRA adapters", adapters);
+      }
       add(sync, "engine weights", weights);
+      add(sync, "engine LoRA adapters", adapters);
       if (hybrid) {
         const int64_t bucket = std::min<int64_t>(cfg.engines.sync_bucket_mb << 20, weights * t);
         add(sync, "sync buckets", 2 * bucket);
@@ -508,6 +555,7 @@ std::string MemoryPlan::table() const {
                                                                    recompute_layers),
                                 recompute_reason,
                                 keep_compute_shard ? "keep" : "cast", compute_shard_reason);
+  for (const std::string& n : notes) out += "  " + n + "\n";
   for (const auto& r : ranks) {
     out += fmt::format("  rank {} ({}): peak {}{}{}\n", r.rank, r.label, gib(r.peak()),
                        r.host_bytes > 0 ? fmt::format(", host memory {} (optimizer_offload)", gib(r.host_bytes)) : "",

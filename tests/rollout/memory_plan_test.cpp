@@ -116,6 +116,38 @@ TEST(MemoryPlan, ALoraActorHoldsItsBaseFrozenAndItsAdaptersWhole) {
             int64_t{16} * 28 * 16 * ((3584 + 3584) + (3584 + 512)));
 }
 
+// LoRA in tiller train: a LoRA actor's base costs its shard, its adapters 16 bytes an element;
+// the reference in its processes is the actor's base with the adapters off (no ref weights, a note
+// says what that saved); a LoRA critic trains its adapters and its value head; the engine holds the
+// adapters (fp32) beside its weights.
+TEST(MemoryPlan, LoraInTrainTakesTheReferenceFromTheActorsBase) {
+  JobConfig c = hybrid_job(2);
+  const MemoryPlan full = plan_memory(c, plan_of(c, 2), shapes(), 0);
+  c.roles.actor.lora.rank = 16;
+  c.roles.critic.lora.rank = 16;
+  c.roles.critic.lora.target_modules = "q_proj,v_proj";
+  const MemoryPlan m = plan_memory(c, plan_of(c, 2), shapes(), 0);
+  const PhaseMemory& train = m.ranks.at(0).phases.at(1);
+  const PhaseMemory& full_train = full.ranks.at(0).phases.at(1);
+  EXPECT_GT(item(full_train, "ref weights"), 7 * kGiB / 2);
+  EXPECT_EQ(item(train, "ref weights"), 0);
+  ASSERT_EQ(m.notes.size(), 1u);
+  EXPECT_NE(m.notes[0].find("ref: the actor's base with its LoRA adapters off"), std::string::npos) << m.notes[0];
+  EXPECT_NE(m.table().find(m.notes[0]), std::string::npos);
+  EXPECT_EQ(item(train, "actor state"), 0);
+  EXPECT_EQ(item(train, "critic state"), 0);
+  const int64_t actor = int64_t{16} * 28 * 16 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944));
+  EXPECT_EQ(item(train, "actor LoRA adapters"), actor);
+  EXPECT_EQ(item(train, "critic LoRA adapters"), int64_t{16} * (28 * 16 * ((3584 + 3584) + (3584 + 512)) + 3584));
+  EXPECT_EQ(item(train, "engine LoRA adapters"), actor / 4);  // fp32 values alone (engines at TP 1)
+  EXPECT_GT(item(train, "activations (train.micro_batch_tokens)"), 0) << "the adapters' backward runs through the frozen base";
+  EXPECT_LT(train.total() + 40 * kGiB, full_train.total());
+  // A reference with a model of its own is loaded as before.
+  c.roles.ref.model = "/elsewhere";
+  EXPECT_EQ(item(plan_memory(c, plan_of(c, 2), shapes(), 0).ranks.at(0).phases.at(1), "ref weights"),
+            item(full_train, "ref weights"));
+}
+
 TEST(MemoryPlan, TheHybridKvCacheIsWhatTheGeneratePhaseLeaves) {
   JobConfig c = hybrid_job(4);
   c.roles.actor.offload = c.roles.critic.offload = true;

@@ -438,6 +438,11 @@ struct JobConfig {
   // Tokens after the prompt of one sample: max_new_tokens, or with an environment
   // rollout.max_response_tokens (0: max_new_tokens x max_turns).
   std::int64_t response_limit() const;
+  // LoRA's reference for free: the actor trains adapters (roles.actor.lora), the reference is in
+  // its processes (roles.ref.colocate_with: actor) and loads no model of its own (roles.ref.model
+  // empty or the actor's): the reference log-probs are the actor's with its adapters off, and no
+  // second model is loaded.
+  bool ref_is_actor_base() const;
 };
 
 // Loads `path`, then applies `overrides` ("a.b=c", values in YAML syntax) in order, then validates.

@@ -99,6 +99,7 @@ struct MemoryPlan {
   std::string compute_shard_reason;
   bool shared_gpus = false;      // cluster.ranks_per_gpu > 1: ranks share GPUs; no fit check
   std::vector<RankMemory> ranks; // every worker rank with a GPU role, in rank order
+  std::vector<std::string> notes;  // what the plan leaves out and why (LoRA's reference from the actor's base)
   // Human-readable: one line per rank and phase, in GiB, with the fit.
   std::string table() const;
   // The first rank whose peak does not fit (peak + reserve_bytes(peak) > gpu_bytes), or nullptr.
