@@ -23,8 +23,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ARGS = [a for a in sys.argv[1:] if a != "--moe"]
+ARGS = [a for a in sys.argv[1:] if a not in ("--moe", "--sharp")]
 MOE = "--moe" in sys.argv[1:]
+# --sharp: weights drawn with a larger std (initializer_range 0.2), so the tied head's logits span
+# a trained model's range. LoRA's tests use it: at transformers' 0.02 the final RMSNorm and the
+# frozen head cap every logit near 1, and adapters alone cannot move the distribution far.
+SHARP = "--sharp" in sys.argv[1:]
 MODEL = Path(ARGS[0]) if len(ARGS) > 0 else REPO / "models" / "tiny-qwen2"
 PROMPTS = Path(ARGS[1]) if len(ARGS) > 1 else REPO / "data" / "quickstart" / "prompts.jsonl"
 TOKENIZER = Path(__file__).resolve().parent / "quickstart_tokenizer.json"
@@ -46,7 +50,7 @@ def main():
     lines = "".join(json.dumps(p) + "\n" for p in prompts())
     if not PROMPTS.exists() or PROMPTS.read_text() != lines:
         PROMPTS.write_text(lines)
-    stamp = STAMP + (" moe" if MOE else "")
+    stamp = STAMP + (" moe" if MOE else "") + (" sharp" if SHARP else "")
     if (MODEL / "stamp").exists() and (MODEL / "stamp").read_text() == stamp:
         print(f"{MODEL} is current")
         return
@@ -65,7 +69,8 @@ def main():
     cfg = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       tie_word_embeddings=True, eos_token_id=tok.token_to_id("<|endoftext|>"),
-                      bos_token_id=tok.token_to_id("<|endoftext|>"), torch_dtype="float32")
+                      bos_token_id=tok.token_to_id("<|endoftext|>"), torch_dtype="float32",
+                      initializer_range=0.2 if SHARP else 0.02)
     model = Qwen2ForCausalLM(cfg).eval()
     if MOE:
         cfg = Qwen3MoeConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,

@@ -92,14 +92,16 @@ void check_config(const JobConfig& job) {
     throw ConfigError(fmt::format("train.train_batch_size = {} must divide rollout.batch_size x "
                                   "rollout.n_samples_per_prompt = {}",
                                   job.train.train_batch_size, samples));
-  // LoRA runs in the offline trainers; tiller train's engines do not hold adapters yet.
-  for (const auto& [key, lora] : {std::pair{"roles.actor.lora.rank", &job.roles.actor.lora},
-                                  std::pair{"roles.critic.lora.rank", &job.roles.critic.lora}})
-    if (lora->rank > 0)
-      throw ConfigError(fmt::format("{} = {}: tiller train does not run LoRA yet (its engines start without "
-                                    "adapters, and the hybrid weight sync cannot send them); LoRA trains in tiller sft "
-                                    "and tiller dpo for now (docs/training.md, LoRA)",
-                                    key, lora->rank));
+  // LoRA: the engines load the actor's base and receive its adapters (docs/training.md, LoRA).
+  if (job.roles.actor.lora.rank > 0 && !job.engines.model.empty() && job.engines.model != job.roles.actor.model)
+    throw ConfigError(fmt::format("engines.model = {}: with roles.actor.lora the engines run the actor's base ({}) with "
+                                  "its adapters, and a sync sends the adapters alone; leave engines.model empty",
+                                  job.engines.model, job.roles.actor.model));
+  if (job.ref_is_actor_base() && job.roles.ref.dtype != job.roles.actor.dtype)
+    throw ConfigError(fmt::format("roles.ref.dtype = {} differs from roles.actor.dtype = {}: with roles.actor.lora the "
+                                  "reference is the actor's own base with its adapters off; set them equal, or give "
+                                  "roles.ref.model to load a separate reference",
+                                  enum_name(job.roles.ref.dtype), enum_name(job.roles.actor.dtype)));
   kl_estimator(job.algo.kl_estimator);
   policy_loss_def(job.algo.policy_loss);
   value_loss_def(job.algo.value_loss);

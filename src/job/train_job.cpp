@@ -34,6 +34,7 @@
 #include "tiller/rollout/memory_plan.h"
 #include "tiller/sync/hybrid_handoff.h"
 #include "tiller/sync/weight_sync.h"
+#include "tiller/zero/sharded_model.h"
 #include "trainer/role_worker.h"
 #include "wire/protocol.h"
 
@@ -93,6 +94,15 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
                                   "RoPE scaling); lower them",
                                   sum, max_model_len, dir, limit));
   engine::EngineWeights w = engine::load_engine_weights(dir, me.engine_tp_rank, tp, std::string(enum_name(cfg.roles.actor.dtype)), device);
+  if (cfg.roles.actor.lora.rank > 0) {
+    // The actor's adapters, unmerged beside the base as the trainer runs them, starting where the
+    // actor starts (its init_from, or its seed's initialisation); each sync replaces them.
+    zero::ShardedModelOptions lo;
+    lo.role = "actor";
+    zero::apply_lora(lo, cfg.roles.actor.lora, w.config, static_cast<uint64_t>(cfg.run.seed));
+    engine::bind_lora_for_tp(w.config, lo.lora, zero::initial_adapters(lo, cfg.roles.actor.lora, w.config), w.weights,
+                             me.engine_tp_rank, tp, device, "roles.actor.lora");
+  }
   engine::EngineOptions eo;
   eo.device = device;
   eo.block_size = cfg.engines.kv_block_size;

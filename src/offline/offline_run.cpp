@@ -75,6 +75,10 @@ OfflineRun::OfflineRun(const JobConfig& c, dist::MpiEnv& env, const std::string&
   world_comm_->all_reduce(choice, dist::ReduceOp::kMin)->wait();
   const auto [recompute, layers] = rollout::recompute_from_order(choice[0].item<double>());
   zero::ShardedModelOptions mo = zero::role_options("actor", cfg.roles.actor, cfg.train, true, head, device);
+  if (head == model::Head::kValue && cfg.roles.actor.lora.rank > 0)
+    throw ConfigError(fmt::format("roles.actor.lora.rank = {}: tiller {} trains a reward model's full weights (its "
+                                  "export is a sequence classifier); set roles.actor.lora.rank=0",
+                                  cfg.roles.actor.lora.rank, name));
   zero::apply_lora(mo, cfg.roles.actor.lora, model_config, static_cast<uint64_t>(cfg.run.seed));  // lora.rank 0: none
   mo.recompute = recompute;
   mo.recompute_layers = layers;
@@ -260,15 +264,9 @@ int64_t OfflineRun::start(const OfflineOptions& options, int64_t dataset_size, r
   if (head == model::Head::kLm && model->lora() && !cfg.roles.actor.lora.init_from.empty()) {
     // The base with a PEFT adapter to start from, its settings the config's.
     const std::string& from = cfg.roles.actor.lora.init_from;
-    const model::PeftAdapter a = model::read_peft_adapter(from, model_config);
-    if (!(a.spec == model->options().lora))
-      throw ConfigError(fmt::format("roles.actor.lora.init_from = {}: its r {}, lora_alpha {}, use_rslora {} or target "
-                                    "modules differ from roles.actor.lora's (rank {}, alpha {}); make them equal",
-                                    from, a.spec.rank, a.spec.alpha, a.spec.use_rslora,
-                                    model->options().lora.rank, model->options().lora.alpha));
     model::CheckpointReader reader(cfg.roles.actor.model);
     model::NamedTensors named = reader.all();
-    for (const auto& [n, t] : a.tensors) named[n] = t;
+    for (const auto& [n, t] : zero::initial_adapters(model->options(), cfg.roles.actor.lora, model_config)) named[n] = t;
     model->load(named, from);
     return 0;
   }

@@ -132,6 +132,7 @@ struct RoleWorker::Impl {
   std::map<Role, std::unique_ptr<zero::ShardedModel>> models;
   std::unique_ptr<sync::WeightSender> sender;
   std::unique_ptr<sync::HybridHandoff> handoff;  // hybrid: to this process's engine
+  bool ref_is_actor_base = false;  // the reference's forwards are the actor's with its adapters off
   double temperature = 1.0;
   // logging.efficiency: this rank's benchmark rates at the job's shapes (tokens/s), measured once
   // per role: a training micro-batch's forward and backward, and a scoring forward.
@@ -149,8 +150,11 @@ struct RoleWorker::Impl {
       : cfg(c), plan(p), rank(r), groups(g), world(w), device(dev) {
     temperature = cfg.rollout.temperature > 0 ? cfg.rollout.temperature : 1.0;
     roles = plan.ranks.at(static_cast<size_t>(rank)).trainer_roles;
+    ref_is_actor_base = cfg.ref_is_actor_base() && roles.has(Role::kRef);
     for (Role role : kRoles)
-      if (roles.has(role)) load(role);
+      if (roles.has(role) && !(role == Role::kRef && ref_is_actor_base)) load(role);
+    if (ref_is_actor_base && rank == plan.group(Role::kActor)->ranks.front())
+      log::info("ref: the actor's base with its LoRA adapters off (no second model loaded)");
     if (roles.has(Role::kActor) && groups.weight_sync && !plan.hybrid) {
       auto& actor = *models.at(Role::kActor);
       sender = std::make_unique<sync::WeightSender>(actor, *groups.weight_sync,
@@ -169,6 +173,8 @@ struct RoleWorker::Impl {
     comm->set_timeout(cfg.timeouts.collective_s);
     auto opts = zero::role_options(std::string(role_name(role)), role_config(cfg, role), cfg.train, trainable, head,
                                    device);
+    const LoraConfig& lora = role_config(cfg, role).lora;
+    if (trainable) zero::apply_lora(opts, lora, mc, static_cast<uint64_t>(cfg.run.seed));  // rank 0: none
     auto m = std::make_unique<zero::ShardedModel>(mc, *comm, opts);
     const dist::RoleGroup* group_plan = plan.group(role);
     TILLER_CHECK(group_plan != nullptr, "rank {} has role {} but the rank plan has no group for it", rank,
@@ -196,9 +202,29 @@ struct RoleWorker::Impl {
       named["score.weight"] = at::zeros({1, mc.hidden_size}, at::kFloat);
       if (comm->rank() == 0) log::info("critic: {} has no value head; starting one at zero", dir);
     }
+    // LoRA: the adapters of lora.init_from, or PEFT's initialisation (load() draws it); the
+    // engines start from the same (train_job.cpp).
+    if (m->lora() && !lora.init_from.empty())
+      for (auto& [n, t] : zero::initial_adapters(m->options(), lora, mc)) named[n] = t;
     m->load(named, dir);
     models[role] = std::move(m);
   }
+
+  // The model that computes `role`'s forwards: the reference that is the actor's base is the actor.
+  zero::ShardedModel& model_of(Role role) {
+    return *models.at(role == Role::kRef && ref_is_actor_base ? Role::kActor : role);
+  }
+
+  // The forwards of `role` on `m`: the actor's base with its adapters off for such a reference.
+  struct AdaptersOff {
+    zero::ShardedModel* m = nullptr;
+    AdaptersOff(zero::ShardedModel& model, bool off) : m(off ? &model : nullptr) {
+      if (m) m->set_adapters_enabled(false);
+    }
+    ~AdaptersOff() {
+      if (m) m->set_adapters_enabled(true);
+    }
+  };
 
   void span(const std::string& name, double begin_us) {
     if (span_names.size() > kMaxSpans) return;  // nobody asks for traces: stop recording
@@ -214,7 +240,8 @@ struct RoleWorker::Impl {
   // same round, so they calibrate together.
   double calibrate(Role role, bool train, const MicroBatch& mb) {
     constexpr int kCalibrationIters = 2;
-    zero::ShardedModel& m = *models.at(role);
+    zero::ShardedModel& m = model_of(role);
+    const AdaptersOff off(m, role == Role::kRef && ref_is_actor_base);
     const bool lm = role == Role::kActor || role == Role::kRef;
     auto once = [&] {
       c10::AutoGradMode grad(train);
@@ -253,7 +280,8 @@ struct RoleWorker::Impl {
       if (!out.roles.has(role)) continue;
       const auto t0 = Clock::now();
       const double w0 = wall_us();
-      zero::ShardedModel& m = *models.at(role);
+      zero::ShardedModel& m = model_of(role);
+      const AdaptersOff off(m, role == Role::kRef && ref_is_actor_base);
       switch (role) {
         case Role::kActor: {
           at::Tensor entropy;
@@ -422,7 +450,7 @@ struct RoleWorker::Impl {
     const double w0 = wall_us();
     PhaseReply out;
     for (Role role : kRoles) {
-      if (!roles.has(role) || !role_config(cfg, role).offload) continue;
+      if (!roles.has(role) || !role_config(cfg, role).offload || !models.count(role)) continue;
       zero::ShardedModel& m = *models.at(role);
       out.moved_bytes += static_cast<double>(in.offload ? m.offload_state() : m.reload_state());
     }

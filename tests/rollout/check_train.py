@@ -391,8 +391,13 @@ def check_bad_inputs():
          r"rollout\.max_prompt_tokens \+ rollout\.max_new_tokens = 100064 exceeds the context of .*\(512 tokens"),
         ("router losses on a dense model", ["roles.actor.router_aux_loss_coef=0.01"], None,
          r"roles\.actor\.router_aux_loss_coef / router_z_loss_coef: the actor model has no experts"),
-        ("LoRA in tiller train", ["roles.actor.lora.rank=8"], None,
-         r"roles\.actor\.lora\.rank = 8: tiller train does not run LoRA yet"),
+        ("LoRA's reference in another dtype", ["roles.actor.lora.rank=8", "roles.ref.dtype=bf16"], None,
+         r"roles\.ref\.dtype = bf16 differs from roles\.actor\.dtype = fp32: with roles\.actor\.lora the reference is "
+         r"the actor's own base"),
+        ("LoRA engines on another model", ["roles.actor.lora.rank=8", f"engines.model={bad}/other"], None,
+         r"engines\.model = .*other: with roles\.actor\.lora the engines run the actor's base"),
+        ("LoRA on a module the model lacks", ["roles.actor.lora.rank=8", "roles.actor.lora.target_modules=qkv_proj"],
+         None, r"roles\.actor\.lora\.target_modules.*qkv_proj"),
     ]
     for name, sets, cfg, pattern in cases:
         args = command(4, bad / "out", *sets)
@@ -1158,6 +1163,108 @@ def check_old_logprobs():
                  "train.old_logprobs = forward is for strictly on-policy runs, and algo.ppo_epochs > 1")
 
 
+def peft_logprobs(base, adapter, rec):
+    """Log-probs of a record's response tokens under transformers (PEFT's adapter on `base` when given)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(base), torch_dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
+    ids = rec["prompt_ids"] + rec["response_ids"]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits.float()[0, :-1], -1)
+    p = len(rec["prompt_ids"])
+    return [lp[p - 1 + t, tok].item() for t, tok in enumerate(rec["response_ids"])]
+
+
+def check_lora():
+    """LoRA (roles.actor.lora, roles.critic.lora) in tiller train, on a fixture whose logits span a
+    trained model's range (make_quickstart.py --sharp)."""
+    sharp = FIX / "tiny-qwen2-sharp"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart.py"), str(sharp), str(PROMPTS), "--sharp"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lora = [f"roles.actor.model={sharp}", f"roles.critic.model={sharp}", "roles.actor.lora.rank=8",
+            "roles.actor.lora.alpha=16", "train.actor_lr=2e-2"]
+    # rank 8 on every projection of the 2 layers (hidden 64, intermediate 128, KV width 32), fp32
+    adapter_bytes = 2 * 8 * 4 * ((64 + 64) + (64 + 32) * 2 + (64 + 64) + (64 + 128) * 3)
+    # Hybrid GRPO at sleep level 2: it learns; the reference is the actor's base (no second model);
+    # the engine dropped its base while the trainer trained, so each sync sends the base too.
+    out = SCRATCH / "lora_hybrid"
+    log = run_ok(2, out, *GRPO, *HYBRID, *lora)
+    expect_learned(out, "lora: hybrid GRPO")
+    for line in ["ref: the actor's base with its LoRA adapters off, no reference model loaded",
+                 "ref: the actor's base with its LoRA adapters off (no second model loaded)"]:
+        if line not in log:
+            fail(f"the log lacks '{line}':\n{log[-3000:]}")
+    wire = [r["sync/wire_mb"] * 1e6 for r in metrics(out)]
+    if not all(w > 5 * adapter_bytes for w in wire):
+        fail(f"hybrid at sleep level 2: syncs of {wire[:3]} bytes, the adapters alone are {adapter_bytes}")
+    # PPO with a LoRA actor and a LoRA critic (its value head trained whole) on separate pools: it
+    # learns, and each sync sends the adapters alone.
+    out = SCRATCH / "lora_ppo"
+    run_ok(4, out, *lora, "roles.critic.lora.rank=8", "roles.critic.lora.alpha=16", "train.critic_lr=2e-2",
+           "checkpoint.every_steps=9", "checkpoint.keep_last=5", f"logging.rollout_records={out}/records.jsonl",
+           "logging.rollout_records_tokens=true")
+    expect_learned(out, "lora: PPO with a LoRA critic")
+    rows = metrics(out)
+    if any(round(r["sync/wire_mb"] * 1e6) != adapter_bytes for r in rows) or "critic/loss" not in rows[-1]:
+        fail(f"PPO: sync bytes {[r['sync/wire_mb'] for r in rows[:3]]} (want {adapter_bytes / 1e6} MB), "
+             f"metrics {sorted(rows[-1])}")
+    # The step-9 checkpoint exported as PEFT's adapter gives, on the base in PEFT, the log-probs the
+    # engine sampled step 10's tokens with (version 9, while the policy is still uncertain);
+    # merged, the same in transformers.
+    step9 = out / "checkpoints" / "step_000009"
+    for args in (["--lora", "--to", str(out / "adapter")], ["--to", str(out / "merged"), "--dtype", "fp32"]):
+        p = subprocess.run([TILLER, "export", "--checkpoint", str(step9 / "actor"), *args], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=300)
+        if p.returncode != 0:
+            fail(f"tiller export {args}: {p.stdout}")
+    recs = [r for r in records(out) if r["event"] == "trained" and r["step"] == 10][:4]
+    if len(recs) != 4 or any({v for _, v in r["version_runs"]} != {9} for r in recs):
+        fail(f"step 10's samples: {[r['version_runs'] for r in recs]}")
+    worst, spread = 0.0, 0.0
+    for rec in recs:
+        peft = peft_logprobs(sharp, out / "adapter", rec)
+        merged = peft_logprobs(out / "merged", None, rec)
+        worst = max(worst, max(max(abs(a - b), abs(c - b)) for a, b, c in zip(peft, rec["engine_logprobs"], merged)))
+        spread = max(spread, max(abs(b) for b in rec["engine_logprobs"]))
+    print(f"lora: PEFT (base + exported adapter) and transformers (merged export) give the engine's log-probs of "
+          f"{sum(len(r['response_ids']) for r in recs)} sampled tokens (down to {-spread:.3f}) within {worst:.2e}")
+    if spread < 0.05:
+        fail(f"step 10's tokens were all near-certain (log-probs down to {-spread}): nothing to compare")
+    if worst > 1e-4:
+        fail(f"exported LoRA log-probs differ from the engine's by {worst}: {peft[:4]} {merged[:4]} vs "
+             f"{rec['engine_logprobs'][:4]}")
+    p = subprocess.run([TILLER, "export", "--lora", "--checkpoint", str(step9 / "critic"), "--to", str(out / "c")],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    if p.returncode == 0 or "export it merged, without --lora" not in p.stdout:
+        fail(f"a critic's adapter export was not refused with the reason: {p.stdout}")
+    # The reference for free equals a separately loaded reference model (a copy of the base) step
+    # for step: the KL in the reward and the rewards. (Bit for bit in one process:
+    # Zero.LoraAdaptersOffScoreAsTheBaseBitForBit; across runs the controller's sums of the same
+    # numbers arrive in varying order, so two identical runs differ in the last bits.)
+    copy = FIX / "tiny-qwen2-sharp-copy"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(sharp, copy)
+    # 3 steps: later a sampled token near a tie can flip between any two runs, and they part ways.
+    kl = ["algo.advantage_estimator=group_norm", "roles.critic.enabled=false", "algo.kl_coef=0.05",
+          "train.num_steps=3"]
+    run_ok(3, SCRATCH / "lora_ref_base", *lora, *kl)
+    log = run_ok(3, SCRATCH / "lora_ref_model", *lora, *kl, f"roles.ref.model={copy}")
+    if "no second model loaded" in log:
+        fail("roles.ref.model given, yet the reference was the actor's base")
+    a, b = metrics(SCRATCH / "lora_ref_base"), metrics(SCRATCH / "lora_ref_model")
+    for key in ["kl/mean_per_sample", "reward/mean", "actor/grad_norm"]:
+        if any(abs(x[key] - y[key]) > 1e-5 * max(abs(x[key]), 1e-3) for x, y in zip(a, b)) or len(a) != len(b):
+            fail(f"{key}: the actor's base as the reference {[r[key] for r in a]}, a separate reference model "
+                 f"{[r[key] for r in b]}")
+    if not a[-1]["kl/mean_per_sample"] > 0:
+        fail(f"no KL to compare: {a[-1]}")
+    print(f"lora: the reference from the actor's base equals a separate reference model for 3 steps "
+          f"(kl/mean_per_sample {[round(r['kl/mean_per_sample'], 5) for r in a]})")
+
+
 fixture()
 if CASE == "old_logprobs":
     check_old_logprobs()
@@ -1173,6 +1280,8 @@ elif CASE == "grpo":
     check_learns(3, *GRPO)
 elif CASE == "moe":
     check_moe()
+elif CASE == "lora":
+    check_lora()
 elif CASE == "resume":
     check_resume()
 elif CASE == "supervised":
