@@ -257,12 +257,86 @@ void load_checkpoint(ShardedModel& model, const std::string& dir_in) {
 
 int64_t checkpoint_steps(const std::string& dir) { return read_meta(resolve(dir)).value("steps", int64_t{0}); }
 
-void export_hf(const std::string& checkpoint_dir, const std::string& out_dir, at::ScalarType dtype) {
+namespace {
+
+// The tokenizer and generation files of `source` (when it still exists) into `out_dir`.
+void copy_model_files(const std::string& source, const std::string& out_dir) {
+  if (source.empty() || !fs::is_directory(source)) return;
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                           "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja"}) {
+    const fs::path src = fs::path(source) / name;
+    if (!fs::exists(src)) continue;
+    const std::string err = attempt([&] { fs::copy_file(src, fs::path(out_dir) / name, fs::copy_options::overwrite_existing); });
+    if (!err.empty()) throw IoError(fmt::format("{}: cannot copy to {}: {}", src.string(), out_dir, err));
+  }
+}
+
+// A LoRA checkpoint's adapters (and a value head's trained score), its spec and its base.
+struct SavedLora {
+  model::ModelConfig cfg;
+  model::LoraSpec spec;
+  model::Head head = model::Head::kLm;
+  model::NamedTensors tensors;
+  std::string base;  // the source model (the frozen base), or `base_dir` when given
+};
+
+SavedLora read_saved_lora(const std::string& dir, const json& meta, const std::string& base_dir) {
+  SavedLora out;
+  out.cfg = model::load_model_config(dir + "/config.json");
+  out.head = meta.value("head", "lm") == "value" ? model::Head::kValue : model::Head::kLm;
+  const json& l = meta.at("lora");
+  out.spec.rank = l.at("rank").get<int64_t>();
+  out.spec.alpha = l.at("alpha").get<double>();
+  out.spec.use_rslora = l.value("use_rslora", false);
+  std::string targets;
+  for (const auto& t : l.at("target_modules")) targets += (targets.empty() ? "" : ",") + t.get<std::string>();
+  out.spec.targets = model::lora_targets(targets, out.cfg, dir + "/meta.json: lora.target_modules");
+  const std::string path = dir + "/lora.safetensors";
+  if (!fs::exists(path)) throw IoError(fmt::format("{}: missing; the checkpoint is incomplete", path));
+  model::SafetensorsFile f(path);
+  for (const auto& e : f.entries())
+    if (e.name.rfind("lora.", 0) != 0 && e.name.rfind("rng.", 0) != 0) out.tensors[e.name] = f.tensor(e.name);
+  out.base = base_dir.empty() ? meta.value("source_model", std::string()) : base_dir;
+  return out;
+}
+
+void export_lora_merged(const std::string& dir, const json& meta, const std::string& out_dir, at::ScalarType dtype,
+                        const std::string& base_dir) {
+  const SavedLora s = read_saved_lora(dir, meta, base_dir);
+  if (s.base.empty() || !fs::is_directory(s.base))
+    throw ConfigError(fmt::format("{}: a LoRA checkpoint holds its adapters, not its base, and the base {} is not a "
+                                  "directory; give it with --base (the HF model the run trained on)",
+                                  dir, s.base.empty() ? std::string("(unrecorded)") : s.base));
+  if (fs::exists(out_dir) && fs::equivalent(out_dir, s.base))
+    throw ConfigError(fmt::format("{} is the base model's directory; export the merged model elsewhere", out_dir));
+  model::NamedTensors named = model::merge_lora(s.cfg, s.spec, model::CheckpointReader(s.base).all(), s.tensors);
+  if (s.head == model::Head::kValue) named["score.weight"] = s.tensors.at("score.weight");  // trained whole
+  for (auto& [n, t] : named) t = t.to(dtype);
+  model::save_model(out_dir, s.cfg, model::bind_weights(s.cfg, named, s.head, s.base), s.head);
+  copy_model_files(s.base, out_dir);
+}
+
+}  // namespace
+
+void export_lora_adapter(const std::string& checkpoint_dir, const std::string& out_dir, const std::string& base_dir) {
   const std::string dir = resolve(checkpoint_dir);
   const json meta = read_meta(dir);
-  if (meta.contains("lora"))
-    throw ConfigError(fmt::format("{}: a LoRA checkpoint (adapters on {}); exporting adapters is not built yet", dir,
-                                  meta.value("source_model", std::string("the source model"))));
+  if (!meta.contains("lora"))
+    throw ConfigError(fmt::format("{}: not a LoRA checkpoint (the run trained every weight); export it without --lora",
+                                  dir));
+  const SavedLora s = read_saved_lora(dir, meta, base_dir);
+  if (s.head == model::Head::kValue)
+    throw ConfigError(fmt::format("{}: a critic's LoRA checkpoint (a value head trained beside the adapters); export "
+                                  "it merged, without --lora",
+                                  dir));
+  model::write_peft_adapter(out_dir, s.cfg, s.spec, 0.0, s.tensors, s.base);
+}
+
+void export_hf(const std::string& checkpoint_dir, const std::string& out_dir, at::ScalarType dtype,
+               const std::string& base_dir) {
+  const std::string dir = resolve(checkpoint_dir);
+  const json meta = read_meta(dir);
+  if (meta.contains("lora")) return export_lora_merged(dir, meta, out_dir, dtype, base_dir);
   const model::ModelConfig cfg = model::load_model_config(dir + "/config.json");
   const model::Head head = meta.value("head", "lm") == "value" ? model::Head::kValue : model::Head::kLm;
   const int world = meta.value("world", 0);
@@ -286,15 +360,7 @@ void export_hf(const std::string& checkpoint_dir, const std::string& out_dir, at
     for (size_t i = 0; i < views.size(); ++i) named[layout.params()[i].spec.name] = views[i];
   }
   model::save_model(out_dir, cfg, model::bind_weights(cfg, named, head, dir), head);
-  const std::string source = meta.value("source_model", "");
-  if (source.empty() || !fs::is_directory(source)) return;
-  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                           "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja"}) {
-    const fs::path src = fs::path(source) / name;
-    if (!fs::exists(src)) continue;
-    const std::string err = attempt([&] { fs::copy_file(src, fs::path(out_dir) / name, fs::copy_options::overwrite_existing); });
-    if (!err.empty()) throw IoError(fmt::format("{}: cannot copy to {}: {}", src.string(), out_dir, err));
-  }
+  copy_model_files(base_dir.empty() ? meta.value("source_model", std::string()) : base_dir, out_dir);
 }
 
 }  // namespace tiller::zero

@@ -47,7 +47,16 @@ int64_t checkpoint_steps(const std::string& dir);
 
 // Consolidates a checkpoint into `out_dir` (config.json + safetensors, sharded above 5 GB) that
 // transformers loads, in `dtype`; copies the tokenizer and generation files of the source model
-// when that directory still exists. Reads every rank's file; one process, no communication.
-void export_hf(const std::string& checkpoint_dir, const std::string& out_dir, at::ScalarType dtype);
+// (`base_dir` when given) when that directory still exists. Reads every rank's file; one process,
+// no communication. A LoRA checkpoint (adapters only) is merged into its base, the source model or
+// `base_dir` (ConfigError when neither is a directory): W + scale * B A in fp32, rounded to `dtype`
+// (PEFT's merge), and a critic's trained value head beside it.
+void export_hf(const std::string& checkpoint_dir, const std::string& out_dir, at::ScalarType dtype,
+               const std::string& base_dir = "");
+// A LoRA checkpoint's adapters as PEFT's files in `out_dir` (adapter_config.json +
+// adapter_model.safetensors, fp32, base_model_name_or_path the source model or `base_dir`), which
+// PeftModel.from_pretrained loads onto the base. ConfigError for a checkpoint without adapters, or
+// a critic's (its value head is not an adapter: export it merged).
+void export_lora_adapter(const std::string& checkpoint_dir, const std::string& out_dir, const std::string& base_dir = "");
 
 }  // namespace tiller::zero
