@@ -9,7 +9,7 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 scratch=${2:-$(mktemp -d)}
 mkdir -p "$scratch"
 cd "$scratch"
-for spec in 0.5b 1.5b 7b 1.5b-rm 7b-rm; do
+for spec in 0.5b 1.5b 7b 32b 1.5b-rm 7b-rm; do
   size=${spec%-rm}
   flags=(--config-only)
   [ "$spec" != "$size" ] && flags+=(--value-head)
