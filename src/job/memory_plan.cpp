@@ -68,14 +68,22 @@ struct RoleSpec {
   // trained in fp32, whole on every rank: values, gradients and two moments.
   bool lora = false;
   int64_t lora_elements = 0;
+  model::LoraSpec lora_spec;
 };
+
+model::LoraSpec lora_spec_of(const LoraConfig& lora, const model::ModelConfig& mc, const std::string& key) {
+  model::LoraSpec ls;
+  if (lora.rank <= 0) return ls;
+  ls.rank = lora.rank;
+  ls.alpha = lora.alpha;
+  ls.targets = model::lora_targets(lora.target_modules, mc, key);
+  return ls;
+}
 
 // The elements a LoRA role trains: its adapters, and a value head's score beside them.
 int64_t lora_elements(const LoraConfig& lora, const model::ModelConfig& mc, model::Head head, const std::string& key) {
   if (lora.rank <= 0) return 0;
-  model::LoraSpec ls;
-  ls.rank = lora.rank;
-  ls.targets = model::lora_targets(lora.target_modules, mc, key);
+  const model::LoraSpec ls = lora_spec_of(lora, mc, key);
   int64_t n = head == model::Head::kValue ? mc.hidden_size : 0;
   for (const model::ParamSpec& p : model::lora_parameter_specs(mc, ls)) {
     int64_t e = 1;
@@ -152,8 +160,26 @@ int64_t block_internals_per_token(const model::ModelConfig& c, int64_t bytes) {
 
 }  // namespace
 
+namespace {
+
+// What LoRA adds per token to a kept block half (bytes): each adapted group's input (q/k/v and
+// gate/up share theirs: cast once) in fp32 for the A gradients, in place of the copy the frozen
+// base's projections no longer keep for their weight gradients; and each adapter's rank-r
+// intermediate for its B gradient. {attention half, MLP half}.
+std::pair<int64_t, int64_t> lora_activation_bytes(const model::ModelConfig& c, int64_t bytes, const model::LoraSpec& l) {
+  auto on = [&](model::LoraModule m) { return l.targets[static_cast<size_t>(m)] ? 1 : 0; };
+  using M = model::LoraModule;
+  const int64_t f = 4 - bytes, r4 = 4 * l.rank;
+  const int64_t qkv = on(M::kQ) + on(M::kK) + on(M::kV), gu = on(M::kGate) + on(M::kUp);
+  const int64_t attention = (qkv > 0 ? f * c.hidden_size : 0) + on(M::kO) * f * c.q_size() + (qkv + on(M::kO)) * r4;
+  const int64_t mlp = (gu > 0 ? f * c.hidden_size : 0) + on(M::kDown) * f * c.intermediate_size + (gu + on(M::kDown)) * r4;
+  return {attention, mlp};
+}
+
+}  // namespace
+
 int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int64_t bytes, zero::Recompute mode,
-                               int64_t layers) {
+                               int64_t layers, const model::LoraSpec* lora) {
   // What autograd keeps of one block per token (elements; zero/sharded_model.cpp's modes):
   // the block's input; the attention half's normed input, RoPE'd q and k, v and the attention
   // output (q and k twice more before RoPE with qk_norm); the MLP half's input, normed input,
@@ -167,7 +193,13 @@ int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int6
   const int64_t keeping = layers < 0 ? c.num_layers : std::min(layers, c.num_layers);
   // One block's backward in flight: what it recomputes (kBlocks, kAttentionOnly) and the
   // gradients of its activations.
-  const int64_t per_token = (c.num_layers * input + keeping * extra) * bytes + block_internals_per_token(c, bytes);
+  int64_t per_token = (c.num_layers * input + keeping * extra) * bytes + block_internals_per_token(c, bytes);
+  if (lora && lora->enabled()) {
+    const auto [la, lm] = lora_activation_bytes(c, bytes, *lora);
+    if (mode == zero::Recompute::kAttentionOnly) per_token += keeping * lm;
+    if (mode == zero::Recompute::kNone) per_token += keeping * (la + lm);
+    per_token += 2 * (la + lm);  // the block in flight
+  }
   // The LM head's chunk of logits: in fp32 with its softmax and gradient (3 copies); in bf16 the
   // fused kernel turns the logits into their gradient in place (one copy, and its temporaries).
   return tokens * per_token + kLogitRows * c.vocab_size * (bytes == 4 ? 12 : 2 * bytes);
@@ -233,8 +265,9 @@ RoleSpec role_spec(const JobConfig& cfg, Role r, const model::ModelConfig& mc, c
   if (s.trainable && rc.lora.rank > 0) {
     s.lora = true;
     s.trainable = false;  // the base
-    s.lora_elements = lora_elements(rc.lora, mc, r == Role::kActor ? model::Head::kLm : model::Head::kValue,
-                                    fmt::format("roles.{}.lora.target_modules", role_name(r)));
+    const std::string key = fmt::format("roles.{}.lora.target_modules", role_name(r));
+    s.lora_elements = lora_elements(rc.lora, mc, r == Role::kActor ? model::Head::kLm : model::Head::kValue, key);
+    s.lora_spec = lora_spec_of(rc.lora, mc, key);
   }
   s.host_optimizer = s.trainable && rc.optimizer_offload == OptimizerOffload::kCpu;
   s.offload = s.trainable && rc.offload;
@@ -294,7 +327,8 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       }
       if (spec.trainable || spec.lora) {
         act_train = std::max(act_train,
-                             train_activation_bytes(*mc, cfg.train.micro_batch_tokens, spec.dtype_bytes, recompute, layers));
+                             train_activation_bytes(*mc, cfg.train.micro_batch_tokens, spec.dtype_bytes, recompute, layers,
+                                                    spec.lora ? &spec.lora_spec : nullptr));
         grad_buffers = std::max(grad_buffers, f.grad_buffers);
       }
       act_score = std::max(act_score, score_activations(*mc, cfg.rollout.micro_batch_tokens, spec.dtype_bytes));
@@ -471,17 +505,8 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
   // A LoRA actor's base is held as a frozen role's; its adapters are fp32 values, gradients and
   // two AdamW moments, whole on every rank (docs/zero.md).
   const LoraConfig& lora = cfg.roles.actor.lora;
-  int64_t adapter_bytes = 0;
-  if (lora.rank > 0) {
-    model::LoraSpec ls;
-    ls.rank = lora.rank;
-    ls.targets = model::lora_targets(lora.target_modules, shape, "roles.actor.lora.target_modules");
-    for (const model::ParamSpec& p : model::lora_parameter_specs(shape, ls)) {
-      int64_t n = 16;
-      for (int64_t d : p.shape) n *= d;
-      adapter_bytes += n;
-    }
-  }
+  const model::LoraSpec ls_plan = lora_spec_of(lora, shape, "roles.actor.lora.target_modules");
+  const int64_t adapter_bytes = 16 * lora_elements(lora, shape, model::Head::kLm, "roles.actor.lora.target_modules");
   spec.trainable = lora.rank <= 0;
   spec.host_optimizer = cfg.roles.actor.optimizer_offload == OptimizerOffload::kCpu;
   spec.reduce_bytes = cfg.train.reduce_dtype == Precision::kBf16 ? 2 : 4;
@@ -500,7 +525,8 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
     add(train, "actor weights", f.weights_train);
     add(train, "actor state", f.state);
     add(train, "gathered units", f.gathers);
-    add(train, kTrainActivations, train_activation_bytes(shape, tokens, spec.dtype_bytes, mode, kept));
+    add(train, kTrainActivations,
+        train_activation_bytes(shape, tokens, spec.dtype_bytes, mode, kept, lora.rank > 0 ? &ls_plan : nullptr));
     add(train, "gradient buffers", f.grad_buffers);
     if (adapter_bytes > 0) add(train, "actor LoRA adapters (fp32 values, gradients, moments)", adapter_bytes);
     rm.phases.push_back(std::move(train));

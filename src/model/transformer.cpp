@@ -160,6 +160,18 @@ bool has_lora(const LayerWeights& w, const BlockContext& ctx, std::initializer_l
   return false;
 }
 
+// x in the adapters' dtype, cast once for the projections of `modules` that share it as input
+// (q/k/v, gate/up): autograd keeps one copy for their A gradients instead of one each. x itself
+// when none is adapted or the dtypes agree; with_lora casts what it is given no further.
+at::Tensor lora_input(const at::Tensor& x, const LayerWeights& w, const BlockContext& ctx,
+                      std::initializer_list<LoraModule> modules) {
+  if (!has_lora(w, ctx, modules)) return x;
+  for (LoraModule m : modules)
+    if (const at::Tensor& a = w.lora.a[static_cast<size_t>(m)]; a.defined())
+      return x.scalar_type() == a.scalar_type() ? x : x.to(a.scalar_type());
+  return x;
+}
+
 }  // namespace
 
 namespace {
@@ -170,12 +182,13 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   const int64_t t = h.size(0);
   const bool rotate = !(ctx.cache && ctx.cache->applies_rope());  // else the cache's attention rotates
   at::Tensor q, k, v;
+  const at::Tensor hl = lora_input(h, w, ctx, {LoraModule::kQ, LoraModule::kK, LoraModule::kV});
   if (w.qkv_proj.defined()) {
     at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias);
     if (has_lora(w, ctx, {LoraModule::kQ, LoraModule::kK, LoraModule::kV}))
-      qkv = at::cat({with_lora(qkv.narrow(1, 0, cfg.q_size()), h, w, LoraModule::kQ, ctx, layer),
-                     with_lora(qkv.narrow(1, cfg.q_size(), cfg.kv_size()), h, w, LoraModule::kK, ctx, layer),
-                     with_lora(qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size()), h, w, LoraModule::kV,
+      qkv = at::cat({with_lora(qkv.narrow(1, 0, cfg.q_size()), hl, w, LoraModule::kQ, ctx, layer),
+                     with_lora(qkv.narrow(1, cfg.q_size(), cfg.kv_size()), hl, w, LoraModule::kK, ctx, layer),
+                     with_lora(qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size()), hl, w, LoraModule::kV,
                                ctx, layer)},
                     1);
     v = qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size()).view({t, cfg.num_kv_heads, cfg.head_dim});
@@ -191,9 +204,9 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
       k = qkv.narrow(1, cfg.q_size(), cfg.kv_size());
     }
   } else {
-    q = with_lora(project(h, w.q_proj, w.q_bias), h, w, LoraModule::kQ, ctx, layer);
-    k = with_lora(project(h, w.k_proj, w.k_bias), h, w, LoraModule::kK, ctx, layer);
-    v = with_lora(project(h, w.v_proj, w.v_bias), h, w, LoraModule::kV, ctx, layer)
+    q = with_lora(project(h, w.q_proj, w.q_bias), hl, w, LoraModule::kQ, ctx, layer);
+    k = with_lora(project(h, w.k_proj, w.k_bias), hl, w, LoraModule::kK, ctx, layer);
+    v = with_lora(project(h, w.v_proj, w.v_bias), hl, w, LoraModule::kV, ctx, layer)
             .view({t, cfg.num_kv_heads, cfg.head_dim});
   }
   if (!w.qkv_proj.defined() || cfg.qk_norm || !rotate) {
@@ -229,11 +242,13 @@ at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h, const BlockCont
   } else if (w.gate_up_proj.defined()) {
     const at::Tensor gu = project(h, w.gate_up_proj);
     const int64_t i = gu.size(1) / 2;
-    act = swiglu(with_lora(gu.narrow(1, 0, i), h, w, LoraModule::kGate, ctx, layer),
-                 with_lora(gu.narrow(1, i, i), h, w, LoraModule::kUp, ctx, layer));
+    const at::Tensor hl = lora_input(h, w, ctx, {LoraModule::kGate, LoraModule::kUp});
+    act = swiglu(with_lora(gu.narrow(1, 0, i), hl, w, LoraModule::kGate, ctx, layer),
+                 with_lora(gu.narrow(1, i, i), hl, w, LoraModule::kUp, ctx, layer));
   } else {
-    act = swiglu(with_lora(project(h, w.gate_proj), h, w, LoraModule::kGate, ctx, layer),
-                 with_lora(project(h, w.up_proj), h, w, LoraModule::kUp, ctx, layer));
+    const at::Tensor hl = lora_input(h, w, ctx, {LoraModule::kGate, LoraModule::kUp});
+    act = swiglu(with_lora(project(h, w.gate_proj), hl, w, LoraModule::kGate, ctx, layer),
+                 with_lora(project(h, w.up_proj), hl, w, LoraModule::kUp, ctx, layer));
   }
   return with_lora(project(act, w.down_proj), act, w, LoraModule::kDown, ctx, layer);
 }

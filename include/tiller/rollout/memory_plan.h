@@ -20,7 +20,9 @@
 //               block's in flight
 //   activations training at train.micro_batch_tokens: what every block keeps under the
 //               recompute mode (train_activation_bytes), one block's backward in flight, and the
-//               LM head's fp32 chunk of logits; scoring (no autograd) one block's internals at
+//               LM head's fp32 chunk of logits (with LoRA, the kept blocks' adapted projections'
+//               inputs in fp32 for the A gradients, in place of the frozen base's copies, and their
+//               rank-r intermediates); scoring (no autograd) one block's internals at
 //               rollout.micro_batch_tokens
 //   kv cache    the engine's (engines.kv_cache_gb, or what the fraction leaves: see below)
 // Phases: train (the trainers' state, gathers and activations; a hybrid engine's weights unless
@@ -44,6 +46,10 @@
 #include "tiller/core/roles.h"
 #include "tiller/model/model_config.h"
 #include "tiller/zero/recompute.h"
+
+namespace tiller::model {
+struct LoraSpec;
+}
 
 namespace tiller {
 struct JobConfig;
@@ -114,7 +120,7 @@ using ModelShapes = std::map<std::string, model::ModelConfig>;
 // first `layers` blocks (< 0: all) and kBlocks in the others (`dtype_bytes` per element of the
 // compute dtype).
 int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int64_t dtype_bytes, zero::Recompute mode,
-                               int64_t layers = -1);
+                               int64_t layers = -1, const model::LoraSpec* lora = nullptr);
 
 // A recompute choice (mode, kept layers; < 0: all) as one number that grows with the activations
 // kept, so ranks agree on the least with a min all-reduce; and back. Exact in a float.
