@@ -105,7 +105,10 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
   const std::string l = p + "lora.";
   b.add(l + "rank", [get](JobConfig& c) { return &get(c).lora.rank; },
         "LoRA: the adapters' rank r. 0: full fine-tuning. With r > 0 the base weights are frozen (sharded, no "
-        "optimizer state) and only the adapters train (docs/training.md, LoRA).")
+        "optimizer state) and only the adapters train, in fp32 (a critic's value head trains whole beside them). "
+        "The actor's: its engines hold the adapters unmerged and each weight sync sends them alone, and a "
+        "reference colocated with it (no roles.ref.model of its own) is its base with the adapters off, no second "
+        "model loaded (docs/training.md, LoRA).")
       .range(0, 4096);
   b.add(l + "alpha", [get](JobConfig& c) { return &get(c).lora.alpha; },
         "LoRA: alpha; the adapters' output is scaled by alpha / r (alpha / sqrt(r) with use_rslora).")

@@ -1240,6 +1240,15 @@ def check_lora():
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     if p.returncode == 0 or "export it merged, without --lora" not in p.stdout:
         fail(f"a critic's adapter export was not refused with the reason: {p.stdout}")
+    # Async with partial rollouts: samples span adapter-only syncs (the engines rebuild their KV
+    # with the new adapters, as with full weights).
+    out = SCRATCH / "lora_partial"
+    run_ok(3, out, *GRPO, *lora, "rollout.mode=async", "rollout.max_staleness=2", "rollout.partial=true",
+           "rollout.max_new_tokens=64", "engines.max_num_seqs=16", "train.num_steps=8")
+    spanning = sum(m.get("staleness/multi_version_samples", 0) for m in metrics(out))
+    print(f"lora: async with partial rollouts, {spanning:.0f} samples spanned an adapter sync in 8 steps")
+    if not spanning or len(metrics(out)) != 8:
+        fail(f"async LoRA with partial rollouts: {len(metrics(out))} steps, {spanning} samples spanning a sync")
     # The reference for free equals a separately loaded reference model (a copy of the base) step
     # for step: the KL in the reward and the rewards. (Bit for bit in one process:
     # Zero.LoraAdaptersOffScoreAsTheBaseBitForBit; across runs the controller's sums of the same
