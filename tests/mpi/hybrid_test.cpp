@@ -242,10 +242,7 @@ TEST(HybridSync, LoraActorSendsItsAdaptersAndTheBaseOnlyAfterTheEngineDroppedIt)
   spec.rank = 4;
   spec.alpha = 8;
   spec.targets = model::lora_targets("q_proj,v_proj,o_proj,down_proj", cfg, "test");
-  model::NamedTensors adapters = model::init_lora(cfg, spec, 3);
-  at::Generator gen = at::detail::createCPUGenerator(4);
-  for (auto& [n, t] : adapters)  // B starts at zero in PEFT: give it values to check
-    if (n.find("lora_B") != std::string::npos) t = at::randn(t.sizes(), gen, at::kFloat);
+  const model::NamedTensors adapters = test_adapters(cfg, spec, 3);
   const model::NamedTensors engine_adapters = model::init_lora(cfg, spec, 5);  // other A, zero B
   int64_t adapter_bytes = 0;
   for (const auto& [n, t] : adapters) adapter_bytes += 4 * t.numel();

@@ -6,6 +6,7 @@
 
 #include "tiller/dist/communicator.h"
 #include "tiller/dist/mpi_env.h"
+#include "tiller/model/lora.h"
 
 namespace tiller::test {
 
@@ -17,5 +18,15 @@ struct MpiTestEnv {
 };
 
 MpiTestEnv& mpi_test_env();
+
+// Adapters to check a LoRA sync with: PEFT's initialisation (A from `seed`), and B, which PEFT
+// starts at zero, drawn from seed + 1 so that every adapter carries values.
+inline model::NamedTensors test_adapters(const model::ModelConfig& cfg, const model::LoraSpec& spec, uint64_t seed) {
+  model::NamedTensors out = model::init_lora(cfg, spec, seed);
+  at::Generator gen = at::detail::createCPUGenerator(seed + 1);
+  for (auto& [n, t] : out)
+    if (n.find("lora_B") != std::string::npos) t = at::randn(t.sizes(), gen, at::kFloat);
+  return out;
+}
 
 }  // namespace tiller::test
