@@ -357,8 +357,12 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       add(sync, "engine weights", weights);
       add(sync, "engine LoRA adapters", adapters);
       if (hybrid) {
-        const int64_t bucket = std::min<int64_t>(cfg.engines.sync_bucket_mb << 20, weights * t);
-        add(sync, "sync buckets", 2 * bucket);
+        // Two staging buffers of the plan's largest bucket; a LoRA actor's handoff keeps two for
+        // its fp32 adapters and two for its base (sent after a level-2 sleep).
+        const int64_t limit = cfg.engines.sync_bucket_mb << 20;
+        int64_t bucket = 2 * std::min<int64_t>(limit, weights * t);
+        if (adapters > 0) bucket += 2 * std::min<int64_t>(limit, adapters * t);
+        add(sync, "sync buckets", bucket);
       }
       int64_t kv = kv_fixed;
       if (kv == 0 && gpu_bytes > 0) {

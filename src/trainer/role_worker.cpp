@@ -174,7 +174,8 @@ struct RoleWorker::Impl {
     auto opts = zero::role_options(std::string(role_name(role)), role_config(cfg, role), cfg.train, trainable, head,
                                    device);
     const LoraConfig& lora = role_config(cfg, role).lora;
-    if (trainable) zero::apply_lora(opts, lora, mc, static_cast<uint64_t>(cfg.run.seed));  // rank 0: none
+    // rank 0: none. The actor's seed is the engines' too (train_job.cpp); the critic draws its own.
+    if (trainable) zero::apply_lora(opts, lora, mc, static_cast<uint64_t>(cfg.run.seed) + (role == Role::kCritic ? 1 : 0));
     auto m = std::make_unique<zero::ShardedModel>(mc, *comm, opts);
     const dist::RoleGroup* group_plan = plan.group(role);
     TILLER_CHECK(group_plan != nullptr, "rank {} has role {} but the rank plan has no group for it", rank,
