@@ -1236,6 +1236,15 @@ def check_lora():
     if worst > 1e-4:
         fail(f"exported LoRA log-probs differ from the engine's by {worst}: {peft[:4]} {merged[:4]} vs "
              f"{rec['engine_logprobs'][:4]}")
+    # A run started from that adapter (roles.actor.lora.init_from): the engines start from it too,
+    # so the first step's sampled tokens have the actor's log-probs.
+    start = SCRATCH / "lora_init_from"
+    run_ok(3, start, *GRPO, *lora, f"roles.actor.lora.init_from={out / 'adapter'}", "train.num_steps=2")
+    first = metrics(start)[0]
+    print(f"lora: started from the exported adapter, step 1's engine and actor log-probs differ by at most "
+          f"{first['mismatch/max_abs_logp_diff']:.2e}")
+    if first["mismatch/max_abs_logp_diff"] > 1e-4:
+        fail(f"init_from: the engines did not start from the actor's adapter: {first['mismatch/max_abs_logp_diff']}")
     p = subprocess.run([TILLER, "export", "--lora", "--checkpoint", str(step9 / "critic"), "--to", str(out / "c")],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     if p.returncode == 0 or "export it merged, without --lora" not in p.stdout:
