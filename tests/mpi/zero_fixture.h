@@ -207,7 +207,8 @@ struct Reference {
     c10::AutoGradMode no_grad(false);
     std::vector<model::ParamSpec> trained = lora.enabled() ? model::lora_parameter_specs(cfg, lora)
                                                            : model::parameter_specs(cfg, head);
-    if (lora.enabled() && head == Head::kValue) trained.push_back({"score.weight", {1, cfg.hidden_size}, -1, false, false});  // trained whole
+    if (lora.enabled() && head == Head::kValue)  // the value head's score trains whole
+      trained.push_back({"score.weight", {1, cfg.hidden_size}, -1, false, false});
     for (const auto& spec : trained) {
       at::Tensor& p = params.at(spec.name);
       at::Tensor g = p.grad().defined() ? p.grad() * clip : at::zeros_like(p);
