@@ -11,6 +11,7 @@
 #include "tiller/model/lora.h"
 #include "tiller/model/weights.h"
 #include "tiller/zero/sequence_parallel.h"
+#include "tiller/zero/sharded_model.h"
 
 namespace tiller::rollout {
 namespace {
@@ -71,19 +72,10 @@ struct RoleSpec {
   model::LoraSpec lora_spec;
 };
 
-model::LoraSpec lora_spec_of(const LoraConfig& lora, const model::ModelConfig& mc, const std::string& key) {
-  model::LoraSpec ls;
-  if (lora.rank <= 0) return ls;
-  ls.rank = lora.rank;
-  ls.alpha = lora.alpha;
-  ls.targets = model::lora_targets(lora.target_modules, mc, key);
-  return ls;
-}
-
 // The elements a LoRA role trains: its adapters, and a value head's score beside them.
 int64_t lora_elements(const LoraConfig& lora, const model::ModelConfig& mc, model::Head head, const std::string& key) {
   if (lora.rank <= 0) return 0;
-  const model::LoraSpec ls = lora_spec_of(lora, mc, key);
+  const model::LoraSpec ls = zero::lora_spec(lora, mc, key);
   int64_t n = head == model::Head::kValue ? mc.hidden_size : 0;
   for (const model::ParamSpec& p : model::lora_parameter_specs(mc, ls)) {
     int64_t e = 1;
@@ -267,7 +259,7 @@ RoleSpec role_spec(const JobConfig& cfg, Role r, const model::ModelConfig& mc, c
     s.trainable = false;  // the base
     const std::string key = fmt::format("roles.{}.lora.target_modules", role_name(r));
     s.lora_elements = lora_elements(rc.lora, mc, r == Role::kActor ? model::Head::kLm : model::Head::kValue, key);
-    s.lora_spec = lora_spec_of(rc.lora, mc, key);
+    s.lora_spec = zero::lora_spec(rc.lora, mc, key);
   }
   s.host_optimizer = s.trainable && rc.optimizer_offload == OptimizerOffload::kCpu;
   s.offload = s.trainable && rc.offload;
@@ -358,10 +350,12 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       add(sync, "engine LoRA adapters", adapters);
       if (hybrid) {
         // Two staging buffers of the plan's largest bucket; a LoRA actor's handoff keeps two for
-        // its fp32 adapters and two for its base (sent after a level-2 sleep).
+        // its fp32 adapters, and at sleep level 2 two more for its base (sent after each sleep).
         const int64_t limit = cfg.engines.sync_bucket_mb << 20;
-        int64_t bucket = 2 * std::min<int64_t>(limit, weights * t);
-        if (adapters > 0) bucket += 2 * std::min<int64_t>(limit, adapters * t);
+        const int64_t base = 2 * std::min<int64_t>(limit, weights * t);
+        const int64_t bucket = adapters == 0 ? base
+                                             : 2 * std::min<int64_t>(limit, adapters * t) +
+                                                   (cfg.engines.sleep_level >= 2 ? base : 0);
         add(sync, "sync buckets", bucket);
       }
       int64_t kv = kv_fixed;
@@ -509,7 +503,7 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
   // A LoRA actor's base is held as a frozen role's; its adapters are fp32 values, gradients and
   // two AdamW moments, whole on every rank (docs/zero.md).
   const LoraConfig& lora = cfg.roles.actor.lora;
-  const model::LoraSpec ls_plan = lora_spec_of(lora, shape, "roles.actor.lora.target_modules");
+  const model::LoraSpec ls_plan = zero::lora_spec(lora, shape, "roles.actor.lora.target_modules");
   const int64_t adapter_bytes = 16 * lora_elements(lora, shape, model::Head::kLm, "roles.actor.lora.target_modules");
   spec.trainable = lora.rank <= 0;
   spec.host_optimizer = cfg.roles.actor.optimizer_offload == OptimizerOffload::kCpu;

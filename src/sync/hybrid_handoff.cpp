@@ -145,15 +145,16 @@ struct HybridHandoff::Impl {
   LocalWeightSink::Impl& sink;
   double timeout_s;
   BucketPacker packer;
-  // A LoRA actor's frozen base (lora_base_plan), for an engine that dropped its weights.
+  // A LoRA actor's frozen base (lora_base_plan), for an engine that dropped its weights. Its packer
+  // (two staging buffers of a bucket) is made at the first such sync: an engine that keeps its
+  // base (sleep level 0 or 1) never needs it.
   std::unique_ptr<BucketPlan> base_plan;
   std::unique_ptr<BucketPacker> base_packer;
 
   Impl(zero::ShardedModel& a, dist::Communicator& c, BucketPlan p, LocalWeightSink& s, double t)
       : actor(a), comm(c), plan(std::move(p)), sink(*s.impl_), timeout_s(t), packer(plan, actor, "hybrid weight sync") {
-    if (!actor.lora()) return;
-    base_plan = std::make_unique<BucketPlan>(lora_base_plan(actor.config(), plan, actor.options().compute_dtype));
-    base_packer = std::make_unique<BucketPacker>(*base_plan, actor, "hybrid weight sync (the LoRA base)", true);
+    if (actor.lora())
+      base_plan = std::make_unique<BucketPlan>(lora_base_plan(actor.config(), plan, actor.options().compute_dtype));
   }
 
   // Waits until the engine is parked on `version` and claims the park; false at the deadline.
@@ -261,6 +262,8 @@ SyncStats HybridHandoff::send(uint64_t version) {
     c10::InferenceMode inference;  // the engine's weights are inference tensors
     if (send_base) {
       drops = m.sink.engine.weight_drops();  // the engine is parked: it cannot sleep meanwhile
+      if (!m.base_packer)
+        m.base_packer = std::make_unique<BucketPacker>(*m.base_plan, m.actor, "hybrid weight sync (the LoRA base)", true);
       m.run(*m.base_plan, *m.base_packer, m.sink.base_placer, me, vote_deadline, r);
     }
     m.run(m.plan, m.packer, m.sink.placer, me, vote_deadline, r);

@@ -84,12 +84,19 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
   return o;
 }
 
+model::LoraSpec lora_spec(const LoraConfig& lora, const model::ModelConfig& cfg, const std::string& key) {
+  model::LoraSpec s;
+  if (lora.rank <= 0) return s;
+  s.rank = lora.rank;
+  s.alpha = lora.alpha;
+  s.use_rslora = lora.use_rslora;
+  s.targets = model::lora_targets(lora.target_modules, cfg, key);
+  return s;
+}
+
 void apply_lora(ShardedModelOptions& opts, const LoraConfig& lora, const model::ModelConfig& cfg, uint64_t seed) {
   if (lora.rank <= 0) return;
-  opts.lora.rank = lora.rank;
-  opts.lora.alpha = lora.alpha;
-  opts.lora.use_rslora = lora.use_rslora;
-  opts.lora.targets = model::lora_targets(lora.target_modules, cfg, "roles." + opts.role + ".lora.target_modules");
+  opts.lora = lora_spec(lora, cfg, "roles." + opts.role + ".lora.target_modules");
   opts.lora_dropout = lora.dropout;
   opts.lora_seed = seed;
 }

@@ -111,6 +111,9 @@ struct ShardedModelOptions {
 // replicate is asked of a trainable role or the dtype is unknown.
 ShardedModelOptions role_options(const std::string& name, const RoleConfig& role, const TrainConfig& train,
                                  bool trainable, model::Head head, at::Device device);
+// roles.<role>.lora's spec for the model `cfg` (rank 0: none): its targets checked against the
+// model, ConfigError naming `key` (roles.<role>.lora.target_modules) otherwise.
+model::LoraSpec lora_spec(const LoraConfig& lora, const model::ModelConfig& cfg, const std::string& key);
 // roles.<role>.lora into `opts` for the model `cfg`: the spec (its targets checked against the
 // model; ConfigError naming the key), the dropout, and `seed` for PEFT's initialisation.
 void apply_lora(ShardedModelOptions& opts, const LoraConfig& lora, const model::ModelConfig& cfg, uint64_t seed);
