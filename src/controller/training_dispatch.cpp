@@ -194,6 +194,7 @@ void TrainingDispatch::post_step(size_t i) {
                    t.grad_norm = s.grad_norm;
                    t.skipped += (s.skipped ? 1.0 : 0.0) / ranks;
                    t.peak_mb = std::max(t.peak_mb, s.peak_host_mb);
+                   t.peak_device_gb = std::max(t.peak_device_gb, s.peak_device_gb);
                    if (s.bench_tokens_per_s > 0) {
                      t.bench_sum += s.bench_tokens_per_s;
                      t.bench_n += 1;
@@ -258,6 +259,8 @@ Metrics TrainingDispatch::metrics() const {
     m.emplace_back(r + "/skipped_steps", t.skipped);
     m.emplace_back(r + "/lr", t.lr);
     m.emplace_back("memory/" + r + "_host_peak_mb", t.peak_mb);
+    // Its busiest rank's device peak (GPU roles only): since the start, or the train phase's in a hybrid job.
+    if (t.peak_device_gb > 0) m.emplace_back("memory/" + r + "_device_peak_gb", t.peak_device_gb);
     m.emplace_back("time/train." + r, t.train_s + t.step_s);
     m.emplace_back("time/optimizer." + r, t.step_s);  // of it: the optimizer steps (clipping, AdamW)
     // Per-rank tokens of a lockstep round (S-way slices count 1/S): the busiest rank's, the mean,

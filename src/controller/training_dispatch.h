@@ -87,7 +87,7 @@ class TrainingDispatch {
   };
   struct Totals {
     double loss = 0, clip_tokens = 0, approx_kl_tokens = 0, tokens = 0, train_s = 0, step_s = 0, grad_norm = 0,
-           skipped = 0, peak_mb = 0, lr = 0, updates = 0;
+           skipped = 0, peak_mb = 0, peak_device_gb = 0, lr = 0, updates = 0;
     // Tokens per rank and round: the busiest rank's and the mean, summed over rounds.
     double round_max_tokens = 0, round_mean_tokens = 0, rounds = 0;
     double rows = 0;    // every token of the role's micro-batches (prompts included), over its ranks

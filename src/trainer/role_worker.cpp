@@ -405,6 +405,7 @@ struct RoleWorker::Impl {
     out.stats.step_seconds = seconds_since(t0);
     out.stats.bench_tokens_per_s = bench_train.count(in.role) ? bench_train.at(in.role) : 0.0;
     out.stats.peak_host_mb = peak_rss_mb();
+    out.stats.peak_device_gb = static_cast<double>(compat::peak_allocated_bytes(device)) / (1024.0 * 1024.0 * 1024.0);
     if (const at::Tensor load = models.at(in.role)->take_expert_load(); load.defined()) {
       out.stats.expert_load = load.reshape({-1});
       out.stats.expert_load_experts = static_cast<double>(load.size(1));

@@ -246,6 +246,9 @@ struct StepStats {
   double train_seconds = 0;      // forward + backward of the micro-batches
   double step_seconds = 0;       // the optimizer step
   double peak_host_mb = 0;
+  // The most the rank's device allocator has held since the process started or, in a hybrid job,
+  // since its training phase began (the phase change resets it); 0 on CPU.
+  double peak_device_gb = 0;
   double bench_tokens_per_s = 0;  // the rank's training benchmark at the job's shapes (0: not measured)
   // The policy loss's named statistics, summed over the micro-batches (losses.h).
   std::vector<std::pair<std::string, double>> loss_metrics;
@@ -283,6 +286,7 @@ struct StepReply {
     v.optional(s.expert_load, "expert load", at::kDouble, Rows::kAny);
     v.num(s.router_aux, "router_aux");
     v.num(s.router_z, "router_z");
+    v.num(s.peak_device_gb, "peak_device_gb");
   }
   Frame encode() const;
   static StepReply decode(Frame f);

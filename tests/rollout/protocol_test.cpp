@@ -270,14 +270,17 @@ TEST(Protocol, StepMessagesRoundTrip) {
   EXPECT_EQ(s.train_seconds, 7);
   EXPECT_EQ(s.step_seconds, 8);
   EXPECT_EQ(s.peak_host_mb, 9);
+  EXPECT_EQ(s.peak_device_gb, 0);
   EXPECT_TRUE(s.loss_metrics.empty());
   // A policy loss's named metrics travel after the fixed scalars, their names one per line.
   r.stats.loss_metrics = {{"weight_mean", 0.75}, {"ratio.max", 3.5}};
+  r.stats.peak_device_gb = 61.25;
   const StepStats m = StepReply::decode(r.encode()).stats;
   ASSERT_EQ(m.loss_metrics.size(), 2u);
   EXPECT_EQ(m.loss_metrics[0], (std::pair<std::string, double>{"weight_mean", 0.75}));
   EXPECT_EQ(m.loss_metrics[1], (std::pair<std::string, double>{"ratio.max", 3.5}));
   EXPECT_EQ(m.peak_host_mb, 9);
+  EXPECT_EQ(m.peak_device_gb, 61.25);
   Frame bad = r.encode();
   bad.text += "extra\n";  // a name without its value
   EXPECT_NE(error_of([&] { StepReply::decode(bad); }).find("loss metrics has 2 elements, expected 3"), std::string::npos)
