@@ -269,6 +269,7 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
       dist::choose_device(cfg.cluster, gpus, dist::MpiEnv::have_nccl(), env.rank(), env.hostname());
   const bool cpu = placed.cpu;
   const BackendKind backend = placed.backend;
+  dist::check_layout_on_backend(cfg, backend);
   if (cfg.algo.logprob_match == LogprobMatch::kBitwise)
     model::set_numerics(model::Numerics::kBatchInvariant);  // every rank, before its first forward
 
@@ -344,11 +345,6 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
     bool host_optimizer = false;
     for (const auto& r : memory.ranks) host_optimizer = host_optimizer || r.host_bytes > 0;
     if (plan.hybrid || !cpu || host_optimizer) log::info("{}", memory.table());
-    if (plan.hybrid && plan.engine_tp() > 1 && !cpu)
-      log::warn("cluster.hybrid with engines.tp = {} on GPUs: no such run has completed a step yet (one on 2xH100 "
-                "made no step in 9 minutes, 2026-11-26: docs/benchmarks.md, LoRA). If this job stalls, use "
-                "engines.tp=1 or separate engine pools",
-                plan.engine_tp());
   }
 
   dist::DeviceComm to_device;

@@ -283,6 +283,26 @@ TEST(RankPlan, HybridPutsAnEngineOnEveryActorGpu) {
   EXPECT_NE(msg.find("cluster.hybrid: engine 1 would span node 0"), std::string::npos) << msg;
 }
 
+TEST(RankPlan, HybridTensorParallelEnginesAreRefusedOverNccl) {
+  JobConfig c = make_config({.actor = 2, .critic = 0, .engines = 1, .tp = 2});
+  c.cluster.hybrid = true;
+  c.validate();
+  EXPECT_NO_THROW(check_layout_on_backend(c, BackendKind::kMpi));  // the CPU tests' layout
+  try {
+    check_layout_on_backend(c, BackendKind::kNccl);
+    FAIL() << "a hybrid TP-2 engine over NCCL was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("cluster.hybrid with engines.tp = 2 over NCCL stalls"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("set engines.tp=1"), std::string::npos) << e.what();
+  }
+  c.engines.tp = 1;  // an engine per GPU
+  EXPECT_NO_THROW(check_layout_on_backend(c, BackendKind::kNccl));
+  c.engines.tp = 2;
+  c.cluster.hybrid = false;  // separate pools at TP 2
+  EXPECT_NO_THROW(check_layout_on_backend(c, BackendKind::kNccl));
+}
+
 TEST(RankPlan, WorldSizeMismatchAndOverfullNode) {
   auto c = make_config({.actor = 2, .critic = 1, .engines = 1, .tp = 1});
   NodeMap small;
