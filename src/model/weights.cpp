@@ -173,7 +173,8 @@ NamedTensors named_weights(const ModelConfig& c, const ModelWeights& w, Head hea
   return out;
 }
 
-NamedTensors init_weights(const ModelConfig& c, Head head, uint64_t seed, at::ScalarType dtype, at::Device device) {
+NamedTensors init_weights(const ModelConfig& c, Head head, uint64_t seed, at::ScalarType dtype, at::Device device,
+                          std::optional<at::Device> store) {
   std::optional<at::Generator> gen;
   if (device.is_cpu()) gen = at::detail::createCPUGenerator(seed);
   else at::manual_seed(seed);  // the device's default generator
@@ -184,7 +185,7 @@ NamedTensors init_weights(const ModelConfig& c, Head head, uint64_t seed, at::Sc
     if (spec.is_norm) t = at::ones(spec.shape, opts.dtype(dtype));
     else if (spec.no_decay) t = at::zeros(spec.shape, opts.dtype(dtype));  // biases
     else t = at::normal(0.0, c.initializer_range, spec.shape, gen, opts.dtype(at::kFloat)).to(dtype);
-    out[spec.name] = t;
+    out[spec.name] = store && *store != device ? t.to(*store) : t;
   }
   return out;
 }
