@@ -259,8 +259,8 @@ int run_init(const InitOptions& o) {
     std::printf("%s\n", json{{"preset", o.preset}, {"out", o.out}, {"config_only", true}}.dump().c_str());
     return 0;
   }
-  // Drawn on a GPU, a tensor at a time, and stored on the host: a 32B model in seconds, not minutes
-  // (other random values than the host's generator draws for the seed, from the same distribution).
+  // Drawn on a GPU, a tensor at a time, and stored on the host: in parallel, where the host's
+  // generator is serial (other values than the host draws for the seed, the same distribution).
   const at::Device device = parse_device(o.device);
   if (!device.is_cpu() && at::detail::getCUDAHooks().getNumGPUs() == 0)
     throw ConfigError(fmt::format("--device {}: this build or machine has no CUDA device; use --device cpu", o.device));
@@ -342,7 +342,7 @@ void add_model_commands(CLI::App& app, Runner& run) {
   init->add_option("--dtype", io->dtype, "bf16, fp16 or fp32");
   init->add_option("--seed", io->seed, "Random seed");
   init->add_option("--device", io->device,
-                   "Where to draw the weights: cpu (default) or cuda[:N] (much faster for large presets; other "
+                   "Where to draw the weights: cpu (default) or cuda[:N] (in parallel, for large presets; other "
                    "values for the same seed)");
   init->add_flag("--value-head", io->value_head, "A value model (score head) instead of a causal LM");
   init->add_flag("--config-only", io->config_only, "Write config.json alone (a shape for tiller plan), no weights");

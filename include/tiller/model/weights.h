@@ -100,8 +100,8 @@ NamedTensors named_weights(const ModelConfig& cfg, const ModelWeights& w, Head h
 // Fresh parameters the way transformers initialises them: normal(0, initializer_range) for
 // matrices and the embedding, ones for norms, zeros for biases; deterministic for a seed and
 // device type. Generated on `device` (a 7B model is not drawn on the host first), one tensor at a
-// time, and kept on `store` (default: `device`): drawn on a GPU and stored on the host, a 32B model
-// takes seconds where the host's serial generator takes minutes, and never fills the GPU.
+// time, and kept on `store` (default: `device`): drawn on a GPU and stored on the host, a large
+// model is drawn in parallel (the host's generator is serial) and never fills the GPU.
 NamedTensors init_weights(const ModelConfig& cfg, Head head, uint64_t seed, at::ScalarType dtype,
                           at::Device device = at::kCPU, std::optional<at::Device> store = std::nullopt);
 
