@@ -85,6 +85,9 @@ if rows:
                 "train_tok_s_gpu": round(avg("throughput/train_tokens_per_s_per_gpu.actor")),
                 "samples": avg("samples"), "tokens_per_sample": round(avg("prompt_length/mean") + avg("response_length/mean"), 1),
                 "efficiency": {k[11:]: avg(k) for k in sorted(later[-1]) if k.startswith("efficiency/")},
+                # GiB: each training role's device peak over the run, and the hybrid phases' peaks
+                "device_peak_gb": {k[7:]: round(max(r.get(k, 0) for r in rows), 2) for k in sorted(rows[-1])
+                                   if k.startswith("memory/") and "peak" in k and k.endswith("_gb")},
                 "reward_first3": round(sum(r["reward/mean"] for r in rows[:3]) / len(rows[:3]), 3),
                 "reward_last3": round(sum(r["reward/mean"] for r in rows[-3:]) / len(rows[-3:]), 3)})
 print(json.dumps(out))
