@@ -107,6 +107,12 @@ void idle_metrics(double step_s, const JobConfig& cfg, const dist::RankPlan& pla
       metrics["efficiency/generate"] = per_engine / (bench / measured);
     }
   }
+  // Separate pools: the engines' GPUs (in a hybrid job the trainers' phases report the shared device).
+  if (!cfg.cluster.hybrid) {
+    double peak = 0;
+    for (const auto& e : now) peak = std::max(peak, e.device_peak_gb);
+    if (peak > 0) metrics["memory/engine_device_peak_gb"] = peak;
+  }
   if (!now.empty() && now.size() == before.size()) {
     double sum = 0;
     for (size_t i = 0; i < now.size(); ++i) sum += now[i].seconds_in_steps - before[i].seconds_in_steps;

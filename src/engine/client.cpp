@@ -222,6 +222,7 @@ ServerStats EngineClient::stats() {
   s.engine.session_evictions = r.session_evictions();
   s.engine.seconds_in_steps = r.seconds_in_steps();
   s.engine.bench_tokens_per_s = r.bench_tokens_per_s();
+  s.engine.device_peak_gb = r.device_peak_gb();
   s.kv_cache_usage = r.kv_cache_usage();
   s.tokens_per_second = r.tokens_per_second();
   s.weight_version = r.weight_version();

@@ -1,5 +1,7 @@
 #include "engine/engine_impl.h"
 
+#include "model/torch_compat.h"
+
 #include <random>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -458,6 +460,7 @@ EngineStats Engine::stats() const {
   s.waiting = static_cast<int64_t>(impl_->waiting.size() + impl_->resuming.size());
   s.kv_blocks_free = impl_->kv->num_free();
   s.sessions_parked = static_cast<int64_t>(impl_->parked.size());
+  s.device_peak_gb = static_cast<double>(compat::peak_allocated_bytes(impl_->device())) / (1024.0 * 1024.0 * 1024.0);
   return s;
 }
 

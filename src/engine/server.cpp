@@ -385,6 +385,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
     resp->set_kv_rebuilds(snap.kv_rebuilds);
     resp->set_seconds_in_steps(snap.seconds_in_steps);
     resp->set_bench_tokens_per_s(snap.bench_tokens_per_s);
+    resp->set_device_peak_gb(snap.device_peak_gb);
     resp->set_prefill_tokens(snap.prefill_tokens);
     resp->set_sessions_parked(snap.sessions_parked);
     resp->set_session_resumes(snap.session_resumes);

@@ -310,6 +310,9 @@ void expect_engine_runs_lora(const std::string& device, at::ScalarType dtype, do
     }
   }
   const auto with = run_all(e), without = run_all(base);
+  // The device's peak (this process's allocator): what the engines' weights, caches and steps held.
+  if (device == "cpu") EXPECT_EQ(e.stats().device_peak_gb, 0.0);
+  else EXPECT_GT(e.stats().device_peak_gb, 0.0);
   // The trainer's side: the same weights with the adapters bound, one packed forward per sample.
   model::ModelWeights trainer = m.weights;
   model::NamedTensors on_device;

@@ -172,6 +172,9 @@ struct EngineStats {
   int64_t session_evictions = 0;       // parked sessions dropped (memory, timeout, limit, weights, sleep)
   double seconds_in_steps = 0;                // wall time inside step()
   double bench_tokens_per_s = 0;  // calibrate_if_due()'s result (0: not measured)
+  // The most this process's device allocator has held on the engine's GPU (this rank's: the
+  // leader's, for a TP engine) since it started, or since the last hybrid phase change; 0 on CPU.
+  double device_peak_gb = 0;
 };
 
 class Engine {
