@@ -1,10 +1,10 @@
 #include "engine/engine_impl.h"
 
-#include "model/torch_compat.h"
-
 #include <random>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "model/torch_compat.h"
 
 namespace tiller::engine {
 

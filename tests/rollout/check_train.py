@@ -1201,9 +1201,11 @@ def check_lora():
     if not all(w > 5 * adapter_bytes for w in wire):
         fail(f"hybrid at sleep level 2: syncs of {wire[:3]} bytes, the adapters alone are {adapter_bytes}")
     # PPO with a LoRA actor and a LoRA critic (its value head trained whole) on separate pools: it
-    # learns, and each sync sends the adapters alone.
+    # learns, and each sync sends the adapters alone. With the critic at the actor's 2e-2, 2 of 3
+    # runs ended below 0.7 (0.49 and 0.69; runs differ in the last bits, as the controller sums in
+    # arrival order); at 5e-3, 10 of 10 ended at 0.98 to 1.0 (2026-11-27).
     out = SCRATCH / "lora_ppo"
-    run_ok(4, out, *lora, "roles.critic.lora.rank=8", "roles.critic.lora.alpha=16", "train.critic_lr=2e-2",
+    run_ok(4, out, *lora, "roles.critic.lora.rank=8", "roles.critic.lora.alpha=16", "train.critic_lr=5e-3",
            "checkpoint.every_steps=9", "checkpoint.keep_last=5", f"logging.rollout_records={out}/records.jsonl",
            "logging.rollout_records_tokens=true")
     expect_learned(out, "lora: PPO with a LoRA critic")
