@@ -41,7 +41,10 @@ std::string read_all(const std::string& path) {
 
 at::Device parse_device(const std::string& d) {
   if (d == "cpu") return at::kCPU;
-  if (d == "cuda" || d.rfind("cuda:", 0) == 0) return at::Device(d);
+  const std::string index = d.rfind("cuda:", 0) == 0 ? d.substr(5) : "";
+  if (d == "cuda" || (!index.empty() && index.size() <= 3 &&
+                      std::all_of(index.begin(), index.end(), [](char c) { return c >= '0' && c <= '9'; })))
+    return at::Device(d);
   throw ConfigError(fmt::format("--device '{}': use cpu or cuda[:N]", d));
 }
 
@@ -262,8 +265,11 @@ int run_init(const InitOptions& o) {
   // Drawn on a GPU, a tensor at a time, and stored on the host: in parallel, where the host's
   // generator is serial (other values than the host draws for the seed, the same distribution).
   const at::Device device = parse_device(o.device);
-  if (!device.is_cpu() && at::detail::getCUDAHooks().getNumGPUs() == 0)
+  if (const int gpus = at::detail::getCUDAHooks().getNumGPUs(); !device.is_cpu() && gpus == 0)
     throw ConfigError(fmt::format("--device {}: this build or machine has no CUDA device; use --device cpu", o.device));
+  else if (device.has_index() && device.index() >= gpus)
+    throw ConfigError(fmt::format("--device {}: this machine has {} CUDA devices (cuda:0 to cuda:{})", o.device, gpus,
+                                  gpus - 1));
   model::NamedTensors t = model::init_weights(cfg, head, o.seed, parse_dtype(o.dtype), device, at::Device(at::kCPU));
   model::save_model(o.out, cfg, model::bind_weights(cfg, t, head, o.preset), head);
   if (!o.tokenizer_from.empty()) {

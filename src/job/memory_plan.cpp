@@ -72,10 +72,10 @@ struct RoleSpec {
   model::LoraSpec lora_spec;
 };
 
-// The elements a LoRA role trains: its adapters, and a value head's score beside them.
-int64_t lora_elements(const LoraConfig& lora, const model::ModelConfig& mc, model::Head head, const std::string& key) {
-  if (lora.rank <= 0) return 0;
-  const model::LoraSpec ls = zero::lora_spec(lora, mc, key);
+// The elements a LoRA role trains (`ls`, zero::lora_spec; 0 without LoRA): its adapters, and a
+// value head's score beside them.
+int64_t lora_elements(const model::LoraSpec& ls, const model::ModelConfig& mc, model::Head head) {
+  if (!ls.enabled()) return 0;
   int64_t n = head == model::Head::kValue ? mc.hidden_size : 0;
   for (const model::ParamSpec& p : model::lora_parameter_specs(mc, ls)) {
     int64_t e = 1;
@@ -257,9 +257,8 @@ RoleSpec role_spec(const JobConfig& cfg, Role r, const model::ModelConfig& mc, c
   if (s.trainable && rc.lora.rank > 0) {
     s.lora = true;
     s.trainable = false;  // the base
-    const std::string key = fmt::format("roles.{}.lora.target_modules", role_name(r));
-    s.lora_elements = lora_elements(rc.lora, mc, r == Role::kActor ? model::Head::kLm : model::Head::kValue, key);
-    s.lora_spec = zero::lora_spec(rc.lora, mc, key);
+    s.lora_spec = zero::lora_spec(rc.lora, mc, fmt::format("roles.{}.lora.target_modules", role_name(r)));
+    s.lora_elements = lora_elements(s.lora_spec, mc, r == Role::kActor ? model::Head::kLm : model::Head::kValue);
   }
   s.host_optimizer = s.trainable && rc.optimizer_offload == OptimizerOffload::kCpu;
   s.offload = s.trainable && rc.offload;
@@ -339,7 +338,8 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       const int64_t per_token = 2 * mc->num_layers * mc->kv_size() * c / t;
       // A LoRA actor's adapters, fp32 beside the base (about 1/t of them on each rank).
       const int64_t adapters =
-          lora_elements(cfg.roles.actor.lora, *mc, model::Head::kLm, "roles.actor.lora.target_modules") * 4 / t;
+          lora_elements(zero::lora_spec(cfg.roles.actor.lora, *mc, "roles.actor.lora.target_modules"), *mc,
+                        model::Head::kLm) * 4 / t;
       add(gen, "engine weights", weights);
       add(gen, "engine LoRA adapters", adapters);
       if (!hybrid || cfg.engines.sleep_level < 2) {
@@ -504,7 +504,7 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
   // two AdamW moments, whole on every rank (docs/zero.md).
   const LoraConfig& lora = cfg.roles.actor.lora;
   const model::LoraSpec ls_plan = zero::lora_spec(lora, shape, "roles.actor.lora.target_modules");
-  const int64_t adapter_bytes = 16 * lora_elements(lora, shape, model::Head::kLm, "roles.actor.lora.target_modules");
+  const int64_t adapter_bytes = 16 * lora_elements(ls_plan, shape, model::Head::kLm);
   spec.trainable = lora.rank <= 0;
   spec.host_optimizer = cfg.roles.actor.optimizer_offload == OptimizerOffload::kCpu;
   spec.reduce_bytes = cfg.train.reduce_dtype == Precision::kBf16 ? 2 : 4;
