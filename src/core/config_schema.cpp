@@ -153,7 +153,7 @@ std::vector<Field> build() {
         "Hybrid engine: every actor GPU also runs an engine (engines.tp consecutive actor ranks per engine), in the "
         "actor rank's own process. Phases alternate on each GPU: generate, then score and train with the engine "
         "asleep (engines.sleep_level); the weights reach the engine by a copy on the GPU. engines.count is derived. "
-        "Over NCCL (GPUs) engines.tp must be 1: a hybrid engine at TP > 1 stalls there (docs/training.md).");
+        "Over NCCL (GPUs) engines.tp must be 1: a hybrid engine at TP > 1 can stall there (docs/training.md).");
   b.add("cluster.gpu_memory_gb", TILLER_FIELD(cluster.gpu_memory_gb),
         "GPU memory per GPU in GiB for the memory plan (tiller plan checks the fit with it); 0: tiller train "
         "asks the device, tiller plan prints the estimates without a fit check.")

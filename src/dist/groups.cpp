@@ -45,7 +45,12 @@ GroupCommunicators make_group_communicators(const RankPlan& plan, Communicator& 
   const auto& mine = plan.ranks[me];
   if (!plan.engines.empty()) {
     auto comm = world.split(mine.engine, std::max(mine.engine_tp_rank, 0), fmt::format("engine{}.tp", mine.engine));
-    if (mine.engine >= 0) out.engine_tp = keep(std::move(comm), fmt::format("engine{}.tp", mine.engine));
+    if (mine.engine >= 0) {
+      // Split before the group goes to the device: collective over the engine's ranks alone.
+      if (plan.hybrid && to_device && comm->size() > 1)
+        out.engine_control = comm->split(0, comm->rank(), fmt::format("engine{}.control", mine.engine));
+      out.engine_tp = keep(std::move(comm), fmt::format("engine{}.tp", mine.engine));
+    }
   }
   const std::vector<int> sync = weight_sync_ranks(plan);
   if (!sync.empty()) {

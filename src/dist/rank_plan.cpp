@@ -354,10 +354,12 @@ DeviceChoice choose_device(const ClusterConfig& cluster, int gpus, bool have_ncc
 }
 
 void check_layout_on_backend(const JobConfig& config, BackendKind backend) {
-  // On 2xH100 (2026-11-26) a tiny run and a 32B one both stopped before their first step; under
-  // MPI the same layout trains (e2e.train.hybrid). Refused rather than left to hang.
+  // On 2xH100 (2026-11-26) a tiny run and a 32B one both stopped before their first step. Since
+  // 2026-11-27 the tiny one trains (the engine's control over the host, its own stream), but the
+  // 32B one still stops after its sync plan; under MPI the layout trains (e2e.train.hybrid).
+  // Refused rather than left to hang.
   if (config.cluster.hybrid && config.engines.tp > 1 && backend == BackendKind::kNccl)
-    throw ConfigError(fmt::format("cluster.hybrid with engines.tp = {} over NCCL stalls before its first step in "
+    throw ConfigError(fmt::format("cluster.hybrid with engines.tp = {} over NCCL can stall before its first step in "
                                   "this version (docs/training.md, the hybrid engine): set engines.tp=1 (an engine "
                                   "per GPU) or put the engines on GPUs of their own (cluster.hybrid=false)",
                                   config.engines.tp));

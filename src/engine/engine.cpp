@@ -1,6 +1,7 @@
 #include "engine/engine_impl.h"
 
 #include <random>
+#include <thread>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -13,10 +14,14 @@ void Engine::Impl::broadcast(Message kind, std::vector<int64_t> words) {
   const at::Device where = control_device();
   std::vector<int64_t> head{static_cast<int64_t>(kind), static_cast<int64_t>(words.size())};
   at::Tensor h = at::from_blob(head.data(), {2}, at::kLong).to(where, false, /*copy=*/true);
-  tp->broadcast(h, 0)->wait();
+  ctl()->broadcast(h, 0)->wait();
   if (words.empty()) return;
   at::Tensor w = at::from_blob(words.data(), {static_cast<int64_t>(words.size())}, at::kLong).to(where, false, true);
-  tp->broadcast(w, 0)->wait();
+  ctl()->broadcast(w, 0)->wait();
+}
+
+void Engine::Impl::quiesce() const {
+  if (stream) stream->synchronize();
 }
 
 void Engine::Impl::validate(const Request& r) const {
@@ -84,12 +89,18 @@ SampleOutput Engine::Impl::finish(Sequence& s, const char* reason, bool keep) {
 }
 
 Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const EngineOptions& opts,
-               dist::Communicator* tp)
+               dist::Communicator* tp, dist::Communicator* control)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.cfg = cfg;
   m.opts = opts;
   m.tp = tp;
+  if (control && (!tp || control->size() != tp->size() || control->rank() != tp->rank()))
+    throw ConfigError(fmt::format("engine: the control communicator '{}' ({} ranks, rank {}) is not the TP group's "
+                                  "({} ranks, rank {})",
+                                  control->name(), control->size(), control->rank(), tp ? tp->size() : 1,
+                                  tp ? tp->rank() : 0));
+  m.control = control;
   const int tp_size = tp ? tp->size() : 1;
   if (cfg.num_heads % tp_size || cfg.num_kv_heads % tp_size || cfg.intermediate_size % tp_size)
     throw ConfigError(fmt::format("tensor parallel size {} must divide the attention heads ({}), the KV heads ({}) "
@@ -124,9 +135,8 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
              m.runner->block_bytes();
   if (blocks <= 0) blocks = static_cast<int64_t>(1ull << 30) / m.runner->block_bytes();
   if (m.tensor_parallel()) {  // every rank of the group holds the same number of blocks
-    at::Tensor b = at::full({1}, blocks, at::kLong);
-    if (std::string(tp->backend()) == "nccl") b = b.to(device);
-    tp->all_reduce(b, dist::ReduceOp::kMin)->wait();
+    at::Tensor b = at::full({1}, blocks, at::kLong).to(m.control_device());
+    m.ctl()->all_reduce(b, dist::ReduceOp::kMin)->wait();
     blocks = b.item<int64_t>();
   }
   m.max_model_len = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
@@ -141,6 +151,12 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
   if (!opts.start_asleep) m.runner->allocate_cache(cache);
   m.kv = std::make_unique<KvBlockManager>(blocks, opts.block_size);
   m.stats.kv_blocks_total = blocks;
+  if (opts.own_stream && device.is_cuda()) {
+    // What the constructor queued on this thread's stream (the weights, the cache) is complete
+    // before the engine's stream touches it.
+    c10::impl::getDeviceGuardImpl(c10::kCUDA)->synchronizeDevice(device.index());
+    m.stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  }
   log::info("engine: {} KV blocks of {} tokens ({:.2f} GiB), max_model_len {}, tp {}, decode: {}{}{}", blocks,
             opts.block_size, static_cast<double>(blocks * m.runner->block_bytes()) / (1ull << 30), m.max_model_len,
             tp_size, m.runner->paged_decode() ? "paged kernel" : "gathered context",
@@ -199,6 +215,7 @@ void Engine::weights_updated(uint64_t version) {
 
 uint64_t Engine::install_sync_plan(const std::string& plan) {
   Impl& m = *impl_;
+  const auto on_stream = m.on_stream();
   TILLER_CHECK(m.leader() && !m.shut_down, "install_sync_plan() on a TP follower or after shutdown()");
   if (!m.sink)
     throw InvalidRequest("this engine takes no weight sync: it has no sync communicator (engines started by "
@@ -215,6 +232,7 @@ uint64_t Engine::install_sync_plan(const std::string& plan) {
 
 WeightSink::Result Engine::Impl::receive_weights(uint64_t version) {
   WeightSink::Result r;
+  quiesce();  // the sink writes the weights from another thread (the hybrid handoff), on its stream
   if (sink) {
     r = sink->receive(version);
   } else {
@@ -224,7 +242,7 @@ WeightSink::Result Engine::Impl::receive_weights(uint64_t version) {
     // Complete only if every rank completed; changed if any rank wrote.
     at::Tensor f = at::tensor(std::vector<int64_t>{r.complete ? 0 : 1, r.weights_changed ? 1 : 0}, at::kLong)
                        .to(control_device());
-    tp->all_reduce(f, dist::ReduceOp::kMax)->wait();
+    ctl()->all_reduce(f, dist::ReduceOp::kMax)->wait();
     f = f.cpu();
     if (r.complete && f[0].item<int64_t>() != 0) {
       r.complete = false;
@@ -243,6 +261,7 @@ WeightSink::Result Engine::Impl::receive_weights(uint64_t version) {
 
 WeightSink::Result Engine::receive_weights(uint64_t version) {
   Impl& m = *impl_;
+  const auto on_stream = m.on_stream();
   TILLER_CHECK(m.leader() && !m.shut_down, "receive_weights() on a TP follower or after shutdown()");
   TILLER_CHECK(!m.in_flight, "receive_weights() with a step in flight: drain() first");
   m.broadcast(Message::kSync, {static_cast<int64_t>(version)});
@@ -271,6 +290,7 @@ void Engine::Impl::wake_here(bool weights, bool cache) {
 
 void Engine::sleep(int level) {
   Impl& m = *impl_;
+  const auto on_stream = m.on_stream();
   TILLER_CHECK(m.leader() && !m.shut_down, "sleep() on a TP follower or after shutdown()");
   if (level < 1 || level > 2) throw InvalidRequest(fmt::format("sleep level {}: must be 1 (the KV cache) or 2 (and "
                                                                "the weights)", level));
@@ -284,6 +304,7 @@ void Engine::sleep(int level) {
 
 void Engine::wake(bool weights, bool cache) {
   Impl& m = *impl_;
+  const auto on_stream = m.on_stream();
   TILLER_CHECK(m.leader() && !m.shut_down, "wake() on a TP follower or after shutdown()");
   m.broadcast(Message::kWake, {weights ? 1 : 0, cache ? 1 : 0});
   m.wake_here(weights, cache);
@@ -400,6 +421,7 @@ bool Engine::has_work() const { return !impl_->seqs.empty() || !impl_->aborted.e
 
 bool Engine::calibrate_if_due() {
   Impl& m = *impl_;
+  const auto on_stream = m.on_stream();
   const EngineOptions& o = m.opts;
   if (m.calibrated || o.bench_batch <= 0 || o.bench_prompt <= 0 || o.bench_new_tokens <= 0) return false;
   if (!m.leader() || m.shut_down || has_work() || !m.runner->cache_allocated()) return false;
@@ -465,11 +487,13 @@ EngineStats Engine::stats() const {
 }
 
 void Engine::heartbeat() {
+  const auto on_stream = impl_->on_stream();
   if (impl_->leader() && !impl_->shut_down) impl_->broadcast(Message::kHeartbeat, {});
 }
 
 void Engine::shutdown() {
   Impl& m = *impl_;
+  const auto on_stream = m.on_stream();
   if (!m.leader() || m.shut_down) return;
   m.shut_down = true;
   m.broadcast(Message::kShutdown, {});
@@ -478,10 +502,21 @@ void Engine::shutdown() {
 void Engine::follow() {
   Impl& m = *impl_;
   TILLER_CHECK(!m.leader(), "follow() on the TP leader");
+  use_device_on_this_thread();
+  const auto on_stream = m.on_stream();
   const at::Device where = m.control_device();
+  // Messages over the host to a GPU engine: the leader's next step comes within milliseconds
+  // while it generates, and the host communicator's wait backs off to 0.5 ms polls; the follower
+  // polls without sleeping for a while after each message so that it starts the step at once.
+  const bool spin = where.is_cpu() && m.device().is_cuda();
+  constexpr double kSpinSeconds = 0.05;
   for (;;) {
     at::Tensor head = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(where));
-    m.tp->broadcast(head, 0)->wait();
+    dist::WorkPtr next = m.ctl()->broadcast(head, 0);
+    if (spin)
+      for (const Deadline until = Deadline::after_seconds(kSpinSeconds); !until.expired() && !next->is_completed();)
+        std::this_thread::yield();
+    next->wait();
     head = head.cpu();
     const auto kind = static_cast<Message>(head[0].item<int64_t>());
     const int64_t words = head[1].item<int64_t>();
@@ -491,7 +526,7 @@ void Engine::follow() {
                   kind == Message::kSleep || kind == Message::kWake) && words > 0,
                  "engine follower: unknown message kind {}", static_cast<int64_t>(kind));
     at::Tensor body = at::empty({words}, at::TensorOptions().dtype(at::kLong).device(where));
-    m.tp->broadcast(body, 0)->wait();
+    m.ctl()->broadcast(body, 0)->wait();
     body = body.cpu();
     const auto* p = body.data_ptr<int64_t>();
     if (kind == Message::kSyncPlan) {

@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
 #include <fmt/format.h>
 #ifdef TILLER_HAVE_CUDA_KERNELS
 #include <cuda_runtime_api.h>
@@ -128,6 +129,8 @@ struct Engine::Impl {
   model::ModelConfig cfg;
   EngineOptions opts;
   dist::Communicator* tp = nullptr;
+  dist::Communicator* control = nullptr;  // the TP group over the host, or null: control goes over tp
+  std::optional<c10::Stream> stream;      // EngineOptions::own_stream
   std::unique_ptr<ModelRunner> runner;
   std::unique_ptr<KvBlockManager> kv;
   int64_t max_model_len = 0;
@@ -166,9 +169,16 @@ struct Engine::Impl {
   bool async() const { return opts.async_scheduling && !tensor_parallel(); }
 
   void broadcast(Message kind, std::vector<int64_t> words);
+  // The communicator of the leader's messages and the group's votes, and where their tensors live.
+  dist::Communicator* ctl() const { return control ? control : tp; }
   at::Device control_device() const {
-    return tp && std::string(tp->backend()) == "nccl" ? device() : at::Device(at::kCPU);
+    return ctl() && std::string(ctl()->backend()) == "nccl" ? device() : at::Device(at::kCPU);
   }
+  // Waits for the engine's stream (own_stream): before another thread writes its weights.
+  void quiesce() const;
+  // For the duration of a call that launches work: the engine's stream (own_stream) current on
+  // the calling thread, and its device; nothing without one.
+  c10::OptionalStreamGuard on_stream() const { return c10::OptionalStreamGuard(stream); }
   // Every TP rank: one sync through the sink, and the group's combined outcome.
   WeightSink::Result receive_weights(uint64_t version);
   ModelRunner::CacheOptions cache_options;

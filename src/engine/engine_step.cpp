@@ -173,6 +173,7 @@ void Engine::Impl::collect(const InFlight& f, std::vector<SampleOutput>& done) {
 
 std::vector<SampleOutput> Engine::step() {
   Impl& m = *impl_;
+  const auto on_stream = m.on_stream();
   TILLER_CHECK(m.leader() && !m.shut_down, "step() on a TP follower or after shutdown()");
   std::vector<SampleOutput> done = std::move(m.aborted);
   m.aborted.clear();
@@ -192,6 +193,7 @@ std::vector<SampleOutput> Engine::step() {
 
 std::vector<SampleOutput> Engine::drain() {
   Impl& m = *impl_;
+  const auto on_stream = m.on_stream();
   TILLER_CHECK(m.leader(), "drain() on a TP follower");
   std::vector<SampleOutput> done = std::move(m.aborted);
   m.aborted.clear();

@@ -130,7 +130,13 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
   }
   dist::Communicator* tp_comm = tp > 1 ? groups.engine_tp.get() : nullptr;
   if (tp_comm) tp_comm->set_timeout(cfg.timeouts.collective_s);
-  own.engine = std::make_unique<engine::Engine>(w.config, std::move(w.weights), eo, tp_comm);
+  // A hybrid TP engine shares its GPUs with the trainers, which run their own collectives on them
+  // from another thread: its followers wait for the leader's messages on the host, and its kernels
+  // run on a stream of their own (engine.h: the control communicator, EngineOptions::own_stream).
+  dist::Communicator* control = tp > 1 ? groups.engine_control.get() : nullptr;
+  if (control) control->set_timeout(cfg.timeouts.collective_s);
+  eo.own_stream = plan.hybrid && tp > 1 && device != "cpu";
+  own.engine = std::make_unique<engine::Engine>(w.config, std::move(w.weights), eo, tp_comm, control);
   return *own.engine;
 }
 

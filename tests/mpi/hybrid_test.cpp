@@ -8,6 +8,7 @@
 #include <thread>
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <gtest/gtest.h>
 
 #include "mpi_env_for_tests.h"
@@ -28,6 +29,8 @@ at::ScalarType compute() { return on_gpu() ? at::kBFloat16 : at::kFloat; }
 std::string wire_name() { return on_gpu() ? "bf16" : "fp32"; }
 // Every rank here before any goes on (followers' threads have finished what the leader started).
 void barrier() { comm().all_reduce(at::zeros({1}, mpi_test_env().device))->wait(); }
+// The same over the host: no collective left pending on the GPU while a rank waits.
+void host_barrier() { mpi_test_env().world->all_reduce(at::zeros({1}))->wait(); }
 
 model::ModelConfig tiny() {
   model::ModelConfig cfg = model::preset("tiny-qwen2");
@@ -38,11 +41,12 @@ model::ModelConfig tiny() {
 model::NamedTensors initial(int seed) { return model::init_weights(tiny(), model::Head::kLm, seed, at::kFloat); }
 
 // One rank: the actor's ZeRO-3 shard over every rank, and TP rank (rank % tp) of engine rank / tp,
-// whose followers run follow() on a thread of their own.
+// whose followers run follow() on a thread of their own. `host_control`: as tiller train builds a
+// hybrid TP engine, its control messages over the host (MPI) and its kernels on a stream of its own.
 struct HybridRig {
   model::ModelConfig cfg = tiny();
   int tp = 1;
-  std::unique_ptr<dist::Communicator> tp_comm, sync_comm;
+  std::unique_ptr<dist::Communicator> tp_comm, sync_comm, control_comm;
   std::unique_ptr<zero::ShardedModel> actor;
   std::unique_ptr<engine::Engine> engine;
   std::unique_ptr<sync::LocalWeightSink> sink;
@@ -52,10 +56,12 @@ struct HybridRig {
 
   // `lora`: a LoRA actor (its adapters `actor_adapters`), whose engine starts with `engine_adapters`.
   HybridRig(int tp_size, int engine_seed, double timeout_s, const model::LoraSpec* lora = nullptr,
-            const model::NamedTensors* actor_adapters = nullptr, const model::NamedTensors* engine_adapters = nullptr)
+            const model::NamedTensors* actor_adapters = nullptr, const model::NamedTensors* engine_adapters = nullptr,
+            bool host_control = false)
       : tp(tp_size) {
     const int me = comm().rank();
     tp_comm = comm().split(me / tp, me, "engine.tp");
+    if (host_control && tp > 1) control_comm = mpi_test_env().world->split(me / tp, me, "engine.control");
     sync_comm = comm().split(0, me, "weight_sync");
     zero::ShardedModelOptions o;
     o.compute_dtype = compute();
@@ -78,7 +84,9 @@ struct HybridRig {
     eo.block_size = 8;
     eo.num_blocks = 96;
     eo.limits.max_batched_tokens = 64;
-    engine = std::make_unique<engine::Engine>(cfg, std::move(local), eo, tp > 1 ? tp_comm.get() : nullptr);
+    eo.own_stream = control_comm != nullptr;
+    engine = std::make_unique<engine::Engine>(cfg, std::move(local), eo, tp > 1 ? tp_comm.get() : nullptr,
+                                              control_comm.get());
     sink = std::make_unique<sync::LocalWeightSink>(*engine, timeout_s);
     engine->set_weight_sink(sink.get());
     plan = lora ? sync::make_lora_bucket_plan(cfg, *lora, comm().size(), tp, 3000)
@@ -173,6 +181,56 @@ TEST(HybridSync, HandoffEqualsTheDisaggregatedSyncBitForBit) {
     expect_engine_holds_actor(r, "after the handoff");
     if (r.engine->is_leader()) EXPECT_TRUE(r.engine->weights_broken().empty());
   }
+}
+
+// A TP engine beside its trainers, as tiller train runs it (control over the host, its own
+// stream): the trainer thread synchronises the device while the follower waits for a message (a
+// phase change releases the allocator's cache), and runs collectives of its own from another
+// thread while the engine generates (scoring during the generate phase). On GPUs, with the
+// followers waiting in an NCCL broadcast and the engine on the trainer's stream, tiller train
+// stalled so. The greedy tokens equal those of the engine generating alone, and the handoff
+// lands. (While one rank's engine generates, the others wait on the host, as trainers wait for
+// the controller: a device collective left pending under the engine's first steps would meet
+// the device-wide synchronisation of their one-time set-up, cuBLAS's and NCCL's.)
+TEST(HybridSync, ATensorParallelEngineRunsBesideItsTrainersCollectives) {
+  if (comm().size() % 2) GTEST_SKIP() << "needs an even number of ranks";
+  HybridRig r(2, /*engine_seed=*/9, 60, nullptr, nullptr, nullptr, /*host_control=*/true);
+  auto trainer = comm().split(0, comm().rank(), "trainer");
+  auto synchronise = [] {
+    model::release_cached_device_memory(device());
+    if (on_gpu()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->synchronizeDevice(device().index());
+  };
+  synchronise();
+  barrier();
+  const auto res = r.sync(1, false);
+  EXPECT_TRUE(res.complete) << res.error;
+  synchronise();
+  barrier();
+  expect_engine_holds_actor(r, "after the handoff");
+  at::Tensor alone, beside;
+  if (r.engine->is_leader()) alone = generate(*r.engine);
+  host_barrier();
+  // Every rank's trainer: 40 all-reduces, each followed on its stream by work that needs it.
+  std::thread train([&] {
+    if (on_gpu()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device());
+    at::Tensor x = at::ones({1 << 16}, mpi_test_env().device);
+    for (int i = 0; i < 40; ++i) {
+      trainer->all_reduce(x)->wait_on_stream();
+      x = x / comm().size();
+    }
+    EXPECT_TRUE(at::equal(x.cpu(), at::ones({1 << 16}))) << "the trainer's all-reduces";
+  });
+  std::thread engine_loop;  // the leader's engine runs on a thread of its own, as the server's loop
+  if (r.engine->is_leader())
+    engine_loop = std::thread([&] {
+      r.engine->use_device_on_this_thread();
+      beside = generate(*r.engine);
+    });
+  train.join();
+  if (engine_loop.joinable()) engine_loop.join();
+  synchronise();
+  barrier();
+  if (r.engine->is_leader()) EXPECT_TRUE(at::equal(beside, alone)) << "greedy tokens beside the trainer";
 }
 
 TEST(HybridSync, SleepAndWakeGiveTheSameGreedyTokensAfterTheNextSync) {

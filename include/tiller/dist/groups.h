@@ -19,6 +19,11 @@ namespace tiller::dist {
 struct GroupCommunicators {
   std::map<Role, std::unique_ptr<Communicator>> roles;  // only this rank's roles
   std::unique_ptr<Communicator> engine_tp;                     // null unless this rank is an engine rank
+  // The same TP group over the host (the world's backend, MPI), for the engine's control messages
+  // (engine/engine.h): made only for hybrid plans whose groups go to a device (to_device), where
+  // a follower waiting on the device for its leader's next message would leave a collective
+  // pending on the GPU its trainer shares. Null otherwise: the control goes over engine_tp.
+  std::unique_ptr<Communicator> engine_control;
   // The weight sync's (sync/weight_sync.h): the actor group's ranks first (sync rank i = actor
   // rank i), then every engine's ranks in engine and TP order. Null on other ranks, and when the
   // plan has no actor or no engine. Hybrid (RankPlan::hybrid): the actor group's ranks alone, each

@@ -93,6 +93,12 @@ struct EngineOptions {
   // Routing replay (algo.routing_replay): each sample's experts per token (SampleOutput::routes).
   // Mixture-of-experts models only; at most 32767 experts (int16).
   bool record_routes = false;
+  // CUDA: the engine's kernels run on a stream of its own (each call that launches work makes it
+  // current for its duration, whichever thread calls), not the calling thread's. For a TP engine
+  // inside a trainer's process (the hybrid engine): the trainer's collectives and the engine's on
+  // one shared stream would queue behind each other in a different order on each rank, and wait
+  // on each other across ranks.
+  bool own_stream = false;
   // Multi-turn sessions (above): how long a parked session waits for its next turn, and how many
   // may be parked (0: 4 x max_num_seqs).
   double session_timeout_s = 300;
@@ -181,9 +187,12 @@ class Engine {
  public:
   // Takes the model's weights (this rank's TP shard of them when `tp` has more than one rank;
   // see engine_weights.h) on the options' device. `tp` may be null (no tensor parallelism)
-  // and must outlive the engine.
+  // and must outlive the engine. `control`, when given, is the same TP group over the host (MPI):
+  // the leader's messages to its followers (steps, syncs, sleep, wake, heartbeats) and the
+  // group's votes go over it, so a follower waits for the next message on the host instead of in
+  // a collective pending on its GPU; the forward's collectives stay on `tp`.
   Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const EngineOptions& opts,
-         dist::Communicator* tp = nullptr);
+         dist::Communicator* tp = nullptr, dist::Communicator* control = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
