@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Makes what configs/quickstart.yaml needs, with transformers and tokenizers (CPU, seconds):
 
-  make_quickstart.py [MODEL_DIR] [PROMPTS] [--moe]
+  make_quickstart.py [MODEL_DIR] [PROMPTS] [--moe | --mha] [--sharp]
                      (defaults: models/tiny-qwen2, data/quickstart/prompts.jsonl)
 
 MODEL_DIR  a randomly initialised tiny Qwen2 (2 layers, hidden 64) with a byte-level BPE tokenizer
@@ -9,6 +9,8 @@ MODEL_DIR  a randomly initialised tiny Qwen2 (2 layers, hidden 64) with a byte-l
            scripts/quickstart_tokenizer.json (trained once on this repository's docs of 2026-11-26):
            a fixed file, so that editing the docs no longer changes the model and every e2e curve.
            With --moe, a tiny Qwen3-MoE instead (4 experts of 64, top 2) with the same tokenizer.
+           With --mha, 4 KV heads (one per query head) instead of 2: an engine can split them over
+           4 tensor-parallel ranks (the hybrid TP-4 test).
 PROMPTS    256 prompts for the toy task "toy_digits" (reward: the share of the response's
            characters that are digits), one JSON object per line.
 
@@ -23,8 +25,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ARGS = [a for a in sys.argv[1:] if a not in ("--moe", "--sharp")]
+ARGS = [a for a in sys.argv[1:] if a not in ("--moe", "--sharp", "--mha")]
 MOE = "--moe" in sys.argv[1:]
+MHA = "--mha" in sys.argv[1:]
 # --sharp: weights drawn with a larger std (initializer_range 0.2), so the tied head's logits span
 # a trained model's range. LoRA's tests use it: at transformers' 0.02 the final RMSNorm and the
 # frozen head cap every logit near 1, and adapters alone cannot move the distribution far.
@@ -50,7 +53,7 @@ def main():
     lines = "".join(json.dumps(p) + "\n" for p in prompts())
     if not PROMPTS.exists() or PROMPTS.read_text() != lines:
         PROMPTS.write_text(lines)
-    stamp = STAMP + (" moe" if MOE else "") + (" sharp" if SHARP else "")
+    stamp = STAMP + (" moe" if MOE else "") + (" sharp" if SHARP else "") + (" mha" if MHA else "")
     if (MODEL / "stamp").exists() and (MODEL / "stamp").read_text() == stamp:
         print(f"{MODEL} is current")
         return
@@ -67,7 +70,7 @@ def main():
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_attention_heads=4, num_key_value_heads=4 if MHA else 2, max_position_embeddings=512,
                       tie_word_embeddings=True, eos_token_id=tok.token_to_id("<|endoftext|>"),
                       bos_token_id=tok.token_to_id("<|endoftext|>"), torch_dtype="float32",
                       initializer_range=0.2 if SHARP else 0.02)

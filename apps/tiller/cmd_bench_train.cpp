@@ -39,6 +39,7 @@
 #include "tiller/core/logging.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/dist/mpi_env.h"
+#include "tiller/dist/watchdog.h"
 #include "tiller/model/storage_swap.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
@@ -110,11 +111,26 @@ rollout::MemoryPlan plan_job(const TrainBenchOptions& o, const model::ModelConfi
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env);
+
 int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   apply_logprob_match(o.logprob_match);
   apply_expert_kernels(o.experts);
   dist::MpiEnv env(argc, argv);
   log::init(env.rank(), "bench", log::Level::kWarn);
+  // A rank that fails (its GPU's memory, a collective's deadline) ends the job at once, every rank
+  // saying where it was (dist/watchdog.h): unwound instead, its communicators' teardown would wait
+  // for the peers stuck in a collective with it, silently, until their deadline.
+  dist::Watchdog::start(env.rank(), fmt::format("bench train, rank {} of {}", env.rank(), env.size()));
+  try {
+    return train_bench(o, env);
+  } catch (const std::exception& e) {
+    if (env.size() > 1) dist::MpiEnv::fail_job(env.rank(), e);
+    throw;
+  }
+}
+
+int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
   if (o.steps < 3) throw ConfigError("--steps: at least 3 (two warm-up steps are not timed)");
   if (o.frozen && !o.score) throw ConfigError("--frozen times a scoring pass: add --score");
   if (o.score && o.accumulate != 1) throw ConfigError("--accumulate counts training micro-batches: drop it with --score");
@@ -176,6 +192,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
   std::vector<double> step_s, fwd_bwd_s, opt_s, wait_s, host_update_s, host_copy_wait_s;
   compat::reset_peak(dev);
   for (int s = 0; s < o.steps && o.score; ++s) {
+    dist::Watchdog::set_phase(fmt::format("scoring step {} of {}", s + 1, o.steps));
     compat::synchronize(dev);
     StepProfiler profiler(!o.profile.empty() && s == o.steps - 1 && comm.rank() == 0);
     const auto t0 = Clock::now();
@@ -196,6 +213,7 @@ int run_train_bench(const TrainBenchOptions& o, int* argc, char*** argv) {
     wait_s.push_back(waited);
   }
   for (int s = 0; s < o.steps && !o.score; ++s) {
+    dist::Watchdog::set_phase(fmt::format("training step {} of {}", s + 1, o.steps));
     compat::synchronize(dev);
     StepProfiler profiler(!o.profile.empty() && s == o.steps - 1 && comm.rank() == 0);
     const auto t0 = Clock::now();

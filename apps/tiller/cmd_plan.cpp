@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdio>
 #include <sstream>
 
@@ -87,6 +88,7 @@ void add_plan_command(CLI::App& app, Runner& run) {
     int gpus_per_node = 8;
     std::string node_gpus;
     double gpu_memory_gb = -1;
+    double host_memory_gb = -1;
     std::string command = "train";
   };
   auto o = std::make_shared<Options>();
@@ -98,6 +100,10 @@ void add_plan_command(CLI::App& app, Runner& run) {
   cmd->add_option("--gpu-memory-gb", o->gpu_memory_gb,
                   "GPU memory in GiB to check the memory plan against (default: cluster.gpu_memory_gb)")
       ->check(CLI::Range(1.0, 65536.0));
+  cmd->add_option("--host-memory-gb", o->host_memory_gb,
+                  "Host memory per node in GiB to check what optimizers on the host and hybrid offload keep there "
+                  "(default: cluster.host_memory_gb)")
+      ->check(CLI::Range(1.0, 1048576.0));
   cmd->add_option("--command", o->command,
                   "The command the config is for: train (default), or sft, train-rm, dpo (every rank trains roles.actor)")
       ->check(CLI::IsMember({"train", "sft", "train-rm", "dpo"}));
@@ -107,6 +113,7 @@ void add_plan_command(CLI::App& app, Runner& run) {
                                                : load_config(o->config, o->overrides);  // no RL-loop rules
       std::vector<int> gpus = o->node_gpus.empty() ? std::vector<int>(o->nodes, o->gpus_per_node)
                                                    : parse_node_gpus(o->node_gpus);
+      if (o->host_memory_gb > 0) config.cluster.host_memory_gb = o->host_memory_gb;
       if (o->command != "train") {
         const double gb = o->gpu_memory_gb > 0 ? o->gpu_memory_gb : config.cluster.gpu_memory_gb;
         return plan_offline(config, o->command, o->config, o->overrides, gpus, static_cast<int64_t>(gb * (1ull << 30)));
@@ -130,11 +137,36 @@ void add_plan_command(CLI::App& app, Runner& run) {
       }
       const double gb = o->gpu_memory_gb > 0 ? o->gpu_memory_gb : config.cluster.gpu_memory_gb;
       const auto gpu_bytes = static_cast<int64_t>(gb * (1ull << 30));
-      const rollout::MemoryPlan memory = rollout::plan_memory(config, plan, shapes, gpu_bytes);
+      // A plan that cannot fit is an error (exit 2), naming the smallest layout that would.
+      auto refuse = [&](const ConfigError& e) {
+        const int per_node = *std::max_element(gpus.begin(), gpus.end());
+        const auto fit = rollout::smallest_fitting_layout(config, shapes, per_node, gpu_bytes);
+        if (!fit) throw e;
+        std::string line = fmt::format("tiller plan -c {} --nodes {} --gpus-per-node {}", o->config, fit->nodes, per_node);
+        auto key = [](const std::string& kv) { return kv.substr(0, kv.find('=')); };
+        for (const std::string& kv : o->overrides)
+          if (std::none_of(fit->overrides.begin(), fit->overrides.end(), [&](const std::string& f) { return key(f) == key(kv); }))
+            line += " --set " + kv;
+        for (const std::string& kv : fit->overrides) line += " --set " + kv;
+        throw ConfigError(fmt::format("{}. The smallest layout that fits: {} GPUs on {} node{} of {} ({})", e.what(),
+                                      fit->gpus, fit->nodes, fit->nodes > 1 ? "s" : "", per_node, line));
+      };
+      rollout::MemoryPlan memory;
+      try {
+        memory = rollout::plan_memory(config, plan, shapes, gpu_bytes);
+      } catch (const ConfigError& e) {
+        std::fputs(out.c_str(), stdout);  // the rank plan, before the refusal
+        std::fflush(stdout);
+        refuse(e);
+      }
       out += "\n" + memory.table();
       std::fputs(out.c_str(), stdout);
       std::fflush(stdout);
-      rollout::check_fits(memory, config);  // a plan that cannot fit is an error (exit 2)
+      try {
+        rollout::check_fits(memory, config);
+      } catch (const ConfigError& e) {
+        refuse(e);
+      }
       return 0;
     };
   });

@@ -5,6 +5,7 @@
 # tokens/s/GPU, their ratio to the baseline and peak memory per rank. A length that does not fit
 # is recorded with its error instead of ending the script.
 #   MODEL=qwen2-7b NGPU=4 SP=4 TOKENS=32768 LENS="8192 32768 65536 131072" scripts/gpu/bench_long.sh [OUT.json]
+# RUN_TIMEOUT (s, default 300) ends a run that takes longer; STACKS_DIR=dir keeps its ranks' stacks.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 out=${1:-}
@@ -15,9 +16,19 @@ per_gpu=${TOKENS:-32768}
 steps=${STEPS:-4}
 tmp=$(mktemp -d)
 bench() {  # name seq micro-batch sp
-  if ! timeout "${RUN_TIMEOUT:-300}" mpirun -np "$n" --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE \
+  # A run past RUN_TIMEOUT (s) is ended; its ranks' stacks (stacks.sh) go to STACKS_DIR first, if set.
+  mpirun -np "$n" --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE \
       -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS "$gpu_build/bin/tiller" bench train --model "$model" \
-      --seq "$2" --micro-batch "$3" --sequence-parallel "$4" --steps "$steps" --out "$tmp/$1.json" > "$tmp/$1.log" 2>&1; then
+      --seq "$2" --micro-batch "$3" --sequence-parallel "$4" --steps "$steps" --out "$tmp/$1.json" > "$tmp/$1.log" 2>&1 &
+  local job=$! waited=0 code=0
+  while kill -0 "$job" 2>/dev/null && [ "$waited" -lt "${RUN_TIMEOUT:-300}" ]; do sleep 1; waited=$((waited + 1)); done
+  if kill -0 "$job" 2>/dev/null; then
+    echo "ran past ${RUN_TIMEOUT:-300} s: ended" >> "$tmp/$1.log"
+    [ -n "${STACKS_DIR:-}" ] && mkdir -p "$STACKS_DIR" && bash "$(dirname "$0")/stacks.sh" > "$STACKS_DIR/$1.txt" 2>&1
+    kill "$job"; sleep 2; pkill -9 -x tiller || true
+  fi
+  wait "$job" || code=$?
+  if [ "$code" -ne 0 ] || [ ! -s "$tmp/$1.json" ]; then
     $python -c 'import json,sys; print(json.dumps({"seq": int(sys.argv[1]), "sequence_parallel": int(sys.argv[2]),
       "error": open(sys.argv[3]).read()[-600:]}))' "$2" "$4" "$tmp/$1.log" > "$tmp/$1.json"
   fi

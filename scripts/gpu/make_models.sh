@@ -16,9 +16,9 @@ nvidia-smi -L > /dev/null 2>&1 && device=cuda
 for spec in "$@"; do
   size=${spec%-rm}
   case "$size" in
-    0.5b|1.5b|7b|32b) preset=qwen2-$size out=models/qwen2.5-$spec ;;
+    0.5b|1.5b|7b|32b|72b) preset=qwen2-$size out=models/qwen2.5-$spec ;;
     qwen3-30b-a3b-8l) preset=$size out=models/$spec ;;  # a mixture of experts (configs/gpu/qwen3-30b-a3b-8l-*)
-    *) echo "make_models.sh: unknown size '$spec' (0.5b, 1.5b, 7b, 32b, qwen3-30b-a3b-8l, with -rm for a reward model)" >&2
+    *) echo "make_models.sh: unknown size '$spec' (0.5b, 1.5b, 7b, 32b, 72b, qwen3-30b-a3b-8l, with -rm for a reward model)" >&2
        exit 2 ;;
   esac
   [ -f "$out/config.json" ] && continue

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Prints every thread's stack of every running `tiller` process (gdb attaches briefly; the process
-# goes on afterwards). For a job that makes no progress: which rank waits where.
+# Prints every thread's stack of every running `tiller` process (the debugger attaches briefly; the
+# process goes on afterwards). For a job that makes no progress: which rank waits where.
 #   scripts/gpu/stacks.sh > stacks.txt
+# gdb, or where the host has none (the GPU hosts of docs/gpu.md) CUDA's cuda-gdb, which debugs host
+# code as gdb does.
 set -uo pipefail
-command -v gdb > /dev/null || { echo "stacks.sh: gdb is not installed" >&2; exit 2; }
+debugger=$(command -v gdb || command -v cuda-gdb || ls /usr/local/cuda/bin/cuda-gdb 2>/dev/null) ||
+  { echo "stacks.sh: neither gdb nor cuda-gdb is installed" >&2; exit 2; }
 for pid in $(pgrep -x tiller); do
   rank=$(tr '\0' '\n' < /proc/$pid/environ 2>/dev/null | sed -n 's/^OMPI_COMM_WORLD_RANK=//p')
   echo "=== rank ${rank:-?} (pid $pid): $(tr '\0' ' ' < /proc/$pid/cmdline | cut -c1-200)"
-  timeout 90 gdb -p "$pid" -batch -nx -ex "set pagination off" -ex "thread apply all bt 25" 2>/dev/null |
+  timeout 120 "$debugger" -p "$pid" -batch -nx -ex "set pagination off" -ex "thread apply all bt 25" 2>/dev/null |
     grep -E '^(Thread|#)' | sed -E 's/ \(.*\) at / at /' | cut -c1-220
 done

@@ -376,6 +376,7 @@ void RolloutCollector::take_async_scores() {
 }
 
 void RolloutCollector::post_scoring() {
+  if (scoring_held_) return;
   StepBatch& b = *batch_;
   const int64_t total = b.ro.size();
   // Every sample of the step is in: the packers may release what they hold.
@@ -437,14 +438,19 @@ bool RolloutCollector::pump(int wait_ms) {
   return any;
 }
 
-bool RolloutCollector::batch_ready() const {
+bool RolloutCollector::generation_done() const {
   const StepBatch& b = *batch_;
-  if (!b.closed) return false;
-  if (b.ro.size() != static_cast<int64_t>(b.groups.size()) * cfg_.n) return false;
+  if (!b.closed || b.ro.size() != static_cast<int64_t>(b.groups.size()) * cfg_.n) return false;
   for (const auto& g : b.groups) {
     auto it = outstanding_.find(g.ordinal);
     if (it != outstanding_.end() && it->second.async_pending > 0) return false;
   }
+  return true;
+}
+
+bool RolloutCollector::batch_ready() const {
+  if (!generation_done()) return false;
+  const StepBatch& b = *batch_;
   for (size_t i = 0; i < scoring_.size(); ++i)
     if (!scoring_open_[i] || packed_[i] < b.ro.size() || !scoring_[i]->done()) return false;
   return true;

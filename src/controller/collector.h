@@ -28,7 +28,8 @@
 // Scoring. A joined sample goes to every trainer group's ScoreRounds once that group may score
 // the forming step: at once for frozen roles; for the actor and critic only after the step before
 // has posted its training (and, for the actor, its weight sync), so that log-probs and values come
-// from the weights the step trains (the orchestrator says when: release()).
+// from the weights the step trains (the orchestrator says when: release()); and never while the
+// orchestrator holds scoring (hold_scoring: a hybrid step scored after its generation).
 //
 // The step is ready when it has batch_size groups (or closed early), each complete, scored by
 // every group, with every reward. take_batch() hands it over and starts forming the next.
@@ -207,6 +208,13 @@ class RolloutCollector final : private LoopHost {
   void set_version(uint64_t version);
   // While paused no prompt is dispatched (a sync that waits out the samples in flight).
   void pause_dispatch(bool paused) { paused_ = paused; }
+  // While held no score request goes to any trainer group; the forming step's samples wait in its
+  // arrays and are posted once released (cluster.hybrid_scoring = after_generate: no trainer
+  // collective while the engines generate on the same GPUs).
+  void hold_scoring(bool held) { scoring_held_ = held; }
+  // Every sample of the forming step is in (the step closed; rewards that decide admission known):
+  // what remains is scoring.
+  bool generation_done() const;
   // Samples the engines still owe, and samples waiting for the loop's other work (an environment).
   int64_t in_flight_samples() const;
   int64_t forming_step() const;
@@ -296,6 +304,7 @@ class RolloutCollector final : private LoopHost {
   uint64_t version_ = 0;
   int64_t next_ordinal_ = 0;
   bool paused_ = false;
+  bool scoring_held_ = false;
   bool open_ = false;
   std::map<int64_t, Group> outstanding_;  // by ordinal
   std::vector<PendingPrompt> resend_;     // a checkpoint's prompts still to send

@@ -4,6 +4,8 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <optional>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -29,6 +31,7 @@
 #include "tiller/core/logging.h"
 #include "tiller/core/tls.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/dist/watchdog.h"
 #include "tiller/env/remote_env.h"
 #include "tiller/model/chat_template.h"
 #include "tiller/model/model_config.h"
@@ -94,6 +97,7 @@ struct Controller::Impl {
   std::unique_ptr<StepTrace> trace;
   std::unique_ptr<StepOutputs> outputs;
   std::unique_ptr<HybridPhases> hybrid;  // cluster.hybrid
+  bool score_after_generate = false;      // cluster.hybrid_scoring, resolved
   StepHookRunner hooks;                   // train.step_hooks
   uint64_t plan_id = 0;
 
@@ -155,6 +159,7 @@ struct Controller::Impl {
         cfg.logging.tensorboard_dir.empty() ? out + "/tensorboard" : cfg.logging.tensorboard_dir,
         cfg.logging.rollout_records, cfg.logging.rollout_records_tokens);
     if (plan.hybrid) hybrid = std::make_unique<HybridPhases>(cfg, *w.engines, link, trainers, *trace);
+    score_after_generate = plan.hybrid && cfg.hybrid_scores_after_generate(planned_backend(cfg.cluster));
   }
 
   HybridPhases::Put put_metric() {
@@ -171,7 +176,18 @@ struct Controller::Impl {
   // Hybrid: the trainers give the GPUs back and the engines generate the next step.
   void hybrid_generate_phase(int64_t j) {
     hybrid->generate(j, put_metric());
+    collector->hold_scoring(score_after_generate);
     collector->pause_dispatch(false);
+  }
+
+  // Hybrid, cluster.hybrid_scoring = after_generate: once the step's samples are all in (and any
+  // extra ones in flight), the engines free their caches and the trainers score.
+  void hybrid_score_phase(int64_t j) {
+    while (!collector->generation_done()) pump();
+    collector->pause_dispatch(true);
+    while (collector->in_flight_samples() > 0) pump();
+    hybrid->score(j, put_metric());
+    collector->hold_scoring(false);
   }
 
   // --- background work ---------------------------------------------------------------------------
@@ -274,6 +290,7 @@ struct Controller::Impl {
   }
 
   void sync_weights(int64_t j) {
+    dist::Watchdog::set_phase(fmt::format("weight sync, step {}", j));
     const auto t0 = w.clock->now();
     const double w0 = wall_us();
     if (!cfg.rollout.partial) {
@@ -465,11 +482,34 @@ struct Controller::Impl {
     engine_stats = w.engines->stats();
     first_step = step;
     bool stopped_by_signal = false;
+    // The watchdog's line for this rank (dist/watchdog.h): the calls it waits for. Kept when the run
+    // ends on an error, which the watchdog's lines are printed after.
+    struct StatusSource {
+      explicit StatusSource(const TrainerLink& link) {
+        dist::Watchdog::set_status_source([pending = link.pending_source()] {
+          const std::string p = pending();
+          return p.empty() ? p : "waiting for " + p;
+        });
+      }
+      ~StatusSource() {
+        if (std::uncaught_exceptions() == 0) dist::Watchdog::set_status_source({});
+      }
+    } status_source(link);
     while (step < cfg.train.num_steps) {
       metrics = json::object();
-      if (hybrid) hybrid_generate_phase(step + 1);
+      const int64_t j = step + 1;
+      std::optional<dist::WaitScope> step_deadline;
+      if (cfg.timeouts.step_s > 0)
+        step_deadline.emplace(fmt::format("step {}", j), Deadline::after_seconds(cfg.timeouts.step_s), "timeouts.step_s");
+      dist::Watchdog::set_phase(fmt::format("{}, step {}", score_after_generate ? "generate" : "generate and score", j));
+      if (hybrid) hybrid_generate_phase(j);
+      if (score_after_generate) {
+        hybrid_score_phase(j);
+        dist::Watchdog::set_phase(fmt::format("score, step {}", j));
+      }
       std::unique_ptr<StepBatch> b = next_batch();
       const bool train_actor = b->step > cfg.train.critic_warmup_steps && b->ro.size() > 0;
+      dist::Watchdog::set_phase(fmt::format("train, step {}", j));
       if (hybrid) hybrid_train_phase(b->step, train_actor);
       OffPolicy op;
       if (b->ro.size() > 0) {

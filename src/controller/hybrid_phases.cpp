@@ -74,18 +74,40 @@ void HybridPhases::generate(int64_t step, const Put& put) {
   const double allocated = engine_memory(engines_.wake(/*weights=*/true, /*cache=*/true), "generate", put);
   put("memory/generate/allocated_gb", std::max(trainer_allocated, allocated) / kGiB);
   generating_ = true;
+  asleep_ = 0;
+  scored_ = false;
+  sleep_seconds_ = 0;
   put("time/hybrid_wake", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   trace_.span(step, "wake engines", -1, w0, wall_us());
+}
+
+void HybridPhases::score(int64_t step, const Put& put) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const double w0 = wall_us();
+  const int level = static_cast<int>(std::min<int64_t>(cfg_.engines.sleep_level, 1));
+  if (level > asleep_) {
+    put("memory/score/allocated_gb", engine_memory(engines_.sleep(level), "score", put) / kGiB);
+    asleep_ = level;
+  }
+  generating_ = false;
+  scored_ = true;
+  sleep_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  trace_.span(step, "sleep engines (scoring)", -1, w0, wall_us());
 }
 
 void HybridPhases::train(int64_t step, bool sync_follows, const Put& put) {
   const auto t0 = std::chrono::steady_clock::now();
   const double w0 = wall_us();
   const int level = static_cast<int>(sync_follows ? cfg_.engines.sleep_level : std::min<int64_t>(cfg_.engines.sleep_level, 1));
-  if (level > 0) engine_memory(engines_.sleep(level), "train", put);
+  if (level > asleep_) {
+    engine_memory(engines_.sleep(level), "train", put);
+    asleep_ = level;
+  }
   generating_ = false;
-  trainers(/*offload=*/false, step, "train", "generate", put);
-  put("time/hybrid_sleep", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  // The trainers' peak since they offloaded: their scoring's, with or without the engines beside it.
+  trainers(/*offload=*/false, step, "train", scored_ ? "score" : "generate", put);
+  sleep_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  put("time/hybrid_sleep", sleep_seconds_);
   trace_.span(step, "sleep engines", -1, w0, wall_us());
 }
 

@@ -5,6 +5,9 @@
 //   generate  the trainers move their offloaded roles' state to the host (roles.<r>.offload), then
 //             the engines wake their KV caches: the cache is allocated only once the trainer's
 //             state has left, so the GPU never holds both;
+//   score     (cluster.hybrid_scoring = after_generate; every sample is in) the engines sleep at
+//             level 1 at most (their KV caches go), and the trainers score on GPUs where no engine
+//             runs; without it the trainers score while the engines generate;
 //   train     (the step's samples are all generated and scored) the engines sleep at
 //             engines.sleep_level (at most 1 when no sync follows), then the trainers bring their
 //             state back;
@@ -39,6 +42,8 @@ class HybridPhases {
                StepTrace& trace);
 
   void generate(int64_t step, const Put& put);
+  // after_generate: the step's samples are in; the engines free their KV caches before scoring.
+  void score(int64_t step, const Put& put);
   // `sync_follows`: the step updates the actor and syncs. Without it (critic warm-up, a step with
   // nothing to train) the engines sleep at level 1 at most: level 2 would leave no weights for the
   // next generation, since only a sync refills them.
@@ -58,6 +63,9 @@ class HybridPhases {
   std::vector<int> ranks_;
   StepTrace& trace_;
   bool generating_ = false;
+  int asleep_ = 0;  // the engines' sleep level since the last change (0: awake)
+  bool scored_ = false;  // this step's score phase began (after_generate)
+  double sleep_seconds_ = 0;  // this step's, score and train phases together
 };
 
 }  // namespace tiller::rollout

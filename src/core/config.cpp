@@ -380,6 +380,10 @@ void JobConfig::validate_hybrid() const {
                                     "weights score during generation); set it to false",
                                     name));
   }
+  if (!cluster.hybrid && cluster.hybrid_scoring != HybridScoring::kAuto)
+    throw ConfigError(fmt::format("cluster.hybrid_scoring = {} chooses when a hybrid job's trainers score; it needs "
+                                  "cluster.hybrid=true (leave it at auto)",
+                                  enum_name(cluster.hybrid_scoring)));
   if (!cluster.hybrid) return;
   if (rollout.mode != RolloutMode::kSync)
     throw ConfigError("cluster.hybrid runs generation and training in turn on every GPU; rollout.mode=async needs "
@@ -402,6 +406,21 @@ std::int64_t JobConfig::response_limit() const {
   if (!multi_turn()) return rollout.max_new_tokens;
   if (rollout.max_response_tokens > 0) return rollout.max_response_tokens;
   return rollout.max_new_tokens * rollout.max_turns;  // both bounded (1 << 24, 1024): no overflow
+}
+
+BackendKind planned_backend(const ClusterConfig& cluster) {
+  if (cluster.backend != BackendKind::kAuto) return cluster.backend;
+  return cluster.device == DeviceKind::kCpu ? BackendKind::kMpi : BackendKind::kNccl;
+}
+
+bool JobConfig::hybrid_scores_after_generate(BackendKind backend) const {
+  if (!cluster.hybrid) return false;
+  switch (cluster.hybrid_scoring) {
+    case HybridScoring::kOverlap: return false;
+    case HybridScoring::kAfterGenerate: return true;
+    case HybridScoring::kAuto: break;
+  }
+  return engines.tp > 1 && backend == BackendKind::kNccl;
 }
 
 bool JobConfig::ref_is_actor_base() const {

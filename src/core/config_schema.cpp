@@ -152,12 +152,23 @@ std::vector<Field> build() {
   b.add("cluster.hybrid", TILLER_FIELD(cluster.hybrid),
         "Hybrid engine: every actor GPU also runs an engine (engines.tp consecutive actor ranks per engine), in the "
         "actor rank's own process. Phases alternate on each GPU: generate, then score and train with the engine "
-        "asleep (engines.sleep_level); the weights reach the engine by a copy on the GPU. engines.count is derived. "
-        "Over NCCL (GPUs) engines.tp must be 1: a hybrid engine at TP > 1 can stall there (docs/training.md).");
+        "asleep (engines.sleep_level); the weights reach the engine by a copy on the GPU. engines.count is derived.");
+  b.add_enum("cluster.hybrid_scoring", TILLER_FIELD(cluster.hybrid_scoring),
+        "cluster.hybrid: when the trainers score a step's samples (log-probs, values, rewards of a model). overlap: "
+        "as they arrive, while the engines generate the rest; after_generate: once all are in, with the engines' KV "
+        "caches asleep (no scoring activations beside the cache). auto: after_generate for engines.tp > 1 over NCCL, "
+        "whose all-reduces must not run beside the trainers' collectives on the same GPUs (overlap is refused "
+        "there), overlap otherwise (docs/training.md).")
+      ;
   b.add("cluster.gpu_memory_gb", TILLER_FIELD(cluster.gpu_memory_gb),
         "GPU memory per GPU in GiB for the memory plan (tiller plan checks the fit with it); 0: tiller train "
         "asks the device, tiller plan prints the estimates without a fit check.")
       .range(0.0, 65536.0);
+  b.add("cluster.host_memory_gb", TILLER_FIELD(cluster.host_memory_gb),
+        "Host memory per node in GiB for the memory plan: what optimizers on the host (roles.<r>.optimizer_offload) "
+        "and hybrid offload (roles.<r>.offload) keep there must fit 9/10 of it. 0: tiller train reads the node's, "
+        "tiller plan checks no host fit.")
+      .range(0.0, 1048576.0);
 
   add_role(b, "actor", +[](JobConfig& c) -> RoleConfig& { return c.roles.actor; });
   add_role(b, "critic", +[](JobConfig& c) -> RoleConfig& { return c.roles.critic; });
@@ -592,6 +603,11 @@ std::vector<Field> build() {
       .range(0.001, kMaxSeconds);
   b.add("timeouts.rpc_s", TILLER_FIELD(timeouts.rpc_s), "Deadline of one control RPC (health, stats, abort).")
       .range(0.001, kMaxSeconds);
+  b.add("timeouts.step_s", TILLER_FIELD(timeouts.step_s),
+        "Deadline of one whole step, generation to weight sync, on the controller's watchdog: a step still running "
+        "then ends the job with one line from every rank saying where it waits (docs/cluster.md). 0: none; the calls "
+        "inside a step keep their own deadlines.")
+      .range(0.0, kMaxSeconds);
   return b.take();
 }
 

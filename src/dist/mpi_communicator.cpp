@@ -16,6 +16,7 @@
 #include "mpi_check.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
+#include "tiller/dist/watchdog.h"
 
 namespace tiller::dist {
 namespace {
@@ -65,10 +66,29 @@ void keep_until_exit(std::vector<at::Tensor> tensors) {
   kept->insert(kept->end(), tensors.begin(), tensors.end());
 }
 
+// "world ranks 1,2,3" of the ranks of `comm` (the first 16, then how many more), for messages.
+std::string world_ranks_text(MPI_Comm comm) {
+  MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  int n = 0;
+  if (MPI_Comm_group(comm, &group) != MPI_SUCCESS || MPI_Comm_group(MPI_COMM_WORLD, &world) != MPI_SUCCESS ||
+      MPI_Group_size(group, &n) != MPI_SUCCESS)
+    return "its group";
+  std::vector<int> mine(static_cast<size_t>(n)), in_world(static_cast<size_t>(n), -1);
+  for (int i = 0; i < n; ++i) mine[static_cast<size_t>(i)] = i;
+  const bool ok = MPI_Group_translate_ranks(group, n, mine.data(), world, in_world.data()) == MPI_SUCCESS;
+  (void)MPI_Group_free(&group);
+  (void)MPI_Group_free(&world);
+  if (!ok) return "its group";
+  constexpr int kShown = 16;
+  std::vector<int> shown(in_world.begin(), in_world.begin() + std::min(n, kShown));
+  return fmt::format("world ranks {}{}", fmt::join(shown, ","), n > kShown ? fmt::format(" and {} more", n - kShown) : "");
+}
+
 struct GroupState {
   std::string name;
   int rank = 0;
   int size = 1;
+  std::string peers = "its group";  // "world ranks 1,2", for the watchdog's line
   bool aborted = false;
   std::string abort_reason;
 };
@@ -112,6 +132,9 @@ class MpiWork final : public Work {
   // (shared-memory transfers go fragment by fragment), so an op with a message of 1 MiB or more
   // only yields between polls: sleeping there capped the transfer at ~150 MB/s.
   void wait(Deadline deadline) override {
+    if (done_ && failure_.empty()) return;
+    // Shown by the watchdog; the deadline is this loop's (fail_timeout names the op when it passes).
+    WaitScope scope(fmt::format("{} with {}", describe(), group_->peers));
     const auto cap = bytes_ >= (int64_t{1} << 20) ? std::chrono::microseconds(0) : std::chrono::microseconds(500);
     auto backoff = std::chrono::microseconds(0);
     while (!progress()) {
@@ -249,6 +272,7 @@ class MpiCommunicator final : public Communicator {
     tag_mod_ = flag && tag_ub ? std::min(*tag_ub, 1 << 30) : 32767;
     send_seq_.assign(group_->size, 0);
     recv_seq_.assign(group_->size, 0);
+    group_->peers = world_ranks_text(coll_);
   }
 
   ~MpiCommunicator() override {
@@ -270,6 +294,7 @@ class MpiCommunicator final : public Communicator {
   void set_timeout(double seconds) override { timeout_ = seconds; }
   double timeout() const override { return timeout_; }
   bool aborted() const override { return group_->aborted; }
+  const std::string& peers() const { return group_->peers; }
 
   WorkPtr all_gather(const at::Tensor& input, const at::Tensor& output) override {
     auto w = begin("all_gather");
@@ -520,6 +545,11 @@ class MpiCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, const std::string& name, double timeout_s) {
   return std::make_unique<MpiCommunicator>(comm, name, timeout_s);
+}
+
+std::string peers_of(const Communicator& comm) {
+  const auto* mpi = dynamic_cast<const MpiCommunicator*>(&comm);
+  return mpi ? mpi->peers() : std::string("its group");
 }
 
 }  // namespace tiller::dist

@@ -17,5 +17,7 @@ namespace tiller::dist {
 
 // Wraps (and duplicates) `comm`; the duplicate is freed with the communicator.
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, const std::string& name, double timeout_s);
+// "world ranks 1,2" of an MPI-backend communicator's ranks (the watchdog's lines); "its group" else.
+std::string peers_of(const Communicator& comm);
 
 }  // namespace tiller::dist

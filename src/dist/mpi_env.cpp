@@ -17,6 +17,7 @@
 #include "mpi_communicator.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
+#include "tiller/dist/watchdog.h"
 
 namespace tiller::dist {
 namespace {
@@ -52,6 +53,7 @@ MpiEnv::~MpiEnv() {
   // for them forever. Leave MPI as it is; when this process exits without finalizing, mpirun
   // tears the whole job down, which is what an error should do.
   if (std::uncaught_exceptions() == 0) {
+    Watchdog::stop();  // its thread probes MPI
     int finalized = 1;
     if (MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized) {
       const int rc = MPI_Finalize();
@@ -118,6 +120,7 @@ void MpiEnv::abort_job(int code) {
 }
 
 void MpiEnv::fail_job(int rank, const std::exception& e) {
+  if (Watchdog::running()) Watchdog::end_job(exit_code_for(e), error_line(e));
   std::fprintf(stderr, "tiller: error: rank %d: %s\n", rank, error_line(e).c_str());
   std::fflush(stderr);
   abort_job(exit_code_for(e));

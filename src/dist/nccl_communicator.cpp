@@ -22,8 +22,10 @@
 #include "checks.h"
 #include "dist/call_failure.h"
 #include "dist/launcher.h"
+#include "mpi_communicator.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
+#include "tiller/dist/watchdog.h"
 
 namespace tiller::dist {
 namespace {
@@ -96,6 +98,7 @@ struct NcclGroup {
   int rank = 0;
   int size = 1;
   std::string name;
+  std::string peers = "its group";  // "world ranks 1,2" (the watchdog's line)
   std::timed_mutex nccl_mu;  // held around every NCCL call on `comm` (launcher, abort, async-error poll)
   std::mutex mu;             // guards aborted and abort_reason
   bool aborted = false;
@@ -168,6 +171,9 @@ class NcclWork final : public Work {
   void wait() override { wait(op_->deadline); }
 
   void wait(Deadline deadline) override {
+    if (op_->complete.load()) return;
+    // Shown by the watchdog; the deadline is this op's (time_out names it).
+    WaitScope scope(fmt::format("{} with {}", group_->describe(op_->op, op_->seq), group_->peers));
     poll_until([this] { return is_completed(); }, deadline, [this] { time_out(); });
   }
 
@@ -583,6 +589,7 @@ std::unique_ptr<Communicator> make_nccl_communicator(Communicator& over, int dev
   g->rank = over.rank();
   g->size = over.size();
   g->name = name;
+  g->peers = peers_of(over);
   const std::string what = fmt::format("creating NCCL communicator '{}' (rank {} of {}, cuda:{})", name, g->rank,
                                        g->size, device);
   NcclGroup* raw = g.get();  // the job is owned by the launcher, which shares ownership of g

@@ -1,6 +1,7 @@
 #include "tiller/dist/rank_plan.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 
 #include <fmt/format.h>
@@ -354,15 +355,18 @@ DeviceChoice choose_device(const ClusterConfig& cluster, int gpus, bool have_ncc
 }
 
 void check_layout_on_backend(const JobConfig& config, BackendKind backend) {
-  // On 2xH100 (2026-11-26) a tiny run and a 32B one both stopped before their first step. Since
-  // 2026-11-27 the tiny one trains (the engine's control over the host, its own stream), but the
-  // 32B one still stops after its sync plan; under MPI the layout trains (e2e.train.hybrid).
-  // Refused rather than left to hang.
-  if (config.cluster.hybrid && config.engines.tp > 1 && backend == BackendKind::kNccl)
-    throw ConfigError(fmt::format("cluster.hybrid with engines.tp = {} over NCCL can stall before its first step in "
-                                  "this version (docs/training.md, the hybrid engine): set engines.tp=1 (an engine "
-                                  "per GPU) or put the engines on GPUs of their own (cluster.hybrid=false)",
+  // On 2xH100 (2026-11-27) a 32B hybrid job at TP 2 made no step while its trainers scored beside
+  // its engines' generation (docs/training.md, the hybrid engine). $TILLER_ALLOW_HYBRID_TP_OVERLAP=1
+  // lets it run anyway, to reproduce that stall (scripts/gpu/hybrid_stall.sh); nothing else.
+  if (config.cluster.hybrid && config.engines.tp > 1 && backend == BackendKind::kNccl &&
+      !config.hybrid_scores_after_generate(backend)) {
+    const char* allow = std::getenv("TILLER_ALLOW_HYBRID_TP_OVERLAP");
+    if (allow != nullptr && std::string_view(allow) == "1") return;
+    throw ConfigError(fmt::format("cluster.hybrid_scoring = overlap with engines.tp = {} over NCCL: the engines' "
+                                  "all-reduces and the trainers' collectives would share the GPUs at once and can "
+                                  "deadlock there; use cluster.hybrid_scoring=auto (or after_generate)",
                                   config.engines.tp));
+  }
 }
 
 }  // namespace tiller::dist

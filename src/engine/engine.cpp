@@ -6,6 +6,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "model/torch_compat.h"
+#include "tiller/dist/watchdog.h"
 
 namespace tiller::engine {
 
@@ -545,6 +546,8 @@ void Engine::follow() {
       TILLER_CHECK(words == 2, "engine follower: malformed wake message");
       m.wake_here(p[0] != 0, p[1] != 0);
     } else {
+      // The watchdog's tests: a follower that stops answering its leader mid-generation.
+      if (dist::fault_hang_requested("engine_step")) dist::hang_here("engine_step");
       m.runner->run(StepBatch::decode(std::vector<int64_t>(p, p + words)), /*sample=*/false);
     }
   }

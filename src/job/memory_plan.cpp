@@ -1,6 +1,7 @@
 #include "tiller/rollout/memory_plan.h"
 
 #include <algorithm>
+#include <array>
 #include <functional>
 
 #include <fmt/format.h>
@@ -93,7 +94,8 @@ struct RoleFootprint {
   int64_t weights_generate = 0;  // ... while the engines generate
   int64_t state = 0;             // on the device: master, gradient accumulator, moments
   int64_t state_generate = 0;
-  int64_t host = 0;              // on the host: a host optimizer's masters, moments and staging
+  int64_t host = 0;              // on the host: a host optimizer's masters, moments and staging,
+                                 // and what roles.<r>.offload moves there while generating
   int64_t gathers = 0;           // two gathered units (and their cast inputs)
   int64_t grad_buffers = 0;      // training: the gradient buffers at the backward's peak
 };
@@ -114,6 +116,9 @@ RoleFootprint footprint(const RoleSpec& r, bool keep_compute_shard) {
       f.state = p * (c == 4 ? 12 : 16) / n;
     }
     f.state_generate = r.offload ? 0 : f.state;
+    // Offloaded, the masters and moments wait in pinned host memory (the gradient accumulators are
+    // freed, not moved; a host optimizer's state is on the host already).
+    if (r.offload && !r.host_optimizer) f.host += f.state - p * 4 / n;
   }
   // The unit computing and the one prefetched: at most the largest unit beside a block (the
   // embedding's and the head's neighbours are blocks), and the cast shards they were gathered from.
@@ -219,6 +224,7 @@ std::string gib(int64_t b) { return fmt::format("{:.2f}", static_cast<double>(b)
 const char* phase_name(Phase p) {
   switch (p) {
     case Phase::kGenerate: return "generate";
+    case Phase::kScore: return "score";
     case Phase::kTrain: return "train";
     case Phase::kSync: return "sync";
   }
@@ -274,12 +280,15 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
   out.keep_compute_shard = keep_compute_shard;
   out.gpu_bytes = gpu_bytes;
   out.shared_gpus = cfg.cluster.ranks_per_gpu > 1;
+  out.host_memory_bytes = static_cast<int64_t>(cfg.cluster.host_memory_gb * kGiB);
   const bool hybrid = plan.hybrid;
+  const bool score_after = cfg.hybrid_scores_after_generate(planned_backend(cfg.cluster));
   const int64_t kv_fixed = static_cast<int64_t>(cfg.engines.kv_cache_gb * kGiB);
   for (const auto& a : plan.ranks) {
     if (a.rank == plan.controller) continue;
     RankMemory rm;
     rm.rank = a.rank;
+    rm.node = a.node;
     rm.label = a.label();
     PhaseMemory gen{Phase::kGenerate, {}}, train{Phase::kTrain, {}}, sync{Phase::kSync, {}};
     int64_t act_train = 0, act_score = 0, gathers = 0, grad_buffers = 0;
@@ -328,7 +337,11 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
     add(gen, "gathered units", gathers);
     add(train, kTrainActivations, act_train);
     add(train, "gradient buffers", grad_buffers);
-    add(gen, "activations (scoring)", act_score);
+    // After the generation the trainers score beside the sleeping engine: what they hold while it
+    // generates, their scoring's activations, and its weights (a level-1 sleep keeps them).
+    const bool score_phase = score_after && a.engine >= 0;
+    PhaseMemory score{Phase::kScore, score_phase ? gen.items : std::vector<std::pair<std::string, int64_t>>{}};
+    add(score_phase ? score : gen, "activations (scoring)", act_score);
     if (a.engine >= 0) {
       const model::ModelConfig* mc = find_shape(shapes, "engine");
       if (!mc) mc = find_shape(shapes, "actor");
@@ -342,6 +355,8 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
                         model::Head::kLm) * 4 / t;
       add(gen, "engine weights", weights);
       add(gen, "engine LoRA adapters", adapters);
+      add(score, "engine weights", weights);
+      add(score, "engine LoRA adapters", adapters);
       if (!hybrid || cfg.engines.sleep_level < 2) {
         add(train, "engine weights", weights);
         add(train, "engine LoRA adapters", adapters);
@@ -383,9 +398,11 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       if (!hybrid || cfg.engines.sleep_level == 0) {
         add(train, "engine kv cache", kv);
         add(sync, "engine kv cache", kv);
+        add(score, "engine kv cache", kv);
       }
     }
     rm.phases.push_back(std::move(gen));
+    if (score_phase) rm.phases.push_back(std::move(score));
     rm.phases.push_back(std::move(train));
     if (hybrid && a.engine >= 0) rm.phases.push_back(std::move(sync));
     out.ranks.push_back(std::move(rm));
@@ -565,6 +582,28 @@ const RankMemory* MemoryPlan::overflow() const {
   return nullptr;
 }
 
+std::vector<int64_t> MemoryPlan::host_by_node() const {
+  std::vector<int64_t> out;
+  for (const auto& r : ranks) {
+    if (r.node >= static_cast<int>(out.size())) out.resize(static_cast<size_t>(r.node) + 1, 0);
+    out[static_cast<size_t>(r.node)] += r.host_bytes;
+  }
+  return out;
+}
+
+namespace {
+// A node's host memory that its ranks' host_bytes may take (MemoryPlan::host_memory_bytes).
+int64_t host_usable(int64_t host) { return host / 10 * 9; }
+}  // namespace
+
+int MemoryPlan::host_overflow() const {
+  if (host_memory_bytes <= 0) return -1;
+  const std::vector<int64_t> by_node = host_by_node();
+  for (size_t n = 0; n < by_node.size(); ++n)
+    if (by_node[n] > host_usable(host_memory_bytes)) return static_cast<int>(n);
+  return -1;
+}
+
 std::string MemoryPlan::table() const {
   std::string out = fmt::format("memory per rank (GiB; estimates, {} GiB held back for the CUDA context and 1/{} of "
                                 "the peak for the allocator's fragmentation){}; "
@@ -582,7 +621,7 @@ std::string MemoryPlan::table() const {
   for (const std::string& n : notes) out += "  " + n + "\n";
   for (const auto& r : ranks) {
     out += fmt::format("  rank {} ({}): peak {}{}{}\n", r.rank, r.label, gib(r.peak()),
-                       r.host_bytes > 0 ? fmt::format(", host memory {} (optimizer_offload)", gib(r.host_bytes)) : "",
+                       r.host_bytes > 0 ? fmt::format(", host memory {}", gib(r.host_bytes)) : "",
                        gpu_bytes <= 0 || shared_gpus         ? ""
                        : r.peak() + reserve_bytes(r.peak()) > gpu_bytes ? "  DOES NOT FIT"
                                                               : "  fits");
@@ -592,10 +631,29 @@ std::string MemoryPlan::table() const {
       out += fmt::format("    {:<8} {:>7}  {}\n", phase_name(p.phase), gib(p.total()), items);
     }
   }
+  const std::vector<int64_t> by_node = host_by_node();
+  for (size_t n = 0; n < by_node.size(); ++n) {
+    if (by_node[n] == 0) continue;
+    out += fmt::format("  node {}: host memory {}{}\n", n, gib(by_node[n]),
+                       host_memory_bytes <= 0 ? std::string(" (set cluster.host_memory_gb to check the fit)")
+                       : by_node[n] > host_usable(host_memory_bytes)
+                           ? fmt::format(" of {} (9/10 usable)  DOES NOT FIT", gib(host_memory_bytes))
+                           : fmt::format(" of {} (9/10 usable)  fits", gib(host_memory_bytes)));
+  }
   return out;
 }
 
 void check_fits(const MemoryPlan& m, const JobConfig& cfg) {
+  if (const int node = m.host_overflow(); node >= 0) {
+    int ranks = 0;
+    for (const auto& r : m.ranks) ranks += r.node == node && r.host_bytes > 0;
+    throw ConfigError(fmt::format(
+        "memory plan: node {} needs {} GiB of host memory for its {} ranks' optimizer and offloaded state, more than "
+        "9/10 of its {} GiB (cluster.host_memory_gb); spread the job over more nodes (that state splits over the "
+        "ranks: tiller plan names the smallest layout that fits), or keep the optimizer on the GPUs "
+        "(roles.<role>.optimizer_offload=none)",
+        node, gib(m.host_by_node()[static_cast<size_t>(node)]), ranks, gib(m.host_memory_bytes)));
+  }
   const RankMemory* r = m.overflow();
   if (!r) return;
   const PhaseMemory& p = *r->peak_phase();
@@ -614,6 +672,73 @@ void check_fits(const MemoryPlan& m, const JobConfig& cfg) {
                                 "GPU; largest: {}; {}",
                                 r->rank, r->label, gib(r->peak()), phase_name(p.phase), gib(reserve_bytes(r->peak())),
                                 gib(m.gpu_bytes), top, advice));
+}
+
+namespace {
+
+// `cfg` on `k` times its GPUs (smallest_fitting_layout), with the overrides that say so; with
+// `host_optimizer` the trained roles' optimizer on the host, with `offload` (hybrid) their state off
+// the GPU while the engines generate.
+std::pair<JobConfig, std::vector<std::string>> scaled(const JobConfig& cfg, int64_t k, bool host_optimizer,
+                                                      bool offload) {
+  JobConfig c = cfg;
+  std::vector<std::string> overrides;
+  for (Role r : kRoles) {
+    RoleConfig& rc = r == Role::kActor    ? c.roles.actor
+                     : r == Role::kCritic ? c.roles.critic
+                     : r == Role::kRef    ? c.roles.ref
+                                          : c.roles.reward;
+    if (!rc.enabled) continue;
+    if (rc.colocate_with.empty()) {
+      rc.gpus *= k;
+      overrides.push_back(fmt::format("roles.{}.gpus={}", role_name(r), rc.gpus));
+    }
+    if (host_optimizer && role_trains(r) && rc.lora.rank <= 0 && rc.optimizer_offload != OptimizerOffload::kCpu) {
+      rc.optimizer_offload = OptimizerOffload::kCpu;
+      overrides.push_back(fmt::format("roles.{}.optimizer_offload=cpu", role_name(r)));
+    }
+    if (offload && c.cluster.hybrid && role_trains(r) && rc.lora.rank <= 0 && !rc.offload) {
+      rc.offload = true;
+      overrides.push_back(fmt::format("roles.{}.offload=true", role_name(r)));
+    }
+  }
+  if (!c.cluster.hybrid) {
+    c.engines.count *= k;
+    overrides.push_back(fmt::format("engines.count={}", c.engines.count));
+  }
+  return {std::move(c), std::move(overrides)};
+}
+
+}  // namespace
+
+std::optional<LayoutSuggestion> smallest_fitting_layout(const JobConfig& cfg, const ModelShapes& shapes,
+                                                        int gpus_per_node, int64_t gpu_bytes) {
+  if (gpus_per_node < 1 || (gpu_bytes <= 0 && cfg.cluster.host_memory_gb <= 0)) return std::nullopt;
+  // At each size: as configured, then the optimizer on the host, then (hybrid) the state offloaded
+  // while generating too; a variant that changes nothing more is skipped.
+  constexpr std::array<std::pair<bool, bool>, 3> kVariants{{{false, false}, {true, false}, {true, true}}};
+  for (int64_t k = 2;; ++k) {
+    if (dist::required_world_size(scaled(cfg, k, false, false).first) > kMaxSuggestedRanks) return std::nullopt;
+    size_t tried = 0;
+    for (const auto& [host_optimizer, offload] : kVariants) {
+      auto [c, overrides] = scaled(cfg, k, host_optimizer, offload);
+      if (tried > 0 && overrides.size() == tried) continue;  // the same as the variant before
+      tried = overrides.size();
+      try {
+        c.validate();
+        const int world = dist::required_world_size(c);
+        const int per_gpu = static_cast<int>(c.cluster.ranks_per_gpu);
+        const int gpus = (world - 1 + per_gpu - 1) / per_gpu;
+        const int nodes = (gpus + gpus_per_node - 1) / gpus_per_node;
+        const dist::NodeMap map =
+            dist::NodeMap::fill_by_slot(std::vector<int>(static_cast<size_t>(nodes), gpus_per_node), world, per_gpu);
+        if (plan_memory(c, dist::make_rank_plan(c, map), shapes, gpu_bytes).fits())
+          return LayoutSuggestion{nodes, gpus, std::move(overrides)};
+      } catch (const ConfigError&) {
+        // This multiple cannot be laid out, or leaves an engine no room for a KV cache: a larger may.
+      }
+    }
+  }
 }
 
 ModelShapes load_model_shapes(const JobConfig& cfg, std::string* missing) {

@@ -25,6 +25,7 @@
 #include "tiller/dist/groups.h"
 #include "tiller/dist/mpi_env.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/dist/watchdog.h"
 #include "tiller/engine/engine.h"
 #include "tiller/engine/engine_weights.h"
 #include "tiller/engine/server.h"
@@ -276,6 +277,12 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   const bool cpu = placed.cpu;
   const BackendKind backend = placed.backend;
   dist::check_layout_on_backend(cfg, backend);
+  // What the ranks run: cluster.hybrid_scoring resolved for this backend (the memory plan and the
+  // controller read it), and below, the recompute mode and compute shard the ranks agree on.
+  JobConfig job = cfg;
+  if (job.cluster.hybrid)
+    job.cluster.hybrid_scoring =
+        cfg.hybrid_scores_after_generate(backend) ? HybridScoring::kAfterGenerate : HybridScoring::kOverlap;
   if (cfg.algo.logprob_match == LogprobMatch::kBitwise)
     model::set_numerics(model::Numerics::kBatchInvariant);  // every rank, before its first forward
 
@@ -289,6 +296,9 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   const dist::RankPlan plan = dist::make_rank_plan(cfg, nodes);
   const auto& me = plan.ranks.at(static_cast<size_t>(env.rank()));
   log::init(env.rank(), me.label(), log::parse_level(cfg.logging.level, "logging.level"));
+  // Collective over the world: from here a rank that fails, or a wait past its deadline, ends the
+  // job with one line from every rank saying where it was (dist/watchdog.h).
+  dist::Watchdog::start(env.rank(), me.label());
   set_process_label(fmt::format("rank {} ({})", env.rank(), me.label()));
   std::string device = "cpu";
   if (!cpu && me.gpu >= 0) {
@@ -302,14 +312,13 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   std::string missing;
   const ModelShapes shapes = load_model_shapes(cfg, &missing);
   MemoryPlan memory;
-  if (missing.empty()) memory = plan_memory(cfg, plan, shapes, cpu ? 0 : gpu_bytes);
-  if (!cpu) check_fits(memory, cfg);
+  if (missing.empty()) memory = plan_memory(job, plan, shapes, cpu ? 0 : gpu_bytes);
+  if (!cpu) check_fits(memory, job);
   // train.recompute: every rank takes the least-memory mode any rank planned (GPUs of different
   // sizes plan differently; a sequence group's exchanges need one mode). Collective over the world.
   // train.compute_shard likewise: cast (0) if any rank planned it. A rank with no GPU size to plan
   // with (the controller, unless cluster.gpu_memory_gb is set) has no say: its plan is the least
   // memory by default, and would otherwise hold every GPU rank to it.
-  JobConfig job = cfg;
   {
     const bool sized = gpu_bytes > 0 && !cpu;
     // No say: above every choice (no rank sized at all, on CPU: each keeps its least-memory plan).

@@ -375,7 +375,7 @@ ModelConfig make(Family f, int64_t vocab, int64_t hidden, int64_t inter, int64_t
 }  // namespace
 
 std::vector<std::string> preset_names() {
-  return {"qwen2-0.5b", "qwen2-1.5b",     "qwen2-7b",       "qwen2-32b",   "tiny-llama",  "tiny-qwen2",
+  return {"qwen2-0.5b", "qwen2-1.5b",     "qwen2-7b",       "qwen2-32b",   "qwen2-72b",   "tiny-llama",  "tiny-qwen2",
           "tiny-qwen3", "tiny-mistral",  "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral",
           "qwen3-30b-a3b", "qwen3-30b-a3b-8l", "qwen3-a3b-dense-8l"};
 }
@@ -390,6 +390,8 @@ ModelConfig preset(const std::string& name) {
     c = make(Family::kQwen2, 152064, 3584, 18944, 28, 28, 4, 1e6, false, 32768);
   } else if (name == "qwen2-32b") {  // Qwen2.5-32B's shape (32.8B parameters)
     c = make(Family::kQwen2, 152064, 5120, 27648, 64, 40, 8, 1e6, false, 32768);
+  } else if (name == "qwen2-72b") {  // Qwen2.5-72B's shape (72.7B parameters)
+    c = make(Family::kQwen2, 152064, 8192, 29568, 80, 64, 8, 1e6, false, 32768);
   } else if (name == "qwen3-30b-a3b" || name == "qwen3-30b-a3b-8l") {
     // The published Qwen3-30B-A3B (128 experts of 768, top 8), or its first 8 layers (5.6B
     // parameters: training on 2 GPUs, decoding on one).

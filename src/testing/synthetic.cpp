@@ -187,6 +187,13 @@ std::vector<engine::ServerMemory> SyntheticEngines::wake(bool weights, bool cach
   return std::vector<engine::ServerMemory>(engines_.size());
 }
 
+bool SyntheticEngines::generating() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& e : engines_)
+    if (!e.running.empty() || !e.waiting.empty()) return true;
+  return false;
+}
+
 std::vector<std::string> SyntheticEngines::phases() const {
   std::lock_guard<std::mutex> lock(mu_);
   return phases_;
@@ -269,6 +276,7 @@ std::vector<Frame> SyntheticTrainer::handle(Frame f) {
         a.ref_logp = float_per_token(r.batch, [](int64_t t) { return synthetic_logprob(t) - 0.01f; });
       if (roles_.has(Role::kReward)) a.reward_scores = at::zeros({r.batch.ends()}, at::kFloat);
       scored_ += r.batch.response_tokens();
+      if (watched_ && watched_->generating()) ++scored_while_generating_;
       out.push_back(a.encode());
       break;
     }

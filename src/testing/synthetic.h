@@ -70,6 +70,8 @@ class SyntheticEngines final : public EngineSet {
   void close() override;
   // Every sleep, wake and weight update in order: "sleep 2", "wake weights", "wake cache", "sync 3".
   std::vector<std::string> phases() const;
+  // Whether any engine holds a sample it has not finished (any thread).
+  bool generating() const;
 
   // Samples generated so far, over all engines; requests each engine received.
   int64_t generated_tokens() const { return generated_tokens_; }
@@ -121,12 +123,18 @@ class SyntheticTrainer final : public RankEndpoint {
   // The hybrid phase requests in order: "offload", "reload".
   const std::vector<std::string>& phases() const { return phases_; }
   int64_t scored_tokens() const { return scored_; }
+  // Counts the score requests that arrive while `engines` still generate (a hybrid job's trainers
+  // and engines sharing GPUs); `engines` must outlive the trainer's requests.
+  void watch(const SyntheticEngines* engines) { watched_ = engines; }
+  int64_t scored_while_generating() const { return scored_while_generating_; }
 
  private:
   RoleSet roles_;
   std::array<int64_t, kRoleCount> tokens_{}, pending_{}, steps_{};
   int64_t syncs_ = 0, scored_ = 0;
   std::vector<std::string> phases_;
+  const SyntheticEngines* watched_ = nullptr;
+  int64_t scored_while_generating_ = 0;
 };
 
 // An engine leader's endpoint: it only answers StopRequest.

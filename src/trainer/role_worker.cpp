@@ -23,6 +23,7 @@
 #include "tiller/core/logging.h"
 #include "tiller/dist/groups.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/dist/watchdog.h"
 #include "tiller/model/model_config.h"
 #include "tiller/model/safetensors.h"
 #include "tiller/model/storage_swap.h"
@@ -526,7 +527,9 @@ void RoleWorker::serve() {
     IncomingFrame next(m.world, controller);
     const Deadline deadline = Deadline::after_seconds(idle_s);
     auto backoff = std::chrono::microseconds(50);
+    std::optional<dist::WaitScope> waiting;
     while (!next.poll()) {
+      if (!waiting) waiting.emplace(fmt::format("the controller's next request (rank {})", controller));
       if (deadline.expired())
         throw TimeoutError(fmt::format("rank {}: no message from the controller (rank {}) in {:.0f} s "
                                        "(timeouts.generate_s + train_s + weight_sync_s + collective_s); is it alive?",
@@ -534,7 +537,11 @@ void RoleWorker::serve() {
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, kMaxIdleBackoff);
     }
+    waiting.reset();
     Frame in = next.take();
+    dist::Watchdog::set_phase(fmt::format("{} request", op_name(in.op)));
+    // The watchdog's tests: this rank never enters the collectives of the request.
+    if (dist::fault_hang_requested(op_name(in.op))) dist::hang_here(op_name(in.op));
     try {
       if (in.op == Op::kStop) {
         StopRequest::decode(std::move(in));

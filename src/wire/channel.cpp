@@ -170,10 +170,36 @@ int TrainerLink::poll() {
       ++handled;
     }
   }
+  if ((pending_ == 0 && snapshot_shown_) || (pending_ > 0 && now - snapshot_at_ >= std::chrono::milliseconds(500))) {
+    std::string text = pending_ == 0 ? std::string() : describe_pending();
+    snapshot_at_ = now;
+    snapshot_shown_ = !text.empty();
+    std::lock_guard<std::mutex> lock(snapshot_->mu);
+    snapshot_->text.swap(text);
+  }
   return handled;
 }
 
 size_t TrainerLink::pending() const { return pending_; }
+
+std::function<std::string()> TrainerLink::pending_source() const {
+  return [snapshot = snapshot_] {
+    std::lock_guard<std::mutex> lock(snapshot->mu);
+    return snapshot->text;
+  };
+}
+
+std::string TrainerLink::describe_pending() const {
+  std::string out;
+  const auto now = clock_.now();
+  for (const auto& [rank, calls] : calls_) {
+    if (calls.empty()) continue;
+    const double waited = std::chrono::duration<double>(now - calls.front().sent).count();
+    out += fmt::format("{}{} {} ({:.1f} s{})", out.empty() ? "" : ", ", describe_(rank), calls.front().what, waited,
+                       calls.size() > 1 ? fmt::format(", {} more queued", calls.size() - 1) : "");
+  }
+  return out;
+}
 
 size_t TrainerLink::pending(int rank) const {
   auto it = calls_.find(rank);

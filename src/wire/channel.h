@@ -115,6 +115,13 @@ class TrainerLink {
   int poll();
   size_t pending() const;
   size_t pending(int rank) const;
+  // The calls waiting for an answer, oldest per rank: "rank 1 (actor) the scoring (12.3 s), ..."
+  // ("" when none; the caller's thread only).
+  std::string describe_pending() const;
+  // describe_pending() as poll() last saw it (at most half a second old, "" once nothing is
+  // pending), for the watchdog's line: callable from any thread, also once the link is gone (a
+  // rank failing on its way out shows what it last waited for).
+  std::function<std::string()> pending_source() const;
   // Polls until no call to any of `ranks` is pending, calling `idle` after each round that brought
   // nothing (other work of the caller, or a short sleep).
   void drain(const std::vector<int>& ranks, const std::function<void()>& idle);
@@ -133,6 +140,13 @@ class TrainerLink {
   std::map<int, std::deque<Call>> calls_;      // per rank, oldest first
   std::map<int, Clock::time_point> answered_;  // per rank: its last reply
   size_t pending_ = 0;
+  struct Snapshot {
+    std::mutex mu;
+    std::string text;
+  };
+  std::shared_ptr<Snapshot> snapshot_ = std::make_shared<Snapshot>();
+  Clock::time_point snapshot_at_{};
+  bool snapshot_shown_ = false;  // snapshot_ is not empty (poll()'s thread)
 };
 
 }  // namespace tiller::rollout

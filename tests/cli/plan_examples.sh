@@ -9,7 +9,7 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 scratch=${2:-$(mktemp -d)}
 mkdir -p "$scratch"
 cd "$scratch"
-for spec in 0.5b 1.5b 7b 32b 1.5b-rm 7b-rm; do
+for spec in 0.5b 1.5b 7b 32b 72b 1.5b-rm 7b-rm; do
   size=${spec%-rm}
   flags=(--config-only)
   [ "$spec" != "$size" ] && flags+=(--value-head)
@@ -32,3 +32,23 @@ for f in "$repo"/configs/gpu/*.yaml; do
   n=$((n + 1))
 done
 echo "$n example configs plan"
+
+# What does not fit is refused with the smallest layout that does: the 72B LoRA example on 80 GB
+# GPUs (no room for a KV cache beside the base and its engine slice), and full-weight 72B, whose
+# AdamW state on the host (872 GB) is more than one 4-GPU host's 512 GiB.
+expect_refusal() {  # PATTERN ARGS...
+  local pattern=$1; shift
+  local out code=0
+  out=$("$tiller" plan -c "$repo/configs/gpu/qwen2.5-72b-lora-grpo-hybrid-4gpu.yaml" --nodes 1 "$@" 2>&1) || code=$?
+  if [ "$code" -ne 2 ] || ! grep -Eq "$pattern" <<< "$out"; then
+    echo "FAIL: tiller plan $*: exit $code, expected 2 and /$pattern/:" >&2; echo "$out" | tail -5 >&2; exit 1
+  fi
+  echo "refused as expected: $(tail -1 <<< "$out" | grep -Eo "$pattern")"
+}
+expect_refusal "has no room for a KV cache.*The smallest layout that fits: 8 GPUs on 2 nodes of 4" \
+  --gpus-per-node 4 --gpu-memory-gb 80 --host-memory-gb 512
+expect_refusal "node 0 needs [0-9.]+ GiB of host memory.*The smallest layout that fits: 8 GPUs on 2 nodes of 4" \
+  --gpus-per-node 4 --gpu-memory-gb 141 --host-memory-gb 512 --set roles.actor.lora.rank=0 \
+  --set roles.actor.optimizer_offload=cpu --set roles.actor.offload=true
+expect_refusal "The smallest layout that fits: 16 GPUs on 2 nodes of 8 .*roles.actor.optimizer_offload=cpu" \
+  --gpus-per-node 8 --gpu-memory-gb 80 --host-memory-gb 560 --set roles.actor.lora.rank=0 --set roles.actor.gpus=8

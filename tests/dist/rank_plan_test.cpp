@@ -283,23 +283,39 @@ TEST(RankPlan, HybridPutsAnEngineOnEveryActorGpu) {
   EXPECT_NE(msg.find("cluster.hybrid: engine 1 would span node 0"), std::string::npos) << msg;
 }
 
-TEST(RankPlan, HybridTensorParallelEnginesAreRefusedOverNccl) {
+// Hybrid TP engines over NCCL score after their generation (auto); overlapping the two there is
+// refused, naming the key. TP 1 engines and the CPU's MPI keep the overlap.
+TEST(RankPlan, HybridTensorParallelEnginesScoreAfterGeneratingOverNccl) {
   JobConfig c = make_config({.actor = 2, .critic = 0, .engines = 1, .tp = 2});
   c.cluster.hybrid = true;
   c.validate();
-  EXPECT_NO_THROW(check_layout_on_backend(c, BackendKind::kMpi));  // the CPU tests' layout
+  EXPECT_TRUE(c.hybrid_scores_after_generate(BackendKind::kNccl));
+  EXPECT_FALSE(c.hybrid_scores_after_generate(BackendKind::kMpi));  // the CPU tests' layout
+  EXPECT_NO_THROW(check_layout_on_backend(c, BackendKind::kNccl));
+  EXPECT_NO_THROW(check_layout_on_backend(c, BackendKind::kMpi));
+  c.cluster.hybrid_scoring = HybridScoring::kOverlap;
+  EXPECT_FALSE(c.hybrid_scores_after_generate(BackendKind::kNccl));
+  EXPECT_NO_THROW(check_layout_on_backend(c, BackendKind::kMpi));
   try {
     check_layout_on_backend(c, BackendKind::kNccl);
-    FAIL() << "a hybrid TP-2 engine over NCCL was accepted";
+    FAIL() << "a hybrid TP-2 engine scoring beside its generation over NCCL was accepted";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("cluster.hybrid with engines.tp = 2 over NCCL can stall"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("cluster.hybrid_scoring = overlap with engines.tp = 2 over NCCL"),
+              std::string::npos)
         << e.what();
-    EXPECT_NE(std::string(e.what()).find("set engines.tp=1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use cluster.hybrid_scoring=auto"), std::string::npos) << e.what();
   }
-  c.engines.tp = 1;  // an engine per GPU
+  c.engines.tp = 1;  // an engine per GPU: no all-reduce of its own
   EXPECT_NO_THROW(check_layout_on_backend(c, BackendKind::kNccl));
+  c.cluster.hybrid_scoring = HybridScoring::kAuto;
+  EXPECT_FALSE(c.hybrid_scores_after_generate(BackendKind::kNccl));
+  c.cluster.hybrid_scoring = HybridScoring::kAfterGenerate;
+  EXPECT_TRUE(c.hybrid_scores_after_generate(BackendKind::kMpi));
   c.engines.tp = 2;
-  c.cluster.hybrid = false;  // separate pools at TP 2
+  c.cluster.hybrid = false;  // separate pools at TP 2: the key belongs to hybrid jobs
+  EXPECT_THROW(c.validate(), ConfigError);
+  c.cluster.hybrid_scoring = HybridScoring::kAuto;
+  EXPECT_FALSE(c.hybrid_scores_after_generate(BackendKind::kNccl));
   EXPECT_NO_THROW(check_layout_on_backend(c, BackendKind::kNccl));
 }
 

@@ -282,6 +282,7 @@ TEST(Config, PresetsHaveThePublishedParameterCounts) {
   EXPECT_EQ(num_parameters(preset("qwen2-1.5b")), 1543714304);
   EXPECT_EQ(num_parameters(preset("qwen2-7b")), 7615616512);
   EXPECT_EQ(num_parameters(preset("qwen2-32b")), 32763876352);  // Qwen2.5-32B's safetensors
+  EXPECT_EQ(num_parameters(preset("qwen2-72b")), 72706203648);  // Qwen2.5-72B's safetensors
   int64_t n = 0;
   for (const auto& s : parameter_specs(preset("qwen2-7b"))) {
     int64_t k = 1;

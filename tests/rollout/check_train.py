@@ -76,6 +76,13 @@ CASE:
                scoring (its seconds are 0; the reference is still scored); ppo_epochs=2 is refused.
   resume_async SIGTERM then --resume in async mode: the prompts trained (and their order) are those
                of an uninterrupted run, none lost and none twice.
+  watchdog     a hang injected with TILLER_FAULT_HANG ends the job within its deadline, every rank
+               printing one line: where it was (role, phase, the op it waits in and its peers). An
+               actor rank that never enters its scoring's collective (its peer's all_gather names
+               it); a hybrid TP-2 engine's follower that stops answering its leader mid-generation;
+               a step past timeouts.step_s.
+  hybrid_tp    hybrid engines at TP 2 and TP 4 (4 actor ranks, a model with 4 KV heads) generate
+               the tokens of TP 1 engines, greedy, step for step.
 """
 import json
 import os
@@ -1285,6 +1292,99 @@ def check_lora():
           f"(kl/mean_per_sample {[round(r['kl/mean_per_sample'], 5) for r in a]})")
 
 
+def watchdog_run(name, hang, sets, np_=4, deadline=5):
+    """Runs a job with TILLER_FAULT_HANG=`hang`; returns its output once it ends (it must, non-zero,
+    within the deadline and the watchdog's grace)."""
+    out = SCRATCH / name
+    shutil.rmtree(out, ignore_errors=True)
+    args = command(np_, out, *GRPO, "train.num_steps=3", f"timeouts.collective_s={deadline}", *sets)
+    args[1:1] = ["-x", f"TILLER_FAULT_HANG={hang}"]
+    t0 = time.time()
+    try:
+        p = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        fail(f"{name}: the job did not end (a hang the watchdog missed)")
+    took = time.time() - t0
+    if p.returncode == 0:
+        fail(f"{name}: exit 0 with a hung rank:\n{p.stdout[-3000:]}")
+    if took > 90:
+        fail(f"{name}: the job took {took:.0f} s to end (deadline {deadline} s)")
+    lines = [l for l in p.stdout.splitlines() if l.startswith("tiller: watchdog:")]
+    print(f"{name}: exit {p.returncode} in {took:.1f} s; watchdog lines:\n  " + "\n  ".join(l[:260] for l in lines))
+    return p.stdout, lines
+
+
+def expect_line(name, lines, log, pattern):
+    if not any(re.search(pattern, l) for l in lines):
+        fail(f"{name}: no watchdog line matches /{pattern}/:\n" + "\n".join(lines) + "\n" + log[-3000:])
+
+
+def check_watchdog():
+    # ZeRO-3 actor over ranks 1-2; rank 2 never starts its first score request's collectives.
+    log, lines = watchdog_run("watchdog_score", "2:score", ["roles.actor.gpus=2"])
+    expect_line("score", lines, log, r"^tiller: watchdog: rank 2 \(actor\+ref\), phase 'score request' .*"
+                r"the hang injected at 'score'")
+    expect_line("score", lines, log, r"^tiller: watchdog: rank 0 \(controller\), phase 'generate and score, step 1' .*"
+                r"waiting for rank 1 \(actor\+ref\) scoring .*rank 2 \(actor\+ref\) scoring")
+    if not re.search(r"tiller: error: rank 1: all_gather #\d+ on group 'actor' .*missed its deadline.*no data "
+                     r"from rank\(s\) 1", log):
+        fail("score: rank 1's error does not name its all_gather and the silent peer:\n" + log[-3000:])
+    if len({l.split(",")[0] for l in lines}) < 3:
+        fail(f"score: fewer than 3 ranks printed their line: {lines}")
+
+    # A hybrid engine at TP 2 over ranks 1-2: its follower (rank 2) stops at its 3rd step message.
+    log, lines = watchdog_run("watchdog_follower", "2:engine_step:3",
+                              ["roles.actor.gpus=2", "cluster.hybrid=true", "engines.tp=2"], np_=3)
+    expect_line("follower", lines, log, r"^tiller: watchdog: rank 2 \(actor\+ref\+engine0\.tp1\).*"
+                r"the hang injected at 'engine_step'")
+    expect_line("follower", lines, log, r"^tiller: watchdog: rank 0 \(controller\), phase 'generate and score, step 1'")
+    if not re.search(r"tiller: error: rank \d+: .*(all_reduce|engine 0)", log):
+        fail("follower: no error line names the TP all-reduce or the engine:\n" + log[-3000:])
+
+    # A step past timeouts.step_s: rank 1 (the only actor rank) hangs in its first training request;
+    # every other deadline is longer.
+    log, lines = watchdog_run("watchdog_step", "1:train_actor", ["timeouts.step_s=8"], np_=3, deadline=600)
+    if not re.search(r"tiller: error: rank 0: step 1 made no progress within its deadline \(timeouts.step_s = 8 s\)",
+                     log):
+        fail("step: the controller's error does not name the step and timeouts.step_s:\n" + log[-3000:])
+    expect_line("step", lines, log, r"^tiller: watchdog: rank 0 \(controller\), phase 'train, step 1' .*waiting for "
+                r"rank 1 \(actor\+ref\)")
+    expect_line("step", lines, log, r"^tiller: watchdog: rank 1 \(actor\+ref\), phase 'train_actor request'.*"
+                r"the hang injected at 'train_actor'")
+
+
+def tp_tokens(out):
+    """{(step, prompt): [response token lists of its samples, sorted]} from the run's records."""
+    groups = {}
+    for r in records(out):
+        if r["event"] == "trained":
+            groups.setdefault((r["step"], r["dataset_index"]), []).append(r["response_ids"])
+    return {k: sorted(v) for k, v in groups.items()}
+
+
+def check_hybrid_tp():
+    # 4 KV heads: TP 4 splits them. Greedy, so the tokens follow the logits' argmax alone; the
+    # sharper weights (--sharp) make that argmax vary from token to token.
+    model = SCRATCH / "mha"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart.py"), str(model), str(PROMPTS), "--mha", "--sharp"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sets = [*GRPO, *HYBRID, f"roles.actor.model={model}", "roles.actor.gpus=4", "rollout.temperature=0",
+            "train.num_steps=3", "rollout.batch_size=8", "train.train_batch_size=16", "logging.rollout_records_tokens=true",
+            "checkpoint.dir="]
+    runs = {}
+    for tp in (1, 2, 4):
+        out = SCRATCH / f"hybrid_tp{tp}"
+        log = run_ok(5, out, *sets, f"engines.tp={tp}", f"logging.rollout_records={out}/records.jsonl")
+        if tp > 1 and f"(TP {tp}), inside the actor's processes (hybrid)" not in log:
+            fail(f"TP {tp}: the plan does not show a TP-{tp} hybrid engine:\n" + log[-3000:])
+        runs[tp] = tp_tokens(out)
+    for tp in (2, 4):
+        if runs[tp] != runs[1]:
+            diff = [k for k in runs[1] if runs[1][k] != runs[tp].get(k)]
+            fail(f"TP {tp}'s greedy tokens differ from TP 1's at (step, prompt) {diff[:5]}")
+    print(f"hybrid_tp: TP 2 and TP 4 generate TP 1's greedy tokens, {len(runs[1])} prompts over 3 steps")
+
+
 fixture()
 if CASE == "old_logprobs":
     check_old_logprobs()
@@ -1328,6 +1428,10 @@ elif CASE == "bitwise":
     check_bitwise()
 elif CASE == "dynamic":
     check_dynamic()
+elif CASE == "watchdog":
+    check_watchdog()
+elif CASE == "hybrid_tp":
+    check_hybrid_tp()
 elif CASE == "resume_async":
     check_resume_async()
 else:

@@ -167,6 +167,7 @@ struct Job {
     eo.engines = static_cast<size_t>(cfg.engine_count());
     eo.max_running = cfg.engines.max_num_seqs;
     engines = std::make_unique<SyntheticEngines>(eo);
+    for (auto* t : trainers) t->watch(engines.get());
     prompts = std::make_unique<SyntheticPrompts>(64, 5, eo.vocab);
     ControllerWiring w;
     w.plan = &plan;

@@ -49,6 +49,52 @@ TEST(ControllerInProcess, HybridAlternatesThePhasesAndTrainsWhatSeparatePoolsTra
   }
 }
 
+// cluster.hybrid_scoring = after_generate (what auto picks for TP > 1 engines over NCCL): no score
+// request reaches a trainer while an engine still generates; the engines sleep at level 1 for the
+// scoring, then at the configured level for the training. The same samples train as when the
+// trainers score beside the generation (overlap), which does score while the engines generate.
+TEST(ControllerInProcess, HybridScoringAfterGenerateNeverScoresWhileTheEnginesGenerate) {
+  auto hybrid_job = [](const std::string& name, HybridScoring scoring) {
+    Job job(name);
+    job.cfg.roles.actor.gpus = 2;
+    job.cfg.cluster.hybrid = true;
+    job.cfg.cluster.hybrid_scoring = scoring;
+    job.cfg.engines.tp = 2;
+    job.cfg.engines.count = 1;
+    job.cfg.engines.sleep_level = 2;
+    // Enough samples that a round for both actor ranks fills while the engine still generates.
+    job.cfg.rollout.batch_size = 8;
+    job.cfg.train.train_batch_size = 8;
+    return job;
+  };
+  Job overlap = hybrid_job("hybrid_overlap", HybridScoring::kOverlap);
+  EXPECT_EQ(json::parse(overlap.run())["event"], "done");
+  Job after = hybrid_job("hybrid_after_generate", HybridScoring::kAfterGenerate);
+  const json summary = json::parse(after.run());
+  EXPECT_EQ(summary["event"], "done");
+  EXPECT_EQ(summary["weight_version"], 6);
+  int64_t beside = 0;
+  for (auto* t : overlap.trainers) beside += t->scored_while_generating();
+  EXPECT_GT(beside, 0) << "the overlapping run should score while its engines generate";
+  for (auto* t : after.trainers) {
+    EXPECT_GT(t->scored_tokens(), 0);
+    EXPECT_EQ(t->scored_while_generating(), 0);
+  }
+  std::vector<std::string> want;
+  for (int j = 1; j <= 6; ++j)
+    for (const std::string& p : {std::string("wake cache"), std::string("sleep 1"), std::string("sleep 2"),
+                                 std::string("wake weights"), "sync " + std::to_string(j)})
+      want.push_back(p);
+  EXPECT_EQ(after.engines->phases(), want);
+  const auto a = overlap.records(), b = after.records();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].dump(), b[i].dump()) << "record " << i;
+  for (const json& m : after.lines("metrics.jsonl")) {
+    EXPECT_TRUE(m.contains("memory/score/engine_kv_cache_gb")) << m.dump();
+    EXPECT_TRUE(m.contains("memory/score/peak_allocated_gb")) << m.dump();
+  }
+}
+
 // A step without an actor update (the critic's warm-up) has no sync to refill weights freed by a
 // level-2 sleep: the engines sleep at level 1 then, and the next generation finds its weights.
 TEST(ControllerInProcess, HybridStepsWithoutASyncKeepTheEnginesWeights) {

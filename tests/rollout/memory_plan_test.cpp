@@ -172,6 +172,48 @@ TEST(MemoryPlan, TheHybridKvCacheIsWhatTheGeneratePhaseLeaves) {
   EXPECT_LT(plan_memory(kept, plan_of(kept, 4), shapes(), gpu).ranks[0].kv_cache_bytes, r.kv_cache_bytes);
 }
 
+// Hybrid engines at TP 2 over NCCL (planned for GPUs) score after generating: the generate phase
+// holds no scoring activations (a larger KV cache), and a score phase of its own holds them beside
+// the engine's weights (a level-1 sleep keeps them) without its cache. Each TP rank holds half the
+// engine's weights and half its KV heads.
+TEST(MemoryPlan, HybridTensorParallelEnginesScoreInAPhaseOfTheirOwn) {
+  JobConfig c = hybrid_job(4);
+  c.roles.actor.offload = c.roles.critic.offload = true;
+  c.engines.tp = 2;
+  c.validate();
+  const int64_t gpu = 80 * kGiB;
+  const MemoryPlan m = plan_memory(c, plan_of(c, 4), shapes(), gpu);
+  const RankMemory& r = m.ranks.at(0);
+  EXPECT_EQ(r.label, "actor+critic+ref+engine0.tp0");
+  ASSERT_EQ(r.phases.size(), 4u);
+  EXPECT_EQ(r.phases[0].phase, Phase::kGenerate);
+  EXPECT_EQ(r.phases[1].phase, Phase::kScore);
+  EXPECT_EQ(r.phases[2].phase, Phase::kTrain);
+  EXPECT_EQ(r.phases[3].phase, Phase::kSync);
+  const PhaseMemory &gen = r.phases[0], &score = r.phases[1];
+  EXPECT_EQ(item(gen, "activations (scoring)"), 0);
+  EXPECT_GT(item(score, "activations (scoring)"), 0);
+  EXPECT_EQ(item(score, "engine kv cache"), 0);
+  EXPECT_EQ(item(score, "engine weights"), item(gen, "engine weights"));
+  EXPECT_EQ(item(score, "ref weights"), item(gen, "ref weights"));
+  EXPECT_NEAR(static_cast<double>(item(gen, "engine weights")) / 1e9, 7.6, 0.1);  // 15.2 GB over TP 2
+  EXPECT_NE(m.table().find("    score "), std::string::npos) << m.table();
+  // Scoring beside the cache (overlap) leaves the cache less room.
+  JobConfig overlap = c;
+  overlap.cluster.hybrid_scoring = HybridScoring::kOverlap;
+  const RankMemory o = plan_memory(overlap, plan_of(overlap, 4), shapes(), gpu).ranks.at(0);
+  ASSERT_EQ(o.phases.size(), 3u);
+  EXPECT_EQ(r.kv_cache_bytes - o.kv_cache_bytes, item(o.phases[0], "activations (scoring)"));
+  // Planned on the CPU's MPI, auto overlaps.
+  JobConfig cpu = c;
+  cpu.cluster.device = DeviceKind::kCpu;
+  EXPECT_EQ(plan_memory(cpu, plan_of(cpu, 4), shapes(), 0).ranks.at(0).phases.size(), 3u);
+  // At sleep level 0 the cache stays through the scoring.
+  c.engines.sleep_level = 0;
+  c.engines.kv_cache_gb = 4;
+  EXPECT_EQ(item(plan_memory(c, plan_of(c, 4), shapes(), 0).ranks.at(0).phases[1], "engine kv cache"), 4 * kGiB);
+}
+
 TEST(MemoryPlan, APlanThatCannotFitIsRefusedNamingTheRole) {
   // 7B PPO (actor and critic) on one 80 GB GPU: the state alone is ~240 GB.
   const JobConfig c = hybrid_job(1);

@@ -27,6 +27,7 @@ enum class RewardType { kModel, kRule, kRemote, kPython, kEnv, kScorer };
 enum class EnvType { kNone, kRemote, kInprocess };
 enum class DeviceKind { kAuto, kCuda, kCpu };                    // cluster.device
 enum class BackendKind { kAuto, kNccl, kMpi };                   // cluster.backend
+enum class HybridScoring { kAuto, kOverlap, kAfterGenerate };     // cluster.hybrid_scoring
 enum class Precision { kBf16, kFp32 };                           // roles.*.dtype, train.reduce_dtype
 enum class OptimizerOffload { kNone, kCpu };
 enum class LongPromptPolicy { kSkip, kTruncateLeft, kError };    // data.long_prompt_policy
@@ -67,6 +68,10 @@ struct EnumNames<DeviceKind> {
 template <>
 struct EnumNames<BackendKind> {
   static constexpr std::array<std::string_view, 3> names = {"auto", "nccl", "mpi"};
+};
+template <>
+struct EnumNames<HybridScoring> {
+  static constexpr std::array<std::string_view, 3> names = {"auto", "overlap", "after_generate"};
 };
 template <>
 struct EnumNames<Precision> {
@@ -145,7 +150,12 @@ struct ClusterConfig {
   std::int64_t ranks_per_gpu = 1;  // worker ranks that share one GPU (2: engines beside trainers)
   // Every actor GPU also runs an engine, in the actor rank's process (docs/training.md, hybrid).
   bool hybrid = false;
+  // When the trainers score a hybrid step's samples: while the engines generate them (overlap), or
+  // once every sample is in and the engines sleep (after_generate). auto: after_generate for TP > 1
+  // engines over NCCL (JobConfig::hybrid_scores_after_generate says why), overlap otherwise.
+  HybridScoring hybrid_scoring = HybridScoring::kAuto;
   double gpu_memory_gb = 0;        // per GPU, for the memory plan; 0: the device's (tiller train)
+  double host_memory_gb = 0;       // per node, for the memory plan; 0: the node's (tiller train)
 };
 
 // One trainer role (actor, critic, ref, reward): a ZeRO-3 group of `gpus` ranks, or colocated in
@@ -410,6 +420,7 @@ struct TimeoutsConfig {
   double weight_sync_s = 300.0;
   double train_s = 1800.0;
   double rpc_s = 60.0;
+  double step_s = 0.0;  // one whole step; 0: none (each call in it still has its own)
 };
 
 struct JobConfig {
@@ -443,7 +454,19 @@ struct JobConfig {
   // empty or the actor's): the reference log-probs are the actor's with its adapters off, and no
   // second model is loaded.
   bool ref_is_actor_base() const;
+  // cluster.hybrid_scoring resolved for a job over `backend`: whether the trainers score a hybrid
+  // step only once its generation is over, with the engines asleep. auto picks that for engines at
+  // TP > 1 over NCCL: their forward's all-reduces and the trainers' collectives would otherwise run
+  // at once on the same GPUs, where any device-wide synchronisation (the caching allocator
+  // returning memory near a full GPU) on one rank can wait for a kernel whose peer waits for it
+  // (docs/training.md, the hybrid engine). False outside hybrid jobs.
+  bool hybrid_scores_after_generate(BackendKind backend) const;
 };
+
+// The backend a plan made without the ranks assumes (tiller plan, the memory plan): cluster.backend,
+// or for auto MPI when cluster.device is cpu and NCCL otherwise, as a GPU run chooses
+// (dist::choose_device decides on each rank).
+BackendKind planned_backend(const ClusterConfig& cluster);
 
 // Loads `path`, then applies `overrides` ("a.b=c", values in YAML syntax) in order, then validates.
 JobConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});

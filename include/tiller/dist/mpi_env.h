@@ -46,7 +46,8 @@ class MpiEnv {
 
   // Prints "tiller: error: rank R: <what>" and ends the job at once (abort_job with exit_code_for(e)),
   // without unwinding: a rank that fails while a peer waits in a collective with it would otherwise
-  // block in its communicators' teardown until their deadline, and its error with it.
+  // block in its communicators' teardown until their deadline, and its error with it. With the
+  // watchdog running (watchdog.h), every rank prints where it was first (Watchdog::end_job).
   [[noreturn]] static void fail_job(int rank, const std::exception& e);
 
  private:

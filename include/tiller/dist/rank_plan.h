@@ -101,9 +101,9 @@ struct DeviceChoice {
   BackendKind backend = BackendKind::kMpi;
 };
 DeviceChoice choose_device(const ClusterConfig& cluster, int gpus, bool have_nccl, int rank, const std::string& host);
-// A layout this version refuses on `backend`, as a ConfigError saying what to use instead: a hybrid
-// engine at TP > 1 over NCCL, which trains small models but made no step at 32B (docs/training.md,
-// the hybrid engine).
+// A layout this version refuses on `backend`, as a ConfigError saying what to use instead: hybrid
+// engines at TP > 1 over NCCL whose trainers score while they generate (cluster.hybrid_scoring =
+// overlap; docs/training.md, the hybrid engine).
 void check_layout_on_backend(const JobConfig& config, BackendKind backend);
 // One line saying where required_world_size comes from, e.g. "1 controller + 4 actor + 8 engine (2 x TP 4)".
 std::string world_size_breakdown(const JobConfig& config);

@@ -28,7 +28,11 @@
 // Phases: train (the trainers' state, gathers and activations; a hybrid engine's weights unless
 // sleep_level 2, its cache at sleep_level 0), generate (the engine's weights and cache, the
 // trainers' weights and unoffloaded state, scoring activations), and for hybrid ranks sync
-// (trainer resident + engine weights + two sync buckets).
+// (trainer resident + engine weights + two sync buckets). A hybrid rank whose trainers score after
+// the generation (JobConfig::hybrid_scores_after_generate) has a score phase instead of the
+// scoring in generate: the generate phase's trainer items and engine weights, the scoring
+// activations, and the cache only at sleep_level 0. Each TP rank of an engine holds 1/tp of its
+// weights, of its KV cache's heads and of each sync bucket it places.
 //
 // The hybrid KV cache: engines.kv_cache_gb when set, else engines.gpu_memory_fraction of the GPU
 // minus everything else the rank holds while generating (the awake trainer's footprint in that
@@ -40,6 +44,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,7 +74,7 @@ inline constexpr int64_t kAllocatorSlackDivisor = 16;
 // kReserveBytes and the allocator's slack for a rank whose tensors peak at `peak` bytes.
 inline int64_t reserve_bytes(int64_t peak) { return kReserveBytes + peak / kAllocatorSlackDivisor; }
 
-enum class Phase { kGenerate, kTrain, kSync };
+enum class Phase { kGenerate, kScore, kTrain, kSync };
 const char* phase_name(Phase p);
 
 // One rank's estimate in one phase, by item ("actor weights", "actor state", "activations",
@@ -82,10 +87,13 @@ struct PhaseMemory {
 
 struct RankMemory {
   int rank = 0;
+  int node = 0;
   std::string label;             // the rank plan's ("actor+ref+engine0.tp0")
   std::vector<PhaseMemory> phases;
   int64_t kv_cache_bytes = 0;    // the engine's KV cache on this rank (0 without an engine)
-  int64_t host_bytes = 0;        // host memory of the optimizers on the host (optimizer_offload: cpu)
+  // Host memory: the optimizer on the host (optimizer_offload: cpu: fp32 masters, moments,
+  // staging) and the state a hybrid trainer moves there while generating (roles.<r>.offload).
+  int64_t host_bytes = 0;
   int64_t peak() const;
   const PhaseMemory* peak_phase() const;
 };
@@ -104,12 +112,20 @@ struct MemoryPlan {
   bool keep_compute_shard = false;
   std::string compute_shard_reason;
   bool shared_gpus = false;      // cluster.ranks_per_gpu > 1: ranks share GPUs; no fit check
+  // Per node (cluster.host_memory_gb); 0: unknown (no host fit check). A node fits when its ranks'
+  // host_bytes take at most 9/10 of it (the rest: the OS, the page cache, the processes themselves).
+  int64_t host_memory_bytes = 0;
   std::vector<RankMemory> ranks; // every worker rank with a GPU role, in rank order
   std::vector<std::string> notes;  // what the plan leaves out and why (LoRA's reference from the actor's base)
   // Human-readable: one line per rank and phase, in GiB, with the fit.
   std::string table() const;
   // The first rank whose peak does not fit (peak + reserve_bytes(peak) > gpu_bytes), or nullptr.
   const RankMemory* overflow() const;
+  // Host bytes of each node's ranks, by node index.
+  std::vector<int64_t> host_by_node() const;
+  // The first node whose host memory does not fit, or -1.
+  int host_overflow() const;
+  bool fits() const { return overflow() == nullptr && host_overflow() < 0; }
 };
 
 // The models' shapes by role (those the plan runs; the engine's is the actor's unless
@@ -138,8 +154,23 @@ bool activations_fit(int64_t others, int64_t activations, int64_t gpu_bytes);
 MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes);
 
 // Throws ConfigError when `m` has a rank that cannot fit, naming the rank, its roles, the phase,
-// its largest items and what to change.
+// its largest items and what to change; or a node whose host memory cannot hold its ranks' share.
 void check_fits(const MemoryPlan& m, const JobConfig& cfg);
+
+// The smallest layout that fits when `cfg` does not (tiller plan): every trainer role's
+// roles.<r>.gpus (those not colocated) and, with separate pools, engines.count times k = 2, 3, ...
+// (up to the world size kMaxSuggestedRanks), on nodes of `gpus_per_node` GPUs of `gpu_bytes`
+// and cluster.host_memory_gb each; at each k as configured, then with the trained roles' optimizer
+// on the host (optimizer_offload: cpu), then in a hybrid job their state offloaded while the engines
+// generate (roles.<r>.offload) too, each when not so already. nullopt when none fits.
+struct LayoutSuggestion {
+  int nodes = 0;
+  int gpus = 0;  // in all
+  std::vector<std::string> overrides;  // "roles.actor.gpus=16", ...
+};
+inline constexpr int kMaxSuggestedRanks = 4096;
+std::optional<LayoutSuggestion> smallest_fitting_layout(const JobConfig& cfg, const ModelShapes& shapes,
+                                                        int gpus_per_node, int64_t gpu_bytes);
 
 // One trained role alone, one rank of its group (tiller bench train): the train phase of the role
 // `name` of `shape` (LM head) over `ranks` ranks at `tokens` tokens per micro-batch and rank, with
