@@ -137,6 +137,8 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
   RankComm bc = open_rank_comm(env, o.backend, o.timeout_s, "bench.train");
   dist::Communicator& comm = bc.comm();
   const at::Device dev = bc.device;
+  // --gpu-memory-gb on a larger card: allocate no more than that, as that card would.
+  if (o.gpu_memory_gb > 0) model::cap_device_memory(dev, static_cast<int64_t>(o.gpu_memory_gb * double(int64_t{1} << 30)));
 
   const model::ModelConfig cfg = model::preset(o.model);
   zero::ShardedModelOptions mo;
@@ -389,7 +391,9 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
       ->check(CLI::IsMember({"none", "cpu"}));
   tr->add_option("--optimizer-threads", o->optimizer_threads, "The CPU AdamW's threads per rank (0: cores / local ranks)")
       ->check(CLI::Range(0, 4096));
-  tr->add_option("--gpu-memory-gb", o->gpu_memory_gb, "GPU memory in GiB the plan checks against (0: the device's)")
+  tr->add_option("--gpu-memory-gb", o->gpu_memory_gb,
+                 "GPU memory in GiB the plan checks against (0: the device's); on a larger GPU the caching allocator "
+                 "is capped at it too")
       ->check(CLI::Range(0.0, 1e6));
   tr->add_option("--reduce-dtype", o->reduce_dtype, "What gradients are reduce-scattered in: fp32 or bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}));

@@ -6,7 +6,9 @@
 # WAIT seconds of the weight sync plan, every rank's stacks go to OUT/stacks.txt (stacks.sh) and the
 # job is ended; then the same job runs with cluster.hybrid_scoring=auto (after_generate) for STEPS
 # steps through train_examples.sh. After scripts/gpu/build.sh and scripts/gpu/make_models.sh 32b.
-#   scripts/gpu/hybrid_stall.sh OUT [WAIT] [STEPS]
+# On cards larger than 80 GB, GPU_MEMORY_GB=79 plans for an H100 and caps the allocators at that
+# (cluster.gpu_memory_gb): the stall of 2026-11-27 came with the H100's memory near full.
+#   [GPU_MEMORY_GB=79] scripts/gpu/hybrid_stall.sh OUT [WAIT] [STEPS]
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 out=$1; wait_s=${2:-90}; steps=${3:-3}
@@ -16,6 +18,7 @@ name=qwen2.5-32b-lora-grpo-2gpu
 layout=(--set cluster.hybrid=true --set roles.actor.gpus=2 --set engines.tp=2 --set engines.sleep_level=2
         --set rollout.batch_size=8 --set train.train_batch_size=64 --set rollout.max_new_tokens=256
         --set logging.efficiency=false --set timeouts.collective_s=300 --set checkpoint.dir=)
+[ -n "${GPU_MEMORY_GB:-}" ] && layout+=(--set cluster.gpu_memory_gb="$GPU_MEMORY_GB")
 bash scripts/gpu/make_models.sh 32b
 CUDA_VISIBLE_DEVICES=0,1 TILLER_ALLOW_HYBRID_TP_OVERLAP=1 \
   mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST \
@@ -38,6 +41,7 @@ done
 kill $job 2>/dev/null; pkill -x tiller; sleep 3; pkill -9 -x tiller; wait $job 2>/dev/null
 grep -E "step [0-9]+/|error|watchdog" "$out/overlap/log.txt" | cut -c1-300 | tail -8
 sets=""
-for kv in cluster.hybrid=true roles.actor.gpus=2 engines.tp=2 engines.sleep_level=2; do sets+="$kv,"; done
+for kv in cluster.hybrid=true roles.actor.gpus=2 engines.tp=2 engines.sleep_level=2 \
+          ${GPU_MEMORY_GB:+cluster.gpu_memory_gb=$GPU_MEMORY_GB}; do sets+="$kv,"; done
 SET="--set rollout.batch_size=8 --set train.train_batch_size=64 --set rollout.max_new_tokens=256 --set logging.efficiency=false --set timeouts.collective_s=300" \
   bash scripts/gpu/train_examples.sh "$out" "$steps" "$name:${sets%,}"

@@ -162,7 +162,8 @@ std::vector<Field> build() {
       ;
   b.add("cluster.gpu_memory_gb", TILLER_FIELD(cluster.gpu_memory_gb),
         "GPU memory per GPU in GiB for the memory plan (tiller plan checks the fit with it); 0: tiller train "
-        "asks the device, tiller plan prints the estimates without a fit check.")
+        "asks the device, tiller plan prints the estimates without a fit check. On a larger GPU tiller train also "
+        "caps each rank's caching allocator at it, so the job allocates as it would on a GPU of that size.")
       .range(0.0, 65536.0);
   b.add("cluster.host_memory_gb", TILLER_FIELD(cluster.host_memory_gb),
         "Host memory per node in GiB for the memory plan: what optimizers on the host (roles.<r>.optimizer_offload) "

@@ -662,6 +662,9 @@ void check_fits(const MemoryPlan& m, const JobConfig& cfg) {
   if (p.phase == Phase::kGenerate)
     advice = cfg.cluster.hybrid ? "set roles.actor.offload=true, lower engines.kv_cache_gb or rollout.micro_batch_tokens"
                                 : "lower engines.kv_cache_gb / engines.gpu_memory_fraction or rollout.micro_batch_tokens";
+  else if (p.phase == Phase::kScore)
+    advice = "lower rollout.micro_batch_tokens (the scoring's activations), set roles.actor.offload=true, or give the "
+             "actor more GPUs (a larger engines.tp holds less of the engine on each)";
   else
     advice = std::string(cfg.cluster.hybrid ? "give the role more GPUs (roles.<role>.gpus), lower "
                                               "train.micro_batch_tokens, set engines.sleep_level=2"
@@ -705,6 +708,9 @@ std::pair<JobConfig, std::vector<std::string>> scaled(const JobConfig& cfg, int6
   if (!c.cluster.hybrid) {
     c.engines.count *= k;
     overrides.push_back(fmt::format("engines.count={}", c.engines.count));
+  } else if (c.engines.count != 1) {  // set to the derived count: derived again
+    c.engines.count = c.engine_count();
+    overrides.push_back(fmt::format("engines.count={}", c.engines.count));
   }
   return {std::move(c), std::move(overrides)};
 }
@@ -717,7 +723,7 @@ std::optional<LayoutSuggestion> smallest_fitting_layout(const JobConfig& cfg, co
   // At each size: as configured, then the optimizer on the host, then (hybrid) the state offloaded
   // while generating too; a variant that changes nothing more is skipped.
   constexpr std::array<std::pair<bool, bool>, 3> kVariants{{{false, false}, {true, false}, {true, true}}};
-  for (int64_t k = 2;; ++k) {
+  for (int64_t k = 2; k <= kMaxSuggestedScale; ++k) {
     if (dist::required_world_size(scaled(cfg, k, false, false).first) > kMaxSuggestedRanks) return std::nullopt;
     size_t tried = 0;
     for (const auto& [host_optimizer, offload] : kVariants) {
@@ -739,6 +745,7 @@ std::optional<LayoutSuggestion> smallest_fitting_layout(const JobConfig& cfg, co
       }
     }
   }
+  return std::nullopt;
 }
 
 ModelShapes load_model_shapes(const JobConfig& cfg, std::string* missing) {

@@ -309,6 +309,12 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   // and a hybrid engine's KV cache is what its generate phase leaves.
   int64_t gpu_bytes = static_cast<int64_t>(cfg.cluster.gpu_memory_gb * (1ull << 30));
   if (gpu_bytes == 0 && !cpu && me.gpu >= 0) gpu_bytes = model::device_memory(at::Device(device)).total;
+  // On a larger card than cluster.gpu_memory_gb, the rank allocates no more than that: the job
+  // runs out of memory where it would on the card it was planned for.
+  if (!cpu && me.gpu >= 0 && cfg.cluster.gpu_memory_gb > 0)
+    if (const int64_t total = model::cap_device_memory(at::Device(device), gpu_bytes); total > 0)
+      log::info("cluster.gpu_memory_gb = {}: the caching allocator holds at most that of {}'s {:.1f} GiB",
+                cfg.cluster.gpu_memory_gb, device, static_cast<double>(total) / (1ull << 30));
   std::string missing;
   const ModelShapes shapes = load_model_shapes(cfg, &missing);
   MemoryPlan memory;

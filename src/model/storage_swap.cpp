@@ -160,6 +160,25 @@ void release_cached_device_memory(const at::Device& device) {
 #endif
 }
 
+int64_t cap_device_memory(const at::Device& device, int64_t bytes) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (!device.is_cuda()) return 0;
+  c10::cuda::CUDAGuard guard(device.index());
+  size_t free = 0, total = 0;
+  TILLER_CHECK(cudaMemGetInfo(&free, &total) == cudaSuccess, "cudaMemGetInfo failed on {}", device.str());
+  // The allocator of a device is set up by its first allocation; the fraction needs it.
+  (void)at::empty({1}, at::TensorOptions().device(device));
+  const bool cap = bytes > 0 && static_cast<size_t>(bytes) < total;
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(
+      cap ? static_cast<double>(bytes) / static_cast<double>(total) : 1.0, device.index());
+  return cap ? static_cast<int64_t>(total) : 0;
+#else
+  (void)device;
+  (void)bytes;
+  return 0;
+#endif
+}
+
 void reset_peak_device_memory(const at::Device& device) {
 #ifdef TILLER_HAVE_CUDA_KERNELS
   if (device.is_cuda() && c10::cuda::CUDACachingAllocator::get()->initialized())

@@ -9,6 +9,7 @@
 #include "fixtures.h"
 #include "tiller/model/attention.h"
 #include "tiller/model/safetensors.h"
+#include "tiller/model/storage_swap.h"
 #include "tiller/model/sampling.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
@@ -46,6 +47,19 @@ std::vector<std::vector<int64_t>> inputs() {
 // back on the copy stream; against ATen's fused AdamW on the GPU (what ShardAdamW runs), over 4
 // steps with clipping and masked weight decay. Tolerance as on the CPU (tests/zero): 2e-6 of the
 // largest value; the bf16 shards are the masters rounded, bit for bit.
+// cluster.gpu_memory_gb on a larger card: the allocator runs out at the cap, as a card of that size
+// would, and lifting the cap gives the memory back.
+TEST(ModelGpu, ACappedAllocatorRunsOutAtTheCap) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  const at::Device dev(at::kCUDA, 0);
+  model::release_cached_device_memory(dev);
+  ASSERT_GT(model::cap_device_memory(dev, int64_t{2} << 30), 0);
+  const at::Tensor one = at::empty({int64_t{1} << 30}, at::TensorOptions().dtype(at::kByte).device(dev));
+  EXPECT_THROW(at::empty({int64_t{3} << 30}, at::TensorOptions().dtype(at::kByte).device(dev)), c10::Error);
+  EXPECT_EQ(model::cap_device_memory(dev, 0), 0);
+  EXPECT_NO_THROW(at::empty({int64_t{3} << 30}, at::TensorOptions().dtype(at::kByte).device(dev)));
+}
+
 TEST(ModelGpu, HostAdamWEqualsCudaFusedAdamW) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
   const at::Device cuda(at::kCUDA, 0);

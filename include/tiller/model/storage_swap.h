@@ -60,5 +60,12 @@ void reset_peak_device_memory(const at::Device& device);
 // training activations) would otherwise fragment the next phase's memory, and NCCL's buffers and
 // other allocations outside the allocator cannot use them at all.
 void release_cached_device_memory(const at::Device& device);
+// Caps what the process's caching allocator may hold on `device` at `bytes` (PyTorch's
+// set_per_process_memory_fraction), when the device has more: a larger card then runs out of
+// memory where a card of that size would (cluster.gpu_memory_gb, bench train --gpu-memory-gb).
+// The CUDA context and NCCL's buffers come on top, as on the smaller card. Returns the device's
+// memory when it capped, 0 when it did not (a CPU device, or a card no larger than `bytes`); 0
+// bytes (or more than the card) lifts a cap.
+int64_t cap_device_memory(const at::Device& device, int64_t bytes);
 
 }  // namespace tiller::model

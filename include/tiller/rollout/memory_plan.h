@@ -159,7 +159,7 @@ void check_fits(const MemoryPlan& m, const JobConfig& cfg);
 
 // The smallest layout that fits when `cfg` does not (tiller plan): every trainer role's
 // roles.<r>.gpus (those not colocated) and, with separate pools, engines.count times k = 2, 3, ...
-// (up to the world size kMaxSuggestedRanks), on nodes of `gpus_per_node` GPUs of `gpu_bytes`
+// (up to kMaxSuggestedScale, and a world of kMaxSuggestedRanks), on nodes of `gpus_per_node` GPUs of `gpu_bytes`
 // and cluster.host_memory_gb each; at each k as configured, then with the trained roles' optimizer
 // on the host (optimizer_offload: cpu), then in a hybrid job their state offloaded while the engines
 // generate (roles.<r>.offload) too, each when not so already. nullopt when none fits.
@@ -169,6 +169,7 @@ struct LayoutSuggestion {
   std::vector<std::string> overrides;  // "roles.actor.gpus=16", ...
 };
 inline constexpr int kMaxSuggestedRanks = 4096;
+inline constexpr int64_t kMaxSuggestedScale = 32;
 std::optional<LayoutSuggestion> smallest_fitting_layout(const JobConfig& cfg, const ModelShapes& shapes,
                                                         int gpus_per_node, int64_t gpu_bytes);
 
