@@ -72,8 +72,10 @@ CASE:
                optimizers on the host (separate pools) and hybrid GRPO with the actor's learn the toy
                task, with checkpoints; the memory plan shows the host memory.
   old_logprobs train.old_logprobs=forward: GRPO with one mini-batch per step gives the losses, grad
-               norms and rewards of recomputing the old log-probs step for step, with no actor
-               scoring (its seconds are 0; the reference is still scored); ppo_epochs=2 is refused.
+               norms and rewards of recomputing the old log-probs at steps 1-2 (later steps differ
+               between any two runs: the samples' arrival order changes the rounding), with the
+               ratio exactly 1 and no actor scoring (its seconds are 0; the reference is still
+               scored); ppo_epochs=2 is refused.
   resume_async SIGTERM then --resume in async mode: the prompts trained (and their order) are those
                of an uninterrupted run, none lost and none twice.
   watchdog     a hang injected with TILLER_FAULT_HANG ends the job within its deadline, every rank
@@ -1149,10 +1151,16 @@ def check_old_logprobs():
     want, got = metrics(SCRATCH / "olp_recompute"), metrics(SCRATCH / "olp_forward")
     if len(got) != 4 or len(want) != 4:
         fail(f"{len(got)} and {len(want)} steps recorded, 4 expected")
-    for key in ["reward/mean", "actor/loss", "actor/grad_norm", "kl/mean_per_sample"]:
-        a, b = [r[key] for r in got], [r[key] for r in want]
-        if any(abs(x - y) > 1e-4 * max(1.0, abs(y)) for x, y in zip(a, b)):
-            fail(f"{key} with train.old_logprobs=forward differs from recompute: {a} vs {b}")
+    # Steps 1 and 2, within the noise between two runs of one config. The samples reach the
+    # controller in an order that depends on timing, which changes the rounding of every sum over
+    # them (advantages/std differed in its 15th digit at step 1 of four identical runs, 2026-11-28);
+    # AdamW's first updates amplify that, so from step 3 two runs of the same config differ too
+    # (kl/mean_per_sample 0.194 against 0.205 at step 3), whichever old log-probs they use.
+    for key, tol in [("reward/mean", 1e-6), ("actor/loss", 1e-3), ("actor/grad_norm", 5e-3),
+                     ("kl/mean_per_sample", 5e-3)]:
+        a, b = [r[key] for r in got[:2]], [r[key] for r in want[:2]]
+        if any(abs(x - y) > tol * max(1e-2, abs(y)) for x, y in zip(a, b)):
+            fail(f"{key} with train.old_logprobs=forward differs from recompute at steps 1-2: {a} vs {b}")
     # The ratio is exactly 1: the old log-probs are the forward's own (the engine's would differ by
     # rounding and show here).
     if any(r["actor/approx_kl"] != 0 or r["actor/clip_fraction"] != 0 for r in got):
@@ -1162,7 +1170,7 @@ def check_old_logprobs():
              f"recompute {[r['time/score.actor'] for r in want]}")
     if not all(r["time/score.ref"] > 0 for r in got):
         fail("the reference was not scored with train.old_logprobs=forward")
-    print(f"old_logprobs: forward equals recompute for 4 steps with no actor scoring: actor loss "
+    print(f"old_logprobs: forward equals recompute at steps 1-2, with no actor scoring: actor loss "
           f"{[round(r['actor/loss'], 6) for r in got]}, grad norm {[round(r['actor/grad_norm'], 5) for r in got]}")
     # Off-policy settings are refused by name.
     expect_error("old_logprobs_epochs", command(3, SCRATCH / "olp_bad", *sets, "train.old_logprobs=forward",
@@ -1292,7 +1300,7 @@ def check_lora():
           f"(kl/mean_per_sample {[round(r['kl/mean_per_sample'], 5) for r in a]})")
 
 
-def watchdog_run(name, hang, sets, np_=4, deadline=5):
+def watchdog_run(name, hang, sets, np_=4, deadline=10):
     """Runs a job with TILLER_FAULT_HANG=`hang`; returns its output once it ends (it must, non-zero,
     within the deadline and the watchdog's grace)."""
     out = SCRATCH / name
@@ -1343,8 +1351,8 @@ def check_watchdog():
 
     # A step past timeouts.step_s: rank 1 (the only actor rank) hangs in its first training request;
     # every other deadline is longer.
-    log, lines = watchdog_run("watchdog_step", "1:train_actor", ["timeouts.step_s=8"], np_=3, deadline=600)
-    if not re.search(r"tiller: error: rank 0: step 1 made no progress within its deadline \(timeouts.step_s = 8 s\)",
+    log, lines = watchdog_run("watchdog_step", "1:train_actor", ["timeouts.step_s=15"], np_=3, deadline=600)
+    if not re.search(r"tiller: error: rank 0: step 1 made no progress within its deadline \(timeouts.step_s = 15 s\)",
                      log):
         fail("step: the controller's error does not name the step and timeouts.step_s:\n" + log[-3000:])
     expect_line("step", lines, log, r"^tiller: watchdog: rank 0 \(controller\), phase 'train, step 1' .*waiting for "
