@@ -11,10 +11,12 @@
 // When one passes, or when any thread of the rank ends the job on an error (end_job, which
 // MpiEnv::fail_job calls), the rank prints its line, asks every other rank for theirs over a
 // communicator of its own (MPI; needs MPI_THREAD_MULTIPLE, else only its own line is printed),
-// gives them up to a grace period to print, then aborts the job (MPI_Abort). A line reads
-//   tiller: watchdog: rank 2 (actor+engine0.tp1), phase 'score, step 3' (61.2 s): waiting 60.9 s in
-//     all_gather #57 on group 'actor' (nccl, rank 1 of 2; world ranks 1,2) [thread 2: 61.0 s in the
-//     leader's next message on 'engine0.tp']
+// gives them up to a grace period to print, then aborts the job (MPI_Abort). Lines read
+//   tiller: watchdog: rank 1 (actor+ref), phase 'score request' (5.0 s): waiting 4.9 s in all_gather #0
+//     on group 'actor' (mpi, rank 0 of 2) with world ranks 1,2
+//   tiller: watchdog: rank 2 (actor+ref+engine0.tp1), phase 'phase request' (5.6 s): waiting 5.6 s in
+//     the controller's next request (rank 0) [thread 2: 5.2 s in the hang injected at 'engine_step'
+//     (TILLER_FAULT_HANG)]
 // so the rank that is not where its peers are stands out, as c10d's watchdog shows.
 //
 // Threading: every function is thread-safe. The watchdog is process-wide: one per rank.
