@@ -132,7 +132,7 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
   if (blocks <= 0 && opts.kv_cache_gb > 0)
     blocks = static_cast<int64_t>(opts.kv_cache_gb * (1ull << 30)) / m.runner->block_bytes();
   if (blocks <= 0 && device.is_cuda())
-    blocks = static_cast<int64_t>(static_cast<double>(free_device_bytes(device)) * opts.gpu_memory_fraction) /
+    blocks = static_cast<int64_t>(static_cast<double>(model::device_free_bytes(device)) * opts.gpu_memory_fraction) /
              m.runner->block_bytes();
   if (blocks <= 0) blocks = static_cast<int64_t>(1ull << 30) / m.runner->block_bytes();
   if (m.tensor_parallel()) {  // every rank of the group holds the same number of blocks

@@ -112,19 +112,6 @@ inline void erase_id(std::vector<int64_t>& ids, int64_t id) {
   if (it != ids.end()) ids.erase(it);
 }
 
-inline size_t free_device_bytes(const at::Device& device) {
-#ifdef TILLER_HAVE_CUDA_KERNELS
-  if (device.is_cuda()) {
-    size_t free = 0, total = 0;
-    TILLER_CHECK(cudaMemGetInfo(&free, &total) == cudaSuccess, "cudaMemGetInfo failed on {}", device.str());
-    return free;
-  }
-#endif
-  (void)device;
-  return 0;
-}
-
-
 struct Engine::Impl {
   model::ModelConfig cfg;
   EngineOptions opts;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <functional>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -30,6 +31,8 @@ const RoleConfig& role_cfg(const JobConfig& c, Role r) {
   }
   return c.roles.actor;
 }
+
+RoleConfig& role_cfg(JobConfig& c, Role r) { return const_cast<RoleConfig&>(role_cfg(std::as_const(c), r)); }
 
 int64_t dtype_bytes(Precision dtype) { return dtype == Precision::kFp32 ? 4 : 2; }
 
@@ -468,11 +471,12 @@ MemoryPlan choose(const TrainConfig& t, int64_t layers, int64_t gpu_bytes, bool 
   };
   std::vector<Mode> modes;
   if (auto_mode) {
-    modes = {{zero::Recompute::kNone, -1}, {zero::Recompute::kAttentionOnly, -1}};
+    modes.push_back({zero::Recompute::kNone, -1});
+    modes.push_back({zero::Recompute::kAttentionOnly, -1});
     for (int64_t k = layers - 1; k >= 1; --k) modes.push_back({zero::Recompute::kAttentionOnly, k});
     modes.push_back({zero::Recompute::kBlocks, -1});
   } else {
-    modes = {{zero::recompute_of(t.recompute), t.recompute_layers}};
+    modes.push_back({zero::recompute_of(t.recompute), t.recompute_layers});
   }
   std::vector<bool> keeps{true, false};
   if (!auto_shard) keeps = {t.compute_shard == ComputeShard::kKeep};
@@ -486,6 +490,11 @@ MemoryPlan choose(const TrainConfig& t, int64_t layers, int64_t gpu_bytes, bool 
                                      : "auto: ranks share GPUs";
     return reasons(make(modes.back().mode, modes.back().layers, keeps.back()), why, why);
   }
+  // Every choice holds at least what the last (least memory) does: when that does not fit, none does
+  // (and the search for a layout that fits, smallest_fitting_layout, tries many that do not).
+  MemoryPlan least = make(modes.back().mode, modes.back().layers, keeps.back());
+  if (!fits_with_margin(least))
+    return reasons(std::move(least), "auto: keeping more activations does not fit", "auto: keeping it does not fit");
   for (const Mode& m : modes)
     for (bool keep : keeps) {
       MemoryPlan p = make(m.mode, m.layers, keep);
@@ -493,8 +502,7 @@ MemoryPlan choose(const TrainConfig& t, int64_t layers, int64_t gpu_bytes, bool 
         return reasons(std::move(p), "auto: the most kept activations that fit",
                        keep ? "auto: it fits beside the activations" : "auto: keeping it does not fit; cast per gather");
     }
-  return reasons(make(modes.back().mode, modes.back().layers, keeps.back()), "auto: keeping more activations does not fit",
-                 "auto: keeping it does not fit");
+  return reasons(std::move(least), "auto: keeping more activations does not fit", "auto: keeping it does not fit");
 }
 
 }  // namespace
@@ -687,10 +695,7 @@ std::pair<JobConfig, std::vector<std::string>> scaled(const JobConfig& cfg, int6
   JobConfig c = cfg;
   std::vector<std::string> overrides;
   for (Role r : kRoles) {
-    RoleConfig& rc = r == Role::kActor    ? c.roles.actor
-                     : r == Role::kCritic ? c.roles.critic
-                     : r == Role::kRef    ? c.roles.ref
-                                          : c.roles.reward;
+    RoleConfig& rc = role_cfg(c, r);
     if (!rc.enabled) continue;
     if (rc.colocate_with.empty()) {
       rc.gpus *= k;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -160,6 +162,12 @@ void release_cached_device_memory(const at::Device& device) {
 #endif
 }
 
+namespace {
+// cap_device_memory's caps by device index (0: none).
+std::mutex g_caps_mu;
+std::map<int, int64_t> g_caps;
+}  // namespace
+
 int64_t cap_device_memory(const at::Device& device, int64_t bytes) {
 #ifdef TILLER_HAVE_CUDA_KERNELS
   if (!device.is_cuda()) return 0;
@@ -171,10 +179,34 @@ int64_t cap_device_memory(const at::Device& device, int64_t bytes) {
   const bool cap = bytes > 0 && static_cast<size_t>(bytes) < total;
   c10::cuda::CUDACachingAllocator::setMemoryFraction(
       cap ? static_cast<double>(bytes) / static_cast<double>(total) : 1.0, device.index());
+  {
+    std::lock_guard<std::mutex> lock(g_caps_mu);
+    g_caps[device.index()] = cap ? bytes : 0;
+  }
   return cap ? static_cast<int64_t>(total) : 0;
 #else
   (void)device;
   (void)bytes;
+  return 0;
+#endif
+}
+
+int64_t device_free_bytes(const at::Device& device) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (!device.is_cuda()) return 0;
+  c10::cuda::CUDAGuard guard(device.index());
+  size_t free = 0, total = 0;
+  TILLER_CHECK(cudaMemGetInfo(&free, &total) == cudaSuccess, "cudaMemGetInfo failed on {}", device.str());
+  int64_t cap = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_caps_mu);
+    auto it = g_caps.find(device.index());
+    if (it != g_caps.end()) cap = it->second;
+  }
+  if (cap <= 0) return static_cast<int64_t>(free);
+  return std::min(static_cast<int64_t>(free), std::max<int64_t>(0, cap - device_memory(device).reserved));
+#else
+  (void)device;
   return 0;
 #endif
 }

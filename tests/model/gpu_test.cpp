@@ -54,9 +54,12 @@ TEST(ModelGpu, ACappedAllocatorRunsOutAtTheCap) {
   const at::Device dev(at::kCUDA, 0);
   model::release_cached_device_memory(dev);
   ASSERT_GT(model::cap_device_memory(dev, int64_t{2} << 30), 0);
+  EXPECT_LE(model::device_free_bytes(dev), int64_t{2} << 30);  // what an engine sizes its KV cache from
   const at::Tensor one = at::empty({int64_t{1} << 30}, at::TensorOptions().dtype(at::kByte).device(dev));
+  EXPECT_LE(model::device_free_bytes(dev), int64_t{1} << 30);
   EXPECT_THROW(at::empty({int64_t{3} << 30}, at::TensorOptions().dtype(at::kByte).device(dev)), c10::Error);
   EXPECT_EQ(model::cap_device_memory(dev, 0), 0);
+  EXPECT_GT(model::device_free_bytes(dev), int64_t{3} << 30);
   EXPECT_NO_THROW(at::empty({int64_t{3} << 30}, at::TensorOptions().dtype(at::kByte).device(dev)));
 }
 

@@ -67,5 +67,9 @@ void release_cached_device_memory(const at::Device& device);
 // memory when it capped, 0 when it did not (a CPU device, or a card no larger than `bytes`); 0
 // bytes (or more than the card) lifts a cap.
 int64_t cap_device_memory(const at::Device& device, int64_t bytes);
+// Bytes a new allocation on `device` can still take: the driver's free memory, and under a cap
+// (cap_device_memory) no more than the cap leaves beside what the allocator holds. 0 on CPU. An
+// engine sizes its KV cache from it (engines.gpu_memory_fraction).
+int64_t device_free_bytes(const at::Device& device);
 
 }  // namespace tiller::model
