@@ -53,7 +53,7 @@ MpiEnv::~MpiEnv() {
   // for them forever. Leave MPI as it is; when this process exits without finalizing, mpirun
   // tears the whole job down, which is what an error should do.
   if (std::uncaught_exceptions() == 0) {
-    Watchdog::stop();  // its thread probes MPI
+    Watchdog::stop();  // no deadline is checked once MPI is gone
     int finalized = 1;
     if (MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized) {
       const int rc = MPI_Finalize();

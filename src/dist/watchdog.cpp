@@ -1,9 +1,16 @@
 // The rank's watchdog (tiller/dist/watchdog.h).
 #include "tiller/dist/watchdog.h"
 
+#include <fcntl.h>
 #include <mpi.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -21,8 +28,11 @@ namespace tiller::dist {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr int kRequestTag = 7001;  // "print your line", on the watchdog's own communicator
-constexpr auto kPoll = std::chrono::milliseconds(100);
+constexpr int kPollMs = 100;
+// Each rank's "host:port" of its watchdog's socket, in a fixed-size record of the start's exchange.
+constexpr int kAddressBytes = 320;
+// Connections a failing rank opens at once while asking the others for their lines.
+constexpr size_t kConnectBatch = 256;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -47,8 +57,8 @@ struct State {
   std::function<std::string()> source;
   double grace_s = 3.0;
   bool started = false;
-  bool use_mpi = false;
-  MPI_Comm comm = MPI_COMM_NULL;
+  int listen_fd = -1;                 // this rank's socket; a connection asks for its line
+  std::vector<std::string> addresses;  // every rank's "host:port" ("" where it has none)
   std::atomic<bool> line_printed{false};
   std::atomic<bool> ending{false};
   std::atomic<bool> stopping{false};
@@ -85,16 +95,91 @@ std::string expired_wait() {
 void watch() {
   State& s = state();
   while (!s.stopping) {
-    std::this_thread::sleep_for(kPoll);
+    // A connection to the socket is another rank's request for this rank's line. The socket is not
+    // MPI: a thread probing MPI would also drive the progress of every other message of the
+    // process, and a rank out of memory then fails inside MPI on this thread, not on the caller's.
+    if (s.listen_fd >= 0) {
+      pollfd p{s.listen_fd, POLLIN, 0};
+      if (::poll(&p, 1, kPollMs) > 0 && (p.revents & POLLIN)) {
+        for (int fd; (fd = ::accept(s.listen_fd, nullptr, nullptr)) >= 0;) ::close(fd);
+        if (!s.ending && !s.stopping) print_line_once();
+      }
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(kPollMs));
+    }
     if (s.ending || s.stopping) continue;
     if (const std::string why = expired_wait(); !why.empty()) Watchdog::end_job(1, why);
-    if (!s.use_mpi) continue;
-    int flag = 0;
-    MPI_Status status;
-    if (MPI_Iprobe(MPI_ANY_SOURCE, kRequestTag, s.comm, &flag, &status) != MPI_SUCCESS || !flag) continue;
-    int from = -1;
-    if (MPI_Recv(&from, 1, MPI_INT, status.MPI_SOURCE, kRequestTag, s.comm, MPI_STATUS_IGNORE) != MPI_SUCCESS) continue;
-    print_line_once();
+  }
+}
+
+// A listening TCP socket on every interface (IPv6 with IPv4 mapped, else IPv4), non-blocking, and
+// its port; -1 when the host gives none.
+int open_listener(int* port) {
+  for (int family : {AF_INET6, AF_INET}) {
+    const int fd = ::socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    int zero = 0;
+    if (family == AF_INET6) (void)::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+    sockaddr_storage addr{};
+    socklen_t len = family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+    addr.ss_family = static_cast<sa_family_t>(family);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0 && ::listen(fd, 128) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+      *port = ntohs(family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                       : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+      return fd;
+    }
+    ::close(fd);
+  }
+  return -1;
+}
+
+// A non-blocking connection under way to "host:port", or -1.
+int connect_to(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return -1;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(address.substr(0, colon).c_str(), address.c_str() + colon + 1, &hints, &found) != 0) return -1;
+  int fd = -1;
+  for (addrinfo* a = found; a && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd >= 0 && ::connect(fd, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(found);
+  return fd;
+}
+
+// Asks every rank at `addresses` but `me` for its line: connects to each (a batch at a time), by
+// `deadline`. A rank that is gone, or does not answer in time, is left.
+void request_lines(const std::vector<std::string>& addresses, int me, Deadline deadline) {
+  std::vector<int> peers;
+  for (int r = 0; r < static_cast<int>(addresses.size()); ++r)
+    if (r != me && !addresses[static_cast<size_t>(r)].empty()) peers.push_back(r);
+  for (size_t begin = 0; begin < peers.size() && !deadline.expired(); begin += kConnectBatch) {
+    std::vector<pollfd> open;
+    for (size_t i = begin; i < std::min(peers.size(), begin + kConnectBatch); ++i)
+      if (const int fd = connect_to(addresses[static_cast<size_t>(peers[i])]); fd >= 0) open.push_back({fd, POLLOUT, 0});
+    // Connected (or refused) once writable; the peer's watchdog sees the connection either way.
+    while (!open.empty() && !deadline.expired()) {
+      const int ms = static_cast<int>(std::min(100.0, deadline.remaining_seconds() * 1000) + 1);
+      if (::poll(open.data(), open.size(), ms) < 0 && errno != EINTR) break;
+      for (auto it = open.begin(); it != open.end();) {
+        if (it->revents != 0) {
+          ::close(it->fd);
+          it = open.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (const pollfd& p : open) ::close(p.fd);
   }
 }
 
@@ -110,14 +195,31 @@ void Watchdog::start(int rank, const std::string& label, double grace_s) {
     if (s.started) return;
     s.started = true;
   }
-  int provided = MPI_THREAD_SINGLE;
-  if (MPI_Query_thread(&provided) == MPI_SUCCESS && provided == MPI_THREAD_MULTIPLE &&
-      MPI_Comm_dup(MPI_COMM_WORLD, &s.comm) == MPI_SUCCESS) {
-    s.use_mpi = true;
-  } else {
-    log::warn("rank {}: the MPI library is not thread-safe (MPI_THREAD_MULTIPLE): when the job fails, only the "
-              "failing rank prints where it was", rank);
+  // Every rank's socket address, exchanged once (the start is collective over the world).
+  int port = 0;
+  s.listen_fd = open_listener(&port);
+  char host[MPI_MAX_PROCESSOR_NAME] = {};
+  int host_len = 0;
+  std::vector<char> mine(kAddressBytes, 0), all;
+  int size = 0;
+  bool exchanged = MPI_Get_processor_name(host, &host_len) == MPI_SUCCESS &&
+                   MPI_Comm_size(MPI_COMM_WORLD, &size) == MPI_SUCCESS;
+  if (exchanged) {
+    const std::string address = s.listen_fd >= 0 ? fmt::format("{}:{}", std::string(host, host_len), port) : "";
+    std::memcpy(mine.data(), address.data(), std::min<size_t>(address.size(), kAddressBytes - 1));
+    all.assign(static_cast<size_t>(size) * kAddressBytes, 0);
+    exchanged = MPI_Allgather(mine.data(), kAddressBytes, MPI_CHAR, all.data(), kAddressBytes, MPI_CHAR,
+                              MPI_COMM_WORLD) == MPI_SUCCESS;
   }
+  if (exchanged) {
+    for (int r = 0; r < size; ++r) s.addresses.emplace_back(all.data() + static_cast<size_t>(r) * kAddressBytes);
+  } else {
+    log::warn("rank {}: the watchdog's addresses could not be exchanged: when the job fails, only the failing rank "
+              "prints where it was", rank);
+  }
+  if (s.listen_fd < 0)
+    log::warn("rank {}: the watchdog could not open a socket ({}): this rank will not print where it was when "
+              "another fails", rank, std::strerror(errno));
   s.thread = std::thread(watch);
 }
 
@@ -126,6 +228,8 @@ void Watchdog::stop() {
   if (!s.thread.joinable() || s.ending) return;  // ending: the job is aborted, the thread may be the caller
   s.stopping = true;
   s.thread.join();
+  if (s.listen_fd >= 0) ::close(s.listen_fd);
+  s.listen_fd = -1;
 }
 
 bool Watchdog::running() {
@@ -188,17 +292,11 @@ void Watchdog::end_job(int code, const std::string& why) {
   }
   print(fmt::format("tiller: error: rank {}: {}", rank, why));
   print_line_once();
-  if (s.use_mpi) {
-    int size = 0;
-    if (MPI_Comm_size(s.comm, &size) == MPI_SUCCESS) {
-      static int me = rank;
-      for (int r = 0; r < size; ++r) {
-        if (r == rank) continue;
-        MPI_Request req;  // never completed: the job is aborted before a dead peer could take it
-        if (MPI_Isend(&me, 1, MPI_INT, r, kRequestTag, s.comm, &req) == MPI_SUCCESS) (void)MPI_Request_free(&req);
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::duration<double>(grace));
+  if (!s.addresses.empty()) {
+    // The requests within the grace period, and the rest of it for the others to print.
+    const Deadline deadline = Deadline::after_seconds(grace);
+    request_lines(s.addresses, rank, deadline);
+    std::this_thread::sleep_for(std::chrono::duration<double>(deadline.remaining_seconds()));
   }
   MpiEnv::abort_job(code);
 }

@@ -9,9 +9,10 @@
 //
 // Once started, a thread of the watchdog checks every wait against its deadline (every 100 ms).
 // When one passes, or when any thread of the rank ends the job on an error (end_job, which
-// MpiEnv::fail_job calls), the rank prints its line, asks every other rank for theirs over a
-// communicator of its own (MPI; needs MPI_THREAD_MULTIPLE, else only its own line is printed),
-// gives them up to a grace period to print, then aborts the job (MPI_Abort). Lines read
+// MpiEnv::fail_job calls), the rank prints its line, asks every other rank for theirs (a TCP
+// connection to each rank's watchdog socket, whose "host:port" start() exchanged; not MPI, whose
+// progress a probing thread would drive for every message of the process), gives them up to a
+// grace period to print, then aborts the job (MPI_Abort). Lines read
 //   tiller: watchdog: rank 1 (actor+ref), phase 'score request' (5.0 s): waiting 4.9 s in all_gather #0
 //     on group 'actor' (mpi, rank 0 of 2) with world ranks 1,2
 //   tiller: watchdog: rank 2 (actor+ref+engine0.tp1), phase 'phase request' (5.6 s): waiting 5.6 s in
@@ -31,13 +32,13 @@ namespace tiller::dist {
 
 class Watchdog {
  public:
-  // Collective over MPI_COMM_WORLD (every rank calls it once, after MPI is initialised): starts
-  // this rank's watchdog, labelled `label` ("actor+ref"), answering other ranks' requests from now
-  // on. A later call changes only the label. `grace_s`: how long a failing rank waits for the
+  // Collective over MPI_COMM_WORLD (every rank calls it once, after MPI is initialised): opens
+  // this rank's watchdog socket, exchanges every rank's address (MPI_Allgather) and starts this
+  // rank's watchdog, labelled `label` ("actor+ref"), answering other ranks' requests from now on. A later call changes only the label. `grace_s`: how long a failing rank waits for the
   // others' lines before it aborts the job.
   static void start(int rank, const std::string& label, double grace_s = 3.0);
   static bool running();
-  // Stops the watchdog's thread (MpiEnv's destructor, before MPI_Finalize): no wait is checked
+  // Stops the watchdog's thread and closes its socket (MpiEnv's destructor): no wait is checked
   // after it. Not collective.
   static void stop();
   // The rank's phase as its line shows it; "" clears it.
