@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
 #include <chrono>
 #include <cstdio>
@@ -63,6 +64,13 @@ struct State {
   std::atomic<bool> ending{false};
   std::atomic<bool> stopping{false};
   std::thread thread;
+  // Sends the requests for the other ranks' lines when the job ends: started with the watchdog, so
+  // that a failing rank (out of memory, say) need not start a thread then.
+  std::thread requester;
+  std::mutex request_mu;
+  std::condition_variable request_cv;
+  bool request = false;
+  Deadline request_deadline = Deadline::never();
 };
 
 // Leaked on purpose: the watchdog thread and end_job may run while statics are being destroyed.
@@ -183,6 +191,19 @@ void request_lines(const std::vector<std::string>& addresses, int me, Deadline d
   }
 }
 
+// The requester thread: waits for end_job, then asks every other rank for its line.
+void requester() {
+  State& s = state();
+  std::unique_lock<std::mutex> lock(s.request_mu);
+  s.request_cv.wait(lock, [&] { return s.request || s.stopping; });
+  if (!s.request) return;
+  try {
+    request_lines(s.addresses, s.rank, s.request_deadline);
+  } catch (...) {
+    // Out of memory or resources on the way out: the job ends at the grace period regardless.
+  }
+}
+
 }  // namespace
 
 void Watchdog::start(int rank, const std::string& label, double grace_s) {
@@ -221,13 +242,19 @@ void Watchdog::start(int rank, const std::string& label, double grace_s) {
     log::warn("rank {}: the watchdog could not open a socket ({}): this rank will not print where it was when "
               "another fails", rank, std::strerror(errno));
   s.thread = std::thread(watch);
+  if (!s.addresses.empty()) s.requester = std::thread(requester);
 }
 
 void Watchdog::stop() {
   State& s = state();
   if (!s.thread.joinable() || s.ending) return;  // ending: the job is aborted, the thread may be the caller
   s.stopping = true;
+  {
+    std::lock_guard<std::mutex> lock(s.request_mu);
+  }
+  s.request_cv.notify_all();
   s.thread.join();
+  if (s.requester.joinable()) s.requester.join();
   if (s.listen_fd >= 0) ::close(s.listen_fd);
   s.listen_fd = -1;
 }
@@ -293,9 +320,15 @@ void Watchdog::end_job(int code, const std::string& why) {
   print(fmt::format("tiller: error: rank {}: {}", rank, why));
   print_line_once();
   if (!s.addresses.empty()) {
-    // The requests within the grace period, and the rest of it for the others to print.
+    // The requests go out on the requester thread (a name lookup has no deadline); the job ends at
+    // the grace period's end whether or not they all went.
     const Deadline deadline = Deadline::after_seconds(grace);
-    request_lines(s.addresses, rank, deadline);
+    {
+      std::lock_guard<std::mutex> lock(s.request_mu);
+      s.request = true;
+      s.request_deadline = deadline;
+    }
+    s.request_cv.notify_all();
     std::this_thread::sleep_for(std::chrono::duration<double>(deadline.remaining_seconds()));
   }
   MpiEnv::abort_job(code);
