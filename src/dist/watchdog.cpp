@@ -22,6 +22,7 @@
 
 #include <fmt/format.h>
 
+#include "tiller/core/clock.h"
 #include "tiller/core/logging.h"
 #include "tiller/dist/mpi_env.h"
 
@@ -34,8 +35,6 @@ constexpr int kPollMs = 100;
 constexpr int kAddressBytes = 320;
 // Connections a failing rank opens at once while asking the others for their lines.
 constexpr size_t kConnectBatch = 256;
-
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 struct Wait {
   long id = 0;
