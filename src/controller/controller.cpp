@@ -113,6 +113,7 @@ struct Controller::Impl {
   json metrics;
   SteadyClock::time_point run_start, step_end;
   std::vector<engine::EngineStats> engine_stats;  // the engines' counters at the last step's end
+  std::vector<engine::EngineStats> session_stats;  // multi-turn jobs: theirs when the last batch was ready
   double sync_seconds_on_actor = 0, sync_wire_bytes = 0;
   json summary = json::object();
   // efficiency/* summed over the run's first step (which calibrates the benchmarks) and the later
@@ -212,6 +213,12 @@ struct Controller::Impl {
   std::unique_ptr<StepBatch> next_batch() {
     const auto t0 = w.clock->now();
     while (!collector->batch_ready()) pump();
+    if (cfg.multi_turn()) {
+      // On-policy, no turn of the next step has started yet: the session counters are this step's.
+      std::vector<engine::EngineStats> now = w.engines->stats();
+      session_metrics(session_stats, now, metrics);
+      session_stats = std::move(now);
+    }
     const int64_t j = collector->forming_step();
     after_scoring_hooks(j);
     const bool empty = collector->forming().ro.size() == 0;  // nothing informative (filter cap)
@@ -480,6 +487,7 @@ struct Controller::Impl {
     collector->start(step + 1, version, resend, next_ordinal);
     run_start = step_end = w.clock->now();
     engine_stats = w.engines->stats();
+    session_stats = engine_stats;
     first_step = step;
     bool stopped_by_signal = false;
     // The watchdog's line for this rank (dist/watchdog.h): the calls it waits for. Kept when the run

@@ -117,26 +117,29 @@ void idle_metrics(double step_s, const JobConfig& cfg, const dist::RankPlan& pla
     double sum = 0;
     for (size_t i = 0; i < now.size(); ++i) sum += now[i].seconds_in_steps - before[i].seconds_in_steps;
     metrics["idle/engines"] = std::max(0.0, step_s - sum / static_cast<double>(now.size()));
-    if (cfg.multi_turn()) {
-      // What the engines computed again and what the sessions spared them, this step.
-      double prefill = 0, resumes = 0, reused = 0, misses = 0, evictions = 0, preemptions = 0;
-      for (size_t i = 0; i < now.size(); ++i) {
-        preemptions += static_cast<double>(now[i].preemptions - before[i].preemptions +
-                                           now[i].kv_rebuilds - before[i].kv_rebuilds);
-        prefill += static_cast<double>(now[i].prefill_tokens - before[i].prefill_tokens);
-        resumes += static_cast<double>(now[i].session_resumes - before[i].session_resumes);
-        reused += static_cast<double>(now[i].session_tokens_reused - before[i].session_tokens_reused);
-        misses += static_cast<double>(now[i].session_misses - before[i].session_misses);
-        evictions += static_cast<double>(now[i].session_evictions - before[i].session_evictions);
-      }
-      metrics["engine/prefill_tokens"] = prefill;
-      metrics["engine/session_resumes"] = resumes;
-      metrics["engine/session_tokens_reused"] = reused;
-      metrics["engine/session_misses"] = misses;
-      metrics["engine/session_evictions"] = evictions;
-      metrics["engine/recomputed_sequences"] = preemptions;  // preempted, or rebuilt after a weight update
-    }
   }
+}
+
+void session_metrics(const std::vector<engine::EngineStats>& before, const std::vector<engine::EngineStats>& now,
+                     json& metrics) {
+  if (now.empty() || now.size() != before.size()) return;
+  // What the engines computed again and what the sessions spared them, this step.
+  double prefill = 0, resumes = 0, reused = 0, misses = 0, evictions = 0, preemptions = 0;
+  for (size_t i = 0; i < now.size(); ++i) {
+    preemptions += static_cast<double>(now[i].preemptions - before[i].preemptions +
+                                       now[i].kv_rebuilds - before[i].kv_rebuilds);
+    prefill += static_cast<double>(now[i].prefill_tokens - before[i].prefill_tokens);
+    resumes += static_cast<double>(now[i].session_resumes - before[i].session_resumes);
+    reused += static_cast<double>(now[i].session_tokens_reused - before[i].session_tokens_reused);
+    misses += static_cast<double>(now[i].session_misses - before[i].session_misses);
+    evictions += static_cast<double>(now[i].session_evictions - before[i].session_evictions);
+  }
+  metrics["engine/prefill_tokens"] = prefill;
+  metrics["engine/session_resumes"] = resumes;
+  metrics["engine/session_tokens_reused"] = reused;
+  metrics["engine/session_misses"] = misses;
+  metrics["engine/session_evictions"] = evictions;
+  metrics["engine/recomputed_sequences"] = preemptions;  // preempted, or rebuilt after a weight update
 }
 
 }  // namespace tiller::rollout

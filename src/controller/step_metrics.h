@@ -24,10 +24,16 @@ void batch_metrics(const StepBatch& b, const JobConfig& cfg, const dist::RankPla
                    reward::BatchedReward* batched, json& metrics);
 
 // Seconds each role and the engines were not busy during the step of `step_s` seconds (from the
-// step's time/ metrics), the generate rate per engine beside the engines' benchmark, and the
-// multi-turn session counters: the engines' counters `now` against `before` (the last step's end).
+// step's time/ metrics) and the generate rate per engine beside the engines' benchmark: the
+// engines' counters `now` against `before` (the last step's end).
 void idle_metrics(double step_s, const JobConfig& cfg, const dist::RankPlan& plan,
                   const std::vector<engine::EngineStats>& before, const std::vector<engine::EngineStats>& now,
                   json& metrics);
+
+// The multi-turn session counters (engine/prefill_tokens, engine/session_resumes, ...): the
+// engines' counters `now` against `before`, each taken when a step's batch was ready, so that the
+// next step's turns (which start during the weight sync and the checkpoint save) count in it.
+void session_metrics(const std::vector<engine::EngineStats>& before, const std::vector<engine::EngineStats>& now,
+                     json& metrics);
 
 }  // namespace tiller::rollout

@@ -237,8 +237,14 @@ struct EngineServer::Impl final : pb::Engine::Service {
         }
         for (auto& f : work) f();
         if (!paused && engine.has_work()) {
-          deliver(engine.step());
-        } else if (Clock::now() - last_beat > std::chrono::duration<double>(opts.heartbeat_seconds)) {
+          // The snapshot before the outputs: a client that saw a sample end reads counters that
+          // include the step that ended it.
+          const std::vector<SampleOutput> outs = engine.step();
+          update_snapshot();
+          deliver(outs);
+          continue;
+        }
+        if (Clock::now() - last_beat > std::chrono::duration<double>(opts.heartbeat_seconds)) {
           engine.heartbeat();
           last_beat = Clock::now();
         }

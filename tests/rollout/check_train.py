@@ -629,15 +629,18 @@ def check_multi_turn():
             fail(f"step {r['step']}: a turn did not resume its session: "
                  f"{ {k: v for k, v in r.items() if k.startswith(('engine/', 'env/', 'tokens/'))} }")
     # And it prefilled nothing else: the groups' prompts (once per group of n) and each resumed
-    # prompt's tokens that were not reused; summed over the run (a step's engine counters may take
-    # in the next step's first prefill), and exactly unless it preempted a sequence for memory.
+    # prompt's tokens that were not reused; each step (on-policy the engines' counters are the
+    # step's own), exactly unless it preempted a sequence for memory.
+    for r in rows:
+        expect = r["samples"] * r["prompt_length/mean"] / 4 + r["env/session_prefix_tokens"] + \
+            r["engine/session_resumes"] + r["tokens/observation"] - r["engine/session_tokens_reused"]
+        prefill, preempted = r["engine/prefill_tokens"], r["engine/recomputed_sequences"]
+        if prefill < expect - 1e-6 or (preempted == 0 and abs(prefill - expect) > 1e-6):
+            fail(f"step {r['step']}: the engines prefilled {prefill} tokens, {expect} expected "
+                 f"({preempted} sequences recomputed)")
     total = lambda key: sum(r[key] for r in rows)
-    prompts = sum(r["samples"] * r["prompt_length/mean"] for r in rows) / 4
-    expect = prompts + total("env/session_prefix_tokens") + total("engine/session_resumes") + \
-        total("tokens/observation") - total("engine/session_tokens_reused")
     prefill, preempted = total("engine/prefill_tokens"), total("engine/recomputed_sequences")
-    if prefill < expect - 1e-6 or (preempted == 0 and abs(prefill - expect) > 1e-6):
-        fail(f"the engines prefilled {prefill} tokens, {expect} expected ({preempted} sequences recomputed)")
+    prompts = sum(r["samples"] * r["prompt_length/mean"] for r in rows) / 4
     print(f"multi_turn: {total('engine/session_resumes'):.0f} turns resumed their session, reusing "
           f"{total('engine/session_tokens_reused'):.0f} tokens; the engines prefilled {prefill:.0f} = prompts "
           f"{prompts:.0f} + what the resumes did not find cached ({preempted:.0f} sequences preempted)")
