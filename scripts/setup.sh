@@ -51,8 +51,10 @@ if ! $python -c 'import torch,sys; sys.exit(0 if torch.__version__.startswith("2
   $python -m pip install -q torch==2.13.0
 fi
 # Python side of the tests. torch is already satisfied, so nothing here may pull another torch.
-py_packages=(transformers tokenizers safetensors sentencepiece grpcio grpcio-tools numpy tensorboard pyarrow peft==0.21.2)
-if ! $python -c 'import transformers, tokenizers, safetensors, sentencepiece, grpc, grpc_tools, numpy, tensorboard, pyarrow, peft' 2>/dev/null; then
+# jinja2 (>= 3.1.6, the sandbox fixes transformers asks for) renders models' chat templates in the
+# embedded interpreter at run time (src/python/jinja.cpp); torch depends on it too.
+py_packages=(transformers tokenizers safetensors sentencepiece grpcio grpcio-tools numpy tensorboard pyarrow peft==0.21.2 "jinja2>=3.1.6")
+if ! $python -c 'import transformers, tokenizers, safetensors, sentencepiece, grpc, grpc_tools, numpy, tensorboard, pyarrow, peft, jinja2' 2>/dev/null; then
   echo "setup: installing Python test packages: ${py_packages[*]}"
   $python -m pip install -q "${py_packages[@]}" "torch==2.13.0"
 fi

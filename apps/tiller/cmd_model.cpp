@@ -120,7 +120,8 @@ struct Prompt {
 std::vector<Prompt> read_prompts(const GenerateOptions& o, const model::Tokenizer& tok) {
   std::ifstream in(o.prompts);
   if (!in) throw ConfigError(fmt::format("{}: cannot open the prompts file", o.prompts));
-  const model::ChatFormat format = model::parse_chat_format(o.chat_template, tok);
+  const model::ChatTemplate chat =
+      model::load_chat_template(o.chat_template, o.tokenizer.empty() ? o.model : o.tokenizer, tok);
   std::vector<Prompt> out;
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
@@ -141,8 +142,9 @@ std::vector<Prompt> read_prompts(const GenerateOptions& o, const model::Tokenize
       if (!o.input_template.empty()) s = model::apply_input_template(o.input_template, s);
       messages.push_back({"user", s});
     } else if (v.is_array()) {
-      if (format == model::ChatFormat::kNone)
-        throw ConfigError(fmt::format("{}: '{}' is a conversation; pass --chat-template auto|chatml|llama3", where, o.input_key));
+      if (!chat.enabled())
+        throw ConfigError(fmt::format("{}: '{}' is a conversation; pass --chat-template auto|model|chatml|llama3|FILE.jinja",
+                                      where, o.input_key));
       for (const auto& m : v) {
         if (!m.is_object() || !m.contains("role") || !m.contains("content") || !m["content"].is_string())
           throw ConfigError(fmt::format("{}: messages need 'role' and 'content' strings", where));
@@ -152,11 +154,15 @@ std::vector<Prompt> read_prompts(const GenerateOptions& o, const model::Tokenize
       throw ConfigError(fmt::format("{}: '{}' must be a string or a list of messages", where, o.input_key));
     }
     Prompt p;
-    if (format == model::ChatFormat::kNone) {
+    if (!chat.enabled()) {
       p.text = messages[0].content;
       p.ids = tok.encode(p.text, /*add_special_tokens=*/true);
     } else {
-      p.text = model::apply_chat_template(format, messages, /*add_generation_prompt=*/true);
+      try {
+        p.text = chat.render(messages, /*add_generation_prompt=*/true);
+      } catch (const ConfigError& e) {
+        throw ConfigError(fmt::format("{}: {}", where, e.what()));
+      }
       p.ids = tok.encode(p.text, /*add_special_tokens=*/false);  // the template carries BOS
     }
     if (p.ids.empty()) throw ConfigError(fmt::format("{}: the prompt encodes to no tokens", where));
@@ -305,7 +311,7 @@ void add_model_commands(CLI::App& app, Runner& run) {
   gen->add_option("--out", go->out, "Write JSONL here (default: stdout)");
   gen->add_option("--tokenizer", go->tokenizer, "Tokenizer directory (default: --model)");
   gen->add_option("--input-key", go->input_key, "Field holding the prompt (a string or a list of messages)");
-  gen->add_option("--chat-template", go->chat_template, "none, auto, chatml or llama3");
+  gen->add_option("--chat-template", go->chat_template, "none, auto (the model's own Jinja template, else ChatML/Llama-3 by its tokens), model, chatml, llama3 or a .jinja file");
   gen->add_option("--input-template", go->input_template, "Template with one {} for the prompt, e.g. 'Q: {}\\nA:'");
   gen->add_flag("--greedy", go->sampling.greedy, "Greedy decoding");
   gen->add_option("--temperature", go->sampling.temperature, "Sampling temperature (> 0)");

@@ -41,10 +41,9 @@ LoopSources make_job_loop_sources(const JobConfig& cfg, const model::Tokenizer& 
   if (cfg.multi_turn()) s.environment = job_environment(cfg);
   const model::Tokenizer* tok = &tokenizer;
   // Observations inside the chat template's tool turn.
-  const model::ChatFormat chat =
-      cfg.data.apply_chat_template ? model::parse_chat_format("auto", tokenizer) : model::ChatFormat::kNone;
-  s.observation_tokens = [tok, chat](const std::string& text, bool closed, bool raw) {
-    return tok->encode(raw ? text : model::observation_turn(chat, text, closed), /*add_special_tokens=*/false);
+  const model::ChatTemplate chat = model::job_chat_template(cfg.data, cfg.roles.actor.model, tokenizer);
+  s.observation_tokens = [tok, chat, role = cfg.env.observation_role](const std::string& text, bool closed, bool raw) {
+    return tok->encode(raw ? text : chat.observation_turn(text, closed, role), /*add_special_tokens=*/false);
   };
   s.decode = [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, true); };
   s.session_prefix = fmt::format("{}-{}", cfg.run.name, cfg.run.seed);

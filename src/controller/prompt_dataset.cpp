@@ -17,7 +17,7 @@
 
 namespace tiller::rollout {
 namespace {
-Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::json& j, const DatasetOptions& o);
+Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::ordered_json& j, const DatasetOptions& o);
 }  // namespace
 
 PromptDataset::PromptDataset(const std::string& path, const model::Tokenizer& tok, const DatasetOptions& o)
@@ -27,7 +27,7 @@ PromptDataset::PromptDataset(const std::string& path, const model::Tokenizer& to
   byte_limit_ = per_token > 0 ? checked_mul(o.max_prompt_tokens, per_token, "max_prompt_tokens x bytes per token") : 0;
   bytes_per_token_ = per_token;
   const int64_t n = for_each_record(path, "the prompt file", "data.prompts",
-                                    [&](const std::string& where, int64_t number, const nlohmann::json& j) {
+                                    [&](const std::string& where, int64_t number, const nlohmann::ordered_json& j) {
                                       if (o.max_samples > 0 && size() >= o.max_samples) return false;
                                       add_prompt(where, parse_prompt(where, number, j, o), tok);
                                       return true;
@@ -43,35 +43,46 @@ namespace {
 
 // A record's prompt: its text through the templates, label, data source and extra info (not yet
 // tokenized). ConfigError naming `where` for a record without a usable prompt.
-Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::json& j, const DatasetOptions& o) {
+Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::ordered_json& j, const DatasetOptions& o) {
   auto bad = [&](const std::string& what) { throw ConfigError(fmt::format("{}: {}", where, what)); };
   Prompt p;
   p.line = number;
-  const nlohmann::json* input = lookup(j, o.input_key);
+  const nlohmann::ordered_json* input = lookup(j, o.input_key);
+  // A prompt's tools (a JSON list of schemas) go to the chat template.
+  std::string tools;
+  if (const nlohmann::ordered_json* t = o.tools_key.empty() ? nullptr : lookup(j, o.tools_key); t != nullptr && !t->is_null()) {
+    if (!t->is_array()) bad(fmt::format("the tools under '{}' (data.tools_key) must be a list of schemas", o.tools_key));
+    if (!o.chat.enabled())
+      bad(fmt::format("the prompt has tools under '{}'; they go to the chat template: set data.apply_chat_template: "
+                      "true (or data.tools_key: \"\" to ignore them)",
+                      o.tools_key));
+    tools = t->dump();
+  }
+  const auto render = [&](const std::vector<model::ChatMessage>& messages) {
+    try {
+      return o.chat.render(messages, true, tools);
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("{}: {}", where, e.what()));
+    }
+  };
   if (input != nullptr && input->is_string()) {
     p.text = input->get<std::string>();
     if (!o.input_template.empty()) p.text = model::apply_input_template(o.input_template, p.text);
-    if (o.chat != model::ChatFormat::kNone) p.text = model::apply_chat_template(o.chat, {{"user", p.text}});
+    if (o.chat.enabled()) p.text = render({{"user", p.text}});
   } else if (input != nullptr && input->is_array()) {
-    // Chat messages, as verl's datasets carry them: [{"role": "user", "content": "..."}, ...].
-    std::vector<model::ChatMessage> messages;
-    for (const auto& m : *input) {
-      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
-          !m["content"].is_string())
-        bad(fmt::format("the messages under '{}' must be objects with string \"role\" and \"content\"", o.input_key));
-      messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
-    }
-    if (messages.empty()) bad(fmt::format("the messages under '{}' are an empty list", o.input_key));
-    if (o.chat == model::ChatFormat::kNone)
+    // Chat messages, as verl's datasets carry them: [{"role": "user", "content": "..."}, ...]; their
+    // other keys (tool_calls, name, ...) go to the chat template too.
+    const std::vector<model::ChatMessage> messages = chat_messages(where, *input, o.input_key);
+    if (!o.chat.enabled())
       bad(fmt::format("the prompt under '{}' is a list of chat messages; set data.apply_chat_template: true", o.input_key));
     if (!o.input_template.empty())
       bad(fmt::format("data.input_template applies to prompts that are text, and the prompt under '{}' is chat "
                       "messages; leave data.input_template empty", o.input_key));
-    p.text = model::apply_chat_template(o.chat, messages);
+    p.text = render(messages);
   } else {
     bad(fmt::format("no text or list of chat messages under the input key '{}' (data.input_key)", o.input_key));
   }
-  if (const nlohmann::json* l = lookup(j, o.label_key); l != nullptr && !l->is_null()) {
+  if (const nlohmann::ordered_json* l = lookup(j, o.label_key); l != nullptr && !l->is_null()) {
     if (l->is_string()) {
       p.label = l->get<std::string>();
     } else {
@@ -79,11 +90,11 @@ Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::js
       p.label_is_json = true;
     }
   }
-  if (const nlohmann::json* d = lookup(j, o.data_source_key); d != nullptr && !d->is_null()) {
+  if (const nlohmann::ordered_json* d = lookup(j, o.data_source_key); d != nullptr && !d->is_null()) {
     if (!d->is_string()) bad(fmt::format("the data source under '{}' (data.data_source_key) is not text", o.data_source_key));
     p.data_source = d->get<std::string>();
   }
-  if (const nlohmann::json* e = lookup(j, o.extra_info_key); e != nullptr && !e->is_null()) p.extra_info = e->dump();
+  if (const nlohmann::ordered_json* e = lookup(j, o.extra_info_key); e != nullptr && !e->is_null()) p.extra_info = e->dump();
   return p;
 }
 

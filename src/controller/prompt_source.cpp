@@ -11,8 +11,8 @@
 namespace tiller::rollout {
 namespace {
 
-model::ChatFormat job_chat(const JobConfig& cfg, const model::Tokenizer& tok) {
-  return cfg.data.apply_chat_template ? model::parse_chat_format("auto", tok) : model::ChatFormat::kNone;
+model::ChatTemplate job_chat(const JobConfig& cfg, const model::Tokenizer& tok) {
+  return model::job_chat_template(cfg.data, cfg.roles.actor.model, tok);
 }
 
 // data.source file: the JSONL or parquet file of data.prompts, read once, served in epochs.
@@ -38,6 +38,7 @@ class FilePrompts final : public PromptSource {
     d.label_key = cfg.data.label_key;
     d.data_source_key = cfg.data.data_source_key;
     d.extra_info_key = cfg.data.extra_info_key;
+    d.tools_key = cfg.data.tools_key;
     d.input_template = cfg.data.input_template;
     d.chat = job_chat(cfg, tok);
     d.max_prompt_tokens = cfg.rollout.max_prompt_tokens;
@@ -76,12 +77,12 @@ std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const
   PromptSourceContext ctx;
   ctx.job = &job;
   ctx.tokenizer = &tokenizer;
-  const model::ChatFormat chat = job_chat(job, tokenizer);
+  const model::ChatTemplate chat = job_chat(job, tokenizer);
   ctx.make_prompt = [&job, &tokenizer, chat](const std::string& text, const std::string& label) {
     Prompt p;
     p.text = text;
     if (!job.data.input_template.empty()) p.text = model::apply_input_template(job.data.input_template, p.text);
-    if (chat != model::ChatFormat::kNone) p.text = model::apply_chat_template(chat, {{"user", p.text}});
+    if (chat.enabled()) p.text = chat.render({{"user", p.text}});
     p.tokens = tokenizer.encode(p.text, /*add_special_tokens=*/false);
     p.label = label;
     if (static_cast<int64_t>(p.tokens.size()) > job.rollout.max_prompt_tokens)

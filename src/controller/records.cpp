@@ -22,11 +22,11 @@ bool is_parquet(const std::string& path) {
   return ends(".parquet") || ends(".pq");
 }
 
-nlohmann::json parse_record(const std::string& where, const std::string& text) {
-  nlohmann::json j;
+nlohmann::ordered_json parse_record(const std::string& where, const std::string& text) {
+  nlohmann::ordered_json j;
   try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
+    j = nlohmann::ordered_json::parse(text);
+  } catch (const nlohmann::ordered_json::exception& e) {
     throw ConfigError(fmt::format("{}: not valid JSON ({})", where, e.what()));
   }
   if (!j.is_object()) throw ConfigError(fmt::format("{}: not a JSON object", where));
@@ -36,7 +36,7 @@ nlohmann::json parse_record(const std::string& where, const std::string& text) {
 }  // namespace
 
 int64_t for_each_record(const std::string& path, const std::string& what, const std::string& key,
-                        const std::function<bool(const std::string&, int64_t, const nlohmann::json&)>& fn) {
+                        const std::function<bool(const std::string&, int64_t, const nlohmann::ordered_json&)>& fn) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0)
     throw ConfigError(fmt::format("{}: cannot open {}: {}", path, what, std::strerror(errno)));
@@ -66,10 +66,10 @@ int64_t for_each_record(const std::string& path, const std::string& what, const 
   return n;
 }
 
-const nlohmann::json* lookup(const nlohmann::json& j, const std::string& key) {
+const nlohmann::ordered_json* lookup(const nlohmann::ordered_json& j, const std::string& key) {
   if (key.empty()) return nullptr;
   if (auto it = j.find(key); it != j.end()) return &*it;
-  const nlohmann::json* at = &j;
+  const nlohmann::ordered_json* at = &j;
   size_t from = 0;
   for (;;) {
     const size_t dot = key.find('.', from);
@@ -81,6 +81,24 @@ const nlohmann::json* lookup(const nlohmann::json& j, const std::string& key) {
     if (dot == std::string::npos) return at;
     from = dot + 1;
   }
+}
+
+std::vector<model::ChatMessage> chat_messages(const std::string& where, const nlohmann::ordered_json& list,
+                                              const std::string& key) {
+  if (!list.is_array() || list.empty())
+    throw ConfigError(fmt::format("{}: the messages under '{}' must be a non-empty list", where, key));
+  std::vector<model::ChatMessage> out;
+  for (const auto& m : list) {
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
+        !m["content"].is_string())
+      throw ConfigError(
+          fmt::format("{}: the messages under '{}' must be objects with string \"role\" and \"content\"", where, key));
+    nlohmann::ordered_json fields = m;
+    fields.erase("role");
+    fields.erase("content");
+    out.push_back({m["role"].get<std::string>(), m["content"].get<std::string>(), fields.empty() ? "" : fields.dump()});
+  }
+  return out;
 }
 
 }  // namespace tiller::rollout

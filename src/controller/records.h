@@ -8,8 +8,11 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "tiller/model/chat_template.h"
 
 namespace tiller::rollout {
 
@@ -20,10 +23,16 @@ namespace tiller::rollout {
 // for a read error. Returns the records read.
 int64_t for_each_record(const std::string& path, const std::string& what, const std::string& key,
                         const std::function<bool(const std::string& where, int64_t number,
-                                                 const nlohmann::json& record)>& fn);
+                                                 const nlohmann::ordered_json& record)>& fn);
 
 // The value under `key`: the key itself, or else a dotted path into nested objects
 // ("reward_model.ground_truth"). nullptr when there is none.
-const nlohmann::json* lookup(const nlohmann::json& j, const std::string& key);
+const nlohmann::ordered_json* lookup(const nlohmann::ordered_json& j, const std::string& key);
+
+// The chat messages of `list` (found under `key`): objects with string "role" and "content"; their
+// other keys (tool_calls, tool_call_id, name, ...) are kept, in their order, for Jinja chat
+// templates. ConfigError naming `where` and `key` for an empty list or a malformed message.
+std::vector<model::ChatMessage> chat_messages(const std::string& where, const nlohmann::ordered_json& list,
+                                              const std::string& key);
 
 }  // namespace tiller::rollout

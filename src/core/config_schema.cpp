@@ -357,7 +357,16 @@ std::vector<Field> build() {
   b.add("data.input_template", TILLER_FIELD(data.input_template),
         "Template with one {} where the prompt goes (empty: the prompt as is).");
   b.add("data.apply_chat_template", TILLER_FIELD(data.apply_chat_template),
-        "Wrap each prompt in the tokenizer's chat format (ChatML, Llama-3).");
+        "Wrap each prompt (and SFT conversation, preference pair, multi-turn observation) in the model's chat "
+        "template (data.chat_template).");
+  b.add("data.chat_template", TILLER_FIELD(data.chat_template),
+        "Which chat template: auto (the model's own Jinja template, tokenizer_config.json's chat_template or "
+        "chat_template.jinja, rendered as transformers' apply_chat_template; else ChatML or Llama-3 by the "
+        "tokenizer's special tokens), model (its own; an error when it has none), chatml, llama3, none, or a path "
+        "to a .jinja file.");
+  b.add("data.tools_key", TILLER_FIELD(data.tools_key),
+        "Key of a prompt's tool schemas (a JSON list, as transformers' apply_chat_template takes them), given to "
+        "the chat template as `tools`; a prompt without it has none.");
   b.add("data.shuffle", TILLER_FIELD(data.shuffle), "Shuffle prompts each epoch with run.seed.");
   b.add_enum("data.long_prompt_policy", TILLER_FIELD(data.long_prompt_policy),
         "Prompts over rollout.max_prompt_tokens: skip them (counted in the log), keep their last tokens "
@@ -435,6 +444,10 @@ std::vector<Field> build() {
       ;
   b.add("env.name", TILLER_FIELD(env.name), "env.type inprocess: the name the environment was registered under.");
   b.add("env.address", TILLER_FIELD(env.address), "env.type remote: host:port of the environment service.");
+  b.add("env.observation_role", TILLER_FIELD(env.observation_role),
+        "The chat template's role of an environment's answer: tool (Qwen2.5 writes it as a <tool_response> user "
+        "turn, Llama-3 as ipython) or user (for templates without a tool role, such as Gemma's).")
+      .one_of({"tool", "user"});
   b.add("env.timeout_s", TILLER_FIELD(env.timeout_s),
         "Deadline of one Start, Step or Close call, retries included; a call past it ends the job.")
       .range(0.001, kMaxSeconds);

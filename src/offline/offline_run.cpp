@@ -213,7 +213,7 @@ SftDataOptions sft_options(const JobConfig& cfg, const model::Tokenizer& tok, co
   o.prompt_key = cfg.offline.prompt_key;
   o.response_key = cfg.offline.response_key;
   o.input_template = cfg.data.input_template;
-  o.chat = cfg.data.apply_chat_template ? model::parse_chat_format("auto", tok) : model::ChatFormat::kNone;
+  o.chat = model::job_chat_template(cfg.data, cfg.roles.actor.model, tok);
   const std::vector<int64_t> eos = model::eos_token_ids(cfg.roles.actor.model, mc, tok);
   if (!eos.empty()) o.eos_id = eos.front();
   o.max_tokens = cfg.offline.max_tokens;

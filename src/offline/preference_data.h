@@ -25,7 +25,7 @@ struct PreferenceDataOptions {
   std::string rejected_key = "rejected";
   std::string margin_key = "margin";   // "" or absent in a record: no margin
   std::string input_template;          // "" or one "{}": a text prompt
-  model::ChatFormat chat = model::ChatFormat::kNone;
+  model::ChatTemplate chat;
   std::optional<int64_t> eos_id;       // without a chat template: ends each response
   int64_t max_tokens = 2048;           // each side's tokens
   LongSamples long_samples = LongSamples::kSkip;

@@ -62,8 +62,8 @@ int64_t SftSample::trained() const {
 }
 
 SftSample encode_conversation(const std::string& where, const std::vector<model::ChatMessage>& messages,
-                              const model::Tokenizer& tok, model::ChatFormat chat, size_t first_trained) {
-  if (chat == model::ChatFormat::kNone)
+                              const model::Tokenizer& tok, const model::ChatTemplate& chat, size_t first_trained) {
+  if (!chat.enabled())
     throw ConfigError(fmt::format("{}: a conversation of chat messages needs a chat template; set "
                                   "data.apply_chat_template: true",
                                   where));
@@ -77,17 +77,18 @@ SftSample encode_conversation(const std::string& where, const std::vector<model:
   if (!assistant) throw ConfigError(fmt::format("{}: the conversation has no assistant turn: nothing to train", where));
   SftSample s;
   std::vector<model::ChatMessage> upto;
-  std::string before = model::apply_chat_template(chat, upto, false);
-  append(s, tok, before, 0);  // what the format writes before any turn (Llama-3: <|begin_of_text|>)
+  // Each message's text is what the template writes for the conversation up to it beyond what it
+  // wrote up to the message before (the first one's includes what the template opens with).
+  std::string before;
   for (size_t i = 0; i < messages.size(); ++i) {
     const model::ChatMessage& m = messages[i];
     if (m.role == "assistant") {
-      const std::string opened = model::apply_chat_template(chat, upto, true);
+      const std::string opened = upto.empty() ? std::string() : chat.render(upto, true);
       append(s, tok, extension(where, before, opened, i), 0);  // the assistant's header
       before = opened;
     }
     upto.push_back(m);
-    const std::string after = model::apply_chat_template(chat, upto, false);
+    const std::string after = chat.render(upto, false);
     append(s, tok, extension(where, before, after, i), m.role == "assistant" && i >= first_trained ? 1 : 0);
     before = after;
   }
@@ -98,7 +99,7 @@ SftSample encode_conversation(const std::string& where, const std::vector<model:
 SftSample encode_pair(const std::string& where, const std::string& prompt, const std::string& response,
                       const model::Tokenizer& tok, const SftDataOptions& o) {
   const std::string p = o.input_template.empty() ? prompt : model::apply_input_template(o.input_template, prompt);
-  if (o.chat != model::ChatFormat::kNone) return encode_conversation(where, {{"user", p}, {"assistant", response}}, tok, o.chat);
+  if (o.chat.enabled()) return encode_conversation(where, {{"user", p}, {"assistant", response}}, tok, o.chat);
   if (!o.eos_id)
     throw ConfigError(fmt::format("{}: without a chat template a response ends with the tokenizer's EOS token, and "
                                   "this tokenizer has none (tokenizer_config.json's eos_token)",
@@ -115,25 +116,15 @@ SftSample encode_pair(const std::string& where, const std::string& prompt, const
 SftDataset::SftDataset(const std::string& path, const model::Tokenizer& tok, const SftDataOptions& o) {
   if (o.max_tokens < 2) throw ConfigError(fmt::format("{}: max_tokens must be >= 2", path));
   const int64_t n = rollout::for_each_record(
-      path, "the SFT data file", o.path_key, [&](const std::string& where, int64_t number, const nlohmann::json& j) {
+      path, "the SFT data file", o.path_key, [&](const std::string& where, int64_t number, const nlohmann::ordered_json& j) {
         if (o.max_samples > 0 && size() >= o.max_samples) return false;
         auto bad = [&](const std::string& what) { throw ConfigError(fmt::format("{}: {}", where, what)); };
         SftSample s;
-        if (const nlohmann::json* msgs = rollout::lookup(j, o.messages_key); msgs != nullptr && !msgs->is_null()) {
-          if (!msgs->is_array() || msgs->empty())
-            bad(fmt::format("'{}' must be a non-empty list of chat messages", o.messages_key));
-          std::vector<model::ChatMessage> messages;
-          for (const auto& m : *msgs) {
-            if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
-                !m["content"].is_string())
-              bad(fmt::format("the messages under '{}' must be objects with string \"role\" and \"content\"",
-                              o.messages_key));
-            messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
-          }
-          s = encode_conversation(where, messages, tok, o.chat);
+        if (const nlohmann::ordered_json* msgs = rollout::lookup(j, o.messages_key); msgs != nullptr && !msgs->is_null()) {
+          s = encode_conversation(where, rollout::chat_messages(where, *msgs, o.messages_key), tok, o.chat);
         } else {
-          const nlohmann::json* p = rollout::lookup(j, o.prompt_key);
-          const nlohmann::json* r = rollout::lookup(j, o.response_key);
+          const nlohmann::ordered_json* p = rollout::lookup(j, o.prompt_key);
+          const nlohmann::ordered_json* r = rollout::lookup(j, o.response_key);
           if (p == nullptr || r == nullptr || !p->is_string() || !r->is_string())
             bad(fmt::format("neither chat messages under '{}' nor text under '{}' and '{}'", o.messages_key,
                             o.prompt_key, o.response_key));

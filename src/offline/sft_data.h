@@ -34,7 +34,7 @@ struct SftDataOptions {
   std::string prompt_key = "prompt";      // or a prompt and a response, as text
   std::string response_key = "response";
   std::string input_template;             // "" or one "{}": the prompt of prompt/response records
-  model::ChatFormat chat = model::ChatFormat::kNone;
+  model::ChatTemplate chat;
   std::optional<int64_t> eos_id;          // without a chat template: ends each response (trained)
   int64_t max_tokens = 2048;
   LongSamples long_samples = LongSamples::kSkip;
@@ -55,7 +55,7 @@ struct SftSample {
 // assistant turn to train, no chat template, or a template that does not extend the conversation
 // turn by turn.
 SftSample encode_conversation(const std::string& where, const std::vector<model::ChatMessage>& messages,
-                              const model::Tokenizer& tok, model::ChatFormat chat, size_t first_trained = 0);
+                              const model::Tokenizer& tok, const model::ChatTemplate& chat, size_t first_trained = 0);
 // Applies the length policy to `s` (`where` names it): false when it is left out (over max_tokens
 // under kSkip, counted in `skipped`, or cut before its first trained token); cut under kTruncate
 // (counted in `truncated`); ConfigError under kError.

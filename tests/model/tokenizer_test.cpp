@@ -1,6 +1,7 @@
 // Tokenizers against the `tokenizers` and `sentencepiece` libraries (reference encodings made by
 // make_hf_fixtures.py from files trained on local text), and prompt templating.
 #include <algorithm>
+#include <filesystem>
 
 #include <gtest/gtest.h>
 
@@ -147,6 +148,112 @@ TEST(ChatTemplate, ChatMLAndLlama3) {
   EXPECT_THROW(apply_input_template("no slot", "x"), ConfigError);
   EXPECT_THROW(apply_input_template("{} and {}", "x"), ConfigError);
 }
+
+// --- Jinja chat templates against transformers' apply_chat_template (make_chat_templates.py) ---
+#if TILLER_HAVE_PYTHON
+std::string template_dir(const std::string& name) { return test::hf_fixtures() + "/chat_templates/" + name; }
+// In the file's key order: the templates write tool schemas and calls as they come.
+nlohmann::ordered_json template_reference() {
+  return nlohmann::ordered_json::parse(test::read_text(test::hf_fixtures() + "/chat_templates/reference.json"));
+}
+
+std::vector<ChatMessage> messages_of(const nlohmann::ordered_json& list) {
+  std::vector<ChatMessage> out;
+  for (const auto& m : list) {
+    nlohmann::ordered_json fields = m;
+    fields.erase("role");
+    fields.erase("content");
+    out.push_back({m["role"].get<std::string>(), m["content"].get<std::string>(), fields.empty() ? "" : fields.dump()});
+  }
+  return out;
+}
+
+class JinjaChatTemplate : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(JinjaChatTemplate, EqualsTransformersTokenForToken) {
+  const std::string name = GetParam();
+  auto tok = load_tokenizer(template_dir(name));
+  const ChatTemplate chat = load_chat_template("model", template_dir(name), *tok);
+  ASSERT_EQ(chat.format(), ChatFormat::kJinja);
+  EXPECT_EQ(load_chat_template("auto", template_dir(name), *tok).format(), ChatFormat::kJinja);  // the model's own first
+  const auto ref = template_reference()[name];
+  for (const auto& c : ref["cases"]) {
+    const std::string text = chat.render(messages_of(c["messages"]), c["add_generation_prompt"].get<bool>(),
+                                         c["tools"].is_null() ? "" : c["tools"].dump());
+    EXPECT_EQ(text, c["text"].get<std::string>()) << name << " " << c["kind"] << ": " << c["messages"].dump();
+    EXPECT_EQ(tok->encode(text), c["ids"].get<std::vector<int64_t>>()) << name << " " << c["kind"];
+  }
+  // A multi-turn rollout's prompt, the model's turn and the observation after it are what the
+  // template writes for the whole conversation, the turn cut off or ended by its stop token.
+  for (const auto& o : ref["observations"]) {
+    const std::string prompt = chat.render(messages_of(o["prompt_messages"]), true) + o["turn"].get<std::string>();
+    const std::string whole = o["text"].get<std::string>(), obs = o["observation"].get<std::string>();
+    const std::string role = o["role"].get<std::string>();
+    EXPECT_EQ(prompt + chat.observation_turn(obs, false, role), whole) << name;
+    std::string stop;
+    for (const auto& s : ref["stop_tokens"])
+      if (whole.compare(prompt.size(), s.get<std::string>().size(), s.get<std::string>()) == 0) stop = s.get<std::string>();
+    ASSERT_FALSE(stop.empty()) << name << ": the template ends a model's turn with none of its stop tokens";
+    EXPECT_EQ(prompt + stop + chat.observation_turn(obs, true, role), whole) << name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, JinjaChatTemplate,
+                         ::testing::Values("qwen2.5", "llama3.1", "mistral", "gemma", "deepseek", "chatml", "llama3"),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           std::string n = i.param;
+                           std::replace(n.begin(), n.end(), '.', '_');
+                           return n;
+                         });
+
+// tiller's own ChatML and Llama-3 formats (for models without a template) write what the plain
+// published templates write, observations in a user turn included.
+TEST(ChatTemplate, BuiltInFormatsEqualThePlainJinjaTemplates) {
+  const auto ref = template_reference();
+  for (auto [name, format] : {std::pair{std::string("chatml"), ChatFormat::kChatML}, std::pair{std::string("llama3"), ChatFormat::kLlama3}}) {
+    const ChatTemplate builtin(format);
+    for (const auto& c : ref[name]["cases"])
+      EXPECT_EQ(builtin.render(messages_of(c["messages"]), c["add_generation_prompt"].get<bool>()), c["text"].get<std::string>())
+          << name << ": " << c["messages"].dump();
+    for (const auto& o : ref[name]["observations"])
+      EXPECT_EQ(builtin.render(messages_of(o["prompt_messages"]), true) + o["turn"].get<std::string>() +
+                    builtin.observation_turn(o["observation"].get<std::string>(), false, "user"),
+                o["text"].get<std::string>())
+          << name;
+  }
+}
+
+TEST(ChatTemplate, ErrorsNameTheTemplateAndWhatToDo) {
+  auto tok = load_tokenizer(template_dir("gemma"));
+  const ChatTemplate gemma = load_chat_template("auto", template_dir("gemma"), *tok);
+  // The template's own exception, with its file.
+  try {
+    gemma.render({{"system", "s"}, {"user", "u"}});
+    FAIL() << "a system message should be refused";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("System role not supported"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("gemma/tokenizer_config.json"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(gemma.observation_turn("4", false, "tool"), ConfigError);  // roles must alternate
+  auto q = load_tokenizer(tok_dir("qwen2"));
+  try {
+    load_chat_template("model", tok_dir("qwen2"), *q);
+    FAIL() << "a model without a template";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("has no chat template"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(load_chat_template("auto", tok_dir("qwen2"), *q).format(), ChatFormat::kChatML);  // none of its own
+  EXPECT_THROW(load_chat_template("vicuna", tok_dir("qwen2"), *q), ConfigError);
+  EXPECT_THROW(load_chat_template("/nonexistent/t.jinja", tok_dir("qwen2"), *q), ConfigError);
+  EXPECT_THROW(ChatTemplate(ChatFormat::kChatML).render({{"user", "u"}}, true, "[]"), ConfigError);  // no tools there
+  // A .jinja file of one's own.
+  std::filesystem::create_directories(test::scratch_dir());
+  const std::string file = test::scratch_dir() + "/plain.jinja";
+  test::write_text(file, "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant] {% endif %}");
+  EXPECT_EQ(load_chat_template(file, tok_dir("qwen2"), *q).render({{"user", "hi"}}), "[user] hi\n[assistant] ");
+}
+#endif
 
 }  // namespace
 }  // namespace tiller::model

@@ -5,12 +5,16 @@
 // fixtures (make_hf_fixtures.py).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <map>
+#include <tuple>
 #include <set>
 
 #include "../model/fixtures.h"
 #include "offline/preference_data.h"
 #include "offline/sft_data.h"
+#include "controller/records.h"
 #include "tiller/core/error.h"
 #include "tiller/model/tokenizer.h"
 #include "tiller/rollout/epoch_order.h"
@@ -83,6 +87,54 @@ TEST(SftData, AConversationTrainsTheAssistantTurnsOnly) {
                 .find("needs a chat template"),
             std::string::npos);
 }
+
+#if TILLER_HAVE_PYTHON
+// With the model's own Jinja templates (make_chat_templates.py): the conversation's tokens are
+// transformers' apply_chat_template ids, and the assistant turns' content and end are trained.
+// Mistral's template moves the system message into the last user turn, so its prefixes are not the
+// whole's: a conversation with a system message cannot be masked per turn, and says so.
+TEST(SftData, JinjaTemplatesTrainWhatTransformersWrites) {
+  const auto ref = nlohmann::ordered_json::parse(test::read_text(test::hf_fixtures() + "/chat_templates/reference.json"));
+  int checked = 0;
+  for (const std::string name : {"qwen2.5", "llama3.1", "mistral", "gemma", "deepseek"}) {
+    const std::string dir = test::hf_fixtures() + "/chat_templates/" + name;
+    auto tok = model::load_tokenizer(dir);
+    const model::ChatTemplate chat = model::load_chat_template("model", dir, *tok);
+    for (const auto& c : ref[name]["cases"]) {
+      if (c["add_generation_prompt"].get<bool>() || !c["tools"].is_null()) continue;
+      const auto messages = rollout::chat_messages("case", c["messages"], "messages");
+      if (name == "mistral" && messages.front().role == "system") {
+        EXPECT_NE(error_of([&] { encode_conversation("x.jsonl:2", messages, *tok, chat); })
+                      .find("x.jsonl:2: the chat template does not extend the conversation turn by turn"),
+                  std::string::npos);
+        continue;
+      }
+      const SftSample s = encode_conversation("case", messages, *tok, chat);
+      EXPECT_EQ(s.tokens, c["ids"].get<std::vector<int64_t>>()) << name << ": " << c["messages"].dump();
+      // Each assistant turn as its template writes it: Mistral's after a space, Llama's, Mistral's
+      // and Gemma's trimmed, then its end of turn.
+      const std::map<std::string, std::tuple<std::string, bool, std::string>> turn = {
+          {"qwen2.5", {"", false, "<|im_end|>\n"}},  {"llama3.1", {"", true, "<|eot_id|>"}},
+          {"mistral", {" ", true, "</s>"}},          {"gemma", {"", true, "<end_of_turn>\n"}},
+          {"deepseek", {"", false, "<｜end▁of▁sentence｜>"}}};
+      const auto& [lead, trimmed, end] = turn.at(name);
+      std::string want;
+      for (const auto& m : messages)
+        if (m.role == "assistant") {
+          std::string content = m.content;
+          if (trimmed) {
+            content.erase(0, content.find_first_not_of(" \n"));
+            content.erase(content.find_last_not_of(" \n") + 1);
+          }
+          want += lead + content + end;
+        }
+      EXPECT_EQ(split_text(s, *tok).first, want) << name << ": " << c["messages"].dump();
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 9);
+}
+#endif
 
 // A prompt/response pair: with a template, the conversation [user, assistant]; without one, the
 // prompt (through the input template), the response and EOS, the last two trained.

@@ -41,6 +41,52 @@ std::string error_of(const std::string& path, DatasetOptions o = {}) {
   return "";
 }
 
+#if TILLER_HAVE_PYTHON
+// Prompts through the model's own Jinja template (Qwen2.5's, make_chat_templates.py): a row's
+// messages with their tool calls and its tools list give transformers' text, key order and all;
+// a template's exception names the row; tools without a template are refused.
+TEST(PromptDataset, RowsThroughTheModelsJinjaTemplate) {
+  const std::string dir = test::hf_fixtures() + "/chat_templates/qwen2.5";
+  auto tok = model::load_tokenizer(dir);
+  const auto ref = nlohmann::ordered_json::parse(test::read_text(test::hf_fixtures() + "/chat_templates/reference.json"));
+  std::string rows, gemma_rows;
+  std::vector<std::string> want;
+  for (const auto& c : ref["qwen2.5"]["cases"]) {
+    if (!c["add_generation_prompt"].get<bool>()) continue;
+    nlohmann::ordered_json row = {{"prompt", c["messages"]}, {"tools", c["tools"]}};
+    rows += row.dump() + "\n";
+    want.push_back(c["text"].get<std::string>());
+  }
+  DatasetOptions o;
+  o.input_key = "prompt";
+  o.chat = model::load_chat_template("auto", dir, *tok);
+  o.shuffle = false;
+  o.max_prompt_tokens = 4096;
+  PromptDataset d(file("jinja.jsonl", rows), *tok, o);
+  ASSERT_EQ(d.size(), static_cast<int64_t>(want.size()));
+  for (int64_t i = 0; i < d.size(); ++i) {
+    EXPECT_EQ(d.at(i).text, want[static_cast<size_t>(i)]) << "row " << i + 1;
+    EXPECT_EQ(d.at(i).tokens, tok->encode(want[static_cast<size_t>(i)]));
+  }
+  // Gemma's template refuses a system message: the row is named.
+  const std::string gdir = test::hf_fixtures() + "/chat_templates/gemma";
+  auto gtok = model::load_tokenizer(gdir);
+  o.chat = model::load_chat_template("auto", gdir, *gtok);
+  const std::string bad = file("gemma.jsonl", R"({"prompt": [{"role": "user", "content": "a"}]})" "\n"
+                                               R"({"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]})" "\n");
+  try {
+    PromptDataset g(bad, *gtok, o);
+    FAIL() << "the template's exception";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("gemma.jsonl:2: "), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("System role not supported"), std::string::npos) << e.what();
+  }
+  o.chat = model::ChatTemplate();
+  EXPECT_NE(error_of(file("tools.jsonl", R"({"prompt": "a", "tools": []})" "\n"), o).find("set data.apply_chat_template"),
+            std::string::npos);
+}
+#endif
+
 TEST(PromptDataset, TemplatesLabelsAndBlankLines) {
   const std::string p = file("basic.jsonl",
                              "{\"question\": \"What is 2+2?\", \"answer\": \"4\"}\n"

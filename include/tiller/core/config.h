@@ -300,6 +300,8 @@ struct DataConfig {
   std::string extra_info_key = "extra_info";
   std::string input_template;
   bool apply_chat_template = false;
+  std::string chat_template = "auto";  // auto | model | chatml | llama3 | none | a .jinja file
+  std::string tools_key = "tools";     // a prompt's tool schemas for the chat template
   bool shuffle = true;
   std::int64_t max_samples = 0;
   LongPromptPolicy long_prompt_policy = LongPromptPolicy::kSkip;
@@ -382,6 +384,7 @@ struct EnvConfig {
   double timeout_s = 60;      // deadline of one call
   std::int64_t retries = 3;
   std::int64_t concurrency = 64;  // calls in flight at once
+  std::string observation_role = "tool";  // the chat template's role of an observation: tool | user
   std::string token_file;
   std::string tls_ca, tls_server_name;
 };

@@ -45,7 +45,8 @@ struct DatasetOptions {
   std::string data_source_key = "data_source";
   std::string extra_info_key = "extra_info";
   std::string input_template;                              // "" or one "{}"
-  model::ChatFormat chat = model::ChatFormat::kNone;       // kNone: no chat template
+  model::ChatTemplate chat;                                // none by default
+  std::string tools_key = "tools";                         // a prompt's tool schemas (for chat templates)
   int64_t max_prompt_tokens = 1024;
   LongPromptPolicy long_prompts = LongPromptPolicy::kSkip;
   bool shuffle = true;
