@@ -6,10 +6,12 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "python/interpreter.h"
 #include "python/jinja.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
+#include "tiller/core/logging.h"
 #include "tiller/model/model_config.h"
 #include "tiller/model/tokenizer.h"
 
@@ -266,7 +268,17 @@ ChatTemplate load_chat_template(const std::string& choice, const std::string& mo
                                s.origin);
   };
   if (choice == "auto" || choice == "model") {
-    if (auto s = model_jinja(dir)) return make(*s);
+    if (auto s = model_jinja(dir)) {
+      if (choice == "auto" && !python::available()) {
+        const ChatFormat f = parse_chat_format("auto", tok);
+        log::warn("{}: this tiller has no embedded Python to render the model's Jinja chat template; the built-in "
+                  "{} format is used, which may differ from it (default system prompts, tools): rebuild with "
+                  "Python's development files (apt-get install python3-dev) to use the model's own",
+                  s->origin, chat_format_name(f));
+        return ChatTemplate(f);
+      }
+      return make(*s);
+    }
     if (choice == "model")
       throw ConfigError(fmt::format("data.chat_template = model: {} has no chat template (no chat_template.jinja, no "
                                     "chat_template in tokenizer_config.json); give a .jinja file, chatml or llama3",

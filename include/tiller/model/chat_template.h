@@ -69,8 +69,8 @@ class ChatTemplate {
   std::shared_ptr<const Jinja> jinja_;
 };
 
-// data.chat_template: "auto" (the model's Jinja template when it has one, else ChatML or Llama-3
-// by the tokenizer's special tokens, else none), "model" (its Jinja template; ConfigError when it
+// data.chat_template: "auto" (the model's Jinja template when it has one and this build embeds
+// Python, else ChatML or Llama-3 by the tokenizer's special tokens with a warning, else none), "model" (its Jinja template; ConfigError when it
 // has none), "chatml", "llama3", "none", or a path to a .jinja file. `model_dir` holds
 // tokenizer_config.json, chat_template.jinja and the special tokens' definitions.
 ChatTemplate load_chat_template(const std::string& choice, const std::string& model_dir, const Tokenizer& tok);
