@@ -12,7 +12,8 @@ MODEL_DIR  a randomly initialised tiny Qwen2 (2 layers, hidden 64) with a byte-l
            With --mha, 4 KV heads (one per query head) instead of 2: an engine can split them over
            4 tensor-parallel ranks (the hybrid TP-4 test).
 PROMPTS    256 prompts for the toy task "toy_digits" (reward: the share of the response's
-           characters that are digits), one JSON object per line.
+           characters that are digits), one JSON object per line; beside it eval.jsonl, 32 held-out
+           prompts (data_source toy_digits) that eval.prompts evaluates.
 
 Deterministic: the same files on every machine. Skips the work when MODEL_DIR/stamp holds this
 script's hash.
@@ -38,21 +39,32 @@ TOKENIZER = Path(__file__).resolve().parent / "quickstart_tokenizer.json"
 STAMP = hashlib.sha256(Path(__file__).read_bytes() + TOKENIZER.read_bytes()).hexdigest()
 
 
-def prompts():
-    rng = random.Random(7)
+def prompts(seed=7, count=256, source=None):
+    rng = random.Random(seed)
     words = ["count", "list", "write", "give", "say", "numbers", "digits", "please", "now", "some", "more", "then"]
     out = []
-    for i in range(256):
+    for i in range(count):
         text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 6)))
-        out.append({"input": f"{text}:", "label": str(rng.randint(0, 999))})
+        p = {"input": f"{text}:", "label": str(rng.randint(0, 999))}
+        if source:
+            p["data_source"] = source
+        out.append(p)
     return out
+
+
+def held_out(train):
+    """32 evaluation prompts (eval.prompts) that are not among the training prompts."""
+    seen = {p["input"] for p in train}
+    return [p for p in prompts(seed=8, count=200, source="toy_digits") if p["input"] not in seen][:32]
 
 
 def main():
     PROMPTS.parent.mkdir(parents=True, exist_ok=True)
-    lines = "".join(json.dumps(p) + "\n" for p in prompts())
-    if not PROMPTS.exists() or PROMPTS.read_text() != lines:
-        PROMPTS.write_text(lines)
+    train = prompts()
+    for path, rows in ((PROMPTS, train), (PROMPTS.parent / "eval.jsonl", held_out(train))):
+        lines = "".join(json.dumps(p) + "\n" for p in rows)
+        if not path.exists() or path.read_text() != lines:
+            path.write_text(lines)
     stamp = STAMP + (" moe" if MOE else "") + (" sharp" if SHARP else "") + (" mha" if MHA else "")
     if (MODEL / "stamp").exists() and (MODEL / "stamp").read_text() == stamp:
         print(f"{MODEL} is current")

@@ -18,10 +18,6 @@ constexpr int64_t kQueuedPerSeqSlot = 2;
 // Completions taken per pump before the rest of the work gets a turn.
 constexpr int kMaxCompletionsPerPump = 4096;
 
-double seconds_between(SteadyClock::time_point a, SteadyClock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
 }  // namespace
 
 CollectorConfig CollectorConfig::from_job(const JobConfig& job, const std::vector<int64_t>& stop_ids, bool have_ref,
@@ -191,6 +187,11 @@ void RolloutCollector::take(Completion& c) {
   if (!c.failure.empty()) throw CommError("generation failed: " + c.failure);
   const auto e = static_cast<size_t>(c.engine);
   TILLER_CHECK(e < in_flight_.size(), "a completion from engine {} of {}", e, in_flight_.size());
+  if (c.result.sample.request_id >= side_base_ && side_sink_) {
+    last_progress_[e] = cfg_.clock->now();  // the engine is working
+    side_sink_(c);
+    return;
+  }
   const engine::ClientResult& res = c.result;
   auto req = live_.find(res.sample.request_id);
   TILLER_CHECK(req != live_.end(), "{} answered request {}, which no sample loop sent", engines_.name(e),

@@ -206,6 +206,13 @@ class RolloutCollector final : private LoopHost {
   void release(Role role);
   // The engines now hold `version` (after a weight sync).
   void set_version(uint64_t version);
+  // Completions of requests with ids at or above `base` (sent to the engines by someone else: the
+  // evaluation) go to `sink`, from pump(), on the controller's thread. An engine's failure still
+  // ends the job here.
+  void set_side_sink(uint64_t base, std::function<void(Completion&)> sink) {
+    side_base_ = base;
+    side_sink_ = std::move(sink);
+  }
   // While paused no prompt is dispatched (a sync that waits out the samples in flight).
   void pause_dispatch(bool paused) { paused_ = paused; }
   // While held no score request goes to any trainer group; the forming step's samples wait in its
@@ -318,6 +325,8 @@ class RolloutCollector final : private LoopHost {
   bool loop_turns_ = false;                           // its samples carry TurnInfo
   std::unordered_map<uint64_t, Live> live_;           // engine requests by id
   uint64_t next_request_ = uint64_t{1} << 62;         // ids of requests not a group's own: above every ordinal
+  uint64_t side_base_ = UINT64_MAX;                   // set_side_sink
+  std::function<void(Completion&)> side_sink_;
 
   std::unique_ptr<StepBatch> batch_;                   // the forming step
   std::vector<Rollout> spare_;                         // cleared arrays of trained steps, for reuse

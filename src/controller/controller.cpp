@@ -15,6 +15,7 @@
 #include "controller/advantages.h"
 #include "controller/checkpoint_manager.h"
 #include "controller/engine_pool.h"
+#include "controller/evaluator.h"
 #include "controller/hook_runner.h"
 #include "controller/hybrid_phases.h"
 #include "controller/job_environment.h"
@@ -174,9 +175,10 @@ struct Controller::Impl {
     hybrid->train(j, sync_follows, put_metric());
   }
 
-  // Hybrid: the trainers give the GPUs back and the engines generate the next step.
+  // Hybrid: the trainers give the GPUs back and the engines generate the next step (an evaluation
+  // before it may have woken them already).
   void hybrid_generate_phase(int64_t j) {
-    hybrid->generate(j, put_metric());
+    if (!hybrid->generating()) hybrid->generate(j, put_metric());
     collector->hold_scoring(score_after_generate);
     collector->pause_dispatch(false);
   }
@@ -189,6 +191,20 @@ struct Controller::Impl {
     while (collector->in_flight_samples() > 0) pump();
     hybrid->score(j, put_metric());
     collector->hold_scoring(false);
+  }
+
+  // eval.prompts after `done` completed steps, when due: on the engines at the current weights
+  // (between steps no update comes), woken first in a hybrid job; the metrics join this step's.
+  void evaluate(int64_t done, bool last) {
+    if (w.evaluator == nullptr || !w.evaluator->due(done, last)) return;
+    dist::Watchdog::set_phase(fmt::format("evaluation after step {}", done));
+    if (hybrid && !hybrid->generating()) hybrid->generate(done + 1, put_metric());
+    const double w0 = wall_us();
+    {
+      dist::WaitScope wait(fmt::format("the evaluation's {} prompts on the engines", w.evaluator->prompts()));
+      for (const auto& [k, v] : w.evaluator->run(done, version, [this] { pump(); })) metrics[k] = v;
+    }
+    trace->span(done, "eval", -1, w0, wall_us());
   }
 
   // --- background work ---------------------------------------------------------------------------
@@ -420,6 +436,7 @@ struct Controller::Impl {
     const bool signal = stop_requested();
     const bool saving = (cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0) || last || signal;
     if (saving) save();
+    evaluate(step, last);
     const double step_s = seconds_since(step_end);
     step_end = w.clock->now();
     metrics["time/step"] = step_s;
@@ -429,7 +446,7 @@ struct Controller::Impl {
     engine_stats = now;
     double busy = 0;
     for (const char* k : {"time/wait_batch", "time/advantage", "time/train", "time/sync_wait_in_flight", "time/sync",
-                          "time/checkpoint"})
+                          "time/checkpoint", "time/eval"})
       busy += value_or(metrics, k);
     metrics["time/controller_other"] = std::max(0.0, step_s - busy);
     metrics["memory/controller_host_peak_mb"] = peak_rss_mb();
@@ -450,11 +467,12 @@ struct Controller::Impl {
     if (step % cfg.logging.every_steps == 0 || last) {
       const double per_step = seconds_since(run_start) / static_cast<double>(std::max<int64_t>(1, step - first_step));
       log::info("step {}/{} | reward {:.3f} ± {:.3f} | kl {:.4f} | entropy {:.3f} | len {:.1f} | gen {:.2f}s "
-                "train {:.2f}s sync {:.2f}s{} | {:.1f} s/step | ETA {}",
+                "train {:.2f}s sync {:.2f}s{}{} | {:.1f} s/step | ETA {}",
                 step, cfg.train.num_steps, value_or(metrics, "reward/mean"), value_or(metrics, "reward/std"),
                 value_or(metrics, "kl/mean_per_sample"), value_or(metrics, "entropy"),
                 value_or(metrics, "response_length/mean"), value_or(metrics, "time/generate"),
                 value_or(metrics, "time/train"), value_or(metrics, "time/sync"),
+                metrics.contains("time/eval") ? fmt::format(" eval {:.2f}s", value_or(metrics, "time/eval")) : "",
                 collect_cfg.staleness > 0 ? fmt::format(" lag {:.2f}", value_or(metrics, "staleness/lag_mean")) : "",
                 step_s, hms(per_step * static_cast<double>(cfg.train.num_steps - step)));
     }
@@ -489,6 +507,17 @@ struct Controller::Impl {
     engine_stats = w.engines->stats();
     session_stats = engine_stats;
     first_step = step;
+    if (w.evaluator != nullptr) {
+      collector->set_side_sink(Evaluator::kRequestBase, [this](Completion& c) { w.evaluator->take(c); });
+      if (step == 0 && w.evaluator->due(0, false)) {  // the starting weights: a row of step 0
+        metrics = json::object();
+        evaluate(0, false);
+        Metrics flat;
+        for (auto it = metrics.begin(); it != metrics.end(); ++it) flat.emplace_back(it.key(), it.value().get<double>());
+        outputs->write(0, flat);
+        run_start = step_end = w.clock->now();
+      }
+    }
     bool stopped_by_signal = false;
     // The watchdog's line for this rank (dist/watchdog.h): the calls it waits for. Kept when the run
     // ends on an error, which the watchdog's lines are printed after.
@@ -607,6 +636,9 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   w.require_resume = opts.require_resume;
   w.stop_token_ids = model::eos_token_ids(actor_dir, mc, *tokenizer);
   w.attention_tokens = model::attention_cost_tokens(mc);
+  std::unique_ptr<Evaluator> evaluator;
+  if (cfg.eval.enabled()) evaluator = std::make_unique<Evaluator>(cfg, *tokenizer, engines, w.stop_token_ids);
+  w.evaluator = evaluator.get();
   Controller controller(cfg, w);
   return controller.run();
 }

@@ -7,6 +7,7 @@
 //   training_dispatch.h  the actor's and critic's mini-batches and optimizer steps
 //   checkpoint_manager.h step_N directories and controller.json
 //   step_trace.h         metrics, the Chrome trace, rollout records
+//   evaluator.h          eval.prompts on the engines between steps
 // over a Channel to the ranks (channel.h: MPI in a job, in-process in tests and benchmarks) and
 // an EngineSet (engine_set.h: gRPC engines, or synthetic ones).
 //
@@ -35,6 +36,8 @@ class Communicator;
 namespace tiller::rollout {
 
 // What the controller works with; everything outlives it.
+class Evaluator;
+
 struct ControllerWiring {
   const dist::RankPlan* plan = nullptr;
   EngineSet* engines = nullptr;
@@ -48,6 +51,7 @@ struct ControllerWiring {
   bool require_resume = false;       // --resume: a checkpoint must exist
   bool print_summary = true;         // the summary line on stdout at the end
   const Clock* clock = &Clock::steady();  // of every deadline and phase time (tests: a ManualClock)
+  Evaluator* evaluator = nullptr;          // eval.prompts (null: no evaluation)
 };
 
 class Controller {

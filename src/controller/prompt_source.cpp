@@ -33,20 +33,7 @@ class FilePrompts final : public PromptSource {
  private:
   static PromptDataset open(const JobConfig& cfg, const model::Tokenizer& tok) {
     if (cfg.data.prompts.empty()) throw ConfigError("data.prompts: set the file of prompts (JSONL or parquet)");
-    DatasetOptions d;
-    d.input_key = cfg.data.input_key;
-    d.label_key = cfg.data.label_key;
-    d.data_source_key = cfg.data.data_source_key;
-    d.extra_info_key = cfg.data.extra_info_key;
-    d.tools_key = cfg.data.tools_key;
-    d.input_template = cfg.data.input_template;
-    d.chat = job_chat(cfg, tok);
-    d.max_prompt_tokens = cfg.rollout.max_prompt_tokens;
-    d.long_prompts = cfg.data.long_prompt_policy;
-    d.shuffle = cfg.data.shuffle;
-    d.seed = static_cast<uint64_t>(cfg.run.seed);
-    d.max_samples = cfg.data.max_samples;
-    return PromptDataset(cfg.data.prompts, tok, d);
+    return PromptDataset(cfg.data.prompts, tok, job_dataset_options(cfg, tok));
   }
   PromptDataset dataset_;
 };
@@ -67,6 +54,23 @@ Registry<PromptSourceDef>& sources() {
 }  // namespace
 
 void register_prompt_source(const std::string& name, PromptSourceDef def) { sources().add(name, std::move(def)); }
+
+DatasetOptions job_dataset_options(const JobConfig& cfg, const model::Tokenizer& tok) {
+  DatasetOptions d;
+  d.input_key = cfg.data.input_key;
+  d.label_key = cfg.data.label_key;
+  d.data_source_key = cfg.data.data_source_key;
+  d.extra_info_key = cfg.data.extra_info_key;
+  d.tools_key = cfg.data.tools_key;
+  d.input_template = cfg.data.input_template;
+  d.chat = job_chat(cfg, tok);
+  d.max_prompt_tokens = cfg.rollout.max_prompt_tokens;
+  d.long_prompts = cfg.data.long_prompt_policy;
+  d.shuffle = cfg.data.shuffle;
+  d.seed = static_cast<uint64_t>(cfg.run.seed);
+  d.max_samples = cfg.data.max_samples;
+  return d;
+}
 
 const PromptSourceDef& prompt_source(const std::string& name) { return sources().at(name, "data.source"); }
 

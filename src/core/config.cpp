@@ -237,6 +237,20 @@ void JobConfig::validate() const {
     throw ConfigError(fmt::format("reward.type = {} does not use a reward model; set roles.reward.enabled=false "
                                   "or reward.type=model", enum_name(reward.type)));
   }
+  if (eval.enabled()) {
+    if (eval.every_steps == 0 && !eval.before_train)
+      throw ConfigError("eval.prompts is set but nothing evaluates it: set eval.every_steps (after every N steps) "
+                        "and/or eval.before_train: true");
+    if (!eval.greedy && eval.n_samples == 0)
+      throw ConfigError("eval: eval.greedy is false and eval.n_samples is 0: no sample to evaluate; set one");
+    if (multi_turn())
+      throw ConfigError("eval.prompts with env.type set: evaluation samples single-turn completions, not the "
+                        "environment's episodes; leave eval.prompts empty in multi-turn jobs");
+    if (eval.reward_rule.empty() && (reward.type == RewardType::kModel || reward.type == RewardType::kEnv))
+      throw ConfigError(fmt::format("eval with reward.type = {}: evaluation scores with a rule or the job's remote, "
+                                    "Python or scorer reward; set eval.reward_rule (e.g. math_answer)",
+                                    enum_name(reward.type)));
+  }
   if (engines.tls_cert.empty() != engines.tls_key.empty())
     throw ConfigError("engines.tls_cert and engines.tls_key go together; give both (TLS) or neither");
   if (engines.tls_cert.empty() && (!engines.tls_ca.empty() || !engines.tls_server_name.empty()))

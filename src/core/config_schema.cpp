@@ -524,6 +524,37 @@ std::vector<Field> build() {
         "First steps that train only the critic: no actor update and no weight sync.")
       .range(0, kMaxCount);
 
+  b.add("eval.prompts", TILLER_FIELD(eval.prompts),
+        "Held-out prompts evaluated on the job's engines between steps (JSONL or parquet, with data.*'s keys, "
+        "templates and data sources; never trained on). Empty: no evaluation.");
+  b.add("eval.every_steps", TILLER_FIELD(eval.every_steps),
+        "Evaluate after every N steps and after the last (0: not during the run).")
+      .range(0, kMaxCount);
+  b.add("eval.before_train", TILLER_FIELD(eval.before_train),
+        "Evaluate the starting weights first (a step-0 row in metrics.jsonl), the baseline to compare with.");
+  b.add("eval.greedy", TILLER_FIELD(eval.greedy),
+        "One greedy sample a prompt: eval/<source>/greedy_accuracy and greedy_reward.");
+  b.add("eval.n_samples", TILLER_FIELD(eval.n_samples),
+        "k samples a prompt at eval.temperature: eval/<source>/pass@k (a prompt with any correct sample), mean@k "
+        "(correct samples) and reward_mean. 0: none.")
+      .range(0, 1024);
+  b.add("eval.temperature", TILLER_FIELD(eval.temperature), "Temperature of the k samples.").range(0.001, 100.0);
+  b.add("eval.top_p", TILLER_FIELD(eval.top_p), "Nucleus mass of the k samples.").range(0.001, 1.0);
+  b.add("eval.max_new_tokens", TILLER_FIELD(eval.max_new_tokens),
+        "Tokens an eval sample may generate (0: rollout.max_new_tokens).")
+      .range(0, kMaxSampleTokens);
+  b.add("eval.max_prompts", TILLER_FIELD(eval.max_prompts), "Prompts of the file evaluated, its first ones (0: all).")
+      .range(0, 10000000);
+  b.add("eval.correct_reward", TILLER_FIELD(eval.correct_reward),
+        "A sample counts as correct (accuracy, pass@k) when its reward is at least this.")
+      .range(-1e9, 1e9);
+  b.add("eval.reward_rule", TILLER_FIELD(eval.reward_rule),
+        "Score eval samples with this rule (math_answer, exact_match, ...) instead of the job's reward; needed "
+        "when reward.type is model or env.");
+  b.add("eval.samples_per_source", TILLER_FIELD(eval.samples_per_source),
+        "Decoded eval samples kept per data source in run.output_dir/eval/step_<N>.jsonl (-1: every one).")
+      .range(-1, 1000000);
+
   b.add("checkpoint.dir", TILLER_FIELD(checkpoint.dir), "Checkpoint directory (empty: no checkpoints).");
   b.add("checkpoint.every_steps", TILLER_FIELD(checkpoint.every_steps), "Save every N steps (0: only at the end).")
       .range(0, kMaxCount);

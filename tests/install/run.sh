@@ -36,7 +36,8 @@ fi
 python3 "$repo/scripts/make_quickstart.py" "$work/model" "$work/prompts.jsonl" > /dev/null 2>&1
 sets=(--set "roles.actor.model=$work/model" --set "roles.critic.model=$work/model"
       --set "data.prompts=$work/prompts.jsonl" --set "run.output_dir=$work/out"
-      --set "checkpoint.dir=$work/out/checkpoints" --set reward.rule=label_digits)
+      --set "checkpoint.dir=$work/out/checkpoints" --set reward.rule=label_digits
+      --set "eval.prompts=$work/eval.jsonl")
 run() {  # BINARY [--set ...]
   local bin=$1; shift
   "$mpirun" --oversubscribe --allow-run-as-root -np 4 "$bin" train -c "$repo/configs/quickstart.yaml" "${sets[@]}" "$@"
@@ -62,6 +63,7 @@ run "$work/build/custom_trainer" > "$work/train.log" 2>&1 || { tail -40 "$work/t
 python3 - "$work/out/metrics.jsonl" "$work/out/checkpoints" <<'PY'
 import glob, json, os, sys
 lines = [json.loads(l) for l in open(sys.argv[1])]
+lines = [m for m in lines if m["step"] >= 1]  # the step-0 row is the evaluation before training
 rewards = [m["reward/mean"] for m in lines]
 # The step hook: the running best of reward/mean, as a metric and beside the last checkpoint.
 best = [m.get("custom/best_reward_mean") for m in lines]
@@ -89,7 +91,7 @@ run "$work/build/custom_trainer" --set rollout.loop=revise --set 'rollout.loop_a
   --set "run.output_dir=$work/loop" --set checkpoint.dir= > "$work/loop.log" 2>&1 || { tail -40 "$work/loop.log" >&2; exit 1; }
 python3 - "$work/loop/metrics.jsonl" <<'PY'
 import json, sys
-lines = [json.loads(l) for l in open(sys.argv[1])]
+lines = [m for m in (json.loads(l) for l in open(sys.argv[1])) if m["step"] >= 1]
 turns = [m.get("turns/mean") for m in lines]
 hint = [m.get("tokens/observation") for m in lines]
 print(f"custom_trainer: revise loop turns/mean {turns}, hint tokens {hint}")

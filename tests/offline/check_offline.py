@@ -397,7 +397,7 @@ def case_reward_model():
             str(REPO / "configs" / "quickstart.yaml")]
     for s in [f"roles.actor.model={MODEL}", "roles.critic.enabled=false", "algo.advantage_estimator=group_norm",
               "reward.type=model", "roles.reward.enabled=true", f"roles.reward.model={out / 'model'}",
-              "roles.reward.dtype=fp32", f"data.prompts={FIX / 'prompts.jsonl'}", f"run.output_dir={rl}",
+              "roles.reward.dtype=fp32", f"data.prompts={FIX / 'prompts.jsonl'}", f"run.output_dir={rl}", "eval.prompts=",
               "checkpoint.dir=", "train.num_steps=2", "timeouts.startup_s=120"]:
         args += ["--set", s]
     p = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)

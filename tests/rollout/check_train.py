@@ -114,16 +114,19 @@ def fixture():
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def base_sets(out):
-    return [f"roles.actor.model={MODEL}", f"roles.critic.model={MODEL}", f"data.prompts={PROMPTS}",
+def base_sets(out, config="quickstart.yaml"):
+    sets = [f"roles.actor.model={MODEL}", f"roles.critic.model={MODEL}", f"data.prompts={PROMPTS}",
             f"run.output_dir={out}", f"checkpoint.dir={out}/checkpoints", "timeouts.collective_s=60",
             "timeouts.generate_s=120", "timeouts.startup_s=120"]
+    if config == "quickstart.yaml":  # its held-out prompts, beside the fixture's (make_quickstart.py)
+        sets.append(f"eval.prompts={FIX / 'eval.jsonl'}")
+    return sets
 
 
 def command(np_, out, *sets, extra=(), config="quickstart.yaml"):
     args = [MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", str(np_), TILLER, "train", "-c",
             str(REPO / "configs" / config), *extra]
-    for s in base_sets(out) + list(sets):
+    for s in base_sets(out, config) + list(sets):
         args += ["--set", s]
     return args
 
@@ -144,8 +147,48 @@ def run(np_, out, *sets, extra=(), timeout=600, config="quickstart.yaml"):
     return p.returncode, p.stdout
 
 
-def metrics(out):
+def all_rows(out):
     return [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def metrics(out):
+    """The training steps' rows (a step-0 row holds the evaluation before training)."""
+    return [r for r in all_rows(out) if r["step"] >= 1]
+
+
+def check_eval(out, steps):
+    """configs/quickstart.yaml's evaluation: rows after steps 0, 10, 20, 30 (and the last); the
+    random model's held-out greedy reward is low, the trained one's high; the samples files hold
+    decoded samples whose rewards agree with the metrics."""
+    rows = [r for r in all_rows(out) if "time/eval" in r]
+    want = sorted({0, *range(10, steps + 1, 10), steps})
+    if [r["step"] for r in rows] != want:
+        fail(f"evaluations after steps {[r['step'] for r in rows]}, expected {want}")
+    first, last = rows[0], rows[-1]
+    for key in ["eval/all/greedy_accuracy", "eval/toy_digits/greedy_reward", "eval/toy_digits/pass@4",
+                "eval/toy_digits/mean@4", "eval/toy_digits/reward_mean", "eval/toy_digits/response_length"]:
+        if key not in last:
+            fail(f"{key} missing from the evaluation row: {sorted(last)}")
+    if last["eval/toy_digits/prompts"] != 32:
+        fail(f"evaluated {last['eval/toy_digits/prompts']} prompts, the file has 32")
+    print(f"{CASE}: eval greedy reward {first['eval/toy_digits/greedy_reward']:.3f} (step 0) -> "
+          f"{last['eval/toy_digits/greedy_reward']:.3f} (step {last['step']}), greedy accuracy "
+          f"{first['eval/all/greedy_accuracy']:.2f} -> {last['eval/all/greedy_accuracy']:.2f}, pass@4 "
+          f"{first['eval/all/pass@4']:.2f} -> {last['eval/all/pass@4']:.2f}")
+    if not (first["eval/toy_digits/greedy_reward"] < 0.3 and last["eval/toy_digits/greedy_reward"] > 0.6):
+        fail(f"the held-out reward did not rise: {[round(r['eval/toy_digits/greedy_reward'], 3) for r in rows]}")
+    held_out = {json.loads(l)["input"] for l in (FIX / "eval.jsonl").read_text().splitlines()}
+    for r in rows:
+        lines = [json.loads(l) for l in (Path(out) / "eval" / f"step_{r['step']}.jsonl").read_text().splitlines()]
+        greedy = [l for l in lines if l["kind"] == "greedy"]
+        if len(greedy) != 4 or len(lines) != 4 * 5 or any(l["prompt"] not in held_out for l in lines):
+            fail(f"eval/step_{r['step']}.jsonl: {len(lines)} samples, {len(greedy)} greedy")
+        # The toy reward is the share of digits among the response's characters.
+        for l in lines:
+            text = l["response"]
+            share = sum(c.isdigit() for c in text) / len(text) if text else 0.0
+            if abs(share - l["reward"]) > 1e-6 or l["correct"] != (l["reward"] >= 0.75):
+                fail(f"eval/step_{r['step']}.jsonl: reward {l['reward']} of {text!r}")
 
 
 def summary(log):
@@ -196,6 +239,7 @@ def check_learns(np_, *sets):
             fail(f"metric {key} missing or not positive: {rows[-1].get(key)}")
     if not all(s.get("efficiency", {}).get(k, 0) > 0 for k in ("generate", "score.actor", "train.actor")):
         fail(f"the summary has no efficiency: {s}")
+    check_eval(out, 30)
     if "critic/loss" in rows[-1] and CASE == "grpo":
         fail("GRPO reported a critic")
     if CASE == "ppo" and "critic/loss" not in rows[-1]:
@@ -407,6 +451,10 @@ def check_bad_inputs():
          r"engines\.model = .*other: with roles\.actor\.lora the engines run the actor's base"),
         ("LoRA on a module the model lacks", ["roles.actor.lora.rank=8", "roles.actor.lora.target_modules=qkv_proj"],
          None, r"roles\.actor\.lora\.target_modules.*qkv_proj"),
+        ("missing eval prompts", [f"eval.prompts={bad}/none.jsonl"], None, r"eval\.prompts: .*none\.jsonl"),
+        ("an evaluation that never runs", ["eval.every_steps=0", "eval.before_train=false"], None,
+         r"eval\.prompts is set but nothing evaluates it"),
+        ("an unknown eval rule", ["eval.reward_rule=nope"], None, r"eval\.reward_rule: .*nope"),
     ]
     for name, sets, cfg, pattern in cases:
         args = command(4, bad / "out", *sets)
@@ -463,7 +511,8 @@ def check_remote():
     remote = ["reward.type=remote", f"reward.remote_address={address}", "reward.remote_batch_size=8",
               "reward.remote_concurrency=3", "reward.remote_retries=3"]
     try:
-        check_learns(3, *GRPO, *remote)
+        # The evaluation scores with the rule: the service's first failures are the job's to retry.
+        check_learns(3, *GRPO, *remote, "eval.reward_rule=toy_digits")
     finally:
         stop_server(server)
     rows = metrics(SCRATCH / CASE)
@@ -533,7 +582,7 @@ def check_remote():
     slow, slow_address = start_reward_server("remote_slow", "--delay", "5")
     try:
         expect_error("slow reward service",
-                     command(3, SCRATCH / "remote_slow", *GRPO, "reward.type=remote",
+                     command(3, SCRATCH / "remote_slow", *GRPO, "eval.prompts=", "reward.type=remote",
                              f"reward.remote_address={slow_address}", "reward.remote_timeout_s=0.5",
                              "reward.remote_retries=1"),
                      r"Score for step 1 .*failed after 2 attempt\(s\).*DEADLINE_EXCEEDED.*remote_timeout_s")
@@ -580,14 +629,14 @@ def check_python():
                       "    digits = sum(c.isdigit() for c in solution_str)\n"
                       "    return digits / (len(solution_str) - len(solution_str))\n")
     expect_error("a Python reward that raises",
-                 command(3, SCRATCH / "python_raises", *GRPO, "reward.type=python", f"reward.python={raises}"),
+                 command(3, SCRATCH / "python_raises", *GRPO, "eval.prompts=", "reward.type=python", f"reward.python={raises}"),
                  rf"reward\.python {re.escape(str(raises))}:compute_score: ZeroDivisionError: division by zero at "
                  rf"{re.escape(str(raises))}:3 \(in compute_score\), scoring sample [0-9]+ of prompt line [0-9]+ "
                  rf"\(step 1\)")
     spins = SCRATCH / "spins.py"
     spins.write_text("def compute_score(solution_str):\n    while True:\n        pass\n")
     expect_error("a Python reward that never returns",
-                 command(3, SCRATCH / "python_spins", *GRPO, "reward.type=python", f"reward.python={spins}",
+                 command(3, SCRATCH / "python_spins", *GRPO, "eval.prompts=", "reward.type=python", f"reward.python={spins}",
                          "reward.python_timeout_s=2"),
                  r"ran past reward\.python_timeout_s = 2 s and was interrupted at .*spins\.py:[23]")
     missing = SCRATCH / "no_function.py"
@@ -1308,7 +1357,8 @@ def watchdog_run(name, hang, sets, np_=4, deadline=10):
     within the deadline and the watchdog's grace)."""
     out = SCRATCH / name
     shutil.rmtree(out, ignore_errors=True)
-    args = command(np_, out, *GRPO, "train.num_steps=3", f"timeouts.collective_s={deadline}", *sets)
+    # No evaluation: the hangs are placed in the steps' phases.
+    args = command(np_, out, *GRPO, "train.num_steps=3", f"timeouts.collective_s={deadline}", "eval.prompts=", *sets)
     args[1:1] = ["-x", f"TILLER_FAULT_HANG={hang}"]
     t0 = time.time()
     try:

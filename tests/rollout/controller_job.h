@@ -21,6 +21,7 @@
 #include "controller/advantages.h"
 #include "controller/checkpoint_manager.h"
 #include "controller/controller.h"
+#include "controller/evaluator.h"
 #include "controller/job_rewards.h"
 #include "controller/off_policy.h"
 #include "controller/training_dispatch.h"
@@ -28,6 +29,7 @@
 #include "testing/synthetic.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
+#include "tiller/model/tokenizer.h"
 #include "tiller/core/files.h"
 #include "tiller/dist/rank_plan.h"
 #include "tiller/env/environment.h"
@@ -83,6 +85,9 @@ struct Job {
   std::function<double(const Prompt&, const engine::SampleOutput&)> reward;
   LoopSources loop;  // multi-turn jobs: the environment
   std::string out;
+  // eval.prompts: the evaluation, its prompts tokenized with the Qwen2 fixture's tokenizer.
+  std::unique_ptr<model::Tokenizer> eval_tokenizer;
+  std::unique_ptr<Evaluator> evaluator;
 
   explicit Job(const std::string& name, bool critic = false) {
     out = scratch(name);
@@ -178,6 +183,11 @@ struct Job {
     w.loop = loop;
     w.print_summary = false;
     if (eo.clock) w.clock = eo.clock;
+    if (cfg.eval.enabled()) {
+      eval_tokenizer = model::load_tokenizer(std::string(TILLER_HF_FIXTURES) + "/tokenizers/qwen2");
+      evaluator = std::make_unique<Evaluator>(cfg, *eval_tokenizer, *engines, std::vector<int64_t>{});
+      w.evaluator = evaluator.get();
+    }
     Controller c(cfg, w);
     if (!error) {
       EXPECT_EQ(c.run(), 0);

@@ -3,6 +3,7 @@
 // with the real packer, host arrays, protocol and algorithms: sync, async and hybrid pipelines,
 // partial rollouts, dynamic sampling, step hooks, batch scorers, PPO, and the failures named.
 #include "controller_job.h"
+#include "tiller/reward/rule_reward.h"
 
 namespace tiller::rollout {
 namespace {
@@ -113,6 +114,82 @@ TEST(ControllerInProcess, HybridStepsWithoutASyncKeepTheEnginesWeights) {
                                  "sync " + std::to_string(v)})
       want.push_back(p);
   EXPECT_EQ(job.engines->phases(), want);
+}
+
+// eval.prompts: held-out prompts evaluated on the engines at the start and after every 4th step
+// and the last, greedy and k = 3 samples each, scored by eval.reward_rule, while the same samples
+// train as without it (evaluation requests share the engines, never the batches); the metrics are
+// what the samples files say, per data source and over all; in a hybrid job the evaluation wakes
+// the engines (SyntheticEngines refuses a request to a sleeping cache).
+TEST(ControllerInProcess, EvaluationScoresHeldOutPromptsAndNeverChangesWhatTrains) {
+  reward::register_fn("test_even_length", [](const reward::Sample& s) { return s.response_text.size() % 2 == 0 ? 1.0 : 0.0; });
+  const std::string prompts = scratch("eval_prompts") + "/eval.jsonl";
+  {
+    std::ofstream f(prompts);
+    for (int i = 0; i < 10; ++i)
+      f << json{{"input", "question " + std::to_string(i)}, {"data_source", i < 4 ? "alpha" : "beta"}}.dump() << "\n";
+  }
+  const auto with_eval = [&](Job& job) {
+    job.cfg.eval.prompts = prompts;
+    job.cfg.eval.every_steps = 4;
+    job.cfg.eval.before_train = true;
+    job.cfg.eval.n_samples = 3;
+    job.cfg.eval.reward_rule = "test_even_length";
+    job.cfg.eval.samples_per_source = -1;
+  };
+  for (const bool hybrid : {false, true}) {
+    const std::string tag = hybrid ? "_hybrid" : "";
+    Job plain("eval_off" + tag), evaluated("eval_on" + tag);
+    for (Job* job : {&plain, &evaluated}) {
+      job->cfg.cluster.hybrid = hybrid;
+      if (hybrid) job->cfg.engines.count = 1;
+    }
+    with_eval(evaluated);
+    plain.run();
+    EXPECT_EQ(json::parse(evaluated.run())["event"], "done");
+    // The same samples of every step (in the order they came back, which the evaluation shifts).
+    auto a = plain.records(), b = evaluated.records();
+    const auto order = [](const json& x, const json& y) {
+      return std::tuple(x["step"].get<int64_t>(), x["ordinal"].get<int64_t>(), x["sample"].get<int64_t>()) <
+             std::tuple(y["step"].get<int64_t>(), y["ordinal"].get<int64_t>(), y["sample"].get<int64_t>());
+    };
+    std::sort(a.begin(), a.end(), order);
+    std::sort(b.begin(), b.end(), order);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].dump(), b[i].dump()) << "record " << i << tag;
+    std::vector<int64_t> steps;
+    for (const json& row : evaluated.lines("metrics.jsonl")) {
+      if (!row.contains("time/eval")) continue;
+      const int64_t step = row["step"];
+      steps.push_back(step);
+      const auto samples = evaluated.lines("eval/step_" + std::to_string(step) + ".jsonl");
+      ASSERT_EQ(samples.size(), 10u * 4) << step;
+      std::map<std::string, std::map<int64_t, std::vector<double>>> by;  // source -> line -> rewards (greedy first)
+      for (const json& s : samples) {
+        EXPECT_EQ(s["reward"].get<double>(), s["response"].get<std::string>().size() % 2 == 0 ? 1.0 : 0.0);
+        for (const std::string src : {s["data_source"].get<std::string>(), std::string("all")})
+          by[src][s["line"].get<int64_t>()].push_back(s["reward"].get<double>());
+      }
+      for (const auto& [src, lines] : by) {
+        double greedy = 0, passed = 0, correct = 0;
+        for (const auto& [line, r] : lines) {
+          ASSERT_EQ(r.size(), 4u);
+          greedy += r[0];
+          passed += std::max({r[1], r[2], r[3]});
+          correct += r[1] + r[2] + r[3];
+        }
+        const double n = static_cast<double>(lines.size());
+        const std::string p = "eval/" + src + "/";
+        EXPECT_EQ(row[p + "prompts"].get<double>(), n);
+        EXPECT_DOUBLE_EQ(row[p + "greedy_accuracy"].get<double>(), greedy / n) << p << step;
+        EXPECT_DOUBLE_EQ(row[p + "pass@3"].get<double>(), passed / n) << p << step;
+        EXPECT_DOUBLE_EQ(row[p + "mean@3"].get<double>(), correct / (3 * n)) << p << step;
+      }
+      EXPECT_EQ(by.size(), 3u);  // alpha, beta, all
+    }
+    EXPECT_EQ(steps, (std::vector<int64_t>{0, 4, 6})) << tag;
+    EXPECT_EQ(evaluated.lines("metrics.jsonl").front()["step"], 0);
+  }
 }
 
 TEST(ControllerInProcess, SyncModeTrainsEveryStepOnPolicy) {

@@ -41,6 +41,11 @@ inline double wall_us() {
           .count());
 }
 
+// Seconds from `a` to `b`.
+inline double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
 // Seconds from `t` to now on the steady clock.
 inline double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();

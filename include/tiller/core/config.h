@@ -356,6 +356,23 @@ struct TrainConfig {
   std::string step_hooks;  // registered step hooks, by name, comma-separated (tiller/rollout/step_hooks.h)
 };
 
+// Evaluation during RL (docs/training.md, "Evaluation"): held-out prompts on the job's engines.
+struct EvalConfig {
+  std::string prompts;             // JSONL or parquet, data.*'s keys and templates ("": off)
+  std::int64_t every_steps = 0;    // evaluate after every N steps (and after the last); 0: not during the run
+  bool before_train = false;       // evaluate the starting weights (step 0)
+  bool greedy = true;              // one greedy sample a prompt: eval/<source>/greedy_accuracy
+  std::int64_t n_samples = 0;      // k samples a prompt at `temperature`: pass@k, mean@k (0: none)
+  double temperature = 1.0;
+  double top_p = 1.0;
+  std::int64_t max_new_tokens = 0;  // 0: rollout.max_new_tokens
+  std::int64_t max_prompts = 0;     // 0: every prompt of the file
+  double correct_reward = 1.0;      // a sample is correct when its reward is at least this
+  std::string reward_rule;          // "": the job's reward (reward.*); else this rule
+  std::int64_t samples_per_source = 4;  // decoded samples kept per data source in eval/step_<N>.jsonl, and all with -1
+  bool enabled() const { return !prompts.empty(); }
+};
+
 struct CheckpointConfig {
   std::string dir;
   std::int64_t every_steps = 0;
@@ -438,6 +455,7 @@ struct JobConfig {
   EnvConfig env;
   TrainConfig train;
   CheckpointConfig checkpoint;
+  EvalConfig eval;
   LoggingConfig logging;
   OfflineConfig offline;
   TimeoutsConfig timeouts;

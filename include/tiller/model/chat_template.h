@@ -24,7 +24,7 @@ struct ChatMessage {
   std::string content;
   // The message's other keys as a JSON object's text (tool_calls, tool_call_id, name, ...), "" for
   // none. Jinja templates see them; the built-in formats write role and content only.
-  std::string fields_json;
+  std::string fields_json = {};
 };
 
 // A conversation's format. Copyable and cheap (the Jinja source is shared); thread-safe to use

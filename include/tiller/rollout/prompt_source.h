@@ -64,4 +64,8 @@ std::vector<std::string> prompt_source_names();
 // The job's source (data.source), made with the job's tokenizer.
 std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const model::Tokenizer& tokenizer);
 
+// The data.* settings as a prompt dataset's options (keys, templates, the chat template, length
+// policy, order): the file source's, and evaluation's (eval.prompts).
+DatasetOptions job_dataset_options(const JobConfig& job, const model::Tokenizer& tokenizer);
+
 }  // namespace tiller::rollout

@@ -1,0 +1,293 @@
+#include "controller/evaluator.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "tiller/core/deadline.h"
+#include "tiller/core/error.h"
+#include "tiller/core/files.h"
+#include "tiller/core/logging.h"
+#include "tiller/model/tokenizer.h"
+#include "tiller/rollout/prompt_source.h"
+
+namespace tiller::rollout {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The rewards of evaluation: eval.reward_rule when set, else the job's.
+JobRewards eval_rewards(const JobConfig& cfg, std::function<std::string(const std::vector<int64_t>&)> decode) {
+  if (cfg.eval.reward_rule.empty()) return make_job_rewards(cfg, std::move(decode));
+  JobConfig rc = cfg;
+  rc.reward.type = RewardType::kRule;
+  rc.reward.rule = cfg.eval.reward_rule;
+  try {
+    return make_job_rewards(rc, std::move(decode));
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("eval.reward_rule: {}", e.what()));
+  }
+}
+
+// A sample's id for the batched reward: prompt and sample (0: the greedy one, j + 1: sample j).
+uint64_t reward_id(int64_t prompt, int64_t sample, int64_t k) {
+  return static_cast<uint64_t>(prompt) * static_cast<uint64_t>(k + 1) + static_cast<uint64_t>(sample + 1);
+}
+
+}  // namespace
+
+Evaluator::Evaluator(const JobConfig& cfg, const model::Tokenizer& tok, EngineSet& engines,
+                     std::vector<int64_t> stop_ids, const Clock& clock)
+    : cfg_(cfg), engines_(engines), clock_(clock) {
+  DatasetOptions d = job_dataset_options(cfg, tok);
+  d.shuffle = false;
+  d.max_samples = cfg.eval.max_prompts;
+  try {
+    data_ = std::make_unique<PromptDataset>(cfg.eval.prompts, tok, d);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("eval.prompts: {}", e.what()));
+  }
+  const model::Tokenizer* t = &tok;
+  decode_ = [t](const std::vector<int64_t>& ids) { return t->decode(ids, true); };
+  rewards_ = eval_rewards(cfg, decode_);
+  greedy_.greedy = true;
+  greedy_.max_new_tokens = cfg.eval.max_new_tokens > 0 ? cfg.eval.max_new_tokens : cfg.rollout.max_new_tokens;
+  greedy_.stop_token_ids = std::move(stop_ids);
+  sampled_ = greedy_;
+  sampled_.greedy = false;
+  sampled_.temperature = cfg.eval.temperature;
+  sampled_.top_p = cfg.eval.top_p;
+  greedy_.validate();
+  sampled_.validate();
+  file_source_ = fs::path(cfg.eval.prompts).stem().string();
+  log::info("eval: {} prompts of {}{}{} after every {} steps{}", data_->size(), cfg.eval.prompts,
+            cfg.eval.greedy ? ", greedy" : "",
+            cfg.eval.n_samples > 0 ? fmt::format(", {} samples at temperature {}", cfg.eval.n_samples, cfg.eval.temperature)
+                                   : std::string(),
+            cfg.eval.every_steps, cfg.eval.before_train ? " and before training" : "");
+}
+
+Evaluator::~Evaluator() = default;
+
+int64_t Evaluator::prompts() const { return data_->size(); }
+
+bool Evaluator::due(int64_t step, bool last) const {
+  if (step == 0) return cfg_.eval.before_train;
+  return cfg_.eval.every_steps > 0 && (step % cfg_.eval.every_steps == 0 || last);
+}
+
+std::string Evaluator::source_of(int64_t prompt) const {
+  const std::string& s = data_->at(prompt).data_source;
+  return s.empty() ? file_source_ : s;
+}
+
+void Evaluator::send_more(uint64_t version) {
+  const int64_t cap = std::max<int64_t>(1, cfg_.engines.max_num_seqs);
+  while (next_ < queue_.size()) {
+    size_t e = 0;
+    for (size_t i = 1; i < in_flight_.size(); ++i)
+      if (in_flight_[i] < in_flight_[e]) e = i;
+    const auto [prompt, greedy] = queue_[next_];
+    const int64_t n = greedy ? 1 : cfg_.eval.n_samples;
+    if (in_flight_[e] > 0 && in_flight_[e] + n > cap) return;  // every engine is full
+    engine::Request r;
+    r.id = next_id_++;
+    r.prompt = data_->at(prompt).tokens;
+    r.n = n;
+    r.params = greedy ? greedy_ : sampled_;
+    r.params.seed = static_cast<uint64_t>(cfg_.run.seed) * 1000003ull + 0x5eed0000ull + static_cast<uint64_t>(prompt) * 1024ull;
+    engines_.submit(e, r, version);
+    live_[r.id] = Request{prompt, greedy, static_cast<int>(e), n};
+    in_flight_[e] += n;
+    ++next_;
+  }
+}
+
+void Evaluator::take(Completion& c) {
+  const engine::ClientResult& res = c.result;
+  auto it = live_.find(res.sample.request_id);
+  TILLER_CHECK(it != live_.end(), "{} answered evaluation request {}, which is not in flight", engines_.name(static_cast<size_t>(c.engine)),
+               res.sample.request_id);
+  const Request req = it->second;
+  const Prompt& p = data_->at(req.prompt);
+  if (res.error_code != 0)
+    throw Error(fmt::format("{} refused the evaluation prompt {} line {}: {}", engines_.name(static_cast<size_t>(c.engine)),
+                            cfg_.eval.prompts, p.line, res.error));
+  if (res.sample.finish_reason == "abort")
+    throw Error(fmt::format("{} aborted the evaluation of {} line {}", engines_.name(static_cast<size_t>(c.engine)),
+                            cfg_.eval.prompts, p.line));
+  if (--it->second.remaining <= 0) live_.erase(it);
+  in_flight_[static_cast<size_t>(req.engine)] -= 1;
+  ++returned_;
+  last_progress_ = clock_.now();
+  Sample s;
+  s.tokens = static_cast<int64_t>(res.sample.tokens.size());
+  s.finish_reason = res.sample.finish_reason;
+  if (rewards_.sources.rule) s.reward = rewards_.sources.rule(p, res.sample);
+  if (rewards_.sources.batched) {
+    reward::RewardSample rs;
+    rs.id = reward_id(req.prompt, req.greedy ? -1 : res.sample.sample, cfg_.eval.n_samples);
+    rs.prompt = p.text;
+    rs.response = decode_(res.sample.tokens);
+    rs.label = p.label;
+    rs.label_is_json = p.label_is_json;
+    rs.data_source = p.data_source;
+    rs.extra_info = p.extra_info;
+    rs.finish_reason = res.sample.finish_reason;
+    rs.prompt_index = static_cast<uint64_t>(p.line);
+    rs.sample_index = static_cast<uint32_t>(res.sample.sample);
+    rs.response_tokens = s.tokens;
+    rewards_.sources.batched->add(std::move(rs));
+  }
+  if (keep_[static_cast<size_t>(req.prompt)]) s.ids = res.sample.tokens;
+  if (req.greedy) {
+    greedy_samples_[static_cast<size_t>(req.prompt)] = std::move(s);
+  } else {
+    sampled_samples_[static_cast<size_t>(req.prompt)].at(static_cast<size_t>(res.sample.sample)) = std::move(s);
+  }
+}
+
+std::vector<std::pair<std::string, double>> Evaluator::run(int64_t step, uint64_t version,
+                                                           const std::function<void()>& pump) {
+  const auto t0 = clock_.now();
+  const int64_t n_prompts = data_->size(), k = cfg_.eval.n_samples;
+  queue_.clear();
+  for (int64_t i = 0; i < n_prompts; ++i) {
+    if (cfg_.eval.greedy) queue_.emplace_back(i, true);
+    if (k > 0) queue_.emplace_back(i, false);
+  }
+  next_ = 0;
+  live_.clear();
+  in_flight_.assign(engines_.size(), 0);
+  greedy_samples_.assign(static_cast<size_t>(n_prompts), Sample{});
+  sampled_samples_.assign(static_cast<size_t>(n_prompts), std::vector<Sample>(static_cast<size_t>(k)));
+  keep_.assign(static_cast<size_t>(n_prompts), 0);
+  std::map<std::string, int64_t> kept;
+  for (int64_t i = 0; i < n_prompts; ++i) {
+    int64_t& c = kept[source_of(i)];
+    if (cfg_.eval.samples_per_source < 0 || c < cfg_.eval.samples_per_source) {
+      keep_[static_cast<size_t>(i)] = 1;
+      ++c;
+    }
+  }
+  returned_ = 0;
+  expected_ = n_prompts * ((cfg_.eval.greedy ? 1 : 0) + k);
+  if (rewards_.sources.batched) rewards_.sources.batched->begin_step(static_cast<uint64_t>(step));
+  last_progress_ = clock_.now();
+  send_more(version);
+  while (returned_ < expected_) {
+    pump();
+    send_more(version);
+    if (seconds_between(last_progress_, clock_.now()) > cfg_.timeouts.generate_s)
+      throw TimeoutError(fmt::format("evaluation after step {}: no sample came back for {:.0f} s "
+                                     "(timeouts.generate_s); {} of {} samples of {} are in",
+                                     step, cfg_.timeouts.generate_s, returned_, expected_, cfg_.eval.prompts));
+  }
+  if (rewards_.sources.batched) {
+    for (const auto& [id, score] : rewards_.sources.batched->finish(Deadline::after_seconds(cfg_.timeouts.generate_s))) {
+      const auto prompt = static_cast<size_t>(id / static_cast<uint64_t>(k + 1));
+      const auto j = static_cast<int64_t>(id % static_cast<uint64_t>(k + 1)) - 1;
+      (j < 0 ? greedy_samples_.at(prompt) : sampled_samples_.at(prompt).at(static_cast<size_t>(j))).reward = score;
+    }
+  }
+  std::vector<std::pair<std::string, double>> out = metrics();
+  write_samples(step);
+  const double seconds = seconds_between(t0, clock_.now());
+  out.emplace_back("time/eval", seconds);
+  const auto value = [&](const std::string& key) {
+    for (const auto& [k2, v] : out)
+      if (k2 == key) return v;
+    return 0.0;
+  };
+  log::info("eval after step {}: {}{} ({} prompts, {:.1f} s)", step,
+            cfg_.eval.greedy ? fmt::format("greedy accuracy {:.3f}", value("eval/all/greedy_accuracy")) : std::string(),
+            k > 0 ? fmt::format("{}pass@{} {:.3f}, mean@{} {:.3f}", cfg_.eval.greedy ? ", " : "", k,
+                                value(fmt::format("eval/all/pass@{}", k)), k, value(fmt::format("eval/all/mean@{}", k)))
+                  : std::string(),
+            n_prompts, seconds);
+  return out;
+}
+
+std::vector<std::pair<std::string, double>> Evaluator::metrics() const {
+  struct Totals {
+    double prompts = 0, greedy_correct = 0, greedy_reward = 0, passed = 0, correct = 0, reward = 0, samples = 0,
+           tokens = 0, generated = 0;
+  };
+  std::map<std::string, Totals> by;
+  const int64_t k = cfg_.eval.n_samples;
+  const double bar = cfg_.eval.correct_reward;
+  for (int64_t i = 0; i < data_->size(); ++i) {
+    for (Totals* t : {&by[source_of(i)], &by["all"]}) {
+      t->prompts += 1;
+      if (cfg_.eval.greedy) {
+        const Sample& g = greedy_samples_[static_cast<size_t>(i)];
+        t->greedy_correct += g.reward >= bar ? 1 : 0;
+        t->greedy_reward += g.reward;
+        t->tokens += static_cast<double>(g.tokens);
+        t->generated += 1;
+      }
+      bool any = false;
+      for (const Sample& s : sampled_samples_[static_cast<size_t>(i)]) {
+        any = any || s.reward >= bar;
+        t->correct += s.reward >= bar ? 1 : 0;
+        t->reward += s.reward;
+        t->samples += 1;
+        t->tokens += static_cast<double>(s.tokens);
+        t->generated += 1;
+      }
+      if (k > 0) t->passed += any ? 1 : 0;
+    }
+  }
+  std::vector<std::pair<std::string, double>> out;
+  for (const auto& [source, t] : by) {
+    const std::string p = "eval/" + source + "/";
+    out.emplace_back(p + "prompts", t.prompts);
+    if (cfg_.eval.greedy) {
+      out.emplace_back(p + "greedy_accuracy", t.greedy_correct / t.prompts);
+      out.emplace_back(p + "greedy_reward", t.greedy_reward / t.prompts);
+    }
+    if (k > 0) {
+      out.emplace_back(p + fmt::format("pass@{}", k), t.passed / t.prompts);
+      out.emplace_back(p + fmt::format("mean@{}", k), t.correct / t.samples);
+      out.emplace_back(p + "reward_mean", t.reward / t.samples);
+    }
+    out.emplace_back(p + "response_length", t.generated > 0 ? t.tokens / t.generated : 0.0);
+  }
+  return out;
+}
+
+void Evaluator::write_samples(int64_t step) const {
+  const std::string dir = cfg_.run.output_dir + "/eval";
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw IoError(fmt::format("{}: cannot create the folder of evaluation samples: {}", dir, ec.message()));
+  std::string text;
+  const auto line = [&](int64_t i, const Sample& s, const char* kind, int64_t j) {
+    const Prompt& p = data_->at(i);
+    nlohmann::ordered_json o;
+    o["step"] = step;
+    o["data_source"] = source_of(i);
+    o["line"] = p.line;
+    o["kind"] = kind;
+    o["sample"] = j;
+    o["prompt"] = p.text;
+    o["response"] = decode_(s.ids);
+    o["label"] = p.label;
+    o["reward"] = s.reward;
+    o["correct"] = s.reward >= cfg_.eval.correct_reward;
+    o["tokens"] = s.tokens;
+    o["finish_reason"] = s.finish_reason;
+    text += o.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
+  };
+  for (int64_t i = 0; i < data_->size(); ++i) {
+    if (!keep_[static_cast<size_t>(i)]) continue;
+    if (cfg_.eval.greedy) line(i, greedy_samples_[static_cast<size_t>(i)], "greedy", 0);
+    const auto& ss = sampled_samples_[static_cast<size_t>(i)];
+    for (size_t j = 0; j < ss.size(); ++j) line(i, ss[j], "sampled", static_cast<int64_t>(j));
+  }
+  write_file_atomic(fmt::format("{}/step_{}.jsonl", dir, step), text);
+}
+
+}  // namespace tiller::rollout

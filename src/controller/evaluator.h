@@ -1,0 +1,106 @@
+// Evaluation during RL (private to src/controller; docs/training.md, "Evaluation"): the held-out
+// prompts of eval.prompts, generated on the job's engines between steps and scored with the job's
+// reward (or eval.reward_rule), never trained on.
+//
+//   greedy      one greedy sample a prompt: eval/<source>/greedy_accuracy, greedy_reward
+//   n_samples   k samples a prompt at eval.temperature: eval/<source>/pass@k (prompts with a
+//               correct sample), mean@k (correct samples), reward_mean
+// per data source (the prompts' data.data_source_key, else the file's name) and over all of them
+// (eval/all/...), with response_length and prompts; a sample is correct when its reward is at
+// least eval.correct_reward. The decoded samples go to run.output_dir/eval/step_<N>.jsonl.
+//
+// The requests go to the engines straight, with ids at kRequestBase and above; the collector hands
+// their completions to take() from its pump (RolloutCollector::set_side_sink), so rollouts and the
+// evaluation share the engines and one completion stream. The controller calls run() between
+// steps, when no weight update can come (every eval sample is of one weight version), with the
+// engines awake (hybrid jobs wake them first).
+//
+// Threading: the controller's thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "controller/engine_set.h"
+#include "controller/job_rewards.h"
+#include "tiller/core/clock.h"
+#include "tiller/core/config.h"
+#include "tiller/rollout/prompt_dataset.h"
+
+namespace tiller::model {
+class Tokenizer;
+}
+
+namespace tiller::rollout {
+
+class Evaluator {
+ public:
+  // Request ids of evaluation: above the collector's (ordinals, and its own from 2^62).
+  static constexpr uint64_t kRequestBase = uint64_t{3} << 62;
+
+  // Loads eval.prompts with data.*'s keys and templates (ConfigError naming the file and line).
+  // `stop_ids` end a completion; `decode` gives a response's text (special tokens skipped).
+  Evaluator(const JobConfig& cfg, const model::Tokenizer& tok, EngineSet& engines, std::vector<int64_t> stop_ids,
+            const Clock& clock = Clock::steady());
+  ~Evaluator();
+
+  // Whether to evaluate after `step` completed steps (0: the starting weights); `last`: the run's last.
+  bool due(int64_t step, bool last) const;
+
+  // Evaluates the engines' weights at `version`: sends every request (at most engines.max_num_seqs
+  // samples in flight an engine), calls `pump` until every sample is back and scored, writes the
+  // samples file and returns the metrics (eval/...). TimeoutError when an engine returns no eval
+  // sample for timeouts.generate_s; an engine's refusal or a reward's failure ends the job.
+  std::vector<std::pair<std::string, double>> run(int64_t step, uint64_t version, const std::function<void()>& pump);
+
+  // A completion of an evaluation request (from the collector's pump).
+  void take(Completion& c);
+
+  int64_t prompts() const;
+
+ private:
+  struct Sample {
+    double reward = 0;
+    int64_t tokens = 0;
+    std::string finish_reason;
+    std::vector<int64_t> ids;
+  };
+  void send_more(uint64_t version);
+  std::vector<std::pair<std::string, double>> metrics() const;
+  void write_samples(int64_t step) const;
+  std::string source_of(int64_t prompt) const;
+
+  const JobConfig& cfg_;
+  EngineSet& engines_;
+  const Clock& clock_;
+  std::unique_ptr<PromptDataset> data_;
+  JobRewards rewards_;
+  std::function<std::string(const std::vector<int64_t>&)> decode_;
+  model::SamplingParams greedy_, sampled_;
+  std::string file_source_;  // the file's name, for prompts without a data source
+
+  // One evaluation's state.
+  struct Request {
+    int64_t prompt = 0;
+    bool greedy = false;
+    int engine = 0;
+    int64_t remaining = 0;
+  };
+  std::vector<std::pair<int64_t, bool>> queue_;  // (prompt, greedy) to send, in order
+  size_t next_ = 0;
+  std::map<uint64_t, Request> live_;
+  std::vector<int64_t> in_flight_;  // samples per engine
+  uint64_t next_id_ = kRequestBase;
+  std::vector<Sample> greedy_samples_;                // per prompt
+  std::vector<std::vector<Sample>> sampled_samples_;  // per prompt, k each
+  std::vector<uint8_t> keep_;                         // per prompt: its samples go to the samples file
+  int64_t returned_ = 0, expected_ = 0;
+  SteadyClock::time_point last_progress_;
+};
+
+}  // namespace tiller::rollout
