@@ -156,10 +156,16 @@ struct Controller::Impl {
     trace = std::make_unique<StepTrace>(cfg.logging.profile_steps,
                                         cfg.logging.chrome_trace.empty() ? out + "/trace.json" : cfg.logging.chrome_trace,
                                         labels, plan.controller);
-    outputs = std::make_unique<StepOutputs>(
-        cfg.logging.metrics_jsonl.empty() ? out + "/metrics.jsonl" : cfg.logging.metrics_jsonl,
-        cfg.logging.tensorboard_dir.empty() ? out + "/tensorboard" : cfg.logging.tensorboard_dir,
-        cfg.logging.rollout_records, cfg.logging.rollout_records_tokens);
+    StepOutputOptions so;
+    so.metrics_jsonl = cfg.logging.metrics_jsonl.empty() ? out + "/metrics.jsonl" : cfg.logging.metrics_jsonl;
+    so.tensorboard_dir = cfg.logging.tensorboard_dir.empty() ? out + "/tensorboard" : cfg.logging.tensorboard_dir;
+    so.records = cfg.logging.rollout_records;
+    so.record_tokens = cfg.logging.rollout_records_tokens;
+    so.record_text = cfg.logging.rollout_records_text;
+    so.samples_per_step = cfg.logging.samples_per_step;
+    so.samples_jsonl = cfg.logging.samples_jsonl.empty() ? out + "/samples.jsonl" : cfg.logging.samples_jsonl;
+    so.decode = w.decode_text;
+    outputs = std::make_unique<StepOutputs>(std::move(so));
     if (plan.hybrid) hybrid = std::make_unique<HybridPhases>(cfg, *w.engines, link, trainers, *trace);
     score_after_generate = plan.hybrid && cfg.hybrid_scores_after_generate(planned_backend(cfg.cluster));
   }
@@ -635,6 +641,7 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   w.sync_plan = sync::job_bucket_plan(cfg, mc, plan).to_json();
   w.require_resume = opts.require_resume;
   w.stop_token_ids = model::eos_token_ids(actor_dir, mc, *tokenizer);
+  w.decode_text = [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, false); };
   w.attention_tokens = model::attention_cost_tokens(mc);
   std::unique_ptr<Evaluator> evaluator;
   if (cfg.eval.enabled()) evaluator = std::make_unique<Evaluator>(cfg, *tokenizer, engines, w.stop_token_ids);

@@ -52,6 +52,8 @@ struct ControllerWiring {
   bool print_summary = true;         // the summary line on stdout at the end
   const Clock* clock = &Clock::steady();  // of every deadline and phase time (tests: a ManualClock)
   Evaluator* evaluator = nullptr;          // eval.prompts (null: no evaluation)
+  // Token ids to text, special tokens kept (the samples file, records' text); null: ids only.
+  std::function<std::string(const std::vector<int64_t>&)> decode_text;
 };
 
 class Controller {

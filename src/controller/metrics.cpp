@@ -64,6 +64,32 @@ std::string event(int64_t step, const std::string* file_version, const Metrics* 
   return e;
 }
 
+// Event.summary with one text value: Value { tag = 1; TensorProto tensor = 8 { dtype = 1 (DT_STRING
+// = 7); tensor_shape = 2 (a scalar); string_val = 8 }; SummaryMetadata metadata = 9 { PluginData
+// plugin_data = 1 { plugin_name = 1: "text" } } }.
+std::string text_event(int64_t step, const std::string& name, const std::string& text) {
+  std::string tensor;
+  tag(tensor, 1, 0);
+  varint(tensor, 7);
+  bytes_field(tensor, 2, "");
+  bytes_field(tensor, 8, text);
+  std::string plugin, metadata;
+  bytes_field(plugin, 1, "text");
+  bytes_field(metadata, 1, plugin);
+  std::string value;
+  bytes_field(value, 1, name);
+  bytes_field(value, 8, tensor);
+  bytes_field(value, 9, metadata);
+  std::string summary;
+  bytes_field(summary, 1, value);
+  std::string e;
+  fixed_field<double>(e, 1, wall_seconds());
+  tag(e, 2, 0);
+  varint(e, static_cast<uint64_t>(step));
+  bytes_field(e, 5, summary);
+  return e;
+}
+
 uint32_t masked(uint32_t crc) { return ((crc >> 15) | (crc << 17)) + 0xa282ead8u; }
 
 std::FILE* open_append(const std::string& path) {
@@ -119,6 +145,10 @@ void TensorBoardWriter::record(const std::string& data) {
 }
 
 void TensorBoardWriter::scalars(int64_t step, const Metrics& values) { record(event(step, nullptr, &values)); }
+
+void TensorBoardWriter::text(int64_t step, const std::string& name, const std::string& markdown) {
+  record(text_event(step, name, markdown));
+}
 
 JsonlWriter::JsonlWriter(const std::string& path) : path_(path), file_(open_append(path)) {}
 

@@ -1,5 +1,8 @@
 #include "controller/step_trace.h"
 
+#include <algorithm>
+#include <numeric>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -76,12 +79,103 @@ void StepTrace::write() const {
   write_file_atomic(path_, out);
 }
 
-StepOutputs::StepOutputs(const std::string& jsonl, const std::string& tensorboard_dir, const std::string& records,
-                         bool record_tokens)
-    : jsonl_(std::make_unique<JsonlWriter>(jsonl)),
-      tensorboard_(std::make_unique<TensorBoardWriter>(tensorboard_dir)),
-      records_(records.empty() ? nullptr : std::make_unique<JsonlWriter>(records)),
-      record_tokens_(record_tokens) {}
+StepOutputs::StepOutputs(StepOutputOptions o)
+    : o_(std::move(o)),
+      jsonl_(std::make_unique<JsonlWriter>(o_.metrics_jsonl)),
+      tensorboard_(std::make_unique<TensorBoardWriter>(o_.tensorboard_dir)),
+      records_(o_.records.empty() ? nullptr : std::make_unique<JsonlWriter>(o_.records)),
+      samples_(o_.samples_per_step > 0 ? std::make_unique<JsonlWriter>(o_.samples_jsonl) : nullptr) {}
+
+namespace {
+
+std::vector<int64_t> ids_of(const Rollout& ro, int64_t from, int64_t n) {
+  return std::vector<int64_t>(ro.tokens.begin() + from, ro.tokens.begin() + from + n);
+}
+
+// A cell of a Markdown table.
+std::string cell(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '|') out += "\\|";
+    else if (c == '\n') out += "<br>";
+    else out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+void StepOutputs::samples(const StepBatch& batch, const std::function<int64_t(int64_t)>& line_of) {
+  const Rollout& ro = batch.ro;
+  std::vector<int64_t> order(static_cast<size_t>(ro.size()));
+  std::iota(order.begin(), order.end(), 0);
+  const auto key = [&](int64_t s) {
+    return std::pair(batch.groups[static_cast<size_t>(ro.prompt[s])].ordinal, ro.sample[s]);
+  };
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key(a) < key(b); });
+  order.resize(std::min<size_t>(order.size(), static_cast<size_t>(o_.samples_per_step)));
+  const auto text = [&](const std::vector<int64_t>& ids) { return o_.decode ? o_.decode(ids) : std::string(); };
+  std::string table = "| prompt line | sample | prompt | response | reward | advantage |\n|---|---|---|---|---|---|\n";
+  for (int64_t s : order) {
+    const StepBatch::Group& g = batch.groups[static_cast<size_t>(ro.prompt[s])];
+    const int64_t p0 = ro.seq_offset[s], r0 = p0 + ro.prompt_len[s], t0 = ro.resp_offset[s];
+    // The advantage of the sample's trained tokens (the model's, in multi-turn runs), their mean.
+    double adv = 0;
+    int64_t trained = 0;
+    for (int64_t t = 0; t < ro.response_len[s]; ++t) {
+      if (ro.layout.turns && ro.loss_mask[static_cast<size_t>(t0 + t)] == 0) continue;
+      adv += ro.advantages.empty() ? 0.0 : ro.advantages[static_cast<size_t>(t0 + t)];
+      ++trained;
+    }
+    json j;
+    j["step"] = batch.step;
+    j["prompt_line"] = line_of(g.dataset_index);
+    j["sample"] = ro.sample[s];
+    const std::vector<int64_t> prompt = ids_of(ro, p0, ro.prompt_len[s]), response = ids_of(ro, r0, ro.response_len[s]);
+    if (o_.decode) {
+      j["prompt"] = text(prompt);
+      j["response"] = text(response);
+    } else {
+      j["prompt_ids"] = prompt;
+      j["response_ids"] = response;
+    }
+    j["reward"] = ro.score[static_cast<size_t>(s)];
+    j["advantage"] = trained > 0 ? adv / static_cast<double>(trained) : 0.0;
+    j["response_len"] = ro.response_len[s];
+    j["truncated"] = ro.truncated[static_cast<size_t>(s)] != 0;
+    if (ro.layout.turns) {
+      // Each model turn (a run of trained tokens), what answered it (the run of observation
+      // tokens after it) and its reward.
+      json turns = json::array();
+      int64_t t = 0, turn = 0;
+      while (t < ro.response_len[s]) {
+        const int64_t start = t;
+        while (t < ro.response_len[s] && ro.loss_mask[static_cast<size_t>(t0 + t)] == 1) ++t;
+        const int64_t obs = t;
+        while (t < ro.response_len[s] && ro.loss_mask[static_cast<size_t>(t0 + t)] == 0) ++t;
+        json u;
+        const auto model = ids_of(ro, r0 + start, obs - start), answer = ids_of(ro, r0 + obs, t - obs);
+        if (o_.decode) {
+          u["model"] = text(model);
+          u["observation"] = text(answer);
+        } else {
+          u["model_ids"] = model;
+          u["observation_ids"] = answer;
+        }
+        const int64_t k = ro.turn_offset[s] + turn;
+        if (k < ro.turn_offset[s + 1]) u["reward"] = ro.turn_reward[static_cast<size_t>(k)];
+        turns.push_back(u);
+        ++turn;
+      }
+      j["turns"] = turns;
+    }
+    samples_->append(j.dump(-1, ' ', false, json::error_handler_t::replace));
+    table += fmt::format("| {} | {} | {} | {} | {:.4f} | {:.4f} |\n", j["prompt_line"].get<int64_t>(), ro.sample[s],
+                         cell(text(prompt)), cell(text(response)), ro.score[static_cast<size_t>(s)],
+                         j["advantage"].get<double>());
+  }
+  if (!order.empty() && o_.decode) tensorboard_->text(batch.step, "samples", table);
+}
 
 void StepOutputs::write(int64_t step, const Metrics& metrics) {
   jsonl_->write(step, metrics);
@@ -90,6 +184,7 @@ void StepOutputs::write(int64_t step, const Metrics& metrics) {
 
 void StepOutputs::record(const StepBatch& batch, uint64_t trained_version,
                          const std::function<int64_t(int64_t)>& line_of) {
+  if (samples_) samples(batch, line_of);
   if (!records_) return;
   const Rollout& ro = batch.ro;
   for (int64_t s = 0; s < ro.size(); ++s) {
@@ -118,7 +213,11 @@ void StepOutputs::record(const StepBatch& batch, uint64_t trained_version,
       r["turns"] = turns;
       r["model_tokens"] = ro.model_tokens(s);
     }
-    if (record_tokens_) {
+    if (o_.record_text && o_.decode) {
+      r["prompt_text"] = o_.decode(ids_of(ro, ro.seq_offset[s], ro.prompt_len[s]));
+      r["response_text"] = o_.decode(ids_of(ro, ro.seq_offset[s] + ro.prompt_len[s], ro.response_len[s]));
+    }
+    if (o_.record_tokens) {
       if (ro.layout.turns)
         r["loss_mask"] = std::vector<int>(ro.loss_mask.begin() + ro.resp_offset[s],
                                           ro.loss_mask.begin() + ro.resp_offset[s] + ro.response_len[s]);
@@ -134,7 +233,7 @@ void StepOutputs::record(const StepBatch& batch, uint64_t trained_version,
       r["actor_logprobs"] = std::vector<float>(ro.logp.begin() + ro.resp_offset[s],
                                                ro.logp.begin() + ro.resp_offset[s] + ro.response_len[s]);
     }
-    records_->append(r.dump());
+    records_->append(r.dump(-1, ' ', false, json::error_handler_t::replace));
   }
   for (const auto& d : batch.dropped) {
     json r;

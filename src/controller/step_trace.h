@@ -47,21 +47,34 @@ class StepTrace {
   std::vector<std::string> events_;  // JSON objects
 };
 
+// Where a step's outputs go (logging.*).
+struct StepOutputOptions {
+  std::string metrics_jsonl, tensorboard_dir;  // required
+  std::string records;                         // "": no rollout records
+  bool record_tokens = false, record_text = false;
+  std::string samples_jsonl;                   // with samples_per_step > 0
+  int64_t samples_per_step = 0;
+  // Token ids to text, special tokens kept; null: samples and records carry ids, no text.
+  std::function<std::string(const std::vector<int64_t>&)> decode;
+};
+
 class StepOutputs {
  public:
-  // Empty paths: output_dir/metrics.jsonl and output_dir/tensorboard; records only when set.
-  StepOutputs(const std::string& jsonl, const std::string& tensorboard_dir, const std::string& records,
-              bool record_tokens);
+  explicit StepOutputs(StepOutputOptions o);
   void write(int64_t step, const Metrics& metrics);
   // One line per sample of `batch` (trained at weight version `trained_version`) and per dropped
-  // group; `line_of(dataset_index)` is the prompt's line in the dataset.
+  // group to the records; the step's first samples_per_step samples (by prompt group, then
+  // sample) decoded to the samples file and TensorBoard's text tab. `line_of(dataset_index)` is
+  // the prompt's line in the dataset.
   void record(const StepBatch& batch, uint64_t trained_version, const std::function<int64_t(int64_t)>& line_of);
 
  private:
+  void samples(const StepBatch& batch, const std::function<int64_t(int64_t)>& line_of);
+  StepOutputOptions o_;
   std::unique_ptr<JsonlWriter> jsonl_;
   std::unique_ptr<TensorBoardWriter> tensorboard_;
   std::unique_ptr<JsonlWriter> records_;
-  bool record_tokens_ = false;
+  std::unique_ptr<JsonlWriter> samples_;
 };
 
 }  // namespace tiller::rollout

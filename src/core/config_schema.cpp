@@ -580,6 +580,14 @@ std::vector<Field> build() {
   b.add("logging.rollout_records_tokens", TILLER_FIELD(logging.rollout_records_tokens),
         "The rollout records also carry each sample's token ids, the engine's log-probs and the actor's scored "
         "log-probs (actor_logprobs).");
+  b.add("logging.rollout_records_text", TILLER_FIELD(logging.rollout_records_text),
+        "The rollout records also carry each sample's decoded prompt and response (special tokens kept).");
+  b.add("logging.samples_per_step", TILLER_FIELD(logging.samples_per_step),
+        "Decoded samples each step writes to logging.samples_jsonl and TensorBoard's text tab: prompt, response, "
+        "reward, advantage (and each turn in multi-turn runs); the step's first prompt groups' samples. 0: none.")
+      .range(0, 100000);
+  b.add("logging.samples_jsonl", TILLER_FIELD(logging.samples_jsonl),
+        "Where the decoded samples go. Empty: run.output_dir/samples.jsonl.");
   b.add("logging.efficiency", TILLER_FIELD(logging.efficiency),
         "Report each phase's rate beside its benchmark at the job's shapes (efficiency/*, and a line in the log): "
         "every trainer rank times a training micro-batch and a scoring forward of the job's sizes once (at its "

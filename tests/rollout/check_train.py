@@ -179,7 +179,8 @@ def check_eval(out, steps):
         fail(f"the held-out reward did not rise: {[round(r['eval/toy_digits/greedy_reward'], 3) for r in rows]}")
     held_out = {json.loads(l)["input"] for l in (FIX / "eval.jsonl").read_text().splitlines()}
     for r in rows:
-        lines = [json.loads(l) for l in (Path(out) / "eval" / f"step_{r['step']}.jsonl").read_text().splitlines()]
+        lines = [json.loads(l) for l in (Path(out) / "eval" / f"step_{r['step']}.jsonl").read_text(encoding="utf-8")
+                 .split("\n") if l]  # not splitlines(): a response may hold U+2028
         greedy = [l for l in lines if l["kind"] == "greedy"]
         if len(greedy) != 4 or len(lines) != 4 * 5 or any(l["prompt"] not in held_out for l in lines):
             fail(f"eval/step_{r['step']}.jsonl: {len(lines)} samples, {len(greedy)} greedy")
@@ -250,6 +251,42 @@ def check_learns(np_, *sets):
     tb = [(e.step, e.value) for e in acc.Scalars("reward/mean")]
     if [s for s, _ in tb] != list(range(1, 31)) or any(abs(v - r) > 1e-5 for (_, v), r in zip(tb, rewards)):
         fail(f"TensorBoard's reward/mean differs from the JSONL: {tb[:3]} vs {rewards[:3]}")
+
+
+def check_samples(out):
+    """logging.samples_per_step (4 by default): each step's first prompt group decoded, as the
+    records' token ids decode with the tokenizers library (special tokens kept), with their rewards;
+    the same samples in TensorBoard's text tab."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    # Lines end at "\n" only: a decoded text may hold U+2028 or U+0085, which splitlines() splits at.
+    lines = lambda path: [json.loads(l) for l in path.read_text(encoding="utf-8").split("\n") if l]
+    records = {(r["step"], r["prompt_line"], r["sample"]): r for r in lines(out / "records.jsonl") if r["event"] == "trained"}
+    samples = lines(out / "samples.jsonl")
+    if [s["step"] for s in samples] != [j for j in range(1, 31) for _ in range(4)]:
+        fail(f"samples.jsonl: steps {[s['step'] for s in samples][:12]}...: not 4 a step")
+    for s in samples:
+        r = records.get((s["step"], s["prompt_line"], s["sample"]))
+        if r is None:
+            fail(f"samples.jsonl: step {s['step']} line {s['prompt_line']} sample {s['sample']} was not trained")
+        for key, ids in (("prompt", "prompt_ids"), ("response", "response_ids")):
+            want = tok.decode(r[ids], skip_special_tokens=False)
+            if s[key] != want or r[key + "_text"] != want:
+                fail(f"step {s['step']}: the sample's {key} {s[key]!r} is not its tokens' text {want!r}")
+        if abs(s["reward"] - r["score"]) > 1e-6:
+            fail(f"step {s['step']}: the sample's reward {s['reward']} is not its record's {r['score']}")
+    if len({(s["step"], s["prompt_line"]) for s in samples}) != 30:
+        fail("samples.jsonl: a step's 4 samples are not one prompt group's")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = acc.Tensors("samples")
+    if [t.step for t in texts] != list(range(1, 31)):
+        fail(f"TensorBoard's samples text at steps {[t.step for t in texts]}")
+    first = texts[0].tensor_proto.string_val[0].decode()
+    if samples[0]["response"].replace("|", "\\|").replace("\n", "<br>")[:20] not in first:
+        fail(f"TensorBoard's samples text does not hold step 1's first response: {first[:300]!r}")
+    print(f"{CASE}: samples.jsonl and TensorBoard's text tab hold 4 decoded samples a step, their records' tokens")
 
 
 def start(np_, out, *sets):
@@ -1456,7 +1493,9 @@ elif CASE == "hybrid":
 elif CASE == "optimizer_offload":
     check_optimizer_offload()
 elif CASE == "ppo":
-    check_learns(4)
+    check_learns(4, f"logging.rollout_records={SCRATCH / CASE / 'records.jsonl'}", "logging.rollout_records_tokens=true",
+                 "logging.rollout_records_text=true")
+    check_samples(SCRATCH / CASE)
 elif CASE == "grpo":
     check_learns(3, *GRPO)
 elif CASE == "moe":

@@ -390,6 +390,9 @@ struct LoggingConfig {
   std::string profile_steps;    // "3" or "3,5" or "3-5": steps whose phases go into the Chrome trace
   std::string rollout_records;  // "": none; else a JSONL file with one line per trained or dropped sample
   bool rollout_records_tokens = false;  // the records also carry token ids and engine log-probs
+  bool rollout_records_text = false;    // the records also carry the decoded prompt and response
+  std::int64_t samples_per_step = 4;    // decoded samples a step writes to samples_jsonl and TensorBoard (0: none)
+  std::string samples_jsonl;            // "": <output_dir>/samples.jsonl
   bool efficiency = true;  // each phase's rate against its benchmark at the job's shapes (efficiency/*)
 };
 

@@ -27,6 +27,8 @@ class TensorBoardWriter {
   TensorBoardWriter& operator=(const TensorBoardWriter&) = delete;
 
   void scalars(int64_t step, const Metrics& values);
+  // A text summary (TensorBoard's text tab renders it as Markdown) under `tag`.
+  void text(int64_t step, const std::string& tag, const std::string& markdown);
   const std::string& path() const { return path_; }
 
  private:
