@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <optional>
 #include <thread>
 
@@ -16,6 +17,7 @@
 #include "controller/checkpoint_manager.h"
 #include "controller/engine_pool.h"
 #include "controller/evaluator.h"
+#include "python/tracking.h"
 #include "controller/hook_runner.h"
 #include "controller/hybrid_phases.h"
 #include "controller/job_environment.h"
@@ -165,6 +167,7 @@ struct Controller::Impl {
     so.samples_per_step = cfg.logging.samples_per_step;
     so.samples_jsonl = cfg.logging.samples_jsonl.empty() ? out + "/samples.jsonl" : cfg.logging.samples_jsonl;
     so.decode = w.decode_text;
+    so.tracking = w.tracking;
     outputs = std::make_unique<StepOutputs>(std::move(so));
     if (plan.hybrid) hybrid = std::make_unique<HybridPhases>(cfg, *w.engines, link, trainers, *trace);
     score_after_generate = plan.hybrid && cfg.hybrid_scores_after_generate(planned_backend(cfg.cluster));
@@ -574,6 +577,7 @@ struct Controller::Impl {
     }
     collector->close();
     stop_ranks();
+    if (w.tracking) w.tracking->finish(true);
     summary["event"] = stopped_by_signal ? "stopped" : "done";
     summary["steps"] = step;
     summary["seconds"] = seconds_since(run_start);
@@ -643,6 +647,25 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   w.stop_token_ids = model::eos_token_ids(actor_dir, mc, *tokenizer);
   w.decode_text = [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, false); };
   w.attention_tokens = model::attention_cost_tokens(mc);
+  python::TrackingOptions to;
+  to.wandb_project = cfg.logging.wandb.project;
+  to.wandb_entity = cfg.logging.wandb.entity;
+  to.wandb_name = cfg.logging.wandb.name.empty() ? cfg.run.name : cfg.logging.wandb.name;
+  to.wandb_tags = cfg.logging.wandb.tags;
+  to.wandb_mode = cfg.logging.wandb.mode;
+  to.wandb_dir = cfg.logging.wandb.dir.empty() ? cfg.run.output_dir : cfg.logging.wandb.dir;
+  to.mlflow_experiment = cfg.logging.mlflow.experiment;
+  to.mlflow_tracking_uri = cfg.logging.mlflow.tracking_uri;
+  to.mlflow_run_name = cfg.logging.mlflow.run_name.empty() ? cfg.run.name : cfg.logging.mlflow.run_name;
+  to.config_yaml = to_yaml(cfg);
+  to.output_dir = cfg.run.output_dir;
+  std::unique_ptr<python::Tracking> tracking;
+  if (to.enabled()) {
+    std::error_code ec;
+    std::filesystem::create_directories(to.wandb_dir, ec);  // wandb wants its directory to exist
+    tracking = std::make_unique<python::Tracking>(to);
+  }
+  w.tracking = tracking.get();
   std::unique_ptr<Evaluator> evaluator;
   if (cfg.eval.enabled()) evaluator = std::make_unique<Evaluator>(cfg, *tokenizer, engines, w.stop_token_ids);
   w.evaluator = evaluator.get();

@@ -28,6 +28,9 @@
 namespace tiller {
 struct JobConfig;
 }
+namespace tiller::python {
+class Tracking;
+}
 namespace tiller::dist {
 struct RankPlan;
 class Communicator;
@@ -54,6 +57,7 @@ struct ControllerWiring {
   Evaluator* evaluator = nullptr;          // eval.prompts (null: no evaluation)
   // Token ids to text, special tokens kept (the samples file, records' text); null: ids only.
   std::function<std::string(const std::vector<int64_t>&)> decode_text;
+  python::Tracking* tracking = nullptr;  // logging.wandb / logging.mlflow (null: none)
 };
 
 class Controller {

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "python/tracking.h"
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
 
@@ -115,6 +116,7 @@ void StepOutputs::samples(const StepBatch& batch, const std::function<int64_t(in
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key(a) < key(b); });
   order.resize(std::min<size_t>(order.size(), static_cast<size_t>(o_.samples_per_step)));
   const auto text = [&](const std::vector<int64_t>& ids) { return o_.decode ? o_.decode(ids) : std::string(); };
+  json rows = json::array();
   std::string table = "| prompt line | sample | prompt | response | reward | advantage |\n|---|---|---|---|---|---|\n";
   for (int64_t s : order) {
     const StepBatch::Group& g = batch.groups[static_cast<size_t>(ro.prompt[s])];
@@ -173,13 +175,16 @@ void StepOutputs::samples(const StepBatch& batch, const std::function<int64_t(in
     table += fmt::format("| {} | {} | {} | {} | {:.4f} | {:.4f} |\n", j["prompt_line"].get<int64_t>(), ro.sample[s],
                          cell(text(prompt)), cell(text(response)), ro.score[static_cast<size_t>(s)],
                          j["advantage"].get<double>());
+    rows.push_back(std::move(j));
   }
   if (!order.empty() && o_.decode) tensorboard_->text(batch.step, "samples", table);
+  if (o_.tracking && !order.empty()) o_.tracking->samples(batch.step, rows.dump(-1, ' ', false, json::error_handler_t::replace));
 }
 
 void StepOutputs::write(int64_t step, const Metrics& metrics) {
   jsonl_->write(step, metrics);
   tensorboard_->scalars(step, metrics);
+  if (o_.tracking) o_.tracking->log(step, metrics);
 }
 
 void StepOutputs::record(const StepBatch& batch, uint64_t trained_version,

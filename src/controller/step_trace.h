@@ -18,6 +18,10 @@
 #include "controller/collector.h"
 #include "tiller/rollout/metrics.h"
 
+namespace tiller::python {
+class Tracking;
+}
+
 namespace tiller::rollout {
 
 // "3", "3,5", "3-5" -> the set of steps; ConfigError naming logging.profile_steps otherwise.
@@ -56,6 +60,7 @@ struct StepOutputOptions {
   int64_t samples_per_step = 0;
   // Token ids to text, special tokens kept; null: samples and records carry ids, no text.
   std::function<std::string(const std::vector<int64_t>&)> decode;
+  python::Tracking* tracking = nullptr;  // W&B / MLflow: the metrics and samples go there too
 };
 
 class StepOutputs {

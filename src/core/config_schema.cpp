@@ -588,6 +588,20 @@ std::vector<Field> build() {
       .range(0, 100000);
   b.add("logging.samples_jsonl", TILLER_FIELD(logging.samples_jsonl),
         "Where the decoded samples go. Empty: run.output_dir/samples.jsonl.");
+  b.add("logging.wandb.project", TILLER_FIELD(logging.wandb.project),
+        "Log to Weights & Biases (the wandb package in the embedded Python): the project. Empty: off.");
+  b.add("logging.wandb.entity", TILLER_FIELD(logging.wandb.entity), "W&B entity (team or user; empty: yours).");
+  b.add("logging.wandb.name", TILLER_FIELD(logging.wandb.name), "W&B run name (empty: run.name).");
+  b.add("logging.wandb.tags", TILLER_FIELD(logging.wandb.tags), "W&B tags, comma-separated.");
+  b.add("logging.wandb.mode", TILLER_FIELD(logging.wandb.mode),
+        "online, offline (the run directory keeps everything for `wandb sync`) or disabled.")
+      .one_of({"online", "offline", "disabled"});
+  b.add("logging.wandb.dir", TILLER_FIELD(logging.wandb.dir), "Where W&B's run directory goes (empty: run.output_dir).");
+  b.add("logging.mlflow.experiment", TILLER_FIELD(logging.mlflow.experiment),
+        "Log to MLflow (the mlflow or mlflow-skinny package in the embedded Python): the experiment. Empty: off.");
+  b.add("logging.mlflow.tracking_uri", TILLER_FIELD(logging.mlflow.tracking_uri),
+        "MLflow tracking URI (http://..., databricks, sqlite:///...; empty: $MLFLOW_TRACKING_URI, else ./mlruns).");
+  b.add("logging.mlflow.run_name", TILLER_FIELD(logging.mlflow.run_name), "MLflow run name (empty: run.name).");
   b.add("logging.efficiency", TILLER_FIELD(logging.efficiency),
         "Report each phase's rate beside its benchmark at the job's shapes (efficiency/*, and a line in the log): "
         "every trainer rank times a training micro-batch and a scoring forward of the job's sizes once (at its "

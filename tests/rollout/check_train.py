@@ -289,6 +289,114 @@ def check_samples(out):
     print(f"{CASE}: samples.jsonl and TensorBoard's text tab hold 4 decoded samples a step, their records' tokens")
 
 
+def wandb_records(path):
+    """The records of a W&B offline run file (run-<id>.wandb): a 7-byte header (":W&B", magic,
+    version), then LevelDB-log blocks of 32 KiB whose records (crc, length, type) carry the
+    protobuf Records, split over blocks as FIRST / MIDDLE / LAST."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    data, pos, block, out, part = Path(path).read_bytes(), 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if kind == 0:  # the rest of the block is padding
+            pos += left
+            continue
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            out.append(chunk)
+        elif kind == 2:
+            part = chunk
+        elif kind == 3:
+            part += chunk
+        elif kind == 4:
+            out.append(part + chunk)
+    records = []
+    for raw in out:
+        r = pb.Record()
+        r.ParseFromString(raw)
+        records.append(r)
+    return records
+
+
+def check_tracking():
+    """logging.wandb (offline) and logging.mlflow (a local file store): every metrics.jsonl row
+    reaches both at its step, with the effective config and the samples."""
+    out = SCRATCH / "tracking"
+    env = dict(os.environ, MLFLOW_ALLOW_FILE_STORE="true", WANDB_SILENT="true")
+    shutil.rmtree(out, ignore_errors=True)
+    args = command(4, out, "train.num_steps=4", "eval.every_steps=2", "logging.wandb.project=tiller-e2e",
+                   "logging.wandb.mode=offline", "logging.wandb.tags=e2e,quickstart", "logging.mlflow.experiment=tiller-e2e",
+                   f"logging.mlflow.tracking_uri=file://{out}/mlruns")
+    args[1:1] = ["-x", "MLFLOW_ALLOW_FILE_STORE", "-x", "WANDB_SILENT"]
+    p = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, env=env)
+    if p.returncode != 0:
+        fail(f"exit code {p.returncode}:\n{p.stdout[-4000:]}")
+    rows = all_rows(out)
+    # W&B: the history at each step, the config, the tags, the samples' tables.
+    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    if len(runs) != 1:
+        fail(f"W&B offline runs: {runs}")
+    history, config, tables, run_tags = {}, {}, 0, []
+    for r in wandb_records(runs[0]):
+        kind = r.WhichOneof("record_type")
+        if kind == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            step = items.get("_step")
+            history.setdefault(step, {}).update(items)
+            tables += "samples" in items
+        elif kind == "config":
+            for i in r.config.update:
+                config[i.key or "/".join(i.nested_key)] = json.loads(i.value_json)
+        elif kind == "run":  # the config wandb.init took
+            run_tags = list(r.run.tags)
+            for i in r.run.config.update:
+                config[i.key or "/".join(i.nested_key)] = json.loads(i.value_json)
+    for row in rows:
+        got = history.get(row["step"], {})
+        for k, v in row.items():
+            if k != "step" and v is not None and abs(got.get(k, float("nan")) - v) > 1e-6 * max(1.0, abs(v)):
+                fail(f"W&B step {row['step']}: {k} = {got.get(k)}, metrics.jsonl {v}")
+    if config.get("rollout", {}).get("batch_size") != 16 or config.get("tiller_output_dir") != str(out):
+        fail(f"W&B config: rollout {config.get('rollout')}, output dir {config.get('tiller_output_dir')}")
+    if tables != 4 or run_tags != ["e2e", "quickstart"]:
+        fail(f"W&B: {tables} samples tables (4 steps), tags {run_tags}")
+    # MLflow: each metric's file (timestamp value step), pass@4 as pass_at_4; params; samples.
+    mlruns = [d for d in (out / "mlruns").glob("*/*") if (d / "metrics").is_dir()]
+    if len(mlruns) != 1:
+        fail(f"MLflow runs: {mlruns}")
+    mlrun = mlruns[0]
+    def series(name):
+        f = mlrun / "metrics" / name
+        return {int(s): float(v) for _, v, s in (l.split() for l in f.read_text().splitlines())} if f.exists() else {}
+    for key in ["reward/mean", "kl/mean_per_sample", "eval/all/greedy_reward"]:
+        want = {r["step"]: r[key] for r in rows if key in r}
+        got = series(key)
+        if set(got) != set(want) or any(abs(got[s] - want[s]) > 1e-6 * max(1.0, abs(want[s])) for s in want):
+            fail(f"MLflow {key}: {got}, metrics.jsonl {want}")
+    if series("eval/all/pass_at_4").keys() != {0, 2, 4}:
+        fail(f"MLflow eval/all/pass_at_4 at steps {sorted(series('eval/all/pass_at_4'))}")
+    if (mlrun / "params" / "rollout.batch_size").read_text() != "16":
+        fail("MLflow params: rollout.batch_size")
+    if not all((mlrun / "artifacts" / "samples" / f"step_{s}.json").exists() for s in range(1, 5)):
+        fail(f"MLflow samples artifacts: {sorted(p.name for p in (mlrun / 'artifacts').rglob('*'))}")
+    if "status: 3" not in (mlrun / "meta.yaml").read_text():  # RunStatus.FINISHED
+        fail("MLflow run not finished:\n" + (mlrun / "meta.yaml").read_text())
+    print(f"tracking: W&B (offline) and MLflow hold metrics.jsonl's {len(rows)} rows, the config and 4 steps' samples")
+    # Without the package (a wandb that cannot be imported shadows the real one), one line says what
+    # to install, and the job ends.
+    shadow = SCRATCH / "no_wandb" / "wandb"
+    shadow.mkdir(parents=True, exist_ok=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named wandb')\n")
+    args = command(4, SCRATCH / "tracking_missing", "train.num_steps=1", "logging.wandb.project=x")
+    args[1:1] = ["-x", f"PYTHONPATH={shadow.parent}"]
+    expect_error("W&B without its package", args,
+                 r"logging\.wandb\.project is set and the embedded Python has no wandb \(pip install wandb\)")
+
+
 def start(np_, out, *sets):
     """Starts a job in a fresh output directory; returns it and the list its output lines go to."""
     shutil.rmtree(out, ignore_errors=True)
@@ -1492,6 +1600,8 @@ elif CASE == "hybrid":
     check_hybrid()
 elif CASE == "optimizer_offload":
     check_optimizer_offload()
+elif CASE == "tracking":
+    check_tracking()
 elif CASE == "ppo":
     check_learns(4, f"logging.rollout_records={SCRATCH / CASE / 'records.jsonl'}", "logging.rollout_records_tokens=true",
                  "logging.rollout_records_text=true")

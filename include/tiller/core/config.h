@@ -381,6 +381,20 @@ struct CheckpointConfig {
   bool save_hf = false;
 };
 
+// Experiment tracking through the trackers' own Python packages (docs/training.md, "Metrics").
+struct WandbConfig {
+  std::string project;          // "": off
+  std::string entity, name;     // name "": run.name
+  std::string tags;             // comma-separated
+  std::string mode = "online";  // online | offline | disabled
+  std::string dir;              // "": run.output_dir
+};
+struct MlflowConfig {
+  std::string experiment;    // "": off
+  std::string tracking_uri;  // "": MLflow's default ($MLFLOW_TRACKING_URI, else ./mlruns)
+  std::string run_name;      // "": run.name
+};
+
 struct LoggingConfig {
   std::string level = "info";
   std::int64_t every_steps = 1;
@@ -394,6 +408,8 @@ struct LoggingConfig {
   std::int64_t samples_per_step = 4;    // decoded samples a step writes to samples_jsonl and TensorBoard (0: none)
   std::string samples_jsonl;            // "": <output_dir>/samples.jsonl
   bool efficiency = true;  // each phase's rate against its benchmark at the job's shapes (efficiency/*)
+  WandbConfig wandb;
+  MlflowConfig mlflow;
 };
 
 // The environment of multi-turn rollouts (docs/training.md, "Environments").
