@@ -67,7 +67,7 @@ int run_tokenize(const TokenizeOptions& o) {
 
 // --- generate -----------------------------------------------------------------------------------
 struct GenerateOptions {
-  std::string model, tokenizer, prompts, out, input_key = "prompt", chat_template = "none", input_template;
+  std::string model, tokenizer, prompts, out, input_key = "input", chat_template = "none", input_template;
   std::string device = "cpu", dtype = "fp32";
   model::SamplingParams sampling;
   std::vector<int64_t> stop_ids;

@@ -56,9 +56,11 @@ int plan_offline(const JobConfig& config, const std::string& command, const std:
   }
   const bool multi = gpus.size() > 1 && world > gpus[0];
   if (multi) out += "\nhostfile 'hosts' (replace nodeN with your host names):\n" + hostfile;
-  out += fmt::format("\nlaunch:\n  mpirun -np {}{} --bind-to none -x NCCL_NVLS_ENABLE=0 -x TORCH_SYMM_MEM_DISABLE_MULTICAST=1 "
-                     "-x NVSHMEM_DISABLE_NVLS=1 tiller {} -c {}",
-                     world, multi ? " --hostfile hosts" : "", command, path);
+  out += fmt::format("\nlaunch:\n  mpirun -np {}{} --bind-to none {}tiller {} -c {}", world, multi ? " --hostfile hosts" : "",
+                     config.cluster.device == DeviceKind::kCpu
+                         ? "--oversubscribe "
+                         : "-x NCCL_NVLS_ENABLE=0 -x TORCH_SYMM_MEM_DISABLE_MULTICAST=1 -x NVSHMEM_DISABLE_NVLS=1 ",
+                     command, path);
   for (const std::string& kv : overrides) out += " --set " + kv;
   out += "\n";
   model::ModelConfig shape;
@@ -122,7 +124,8 @@ void add_plan_command(CLI::App& app, Runner& run) {
       const int per_gpu = static_cast<int>(config.cluster.ranks_per_gpu);
       dist::NodeMap nodes = dist::NodeMap::fill_by_slot(gpus, world, per_gpu);
       dist::RankPlan plan = dist::make_rank_plan(config, nodes);
-      auto launch = dist::mpirun_command(gpus, world, per_gpu, o->config, o->overrides);
+      auto launch = dist::mpirun_command(gpus, world, per_gpu, o->config, o->overrides,
+                                         config.cluster.device == DeviceKind::kCpu);
       std::string out = fmt::format("# {}: {} ranks = {}\n\n", o->config, world, dist::world_size_breakdown(config));
       out += plan.table();
       if (!launch.hostfile.empty()) out += "\nhostfile 'hosts' (replace nodeN with your host names):\n" + launch.hostfile;

@@ -94,6 +94,45 @@ std::string unknown_subcommand(CLI::App& app, int argc, char** argv) {
   return "";
 }
 
+// The first word of argv that looks like an option and that the deepest parsed command does not
+// take, with the nearest of its options: "unknown option '--stpes' for 'tiller train'; its options:
+// ...". Empty when there is none (the parse failed for another reason).
+std::string unknown_option(CLI::App& app, int argc, char** argv) {
+  CLI::App* level = &app;
+  std::string path = "tiller";
+  int i = 1;
+  for (; i < argc; ++i) {  // the command words
+    const std::string word = argv[i];
+    if (word.empty() || word[0] == '-') break;
+    CLI::App* sub = nullptr;
+    try {
+      sub = level->get_subcommand(word);
+    } catch (const CLI::OptionNotFound&) {
+      return "";
+    }
+    level = sub;
+    path += " " + word;
+  }
+  std::vector<std::string> names;
+  std::string all;
+  for (const CLI::Option* o : level->get_options()) {
+    for (const std::string& n : o->get_lnames()) names.push_back("--" + n);
+    for (const std::string& n : o->get_snames()) names.push_back("-" + n);
+    if (!o->get_lnames().empty()) all += (all.empty() ? "" : ", ") + ("--" + o->get_lnames().front());
+  }
+  for (; i < argc; ++i) {
+    std::string word = argv[i];
+    if (word.size() < 2 || word[0] != '-') continue;
+    word = word.substr(0, word.find('='));
+    if (std::find(names.begin(), names.end(), word) != names.end()) continue;
+    const std::string near = closest_word(word, names);
+    return fmt::format("unknown option '{}' for '{}'{}; its options: {}{}", word, path,
+                       near.empty() ? "" : fmt::format(" (did you mean '{}'?)", near), all,
+                       level->get_option_no_throw("--set") ? " (a config key goes in --set KEY=VALUE)" : "");
+  }
+  return "";
+}
+
 }  // namespace
 
 int run_main(int argc, char** argv) {
@@ -107,6 +146,7 @@ int run_main(int argc, char** argv) {
     CLI::App app{"tiller: RLHF (PPO, GRPO, RLOO, REINFORCE++) on GPU clusters"};
     app.set_version_flag("--version", std::string("tiller ") + version());
     app.require_subcommand(1);
+    app.option_defaults()->always_capture_default();  // --help shows each option's default
     cli::Runner run;
     cli::add_plan_command(app, run);
     cli::add_config_command(app, run);
@@ -117,6 +157,27 @@ int run_main(int argc, char** argv) {
     cli::add_train_command(app, run, argc, argv);
     cli::add_launch_command(app, run);
     cli::add_offline_commands(app, run, argc, argv);
+    // An example under each command's --help.
+    const std::pair<const char*, const char*> examples[] = {
+        {"plan", "tiller plan -c configs/gpu/qwen2.5-7b-grpo-hybrid-2gpu.yaml --gpu-memory-gb 80"},
+        {"config", "tiller config -c configs/quickstart.yaml --set rollout.batch_size=32"},
+        {"bench", "tiller bench train --model qwen2-1.5b --seq 4096 --micro-batch 4 --steps 3"},
+        {"tokenize", "tiller tokenize --tokenizer models/tiny-qwen2 --text \"Hello, world\""},
+        {"generate", "tiller generate --model models/tiny-qwen2 --prompts data/quickstart/eval.jsonl --greedy "
+                     "--max-new-tokens 16"},
+        {"merge-lora", "tiller merge-lora --model models/base --lora out/adapter --to out/merged"},
+        {"init-model", "tiller init-model --preset qwen2-0.5b --out models/qwen2-0.5b-random"},
+        {"engine", "mpirun -np 2 tiller engine --model models/qwen2.5-7b --tp 2 --port 50051"},
+        {"export", "tiller export --checkpoint out/quickstart/checkpoints/step_000030/actor --to out/model"},
+        {"train", "mpirun --oversubscribe -np 4 tiller train -c configs/quickstart.yaml --set train.num_steps=10"},
+        {"launch", "tiller launch -c configs/quickstart.yaml --max-restarts 2"},
+        {"sft", "mpirun --oversubscribe -np 1 tiller sft -c configs/sft_quickstart.yaml"},
+        {"train-rm", "mpirun --oversubscribe -np 1 tiller train-rm -c configs/rm_quickstart.yaml"},
+        {"dpo", "mpirun --oversubscribe -np 1 tiller dpo -c configs/dpo_quickstart.yaml"},
+    };
+    for (const auto& [name, example] : examples)
+      for (CLI::App* sub : app.get_subcommands({}))
+        if (sub->get_name() == name) sub->footer(std::string("\nExample:\n  ") + example);
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -124,6 +185,11 @@ int run_main(int argc, char** argv) {
         std::fprintf(stderr, "tiller: error: %s\n", what.c_str());
         return 2;
       }
+      if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr)
+        if (const std::string what = unknown_option(app, argc, argv); !what.empty()) {
+          std::fprintf(stderr, "tiller: error: %s\n", what.c_str());
+          return 2;
+        }
       const int code = app.exit(e);
       return code == 0 ? 0 : 2;
     }

@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -38,8 +39,18 @@ nlohmann::ordered_json parse_record(const std::string& where, const std::string&
 int64_t for_each_record(const std::string& path, const std::string& what, const std::string& key,
                         const std::function<bool(const std::string&, int64_t, const nlohmann::ordered_json&)>& fn) {
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0)
-    throw ConfigError(fmt::format("{}: cannot open {}: {}", path, what, std::strerror(errno)));
+  if (::stat(path.c_str(), &st) != 0) {
+    const std::string reason = std::strerror(errno);
+    // Relative paths start from the working directory, not from the config file's.
+    std::string from;
+    if (!path.empty() && path[0] != '/') {
+      std::error_code ec;
+      from = fmt::format(" (a relative path: from {}; set {} to an absolute path, or start tiller in the directory "
+                         "the config's paths are relative to)",
+                         std::filesystem::current_path(ec).string(), key);
+    }
+    throw ConfigError(fmt::format("{}: cannot open {}: {}{}", path, what, reason, from));
+  }
   if (S_ISDIR(st.st_mode))
     throw ConfigError(fmt::format("{}: is a directory, not {}; set {} to a JSONL or parquet file", path, what, key));
   if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode))

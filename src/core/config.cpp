@@ -540,6 +540,10 @@ std::string config_reference_markdown() {
       "`tiller config -c FILE [--set ...]` prints the effective config.\n\n"
       "An unknown key is an error that names the key path, file and line and the closest valid key;\n"
       "a value of the wrong type or out of range names the key, the value and what is allowed.\n\n"
+      "**Relative paths** (models, data, eval prompts, output and checkpoint folders, Python files)\n"
+      "are relative to the directory tiller is started in, not to the config file: the bundled\n"
+      "configs are written to run from the repository's root (`mpirun ... tiller train -c\n"
+      "configs/quickstart.yaml`). From elsewhere, give absolute paths or `--set` them.\n\n"
       "This page is generated from the schema in `src/core/config_schema.cpp` by\n"
       "`tiller config --reference`; a unit test fails when it is out of date.\n";
   for (const auto& s : config_schema::sections()) {

@@ -323,7 +323,7 @@ RankPlan make_rank_plan(const JobConfig& config, const NodeMap& nodes) {
 
 LaunchCommand mpirun_command(const std::vector<int>& gpus_per_node, int world_size, int ranks_per_gpu,
                              const std::string& config_path,
-                             const std::vector<std::string>& overrides) {
+                             const std::vector<std::string>& overrides, bool cpu) {
   LaunchCommand out;
   std::string cmd = fmt::format("mpirun -np {}", world_size);
   if (gpus_per_node.size() > 1) {
@@ -332,8 +332,10 @@ LaunchCommand mpirun_command(const std::vector<int>& gpus_per_node, int world_si
     }
     cmd += " --hostfile hosts --map-by slot";
   }
-  // Multicast off everywhere: NVLink SHARP can take shared GPUs down (see docs/gpu.md).
-  cmd += " --bind-to none -x NCCL_NVLS_ENABLE=0 -x TORCH_SYMM_MEM_DISABLE_MULTICAST=1 -x NVSHMEM_DISABLE_NVLS=1";
+  // Multicast off everywhere: NVLink SHARP can take shared GPUs down (see docs/gpu.md). On CPU,
+  // ranks may outnumber the cores.
+  cmd += cpu ? " --oversubscribe --bind-to none"
+             : " --bind-to none -x NCCL_NVLS_ENABLE=0 -x TORCH_SYMM_MEM_DISABLE_MULTICAST=1 -x NVSHMEM_DISABLE_NVLS=1";
   cmd += fmt::format(" tiller train -c {}", config_path);
   for (const auto& o : overrides) cmd += fmt::format(" --set {}", o);
   out.command = cmd;

@@ -512,10 +512,12 @@ MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const M
   for (Role r : {Role::kActor, Role::kCritic})
     if (role_trains(r) && plan.group(r))
       if (const model::ModelConfig* mc = find_shape(shapes, std::string(role_name(r)))) layers = std::max(layers, mc->num_layers);
-  return choose(cfg.train, layers, gpu_bytes, cfg.cluster.ranks_per_gpu > 1,
-                [&](zero::Recompute mode, int64_t kept, bool keep) {
-                  return plan_with(cfg, plan, shapes, gpu_bytes, mode, kept, keep);
-                });
+  MemoryPlan p = choose(cfg.train, layers, gpu_bytes, cfg.cluster.ranks_per_gpu > 1,
+                        [&](zero::Recompute mode, int64_t kept, bool keep) {
+                          return plan_with(cfg, plan, shapes, gpu_bytes, mode, kept, keep);
+                        });
+  p.on_cpu = cfg.cluster.device == DeviceKind::kCpu;
+  return p;
 }
 
 MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, int64_t ranks, int64_t tokens,
@@ -613,19 +615,22 @@ int MemoryPlan::host_overflow() const {
 }
 
 std::string MemoryPlan::table() const {
-  std::string out = fmt::format("memory per rank (GiB; estimates, {} GiB held back for the CUDA context and 1/{} of "
-                                "the peak for the allocator's fragmentation){}; "
-                                "train.recompute: {} ({}); train.compute_shard: {} ({}):\n",
-                                gib(kReserveBytes), kAllocatorSlackDivisor,
-                                shared_gpus  ? std::string(" (ranks share GPUs, cluster.ranks_per_gpu > 1: the fit is "
-                                                           "not checked)")
-                                : gpu_bytes > 0 ? fmt::format(" on {} GiB GPUs", gib(gpu_bytes))
-                                                : std::string(" (set cluster.gpu_memory_gb to check the fit)"),
-                                recompute_layers < 0 ? std::string(zero::recompute_name(recompute))
-                                                     : fmt::format("{} in the first {} blocks", zero::recompute_name(recompute),
-                                                                   recompute_layers),
-                                recompute_reason,
-                                keep_compute_shard ? "keep" : "cast", compute_shard_reason);
+  std::string out;
+  if (on_cpu) {
+    out = "memory per rank (GiB; estimates of each rank's host memory: cluster.device = cpu, no GPU to fit); ";
+  } else {
+    out = fmt::format("memory per rank (GiB; estimates, {} GiB held back for the CUDA context and 1/{} of the peak "
+                      "for the allocator's fragmentation){}; ",
+                      gib(kReserveBytes), kAllocatorSlackDivisor,
+                      shared_gpus       ? std::string(" (ranks share GPUs, cluster.ranks_per_gpu > 1: the fit is not checked)")
+                      : gpu_bytes > 0 ? fmt::format(" on {} GiB GPUs", gib(gpu_bytes))
+                                      : std::string(" (set cluster.gpu_memory_gb to check the fit)"));
+  }
+  out += fmt::format("train.recompute: {} ({}); train.compute_shard: {} ({}):\n",
+                     recompute_layers < 0 ? std::string(zero::recompute_name(recompute))
+                                          : fmt::format("{} in the first {} blocks", zero::recompute_name(recompute),
+                                                        recompute_layers),
+                     recompute_reason, keep_compute_shard ? "keep" : "cast", compute_shard_reason);
   for (const std::string& n : notes) out += "  " + n + "\n";
   for (const auto& r : ranks) {
     out += fmt::format("  rank {} ({}): peak {}{}{}\n", r.rank, r.label, gib(r.peak()),

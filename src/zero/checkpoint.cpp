@@ -58,8 +58,15 @@ std::string attempt(F&& f, std::exception_ptr* keep = nullptr) {
 
 json read_meta(const std::string& dir) {
   const auto text = read_file(dir + "/meta.json");
-  if (!text)
+  if (!text) {
+    // A step folder (checkpoint.dir/step_N) holds one checkpoint per role: name them.
+    std::string roles;
+    for (const char* r : {"actor", "critic", "ref", "reward"})
+      if (read_file(dir + "/" + r + "/meta.json")) roles += fmt::format("{}{}/{}", roles.empty() ? "" : ", ", dir, r);
+    if (!roles.empty())
+      throw IoError(fmt::format("{}: no meta.json here; this is a step folder: its roles' checkpoints are {}", dir, roles));
     throw IoError(fmt::format("{}: no meta.json; not a tiller checkpoint, or its save never completed", dir));
+  }
   json meta;
   try {
     meta = json::parse(*text);

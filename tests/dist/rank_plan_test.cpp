@@ -391,6 +391,9 @@ TEST(RankPlan, MpirunCommand) {
   auto one = mpirun_command({4}, 5, 1, "q.yaml", {});
   EXPECT_EQ(one.hostfile, "");
   EXPECT_EQ(one.command.rfind("mpirun -np 5 --bind-to none", 0), 0u);
+  // On CPU: more ranks than cores may run, and no NCCL variables.
+  EXPECT_EQ(mpirun_command({4}, 4, 1, "q.yaml", {}, /*cpu=*/true).command,
+            "mpirun -np 4 --oversubscribe --bind-to none tiller train -c q.yaml");
 }
 
 }  // namespace

@@ -1463,6 +1463,11 @@ def check_lora():
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     if p.returncode == 0 or "export it merged, without --lora" not in p.stdout:
         fail(f"a critic's adapter export was not refused with the reason: {p.stdout}")
+    # A step folder instead of a role's checkpoint: the error names the roles' folders in it.
+    p = subprocess.run([TILLER, "export", "--checkpoint", str(step9), "--to", str(out / "s")],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    if p.returncode == 0 or f"this is a step folder: its roles' checkpoints are {step9}/actor, {step9}/critic" not in p.stdout:
+        fail(f"export of a step folder did not point at its roles: {p.stdout}")
     # Async with partial rollouts: samples span adapter-only syncs (the engines rebuild their KV
     # with the new adapters, as with full weights).
     out = SCRATCH / "lora_partial"

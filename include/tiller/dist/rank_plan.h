@@ -112,12 +112,13 @@ RankPlan make_rank_plan(const JobConfig& config, const NodeMap& nodes);
 
 // The mpirun line that launches `tiller train` with this plan's placement (see NodeMap::fill_by_slot),
 // and the hostfile it reads (empty for one node). `config_path` and `overrides` are passed through.
+// `cpu` (cluster.device = cpu): ranks may outnumber cores (--oversubscribe) and no NCCL variables.
 struct LaunchCommand {
   std::string hostfile;  // "node0 slots=9\nnode1 slots=8\n"
   std::string command;
 };
 LaunchCommand mpirun_command(const std::vector<int>& gpus_per_node, int world_size, int ranks_per_gpu,
                              const std::string& config_path,
-                             const std::vector<std::string>& overrides);
+                             const std::vector<std::string>& overrides, bool cpu = false);
 
 }  // namespace tiller::dist

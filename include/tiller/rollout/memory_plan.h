@@ -112,6 +112,7 @@ struct MemoryPlan {
   bool keep_compute_shard = false;
   std::string compute_shard_reason;
   bool shared_gpus = false;      // cluster.ranks_per_gpu > 1: ranks share GPUs; no fit check
+  bool on_cpu = false;           // cluster.device = cpu: the estimates are host memory
   // Per node (cluster.host_memory_gb); 0: unknown (no host fit check). A node fits when its ranks'
   // host_bytes take at most 9/10 of it (the rest: the OS, the page cache, the processes themselves).
   int64_t host_memory_bytes = 0;
