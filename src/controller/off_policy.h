@@ -29,9 +29,12 @@ struct OffPolicy {
   std::vector<float> weights;   // per response token; empty: no weights
   std::vector<uint8_t> masked;  // per sample: left out of the actor's loss
   int64_t masked_samples = 0;
-  Metrics metrics;              // mismatch/kl (k3 estimate of KL(behaviour || proximal), per token),
-                                // mismatch/max_abs_logp_diff, mismatch/tokens_compared and
-                                // mismatch/tokens_differing, off_policy/*
+  Metrics metrics;              // over the tokens drawn with the proximal weights: mismatch/kl (k3
+                                // estimate of KL(behaviour || proximal), per token),
+                                // mismatch/max_abs_logp_diff, mismatch/is_weight_mean,
+                                // mismatch/tokens_compared and mismatch/tokens_differing; over the
+                                // older versions' tokens (async): lag/kl, lag/max_abs_logp_diff,
+                                // lag/is_weight_mean, lag/tokens; off_policy/* over all
 };
 
 // `proximal_version`: the weight version the actor scored the rollout with (the step's

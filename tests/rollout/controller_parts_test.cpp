@@ -180,6 +180,12 @@ TEST(OffPolicy, TokensDifferingCountsTheScoringVersionsTokensBitForBit) {
   const OffPolicy o = off_policy(ro, {}, 5);
   EXPECT_EQ(metric(o.metrics, "mismatch/tokens_compared"), 3);
   EXPECT_EQ(metric(o.metrics, "mismatch/tokens_differing"), 1);  // one ulp is a difference
+  // The mismatch is the version-5 tokens' alone (one ulp at most); the lag, the others': tokens
+  // 0-1 of version 4 (d = 0, -0.5) and the version-0 sample's 2 tokens (d = 1 each).
+  EXPECT_LT(metric(o.metrics, "mismatch/max_abs_logp_diff"), 1e-6);
+  EXPECT_NEAR(metric(o.metrics, "lag/max_abs_logp_diff"), 1.0, 1e-6);
+  EXPECT_EQ(metric(o.metrics, "lag/tokens"), 4);
+  EXPECT_NEAR(metric(o.metrics, "lag/kl"), ((std::exp(-0.5) - 1 + 0.5) + 2 * (std::exp(1.0) - 2)) / 4, 1e-6);
 }
 
 // --- checkpoints ---------------------------------------------------------------------------------
