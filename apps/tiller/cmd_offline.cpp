@@ -7,6 +7,7 @@
 
 #include "commands.h"
 #include "tiller/algo/advantage_estimator.h"
+#include "tiller/core/hub.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/signals.h"
@@ -30,7 +31,8 @@ int run_offline_cmd(const OfflineCmdOptions& o, OfflineMain main, int* argc, cha
   dist::MpiEnv env(argc, argv);
   try {
     // The config's own checks; not algo::check_config, whose rules are the RL loop's.
-    const JobConfig cfg = load_config(o.config, o.overrides);
+    JobConfig cfg = load_config(o.config, o.overrides);
+    resolve_hub_models(cfg, /*strict=*/true);  // a hub id not in the cache: say what to download
     offline::OfflineOptions oo;
     oo.require_resume = o.resume;
     return main(cfg, env, oo);

@@ -9,6 +9,7 @@
 
 #include "config_schema.h"
 #include "tiller/core/error.h"
+#include "tiller/core/hub.h"
 #include "tiller/core/files.h"
 #include "tiller/core/spelling.h"
 
@@ -486,6 +487,7 @@ JobConfig parse_config(const std::string& yaml_text, const std::string& origin,
     load_map(config, root, "", origin);
   }
   for (const auto& o : overrides) apply_override(config, o);
+  resolve_hub_models(config, /*strict=*/false);  // hub ids in the local cache become their folders
   config.validate();
   return config;
 }

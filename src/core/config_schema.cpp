@@ -62,7 +62,8 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
   b.add(p + "enabled", [get](JobConfig& c) { return &get(c).enabled; },
         "Whether the " + name + " role runs at all (the actor always does; the critic only for GAE).");
   b.add(p + "model", [get](JobConfig& c) { return &get(c).model; },
-        "Hugging Face model directory. Empty: the actor's model (ref), or none.");
+        "Hugging Face model directory, or a hub id (Qwen/Qwen2.5-7B-Instruct[@revision]) found in the Hugging "
+        "Face cache (HF_HUB_CACHE / HF_HOME; download it first). Empty: the actor's model (ref), or none.");
   b.add(p + "gpus", [get](JobConfig& c) { return &get(c).gpus; },
         "Ranks (one GPU each) in this role's ZeRO-3 group. Ignored when colocated.")
       .range(1, 4096);
@@ -180,7 +181,8 @@ std::vector<Field> build() {
   b.add("engines.tp", TILLER_FIELD(engines.tp),
         "Tensor-parallel size of each engine: its ranks always sit on one node.")
       .range(1, 64);
-  b.add("engines.model", TILLER_FIELD(engines.model), "Model the engines start from. Empty: the actor's.");
+  b.add("engines.model", TILLER_FIELD(engines.model),
+        "Model the engines start from (a folder or a hub id in the cache). Empty: the actor's.");
   b.add("engines.max_num_seqs", TILLER_FIELD(engines.max_num_seqs),
         "Most sequences one engine decodes at once.").range(1, 1 << 20);
   b.add("engines.max_batched_tokens", TILLER_FIELD(engines.max_batched_tokens),

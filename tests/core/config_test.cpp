@@ -8,6 +8,7 @@
 #include "tiller/algo/advantage_estimator.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
+#include "tiller/core/hub.h"
 #include "tiller/model/model_config.h"
 #include "tiller/zero/sequence_parallel.h"
 
@@ -23,6 +24,55 @@ std::string config_error(F&& f) {
     return e.what();
   }
   return "";
+}
+
+// Models by hub id, from a Hugging Face cache laid out here as huggingface_hub lays it out
+// (models--org--name/refs/<revision>, snapshots/<commit>/): a revision's ref or a commit; a local
+// folder of the same name wins; an id not in the cache stays as it is for tiller plan and config,
+// and is an error naming the key and the download command for the commands that load it.
+TEST(Config, HubModelIdsResolveThroughTheHuggingFaceCache) {
+  namespace fs = std::filesystem;
+  const fs::path cache = fs::path(TILLER_TEST_SCRATCH) / "hf_cache";
+  fs::remove_all(cache);
+  const std::string main_commit(40, 'a'), pinned(40, 'b');
+  for (const std::string& c : {main_commit, pinned}) {
+    fs::create_directories(cache / "models--Org--Tiny-Chat" / "snapshots" / c);
+    std::ofstream(cache / "models--Org--Tiny-Chat" / "snapshots" / c / "config.json") << "{}";
+  }
+  fs::create_directories(cache / "models--Org--Tiny-Chat" / "refs");
+  std::ofstream(cache / "models--Org--Tiny-Chat" / "refs" / "main") << main_commit << "\n";
+  const char* old = std::getenv("HF_HUB_CACHE");
+  const std::string saved = old ? old : "";
+  setenv("HF_HUB_CACHE", cache.c_str(), 1);
+  const std::string snap = (cache / "models--Org--Tiny-Chat" / "snapshots").string() + "/";
+  JobConfig c = parse_config("roles: {actor: {model: Org/Tiny-Chat}, critic: {model: 'Org/Tiny-Chat@" + pinned + "'}}\n",
+                             "hub.yaml", {});
+  EXPECT_EQ(c.roles.actor.model, snap + main_commit);
+  EXPECT_EQ(c.roles.critic.model, snap + pinned);
+  ASSERT_TRUE(parse_hub_id("Org/Tiny-Chat@v2"));
+  EXPECT_EQ(parse_hub_id("Org/Tiny-Chat@v2")->revision, "v2");
+  EXPECT_FALSE(parse_hub_id("models/tiny-qwen2/x"));  // a path
+  EXPECT_FALSE(parse_hub_id("./Org/Tiny-Chat"));
+  EXPECT_FALSE(parse_hub_id("/abs/path"));
+  // Not in the cache: kept by the reader, refused with the command to run when it must load.
+  c = parse_config("roles: {actor: {model: Org/Missing}}\n", "hub.yaml", {});
+  EXPECT_EQ(c.roles.actor.model, "Org/Missing");
+  try {
+    resolve_hub_models(c, true);
+    FAIL() << "a hub id that is not in the cache";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("roles.actor.model = 'Org/Missing': not a folder here"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("huggingface-cli download Org/Missing --revision main"), std::string::npos) << e.what();
+  }
+  // A revision the cache does not have.
+  c = parse_config("roles: {actor: {model: 'Org/Tiny-Chat@v9'}}\n", "hub.yaml", {});
+  EXPECT_THROW(resolve_hub_models(c, true), ConfigError);
+  // HF_HOME's hub folder when HF_HUB_CACHE is not set.
+  unsetenv("HF_HUB_CACHE");
+  setenv("HF_HOME", cache.parent_path().c_str(), 1);
+  EXPECT_EQ(hub_cache_dir(), cache.parent_path().string() + "/hub");
+  unsetenv("HF_HOME");
+  if (old) setenv("HF_HUB_CACHE", saved.c_str(), 1);
 }
 
 TEST(Config, EmptyFileGivesDefaults) {

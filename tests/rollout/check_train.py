@@ -600,6 +600,8 @@ def check_bad_inputs():
         ("an evaluation that never runs", ["eval.every_steps=0", "eval.before_train=false"], None,
          r"eval\.prompts is set but nothing evaluates it"),
         ("an unknown eval rule", ["eval.reward_rule=nope"], None, r"eval\.reward_rule: .*nope"),
+        ("a hub id not in the cache", ["roles.actor.model=Org/NotThere"], None,
+         r"roles\.actor\.model = 'Org/NotThere': not a folder here.*huggingface-cli download Org/NotThere --revision main"),
     ]
     for name, sets, cfg, pattern in cases:
         args = command(4, bad / "out", *sets)
