@@ -54,10 +54,11 @@ fi
 # jinja2 (>= 3.1.6, the sandbox fixes transformers asks for) renders models' chat templates in the
 # embedded interpreter at run time (src/python/jinja.cpp); torch depends on it too. wandb and
 # mlflow-skinny (MLflow's client without its server) are the trackers logging.wandb and
-# logging.mlflow drive (src/python/tracking.cpp; e2e.train.tracking runs both offline).
+# logging.mlflow drive (src/python/tracking.cpp; e2e.train.tracking runs both offline). math-verify
+# compares MATH answers for examples/rewards/math_equiv.py (e2e.data.recipes).
 py_packages=(transformers tokenizers safetensors sentencepiece grpcio grpcio-tools numpy tensorboard pyarrow peft==0.21.2
-             "jinja2>=3.1.6" wandb mlflow-skinny)
-if ! $python -c 'import transformers, tokenizers, safetensors, sentencepiece, grpc, grpc_tools, numpy, tensorboard, pyarrow, peft, jinja2, wandb, mlflow' 2>/dev/null; then
+             "jinja2>=3.1.6" wandb mlflow-skinny math-verify)
+if ! $python -c 'import transformers, tokenizers, safetensors, sentencepiece, grpc, grpc_tools, numpy, tensorboard, pyarrow, peft, jinja2, wandb, mlflow, math_verify' 2>/dev/null; then
   echo "setup: installing Python test packages: ${py_packages[*]}"
   $python -m pip install -q "${py_packages[@]}" "torch==2.13.0"
 fi

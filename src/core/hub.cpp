@@ -85,17 +85,20 @@ void resolve_hub_models(JobConfig& cfg, bool strict) {
       model = *snapshot;
       return;
     }
-    if (strict)
+    if (strict) {
+      std::error_code ec;
       throw ConfigError(fmt::format(
-          "{} = '{}': not a folder here, and the Hugging Face cache ({}; HF_HUB_CACHE or HF_HOME set it) has no "
-          "snapshot of {} at revision {}; download it on every node first (tiller does not download): "
-          "huggingface-cli download {} --revision {}",
-          key, model, hub_cache_dir(), id->repo, id->revision, id->repo, id->revision));
+          "{} = '{}': no such folder (relative paths start from {}), and as a Hugging Face hub id it is not in the "
+          "cache ({}; HF_HUB_CACHE or HF_HOME set it) at revision {}; give an existing folder, or download it on "
+          "every node first (tiller does not download): huggingface-cli download {} --revision {}",
+          key, model, fs::current_path(ec).string(), hub_cache_dir(), id->revision, id->repo, id->revision));
+    }
   };
+  // The models the job loads: enabled roles', and the engines' when set.
   resolve(cfg.roles.actor.model, "roles.actor.model");
-  resolve(cfg.roles.critic.model, "roles.critic.model");
-  resolve(cfg.roles.ref.model, "roles.ref.model");
-  resolve(cfg.roles.reward.model, "roles.reward.model");
+  if (cfg.roles.critic.enabled) resolve(cfg.roles.critic.model, "roles.critic.model");
+  if (cfg.roles.ref.enabled) resolve(cfg.roles.ref.model, "roles.ref.model");
+  if (cfg.roles.reward.enabled) resolve(cfg.roles.reward.model, "roles.reward.model");
   resolve(cfg.engines.model, "engines.model");
 }
 

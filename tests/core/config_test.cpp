@@ -61,7 +61,7 @@ TEST(Config, HubModelIdsResolveThroughTheHuggingFaceCache) {
     resolve_hub_models(c, true);
     FAIL() << "a hub id that is not in the cache";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("roles.actor.model = 'Org/Missing': not a folder here"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("roles.actor.model = 'Org/Missing': no such folder"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("huggingface-cli download Org/Missing --revision main"), std::string::npos) << e.what();
   }
   // A revision the cache does not have.

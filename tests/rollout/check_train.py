@@ -601,7 +601,7 @@ def check_bad_inputs():
          r"eval\.prompts is set but nothing evaluates it"),
         ("an unknown eval rule", ["eval.reward_rule=nope"], None, r"eval\.reward_rule: .*nope"),
         ("a hub id not in the cache", ["roles.actor.model=Org/NotThere"], None,
-         r"roles\.actor\.model = 'Org/NotThere': not a folder here.*huggingface-cli download Org/NotThere --revision main"),
+         r"roles\.actor\.model = 'Org/NotThere': no such folder .*huggingface-cli download Org/NotThere --revision main"),
     ]
     for name, sets, cfg, pattern in cases:
         args = command(4, bad / "out", *sets)
