@@ -86,27 +86,21 @@ def prepare(kind, inputs, out):
     prompts, sft, pairs, skipped = [], [], [], 0
     for i, row in enumerate(records(inputs)):
         where = f"record {i + 1}"
-        if kind == "gsm8k":
-            need(row, ["question", "answer"], where)
-            label = gsm8k_answer(row["answer"])
+        if kind in ("gsm8k", "math"):
+            # A question and its worked solution: the prompt (with the answer-format instruction),
+            # the answer the reward compares with as the label, the solution as the SFT response.
+            q, a = ("question", "answer") if kind == "gsm8k" else ("problem", "solution")
+            need(row, [q, a], where)
+            label = gsm8k_answer(row[a]) if kind == "gsm8k" else last_boxed(row[a])
             if label is None:
                 skipped += 1
                 continue
-            user = {"role": "user", "content": f"{row['question'].strip()} {GSM8K_INSTRUCTION}"}
-            prompts.append({"input": [user], "label": label, "data_source": "gsm8k",
-                            "extra_info": {"index": i}})
-            reasoning = re.sub(r"<<[^>]*>>", "", row["answer"]).strip()  # the calculator annotations
-            sft.append({"messages": [user, {"role": "assistant", "content": reasoning}]})
-        elif kind == "math":
-            need(row, ["problem", "solution"], where)
-            label = last_boxed(row["solution"])
-            if label is None:
-                skipped += 1
-                continue
-            user = {"role": "user", "content": f"{row['problem'].strip()} {MATH_INSTRUCTION}"}
-            prompts.append({"input": [user], "label": label, "data_source": "math",
-                            "extra_info": {"index": i, "level": row.get("level"), "type": row.get("type")}})
-            sft.append({"messages": [user, {"role": "assistant", "content": row["solution"].strip()}]})
+            instruction = GSM8K_INSTRUCTION if kind == "gsm8k" else MATH_INSTRUCTION
+            user = {"role": "user", "content": f"{row[q].strip()} {instruction}"}
+            extra = {"index": i} if kind == "gsm8k" else {"index": i, "level": row.get("level"), "type": row.get("type")}
+            prompts.append({"input": [user], "label": label, "data_source": kind, "extra_info": extra})
+            solution = re.sub(r"<<[^>]*>>", "", row[a]) if kind == "gsm8k" else row[a]  # GSM8K's calculator notes
+            sft.append({"messages": [user, {"role": "assistant", "content": solution.strip()}]})
         elif kind == "hh-rlhf":
             need(row, ["chosen", "rejected"], where)
             chosen, rejected = hh_split(row["chosen"]), hh_split(row["rejected"])

@@ -116,6 +116,11 @@ void StepOutputs::samples(const StepBatch& batch, const std::function<int64_t(in
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key(a) < key(b); });
   order.resize(std::min<size_t>(order.size(), static_cast<size_t>(o_.samples_per_step)));
   const auto text = [&](const std::vector<int64_t>& ids) { return o_.decode ? o_.decode(ids) : std::string(); };
+  // `ids` as text under `key`, or as ids under key_ids without a decoder.
+  const auto put = [&](json& o, const std::string& key, const std::vector<int64_t>& ids) {
+    if (o_.decode) o[key] = text(ids);
+    else o[key + "_ids"] = ids;
+  };
   json rows = json::array();
   std::string table = "| prompt line | sample | prompt | response | reward | advantage |\n|---|---|---|---|---|---|\n";
   for (int64_t s : order) {
@@ -134,13 +139,8 @@ void StepOutputs::samples(const StepBatch& batch, const std::function<int64_t(in
     j["prompt_line"] = line_of(g.dataset_index);
     j["sample"] = ro.sample[s];
     const std::vector<int64_t> prompt = ids_of(ro, p0, ro.prompt_len[s]), response = ids_of(ro, r0, ro.response_len[s]);
-    if (o_.decode) {
-      j["prompt"] = text(prompt);
-      j["response"] = text(response);
-    } else {
-      j["prompt_ids"] = prompt;
-      j["response_ids"] = response;
-    }
+    put(j, "prompt", prompt);
+    put(j, "response", response);
     j["reward"] = ro.score[static_cast<size_t>(s)];
     j["advantage"] = trained > 0 ? adv / static_cast<double>(trained) : 0.0;
     j["response_len"] = ro.response_len[s];
@@ -156,14 +156,8 @@ void StepOutputs::samples(const StepBatch& batch, const std::function<int64_t(in
         const int64_t obs = t;
         while (t < ro.response_len[s] && ro.loss_mask[static_cast<size_t>(t0 + t)] == 0) ++t;
         json u;
-        const auto model = ids_of(ro, r0 + start, obs - start), answer = ids_of(ro, r0 + obs, t - obs);
-        if (o_.decode) {
-          u["model"] = text(model);
-          u["observation"] = text(answer);
-        } else {
-          u["model_ids"] = model;
-          u["observation_ids"] = answer;
-        }
+        put(u, "model", ids_of(ro, r0 + start, obs - start));
+        put(u, "observation", ids_of(ro, r0 + obs, t - obs));
         const int64_t k = ro.turn_offset[s] + turn;
         if (k < ro.turn_offset[s + 1]) u["reward"] = ro.turn_reward[static_cast<size_t>(k)];
         turns.push_back(u);
