@@ -390,7 +390,9 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
               "{}lower rollout.micro_batch_tokens, or give the actor more GPUs",
               a.rank, rm.label, gib(gpu_bytes), cfg.engines.gpu_memory_fraction, gib(std::max<int64_t>(kv, 0)),
               gib(gen.total()), len, gib(need),
-              hybrid ? "set roles.actor.offload=true (and the critic's), raise engines.gpu_memory_fraction, " : ""));
+              !hybrid                  ? ""
+              : cfg.roles.actor.offload ? "raise engines.gpu_memory_fraction, "
+                                        : "set roles.actor.offload=true (and the critic's), raise engines.gpu_memory_fraction, "));
         // More than every sequence the engine may hold at full length is never used (and a hybrid
         // engine allocates it at every wake).
         // (Compared by division: max_num_seqs x need can pass int64 at the keys' bounds.)
@@ -671,18 +673,18 @@ void check_fits(const MemoryPlan& m, const JobConfig& cfg) {
   if (!r) return;
   const PhaseMemory& p = *r->peak_phase();
   const std::string top = largest_items(p);
+  // Advice that the config does not already follow.
+  const std::string offload = cfg.roles.actor.offload ? "" : "set roles.actor.offload=true, ";
   std::string advice;
   if (p.phase == Phase::kGenerate)
-    advice = cfg.cluster.hybrid ? "set roles.actor.offload=true, lower engines.kv_cache_gb or rollout.micro_batch_tokens"
+    advice = cfg.cluster.hybrid ? offload + "lower engines.kv_cache_gb or rollout.micro_batch_tokens"
                                 : "lower engines.kv_cache_gb / engines.gpu_memory_fraction or rollout.micro_batch_tokens";
   else if (p.phase == Phase::kScore)
-    advice = "lower rollout.micro_batch_tokens (the scoring's activations), set roles.actor.offload=true, or give the "
-             "actor more GPUs (a larger engines.tp holds less of the engine on each)";
+    advice = "lower rollout.micro_batch_tokens (the scoring's activations), " + offload +
+             "or give the actor more GPUs (a larger engines.tp holds less of the engine on each)";
   else
-    advice = std::string(cfg.cluster.hybrid ? "give the role more GPUs (roles.<role>.gpus), lower "
-                                              "train.micro_batch_tokens, set engines.sleep_level=2"
-                                            : "give the role more GPUs (roles.<role>.gpus), lower "
-                                              "train.micro_batch_tokens") +
+    advice = std::string("give the role more GPUs (roles.<role>.gpus), lower train.micro_batch_tokens") +
+             (cfg.cluster.hybrid && cfg.engines.sleep_level < 2 ? ", set engines.sleep_level=2" : "") +
              ", or move the optimizer to the host (roles.<role>.optimizer_offload=cpu)";
   throw ConfigError(fmt::format("memory plan: rank {} ({}) needs {} GiB in its {} phase (+{} GiB reserve) on a {} GiB "
                                 "GPU; largest: {}; {}",

@@ -253,6 +253,20 @@ TEST(MemoryPlan, APlanThatCannotFitIsRefusedNamingTheRole) {
   EXPECT_NE(msg.find("in its generate phase"), std::string::npos) << msg;
   EXPECT_NE(msg.find("set roles.actor.offload=true"), std::string::npos) << msg;
   EXPECT_NE(m.table().find("DOES NOT FIT"), std::string::npos);
+  // Advice the config already follows is not given again: with the actor offloaded and the engine
+  // asleep at level 2, neither is suggested.
+  fixed.roles.actor.offload = fixed.roles.critic.offload = true;
+  fixed.engines.sleep_level = 2;
+  fixed.engines.kv_cache_gb = 70;
+  try {
+    check_fits(plan_memory(fixed, plan_of(fixed, 1), shapes(), 80 * kGiB), fixed);
+    ADD_FAILURE() << "a plan that cannot fit passed";
+  } catch (const ConfigError& e) {
+    msg = e.what();
+  }
+  EXPECT_EQ(msg.find("offload=true"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("sleep_level=2"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("memory plan: rank 1"), std::string::npos) << msg;
 }
 
 TEST(MemoryPlan, SeparatePoolsPlanTrainersAndEnginesApart) {
