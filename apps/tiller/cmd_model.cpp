@@ -197,8 +197,30 @@ int run_generate(GenerateOptions o) {
   std::vector<std::vector<int64_t>> ids;
   for (const auto& p : prompts) ids.push_back(p.ids);
   const auto t0 = std::chrono::steady_clock::now();
-  const auto completions = o.engine.empty() ? model::generate(m.config, m.weights, ids, o.sampling, o.batch_size)
-                                            : generate_on_engine(o, m.config, ids);
+  std::vector<model::Completion> completions;
+  if (o.engine.empty()) {
+    // A batch at a time, with a progress line after each (stderr; the JSONL goes to --out or
+    // stdout). Prompt i still samples with seed + i: each batch's seed starts at its first prompt.
+    int64_t tokens = 0;
+    for (size_t start = 0; start < ids.size(); start += static_cast<size_t>(o.batch_size)) {
+      const size_t end = std::min(ids.size(), start + static_cast<size_t>(o.batch_size));
+      model::SamplingParams params = o.sampling;
+      params.seed = o.sampling.seed + start;
+      auto part = model::generate(m.config, m.weights, std::vector<std::vector<int64_t>>(ids.begin() + start, ids.begin() + end),
+                                  params, o.batch_size);
+      for (auto& c : part) {
+        tokens += static_cast<int64_t>(c.tokens.size());
+        completions.push_back(std::move(c));
+      }
+      if (ids.size() > static_cast<size_t>(o.batch_size)) {
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::fprintf(stderr, "generate: %zu/%zu prompts, %lld tokens, %.0f tokens/s\n", end, ids.size(),
+                     static_cast<long long>(tokens), s > 0 ? static_cast<double>(tokens) / s : 0.0);
+      }
+    }
+  } else {
+    completions = generate_on_engine(o, m.config, ids);
+  }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   std::FILE* out = stdout;
