@@ -31,6 +31,11 @@ JobRewards eval_rewards(const JobConfig& cfg, std::function<std::string(const st
   }
 }
 
+// Evaluation seeds: prompt i's samples draw with kEvalSeedBase + run.seed x kSeedStride + i x
+// kPromptStride + j, apart from the rollouts' (collector.cpp) and the same at every evaluation, so
+// that two evaluations differ only by the weights. kPromptStride is above eval.n_samples' bound.
+constexpr uint64_t kEvalSeedBase = 0x5eed0000ull, kSeedStride = 1000003ull, kPromptStride = 1024ull;
+
 // A sample's id for the batched reward: prompt and sample (0: the greedy one, j + 1: sample j).
 uint64_t reward_id(int64_t prompt, int64_t sample, int64_t k) {
   return static_cast<uint64_t>(prompt) * static_cast<uint64_t>(k + 1) + static_cast<uint64_t>(sample + 1);
@@ -97,7 +102,8 @@ void Evaluator::send_more(uint64_t version) {
     r.prompt = data_->at(prompt).tokens;
     r.n = n;
     r.params = greedy ? greedy_ : sampled_;
-    r.params.seed = static_cast<uint64_t>(cfg_.run.seed) * 1000003ull + 0x5eed0000ull + static_cast<uint64_t>(prompt) * 1024ull;
+    r.params.seed = kEvalSeedBase + static_cast<uint64_t>(cfg_.run.seed) * kSeedStride +
+                    static_cast<uint64_t>(prompt) * kPromptStride;
     engines_.submit(e, r, version);
     live_[r.id] = Request{prompt, greedy, static_cast<int>(e), n};
     in_flight_[e] += n;
