@@ -36,6 +36,9 @@ JobRewards eval_rewards(const JobConfig& cfg, std::function<std::string(const st
 // that two evaluations differ only by the weights. kPromptStride is above eval.n_samples' bound.
 constexpr uint64_t kEvalSeedBase = 0x5eed0000ull, kSeedStride = 1000003ull, kPromptStride = 1024ull;
 
+// The most samples one evaluation scores (prompts x (greedy + n_samples)).
+constexpr int64_t kMaxEvalSamples = 4 << 20;
+
 // A sample's id for the batched reward: prompt and sample (0: the greedy one, j + 1: sample j).
 uint64_t reward_id(int64_t prompt, int64_t sample, int64_t k) {
   return static_cast<uint64_t>(prompt) * static_cast<uint64_t>(k + 1) + static_cast<uint64_t>(sample + 1);
@@ -54,6 +57,12 @@ Evaluator::Evaluator(const JobConfig& cfg, const model::Tokenizer& tok, EngineSe
   } catch (const ConfigError& e) {
     throw ConfigError(fmt::format("eval.prompts: {}", e.what()));
   }
+  // Each evaluation keeps a score for every sample: prompts x samples has a bound of its own.
+  const int64_t per_prompt = (cfg.eval.greedy ? 1 : 0) + cfg.eval.n_samples;
+  if (data_->size() > kMaxEvalSamples / std::max<int64_t>(1, per_prompt))
+    throw ConfigError(fmt::format("eval: {} prompts of {} x {} samples each is over {} samples an evaluation; lower "
+                                  "eval.max_prompts or eval.n_samples",
+                                  data_->size(), cfg.eval.prompts, per_prompt, kMaxEvalSamples));
   const model::Tokenizer* t = &tok;
   decode_ = [t](const std::vector<int64_t>& ids) { return t->decode(ids, true); };
   rewards_ = eval_rewards(cfg, decode_);

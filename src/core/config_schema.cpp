@@ -545,7 +545,8 @@ std::vector<Field> build() {
   b.add("eval.max_new_tokens", TILLER_FIELD(eval.max_new_tokens),
         "Tokens an eval sample may generate (0: rollout.max_new_tokens).")
       .range(0, kMaxSampleTokens);
-  b.add("eval.max_prompts", TILLER_FIELD(eval.max_prompts), "Prompts of the file evaluated, its first ones (0: all).")
+  b.add("eval.max_prompts", TILLER_FIELD(eval.max_prompts),
+        "Prompts of the file evaluated, its first ones (0: all); prompts x (greedy + n_samples) is at most 4,194,304.")
       .range(0, 10000000);
   b.add("eval.correct_reward", TILLER_FIELD(eval.correct_reward),
         "A sample counts as correct (accuracy, pass@k) when its reward is at least this.")

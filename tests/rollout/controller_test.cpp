@@ -190,6 +190,22 @@ TEST(ControllerInProcess, EvaluationScoresHeldOutPromptsAndNeverChangesWhatTrain
     EXPECT_EQ(steps, (std::vector<int64_t>{0, 4, 6})) << tag;
     EXPECT_EQ(evaluated.lines("metrics.jsonl").front()["step"], 0);
   }
+  // Prompts x samples has a bound: 4,100 prompts of 1,025 samples each are refused at load.
+  const std::string many = scratch("eval_many") + "/eval.jsonl";
+  {
+    std::ofstream f(many);
+    for (int i = 0; i < 4100; ++i) f << json{{"input", "q " + std::to_string(i)}}.dump() << "\n";
+  }
+  Job big("eval_big");
+  with_eval(big);
+  big.cfg.eval.prompts = many;
+  big.cfg.eval.n_samples = 1024;
+  const auto tok = model::load_tokenizer(std::string(TILLER_HF_FIXTURES) + "/tokenizers/qwen2");
+  SyntheticEngines engines(SyntheticEngineOptions{});
+  EXPECT_NE(error_of([&] { Evaluator(big.cfg, *tok, engines, {}); }).find("lower eval.max_prompts or eval.n_samples"),
+            std::string::npos);
+  big.cfg.eval.max_prompts = 100;
+  EXPECT_EQ(Evaluator(big.cfg, *tok, engines, {}).prompts(), 100);
 }
 
 TEST(ControllerInProcess, SyncModeTrainsEveryStepOnPolicy) {
