@@ -14,15 +14,18 @@ mpirun=(${MPIRUN:-mpirun} --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABL
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 data=(--digits 4 --train 200000 --eval 1000 --shape base)
 sft=(--set run.output_dir="$out/sft" --set roles.actor.model="$out/data/model" --set offline.data="$out/data/sft.jsonl")
-grpo=(--set run.output_dir="$out/grpo" --set roles.actor.model="$out/sft/model" --set data.prompts="$out/data/rl.jsonl")
+grpo=(--set run.output_dir="$out/grpo" --set roles.actor.model="$out/sft/model" --set data.prompts="$out/data/rl.jsonl"
+      --set eval.prompts="$out/data/eval.jsonl")
 if [ "${SMOKE:-0}" = 1 ]; then
   data=(--digits 2 --train 2000 --eval 50 --shape tiny)
   sft+=(--set cluster.device=cpu --set roles.actor.dtype=fp32 --set offline.epochs=1 --set offline.max_steps=6
         --set offline.eval_samples=50 --set offline.eval_every=3)
   grpo+=(--set cluster.device=cpu --set roles.actor.dtype=fp32 --set roles.ref.dtype=fp32 --set train.num_steps=2
          --set rollout.batch_size=8 --set rollout.max_new_tokens=24 --set train.train_batch_size=64
-         --set engines.max_num_seqs=64)
+         --set engines.max_num_seqs=64 --set eval.every_steps=1 --set eval.max_new_tokens=24)
 fi
+# A rerun starts over: tiller resumes from a checkpoint it finds, which would skip the stages.
+rm -rf "$out/sft" "$out/grpo"
 mkdir -p "$out"
 t0=$(date +%s)
 python3 examples/arithmetic/make_data.py "$out/data" "${data[@]}" > "$out/data.json"
@@ -39,7 +42,7 @@ echo "after sft ($((t1 - t0)) s): $(cut -c1-300 "$out/eval_sft.json")"
   --set checkpoint.dir="$out/grpo/checkpoints" --set checkpoint.save_hf=true > "$out/grpo.log" 2>&1 ||
   { tail -20 "$out/grpo.log"; exit 1; }
 t2=$(date +%s)
-# Each kept checkpoint's actor (every 100 steps), exported as an HF directory (checkpoint.save_hf);
+# Each kept checkpoint's actor (every 50 steps, as eval.every_steps), exported as an HF directory (checkpoint.save_hf);
 # the last one is the final model.
 for ck in "$out"/grpo/checkpoints/step_*; do
   python3 examples/arithmetic/eval.py "$ck/actor_hf" "$out/data/eval.jsonl" "${eval_args[@]}" \
@@ -59,8 +62,18 @@ curve = {
     "grpo_accuracy_by_step": [[int(os.path.basename(p)[len("eval_grpo_step_"):-5]), json.load(open(p))["accuracy"]]
                               for p in sorted(glob.glob(f"{out}/eval_grpo_step_*.json"))],
     "sft_eval_loss": [[r["step"], round(r["eval/loss"], 4)] for r in sft if "eval/loss" in r],
-    "grpo_reward_per_step": [round(r["reward/mean"], 4) for r in grpo],
+    "grpo_reward_per_step": [round(r["reward/mean"], 4) for r in grpo if "reward/mean" in r],
     "sft_seconds": sft_s, "grpo_seconds": grpo_s,
 }
+# The same curve from tiller train's own evaluation (eval.*: the engine, greedy, every 50 steps;
+# step 0 is the SFT model), and its difference from eval.py's at the steps both measured.
+train_eval = {r["step"]: r["eval/all/greedy_accuracy"] for r in grpo if "eval/all/greedy_accuracy" in r}
+curve["train_eval_greedy_by_step"] = sorted([s, round(a, 4)] for s, a in train_eval.items())
+script = dict(curve["grpo_accuracy_by_step"])
+script[0] = curve["accuracy_after_sft"]
+both = sorted(set(script) & set(train_eval))
+curve["train_eval_minus_script"] = [[s, round(train_eval[s] - script[s], 4)] for s in both]
+if not both:
+    sys.exit("run.sh: tiller train logged no eval/all/greedy_accuracy at a step eval.py measured")
 print(json.dumps(curve))
 PY
