@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# plan_examples.sh TILLER [SCRATCH]: every GPU example config (configs/gpu/*.yaml) loads, passes the
-# config check, and plans on the layout its header names ("#   tiller plan -c FILE --nodes N ...").
-# The models' shapes (config.json alone, from tiller init-model --config-only) are written under
-# SCRATCH/models, so the memory plan runs too: a header that names --gpu-memory-gb must fit it.
+# plan_examples.sh TILLER [SCRATCH]: every GPU example config (configs/gpu/*.yaml) and every config
+# for real models (configs/real/*.yaml) loads, passes the config check, and plans on the layout its
+# header names ("#   tiller plan -c FILE --nodes N ..."). The models' shapes (config.json alone, from
+# tiller init-model --config-only) are written under SCRATCH/models, and for configs/real, which
+# name hub ids, into a Hugging Face cache laid out under SCRATCH/hub (HF_HUB_CACHE), so the memory
+# plan runs too: a header that names --gpu-memory-gb must fit it.
 set -euo pipefail
 tiller=$(realpath "$1")
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -16,11 +18,37 @@ for spec in 0.5b 1.5b 7b 32b 72b 1.5b-rm 7b-rm; do
   "$tiller" init-model --preset "qwen2-$size" --out "models/qwen2.5-$spec" "${flags[@]}" > /dev/null
 done
 "$tiller" init-model --preset qwen3-30b-a3b-8l --out models/qwen3-30b-a3b-8l --config-only > /dev/null
+# The hub models of configs/real, as huggingface_hub lays them out (refs/main -> snapshots/<commit>):
+# the Qwen2.5 shapes from the presets, Llama-3.1-8B and its reward model from their published
+# config.json.
+export HF_HUB_CACHE=$scratch/hub
+commit=0123456789abcdef0123456789abcdef01234567
+snapshot() {  # REPO -> its snapshot folder, created
+  local d="$HF_HUB_CACHE/models--${1/\//--}"
+  mkdir -p "$d/refs" "$d/snapshots/$commit"
+  printf '%s' "$commit" > "$d/refs/main"
+  echo "$d/snapshots/$commit"
+}
+"$tiller" init-model --preset qwen2-0.5b --out "$(snapshot Qwen/Qwen2.5-0.5B-Instruct)" --config-only > /dev/null
+"$tiller" init-model --preset qwen2-7b --out "$(snapshot Qwen/Qwen2.5-7B-Instruct)" --config-only > /dev/null
+python3 - "$(snapshot meta-llama/Llama-3.1-8B-Instruct)" "$(snapshot Skywork/Skywork-Reward-Llama-3.1-8B-v0.2)" <<'PY'
+import json, sys
+llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+         "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192}}
+json.dump(llama, open(f"{sys.argv[1]}/config.json", "w"))
+json.dump(dict(llama, architectures=["LlamaForSequenceClassification"], num_labels=1, eos_token_id=128009),
+          open(f"{sys.argv[2]}/config.json", "w"))
+PY
 n=0
-for f in "$repo"/configs/gpu/*.yaml; do
+for f in "$repo"/configs/gpu/*.yaml "$repo"/configs/real/*.yaml; do
   line=$(grep -m1 '^#   tiller plan ' "$f" | sed 's/^#   tiller plan //; s/ *#.*$//') || true
   [ -n "$line" ] || { echo "FAIL: $f names no '#   tiller plan' layout in its header" >&2; exit 1; }
   line=${line//configs\/gpu\//$repo/configs/gpu/}
+  line=${line//configs\/real\//$repo/configs/real/}
   # shellcheck disable=SC2086
   out=$("$tiller" plan $line 2>&1) || { echo "FAIL: tiller plan $line:" >&2; echo "$out" >&2; exit 1; }
   grep -q "^launch:" <<< "$out" || { echo "FAIL: no launch line for $f" >&2; exit 1; }
@@ -31,7 +59,7 @@ for f in "$repo"/configs/gpu/*.yaml; do
   echo "$(basename "$f"): $(head -1 <<< "$out" | sed 's/^# [^:]*: //')"
   n=$((n + 1))
 done
-echo "$n example configs plan"
+echo "$n example configs plan (configs/gpu and configs/real)"
 
 # What does not fit is refused with the smallest layout that does: the 72B LoRA example on 80 GB
 # GPUs (no room for a KV cache beside the base and its engine slice), and full-weight 72B, whose

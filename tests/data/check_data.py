@@ -68,7 +68,7 @@ gsm = write_jsonl(SCRATCH / "gsm8k_train.jsonl", [
      "answer": "1,000*2=<<1000*2=2000>>2,000 eggs.\n#### 2,000"},
     {"question": "No final answer here.", "answer": "It is unclear."},
 ])
-out = prepare("gsm8k", gsm)
+out = gsm_out = prepare("gsm8k", gsm)
 prompts, sft = read_jsonl(out / "prompts.jsonl"), read_jsonl(out / "sft.jsonl")
 if [p["label"] for p in prompts] != ["7", "2000"] or any(p["data_source"] != "gsm8k" for p in prompts):
     fail(f"gsm8k labels {[p['label'] for p in prompts]}")
@@ -166,6 +166,49 @@ if len(pairs_uf) != 4 or pairs_uf[0]["margin"] != 5.5 or pairs_uf[0]["prompt"] !
 tiller("train-rm", 1, "rm_quickstart.yaml", f"offline.data={out / 'pairs.jsonl'}", "offline.eval_samples=0",
        "offline.epochs=1", "offline.max_tokens=128", "train.train_batch_size=4", f"run.output_dir={SCRATCH / 'uf_rm'}")
 print(f"ultrafeedback: {len(pairs_uf)} pairs from parquet (margin 5.5); one reward-model epoch ran")
+
+# configs/real's 1-GPU GSM8K config itself, on CPU at toy size: its model by hub id from a Hugging
+# Face cache laid out here (the tiny model, with a Qwen2.5-style template and its default system
+# prompt), the recipe's prompts, verl's GSM8K reward in Python and its evaluation on the engine.
+hub = SCRATCH / "hub"
+shutil.rmtree(hub, ignore_errors=True)
+commit = "0123456789abcdef0123456789abcdef01234567"
+snap = hub / "models--Qwen--Qwen2.5-0.5B-Instruct" / "snapshots" / commit
+shutil.copytree(MODEL, snap)
+(hub / "models--Qwen--Qwen2.5-0.5B-Instruct" / "refs").mkdir()
+(hub / "models--Qwen--Qwen2.5-0.5B-Instruct" / "refs" / "main").write_text(commit)
+tc_path = snap / "tokenizer_config.json"
+tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
+tc["chat_template"] = (
+    "{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. "
+    "You are a helpful assistant.<|im_end|>\n' }}{%- endif %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+tc_path.write_text(json.dumps(tc))
+real_out = SCRATCH / "real_gsm8k"
+shutil.rmtree(real_out, ignore_errors=True)
+args = [MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", "2", "-x", f"HF_HUB_CACHE={hub}", str(Path(TILLER).resolve()), "train", "-c",
+        str(REPO / "configs" / "real" / "qwen2.5-0.5b-instruct-gsm8k-grpo-1gpu.yaml")]
+for kv in ["cluster.device=cpu", "roles.actor.dtype=fp32", "roles.ref.dtype=fp32", f"run.output_dir={real_out}",
+           "checkpoint.dir=", f"data.prompts={gsm_out / 'prompts.jsonl'}", f"eval.prompts={gsm_out / 'prompts.jsonl'}",
+           "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_prompt_tokens=256", "rollout.max_new_tokens=8",
+           "eval.max_new_tokens=8", "engines.max_num_seqs=8", "train.train_batch_size=4", "train.num_steps=1",
+           "rollout.micro_batch_tokens=2048", "train.micro_batch_tokens=2048", "engines.max_batched_tokens=2048",
+           "timeouts.startup_s=120"]:
+    args += ["--set", kv]
+# From the repository's root, as the config's header runs it (its reward's path is relative).
+p = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, cwd=REPO)
+if p.returncode != 0:
+    fail(f"configs/real/qwen2.5-0.5b-instruct-gsm8k-grpo-1gpu.yaml on CPU: exit {p.returncode}:\n{p.stdout[-3000:]}")
+rows = read_jsonl(real_out / "metrics.jsonl")
+evals = [r["step"] for r in rows if "eval/gsm8k/greedy_accuracy" in r]
+if evals != [0, 1]:
+    fail(f"configs/real GSM8K: eval/gsm8k/greedy_accuracy at steps {evals}, expected 0 (before training) and 1")
+sample = read_jsonl(real_out / "samples.jsonl")[0]
+if not sample["prompt"].startswith("<|im_start|>system\nYou are Qwen") or "####" not in sample["prompt"]:
+    fail(f"configs/real GSM8K: the prompt is not in the model's template: {sample['prompt'][:200]!r}")
+print("configs/real GSM8K (1 GPU): one step on CPU, the model by hub id, its template's system prompt, "
+      "eval/gsm8k at steps 0 and 1")
 
 # A file in another schema: one line naming the keys.
 p = subprocess.run([sys.executable, str(PREPARE), "gsm8k", str(hh), "--out", str(SCRATCH / "wrong")],
