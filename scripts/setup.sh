@@ -55,10 +55,12 @@ fi
 # embedded interpreter at run time (src/python/jinja.cpp); torch depends on it too. wandb and
 # mlflow-skinny (MLflow's client without its server) are the trackers logging.wandb and
 # logging.mlflow drive (src/python/tracking.cpp; e2e.train.tracking runs both offline). math-verify
-# compares MATH answers for examples/rewards/math_equiv.py (e2e.data.recipes).
+# compares MATH answers for examples/rewards/math_equiv.py (e2e.data.recipes). huggingface_hub
+# downloads models named by hub id into the HF cache (src/python/hub_download.cpp; e2e.train.hub);
+# transformers depends on it too.
 py_packages=(transformers tokenizers safetensors sentencepiece grpcio grpcio-tools numpy tensorboard pyarrow peft==0.21.2
-             "jinja2>=3.1.6" wandb mlflow-skinny math-verify)
-if ! $python -c 'import transformers, tokenizers, safetensors, sentencepiece, grpc, grpc_tools, numpy, tensorboard, pyarrow, peft, jinja2, wandb, mlflow, math_verify' 2>/dev/null; then
+             "jinja2>=3.1.6" wandb mlflow-skinny math-verify huggingface_hub)
+if ! $python -c 'import transformers, tokenizers, safetensors, sentencepiece, grpc, grpc_tools, numpy, tensorboard, pyarrow, peft, jinja2, wandb, mlflow, math_verify, huggingface_hub' 2>/dev/null; then
   echo "setup: installing Python test packages: ${py_packages[*]}"
   $python -m pip install -q "${py_packages[@]}" "torch==2.13.0"
 fi

@@ -32,7 +32,7 @@ int run_offline_cmd(const OfflineCmdOptions& o, OfflineMain main, int* argc, cha
   try {
     // The config's own checks; not algo::check_config, whose rules are the RL loop's.
     JobConfig cfg = load_config(o.config, o.overrides);
-    resolve_hub_models(cfg, /*strict=*/true);  // a hub id not in the cache: say what to download
+    fetch_hub_models(cfg, env);  // hub ids: from the cache, or downloaded once per node
     offline::OfflineOptions oo;
     oo.require_resume = o.resume;
     return main(cfg, env, oo);

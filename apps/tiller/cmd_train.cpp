@@ -33,7 +33,7 @@ int run_train_cmd(const TrainCmdOptions& o, int* argc, char*** argv) {
     std::vector<std::string> overrides = o.overrides;
     if (!o.profile.empty()) overrides.push_back("logging.profile_steps=" + o.profile);
     JobConfig cfg = algo::load_job(o.config, overrides);
-    resolve_hub_models(cfg, /*strict=*/true);  // a hub id not in the cache: say what to download
+    fetch_hub_models(cfg, env);  // hub ids: from the cache, or downloaded once per node
     rollout::TrainOptions to;
     to.require_resume = o.resume;
     return rollout::run_train(cfg, env, to);

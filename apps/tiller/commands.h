@@ -10,6 +10,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
+#include "tiller/core/config.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/dist/mpi_env.h"
 
@@ -20,6 +21,13 @@ class App;
 namespace tiller::cli {
 
 using Runner = std::function<int()>;
+
+// The job's models given as hub ids (roles.*.model, engines.model) become their snapshot folders
+// in the Hugging Face cache; what a node's cache lacks is downloaded first by that node's lowest
+// rank through huggingface_hub, the others waiting (timeouts.download_s), unless HF_HUB_OFFLINE is
+// set (then a missing model is a ConfigError saying what to run). Collective over the world when
+// the config names a hub id; nothing otherwise. hub_models.cpp.
+void fetch_hub_models(JobConfig& cfg, dist::MpiEnv& env);
 
 // A benchmark's result: one JSON line on stdout, and the same in `out` when it is not empty
 // (IoError names the file when it cannot be written).

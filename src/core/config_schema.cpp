@@ -63,7 +63,8 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
         "Whether the " + name + " role runs at all (the actor always does; the critic only for GAE).");
   b.add(p + "model", [get](JobConfig& c) { return &get(c).model; },
         "Hugging Face model directory, or a hub id (Qwen/Qwen2.5-7B-Instruct[@revision]) found in the Hugging "
-        "Face cache (HF_HUB_CACHE / HF_HOME; download it first). Empty: the actor's model (ref), or none.");
+        "Face cache (HF_HUB_CACHE / HF_HOME), or downloaded into it through huggingface_hub by one rank per node "
+        "unless HF_HUB_OFFLINE is set. Empty: the actor's model (ref), or none.");
   b.add(p + "gpus", [get](JobConfig& c) { return &get(c).gpus; },
         "Ranks (one GPU each) in this role's ZeRO-3 group. Ignored when colocated.")
       .range(1, 4096);
@@ -672,6 +673,10 @@ std::vector<Field> build() {
         "Deadline of one optimizer step's micro-batches on the actor or critic ranks.")
       .range(0.001, kMaxSeconds);
   b.add("timeouts.rpc_s", TILLER_FIELD(timeouts.rpc_s), "Deadline of one control RPC (health, stats, abort).")
+      .range(0.001, kMaxSeconds);
+  b.add("timeouts.download_s", TILLER_FIELD(timeouts.download_s),
+        "Deadline of the download of the job's hub models (roles.*.model given as hub ids that are not in the "
+        "Hugging Face cache): the lowest rank of each node downloads, the others wait this long.")
       .range(0.001, kMaxSeconds);
   b.add("timeouts.step_s", TILLER_FIELD(timeouts.step_s),
         "Deadline of one whole step, generation to weight sync, on the controller's watchdog: a step still running "

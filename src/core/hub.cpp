@@ -77,8 +77,36 @@ std::optional<std::string> find_hub_snapshot(const HubModel& model) {
   return snapshot.string();
 }
 
+bool hub_offline() {
+  std::string v = env("HF_HUB_OFFLINE");
+  for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return v == "1" || v == "true" || v == "yes" || v == "on";
+}
+
+namespace {
+
+// The models the job loads, with their keys: enabled roles', and the engines' when set.
+template <class Config, class Fn>
+void for_each_model(Config& cfg, Fn&& fn) {
+  fn(cfg.roles.actor.model, "roles.actor.model");
+  if (cfg.roles.critic.enabled) fn(cfg.roles.critic.model, "roles.critic.model");
+  if (cfg.roles.ref.enabled) fn(cfg.roles.ref.model, "roles.ref.model");
+  if (cfg.roles.reward.enabled) fn(cfg.roles.reward.model, "roles.reward.model");
+  fn(cfg.engines.model, "engines.model");
+}
+
+}  // namespace
+
+std::vector<HubModelRef> hub_models(const JobConfig& cfg) {
+  std::vector<HubModelRef> out;
+  for_each_model(cfg, [&](const std::string& model, const char* key) {
+    if (const auto id = parse_hub_id(model)) out.push_back({key, *id});
+  });
+  return out;
+}
+
 void resolve_hub_models(JobConfig& cfg, bool strict) {
-  const auto resolve = [&](std::string& model, const std::string& key) {
+  for_each_model(cfg, [&](std::string& model, const char* key) {
     const auto id = parse_hub_id(model);
     if (!id) return;
     if (const auto snapshot = find_hub_snapshot(*id)) {
@@ -89,17 +117,12 @@ void resolve_hub_models(JobConfig& cfg, bool strict) {
       std::error_code ec;
       throw ConfigError(fmt::format(
           "{} = '{}': no such folder (relative paths start from {}), and as a Hugging Face hub id it is not in the "
-          "cache ({}; HF_HUB_CACHE or HF_HOME set it) at revision {}; give an existing folder, or download it on "
-          "every node first (tiller does not download): huggingface-cli download {} --revision {}",
-          key, model, fs::current_path(ec).string(), hub_cache_dir(), id->revision, id->repo, id->revision));
+          "cache ({}; HF_HUB_CACHE or HF_HOME set it) at revision {}{}; give an existing folder, or download it on "
+          "every node first: huggingface-cli download {} --revision {}",
+          key, model, fs::current_path(ec).string(), hub_cache_dir(), id->revision,
+          hub_offline() ? " (HF_HUB_OFFLINE is set, so tiller does not download it)" : "", id->repo, id->revision));
     }
-  };
-  // The models the job loads: enabled roles', and the engines' when set.
-  resolve(cfg.roles.actor.model, "roles.actor.model");
-  if (cfg.roles.critic.enabled) resolve(cfg.roles.critic.model, "roles.critic.model");
-  if (cfg.roles.ref.enabled) resolve(cfg.roles.ref.model, "roles.ref.model");
-  if (cfg.roles.reward.enabled) resolve(cfg.roles.reward.model, "roles.reward.model");
-  resolve(cfg.engines.model, "engines.model");
+  });
 }
 
 }  // namespace tiller

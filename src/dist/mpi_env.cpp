@@ -106,6 +106,19 @@ NodeMap MpiEnv::node_map(int gpus_per_node, bool cpu_run, double timeout_s) cons
   return map;
 }
 
+void MpiEnv::once_per_node(const std::function<void()>& work, const std::string& what, double timeout_s) const {
+  const NodeMap nodes = node_map(0, /*cpu_run=*/true, timeout_s);
+  if (nodes.local_position(rank_).index == 0) work();
+  auto world_comm = world(timeout_s);
+  auto done = at::zeros({1}, at::kInt);
+  try {
+    world_comm->all_reduce(done)->wait();
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(fmt::format("{} did not end within {} s on every node (the lowest rank of each node runs it; "
+                                   "check their logs): {}", what, timeout_s, e.what()));
+  }
+}
+
 std::unique_ptr<Communicator> MpiEnv::world(double timeout_s) const {
   return make_mpi_communicator(MPI_COMM_WORLD, "world", timeout_s);
 }

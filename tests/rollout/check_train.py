@@ -83,6 +83,11 @@ CASE:
                actor rank that never enters its scoring's collective (its peer's all_gather names
                it); a hybrid TP-2 engine's follower that stops answering its leader mid-generation;
                a step past timeouts.step_s.
+  hub          roles.actor.model as a hub id not in the cache: downloaded through huggingface_hub
+               from a stand-in for the hub on a local socket (fake_hub.py, HF_ENDPOINT), each file
+               once for the node's 3 ranks, and one step trains; the second run finds it in the
+               cache and asks the hub nothing. With HF_HUB_OFFLINE=1, or an id the hub lacks, the
+               job ends at once with one line.
   hybrid_tp    hybrid engines at TP 2 and TP 4 (4 actor ranks, a model with 4 KV heads) generate
                the tokens of TP 1 engines, greedy, step for step.
 """
@@ -95,6 +100,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 TILLER, MPIRUN, SCRATCH, CASE = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
@@ -1602,8 +1608,75 @@ def check_hybrid_tp():
     print(f"hybrid_tp: TP 2 and TP 4 generate TP 1's greedy tokens, {len(runs[1])} prompts over 3 steps")
 
 
+def check_hub():
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fake_hub.py"), f"tiller-test/tiny-qwen2={MODEL}"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline().split()[1])
+        endpoint = f"http://127.0.0.1:{port}"
+        cache = SCRATCH / "hub_cache"
+        shutil.rmtree(cache, ignore_errors=True)
+
+        def hub_run(name, model, *extra_env):
+            out = SCRATCH / name
+            shutil.rmtree(out, ignore_errors=True)
+            env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HUB_CACHE=str(cache), HF_HUB_DISABLE_TELEMETRY="1")
+            env.pop("HF_HUB_OFFLINE", None)
+            for kv in extra_env:
+                k, v = kv.split("=", 1)
+                env[k] = v
+            args = command(3, out, *GRPO, f"roles.actor.model={model}", "train.num_steps=1", "eval.prompts=")
+            names = ["HF_ENDPOINT", "HF_HUB_CACHE", "HF_HUB_DISABLE_TELEMETRY"] + [kv.split("=")[0] for kv in extra_env]
+            args[1:1] = [a for n in names for a in ("-x", n)]
+            return subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
+                                  env=env)
+
+        def counts():
+            with urllib.request.urlopen(f"{endpoint}/_counts", timeout=10) as r:
+                return json.load(r)
+
+        # Offline: nothing downloaded, one line naming the key, the switch and the command.
+        p = hub_run("hub_offline", "tiller-test/tiny-qwen2", "HF_HUB_OFFLINE=1")
+        line = [l for l in p.stdout.splitlines() if l.startswith("tiller: error:")]
+        if p.returncode != 2 or not line or "HF_HUB_OFFLINE is set" not in line[0] or \
+                "huggingface-cli download tiller-test/tiny-qwen2" not in line[0] or counts():
+            fail(f"hub offline: exit {p.returncode}, downloads {counts()}:\n{p.stdout[-2000:]}")
+        print(f"hub: offline, one line: {line[0][:200]}")
+        # Downloaded once per node (3 ranks, one node), then trained.
+        p = hub_run("hub_download", "tiller-test/tiny-qwen2")
+        if p.returncode != 0:
+            fail(f"hub download: exit {p.returncode}:\n{p.stdout[-4000:]}")
+        got = counts()
+        files = sorted(f.name for f in MODEL.iterdir() if f.suffix in (".json", ".safetensors"))
+        served = {k: v for k, v in got.items() if not k.startswith("revision:")}
+        if sorted(k.split("/")[-1] for k in served) != files or set(served.values()) != {1}:
+            fail(f"hub download: expected each of {files} once, the hub served {got}")
+        # One snapshot_download on the node (its lowest rank), not one per rank.
+        if got.get("revision:tiller-test/tiny-qwen2") != 1:
+            fail(f"hub download: {got.get('revision:tiller-test/tiny-qwen2')} processes downloaded, expected 1")
+        if len(metrics(SCRATCH / "hub_download")) != 1:
+            fail("hub download: no step trained")
+        print(f"hub: {len(served)} files downloaded once each, by one of the node's 3 ranks; one step trained")
+        # In the cache now: a second run trains without asking the hub for a file.
+        p = hub_run("hub_cached", "tiller-test/tiny-qwen2")
+        if p.returncode != 0 or counts() != got:
+            fail(f"hub cached: exit {p.returncode}, downloads {counts()} (before: {got}):\n{p.stdout[-2000:]}")
+        # An id the hub does not have: one line naming the key, the failure and the command.
+        p = hub_run("hub_missing", "tiller-test/no-such-model")
+        line = [l for l in p.stdout.splitlines() if l.startswith("tiller: error:")]
+        if p.returncode == 0 or not line or "roles.actor.model = 'tiller-test/no-such-model'" not in line[0] or \
+                "download from the Hugging Face hub" not in line[0]:
+            fail(f"hub missing id: exit {p.returncode}:\n{p.stdout[-2000:]}")
+        print(f"hub: an unknown id, one line: {line[0][:240]}")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 fixture()
-if CASE == "old_logprobs":
+if CASE == "hub":
+    check_hub()
+elif CASE == "old_logprobs":
     check_old_logprobs()
 elif CASE == "sequence_parallel":
     check_sequence_parallel()

@@ -459,6 +459,7 @@ struct TimeoutsConfig {
   double weight_sync_s = 300.0;
   double train_s = 1800.0;
   double rpc_s = 60.0;
+  double download_s = 7200.0;  // the job's hub models, when they are not in the cache
   double step_s = 0.0;  // one whole step; 0: none (each call in it still has its own)
 };
 

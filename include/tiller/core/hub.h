@@ -4,12 +4,16 @@
 // $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub; in it
 // models--<org>--<name>/refs/<revision> holds a commit and snapshots/<commit>/ the files.
 //
-// tiller does not download: a model not in the cache is an error that says what to run
-// (`huggingface-cli download ...`, on every node, or into a shared HF_HUB_CACHE).
+// tiller train and the offline commands download a model that is not in the cache through
+// huggingface_hub (python/hub_download.h), once per node, the node's other ranks waiting
+// (timeouts.download_s), unless HF_HUB_OFFLINE is set: then a model not in the cache is an error
+// that says what to run (`huggingface-cli download ...`, on every node, or into a shared
+// HF_HUB_CACHE).
 #pragma once
 
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace tiller {
 
@@ -30,6 +34,18 @@ std::string hub_cache_dir();
 // The snapshot folder of `model` in the cache, or nullopt when it is not there (no such repo,
 // revision or snapshot, or the snapshot has no config.json).
 std::optional<std::string> find_hub_snapshot(const HubModel& model);
+
+// huggingface_hub's offline switch: HF_HUB_OFFLINE set to 1, true, yes or on (any case).
+bool hub_offline();
+
+// A model the job loads, given as a hub id: the config key that names it and the id.
+struct HubModelRef {
+  std::string key;  // "roles.actor.model"
+  HubModel model;
+};
+// Every model of `cfg` given as a hub id (roles.*.model of the enabled roles, engines.model),
+// found in the cache or not.
+std::vector<HubModelRef> hub_models(const JobConfig& cfg);
 
 // Replaces every model given as a hub id (roles.*.model, engines.model) with its snapshot folder.
 // `strict`: a hub id not in the cache is a ConfigError naming the key and the command that

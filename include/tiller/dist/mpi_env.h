@@ -6,6 +6,7 @@
 #pragma once
 
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,6 +31,14 @@ class MpiEnv {
   // Collective over the world: which ranks share a node (MPI_Comm_split_type shared), with each
   // node's GPU count: gpus_per_node if > 0, else the CUDA device count, or -1 on a CPU run.
   NodeMap node_map(int gpus_per_node, bool cpu_run, double timeout_s) const;
+
+  // Collective over the world: on each node its lowest rank runs `work` (a download into the
+  // node's cache, say) while the node's other ranks wait, until every node's `work` is done, at
+  // most `timeout_s`. A `work` that throws ends this call on its rank only (the caller ends the
+  // job, as for any error: fail_job, whose abort ends the waiting ranks too). A wait past
+  // `timeout_s` is a CommError naming `what` ("the download of the job's hub models
+  // (timeouts.download_s)").
+  void once_per_node(const std::function<void()>& work, const std::string& what, double timeout_s) const;
 
   // The world as an MPI-backend communicator (CPU tensors).
   std::unique_ptr<Communicator> world(double timeout_s) const;

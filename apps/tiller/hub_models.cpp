@@ -1,0 +1,36 @@
+// Models named by hub id, for the commands that run under mpirun (tiller train, sft, dpo, train-rm):
+// found in the Hugging Face cache, or downloaded into it once per node (core/hub.h).
+
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "python/hub_download.h"
+#include "tiller/core/config.h"
+#include "tiller/core/error.h"
+#include "tiller/core/hub.h"
+#include "tiller/core/logging.h"
+#include "tiller/dist/mpi_env.h"
+
+namespace tiller::cli {
+
+void fetch_hub_models(JobConfig& cfg, dist::MpiEnv& env) {
+  const std::vector<HubModelRef> models = hub_models(cfg);
+  if (models.empty()) return;  // the same config on every rank: none of them takes part
+  // Each node's cache may differ (local disks), so every rank of a job with hub ids joins: on each
+  // node its lowest rank downloads what that node's cache lacks, the others wait for every node.
+  env.once_per_node(
+      [&] {
+        for (const HubModelRef& m : models) {
+          if (find_hub_snapshot(m.model) || hub_offline()) continue;  // offline: resolve_hub_models says so
+          log::info("{} = '{}@{}' is not in the Hugging Face cache ({}): downloading it on {} (rank {})", m.key,
+                    m.model.repo, m.model.revision, hub_cache_dir(), env.hostname(), env.rank());
+          const std::string folder =
+              python::download_hub_snapshot(m.key, m.model.repo, m.model.revision, hub_cache_dir());
+          log::info("{}: downloaded to {}", m.key, folder);
+        }
+      },
+      "the download of the job's hub models (timeouts.download_s)", cfg.timeouts.download_s);
+  resolve_hub_models(cfg, /*strict=*/true);  // a model still missing: one line saying what to run
+}
+
+}  // namespace tiller::cli
