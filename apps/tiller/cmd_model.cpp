@@ -68,6 +68,7 @@ int run_tokenize(const TokenizeOptions& o) {
 // --- generate -----------------------------------------------------------------------------------
 struct GenerateOptions {
   std::string model, tokenizer, prompts, out, input_key = "input", chat_template = "none", input_template;
+  std::string chat_template_kwargs;  // a JSON object, as data.chat_template_kwargs
   std::string device = "cpu", dtype = "fp32";
   model::SamplingParams sampling;
   std::vector<int64_t> stop_ids;
@@ -121,7 +122,8 @@ std::vector<Prompt> read_prompts(const GenerateOptions& o, const model::Tokenize
   std::ifstream in(o.prompts);
   if (!in) throw ConfigError(fmt::format("{}: cannot open the prompts file", o.prompts));
   const model::ChatTemplate chat =
-      model::load_chat_template(o.chat_template, o.tokenizer.empty() ? o.model : o.tokenizer, tok);
+      model::load_chat_template(o.chat_template, o.tokenizer.empty() ? o.model : o.tokenizer, tok,
+                                o.chat_template_kwargs);
   std::vector<Prompt> out;
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
@@ -334,6 +336,8 @@ void add_model_commands(CLI::App& app, Runner& run) {
   gen->add_option("--tokenizer", go->tokenizer, "Tokenizer directory (default: --model)");
   gen->add_option("--input-key", go->input_key, "Field holding the prompt (a string or a list of messages)");
   gen->add_option("--chat-template", go->chat_template, "none, auto (the model's own Jinja template, else ChatML/Llama-3 by its tokens), model, chatml, llama3 or a .jinja file");
+  gen->add_option("--chat-template-kwargs", go->chat_template_kwargs,
+                  "Extra variables for a Jinja chat template, a JSON object: '{\"enable_thinking\": false}'");
   gen->add_option("--input-template", go->input_template, "Template with one {} for the prompt, e.g. 'Q: {}\\nA:'");
   gen->add_flag("--greedy", go->sampling.greedy, "Greedy decoding");
   gen->add_option("--temperature", go->sampling.temperature, "Sampling temperature (> 0)");

@@ -82,6 +82,48 @@ std::string choices_text(const Field& f) {
   return out;
 }
 
+// A YAML node as JSON text: mappings and sequences as objects and arrays; a plain scalar as a
+// bool (true/false), null (null, ~), or a number when it reads as one, else a string; a quoted
+// scalar always a string.
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      out += fmt::format("\\u{:04x}", c);
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
+std::string yaml_to_json(const YAML::Node& n) {
+  if (n.IsMap()) {
+    std::string out = "{";
+    for (const auto& kv : n) out += (out.size() > 1 ? ", " : "") + json_string(kv.first.Scalar()) + ": " + yaml_to_json(kv.second);
+    return out + "}";
+  }
+  if (n.IsSequence()) {
+    std::string out = "[";
+    for (const auto& item : n) out += (out.size() > 1 ? ", " : "") + yaml_to_json(item);
+    return out + "]";
+  }
+  if (n.IsNull()) return "null";
+  const std::string& v = n.Scalar();
+  if (n.Tag() == "!") return json_string(v);  // quoted
+  if (v == "true" || v == "True" || v == "TRUE") return "true";
+  if (v == "false" || v == "False" || v == "FALSE") return "false";
+  if (v == "null" || v == "~" || v == "Null" || v == "NULL") return "null";
+  long long i;
+  double d;
+  if (YAML::convert<long long>::decode(n, i)) return std::to_string(i);
+  if (YAML::convert<double>::decode(n, d) && std::isfinite(d)) return fmt::format("{}", d);
+  return json_string(v);
+}
+
 // Sets field `f` of `config` from a YAML scalar. `where` is "file:line" or "--set".
 void assign(JobConfig& config, const Field& f, const YAML::Node& value, const std::string& where) {
   const std::string shown = value.IsScalar() ? value.Scalar() : std::string();
@@ -89,6 +131,23 @@ void assign(JobConfig& config, const Field& f, const YAML::Node& value, const st
     throw ConfigError(fmt::format("{}: {} {}", where, f.path, why));
   };
   if (value.IsNull() && f.kind != Kind::kString) fail("needs a value (" + std::string(kind_name(f.kind)) + ")");
+  if (f.json_map) {  // a mapping, or its text ({"a": 1}: JSON is YAML), kept as a JSON object's text
+    YAML::Node map = value;
+    if (value.IsScalar() && !value.Scalar().empty()) {
+      try {
+        map = YAML::Load(value.Scalar());
+      } catch (const YAML::Exception& e) {
+        fail(fmt::format("= '{}' is not a mapping: {}", shown, e.msg));
+      }
+    }
+    if (map.IsNull() || (map.IsScalar() && map.Scalar().empty())) {
+      *static_cast<std::string*>(f.get(config)) = "";
+      return;
+    }
+    if (!map.IsMap()) fail("must be a mapping of names to values ({enable_thinking: false})");
+    *static_cast<std::string*>(f.get(config)) = yaml_to_json(map);
+    return;
+  }
   if (f.list && value.IsSequence()) {  // [a, b] is "a,b"
     std::string joined;
     for (const auto& item : value) {

@@ -367,6 +367,11 @@ std::vector<Field> build() {
         "chat_template.jinja, rendered as transformers' apply_chat_template; else ChatML or Llama-3 by the "
         "tokenizer's special tokens), model (its own; an error when it has none), chatml, llama3, none, or a path "
         "to a .jinja file.");
+  b.add("data.chat_template_kwargs", TILLER_FIELD(data.chat_template_kwargs),
+        "Extra variables for a Jinja chat template, as transformers' apply_chat_template(**kwargs) passes them: a "
+        "mapping, e.g. {enable_thinking: false} for Qwen3's thinking switch (they override the special tokens' "
+        "names; messages, tools, documents and add_generation_prompt are tiller's). Empty: none.")
+      .as_json_map();
   b.add("data.tools_key", TILLER_FIELD(data.tools_key),
         "Key of a prompt's tool schemas (a JSON list, as transformers' apply_chat_template takes them), given to "
         "the chat template as `tools`; a prompt without it has none.");

@@ -24,6 +24,7 @@ struct Field {
   std::optional<double> max;
   std::vector<std::string> choices;  // strings only; empty = any string
   bool list = false;  // strings only: a YAML list of names is accepted too, kept comma-separated
+  bool json_map = false;  // strings only: a YAML mapping (or {} text), kept as a JSON object's text
 
   Field& range(std::optional<double> lo, std::optional<double> hi) {
     min = lo;
@@ -36,6 +37,10 @@ struct Field {
   }
   Field& as_list() {
     list = true;
+    return *this;
+  }
+  Field& as_json_map() {
+    json_map = true;
     return *this;
   }
 };

@@ -261,11 +261,46 @@ std::string ChatTemplate::observation_turn(const std::string& text, bool turn_cl
   return after;
 }
 
-ChatTemplate load_chat_template(const std::string& choice, const std::string& model_dir, const Tokenizer& tok) {
+namespace {
+
+// The template's variables: the special tokens' names, then data.chat_template_kwargs over them.
+ordered_json template_variables(const fs::path& dir, const std::string& kwargs_json) {
+  ordered_json vars = special_token_variables(dir);
+  if (kwargs_json.empty()) return vars;
+  ordered_json kwargs;
+  try {
+    kwargs = ordered_json::parse(kwargs_json);
+  } catch (const std::exception& e) {
+    throw ConfigError(fmt::format("data.chat_template_kwargs = '{}' is not a JSON object: {}", kwargs_json, e.what()));
+  }
+  if (!kwargs.is_object())
+    throw ConfigError(fmt::format("data.chat_template_kwargs = '{}' is not a mapping of names to values", kwargs_json));
+  for (const auto& [k, v] : kwargs.items()) {
+    if (k == "messages" || k == "tools" || k == "documents" || k == "add_generation_prompt")
+      throw ConfigError(fmt::format("data.chat_template_kwargs: '{}' is set by tiller for each conversation; remove it",
+                                    k));
+    vars[k] = v;
+  }
+  return vars;
+}
+
+}  // namespace
+
+ChatTemplate load_chat_template(const std::string& choice, const std::string& model_dir, const Tokenizer& tok,
+                                const std::string& kwargs_json) {
   const fs::path dir(model_dir);
   const auto make = [&](const JinjaSources& s) {
-    return ChatTemplate::jinja(s.source, s.tool_source, special_token_variables(dir).dump(), stop_texts(dir, tok),
-                               s.origin);
+    return ChatTemplate::jinja(s.source, s.tool_source, template_variables(dir, kwargs_json).dump(),
+                               stop_texts(dir, tok), s.origin);
+  };
+  // A built-in format has no variables: kwargs for it would change nothing, silently.
+  const auto builtin = [&](ChatFormat f) {
+    if (!kwargs_json.empty() && f != ChatFormat::kNone)
+      throw ConfigError(fmt::format("data.chat_template_kwargs = {} needs a Jinja chat template, and {}'s template is "
+                                    "the built-in {} format (data.chat_template = {}); give the model's own or a "
+                                    ".jinja file, or drop the kwargs",
+                                    kwargs_json, model_dir, chat_format_name(f), choice));
+    return ChatTemplate(f);
   };
   if (choice == "auto" || choice == "model") {
     if (auto s = model_jinja(dir)) {
@@ -275,7 +310,7 @@ ChatTemplate load_chat_template(const std::string& choice, const std::string& mo
                   "{} format is used, which may differ from it (default system prompts, tools): rebuild with "
                   "Python's development files (apt-get install python3-dev) to use the model's own",
                   s->origin, chat_format_name(f));
-        return ChatTemplate(f);
+        return builtin(f);
       }
       return make(*s);
     }
@@ -283,9 +318,9 @@ ChatTemplate load_chat_template(const std::string& choice, const std::string& mo
       throw ConfigError(fmt::format("data.chat_template = model: {} has no chat template (no chat_template.jinja, no "
                                     "chat_template in tokenizer_config.json); give a .jinja file, chatml or llama3",
                                     model_dir));
-    return ChatTemplate(parse_chat_format("auto", tok));
+    return builtin(parse_chat_format("auto", tok));
   }
-  if (choice == "none" || choice == "chatml" || choice == "llama3") return ChatTemplate(parse_chat_format(choice, tok));
+  if (choice == "none" || choice == "chatml" || choice == "llama3") return builtin(parse_chat_format(choice, tok));
   if (choice.size() > 6 && choice.compare(choice.size() - 6, 6, ".jinja") == 0) {
     const auto text = read_file(choice);
     if (!text) throw ConfigError(fmt::format("data.chat_template = {}: cannot read the file", choice));
@@ -296,7 +331,8 @@ ChatTemplate load_chat_template(const std::string& choice, const std::string& mo
 }
 
 ChatTemplate job_chat_template(const DataConfig& data, const std::string& model_dir, const Tokenizer& tok) {
-  return data.apply_chat_template ? load_chat_template(data.chat_template, model_dir, tok) : ChatTemplate();
+  return data.apply_chat_template ? load_chat_template(data.chat_template, model_dir, tok, data.chat_template_kwargs)
+                                  : ChatTemplate();
 }
 
 std::string apply_chat_template(const ChatTemplate& chat, const std::vector<ChatMessage>& messages,

@@ -149,6 +149,23 @@ TEST(Config, WrongTypeNamesKeyAndValue) {
   EXPECT_EQ(msg, "j.yaml:1: 'roles' is a section and must be a mapping of keys");
 }
 
+// data.chat_template_kwargs: a YAML mapping (or its text, from --set or a printed config) becomes a
+// JSON object's text, values typed as YAML reads them; anything else names the key.
+TEST(Config, ChatTemplateKwargsAreAMappingKeptAsJson) {
+  JobConfig c = parse_config("data:\n  chat_template_kwargs: {enable_thinking: false, n: 3, x: 0.5, s: '1', t: hi}\n",
+                             "j.yaml");
+  EXPECT_EQ(c.data.chat_template_kwargs, R"({"enable_thinking": false, "n": 3, "x": 0.5, "s": "1", "t": "hi"})");
+  c = parse_config("", "j.yaml", {"data.chat_template_kwargs={enable_thinking: true, tags: [a, b]}"});
+  EXPECT_EQ(c.data.chat_template_kwargs, R"({"enable_thinking": true, "tags": ["a", "b"]})");
+  c = parse_config("data:\n  chat_template_kwargs: '{\"enable_thinking\": false}'\n", "j.yaml");  // as text
+  EXPECT_EQ(c.data.chat_template_kwargs, R"({"enable_thinking": false})");
+  JobConfig printed = parse_config(to_yaml(c), "printed.yaml");
+  EXPECT_EQ(printed.data.chat_template_kwargs, c.data.chat_template_kwargs);
+  EXPECT_EQ(parse_config("data:\n  chat_template_kwargs:\n", "j.yaml").data.chat_template_kwargs, "");
+  EXPECT_EQ(config_error([] { parse_config("data:\n  chat_template_kwargs: [1, 2]\n", "j.yaml"); }),
+            "j.yaml:2: data.chat_template_kwargs must be a mapping of names to values ({enable_thinking: false})");
+}
+
 TEST(Config, OutOfRangeAndChoices) {
   // Sizes that are multiplied together (the filter cap, the staleness gate) have bounds.
   EXPECT_EQ(config_error([] { parse_config("rollout:\n  batch_size: 99999999999\n", "j.yaml"); }),

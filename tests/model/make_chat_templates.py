@@ -7,11 +7,12 @@ conversations (text and ids), for tiller's chat templates to equal (tests/model/
 
 OUT_DIR/<name>/          tokenizer.json (byte-level BPE trained here, the format's special tokens),
                          tokenizer_config.json (chat_template, bos/eos), generation_config.json
-OUT_DIR/reference.json   per template: cases {messages, tools, add_generation_prompt, text, ids}
+OUT_DIR/reference.json   per template: cases {messages, tools, add_generation_prompt, kwargs, text, ids}
                          and observations {prompt_messages, turn, observation, role, text}
 
 The templates are written here in the formats their models publish (Qwen2.5, Llama-3.1, Mistral
-v0.3, Gemma 2, DeepSeek-V3): default system prompts, tool schemas, tool turns, trimming and the
+v0.3, Gemma 2, DeepSeek-V3, and Qwen3's thinking switch, rendered with apply_chat_template's extra
+kwargs): default system prompts, tool schemas, tool turns, trimming and the
 errors they raise. chatml and llama3 are the plain formats tiller also writes itself, to show its
 built-in ones equal them. Skips the work when OUT_DIR/stamp holds this script's hash.
 """
@@ -288,6 +289,26 @@ LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}"
           "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
+# Qwen3's thinking switch (its published template's generation prompt): enable_thinking=False
+# writes an empty <think></think> block, so the model answers without reasoning.
+QWEN3 = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' or (message['role'] == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{%- set content = message['content'] %}"
+    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
+    "{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}")
+
 TEMPLATES = {
     # name: template, special tokens (the first is BOS, then the EOS, then the rest), stop tokens
     "qwen2.5": (QWEN25, [None, "<|im_end|>", "<|im_start|>", "<|endoftext|>", "<tool_call>", "</tool_call>"],
@@ -302,6 +323,8 @@ TEMPLATES = {
                             "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
                             "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
                             "<｜tool▁output▁end｜>", "<｜tool▁sep｜>"], ["<｜end▁of▁sentence｜>"]),
+    "qwen3": (QWEN3, [None, "<|im_end|>", "<|im_start|>", "<|endoftext|>", "<think>", "</think>"],
+              ["<|im_end|>", "<|endoftext|>"]),
     "chatml": (CHATML, [None, "<|im_end|>", "<|im_start|>", "<|endoftext|>"], ["<|im_end|>"]),
     "llama3": (LLAMA3, ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"], ["<|eot_id|>"]),
 }
@@ -331,6 +354,10 @@ CASES = {
     "tools": [([U1], [WEATHER, CALC], True), ([SYS, U1], [CALC], True)],
     "tool_turns": [([U1, CALL, RESULT], [CALC], True), ([U1, CALL, RESULT, A1], [CALC], False)],
     "tool_result": [([U1, {"role": "assistant", "content": "Let me compute."}, {"role": "tool", "content": "51"}], None, True)],
+    # The template's own variables (data.chat_template_kwargs), as apply_chat_template(**kwargs).
+    "thinking": [([U1], None, True, {"enable_thinking": False}), ([SYS, U1], None, True, {"enable_thinking": True}),
+                 ([U1, {"role": "assistant", "content": "<think>\nAdd.\n</think>\n\n42."}, U2], None, True,
+                  {"enable_thinking": False})],
 }
 SUPPORTS = {
     "qwen2.5": ["plain", "system", "tools", "tool_turns", "tool_result"],
@@ -338,18 +365,19 @@ SUPPORTS = {
     "mistral": ["plain", "system", "tools", "tool_turns"],
     "gemma": ["plain"],
     "deepseek": ["plain", "system", "tool_result"],
+    "qwen3": ["plain", "system", "tool_result", "thinking"],
     "chatml": ["plain", "system"],
     "llama3": ["plain", "system"],
 }
 # Multi-turn rollouts: a prompt, the model's turn, an environment's answer in `role`.
-OBSERVATIONS = {"qwen2.5": "tool", "llama3.1": "tool", "mistral": "user", "gemma": "user", "deepseek": "tool",
+OBSERVATIONS = {"qwen2.5": "tool", "llama3.1": "tool", "mistral": "user", "gemma": "user", "deepseek": "tool", "qwen3": "tool",
                 "chatml": "user", "llama3": "user"}
 
 
 def corpus():
     lines = []
     for case_list in CASES.values():
-        for msgs, tools, _ in case_list:
+        for msgs, tools, *_ in case_list:
             lines += [m["content"] for m in msgs]
             if tools:
                 lines.append(json.dumps(tools))
@@ -388,11 +416,12 @@ def main():
         hf = AutoTokenizer.from_pretrained(str(d))
         cases = []
         for kind in SUPPORTS[name]:
-            for msgs, tools, gen in CASES[kind]:
-                text = hf.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False)
+            for msgs, tools, gen, *rest in CASES[kind]:
+                kwargs = rest[0] if rest else {}
+                text = hf.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False, **kwargs)
                 ids = list(hf(text, add_special_tokens=False)["input_ids"])
                 cases.append({"kind": kind, "messages": msgs, "tools": tools, "add_generation_prompt": gen,
-                              "text": text, "ids": ids})
+                              "kwargs": kwargs, "text": text, "ids": ids})
         observations = []
         role = OBSERVATIONS[name]
         for prompt in ([U1], [U1, A1, U2]):

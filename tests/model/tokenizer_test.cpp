@@ -178,7 +178,10 @@ TEST_P(JinjaChatTemplate, EqualsTransformersTokenForToken) {
   EXPECT_EQ(load_chat_template("auto", template_dir(name), *tok).format(), ChatFormat::kJinja);  // the model's own first
   const auto ref = template_reference()[name];
   for (const auto& c : ref["cases"]) {
-    const std::string text = chat.render(messages_of(c["messages"]), c["add_generation_prompt"].get<bool>(),
+    // The template's extra variables (data.chat_template_kwargs), as apply_chat_template's kwargs.
+    const bool kwargs = c.contains("kwargs") && !c["kwargs"].empty();
+    const ChatTemplate with = kwargs ? load_chat_template("model", template_dir(name), *tok, c["kwargs"].dump()) : chat;
+    const std::string text = with.render(messages_of(c["messages"]), c["add_generation_prompt"].get<bool>(),
                                          c["tools"].is_null() ? "" : c["tools"].dump());
     EXPECT_EQ(text, c["text"].get<std::string>()) << name << " " << c["kind"] << ": " << c["messages"].dump();
     EXPECT_EQ(tok->encode(text), c["ids"].get<std::vector<int64_t>>()) << name << " " << c["kind"];
@@ -199,7 +202,8 @@ TEST_P(JinjaChatTemplate, EqualsTransformersTokenForToken) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, JinjaChatTemplate,
-                         ::testing::Values("qwen2.5", "llama3.1", "mistral", "gemma", "deepseek", "chatml", "llama3"),
+                         ::testing::Values("qwen2.5", "llama3.1", "mistral", "gemma", "deepseek", "qwen3", "chatml",
+                                           "llama3"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            std::replace(n.begin(), n.end(), '.', '_');
@@ -246,6 +250,18 @@ TEST(ChatTemplate, ErrorsNameTheTemplateAndWhatToDo) {
   EXPECT_THROW(load_chat_template("vicuna", tok_dir("qwen2"), *q), ConfigError);
   EXPECT_THROW(load_chat_template("/nonexistent/t.jinja", tok_dir("qwen2"), *q), ConfigError);
   EXPECT_THROW(ChatTemplate(ChatFormat::kChatML).render({{"user", "u"}}, true, "[]"), ConfigError);  // no tools there
+  // data.chat_template_kwargs: a built-in format has no variables, tiller's own names are refused,
+  // and the kwargs reach the template (Qwen3's switch, over its default of thinking).
+  EXPECT_THROW(load_chat_template("auto", tok_dir("qwen2"), *q, R"({"enable_thinking": false})"), ConfigError);
+  EXPECT_NO_THROW(load_chat_template("none", tok_dir("qwen2"), *q, R"({"enable_thinking": false})"));
+  auto q3 = load_tokenizer(template_dir("qwen3"));
+  EXPECT_THROW(load_chat_template("model", template_dir("qwen3"), *q3, R"({"add_generation_prompt": false})"),
+               ConfigError);
+  EXPECT_THROW(load_chat_template("model", template_dir("qwen3"), *q3, "[1]"), ConfigError);
+  const std::string thinking = load_chat_template("model", template_dir("qwen3"), *q3).render({{"user", "u"}});
+  const std::string direct =
+      load_chat_template("model", template_dir("qwen3"), *q3, R"({"enable_thinking": false})").render({{"user", "u"}});
+  EXPECT_EQ(direct, thinking + "<think>\n\n</think>\n\n");
   // A .jinja file of one's own.
   std::filesystem::create_directories(test::scratch_dir());
   const std::string file = test::scratch_dir() + "/plain.jinja";

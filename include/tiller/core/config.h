@@ -301,6 +301,7 @@ struct DataConfig {
   std::string input_template;
   bool apply_chat_template = false;
   std::string chat_template = "auto";  // auto | model | chatml | llama3 | none | a .jinja file
+  std::string chat_template_kwargs;     // a JSON object's text: the Jinja template's extra variables ("": none)
   std::string tools_key = "tools";     // a prompt's tool schemas for the chat template
   bool shuffle = true;
   std::int64_t max_samples = 0;

@@ -73,7 +73,12 @@ class ChatTemplate {
 // Python, else ChatML or Llama-3 by the tokenizer's special tokens with a warning, else none), "model" (its Jinja template; ConfigError when it
 // has none), "chatml", "llama3", "none", or a path to a .jinja file. `model_dir` holds
 // tokenizer_config.json, chat_template.jinja and the special tokens' definitions.
-ChatTemplate load_chat_template(const std::string& choice, const std::string& model_dir, const Tokenizer& tok);
+// `kwargs_json`: a JSON object of extra variables for a Jinja template (data.chat_template_kwargs,
+// e.g. {"enable_thinking": false}), over the special tokens' names as transformers' kwargs are;
+// ConfigError when it names one of messages, tools, documents, add_generation_prompt, or when the
+// template chosen is a built-in format (which has no variables).
+ChatTemplate load_chat_template(const std::string& choice, const std::string& model_dir, const Tokenizer& tok,
+                                const std::string& kwargs_json = "");
 
 // A job's template: data.chat_template of `model_dir` when data.apply_chat_template, else none.
 ChatTemplate job_chat_template(const DataConfig& data, const std::string& model_dir, const Tokenizer& tok);
