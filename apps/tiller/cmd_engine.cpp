@@ -72,6 +72,7 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
   o.engine.async_scheduling = !o.no_async;
   dist::Communicator* tp = o.tp > 1 ? &rc.comm() : nullptr;
   if (tp) tp->set_timeout(o.timeout_s);
+  o.model = fetch_hub_model(o.model, "--model", &env);  // a hub id: once per node (TP ranks), within 2 h
   engine::EngineWeights w = engine::load_engine_weights(o.model, env.rank(), o.tp, o.dtype, o.engine.device);
   if (!o.lora.empty()) {  // a PEFT adapter, unmerged beside the base (fp32, each rank its slice)
     const model::PeftAdapter a = model::read_peft_adapter(o.lora, w.config);
@@ -133,7 +134,7 @@ std::string read_engine_token(const std::string& file, const char* flag) {
 void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   auto* cmd = app.add_subcommand("engine", "Serve one inference engine over gRPC (mpirun -np N for --tp N)");
   auto o = std::make_shared<EngineCmdOptions>();
-  cmd->add_option("--model", o->model, "HF model directory (config.json + safetensors)")->required();
+  cmd->add_option("--model", o->model, "HF model directory (config.json + safetensors), or a hub id (Org/Name[@rev]): from the HF cache, or downloaded")->required();
   cmd->add_option("--host", o->host,
                   "Address to bind (default 127.0.0.1: this machine only; another address needs a token or "
                   "--insecure)");

@@ -175,6 +175,8 @@ std::vector<Prompt> read_prompts(const GenerateOptions& o, const model::Tokenize
 }
 
 int run_generate(GenerateOptions o) {
+  o.model = fetch_hub_model(o.model, "--model");  // a hub id: from the cache, or downloaded
+  if (!o.tokenizer.empty()) o.tokenizer = fetch_hub_model(o.tokenizer, "--tokenizer");
   model::LoadedModel m;
   if (!o.lora.empty() && !o.engine.empty())
     throw ConfigError("--lora with --engine: the engine serves the weights and adapter it loaded; start it with "
@@ -262,7 +264,8 @@ struct MergeLoraOptions {
 
 // A full Hugging Face checkpoint: the base with a PEFT adapter merged into its weights as PEFT's
 // merge_and_unload does, and the base's other files (config, tokenizer, generation config).
-int run_merge_lora(const MergeLoraOptions& o) {
+int run_merge_lora(MergeLoraOptions o) {
+  o.model = fetch_hub_model(o.model, "--model");  // a hub id: from the cache, or downloaded
   const model::ModelConfig cfg = model::load_model_config(o.model);
   const model::PeftAdapter a = model::read_peft_adapter(o.lora, cfg);
   std::optional<at::ScalarType> dtype;
@@ -330,7 +333,7 @@ void add_model_commands(CLI::App& app, Runner& run) {
   auto* gen = app.add_subcommand(
       "generate", "Sample from a checkpoint with the reference sampler, or on a running engine (--engine); writes JSONL");
   auto go = std::make_shared<GenerateOptions>();
-  gen->add_option("--model", go->model, "HF model directory (config.json + safetensors)")->required();
+  gen->add_option("--model", go->model, "HF model directory (config.json + safetensors), or a hub id (Org/Name[@rev]): from the HF cache, or downloaded")->required();
   gen->add_option("--prompts", go->prompts, "JSONL file, one prompt per line")->required();
   gen->add_option("--out", go->out, "Write JSONL here (default: stdout)");
   gen->add_option("--tokenizer", go->tokenizer, "Tokenizer directory (default: --model)");
@@ -367,7 +370,7 @@ void add_model_commands(CLI::App& app, Runner& run) {
 
   auto* ml = app.add_subcommand("merge-lora", "Merge a PEFT LoRA adapter into its base: a full HF checkpoint");
   auto mo = std::make_shared<MergeLoraOptions>();
-  ml->add_option("--model", mo->model, "The base: an HF model directory")->required();
+  ml->add_option("--model", mo->model, "The base: an HF model directory, or a hub id (Org/Name[@rev])")->required();
   ml->add_option("--lora", mo->lora, "The PEFT adapter directory")->required();
   ml->add_option("--to", mo->to, "Output directory (the base's config and tokenizer files are copied)")->required();
   ml->add_option("--dtype", mo->dtype, "bf16, fp16 or fp32 (default: each weight's dtype in the base)");

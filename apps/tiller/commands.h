@@ -28,6 +28,11 @@ using Runner = std::function<int()>;
 // set (then a missing model is a ConfigError saying what to run). Collective over the world when
 // the config names a hub id; nothing otherwise. hub_models.cpp.
 void fetch_hub_models(JobConfig& cfg, dist::MpiEnv& env);
+// One command-line model (`key`: "--model") the same way: `spec` when it is a folder, else its
+// snapshot folder, downloaded first when missing (by each node's lowest rank of `env` when it has
+// several ranks, else by this process).
+std::string fetch_hub_model(const std::string& spec, const std::string& key, dist::MpiEnv* env = nullptr,
+                            double timeout_s = 7200.0);
 
 // A benchmark's result: one JSON line on stdout, and the same in `out` when it is not empty
 // (IoError names the file when it cannot be written).

@@ -105,24 +105,24 @@ std::vector<HubModelRef> hub_models(const JobConfig& cfg) {
   return out;
 }
 
-void resolve_hub_models(JobConfig& cfg, bool strict) {
-  for_each_model(cfg, [&](std::string& model, const char* key) {
-    const auto id = parse_hub_id(model);
-    if (!id) return;
-    if (const auto snapshot = find_hub_snapshot(*id)) {
-      model = *snapshot;
-      return;
-    }
-    if (strict) {
-      std::error_code ec;
-      throw ConfigError(fmt::format(
+std::string resolve_hub_model(const std::string& spec, const std::string& key, bool strict) {
+  const auto id = parse_hub_id(spec);
+  if (!id) return spec;
+  if (const auto snapshot = find_hub_snapshot(*id)) return *snapshot;
+  if (strict) {
+    std::error_code ec;
+    throw ConfigError(fmt::format(
           "{} = '{}': no such folder (relative paths start from {}), and as a Hugging Face hub id it is not in the "
           "cache ({}; HF_HUB_CACHE or HF_HOME set it) at revision {}{}; give an existing folder, or download it on "
           "every node first: huggingface-cli download {} --revision {}",
-          key, model, fs::current_path(ec).string(), hub_cache_dir(), id->revision,
+          key, spec, fs::current_path(ec).string(), hub_cache_dir(), id->revision,
           hub_offline() ? " (HF_HUB_OFFLINE is set, so tiller does not download it)" : "", id->repo, id->revision));
-    }
-  });
+  }
+  return spec;
+}
+
+void resolve_hub_models(JobConfig& cfg, bool strict) {
+  for_each_model(cfg, [&](std::string& model, const char* key) { model = resolve_hub_model(model, key, strict); });
 }
 
 }  // namespace tiller

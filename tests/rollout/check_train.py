@@ -87,7 +87,7 @@ CASE:
                from a stand-in for the hub on a local socket (fake_hub.py, HF_ENDPOINT), each file
                once for the node's 3 ranks, and one step trains; the second run finds it in the
                cache and asks the hub nothing. With HF_HUB_OFFLINE=1, or an id the hub lacks, the
-               job ends at once with one line.
+               job ends at once with one line. tiller generate --model takes a hub id the same way.
   hybrid_tp    hybrid engines at TP 2 and TP 4 (4 actor ranks, a model with 4 KV heads) generate
                the tokens of TP 1 engines, greedy, step for step.
 """
@@ -1609,8 +1609,8 @@ def check_hybrid_tp():
 
 
 def check_hub():
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fake_hub.py"), f"tiller-test/tiny-qwen2={MODEL}"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fake_hub.py"), f"tiller-test/tiny-qwen2={MODEL}",
+                             f"tiller-test/tiny-gen={MODEL}"], stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline().split()[1])
         endpoint = f"http://127.0.0.1:{port}"
@@ -1668,6 +1668,16 @@ def check_hub():
                 "download from the Hugging Face hub" not in line[0]:
             fail(f"hub missing id: exit {p.returncode}:\n{p.stdout[-2000:]}")
         print(f"hub: an unknown id, one line: {line[0][:240]}")
+        # tiller generate --model with a hub id: downloaded by the one process, then generated from.
+        env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HUB_CACHE=str(cache), HF_HUB_DISABLE_TELEMETRY="1")
+        env.pop("HF_HUB_OFFLINE", None)
+        p = subprocess.run([TILLER, "generate", "--model", "tiller-test/tiny-gen", "--prompts", str(PROMPTS), "--greedy",
+                            "--max-new-tokens", "4", "--out", str(SCRATCH / "hub_generate.jsonl")],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, env=env)
+        if p.returncode != 0 or counts().get("revision:tiller-test/tiny-gen") != 1 or \
+                not (SCRATCH / "hub_generate.jsonl").read_text().strip():
+            fail(f"hub generate: exit {p.returncode}, {counts()}:\n{p.stdout[-2000:]}")
+        print("hub: tiller generate --model tiller-test/tiny-gen downloaded it and generated")
     finally:
         proc.kill()
         proc.wait()

@@ -47,6 +47,11 @@ struct HubModelRef {
 // found in the cache or not.
 std::vector<HubModelRef> hub_models(const JobConfig& cfg);
 
+// `spec` as its snapshot folder when it is a hub id in the cache; a folder (or any non-id) as it
+// is. A hub id not in the cache: `strict`, a ConfigError naming `key` ("--model",
+// "roles.actor.model") and the command that downloads it; otherwise `spec` as it is.
+std::string resolve_hub_model(const std::string& spec, const std::string& key, bool strict);
+
 // Replaces every model given as a hub id (roles.*.model, engines.model) with its snapshot folder.
 // `strict`: a hub id not in the cache is a ConfigError naming the key and the command that
 // downloads it; otherwise it is left as it is (tiller plan and config read configs on machines
