@@ -1,0 +1,114 @@
+// FP8 (e4m3) block and group quantization (model/fp8.h) against e4m3's rounding worked out by hand
+// and the documented scales.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "tiller/core/error.h"
+#include "tiller/model/fp8.h"
+
+namespace tiller::model::fp8 {
+namespace {
+
+std::vector<float> values(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kFloat).contiguous().view(-1);
+  return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+}
+
+// A block whose largest magnitude is 448 has scale 1, so its values are e4m3's own: round to
+// nearest, ties to even (3 mantissa bits), subnormals in steps of 2^-9, and 448 the largest.
+TEST(Fp8, ABlockOfScaleOneRoundsAsE4m3) {
+  const std::vector<float> in = {448.0f, 1.0f, 1.0625f, 1.1875f, 1.125f, -3.3f, 0.0f, std::ldexp(1.0f, -9),
+                                 std::ldexp(1.0f, -10), 3 * std::ldexp(1.0f, -10), 17.0f, 19.0f, -240.0f, 232.0f};
+  // 1.0625 lies halfway between 1 and 1.125 (to 1: even mantissa); 1.1875 between 1.125 and 1.25
+  // (to 1.25); -3.3 between -3.25 and -3.5 (nearer -3.25); 2^-10 halfway to 0 (to 0); 3*2^-10
+  // between 2^-9 and 2^-8 (to 2^-8, even); 17 between 16 and 18 (to 16), 19 to 20; 232 between
+  // 224 and 240 (to 224, even).
+  const std::vector<float> want = {448.0f, 1.0f, 1.0f, 1.25f, 1.125f, -3.25f, 0.0f, std::ldexp(1.0f, -9),
+                                   0.0f, std::ldexp(1.0f, -8), 16.0f, 20.0f, -240.0f, 224.0f};
+  const BlockQuantized b = quantize_blocks(at::tensor(in).view({1, -1}));
+  EXPECT_EQ(b.q.scalar_type(), at::kFloat8_e4m3fn);
+  ASSERT_EQ(b.scale.sizes(), (std::vector<int64_t>{1, 1}));
+  EXPECT_EQ(b.scale.item<float>(), 1.0f);
+  EXPECT_EQ(values(b.q), want);
+  EXPECT_EQ(values(dequantize_blocks(b, at::kFloat)), want);
+}
+
+// Each 128x128 block gets its own scale, amax / 448, so its largest magnitude quantizes to 448
+// exactly and every value keeps 3 mantissa bits of its own (relative error at most 2^-4, or 2^-10
+// of the scale below e4m3's normal range); edge blocks cover what is left.
+TEST(Fp8, EachBlockHasItsOwnScale) {
+  at::manual_seed(3);
+  const int64_t n = 300, k = 200;  // 3 x 2 blocks, the last row and column partial
+  at::Tensor w = at::randn({n, k});
+  w.narrow(0, 0, 128).narrow(1, 0, 128).mul_(1000);  // blocks of very different magnitudes
+  w.narrow(0, 256, 44).narrow(1, 128, 72).mul_(1e-3);
+  w.narrow(0, 128, 128).narrow(1, 128, 72).zero_();  // a block of zeros
+  const BlockQuantized b = quantize_blocks(w);
+  ASSERT_EQ(b.scale.sizes(), (std::vector<int64_t>{3, 2}));
+  ASSERT_EQ(b.q.sizes(), w.sizes());
+  for (int64_t i = 0; i < 3; ++i)
+    for (int64_t j = 0; j < 2; ++j) {
+      const int64_t rows = std::min<int64_t>(128, n - i * 128), cols = std::min<int64_t>(128, k - j * 128);
+      const at::Tensor block = w.narrow(0, i * 128, rows).narrow(1, j * 128, cols);
+      const float amax = block.abs().max().item<float>();
+      const float scale = b.scale[i][j].item<float>();
+      if (amax == 0) {
+        EXPECT_EQ(scale, 1.0f);
+        EXPECT_EQ(b.q.narrow(0, i * 128, rows).narrow(1, j * 128, cols).to(at::kFloat).abs().max().item<float>(), 0);
+        continue;
+      }
+      EXPECT_FLOAT_EQ(scale, amax / 448.0f) << i << "," << j;
+      EXPECT_EQ(b.q.narrow(0, i * 128, rows).narrow(1, j * 128, cols).to(at::kFloat).abs().max().item<float>(), 448.0f);
+    }
+  const at::Tensor d = dequantize_blocks(b, at::kFloat);
+  const at::Tensor scale_per_value = b.scale.repeat_interleave(128, 0).repeat_interleave(128, 1).narrow(0, 0, n).narrow(1, 0, k);
+  const at::Tensor bound = at::maximum(w.abs() * std::ldexp(1.0, -4), scale_per_value * std::ldexp(1.0, -10));
+  EXPECT_TRUE(((d - w).abs() <= bound * 1.0001).all().item<bool>());
+  EXPECT_EQ(dequantize_blocks(b, at::kBFloat16).scalar_type(), at::kBFloat16);
+}
+
+// Activations: one scale per token and group of 128 features.
+TEST(Fp8, GroupsScaleEachTokensFeaturesApart) {
+  at::manual_seed(5);
+  at::Tensor x = at::randn({2, 3, 300});
+  x[1][2].mul_(100);
+  const GroupQuantized g = quantize_groups(x);
+  ASSERT_EQ(g.scale.sizes(), (std::vector<int64_t>{2, 3, 3}));
+  for (int64_t t = 0; t < 3; ++t)
+    for (int64_t j = 0; j < 3; ++j) {
+      const int64_t width = std::min<int64_t>(128, 300 - j * 128);
+      EXPECT_FLOAT_EQ(g.scale[1][t][j].item<float>(),
+                      x[1][t].narrow(0, j * 128, width).abs().max().item<float>() / 448.0f);
+    }
+  const at::Tensor d = dequantize_groups(g, at::kFloat);
+  const at::Tensor s = g.scale.repeat_interleave(128, -1).narrow(-1, 0, 300);
+  EXPECT_TRUE(((d - x).abs() <= at::maximum(x.abs() * std::ldexp(1.0, -4), s * std::ldexp(1.0, -10)) * 1.0001)
+                  .all()
+                  .item<bool>());
+}
+
+// The emulated FP8 GEMM is the product of the two dequantized operands in fp32, near the exact one.
+TEST(Fp8, TheEmulatedLinearIsTheProductOfTheDequantizedOperands) {
+  at::manual_seed(7);
+  const at::Tensor x = at::randn({5, 256}), w = at::randn({96, 256});
+  const BlockQuantized b = quantize_blocks(w);
+  const at::Tensor y = linear_emulated(x, b);
+  const at::Tensor want = at::matmul(dequantize_groups(quantize_groups(x), at::kFloat), dequantize_blocks(b, at::kFloat).t());
+  EXPECT_TRUE(at::allclose(y, want, 1e-6, 1e-5));
+  // Against the unquantized product: each operand's relative error is at most 2^-4.
+  const at::Tensor exact = at::matmul(x.to(at::kDouble), w.to(at::kDouble).t());
+  const double rel = ((y.to(at::kDouble) - exact).norm() / exact.norm()).item<double>();
+  EXPECT_LT(rel, 0.06);
+  EXPECT_GT(rel, 1e-4);  // it is quantized
+  EXPECT_EQ(linear_emulated(x.to(at::kBFloat16), b).scalar_type(), at::kBFloat16);
+  EXPECT_THROW(linear_emulated(at::randn({2, 100}), b), ConfigError);
+  EXPECT_THROW(quantize_blocks(at::randn({2, 3, 4})), ConfigError);
+  EXPECT_THROW(quantize_blocks(w, 0), ConfigError);
+}
+
+}  // namespace
+}  // namespace tiller::model::fp8
