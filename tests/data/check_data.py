@@ -187,11 +187,12 @@ tc["chat_template"] = (
 tc_path.write_text(json.dumps(tc))
 real_out = SCRATCH / "real_gsm8k"
 shutil.rmtree(real_out, ignore_errors=True)
-args = [MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", "2", "-x", f"HF_HUB_CACHE={hub}", str(Path(TILLER).resolve()), "train", "-c",
-        str(REPO / "configs" / "real" / "qwen2.5-0.5b-instruct-gsm8k-grpo-1gpu.yaml")]
+args = [MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", "2", "-x", f"HF_HUB_CACHE={hub}",
+        str(Path(TILLER).resolve()), "train", "-c", str(REPO / "configs" / "real" / "qwen2.5-0.5b-instruct-gsm8k-grpo-1gpu.yaml")]
 for kv in ["cluster.device=cpu", "roles.actor.dtype=fp32", "roles.ref.dtype=fp32", f"run.output_dir={real_out}",
            "checkpoint.dir=", f"data.prompts={gsm_out / 'prompts.jsonl'}", f"eval.prompts={gsm_out / 'prompts.jsonl'}",
-           "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_prompt_tokens=256", "rollout.max_new_tokens=8",
+           "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_prompt_tokens=256",
+           "rollout.max_new_tokens=8",
            "eval.max_new_tokens=8", "engines.max_num_seqs=8", "train.train_batch_size=4", "train.num_steps=1",
            "rollout.micro_batch_tokens=2048", "train.micro_batch_tokens=2048", "engines.max_batched_tokens=2048",
            "timeouts.startup_s=120"]:
