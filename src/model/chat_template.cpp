@@ -271,10 +271,10 @@ ordered_json template_variables(const fs::path& dir, const std::string& kwargs_j
   try {
     kwargs = ordered_json::parse(kwargs_json);
   } catch (const std::exception& e) {
-    throw ConfigError(fmt::format("data.chat_template_kwargs = '{}' is not a JSON object: {}", kwargs_json, e.what()));
+    throw ConfigError(fmt::format("data.chat_template_kwargs (generate: --chat-template-kwargs) = '{}' is not a JSON object: {}", kwargs_json, e.what()));
   }
   if (!kwargs.is_object())
-    throw ConfigError(fmt::format("data.chat_template_kwargs = '{}' is not a mapping of names to values", kwargs_json));
+    throw ConfigError(fmt::format("data.chat_template_kwargs (generate: --chat-template-kwargs) = '{}' is not a mapping of names to values", kwargs_json));
   for (const auto& [k, v] : kwargs.items()) {
     if (k == "messages" || k == "tools" || k == "documents" || k == "add_generation_prompt")
       throw ConfigError(fmt::format("data.chat_template_kwargs: '{}' is set by tiller for each conversation; remove it",

@@ -20,14 +20,29 @@ at::Tensor scale_of(const at::Tensor& amax) {
   return at::where(amax > 0, amax / kE4m3Max, at::ones_like(amax));
 }
 
-// `scale` [nb, kb] expanded over the blocks and cut to [n, k].
-at::Tensor expand_blocks(const at::Tensor& scale, int64_t block, int64_t n, int64_t k) {
-  return scale.repeat_interleave(block, 0).repeat_interleave(block, 1).narrow(0, 0, n).narrow(1, 0, k);
+// `x` [n, k] zero-padded to whole blocks and seen as [nb, block, kb, block] (zeros change no
+// block's largest magnitude); the scales then apply by broadcasting, without an expanded copy.
+at::Tensor as_blocks(const at::Tensor& x, int64_t block) {
+  const int64_t n = x.size(0), k = x.size(1), nb = ceil_div(n, block), kb = ceil_div(k, block);
+  return at::constant_pad_nd(x, {0, kb * block - k, 0, nb * block - n}, 0).view({nb, block, kb, block});
+}
+// The inverse: [nb, block, kb, block] back to [n, k].
+at::Tensor from_blocks(const at::Tensor& b, int64_t n, int64_t k) {
+  return b.view({b.size(0) * b.size(1), b.size(2) * b.size(3)}).narrow(0, 0, n).narrow(1, 0, k);
 }
 
-// `scale` [..., groups] expanded along the last axis and cut to k.
-at::Tensor expand_groups(const at::Tensor& scale, int64_t group, int64_t k) {
-  return scale.repeat_interleave(group, -1).narrow(-1, 0, k);
+// `x` [..., k] zero-padded to whole groups and seen as [..., g, group].
+at::Tensor as_groups(const at::Tensor& x, int64_t group) {
+  const int64_t k = x.size(-1), g = ceil_div(k, group);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(g);
+  shape.push_back(group);
+  return at::constant_pad_nd(x, {0, g * group - k}, 0).view(shape);
+}
+at::Tensor from_groups(const at::Tensor& g, int64_t k) {
+  std::vector<int64_t> shape(g.sizes().begin(), g.sizes().end() - 2);
+  shape.push_back(g.size(-2) * g.size(-1));
+  return g.reshape(shape).narrow(-1, 0, k);
 }
 
 }  // namespace
@@ -35,39 +50,30 @@ at::Tensor expand_groups(const at::Tensor& scale, int64_t group, int64_t k) {
 BlockQuantized quantize_blocks(const at::Tensor& w, int64_t block) {
   check_size(block, "block");
   if (w.dim() != 2) throw ConfigError(fmt::format("fp8: a block-quantized weight is 2-D, not {}-D", w.dim()));
-  const int64_t n = w.size(0), k = w.size(1), nb = ceil_div(n, block), kb = ceil_div(k, block);
-  const at::Tensor w32 = w.to(at::kFloat);
-  // Zeros pad the edge blocks to whole ones; they change no block's largest magnitude.
-  const at::Tensor padded = at::constant_pad_nd(w32, {0, kb * block - k, 0, nb * block - n}, 0);
-  const at::Tensor amax = padded.abs().view({nb, block, kb, block}).amax({1, 3});
-  const at::Tensor scale = scale_of(amax);
-  const at::Tensor q = (w32 / expand_blocks(scale, block, n, k)).to(at::kFloat8_e4m3fn);
-  return {q, scale};
+  const at::Tensor blocks = as_blocks(w.to(at::kFloat), block);
+  const at::Tensor scale = scale_of(blocks.abs().amax({1, 3}));
+  const at::Tensor q = (blocks / scale.unsqueeze(1).unsqueeze(3)).to(at::kFloat8_e4m3fn);
+  return {from_blocks(q, w.size(0), w.size(1)).contiguous(), scale};
 }
 
 at::Tensor dequantize_blocks(const BlockQuantized& b, c10::ScalarType dtype, int64_t block) {
   check_size(block, "block");
-  const int64_t n = b.q.size(0), k = b.q.size(1);
-  return (b.q.to(at::kFloat) * expand_blocks(b.scale, block, n, k)).to(dtype);
+  const at::Tensor blocks = as_blocks(b.q.to(at::kFloat), block);
+  return from_blocks(blocks * b.scale.unsqueeze(1).unsqueeze(3), b.q.size(0), b.q.size(1)).to(dtype);
 }
 
 GroupQuantized quantize_groups(const at::Tensor& x, int64_t group) {
   check_size(group, "group");
   if (x.dim() < 1) throw ConfigError("fp8: activations need at least one axis");
-  const int64_t k = x.size(-1), g = ceil_div(k, group);
-  const at::Tensor x32 = x.to(at::kFloat);
-  const at::Tensor padded = at::constant_pad_nd(x32, {0, g * group - k}, 0);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(g);
-  shape.push_back(group);
-  const at::Tensor scale = scale_of(padded.abs().view(shape).amax(-1));
-  const at::Tensor q = (x32 / expand_groups(scale, group, k)).to(at::kFloat8_e4m3fn);
-  return {q, scale};
+  const at::Tensor groups = as_groups(x.to(at::kFloat), group);
+  const at::Tensor scale = scale_of(groups.abs().amax(-1));
+  const at::Tensor q = (groups / scale.unsqueeze(-1)).to(at::kFloat8_e4m3fn);
+  return {from_groups(q, x.size(-1)).contiguous(), scale};
 }
 
 at::Tensor dequantize_groups(const GroupQuantized& g, c10::ScalarType dtype, int64_t group) {
   check_size(group, "group");
-  return (g.q.to(at::kFloat) * expand_groups(g.scale, group, g.q.size(-1))).to(dtype);
+  return from_groups(as_groups(g.q.to(at::kFloat), group) * g.scale.unsqueeze(-1), g.q.size(-1)).to(dtype);
 }
 
 at::Tensor linear_emulated(const at::Tensor& x, const BlockQuantized& w, int64_t block) {
