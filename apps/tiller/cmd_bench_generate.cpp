@@ -23,6 +23,7 @@
 #include "tiller/core/logging.h"
 #include "tiller/engine/engine.h"
 #include "tiller/engine/engine_weights.h"
+#include "tiller/model/fp8.h"
 #include "tiller/model/weights.h"
 
 namespace tiller::cli {
@@ -35,6 +36,7 @@ struct GenBenchOptions {
   bool no_cuda_graphs = false;
   bool no_async = false;
   bool no_rope_in_attention = false;
+  bool fp8 = false;  // also an FP8 engine on the same weights, after the bf16 one
   std::string profile;
   int64_t profile_steps = 5;
   int tp = 1;                   // > 1: one engine over that many ranks (mpirun -np tp)
@@ -79,7 +81,11 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
       }
     }
   }
+  // One engine on `weights` (with `quantization`), measured; empty JSON on a TP follower.
+  auto measure = [&](const std::string& quantization, model::ModelWeights weights,
+                     bool profile) -> nlohmann::ordered_json {
   engine::EngineOptions eo;
+  eo.quantization = quantization;
   eo.device = device;
   eo.block_size = o.block_size;
   eo.limits.max_num_seqs = o.batch;
@@ -88,10 +94,10 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
   eo.cuda_graphs = !o.no_cuda_graphs;
   eo.async_scheduling = !o.no_async;
   eo.rope_in_attention = !o.no_rope_in_attention;
-  engine::Engine e(cfg, std::move(w), eo, o.tp > 1 ? &rc.comm() : nullptr);
+  engine::Engine e(cfg, std::move(weights), eo, o.tp > 1 ? &rc.comm() : nullptr);
   if (!e.is_leader()) {
     e.follow();  // the leader's steps, until its shutdown()
-    return 0;
+    return nlohmann::ordered_json();
   }
 
   std::mt19937_64 rng(1);
@@ -138,9 +144,13 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
     const double k = static_cast<double>(cfg.experts_per_token), n = static_cast<double>(cfg.num_experts);
     expert_share = 1 - std::pow(1 - k / n, static_cast<double>(o.batch));
   }
+  const bool fp8 = quantization == "fp8";
   for (const auto& [name, t] : e.parameters()) {
-    const double bytes = static_cast<double>(t.numel() * t.element_size());
-    weight_bytes += name.find(".experts.") != std::string::npos ? bytes * expert_share : bytes;
+    const bool expert = name.find(".experts.") != std::string::npos;
+    // An FP8 engine reads its projections (not the routed experts) as one byte per element.
+    const bool in_fp8 = fp8 && !expert && name.find("_proj.weight") != std::string::npos;
+    const double bytes = static_cast<double>(t.numel() * (in_fp8 ? 1 : t.element_size()));
+    weight_bytes += expert ? bytes * expert_share : bytes;
   }
   const double kv_per_token =
       2.0 * static_cast<double>(cfg.num_layers * cfg.kv_size()) * at::elementSize(dtype) / static_cast<double>(o.tp);
@@ -153,6 +163,8 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
                            {"model", o.model},
                            {"device", device},
                            {"dtype", o.dtype},
+                           {"quantization", quantization},
+                           {"fp8_tensor_cores", fp8 && model::fp8::tensor_cores(at::Device(device))},
                            {"tp", o.tp},
                            {"batch", o.batch},
                            {"prompt", o.prompt},
@@ -173,7 +185,7 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
                            {"launched_ahead", stats.launched_ahead - steps_before.launched_ahead},
                            {"preemptions", stats.preemptions - steps_before.preemptions},
                            {"kv_blocks", stats.kv_blocks_total}};
-  if (!o.profile.empty()) {  // the same batch again, a few decode steps under the profiler
+  if (profile) {  // the same batch again, a few decode steps under the profiler
     std::mt19937_64 prof_rng(2);
     for (int64_t i = 0; i < o.batch; ++i) {
       engine::Request r;
@@ -200,6 +212,26 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
     j["profile_steps"] = o.profile_steps;
   }
   e.shutdown();  // ends the followers' follow()
+  return j;
+  };
+
+  nlohmann::ordered_json j;
+  if (!o.fp8) {
+    j = measure("none", std::move(w), !o.profile.empty());
+  } else {
+    // The same weights twice: the bf16 engine first (its fused copies are freed with it), then the
+    // FP8 one, and their ratio.
+    const nlohmann::ordered_json base = measure("none", w, false);
+    const nlohmann::ordered_json q = measure("fp8", std::move(w), !o.profile.empty());
+    if (!base.is_null()) {
+      const double b = base["decode_tokens_per_s"].get<double>(), f = q["decode_tokens_per_s"].get<double>();
+      j = {{"bench", "tiller_generate_fp8"}, {"bf16", base}, {"fp8", q},
+           {"fp8_decode_speedup", b > 0 ? f / b : 0},
+           {"fp8_speedup", base["tokens_per_s"].get<double>() > 0
+                               ? q["tokens_per_s"].get<double>() / base["tokens_per_s"].get<double>() : 0}};
+    }
+  }
+  if (j.is_null()) return 0;  // a TP follower
   const std::string text = j.dump();
   std::printf("%s\n", text.c_str());
   if (!o.out.empty()) write_file_atomic(o.out, text + "\n");
@@ -221,6 +253,9 @@ void add_bench_generate(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   g->add_option("--hbm-gbps", o->hbm_gbps, "Memory bandwidth for the floor, GB/s")->check(CLI::Range(1.0, 1e6));
   g->add_option("--out", o->out, "Also write the JSON here");
   g->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "Run decode steps eagerly");
+  g->add_flag("--fp8", o->fp8,
+              "Measure an FP8 engine (engines.quantization: fp8) after the bf16 one, on the same weights, and report "
+              "both and their ratio");
   add_logprob_match(g, o->logprob_match);
   add_expert_kernels(g, o->experts);
   g->add_flag("--no-rope-in-attention", o->no_rope_in_attention,

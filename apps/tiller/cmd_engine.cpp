@@ -152,6 +152,9 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   cmd->add_option("--num-blocks", o->engine.num_blocks, "KV blocks (default: from --kv-cache-gb or free memory)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--kv-cache-gb", o->engine.kv_cache_gb, "KV cache size in GiB")->check(CLI::Range(0.001, 65536.0));
+  cmd->add_option("--quantization", o->engine.quantization,
+                  "none, or fp8: the linear layers in 128x128 blocks of e4m3, their GEMMs in FP8 (docs/engine.md)")
+      ->check(CLI::IsMember({"none", "fp8"}));
   cmd->add_option("--gpu-memory-fraction", o->engine.gpu_memory_fraction,
                   "Fraction of the free GPU memory (after the weights) for the KV cache")
       ->check(CLI::Range(0.01, 0.99));

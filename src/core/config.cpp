@@ -368,11 +368,27 @@ void JobConfig::validate() const {
   }
   if (algo.importance_correction == ImportanceCorrection::kTis && algo.tis_cap <= 0)
     throw ConfigError("algo.importance_correction = tis truncates the weights at algo.tis_cap; set it > 0 (e.g. 2)");
+  if (algo.importance_correction == ImportanceCorrection::kMis && algo.tis_cap <= 1)
+    throw ConfigError("algo.importance_correction = mis masks the weights outside [algo.is_cap_lower, algo.tis_cap]; "
+                      "set algo.tis_cap > 1 (e.g. 2)");
+  const bool leveled = algo.importance_correction == ImportanceCorrection::kTis ||
+                       algo.importance_correction == ImportanceCorrection::kMis;
+  if (algo.is_level != IsLevel::kToken && !leveled)
+    throw ConfigError(fmt::format("algo.is_level = {} applies to algo.importance_correction tis or mis; set one",
+                                  enum_name(algo.is_level)));
+  if (algo.is_cap_lower != 0 && algo.importance_correction != ImportanceCorrection::kMis)
+    throw ConfigError("algo.is_cap_lower is the lower bound of algo.importance_correction = mis; set mis or drop it");
+  if (algo.importance_correction == ImportanceCorrection::kMis && algo.is_cap_lower >= algo.tis_cap)
+    throw ConfigError(fmt::format("algo.is_cap_lower = {} must be below algo.tis_cap = {}",
+                                  format_double(algo.is_cap_lower), format_double(algo.tis_cap)));
   if (algo.importance_correction == ImportanceCorrection::kNone && algo.tis_cap > 0)
     throw ConfigError(fmt::format("algo.tis_cap = {} has no effect with algo.importance_correction = none; set "
                                   "algo.importance_correction=tis (truncated importance sampling) or decoupled",
                                   format_double(algo.tis_cap)));
   if (algo.logprob_match == LogprobMatch::kBitwise) {
+    if (engines.quantization != EngineQuantization::kNone)
+      throw ConfigError("algo.logprob_match = bitwise needs engines.quantization = none: an FP8 engine's products "
+                        "differ from the bf16 trainer's by design");
     if (engines.tp > 1)
       throw ConfigError(fmt::format("algo.logprob_match = bitwise needs engines.tp = 1 (got {}): a tensor-parallel "
                                     "engine adds partial sums across its ranks, an order the trainer does not share",
@@ -396,8 +412,9 @@ void JobConfig::validate() const {
                       : algo.kl_in_reward && algo.kl_coef > 0 && roles.ref.enabled
                           ? "algo.kl_in_reward needs the actor's log-probs before training (set algo.kl_in_reward=false "
                             "for the KL loss)"
-                      : algo.importance_correction != ImportanceCorrection::kNone
-                          ? "algo.importance_correction compares the actor's log-probs with the engine's before training"
+                      : algo.importance_correction != ImportanceCorrection::kNone || algo.is_veto > 0
+                          ? "algo.importance_correction (or algo.is_veto) compares the actor's log-probs with the "
+                            "engine's before training"
                           : nullptr;
     if (why)
       throw ConfigError(fmt::format("train.old_logprobs = forward is for strictly on-policy runs, and {}; use "
@@ -638,7 +655,9 @@ std::string config_reference_markdown() {
       "- `tiller train`: `train.train_batch_size` divides `rollout.batch_size x rollout.n_samples_per_prompt`\n"
       "  (checked by `algo::check_config`; for sft, train-rm and dpo it is the records per step, free).\n"
       "- `algo.dual_clip` is 0 (off) or greater than 1; `algo.seq_mask_ratio` is 0 (off) or greater than 1.\n"
-      "- `algo.importance_correction: tis` needs `algo.tis_cap > 0`; `algo.tis_cap > 0` needs a correction.\n"
+      "- `algo.importance_correction: tis` needs `algo.tis_cap > 0`, `mis` needs `algo.tis_cap > 1`; `algo.tis_cap > 0` "
+      "needs a correction; `algo.is_level` other than token needs tis or mis, `algo.is_cap_lower` needs mis and lies "
+      "below the cap.\n"
       "- `rollout.mode: sync` takes no `max_staleness > 0`, `partial` or `stale_policy: drop` (they are async's).\n"
       "- `rollout.filter_groups` needs `n_samples_per_prompt >= 2` and a reward other than `model`.\n"
       "- `reward.overlong_buffer` is at most `rollout.max_new_tokens` (with an environment, the sample's\n"

@@ -225,6 +225,11 @@ std::vector<Field> build() {
         "(a self-signed certificate).");
   b.add("engines.tls_server_name", TILLER_FIELD(engines.tls_server_name),
         "The name the engines' certificate must carry; empty: the engine's host name.");
+  b.add_enum("engines.quantization", TILLER_FIELD(engines.quantization),
+        "fp8: the engines hold their linear layers' weights also in 128x128 blocks of e4m3 (quantized at load and "
+        "after every weight sync) and run those GEMMs in FP8 on Hopper's tensor cores (emulated elsewhere), with "
+        "activations quantized per token and group of 128. The trainers stay bf16: pair it with "
+        "algo.importance_correction (docs/engine.md, FP8 engines).");
   b.add("engines.sync_bucket_mb", TILLER_FIELD(engines.sync_bucket_mb),
         "Largest bucket of the weight broadcast from the actor to the engines, in MiB.")
       .range(1, 65536);
@@ -315,11 +320,26 @@ std::vector<Field> build() {
   b.add_enum("algo.importance_correction", TILLER_FIELD(algo.importance_correction),
              "Off-policy correction of the policy loss against the engine's log-probs (the behaviour policy; the "
              "PPO ratio is taken against the actor's recomputed log-probs, the proximal policy). none; tis: each "
-             "token's loss weighted by w = exp(proximal - behaviour) truncated at algo.tis_cap; decoupled: "
-             "decoupled PPO, weighted by w, tokens with w > algo.tis_cap masked out (0: none masked).");
+             "token's loss weighted by w = exp(proximal - behaviour) truncated at algo.tis_cap; mis: weighted by w "
+             "where it lies in [algo.is_cap_lower, algo.tis_cap], masked out elsewhere; decoupled: decoupled PPO, "
+             "weighted by w, tokens with w > algo.tis_cap masked out (0: none masked). tis and mis take w at "
+             "algo.is_level.");
   b.add("algo.tis_cap", TILLER_FIELD(algo.tis_cap),
-        "Cap of the importance weights: truncation (tis) or mask threshold (decoupled; 0: no mask).")
+        "Cap of the importance weights: truncation (tis), upper mask bound (mis) or mask threshold (decoupled; 0: "
+        "no mask).")
       .range(0.0, 1000.0);
+  b.add_enum("algo.is_level", TILLER_FIELD(algo.is_level),
+             "tis and mis: the weight w of each token. token: its own exp(d); sequence: its sample's product of "
+             "ratios exp(sum d); geometric: their geometric mean exp(mean d). A sample-level weight is truncated "
+             "or masked as a whole.");
+  b.add("algo.is_cap_lower", TILLER_FIELD(algo.is_cap_lower),
+        "mis: the lower mask bound of the weights (0: 1 / algo.tis_cap).")
+      .range(0.0, 1.0);
+  b.add("algo.is_veto", TILLER_FIELD(algo.is_veto),
+        "Rejection: a sample with any token whose weight exp(proximal - behaviour) is below this is left out of the "
+        "policy loss (a token the engine drew and the trainer finds near impossible; e.g. 1e-4). 0: off. Counted "
+        "in off_policy/rejected_samples.")
+      .range(0.0, 1.0);
   b.add_enum("algo.logprob_match", TILLER_FIELD(algo.logprob_match),
              "off: the fastest kernels, and the engine's log-probs differ from the trainer's in their last bits "
              "(mismatch/*). bitwise: every rank runs batch-invariant forward kernels (one reduction order whatever "

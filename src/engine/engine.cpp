@@ -7,6 +7,7 @@
 
 #include "model/torch_compat.h"
 #include "tiller/dist/watchdog.h"
+#include "tiller/model/fp8.h"
 
 namespace tiller::engine {
 
@@ -126,7 +127,10 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
   if (opts.record_routes && cfg.num_experts > 32767)
     throw ConfigError(fmt::format("routing replay records experts as int16; the model has {} experts (at most 32767)",
                                   cfg.num_experts));
-  m.runner = std::make_unique<ModelRunner>(cfg, std::move(weights), device, opts.block_size, tp);
+  if (opts.quantization != "none" && opts.quantization != "fp8")
+    throw ConfigError(fmt::format("engine quantization '{}': use none or fp8", opts.quantization));
+  const bool fp8 = opts.quantization == "fp8";
+  m.runner = std::make_unique<ModelRunner>(cfg, std::move(weights), device, opts.block_size, tp, fp8);
   m.runner->set_record_routes(opts.record_routes);
   int64_t blocks = opts.num_blocks;
   if (blocks <= 0 && opts.kv_cache_gb > 0)
@@ -158,11 +162,14 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->synchronizeDevice(device.index());
     m.stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStreamFromGlobalPool(device, /*isHighPriority=*/false);
   }
-  log::info("engine: {} KV blocks of {} tokens ({:.2f} GiB), max_model_len {}, tp {}, decode: {}{}{}", blocks,
+  log::info("engine: {} KV blocks of {} tokens ({:.2f} GiB), max_model_len {}, tp {}, decode: {}{}{}{}", blocks,
             opts.block_size, static_cast<double>(blocks * m.runner->block_bytes()) / (1ull << 30), m.max_model_len,
             tp_size, m.runner->paged_decode() ? "paged kernel" : "gathered context",
             m.runner->cuda_graphs() ? fmt::format(", CUDA graphs up to batch {}", cache.max_graph_batch) : "",
-            opts.start_asleep ? " (asleep: the cache is allocated at wake)" : "");
+            opts.start_asleep ? " (asleep: the cache is allocated at wake)" : "",
+            !fp8                               ? ""
+            : model::fp8::tensor_cores(device) ? ", FP8 projections on tensor cores"
+                                               : ", FP8 projections emulated (no FP8 tensor cores here)");
 }
 
 Engine::~Engine() {
@@ -236,6 +243,8 @@ WeightSink::Result Engine::Impl::receive_weights(uint64_t version) {
   quiesce();  // the sink writes the weights from another thread (the hybrid handoff), on its stream
   if (sink) {
     r = sink->receive(version);
+    // An FP8 engine's projections follow the weights the sync wrote (each rank its own slices).
+    if (r.complete && r.base_changed) runner->requantize();
   } else {
     r.error = fmt::format("weight sync to version {}: TP rank {} has no weight sink", version, tp ? tp->rank() : 0);
   }

@@ -203,6 +203,23 @@ model::ModelConfig config_for_rank(const model::ModelConfig& cfg, int tp) {
 
 // q/k/v into one [q + 2 kv, hidden] projection and gate/up into one [2 I, hidden]: two GEMMs per
 // block instead of five. The separate tensors become views of the fused ones.
+// The FP8 engine's copies of a layer's projections (LayerWeights::qkv_fp8 ...), from its fused
+// weights; requantize_layer writes them again in place.
+std::vector<std::pair<const at::Tensor*, model::fp8::BlockQuantized*>> fp8_pairs(model::LayerWeights& w) {
+  std::vector<std::pair<const at::Tensor*, model::fp8::BlockQuantized*>> out;
+  if (w.qkv_proj.defined()) out.emplace_back(&w.qkv_proj, &w.qkv_fp8);
+  if (w.o_proj.defined()) out.emplace_back(&w.o_proj, &w.o_fp8);
+  if (w.gate_up_proj.defined()) out.emplace_back(&w.gate_up_proj, &w.gate_up_fp8);
+  if (w.down_proj.defined()) out.emplace_back(&w.down_proj, &w.down_fp8);
+  return out;
+}
+void quantize_layer(model::LayerWeights& w) {
+  for (auto [src, dst] : fp8_pairs(w)) *dst = model::fp8::quantize_blocks(*src);
+}
+void requantize_layer(model::LayerWeights& w) {
+  for (auto [src, dst] : fp8_pairs(w)) model::fp8::quantize_blocks_into(*src, *dst);
+}
+
 void fuse_projections(model::LayerWeights& w) {
   auto split = [](const at::Tensor& fused, std::initializer_list<at::Tensor*> parts) {
     int64_t at_row = 0;
@@ -268,6 +285,7 @@ struct ModelRunner::Impl {
   bool paged_rope = false;          // ... which also applies RoPE (PagedKv::rotate_with)
   std::vector<int32_t> words;       // host staging of decode inputs
   std::unique_ptr<model::StorageSwap> weight_swap;  // the weights' storages (sleep level 2)
+  bool fp8 = false;                                 // the projections' FP8 copies are used
   std::atomic<uint64_t> weight_drops{0};            // read by a hybrid handoff on the actor's thread
 
   // A launched step's draws on their way to the host: ids (int64) and log-probs (fp32), pinned
@@ -361,8 +379,11 @@ struct ModelRunner::Impl {
   }
 };
 ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weights, at::Device device,
-                         int64_t block_size, dist::Communicator* tp)
+                         int64_t block_size, dist::Communicator* tp, bool fp8)
     : local_(config_for_rank(cfg, tp ? tp->size() : 1)), device_(device) {
+  if (fp8 && model::batch_invariant())
+    throw ConfigError("algo.logprob_match = bitwise needs engines.quantization = none: the trainer computes in bf16, "
+                      "an FP8 engine's products differ from its by design");
   TILLER_CHECK(block_size > 0, "block_size must be > 0");
   if (model::batch_invariant() && tp && tp->size() > 1)
     throw ConfigError(fmt::format("algo.logprob_match = bitwise needs engines.tp = 1 (got {}): a tensor-parallel "
@@ -378,10 +399,24 @@ ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weig
     TILLER_CHECK(t.device() == device, "LoRA adapter {} is on {}, the engine on {}", name, t.device().str(), device.str());
   {
     c10::InferenceMode guard;
-    for (auto& layer : weights.layers) fuse_projections(layer);
+    for (auto& layer : weights.layers) {
+      fuse_projections(layer);
+      if (fp8) quantize_layer(layer);
+    }
   }
   impl_ = std::make_unique<Impl>(cfg, local_, std::move(weights), tp, block_size, device);
+  impl_->fp8 = fp8;
 }
+
+void ModelRunner::requantize() {
+  Impl& m = *impl_;
+  if (!m.fp8) return;
+  TILLER_CHECK(m.pending.empty(), "requantize() with a step in flight");
+  c10::InferenceMode guard;
+  for (auto& layer : m.weights.layers) requantize_layer(layer);
+}
+
+bool ModelRunner::fp8() const { return impl_->fp8; }
 
 ModelRunner::~ModelRunner() = default;
 
@@ -464,12 +499,24 @@ std::vector<at::Tensor> tensors_of(const model::NamedTensors& named) {
   for (const auto& [name, t] : named) out.push_back(t);
   return out;
 }
+
+// Every tensor of the weights' storage: the parameters and the FP8 copies.
+std::vector<at::Tensor> weight_tensors(const model::NamedTensors& params, model::ModelWeights& w) {
+  std::vector<at::Tensor> out = tensors_of(params);
+  for (auto& layer : w.layers)
+    for (auto [src, dst] : fp8_pairs(layer))
+      if (dst->defined()) {
+        out.push_back(dst->q_storage);
+        out.push_back(dst->scale_storage);
+      }
+  return out;
+}
 }  // namespace
 
 void ModelRunner::drop_weights() {
   Impl& m = *impl_;
   TILLER_CHECK(m.pending.empty(), "drop_weights() with a step in flight");
-  if (!m.weight_swap) m.weight_swap = std::make_unique<model::StorageSwap>(tensors_of(parameters()));
+  if (!m.weight_swap) m.weight_swap = std::make_unique<model::StorageSwap>(weight_tensors(parameters(), m.weights));
   m.weight_swap->drop();
   m.weight_drops.fetch_add(1);
 }
@@ -484,7 +531,7 @@ bool ModelRunner::weights_resident() const { return !impl_->weight_swap || impl_
 
 int64_t ModelRunner::weight_bytes() const {
   if (impl_->weight_swap) return impl_->weight_swap->bytes();
-  return model::StorageSwap(tensors_of(parameters())).bytes();
+  return model::StorageSwap(weight_tensors(parameters(), impl_->weights)).bytes();
 }
 
 bool ModelRunner::paged_decode() const { return impl_->paged; }

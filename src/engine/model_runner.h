@@ -32,9 +32,12 @@ namespace tiller::engine {
 
 class ModelRunner {
  public:
-  // `cfg` is the whole model's config; `weights` this rank's TP shard (see slice_for_tp).
+  // `cfg` is the whole model's config; `weights` this rank's TP shard (see slice_for_tp). With
+  // `fp8` the fused projections and o/down are also held in 128x128 blocks of e4m3, which the
+  // forward uses (LayerWeights::qkv_fp8 ...); the routed experts of a mixture, the embedding, the
+  // norms, the router and the LM head stay in the weights' dtype.
   ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weights, at::Device device, int64_t block_size,
-              dist::Communicator* tp);
+              dist::Communicator* tp, bool fp8 = false);
   ~ModelRunner();
 
   // Bytes one KV block takes on this rank (every layer, K and V).
@@ -58,7 +61,11 @@ class ModelRunner {
   void restore_weights();
   bool weights_resident() const;
   uint64_t weight_drops() const;  // drop_weights() calls so far (their contents were lost each time)
-  int64_t weight_bytes() const;  // of this rank's weights, resident or not
+  int64_t weight_bytes() const;  // of this rank's weights (FP8 copies included), resident or not
+  // FP8: quantizes the weights again into the FP8 copies, in place (after a weight sync wrote the
+  // weights). No step may be in flight. No-op without fp8.
+  void requantize();
+  bool fp8() const;
   int64_t cache_bytes() const;   // of the KV cache while allocated, else 0
   // Whether decode steps use the paged kernel / CUDA graphs (for logs and benchmarks).
   bool paged_decode() const;

@@ -275,6 +275,18 @@ RoleSpec role_spec(const JobConfig& cfg, Role r, const model::ModelConfig& mc, c
   return s;
 }
 
+// An FP8 engine's copies of its linear layers (engines.quantization: fp8; engine/model_runner.h):
+// one byte per element of q/k/v, o and the dense MLP (a sparse layer's shared expert; the routed
+// experts stay in the weights' dtype), a 4-byte scale per 128x128 block, on each of t TP ranks.
+int64_t fp8_copy_bytes(const model::ModelConfig& mc, int64_t t) {
+  int64_t elements = 0;
+  for (int64_t i = 0; i < mc.num_layers; ++i) {
+    const int64_t mlp = mc.sparse_layer(i) ? mc.shared_expert_intermediate_size : mc.intermediate_size;
+    elements += (2 * mc.q_size() + 2 * mc.kv_size()) * mc.hidden_size + 3 * mlp * mc.hidden_size;
+  }
+  return (elements + elements / (128 * 128) * 4) / t;
+}
+
 MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes,
                      zero::Recompute recompute, int64_t layers, bool keep_compute_shard) {
   MemoryPlan out;
@@ -356,15 +368,22 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       const int64_t adapters =
           lora_elements(zero::lora_spec(cfg.roles.actor.lora, *mc, "roles.actor.lora.target_modules"), *mc,
                         model::Head::kLm) * 4 / t;
+      const int64_t fp8 = cfg.engines.quantization == EngineQuantization::kFp8 ? fp8_copy_bytes(*mc, t) : 0;
       add(gen, "engine weights", weights);
+      add(gen, "engine FP8 weights", fp8);
       add(gen, "engine LoRA adapters", adapters);
       add(score, "engine weights", weights);
+      add(score, "engine FP8 weights", fp8);
       add(score, "engine LoRA adapters", adapters);
       if (!hybrid || cfg.engines.sleep_level < 2) {
         add(train, "engine weights", weights);
+        add(train, "engine FP8 weights", fp8);
         add(train, "engine LoRA adapters", adapters);
       }
       add(sync, "engine weights", weights);
+      add(sync, "engine FP8 weights", fp8);
+      // The re-quantization after the sync: fp32 temporaries of a few block rows at a time.
+      if (fp8 > 0) add(sync, "engine FP8 re-quantization", (int64_t{1} << 24) * 16);
       add(sync, "engine LoRA adapters", adapters);
       if (hybrid) {
         // Two staging buffers of the plan's largest bucket; a LoRA actor's handoff keeps two for

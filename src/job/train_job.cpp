@@ -114,6 +114,7 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
   eo.max_model_len = max_model_len;
   eo.session_timeout_s = cfg.engines.session_timeout_s;
   eo.max_sessions = cfg.engines.max_sessions;
+  eo.quantization = std::string(enum_name(cfg.engines.quantization));
   eo.start_asleep = start_asleep;
   eo.record_routes = cfg.algo.routing_replay;
   if (cfg.logging.efficiency) {

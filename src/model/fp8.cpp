@@ -1,8 +1,17 @@
 // FP8 (e4m3) block and group quantization (model/fp8.h).
 #include "tiller/model/fp8.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+
+#ifdef TILLER_HAVE_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "model/cuda/aten_dtype.h"
+#endif
 
 #include "tiller/core/error.h"
 
@@ -16,8 +25,10 @@ void check_size(int64_t block, const char* what) {
 }
 
 // amax / 448, and 1 where amax is 0 (a block of zeros stays zeros whatever its scale).
+// The divisor is a tensor, not a scalar: ATen's CUDA division by a scalar multiplies by its
+// reciprocal, which is not the IEEE quotient the CPU (and the activation kernel) computes.
 at::Tensor scale_of(const at::Tensor& amax) {
-  return at::where(amax > 0, amax / kE4m3Max, at::ones_like(amax));
+  return at::where(amax > 0, amax / at::full({}, kE4m3Max, amax.options()), at::ones_like(amax));
 }
 
 // `x` [n, k] zero-padded to whole blocks and seen as [nb, block, kb, block] (zeros change no
@@ -45,19 +56,60 @@ at::Tensor from_groups(const at::Tensor& g, int64_t k) {
   return g.reshape(shape).narrow(-1, 0, k);
 }
 
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// Block rows quantized at a time by quantize_blocks_into: about 2^24 elements of fp32 temporaries.
+int64_t block_rows_per_chunk(int64_t k, int64_t block) {
+  return std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, round_up(k, block) * block));
+}
+
 }  // namespace
+
+int64_t BlockQuantized::bytes() const {
+  return (q_storage.defined() ? q_storage.numel() * q_storage.element_size() : 0) +
+         (scale_storage.defined() ? scale_storage.numel() * scale_storage.element_size() : 0);
+}
 
 BlockQuantized quantize_blocks(const at::Tensor& w, int64_t block) {
   check_size(block, "block");
   if (w.dim() != 2) throw ConfigError(fmt::format("fp8: a block-quantized weight is 2-D, not {}-D", w.dim()));
-  const at::Tensor blocks = as_blocks(w.to(at::kFloat), block);
-  const at::Tensor scale = scale_of(blocks.abs().amax({1, 3}));
-  const at::Tensor q = (blocks / scale.unsqueeze(1).unsqueeze(3)).to(at::kFloat8_e4m3fn);
-  return {from_blocks(q, w.size(0), w.size(1)).contiguous(), scale};
+  // K is padded to a multiple of 4 blocks: cuBLASLt's block-scaled GEMM reads the weight scales'
+  // rows as if 16-byte aligned (measured on H200: other widths give wrong products, unflagged).
+  const int64_t n = w.size(0), k = w.size(1), nb = ceil_div(n, block), kb = round_up(ceil_div(k, block), 4);
+  BlockQuantized b;
+  b.block = block;
+  b.q_storage = at::zeros({nb * block, kb * block}, w.options().dtype(at::kFloat8_e4m3fn));
+  b.scale_storage = at::ones({nb, kb}, w.options().dtype(at::kFloat));
+  b.q = b.q_storage.narrow(0, 0, n).narrow(1, 0, k);
+  b.scale = b.scale_storage.narrow(1, 0, ceil_div(k, block));
+  quantize_blocks_into(w, b);
+  return b;
 }
 
-at::Tensor dequantize_blocks(const BlockQuantized& b, c10::ScalarType dtype, int64_t block) {
-  check_size(block, "block");
+void quantize_blocks_into(const at::Tensor& w, BlockQuantized& b) {
+  TILLER_CHECK(b.defined() && w.dim() == 2 && w.sizes() == b.q.sizes() && w.device() == b.q.device(),
+               "fp8: a weight of {} elements on {} does not fit its quantized form", w.numel(), w.device().str());
+  const int64_t block = b.block, n = w.size(0), k = w.size(1), nb = b.scale.size(0);
+  // The padding columns: zeros and scale 1 again (after a sleep's drop their contents are lost).
+  const int64_t used = ceil_div(k, block);
+  if (b.scale_storage.size(1) > used) {
+    b.q_storage.narrow(1, used * block, b.q_storage.size(1) - used * block).zero_();
+    b.scale_storage.narrow(1, used, b.scale_storage.size(1) - used).fill_(1);
+  }
+  const int64_t step = block_rows_per_chunk(k, block);
+  for (int64_t i = 0; i < nb; i += step) {
+    const int64_t rows = std::min(n - i * block, step * block), blocks = ceil_div(rows, block);
+    const at::Tensor part = as_blocks(w.narrow(0, i * block, rows).to(at::kFloat), block);
+    const at::Tensor scale = scale_of(part.abs().amax({1, 3}));
+    const at::Tensor q = (part / scale.unsqueeze(1).unsqueeze(3)).to(at::kFloat8_e4m3fn);
+    b.q_storage.narrow(0, i * block, blocks * block).narrow(1, 0, q.size(2) * block)
+        .copy_(q.view({blocks * block, q.size(2) * block}));
+    b.scale.narrow(0, i, blocks).copy_(scale);
+  }
+}
+
+at::Tensor dequantize_blocks(const BlockQuantized& b, c10::ScalarType dtype) {
+  const int64_t block = b.block;
   const at::Tensor blocks = as_blocks(b.q.to(at::kFloat), block);
   return from_blocks(blocks * b.scale.unsqueeze(1).unsqueeze(3), b.q.size(0), b.q.size(1)).to(dtype);
 }
@@ -65,6 +117,23 @@ at::Tensor dequantize_blocks(const BlockQuantized& b, c10::ScalarType dtype, int
 GroupQuantized quantize_groups(const at::Tensor& x, int64_t group) {
   check_size(group, "group");
   if (x.dim() < 1) throw ConfigError("fp8: activations need at least one axis");
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const at::ScalarType t = x.scalar_type();
+  if (group == kBlock && x.is_cuda() && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat)) {
+    // The FP8 GEMM's kernel (linear()), its outputs brought to this function's layout.
+    const int64_t k = x.size(-1), groups = ceil_div(k, group);
+    const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+    const int64_t m = x2.size(0);
+    const at::Tensor q = at::empty({m, groups * group}, x.options().dtype(at::kFloat8_e4m3fn));
+    const at::Tensor s = at::empty({groups, std::max<int64_t>(m, 1)}, x.options().dtype(at::kFloat));
+    cuda::quantize_groups_fp8(cuda::kernel_dtype(t), x2.data_ptr(), m, m, k, k, q.data_ptr(), q.size(1), groups,
+                              s.data_ptr<float>(), s.size(1),
+                              c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    std::vector<int64_t> scale_shape(x.sizes().begin(), x.sizes().end() - 1);
+    scale_shape.push_back(groups);
+    return {q.narrow(1, 0, k).contiguous().view(x.sizes()), s.narrow(1, 0, m).t().contiguous().view(scale_shape)};
+  }
+#endif
   const at::Tensor groups = as_groups(x.to(at::kFloat), group);
   const at::Tensor scale = scale_of(groups.abs().amax(-1));
   const at::Tensor q = (groups / scale.unsqueeze(-1)).to(at::kFloat8_e4m3fn);
@@ -76,12 +145,61 @@ at::Tensor dequantize_groups(const GroupQuantized& g, c10::ScalarType dtype, int
   return from_groups(as_groups(g.q.to(at::kFloat), group) * g.scale.unsqueeze(-1), g.q.size(-1)).to(dtype);
 }
 
-at::Tensor linear_emulated(const at::Tensor& x, const BlockQuantized& w, int64_t block) {
+at::Tensor linear_emulated(const at::Tensor& x, const BlockQuantized& w, const at::Tensor& bias) {
   if (x.size(-1) != w.q.size(1))
     throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.q.size(1)));
-  const at::Tensor xd = dequantize_groups(quantize_groups(x, block), at::kFloat, block);
-  const at::Tensor wd = dequantize_blocks(w, at::kFloat, block);
-  return at::matmul(xd, wd.t()).to(x.scalar_type());
+  const at::Tensor xd = dequantize_groups(quantize_groups(x, w.block), at::kFloat, w.block);
+  at::Tensor y = at::matmul(xd, dequantize_blocks(w, at::kFloat).t());
+  if (bias.defined()) y = y + bias.to(at::kFloat);
+  return y.to(x.scalar_type());
+}
+
+bool tensor_cores(const at::Device& device) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (!device.is_cuda()) return false;
+  const int index = device.has_index() ? device.index() : at::cuda::current_device();
+  return at::cuda::getDeviceProperties(index)->major == 9;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
+at::Tensor linear(const at::Tensor& x, const BlockQuantized& w, const at::Tensor& bias) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const at::ScalarType t = x.scalar_type();
+  if (w.block == kBlock && x.is_cuda() && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat) &&
+      tensor_cores(x.device())) {
+    if (x.size(-1) != w.q.size(1))
+      throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.q.size(1)));
+    const int64_t k = x.size(-1), n = w.q.size(0), kp = w.q_storage.size(1), groups = kp / kBlock;
+    const at::Tensor x2 = x.reshape({-1, k});
+    const int64_t m = x2.size(0);
+    std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end() - 1);
+    out_shape.push_back(n);
+    if (m == 0) return at::empty(out_shape, x.options());
+    const at::Tensor xs = x2.stride(1) == 1 ? x2 : x2.contiguous();
+    // Activations: [mp, kp] e4m3 (zeros past k and past m: cuBLASLt takes whole 16-row tiles here)
+    // and their scales group-major, [groups, mp], seen as [mp, groups] (the 1x128 layout).
+    const int64_t mp = round_up(m, 16);
+    const at::Tensor q = at::empty({mp, kp}, x.options().dtype(at::kFloat8_e4m3fn));
+    const at::Tensor s = at::empty({groups, mp}, x.options().dtype(at::kFloat));
+    cuda::quantize_groups_fp8(cuda::kernel_dtype(t), xs.data_ptr(), m, mp, k, xs.stride(0), q.data_ptr(), kp, groups,
+                              s.data_ptr<float>(), mp, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    const at::Tensor b = bias.defined() && bias.scalar_type() != t ? bias.to(t) : bias;
+    const bool padded_n = w.q_storage.size(0) != n;
+    at::Tensor y = at::_scaled_mm(q, w.q_storage.t(), s.t(), w.scale_storage.t(),
+                                  padded_n || !b.defined() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(b),
+                                  std::nullopt, t);
+    if (mp != m) y = y.narrow(0, 0, m);
+    if (padded_n) {
+      y = y.narrow(1, 0, n);
+      y = b.defined() ? y + b : y.contiguous();
+    }
+    return y.view(out_shape);
+  }
+#endif
+  return linear_emulated(x, w, bias);
 }
 
 }  // namespace tiller::model::fp8

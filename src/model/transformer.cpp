@@ -109,7 +109,10 @@ at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens) { return
 
 namespace {
 
-at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {}) {
+// x's projection by w (and bias b), or by its FP8 form when the engine quantized it.
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {},
+                   const fp8::BlockQuantized* q = nullptr) {
+  if (q && q->defined()) return fp8::linear(x, *q, b);
   if (batch_invariant()) return invariant::linear(x, w, b);
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
@@ -184,7 +187,7 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   at::Tensor q, k, v;
   const at::Tensor hl = lora_input(h, w, ctx, {LoraModule::kQ, LoraModule::kK, LoraModule::kV});
   if (w.qkv_proj.defined()) {
-    at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias);
+    at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias, &w.qkv_fp8);
     if (has_lora(w, ctx, {LoraModule::kQ, LoraModule::kK, LoraModule::kV}))
       qkv = at::cat({with_lora(qkv.narrow(1, 0, cfg.q_size()), hl, w, LoraModule::kQ, ctx, layer),
                      with_lora(qkv.narrow(1, cfg.q_size(), cfg.kv_size()), hl, w, LoraModule::kK, ctx, layer),
@@ -228,7 +231,7 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
                    : ctx.attention ? ctx.attention(q, k, v, spec, scale, ctx.backend)
                                    : varlen_attention(q, k, v, spec, scale, ctx.backend);
   const at::Tensor flat = attn.reshape({t, cfg.q_size()});
-  at::Tensor o = with_lora(project(flat, w.o_proj), flat, w, LoraModule::kO, ctx, layer);
+  at::Tensor o = with_lora(project(flat, w.o_proj, {}, &w.o_fp8), flat, w, LoraModule::kO, ctx, layer);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(o);
   return o;
 }
@@ -238,9 +241,9 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
 at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h, const BlockContext& ctx, int64_t layer) {
   at::Tensor act;
   if (w.gate_up_proj.defined() && !has_lora(w, ctx, {LoraModule::kGate, LoraModule::kUp})) {
-    act = swiglu_packed(project(h, w.gate_up_proj));
+    act = swiglu_packed(project(h, w.gate_up_proj, {}, &w.gate_up_fp8));
   } else if (w.gate_up_proj.defined()) {
-    const at::Tensor gu = project(h, w.gate_up_proj);
+    const at::Tensor gu = project(h, w.gate_up_proj, {}, &w.gate_up_fp8);
     const int64_t i = gu.size(1) / 2;
     const at::Tensor hl = lora_input(h, w, ctx, {LoraModule::kGate, LoraModule::kUp});
     act = swiglu(with_lora(gu.narrow(1, 0, i), hl, w, LoraModule::kGate, ctx, layer),
@@ -250,7 +253,7 @@ at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h, const BlockCont
     act = swiglu(with_lora(project(h, w.gate_proj), hl, w, LoraModule::kGate, ctx, layer),
                  with_lora(project(h, w.up_proj), hl, w, LoraModule::kUp, ctx, layer));
   }
-  return with_lora(project(act, w.down_proj), act, w, LoraModule::kDown, ctx, layer);
+  return with_lora(project(act, w.down_proj, {}, &w.down_fp8), act, w, LoraModule::kDown, ctx, layer);
 }
 
 // RouterLoss's two losses of one sparse layer over its first `rows` rows; `routed`: each expert's

@@ -199,6 +199,7 @@ struct HybridHandoff::Impl {
       if (k + 1 < p.buckets.size()) issue(k + 1);
       works[k]->wait_on_stream();
       r.weights_changed = true;
+      r.base_changed = r.base_changed || !p.adapters_only();
       placer.place(k, pk.buffer(k));
     }
     for (auto& w : works) w->wait(deadline);

@@ -113,6 +113,7 @@ engine::WeightSink::Result WeightReceiver::receive(uint64_t version) {
         throw;
       }
       r.weights_changed = true;
+      r.base_changed = r.base_changed || !p.adapters_only();
       m.placer.place(k, m.staging[k % 2].narrow(0, 0, p.buckets[k].numel));
     }
     for (auto& w : works) w->wait(deadline);

@@ -8,6 +8,7 @@
 
 #include "fixtures.h"
 #include "tiller/model/attention.h"
+#include "tiller/model/fp8.h"
 #include "tiller/model/safetensors.h"
 #include "tiller/model/storage_swap.h"
 #include "tiller/model/sampling.h"
@@ -49,6 +50,52 @@ std::vector<std::vector<int64_t>> inputs() {
 // largest value; the bf16 shards are the masters rounded, bit for bit.
 // cluster.gpu_memory_gb on a larger card: the allocator runs out at the cap, as a card of that size
 // would, and lifting the cap gives the memory back.
+// FP8 quantization on the GPU equals the CPU's bit for bit: the activation kernel
+// (src/model/cuda/fp8.cu) and ATen's CUDA cast of the weight blocks against ATen's CPU cast, on
+// values that round both ways, subnormals and partial groups.
+TEST(ModelGpu, Fp8QuantizationEqualsTheCpusBitForBit) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  at::manual_seed(11);
+  for (const at::ScalarType t : {at::kBFloat16, at::kFloat}) {
+    at::Tensor x = at::randn({37, 300}).to(t);
+    x.narrow(0, 3, 2).mul_(1e-6);  // subnormal quotients
+    x.narrow(0, 5, 1).zero_();     // a row of zeros: scale 1
+    const fp8::GroupQuantized cpu = fp8::quantize_groups(x);
+    const fp8::GroupQuantized gpu = fp8::quantize_groups(x.cuda());
+    EXPECT_TRUE(at::equal(gpu.scale.cpu(), cpu.scale)) << c10::toString(t);
+    EXPECT_TRUE(at::equal(gpu.q.cpu().view(at::kByte), cpu.q.view(at::kByte))) << c10::toString(t);
+  }
+  const at::Tensor w = (at::randn({300, 200}) * 0.02).to(at::kBFloat16);
+  const fp8::BlockQuantized cpu = fp8::quantize_blocks(w), gpu = fp8::quantize_blocks(w.cuda());
+  EXPECT_TRUE(at::equal(gpu.scale.cpu(), cpu.scale));
+  EXPECT_TRUE(at::equal(gpu.q_storage.cpu().view(at::kByte), cpu.q_storage.view(at::kByte)));
+}
+
+// The FP8 GEMM on Hopper's tensor cores (block-scaled _scaled_mm) against its CPU emulation, for
+// batch sizes a decode graph uses (1, 3) and prefill's, widths that are and are not whole blocks,
+// with and without a bias: the same up to fp32 accumulation order and bf16's last bit.
+TEST(ModelGpu, Fp8GemmEqualsItsEmulation) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  if (!fp8::tensor_cores(at::Device("cuda:0"))) GTEST_SKIP() << "no FP8 tensor cores (compute capability 9.x)";
+  at::manual_seed(12);
+  for (const int64_t m : {1, 3, 64, 300})
+    for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{1152, 896}, {96, 64}, {200, 300}}) {
+      const at::Tensor x = at::randn({m, k}).to(at::kBFloat16), w = (at::randn({n, k}) * 0.05).to(at::kBFloat16);
+      const at::Tensor bias = (at::randn({n}) * 0.1).to(at::kBFloat16);
+      const fp8::BlockQuantized qc = fp8::quantize_blocks(w), qg = fp8::quantize_blocks(w.cuda());
+      for (const bool with_bias : {false, true}) {
+        const at::Tensor b = with_bias ? bias : at::Tensor();
+        const at::Tensor want = fp8::linear_emulated(x, qc, b);
+        const at::Tensor got = fp8::linear(x.cuda(), qg, with_bias ? b.cuda() : at::Tensor());
+        ASSERT_EQ(got.sizes(), want.sizes());
+        EXPECT_EQ(got.scalar_type(), at::kBFloat16);
+        const Diff d = compare(got, want);
+        EXPECT_LT(d.max_rel, 1e-2) << m << "x" << n << "x" << k << " bias " << with_bias;
+        EXPECT_LT(d.frob_rel, 4e-3) << m << "x" << n << "x" << k << " bias " << with_bias;
+      }
+    }
+}
+
 TEST(ModelGpu, ACappedAllocatorRunsOutAtTheCap) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
   const at::Device dev(at::kCUDA, 0);

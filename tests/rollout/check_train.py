@@ -83,6 +83,9 @@ CASE:
                actor rank that never enters its scoring's collective (its peer's all_gather names
                it); a hybrid TP-2 engine's follower that stops answering its leader mid-generation;
                a step past timeouts.step_s.
+  fp8          engines.quantization=fp8 (the FP8 GEMMs emulated on CPU) with token-level TIS: GRPO learns
+               the toy task, the engine/trainer mismatch is measured and larger than the bf16 engine's
+               on the same seed, and the correction truncates and reports its weights.
   hub          roles.actor.model as a hub id not in the cache: downloaded through huggingface_hub
                from a stand-in for the hub on a local socket (fake_hub.py, HF_ENDPOINT), each file
                once for the node's 3 ranks, and one step trains; the second run finds it in the
@@ -1608,6 +1611,31 @@ def check_hybrid_tp():
     print(f"hybrid_tp: TP 2 and TP 4 generate TP 1's greedy tokens, {len(runs[1])} prompts over 3 steps")
 
 
+def check_fp8():
+    tis = ["algo.importance_correction=tis", "algo.tis_cap=2"]
+    out = SCRATCH / "fp8"
+    code, log = run(3, out, *GRPO, *tis, "engines.quantization=fp8")
+    if code != 0:
+        fail(f"exit code {code}:\n{log[-4000:]}")
+    if "FP8 projections emulated" not in log:
+        fail("the engine did not say it runs FP8 projections:\n" + log[-3000:])
+    expect_learned(out, "fp8 engine + token TIS")
+    rows = metrics(out)
+    for key in ["off_policy/truncated_share", "off_policy/is_weight_p05", "off_policy/is_weight_p95",
+                "off_policy/is_ess", "off_policy/mismatch_k1"]:
+        if key not in rows[-1]:
+            fail(f"metric {key} missing from {sorted(rows[-1])}")
+    fp8_kl = sum(r["mismatch/kl"] for r in rows[:5]) / 5
+    # The same seed with the engine unquantized: the first steps' samples are alike, the mismatch not.
+    base = SCRATCH / "fp8_off"
+    run_ok(3, base, *GRPO, *tis, "train.num_steps=5")
+    base_kl = sum(r["mismatch/kl"] for r in metrics(base)) / 5
+    print(f"fp8: mismatch/kl over steps 1-5 {fp8_kl:.2e} (unquantized engine {base_kl:.2e}); "
+          f"is_weight p05..p95 {rows[-1]['off_policy/is_weight_p05']:.3f}..{rows[-1]['off_policy/is_weight_p95']:.3f}")
+    if not fp8_kl > 10 * base_kl:
+        fail(f"the FP8 engine's mismatch {fp8_kl} is not clearly above the unquantized engine's {base_kl}")
+
+
 def check_hub():
     proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fake_hub.py"), f"tiller-test/tiny-qwen2={MODEL}",
                              f"tiller-test/tiny-gen={MODEL}"], stdout=subprocess.PIPE, text=True)
@@ -1702,6 +1730,8 @@ elif CASE == "ppo":
     check_samples(SCRATCH / CASE)
 elif CASE == "grpo":
     check_learns(3, *GRPO)
+elif CASE == "fp8":
+    check_fp8()
 elif CASE == "moe":
     check_moe()
 elif CASE == "lora":

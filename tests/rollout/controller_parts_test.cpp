@@ -170,6 +170,54 @@ TEST(OffPolicy, WeightsMasksAndMismatch) {
   EXPECT_EQ(metric(tis.metrics, "mismatch/tokens_differing"), 2);
 }
 
+// The peers' rollout correction: MIS masks outside [lower, cap]; the sequence levels weigh a
+// whole sample by its product of ratios or their geometric mean (truncated or masked as one); the
+// veto rejects a sample with a near-impossible token; and the weights' distribution is reported.
+TEST(OffPolicy, MaskedLevelsVetoAndTheWeightsDistribution) {
+  // d per token: sample 0 [ln 3, 0], sample 1 [-ln 4], sample 2 [ln 1.5, ln 1.5, -ln 1e5].
+  Rollout ro;
+  add_sample(ro, 0, 0, 2, 0);
+  add_sample(ro, 0, 1, 1, 0);
+  add_sample(ro, 0, 2, 3, 0);
+  ro.engine_logp = {-2.f, -1.f, -1.f, -1.f, -1.f, -1.f};
+  const auto lf = [](double d) { return static_cast<float>(-1 + d); };
+  ro.logp = {static_cast<float>(-2 + std::log(3.0)), -1.f, lf(-std::log(4.0)), lf(std::log(1.5)), lf(std::log(1.5)),
+             lf(-std::log(1e5))};
+  OffPolicySpec mis{ImportanceCorrection::kMis, 2.0, 0};
+  // Token MIS, lower 1/2: 3 and 0.25 and 1e-5 are out, 1 and 1.5 kept with their weights.
+  const OffPolicy m = off_policy(ro, mis, 0);
+  expect_near(m.weights, {0.0, 1.0, 0.0, 1.5, 1.5, 0.0});
+  EXPECT_EQ(metric(m.metrics, "off_policy/masked_tokens"), 3);
+  EXPECT_NEAR(metric(m.metrics, "off_policy/masked_share"), 0.5, 1e-12);
+  mis.cap_lower = 0.2;  // 0.25 now kept
+  expect_near(off_policy(ro, mis, 0).weights, {0.0, 1.0, 0.25, 1.5, 1.5, 0.0});
+  // Sequence level (products 3, 0.25, 2.25e-5), truncated at 2: every token of a sample alike.
+  OffPolicySpec seq{ImportanceCorrection::kTis, 2.0, 0, IsLevel::kSequence};
+  const OffPolicy sq = off_policy(ro, seq, 0);
+  expect_near(sq.weights, {2.0, 2.0, 0.25, 2.25e-5, 2.25e-5, 2.25e-5});
+  EXPECT_EQ(metric(sq.metrics, "off_policy/truncated_tokens"), 2);
+  // Geometric level masked (MIS, [0.5, 2]): sqrt(3) kept, 0.25 and (2.25e-5)^(1/3) = 0.028 masked.
+  OffPolicySpec geo{ImportanceCorrection::kMis, 2.0, 0, IsLevel::kGeometric};
+  expect_near(off_policy(ro, geo, 0).weights, {std::sqrt(3.0), std::sqrt(3.0), 0.0, 0.0, 0.0, 0.0}, 1e-6);
+  // Veto 1e-4: sample 2 (a token at 1e-5) is rejected; nothing else changes.
+  OffPolicySpec veto{ImportanceCorrection::kTis, 2.0, 0};
+  veto.veto = 1e-4;
+  const OffPolicy v = off_policy(ro, veto, 0);
+  EXPECT_EQ(v.masked, (std::vector<uint8_t>{0, 0, 1}));
+  EXPECT_EQ(metric(v.metrics, "off_policy/rejected_samples"), 1);
+  EXPECT_NEAR(metric(v.metrics, "off_policy/masked_sample_share"), 1.0 / 3, 1e-12);
+  expect_near(v.weights, {2.0, 1.0, 0.25, 1.5, 1.5, 1e-5});
+  // The token weights' distribution: sorted 1e-5, 0.25, 1, 1.5, 1.5, 3 (to 1%).
+  EXPECT_NEAR(metric(v.metrics, "off_policy/is_weight_min"), 1e-5, 1e-7);
+  EXPECT_NEAR(metric(v.metrics, "off_policy/is_weight_p50"), 1.5, 0.015);  // zero-based rank ceil(0.5 * 5) = 3
+  EXPECT_NEAR(metric(v.metrics, "off_policy/is_weight_max"), 3.0, 0.03);
+  EXPECT_NEAR(metric(v.metrics, "off_policy/is_weight_p95"), 3.0, 0.03);
+  const double sum = 1e-5 + 0.25 + 1 + 1.5 + 1.5 + 3, sq_sum = 1e-10 + 0.0625 + 1 + 2.25 + 2.25 + 9;
+  EXPECT_NEAR(metric(v.metrics, "off_policy/is_ess"), sum * sum / (6 * sq_sum), 1e-7);
+  const double k1 = -(std::log(3.0) - std::log(4.0) + 2 * std::log(1.5) - std::log(1e5)) / 6;
+  EXPECT_NEAR(metric(v.metrics, "off_policy/mismatch_k1"), k1, 1e-6);
+}
+
 // The bitwise count compares the tokens the scoring weights drew, to the bit: a sample whose first
 // two tokens came from version 4 and the rest from version 5, scored with version 5.
 TEST(OffPolicy, TokensDifferingCountsTheScoringVersionsTokensBitForBit) {

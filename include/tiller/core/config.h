@@ -22,7 +22,8 @@ struct EnumNames;
 
 enum class RolloutMode { kSync, kAsync };
 enum class StalePolicy { kWait, kDrop };
-enum class ImportanceCorrection { kNone, kTis, kDecoupled };
+enum class ImportanceCorrection { kNone, kTis, kDecoupled, kMis };
+enum class IsLevel { kToken, kSequence, kGeometric };             // algo.is_level
 enum class RewardType { kModel, kRule, kRemote, kPython, kEnv, kScorer };
 enum class EnvType { kNone, kRemote, kInprocess };
 enum class DeviceKind { kAuto, kCuda, kCpu };                    // cluster.device
@@ -40,6 +41,7 @@ enum class LongSamplePolicy { kSkip, kTruncate, kError };       // offline.long_
 enum class DpoLossKind { kSigmoid, kIpo };                      // offline.dpo_loss
 enum class DpoReference { kPrecompute, kOnTheFly };             // offline.dpo_reference
 enum class LogprobMatch { kOff, kBitwise };                     // algo.logprob_match (model/numerics.h)
+enum class EngineQuantization { kNone, kFp8 };                  // engines.quantization (model/fp8.h)
 
 template <>
 struct EnumNames<RolloutMode> {
@@ -51,7 +53,11 @@ struct EnumNames<StalePolicy> {
 };
 template <>
 struct EnumNames<ImportanceCorrection> {
-  static constexpr std::array<std::string_view, 3> names = {"none", "tis", "decoupled"};
+  static constexpr std::array<std::string_view, 4> names = {"none", "tis", "decoupled", "mis"};
+};
+template <>
+struct EnumNames<IsLevel> {
+  static constexpr std::array<std::string_view, 3> names = {"token", "sequence", "geometric"};
 };
 template <>
 struct EnumNames<RewardType> {
@@ -122,6 +128,10 @@ struct EnumNames<DpoReference> {
 template <>
 struct EnumNames<LogprobMatch> {
   static constexpr std::array<std::string_view, 2> names = {"off", "bitwise"};
+};
+template <>
+struct EnumNames<EngineQuantization> {
+  static constexpr std::array<std::string_view, 2> names = {"none", "fp8"};
 };
 
 // The YAML spelling of `e`.
@@ -222,6 +232,8 @@ struct EnginesConfig {
   // may wait (0: 4 x max_num_seqs).
   double session_timeout_s = 300;
   std::int64_t max_sessions = 0;
+  // fp8: the engines' linear layers in FP8 blocks, quantized at load and at every sync.
+  EngineQuantization quantization = EngineQuantization::kNone;
   // TLS of the engines' gRPC services (the controller dials them by host name).
   std::string tls_cert, tls_key, tls_ca, tls_server_name;
 };
@@ -280,6 +292,11 @@ struct AlgoConfig {
   ImportanceCorrection importance_correction = ImportanceCorrection::kNone;
   double tis_cap = 0.0;         // tis: weights truncated here; decoupled: tokens over it masked (0: no mask)
   double seq_mask_ratio = 0.0;  // > 1: mask samples whose geometric-mean weight is outside [1/r, r]
+  // tis and mis: the weight each token's is (its own, its sample's product, or their geometric
+  // mean); mis keeps weights in [is_cap_lower (0: 1 / tis_cap), tis_cap] and masks the rest.
+  IsLevel is_level = IsLevel::kToken;
+  double is_cap_lower = 0.0;
+  double is_veto = 0.0;  // > 0: a sample with a token weight below it is rejected (left out of the loss)
   // bitwise: the engine's and the trainer's forward kernels are batch-invariant, so a sampled
   // token's engine log-prob equals the trainer's bit for bit (tiller/model/numerics.h).
   LogprobMatch logprob_match = LogprobMatch::kOff;

@@ -87,6 +87,11 @@ struct EngineOptions {
   // head size 64 or 128, query-head groups of 2 to 16): no RoPE launch per layer. Off: a separate
   // RoPE kernel, as prefill does (for comparisons).
   bool rope_in_attention = true;
+  // "fp8": the linear layers' weights are also held in 128x128 blocks of e4m3, quantized at load
+  // and again after every weight sync, and their GEMMs run in FP8 (Hopper's tensor cores; emulated
+  // elsewhere) with activations quantized per token and group of 128 (docs/engine.md, "FP8
+  // engines"). "none": the weights' dtype throughout.
+  std::string quantization = "none";
   // Start asleep at level 1: the KV cache is allocated by the first wake() (the hybrid engine,
   // whose trainer may still hold the memory when the engine is built).
   bool start_asleep = false;

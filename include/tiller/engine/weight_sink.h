@@ -21,6 +21,8 @@ class WeightSink {
   struct Result {
     bool complete = false;         // every bucket arrived and is in place
     bool weights_changed = false;  // bytes were written; false when it failed before any
+    bool base_changed = false;     // ... to a parameter other than the LoRA adapters (an FP8
+                                   // engine quantizes its base again after a complete sync)
     std::string error;             // why it failed, one line
   };
   // Receives one sync to `version` into this rank's weights, in place. Collective over the sync

@@ -19,15 +19,24 @@ namespace tiller::model::fp8 {
 constexpr double kE4m3Max = 448.0;
 constexpr int64_t kBlock = 128;
 
-// A 2-D weight [N, K] in blocks: q [N, K] float8_e4m3fn, scale [ceil(N/block), ceil(K/block)] fp32
-// on q's device (edge blocks cover what is left of N and K).
+// A 2-D weight [N, K] in blocks. `q_storage` [Np, Kp] float8_e4m3fn holds it zero-padded to
+// whole blocks (the FP8 GEMM's operand), `scale_storage` [ceil(N/block), ceil(K/block)] fp32 one
+// scale per block. `q` [N, K] is q_storage's view of the weight's own values and `scale` the
+// scales themselves. All on the weight's device.
 struct BlockQuantized {
-  at::Tensor q;
-  at::Tensor scale;
+  at::Tensor q, scale;
+  at::Tensor q_storage, scale_storage;
+  int64_t block = kBlock;
+  bool defined() const { return q.defined(); }
+  int64_t bytes() const;  // of both storages
 };
 BlockQuantized quantize_blocks(const at::Tensor& w, int64_t block = kBlock);
+// Quantizes `w` ([N, K], b's shape) into b's storages in place: what quantize_blocks(w) returns,
+// at the same addresses (a captured CUDA graph keeps reading them). Works through the weight a few
+// block rows at a time, so its temporaries stay small beside the weight.
+void quantize_blocks_into(const at::Tensor& w, BlockQuantized& b);
 // q * scale as `dtype` ([N, K]).
-at::Tensor dequantize_blocks(const BlockQuantized& b, c10::ScalarType dtype, int64_t block = kBlock);
+at::Tensor dequantize_blocks(const BlockQuantized& b, c10::ScalarType dtype);
 
 // Activations [..., K] in groups of `group` along the last axis: q [..., K] float8_e4m3fn,
 // scale [..., ceil(K/group)] fp32.
@@ -39,8 +48,16 @@ GroupQuantized quantize_groups(const at::Tensor& x, int64_t group = kBlock);
 at::Tensor dequantize_groups(const GroupQuantized& g, c10::ScalarType dtype, int64_t group = kBlock);
 
 // x [..., K] times w^T (w [N, K] in blocks) with x quantized in groups of the same size: what an
-// FP8 GEMM with fp32 accumulation computes, emulated (both dequantized, the product in fp32).
-// Returned in x's dtype, [..., N].
-at::Tensor linear_emulated(const at::Tensor& x, const BlockQuantized& w, int64_t block = kBlock);
+// FP8 GEMM with fp32 accumulation computes, emulated (both dequantized, the product in fp32), plus
+// `bias` ([N], optional) before the one rounding to x's dtype. [..., N].
+at::Tensor linear_emulated(const at::Tensor& x, const BlockQuantized& w, const at::Tensor& bias = {});
+
+// The same product on the device's FP8 tensor cores where there are some (Hopper: torch's
+// block-scaled _scaled_mm over cuBLASLt, activations quantized per token and group of 128 by one
+// kernel, fp32 accumulation, the bias in the epilogue), else linear_emulated. Inference only.
+at::Tensor linear(const at::Tensor& x, const BlockQuantized& w, const at::Tensor& bias = {});
+// Whether linear() runs on FP8 tensor cores on `device` (a GPU of compute capability 9.x in the
+// GPU build, with block size 128).
+bool tensor_cores(const at::Device& device);
 
 }  // namespace tiller::model::fp8

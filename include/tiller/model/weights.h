@@ -14,6 +14,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "tiller/model/fp8.h"
 #include "tiller/model/model_config.h"
 #include "tiller/model/safetensors.h"
 
@@ -62,6 +63,10 @@ struct LayerWeights {
   // [experts, 2 moe_intermediate, hidden] (each expert's gate then up rows) and [experts, hidden,
   // moe_intermediate]; the experts' tensors are then views into them.
   at::Tensor experts_gate_up, experts_down;
+  // The FP8 engine's (engines.quantization: fp8; model/fp8.h): the fused projections and o/down in
+  // 128x128 blocks of e4m3. block_forward runs each defined one as an FP8 GEMM instead of its
+  // tensor above, which stays as the weight sync's destination and the quantization's source.
+  fp8::BlockQuantized qkv_fp8, o_fp8, gate_up_fp8, down_fp8;
   LoraAdapters lora;  // none unless bound (model/lora.h: bind_lora)
 };
 

@@ -36,6 +36,15 @@ void swiglu_backward(DType dtype, const void* gate, const void* up, const void* 
 void add_rms_norm(DType dtype, void* x, const void* add, const void* weight, void* out, int64_t tokens, int64_t width,
                   int64_t x_stride, int64_t add_stride, int64_t out_stride, float eps, void* stream);
 
+// FP8 (e4m3) quantization of activations x [rows, k] (row stride in elements of `dtype`) in
+// `groups` groups of 128 features (groups * 128 >= k): for row r and group g, s = amax / 448 (1
+// for a group of zeros), q[r * q_stride + j] = e4m3(x / s) as torch's float8_e4m3fn cast rounds it
+// (nearest even, saturating at 448), zeros for the padding columns [k, groups * 128) and padding
+// rows [rows, padded_rows) (scale 1), and scale[g * scale_stride + r] = s (group-major: the layout
+// of cuBLASLt's 1x128 scales). q is byte storage. Math in fp32.
+void quantize_groups_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
+                         void* q, int64_t q_stride, int64_t groups, float* scale, int64_t scale_stride, void* stream);
+
 // One token per row of logits [rows, vocab] (row stride given, in elements of `dtype`) for the
 // rows' parameters params [rows][3] (temperature, min_p, u): a temperature of 0 takes the first
 // maximum; otherwise the first token whose cumulative mass passes u times the total, over
