@@ -77,6 +77,16 @@ TEST(MemoryPlan, CountsShardsStateAndTheEngine) {
   EXPECT_EQ(item(train, "engine kv cache"), 0);
   EXPECT_EQ(m.overflow(), nullptr);  // no GPU size: no verdict
   EXPECT_TRUE(m.keep_compute_shard);
+  EXPECT_EQ(item(r.phases[0], "engine FP8 weights"), 0);
+  // An FP8 engine also holds its projections in e4m3: 28 layers of (2 x 3584 + 2 x 512) x 3584 +
+  // 3 x 18944 x 3584 bytes, ~6.52 GB, in every phase its weights are (and its re-quantization's
+  // temporaries in the sync).
+  JobConfig f = c;
+  f.engines.quantization = EngineQuantization::kFp8;
+  const RankMemory fr = plan_memory(f, plan_of(f, 4), shapes(), 0).ranks[0];
+  for (const PhaseMemory& p : fr.phases)
+    EXPECT_NEAR(static_cast<double>(item(p, "engine FP8 weights")) / 1e9, 6.52, 0.02) << static_cast<int>(p.phase);
+  EXPECT_GT(item(fr.phases[2], "engine FP8 re-quantization"), 0);
 
   // train.compute_shard cast: the trained roles hold no bf16 shard (the frozen reference does).
   c.train.compute_shard = ComputeShard::kCast;
