@@ -37,6 +37,7 @@ struct GenBenchOptions {
   bool no_async = false;
   bool no_rope_in_attention = false;
   bool fp8 = false;  // also an FP8 engine on the same weights, after the bf16 one
+  std::string fp8_scaling = "block";
   std::string profile;
   int64_t profile_steps = 5;
   int tp = 1;                   // > 1: one engine over that many ranks (mpirun -np tp)
@@ -86,6 +87,7 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
                      bool profile) -> nlohmann::ordered_json {
   engine::EngineOptions eo;
   eo.quantization = quantization;
+  eo.fp8_scaling = o.fp8_scaling;
   eo.device = device;
   eo.block_size = o.block_size;
   eo.limits.max_num_seqs = o.batch;
@@ -164,6 +166,7 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
                            {"device", device},
                            {"dtype", o.dtype},
                            {"quantization", quantization},
+                           {"fp8_scaling", quantization == "fp8" ? o.fp8_scaling : ""},
                            {"fp8_tensor_cores", fp8 && model::fp8::tensor_cores(at::Device(device))},
                            {"tp", o.tp},
                            {"batch", o.batch},
@@ -211,6 +214,13 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
     j["profile"] = o.profile;
     j["profile_steps"] = o.profile_steps;
   }
+  if (fp8 && o.tp == 1) {
+    // What a weight sync adds on the engine's side: the FP8 copies quantized again (the median of 3).
+    std::vector<double> t;
+    for (int i = 0; i < 3; ++i) t.push_back(e.requantize());
+    std::sort(t.begin(), t.end());
+    j["fp8_requantize_s"] = t[1];
+  }
   e.shutdown();  // ends the followers' follow()
   return j;
   };
@@ -256,6 +266,8 @@ void add_bench_generate(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   g->add_flag("--fp8", o->fp8,
               "Measure an FP8 engine (engines.quantization: fp8) after the bf16 one, on the same weights, and report "
               "both and their ratio");
+  g->add_option("--fp8-scaling", o->fp8_scaling, "The FP8 engine's scales: block or channel")
+      ->check(CLI::IsMember({"channel", "block"}));
   add_logprob_match(g, o->logprob_match);
   add_expert_kernels(g, o->experts);
   g->add_flag("--no-rope-in-attention", o->no_rope_in_attention,

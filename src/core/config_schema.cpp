@@ -226,10 +226,15 @@ std::vector<Field> build() {
   b.add("engines.tls_server_name", TILLER_FIELD(engines.tls_server_name),
         "The name the engines' certificate must carry; empty: the engine's host name.");
   b.add_enum("engines.quantization", TILLER_FIELD(engines.quantization),
-        "fp8: the engines hold their linear layers' weights also in 128x128 blocks of e4m3 (quantized at load and "
-        "after every weight sync) and run those GEMMs in FP8 on Hopper's tensor cores (emulated elsewhere), with "
-        "activations quantized per token and group of 128. The trainers stay bf16: pair it with "
+        "fp8: the engines hold their linear layers' weights also in e4m3 (scaled as engines.fp8_scaling says; "
+        "quantized at load and after every weight sync) and run those GEMMs in FP8 on Hopper's tensor cores "
+        "(emulated elsewhere), with the activations quantized to match. The trainers stay bf16: pair it with "
         "algo.importance_correction (docs/engine.md, FP8 engines).");
+  b.add_enum("engines.fp8_scaling", TILLER_FIELD(engines.fp8_scaling),
+             "engines.quantization fp8: block (128x128 weight blocks and activation groups of 128, DeepSeek-V3's "
+             "layout) or channel (one scale per weight row and per token, vLLM's FP8-dynamic scheme). Equally fast "
+             "in the engine on Hopper (docs/benchmarks.md); block's finer scales keep the engine nearer the "
+             "trainer.");
   b.add("engines.sync_bucket_mb", TILLER_FIELD(engines.sync_bucket_mb),
         "Largest bucket of the weight broadcast from the actor to the engines, in MiB.")
       .range(1, 65536);

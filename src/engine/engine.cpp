@@ -130,7 +130,8 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
   if (opts.quantization != "none" && opts.quantization != "fp8")
     throw ConfigError(fmt::format("engine quantization '{}': use none or fp8", opts.quantization));
   const bool fp8 = opts.quantization == "fp8";
-  m.runner = std::make_unique<ModelRunner>(cfg, std::move(weights), device, opts.block_size, tp, fp8);
+  const model::fp8::Scaling scaling = model::fp8::parse_scaling(opts.fp8_scaling, "engine fp8 scaling");
+  m.runner = std::make_unique<ModelRunner>(cfg, std::move(weights), device, opts.block_size, tp, fp8, scaling);
   m.runner->set_record_routes(opts.record_routes);
   int64_t blocks = opts.num_blocks;
   if (blocks <= 0 && opts.kv_cache_gb > 0)
@@ -168,8 +169,9 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
             m.runner->cuda_graphs() ? fmt::format(", CUDA graphs up to batch {}", cache.max_graph_batch) : "",
             opts.start_asleep ? " (asleep: the cache is allocated at wake)" : "",
             !fp8                               ? ""
-            : model::fp8::tensor_cores(device) ? ", FP8 projections on tensor cores"
-                                               : ", FP8 projections emulated (no FP8 tensor cores here)");
+            : model::fp8::tensor_cores(device)
+                ? fmt::format(", FP8 projections ({} scales) on tensor cores", opts.fp8_scaling)
+                : fmt::format(", FP8 projections ({} scales) emulated (no FP8 tensor cores here)", opts.fp8_scaling));
 }
 
 Engine::~Engine() {
@@ -219,6 +221,16 @@ void Engine::weights_updated(uint64_t version) {
     erase_id(m.running, id);
     insert_by_age(m.waiting, id);
   }
+}
+
+double Engine::requantize() {
+  Impl& m = *impl_;
+  const auto on_stream = m.on_stream();
+  TILLER_CHECK(!m.in_flight, "requantize() with a step in flight: drain() first");
+  const auto t0 = std::chrono::steady_clock::now();
+  m.runner->requantize();
+  compat::synchronize(m.runner->device());
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 uint64_t Engine::install_sync_plan(const std::string& plan) {

@@ -213,8 +213,8 @@ std::vector<std::pair<const at::Tensor*, model::fp8::BlockQuantized*>> fp8_pairs
   if (w.down_proj.defined()) out.emplace_back(&w.down_proj, &w.down_fp8);
   return out;
 }
-void quantize_layer(model::LayerWeights& w) {
-  for (auto [src, dst] : fp8_pairs(w)) *dst = model::fp8::quantize_blocks(*src);
+void quantize_layer(model::LayerWeights& w, model::fp8::Scaling scaling) {
+  for (auto [src, dst] : fp8_pairs(w)) *dst = model::fp8::quantize_weight(*src, scaling);
 }
 void requantize_layer(model::LayerWeights& w) {
   for (auto [src, dst] : fp8_pairs(w)) model::fp8::quantize_blocks_into(*src, *dst);
@@ -379,7 +379,7 @@ struct ModelRunner::Impl {
   }
 };
 ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weights, at::Device device,
-                         int64_t block_size, dist::Communicator* tp, bool fp8)
+                         int64_t block_size, dist::Communicator* tp, bool fp8, model::fp8::Scaling fp8_scaling)
     : local_(config_for_rank(cfg, tp ? tp->size() : 1)), device_(device) {
   if (fp8 && model::batch_invariant())
     throw ConfigError("algo.logprob_match = bitwise needs engines.quantization = none: the trainer computes in bf16, "
@@ -401,7 +401,7 @@ ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weig
     c10::InferenceMode guard;
     for (auto& layer : weights.layers) {
       fuse_projections(layer);
-      if (fp8) quantize_layer(layer);
+      if (fp8) quantize_layer(layer, fp8_scaling);
     }
   }
   impl_ = std::make_unique<Impl>(cfg, local_, std::move(weights), tp, block_size, device);

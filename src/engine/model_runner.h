@@ -33,11 +33,12 @@ namespace tiller::engine {
 class ModelRunner {
  public:
   // `cfg` is the whole model's config; `weights` this rank's TP shard (see slice_for_tp). With
-  // `fp8` the fused projections and o/down are also held in 128x128 blocks of e4m3, which the
+  // `fp8` the fused projections and o/down are also held in e4m3 (`fp8_scaling`'s scales), which the
   // forward uses (LayerWeights::qkv_fp8 ...); the routed experts of a mixture, the embedding, the
   // norms, the router and the LM head stay in the weights' dtype.
   ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weights, at::Device device, int64_t block_size,
-              dist::Communicator* tp, bool fp8 = false);
+              dist::Communicator* tp, bool fp8 = false,
+              model::fp8::Scaling fp8_scaling = model::fp8::Scaling::kBlock);
   ~ModelRunner();
 
   // Bytes one KV block takes on this rank (every layer, K and V).

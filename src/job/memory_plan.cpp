@@ -277,14 +277,17 @@ RoleSpec role_spec(const JobConfig& cfg, Role r, const model::ModelConfig& mc, c
 
 // An FP8 engine's copies of its linear layers (engines.quantization: fp8; engine/model_runner.h):
 // one byte per element of q/k/v, o and the dense MLP (a sparse layer's shared expert; the routed
-// experts stay in the weights' dtype), a 4-byte scale per 128x128 block, on each of t TP ranks.
-int64_t fp8_copy_bytes(const model::ModelConfig& mc, int64_t t) {
-  int64_t elements = 0;
+// experts stay in the weights' dtype), and their fp32 scales (one per 128x128 block, or one per
+// row with channel scaling), on each of t TP ranks.
+int64_t fp8_copy_bytes(const model::ModelConfig& mc, int64_t t, Fp8Scaling scaling) {
+  int64_t elements = 0, rows = 0;
   for (int64_t i = 0; i < mc.num_layers; ++i) {
     const int64_t mlp = mc.sparse_layer(i) ? mc.shared_expert_intermediate_size : mc.intermediate_size;
     elements += (2 * mc.q_size() + 2 * mc.kv_size()) * mc.hidden_size + 3 * mlp * mc.hidden_size;
+    rows += mc.q_size() + 2 * mc.kv_size() + mc.hidden_size + (mlp > 0 ? 2 * mlp + mc.hidden_size : 0);
   }
-  return (elements + elements / (128 * 128) * 4) / t;
+  const int64_t scales = scaling == Fp8Scaling::kChannel ? rows : elements / (128 * 128);
+  return (elements + 4 * scales) / t;
 }
 
 MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes,
@@ -368,7 +371,8 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       const int64_t adapters =
           lora_elements(zero::lora_spec(cfg.roles.actor.lora, *mc, "roles.actor.lora.target_modules"), *mc,
                         model::Head::kLm) * 4 / t;
-      const int64_t fp8 = cfg.engines.quantization == EngineQuantization::kFp8 ? fp8_copy_bytes(*mc, t) : 0;
+      const int64_t fp8 =
+          cfg.engines.quantization == EngineQuantization::kFp8 ? fp8_copy_bytes(*mc, t, cfg.engines.fp8_scaling) : 0;
       add(gen, "engine weights", weights);
       add(gen, "engine FP8 weights", fp8);
       add(gen, "engine LoRA adapters", adapters);

@@ -115,6 +115,7 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
   eo.session_timeout_s = cfg.engines.session_timeout_s;
   eo.max_sessions = cfg.engines.max_sessions;
   eo.quantization = std::string(enum_name(cfg.engines.quantization));
+  eo.fp8_scaling = std::string(enum_name(cfg.engines.fp8_scaling));
   eo.start_asleep = start_asleep;
   eo.record_routes = cfg.algo.routing_replay;
   if (cfg.logging.efficiency) {

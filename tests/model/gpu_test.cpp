@@ -65,10 +65,20 @@ TEST(ModelGpu, Fp8QuantizationEqualsTheCpusBitForBit) {
     EXPECT_TRUE(at::equal(gpu.scale.cpu(), cpu.scale)) << c10::toString(t);
     EXPECT_TRUE(at::equal(gpu.q.cpu().view(at::kByte), cpu.q.view(at::kByte))) << c10::toString(t);
   }
+  for (const at::ScalarType t : {at::kBFloat16, at::kFloat}) {  // per token (channel scaling)
+    at::Tensor x = at::randn({37, 300}).to(t);
+    x.narrow(0, 3, 2).mul_(1e-6);
+    x.narrow(0, 5, 1).zero_();
+    const fp8::GroupQuantized cpu = fp8::quantize_rows(x), gpu = fp8::quantize_rows(x.cuda());
+    EXPECT_TRUE(at::equal(gpu.scale.cpu(), cpu.scale)) << c10::toString(t);
+    EXPECT_TRUE(at::equal(gpu.q.cpu().view(at::kByte), cpu.q.view(at::kByte))) << c10::toString(t);
+  }
   const at::Tensor w = (at::randn({300, 200}) * 0.02).to(at::kBFloat16);
-  const fp8::BlockQuantized cpu = fp8::quantize_blocks(w), gpu = fp8::quantize_blocks(w.cuda());
-  EXPECT_TRUE(at::equal(gpu.scale.cpu(), cpu.scale));
-  EXPECT_TRUE(at::equal(gpu.q_storage.cpu().view(at::kByte), cpu.q_storage.view(at::kByte)));
+  for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel}) {
+    const fp8::BlockQuantized cpu = fp8::quantize_weight(w, sc), gpu = fp8::quantize_weight(w.cuda(), sc);
+    EXPECT_TRUE(at::equal(gpu.scale_storage.cpu(), cpu.scale_storage));
+    EXPECT_TRUE(at::equal(gpu.q_storage.cpu().view(at::kByte), cpu.q_storage.view(at::kByte)));
+  }
 }
 
 // The FP8 GEMM on Hopper's tensor cores (block-scaled _scaled_mm) against its CPU emulation, for
@@ -82,16 +92,17 @@ TEST(ModelGpu, Fp8GemmEqualsItsEmulation) {
     for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{1152, 896}, {96, 64}, {200, 300}}) {
       const at::Tensor x = at::randn({m, k}).to(at::kBFloat16), w = (at::randn({n, k}) * 0.05).to(at::kBFloat16);
       const at::Tensor bias = (at::randn({n}) * 0.1).to(at::kBFloat16);
-      const fp8::BlockQuantized qc = fp8::quantize_blocks(w), qg = fp8::quantize_blocks(w.cuda());
+      for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel})
       for (const bool with_bias : {false, true}) {
+        const fp8::BlockQuantized qc = fp8::quantize_weight(w, sc), qg = fp8::quantize_weight(w.cuda(), sc);
         const at::Tensor b = with_bias ? bias : at::Tensor();
         const at::Tensor want = fp8::linear_emulated(x, qc, b);
         const at::Tensor got = fp8::linear(x.cuda(), qg, with_bias ? b.cuda() : at::Tensor());
         ASSERT_EQ(got.sizes(), want.sizes());
         EXPECT_EQ(got.scalar_type(), at::kBFloat16);
         const Diff d = compare(got, want);
-        EXPECT_LT(d.max_rel, 1e-2) << m << "x" << n << "x" << k << " bias " << with_bias;
-        EXPECT_LT(d.frob_rel, 4e-3) << m << "x" << n << "x" << k << " bias " << with_bias;
+        EXPECT_LT(d.max_rel, 1e-2) << m << "x" << n << "x" << k << " bias " << with_bias << " " << int(sc);
+        EXPECT_LT(d.frob_rel, 4e-3) << m << "x" << n << "x" << k << " bias " << with_bias << " " << int(sc);
       }
     }
 }

@@ -42,6 +42,7 @@ enum class DpoLossKind { kSigmoid, kIpo };                      // offline.dpo_l
 enum class DpoReference { kPrecompute, kOnTheFly };             // offline.dpo_reference
 enum class LogprobMatch { kOff, kBitwise };                     // algo.logprob_match (model/numerics.h)
 enum class EngineQuantization { kNone, kFp8 };                  // engines.quantization (model/fp8.h)
+enum class Fp8Scaling { kBlock, kChannel };                     // engines.fp8_scaling
 
 template <>
 struct EnumNames<RolloutMode> {
@@ -132,6 +133,10 @@ struct EnumNames<LogprobMatch> {
 template <>
 struct EnumNames<EngineQuantization> {
   static constexpr std::array<std::string_view, 2> names = {"none", "fp8"};
+};
+template <>
+struct EnumNames<Fp8Scaling> {
+  static constexpr std::array<std::string_view, 2> names = {"block", "channel"};
 };
 
 // The YAML spelling of `e`.
@@ -234,6 +239,7 @@ struct EnginesConfig {
   std::int64_t max_sessions = 0;
   // fp8: the engines' linear layers in FP8 blocks, quantized at load and at every sync.
   EngineQuantization quantization = EngineQuantization::kNone;
+  Fp8Scaling fp8_scaling = Fp8Scaling::kBlock;
   // TLS of the engines' gRPC services (the controller dials them by host name).
   std::string tls_cert, tls_key, tls_ca, tls_server_name;
 };

@@ -92,6 +92,10 @@ struct EngineOptions {
   // elsewhere) with activations quantized per token and group of 128 (docs/engine.md, "FP8
   // engines"). "none": the weights' dtype throughout.
   std::string quantization = "none";
+  // The FP8 engine's scales: "block" (128x128 weight blocks, activation groups of 128) or
+  // "channel" (one per weight row and per token). As fast as each other in the engine
+  // (docs/benchmarks.md); block's finer scales keep the engine nearer the trainer.
+  std::string fp8_scaling = "block";
   // Start asleep at level 1: the KV cache is allocated by the first wake() (the hybrid engine,
   // whose trainer may still hold the memory when the engine is built).
   bool start_asleep = false;
@@ -275,6 +279,11 @@ class Engine {
   // weights before it continues (counted in EngineStats::kv_rebuilds). This is what lets a sample
   // span a weight sync (partial rollouts) without attending to keys and values of older weights.
   void weights_updated(uint64_t version);
+  // Every TP rank, with no step in flight, after its weights were written out of band (not by a
+  // sync, which does this itself): an FP8 engine quantizes them again into its FP8 copies, in
+  // place. No-op without EngineOptions::quantization fp8. Returns the seconds it took (the
+  // device's work included).
+  double requantize();
   uint64_t weight_version() const;
 
   // --- Sleep and wake (the hybrid engine; docs/sync.md) ---

@@ -1,16 +1,19 @@
-// FP8 (e4m3) quantization, as the FP8 engine and FP8 training use it (issue 58; docs/engine.md):
-// weights in 128x128 blocks with one fp32 scale each, in DeepSeek-V3's layout (a checkpoint's
-// `weight_scale_inv`: value = q * scale), and activations in groups of 128 along the feature axis,
-// one scale per token and group, as the peers' FP8 rollouts quantize them. A block's (group's)
-// scale maps its largest magnitude to e4m3's largest finite value, 448: scale = amax / 448 (1 for
-// a block of zeros), q = cast(x / scale), where cast is torch's float8_e4m3fn conversion (round to
-// nearest even, subnormals down to 2^-9, saturating at +-448). The same on every device, so the
-// CPU path quantizes exactly as the GPU's does and CPU tests check the numerics.
+// FP8 (e4m3) quantization, as the FP8 engine uses it (issue 58; docs/engine.md), in two scalings:
+//   block    weights in 128x128 blocks with one fp32 scale each, in DeepSeek-V3's layout (a
+//            checkpoint's `weight_scale_inv`: value = q * scale), activations in groups of 128
+//            along the feature axis, one scale per token and group;
+//   channel  one scale per weight row (output channel) and one per token (activation row), what
+//            vLLM's FP8-dynamic checkpoints use; faster GEMMs on Hopper (docs/benchmarks.md).
+// A block's (group's, row's) scale maps its largest magnitude to e4m3's largest finite value, 448:
+// scale = amax / 448 (1 for zeros), q = cast(x / scale), where cast is torch's float8_e4m3fn
+// conversion (round to nearest even, subnormals down to 2^-9, saturating at +-448). The same on
+// every device, so the CPU path quantizes exactly as the GPU's does and CPU tests check the numerics.
 //
 // Threading: pure functions of their arguments.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 
@@ -19,23 +22,34 @@ namespace tiller::model::fp8 {
 constexpr double kE4m3Max = 448.0;
 constexpr int64_t kBlock = 128;
 
-// A 2-D weight [N, K] in blocks. `q_storage` [Np, Kp] float8_e4m3fn holds it zero-padded to
-// whole blocks (the FP8 GEMM's operand), `scale_storage` [ceil(N/block), ceil(K/block)] fp32 one
-// scale per block. `q` [N, K] is q_storage's view of the weight's own values and `scale` the
-// scales themselves. All on the weight's device.
+enum class Scaling { kBlock, kChannel };
+// "block" or "channel"; ConfigError naming `what` otherwise.
+Scaling parse_scaling(const std::string& name, const std::string& what);
+
+// A quantized 2-D weight [N, K]. `q_storage` [Np, Kp] float8_e4m3fn holds it zero-padded (the FP8
+// GEMM's operand: whole blocks, K to 4 blocks, for block scaling; N and K to multiples of 16 for
+// channel scaling). Block: `scale_storage` [ceil(N/block), Kp/block] fp32, one scale per block.
+// Channel: `scale_storage` [Np] fp32, one scale per row (1 past N). `q` [N, K] is q_storage's view
+// of the weight's own values and `scale` that of the scales themselves ([ceil(N/block),
+// ceil(K/block)], or [N]). All on the weight's device.
 struct BlockQuantized {
   at::Tensor q, scale;
   at::Tensor q_storage, scale_storage;
   int64_t block = kBlock;
+  Scaling scaling = Scaling::kBlock;
   bool defined() const { return q.defined(); }
   int64_t bytes() const;  // of both storages
 };
 BlockQuantized quantize_blocks(const at::Tensor& w, int64_t block = kBlock);
-// Quantizes `w` ([N, K], b's shape) into b's storages in place: what quantize_blocks(w) returns,
-// at the same addresses (a captured CUDA graph keeps reading them). Works through the weight a few
-// block rows at a time, so its temporaries stay small beside the weight.
+// One scale per row (Scaling::kChannel).
+BlockQuantized quantize_channels(const at::Tensor& w);
+BlockQuantized quantize_weight(const at::Tensor& w, Scaling scaling);
+// Quantizes `w` ([N, K], b's shape) into b's storages in place, in b's scaling: what
+// quantize_blocks(w) or quantize_channels(w) returns, at the same addresses (a captured CUDA graph
+// keeps reading them). Works through the weight a few block rows (a few thousand rows) at a time,
+// so its temporaries stay small beside the weight.
 void quantize_blocks_into(const at::Tensor& w, BlockQuantized& b);
-// q * scale as `dtype` ([N, K]).
+// q * scale as `dtype` ([N, K]), in either scaling.
 at::Tensor dequantize_blocks(const BlockQuantized& b, c10::ScalarType dtype);
 
 // Activations [..., K] in groups of `group` along the last axis: q [..., K] float8_e4m3fn,
@@ -46,15 +60,18 @@ struct GroupQuantized {
 };
 GroupQuantized quantize_groups(const at::Tensor& x, int64_t group = kBlock);
 at::Tensor dequantize_groups(const GroupQuantized& g, c10::ScalarType dtype, int64_t group = kBlock);
+// Activations [..., K] with one scale per token (row): q [..., K], scale [...] fp32.
+GroupQuantized quantize_rows(const at::Tensor& x);
+at::Tensor dequantize_rows(const GroupQuantized& g, c10::ScalarType dtype);
 
-// x [..., K] times w^T (w [N, K] in blocks) with x quantized in groups of the same size: what an
-// FP8 GEMM with fp32 accumulation computes, emulated (both dequantized, the product in fp32), plus
+// x [..., K] times w^T (w [N, K] quantized) with x quantized to match (groups of the block size,
+// or rows for channel scaling): what an FP8 GEMM with fp32 accumulation computes, emulated (both dequantized, the product in fp32), plus
 // `bias` ([N], optional) before the one rounding to x's dtype. [..., N].
 at::Tensor linear_emulated(const at::Tensor& x, const BlockQuantized& w, const at::Tensor& bias = {});
 
 // The same product on the device's FP8 tensor cores where there are some (Hopper: torch's
-// block-scaled _scaled_mm over cuBLASLt, activations quantized per token and group of 128 by one
-// kernel, fp32 accumulation, the bias in the epilogue), else linear_emulated. Inference only.
+// _scaled_mm, block- or row-scaled, fp32 accumulation, the bias in the epilogue; the activations
+// quantized by one kernel), else linear_emulated. Inference only.
 at::Tensor linear(const at::Tensor& x, const BlockQuantized& w, const at::Tensor& bias = {});
 // Whether linear() runs on FP8 tensor cores on `device` (a GPU of compute capability 9.x in the
 // GPU build, with block size 128).

@@ -1,5 +1,6 @@
-// FP8 (e4m3) quantization of activations per token and group of 128 features (kernels.h): one
-// warp per (row, group), four values per lane, the group's largest magnitude by a warp reduction.
+// FP8 (e4m3) quantization of activations per token and group of 128 features (one warp per (row,
+// group), four values per lane, the group's largest magnitude by a warp reduction), or per token
+// (one block per row); kernels.h.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -46,7 +47,79 @@ __global__ void quantize_groups_kernel(const T* x, int64_t rows, int64_t padded_
   if (lane == 0) scale[g * scale_stride + r] = s;
 }
 
+// One block per row: the row's largest magnitude by a block reduction, then the values again
+// (from L2), kVec per thread and step: one 16-byte load (kVec = 16 / sizeof(T)) and one store of
+// kVec bytes when the row allows it, else kVec = 1.
+template <class T, int kVec>
+__global__ void quantize_rows_kernel(const T* x, int64_t rows, int64_t k, int64_t x_stride, uint8_t* q,
+                                     int64_t q_stride, float* scale) {
+  using P = Pack<T, kVec>;
+  __shared__ float partial[32];
+  const int64_t r = blockIdx.x;
+  const bool live = r < rows;
+  const T* row = x + r * x_stride;
+  float amax = 0.f;
+  if (live)
+    for (int64_t j = kVec * static_cast<int64_t>(threadIdx.x); j < k; j += kVec * static_cast<int64_t>(blockDim.x)) {
+      const P v = *reinterpret_cast<const P*>(row + j);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) amax = fmaxf(amax, fabsf(to_f(v.v[i])));
+    }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = amax;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    amax = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.f;
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    if (threadIdx.x == 0) partial[0] = amax;
+  }
+  __syncthreads();
+  amax = partial[0];
+  const float s = amax > 0.f ? amax / 448.f : 1.f;  // IEEE division, as ATen's
+  // Whole vectors up to q_stride (a multiple of kVec): past k (or a padding row) they are zeros.
+  for (int64_t j = kVec * static_cast<int64_t>(threadIdx.x); j < q_stride;
+       j += kVec * static_cast<int64_t>(blockDim.x)) {
+    Pack<uint8_t, kVec> out;
+    if (live && j < k) {
+      const P v = *reinterpret_cast<const P*>(row + j);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) out.v[i] = __nv_cvt_float_to_fp8(to_f(v.v[i]) / s, __NV_SATFINITE, __NV_E4M3);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) out.v[i] = 0;
+    }
+    *reinterpret_cast<Pack<uint8_t, kVec>*>(q + r * q_stride + j) = out;
+  }
+  if (threadIdx.x == 0) scale[r] = s;
+}
+
 }  // namespace
+
+void quantize_rows_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
+                       void* q, int64_t q_stride, float* scale, void* stream) {
+  if (q_stride < k || q_stride % 4 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0 || padded_rows < rows ||
+      padded_rows > 2147483647)
+    throw std::invalid_argument("quantize_rows_fp8: q must hold every column in 4-byte aligned rows");
+  if (padded_rows == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream);
+  with_dtype(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = k % kVec == 0 && x_stride % kVec == 0 && q_stride % kVec == 0 &&
+                     reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % kVec == 0;
+    const auto blocks = static_cast<unsigned>(padded_rows);
+    if (vec)
+      quantize_rows_kernel<T, kVec><<<blocks, 512, 0, s>>>(static_cast<const T*>(x), rows, k, x_stride,
+                                                           static_cast<uint8_t*>(q), q_stride, scale);
+    else
+      quantize_rows_kernel<T, 1><<<blocks, 512, 0, s>>>(static_cast<const T*>(x), rows, k, x_stride,
+                                                        static_cast<uint8_t*>(q), q_stride, scale);
+  });
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 row quantize kernel launch: ") + cudaGetErrorString(err));
+}
 
 void quantize_groups_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
                          void* q, int64_t q_stride, int64_t groups, float* scale, int64_t scale_stride, void* stream) {

@@ -45,6 +45,12 @@ void add_rms_norm(DType dtype, void* x, const void* add, const void* weight, voi
 void quantize_groups_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
                          void* q, int64_t q_stride, int64_t groups, float* scale, int64_t scale_stride, void* stream);
 
+// The same with one scale per row (the row-scaled FP8 GEMM): s = amax of row r over its k
+// values / 448 (1 for zeros), q[r * q_stride + j] = e4m3(x / s), zeros for the columns [k,
+// q_stride) and the rows [rows, padded_rows) (scale 1), scale[r] = s. q_stride a multiple of 4.
+void quantize_rows_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
+                       void* q, int64_t q_stride, float* scale, void* stream);
+
 // One token per row of logits [rows, vocab] (row stride given, in elements of `dtype`) for the
 // rows' parameters params [rows][3] (temperature, min_p, u): a temperature of 0 takes the first
 // maximum; otherwise the first token whose cumulative mass passes u times the total, over
