@@ -85,7 +85,8 @@ CASE:
                a step past timeouts.step_s.
   fp8          engines.quantization=fp8 (the FP8 GEMMs emulated on CPU) with token-level TIS: GRPO learns
                the toy task, the engine/trainer mismatch is measured and larger than the bf16 engine's
-               on the same seed, and the correction truncates and reports its weights.
+               on the same seed, and the correction truncates and reports its weights; the hybrid
+               engine at sleep level 2 (its FP8 copies refilled by the handoff) gives the same rewards.
   hub          roles.actor.model as a hub id not in the cache: downloaded through huggingface_hub
                from a stand-in for the hub on a local socket (fake_hub.py, HF_ENDPOINT), each file
                once for the node's 3 ranks, and one step trains; the second run finds it in the
@@ -1634,6 +1635,16 @@ def check_fp8():
           f"is_weight p05..p95 {rows[-1]['off_policy/is_weight_p05']:.3f}..{rows[-1]['off_policy/is_weight_p95']:.3f}")
     if not fp8_kl > 10 * base_kl:
         fail(f"the FP8 engine's mismatch {fp8_kl} is not clearly above the unquantized engine's {base_kl}")
+    # The hybrid engine (sleep level 2: the weights and their FP8 copies freed every step, refilled
+    # by the handoff on the GPU's side and quantized again): the same rewards as the separate pool's
+    # FP8 engine, step for step.
+    hybrid = SCRATCH / "fp8_hybrid"
+    run_ok(2, hybrid, *GRPO, *tis, *HYBRID, "engines.quantization=fp8", "train.num_steps=6")
+    want = [r["reward/mean"] for r in rows[:6]]
+    got = [r["reward/mean"] for r in metrics(hybrid)]
+    if got != want:
+        fail(f"the hybrid FP8 engine's rewards {got} differ from the separate pool's {want}")
+    print(f"fp8 hybrid: rewards equal the separate pool's for 6 steps: {[round(r, 3) for r in got]}")
 
 
 def check_hub():
