@@ -201,8 +201,6 @@ model::ModelConfig config_for_rank(const model::ModelConfig& cfg, int tp) {
   return local;
 }
 
-// q/k/v into one [q + 2 kv, hidden] projection and gate/up into one [2 I, hidden]: two GEMMs per
-// block instead of five. The separate tensors become views of the fused ones.
 // The FP8 engine's copies of a layer's projections (LayerWeights::qkv_fp8 ...), from its fused
 // weights; requantize_layer writes them again in place.
 std::vector<std::pair<const at::Tensor*, model::fp8::BlockQuantized*>> fp8_pairs(model::LayerWeights& w) {
@@ -220,6 +218,8 @@ void requantize_layer(model::LayerWeights& w) {
   for (auto [src, dst] : fp8_pairs(w)) model::fp8::quantize_blocks_into(*src, *dst);
 }
 
+// q/k/v into one [q + 2 kv, hidden] projection and gate/up into one [2 I, hidden]: two GEMMs per
+// block instead of five. The separate tensors become views of the fused ones.
 void fuse_projections(model::LayerWeights& w) {
   auto split = [](const at::Tensor& fused, std::initializer_list<at::Tensor*> parts) {
     int64_t at_row = 0;
