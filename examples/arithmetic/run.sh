@@ -5,6 +5,11 @@
 #   examples/arithmetic/run.sh [OUT]          (default out/arithmetic; prints one JSON line: the curve)
 # SMOKE=1 runs the same pipeline on CPU at toy scale (2-digit problems, a 2-layer model, a few steps):
 # the CI test that keeps the example working; it checks that it runs, not that it learns.
+# GRPO_ARGS adds settings to the GRPO stage, and FROM_SFT=DIR starts it from an earlier run's data
+# and SFT model (DIR/data, DIR/sft) instead of making them again: the same SFT model trained with
+# another engine, e.g. an FP8 one with TIS beside the bf16 run in DIR (docs/engine.md, FP8 engines):
+#   FROM_SFT=out/arithmetic GRPO_ARGS="--set engines.quantization=fp8 --set algo.importance_correction=tis
+#     --set algo.tis_cap=2" examples/arithmetic/run.sh out/arithmetic-fp8
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-out/arithmetic}
@@ -16,6 +21,7 @@ data=(--digits 4 --train 200000 --eval 1000 --shape base)
 sft=(--set run.output_dir="$out/sft" --set roles.actor.model="$out/data/model" --set offline.data="$out/data/sft.jsonl")
 grpo=(--set run.output_dir="$out/grpo" --set roles.actor.model="$out/sft/model" --set data.prompts="$out/data/rl.jsonl"
       --set eval.prompts="$out/data/eval.jsonl")
+read -r -a grpo_extra <<< "${GRPO_ARGS:-}"
 if [ "${SMOKE:-0}" = 1 ]; then
   data=(--digits 2 --train 2000 --eval 50 --shape tiny)
   sft+=(--set cluster.device=cpu --set roles.actor.dtype=fp32 --set offline.epochs=1 --set offline.max_steps=6
@@ -24,21 +30,37 @@ if [ "${SMOKE:-0}" = 1 ]; then
          --set rollout.batch_size=8 --set rollout.max_new_tokens=24 --set train.train_batch_size=64
          --set engines.max_num_seqs=64 --set eval.every_steps=1 --set eval.max_new_tokens=24)
 fi
+if [ -n "${FROM_SFT:-}" ] && [ "$(cd "$FROM_SFT" 2>/dev/null && pwd)" = "$(mkdir -p "$out" && cd "$out" && pwd)" ]; then
+  echo "run.sh: FROM_SFT must be another run's directory, not the output $out" >&2
+  exit 2
+fi
 # A rerun starts over: tiller resumes from a checkpoint it finds, which would skip the stages.
 rm -rf "$out/sft" "$out/grpo"
 mkdir -p "$out"
 t0=$(date +%s)
-python3 examples/arithmetic/make_data.py "$out/data" "${data[@]}" > "$out/data.json"
-echo "data: $(cut -c1-200 "$out/data.json")"
-"${mpirun[@]}" -np 1 "$tiller" sft -c examples/arithmetic/sft.yaml "${sft[@]}" > "$out/sft.log" 2>&1 ||
-  { tail -20 "$out/sft.log"; exit 1; }
+if [ -n "${FROM_SFT:-}" ]; then
+  [ -d "$FROM_SFT/sft/model" ] && [ -d "$FROM_SFT/data" ] ||
+    { echo "run.sh: FROM_SFT=$FROM_SFT has no sft/model or data/ (run the example there first)" >&2; exit 2; }
+  rm -rf "$out/data"
+  cp -r "$FROM_SFT/data" "$out/data"
+  cp "$FROM_SFT/data.json" "$out/data.json"
+  mkdir -p "$out/sft"
+  cp -r "$FROM_SFT/sft/model" "$out/sft/model"
+  cp "$FROM_SFT/sft/metrics.jsonl" "$out/sft/metrics.jsonl"
+  echo "data and sft: from $FROM_SFT"
+else
+  python3 examples/arithmetic/make_data.py "$out/data" "${data[@]}" > "$out/data.json"
+  echo "data: $(cut -c1-200 "$out/data.json")"
+  "${mpirun[@]}" -np 1 "$tiller" sft -c examples/arithmetic/sft.yaml "${sft[@]}" > "$out/sft.log" 2>&1 ||
+    { tail -20 "$out/sft.log"; exit 1; }
+fi
 t1=$(date +%s)
 eval_args=(--max-new-tokens 64)
 [ "${SMOKE:-0}" = 1 ] && eval_args=(--max-new-tokens 24)
 python3 examples/arithmetic/eval.py "$out/data/model" "$out/data/eval.jsonl" "${eval_args[@]}" > "$out/eval_random.json"
 python3 examples/arithmetic/eval.py "$out/sft/model" "$out/data/eval.jsonl" "${eval_args[@]}" > "$out/eval_sft.json"
 echo "after sft ($((t1 - t0)) s): $(cut -c1-300 "$out/eval_sft.json")"
-"${mpirun[@]}" -np 2 "$tiller" train -c examples/arithmetic/grpo.yaml "${grpo[@]}" \
+"${mpirun[@]}" -np 2 "$tiller" train -c examples/arithmetic/grpo.yaml "${grpo[@]}" "${grpo_extra[@]}" \
   --set checkpoint.dir="$out/grpo/checkpoints" --set checkpoint.save_hf=true > "$out/grpo.log" 2>&1 ||
   { tail -20 "$out/grpo.log"; exit 1; }
 t2=$(date +%s)
