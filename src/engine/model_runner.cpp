@@ -203,8 +203,8 @@ model::ModelConfig config_for_rank(const model::ModelConfig& cfg, int tp) {
 
 // The FP8 engine's copies of a layer's projections (LayerWeights::qkv_fp8 ...), from its fused
 // weights; requantize_layer writes them again in place.
-std::vector<std::pair<const at::Tensor*, model::fp8::BlockQuantized*>> fp8_pairs(model::LayerWeights& w) {
-  std::vector<std::pair<const at::Tensor*, model::fp8::BlockQuantized*>> out;
+std::vector<std::pair<const at::Tensor*, model::fp8::QuantizedWeight*>> fp8_pairs(model::LayerWeights& w) {
+  std::vector<std::pair<const at::Tensor*, model::fp8::QuantizedWeight*>> out;
   if (w.qkv_proj.defined()) out.emplace_back(&w.qkv_proj, &w.qkv_fp8);
   if (w.o_proj.defined()) out.emplace_back(&w.o_proj, &w.o_fp8);
   if (w.gate_up_proj.defined()) out.emplace_back(&w.gate_up_proj, &w.gate_up_fp8);
@@ -215,7 +215,7 @@ void quantize_layer(model::LayerWeights& w, model::fp8::Scaling scaling) {
   for (auto [src, dst] : fp8_pairs(w)) *dst = model::fp8::quantize_weight(*src, scaling);
 }
 void requantize_layer(model::LayerWeights& w) {
-  for (auto [src, dst] : fp8_pairs(w)) model::fp8::quantize_blocks_into(*src, *dst);
+  for (auto [src, dst] : fp8_pairs(w)) model::fp8::quantize_weight_into(*src, *dst);
 }
 
 // q/k/v into one [q + 2 kv, hidden] projection and gate/up into one [2 I, hidden]: two GEMMs per

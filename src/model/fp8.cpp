@@ -58,14 +58,14 @@ at::Tensor from_groups(const at::Tensor& g, int64_t k) {
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
-// Block rows quantized at a time by quantize_blocks_into: about 2^24 elements of fp32 temporaries.
+// Block rows quantized at a time by quantize_weight_into: about 2^24 elements of fp32 temporaries.
 int64_t block_rows_per_chunk(int64_t k, int64_t block) {
   return std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, round_up(k, block) * block));
 }
 
 }  // namespace
 
-int64_t BlockQuantized::bytes() const {
+int64_t QuantizedWeight::bytes() const {
   return (q_storage.defined() ? q_storage.numel() * q_storage.element_size() : 0) +
          (scale_storage.defined() ? scale_storage.numel() * scale_storage.element_size() : 0);
 }
@@ -76,40 +76,40 @@ Scaling parse_scaling(const std::string& name, const std::string& what) {
   throw ConfigError(fmt::format("{} '{}': use channel or block", what, name));
 }
 
-BlockQuantized quantize_channels(const at::Tensor& w) {
+QuantizedWeight quantize_channels(const at::Tensor& w) {
   if (w.dim() != 2) throw ConfigError(fmt::format("fp8: a quantized weight is 2-D, not {}-D", w.dim()));
   const int64_t n = w.size(0), k = w.size(1);
-  BlockQuantized b;
+  QuantizedWeight b;
   b.scaling = Scaling::kChannel;
   b.q_storage = at::zeros({round_up(n, 16), round_up(k, 16)}, w.options().dtype(at::kFloat8_e4m3fn));
   b.scale_storage = at::ones({round_up(n, 16)}, w.options().dtype(at::kFloat));
   b.q = b.q_storage.narrow(0, 0, n).narrow(1, 0, k);
   b.scale = b.scale_storage.narrow(0, 0, n);
-  quantize_blocks_into(w, b);
+  quantize_weight_into(w, b);
   return b;
 }
 
-BlockQuantized quantize_weight(const at::Tensor& w, Scaling scaling) {
+QuantizedWeight quantize_weight(const at::Tensor& w, Scaling scaling) {
   return scaling == Scaling::kChannel ? quantize_channels(w) : quantize_blocks(w);
 }
 
-BlockQuantized quantize_blocks(const at::Tensor& w, int64_t block) {
+QuantizedWeight quantize_blocks(const at::Tensor& w, int64_t block) {
   check_size(block, "block");
   if (w.dim() != 2) throw ConfigError(fmt::format("fp8: a block-quantized weight is 2-D, not {}-D", w.dim()));
   // K is padded to a multiple of 4 blocks: cuBLASLt's block-scaled GEMM reads the weight scales'
   // rows as if 16-byte aligned (measured on H200: other widths give wrong products, unflagged).
   const int64_t n = w.size(0), k = w.size(1), nb = ceil_div(n, block), kb = round_up(ceil_div(k, block), 4);
-  BlockQuantized b;
+  QuantizedWeight b;
   b.block = block;
   b.q_storage = at::zeros({nb * block, kb * block}, w.options().dtype(at::kFloat8_e4m3fn));
   b.scale_storage = at::ones({nb, kb}, w.options().dtype(at::kFloat));
   b.q = b.q_storage.narrow(0, 0, n).narrow(1, 0, k);
   b.scale = b.scale_storage.narrow(1, 0, ceil_div(k, block));
-  quantize_blocks_into(w, b);
+  quantize_weight_into(w, b);
   return b;
 }
 
-void quantize_blocks_into(const at::Tensor& w, BlockQuantized& b) {
+void quantize_weight_into(const at::Tensor& w, QuantizedWeight& b) {
   TILLER_CHECK(b.defined() && w.dim() == 2 && w.sizes() == b.q.sizes() && w.device() == b.q.device(),
                "fp8: a weight of {} elements on {} does not fit its quantized form", w.numel(), w.device().str());
   if (b.scaling == Scaling::kChannel) {
@@ -149,7 +149,7 @@ void quantize_blocks_into(const at::Tensor& w, BlockQuantized& b) {
   }
 }
 
-at::Tensor dequantize_blocks(const BlockQuantized& b, c10::ScalarType dtype) {
+at::Tensor dequantize_weight(const QuantizedWeight& b, c10::ScalarType dtype) {
   if (b.scaling == Scaling::kChannel) return (b.q.to(at::kFloat) * b.scale.unsqueeze(1)).to(dtype);
   const int64_t block = b.block;
   const at::Tensor blocks = as_blocks(b.q.to(at::kFloat), block);
@@ -213,13 +213,13 @@ at::Tensor dequantize_rows(const GroupQuantized& g, c10::ScalarType dtype) {
   return (g.q.to(at::kFloat) * g.scale.unsqueeze(-1)).to(dtype);
 }
 
-at::Tensor linear_emulated(const at::Tensor& x, const BlockQuantized& w, const at::Tensor& bias) {
+at::Tensor linear_emulated(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias) {
   if (x.size(-1) != w.q.size(1))
     throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.q.size(1)));
   const at::Tensor xd = w.scaling == Scaling::kChannel
                             ? dequantize_rows(quantize_rows(x), at::kFloat)
                             : dequantize_groups(quantize_groups(x, w.block), at::kFloat, w.block);
-  at::Tensor y = at::matmul(xd, dequantize_blocks(w, at::kFloat).t());
+  at::Tensor y = at::matmul(xd, dequantize_weight(w, at::kFloat).t());
   if (bias.defined()) y = y + bias.to(at::kFloat);
   return y.to(x.scalar_type());
 }
@@ -235,7 +235,7 @@ bool tensor_cores(const at::Device& device) {
 #endif
 }
 
-at::Tensor linear(const at::Tensor& x, const BlockQuantized& w, const at::Tensor& bias) {
+at::Tensor linear(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias) {
 #ifdef TILLER_HAVE_CUDA_KERNELS
   const at::ScalarType t = x.scalar_type();
   // The row-scaled GEMM (CUTLASS in torch) writes bf16 only; the block-scaled one takes 128 blocks.

@@ -111,7 +111,7 @@ namespace {
 
 // x's projection by w (and bias b), or by its FP8 form when the engine quantized it.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {},
-                   const fp8::BlockQuantized* q = nullptr) {
+                   const fp8::QuantizedWeight* q = nullptr) {
   if (q && q->defined()) return fp8::linear(x, *q, b);
   if (batch_invariant()) return invariant::linear(x, w, b);
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);

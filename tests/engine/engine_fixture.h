@@ -18,6 +18,7 @@
 
 #include "tiller/engine/engine.h"
 #include "tiller/model/generate.h"
+#include "tiller/model/lora.h"
 #include "tiller/model/transformer.h"
 
 namespace tiller::engine {
@@ -40,6 +41,24 @@ TinyModel tiny(const std::string& preset, uint64_t seed = 1) {
   m.named = model::init_weights(m.cfg, model::Head::kLm, seed, at::kFloat);
   m.weights = model::bind_weights(m.cfg, m.named, model::Head::kLm, preset);
   return m;
+}
+
+// LoRA adapters of rank 4 (alpha 8) on every projection, drawn with seed 3, their B given weight
+// (PEFT starts B at zero, which would change nothing).
+struct TestLora {
+  model::LoraSpec spec;
+  model::NamedTensors adapters;
+};
+TestLora test_lora(const model::ModelConfig& cfg) {
+  TestLora l;
+  l.spec.rank = 4;
+  l.spec.alpha = 8;
+  l.spec.targets = model::lora_targets("all-linear", cfg, "test");
+  l.adapters = model::init_lora(cfg, l.spec, 3);
+  at::Generator gen = at::detail::createCPUGenerator(4);
+  for (auto& [n, t] : l.adapters)
+    if (n.find("lora_B") != std::string::npos) t = at::randn(t.sizes(), gen, at::kFloat) * 0.3;
+  return l;
 }
 
 EngineOptions small_options(int64_t num_blocks = 256) {

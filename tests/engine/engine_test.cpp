@@ -284,14 +284,7 @@ void expect_engine_runs_lora(const std::string& device, at::ScalarType dtype, do
   TinyModel m = tiny("tiny-qwen2", 9);
   for (auto& [name, t] : m.named) t = t.to(at::Device(device), dtype);
   m.weights = model::bind_weights(m.cfg, m.named, model::Head::kLm, "tiny-qwen2");
-  model::LoraSpec spec;
-  spec.rank = 4;
-  spec.alpha = 8;
-  spec.targets = model::lora_targets("all-linear", m.cfg, "test");
-  model::NamedTensors adapters = model::init_lora(m.cfg, spec, 3);
-  at::Generator gen = at::detail::createCPUGenerator(4);
-  for (auto& [n, t] : adapters)  // B starts at zero in PEFT: give it weight
-    if (n.find("lora_B") != std::string::npos) t = at::randn(t.sizes(), gen, at::kFloat) * 0.3;
+  const auto [spec, adapters] = test_lora(m.cfg);
   model::ModelWeights served = m.weights;
   bind_lora_for_tp(m.cfg, spec, adapters, served, 0, 1, device, "test adapters");
   EngineOptions o = small_options(64);

@@ -109,14 +109,7 @@ TEST(Fp8Engine, EqualsTheModelWithTheSameQuantizedProjections) {
 // the adapters change what it says.
 TEST(Fp8Engine, LoraAdaptersRunBesideTheFp8Base) {
   const TinyModel m = tiny("tiny-qwen2", 4);
-  model::LoraSpec spec;
-  spec.rank = 4;
-  spec.alpha = 8;
-  spec.targets = model::lora_targets("all-linear", m.cfg, "test");
-  model::NamedTensors adapters = model::init_lora(m.cfg, spec, 3);
-  at::Generator gen = at::detail::createCPUGenerator(4);
-  for (auto& [n, t] : adapters)
-    if (n.find("lora_B") != std::string::npos) t = at::randn(t.sizes(), gen, at::kFloat) * 0.3;
+  const auto [spec, adapters] = test_lora(m.cfg);
   model::ModelWeights served = m.weights;
   bind_lora_for_tp(m.cfg, spec, adapters, served, 0, 1, "cpu", "test adapters");
   Engine e(m.cfg, served, fp8_options());

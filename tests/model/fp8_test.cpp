@@ -29,12 +29,12 @@ TEST(Fp8, ABlockOfScaleOneRoundsAsE4m3) {
   // 224 and 240 (to 224, even).
   const std::vector<float> want = {448.0f, 1.0f, 1.0f, 1.25f, 1.125f, -3.25f, 0.0f, std::ldexp(1.0f, -9),
                                    0.0f, std::ldexp(1.0f, -8), 16.0f, 20.0f, -240.0f, 224.0f};
-  const BlockQuantized b = quantize_blocks(at::tensor(in).view({1, -1}));
+  const QuantizedWeight b = quantize_blocks(at::tensor(in).view({1, -1}));
   EXPECT_EQ(b.q.scalar_type(), at::kFloat8_e4m3fn);
   ASSERT_EQ(b.scale.sizes(), (std::vector<int64_t>{1, 1}));
   EXPECT_EQ(b.scale.item<float>(), 1.0f);
   EXPECT_EQ(values(b.q), want);
-  EXPECT_EQ(values(dequantize_blocks(b, at::kFloat)), want);
+  EXPECT_EQ(values(dequantize_weight(b, at::kFloat)), want);
 }
 
 // Each 128x128 block gets its own scale, amax / 448, so its largest magnitude quantizes to 448
@@ -47,7 +47,7 @@ TEST(Fp8, EachBlockHasItsOwnScale) {
   w.narrow(0, 0, 128).narrow(1, 0, 128).mul_(1000);  // blocks of very different magnitudes
   w.narrow(0, 256, 44).narrow(1, 128, 72).mul_(1e-3);
   w.narrow(0, 128, 128).narrow(1, 128, 72).zero_();  // a block of zeros
-  const BlockQuantized b = quantize_blocks(w);
+  const QuantizedWeight b = quantize_blocks(w);
   ASSERT_EQ(b.scale.sizes(), (std::vector<int64_t>{3, 2}));
   ASSERT_EQ(b.q.sizes(), w.sizes());
   for (int64_t i = 0; i < 3; ++i)
@@ -64,11 +64,11 @@ TEST(Fp8, EachBlockHasItsOwnScale) {
       EXPECT_FLOAT_EQ(scale, amax / 448.0f) << i << "," << j;
       EXPECT_EQ(b.q.narrow(0, i * 128, rows).narrow(1, j * 128, cols).to(at::kFloat).abs().max().item<float>(), 448.0f);
     }
-  const at::Tensor d = dequantize_blocks(b, at::kFloat);
+  const at::Tensor d = dequantize_weight(b, at::kFloat);
   const at::Tensor scale_per_value = b.scale.repeat_interleave(128, 0).repeat_interleave(128, 1).narrow(0, 0, n).narrow(1, 0, k);
   const at::Tensor bound = at::maximum(w.abs() * std::ldexp(1.0, -4), scale_per_value * std::ldexp(1.0, -10));
   EXPECT_TRUE(((d - w).abs() <= bound * 1.0001).all().item<bool>());
-  EXPECT_EQ(dequantize_blocks(b, at::kBFloat16).scalar_type(), at::kBFloat16);
+  EXPECT_EQ(dequantize_weight(b, at::kBFloat16).scalar_type(), at::kBFloat16);
 }
 
 // Activations: one scale per token and group of 128 features.
@@ -98,7 +98,7 @@ TEST(Fp8, ChannelScalingScalesEachRowAndEachToken) {
   at::Tensor w = at::randn({40, 300});
   w[3].mul_(1000);
   w[7].zero_();
-  const BlockQuantized b = quantize_channels(w);
+  const QuantizedWeight b = quantize_channels(w);
   EXPECT_EQ(b.scaling, Scaling::kChannel);
   ASSERT_EQ(b.scale.sizes(), (std::vector<int64_t>{40}));
   ASSERT_EQ(b.q.sizes(), w.sizes());
@@ -106,7 +106,7 @@ TEST(Fp8, ChannelScalingScalesEachRowAndEachToken) {
   EXPECT_EQ(b.q_storage.size(1) % 16, 0);
   for (int64_t r : {0, 3, 39}) EXPECT_FLOAT_EQ(b.scale[r].item<float>(), w[r].abs().max().item<float>() / 448.0f);
   EXPECT_EQ(b.scale[7].item<float>(), 1.0f);
-  const at::Tensor d = dequantize_blocks(b, at::kFloat);
+  const at::Tensor d = dequantize_weight(b, at::kFloat);
   const at::Tensor bound = at::maximum(w.abs() * std::ldexp(1.0, -4), b.scale.unsqueeze(1) * std::ldexp(1.0, -10));
   EXPECT_TRUE(((d - w).abs() <= bound * 1.0001).all().item<bool>());
   const at::Tensor x = at::randn({2, 5, 300});
@@ -117,8 +117,8 @@ TEST(Fp8, ChannelScalingScalesEachRowAndEachToken) {
   const at::Tensor want = at::matmul(dequantize_rows(g, at::kFloat), d.t());
   EXPECT_TRUE(at::allclose(y, want, 1e-6, 1e-5));
   // In place, from other values: what a fresh quantization gives.
-  BlockQuantized again = quantize_channels(at::randn({40, 300}));
-  quantize_blocks_into(w, again);
+  QuantizedWeight again = quantize_channels(at::randn({40, 300}));
+  quantize_weight_into(w, again);
   EXPECT_TRUE(at::equal(again.scale, b.scale));
   EXPECT_TRUE(at::equal(again.q_storage.view(at::kByte), b.q_storage.view(at::kByte)));
   EXPECT_EQ(parse_scaling("block", "x"), Scaling::kBlock);
@@ -129,9 +129,9 @@ TEST(Fp8, ChannelScalingScalesEachRowAndEachToken) {
 TEST(Fp8, TheEmulatedLinearIsTheProductOfTheDequantizedOperands) {
   at::manual_seed(7);
   const at::Tensor x = at::randn({5, 256}), w = at::randn({96, 256});
-  const BlockQuantized b = quantize_blocks(w);
+  const QuantizedWeight b = quantize_blocks(w);
   const at::Tensor y = linear_emulated(x, b);
-  const at::Tensor want = at::matmul(dequantize_groups(quantize_groups(x), at::kFloat), dequantize_blocks(b, at::kFloat).t());
+  const at::Tensor want = at::matmul(dequantize_groups(quantize_groups(x), at::kFloat), dequantize_weight(b, at::kFloat).t());
   EXPECT_TRUE(at::allclose(y, want, 1e-6, 1e-5));
   // Against the unquantized product: each operand's relative error is at most 2^-4.
   const at::Tensor exact = at::matmul(x.to(at::kDouble), w.to(at::kDouble).t());

@@ -75,7 +75,7 @@ TEST(ModelGpu, Fp8QuantizationEqualsTheCpusBitForBit) {
   }
   const at::Tensor w = (at::randn({300, 200}) * 0.02).to(at::kBFloat16);
   for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel}) {
-    const fp8::BlockQuantized cpu = fp8::quantize_weight(w, sc), gpu = fp8::quantize_weight(w.cuda(), sc);
+    const fp8::QuantizedWeight cpu = fp8::quantize_weight(w, sc), gpu = fp8::quantize_weight(w.cuda(), sc);
     EXPECT_TRUE(at::equal(gpu.scale_storage.cpu(), cpu.scale_storage));
     EXPECT_TRUE(at::equal(gpu.q_storage.cpu().view(at::kByte), cpu.q_storage.view(at::kByte)));
   }
@@ -94,7 +94,7 @@ TEST(ModelGpu, Fp8GemmEqualsItsEmulation) {
       const at::Tensor bias = (at::randn({n}) * 0.1).to(at::kBFloat16);
       for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel})
       for (const bool with_bias : {false, true}) {
-        const fp8::BlockQuantized qc = fp8::quantize_weight(w, sc), qg = fp8::quantize_weight(w.cuda(), sc);
+        const fp8::QuantizedWeight qc = fp8::quantize_weight(w, sc), qg = fp8::quantize_weight(w.cuda(), sc);
         const at::Tensor b = with_bias ? bias : at::Tensor();
         const at::Tensor want = fp8::linear_emulated(x, qc, b);
         const at::Tensor got = fp8::linear(x.cuda(), qg, with_bias ? b.cuda() : at::Tensor());

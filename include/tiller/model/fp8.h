@@ -32,7 +32,7 @@ Scaling parse_scaling(const std::string& name, const std::string& what);
 // Channel: `scale_storage` [Np] fp32, one scale per row (1 past N). `q` [N, K] is q_storage's view
 // of the weight's own values and `scale` that of the scales themselves ([ceil(N/block),
 // ceil(K/block)], or [N]). All on the weight's device.
-struct BlockQuantized {
+struct QuantizedWeight {
   at::Tensor q, scale;
   at::Tensor q_storage, scale_storage;
   int64_t block = kBlock;
@@ -40,17 +40,17 @@ struct BlockQuantized {
   bool defined() const { return q.defined(); }
   int64_t bytes() const;  // of both storages
 };
-BlockQuantized quantize_blocks(const at::Tensor& w, int64_t block = kBlock);
+QuantizedWeight quantize_blocks(const at::Tensor& w, int64_t block = kBlock);
 // One scale per row (Scaling::kChannel).
-BlockQuantized quantize_channels(const at::Tensor& w);
-BlockQuantized quantize_weight(const at::Tensor& w, Scaling scaling);
+QuantizedWeight quantize_channels(const at::Tensor& w);
+QuantizedWeight quantize_weight(const at::Tensor& w, Scaling scaling);
 // Quantizes `w` ([N, K], b's shape) into b's storages in place, in b's scaling: what
 // quantize_blocks(w) or quantize_channels(w) returns, at the same addresses (a captured CUDA graph
 // keeps reading them). Works through the weight a few block rows (a few thousand rows) at a time,
 // so its temporaries stay small beside the weight.
-void quantize_blocks_into(const at::Tensor& w, BlockQuantized& b);
+void quantize_weight_into(const at::Tensor& w, QuantizedWeight& b);
 // q * scale as `dtype` ([N, K]), in either scaling.
-at::Tensor dequantize_blocks(const BlockQuantized& b, c10::ScalarType dtype);
+at::Tensor dequantize_weight(const QuantizedWeight& b, c10::ScalarType dtype);
 
 // Activations [..., K] in groups of `group` along the last axis: q [..., K] float8_e4m3fn,
 // scale [..., ceil(K/group)] fp32.
@@ -67,12 +67,12 @@ at::Tensor dequantize_rows(const GroupQuantized& g, c10::ScalarType dtype);
 // x [..., K] times w^T (w [N, K] quantized) with x quantized to match (groups of the block size,
 // or rows for channel scaling): what an FP8 GEMM with fp32 accumulation computes, emulated (both dequantized, the product in fp32), plus
 // `bias` ([N], optional) before the one rounding to x's dtype. [..., N].
-at::Tensor linear_emulated(const at::Tensor& x, const BlockQuantized& w, const at::Tensor& bias = {});
+at::Tensor linear_emulated(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias = {});
 
 // The same product on the device's FP8 tensor cores where there are some (Hopper: torch's
 // _scaled_mm, block- or row-scaled, fp32 accumulation, the bias in the epilogue; the activations
 // quantized by one kernel), else linear_emulated. Inference only.
-at::Tensor linear(const at::Tensor& x, const BlockQuantized& w, const at::Tensor& bias = {});
+at::Tensor linear(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias = {});
 // Whether linear() runs on FP8 tensor cores on `device` (a GPU of compute capability 9.x in the
 // GPU build, with block size 128).
 bool tensor_cores(const at::Device& device);

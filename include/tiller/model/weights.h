@@ -66,7 +66,7 @@ struct LayerWeights {
   // The FP8 engine's (engines.quantization: fp8; model/fp8.h): the fused projections and o/down in
   // 128x128 blocks of e4m3. block_forward runs each defined one as an FP8 GEMM instead of its
   // tensor above, which stays as the weight sync's destination and the quantization's source.
-  fp8::BlockQuantized qkv_fp8, o_fp8, gate_up_fp8, down_fp8;
+  fp8::QuantizedWeight qkv_fp8, o_fp8, gate_up_fp8, down_fp8;
   LoraAdapters lora;  // none unless bound (model/lora.h: bind_lora)
 };
 
