@@ -4,9 +4,12 @@
 //
 // FLOPs counted: 2 x (matmul parameters, LM head included, embedding excluded) per token, plus
 // causal attention 2 x 2 x seq/2 x (heads x head_dim) per token and layer; backward = 2 x forward.
+// --fp8 times both again with FP8 training's GEMMs (roles.<r>.fp8, --fp8-scaling) on the same
+// weights and reports them beside, with the speedups.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -19,6 +22,7 @@
 #include "model/torch_compat.h"
 #include "tiller/core/clock.h"
 #include "tiller/core/error.h"
+#include "tiller/model/fp8.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
 
@@ -36,6 +40,8 @@ struct ForwardOptions {
   std::string out;
   std::string logprob_match = "off";
   std::string experts = "auto";
+  bool fp8 = false;
+  std::string fp8_scaling = "block";
 };
 
 using Clock = std::chrono::steady_clock;
@@ -82,24 +88,35 @@ nlohmann::ordered_json bench_model(const std::string& name, const ForwardOptions
   const double attn_flops = 2.0 * 2.0 * (o.seq / 2.0) * cfg.q_size() * cfg.num_layers;
   const double fwd_flops = tokens * (2.0 * matmul_params + attn_flops);
 
+  std::optional<model::fp8::Scaling> fp8;
   auto forward = [&] {
-    at::Tensor h = model::forward_hidden(cfg, w, batch);
+    at::Tensor h = model::forward_hidden(cfg, w, batch, nullptr, model::AttentionBackend::kAuto, fp8);
     return model::token_logprobs(h, w.lm_head, targets, 1.0, 2048);
   };
-  double fwd_s = 0;
-  compat::reset_peak(dev);
-  {
-    c10::AutoGradMode no_grad(false);
-    fwd_s = time_it(dev, o.warmup, o.iters, forward);
-  }
-  const int64_t fwd_peak = compat::peak_allocated_bytes(dev);
-  for (auto& [n, t] : params) t.requires_grad_(true);
-  compat::reset_peak(dev);
-  const double fb_s = time_it(dev, o.warmup, o.iters, [&] {
-    for (auto& [n, t] : params) t.mutable_grad().reset();
-    forward().mean().backward();
-  });
-  const int64_t fb_peak = compat::peak_allocated_bytes(dev);
+  struct Timed {
+    double fwd_s, fb_s;
+    int64_t fwd_peak, fb_peak;
+  };
+  auto measure = [&] {
+    Timed t{};
+    for (auto& [n, p] : params) p.requires_grad_(false);
+    compat::reset_peak(dev);
+    {
+      c10::AutoGradMode no_grad(false);
+      t.fwd_s = time_it(dev, o.warmup, o.iters, forward);
+    }
+    t.fwd_peak = compat::peak_allocated_bytes(dev);
+    for (auto& [n, p] : params) p.requires_grad_(true);
+    compat::reset_peak(dev);
+    t.fb_s = time_it(dev, o.warmup, o.iters, [&] {
+      for (auto& [n, p] : params) p.mutable_grad().reset();
+      forward().mean().backward();
+    });
+    for (auto& [n, p] : params) p.mutable_grad().reset();
+    t.fb_peak = compat::peak_allocated_bytes(dev);
+    return t;
+  };
+  const Timed base = measure();
 
   auto phase = [&](double s, double flops, int64_t peak) {
     const double tflops = flops / s / 1e12;
@@ -115,8 +132,21 @@ nlohmann::ordered_json bench_model(const std::string& name, const ForwardOptions
   r["model"] = name;
   r["parameters"] = model::num_parameters(cfg);
   r["tokens"] = tokens;
-  r["forward"] = phase(fwd_s, fwd_flops, fwd_peak);
-  r["forward_backward"] = phase(fb_s, 3 * fwd_flops, fb_peak);
+  r["forward"] = phase(base.fwd_s, fwd_flops, base.fwd_peak);
+  r["forward_backward"] = phase(base.fb_s, 3 * fwd_flops, base.fb_peak);
+  if (o.fp8) {
+    fp8 = model::fp8::parse_scaling(o.fp8_scaling, "--fp8-scaling");
+    const Timed q = measure();
+    nlohmann::ordered_json f;
+    f["scaling"] = o.fp8_scaling;
+    f["tensor_cores"] = model::fp8::tensor_cores(dev);
+    // TFLOP/s as counted for bf16 (the same work), so the two compare directly.
+    f["forward"] = phase(q.fwd_s, fwd_flops, q.fwd_peak);
+    f["forward_backward"] = phase(q.fb_s, 3 * fwd_flops, q.fb_peak);
+    f["forward_speedup"] = base.fwd_s / q.fwd_s;
+    f["forward_backward_speedup"] = base.fb_s / q.fb_s;
+    r["fp8"] = f;
+  }
   return r;
 }
 
@@ -168,6 +198,11 @@ void add_bench_forward(CLI::App* bench, Runner& run) {
   fw->add_option("--out", o->out, "Also write the JSON here");
   add_logprob_match(fw, o->logprob_match);
   add_expert_kernels(fw, o->experts);
+  fw->add_flag("--fp8", o->fp8,
+               "Also time forward and forward+backward with FP8 training's GEMMs (roles.<r>.fp8) on the same weights, "
+               "reported beside bf16 with the speedups");
+  fw->add_option("--fp8-scaling", o->fp8_scaling, "The FP8 GEMMs' scales: block or channel")
+      ->check(CLI::IsMember({"block", "channel"}));
   fw->callback([&run, o] { run = [o] { return run_forward(*o); }; });
 }
 

@@ -18,7 +18,8 @@
 // request): the sharded forward without autograd, the log-probs and entropies of every token,
 // copied to the host; compare it with `tiller bench forward` on the same shape. --frozen scores
 // with a frozen model (the reference's and reward's: no master or optimizer state), which lets a
-// 7B model be timed on one GPU.
+// 7B model be timed on one GPU. --fp8 times the same steps again with FP8 training's GEMMs
+// (roles.<r>.fp8) and reports them beside the bf16 ones, with the speedup.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -40,6 +41,7 @@
 #include "tiller/dist/communicator.h"
 #include "tiller/dist/mpi_env.h"
 #include "tiller/dist/watchdog.h"
+#include "tiller/model/fp8.h"
 #include "tiller/model/storage_swap.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
@@ -72,6 +74,8 @@ struct TrainBenchOptions {
   std::string reduce_dtype = "fp32";
   bool score = false;  // time the scoring forward instead of training steps
   bool frozen = false; // with score: a frozen model (the reference and reward roles)
+  bool fp8 = false;     // the same steps again with FP8 training's GEMMs (roles.<r>.fp8)
+  std::string fp8_scaling = "block";
 };
 
 // A flag's value as the config's enum (the flags take the config keys' spellings).
@@ -93,6 +97,7 @@ rollout::MemoryPlan plan_job(const TrainBenchOptions& o, const model::ModelConfi
   job.train.recompute_layers = o.recompute_layers;
   job.train.compute_shard = choice<ComputeShard>(o.compute_shard, "--compute-shard");
   job.train.reduce_dtype = choice<Precision>(o.reduce_dtype, "--reduce-dtype");
+  job.roles.actor.fp8 = o.fp8;  // its GEMM operands: the plan covers the larger of the two runs
   // --gpu-memory-gb plans for that GPU (on the CPU too: to check a job before renting GPUs).
   int64_t gpu = static_cast<int64_t>(o.gpu_memory_gb * double(int64_t{1} << 30));
   if (gpu == 0 && dev.is_cuda()) gpu = model::device_memory(dev).total;
@@ -191,63 +196,75 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
   const zero::SequenceSlice slice = zero::SequenceSlice::of(batch, sp, comm.rank() % sp);
   const at::Tensor targets = batch.tokens.roll(-1).narrow(0, slice.first_row, slice.tokens.numel());
 
-  std::vector<double> step_s, fwd_bwd_s, opt_s, wait_s, host_update_s, host_copy_wait_s;
-  compat::reset_peak(dev);
-  for (int s = 0; s < o.steps && o.score; ++s) {
-    dist::Watchdog::set_phase(fmt::format("scoring step {} of {}", s + 1, o.steps));
-    compat::synchronize(dev);
-    StepProfiler profiler(!o.profile.empty() && s == o.steps - 1 && comm.rank() == 0);
-    const auto t0 = Clock::now();
-    {
-      c10::AutoGradMode no_grad(false);
-      at::Tensor entropy;
-      const at::Tensor lp = model.token_logprobs(slice, targets, 1.0, &entropy);
-      // As the role worker answers: both to the host, fp32 (the copy waits for the GPU).
-      const at::Tensor host_lp = lp.to(at::kCPU, at::kFloat), host_ent = entropy.to(at::kCPU, at::kFloat);
+  // The timed steps (scoring or training), the slowest rank's medians: step, forward+backward,
+  // optimizer, exposed communication, peak memory, host update, host copy wait.
+  auto timed = [&]() {
+    std::vector<double> step_s, fwd_bwd_s, opt_s, wait_s, host_update_s, host_copy_wait_s;
+    compat::reset_peak(dev);
+    for (int s = 0; s < o.steps && o.score; ++s) {
+      dist::Watchdog::set_phase(fmt::format("scoring step {} of {}", s + 1, o.steps));
+      compat::synchronize(dev);
+      StepProfiler profiler(!o.profile.empty() && s == o.steps - 1 && comm.rank() == 0);
+      const auto t0 = Clock::now();
+      {
+        c10::AutoGradMode no_grad(false);
+        at::Tensor entropy;
+        const at::Tensor lp = model.token_logprobs(slice, targets, 1.0, &entropy);
+        // As the role worker answers: both to the host, fp32 (the copy waits for the GPU).
+        const at::Tensor host_lp = lp.to(at::kCPU, at::kFloat), host_ent = entropy.to(at::kCPU, at::kFloat);
+      }
+      const double total = since(t0);
+      profiler.save(o.profile);
+      const double waited = model.take_wait_seconds();
+      if (s < 2) continue;
+      step_s.push_back(total);
+      fwd_bwd_s.push_back(total);
+      opt_s.push_back(0);
+      wait_s.push_back(waited);
     }
-    const double total = since(t0);
-    profiler.save(o.profile);
-    const double waited = model.take_wait_seconds();
-    if (s < 2) continue;
-    step_s.push_back(total);
-    fwd_bwd_s.push_back(total);
-    opt_s.push_back(0);
-    wait_s.push_back(waited);
-  }
-  for (int s = 0; s < o.steps && !o.score; ++s) {
-    dist::Watchdog::set_phase(fmt::format("training step {} of {}", s + 1, o.steps));
-    compat::synchronize(dev);
-    StepProfiler profiler(!o.profile.empty() && s == o.steps - 1 && comm.rank() == 0);
-    const auto t0 = Clock::now();
-    // The gradients of --accumulate micro-batches add up (each reduce-scattered as its backward
-    // ends, as tiller train does), then one optimizer step.
-    for (int a = 0; a < o.accumulate; ++a)
-      model.token_logprobs(slice, targets).mean().neg().div(static_cast<double>(o.accumulate)).backward();
-    compat::synchronize(dev);
-    const double fb = since(t0);
-    const auto t1 = Clock::now();
-    model.step(1e-5);
-    compat::synchronize(dev);
-    const double opt = since(t1), total = since(t0);
-    profiler.save(o.profile);
-    const double waited = model.take_wait_seconds();
-    if (s < 2) continue;
-    step_s.push_back(total);
-    fwd_bwd_s.push_back(fb);
-    opt_s.push_back(opt);
-    wait_s.push_back(waited);
-    if (const zero::HostAdamW* h = model.host_optimizer()) {
-      host_update_s.push_back(h->last_timing().update_s);
-      host_copy_wait_s.push_back(h->last_timing().copy_wait_s);
+    for (int s = 0; s < o.steps && !o.score; ++s) {
+      dist::Watchdog::set_phase(fmt::format("training step {} of {}", s + 1, o.steps));
+      compat::synchronize(dev);
+      StepProfiler profiler(!o.profile.empty() && s == o.steps - 1 && comm.rank() == 0);
+      const auto t0 = Clock::now();
+      // The gradients of --accumulate micro-batches add up (each reduce-scattered as its backward
+      // ends, as tiller train does), then one optimizer step.
+      for (int a = 0; a < o.accumulate; ++a)
+        model.token_logprobs(slice, targets).mean().neg().div(static_cast<double>(o.accumulate)).backward();
+      compat::synchronize(dev);
+      const double fb = since(t0);
+      const auto t1 = Clock::now();
+      model.step(1e-5);
+      compat::synchronize(dev);
+      const double opt = since(t1), total = since(t0);
+      profiler.save(o.profile);
+      const double waited = model.take_wait_seconds();
+      if (s < 2) continue;
+      step_s.push_back(total);
+      fwd_bwd_s.push_back(fb);
+      opt_s.push_back(opt);
+      wait_s.push_back(waited);
+      if (const zero::HostAdamW* h = model.host_optimizer()) {
+        host_update_s.push_back(h->last_timing().update_s);
+        host_copy_wait_s.push_back(h->last_timing().copy_wait_s);
+      }
     }
+    // The slowest rank's medians.
+    auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : median(v); };
+    at::Tensor t = at::tensor({med(step_s), med(fwd_bwd_s), med(opt_s), med(wait_s),
+                               static_cast<double>(compat::peak_allocated_bytes(dev)), med(host_update_s),
+                               med(host_copy_wait_s)},
+                              at::kDouble);
+    bc.world->all_reduce(t, dist::ReduceOp::kMax)->wait();
+    return t;
+  };
+  const at::Tensor t = timed();
+  // --fp8: the same steps again with FP8 training's GEMMs, on the weights the first run left.
+  at::Tensor t8;
+  if (o.fp8) {
+    model.set_fp8(model::fp8::parse_scaling(o.fp8_scaling, "--fp8-scaling"));
+    t8 = timed();
   }
-  // The slowest rank's medians.
-  auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : median(v); };
-  at::Tensor t = at::tensor({med(step_s), med(fwd_bwd_s), med(opt_s), med(wait_s),
-                             static_cast<double>(compat::peak_allocated_bytes(dev)), med(host_update_s),
-                             med(host_copy_wait_s)},
-                            at::kDouble);
-  bc.world->all_reduce(t, dist::ReduceOp::kMax)->wait();
   const double step = t[0].item<double>(), fb = t[1].item<double>(), opt = t[2].item<double>(),
                waited = t[3].item<double>(), peak = t[4].item<double>();
   // The plan's estimate of this rank's peak, to hold against the measured one.
@@ -266,6 +283,21 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
   const double block_fwd = 2.0 * block_params + 2.0 * cfg.num_layers * cfg.hidden_size * o.seq;
   const double head_flops = 2.0 * static_cast<double>(emb) * 4;
   const double compute = std::max(0.0, fb - waited);
+  // --fp8's run beside: its step, rate and memory, and its speedup over the bf16 steps above.
+  auto fp8_json = [&](double flops_per_token, const char* rate_key) {
+    const double s8 = t8[0].item<double>();
+    nlohmann::ordered_json f;
+    f["scaling"] = o.fp8_scaling;
+    f["step_s"] = s8;
+    f["tokens_per_s_per_gpu"] = tokens / s8;
+    f[rate_key] = flops_per_token * tokens / s8 / (std::string(rate_key) == "tflops" ? 1e12 : 989e12);
+    f["forward_backward_s"] = t8[1].item<double>();
+    f["optimizer_s"] = t8[2].item<double>();
+    f["exposed_comm_s"] = t8[3].item<double>();
+    f["peak_mem_GiB"] = t8[4].item<double>() / double(1 << 30);
+    f["speedup"] = step / s8;
+    return f;
+  };
   nlohmann::ordered_json r;
   if (o.score) {
     // Forward FLOPs as `tiller bench forward` counts them: 2 x matmul parameters (the head's
@@ -290,6 +322,7 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
     r["tflops"] = fwd_tok * tok_s / 1e12;
     r["exposed_comm_s"] = waited;
     r["peak_mem_GiB"] = peak / double(1 << 30);
+    if (o.fp8) r["fp8"] = fp8_json(fwd_tok, "tflops");
     if (env.rank() == 0) emit_json(r.dump(), o.out);
     return 0;
   }
@@ -348,6 +381,7 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
     b["host_threads"] = model.host_optimizer()->threads();
   }
   r["breakdown"] = b;
+  if (o.fp8) r["fp8"] = fp8_json(flops_tok, "mfu_vs_989");
   if (env.rank() == 0) {
     emit_json(r.dump(), o.out);
   }
@@ -397,7 +431,13 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
       ->check(CLI::Range(0.0, 1e6));
   tr->add_option("--reduce-dtype", o->reduce_dtype, "What gradients are reduce-scattered in: fp32 or bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}));
-  tr->add_option("--profile", o->profile, "Write a Chrome trace (torch.profiler format) of rank 0's last step here");
+  tr->add_option("--profile", o->profile,
+                 "Write a Chrome trace (torch.profiler format) of rank 0's last step here (with --fp8, the FP8 run's)");
+  tr->add_flag("--fp8", o->fp8,
+               "After the bf16 steps, time the same steps with FP8 training's GEMMs (roles.<r>.fp8) and report them "
+               "beside, with the speedup");
+  tr->add_option("--fp8-scaling", o->fp8_scaling, "The FP8 GEMMs' scales: block or channel")
+      ->check(CLI::IsMember({"block", "channel"}));
   tr->add_flag("--score", o->score,
                "Time the actor's scoring pass (forward without autograd, log-probs and entropies to the host) "
                "instead of training steps");

@@ -3,6 +3,7 @@
 # (PyTorch FSDP2 on HF Qwen2, activation checkpointing) on the same shapes, in the same run, and
 # the ratio of tokens/s/GPU. Copy peer_bench.py into .gpu/bench/ first (git-ignored; carry .gpu).
 #   MODELS="qwen2-1.5b qwen2-7b" MBS=4 SEQ=2048 scripts/gpu/bench_train.sh [OUT.json]
+# TRAIN_ARGS="--fp8" also times FP8 training's steps (roles.<r>.fp8) and reports them beside.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 out=${1:-}
@@ -27,8 +28,12 @@ rows = []
 for m in models:
     t = json.load(open(f"{tmp}/tiller-{m}.json"))
     p = json.loads(open(f"{tmp}/peer-{m}.json").read())
-    rows.append({"model": m, "ratio_tokens_per_s": round(t["tokens_per_s_per_gpu"] / p["tokens_per_s_per_gpu"], 3),
-                 "tiller": t, "fsdp2": p})
+    row = {"model": m, "ratio_tokens_per_s": round(t["tokens_per_s_per_gpu"] / p["tokens_per_s_per_gpu"], 3)}
+    if "fp8" in t:  # TRAIN_ARGS=--fp8: tiller's FP8 steps against bf16 (in t) and FSDP2
+        row["fp8_speedup"] = round(t["fp8"]["speedup"], 3)
+        row["fp8_ratio_tokens_per_s"] = round(t["fp8"]["tokens_per_s_per_gpu"] / p["tokens_per_s_per_gpu"], 3)
+    row.update({"tiller": t, "fsdp2": p})
+    rows.append(row)
 res = {"bench": "train_vs_fsdp2", "date": datetime.date.today().isoformat(), "results": rows}
 text = json.dumps(res)
 print(text)

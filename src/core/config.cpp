@@ -389,6 +389,11 @@ void JobConfig::validate() const {
     if (engines.quantization != EngineQuantization::kNone)
       throw ConfigError("algo.logprob_match = bitwise needs engines.quantization = none: an FP8 engine's products "
                         "differ from the bf16 trainer's by design");
+    for (const char* name : {"actor", "ref"})
+      if (role_by_name(*this, name).enabled && role_by_name(*this, name).fp8)
+        throw ConfigError(fmt::format("algo.logprob_match = bitwise needs roles.{}.fp8 = false: FP8 GEMMs are not the "
+                                      "engine's bf16 products",
+                                      name));
     if (engines.tp > 1)
       throw ConfigError(fmt::format("algo.logprob_match = bitwise needs engines.tp = 1 (got {}): a tensor-parallel "
                                     "engine adds partial sums across its ranks, an order the trainer does not share",
@@ -423,6 +428,13 @@ void JobConfig::validate() const {
   }
   if (algo.dual_clip != 0.0 && algo.dual_clip <= 1.0) {
     throw ConfigError(fmt::format("algo.dual_clip = {} must be 0 (off) or > 1", format_double(algo.dual_clip)));
+  }
+  for (const char* name : {"actor", "critic", "ref", "reward"}) {
+    const RoleConfig& r = role_by_name(*this, name);
+    if (r.enabled && r.fp8 && r.dtype != Precision::kBf16)
+      throw ConfigError(fmt::format("roles.{}.fp8 keeps bf16 activations around its FP8 GEMMs; set roles.{}.dtype = "
+                                    "bf16 or roles.{}.fp8 = false",
+                                    name, name, name));
   }
   validate_hybrid();
   validate_sequence_parallel();

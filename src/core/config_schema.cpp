@@ -103,6 +103,16 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
         "logsumexp of the router's logits, averaged over the sparse layers; 0.001 is usual). 0: off. Metric "
         "moe/<role>/router_z_loss.")
       .range(0.0, 100.0);
+  b.add(p + "fp8", [get](JobConfig& c) { return &get(c).fp8; },
+        "FP8 training (docs/training.md): the blocks' attention and MLP projections run their forward and both "
+        "backward GEMMs in e4m3 on Hopper's tensor cores, quantized per GEMM with current scaling "
+        "(roles.<role>.fp8_scaling); emulated on the CPU. The embedding, the router, the LM or value head, LoRA "
+        "adapters, the norms, the masters, the optimizer and the gradient reductions keep their precision. Needs "
+        "dtype bf16 and, on GPUs, compute capability 9.x. A frozen role (ref, reward) then scores in FP8 too.");
+  b.add_enum(p + "fp8_scaling", [get](JobConfig& c) { return &get(c).fp8_scaling; },
+             "roles.<role>.fp8: block (activations and gradients in groups of 128 along each GEMM's inner axis, "
+             "weights in 128x128 blocks: DeepSeek-V3's recipe) or channel (one scale per row of every operand: "
+             "faster GEMMs, coarser scales).");
   if (name != "actor" && name != "critic") return;  // frozen roles train no adapters
   const std::string l = p + "lora.";
   b.add(l + "rank", [get](JobConfig& c) { return &get(c).lora.rank; },

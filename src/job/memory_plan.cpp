@@ -290,6 +290,22 @@ int64_t fp8_copy_bytes(const model::ModelConfig& mc, int64_t t, Fp8Scaling scali
   return (elements + 4 * scales) / t;
 }
 
+// FP8 training's transient GEMM operands (roles.<r>.fp8; model/fp8.h train_linear): the e4m3
+// codes of both operands of the largest of a projection's three GEMMs for `tokens` rows -
+// forward (M + N) K, input gradient (M + K) N, weight gradient M (N + K) for M tokens, N outputs
+// and K inputs - with their scales and the padding to whole tiles (1/16 more).
+int64_t fp8_operand_bytes(const model::ModelConfig& mc, int64_t tokens) {
+  const int64_t mlp = std::max(mc.intermediate_size, mc.shared_expert_intermediate_size);
+  const std::pair<int64_t, int64_t> projections[] = {{mc.q_size() + 2 * mc.kv_size(), mc.hidden_size},
+                                                     {mc.hidden_size, mc.q_size()},
+                                                     {mlp, mc.hidden_size},
+                                                     {mc.hidden_size, mlp}};
+  int64_t most = 0;
+  for (const auto& [n, k] : projections)
+    most = std::max({most, (tokens + n) * k, (tokens + k) * n, tokens * (n + k)});
+  return most + most / 16;
+}
+
 MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes,
                      zero::Recompute recompute, int64_t layers, bool keep_compute_shard) {
   MemoryPlan out;
@@ -309,7 +325,7 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
     rm.node = a.node;
     rm.label = a.label();
     PhaseMemory gen{Phase::kGenerate, {}}, train{Phase::kTrain, {}}, sync{Phase::kSync, {}};
-    int64_t act_train = 0, act_score = 0, gathers = 0, grad_buffers = 0;
+    int64_t act_train = 0, act_score = 0, gathers = 0, grad_buffers = 0, fp8_train = 0, fp8_score = 0;
     for (Role r : kRoles) {
       if (!a.trainer_roles.has(r)) continue;
       const std::string name(role_name(r));
@@ -350,6 +366,10 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
         grad_buffers = std::max(grad_buffers, f.grad_buffers);
       }
       act_score = std::max(act_score, score_activations(*mc, cfg.rollout.micro_batch_tokens, spec.dtype_bytes));
+      if (role_cfg(cfg, r).fp8) {
+        if (spec.trainable || spec.lora) fp8_train = std::max(fp8_train, fp8_operand_bytes(*mc, cfg.train.micro_batch_tokens));
+        fp8_score = std::max(fp8_score, fp8_operand_bytes(*mc, cfg.rollout.micro_batch_tokens));
+      }
     }
     add(train, "gathered units", gathers);
     add(gen, "gathered units", gathers);
@@ -360,6 +380,8 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
     const bool score_phase = score_after && a.engine >= 0;
     PhaseMemory score{Phase::kScore, score_phase ? gen.items : std::vector<std::pair<std::string, int64_t>>{}};
     add(score_phase ? score : gen, "activations (scoring)", act_score);
+    if (fp8_train > 0) add(train, "FP8 GEMM operands", fp8_train);
+    if (fp8_score > 0) add(score_phase ? score : gen, "FP8 GEMM operands (scoring)", fp8_score);
     if (a.engine >= 0) {
       const model::ModelConfig* mc = find_shape(shapes, "engine");
       if (!mc) mc = find_shape(shapes, "actor");
@@ -579,6 +601,7 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
         train_activation_bytes(shape, tokens, spec.dtype_bytes, mode, kept, lora.rank > 0 ? &ls_plan : nullptr));
     add(train, "gradient buffers", f.grad_buffers);
     if (adapter_bytes > 0) add(train, "actor LoRA adapters (fp32 values, gradients, moments)", adapter_bytes);
+    if (cfg.roles.actor.fp8) add(train, "FP8 GEMM operands", fp8_operand_bytes(shape, tokens));
     rm.phases.push_back(std::move(train));
     out.ranks.push_back(std::move(rm));
     return out;

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #ifdef TILLER_HAVE_CUDA_KERNELS
 #include <ATen/cuda/CUDAContext.h>
@@ -112,6 +113,26 @@ QuantizedWeight quantize_blocks(const at::Tensor& w, int64_t block) {
 void quantize_weight_into(const at::Tensor& w, QuantizedWeight& b) {
   TILLER_CHECK(b.defined() && w.dim() == 2 && w.sizes() == b.q.sizes() && w.device() == b.q.device(),
                "fp8: a weight of {} elements on {} does not fit its quantized form", w.numel(), w.device().str());
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const at::ScalarType t = w.scalar_type();
+  if (w.is_cuda() && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat) &&
+      (b.scaling == Scaling::kChannel || b.block == kBlock) && b.q_storage.is_contiguous() &&
+      b.scale_storage.is_contiguous()) {
+    // One pass of one kernel over the weight, padding included (zeros, scale 1): the tile kernel
+    // for blocks, the row kernel for channels; the same codes and scales as the chunks below.
+    const at::Tensor src = w.stride(1) == 1 ? w : w.contiguous();
+    void* stream = c10::cuda::getCurrentCUDAStream(w.device().index()).stream();
+    if (b.scaling == Scaling::kChannel)
+      cuda::quantize_rows_fp8(cuda::kernel_dtype(t), src.data_ptr(), src.size(0), b.q_storage.size(0), src.size(1),
+                              src.stride(0), b.q_storage.data_ptr(), b.q_storage.size(1),
+                              b.scale_storage.data_ptr<float>(), stream);
+    else
+      cuda::quantize_tiles_fp8(cuda::kernel_dtype(t), src.data_ptr(), src.size(0), src.size(1), src.stride(0),
+                               b.q_storage.size(0), b.q_storage.size(1), cuda::Fp8Tiles::kTile, b.q_storage.data_ptr(),
+                               b.q_storage.size(1), b.scale_storage.data_ptr<float>(), b.scale_storage.size(1), stream);
+    return;
+  }
+#endif
   if (b.scaling == Scaling::kChannel) {
     // The padding (after a sleep's drop its contents are lost): zeros, scale 1.
     const int64_t n = w.size(0), k = w.size(1);
@@ -287,6 +308,186 @@ at::Tensor linear(const at::Tensor& x, const QuantizedWeight& w, const at::Tenso
   }
 #endif
   return linear_emulated(x, w, bias);
+}
+
+namespace {
+
+// An operand of scaled_product as a dense [rows, k] tensor, quantized and dequantized to fp32.
+at::Tensor emulated_operand(const at::Tensor& x, Operand o) {
+  switch (o) {
+    case Operand::kRows: return dequantize_rows(quantize_rows(x), at::kFloat);
+    case Operand::kGroups: return dequantize_groups(quantize_groups(x), at::kFloat);
+    case Operand::kBlocks: return dequantize_weight(quantize_blocks(x), at::kFloat);
+  }
+  return {};
+}
+
+#ifdef TILLER_HAVE_CUDA_KERNELS
+// x [rows, k]'s layout for the kernels: row-major (stride 1 along k), or a transposed view of a
+// row-major tensor (stride 1 along rows).
+bool row_major(const at::Tensor& x) { return x.stride(1) == 1 || x.size(1) <= 1; }
+bool transposed_view(const at::Tensor& x) { return !row_major(x) && (x.stride(0) == 1 || x.size(0) <= 1); }
+
+// One operand of the tensor-core product: codes [rows_p, kp] and the scales as _scaled_mm takes
+// them (`as_b`: the second operand's layout).
+struct DeviceOperand {
+  at::Tensor q, scale;
+};
+DeviceOperand device_operand(at::Tensor x, Operand o, int64_t rows_p, int64_t kp, bool as_b, void* stream) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  const auto dt = cuda::kernel_dtype(x.scalar_type());
+  const auto f8 = x.options().dtype(at::kFloat8_e4m3fn);
+  const auto f32 = x.options().dtype(at::kFloat);
+  DeviceOperand d;
+  d.q = at::empty({rows_p, kp}, f8);
+  if (o == Operand::kRows) {
+    if (!row_major(x)) x = x.contiguous();
+    const at::Tensor s = at::empty({rows_p}, f32);
+    cuda::quantize_rows_fp8(dt, x.data_ptr(), rows, rows_p, k, x.stride(0), d.q.data_ptr(), kp, s.data_ptr<float>(),
+                            stream);
+    d.scale = as_b ? s.view({1, rows_p}) : s.view({rows_p, 1});
+    return d;
+  }
+  if (o == Operand::kGroups) {
+    // Group-major scales [kp / 128, rows_p]: the 1x128 layout (seen transposed for the first operand).
+    const at::Tensor s = at::empty({kp / kBlock, rows_p}, f32);
+    if (transposed_view(x)) {
+      const at::Tensor src = x.t();  // [k, rows], row-major
+      cuda::quantize_tiles_fp8(dt, src.data_ptr(), k, rows, src.stride(0), kp, rows_p,
+                               cuda::Fp8Tiles::kColumnsTransposed, d.q.data_ptr(), kp, s.data_ptr<float>(), rows_p,
+                               stream);
+    } else {
+      if (!row_major(x)) x = x.contiguous();
+      cuda::quantize_groups_fp8(dt, x.data_ptr(), rows, rows_p, k, x.stride(0), d.q.data_ptr(), kp, kp / kBlock,
+                                s.data_ptr<float>(), rows_p, stream);
+    }
+    d.scale = as_b ? s : s.t();
+    return d;
+  }
+  // Blocks [rows_p / 128, kp / 128], seen transposed (the second operand's 128x128 layout).
+  TILLER_CHECK(as_b, "fp8: 128x128 blocks are the second operand's scaling");
+  const at::Tensor s = at::empty({rows_p / kBlock, kp / kBlock}, f32);
+  if (transposed_view(x)) {
+    const at::Tensor src = x.t();
+    cuda::quantize_tiles_fp8(dt, src.data_ptr(), k, rows, src.stride(0), kp, rows_p, cuda::Fp8Tiles::kTileTransposed,
+                             d.q.data_ptr(), kp, s.data_ptr<float>(), kp / kBlock, stream);
+  } else {
+    if (!row_major(x)) x = x.contiguous();
+    cuda::quantize_tiles_fp8(dt, x.data_ptr(), rows, k, x.stride(0), rows_p, kp, cuda::Fp8Tiles::kTile,
+                             d.q.data_ptr(), kp, s.data_ptr<float>(), kp / kBlock, stream);
+  }
+  d.scale = s.t();
+  return d;
+}
+#endif
+
+}  // namespace
+
+at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, Operand ob, c10::ScalarType out,
+                          const at::Tensor& bias, bool emulate) {
+  TILLER_CHECK(a.dim() == 2 && b.dim() == 2, "fp8: a product of {}-D and {}-D operands; both are 2-D", a.dim(),
+               b.dim());
+  TILLER_CHECK(a.size(1) == b.size(1), "fp8: a product of [{}, {}] and [{}, {}]^T: the inner sizes differ", a.size(0),
+               a.size(1), b.size(0), b.size(1));
+  const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
+  TILLER_CHECK(oa != Operand::kBlocks, "fp8: 128x128 blocks are the second operand's scaling");
+  TILLER_CHECK((oa == Operand::kRows) == (ob == Operand::kRows),
+               "fp8: row scaling on one operand needs it on the other");
+  TILLER_CHECK(!bias.defined() || bias.numel() == n, "fp8: a bias of {} for {} outputs", bias.numel(), n);
+  if (m == 0 || n == 0 || k == 0) {
+    at::Tensor y = at::zeros({m, n}, a.options().dtype(out));
+    return bias.defined() ? y + bias.to(out) : y;
+  }
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const at::ScalarType t = a.scalar_type();
+  const bool kernels_take = (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat) && b.scalar_type() == t &&
+                            out == at::kBFloat16;
+  if (!emulate && kernels_take && a.is_cuda() && b.device() == a.device() && tensor_cores(a.device())) {
+    // Row-major or a transposed view of a row-major tensor; anything else is copied first.
+    const auto as_kernels_take = [](const at::Tensor& x) {
+      return row_major(x) || transposed_view(x) ? x : x.contiguous();
+    };
+    const at::Tensor ak = as_kernels_take(a), bk = as_kernels_take(b);
+    void* stream = c10::cuda::getCurrentCUDAStream(ak.device().index()).stream();
+    const bool rows = oa == Operand::kRows;
+    // The contraction to 4 blocks (the block-scaled GEMM's scale rows, quantize_blocks), the rows
+    // to whole 16-row tiles, or whole 128-row tiles where a tile kernel quantizes them.
+    const int64_t kp = rows ? round_up(k, 16) : round_up(k, 4 * kBlock);
+    auto padded = [&](const at::Tensor& x, Operand o) {
+      return o == Operand::kBlocks || (o == Operand::kGroups && transposed_view(x)) ? round_up(x.size(0), kBlock)
+                                                                                    : round_up(x.size(0), 16);
+    };
+    const int64_t mp = padded(ak, oa), np = padded(bk, ob);
+    const DeviceOperand qa = device_operand(ak, oa, mp, kp, false, stream);
+    const DeviceOperand qb = device_operand(bk, ob, np, kp, true, stream);
+    const bool epilogue_bias = bias.defined() && np == n;
+    at::Tensor y = at::_scaled_mm(qa.q, qb.q.t(), qa.scale, qb.scale,
+                                  epilogue_bias ? std::optional<at::Tensor>(bias.to(out)) : std::nullopt,
+                                  std::nullopt, out);
+    if (mp != m) y = y.narrow(0, 0, m);
+    if (np != n) y = y.narrow(1, 0, n);
+    if (bias.defined() && !epilogue_bias) y = y + bias.to(out);
+    return y.contiguous();
+  }
+#endif
+  (void)emulate;
+  at::Tensor y = at::matmul(emulated_operand(a, oa), emulated_operand(b, ob).t());
+  if (bias.defined()) y = y + bias.to(at::kFloat);
+  return y.to(out);
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The operands' scalings of the forward, the input gradient and the weight gradient.
+struct Recipe {
+  Operand fwd_a, fwd_b, dgrad_a, dgrad_b, wgrad_a, wgrad_b;
+};
+Recipe recipe(Scaling s) {
+  if (s == Scaling::kChannel)
+    return {Operand::kRows, Operand::kRows, Operand::kRows, Operand::kRows, Operand::kRows, Operand::kRows};
+  return {Operand::kGroups, Operand::kBlocks, Operand::kGroups, Operand::kBlocks, Operand::kGroups, Operand::kGroups};
+}
+
+struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
+  // `bias`: empty ([0]) for none (autograd takes no undefined inputs).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias_in,
+                            int64_t scaling) {
+    const at::Tensor bias = bias_in.numel() > 0 ? bias_in : at::Tensor();
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["scaling"] = scaling;
+    ctx->saved_data["bias"] = bias.defined();
+    const Recipe r = recipe(static_cast<Scaling>(scaling));
+    const int64_t k = x.size(-1), n = w.size(0);
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+    shape.push_back(n);
+    return scaled_product(x.reshape({-1, k}), w, r.fwd_a, r.fwd_b, x.scalar_type(), bias).view(shape);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& w = saved[1];
+    const Recipe r = recipe(static_cast<Scaling>(ctx->saved_data["scaling"].toInt()));
+    const int64_t k = x.size(-1), n = w.size(0);
+    const at::Tensor x2 = x.reshape({-1, k});
+    const at::Tensor gy = grads[0].reshape({-1, n});
+    at::Tensor gx, gw, gb;
+    if (ctx->needs_input_grad(0)) gx = scaled_product(gy, w.t(), r.dgrad_a, r.dgrad_b, x.scalar_type()).view(x.sizes());
+    if (ctx->needs_input_grad(1)) gw = scaled_product(gy.t(), x2.t(), r.wgrad_a, r.wgrad_b, w.scalar_type());
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2))
+      gb = gy.sum(0, false, at::kFloat).to(gy.scalar_type());
+    return {gx, gw, gb, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling) {
+  if (x.size(-1) != w.size(1))
+    throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.size(1)));
+  return Fp8Linear::apply(x, w, bias.defined() ? bias : at::empty({0}, w.options()), static_cast<int64_t>(scaling));
 }
 
 }  // namespace tiller::model::fp8

@@ -109,10 +109,12 @@ at::Tensor embed(const at::Tensor& embedding, const at::Tensor& tokens) { return
 
 namespace {
 
-// x's projection by w (and bias b), or by its FP8 form when the engine quantized it.
+// x's projection by w (and bias b), or by its FP8 form when the engine quantized it, or in FP8
+// training's GEMMs when `ctx` asks for them.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {},
-                   const fp8::QuantizedWeight* q = nullptr) {
+                   const fp8::QuantizedWeight* q = nullptr, const BlockContext* ctx = nullptr) {
   if (q && q->defined()) return fp8::linear(x, *q, b);
+  if (ctx && ctx->fp8_training) return fp8::train_linear(x, w, b, *ctx->fp8_training);
   if (batch_invariant()) return invariant::linear(x, w, b);
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
@@ -187,7 +189,7 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   at::Tensor q, k, v;
   const at::Tensor hl = lora_input(h, w, ctx, {LoraModule::kQ, LoraModule::kK, LoraModule::kV});
   if (w.qkv_proj.defined()) {
-    at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias, &w.qkv_fp8);
+    at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias, &w.qkv_fp8, &ctx);
     if (has_lora(w, ctx, {LoraModule::kQ, LoraModule::kK, LoraModule::kV}))
       qkv = at::cat({with_lora(qkv.narrow(1, 0, cfg.q_size()), hl, w, LoraModule::kQ, ctx, layer),
                      with_lora(qkv.narrow(1, cfg.q_size(), cfg.kv_size()), hl, w, LoraModule::kK, ctx, layer),
@@ -207,9 +209,9 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
       k = qkv.narrow(1, cfg.q_size(), cfg.kv_size());
     }
   } else {
-    q = with_lora(project(h, w.q_proj, w.q_bias), hl, w, LoraModule::kQ, ctx, layer);
-    k = with_lora(project(h, w.k_proj, w.k_bias), hl, w, LoraModule::kK, ctx, layer);
-    v = with_lora(project(h, w.v_proj, w.v_bias), hl, w, LoraModule::kV, ctx, layer)
+    q = with_lora(project(h, w.q_proj, w.q_bias, nullptr, &ctx), hl, w, LoraModule::kQ, ctx, layer);
+    k = with_lora(project(h, w.k_proj, w.k_bias, nullptr, &ctx), hl, w, LoraModule::kK, ctx, layer);
+    v = with_lora(project(h, w.v_proj, w.v_bias, nullptr, &ctx), hl, w, LoraModule::kV, ctx, layer)
             .view({t, cfg.num_kv_heads, cfg.head_dim});
   }
   if (!w.qkv_proj.defined() || cfg.qk_norm || !rotate) {
@@ -231,7 +233,7 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
                    : ctx.attention ? ctx.attention(q, k, v, spec, scale, ctx.backend)
                                    : varlen_attention(q, k, v, spec, scale, ctx.backend);
   const at::Tensor flat = attn.reshape({t, cfg.q_size()});
-  at::Tensor o = with_lora(project(flat, w.o_proj, {}, &w.o_fp8), flat, w, LoraModule::kO, ctx, layer);
+  at::Tensor o = with_lora(project(flat, w.o_proj, {}, &w.o_fp8, &ctx), flat, w, LoraModule::kO, ctx, layer);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(o);
   return o;
 }
@@ -241,19 +243,19 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
 at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h, const BlockContext& ctx, int64_t layer) {
   at::Tensor act;
   if (w.gate_up_proj.defined() && !has_lora(w, ctx, {LoraModule::kGate, LoraModule::kUp})) {
-    act = swiglu_packed(project(h, w.gate_up_proj, {}, &w.gate_up_fp8));
+    act = swiglu_packed(project(h, w.gate_up_proj, {}, &w.gate_up_fp8, &ctx));
   } else if (w.gate_up_proj.defined()) {
-    const at::Tensor gu = project(h, w.gate_up_proj, {}, &w.gate_up_fp8);
+    const at::Tensor gu = project(h, w.gate_up_proj, {}, &w.gate_up_fp8, &ctx);
     const int64_t i = gu.size(1) / 2;
     const at::Tensor hl = lora_input(h, w, ctx, {LoraModule::kGate, LoraModule::kUp});
     act = swiglu(with_lora(gu.narrow(1, 0, i), hl, w, LoraModule::kGate, ctx, layer),
                  with_lora(gu.narrow(1, i, i), hl, w, LoraModule::kUp, ctx, layer));
   } else {
     const at::Tensor hl = lora_input(h, w, ctx, {LoraModule::kGate, LoraModule::kUp});
-    act = swiglu(with_lora(project(h, w.gate_proj), hl, w, LoraModule::kGate, ctx, layer),
-                 with_lora(project(h, w.up_proj), hl, w, LoraModule::kUp, ctx, layer));
+    act = swiglu(with_lora(project(h, w.gate_proj, {}, nullptr, &ctx), hl, w, LoraModule::kGate, ctx, layer),
+                 with_lora(project(h, w.up_proj, {}, nullptr, &ctx), hl, w, LoraModule::kUp, ctx, layer));
   }
-  return with_lora(project(act, w.down_proj, {}, &w.down_fp8), act, w, LoraModule::kDown, ctx, layer);
+  return with_lora(project(act, w.down_proj, {}, &w.down_fp8, &ctx), act, w, LoraModule::kDown, ctx, layer);
 }
 
 // RouterLoss's two losses of one sparse layer over its first `rows` rows; `routed`: each expert's
@@ -460,7 +462,8 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
     const ExpertWeights& ex = w.experts[static_cast<size_t>(e)];
     const at::Tensor r = dev.narrow(0, first, n);
     const at::Tensor x = h.index_select(0, r);
-    at::Tensor y = project(swiglu(project(x, ex.gate_proj), project(x, ex.up_proj)), ex.down_proj);
+    at::Tensor y = project(swiglu(project(x, ex.gate_proj, {}, nullptr, &ctx), project(x, ex.up_proj, {}, nullptr, &ctx)),
+                           ex.down_proj, {}, nullptr, &ctx);
     y = y * weights.index_select(0, dev.narrow(0, t * k + first, n)).unsqueeze(1);
     out = out.index_add(0, r, y.to(h.scalar_type()));
   }
@@ -557,11 +560,12 @@ at::Tensor final_norm(const ModelConfig& cfg, const at::Tensor& weight, const at
 }
 
 at::Tensor forward_hidden(const ModelConfig& cfg, const ModelWeights& w, const PackedBatch& batch, DenseKvCache* cache,
-                          AttentionBackend backend) {
+                          AttentionBackend backend, std::optional<fp8::Scaling> fp8_training) {
   TILLER_CHECK(static_cast<int64_t>(w.layers.size()) == cfg.num_layers, "weights have {} layers, config {}",
                w.layers.size(), cfg.num_layers);
   const Rope rope(cfg);
   BlockContext ctx = make_block_context(cfg, rope, batch, w.embed.scalar_type(), cache, backend);
+  ctx.fp8_training = fp8_training;
   at::Tensor x = embed(w.embed, batch.tokens);
   for (int64_t i = 0; i < cfg.num_layers; ++i) x = block_forward(cfg, i, w.layers[i], x, ctx);
   return final_norm(cfg, w.final_norm, x);

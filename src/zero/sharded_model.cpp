@@ -81,6 +81,8 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
                                   name));
   o.router_aux_coef = role.router_aux_loss_coef;
   o.router_z_coef = role.router_z_loss_coef;
+  if (role.fp8)
+    o.fp8 = role.fp8_scaling == Fp8Scaling::kChannel ? model::fp8::Scaling::kChannel : model::fp8::Scaling::kBlock;
   return o;
 }
 
@@ -114,6 +116,15 @@ model::NamedTensors initial_adapters(const ShardedModelOptions& opts, const Lora
   return a.tensors;
 }
 
+namespace {
+void check_fp8(const ShardedModelOptions& opts) {
+  if (opts.fp8 && opts.device.is_cuda() && (opts.compute_dtype != at::kBFloat16 || !model::fp8::tensor_cores(opts.device)))
+    throw ConfigError(fmt::format("roles.{}.fp8 needs bf16 compute on a GPU with FP8 tensor cores (compute capability "
+                                  "9.x, in the GPU build); {} has none or the dtype is not bf16: set roles.{}.fp8 = false",
+                                  opts.role, opts.device.str(), opts.role));
+}
+}  // namespace
+
 ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& comm, ShardedModelOptions opts)
     : impl_(std::make_unique<Impl>(cfg, comm, opts)) {
   Impl& m = *impl_;
@@ -122,6 +133,7 @@ ShardedModel::ShardedModel(const model::ModelConfig& cfg, dist::Communicator& co
   TILLER_CHECK(opts.compute_dtype == at::kFloat || opts.compute_dtype == at::kBFloat16 || opts.compute_dtype == at::kHalf,
                "compute dtype {} is not supported: use bf16 or fp32", c10::toString(opts.compute_dtype));
   TILLER_CHECK(opts.trainable || !opts.optimizer_on_host, "optimizer_on_host for a frozen model: it has no optimizer");
+  check_fp8(opts);
   if ((opts.router_aux_coef > 0 || opts.router_z_coef > 0) && !cfg.moe())
     throw ConfigError(fmt::format("roles.{}.router_aux_loss_coef / router_z_loss_coef: the {} model has no experts "
                                   "(no router to balance); set them to 0",
@@ -244,6 +256,7 @@ at::Tensor whole_batch(Impl& m, const model::PackedBatch& batch, Head&& head) {
   TILLER_CHECK(m.sequence == nullptr, "a sequence-parallel model takes slices (SequenceSlice), not whole batches");
   model::BlockContext bctx =
       model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
+  bctx.fp8_training = m.opts.fp8;
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   if (graph) m.training_routing(bctx, batch.num_tokens());
   m.lora_context(bctx, graph, 0);
@@ -274,6 +287,13 @@ void ShardedModel::set_sequence_group(dist::Communicator& group) {
   TILLER_CHECK(group.size() == 1 || m.world % group.size() == 0 || m.opts.replicate,
                "a sequence group of {} ranks in a model group of {}", group.size(), m.world);
   m.sequence = group.size() > 1 ? &group : nullptr;
+}
+
+void ShardedModel::set_fp8(std::optional<model::fp8::Scaling> scaling) {
+  ShardedModelOptions o = impl_->opts;
+  o.fp8 = scaling;
+  check_fp8(o);
+  impl_->opts.fp8 = scaling;
 }
 
 void ShardedModel::set_recompute(Recompute mode, int64_t layers) {
@@ -311,6 +331,7 @@ at::Tensor ShardedModel::token_logprobs(const SequenceSlice& slice, const at::Te
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   if (graph) m.training_routing(in.ctx, in.rows);  // this rank's real rows
   m.lora_context(in.ctx, graph, slice.first_row);
+  in.ctx.fp8_training = m.opts.fp8;
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
   at::Tensor lp = run_lm_head(m, x, tgt, temperature, entropy, graph);
@@ -326,6 +347,7 @@ at::Tensor ShardedModel::values(const SequenceSlice& slice) {
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   if (graph) m.training_routing(in.ctx, in.rows);
   m.lora_context(in.ctx, graph, slice.first_row);
+  in.ctx.fp8_training = m.opts.fp8;
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
   at::Tensor v = run_value_head(m, x, graph);

@@ -338,6 +338,7 @@ struct ShardedModel::Impl {
     ctx.sin = sin;
     ctx.attn = model::VarlenSpec::self(cu, lens);
     ctx.backend = opts.attention;
+    ctx.fp8_training = opts.fp8;
     if (sequence) use_ulysses(ctx, *sequence);  // the recomputation exchanges heads as its forward did
     return ctx;
   }

@@ -144,5 +144,62 @@ TEST(Fp8, TheEmulatedLinearIsTheProductOfTheDequantizedOperands) {
   EXPECT_THROW(quantize_blocks(w, 0), ConfigError);
 }
 
+// FP8 training's linear (train_linear): its output and both gradients are the scaled products of
+// the recipe's operands (block: x in groups, w in blocks; gy in groups, w^T in blocks; gy^T and
+// x^T in groups of tokens; channel: rows everywhere), each near the exact product, and the bias
+// gradient is the output gradient's sum.
+TEST(Fp8, TrainLinearsGemmsAreTheRecipesScaledProducts) {
+  at::manual_seed(11);
+  const at::Tensor x0 = at::randn({37, 200}), w0 = at::randn({96, 200}) * 0.05, b0 = at::randn({96});
+  const at::Tensor gy = at::randn({37, 96});
+  for (const Scaling s : {Scaling::kBlock, Scaling::kChannel}) {
+    const bool block = s == Scaling::kBlock;
+    const Operand act = block ? Operand::kGroups : Operand::kRows, wt = block ? Operand::kBlocks : Operand::kRows;
+    at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true),
+               b = b0.clone().requires_grad_(true);
+    const at::Tensor y = train_linear(x, w, b, s);
+    y.backward(gy);
+    EXPECT_TRUE(at::equal(y.detach(), scaled_product(x0, w0, act, wt, at::kFloat, b0)));
+    EXPECT_TRUE(at::equal(x.grad(), scaled_product(gy, w0.t(), act, wt, at::kFloat)));
+    EXPECT_TRUE(at::equal(w.grad(), scaled_product(gy.t(), x0.t(), act, act, at::kFloat)));
+    EXPECT_TRUE(at::allclose(b.grad(), gy.sum(0), 1e-6, 1e-5));
+    // Each within FP8's error of the exact product (two operands of relative error <= 2^-4 each),
+    // and quantized (not the exact product itself).
+    auto rel = [](const at::Tensor& got, const at::Tensor& want) {
+      return ((got.to(at::kDouble) - want.to(at::kDouble)).norm() / want.to(at::kDouble).norm()).item<double>();
+    };
+    for (const auto& [got, want] : {std::pair{y.detach(), at::addmm(b0, x0, w0.t())},
+                                    std::pair{x.grad(), at::matmul(gy, w0)}, std::pair{w.grad(), at::matmul(gy.t(), x0)}}) {
+      EXPECT_LT(rel(got, want), 0.06) << (block ? "block" : "channel");
+      EXPECT_GT(rel(got, want), 1e-4) << (block ? "block" : "channel");
+    }
+  }
+  // A frozen weight (a LoRA base) gets no gradient; the input still does.
+  at::Tensor x = x0.clone().requires_grad_(true);
+  train_linear(x, w0, {}, Scaling::kBlock).backward(gy);
+  EXPECT_TRUE(at::equal(x.grad(), scaled_product(gy, w0.t(), Operand::kGroups, Operand::kBlocks, at::kFloat)));
+  EXPECT_THROW(train_linear(at::randn({2, 100}), w0, {}, Scaling::kBlock), ConfigError);
+}
+
+// scaled_product's operands: a transposed view is quantized as its contiguous copy; the recipe's
+// combinations only; an empty contraction gives zeros (and the bias).
+TEST(Fp8, ScaledProductTakesTransposedViewsAndRefusesOtherCombinations) {
+  at::manual_seed(12);
+  const at::Tensor a = at::randn({300, 20}), b = at::randn({300, 48});
+  EXPECT_TRUE(at::equal(scaled_product(a.t(), b.t(), Operand::kGroups, Operand::kGroups, at::kFloat),
+                        scaled_product(a.t().contiguous(), b.t().contiguous(), Operand::kGroups, Operand::kGroups,
+                                       at::kFloat)));
+  const at::Tensor q = scaled_product(a.t(), b.t(), Operand::kGroups, Operand::kBlocks, at::kBFloat16);
+  EXPECT_EQ(q.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(q.sizes(), (std::vector<int64_t>{20, 48}));
+  EXPECT_THROW(scaled_product(a, a, Operand::kBlocks, Operand::kGroups, at::kFloat), Error);
+  EXPECT_THROW(scaled_product(a, a, Operand::kRows, Operand::kGroups, at::kFloat), Error);
+  EXPECT_THROW(scaled_product(a, b, Operand::kRows, Operand::kRows, at::kFloat), Error);
+  const at::Tensor bias = at::randn({48});
+  EXPECT_TRUE(at::equal(scaled_product(at::zeros({3, 0}), at::zeros({48, 0}), Operand::kGroups, Operand::kBlocks,
+                                       at::kFloat, bias),
+                        bias.expand({3, 48})));
+}
+
 }  // namespace
 }  // namespace tiller::model::fp8

@@ -3,7 +3,9 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/GradMode.h>
 #include <cstdio>
+#include <tuple>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "fixtures.h"
@@ -105,6 +107,54 @@ TEST(ModelGpu, Fp8GemmEqualsItsEmulation) {
         EXPECT_LT(d.frob_rel, 4e-3) << m << "x" << n << "x" << k << " bias " << with_bias << " " << int(sc);
       }
     }
+}
+
+// FP8 training's GEMMs on the tensor cores (scaled_product: the tile kernels for blocks and
+// transposed operands, the group and row kernels, _scaled_mm's 1x128 x 128x128, 1x128 x 1x128 and
+// row-wise products) against the CPU's emulation of the same quantization: row-major operands and
+// the backward's transposed views, sizes that are and are not whole tiles, a bias; then
+// train_linear's output and gradients, both scalings.
+TEST(ModelGpu, Fp8TrainingGemmsEqualTheirEmulation) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  if (!fp8::tensor_cores(at::Device("cuda:0"))) GTEST_SKIP() << "no FP8 tensor cores (compute capability 9.x)";
+  at::manual_seed(13);
+  using fp8::Operand;
+  const std::vector<std::pair<Operand, Operand>> recipes = {
+      {Operand::kGroups, Operand::kBlocks}, {Operand::kGroups, Operand::kGroups}, {Operand::kRows, Operand::kRows}};
+  for (const auto& [m, n, k] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{300, 200, 700}, {512, 1152, 896},
+                                                                                   {5, 96, 64}}) {
+    const at::Tensor a = at::randn({m, k}).to(at::kBFloat16), b = (at::randn({n, k}) * 0.05).to(at::kBFloat16);
+    const at::Tensor at_ = a.t().contiguous(), bt = b.t().contiguous();  // for the transposed views
+    const at::Tensor bias = (at::randn({n}) * 0.1).to(at::kBFloat16);
+    for (const auto& [oa, ob] : recipes)
+      for (const bool transposed : {false, true}) {
+        const at::Tensor ga = transposed ? at_.cuda().t() : a.cuda(), gb = transposed ? bt.cuda().t() : b.cuda();
+        const at::Tensor want = fp8::scaled_product(a, b, oa, ob, at::kBFloat16, bias);
+        const at::Tensor got = fp8::scaled_product(ga, gb, oa, ob, at::kBFloat16, bias.cuda());
+        ASSERT_EQ(got.sizes(), want.sizes());
+        const Diff d = compare(got, want);
+        const std::string what = fmt::format("{}x{}x{} operands {} {} transposed {}", m, n, k, static_cast<int>(oa),
+                                             static_cast<int>(ob), transposed);
+        EXPECT_LT(d.max_rel, 1e-2) << what;
+        EXPECT_LT(d.frob_rel, 4e-3) << what;
+      }
+  }
+  const at::Tensor x0 = at::randn({300, 640}).to(at::kBFloat16), w0 = (at::randn({384, 640}) * 0.05).to(at::kBFloat16);
+  const at::Tensor gy = at::randn({300, 384}).to(at::kBFloat16);
+  for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel}) {
+    at::Tensor xc = x0.clone().requires_grad_(true), wc = w0.clone().requires_grad_(true);
+    at::Tensor xg = x0.cuda().requires_grad_(true), wg = w0.cuda().requires_grad_(true);
+    const at::Tensor yc = fp8::train_linear(xc, wc, {}, sc), yg = fp8::train_linear(xg, wg, {}, sc);
+    yc.backward(gy);
+    yg.backward(gy.cuda());
+    for (const auto& [got, want, name] : {std::tuple{yg.detach(), yc.detach(), "output"},
+                                          std::tuple{xg.grad(), xc.grad(), "input gradient"},
+                                          std::tuple{wg.grad(), wc.grad(), "weight gradient"}}) {
+      const Diff d = compare(got, want);
+      EXPECT_LT(d.max_rel, 1e-2) << name << " scaling " << static_cast<int>(sc);
+      EXPECT_LT(d.frob_rel, 4e-3) << name << " scaling " << static_cast<int>(sc);
+    }
+  }
 }
 
 TEST(ModelGpu, ACappedAllocatorRunsOutAtTheCap) {

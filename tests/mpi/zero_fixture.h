@@ -9,6 +9,7 @@
 #include <functional>
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <random>
 
 #include <ATen/ATen.h>
@@ -133,12 +134,13 @@ struct Reference {
     }
   }
   model::LoraSpec lora;  // LoRA: the adapters (in params) train, the base stays
+  std::optional<model::fp8::Scaling> fp8;  // FP8 training: the blocks' GEMMs as ShardedModelOptions::fp8
   at::Tensor forward(const MicroBatch& mb) {
     auto w = model::bind_weights(cfg, params, head, "reference");
     if (lora.enabled()) model::bind_lora(cfg, lora, params, w, "reference");
     auto batch = model::PackedBatch::pack(mb.seqs, device());
     batch.routes = mb.routes;
-    at::Tensor h = model::forward_hidden(cfg, w, batch);
+    at::Tensor h = model::forward_hidden(cfg, w, batch, nullptr, model::AttentionBackend::kAuto, fp8);
     if (head == Head::kValue) return model::values(h, w.score);
     at::Tensor entropy;
     at::Tensor lp = model::token_logprobs(h, w.lm_head, at::tensor(mb.targets, at::kLong).to(device()), 1.0, 1024,
@@ -309,7 +311,13 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
       init[name] = name.find("lora_B") != std::string::npos ? at::normal(0.0, 0.05, t.sizes(), gen) : t;
   }
   // bf16 reduction rounds each reduced gradient to ~3 significant digits.
-  const bool rounded = on_gpu() || reduce != at::kFloat;
+  // FP8 GEMMs: a rank's gradient sums in another order move a weight by a rounding, which can
+  // move its e4m3 code by one step at the next quantization.
+  const bool rounded = on_gpu() || reduce != at::kFloat || opts.fp8.has_value();
+  // FP8 over sequence slices: the weight gradient's operands are quantized in groups of a rank's
+  // own tokens, not the whole micro-batch's as the reference groups them - FP8's own noise, bounded
+  // as bf16's on the GPU.
+  const bool coarse = on_gpu() || (opts.fp8.has_value() && sp > 1);
   ShardedModel m(cfg, comm(), opts);
   std::unique_ptr<dist::Communicator> seq_group;
   if (sp > 1) {
@@ -319,6 +327,7 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
   m.load(init, "init");
   Reference ref(cfg, head, init, adam);
   ref.lora = opts.lora;
+  ref.fp8 = opts.fp8;
   if (opts.lora.enabled())  // the base is frozen (a value head's score trains beside the adapters)
     for (auto& [name, p] : ref.params)
       if (name.find(".lora_") == std::string::npos && !(head == Head::kValue && name == "score.weight"))
@@ -330,11 +339,11 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
   const zero::LrSchedule sched{LrScheduleKind::kCosine, 1, 4, 0.1};
   const int groups = world / sp, group = me / sp, j = me % sp;
   const double base_lr = on_gpu() ? 3e-3 : 1e-2;
-  const std::string what = fmt::format("{} sp {} recompute {} reduce {}{}{}{}", preset, sp,
+  const std::string what = fmt::format("{} sp {} recompute {} reduce {}{}{}{}{}", preset, sp,
                                        zero::recompute_name(recompute), c10::toString(reduce),
                                        opts.optimizer_on_host ? " host optimizer" : "",
                                        opts.router_aux_coef > 0 || opts.router_z_coef > 0 ? " router losses" : "",
-                                       opts.lora.enabled() ? " lora" : "");
+                                       opts.lora.enabled() ? " lora" : "", opts.fp8 ? " fp8" : "");
   bool clipped = false;
   double worst_out = 0;
   for (int step = 0; step < 3; ++step) {
@@ -362,7 +371,7 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
         worst_out = std::max(worst_out, rel);
         // bf16 on the GPU: the first step's outputs are rounding apart; later ones also carry the
         // drift of bf16 training from the fp32 reference (the update's few % above).
-        EXPECT_LT(rel, !on_gpu() ? 1e-5 : step == 0 ? 3e-2 : 6e-2) << what << " step " << step << " micro-batch " << i;
+        EXPECT_LT(rel, !coarse ? 1e-5 : step == 0 ? 3e-2 : 6e-2) << what << " step " << step << " micro-batch " << i;
       }
       // With the router losses, when on: this rank's rows of the step weigh them.
       m.add_router_loss(slice_loss(run, mb, total), static_cast<double>(total)).backward();
@@ -383,7 +392,7 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
     }
     clipped |= r.clip_factor < 1;
     EXPECT_FALSE(r.skipped);
-    EXPECT_NEAR(r.grad_norm, ref_norm, ref_norm * (on_gpu() ? 3e-2 : rounded ? 3e-3 : 1e-5)) << what << " step " << step;
+    EXPECT_NEAR(r.grad_norm, ref_norm, ref_norm * (coarse ? 3e-2 : rounded ? 3e-3 : 1e-5)) << what << " step " << step;
     NamedTensors got = m.gather_parameters();
     for (auto& [name, t] : m.lora_parameters()) got[name] = t;  // a LoRA value head's trained score too
     const Diff d = compare(got, ref.params, init);
@@ -392,10 +401,12 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
         if (spec.name != "score.weight") EXPECT_TRUE(at::equal(got.at(spec.name).cpu(), init.at(spec.name).to(got.at(spec.name).scalar_type())))
             << what << " " << spec.name;
     if (rounded) {
-      EXPECT_LT(d.update_rel, on_gpu() ? 0.15 : 2e-2) << what << " step " << step << " (max abs " << d.max_abs << ")";
+      // FP8 on the GPU: the bf16 activations and gradients, rounded before they are quantized,
+      // land on other e4m3 codes than the fp32 reference's (measured 0.17-0.23 on H200).
+      EXPECT_LT(d.update_rel, on_gpu() && opts.fp8 ? 0.35 : coarse ? 0.15 : 2e-2) << what << " step " << step << " (max abs " << d.max_abs << ")";
       // fp32 compute with a bf16 reduction: the rounding shows (the option took effect), and
       // stays at bf16's size.
-      if (!on_gpu() && step == 2) EXPECT_GT(d.update_rel, 1e-5) << what;
+      if (!on_gpu() && step == 2 && reduce != at::kFloat) EXPECT_GT(d.update_rel, 1e-5) << what;
     } else {
       EXPECT_LT(d.max_abs, 2e-6) << what << " step " << step;
       EXPECT_LT(d.update_rel, 1e-4) << what << " step " << step;

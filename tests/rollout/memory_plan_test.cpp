@@ -87,6 +87,14 @@ TEST(MemoryPlan, CountsShardsStateAndTheEngine) {
   for (const PhaseMemory& p : fr.phases)
     EXPECT_NEAR(static_cast<double>(item(p, "engine FP8 weights")) / 1e9, 6.52, 0.02) << static_cast<int>(p.phase);
   EXPECT_GT(item(fr.phases[2], "engine FP8 re-quantization"), 0);
+  EXPECT_EQ(item(fr.phases[1], "FP8 GEMM operands"), 0);
+  // FP8 training: the largest GEMM's e4m3 operands, the gate/up projections' input gradient at
+  // 16384 tokens: (16384 + 3584) x 18944 bytes, 1/16 more for scales and padding (~0.40 GB);
+  // in training only (the reference is not FP8 here).
+  f.roles.actor.fp8 = true;
+  const RankMemory f8 = plan_memory(f, plan_of(f, 4), shapes(), 0).ranks[0];
+  EXPECT_EQ(item(f8.phases[1], "FP8 GEMM operands"), (16384 + 3584) * int64_t{18944} * 17 / 16);
+  EXPECT_EQ(item(f8.phases[0], "FP8 GEMM operands"), 0);
 
   // train.compute_shard cast: the trained roles hold no bf16 shard (the frozen reference does).
   c.train.compute_shard = ComputeShard::kCast;

@@ -199,6 +199,10 @@ struct RoleConfig {
   double router_aux_loss_coef = 0;  // load balancing
   double router_z_loss_coef = 0;    // ST-MoE's z-loss
   LoraConfig lora;
+  // FP8 training (docs/training.md): the blocks' linear layers' GEMMs in FP8, current scaling by
+  // fp8_scaling (block: 1x128 activations, 128x128 weights; channel: one scale per row).
+  bool fp8 = false;
+  Fp8Scaling fp8_scaling = Fp8Scaling::kBlock;
 };
 
 struct RolesConfig {

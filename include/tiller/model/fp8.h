@@ -46,8 +46,9 @@ QuantizedWeight quantize_channels(const at::Tensor& w);
 QuantizedWeight quantize_weight(const at::Tensor& w, Scaling scaling);
 // Quantizes `w` ([N, K], b's shape) into b's storages in place, in b's scaling: what
 // quantize_blocks(w) or quantize_channels(w) returns, at the same addresses (a captured CUDA graph
-// keeps reading them). Works through the weight a few block rows (a few thousand rows) at a time,
-// so its temporaries stay small beside the weight.
+// keeps reading them). On a GPU one kernel pass over the weight (no temporaries; the padding
+// rewritten too); elsewhere a few block rows (a few thousand rows) at a time, so its temporaries
+// stay small beside the weight.
 void quantize_weight_into(const at::Tensor& w, QuantizedWeight& b);
 // q * scale as `dtype` ([N, K]), in either scaling.
 at::Tensor dequantize_weight(const QuantizedWeight& b, c10::ScalarType dtype);
@@ -73,6 +74,29 @@ at::Tensor linear_emulated(const at::Tensor& x, const QuantizedWeight& w, const 
 // _scaled_mm, block- or row-scaled, fp32 accumulation, the bias in the epilogue; the activations
 // quantized by one kernel), else linear_emulated. Inference only.
 at::Tensor linear(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias = {});
+// --- FP8 training (roles.<role>.fp8; docs/training.md "FP8 training") ---
+// How one operand of a product is scaled along the product's contraction axis (K): one scale per
+// row (kRows), per row and group of 128 (kGroups, the 1x128 layout), or per 128x128 block (kBlocks).
+enum class Operand { kRows, kGroups, kBlocks };
+// a [M, K] times b^T (b [N, K]) with both operands quantized now (current scaling) as `oa` and
+// `ob` say, fp32 accumulation, plus `bias` ([N], optional) before the one rounding to `out`.
+// Either operand may be a transposed view of a row-major tensor (the backward's gy^T, x^T, w^T):
+// the GPU quantizes it by tiles without a transposed copy. On Hopper tensor cores (torch's
+// _scaled_mm) for (kGroups, kBlocks), (kGroups, kGroups) and (kRows, kRows) with bf16 out;
+// emulated otherwise, or with `emulate`: the same quantization, the product in fp32.
+at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, Operand ob, c10::ScalarType out,
+                          const at::Tensor& bias = {}, bool emulate = false);
+// x [..., K] times w^T (w [N, K], as the ZeRO-3 gather made it) plus `bias`, as one autograd node
+// whose three GEMMs run in FP8 with current scaling. The operands, by `scaling`:
+//   block    forward  x in 1x128 groups, w in 128x128 blocks (DeepSeek-V3's recipe)
+//            dgrad    the output gradient gy in 1x128 groups, w^T in blocks
+//            wgrad    gy^T and x^T in groups of 128 tokens
+//   channel  every operand one scale per row of the product's contraction (token, output or input
+//            channel)
+// Outputs and gradients in x's dtype; the bias gradient summed in fp32. Nothing is kept for the
+// backward beyond x and w themselves (what at::linear keeps): the backward quantizes again.
+at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling);
+
 // Whether linear() runs on FP8 tensor cores on `device` (a GPU of compute capability 9.x in the
 // GPU build, with block size 128).
 bool tensor_cores(const at::Device& device);

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -154,6 +155,10 @@ struct BlockContext {
   double lora_dropout = 0;
   int64_t lora_dropout_seed = 0;
   int64_t lora_first_row = 0;
+  // FP8 training (roles.<role>.fp8): the attention's and the dense MLP's projections (a sparse
+  // layer's shared expert and looped experts too; not the router, the adapters or the grouped
+  // experts' GEMMs) through fp8::train_linear in this scaling. Unset: in the weights' dtype.
+  std::optional<fp8::Scaling> fp8_training;
 };
 BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
                                 at::ScalarType dtype, DenseKvCache* cache = nullptr,
@@ -196,9 +201,11 @@ int64_t sparse_index(const ModelConfig& cfg, int64_t layer);
 int64_t sparse_layers(const ModelConfig& cfg);
 at::Tensor final_norm(const ModelConfig& cfg, const at::Tensor& weight, const at::Tensor& x);
 
-// Embedding, every block and the final norm: [T, hidden].
+// Embedding, every block and the final norm: [T, hidden]. `fp8_training`: the blocks' GEMMs as
+// BlockContext::fp8_training says.
 at::Tensor forward_hidden(const ModelConfig& cfg, const ModelWeights& w, const PackedBatch& batch,
-                          DenseKvCache* cache = nullptr, AttentionBackend backend = AttentionBackend::kAuto);
+                          DenseKvCache* cache = nullptr, AttentionBackend backend = AttentionBackend::kAuto,
+                          std::optional<fp8::Scaling> fp8_training = std::nullopt);
 
 // Full logits [T, vocab] in fp32. Only for short inputs and tests: prefer token_logprobs.
 at::Tensor logits(const at::Tensor& hidden, const at::Tensor& lm_head);

@@ -36,6 +36,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -104,6 +105,11 @@ struct ShardedModelOptions {
   model::LoraSpec lora;
   double lora_dropout = 0;  // PEFT's lora_dropout in the training forwards
   uint64_t lora_seed = 0;   // PEFT's initialisation when load() finds no adapters, and the dropout's masks
+  // FP8 training (roles.<role>.fp8): the blocks' linear layers in FP8 with current scaling
+  // (model::BlockContext::fp8_training), forward and backward; masters, optimizer and reductions
+  // as without. On CUDA it needs Hopper's FP8 tensor cores and bf16 compute (ConfigError at
+  // construction otherwise); on the CPU it is emulated.
+  std::optional<model::fp8::Scaling> fp8;
 };
 
 // The options of role `name` from the job config: roles.<name>.dtype and .replicate, and train.*
@@ -170,6 +176,9 @@ class ShardedModel {
   // options().recompute from now on (no forward's graph pending). A sequence group's ranks must
   // use one mode. Not collective.
   void set_recompute(Recompute mode, int64_t layers = -1);
+  // FP8 training on or off from the next forward (ShardedModelOptions::fp8, checked as at
+  // construction): benchmarks time both on the same weights.
+  void set_fp8(std::optional<model::fp8::Scaling> scaling);
   // token_logprobs / values of this rank's rows of a packed row ([n] for the slice's n rows;
   // `targets` [n]: each row's next token). With S = 1 the slice is the whole row. Collective over
   // the model's communicator and the sequence group.

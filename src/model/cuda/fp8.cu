@@ -1,6 +1,7 @@
 // FP8 (e4m3) quantization of activations per token and group of 128 features (one warp per (row,
-// group), four values per lane, the group's largest magnitude by a warp reduction), or per token
-// (one block per row); kernels.h.
+// group), four values per lane, the group's largest magnitude by a warp reduction), per token
+// (one block per row), and of 128x128 tiles (one block per tile: the FP8 training's weights and
+// transposed operands); kernels.h.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -17,6 +18,8 @@ namespace {
 
 constexpr int kGroup = 128;
 constexpr int kPerLane = kGroup / 32;
+// quantize_tiles_fp8's modes (kernels.h)
+constexpr int kTile = 0, kTileTransposed = 1, kColumnsTransposed = 2;
 
 template <class T>
 __global__ void quantize_groups_kernel(const T* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
@@ -95,6 +98,64 @@ __global__ void quantize_rows_kernel(const T* x, int64_t rows, int64_t k, int64_
   if (threadIdx.x == 0) scale[r] = s;
 }
 
+
+// One 128x128 tile of x per block of 256 threads: thread t holds column t % 128 of rows t / 128,
+// t / 128 + 2, ... (a warp reads 32 consecutive values of a row). The scale is the tile's (kTile,
+// kTileTransposed) or each column's (kColumnsTransposed); the codes go through shared memory so
+// that a transposed tile is written in whole output rows too.
+template <class T>
+__global__ void quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride, int mode, uint8_t* q,
+                                      int64_t q_stride, float* scale, int64_t scale_stride) {
+  constexpr int kRowsPerThread = kGroup / 2;
+  __shared__ uint8_t codes[kGroup][kGroup + 4];
+  __shared__ float amax_of[8][kGroup];  // per warp and column, then reduced
+  const int t = threadIdx.x, c = t % kGroup, r0 = t / kGroup;
+  const int64_t tr = blockIdx.y, tc = blockIdx.x;  // the tile's row and column
+  const int64_t col = tc * kGroup + c;
+  float v[kRowsPerThread];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int64_t row = tr * kGroup + r0 + 2 * i;
+    v[i] = row < rows && col < cols ? to_f(x[row * x_stride + col]) : 0.f;
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  // kColumnsTransposed: column c's largest magnitude over both halves of the rows; kTile*: the tile's.
+  amax_of[r0][c] = amax;
+  __syncthreads();
+  amax = fmaxf(amax_of[0][c], amax_of[1][c]);
+  if (mode != kColumnsTransposed) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    __syncthreads();
+    if (t < kGroup && t % 32 == 0) amax_of[2 + t / 32][0] = amax;  // rows 2..5: the first 4 warps' (128 columns)
+    __syncthreads();
+    amax = fmaxf(fmaxf(amax_of[2][0], amax_of[3][0]), fmaxf(amax_of[4][0], amax_of[5][0]));
+  }
+  const float s = amax > 0.f ? amax / 448.f : 1.f;  // IEEE division, as ATen's
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i)
+    codes[r0 + 2 * i][c] = __nv_cvt_float_to_fp8(v[i] / s, __NV_SATFINITE, __NV_E4M3);
+  if (mode == kTile && t == 0) scale[tr * scale_stride + tc] = s;
+  if (mode == kTileTransposed && t == 0) scale[tc * scale_stride + tr] = s;
+  if (mode == kColumnsTransposed && t < kGroup) scale[tr * scale_stride + col] = s;
+  __syncthreads();
+  // Each warp writes whole 128-byte output rows, 4 bytes per lane: tile row j (kTile) or tile
+  // column j (transposed modes).
+  const int warp = t / 32, lane = t % 32;
+  for (int j = warp; j < kGroup; j += 8) {
+    uint32_t packed = 0;
+    for (int b = 0; b < 4; ++b) {
+      const int e = lane * 4 + b;
+      const uint8_t code = mode == kTile ? codes[j][e] : codes[e][j];
+      packed |= static_cast<uint32_t>(code) << (8 * b);
+    }
+    const int64_t out_row = mode == kTile ? tr * kGroup + j : tc * kGroup + j;
+    const int64_t out_col = (mode == kTile ? tc : tr) * kGroup + lane * 4;
+    *reinterpret_cast<uint32_t*>(q + out_row * q_stride + out_col) = packed;
+  }
+}
+
 }  // namespace
 
 void quantize_rows_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
@@ -140,6 +201,32 @@ void quantize_groups_fp8(DType dtype, const void* x, int64_t rows, int64_t padde
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 quantize kernel launch: ") + cudaGetErrorString(err));
+}
+
+void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
+                        int64_t padded_rows, int64_t padded_cols, Fp8Tiles mode, void* q, int64_t q_stride,
+                        float* scale, int64_t scale_stride, void* stream) {
+  const bool transposed = mode != Fp8Tiles::kTile;
+  const int64_t out_cols = transposed ? padded_rows : padded_cols;
+  const int64_t tiles_r = padded_rows / kGroup, tiles_c = padded_cols / kGroup;
+  const int64_t scale_rows = mode == Fp8Tiles::kTile ? tiles_c : mode == Fp8Tiles::kTileTransposed ? tiles_r
+                                                                                                   : padded_cols;
+  if (padded_rows % kGroup != 0 || padded_cols % kGroup != 0 || padded_rows < rows || padded_cols < cols ||
+      q_stride < out_cols || q_stride % 4 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0 ||
+      scale_stride < scale_rows || tiles_r > 65535 || tiles_c > 2147483647)
+    throw std::invalid_argument("quantize_tiles_fp8: the padded extents must be whole tiles that q (4-byte aligned "
+                                "rows) and the scales hold");
+  if (tiles_r == 0 || tiles_c == 0) return;
+  const dim3 grid(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r));
+  const auto s = static_cast<cudaStream_t>(stream);
+  with_dtype(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    quantize_tiles_kernel<T><<<grid, 256, 0, s>>>(static_cast<const T*>(x), rows, cols, x_stride,
+                                                  static_cast<int>(mode), static_cast<uint8_t*>(q), q_stride, scale,
+                                                  scale_stride);
+  });
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 tile quantize kernel launch: ") + cudaGetErrorString(err));
 }
 
 }  // namespace tiller::model::cuda

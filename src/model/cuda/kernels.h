@@ -51,6 +51,22 @@ void quantize_groups_fp8(DType dtype, const void* x, int64_t rows, int64_t padde
 void quantize_rows_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
                        void* q, int64_t q_stride, float* scale, void* stream);
 
+// FP8 quantization of x [rows, cols] by 128x128 tiles over the padded extents [padded_rows,
+// padded_cols] (multiples of 128; values past rows or cols are zeros), for the FP8 training's
+// GEMM operands (model/fp8.h):
+//   kTile               one scale per tile: q [padded_rows, padded_cols] (x's layout),
+//                       scale[tile_row * scale_stride + tile_col];
+//   kTileTransposed     the same of x^T: q [padded_cols, padded_rows], scale[tile_col * scale_stride + tile_row]
+//                       (what quantizing x^T by tiles gives: a tile's largest magnitude is its transpose's);
+//   kColumnsTransposed  x^T in groups of 128 along x's rows (one scale per column of x and tile row):
+//                       q [padded_cols, padded_rows], scale[tile_row * scale_stride + col] (the 1x128
+//                       layout of quantize_groups_fp8 for x^T).
+// Scales s = amax / 448 (1 for zeros), codes e4m3(x / s) as torch's cast rounds them.
+enum class Fp8Tiles { kTile = 0, kTileTransposed = 1, kColumnsTransposed = 2 };
+void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
+                        int64_t padded_rows, int64_t padded_cols, Fp8Tiles mode, void* q, int64_t q_stride,
+                        float* scale, int64_t scale_stride, void* stream);
+
 // One token per row of logits [rows, vocab] (row stride given, in elements of `dtype`) for the
 // rows' parameters params [rows][3] (temperature, min_p, u): a temperature of 0 takes the first
 // maximum; otherwise the first token whose cumulative mass passes u times the total, over
