@@ -408,8 +408,8 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       }
       add(sync, "engine weights", weights);
       add(sync, "engine FP8 weights", fp8);
-      // The re-quantization after the sync: fp32 temporaries of a few block rows at a time.
-      if (fp8 > 0) add(sync, "engine FP8 re-quantization", (int64_t{1} << 24) * 16);
+      // The re-quantization after the sync needs no temporaries on a GPU (one kernel pass per
+      // weight, model/fp8.h quantize_weight_into); the CPU's chunks are not planned for.
       add(sync, "engine LoRA adapters", adapters);
       if (hybrid) {
         // Two staging buffers of the plan's largest bucket; a LoRA actor's handoff keeps two for
