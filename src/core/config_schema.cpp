@@ -106,8 +106,9 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
   b.add(p + "fp8", [get](JobConfig& c) { return &get(c).fp8; },
         "FP8 training (docs/training.md): the blocks' attention and MLP projections run their forward and both "
         "backward GEMMs in e4m3 on Hopper's tensor cores, quantized per GEMM with current scaling "
-        "(roles.<role>.fp8_scaling); emulated on the CPU. The embedding, the router, the LM or value head, LoRA "
-        "adapters, the norms, the masters, the optimizer and the gradient reductions keep their precision. Needs "
+        "(roles.<role>.fp8_scaling); emulated on the CPU. The embedding, the router, a mixture's routed experts, the "
+        "LM or value head, LoRA adapters, the norms, the masters, the optimizer and the gradient reductions keep "
+        "their precision. Needs "
         "dtype bf16 and, on GPUs, compute capability 9.x. A frozen role (ref, reward) then scores in FP8 too.");
   b.add_enum(p + "fp8_scaling", [get](JobConfig& c) { return &get(c).fp8_scaling; },
              "roles.<role>.fp8: block (activations and gradients in groups of 128 along each GEMM's inner axis, "

@@ -462,8 +462,8 @@ at::Tensor moe_mlp(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
     const ExpertWeights& ex = w.experts[static_cast<size_t>(e)];
     const at::Tensor r = dev.narrow(0, first, n);
     const at::Tensor x = h.index_select(0, r);
-    at::Tensor y = project(swiglu(project(x, ex.gate_proj, {}, nullptr, &ctx), project(x, ex.up_proj, {}, nullptr, &ctx)),
-                           ex.down_proj, {}, nullptr, &ctx);
+    // The routed experts stay in the weights' dtype with FP8 training too, as on the grouped path.
+    at::Tensor y = project(swiglu(project(x, ex.gate_proj), project(x, ex.up_proj)), ex.down_proj);
     y = y * weights.index_select(0, dev.narrow(0, t * k + first, n)).unsqueeze(1);
     out = out.index_add(0, r, y.to(h.scalar_type()));
   }

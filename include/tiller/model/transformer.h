@@ -156,8 +156,8 @@ struct BlockContext {
   int64_t lora_dropout_seed = 0;
   int64_t lora_first_row = 0;
   // FP8 training (roles.<role>.fp8): the attention's and the dense MLP's projections (a sparse
-  // layer's shared expert and looped experts too; not the router, the adapters or the grouped
-  // experts' GEMMs) through fp8::train_linear in this scaling. Unset: in the weights' dtype.
+  // layer's shared expert too; not the router, the adapters or the routed experts) through
+  // fp8::train_linear in this scaling. Unset: in the weights' dtype.
   std::optional<fp8::Scaling> fp8_training;
 };
 BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
