@@ -86,7 +86,8 @@ CASE:
   fp8          engines.quantization=fp8 (the FP8 GEMMs emulated on CPU) with token-level TIS: GRPO learns
                the toy task, the engine/trainer mismatch is measured and larger than the bf16 engine's
                on the same seed, and the correction truncates and reports its weights; the hybrid
-               engine at sleep level 2 (its FP8 copies refilled by the handoff) gives the same rewards.
+               engine at sleep level 2 (its FP8 copies refilled by the handoff) gives the same rewards;
+               with FP8 training too (roles.actor.fp8, bf16) the task is still learned.
   hub          roles.actor.model as a hub id not in the cache: downloaded through huggingface_hub
                from a stand-in for the hub on a local socket (fake_hub.py, HF_ENDPOINT), each file
                once for the node's 3 ranks, and one step trains; the second run finds it in the
@@ -1645,6 +1646,14 @@ def check_fp8():
     if got != want:
         fail(f"the hybrid FP8 engine's rewards {got} differ from the separate pool's {want}")
     print(f"fp8 hybrid: rewards equal the separate pool's for 6 steps: {[round(r, 3) for r in got]}")
+    # FP8 training beside the FP8 engine (roles.actor.fp8 through the job config, bf16 compute, the
+    # GEMMs emulated): the actor says so, and the task is learned.
+    trained = SCRATCH / "fp8_training"
+    log = run_ok(3, trained, *GRPO, *tis, "engines.quantization=fp8", "roles.actor.fp8=true", "roles.actor.dtype=bf16",
+                 "roles.ref.dtype=bf16")
+    if not re.search(r"actor: FP8 GEMMs in the blocks' projections \(block scales\) emulated", log):
+        fail("the actor did not say it trains with FP8 GEMMs:\n" + log[-3000:])
+    expect_learned(trained, "fp8 engine + fp8 training + token TIS")
 
 
 def check_hub():
