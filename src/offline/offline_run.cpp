@@ -84,6 +84,7 @@ OfflineRun::OfflineRun(const JobConfig& c, dist::MpiEnv& env, const std::string&
   mo.recompute_layers = layers;
   mo.keep_compute_shard = choice[1].item<double>() > 0.5;
   if (rank == 0 && !cpu) log::info("memory plan:\n{}", plan.table());
+  if (rank == 0 && mo.fp8) log::info("actor: {}", zero::fp8_summary(mo));
   model = std::make_unique<zero::ShardedModel>(model_config, *comm_, mo);
   sp = static_cast<int>(cfg.roles.actor.sequence_parallel);
   if (sp > 1) {

@@ -32,7 +32,6 @@
 #include "tiller/sync/hybrid_handoff.h"
 #include "tiller/sync/weight_sync.h"
 #include "tiller/zero/checkpoint.h"
-#include "tiller/model/fp8.h"
 #include "tiller/zero/sharded_model.h"
 #include "trainer/losses.h"
 #include "wire/protocol.h"
@@ -179,10 +178,7 @@ struct RoleWorker::Impl {
     // rank 0: none. The actor's seed is the engines' too (train_job.cpp); the critic draws its own.
     if (trainable) zero::apply_lora(opts, lora, mc, static_cast<uint64_t>(cfg.run.seed) + (role == Role::kCritic ? 1 : 0));
     auto m = std::make_unique<zero::ShardedModel>(mc, *comm, opts);
-    if (opts.fp8 && comm->rank() == 0)
-      log::info("{}: FP8 GEMMs in the blocks' projections ({} scales) {}", role_name(role),
-                *opts.fp8 == model::fp8::Scaling::kChannel ? "channel" : "block",
-                model::fp8::tensor_cores(opts.device) ? "on tensor cores" : "emulated (no FP8 tensor cores here)");
+    if (opts.fp8 && comm->rank() == 0) log::info("{}: {}", role_name(role), zero::fp8_summary(opts));
     const dist::RoleGroup* group_plan = plan.group(role);
     TILLER_CHECK(group_plan != nullptr, "rank {} has role {} but the rank plan has no group for it", rank,
                  role_name(role));

@@ -86,6 +86,13 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
   return o;
 }
 
+std::string fp8_summary(const ShardedModelOptions& opts) {
+  if (!opts.fp8) return "";
+  return fmt::format("FP8 GEMMs in the blocks' projections ({} scales) {}",
+                     *opts.fp8 == model::fp8::Scaling::kChannel ? "channel" : "block",
+                     model::fp8::tensor_cores(opts.device) ? "on tensor cores" : "emulated (no FP8 tensor cores here)");
+}
+
 model::LoraSpec lora_spec(const LoraConfig& lora, const model::ModelConfig& cfg, const std::string& key) {
   model::LoraSpec s;
   if (lora.rank <= 0) return s;

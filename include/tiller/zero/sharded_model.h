@@ -112,6 +112,10 @@ struct ShardedModelOptions {
   std::optional<model::fp8::Scaling> fp8;
 };
 
+// What opts.fp8 runs, for the log: "FP8 GEMMs in the blocks' projections (block scales) on tensor
+// cores" (or "emulated (no FP8 tensor cores here)"); empty without FP8.
+std::string fp8_summary(const ShardedModelOptions& opts);
+
 // The options of role `name` from the job config: roles.<name>.dtype and .replicate, and train.*
 // for AdamW and clipping (the learning rate is given to step()). ConfigError names the key when
 // replicate is asked of a trainable role or the dtype is unknown.
