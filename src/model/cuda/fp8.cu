@@ -98,7 +98,6 @@ __global__ void quantize_rows_kernel(const T* x, int64_t rows, int64_t k, int64_
   if (threadIdx.x == 0) scale[r] = s;
 }
 
-
 // One 128x128 tile of x per block of 256 threads: thread t holds column t % 128 of rows t / 128,
 // t / 128 + 2, ... (a warp reads 32 consecutive values of a row). The scale is the tile's (kTile,
 // kTileTransposed) or each column's (kColumnsTransposed); the codes go through shared memory so
