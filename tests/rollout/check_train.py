@@ -1638,16 +1638,25 @@ def check_fp8():
           f"is_weight p05..p95 {rows[-1]['off_policy/is_weight_p05']:.3f}..{rows[-1]['off_policy/is_weight_p95']:.3f}")
     if not fp8_kl > 10 * base_kl:
         fail(f"the FP8 engine's mismatch {fp8_kl} is not clearly above the unquantized engine's {base_kl}")
-    # The hybrid engine (sleep level 2: the weights and their FP8 copies freed every step, refilled
-    # by the handoff on the GPU's side and quantized again): the same rewards as the separate pool's
-    # FP8 engine, step for step.
+    # The engine's FP8 copies follow every weight sync: each step's mismatch stays at the first
+    # step's (the quantization's alone, the weights fresh from the checkpoint). Copies left stale
+    # make it grow ~400-fold by step 2.
+    first = rows[0]["mismatch/kl"]
+    if not all(r["mismatch/kl"] <= 10 * first for r in rows[:6]):
+        fail(f"the separate pool's FP8 mismatch grows from step 1's {first}: {[r['mismatch/kl'] for r in rows[:6]]}")
+    # The hybrid engine at sleep level 2: its weights and their FP8 copies are freed every step,
+    # refilled by the handoff on the GPU's side and quantized again. Its mismatch stays the same.
+    # (Rewards are not compared with the separate pool's: neither run is bitwise reproducible, the
+    # engines' batches depending on arrival times, and FP8 rounding turns those ~1e-6 differences
+    # into different samples within a few steps. The bitwise mode is the reproducible one.)
     hybrid = SCRATCH / "fp8_hybrid"
-    run_ok(2, hybrid, *GRPO, *tis, *HYBRID, "engines.quantization=fp8", "train.num_steps=6")
-    want = [r["reward/mean"] for r in rows[:6]]
-    got = [r["reward/mean"] for r in metrics(hybrid)]
-    if got != want:
-        fail(f"the hybrid FP8 engine's rewards {got} differ from the separate pool's {want}")
-    print(f"fp8 hybrid: rewards equal the separate pool's for 6 steps: {[round(r, 3) for r in got]}")
+    run_ok(2, hybrid, *GRPO, *tis, *HYBRID, "engines.quantization=fp8", "train.num_steps=6", "checkpoint.dir=",
+           "eval.prompts=")
+    got = [r["mismatch/kl"] for r in metrics(hybrid)]
+    if len(got) != 6 or not all(0 < k <= 10 * first for k in got):
+        fail(f"the sleep-level-2 hybrid FP8 engine's mismatch/kl {got} is not the quantization's ({first} at step 1)")
+    print(f"fp8 hybrid (sleep level 2): mismatch/kl {min(got):.2e}..{max(got):.2e} over 6 steps, the separate "
+          f"pool's step 1 {first:.2e}")
     # FP8 training beside the FP8 engine (roles.actor.fp8 through the job config, bf16 compute, the
     # GEMMs emulated): the actor says so, and the task is learned.
     trained = SCRATCH / "fp8_training"
