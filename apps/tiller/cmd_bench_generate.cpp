@@ -37,6 +37,7 @@ struct GenBenchOptions {
   bool no_async = false;
   bool no_rope_in_attention = false;
   bool fp8 = false;  // also an FP8 engine on the same weights, after the bf16 one
+  bool fp8_kv = false;  // that engine (or, without fp8, a bf16 one) with an FP8 KV cache
   std::string fp8_scaling = "block";
   std::string profile;
   int64_t profile_steps = 5;
@@ -83,10 +84,11 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
     }
   }
   // One engine on `weights` (with `quantization`), measured; empty JSON on a TP follower.
-  auto measure = [&](const std::string& quantization, model::ModelWeights weights,
+  auto measure = [&](const std::string& quantization, const std::string& kv_cache_dtype, model::ModelWeights weights,
                      bool profile) -> nlohmann::ordered_json {
   engine::EngineOptions eo;
   eo.quantization = quantization;
+  eo.kv_cache_dtype = kv_cache_dtype;
   eo.fp8_scaling = o.fp8_scaling;
   eo.device = device;
   eo.block_size = o.block_size;
@@ -154,8 +156,12 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
     const double bytes = static_cast<double>(t.numel() * (in_fp8 ? 1 : t.element_size()));
     weight_bytes += expert ? bytes * expert_share : bytes;
   }
+  // An FP8 cache: a byte per element and a 4-byte scale per (token, KV head).
   const double kv_per_token =
-      2.0 * static_cast<double>(cfg.num_layers * cfg.kv_size()) * at::elementSize(dtype) / static_cast<double>(o.tp);
+      2.0 * static_cast<double>(cfg.num_layers * cfg.num_kv_heads) *
+      (kv_cache_dtype == "fp8" ? static_cast<double>(cfg.head_dim + 4)
+                               : static_cast<double>(cfg.head_dim * at::elementSize(dtype))) /
+      static_cast<double>(o.tp);
   const double mean_ctx = static_cast<double>(o.prompt) + static_cast<double>(o.new_tokens) / 2;
   const double floor_ms = (weight_bytes + kv_per_token * mean_ctx * static_cast<double>(o.batch)) / (o.hbm_gbps * 1e9) * 1e3;
   nlohmann::ordered_json j{{"bench", "tiller_generate"},
@@ -168,6 +174,7 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
                            {"quantization", quantization},
                            {"fp8_scaling", quantization == "fp8" ? o.fp8_scaling : ""},
                            {"fp8_tensor_cores", fp8 && model::fp8::tensor_cores(at::Device(device))},
+                           {"kv_cache_dtype", kv_cache_dtype},
                            {"tp", o.tp},
                            {"batch", o.batch},
                            {"prompt", o.prompt},
@@ -226,13 +233,14 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
   };
 
   nlohmann::ordered_json j;
-  if (!o.fp8) {
-    j = measure("none", std::move(w), !o.profile.empty());
+  if (!o.fp8 && !o.fp8_kv) {
+    j = measure("none", "auto", std::move(w), !o.profile.empty());
   } else {
     // The same weights twice: the bf16 engine first (its fused copies are freed with it), then the
-    // FP8 one, and their ratio.
-    const nlohmann::ordered_json base = measure("none", w, false);
-    const nlohmann::ordered_json q = measure("fp8", std::move(w), !o.profile.empty());
+    // FP8 one (FP8 weights, an FP8 KV cache, or both), and their ratio.
+    const nlohmann::ordered_json base = measure("none", "auto", w, false);
+    const nlohmann::ordered_json q =
+        measure(o.fp8 ? "fp8" : "none", o.fp8_kv ? "fp8" : "auto", std::move(w), !o.profile.empty());
     if (!base.is_null()) {
       const double b = base["decode_tokens_per_s"].get<double>(), f = q["decode_tokens_per_s"].get<double>();
       j = {{"bench", "tiller_generate_fp8"}, {"bf16", base}, {"fp8", q},
@@ -268,6 +276,9 @@ void add_bench_generate(CLI::App* bench, Runner& run, int& argc, char**& argv) {
               "both and their ratio");
   g->add_option("--fp8-scaling", o->fp8_scaling, "The FP8 engine's scales: block or channel")
       ->check(CLI::IsMember({"channel", "block"}));
+  g->add_flag("--fp8-kv", o->fp8_kv,
+              "Give the FP8 engine (or, without --fp8, a second bf16 engine) an FP8 KV cache "
+              "(engines.kv_cache_dtype: fp8) and report it against the bf16 one");
   add_logprob_match(g, o->logprob_match);
   add_expert_kernels(g, o->experts);
   g->add_flag("--no-rope-in-attention", o->no_rope_in_attention,

@@ -158,6 +158,10 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   cmd->add_option("--fp8-scaling", o->engine.fp8_scaling,
                   "With --quantization fp8: block (128x128 blocks; default) or channel (one scale per weight row and token)")
       ->check(CLI::IsMember({"channel", "block"}));
+  cmd->add_option("--kv-cache-dtype", o->engine.kv_cache_dtype,
+                  "auto (the weights' dtype) or fp8: e4m3 with a scale per token and KV head, about half the bytes "
+                  "(docs/engine.md)")
+      ->check(CLI::IsMember({"auto", "fp8"}));
   cmd->add_option("--gpu-memory-fraction", o->engine.gpu_memory_fraction,
                   "Fraction of the free GPU memory (after the weights) for the KV cache")
       ->check(CLI::Range(0.01, 0.99));

@@ -389,6 +389,9 @@ void JobConfig::validate() const {
     if (engines.quantization != EngineQuantization::kNone)
       throw ConfigError("algo.logprob_match = bitwise needs engines.quantization = none: an FP8 engine's products "
                         "differ from the bf16 trainer's by design");
+    if (engines.kv_cache_dtype != KvCacheDtype::kAuto)
+      throw ConfigError("algo.logprob_match = bitwise needs engines.kv_cache_dtype = auto: an FP8 KV cache gives the "
+                        "engine other keys and values than the trainer's");
     for (const char* name : {"actor", "ref"})
       if (role_by_name(*this, name).enabled && role_by_name(*this, name).fp8)
         throw ConfigError(fmt::format("algo.logprob_match = bitwise needs roles.{}.fp8 = false: FP8 GEMMs are not the "

@@ -246,6 +246,11 @@ std::vector<Field> build() {
              "layout) or channel (one scale per weight row and per token, vLLM's FP8-dynamic scheme). Equally fast "
              "in the engine on Hopper (docs/benchmarks.md); block's finer scales keep the engine nearer the "
              "trainer.");
+  b.add_enum("engines.kv_cache_dtype", TILLER_FIELD(engines.kv_cache_dtype),
+             "The engines' KV cache: auto (the compute dtype) or fp8 (e4m3 with one fp32 scale per cached token "
+             "and KV head, amax / 448: about half the bytes, so nearly twice the tokens fit; attention reads the "
+             "keys and values dequantized to the compute dtype). Independent of engines.quantization; pair it with "
+             "algo.importance_correction (docs/engine.md, FP8 KV cache).");
   b.add("engines.sync_bucket_mb", TILLER_FIELD(engines.sync_bucket_mb),
         "Largest bucket of the weight broadcast from the actor to the engines, in MiB.")
       .range(1, 65536);

@@ -131,7 +131,10 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
     throw ConfigError(fmt::format("engine quantization '{}': use none or fp8", opts.quantization));
   const bool fp8 = opts.quantization == "fp8";
   const model::fp8::Scaling scaling = model::fp8::parse_scaling(opts.fp8_scaling, "engine fp8 scaling");
-  m.runner = std::make_unique<ModelRunner>(cfg, std::move(weights), device, opts.block_size, tp, fp8, scaling);
+  if (opts.kv_cache_dtype != "auto" && opts.kv_cache_dtype != "fp8")
+    throw ConfigError(fmt::format("engine KV cache dtype '{}': use auto or fp8", opts.kv_cache_dtype));
+  const bool fp8_kv = opts.kv_cache_dtype == "fp8";
+  m.runner = std::make_unique<ModelRunner>(cfg, std::move(weights), device, opts.block_size, tp, fp8, scaling, fp8_kv);
   m.runner->set_record_routes(opts.record_routes);
   int64_t blocks = opts.num_blocks;
   if (blocks <= 0 && opts.kv_cache_gb > 0)
@@ -163,8 +166,9 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->synchronizeDevice(device.index());
     m.stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStreamFromGlobalPool(device, /*isHighPriority=*/false);
   }
-  log::info("engine: {} KV blocks of {} tokens ({:.2f} GiB), max_model_len {}, tp {}, decode: {}{}{}{}", blocks,
-            opts.block_size, static_cast<double>(blocks * m.runner->block_bytes()) / (1ull << 30), m.max_model_len,
+  log::info("engine: {} KV blocks of {} tokens ({:.2f} GiB{}), max_model_len {}, tp {}, decode: {}{}{}{}", blocks,
+            opts.block_size, static_cast<double>(blocks * m.runner->block_bytes()) / (1ull << 30),
+            fp8_kv ? ", FP8 e4m3 with a scale per token and KV head" : "", m.max_model_len,
             tp_size, m.runner->paged_decode() ? "paged kernel" : "gathered context",
             m.runner->cuda_graphs() ? fmt::format(", CUDA graphs up to batch {}", cache.max_graph_batch) : "",
             opts.start_asleep ? " (asleep: the cache is allocated at wake)" : "",

@@ -76,12 +76,15 @@ DecodeInputs decode_views(const at::Tensor& dev, int64_t rows, int64_t batch) {
 // The step's view of the paged cache for model::block_forward. Gather mode (prefill and mixed
 // steps, and every step on CPU): int64 slots of the new tokens, and of each sequence's context
 // when some sequence has cached tokens. Decode mode: the paged kernel over DecodeInputs.
+// An FP8 cache (`scales` defined, [layers, 2, slots, kv_heads] fp32) stores each new K/V row as
+// model::fp8::quantize_rows codes and scale, and attention reads every row dequantized, the step's
+// own included.
 class PagedKv : public model::KvCache {
  public:
-  PagedKv(const at::Tensor& cache, at::Tensor slots, at::Tensor gather)
-      : cache_(cache), slots_(std::move(slots)), gather_(std::move(gather)) {}
-  PagedKv(const at::Tensor& cache, const DecodeInputs* decode, int64_t block_size)
-      : cache_(cache), decode_(decode), block_size_(block_size) {}
+  PagedKv(const at::Tensor& cache, const at::Tensor& scales, at::Tensor slots, at::Tensor gather)
+      : cache_(cache), scales_(scales), slots_(std::move(slots)), gather_(std::move(gather)) {}
+  PagedKv(const at::Tensor& cache, const at::Tensor& scales, const DecodeInputs* decode, int64_t block_size)
+      : cache_(cache), scales_(scales), decode_(decode), block_size_(block_size) {}
 
   // Decode mode: the kernel rotates q and the new keys with these tables [rows, head_dim] (the
   // step's), so block_forward hands them over before RoPE.
@@ -95,7 +98,8 @@ class PagedKv : public model::KvCache {
   at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const model::VarlenSpec& spec, double scale, model::AttentionBackend backend) override {
     at::Tensor kc = cache_[layer][0], vc = cache_[layer][1];
-    if (decode_) return attend_decode(kc, vc, q, k, v, spec, scale);
+    if (decode_) return attend_decode(layer, kc, vc, q, k, v, spec, scale);
+    if (scales_.defined()) return attend_fp8(layer, kc, vc, q, k, v, spec, scale, backend);
     kc.index_copy_(0, slots_, k);
     vc.index_copy_(0, slots_, v);
     if (!gather_.defined()) return model::varlen_attention(q, k, v, spec, scale, backend);
@@ -104,10 +108,34 @@ class PagedKv : public model::KvCache {
   }
 
  private:
-  at::Tensor attend_decode(const at::Tensor& kc, const at::Tensor& vc, at::Tensor q, at::Tensor k, at::Tensor v,
-                           const model::VarlenSpec& spec, double scale);
+  at::Tensor attend_decode(int64_t layer, const at::Tensor& kc, const at::Tensor& vc, at::Tensor q, at::Tensor k,
+                           at::Tensor v, const model::VarlenSpec& spec, double scale);
 
-  at::Tensor cache_;
+  // Gather mode over an FP8 cache (float8_e4m3fn, indexed as bytes: ATen's CPU index ops take no
+  // float8).
+  at::Tensor attend_fp8(int64_t layer, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& q,
+                        const at::Tensor& k, const at::Tensor& v, const model::VarlenSpec& spec, double scale,
+                        model::AttentionBackend backend) {
+    namespace fp8 = model::fp8;
+    const at::ScalarType dtype = q.scalar_type();
+    const at::Tensor ks = scales_[layer][0], vs = scales_[layer][1];
+    const fp8::GroupQuantized kq = fp8::quantize_rows(k), vq = fp8::quantize_rows(v);
+    kc.view(at::kByte).index_copy_(0, slots_, kq.q.view(at::kByte));
+    vc.view(at::kByte).index_copy_(0, slots_, vq.q.view(at::kByte));
+    ks.index_copy_(0, slots_, kq.scale);
+    vs.index_copy_(0, slots_, vq.scale);
+    if (!gather_.defined())
+      return model::varlen_attention(q, fp8::dequantize_rows(kq, dtype), fp8::dequantize_rows(vq, dtype), spec, scale,
+                                     backend);
+    auto gathered = [&](const at::Tensor& c, const at::Tensor& s) {
+      return fp8::dequantize_rows({c.view(at::kByte).index_select(0, gather_).view(at::kFloat8_e4m3fn),
+                                   s.index_select(0, gather_)},
+                                  dtype);
+    };
+    return model::varlen_attention(q, gathered(kc, ks), gathered(vc, vs), spec, scale, backend);
+  }
+
+  at::Tensor cache_, scales_;
   at::Tensor slots_, gather_;
   at::Tensor cos_, sin_;
   const DecodeInputs* decode_ = nullptr;
@@ -131,12 +159,13 @@ at::Tensor rows_layout(const at::Tensor& x, bool aligned) {
   return ok ? x : x.clone(at::MemoryFormat::Contiguous);
 }
 
-at::Tensor PagedKv::attend_decode(const at::Tensor& kc, const at::Tensor& vc, at::Tensor q, at::Tensor k,
-                                  at::Tensor v, const model::VarlenSpec& spec, double scale) {
+at::Tensor PagedKv::attend_decode(int64_t layer, const at::Tensor& kc, const at::Tensor& vc, at::Tensor q,
+                                  at::Tensor k, at::Tensor v, const model::VarlenSpec& spec, double scale) {
   const DecodeInputs& in = *decode_;
   const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
   const auto dtype = kernel_dtype(q.scalar_type());
   void* stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const bool fp8 = scales_.defined();
   k = rows_layout(k, true);
   v = rows_layout(v, true);
   q = rows_layout(q, true);
@@ -163,11 +192,22 @@ at::Tensor PagedKv::attend_decode(const at::Tensor& kc, const at::Tensor& vc, at
   a.scale = static_cast<float>(scale);
   a.splits = in.splits;
   a.workspace = ws > 0 ? workspace.data_ptr<float>() : nullptr;
+  a.slots = in.slots.data_ptr<int32_t>();
+  if (fp8) {  // this step's rows quantized into the cache first; the kernel reads them from there
+    TILLER_CHECK(!cos_.defined(), "decode attention: an FP8 KV cache takes keys already rotated");
+    at::Tensor ks = scales_[layer][0], vs = scales_[layer][1];
+    cuda::write_kv_fp8(dtype, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kc.data_ptr(), vc.data_ptr(),
+                       ks.data_ptr<float>(), vs.data_ptr<float>(), a.slots, batch, kv_heads, dim, stream);
+    a.cache_fp8 = true;
+    a.k_scale = ks.data_ptr<float>();
+    a.v_scale = vs.data_ptr<float>();
+    cuda::paged_decode_attention(a, stream);
+    return out;
+  }
   a.k_new = k.data_ptr();  // the kernel stores this step's K/V into the cache
   a.v_new = v.data_ptr();
   a.k_new_stride = k.stride(0);
   a.v_new_stride = v.stride(0);
-  a.slots = in.slots.data_ptr<int32_t>();
   if (cos_.defined()) {
     auto table_ok = [&](const at::Tensor& t) {
       return t.is_contiguous() && t.scalar_type() == q.scalar_type() && t.dim() == 2 && t.size(0) == batch &&
@@ -184,7 +224,7 @@ at::Tensor PagedKv::attend_decode(const at::Tensor& kc, const at::Tensor& vc, at
   return out;
 }
 #else
-at::Tensor PagedKv::attend_decode(const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, at::Tensor,
+at::Tensor PagedKv::attend_decode(int64_t, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, at::Tensor,
                                   const model::VarlenSpec&, double) {
   TILLER_CHECK(false, "the paged decode kernel is not built (CPU build)");
   return {};
@@ -280,6 +320,8 @@ struct ModelRunner::Impl {
   int64_t block_size = 0;
   at::Device device;
   at::Tensor cache;
+  at::Tensor cache_scale;           // an FP8 cache's scales [layers, 2, slots, kv_heads] fp32
+  bool fp8_kv = false;              // the cache holds e4m3 codes (ModelRunner's fp8_kv_cache)
   at::Tensor cos_table, sin_table;  // [max_model_len, head_dim] unless RoPE is dynamic
   bool paged = false;               // decode steps through the paged kernel
   bool paged_rope = false;          // ... which also applies RoPE (PagedKv::rotate_with)
@@ -337,7 +379,7 @@ struct ModelRunner::Impl {
   // Embedding, the blocks and (with `norm`) the final norm of a decode batch: [rows, hidden].
   at::Tensor decode_hidden(const DecodeInputs& in, const std::vector<int64_t>& lens, bool norm) {
     const int64_t rows = in.tokens.size(0);
-    PagedKv kv(cache, &in, block_size);
+    PagedKv kv(cache, cache_scale, &in, block_size);
     model::BlockContext ctx;
     std::tie(ctx.cos, ctx.sin) = rope_tables(in.positions, lens);
     if (paged_rope) kv.rotate_with(ctx.cos, ctx.sin);
@@ -379,8 +421,12 @@ struct ModelRunner::Impl {
   }
 };
 ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weights, at::Device device,
-                         int64_t block_size, dist::Communicator* tp, bool fp8, model::fp8::Scaling fp8_scaling)
+                         int64_t block_size, dist::Communicator* tp, bool fp8, model::fp8::Scaling fp8_scaling,
+                         bool fp8_kv_cache)
     : local_(config_for_rank(cfg, tp ? tp->size() : 1)), device_(device) {
+  if (fp8_kv_cache && model::batch_invariant())
+    throw ConfigError("algo.logprob_match = bitwise needs engines.kv_cache_dtype = auto: an FP8 KV cache gives the "
+                      "engine other keys and values than the trainer's");
   if (fp8 && model::batch_invariant())
     throw ConfigError("algo.logprob_match = bitwise needs engines.quantization = none: the trainer computes in bf16, "
                       "an FP8 engine's products differ from its by design");
@@ -406,6 +452,7 @@ ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weig
   }
   impl_ = std::make_unique<Impl>(cfg, local_, std::move(weights), tp, block_size, device);
   impl_->fp8 = fp8;
+  impl_->fp8_kv = fp8_kv_cache;
 }
 
 void ModelRunner::requantize() {
@@ -417,6 +464,7 @@ void ModelRunner::requantize() {
 }
 
 bool ModelRunner::fp8() const { return impl_->fp8; }
+bool ModelRunner::fp8_kv_cache() const { return impl_->fp8_kv; }
 
 ModelRunner::~ModelRunner() = default;
 
@@ -428,8 +476,10 @@ model::NamedTensors ModelRunner::parameters() const {
 }
 
 int64_t ModelRunner::block_bytes() const {
-  return 2 * local_.num_layers * impl_->block_size * local_.kv_size() *
-         static_cast<int64_t>(impl_->weights.embed.element_size());
+  // An FP8 cache: a byte per element and a 4-byte scale per (token, KV head).
+  const int64_t per_token = impl_->fp8_kv ? local_.num_kv_heads * (local_.head_dim + 4)
+                                          : local_.kv_size() * static_cast<int64_t>(impl_->weights.embed.element_size());
+  return 2 * local_.num_layers * impl_->block_size * per_token;
 }
 
 void ModelRunner::allocate_cache(const CacheOptions& o) {
@@ -437,8 +487,15 @@ void ModelRunner::allocate_cache(const CacheOptions& o) {
   TILLER_CHECK(o.num_blocks > 0, "the KV cache needs at least one block");
   TILLER_CHECK(o.max_model_len > 0, "allocate_cache: max_model_len must be > 0");
   c10::InferenceMode guard;
-  m.cache = at::zeros({local_.num_layers, 2, o.num_blocks * m.block_size, local_.num_kv_heads, local_.head_dim},
-                      m.weights.embed.options());
+  const int64_t slots = o.num_blocks * m.block_size;
+  // An FP8 cache is zeroed as bytes (code 0 is +0) and viewed as e4m3.
+  m.cache = m.fp8_kv ? at::zeros({local_.num_layers, 2, slots, local_.num_kv_heads, local_.head_dim},
+                                 m.weights.embed.options().dtype(at::kByte))
+                           .view(at::kFloat8_e4m3fn)
+                     : at::zeros({local_.num_layers, 2, slots, local_.num_kv_heads, local_.head_dim},
+                                 m.weights.embed.options());
+  if (m.fp8_kv)
+    m.cache_scale = at::zeros({local_.num_layers, 2, slots, local_.num_kv_heads}, m.weights.embed.options().dtype(at::kFloat));
   num_blocks_ = o.num_blocks;
   const at::ScalarType dtype = m.weights.embed.scalar_type();
   // RoPE tables once for every position (the same values rope.tables() computes per step);
@@ -448,13 +505,14 @@ void ModelRunner::allocate_cache(const CacheOptions& o) {
     std::tie(m.cos_table, m.sin_table) = m.rope.tables(positions, dtype);
   }
 #ifdef TILLER_HAVE_CUDA_KERNELS
+  // An FP8 cache: the CUDA-core kernel, which takes bf16/fp16 queries.
   m.paged = device_.is_cuda() && cuda::paged_decode_supports(local_.head_dim) &&
-            (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat) &&
+            (dtype == at::kBFloat16 || dtype == at::kHalf || (dtype == at::kFloat && !m.fp8_kv)) &&
             o.num_blocks * m.block_size < (int64_t{1} << 31);  // slots and block ids travel as int32
   // algo.logprob_match = bitwise: RoPE by the same kernel as the trainer's (not fused here), and
   // one KV split per query (decode_splits), so that a decode step sums its keys as the trainer's
   // attention (the same kernel, model/batch_invariant.h) does.
-  m.paged_rope = m.paged && o.rope_in_attention && !model::batch_invariant() &&
+  m.paged_rope = m.paged && o.rope_in_attention && !model::batch_invariant() && !m.fp8_kv &&
                  cuda::paged_decode_rotates(kernel_dtype(dtype), local_.head_dim, local_.num_heads, local_.num_kv_heads);
   // A mixture of experts is captured when its experts run as grouped GEMMs on the device; the
   // per-expert loop groups the tokens on the host, which a graph cannot replay.
@@ -482,6 +540,7 @@ void ModelRunner::release_cache() {
 #endif
   m.last_drawn = at::Tensor();
   m.cache = at::Tensor();
+  m.cache_scale = at::Tensor();
   num_blocks_ = 0;
 }
 
@@ -490,7 +549,10 @@ void ModelRunner::set_record_routes(bool on) { impl_->record_routes = on; }
 bool ModelRunner::cache_allocated() const { return impl_->cache.defined(); }
 
 int64_t ModelRunner::cache_bytes() const {
-  return impl_->cache.defined() ? impl_->cache.numel() * impl_->cache.element_size() : 0;
+  const Impl& m = *impl_;
+  if (!m.cache.defined()) return 0;
+  return m.cache.numel() * m.cache.element_size() +
+         (m.cache_scale.defined() ? m.cache_scale.numel() * m.cache_scale.element_size() : 0);
 }
 
 namespace {
@@ -562,7 +624,7 @@ at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b, std::vector<a
     in.splits = model::batch_invariant()
                     ? 1
                     : cuda::paged_decode_splits(kernel_dtype(weights.embed.scalar_type()), local.head_dim, rows,
-                                                local.num_heads, local.num_kv_heads, 0, device.index());
+                                                local.num_heads, local.num_kv_heads, 0, device.index(), fp8_kv);
     g.splits = in.splits;
     const std::vector<int64_t> lens(static_cast<size_t>(rows), 1);
     if (!capture_stream) capture_stream = c10::cuda::getStreamFromPool(false, device.index());
@@ -611,8 +673,11 @@ void ModelRunner::launch(const StepBatch& b, bool sample) {
   c10::InferenceMode guard;
   const int64_t n = b.num_seqs(), bs = m.block_size;
   // Copy-on-write: a sample's first write into a block it shares.
-  for (const auto& c : b.copies)
+  for (const auto& c : b.copies) {
     m.cache.narrow(2, c.to * bs, c.count).copy_(m.cache.narrow(2, c.from * bs, c.count));
+    if (m.cache_scale.defined())
+      m.cache_scale.narrow(2, c.to * bs, c.count).copy_(m.cache_scale.narrow(2, c.from * bs, c.count));
+  }
   const bool rows_all = sample && !b.sample_rows.empty();
   at::Tensor h;  // final-normed hidden states of the sample rows
   auto sample_rows = [&](const at::Tensor& x) {
@@ -644,7 +709,8 @@ void ModelRunner::launch(const StepBatch& b, bool sample) {
                     ? 1
                     : cuda::paged_decode_splits(kernel_dtype(m.weights.embed.scalar_type()), local_.head_dim, n,
                                                 local_.num_heads, local_.num_kv_heads,
-                                                *std::max_element(b.lens_k.begin(), b.lens_k.end()), device_.index());
+                                                *std::max_element(b.lens_k.begin(), b.lens_k.end()), device_.index(),
+                                                m.fp8_kv);
 #endif
     at::Tensor x = m.decode_hidden(in, b.lens_q, /*norm=*/false);
     if (rows_all) h = model::final_norm(local_, m.weights.final_norm, sample_rows(x));
@@ -773,7 +839,7 @@ at::Tensor ModelRunner::run_packed(const StepBatch& b, bool sample) {
   spec.lens_q = b.lens_q;
   spec.lens_k = b.lens_k;
 
-  PagedKv kv(m.cache, slots, cached ? gather : at::Tensor());
+  PagedKv kv(m.cache, m.cache_scale, slots, cached ? gather : at::Tensor());
   model::BlockContext ctx;
   std::tie(ctx.cos, ctx.sin) = m.rope_tables(positions, b.lens_q);
   ctx.attn = spec;

@@ -35,10 +35,12 @@ class ModelRunner {
   // `cfg` is the whole model's config; `weights` this rank's TP shard (see slice_for_tp). With
   // `fp8` the fused projections and o/down are also held in e4m3 (`fp8_scaling`'s scales), which the
   // forward uses (LayerWeights::qkv_fp8 ...); the routed experts of a mixture, the embedding, the
-  // norms, the router and the LM head stay in the weights' dtype.
+  // norms, the router and the LM head stay in the weights' dtype. With `fp8_kv_cache` the KV cache
+  // holds e4m3 codes with one fp32 scale per (token, KV head) row (model::fp8::quantize_rows), and
+  // attention reads them dequantized to the weights' dtype, the step's own rows included.
   ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weights, at::Device device, int64_t block_size,
               dist::Communicator* tp, bool fp8 = false,
-              model::fp8::Scaling fp8_scaling = model::fp8::Scaling::kBlock);
+              model::fp8::Scaling fp8_scaling = model::fp8::Scaling::kBlock, bool fp8_kv_cache = false);
   ~ModelRunner();
 
   // Bytes one KV block takes on this rank (every layer, K and V).
@@ -67,7 +69,8 @@ class ModelRunner {
   // weights). No step may be in flight. No-op without fp8.
   void requantize();
   bool fp8() const;
-  int64_t cache_bytes() const;   // of the KV cache while allocated, else 0
+  int64_t cache_bytes() const;   // of the KV cache (and an FP8 cache's scales) while allocated, else 0
+  bool fp8_kv_cache() const;
   // Whether decode steps use the paged kernel / CUDA graphs (for logs and benchmarks).
   bool paged_decode() const;
   bool cuda_graphs() const;

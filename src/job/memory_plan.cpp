@@ -388,7 +388,10 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       if (!mc) throw ConfigError("memory plan: no model shape for the engines");
       const int64_t t = plan.engine_tp(), c = dtype_bytes(cfg.roles.actor.dtype);
       const int64_t weights = shape_of(*mc, model::Head::kLm).params * c / t;
-      const int64_t per_token = 2 * mc->num_layers * mc->kv_size() * c / t;
+      // An FP8 KV cache: a byte per element and a 4-byte scale per (token, KV head).
+      const int64_t per_token = cfg.engines.kv_cache_dtype == KvCacheDtype::kFp8
+                                    ? 2 * mc->num_layers * mc->num_kv_heads * (mc->head_dim + 4) / t
+                                    : 2 * mc->num_layers * mc->kv_size() * c / t;
       // A LoRA actor's adapters, fp32 beside the base (about 1/t of them on each rank).
       const int64_t adapters =
           lora_elements(zero::lora_spec(cfg.roles.actor.lora, *mc, "roles.actor.lora.target_modules"), *mc,

@@ -116,6 +116,7 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
   eo.max_sessions = cfg.engines.max_sessions;
   eo.quantization = std::string(enum_name(cfg.engines.quantization));
   eo.fp8_scaling = std::string(enum_name(cfg.engines.fp8_scaling));
+  eo.kv_cache_dtype = std::string(enum_name(cfg.engines.kv_cache_dtype));
   eo.start_asleep = start_asleep;
   eo.record_routes = cfg.algo.routing_replay;
   if (cfg.logging.efficiency) {

@@ -251,6 +251,11 @@ TEST(Config, CrossKeyChecks) {
   const char* odd = "rollout: {batch_size: 3}\ntrain: {train_batch_size: 2}";
   EXPECT_NO_THROW(parse_config(odd, "j"));
   EXPECT_NE(config_error([&] { algo::check_config(parse_config(odd, "j")); }).find("must divide"), std::string::npos);
+  // The bitwise mode needs the engine's K/V as the trainer's: no FP8 KV cache.
+  EXPECT_NO_THROW(parse_config("engines: {kv_cache_dtype: fp8}", "j"));
+  EXPECT_NE(config_error([] { parse_config("algo: {logprob_match: bitwise}\nengines: {kv_cache_dtype: fp8}", "j"); })
+                .find("needs engines.kv_cache_dtype = auto"),
+            std::string::npos);
 }
 
 TEST(Config, HybridRules) {

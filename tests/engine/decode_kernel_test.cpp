@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "engine/cuda/paged_attention.h"
+#include "tiller/model/fp8.h"
 #include "tiller/model/transformer.h"
 #endif
 
@@ -36,8 +37,12 @@ cuda::DType kernel_dtype(at::ScalarType t) {
 // Max and mean absolute difference of the kernel's output from the fp32 reference, for one case
 // at one split count (0: the engine's choice for the batch). With `step_rows`, each sequence's
 // last K/V row is passed as this step's (k_new/v_new) while its cache row holds garbage: the
-// call must store the row into the cache and attend to the new values.
-std::pair<double, double> decode_error(const DecodeCase& c, int64_t splits_wanted, uint64_t seed, bool step_rows) {
+// call must store the row into the cache and attend to the new values. With `fp8`, the cache is
+// FP8 (PagedDecode::cache_fp8): every row quantized by write_kv_fp8, whose codes and scales must
+// equal the CPU's model::fp8::quantize_rows bit for bit, and the reference attends over the rows
+// dequantized to the dtype.
+std::pair<double, double> decode_error(const DecodeCase& c, int64_t splits_wanted, uint64_t seed, bool step_rows,
+                                       bool fp8 = false) {
   const at::Device dev("cuda:0");
   const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(dev);
   std::mt19937_64 rng(seed);
@@ -58,7 +63,27 @@ std::pair<double, double> decode_error(const DecodeCase& c, int64_t splits_wante
   at::manual_seed(seed);
   const at::Tensor k_cache = at::randn({slots, c.kv_heads, dim}, fp32).to(c.dtype);
   const at::Tensor v_cache = at::randn({slots, c.kv_heads, dim}, fp32).to(c.dtype);
-  const at::Tensor kf = k_cache.to(at::kFloat), vf = v_cache.to(at::kFloat);  // the reference's
+  at::Tensor kf = k_cache.to(at::kFloat), vf = v_cache.to(at::kFloat);  // the reference's
+  at::Tensor k8, v8, k_scale, v_scale;
+  if (fp8) {
+    k8 = at::empty({slots, c.kv_heads, dim}, fp32.dtype(at::kFloat8_e4m3fn));
+    v8 = at::empty_like(k8);
+    k_scale = at::empty({slots, c.kv_heads}, fp32);
+    v_scale = at::empty_like(k_scale);
+    const at::Tensor every = at::arange(slots, fp32.dtype(at::kInt));
+    cuda::write_kv_fp8(kernel_dtype(c.dtype), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                       v_cache.stride(0), k8.data_ptr(), v8.data_ptr(), k_scale.data_ptr<float>(),
+                       v_scale.data_ptr<float>(), every.data_ptr<int32_t>(), slots, c.kv_heads, dim,
+                       c10::cuda::getCurrentCUDAStream(0).stream());
+    const model::fp8::GroupQuantized kq = model::fp8::quantize_rows(k_cache.cpu());
+    const model::fp8::GroupQuantized vq = model::fp8::quantize_rows(v_cache.cpu());
+    EXPECT_TRUE(at::equal(k8.cpu().view(at::kByte), kq.q.view(at::kByte)));
+    EXPECT_TRUE(at::equal(v8.cpu().view(at::kByte), vq.q.view(at::kByte)));
+    EXPECT_TRUE(at::equal(k_scale.cpu(), kq.scale));
+    EXPECT_TRUE(at::equal(v_scale.cpu(), vq.scale));
+    kf = model::fp8::dequantize_rows(kq, c.dtype).to(dev, at::kFloat);
+    vf = model::fp8::dequantize_rows(vq, c.dtype).to(dev, at::kFloat);
+  }
   // This step's rows, as views of wider rows; their cache rows overwritten with garbage.
   std::vector<int32_t> last_slot;
   for (size_t b = 0; b < lens.size(); ++b) {
@@ -92,8 +117,13 @@ std::pair<double, double> decode_error(const DecodeCase& c, int64_t splits_wante
   a.dtype = kernel_dtype(c.dtype);
   a.q = q.data_ptr();
   a.q_token_stride = qkv.stride(0);
-  a.k_cache = k_cache.data_ptr();
-  a.v_cache = v_cache.data_ptr();
+  a.k_cache = fp8 ? k8.data_ptr() : k_cache.data_ptr();
+  a.v_cache = fp8 ? v8.data_ptr() : v_cache.data_ptr();
+  if (fp8) {
+    a.cache_fp8 = true;
+    a.k_scale = k_scale.data_ptr<float>();
+    a.v_scale = v_scale.data_ptr<float>();
+  }
   const at::Tensor out = at::full({batch, c.heads, dim}, 7.0, fp32.dtype(c.dtype));
   a.out = out.data_ptr();
   a.seq_lens = d_lens.data_ptr<int32_t>();
@@ -107,7 +137,7 @@ std::pair<double, double> decode_error(const DecodeCase& c, int64_t splits_wante
   a.window = c.window;
   a.scale = static_cast<float>(scale);
   a.splits = splits_wanted > 0 ? splits_wanted
-                               : cuda::paged_decode_splits(a.dtype, dim, batch, c.heads, c.kv_heads, max_len, 0);
+                               : cuda::paged_decode_splits(a.dtype, dim, batch, c.heads, c.kv_heads, max_len, 0, fp8);
   at::Tensor ws;
   if (a.splits > 1) {
     ws = at::empty({cuda::paged_decode_workspace_floats(batch, c.heads, dim, a.splits)}, fp32);
@@ -183,6 +213,31 @@ TEST(EngineGpu, PagedDecodeKernelsEqualFp32Attention) {
       EXPECT_LT(mean_err, fp32 ? 2e-6 : c.dtype == at::kHalf ? 5e-4 : 3e-3);
     }
   }
+#endif
+}
+
+// An FP8 KV cache (engines.kv_cache_dtype: fp8): write_kv_fp8 quantizes as the CPU does, bit for
+// bit, and the CUDA-core kernel reading the codes and scales equals fp32 attention over the rows
+// dequantized to the dtype, within the bounds of the bf16/fp16 cases above. Qwen2-7B's and
+// -0.5B's groups, fp16, head sizes 16 and 256, a window.
+TEST(EngineGpu, Fp8KvCacheDecodeEqualsAttentionOverItsDequantizedRows) {
+#ifndef TILLER_HAVE_CUDA_KERNELS
+  GTEST_SKIP() << "not the CUDA build";
+#else
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<DecodeCase> cases = {
+      {at::kBFloat16, 128, 28, 4, 16, 0}, {at::kBFloat16, 64, 14, 2, 16, 0}, {at::kHalf, 128, 8, 4, 5, 0},
+      {at::kBFloat16, 256, 8, 2, 16, 0},  {at::kBFloat16, 16, 4, 4, 3, 0},   {at::kHalf, 64, 14, 2, 16, 37},
+  };
+  for (const DecodeCase& c : cases)
+    for (int64_t splits : {0, 1, 3, 16}) {
+      SCOPED_TRACE(::testing::Message() << c10::toString(c.dtype) << " head_dim " << c.head_dim << " heads "
+                                        << c.heads << "/" << c.kv_heads << " block " << c.block_size << " window "
+                                        << c.window << " splits " << splits);
+      const auto [max_err, mean_err] = decode_error(c, splits, 23 + static_cast<uint64_t>(splits), false, true);
+      EXPECT_LT(max_err, c.dtype == at::kHalf ? 4e-3 : 2e-2);
+      EXPECT_LT(mean_err, c.dtype == at::kHalf ? 5e-4 : 3e-3);
+    }
 #endif
 }
 

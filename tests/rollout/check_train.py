@@ -1657,14 +1657,16 @@ def check_fp8():
         fail(f"the sleep-level-2 hybrid FP8 engine's mismatch/kl {got} is not the quantization's ({first} at step 1)")
     print(f"fp8 hybrid (sleep level 2): mismatch/kl {min(got):.2e}..{max(got):.2e} over 6 steps, the separate "
           f"pool's step 1 {first:.2e}")
-    # FP8 training beside the FP8 engine (roles.actor.fp8 through the job config, bf16 compute, the
-    # GEMMs emulated): the actor says so, and the task is learned.
+    # FP8 throughout: FP8 training beside the FP8 engine (roles.actor.fp8 through the job config,
+    # bf16 compute, the GEMMs emulated) and an FP8 KV cache: each says so, and the task is learned.
     trained = SCRATCH / "fp8_training"
     log = run_ok(3, trained, *GRPO, *tis, "engines.quantization=fp8", "roles.actor.fp8=true", "roles.actor.dtype=bf16",
-                 "roles.ref.dtype=bf16")
+                 "roles.ref.dtype=bf16", "engines.kv_cache_dtype=fp8")
     if not re.search(r"actor: FP8 GEMMs in the blocks' projections \(block scales\) emulated", log):
         fail("the actor did not say it trains with FP8 GEMMs:\n" + log[-3000:])
-    expect_learned(trained, "fp8 engine + fp8 training + token TIS")
+    if "FP8 e4m3 with a scale per token and KV head" not in log:
+        fail("the engine did not say its KV cache is FP8:\n" + log[-3000:])
+    expect_learned(trained, "fp8 engine + fp8 KV cache + fp8 training + token TIS")
 
 
 def check_hub():

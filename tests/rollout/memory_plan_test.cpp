@@ -181,6 +181,10 @@ TEST(MemoryPlan, TheHybridKvCacheIsWhatTheGeneratePhaseLeaves) {
   JobConfig few = c;
   few.engines.max_num_seqs = 16;
   EXPECT_EQ(plan_memory(few, plan_of(few, 4), shapes(), gpu).ranks[0].kv_cache_bytes, 16 * 2048 * 2 * 28 * 512 * 2);
+  // An FP8 KV cache (engines.kv_cache_dtype fp8): a byte per element and a 4-byte scale per token
+  // and KV head, 4 x (128 + 4) bytes where bf16 takes 4 x 256.
+  few.engines.kv_cache_dtype = KvCacheDtype::kFp8;
+  EXPECT_EQ(plan_memory(few, plan_of(few, 4), shapes(), gpu).ranks[0].kv_cache_bytes, 16 * 2048 * 2 * 28 * 4 * 132);
   EXPECT_EQ(item(r.phases[1], "engine weights"), 0);  // level 2: freed in training
   EXPECT_EQ(m.overflow(), nullptr) << m.table();
   EXPECT_NO_THROW(check_fits(m, c));

@@ -43,6 +43,7 @@ enum class DpoReference { kPrecompute, kOnTheFly };             // offline.dpo_r
 enum class LogprobMatch { kOff, kBitwise };                     // algo.logprob_match (model/numerics.h)
 enum class EngineQuantization { kNone, kFp8 };                  // engines.quantization (model/fp8.h)
 enum class Fp8Scaling { kBlock, kChannel };                     // engines.fp8_scaling
+enum class KvCacheDtype { kAuto, kFp8 };                        // engines.kv_cache_dtype
 
 template <>
 struct EnumNames<RolloutMode> {
@@ -137,6 +138,10 @@ struct EnumNames<EngineQuantization> {
 template <>
 struct EnumNames<Fp8Scaling> {
   static constexpr std::array<std::string_view, 2> names = {"block", "channel"};
+};
+template <>
+struct EnumNames<KvCacheDtype> {
+  static constexpr std::array<std::string_view, 2> names = {"auto", "fp8"};
 };
 
 // The YAML spelling of `e`.
@@ -244,6 +249,8 @@ struct EnginesConfig {
   // fp8: the engines' linear layers in FP8 blocks, quantized at load and at every sync.
   EngineQuantization quantization = EngineQuantization::kNone;
   Fp8Scaling fp8_scaling = Fp8Scaling::kBlock;
+  // fp8: the KV cache in e4m3, one scale per cached (token, KV head) row.
+  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
   // TLS of the engines' gRPC services (the controller dials them by host name).
   std::string tls_cert, tls_key, tls_ca, tls_server_name;
 };

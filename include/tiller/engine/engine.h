@@ -96,6 +96,10 @@ struct EngineOptions {
   // "channel" (one per weight row and per token). As fast as each other in the engine
   // (docs/benchmarks.md); block's finer scales keep the engine nearer the trainer.
   std::string fp8_scaling = "block";
+  // "fp8": the KV cache holds e4m3 codes with one fp32 scale per (token, KV head) row, about half
+  // the bytes of bf16, and attention reads them dequantized (docs/engine.md, "FP8 KV cache").
+  // "auto": the weights' dtype.
+  std::string kv_cache_dtype = "auto";
   // Start asleep at level 1: the KV cache is allocated by the first wake() (the hybrid engine,
   // whose trainer may still hold the memory when the engine is built).
   bool start_asleep = false;

@@ -31,6 +31,13 @@ __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool
   // 16 bytes global -> shared without registers; fill false writes zeros instead (no read).
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(fill ? 16 : 0));
 }
+// 8 and 4 bytes the same way (an FP8 cache's row share and its scale).
+__device__ __forceinline__ void cp_async8(uint32_t smem, const void* gmem, bool fill) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem), "l"(gmem), "r"(fill ? 8 : 0));
+}
+__device__ __forceinline__ void cp_async4(uint32_t smem, const void* gmem, bool fill) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem), "r"(fill ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {

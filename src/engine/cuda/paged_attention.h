@@ -30,6 +30,16 @@ void write_kv(DType dtype, const void* k, const void* v, int64_t k_token_stride,
               void* k_cache, void* v_cache, const int32_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim,
               void* stream);
 
+// An FP8 KV cache's store of this step's rows (PagedDecode::cache_fp8): K and V [tokens, kv_heads,
+// head_dim] of `dtype` (head stride head_dim, element stride 1, token strides given, in elements)
+// quantized per (token, KV head) row exactly as model::fp8::quantize_rows does (s = amax / 448, 1
+// for zeros; code = e4m3(x / s), nearest even, saturating), the codes into k_cache / v_cache
+// [slots, kv_heads, head_dim] bytes and s into k_scale / v_scale [slots, kv_heads]; slot < 0 skips
+// the token.
+void write_kv_fp8(DType dtype, const void* k, const void* v, int64_t k_token_stride, int64_t v_token_stride,
+                  void* k_cache, void* v_cache, float* k_scale, float* v_scale, const int32_t* slots, int64_t tokens,
+                  int64_t kv_heads, int64_t head_dim, void* stream);
+
 struct PagedDecode {
   DType dtype = DType::kBFloat16;
   const void* q = nullptr;       // [batch, heads, head_dim]; head stride head_dim
@@ -64,6 +74,14 @@ struct PagedDecode {
   // keys in the decode step's order): key t of row b at slot key_base[b] + t; offsets and blocks
   // are then unused. Each row is one query (a token) with its own seq_lens[b] keys.
   const int32_t* key_base = nullptr;
+  // Optional: an FP8 KV cache (engines.kv_cache_dtype fp8). k_cache and v_cache then hold e4m3
+  // codes, and k_scale / v_scale [slots, kv_heads] fp32 one scale per cached row; a key's value is
+  // code * scale rounded to `dtype`, as model::fp8::dequantize_rows gives it. Served by the
+  // CUDA-core kernel (bf16/fp16) alone; k_new, rope_cos and key_base stay unset (write_kv_fp8 has
+  // stored the step's rows first).
+  bool cache_fp8 = false;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 // algo.logprob_match = bitwise: causal attention of packed query tokens over contiguous keys
@@ -96,9 +114,10 @@ void paged_decode_prefill(const PrefillRows& a, void* stream);
 bool paged_decode_rotates(DType dtype, int64_t head_dim, int64_t heads, int64_t kv_heads);
 
 // Split count for a batch: enough (sequence, head group, split) work items to fill the GPU, at
-// most 16, and (when known, > 0) no split shorter than 64 keys of `max_len`.
+// most 16, and (when known, > 0) no split shorter than 64 keys of `max_len`. `cache_fp8`: for
+// the kernel that reads an FP8 cache.
 int64_t paged_decode_splits(DType dtype, int64_t head_dim, int64_t batch, int64_t heads, int64_t kv_heads,
-                            int64_t max_len, int device);
+                            int64_t max_len, int device, bool cache_fp8 = false);
 int64_t paged_decode_workspace_floats(int64_t batch, int64_t heads, int64_t head_dim, int64_t splits);
 
 // Causal attention of each sequence's one query (at position seq_len - 1) over its cached keys:
@@ -107,7 +126,7 @@ int64_t paged_decode_workspace_floats(int64_t batch, int64_t heads, int64_t head
 //   One thread block per (sequence, KV head, split); its query heads are the rows of one MMA
 //   tile, so each K/V row is read once for all of them; QK^T and PV run as m16n8k16 MMAs with
 //   fp32 accumulation (P rounded to the input type, as flash attention does).
-// - otherwise (fp32, other head sizes, no GQA): CUDA cores, one thread block per (sequence, KV
+// - otherwise (fp32, other head sizes, no GQA, an FP8 cache): CUDA cores, one thread block per (sequence, KV
 //   head, chunk of <= 4 query heads, split), each K/V row read once per chunk.
 // Both keep the online softmax in fp32.
 void paged_decode_attention(const PagedDecode& args, void* stream);
