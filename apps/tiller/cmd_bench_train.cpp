@@ -59,6 +59,7 @@ struct TrainBenchOptions {
   int64_t micro_batch = 4;
   int accumulate = 1;  // micro-batches per optimizer step
   int sequence_parallel = 1;  // ranks sharing each micro-batch (Ulysses)
+  int context_parallel = 1;   // of those, groups that all-gather keys instead of splitting heads
   int steps = 6;  // the first two are warm-up, as in the peer
   std::string backend = "auto";
   double timeout_s = 300;
@@ -176,9 +177,9 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
                                   "raise --seq or --micro-batch", sp, o.seq * o.micro_batch));
   std::unique_ptr<dist::Communicator> seq_group;
   if (sp > 1) {
-    zero::check_sequence_parallel(cfg, sp, "--sequence-parallel");
+    zero::check_sequence_parallel(cfg, sp, "--sequence-parallel", o.context_parallel);
     seq_group = comm.split(comm.rank() / sp, comm.rank(), "bench.sequence");
-    model.set_sequence_group(*seq_group);
+    model.set_sequence_group(*seq_group, o.context_parallel);
   }
   {
     const model::NamedTensors init = model::init_weights(cfg, model::Head::kLm, 1, mo.compute_dtype, dev);
@@ -315,6 +316,7 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
     r["seq"] = o.seq;
     r["mbs"] = o.micro_batch;
     r["sequence_parallel"] = sp;
+    r["context_parallel"] = o.context_parallel;
     r["tokens_per_gpu_per_step"] = tokens;
     r["steps_timed"] = o.steps - 2;
     r["step_s"] = step;
@@ -339,6 +341,7 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
   r["mbs"] = o.micro_batch;
   r["accumulate"] = o.accumulate;
   r["sequence_parallel"] = sp;
+  r["context_parallel"] = o.context_parallel;
   r["recompute"] = zero::recompute_name(recompute);
   r["recompute_layers"] = mo.recompute_layers;
   r["compute_shard"] = mo.keep_compute_shard ? "keep" : "cast";
@@ -402,6 +405,10 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
       ->check(CLI::Range(1, 4096));
   tr->add_option("--sequence-parallel", o->sequence_parallel,
                  "Ranks that share each micro-batch (Ulysses); the --micro-batch sequences are per group")
+      ->check(CLI::Range(1, 256));
+  tr->add_option("--context-parallel", o->context_parallel,
+                 "Of the --sequence-parallel ranks, groups that all-gather keys and values instead of splitting heads "
+                 "(context parallelism; must divide it)")
       ->check(CLI::Range(1, 256));
   tr->add_option("--steps", o->steps, "Steps, the first two untimed")->check(CLI::Range(3, 10000));
   tr->add_option("--backend", o->backend, "auto (NCCL when GPUs are visible), nccl or mpi");

@@ -5,21 +5,24 @@
 # tokens/s/GPU, their ratio to the baseline and peak memory per rank. A length that does not fit
 # is recorded with its error instead of ending the script.
 #   MODEL=qwen2-7b NGPU=4 SP=4 TOKENS=32768 LENS="8192 32768 65536 131072" scripts/gpu/bench_long.sh [OUT.json]
+# CP=R: of the SP ranks, R groups all-gather keys instead of splitting heads (context parallelism).
 # RUN_TIMEOUT (s, default 300) ends a run that takes longer; STACKS_DIR=dir keeps its ranks' stacks.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 out=${1:-}
 n=${NGPU:-4}
 sp=${SP:-$n}
+cp=${CP:-1}
 model=${MODEL:-qwen2-7b}
 per_gpu=${TOKENS:-32768}
 steps=${STEPS:-4}
 tmp=$(mktemp -d)
-bench() {  # name seq micro-batch sp
+bench() {  # name seq micro-batch sp cp
   # A run past RUN_TIMEOUT (s) is ended; its ranks' stacks (stacks.sh) go to STACKS_DIR first, if set.
   mpirun -np "$n" --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE \
       -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS "$gpu_build/bin/tiller" bench train --model "$model" \
-      --seq "$2" --micro-batch "$3" --sequence-parallel "$4" --steps "$steps" --out "$tmp/$1.json" > "$tmp/$1.log" 2>&1 &
+      --seq "$2" --micro-batch "$3" --sequence-parallel "$4" --context-parallel "$5" --steps "$steps" \
+      --out "$tmp/$1.json" > "$tmp/$1.log" 2>&1 &
   local job=$! waited=0 code=0
   while kill -0 "$job" 2>/dev/null && [ "$waited" -lt "${RUN_TIMEOUT:-300}" ]; do sleep 1; waited=$((waited + 1)); done
   if kill -0 "$job" 2>/dev/null; then
@@ -34,11 +37,11 @@ bench() {  # name seq micro-batch sp
   fi
   cat "$tmp/$1.json"
 }
-bench base 4096 $(( per_gpu / 4096 )) 1
+bench base 4096 $(( per_gpu / 4096 )) 1 1
 lens=${LENS:-8192 32768 65536 131072}
 for len in $lens; do
   mbs=$(( per_gpu * sp / len )); [ "$mbs" -ge 1 ] || mbs=1
-  bench "sp-$len" "$len" "$mbs" "$sp"
+  bench "sp-$len" "$len" "$mbs" "$sp" "$cp"
 done
 $python - "$tmp" "$out" "$model" "$n" $lens <<'PY'
 import json, sys, datetime

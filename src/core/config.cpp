@@ -449,6 +449,10 @@ void JobConfig::validate_sequence_parallel() const {
     if (!r.enabled) continue;
     if (!r.colocate_with.empty()) {
       const RoleConfig& host = role_by_name(*this, r.colocate_with);
+      if (host.sequence_parallel % r.context_parallel != 0)
+        throw ConfigError(fmt::format("roles.{}.context_parallel = {} must divide the sequence_parallel = {} of '{}', "
+                                      "whose ranks it shares",
+                                      name, r.context_parallel, host.sequence_parallel, r.colocate_with));
       if (r.sequence_parallel != 1 && r.sequence_parallel != host.sequence_parallel)
         throw ConfigError(fmt::format("roles.{}.sequence_parallel = {}: the role shares the ranks of '{}', whose "
                                       "micro-batches are cut {} ways; leave it out or set it to {}",
@@ -460,6 +464,10 @@ void JobConfig::validate_sequence_parallel() const {
       throw ConfigError(fmt::format("roles.{}.sequence_parallel = {} must divide roles.{}.gpus = {} (the role's ranks "
                                     "form gpus / sequence_parallel groups that share a micro-batch)",
                                     name, r.sequence_parallel, name, r.gpus));
+    if (r.sequence_parallel % r.context_parallel != 0)
+      throw ConfigError(fmt::format("roles.{}.context_parallel = {} must divide roles.{}.sequence_parallel = {} (of the "
+                                    "ranks sharing a micro-batch, that many groups split the keys)",
+                                    name, r.context_parallel, name, r.sequence_parallel));
   }
 }
 

@@ -92,6 +92,13 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
         "computing 1/S of its tokens (Ulysses attention; docs/zero.md). Must divide gpus and the model's attention "
         "heads; a colocated role takes its host's value. train.micro_batch_tokens stays per rank.")
       .range(1, 256);
+  b.add(p + "context_parallel", [get](JobConfig& c) { return &get(c).context_parallel; },
+        "Context parallelism within the sequence group: of its S ranks, this many groups split attention's keys "
+        "(each all-gathers the row's keys and values and attends its own query rows) and S / context_parallel "
+        "ranks within each split the heads (Ulysses). Must divide the role's sequence_parallel (its host's when "
+        "colocated); only S / context_parallel must divide the heads, so S may pass the head count "
+        "(docs/zero.md).")
+      .range(1, 256);
   b.add(p + "router_aux_loss_coef", [get](JobConfig& c) { return &get(c).router_aux_loss_coef; },
         "Trained mixture-of-experts roles: the coefficient of the load-balancing loss added to the training loss "
         "(transformers' formula per sparse layer, E * sum_e f_e * P_e, averaged over the layers; the model's "

@@ -342,7 +342,8 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
       }
       // Sequence parallelism: the role's heads must split S ways (the ranks check again at load).
       if (g && g->sequence_parallel > 1)
-        zero::check_sequence_parallel(*mc, g->sequence_parallel, "roles." + name + ".sequence_parallel");
+        zero::check_sequence_parallel(*mc, g->sequence_parallel, "roles." + name + ".sequence_parallel",
+                                      static_cast<int>(role_cfg(cfg, r).context_parallel));
       const RoleSpec spec = role_spec(cfg, r, *mc, g);
       const RoleFootprint f = footprint(spec, keep_compute_shard);
       add(gen, name + " weights", f.weights_generate);

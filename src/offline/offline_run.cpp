@@ -88,9 +88,10 @@ OfflineRun::OfflineRun(const JobConfig& c, dist::MpiEnv& env, const std::string&
   model = std::make_unique<zero::ShardedModel>(model_config, *comm_, mo);
   sp = static_cast<int>(cfg.roles.actor.sequence_parallel);
   if (sp > 1) {
-    zero::check_sequence_parallel(model_config, sp, "roles.actor.sequence_parallel");
+    const int cp = static_cast<int>(cfg.roles.actor.context_parallel);
+    zero::check_sequence_parallel(model_config, sp, "roles.actor.sequence_parallel", cp);
     sequence_group_ = comm_->split(rank / sp, rank, name + ".sequence");
-    model->set_sequence_group(*sequence_group_);
+    model->set_sequence_group(*sequence_group_, cp);
   }
   sp_rank = rank % sp;
   dp = world / sp;

@@ -185,13 +185,14 @@ struct RoleWorker::Impl {
     const int sp = group_plan->sequence_parallel;  // the role's own, or its host's when colocated
     if (sp > 1) {
       const std::string key = fmt::format("roles.{}.sequence_parallel", role_name(role));
-      zero::check_sequence_parallel(mc, sp, key);
+      const int cp = static_cast<int>(role_config(cfg, role).context_parallel);
+      zero::check_sequence_parallel(mc, sp, key, cp);
       TILLER_CHECK(comm->size() % sp == 0, "{} = {} does not divide the group's {} ranks", key, sp, comm->size());
       // Collective over the role's group: S consecutive ranks share each micro-batch.
       auto group = comm->split(comm->rank() / sp, comm->rank(), comm->name() + ".sequence");
       TILLER_CHECK(group != nullptr, "rank {}: no sequence group for {}", rank, role_name(role));
       group->set_timeout(cfg.timeouts.collective_s);
-      m->set_sequence_group(*group);
+      m->set_sequence_group(*group, cp);  // collective over the group when cp > 1
       sequence_groups[role] = std::move(group);
     }
     model::CheckpointReader reader(dir);

@@ -288,12 +288,34 @@ at::Tensor ShardedModel::values(const model::PackedBatch& batch) {
   return whole_batch(m, batch, [&](const at::Tensor& x, bool graph) { return run_value_head(m, x, graph); });
 }
 
-void ShardedModel::set_sequence_group(dist::Communicator& group) {
+void ShardedModel::set_sequence_group(dist::Communicator& group, int context_parallel) {
   Impl& m = *impl_;
-  check_sequence_parallel(m.cfg, group.size(), "sequence_parallel");
+  check_sequence_parallel(m.cfg, group.size(), "sequence_parallel", context_parallel);
   TILLER_CHECK(group.size() == 1 || m.world % group.size() == 0 || m.opts.replicate,
                "a sequence group of {} ranks in a model group of {}", group.size(), m.world);
   m.sequence = group.size() > 1 ? &group : nullptr;
+  m.heads_group.reset();
+  m.keys_group.reset();
+  m.sequence_groups = SequenceGroups{};
+  if (!m.sequence) return;
+  m.sequence_groups.whole = &group;
+  if (context_parallel == 1) {
+    m.sequence_groups.heads = &group;
+    return;
+  }
+  // R groups of U consecutive ranks (Ulysses within), and the R ranks at the same place in them.
+  const int u = group.size() / context_parallel, j = group.rank();
+  m.heads_group = group.split(j / u, j, group.name() + ".heads");
+  m.keys_group = group.split(j % u, j, group.name() + ".keys");
+  TILLER_CHECK(m.heads_group && m.keys_group, "rank {} of sequence group {}: no head or key group", j, group.name());
+  m.heads_group->set_timeout(group.timeout());
+  m.keys_group->set_timeout(group.timeout());
+  if (u > 1) m.sequence_groups.heads = m.heads_group.get();
+  m.sequence_groups.keys = m.keys_group.get();
+}
+
+int ShardedModel::context_parallel() const {
+  return impl_->sequence_groups.keys ? impl_->sequence_groups.keys->size() : 1;
 }
 
 void ShardedModel::set_fp8(std::optional<model::fp8::Scaling> scaling) {
@@ -330,7 +352,7 @@ SequenceSlice shaped_routes(const SequenceSlice& slice, const model::ModelConfig
 at::Tensor ShardedModel::token_logprobs(const SequenceSlice& slice, const at::Tensor& targets, double temperature,
                                         at::Tensor* entropy) {
   Impl& m = *impl_;
-  SliceInput in = prepare_slice(m.rope, shaped_routes(slice, m.cfg), m.sequence, m.opts.compute_dtype, m.opts.device,
+  SliceInput in = prepare_slice(m.rope, shaped_routes(slice, m.cfg), m.sequence_groups, m.opts.compute_dtype, m.opts.device,
                                 m.opts.attention);
   check_lm(m, targets, in.rows, temperature);
   at::Tensor tgt = targets.to(m.opts.device, at::kLong);
@@ -349,7 +371,7 @@ at::Tensor ShardedModel::token_logprobs(const SequenceSlice& slice, const at::Te
 at::Tensor ShardedModel::values(const SequenceSlice& slice) {
   Impl& m = *impl_;
   TILLER_CHECK(m.opts.head == model::Head::kValue, "values needs the value head; this model has an LM head");
-  SliceInput in = prepare_slice(m.rope, shaped_routes(slice, m.cfg), m.sequence, m.opts.compute_dtype, m.opts.device,
+  SliceInput in = prepare_slice(m.rope, shaped_routes(slice, m.cfg), m.sequence_groups, m.opts.compute_dtype, m.opts.device,
                                 m.opts.attention);
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   if (graph) m.training_routing(in.ctx, in.rows);

@@ -69,6 +69,8 @@ struct ShardedModel::Impl {
   std::unique_ptr<model::StorageSwap> moved;          // what offload_state() moved to the host
   std::unique_ptr<model::StorageSwap> dropped_grads;  // the accumulators freed with it (nothing pending)
   dist::Communicator* sequence = nullptr;         // the sequence group, when S > 1
+  SequenceGroups sequence_groups;                 // its Ulysses and context-parallel communicators
+  std::unique_ptr<dist::Communicator> heads_group, keys_group;  // owned (context_parallel > 1)
   model::Rope rope;
   at::Tensor anchor;  // requires grad: makes every segment's output part of the graph
   std::map<size_t, Gathered> gathered;
@@ -339,7 +341,7 @@ struct ShardedModel::Impl {
     ctx.attn = model::VarlenSpec::self(cu, lens);
     ctx.backend = opts.attention;
     ctx.fp8_training = opts.fp8;
-    if (sequence) use_ulysses(ctx, *sequence);  // the recomputation exchanges heads as its forward did
+    use_sequence_groups(ctx, sequence_groups);  // the recomputation exchanges as its forward did
     return ctx;
   }
   at::Tensor run_block(int64_t layer, const std::vector<at::Tensor>& params, const at::Tensor& x,

@@ -317,6 +317,26 @@ TEST(Config, SequenceParallelRules) {
             std::string::npos);
   EXPECT_NE(config_error([&] { zero::check_sequence_parallel(qwen7b, 7, "k"); }).find("the model has 4 KV heads"),
             std::string::npos);
+  // Context parallelism: only S / context_parallel ranks split the heads. S = 8 runs with 2 key
+  // groups (heads split 4 ways), 4 (2 ways) or 8 (not split), and S = 7 with 7; S = 16 with 2
+  // would split 28 heads 8 ways. context_parallel must divide S.
+  EXPECT_NO_THROW(zero::check_sequence_parallel(qwen7b, 8, "k", 4));
+  EXPECT_NO_THROW(zero::check_sequence_parallel(qwen7b, 8, "k", 8));
+  EXPECT_NO_THROW(zero::check_sequence_parallel(qwen7b, 8, "k", 2));
+  EXPECT_NO_THROW(zero::check_sequence_parallel(qwen7b, 7, "k", 7));
+  EXPECT_NE(config_error([&] { zero::check_sequence_parallel(qwen7b, 16, "k", 2); })
+                .find("k = 16 with context_parallel = 2 (heads split 8 ways): the model has 28 attention heads"),
+            std::string::npos);
+  EXPECT_NE(config_error([&] { zero::check_sequence_parallel(qwen7b, 8, "k", 3); }).find("must divide it"),
+            std::string::npos);
+  EXPECT_NE(err("roles: {actor: {gpus: 4, sequence_parallel: 4, context_parallel: 3}}")
+                .find("roles.actor.context_parallel = 3 must divide roles.actor.sequence_parallel = 4"),
+            std::string::npos);
+  EXPECT_NE(err("roles: {actor: {gpus: 4, sequence_parallel: 2}, ref: {context_parallel: 4}}")
+                .find("roles.ref.context_parallel = 4 must divide the sequence_parallel = 2 of 'actor'"),
+            std::string::npos);
+  EXPECT_NO_THROW(parse_config("roles: {actor: {gpus: 4, sequence_parallel: 4, context_parallel: 2}, "
+                               "ref: {context_parallel: 4}}", "j"));
 }
 
 TEST(Config, EffectiveYamlRoundTrips) {

@@ -284,7 +284,7 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
                                      bool dynamic_rope = false, zero::Recompute recompute = zero::Recompute::kBlocks,
                                      at::ScalarType reduce = at::kFloat,
                                      const std::function<void(zero::ShardedModelOptions&)>& tweak = {},
-                                     bool replay_routes = false) {
+                                     bool replay_routes = false, int context_parallel = 1) {
   const int world = comm().size(), me = comm().rank();
   if (world % sp != 0) GTEST_SKIP() << sp << " does not divide " << world << " ranks";
   ModelConfig cfg = config(preset);
@@ -322,7 +322,7 @@ inline void expect_sharded_equals_unsharded(const std::string& preset, Head head
   std::unique_ptr<dist::Communicator> seq_group;
   if (sp > 1) {
     seq_group = comm().split(me / sp, me, "sequence");
-    m.set_sequence_group(*seq_group);
+    m.set_sequence_group(*seq_group, context_parallel);
   }
   m.load(init, "init");
   Reference ref(cfg, head, init, adam);

@@ -183,6 +183,35 @@ TEST_P(SequenceParallel, ValueHeadEqualsNoSp) {
 INSTANTIATE_TEST_SUITE_P(Zero, SequenceParallel, ::testing::Values(2, 4),
                          [](const ::testing::TestParamInfo<int>& i) { return "sp" + std::to_string(i.param); });
 
+// Context parallelism (roles.<r>.context_parallel: R): of the S ranks, R groups all-gather the
+// keys and values and attend their own query rows, S / R within each split the heads: R = S (no
+// head exchange at all) at S = 2 and 4, and S = 4, R = 2 (Ulysses over pairs, keys gathered
+// across them). The same checks as sequence parallelism's against the unsharded reference:
+// sequences cut anywhere, windows, one KV head, dynamic RoPE, a value head, and each recompute
+// mode (the recomputation gathers the keys again; kept activations keep the gathered ones).
+class ContextParallel : public ::testing::TestWithParam<std::pair<int, int>> {
+ protected:
+  void expect(const std::string& preset, Head head, int64_t window = 0, bool dynamic_rope = false,
+              zero::Recompute recompute = zero::Recompute::kBlocks) {
+    const auto [sp, cp] = GetParam();
+    expect_sharded_equals_unsharded(preset, head, sp, window, dynamic_rope, recompute, at::kFloat, {}, false, cp);
+  }
+};
+TEST_P(ContextParallel, LlamaLogProbsEntropyAndTrainingEqualNoSp) { expect("tiny-llama", Head::kLm); }
+TEST_P(ContextParallel, Qwen2BiasTiedHeadEqualsNoSp) { expect("tiny-qwen2", Head::kLm); }
+TEST_P(ContextParallel, MistralSlidingWindowOneKvHeadEqualsNoSp) { expect("tiny-mistral", Head::kLm, 4); }
+TEST_P(ContextParallel, DynamicRopeScalingEqualsNoSp) { expect("tiny-llama", Head::kLm, 0, true); }
+TEST_P(ContextParallel, ValueHeadEqualsNoSp) { expect("tiny-llama", Head::kValue); }
+TEST_P(ContextParallel, KeptActivationsEqualNoSp) {
+  expect("tiny-qwen2", Head::kLm, 0, false, zero::Recompute::kAttentionOnly);
+  expect("tiny-qwen2", Head::kLm, 0, false, zero::Recompute::kNone);
+}
+INSTANTIATE_TEST_SUITE_P(Zero, ContextParallel,
+                         ::testing::Values(std::make_pair(2, 2), std::make_pair(4, 4), std::make_pair(4, 2)),
+                         [](const ::testing::TestParamInfo<std::pair<int, int>>& i) {
+                           return "sp" + std::to_string(i.param.first) + "_cp" + std::to_string(i.param.second);
+                         });
+
 // Gradients reduce-scattered in bf16 (train.reduce_dtype) into the fp32 accumulators: training
 // still follows the fp32 reference within bf16 rounding, with several micro-batches per step.
 TEST(Zero, Bf16ReductionTrainsWithinBf16Rounding) {

@@ -1232,10 +1232,12 @@ def check_moe():
 
 
 def check_sequence_parallel():
-    # Actor (+ref) on 2 ranks and critic on 2 ranks; S = 2 against plain data parallelism.
+    # Actor (+ref) on 2 ranks and critic on 2 ranks; S = 2 against plain data parallelism: the actor
+    # splits heads (Ulysses), the critic all-gathers keys (context_parallel 2).
     two = ["roles.actor.gpus=2", "roles.critic.gpus=2", "train.num_steps=4", "checkpoint.every_steps=0"]
     run_ok(6, SCRATCH / "sp_ref", *two)
-    log = run_ok(6, SCRATCH / "sp_ppo", *two, "roles.actor.sequence_parallel=2", "roles.critic.sequence_parallel=2")
+    log = run_ok(6, SCRATCH / "sp_ppo", *two, "roles.actor.sequence_parallel=2", "roles.critic.sequence_parallel=2",
+                 "roles.critic.context_parallel=2")
     if "sequence parallel 2 (1 groups of consecutive ranks)" not in log:
         fail("the rank plan does not show the sequence groups:\n" + log[-3000:])
     want, got = metrics(SCRATCH / "sp_ref"), metrics(SCRATCH / "sp_ppo")
@@ -1243,7 +1245,7 @@ def check_sequence_parallel():
         a, b = [r[key] for r in got], [r[key] for r in want]
         if any(abs(x - y) > 1e-4 * max(1.0, abs(y)) for x, y in zip(a, b)) or len(a) != len(b):
             fail(f"{key} with sequence_parallel=2 differs from data parallelism: {a} vs {b}")
-    print(f"sequence_parallel: PPO with S=2 equals data parallelism for {len(got)} steps: "
+    print(f"sequence_parallel: PPO with S=2 (critic context-parallel) equals data parallelism for {len(got)} steps: "
           f"rewards {[round(r['reward/mean'], 4) for r in got]}, actor loss {[round(r['actor/loss'], 6) for r in got]}")
     # A sequence group's micro-batch holds S times the per-rank budget and each rank gets 1/S of it
     # (a rank sent more than its slice refuses it): per-rank tokens per round as without S.

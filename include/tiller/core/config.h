@@ -200,6 +200,9 @@ struct RoleConfig {
   bool offload = false;         // hybrid: masters, gradients, moments in pinned host memory while engines generate
   OptimizerOffload optimizer_offload = OptimizerOffload::kNone;  // cpu: fp32 masters and AdamW moments in host memory, AdamW on the CPU
   std::int64_t sequence_parallel = 1;  // ranks that share each micro-batch's tokens (Ulysses); divides gpus
+  // Of those S ranks, R groups split attention's keys (all-gathered K/V) instead of its heads;
+  // S / R ranks within each split heads (zero/sequence_parallel.h). Divides the role's S.
+  std::int64_t context_parallel = 1;
   // A mixture of experts' router losses in training (zero::ShardedModel::router_loss): 0 is off.
   double router_aux_loss_coef = 0;  // load balancing
   double router_z_loss_coef = 0;    // ST-MoE's z-loss

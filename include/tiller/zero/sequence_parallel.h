@@ -20,6 +20,16 @@
 // fewer, S must be a multiple of their count and each rank gets (a copy of) the one KV head its
 // query heads use; backward sums the copies' gradients.
 //
+// Context parallelism (roles.<r>.context_parallel: R, dividing S): the S ranks form R groups of
+// U = S / R consecutive ranks. Within a group, Ulysses as above over U ranks (U divides the heads),
+// which leaves each rank the group's U c rows for H / U heads; then the R ranks that hold the same
+// heads (one per group) all-gather their keys and values, and each attends its U c query rows
+// over the keys of the row up to its last query: for every sequence its rows seen so far, with the
+// causal mask aligned to the queries' ends (model::varlen_attention's Lq < Lk form). No head limit
+// beyond U's, any window, and the backward is autograd's: the all-gather's is a reduce-scatter of
+// the keys' and values' gradients. R = S: no head exchange at all. K/V are small next to q under
+// GQA (Qwen2-7B: 4 of 28 heads), which is why an all-gather rather than a ring (Llama 3's choice).
+//
 // Collective contract: every rank of the sequence group calls each forward and backward with its
 // own slice of the same row (same seq_lens), in the same order.
 #pragma once
@@ -64,8 +74,21 @@ struct SequenceSlice {
 };
 
 // ConfigError naming `key` unless a model with `cfg`'s heads can run sequence-parallel over `s`
-// ranks (s >= 1).
-void check_sequence_parallel(const model::ModelConfig& cfg, int s, const std::string& key);
+// ranks (s >= 1) of which `context_parallel` groups split the keys (dividing s): the heads split
+// s / context_parallel ways.
+void check_sequence_parallel(const model::ModelConfig& cfg, int s, const std::string& key, int context_parallel = 1);
+
+// The communicators of one rank's sequence group: `whole` (all S ranks; rows are cut over them),
+// and for context parallelism R > 1 `heads` (the U = S / R consecutive ranks of its Ulysses group;
+// null when U = 1) and `keys` (the R ranks holding the same heads, one per Ulysses group, in row
+// order). R = 1: heads is whole (Ulysses over all S), keys null.
+struct SequenceGroups {
+  dist::Communicator* whole = nullptr;
+  dist::Communicator* heads = nullptr;
+  dist::Communicator* keys = nullptr;
+  int size() const;
+  bool parallel() const { return size() > 1; }
+};
 
 // What a forward over a slice needs: the rank's c rows of tokens (padded), the block context whose
 // attention covers the whole row (through the group when it has more than one rank), and how many
@@ -76,17 +99,18 @@ struct SliceInput {
   int64_t rows = 0;   // real rows: outputs are narrowed to them
   int64_t padded = 0;  // c
 };
-SliceInput prepare_slice(const model::Rope& rope, const SequenceSlice& slice,
-                         dist::Communicator* group, at::ScalarType dtype, at::Device device,
-                         model::AttentionBackend backend);
+SliceInput prepare_slice(const model::Rope& rope, const SequenceSlice& slice, const SequenceGroups& groups,
+                         at::ScalarType dtype, at::Device device, model::AttentionBackend backend);
 
 // Ulysses attention of this rank's rows: q [c, H, d], k and v [c, Hk, d] -> [c, H, d], over the
 // whole row that `spec` describes (S c rows). Differentiable. Collective over `group`.
 at::Tensor ulysses_attention(dist::Communicator& group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const model::VarlenSpec& spec, double scale, model::AttentionBackend backend);
 
-// Sets ctx's attention to ulysses_attention over `group` (which must outlive ctx's use).
-void use_ulysses(model::BlockContext& ctx, dist::Communicator& group);
+// Sets ctx's attention to the sequence group's (which must outlive ctx's use): Ulysses over
+// groups.heads, then with groups.keys the all-gathered keys, for the packed row ctx.attn describes
+// (the whole row's self spec, S c rows). No-op for S = 1.
+void use_sequence_groups(model::BlockContext& ctx, const SequenceGroups& groups);
 
 // out = the all-to-all of x over `group` (communicator.h): x's first dimension is the group's
 // size. Differentiable (its backward is the same exchange). Collective.

@@ -173,9 +173,12 @@ class ShardedModel {
   at::Tensor values(const model::PackedBatch& batch);
 
   // Sequence parallelism (sequence_parallel.h): `group` is this rank's sequence group, S
-  // consecutive ranks of the model's communicator that share each micro-batch from now on.
-  // ConfigError when the model's heads do not allow S. Not collective; `group` must outlive the model.
-  void set_sequence_group(dist::Communicator& group);
+  // consecutive ranks of the model's communicator that share each micro-batch from now on, of
+  // which `context_parallel` groups (dividing S) split attention's keys rather than its heads.
+  // ConfigError when the model's heads do not allow it. Collective over `group` when
+  // context_parallel > 1 (it splits the group's communicators); `group` must outlive the model.
+  void set_sequence_group(dist::Communicator& group, int context_parallel = 1);
+  int context_parallel() const;   // R (1 without context parallelism)
   int sequence_parallel() const;  // S (1 without a group)
   // options().recompute from now on (no forward's graph pending). A sequence group's ranks must
   // use one mode. Not collective.
