@@ -29,6 +29,7 @@ apt_packages=(
   libgtest-dev libgmock-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libsentencepiece-dev libpcre2-dev libutf8proc-dev
+  libcpp-httplib-dev
   python3-dev
   openssl
 )
@@ -57,10 +58,11 @@ fi
 # logging.mlflow drive (src/python/tracking.cpp; e2e.train.tracking runs both offline). math-verify
 # compares MATH answers for examples/rewards/math_equiv.py (e2e.data.recipes). huggingface_hub
 # downloads models named by hub id into the HF cache (src/python/hub_download.cpp; e2e.train.hub);
-# transformers depends on it too.
+# transformers depends on it too. openai is the client e2e.engine.openai drives the engine's
+# OpenAI-compatible endpoint with (what agent harnesses use).
 py_packages=(transformers tokenizers safetensors sentencepiece grpcio grpcio-tools numpy tensorboard pyarrow peft==0.21.2
-             "jinja2>=3.1.6" wandb mlflow-skinny math-verify huggingface_hub)
-if ! $python -c 'import transformers, tokenizers, safetensors, sentencepiece, grpc, grpc_tools, numpy, tensorboard, pyarrow, peft, jinja2, wandb, mlflow, math_verify, huggingface_hub' 2>/dev/null; then
+             "jinja2>=3.1.6" wandb mlflow-skinny math-verify huggingface_hub openai)
+if ! $python -c 'import transformers, tokenizers, safetensors, sentencepiece, grpc, grpc_tools, numpy, tensorboard, pyarrow, peft, jinja2, wandb, mlflow, math_verify, huggingface_hub, openai' 2>/dev/null; then
   echo "setup: installing Python test packages: ${py_packages[*]}"
   $python -m pip install -q "${py_packages[@]}" "torch==2.13.0"
 fi

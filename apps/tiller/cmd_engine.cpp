@@ -17,7 +17,10 @@
 #include "tiller/core/tls.h"
 #include "tiller/engine/engine.h"
 #include "tiller/engine/engine_weights.h"
+#include "tiller/engine/openai_server.h"
 #include "tiller/engine/server.h"
+#include "tiller/model/chat_template.h"
+#include "tiller/model/tokenizer.h"
 
 namespace tiller::cli {
 namespace {
@@ -26,6 +29,9 @@ struct EngineCmdOptions {
   std::string model, host = "127.0.0.1", device = "auto", dtype = "auto", token_file, tls_cert, tls_key, lora;
   bool insecure = false;
   int port = 50051;
+  int openai_port = -1;  // >= 0: also serve the OpenAI-compatible endpoint there (0: any free port)
+  std::string served_model_name, chat_template = "auto";
+  double openai_timeout_s = 600;
   int tp = 1;
   engine::EngineOptions engine;
   bool no_chunked_prefill = false;
@@ -89,8 +95,27 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
   so.tls.cert = o.tls_cert;
   so.tls.key = o.tls_key;
   engine::EngineServer server(eng, so);
+  std::unique_ptr<engine::OpenAiServer> openai;
+  if (o.openai_port >= 0) {
+    // The model's tokenizer and chat template, as `tiller generate` and the trainer read them.
+    std::shared_ptr<const model::Tokenizer> tok = model::load_tokenizer(o.model);
+    const model::ChatTemplate chat = model::load_chat_template(o.chat_template, o.model, *tok);
+    engine::OpenAiOptions ao;
+    ao.host = o.host;
+    ao.port = o.openai_port;
+    ao.token = token;
+    ao.tls.cert = o.tls_cert;
+    ao.tls.key = o.tls_key;
+    ao.model_name = !o.served_model_name.empty() ? o.served_model_name : o.model;
+    ao.request_timeout_s = o.openai_timeout_s;
+    openai = std::make_unique<engine::OpenAiServer>(server, tok, chat, model::eos_token_ids(o.model, w.config, *tok),
+                                                    eng.max_model_len(), ao);
+    log::info("engine: OpenAI-compatible endpoint on {}://{}:{}/v1 (model '{}', chat template {})",
+              o.tls_cert.empty() ? "http" : "https", o.host, openai->port(), ao.model_name, chat.name());
+  }
   std::printf("%s\n", nlohmann::json{{"event", "serving"},
                                      {"port", server.port()},
+                                     {"openai_port", openai ? openai->port() : -1},
                                      {"pid", static_cast<int64_t>(getpid())},
                                      {"model", o.model},
                                      {"lora", o.lora},
@@ -108,6 +133,7 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
     });
     server.wait();
   }
+  if (openai) openai->shutdown();
   const std::string failure = server.error();
   server.shutdown();
   if (!failure.empty()) throw Error("the engine loop failed: " + failure);
@@ -142,6 +168,17 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   cmd->add_option("--tls-cert", o->tls_cert, "PEM certificate to serve TLS with (with --tls-key)");
   cmd->add_option("--tls-key", o->tls_key, "PEM private key of --tls-cert");
   cmd->add_option("--port", o->port, "Port to bind (0: any free port; printed on stdout)")->check(CLI::Range(0, 65535));
+  cmd->add_option("--openai-port", o->openai_port,
+                  "Also serve an OpenAI-compatible HTTP endpoint (/v1/completions, /v1/chat/completions, /v1/models) "
+                  "on this port of --host, with the same token (as 'Authorization: Bearer') and TLS; 0: any free port "
+                  "(printed); docs/engine.md")
+      ->check(CLI::Range(0, 65535));
+  cmd->add_option("--served-model-name", o->served_model_name,
+                  "The model id the OpenAI endpoint lists and accepts (default: --model)");
+  cmd->add_option("--chat-template", o->chat_template,
+                  "The OpenAI endpoint's chat format: auto (the model's own), model, chatml, llama3, none, or a .jinja file");
+  cmd->add_option("--openai-timeout", o->openai_timeout_s, "Seconds one OpenAI request may take")
+      ->check(CLI::Range(1.0, 1e6));
   cmd->add_option("--lora", o->lora,
                   "A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), served unmerged "
                   "beside the base in fp32, as PEFT and tiller's trainer run it");

@@ -531,6 +531,80 @@ EngineServer::~EngineServer() { shutdown(); }
 
 int EngineServer::port() const { return impl_->bound_port; }
 
+uint64_t EngineServer::weight_version() const {
+  std::lock_guard<std::mutex> lock(impl_->snap_mu);
+  return impl_->weight_version;
+}
+
+struct LocalSession::Impl {
+  EngineServer::Impl* server = nullptr;
+  std::shared_ptr<StreamState> stream = std::make_shared<StreamState>();
+};
+
+LocalSession::LocalSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+LocalSession::~LocalSession() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->stream->mu);
+    impl_->stream->closed = true;
+  }
+  impl_->server->post([s = impl_->server, stream = impl_->stream] { s->stream_closed(stream); });
+}
+
+void LocalSession::send(const Request& r) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->stream->mu);
+    ++impl_->stream->live;
+  }
+  pb::GenerateRequest g;
+  to_proto(r, 0, g);
+  impl_->server->post([s = impl_->server, g = std::move(g), stream = impl_->stream] { s->add_request(g, stream); });
+}
+
+void LocalSession::abort(uint64_t request_id) {
+  impl_->server->post([s = impl_->server, request_id, stream = impl_->stream] {
+    auto it = s->routes.find(request_id);
+    if (it != s->routes.end() && it->second.stream == stream) s->engine.abort(request_id);
+  });
+}
+
+bool LocalSession::next(ClientResult& out, Deadline deadline) {
+  StreamState& st = *impl_->stream;
+  for (;;) {
+    std::unique_lock<std::mutex> lock(st.mu);
+    st.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return !st.out.empty() || st.live == 0; });
+    if (!st.out.empty()) {
+      const pb::GenerateStreamResponse r = std::move(st.out.front());
+      st.out.pop_front();
+      out = ClientResult{};
+      if (r.has_sample()) {
+        out.sample = from_proto(r.sample());
+        out.weight_version = r.sample().weight_version();
+      } else {
+        out.sample.request_id = r.error().request_id();
+        out.error_code = r.error().code();
+        out.error = r.error().message();
+      }
+      return true;
+    }
+    if (st.live == 0) return false;
+    lock.unlock();
+    {
+      std::lock_guard<std::mutex> g(impl_->server->mu);
+      if (impl_->server->stopping)
+        throw CommError("the engine server stopped" +
+                        (impl_->server->failure.empty() ? std::string() : ": " + impl_->server->failure));
+    }
+    if (deadline.expired()) throw TimeoutError("the engine's results did not arrive before the request's deadline");
+  }
+}
+
+std::unique_ptr<LocalSession> EngineServer::open_local_session() {
+  auto impl = std::make_unique<LocalSession::Impl>();
+  impl->server = impl_.get();
+  return std::unique_ptr<LocalSession>(new LocalSession(std::move(impl)));
+}
+
 std::string EngineServer::error() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->failure;

@@ -25,6 +25,28 @@ struct ServerOptions {
   TlsFiles tls;                           // cert + key: serve TLS only
 };
 
+struct ClientResult;
+
+// A Generate stream inside the server's process (the OpenAI endpoint's, openai_server.h): the
+// same loop, routing, checks and refusals as a gRPC stream, without the wire. send() and next()
+// may run on different threads; each alone is not thread-safe.
+class LocalSession {
+ public:
+  ~LocalSession();  // aborts this session's live requests
+  // Queues `r` on the engine's loop; a refusal comes back from next() as a result with an error.
+  void send(const Request& r);
+  void abort(uint64_t request_id);
+  // The next result; false once every request sent was answered and taken. Throws TimeoutError
+  // past `deadline`, CommError when the server stops.
+  bool next(ClientResult& out, Deadline deadline);
+
+ private:
+  friend class EngineServer;
+  struct Impl;
+  explicit LocalSession(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 class EngineServer {
  public:
   // Binds and starts serving at once. Throws IoError naming the address when it cannot bind.
@@ -42,8 +64,12 @@ class EngineServer {
   void wait();
   // The loop thread's failure, if it died (empty while healthy).
   std::string error() const;
+  // An in-process stream on this server's engine. Thread-safe.
+  std::unique_ptr<LocalSession> open_local_session();
+  uint64_t weight_version() const;
 
  private:
+  friend class LocalSession;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -1,0 +1,79 @@
+// An OpenAI-compatible HTTP endpoint in front of an engine's service (docs/engine.md, "OpenAI
+// endpoint"): /v1/models, /v1/completions and /v1/chat/completions, for agent harnesses written
+// against the `openai` client. Token-faithful: the text a choice returns is the decoding of the
+// tokens the engine sampled, and with `return_token_ids` (as vLLM and SGLang take it) the prompt's
+// and the completion's token ids come back with each choice, with their log-probs under
+// `logprobs`. Requests go to the engine through EngineServer::open_local_session(): the loop, the
+// checks and the refusals of the gRPC path, without the wire.
+//
+// What a request may carry: prompts as text or token ids (one or a list), chat messages (content
+// as text or text parts; tool calls, tool results and `tools` go to the model's chat template),
+// max_tokens (max_completion_tokens), temperature (0: greedy), top_p, top_k, min_p, n, seed, stop
+// (strings) and stop_token_ids, ignore_eos, logprobs (the sampled token's: `logprobs: 0` or
+// `true`; alternatives are not computed, so top_logprobs > 0 is refused), stream (server-sent
+// events, each choice in one chunk when it finishes), return_token_ids. Refused with a 400 naming
+// the field: anything out of its bounds (OpenAiOptions), echo, best_of, suffix, logit_bias,
+// response_format, a model name other than the served one (404). With a token, every call needs
+// `Authorization: Bearer <token>` (else 401).
+//
+// Stop strings end a choice at their first occurrence in the decoded text (the text stops before
+// it; the tokens and log-probs end with the token that completed it); the engine stops on stop
+// tokens itself, on stop strings only after generating (up to max_tokens).
+//
+// Threading: the HTTP server's own pool; each request holds one local session.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tiller/core/tls.h"
+
+namespace tiller::model {
+class Tokenizer;
+class ChatTemplate;
+}  // namespace tiller::model
+
+namespace tiller::engine {
+
+class EngineServer;
+
+struct OpenAiOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;                 // 0: a free port (port() says which)
+  std::string token;               // "Authorization: Bearer <token>" required when set
+  TlsFiles tls;                    // cert + key: HTTPS only
+  std::string model_name;          // the id /v1/models lists and requests may name
+  double request_timeout_s = 600;  // a request's deadline for all its choices
+  int threads = 16;                // requests served at once (more wait for a thread)
+  // Bounds of one request.
+  int64_t max_body_bytes = int64_t{32} << 20;
+  int64_t max_prompts = 256;       // prompts of one completions request
+  int64_t max_n = 128;             // choices per prompt
+  int64_t max_stop = 16;           // stop strings (and stop_token_ids)
+  int64_t max_stop_bytes = 256;    // each
+  int64_t max_messages = 4096;     // chat messages
+};
+
+class OpenAiServer {
+ public:
+  // Binds and serves at once; IoError naming the address when it cannot bind. `server` must
+  // outlive this. `eos_ids`: the model's end-of-sequence tokens, each choice's stop tokens unless
+  // the request says ignore_eos. `chat` may have no format (chat requests are then refused).
+  OpenAiServer(EngineServer& server, std::shared_ptr<const model::Tokenizer> tokenizer, const model::ChatTemplate& chat,
+               std::vector<int64_t> eos_ids, int64_t max_model_len, const OpenAiOptions& opts);
+  ~OpenAiServer();  // shutdown()
+  OpenAiServer(const OpenAiServer&) = delete;
+  OpenAiServer& operator=(const OpenAiServer&) = delete;
+
+  int port() const;
+  // Stops accepting requests and waits for the server thread. Idempotent.
+  void shutdown();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tiller::engine

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""`tiller engine --openai-port`: the OpenAI-compatible endpoint, driven by the `openai` client and
+by raw HTTP, against a live engine (the qwen2-chat fixture, CPU):
+- no key or a wrong key: 401 (the engine has a token); /health needs none;
+- chat, greedy: the prompt's token ids are the chat template's (transformers' reference), and the
+  completion's tokens, text and log-probs are what `tiller generate --engine` (the gRPC path)
+  gets for the same conversation;
+- completions from token ids, seeded, n = 3: repeatable, one choice per sample, a log-prob per
+  token; streaming gives the same choices as the plain response;
+- a stop string cuts the text before it and ends the choice with "stop";
+- hostile or unsupported requests get a 4xx naming the field, never a crash.
+
+  check_openai.py TILLER_BINARY FIXTURES_DIR SCRATCH_DIR
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from openai import OpenAI, AuthenticationError
+
+tiller, fixtures, scratch = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+scratch.mkdir(parents=True, exist_ok=True)
+model = fixtures / "models" / "qwen2-chat"
+ref = json.loads((fixtures / "models" / "reference.json").read_text())["qwen2-chat"]
+failures = []
+TOKEN = "openai-test-secret"
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        failures.append(what)
+
+
+env = dict(os.environ, TILLER_ENGINE_TOKEN=TOKEN)
+proc = subprocess.Popen([tiller, "engine", "--model", str(model), "--port", "0", "--openai-port", "0", "--device", "cpu",
+                         "--num-blocks", "128", "--block-size", "8", "--served-model-name", "tiny"],
+                        stdout=subprocess.PIPE, text=True, env=env)
+info = json.loads(proc.stdout.readline())
+base = f"http://127.0.0.1:{info['openai_port']}"
+client = OpenAI(base_url=base + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
+
+
+def http(method, path, body=None, key=TOKEN, raw=None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(base + path, data=data, method=method)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+try:
+    # --- keys ---
+    code, _ = http("GET", "/v1/models", key=None)
+    check(code == 401, f"no key: 401 (got {code})")
+    code, body = http("GET", "/v1/models", key="wrong")
+    check(code == 401 and "authentication_error" in body, f"a wrong key: 401 (got {code})")
+    check(http("GET", "/health", key=None)[0] == 200, "/health needs no key")
+    try:
+        OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
+        check(False, "the openai client with a wrong key is refused")
+    except AuthenticationError:
+        check(True, "the openai client with a wrong key gets AuthenticationError")
+    models = client.models.list()
+    check([m.id for m in models.data] == ["tiny"], f"/v1/models lists the served name ({[m.id for m in models.data]})")
+
+    # --- chat, greedy, against the gRPC path ---
+    prompts = scratch / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": p}) + "\n" for p in ref["prompts"]), encoding="utf-8")
+    out = scratch / "grpc.jsonl"
+    subprocess.run([tiller, "generate", "--model", str(model), "--prompts", str(prompts), "--input-key", "question",
+                    "--chat-template", "auto", "--max-new-tokens", "12", "--greedy", "--engine",
+                    f"127.0.0.1:{info['port']}", "--out", str(out)], check=True, timeout=300, env=env)
+    grpc_rows = [json.loads(l) for l in out.read_text(encoding="utf-8").split("\n") if l]
+    for i, question in enumerate(ref["prompts"]):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}],
+                                           max_tokens=12, temperature=0, logprobs=True,
+                                           extra_body={"return_token_ids": True, "ignore_eos": True})
+        c = r.choices[0].model_dump()
+        check(c["prompt_token_ids"] == ref["prompt_ids"][i],
+              f"chat {i}: the prompt is the chat template's tokens (transformers' apply_chat_template)")
+        check(c["token_ids"] == grpc_rows[i]["response_ids"],
+              f"chat {i}: greedy tokens equal the gRPC path's ({c['token_ids']} vs {grpc_rows[i]['response_ids']})")
+        lps = [x["logprob"] for x in c["logprobs"]["content"]]
+        check(len(lps) == len(c["token_ids"]) and
+              all(abs(a - b) < 1e-5 for a, b in zip(lps, grpc_rows[i]["logprobs"])),
+              f"chat {i}: one log-prob per token, the gRPC path's")
+        check(r.choices[0].message.content == grpc_rows[i]["response"],
+              f"chat {i}: the text is the tokens' decoding ({r.choices[0].message.content!r})")
+        check(r.usage.prompt_tokens == len(ref["prompt_ids"][i]) and r.usage.completion_tokens == len(c["token_ids"]),
+              f"chat {i}: usage counts the tokens")
+
+    # --- completions from token ids, seeded, n = 3 ---
+    ids = ref["prompt_ids"][0]
+    ask = dict(model="tiny", prompt=ids, max_tokens=8, temperature=1.0, seed=11, n=3, logprobs=0,
+               extra_body={"return_token_ids": True, "ignore_eos": True})
+    a, b = client.completions.create(**ask), client.completions.create(**ask)
+    ca, cb = [c.model_dump() for c in a.choices], [c.model_dump() for c in b.choices]
+    check([c["index"] for c in ca] == [0, 1, 2], "completions: n = 3 gives choices 0, 1, 2")
+    check([c["token_ids"] for c in ca] == [c["token_ids"] for c in cb], "completions: a seeded request repeats")
+    check(len({tuple(c["token_ids"]) for c in ca}) > 1, "completions: the samples differ")
+    check(all(len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"]) == 8 for c in ca),
+          "completions: a log-prob per token, max_tokens of them")
+    check(all(c["prompt_token_ids"] == ids for c in ca), "completions: the prompt's ids come back")
+    stream = client.completions.create(**ask, stream=True)
+    streamed = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            d = c.model_dump()
+            streamed[d["index"]] = (d["text"], d.get("token_ids"), d["finish_reason"])
+    check(streamed == {c["index"]: (c["text"], c["token_ids"], c["finish_reason"]) for c in ca},
+          "completions: streaming gives the same choices")
+    chat_stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                                 seed=3, stream=True, stream_options={"include_usage": True})
+    text, usage = "", None
+    for chunk in chat_stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if chunk.usage:
+            usage = chunk.usage
+    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                           seed=3)
+    check(text == plain.choices[0].message.content and usage is not None and usage.completion_tokens ==
+          plain.usage.completion_tokens, "chat: streaming gives the plain response's text and usage")
+
+    # --- stop strings ---
+    greedy = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0].model_dump()
+    cut = greedy["text"][3:6]
+    stopped = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, stop=[cut],
+                                        extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0].model_dump()
+    check(cut != "" and stopped["text"] == greedy["text"][:greedy["text"].find(cut)] and
+          stopped["finish_reason"] == "stop" and stopped["token_ids"] == greedy["token_ids"][:len(stopped["token_ids"])]
+          and len(stopped["token_ids"]) < len(greedy["token_ids"]),
+          f"a stop string {cut!r} ends the text before it ({stopped['text']!r} of {greedy['text']!r})")
+
+    # --- hostile and unsupported requests ---
+    bad = [
+        ("not JSON", "/v1/completions", None, b"{nope"),
+        ("n over the bound", "/v1/completions", {"prompt": "a", "n": 100000}, None),
+        ("negative max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": -1}, None),
+        ("max_tokens past the context", "/v1/completions", {"prompt": "a", "max_tokens": 10 ** 9}, None),
+        ("a token id outside the vocabulary", "/v1/completions", {"prompt": [10 ** 9]}, None),
+        ("a float token id", "/v1/completions", {"prompt": [1.5]}, None),
+        ("an empty prompt list", "/v1/completions", {"prompt": []}, None),
+        ("a prompt of the wrong type", "/v1/completions", {"prompt": {"a": 1}}, None),
+        ("temperature as text", "/v1/completions", {"prompt": "a", "temperature": "hot"}, None),
+        ("top_p 0", "/v1/completions", {"prompt": "a", "top_p": 0}, None),
+        ("top-k alternatives", "/v1/completions", {"prompt": "a", "logprobs": 5}, None),
+        ("echo", "/v1/completions", {"prompt": "a", "echo": True}, None),
+        ("17 stop strings", "/v1/completions", {"prompt": "a", "stop": ["x"] * 17}, None),
+        ("a stop token outside the vocabulary", "/v1/completions", {"prompt": "a", "stop_token_ids": [-1]}, None),
+        ("no messages", "/v1/chat/completions", {"messages": []}, None),
+        ("an unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+        ("image content", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
+        ("top_logprobs", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}, None),
+        ("a forced tool choice", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, None),
+        ("a body over the limit", "/v1/completions", None, b'{"prompt": "' + b"a" * (33 << 20) + b'"}'),
+    ]
+    for what, path, body, raw in bad:
+        code, text = http("POST", path, body, raw=raw)
+        ok = code in (400, 413) and "error" in json.loads(text)
+        check(ok, f"{what}: {code} {text[:160]}")
+    code, text = http("POST", "/v1/completions", {"model": "gpt-4", "prompt": "a"})
+    check(code == 404 and "does not exist" in text, f"another model's name: 404 ({code})")
+    code, _ = http("POST", "/v1/nothing", {})
+    check(code == 404, f"an unknown route: 404 ({code})")
+    # The server still serves after all that.
+    r = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
+    check(len(r.choices) == 1 and r.choices[0].finish_reason in ("length", "stop"), "the endpoint still serves")
+finally:
+    os.kill(info["pid"], signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = None
+    check(code == 0, f"SIGTERM stops the engine and its endpoint with exit 0 (got {code})")
+
+if failures:
+    print(f"{len(failures)} failure(s)", file=sys.stderr)
+    sys.exit(1)
+print("openai endpoint: all checks passed")
