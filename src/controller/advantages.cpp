@@ -66,6 +66,7 @@ AdvantageSpec AdvantageSpec::from_job(const JobConfig& job, bool have_ref) {
   s.overlong_buffer = job.reward.overlong_buffer;
   s.overlong_penalty = job.reward.overlong_penalty;
   s.max_new_tokens = job.response_limit();
+  s.distill_coef = job.algo.distill_coef;
   return s;
 }
 
@@ -201,6 +202,17 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
   }
   const Moments adv_raw = moments(adv);
   if (spec.whiten && !spec.skips_whitening() && adv.numel() > 0) adv = algo::whiten(adv);
+  // On-policy distillation: each model token's advantage gains the teacher's (the reference's)
+  // log-prob over the student's, after the task's advantages are normalised (a per-token signal:
+  // neither summed over later tokens nor normalised with them).
+  at::Tensor teacher_gap;
+  if (spec.distill_coef > 0) {
+    TILLER_CHECK(spec.have_ref && ro.ref_logp.size() == ro.logp.size(),
+                 "algo.distill_coef: the teacher's (the reference's) log-probs are missing: {} for {} tokens",
+                 ro.ref_logp.size(), ro.logp.size());
+    teacher_gap = model_part(ro.ref_logp) - logp;
+    adv = adv + spec.distill_coef * teacher_gap;
+  }
   if (masked) {
     // Back to every response token; observation tokens get 0.
     auto spread = [&](const at::Tensor& t) {
@@ -229,6 +241,12 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
   m.emplace_back("reward/max", raw.max);
   m.emplace_back("kl/mean_per_sample", out.kl_mean_per_sample);
   m.emplace_back("kl/coef", state.kl_coef);
+  if (teacher_gap.defined()) {
+    const double tokens_d = static_cast<double>(std::max<int64_t>(1, teacher_gap.numel()));
+    m.emplace_back("distill/reverse_kl", -teacher_gap.sum().item<double>() / tokens_d);  // per token, k1
+    m.emplace_back("distill/teacher_logprob", model_part(ro.ref_logp).sum().item<double>() / tokens_d);
+    m.emplace_back("distill/student_logprob", logp.sum().item<double>() / tokens_d);
+  }
   m.emplace_back("advantages/mean", adv_raw.mean);
   m.emplace_back("advantages/std", adv_raw.std);
   m.emplace_back("advantages/min", adv_raw.min);

@@ -35,6 +35,7 @@ struct AdvantageSpec {
   int64_t overlong_buffer = 0;
   double overlong_penalty = 1.0;
   int64_t max_new_tokens = 0;
+  double distill_coef = 0;  // on-policy distillation from the reference (the teacher); 0: off
 
   static AdvantageSpec from_job(const JobConfig& job, bool have_ref);
   // The estimator's record says its advantages are normalised already (GRPO's mean/std; Dr.GRPO,

@@ -385,6 +385,10 @@ void JobConfig::validate() const {
     throw ConfigError(fmt::format("algo.tis_cap = {} has no effect with algo.importance_correction = none; set "
                                   "algo.importance_correction=tis (truncated importance sampling) or decoupled",
                                   format_double(algo.tis_cap)));
+  if (algo.distill_coef > 0 && !roles.ref.enabled)
+    throw ConfigError(fmt::format("algo.distill_coef = {} distills from the reference role, which is disabled: set "
+                                  "roles.ref.enabled=true and roles.ref.model to the teacher",
+                                  format_double(algo.distill_coef)));
   if (algo.logprob_match == LogprobMatch::kBitwise) {
     if (engines.quantization != EngineQuantization::kNone)
       throw ConfigError("algo.logprob_match = bitwise needs engines.quantization = none: an FP8 engine's products "
@@ -417,6 +421,8 @@ void JobConfig::validate() const {
                       : train.train_batch_size != samples  ? "train.train_batch_size < rollout.batch_size x "
                                                              "rollout.n_samples_per_prompt (later mini-batches train "
                                                              "off-policy)"
+                      : algo.distill_coef > 0
+                          ? "algo.distill_coef compares the student's log-probs with the teacher's before training"
                       : algo.kl_in_reward && algo.kl_coef > 0 && roles.ref.enabled
                           ? "algo.kl_in_reward needs the actor's log-probs before training (set algo.kl_in_reward=false "
                             "for the KL loss)"

@@ -336,6 +336,12 @@ std::vector<Field> build() {
   b.add("algo.value_clip", TILLER_FIELD(algo.value_clip), "Value-loss clip range (0: off).").range(0.0, 100.0);
   b.add("algo.kl_coef", TILLER_FIELD(algo.kl_coef), "Initial KL coefficient against the reference model.")
       .range(0.0, 100.0);
+  b.add("algo.distill_coef", TILLER_FIELD(algo.distill_coef),
+        "On-policy distillation (0: off): the reference role is the teacher (roles.ref.model: a larger or better "
+        "model with the same tokenizer, frozen, sharded, colocatable) and every sampled token's advantage gains "
+        "distill_coef x (log p_teacher - log p_student), the per-token reverse KL, beside the task reward's "
+        "advantage (docs/training.md, Distillation). Usually with algo.kl_coef 0.")
+      .range(0.0, 1000.0);
   b.add("algo.kl_estimator", TILLER_FIELD(algo.kl_estimator),
         "A registered KL estimator. Built in: k1 (logp - ref), k2 (its square over 2), k3 (exp(-d) - 1 + d); a "
         "trainer of your own registers more (docs/library.md).");

@@ -559,6 +559,15 @@ MemoryPlan choose(const TrainConfig& t, int64_t layers, int64_t gpu_bytes, bool 
 }  // namespace
 
 MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes) {
+  // Distillation scores the student's sampled tokens with the teacher (the reference): every id
+  // the student can draw must be one of the teacher's.
+  if (cfg.algo.distill_coef > 0)
+    if (const model::ModelConfig* s = find_shape(shapes, "actor"))
+      if (const model::ModelConfig* t = find_shape(shapes, "ref"); t && t->vocab_size < s->vocab_size)
+        throw ConfigError(fmt::format(
+            "algo.distill_coef: the teacher (roles.ref.model) has {} token ids, the student (roles.actor.model) {}; the "
+            "teacher scores the student's tokens, so it needs the student's tokenizer and at least its vocabulary",
+            t->vocab_size, s->vocab_size));
   int64_t layers = 1;
   for (Role r : {Role::kActor, Role::kCritic})
     if (role_trains(r) && plan.group(r))

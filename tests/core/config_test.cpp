@@ -251,6 +251,11 @@ TEST(Config, CrossKeyChecks) {
   const char* odd = "rollout: {batch_size: 3}\ntrain: {train_batch_size: 2}";
   EXPECT_NO_THROW(parse_config(odd, "j"));
   EXPECT_NE(config_error([&] { algo::check_config(parse_config(odd, "j")); }).find("must divide"), std::string::npos);
+  // Distillation needs its teacher, the reference role.
+  EXPECT_NE(config_error([] { parse_config("algo: {distill_coef: 1}\nroles: {ref: {enabled: false}}", "j"); })
+                .find("algo.distill_coef = 1 distills from the reference role, which is disabled"),
+            std::string::npos);
+  EXPECT_NO_THROW(parse_config("algo: {distill_coef: 1, kl_coef: 0}", "j"));
   // The bitwise mode needs the engine's K/V as the trainer's: no FP8 KV cache.
   EXPECT_NO_THROW(parse_config("engines: {kv_cache_dtype: fp8}", "j"));
   EXPECT_NE(config_error([] { parse_config("algo: {logprob_match: bitwise}\nengines: {kv_cache_dtype: fp8}", "j"); })

@@ -1671,6 +1671,53 @@ def check_fp8():
     expect_learned(trained, "fp8 engine + fp8 KV cache + fp8 training + token TIS")
 
 
+def check_distill():
+    # The teacher: the quickstart's GRPO run (it learns to answer in digits), exported to HF files.
+    teacher_run = SCRATCH / "teacher_run"
+    run_ok(3, teacher_run, *GRPO, "eval.prompts=", "checkpoint.every_steps=30")
+    teacher = SCRATCH / "teacher"
+    export(teacher_run / "checkpoints" / "step_000030", teacher)
+    taught = sum(r["reward/mean"] for r in metrics(teacher_run)[-3:]) / 3
+    # The student (the fresh random model) sees no task reward: a Python reward scores 0 and only
+    # reports the digits per answer. Distillation from the teacher (the reference role) is its
+    # only signal; the same run without it is the control.
+    zero = SCRATCH / "zero_reward.py"
+    zero.write_text(f"import sys\nsys.path.insert(0, {str(REPO / 'examples' / 'rewards')!r})\n"
+                    "from toy_digits import compute_score as toy\n\n"
+                    "def compute_score(data_source, solution_str, ground_truth, extra_info=None, finish_reason='stop'):\n"
+                    "    r = toy(data_source, solution_str, ground_truth, extra_info, finish_reason)\n"
+                    "    return {'score': 0.0, 'share': r['score']}\n")
+    student = ["eval.prompts=", "reward.type=python", f"reward.python={zero}:compute_score", "algo.kl_coef=0",
+               f"roles.ref.model={teacher}", "train.num_steps=16", "checkpoint.dir="]
+    out = SCRATCH / "distill"
+    run_ok(3, out, *GRPO, *student, "algo.distill_coef=1")
+    control = SCRATCH / "distill_control"
+    run_ok(3, control, *GRPO, *student)
+    rows, ctrl = metrics(out), metrics(control)
+    kl = [r["distill/reverse_kl"] for r in rows]
+    share = [r["reward/extra/share"] for r in rows]
+    ctrl_share = [r["reward/extra/share"] for r in ctrl]
+    if any("distill/reverse_kl" in r for r in ctrl):
+        fail("the control run (distill_coef 0) reports distillation metrics")
+    mean = lambda v: sum(v) / len(v)
+    print(f"distill: teacher's reward {taught:.3f}; student's reverse KL to it {mean(kl[:3]):.3f} -> {mean(kl[-3:]):.3f}, "
+          f"digit share {mean(share[:3]):.3f} -> {mean(share[-3:]):.3f} (control {mean(ctrl_share[-3:]):.3f})")
+    if not mean(kl[-3:]) < 0.5 * mean(kl[:3]):
+        fail(f"the student's reverse KL to the teacher did not fall: {[round(x, 3) for x in kl]}")
+    if not (mean(share[-3:]) > mean(share[:3]) + 0.2 and mean(share[-3:]) > mean(ctrl_share[-3:]) + 0.2):
+        fail(f"the student did not move toward the teacher's answers: {[round(x, 3) for x in share]} "
+             f"(control {[round(x, 3) for x in ctrl_share]})")
+    # Refused: a teacher with fewer token ids than the student can draw.
+    small = SCRATCH / "small_vocab_teacher"
+    shutil.copytree(teacher, small, dirs_exist_ok=True)
+    cfg = json.loads((small / "config.json").read_text())
+    cfg["vocab_size"] = cfg["vocab_size"] - 8
+    (small / "config.json").write_text(json.dumps(cfg))
+    code, log = run(3, SCRATCH / "distill_bad", *GRPO, *student, "algo.distill_coef=1", f"roles.ref.model={small}")
+    if code == 0 or "the teacher (roles.ref.model) has" not in log:
+        fail(f"a teacher with a smaller vocabulary: exit {code}:\n{log[-2000:]}")
+
+
 def check_hub():
     proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fake_hub.py"), f"tiller-test/tiny-qwen2={MODEL}",
                              f"tiller-test/tiny-gen={MODEL}"], stdout=subprocess.PIPE, text=True)
@@ -1749,6 +1796,8 @@ def check_hub():
 fixture()
 if CASE == "hub":
     check_hub()
+elif CASE == "distill":
+    check_distill()
 elif CASE == "old_logprobs":
     check_old_logprobs()
 elif CASE == "sequence_parallel":

@@ -111,6 +111,53 @@ TEST(Turns, AdvantagesAreThoseOfTheModelTokensAlone) {
   EXPECT_NEAR([&] { for (const auto& [k, v] : res.metrics) if (k == "reward/mean") return v; return -1.0; }(), 0.5, 1e-9);
 }
 
+// On-policy distillation (algo.distill_coef): each model token's advantage is the task's
+// (normalised as before) plus coef x (log p_teacher - log p_student), the reference being the
+// teacher; observation tokens get nothing; the metrics report the per-token reverse KL.
+TEST(Turns, DistillationAddsTheTeachersPerTokenGap) {
+  RolloutLayout l = turns_layout();
+  l.ref = true;
+  Rollout ro(l);
+  const int64_t a = add_two_turns(ro, 0, 0, 0.f, 0.f, 1.f);
+  const int64_t b = add_two_turns(ro, 0, 1, 0.f, 0.f, 0.f);
+  ASSERT_EQ(a, 0);
+  ASSERT_EQ(b, 1);
+  // The student's (old) log-probs and the teacher's, per response token (observations too, unused).
+  ro.logp = {-1.0f, -2.0f, 0, 0, 0, -0.5f, -3.0f, -2.0f, -1.0f, 0, 0, 0, -4.0f, -0.25f};
+  ro.ref_logp = {-0.5f, -2.5f, 9, 9, 9, -0.5f, -1.0f, -1.0f, -1.5f, 9, 9, 9, -2.0f, -0.75f};
+  AdvantageSpec s;
+  s.estimator = "rloo";
+  s.n = 2;
+  s.whiten = false;
+  s.have_ref = true;
+  const std::vector<float> task = compute_advantages(ro, s, {}).advantages;
+  s.distill_coef = 0.5;
+  const AdvantageResult d = compute_advantages(ro, s, {});
+  ASSERT_EQ(d.advantages.size(), task.size());
+  double gap_sum = 0;
+  int64_t model_tokens = 0;
+  for (size_t k = 0; k < task.size(); ++k) {
+    const bool observation = k % 7 >= 2 && k % 7 <= 4;
+    const double gap = observation ? 0.0 : ro.ref_logp[k] - ro.logp[k];
+    EXPECT_NEAR(d.advantages[k], task[k] + 0.5 * gap, 1e-6) << "token " << k;
+    if (!observation) {
+      gap_sum += gap;
+      ++model_tokens;
+    }
+  }
+  EXPECT_NEAR(task[0], 1.0, 1e-6);  // rloo: 1 - 0, every model token of the first sample
+  auto metric = [&](const std::string& key) {
+    for (const auto& [k, v] : d.metrics)
+      if (k == key) return v;
+    return std::nan("");
+  };
+  EXPECT_NEAR(metric("distill/reverse_kl"), -gap_sum / model_tokens, 1e-6);
+  EXPECT_NEAR(metric("distill/teacher_logprob"), (-0.5 - 2.5 - 0.5 - 1.0 - 1.0 - 1.5 - 2.0 - 0.75) / 8, 1e-6);
+  // Without the teacher's log-probs it refuses rather than distilling from nothing.
+  s.have_ref = false;
+  EXPECT_THROW(compute_advantages(ro, s, {}), Error);
+}
+
 // Per-turn rewards sit at their turn's last token: REINFORCE++'s discounted returns over the model
 // tokens [m1 m2 | m3 m4] with turn rewards 1 (at m2) and 2 (at m4), outcome 4, gamma 0.5:
 // rewards [0, 1, 0, 6] -> returns [0.5 * 2.5, 1 + 0.5 * 3, 0.5 * 6, 6] = [1.25, 2.5, 3, 6].

@@ -304,6 +304,9 @@ struct AlgoConfig {
   double value_clip = 0.2;
   double kl_coef = 0.01;
   std::string kl_estimator = "k1";  // a name in the KL-estimator registry (tiller/algo/algo.h)
+  // On-policy distillation: each response token's advantage gains distill_coef x (log p_teacher -
+  // log p_student), the teacher being the reference role (roles.ref.model). 0: off.
+  double distill_coef = 0.0;
   bool kl_in_reward = true;
   double target_kl = 0.0;
   double kl_horizon = 10000.0;
