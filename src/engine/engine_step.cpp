@@ -161,7 +161,18 @@ void Engine::Impl::collect(const InFlight& f, std::vector<SampleOutput>& done) {
     const char* reason = nullptr;
     if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), last) != p.stop_token_ids.end()) reason = "stop";
     else if (static_cast<int64_t>(s.tokens.size()) - s.prompt_len >= p.max_new_tokens) reason = "length";
-    if (!reason) continue;
+    if (!reason) {
+      if (requests.at(s.request).req.stream) {  // the new token, for a streaming caller
+        SampleOutput partial;
+        partial.request_id = s.request;
+        partial.sample = s.sample;
+        partial.tokens = {last};
+        partial.logprobs = {s.logprobs.back()};
+        partial.prompt_tokens = s.prompt_len;
+        done.push_back(std::move(partial));
+      }
+      continue;
+    }
     const bool keep = requests.at(s.request).req.keep_session;
     done.push_back(finish(s, reason, keep));
     erase_id(running, id);

@@ -211,13 +211,51 @@ struct OpenAiServer::Impl {
   }
 
   // --- the engine ---
-  // Runs every prompt's n samples; `on_choice` sees each one as it finishes (cut at its stop
-  // string). Returns them ordered by prompt and sample.
-  std::vector<Choice> generate(const Generation& g, const std::function<void(const Choice&)>& on_choice) {
+  // A choice's progress while its tokens stream in.
+  struct Track {
+    std::vector<int64_t> tokens;
+    std::vector<float> logprobs;
+    size_t sent_tokens = 0, sent_text = 0;  // what deltas carried so far
+    bool started = false, done = false;
+  };
+
+  // The text a delta may carry while more may come: not a trailing incomplete character (decoded
+  // as U+FFFD), nor a tail that may begin a stop string.
+  static size_t safe_length(const std::string& text, const std::vector<std::string>& stop) {
+    size_t n = text.size();
+    static const std::string kReplacement = "\xEF\xBF\xBD";
+    if (n >= kReplacement.size() && text.compare(n - kReplacement.size(), kReplacement.size(), kReplacement) == 0)
+      n -= kReplacement.size();
+    size_t hold = 0;
+    for (const std::string& s : stop)
+      for (size_t k = std::min(s.size() - 1, n); k > hold; --k)
+        if (text.compare(n - k, k, s, 0, k) == 0) {
+          hold = k;
+          break;
+        }
+    return n - hold;
+  }
+
+  // A delta of one choice: the text and tokens since the last one; `finish` set on its last.
+  struct Delta {
+    int64_t prompt = 0, sample = 0;
+    bool first = false;
+    std::string text;
+    std::vector<int64_t> tokens;
+    std::vector<float> logprobs;
+    std::string finish;
+  };
+
+  // Runs every prompt's n samples and returns their choices, ordered by prompt and sample, each
+  // cut at its first stop string. With `on_delta` (streaming) the engine sends each new token and
+  // the choices go out as deltas; with stop strings it does too, so that a choice ends (and its
+  // request is aborted once all its samples ended) as soon as a stop string appears.
+  std::vector<Choice> generate(const Generation& g, const std::function<void(const Delta&)>& on_delta) {
     std::unique_ptr<LocalSession> session = server.open_local_session();
     const Deadline deadline = Deadline::after_seconds(opts.request_timeout_s);
     const auto count = static_cast<uint64_t>(g.prompts.size());
     const uint64_t first = next_id.fetch_add(count);
+    const bool stream = on_delta != nullptr || !g.stop.empty();
     for (uint64_t i = 0; i < count; ++i) {
       Request r;
       r.id = first + i;
@@ -225,8 +263,12 @@ struct OpenAiServer::Impl {
       r.params = g.params;
       r.params.seed = g.params.seed + i * static_cast<uint64_t>(g.n);  // sample j of prompt i: seed + i n + j
       r.n = g.n;
+      r.stream = stream;
       session->send(r);
     }
+    std::map<std::pair<int64_t, int64_t>, Track> tracks;
+    std::vector<int64_t> ended(count, 0);
+    std::vector<bool> cut_early(count, false);
     std::vector<Choice> out;
     ClientResult c;
     while (session->next(c, deadline)) {
@@ -235,15 +277,51 @@ struct OpenAiServer::Impl {
         if (c.error_code == 3) throw ApiError{400, c.error, "invalid_request_error", "prompt"};
         throw ApiError{503, c.error, "server_error", ""};
       }
+      const auto prompt = static_cast<int64_t>(c.sample.request_id - first);
+      Track& t = tracks[{prompt, c.sample.sample}];
+      if (t.done) continue;  // cut at a stop string already (its request's abort comes back too)
       if (c.sample.finish_reason == "abort") throw ApiError{503, "the engine aborted the request", "server_error", ""};
+      const bool partial = c.sample.finish_reason.empty();
+      if (partial) {
+        t.tokens.insert(t.tokens.end(), c.sample.tokens.begin(), c.sample.tokens.end());
+        t.logprobs.insert(t.logprobs.end(), c.sample.logprobs.begin(), c.sample.logprobs.end());
+      } else {
+        t.tokens = std::move(c.sample.tokens);
+        t.logprobs = std::move(c.sample.logprobs);
+      }
       Choice ch;
-      ch.prompt = static_cast<int64_t>(c.sample.request_id - first);
+      ch.prompt = prompt;
       ch.sample = c.sample.sample;
-      ch.tokens = std::move(c.sample.tokens);
-      ch.logprobs = std::move(c.sample.logprobs);
-      ch.finish_reason = finish_of(c.sample.finish_reason);
+      ch.tokens = t.tokens;
+      ch.logprobs = t.logprobs;
+      ch.finish_reason = partial ? "" : finish_of(c.sample.finish_reason);
+      const size_t before = ch.tokens.size();
       cut_at_stop(ch, g.stop);
-      if (on_choice) on_choice(ch);
+      const bool finished = !partial || ch.tokens.size() < before || ch.finish_reason == "stop";
+      if (on_delta) {
+        Delta d;
+        d.prompt = prompt;
+        d.sample = ch.sample;
+        d.first = !t.started;
+        const size_t text_end = finished ? ch.text.size() : safe_length(ch.text, g.stop);
+        if (text_end > t.sent_text) d.text = ch.text.substr(t.sent_text, text_end - t.sent_text);
+        const size_t token_end = ch.tokens.size();
+        if (token_end > t.sent_tokens) {
+          d.tokens.assign(ch.tokens.begin() + static_cast<std::ptrdiff_t>(t.sent_tokens), ch.tokens.end());
+          d.logprobs.assign(ch.logprobs.begin() + static_cast<std::ptrdiff_t>(t.sent_tokens), ch.logprobs.end());
+        }
+        if (finished) d.finish = ch.finish_reason;
+        if (finished || d.first || !d.text.empty() || !d.tokens.empty()) on_delta(d);
+        t.started = true;
+        t.sent_text = std::max(t.sent_text, text_end);
+        t.sent_tokens = std::max(t.sent_tokens, token_end);
+      }
+      if (!finished) continue;
+      t.done = true;
+      if (partial) cut_early[static_cast<size_t>(prompt)] = true;
+      // Every sample of the request ended: stop the engine on those still running.
+      if (++ended[static_cast<size_t>(prompt)] == g.n && cut_early[static_cast<size_t>(prompt)])
+        session->abort(first + static_cast<uint64_t>(prompt));
       out.push_back(std::move(ch));
     }
     std::sort(out.begin(), out.end(),
@@ -462,8 +540,10 @@ struct OpenAiServer::Impl {
       res.set_content(out.dump(), "application/json");
       return;
     }
-    // Server-sent events: each choice in one chunk as it finishes, then the usage (when asked),
-    // then [DONE]. The generation runs in the content provider, on this request's thread.
+    // Server-sent events: each choice's deltas as its tokens arrive (text held back while it may be
+    // an incomplete character or the start of a stop string), its finish reason on its last, then
+    // the usage (when asked), then [DONE]. The generation runs in the content provider, on this
+    // request's thread.
     res.set_chunked_content_provider("text/event-stream", [this, g, id, now, chat_api](size_t, httplib::DataSink& sink) {
       const char* chunk_object = chat_api ? "chat.completion.chunk" : "text_completion";
       auto send = [&](const json& j) {
@@ -471,8 +551,35 @@ struct OpenAiServer::Impl {
         return sink.write(line.data(), line.size());
       };
       try {
-        const std::vector<Choice> choices = generate(g, [&](const Choice& c) {
-          const json choice = chat_api ? chat_choice(g, c, true) : completion_choice(g, c);
+        const std::vector<Choice> choices = generate(g, [&](const Delta& d) {
+          Choice part;
+          part.prompt = d.prompt;
+          part.sample = d.sample;
+          part.text = d.text;
+          part.tokens = d.tokens;
+          part.logprobs = d.logprobs;
+          json choice;
+          if (chat_api) {
+            json delta{{"content", d.text}};
+            if (d.first) delta["role"] = "assistant";
+            choice = {{"index", d.sample},
+                      {"delta", delta},
+                      {"logprobs", g.logprobs ? chat_logprobs(part) : json(nullptr)},
+                      {"finish_reason", d.finish.empty() ? json(nullptr) : json(d.finish)}};
+            if (g.token_ids) {
+              if (d.first) choice["prompt_token_ids"] = g.prompts.front();
+              choice["token_ids"] = d.tokens;
+            }
+          } else {
+            choice = {{"index", d.prompt * g.n + d.sample},
+                      {"text", d.text},
+                      {"logprobs", g.logprobs ? completion_logprobs(part) : json(nullptr)},
+                      {"finish_reason", d.finish.empty() ? json(nullptr) : json(d.finish)}};
+            if (g.token_ids) {
+              if (d.first) choice["prompt_token_ids"] = g.prompts[static_cast<size_t>(d.prompt)];
+              choice["token_ids"] = d.tokens;
+            }
+          }
           if (!send({{"id", id}, {"object", chunk_object}, {"created", now}, {"model", opts.model_name},
                      {"choices", json::array({choice})}}))
             throw ApiError{499, "the client went away", "client_closed", ""};
@@ -511,6 +618,7 @@ struct OpenAiServer::Impl {
     http->set_payload_max_length(static_cast<size_t>(opts.max_body_bytes));
     http->set_read_timeout(30, 0);
     http->set_write_timeout(30, 0);
+    http->set_keep_alive_timeout(2);  // idle client connections do not hold shutdown() long
     http->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (opts.token.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
       const std::string auth = req.get_header_value("Authorization");

@@ -23,6 +23,7 @@ Request from_proto(const v1::GenerateRequest& g, uint64_t fallback_seed) {
   r.params.max_new_tokens = p.max_new_tokens();
   r.params.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   r.keep_session = g.keep_session();
+  r.stream = g.stream_tokens();
   r.resume = g.has_resume();
   if (r.resume) r.session = {g.resume().request_id(), g.resume().sample()};
   return r;
@@ -43,6 +44,7 @@ void to_proto(const Request& r, uint64_t min_weight_version, v1::GenerateRequest
   p->set_max_new_tokens(r.params.max_new_tokens);
   p->mutable_stop_token_ids()->Add(r.params.stop_token_ids.begin(), r.params.stop_token_ids.end());
   g.set_keep_session(r.keep_session);
+  g.set_stream_tokens(r.stream);
   if (r.resume) {
     g.mutable_resume()->set_request_id(r.session.request);
     g.mutable_resume()->set_sample(static_cast<int32_t>(r.session.sample));

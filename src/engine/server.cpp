@@ -190,7 +190,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
       if (it == routes.end()) continue;
       pb::GenerateStreamResponse r;
       to_proto(o, weight_version, *r.mutable_sample());
-      const bool last = --it->second.remaining == 0;
+      const bool last = !o.finish_reason.empty() && --it->second.remaining == 0;  // "": a streamed partial
       it->second.stream->push(std::move(r), last);
       if (last) routes.erase(it);
     }

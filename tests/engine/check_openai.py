@@ -6,7 +6,7 @@ by raw HTTP, against a live engine (the qwen2-chat fixture, CPU):
   completion's tokens, text and log-probs are what `tiller generate --engine` (the gRPC path)
   gets for the same conversation;
 - completions from token ids, seeded, n = 3: repeatable, one choice per sample, a log-prob per
-  token; streaming gives the same choices as the plain response;
+  token; streaming sends token by token, and its deltas join into the plain response's choices;
 - a stop string cuts the text before it and ends the choice with "stop";
 - hostile or unsupported requests get a 4xx naming the field, never a crash.
 
@@ -113,26 +113,39 @@ try:
     check(all(len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"]) == 8 for c in ca),
           "completions: a log-prob per token, max_tokens of them")
     check(all(c["prompt_token_ids"] == ids for c in ca), "completions: the prompt's ids come back")
-    stream = client.completions.create(**ask, stream=True)
-    streamed = {}
-    for chunk in stream:
-        for c in chunk.choices:
-            d = c.model_dump()
-            streamed[d["index"]] = (d["text"], d.get("token_ids"), d["finish_reason"])
-    check(streamed == {c["index"]: (c["text"], c["token_ids"], c["finish_reason"]) for c in ca},
-          "completions: streaming gives the same choices")
+    def collect(stream):
+        """Per choice: the deltas' text and token ids joined, the finish reason, and the chunk count."""
+        got = {}
+        for chunk in stream:
+            for c in chunk.choices:
+                d = c.model_dump()
+                text, ids, finish, chunks = got.get(d["index"], ("", [], None, 0))
+                got[d["index"]] = (text + (d.get("text") or (d.get("delta") or {}).get("content") or ""),
+                                   ids + (d.get("token_ids") or []), d["finish_reason"] or finish, chunks + 1)
+        return got
+
+    streamed = collect(client.completions.create(**ask, stream=True))
+    check({k: v[:3] for k, v in streamed.items()} ==
+          {c["index"]: (c["text"], c["token_ids"], c["finish_reason"]) for c in ca},
+          "completions: the streamed deltas join into the same choices")
+    check(all(v[3] >= 8 for v in streamed.values()), f"completions: token by token ({[v[3] for v in streamed.values()]} "
+          "chunks per choice of 8 tokens)")
     chat_stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                                  seed=3, stream=True, stream_options={"include_usage": True})
-    text, usage = "", None
+    text, usage, chunks, roles = "", None, 0, []
     for chunk in chat_stream:
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
+            roles.append(chunk.choices[0].delta.role)
+            chunks += 1
         if chunk.usage:
             usage = chunk.usage
     plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                            seed=3)
     check(text == plain.choices[0].message.content and usage is not None and usage.completion_tokens ==
           plain.usage.completion_tokens, "chat: streaming gives the plain response's text and usage")
+    check(chunks > 2 and roles[0] == "assistant" and all(r is None for r in roles[1:]),
+          f"chat: streamed token by token, the role once ({chunks} chunks)")
 
     # --- stop strings ---
     greedy = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
@@ -144,6 +157,10 @@ try:
           stopped["finish_reason"] == "stop" and stopped["token_ids"] == greedy["token_ids"][:len(stopped["token_ids"])]
           and len(stopped["token_ids"]) < len(greedy["token_ids"]),
           f"a stop string {cut!r} ends the text before it ({stopped['text']!r} of {greedy['text']!r})")
+    s2 = collect(client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, stop=[cut],
+                                           stream=True, extra_body={"ignore_eos": True, "return_token_ids": True}))
+    check(s2[0][:3] == (stopped["text"], stopped["token_ids"], "stop"),
+          f"streamed with the stop string: the same cut ({s2[0][:3]})")
 
     # --- hostile and unsupported requests ---
     bad = [

@@ -191,6 +191,49 @@ TEST(Engine, AbortEndsEverySampleOfTheRequest) {
   EXPECT_EQ(e.stats().kv_blocks_free, e.stats().kv_blocks_total);
 }
 
+// Request::stream: after every step an unfinished sample's new token comes back as a partial
+// output (finish_reason ""), in order, one per drawn token; the finished sample still comes back
+// whole and equals the same request without streaming. Forks stream too; other requests do not.
+TEST(Engine, StreamedRequestsReturnEachNewTokenAndTheWholeSampleAtTheEnd) {
+  TinyModel m = tiny("tiny-qwen2");
+  auto run = [&](bool stream) {
+    Engine e(m.cfg, m.weights, small_options());
+    SamplingParams p;
+    p.seed = 5;
+    p.max_new_tokens = 9;
+    Request r{1, {1, 2, 3, 4, 5}, p, 3};
+    r.stream = stream;
+    e.add(r);
+    e.add({2, {6, 7}, p, 1});  // not streamed
+    std::map<int64_t, std::vector<int64_t>> partial;
+    std::map<std::pair<uint64_t, int64_t>, SampleOutput> whole;
+    for (int steps = 0; e.has_work() && steps < 1000; ++steps)
+      for (auto& o : e.step()) {
+        if (!o.finish_reason.empty()) {
+          whole[{o.request_id, o.sample}] = o;
+          continue;
+        }
+        EXPECT_EQ(o.request_id, 1u);
+        EXPECT_EQ(o.tokens.size(), 1u);
+        EXPECT_EQ(o.logprobs.size(), 1u);
+        EXPECT_FALSE(whole.count({o.request_id, o.sample})) << "a partial after its sample finished";
+        partial[o.sample].push_back(o.tokens[0]);
+      }
+    return std::make_pair(partial, whole);
+  };
+  const auto [partial, whole] = run(true);
+  const auto [none, plain] = run(false);
+  EXPECT_TRUE(none.empty());
+  ASSERT_EQ(whole.size(), 4u);
+  for (int64_t j = 0; j < 3; ++j) {
+    const std::vector<int64_t>& all = whole.at({1, j}).tokens;
+    EXPECT_EQ(all, plain.at({1, j}).tokens) << "sample " << j;
+    ASSERT_EQ(partial.count(j), 1u) << "sample " << j;
+    // Every token but the last (which finished the sample) came first as a partial.
+    EXPECT_EQ(partial.at(j), std::vector<int64_t>(all.begin(), all.end() - 1)) << "sample " << j;
+  }
+}
+
 // logging.efficiency's engine benchmark: it runs once, leaves the engine idle with every block
 // free and its counters as they were, records a positive rate, and a budget of 0 seconds cuts
 // the timed run after one step (its requests aborted) yet still yields a rate.

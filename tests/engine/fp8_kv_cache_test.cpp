@@ -36,7 +36,7 @@ at::Tensor quantized_kv_logprobs(const TinyModel& m, const std::vector<int64_t>&
   c10::AutoGradMode no_grad(false);
   std::vector<int64_t> seq = prompt;
   seq.insert(seq.end(), gen.begin(), gen.end());
-  const model::PackedBatch batch = model::PackedBatch::pack({seq}, at::kCPU);
+  const model::PackedBatch batch = model::PackedBatch::pack({seq}, m.weights.embed.device());
   const model::Rope rope(m.cfg);
   QuantizedKv kv;
   model::BlockContext ctx = model::make_block_context(m.cfg, rope, batch, m.weights.embed.scalar_type());
@@ -45,7 +45,9 @@ at::Tensor quantized_kv_logprobs(const TinyModel& m, const std::vector<int64_t>&
   for (int64_t l = 0; l < m.cfg.num_layers; ++l) x = model::block_forward(m.cfg, l, m.weights.layers[l], x, ctx);
   x = model::final_norm(m.cfg, m.weights.final_norm, x);
   const auto p = static_cast<int64_t>(prompt.size()), g = static_cast<int64_t>(gen.size());
-  return model::token_logprobs(x.narrow(0, p - 1, g), m.weights.lm_head, at::tensor(gen, at::kLong), 1.0);
+  return model::token_logprobs(x.narrow(0, p - 1, g), m.weights.lm_head,
+                               at::tensor(gen, at::kLong).to(m.weights.embed.device()), 1.0)
+      .cpu();
 }
 
 std::map<std::pair<uint64_t, int64_t>, SampleOutput> sampled(Engine& e, const std::vector<std::vector<int64_t>>& ps,
@@ -162,6 +164,52 @@ TEST(Fp8KvCache, HoldsMoreTokensInTheSameBytes) {
   const int64_t full = blocks("auto"), fp8 = blocks("fp8");
   const double ratio = static_cast<double>(m.cfg.head_dim * 4) / static_cast<double>(m.cfg.head_dim + 4);
   EXPECT_NEAR(static_cast<double>(fp8) / static_cast<double>(full), ratio, 0.01);
+}
+
+// On a GPU (bf16): decode steps read the e4m3 cache through the CUDA-core paged kernel, after
+// write_kv_fp8 stored each step's rows, inside captured CUDA graphs. The engine's log-probs are
+// the model's reading the same quantized K/V (the reference above, on the GPU) to bf16 rounding,
+// and its greedy tokens stay near the bf16 cache's engine. Weights drawn at 0.05.
+TEST(EngineGpu, Fp8KvCacheUnderCudaGraphsEqualsTheModelReadingQuantizedKv) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU";
+  TinyModel m = tiny("tiny-qwen2", 1);
+  m.cfg.initializer_range = 0.05;
+  m.named = model::init_weights(m.cfg, model::Head::kLm, 1, at::kFloat);
+  for (auto& [name, t] : m.named) t = t.to(at::Device("cuda:0"), at::kBFloat16);
+  m.weights = model::bind_weights(m.cfg, m.named, model::Head::kLm, "tiny-qwen2");
+  EngineOptions o = kv_fp8_options();
+  o.device = "cuda:0";
+  EngineOptions o16 = o;
+  o16.kv_cache_dtype = "auto";
+  Engine e(m.cfg, m.weights, o), b16(m.cfg, m.weights, o16);
+  EXPECT_TRUE(e.paged_decode());
+  EXPECT_TRUE(e.cuda_graphs());
+  const auto ps = prompts(12, 17, m.cfg.vocab_size, 30);
+  SamplingParams g;
+  g.greedy = true;
+  g.max_new_tokens = 12;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    e.add({i, ps[i], g, 1});
+    b16.add({i, ps[i], g, 1});
+  }
+  const auto x = run_all(e), y = run_all(b16);
+  int64_t same = 0, total = 0, tokens = 0;
+  double diff = 0;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const SampleOutput& a = x.at({i, 0});
+    const SampleOutput& b = y.at({i, 0});
+    size_t j = 0;
+    while (j < a.tokens.size() && a.tokens[j] == b.tokens[j]) ++j;
+    same += static_cast<int64_t>(j);
+    total += static_cast<int64_t>(a.tokens.size());
+    const at::Tensor want = quantized_kv_logprobs(m, ps[i], a.tokens);
+    for (size_t k = 0; k < a.tokens.size(); ++k, ++tokens)
+      diff += std::abs(a.logprobs[k] - want[static_cast<int64_t>(k)].item<double>());
+  }
+  std::printf("GPU FP8 KV cache: greedy agreement with the bf16 cache %.3f, mean |engine - quantized-KV model| %.2e\n",
+              static_cast<double>(same) / static_cast<double>(total), diff / static_cast<double>(tokens));
+  EXPECT_GE(static_cast<double>(same) / static_cast<double>(total), 0.6);
+  EXPECT_LT(diff / static_cast<double>(tokens), 0.02);
 }
 
 TEST(Fp8KvCache, UnknownDtypeAndTheBitwiseModeAreRefused) {

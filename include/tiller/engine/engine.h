@@ -150,6 +150,10 @@ struct Request {
   bool keep_session = false;       // park each finished sample's KV cache (stop or length)
   bool resume = false;             // start from the parked session `session` (n must be 1)
   SessionKey session;
+  // step() also returns each unfinished sample's newly drawn token (a SampleOutput with an empty
+  // finish_reason, its tokens and log-probs only the new ones); the finished sample still comes
+  // back whole.
+  bool stream = false;
 };
 
 struct SampleOutput {
@@ -157,7 +161,7 @@ struct SampleOutput {
   int64_t sample = 0;              // 0 .. n-1
   std::vector<int64_t> tokens;     // generated ids; the stop token included when one ended it
   std::vector<float> logprobs;     // one per generated token (see sampling.h)
-  std::string finish_reason;       // "stop", "length" or "abort"
+  std::string finish_reason;       // "stop", "length" or "abort"; "" for a streamed partial (Request::stream)
   int64_t prompt_tokens = 0;
   int64_t preemptions = 0;         // times this sample was preempted and recomputed
   // The weight version that sampled each token, run-length coded: tokens [version_starts[i],
@@ -227,7 +231,8 @@ class Engine {
   // Leader only. Frees a parked session's KV cache (the episode ended). False when none is parked
   // under the key.
   bool release_session(SessionKey key);
-  // Leader only. Runs one step if there is work; returns the samples that finished in it. With
+  // Leader only. Runs one step if there is work; returns the samples that finished in it (and, for
+  // Request::stream, each unfinished sample's new token as a partial output). With
   // asynchronous scheduling the step it returns may have been launched by the call before, and
   // the next step may already be on the device when it returns.
   std::vector<SampleOutput> step();

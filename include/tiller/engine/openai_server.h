@@ -11,14 +11,16 @@
 // max_tokens (max_completion_tokens), temperature (0: greedy), top_p, top_k, min_p, n, seed, stop
 // (strings) and stop_token_ids, ignore_eos, logprobs (the sampled token's: `logprobs: 0` or
 // `true`; alternatives are not computed, so top_logprobs > 0 is refused), stream (server-sent
-// events, each choice in one chunk when it finishes), return_token_ids. Refused with a 400 naming
+// events, token by token), return_token_ids. Refused with a 400 naming
 // the field: anything out of its bounds (OpenAiOptions), echo, best_of, suffix, logit_bias,
 // response_format, a model name other than the served one (404). With a token, every call needs
 // `Authorization: Bearer <token>` (else 401).
 //
 // Stop strings end a choice at their first occurrence in the decoded text (the text stops before
-// it; the tokens and log-probs end with the token that completed it); the engine stops on stop
-// tokens itself, on stop strings only after generating (up to max_tokens).
+// it; the tokens and log-probs end with the token that completed it). The engine streams each
+// token to the endpoint (Request::stream) when a request streams or has stop strings, so a stop
+// string ends the generation as soon as it appears (the request is aborted once all its samples
+// ended).
 //
 // Threading: the HTTP server's own pool; each request holds one local session.
 #pragma once
