@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """The arithmetic example's model, tokenizer and data (examples/arithmetic/run.sh), deterministic:
 
-  make_data.py OUT_DIR [--digits 4] [--train 200000] [--eval 1000] [--shape base|tiny]
+  make_data.py OUT_DIR [--digits 4] [--train 200000] [--eval 1000] [--shape base|small|tiny]
 
 Task: add two numbers of up to --digits digits, with a worked answer that adds column by column,
 right to left, carrying; the last line is "#### <sum>" (what reward.rule math_answer reads):
   prompt:   "Q: 4821+377="
   response: " 1+7=8 2+7=9 8+3=11 4+1=5 #### 5198"
 OUT_DIR/model      a Qwen2-shaped causal LM from random weights (base: hidden 768, 12 layers, 12 heads,
-                   4 KV heads, MLP 2048, tied embeddings: ~76M parameters; tiny: 2 layers of 64,
-                   for the CPU smoke test), with a byte-level tokenizer (no merges: one token per
+                   4 KV heads, MLP 2048, tied embeddings: ~76M parameters; small: hidden 384, 6 layers,
+                   6 heads, 2 KV heads, MLP 1024, ~9M: the distillation example's student; tiny: 2
+                   layers of 64, for the CPU smoke test), with a byte-level tokenizer (no merges: one token per
                    character, so the model adds digit by digit)
 OUT_DIR/sft.jsonl  --train prompt/response pairs for tiller sft
 OUT_DIR/rl.jsonl   the same prompts as {"input", "label"} for tiller train (GRPO)
@@ -46,7 +47,7 @@ def main():
     ap.add_argument("--digits", type=int, default=4)
     ap.add_argument("--train", type=int, default=200000)
     ap.add_argument("--eval", type=int, default=1000)
-    ap.add_argument("--shape", choices=["base", "tiny"], default="base")
+    ap.add_argument("--shape", choices=["base", "small", "tiny"], default="base")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,9 +92,12 @@ def main():
          "model_max_length": 512}))
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    shape = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                 intermediate_size=2048) if args.shape == "base" else \
-        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=176)
+    shape = {"base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                          intermediate_size=2048),
+             "small": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+                           intermediate_size=1024),
+             "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=176)}[args.shape]
     eos = tok.token_to_id("<|endoftext|>")
     cfg = Qwen2Config(vocab_size=tok.get_vocab_size(), max_position_embeddings=512, tie_word_embeddings=True,
                       bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, rope_theta=10000.0, **shape)

@@ -10,6 +10,12 @@
 # another engine, e.g. an FP8 one with TIS beside the bf16 run in DIR (docs/engine.md, FP8 engines):
 #   FROM_SFT=out/arithmetic GRPO_ARGS="--set engines.quantization=fp8 --set algo.importance_correction=tis
 #     --set algo.tis_cap=2" examples/arithmetic/run.sh out/arithmetic-fp8
+# On-policy distillation (docs/training.md): SHAPE=small makes a ~9M-parameter student (the same
+# tokenizer), and TEACHER=DIR (an HF model: an earlier run's final GRPO checkpoint) makes the GRPO
+# stage distill from it (the reference role; algo.distill_coef DISTILL_COEF, default 1, beside the
+# task reward; kl_coef 0). The student without the teacher is the control:
+#   TEACHER=out/arithmetic/grpo/checkpoints/step_000500/actor_hf SHAPE=small examples/arithmetic/run.sh out/distill
+#   SHAPE=small examples/arithmetic/run.sh out/small
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-out/arithmetic}
@@ -17,13 +23,17 @@ tiller=${TILLER:-build/bin/tiller}
 mpirun=(${MPIRUN:-mpirun} --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0 -x TORCH_SYMM_MEM_DISABLE_MULTICAST=1
         -x NVSHMEM_DISABLE_NVLS=1)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-data=(--digits 4 --train 200000 --eval 1000 --shape base)
+data=(--digits 4 --train 200000 --eval 1000 --shape "${SHAPE:-base}")
 sft=(--set run.output_dir="$out/sft" --set roles.actor.model="$out/data/model" --set offline.data="$out/data/sft.jsonl")
 grpo=(--set run.output_dir="$out/grpo" --set roles.actor.model="$out/sft/model" --set data.prompts="$out/data/rl.jsonl"
       --set eval.prompts="$out/data/eval.jsonl")
 read -r -a grpo_extra <<< "${GRPO_ARGS:-}"
+if [ -n "${TEACHER:-}" ]; then
+  [ -f "$TEACHER/config.json" ] || { echo "run.sh: TEACHER=$TEACHER is not an HF model directory (no config.json)" >&2; exit 2; }
+  grpo_extra+=(--set roles.ref.model="$TEACHER" --set algo.distill_coef="${DISTILL_COEF:-1}" --set algo.kl_coef=0)
+fi
 if [ "${SMOKE:-0}" = 1 ]; then
-  data=(--digits 2 --train 2000 --eval 50 --shape tiny)
+  data=(--digits 2 --train 2000 --eval 50 --shape "${SHAPE:-tiny}")
   sft+=(--set cluster.device=cpu --set roles.actor.dtype=fp32 --set offline.epochs=1 --set offline.max_steps=6
         --set offline.eval_samples=50 --set offline.eval_every=3)
   grpo+=(--set cluster.device=cpu --set roles.actor.dtype=fp32 --set roles.ref.dtype=fp32 --set train.num_steps=2
@@ -87,6 +97,11 @@ curve = {
     "grpo_reward_per_step": [round(r["reward/mean"], 4) for r in grpo if "reward/mean" in r],
     "sft_seconds": sft_s, "grpo_seconds": grpo_s,
 }
+if any("distill/reverse_kl" in r for r in grpo):  # TEACHER: the student's per-token reverse KL to it
+    curve["teacher"] = os.environ.get("TEACHER", "")
+    curve["distill_reverse_kl_per_step"] = [round(r["distill/reverse_kl"], 4) for r in grpo if "distill/reverse_kl" in r]
+elif os.environ.get("TEACHER"):
+    sys.exit("run.sh: TEACHER is set, yet the GRPO stage logged no distill/reverse_kl")
 # The same curve from tiller train's own evaluation (eval.*: the engine, greedy, every 50 steps;
 # step 0 is the SFT model), and its difference from eval.py's at the steps both measured.
 train_eval = {r["step"]: r["eval/all/greedy_accuracy"] for r in grpo if "eval/all/greedy_accuracy" in r}
