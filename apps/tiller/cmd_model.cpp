@@ -252,7 +252,7 @@ int run_generate(GenerateOptions o) {
     if (!ok) throw IoError(fmt::format("{}: write failed", tmp));
     fs::rename(tmp, o.out);
   }
-  std::fprintf(stderr, "tiller generate: %zu prompts, %lld tokens in %.1f s (%.1f tokens/s)\n", prompts.size(),
+  std::fprintf(stderr, "tiller generate: %zu prompts, %lld tokens in %.3f s (%.1f tokens/s)\n", prompts.size(),
                static_cast<long long>(generated), secs, generated / std::max(secs, 1e-9));
   return 0;
 }
