@@ -32,6 +32,7 @@ struct EngineCmdOptions {
   int openai_port = -1;  // >= 0: also serve the OpenAI-compatible endpoint there (0: any free port)
   std::string served_model_name, chat_template = "auto";
   double openai_timeout_s = 600;
+  std::string tool_call_parser = "none";
   int tp = 1;
   engine::EngineOptions engine;
   bool no_chunked_prefill = false;
@@ -108,6 +109,7 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
     ao.tls.key = o.tls_key;
     ao.model_name = !o.served_model_name.empty() ? o.served_model_name : o.model;
     ao.request_timeout_s = o.openai_timeout_s;
+    ao.tool_call_parser = o.tool_call_parser;
     openai = std::make_unique<engine::OpenAiServer>(server, tok, chat, model::eos_token_ids(o.model, w.config, *tok),
                                                     eng.max_model_len(), ao);
     log::info("engine: OpenAI-compatible endpoint on {}://{}:{}/v1 (model '{}', chat template {})",
@@ -179,6 +181,10 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
                   "The OpenAI endpoint's chat format: auto (the model's own), model, chatml, llama3, none, or a .jinja file");
   cmd->add_option("--openai-timeout", o->openai_timeout_s, "Seconds one OpenAI request may take")
       ->check(CLI::Range(1.0, 1e6));
+  cmd->add_option("--tool-call-parser", o->tool_call_parser,
+                  "none, or hermes: chat replies' <tool_call>{...}</tool_call> blocks (Hermes, Qwen2.5) become "
+                  "message.tool_calls when the request gives tools")
+      ->check(CLI::IsMember({"none", "hermes"}));
   cmd->add_option("--lora", o->lora,
                   "A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), served unmerged "
                   "beside the base in fp32, as PEFT and tiller's trainer run it");

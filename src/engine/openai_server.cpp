@@ -23,7 +23,7 @@
 namespace tiller::engine {
 namespace {
 
-using json = nlohmann::json;
+using json = nlohmann::ordered_json;  // objects keep their keys' order: chat templates render tools and calls as sent
 
 // A request the endpoint answers with an error body: HTTP status, OpenAI error type, the field.
 struct ApiError {
@@ -84,6 +84,7 @@ struct Generation {
   bool token_ids = false;
   bool stream = false;
   bool include_usage = false;
+  bool tools = false;  // chat with tools (and a tool-call parser): replies' tool calls are read out
 };
 
 // One finished choice, cut at its first stop string.
@@ -97,7 +98,47 @@ struct Choice {
 
 std::string finish_of(const std::string& engine_reason) { return engine_reason == "length" ? "length" : "stop"; }
 
+std::string trim(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t\r\n"), b = s.find_last_not_of(" \t\r\n");
+  return a == std::string::npos ? "" : s.substr(a, b - a + 1);
+}
+
 }  // namespace
+
+std::optional<ToolCalls> parse_hermes_tool_calls(const std::string& text) {
+  static const std::string kOpen = "<tool_call>", kClose = "</tool_call>";
+  size_t at = text.find(kOpen);
+  if (at == std::string::npos) return std::nullopt;
+  ToolCalls out;
+  out.content = trim(text.substr(0, at));
+  while (at != std::string::npos) {
+    const size_t body = at + kOpen.size();
+    const size_t end = text.find(kClose, body);
+    // An unclosed last block (the reply ran out of tokens, or stopped at </tool_call>) counts
+    // when its JSON is whole.
+    const std::string inner = trim(text.substr(body, end == std::string::npos ? std::string::npos : end - body));
+    json call;
+    try {
+      call = json::parse(inner);
+    } catch (const json::exception&) {
+      return std::nullopt;
+    }
+    if (!call.is_object() || !call.contains("name") || !call.at("name").is_string()) return std::nullopt;
+    json args = call.value("arguments", json::object());
+    if (args.is_string()) {  // some models write the arguments as a JSON string
+      try {
+        args = json::parse(args.get<std::string>());
+      } catch (const json::exception&) {
+        return std::nullopt;
+      }
+    }
+    if (!args.is_object()) return std::nullopt;
+    out.calls.emplace_back(call.at("name").get<std::string>(), args.dump());
+    if (end == std::string::npos) break;
+    at = text.find(kOpen, end + kClose.size());
+  }
+  return out;
+}
 
 struct OpenAiServer::Impl {
   EngineServer& server;
@@ -332,7 +373,7 @@ struct OpenAiServer::Impl {
   // The choice's text; with stop strings, up to the first one, and the tokens up to the one that
   // completed it (the shortest prefix whose decoding holds it).
   void cut_at_stop(Choice& ch, const std::vector<std::string>& stop) const {
-    ch.text = tok->decode(ch.tokens, /*skip_special_tokens=*/true);
+    ch.text = decode(ch.tokens, /*skip_special=*/true);
     size_t at = std::string::npos;
     const std::string* hit = nullptr;
     for (const std::string& s : stop) {
@@ -347,7 +388,7 @@ struct OpenAiServer::Impl {
     while (lo < hi) {
       const size_t mid = (lo + hi) / 2;
       const std::vector<int64_t> prefix(ch.tokens.begin(), ch.tokens.begin() + static_cast<std::ptrdiff_t>(mid));
-      if (tok->decode(prefix, true).find(*hit) != std::string::npos) hi = mid;
+      if (decode(prefix, true).find(*hit) != std::string::npos) hi = mid;
       else lo = mid + 1;
     }
     ch.tokens.resize(lo);
@@ -356,7 +397,19 @@ struct OpenAiServer::Impl {
     ch.finish_reason = "stop";
   }
 
-  std::string piece(int64_t id) const { return tok->decode({id}, false); }
+  // The text of `ids`. A model's vocabulary may be padded past its tokenizer's (Qwen2.5: 151936
+  // rows, 151665 tokens): a padding id the engine drew has no text.
+  std::string decode(const std::vector<int64_t>& ids, bool skip_special) const {
+    const int64_t vocab = tok->vocab_size();
+    if (std::all_of(ids.begin(), ids.end(), [&](int64_t i) { return i >= 0 && i < vocab; }))
+      return tok->decode(ids, skip_special);
+    std::vector<int64_t> known;
+    for (int64_t i : ids)
+      if (i >= 0 && i < vocab) known.push_back(i);
+    return tok->decode(known, skip_special);
+  }
+
+  std::string piece(int64_t id) const { return decode({id}, false); }
 
   json usage(const Generation& g, const std::vector<Choice>& choices) const {
     int64_t prompt = 0, completion = 0;
@@ -467,6 +520,21 @@ struct OpenAiServer::Impl {
       json rest = m;
       rest.erase("role");
       rest.erase("content");
+      // OpenAI clients send a call's arguments as a JSON string; chat templates (Qwen2.5's, Llama
+      // 3.1's) write them with `tojson`, as the model wrote them: an object.
+      if (rest.contains("tool_calls") && rest.at("tool_calls").is_array())
+        for (json& call : rest.at("tool_calls"))
+          if (call.is_object() && call.contains("function") && call.at("function").is_object()) {
+            json& f = call.at("function");
+            if (f.contains("arguments") && f.at("arguments").is_string()) {
+              try {
+                json parsed = json::parse(f.at("arguments").get<std::string>());
+                if (parsed.is_object()) f["arguments"] = std::move(parsed);
+              } catch (const json::exception&) {
+                // Not JSON: the template gets the string as it was sent.
+              }
+            }
+          }
       if (!rest.empty()) msg.fields_json = rest.dump();
       messages.push_back(std::move(msg));
     }
@@ -490,6 +558,7 @@ struct OpenAiServer::Impl {
     if (boolean(b, "logprobs", false)) g.logprobs = true;
     if (integer(b, "top_logprobs", 0, 0, 20) > 0)
       refuse("top_logprobs", "only the sampled token's log-prob is computed: top_logprobs must be 0");
+    g.tools = !tools.empty() && opts.tool_call_parser == "hermes";
     g.prompts.push_back(std::move(prompt));
     return g;
   }
@@ -505,12 +574,34 @@ struct OpenAiServer::Impl {
     return {{"content", content}};
   }
 
+  // The reply's text with its special tokens (a tool call's tags may be some), without the stop
+  // token that ended it.
+  std::string raw_text(const Choice& c) const {
+    std::vector<int64_t> ids = c.tokens;
+    if (!ids.empty() && std::find(eos.begin(), eos.end(), ids.back()) != eos.end()) ids.pop_back();
+    return decode(ids, /*skip_special=*/false);
+  }
+
   json chat_choice(const Generation& g, const Choice& c, bool delta) const {
     json message{{"role", "assistant"}, {"content", c.text}};
+    std::string finish = c.finish_reason;
+    if (g.tools)
+      if (const std::optional<ToolCalls> calls = parse_hermes_tool_calls(raw_text(c))) {
+        json list = json::array();
+        for (size_t i = 0; i < calls->calls.size(); ++i)
+          list.push_back({{"id", fmt::format("call_{}_{}_{}", c.prompt, c.sample, i)},
+                          {"type", "function"},
+                          {"function", {{"name", calls->calls[i].first}, {"arguments", calls->calls[i].second}}}});
+        if (delta)
+          for (size_t i = 0; i < list.size(); ++i) list[i]["index"] = static_cast<int64_t>(i);
+        message["content"] = calls->content.empty() ? json(nullptr) : json(calls->content);
+        message["tool_calls"] = list;
+        if (finish == "stop") finish = "tool_calls";
+      }
     json out{{"index", c.sample},
              {delta ? "delta" : "message", message},
              {"logprobs", g.logprobs ? chat_logprobs(c) : json(nullptr)},
-             {"finish_reason", c.finish_reason}};
+             {"finish_reason", finish}};
     if (g.token_ids) {
       out["prompt_token_ids"] = g.prompts.front();
       out["token_ids"] = c.tokens;
@@ -552,6 +643,7 @@ struct OpenAiServer::Impl {
       };
       try {
         const std::vector<Choice> choices = generate(g, [&](const Delta& d) {
+          if (chat_api && g.tools) return;  // tool calls are read out of the whole reply: sent at its end below
           Choice part;
           part.prompt = d.prompt;
           part.sample = d.sample;
@@ -584,6 +676,14 @@ struct OpenAiServer::Impl {
                      {"choices", json::array({choice})}}))
             throw ApiError{499, "the client went away", "client_closed", ""};
         });
+        if (chat_api && g.tools)
+          for (const Choice& c : choices) {
+            json choice = chat_choice(g, c, true);
+            if (g.token_ids) choice["prompt_token_ids"] = g.prompts.front();
+            if (!send({{"id", id}, {"object", chunk_object}, {"created", now}, {"model", opts.model_name},
+                       {"choices", json::array({choice})}}))
+              return false;
+          }
         if (g.include_usage)
           send({{"id", id}, {"object", chunk_object}, {"created", now}, {"model", opts.model_name},
                 {"choices", json::array()}, {"usage", usage(g, choices)}});
@@ -684,6 +784,8 @@ OpenAiServer::OpenAiServer(EngineServer& server, std::shared_ptr<const model::To
                            const OpenAiOptions& opts)
     : impl_(std::make_unique<Impl>(server, std::move(tokenizer), chat, std::move(eos_ids), max_model_len, opts)) {
   TILLER_CHECK(impl_->tok != nullptr, "the OpenAI endpoint needs the model's tokenizer");
+  if (opts.tool_call_parser != "none" && opts.tool_call_parser != "hermes")
+    throw ConfigError(fmt::format("tool call parser '{}': use none or hermes", opts.tool_call_parser));
   impl_->start();
 }
 

@@ -8,7 +8,9 @@ by raw HTTP, against a live engine (the qwen2-chat fixture, CPU):
 - completions from token ids, seeded, n = 3: repeatable, one choice per sample, a log-prob per
   token; streaming sends token by token, and its deltas join into the plain response's choices;
 - a stop string cuts the text before it and ends the choice with "stop";
-- hostile or unsupported requests get a 4xx naming the field, never a crash.
+- hostile or unsupported requests get a 4xx naming the field, never a crash;
+- with tools (--tool-call-parser hermes, Qwen2.5's template): a conversation with a tool call and
+  its answer renders to transformers' chat template's text, tokenized as the tokenizer.json says.
 
   check_openai.py TILLER_BINARY FIXTURES_DIR SCRATCH_DIR
 """
@@ -201,6 +203,66 @@ try:
     check(len(r.choices) == 1 and r.choices[0].finish_reason in ("length", "stop"), "the endpoint still serves")
 finally:
     os.kill(info["pid"], signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = None
+    check(code == 0, f"SIGTERM stops the engine and its endpoint with exit 0 (got {code})")
+
+# Tools (--tool-call-parser hermes): the chat fixture's weights with Qwen2.5's chat template and
+# tokenizer (700 ids, within the model's 1200). A conversation with a tool call (its arguments a
+# JSON string, as OpenAI clients send them), a tool's answer and `tools` renders to the token ids
+# transformers' apply_chat_template gives (the arguments as the object the model wrote).
+import shutil
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer
+
+tool_model = scratch / "tool_model"
+shutil.rmtree(tool_model, ignore_errors=True)
+tool_model.mkdir()
+for f in ["config.json", "model.safetensors", "generation_config.json"]:
+    if (model / f).exists():
+        shutil.copy(model / f, tool_model / f)
+for f in ["tokenizer.json", "tokenizer_config.json"]:
+    shutil.copy(fixtures / "chat_templates" / "qwen2.5" / f, tool_model / f)
+cfg = json.loads((tool_model / "config.json").read_text())
+cfg["max_position_embeddings"] = 1024  # the tools' system prompt is longer than the fixture's 256
+(tool_model / "config.json").write_text(json.dumps(cfg))
+proc = subprocess.Popen([tiller, "engine", "--model", str(tool_model), "--port", "0", "--openai-port", "0", "--device",
+                         "cpu", "--num-blocks", "128", "--block-size", "8", "--served-model-name", "tools",
+                         "--tool-call-parser", "hermes"], stdout=subprocess.PIPE, text=True, env=env)
+info = json.loads(proc.stdout.readline())
+client = OpenAI(base_url=f"http://127.0.0.1:{info['openai_port']}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                            "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                                           "b": {"type": "integer"}},
+                                                           "required": ["a", "b"]}}}]
+messages = [{"role": "user", "content": "What is 2+3?"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+try:
+    r = client.chat.completions.create(model="tools", messages=messages, tools=tools, max_tokens=8, temperature=1,
+                                       seed=1, extra_body={"return_token_ids": True})
+    want_messages = json.loads(json.dumps(messages))
+    want_messages[1]["tool_calls"][0]["function"]["arguments"] = {"a": 2, "b": 3}
+    # transformers renders the text; the tokenizer.json encodes it (transformers 5's Qwen2 class
+    # would split digits by its own regex, not this fixture's tokenizer.json's).
+    text = AutoTokenizer.from_pretrained(str(tool_model)).apply_chat_template(
+        want_messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    want = Tokenizer.from_file(str(tool_model / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    got = r.choices[0].model_dump()["prompt_token_ids"]
+    check(got == list(want), f"tools: the conversation renders to transformers' chat template, tokenized as the "
+          f"tokenizer.json says ({len(got)} vs {len(want)} ids)")
+    check(r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls,
+          "tools: a reply without <tool_call> blocks is plain content")
+finally:
+    os.kill(info["pid"], signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
     try:
         code = proc.wait(timeout=60)
     except subprocess.TimeoutExpired:

@@ -13,6 +13,7 @@
 
 #include "tiller/core/tls.h"
 #include "tiller/engine/engine.h"
+#include "tiller/engine/openai_server.h"
 #include "tiller/engine/server.h"
 #include "tiller/model/generate.h"
 #include "tiller/model/weights.h"
@@ -313,6 +314,33 @@ TEST(EngineService, UnreachableServerAndDeadlinesAreClearErrors) {
   } catch (const CommError& e) {
     EXPECT_NE(std::string(e.what()).find("127.0.0.1:1"), std::string::npos) << e.what();
   }
+}
+
+// The OpenAI endpoint's hermes tool-call parser (--tool-call-parser hermes): Hermes' and
+// Qwen2.5's <tool_call> blocks become calls; text before them the content; a block that is not
+// such JSON leaves the whole reply as content.
+TEST(OpenAiEndpoint, HermesToolCallsAreReadOutOfTheReply) {
+  EXPECT_FALSE(parse_hermes_tool_calls("The sum is 5.").has_value());
+  auto one = parse_hermes_tool_calls("I'll add them.\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 2, \"b\": 3}}\n</tool_call>");
+  ASSERT_TRUE(one.has_value());
+  EXPECT_EQ(one->content, "I'll add them.");
+  ASSERT_EQ(one->calls.size(), 1u);
+  EXPECT_EQ(one->calls[0].first, "add");
+  EXPECT_EQ(one->calls[0].second, R"({"a":2,"b":3})");
+  // Two calls, arguments written as a JSON string, the last block unclosed (the reply ended at its
+  // stop token), no content.
+  auto two = parse_hermes_tool_calls(
+      "<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"x\\\": [1]}\"}</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}");
+  ASSERT_TRUE(two.has_value());
+  EXPECT_EQ(two->content, "");
+  ASSERT_EQ(two->calls.size(), 2u);
+  EXPECT_EQ(two->calls[0].second, R"({"x":[1]})");
+  EXPECT_EQ(two->calls[1].first, "g");
+  EXPECT_EQ(two->calls[1].second, "{}");
+  // Not calls: broken JSON, no name, arguments that are not an object.
+  EXPECT_FALSE(parse_hermes_tool_calls("<tool_call>{\"name\": \"f\", </tool_call>").has_value());
+  EXPECT_FALSE(parse_hermes_tool_calls("<tool_call>{\"arguments\": {}}</tool_call>").has_value());
+  EXPECT_FALSE(parse_hermes_tool_calls("<tool_call>{\"name\": \"f\", \"arguments\": 3}</tool_call>").has_value());
 }
 
 }  // namespace

@@ -27,7 +27,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tiller/core/tls.h"
@@ -49,6 +51,10 @@ struct OpenAiOptions {
   std::string model_name;          // the id /v1/models lists and requests may name
   double request_timeout_s = 600;  // a request's deadline for all its choices
   int threads = 16;                // requests served at once (more wait for a thread)
+  // How chat replies' tool calls are read out of their text when the request gave `tools`: "none"
+  // (the text is the content), or "hermes" (Hermes' and Qwen2.5's <tool_call>{"name": ...,
+  // "arguments": {...}}</tool_call> blocks become message.tool_calls, finish_reason "tool_calls").
+  std::string tool_call_parser = "none";
   // Bounds of one request.
   int64_t max_body_bytes = int64_t{32} << 20;
   int64_t max_prompts = 256;       // prompts of one completions request
@@ -57,6 +63,16 @@ struct OpenAiOptions {
   int64_t max_stop_bytes = 256;    // each
   int64_t max_messages = 4096;     // chat messages
 };
+
+// A reply's tool calls in the Hermes / Qwen2.5 format: `content` is the text before the first
+// <tool_call> block (trimmed; may be empty), `calls` each block's name and arguments (a JSON
+// object's text). nullopt when the text has no block, or a block that is not such JSON (the reply
+// is then all content, as vLLM's hermes parser leaves it).
+struct ToolCalls {
+  std::string content;
+  std::vector<std::pair<std::string, std::string>> calls;
+};
+std::optional<ToolCalls> parse_hermes_tool_calls(const std::string& text);
 
 class OpenAiServer {
  public:
