@@ -119,7 +119,8 @@ INSTANTIATE_TEST_SUITE_P(Engine, EngineTp,
 // of the whole weight), so it is not TP 1's FP8 engine to the bit. It stays as near the
 // unquantized engine as TP 1's FP8 engine does: greedy tokens agree on >= 75% before the first
 // difference, and the log-probs differ by < 0.04 on average (the single-rank bound of
-// Fp8Engine.StaysWithinAStatedBoundOfTheUnquantizedModel, weights drawn at 0.05 likewise).
+// Fp8Engine.StaysWithinAStatedBoundOfTheUnquantizedModel, weights drawn at 0.05 likewise); with
+// an FP8 KV cache as well, within the same bounds.
 TEST(EngineTpFp8, TwoRanksStayNearTheUnquantizedEngine) {
   if (comm().size() < 2) GTEST_SKIP() << "needs 2 ranks";
   model::ModelConfig cfg = model::preset("tiny-qwen2");
@@ -130,50 +131,56 @@ TEST(EngineTpFp8, TwoRanksStayNearTheUnquantizedEngine) {
   const int pair = comm().rank() / 2;
   auto tp = comm().split(pair * 2 + 1 < comm().size() ? pair : -1, comm().rank(), "engine.tp.fp8");
   if (!tp) return;
-  engine::EngineOptions o;
-  o.device = device().str();
-  o.block_size = 8;
-  o.num_blocks = 64;
-  o.quantization = "fp8";
-  engine::Engine e(cfg, engine::slice_for_tp(cfg, full, tp->rank(), tp->size()), o, tp.get());
-  if (!e.is_leader()) {
-    e.follow();
-    return;
-  }
-  engine::EngineOptions plain = o;
-  plain.quantization = "none";
-  engine::Engine reference(cfg, full, plain);
-  std::map<uint64_t, engine::SampleOutput> got, want;
-  for (engine::Engine* which : {&e, &reference}) {
-    for (uint64_t i = 0; i < 8; ++i) {
-      model::SamplingParams p;
-      p.greedy = true;
-      p.max_new_tokens = 12;
-      std::vector<int64_t> prompt;
-      for (uint64_t t = 0; t < 4 + i * 5; ++t) prompt.push_back(static_cast<int64_t>((i * 37 + t * 11) % 500));
-      which->add({i, prompt, p, 1});
+  // FP8 projections, then with an FP8 KV cache too (each rank its KV heads' rows and scales).
+  for (const std::string kv : {"auto", "fp8"}) {
+    SCOPED_TRACE("kv cache " + kv);
+    engine::EngineOptions o;
+    o.device = device().str();
+    o.block_size = 8;
+    o.num_blocks = 64;
+    o.quantization = "fp8";
+    o.kv_cache_dtype = kv;
+    engine::Engine e(cfg, engine::slice_for_tp(cfg, full, tp->rank(), tp->size()), o, tp.get());
+    if (!e.is_leader()) {
+      e.follow();
+      continue;
     }
-    auto& out = which == &e ? got : want;
-    while (which->has_work())
-      for (auto& r : which->step()) out[r.request_id] = r;
-  }
-  e.shutdown();
-  int64_t same = 0, total = 0, compared = 0;
-  double gap = 0;
-  for (const auto& [id, w] : want) {
-    const auto& g = got.at(id);
-    size_t j = 0;
-    while (j < w.tokens.size() && g.tokens[j] == w.tokens[j]) {
-      gap += std::abs(static_cast<double>(g.logprobs[j] - w.logprobs[j]));
-      ++j;
+    engine::EngineOptions plain = o;
+    plain.quantization = "none";
+    plain.kv_cache_dtype = "auto";
+    engine::Engine reference(cfg, full, plain);
+    std::map<uint64_t, engine::SampleOutput> got, want;
+    for (engine::Engine* which : {&e, &reference}) {
+      for (uint64_t i = 0; i < 8; ++i) {
+        model::SamplingParams p;
+        p.greedy = true;
+        p.max_new_tokens = 12;
+        std::vector<int64_t> prompt;
+        for (uint64_t t = 0; t < 4 + i * 5; ++t) prompt.push_back(static_cast<int64_t>((i * 37 + t * 11) % 500));
+        which->add({i, prompt, p, 1});
+      }
+      auto& out = which == &e ? got : want;
+      while (which->has_work())
+        for (auto& r : which->step()) out[r.request_id] = r;
     }
-    same += static_cast<int64_t>(j);
-    compared += static_cast<int64_t>(j);
-    total += static_cast<int64_t>(w.tokens.size());
+    e.shutdown();
+    int64_t same = 0, total = 0, compared = 0;
+    double gap = 0;
+    for (const auto& [id, w] : want) {
+      const auto& g = got.at(id);
+      size_t j = 0;
+      while (j < w.tokens.size() && g.tokens[j] == w.tokens[j]) {
+        gap += std::abs(static_cast<double>(g.logprobs[j] - w.logprobs[j]));
+        ++j;
+      }
+      same += static_cast<int64_t>(j);
+      compared += static_cast<int64_t>(j);
+      total += static_cast<int64_t>(w.tokens.size());
+    }
+    EXPECT_GE(static_cast<double>(same) / static_cast<double>(total), 0.75);
+    EXPECT_LT(gap / static_cast<double>(std::max<int64_t>(compared, 1)), 0.04);
+    EXPECT_GT(gap, 0.0);  // it is quantized
   }
-  EXPECT_GE(static_cast<double>(same) / static_cast<double>(total), 0.75);
-  EXPECT_LT(gap / static_cast<double>(std::max<int64_t>(compared, 1)), 0.04);
-  EXPECT_GT(gap, 0.0);  // it is quantized
 }
 
 }  // namespace
