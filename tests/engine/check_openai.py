@@ -10,7 +10,8 @@ by raw HTTP, against a live engine (the qwen2-chat fixture, CPU):
 - a stop string cuts the text before it and ends the choice with "stop";
 - hostile or unsupported requests get a 4xx naming the field, never a crash;
 - with tools (--tool-call-parser hermes, Qwen2.5's template): a conversation with a tool call and
-  its answer renders to transformers' chat template's text, tokenized as the tokenizer.json says.
+  its answer renders to transformers' chat template's text, tokenized as the tokenizer.json says;
+- TLS: HTTPS with the engine's certificate for a client that trusts it; plaintext gets nothing.
 
   check_openai.py TILLER_BINARY FIXTURES_DIR SCRATCH_DIR
 """
@@ -269,6 +270,35 @@ finally:
         proc.kill()
         code = None
     check(code == 0, f"SIGTERM stops the engine and its endpoint with exit 0 (got {code})")
+
+# TLS: the endpoint serves HTTPS with the engine's certificate (--tls-cert/--tls-key); a client that
+# trusts the certificate is served, plaintext gets nothing.
+import httpx
+
+cert, key = scratch / "cert.pem", scratch / "key.pem"
+subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=engine",
+                "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+               check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+proc = subprocess.Popen([tiller, "engine", "--model", str(model), "--port", "0", "--openai-port", "0", "--device", "cpu",
+                         "--num-blocks", "64", "--block-size", "8", "--served-model-name", "tls", "--tls-cert", str(cert),
+                         "--tls-key", str(key)], stdout=subprocess.PIPE, text=True, env=env)
+info = json.loads(proc.stdout.readline())
+try:
+    tls = OpenAI(base_url=f"https://127.0.0.1:{info['openai_port']}/v1", api_key=TOKEN, max_retries=0, timeout=60,
+                 http_client=httpx.Client(verify=str(cert)))
+    r = tls.completions.create(model="tls", prompt="hello", max_tokens=3, temperature=0)
+    check(len(r.choices) == 1, "TLS: a client trusting the certificate is served over HTTPS")
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{info['openai_port']}/v1/models", timeout=10)
+        check(False, "TLS: plaintext HTTP is refused")
+    except Exception:
+        check(True, "TLS: plaintext HTTP gets no answer")
+finally:
+    os.kill(info["pid"], signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 if failures:
     print(f"{len(failures)} failure(s)", file=sys.stderr)
