@@ -326,6 +326,7 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
     rm.label = a.label();
     PhaseMemory gen{Phase::kGenerate, {}}, train{Phase::kTrain, {}}, sync{Phase::kSync, {}};
     int64_t act_train = 0, act_score = 0, gathers = 0, grad_buffers = 0, fp8_train = 0, fp8_score = 0;
+    int64_t cp_train = 0, cp_score = 0;  // context parallelism's gathered keys and values
     for (Role r : kRoles) {
       if (!a.trainer_roles.has(r)) continue;
       const std::string name(role_name(r));
@@ -367,6 +368,14 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
         grad_buffers = std::max(grad_buffers, f.grad_buffers);
       }
       act_score = std::max(act_score, score_activations(*mc, cfg.rollout.micro_batch_tokens, spec.dtype_bytes));
+      // Context parallelism: inside one block's attention a rank holds the whole row's keys and
+      // values for its heads (R x its own), and in the backward their gradient as well.
+      if (const int64_t cp = role_cfg(cfg, r).context_parallel; g && cp > 1 && g->sequence_parallel > 1) {
+        const int64_t s = g->sequence_parallel, u = s / cp;
+        auto gathered = [&](int64_t tokens) { return s * tokens * 2 * mc->kv_size() / u * spec.dtype_bytes; };
+        if (spec.trainable || spec.lora) cp_train = std::max(cp_train, 2 * gathered(cfg.train.micro_batch_tokens));
+        cp_score = std::max(cp_score, gathered(cfg.rollout.micro_batch_tokens));
+      }
       if (role_cfg(cfg, r).fp8) {
         if (spec.trainable || spec.lora) fp8_train = std::max(fp8_train, fp8_operand_bytes(*mc, cfg.train.micro_batch_tokens));
         fp8_score = std::max(fp8_score, fp8_operand_bytes(*mc, cfg.rollout.micro_batch_tokens));
@@ -382,6 +391,8 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
     PhaseMemory score{Phase::kScore, score_phase ? gen.items : std::vector<std::pair<std::string, int64_t>>{}};
     add(score_phase ? score : gen, "activations (scoring)", act_score);
     if (fp8_train > 0) add(train, "FP8 GEMM operands", fp8_train);
+    if (cp_train > 0) add(train, "context-parallel keys and values", cp_train);
+    if (cp_score > 0) add(score_phase ? score : gen, "context-parallel keys and values (scoring)", cp_score);
     if (fp8_score > 0) add(score_phase ? score : gen, "FP8 GEMM operands (scoring)", fp8_score);
     if (a.engine >= 0) {
       const model::ModelConfig* mc = find_shape(shapes, "engine");

@@ -111,6 +111,24 @@ TEST(MemoryPlan, CountsShardsStateAndTheEngine) {
   EXPECT_NE(plan_memory(c, plan_of(c, 4), shapes(), 0).table().find("host memory"), std::string::npos);
 }
 
+// Context parallelism (roles.<r>.context_parallel): inside a block's attention each rank holds the
+// row's keys and values for its heads, S x micro_batch_tokens rows of 2 x kv_size / U elements,
+// and their gradient in training: at S = 4, R = 4 (U = 1), 16384 tokens, the 7B shape's 512
+// KV elements per row in bf16: 2 x 4 x 16384 x 1024 x 2 bytes, ~268 MB; at R = 2 (U = 2) half.
+TEST(MemoryPlan, ContextParallelCountsTheGatheredKeysAndValues) {
+  JobConfig c = hybrid_job(4);
+  c.roles.actor.sequence_parallel = 4;
+  c.roles.critic.enabled = false;
+  const PhaseMemory none = plan_memory(c, plan_of(c, 4), shapes(), 0).ranks.at(0).phases.at(1);
+  EXPECT_EQ(item(none, "context-parallel keys and values"), 0);
+  c.roles.actor.context_parallel = 4;
+  const PhaseMemory all = plan_memory(c, plan_of(c, 4), shapes(), 0).ranks.at(0).phases.at(1);
+  EXPECT_EQ(item(all, "context-parallel keys and values"), int64_t{2} * 4 * 16384 * 2 * 512 * 2);
+  c.roles.actor.context_parallel = 2;
+  const PhaseMemory half = plan_memory(c, plan_of(c, 4), shapes(), 0).ranks.at(0).phases.at(1);
+  EXPECT_EQ(item(half, "context-parallel keys and values"), int64_t{2} * 4 * 16384 * 2 * 512 * 2 / 2);
+}
+
 // LoRA (roles.actor.lora, the offline trainers): the base costs its compute shard alone, the
 // adapters 16 bytes a parameter whole on every rank (fp32 values, gradients, two moments): r 16 on
 // every projection of the 7B shape is 40.4M parameters; the full run's optimizer state is gone.
