@@ -94,7 +94,10 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
   eo.block_size = o.block_size;
   eo.limits.max_num_seqs = o.batch;
   eo.limits.max_batched_tokens = std::max<int64_t>(8192, o.prompt * std::min<int64_t>(o.batch, 64));
-  if (device == "cpu") eo.kv_cache_gb = 4;
+  // On the CPU, what the batch needs at full length, twice over (the memory-sized cache of a GPU
+  // would be gigabytes of zeros here).
+  if (device == "cpu")
+    eo.num_blocks = 2 * o.batch * ((o.prompt + o.new_tokens + o.block_size - 1) / o.block_size + 1);
   eo.cuda_graphs = !o.no_cuda_graphs;
   eo.async_scheduling = !o.no_async;
   eo.rope_in_attention = !o.no_rope_in_attention;
