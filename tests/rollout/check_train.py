@@ -204,9 +204,22 @@ def check_eval(out, steps):
 
 
 def summary(log):
+    # mpirun forwards each rank's output as it comes, so another rank's text can share the
+    # summary's line: decode the objects on the line one after the other.
+    decoder = json.JSONDecoder()
     for line in reversed(log.splitlines()):
-        if line.startswith("{") and '"event"' in line:
-            return json.loads(line)
+        if not line.startswith("{") or '"event"' not in line:
+            continue
+        at = 0
+        while at >= 0:
+            try:
+                obj, end = decoder.raw_decode(line, at)
+            except json.JSONDecodeError:
+                at = line.find("{", at + 1)
+                continue
+            if isinstance(obj, dict) and "event" in obj:
+                return obj
+            at = line.find("{", end)
     fail("no summary line in the output:\n" + log[-3000:])
 
 
