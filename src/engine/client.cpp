@@ -52,15 +52,7 @@ struct GenerateSession::Impl {
   void read_all() {
     pb::GenerateStreamResponse r;
     while (rw->Read(&r)) {
-      ClientResult c;
-      if (r.has_sample()) {
-        c.sample = from_proto(r.sample());
-        c.weight_version = r.sample().weight_version();
-      } else {
-        c.sample.request_id = r.error().request_id();
-        c.error_code = r.error().code();
-        c.error = r.error().message();
-      }
+      ClientResult c = from_proto(r);
       {
         std::lock_guard<std::mutex> lock(mu);
         results.push_back(std::move(c));

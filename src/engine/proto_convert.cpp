@@ -51,6 +51,19 @@ void to_proto(const Request& r, uint64_t min_weight_version, v1::GenerateRequest
   }
 }
 
+ClientResult from_proto(const v1::GenerateStreamResponse& r) {
+  ClientResult c;
+  if (r.has_sample()) {
+    c.sample = from_proto(r.sample());
+    c.weight_version = r.sample().weight_version();
+  } else {
+    c.sample.request_id = r.error().request_id();
+    c.error_code = r.error().code();
+    c.error = r.error().message();
+  }
+  return c;
+}
+
 void to_proto(const SampleOutput& o, uint64_t weight_version, v1::SampleResult& s) {
   s.set_request_id(o.request_id);
   s.set_sample(static_cast<int32_t>(o.sample));

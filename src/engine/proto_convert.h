@@ -5,6 +5,7 @@
 
 #include "tiller/engine.pb.h"
 #include "tiller/engine/engine.h"
+#include "tiller/engine/server.h"
 
 namespace tiller::engine {
 
@@ -15,5 +16,7 @@ void to_proto(const Request& r, uint64_t min_weight_version, v1::GenerateRequest
 
 void to_proto(const SampleOutput& o, uint64_t weight_version, v1::SampleResult& s);
 SampleOutput from_proto(const v1::SampleResult& s);
+// One message of a Generate stream as its reader sees it: a sample, or a refused request.
+ClientResult from_proto(const v1::GenerateStreamResponse& r);
 
 }  // namespace tiller::engine

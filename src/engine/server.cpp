@@ -576,15 +576,7 @@ bool LocalSession::next(ClientResult& out, Deadline deadline) {
     if (!st.out.empty()) {
       const pb::GenerateStreamResponse r = std::move(st.out.front());
       st.out.pop_front();
-      out = ClientResult{};
-      if (r.has_sample()) {
-        out.sample = from_proto(r.sample());
-        out.weight_version = r.sample().weight_version();
-      } else {
-        out.sample.request_id = r.error().request_id();
-        out.error_code = r.error().code();
-        out.error = r.error().message();
-      }
+      out = from_proto(r);
       return true;
     }
     if (st.live == 0) return false;

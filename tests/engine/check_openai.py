@@ -42,10 +42,27 @@ def check(ok, what):
 
 
 env = dict(os.environ, TILLER_ENGINE_TOKEN=TOKEN)
-proc = subprocess.Popen([tiller, "engine", "--model", str(model), "--port", "0", "--openai-port", "0", "--device", "cpu",
-                         "--num-blocks", "128", "--block-size", "8", "--served-model-name", "tiny"],
-                        stdout=subprocess.PIPE, text=True, env=env)
-info = json.loads(proc.stdout.readline())
+
+
+def start(model_dir, name, *extra):
+    """`tiller engine` on CPU with its OpenAI endpoint; returns the process and its serving line."""
+    p = subprocess.Popen([tiller, "engine", "--model", str(model_dir), "--port", "0", "--openai-port", "0", "--device",
+                          "cpu", "--num-blocks", "128", "--block-size", "8", "--served-model-name", name, *extra],
+                         stdout=subprocess.PIPE, text=True, env=env)
+    return p, json.loads(p.stdout.readline())
+
+
+def stop(p, serving):
+    """SIGTERM to the engine; its exit code (None if it had to be killed)."""
+    os.kill(serving["pid"], signal.SIGTERM)
+    try:
+        return p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return None
+
+
+proc, info = start(model, "tiny")
 base = f"http://127.0.0.1:{info['openai_port']}"
 client = OpenAI(base_url=base + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
 
@@ -203,12 +220,7 @@ try:
     r = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
     check(len(r.choices) == 1 and r.choices[0].finish_reason in ("length", "stop"), "the endpoint still serves")
 finally:
-    os.kill(info["pid"], signal.SIGTERM)
-    try:
-        code = proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = None
+    code = stop(proc, info)
     check(code == 0, f"SIGTERM stops the engine and its endpoint with exit 0 (got {code})")
 
 # Tools (--tool-call-parser hermes): the chat fixture's weights with Qwen2.5's chat template and
@@ -230,10 +242,7 @@ for f in ["tokenizer.json", "tokenizer_config.json"]:
 cfg = json.loads((tool_model / "config.json").read_text())
 cfg["max_position_embeddings"] = 1024  # the tools' system prompt is longer than the fixture's 256
 (tool_model / "config.json").write_text(json.dumps(cfg))
-proc = subprocess.Popen([tiller, "engine", "--model", str(tool_model), "--port", "0", "--openai-port", "0", "--device",
-                         "cpu", "--num-blocks", "128", "--block-size", "8", "--served-model-name", "tools",
-                         "--tool-call-parser", "hermes"], stdout=subprocess.PIPE, text=True, env=env)
-info = json.loads(proc.stdout.readline())
+proc, info = start(tool_model, "tools", "--tool-call-parser", "hermes")
 client = OpenAI(base_url=f"http://127.0.0.1:{info['openai_port']}/v1", api_key=TOKEN, max_retries=0, timeout=120)
 tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
                                             "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
@@ -259,11 +268,7 @@ try:
     check(r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls,
           "tools: a reply without <tool_call> blocks is plain content")
 finally:
-    os.kill(info["pid"], signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop(proc, info)
     try:
         code = proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
@@ -279,10 +284,7 @@ cert, key = scratch / "cert.pem", scratch / "key.pem"
 subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=engine",
                 "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-proc = subprocess.Popen([tiller, "engine", "--model", str(model), "--port", "0", "--openai-port", "0", "--device", "cpu",
-                         "--num-blocks", "64", "--block-size", "8", "--served-model-name", "tls", "--tls-cert", str(cert),
-                         "--tls-key", str(key)], stdout=subprocess.PIPE, text=True, env=env)
-info = json.loads(proc.stdout.readline())
+proc, info = start(model, "tls", "--tls-cert", str(cert), "--tls-key", str(key))
 try:
     tls = OpenAI(base_url=f"https://127.0.0.1:{info['openai_port']}/v1", api_key=TOKEN, max_retries=0, timeout=60,
                  http_client=httpx.Client(verify=str(cert)))
@@ -294,11 +296,7 @@ try:
     except Exception:
         check(True, "TLS: plaintext HTTP gets no answer")
 finally:
-    os.kill(info["pid"], signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop(proc, info)
 
 if failures:
     print(f"{len(failures)} failure(s)", file=sys.stderr)
