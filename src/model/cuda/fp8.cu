@@ -98,61 +98,94 @@ __global__ void quantize_rows_kernel(const T* x, int64_t rows, int64_t k, int64_
   if (threadIdx.x == 0) scale[r] = s;
 }
 
-// One 128x128 tile of x per block of 256 threads: thread t holds column t % 128 of rows t / 128,
-// t / 128 + 2, ... (a warp reads 32 consecutive values of a row). The scale is the tile's (kTile,
-// kTileTransposed) or each column's (kColumnsTransposed); the codes go through shared memory so
-// that a transposed tile is written in whole output rows too.
-template <class T>
+// One 128x128 tile of x per block of 256 threads, each holding an 8x8 sub-block: rows 8 (t % 16)
+// .. + 7 and columns 8 (t / 16) .. + 7 of the tile, read as one 16-byte vector per row where the
+// layout allows (kVec = 8 two-byte values; else value by value). The scale is the tile's (kTile,
+// kTileTransposed: a block reduction) or each column's (kColumnsTransposed: over the thread's 8
+// rows, then the 16 lanes that share the columns). A thread writes its codes from registers: 8
+// bytes of an output row each, which the 16 lanes of a half warp make one 128-byte row of the
+// transposed output (or 16-byte pieces of 16 rows of the tile's own layout). No shared tile.
+template <class T, bool kVecLoads>
 __global__ void quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride, int mode, uint8_t* q,
                                       int64_t q_stride, float* scale, int64_t scale_stride) {
-  constexpr int kRowsPerThread = kGroup / 2;
-  __shared__ uint8_t codes[kGroup][kGroup + 4];
-  __shared__ float amax_of[8][kGroup];  // per warp and column, then reduced
-  const int t = threadIdx.x, c = t % kGroup, r0 = t / kGroup;
+  constexpr int kSub = 8;
+  __shared__ float warp_amax[8];
+  const int t = threadIdx.x, rb = t % 16, cb = t / 16;
   const int64_t tr = blockIdx.y, tc = blockIdx.x;  // the tile's row and column
-  const int64_t col = tc * kGroup + c;
-  float v[kRowsPerThread];
-  float amax = 0.f;
+  const int64_t row0 = tr * kGroup + rb * kSub, col0 = tc * kGroup + cb * kSub;
+  float v[kSub][kSub];  // [row][column] of the sub-block
 #pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const int64_t row = tr * kGroup + r0 + 2 * i;
-    v[i] = row < rows && col < cols ? to_f(x[row * x_stride + col]) : 0.f;
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-  // kColumnsTransposed: column c's largest magnitude over both halves of the rows; kTile*: the tile's.
-  amax_of[r0][c] = amax;
-  __syncthreads();
-  amax = fmaxf(amax_of[0][c], amax_of[1][c]);
-  if (mode != kColumnsTransposed) {
+  for (int i = 0; i < kSub; ++i) {
+    const int64_t row = row0 + i;
+    if (kVecLoads && row < rows && col0 + kSub <= cols) {
+      const Pack<T, kSub> p = *reinterpret_cast<const Pack<T, kSub>*>(x + row * x_stride + col0);
 #pragma unroll
-    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    __syncthreads();
-    if (t < kGroup && t % 32 == 0) amax_of[2 + t / 32][0] = amax;  // rows 2..5: the first 4 warps' (128 columns)
-    __syncthreads();
-    amax = fmaxf(fmaxf(amax_of[2][0], amax_of[3][0]), fmaxf(amax_of[4][0], amax_of[5][0]));
-  }
-  const float s = amax > 0.f ? amax / 448.f : 1.f;  // IEEE division, as ATen's
+      for (int j = 0; j < kSub; ++j) v[i][j] = to_f(p.v[j]);
+    } else {
 #pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i)
-    codes[r0 + 2 * i][c] = __nv_cvt_float_to_fp8(v[i] / s, __NV_SATFINITE, __NV_E4M3);
-  if (mode == kTile && t == 0) scale[tr * scale_stride + tc] = s;
-  if (mode == kTileTransposed && t == 0) scale[tc * scale_stride + tr] = s;
-  if (mode == kColumnsTransposed && t < kGroup) scale[tr * scale_stride + col] = s;
-  __syncthreads();
-  // Each warp writes whole 128-byte output rows, 4 bytes per lane: tile row j (kTile) or tile
-  // column j (transposed modes).
-  const int warp = t / 32, lane = t % 32;
-  for (int j = warp; j < kGroup; j += 8) {
-    uint32_t packed = 0;
-    for (int b = 0; b < 4; ++b) {
-      const int e = lane * 4 + b;
-      const uint8_t code = mode == kTile ? codes[j][e] : codes[e][j];
-      packed |= static_cast<uint32_t>(code) << (8 * b);
+      for (int j = 0; j < kSub; ++j) v[i][j] = row < rows && col0 + j < cols ? to_f(x[row * x_stride + col0 + j]) : 0.f;
     }
-    const int64_t out_row = mode == kTile ? tr * kGroup + j : tc * kGroup + j;
-    const int64_t out_col = (mode == kTile ? tc : tr) * kGroup + lane * 4;
-    *reinterpret_cast<uint32_t*>(q + out_row * q_stride + out_col) = packed;
   }
+  float s_col[kSub];  // the scale of each of the thread's columns
+  if (mode == kColumnsTransposed) {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      float a = 0.f;
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) a = fmaxf(a, fabsf(v[i][j]));
+#pragma unroll
+      for (int off = 1; off < 16; off *= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, off));  // the 16 row blocks
+      s_col[j] = a > 0.f ? a / 448.f : 1.f;  // IEEE division, as ATen's
+    }
+  } else {
+    float a = 0.f;
+#pragma unroll
+    for (int i = 0; i < kSub; ++i)
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) a = fmaxf(a, fabsf(v[i][j]));
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, off));
+    if (t % 32 == 0) warp_amax[t / 32] = a;
+    __syncthreads();
+    a = warp_amax[0];
+#pragma unroll
+    for (int w = 1; w < 8; ++w) a = fmaxf(a, warp_amax[w]);
+    const float s = a > 0.f ? a / 448.f : 1.f;
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) s_col[j] = s;
+  }
+  if (mode == kTile) {
+    // Row i of the sub-block: 8 codes at q[row0 + i][col0 ..].
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+      uint2 packed = make_uint2(0, 0);
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        const uint32_t code = __nv_cvt_float_to_fp8(v[i][j] / s_col[j], __NV_SATFINITE, __NV_E4M3);
+        if (j < 4) packed.x |= code << (8 * j);
+        else packed.y |= code << (8 * (j - 4));
+      }
+      *reinterpret_cast<uint2*>(q + (row0 + i) * q_stride + col0) = packed;
+    }
+    if (t == 0) scale[tr * scale_stride + tc] = s_col[0];
+    return;
+  }
+  // Transposed: column j of the sub-block is 8 codes of output row col0 + j, at its columns row0 ...
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) {
+    uint2 packed = make_uint2(0, 0);
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+      const uint32_t code = __nv_cvt_float_to_fp8(v[i][j] / s_col[j], __NV_SATFINITE, __NV_E4M3);
+      if (i < 4) packed.x |= code << (8 * i);
+      else packed.y |= code << (8 * (i - 4));
+    }
+    *reinterpret_cast<uint2*>(q + (col0 + j) * q_stride + row0) = packed;
+  }
+  if (mode == kTileTransposed && t == 0) scale[tc * scale_stride + tr] = s_col[0];
+  if (mode == kColumnsTransposed && rb == 0)
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) scale[tr * scale_stride + col0 + j] = s_col[j];
 }
 
 }  // namespace
@@ -218,11 +251,22 @@ void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, 
   if (tiles_r == 0 || tiles_c == 0) return;
   const dim3 grid(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r));
   const auto s = static_cast<cudaStream_t>(stream);
+  if (q_stride % 8 != 0 || reinterpret_cast<uintptr_t>(q) % 8 != 0)
+    throw std::invalid_argument("quantize_tiles_fp8: q's rows must be 8-byte aligned");
   with_dtype(dtype, [&](auto type) {
     using T = typename decltype(type)::type;
-    quantize_tiles_kernel<T><<<grid, 256, 0, s>>>(static_cast<const T*>(x), rows, cols, x_stride,
-                                                  static_cast<int>(mode), static_cast<uint8_t*>(q), q_stride, scale,
-                                                  scale_stride);
+    constexpr int kSub = 8;
+    // One 16-byte load per sub-block row: 8 values of two bytes, rows that start 16-byte aligned.
+    const bool vec = sizeof(T) == 2 && cols % kSub == 0 && x_stride % kSub == 0 &&
+                     reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    if (vec)
+      quantize_tiles_kernel<T, true><<<grid, 256, 0, s>>>(static_cast<const T*>(x), rows, cols, x_stride,
+                                                          static_cast<int>(mode), static_cast<uint8_t*>(q), q_stride,
+                                                          scale, scale_stride);
+    else
+      quantize_tiles_kernel<T, false><<<grid, 256, 0, s>>>(static_cast<const T*>(x), rows, cols, x_stride,
+                                                           static_cast<int>(mode), static_cast<uint8_t*>(q), q_stride,
+                                                           scale, scale_stride);
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 tile quantize kernel launch: ") + cudaGetErrorString(err));
