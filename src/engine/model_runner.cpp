@@ -505,7 +505,7 @@ void ModelRunner::allocate_cache(const CacheOptions& o) {
     std::tie(m.cos_table, m.sin_table) = m.rope.tables(positions, dtype);
   }
 #ifdef TILLER_HAVE_CUDA_KERNELS
-  // An FP8 cache: the CUDA-core kernel, which takes bf16/fp16 queries.
+  // An FP8 cache takes bf16/fp16 queries (either kernel).
   m.paged = device_.is_cuda() && cuda::paged_decode_supports(local_.head_dim) &&
             (dtype == at::kBFloat16 || dtype == at::kHalf || (dtype == at::kFloat && !m.fp8_kv)) &&
             o.num_blocks * m.block_size < (int64_t{1} << 31);  // slots and block ids travel as int32
@@ -624,7 +624,7 @@ at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b, std::vector<a
     in.splits = model::batch_invariant()
                     ? 1
                     : cuda::paged_decode_splits(kernel_dtype(weights.embed.scalar_type()), local.head_dim, rows,
-                                                local.num_heads, local.num_kv_heads, 0, device.index(), fp8_kv);
+                                                local.num_heads, local.num_kv_heads, 0, device.index());
     g.splits = in.splits;
     const std::vector<int64_t> lens(static_cast<size_t>(rows), 1);
     if (!capture_stream) capture_stream = c10::cuda::getStreamFromPool(false, device.index());
@@ -709,8 +709,7 @@ void ModelRunner::launch(const StepBatch& b, bool sample) {
                     ? 1
                     : cuda::paged_decode_splits(kernel_dtype(m.weights.embed.scalar_type()), local_.head_dim, n,
                                                 local_.num_heads, local_.num_kv_heads,
-                                                *std::max_element(b.lens_k.begin(), b.lens_k.end()), device_.index(),
-                                                m.fp8_kv);
+                                                *std::max_element(b.lens_k.begin(), b.lens_k.end()), device_.index());
 #endif
     at::Tensor x = m.decode_hidden(in, b.lens_q, /*norm=*/false);
     if (rows_all) h = model::final_norm(local_, m.weights.final_norm, sample_rows(x));

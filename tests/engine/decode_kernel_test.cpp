@@ -137,7 +137,7 @@ std::pair<double, double> decode_error(const DecodeCase& c, int64_t splits_wante
   a.window = c.window;
   a.scale = static_cast<float>(scale);
   a.splits = splits_wanted > 0 ? splits_wanted
-                               : cuda::paged_decode_splits(a.dtype, dim, batch, c.heads, c.kv_heads, max_len, 0, fp8);
+                               : cuda::paged_decode_splits(a.dtype, dim, batch, c.heads, c.kv_heads, max_len, 0);
   at::Tensor ws;
   if (a.splits > 1) {
     ws = at::empty({cuda::paged_decode_workspace_floats(batch, c.heads, dim, a.splits)}, fp32);
@@ -151,6 +151,23 @@ std::pair<double, double> decode_error(const DecodeCase& c, int64_t splits_wante
     a.slots = d_slots.data_ptr<int32_t>();
   }
   cuda::paged_decode_attention(a, c10::cuda::getCurrentCUDAStream(0).stream());
+  if (fp8) {
+    // The same call over a cache in the dtype that holds the dequantized rows (exact: they are
+    // dtype values) must give the FP8 call's output bit for bit: each kernel turns the codes into
+    // exactly those values and then does the same arithmetic.
+    const at::Tensor kd = kf.to(c.dtype).contiguous(), vd = vf.to(c.dtype).contiguous();
+    const at::Tensor plain = at::full({batch, c.heads, dim}, 7.0, fp32.dtype(c.dtype));
+    cuda::PagedDecode p = a;
+    p.cache_fp8 = false;
+    p.k_scale = p.v_scale = nullptr;
+    p.k_cache = kd.data_ptr();
+    p.v_cache = vd.data_ptr();
+    p.out = plain.data_ptr();
+    cuda::paged_decode_attention(p, c10::cuda::getCurrentCUDAStream(0).stream());
+    EXPECT_TRUE(at::equal(out, plain)) << "the FP8 cache's output differs from the same kernel's over its dequantized "
+                                          "rows by up to "
+                                       << (out.to(at::kFloat) - plain.to(at::kFloat)).abs().max().item<double>();
+  }
   if (step_rows) {  // the step's rows are in the cache now
     const at::Tensor idx = at::tensor(last_slot, at::kLong).clamp_min(0).to(dev);
     const at::Tensor had = d_lens.gt(0);
@@ -217,9 +234,10 @@ TEST(EngineGpu, PagedDecodeKernelsEqualFp32Attention) {
 }
 
 // An FP8 KV cache (engines.kv_cache_dtype: fp8): write_kv_fp8 quantizes as the CPU does, bit for
-// bit, and the CUDA-core kernel reading the codes and scales equals fp32 attention over the rows
-// dequantized to the dtype, within the bounds of the bf16/fp16 cases above. Qwen2-7B's and
-// -0.5B's groups, fp16, head sizes 16 and 256, a window.
+// bit; both kernels reading the codes and scales give bit for bit what they give over a bf16/fp16
+// cache of the dequantized rows, and equal fp32 attention over those rows within the bounds of
+// the bf16/fp16 cases above. Qwen2-7B's and -0.5B's groups, fp16 and a window (the tensor-core
+// kernel); head sizes 16 and 256 (the CUDA-core kernel).
 TEST(EngineGpu, Fp8KvCacheDecodeEqualsAttentionOverItsDequantizedRows) {
 #ifndef TILLER_HAVE_CUDA_KERNELS
   GTEST_SKIP() << "not the CUDA build";

@@ -387,12 +387,12 @@ void write_kv_fp8(DType dtype, const void* k, const void* v, int64_t k_token_str
 }
 
 int64_t paged_decode_splits(DType dtype, int64_t head_dim, int64_t batch, int64_t heads, int64_t kv_heads,
-                            int64_t max_len, int device, bool cache_fp8) {
+                            int64_t max_len, int device) {
   const int64_t group = heads / kv_heads;
   // Work items: (sequence, KV head) for the tensor-core kernel (4 blocks of 4 warps per SM at
   // head size 64, 3 at 128), (sequence, KV head, chunk of query heads) for the other (4). Splits
   // to fill the GPU once, rounded: a combine pass costs more than a few idle SMs.
-  const bool mma = !cache_fp8 && paged_decode_mma_serves(dtype, head_dim, group);
+  const bool mma = paged_decode_mma_serves(dtype, head_dim, group);  // an FP8 cache's too
   const int64_t tile = mma ? group : group_tile(group);
   const int64_t items = std::max<int64_t>(1, batch * kv_heads * ((group + tile - 1) / tile));
   const int64_t per_sm = mma && head_dim > 64 ? 3 : 4;
@@ -430,6 +430,7 @@ void paged_decode_attention(const PagedDecode& a, void* stream) {
     if (a.k_new || a.rope_cos || a.key_base || !a.k_scale || !a.v_scale || a.dtype == DType::kFloat)
       throw std::invalid_argument("paged decode attention: an FP8 cache takes bf16/fp16 queries, its scales, and no "
                                   "new rows, RoPE tables or contiguous keys (write_kv_fp8 stores the step's rows)");
+    if (paged_decode_mma(a, s)) return;  // the tensor-core kernel's shapes
     model::cuda::with_dtype(a.dtype, [&](auto t) {
       using T = typename decltype(t)::type;
       if constexpr (!std::is_same_v<T, float>) dispatch_dim<T, E4m3>(a, s);

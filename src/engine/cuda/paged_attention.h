@@ -76,9 +76,10 @@ struct PagedDecode {
   const int32_t* key_base = nullptr;
   // Optional: an FP8 KV cache (engines.kv_cache_dtype fp8). k_cache and v_cache then hold e4m3
   // codes, and k_scale / v_scale [slots, kv_heads] fp32 one scale per cached row; a key's value is
-  // code * scale rounded to `dtype`, as model::fp8::dequantize_rows gives it. Served by the
-  // CUDA-core kernel (bf16/fp16) alone; k_new, rope_cos and key_base stay unset (write_kv_fp8 has
-  // stored the step's rows first).
+  // code * scale rounded to `dtype`, as model::fp8::dequantize_rows gives it. bf16/fp16 queries,
+  // either kernel (the tensor-core kernel's shapes go to it: it turns each tile into T in shared
+  // memory before its MMAs); k_new, rope_cos and key_base stay unset (write_kv_fp8 has stored the
+  // step's rows first).
   bool cache_fp8 = false;
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
@@ -114,10 +115,10 @@ void paged_decode_prefill(const PrefillRows& a, void* stream);
 bool paged_decode_rotates(DType dtype, int64_t head_dim, int64_t heads, int64_t kv_heads);
 
 // Split count for a batch: enough (sequence, head group, split) work items to fill the GPU, at
-// most 16, and (when known, > 0) no split shorter than 64 keys of `max_len`. `cache_fp8`: for
-// the kernel that reads an FP8 cache.
+// most 16, and (when known, > 0) no split shorter than 64 keys of `max_len` (an FP8 cache's the
+// same: its shapes go to the same kernel).
 int64_t paged_decode_splits(DType dtype, int64_t head_dim, int64_t batch, int64_t heads, int64_t kv_heads,
-                            int64_t max_len, int device, bool cache_fp8 = false);
+                            int64_t max_len, int device);
 int64_t paged_decode_workspace_floats(int64_t batch, int64_t heads, int64_t head_dim, int64_t splits);
 
 // Causal attention of each sequence's one query (at position seq_len - 1) over its cached keys:
@@ -126,7 +127,7 @@ int64_t paged_decode_workspace_floats(int64_t batch, int64_t heads, int64_t head
 //   One thread block per (sequence, KV head, split); its query heads are the rows of one MMA
 //   tile, so each K/V row is read once for all of them; QK^T and PV run as m16n8k16 MMAs with
 //   fp32 accumulation (P rounded to the input type, as flash attention does).
-// - otherwise (fp32, other head sizes, no GQA, an FP8 cache): CUDA cores, one thread block per (sequence, KV
+// - otherwise (fp32, other head sizes, no GQA): CUDA cores, one thread block per (sequence, KV
 //   head, chunk of <= 4 query heads, split), each K/V row read once per chunk.
 // Both keep the online softmax in fp32.
 void paged_decode_attention(const PagedDecode& args, void* stream);

@@ -13,6 +13,11 @@
 // With RoPE tables (PagedDecode::rope_cos), q and this step's key arrive before RoPE: the kernel
 // rotates the Q fragments in registers and the step's key once per warp into shared memory, from
 // where the tiles and the cache store take it: the rotation costs no launch and no block barrier.
+// An FP8 cache (PagedDecode::cache_fp8): the pipeline carries each tile's e4m3 codes and row
+// scales (half the bytes); before its MMAs a warp turns them into the same swizzled bf16/fp16
+// tile, code x scale rounded to T (model::fp8::dequantize_rows), so the MMAs are the same.
+#include <cuda_fp8.h>
+
 #include <cstdint>
 #include <type_traits>
 
@@ -105,6 +110,14 @@ constexpr int kSmemBytes = kWarps * kStagesOf<D> * 2 * kKeys * D * 2;
 // warp's copy of this step's key, rotated (2-byte elements).
 template <int D>
 constexpr int kSmemTotal = kSmemBytes<D> + kWarps * D * 2;
+// With an FP8 cache, per warp: the stages of codes (K then V, kKeys x D bytes each) and scales (K
+// then V, kKeys floats each), then one tile of K and V in T that the MMAs read.
+template <int D>
+constexpr int kFp8StageBytes = 2 * kKeys * D + 2 * kKeys * 4;
+template <int D>
+constexpr int kFp8WarpBytes = kStagesOf<D> * kFp8StageBytes<D> + 2 * kKeys * D * 2;
+template <int D>
+constexpr int kFp8SmemTotal = kWarps * kFp8WarpBytes<D>;
 
 // One 16-key tile of the online softmax, shared by the decode kernel and its prefill form so that
 // both round alike. A lane holds rows r and r + 8 (r = lane / 4) and columns c2, c2 + 1 of each n8
@@ -193,12 +206,13 @@ __device__ __forceinline__ void online_step(const float (&s)[2][4], float& m_lo,
   }
 }
 
-template <class T, int D>
+template <class T, int D, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma_kernel(PagedDecode a) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per K/V row
   constexpr int kTileBytes = kKeys * D * 2;
   constexpr int kStages = detail::kStagesOf<D>;
   static_assert(kWarps * kTileRows * (D + 2) * 4 <= kSmemBytes<D>, "the merge reuses the pipeline's memory");
+  static_assert(kWarps * kTileRows * (D + 2) * 4 <= kFp8SmemTotal<D>, "the merge reuses the pipeline's memory");
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = static_cast<int>(a.heads / a.kv_heads);
@@ -227,7 +241,11 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
   const T* vc = static_cast<const T*>(a.v_cache) + kv_head * D;
   const int tiles = hi > lo ? (hi - lo + kKeys - 1) / kKeys : 0;
   const int mine = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;  // this warp's tiles
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * kStages * 2 * kTileBytes;
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
+                        warp * (kFp8 ? kFp8WarpBytes<D> : kStages * 2 * kTileBytes);
+  // FP8: stage i's codes and scales, and the T tile the MMAs read (K, then V).
+  const uint32_t conv_tile = base + kStages * kFp8StageBytes<D>;
+  auto fp8_stage = [&](int i) { return base + (i % kStages) * kFp8StageBytes<D>; };
   auto tile_start = [&](int i) { return lo + (warp + i * kWarps) * kKeys; };
   // Cache slot of key `lane` of this warp's tile i (lanes < kKeys); -1 past the end, -2 for the
   // step's own key (read from k_new/v_new).
@@ -237,6 +255,29 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
     return t >= hi ? -1 : t == last ? -2 : blocks ? blocks[t / bs] * bs + t % bs : key0 + t;
   };
   auto issue = [&](int i, int slot) {
+    if constexpr (kFp8) {
+      if (i < mine) {
+        // Codes: kKeys rows of D bytes for K and V, 16 bytes a copy; scales: lane l < kKeys copies
+        // K's of key l, lane kKeys + l V's.
+        const uint32_t st = fp8_stage(i);
+        const auto* kb = static_cast<const uint8_t*>(a.k_cache) + kv_head * D;
+        const auto* vb = static_cast<const uint8_t*>(a.v_cache) + kv_head * D;
+#pragma unroll
+        for (int j = 0; j < kKeys * (D / 16) / 32; ++j) {
+          const int c = lane + 32 * j, key = c / (D / 16), col = c % (D / 16);
+          const int s = __shfl_sync(kFull, slot, key);
+          const int64_t at = s < 0 ? 0 : static_cast<int64_t>(s) * row_elems + col * 16;
+          cp_async16(st + key * D + col * 16, kb + at, s >= 0);
+          cp_async16(st + kKeys * D + key * D + col * 16, vb + at, s >= 0);
+        }
+        const int key = lane % kKeys;
+        const int s = __shfl_sync(kFull, slot, key);
+        const int64_t at = s < 0 ? 0 : static_cast<int64_t>(s) * a.kv_heads + kv_head;
+        cp_async4(st + 2 * kKeys * D + lane * 4, (lane < kKeys ? a.k_scale : a.v_scale) + at, s >= 0);
+      }
+      cp_async_commit();
+      return;
+    }
     if (i < mine) {  // warp-uniform
       const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
 #pragma unroll
@@ -345,7 +386,36 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
     next = key_slot(i + kStages);
     cp_async_wait<kStages - 1>();
     __syncwarp();
-    const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
+    uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
+    if constexpr (kFp8) {
+      // Codes x scale, rounded to T, into the swizzled tile: 8 codes (one 16-byte chunk of T) a
+      // step; a lane's chunks of a row are consecutive, so a half warp reads one 128-byte row.
+      const uint32_t st = fp8_stage(i);
+      k_tile = conv_tile;
+      v_tile = conv_tile + kTileBytes;
+#pragma unroll
+      for (int j = 0; j < kKeys * kChunks / 32; ++j) {
+        const int c = lane + 32 * j, key = c / kChunks, col = c % kChunks;
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+          uint32_t w0, w1;
+          float scale;
+          asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                       : "=r"(w0), "=r"(w1)
+                       : "r"(st + kv * kKeys * D + key * D + col * 8));
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(scale) : "r"(st + 2 * kKeys * D + (kv * kKeys + key) * 4));
+          // Two codes at a time (the low byte first), exactly into fp16, then x scale into T.
+          auto two = [&](uint32_t word, int half) {
+            const auto codes = static_cast<__nv_fp8x2_storage_t>((word >> (16 * half)) & 0xffffu);
+            const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3)));
+            return pack2<T>(f.x * scale, f.y * scale);
+          };
+          st_shared16((kv == 0 ? k_tile : v_tile) + tile_offset<D>(key, col),
+                      make_uint4(two(w0, 0), two(w0, 1), two(w1, 0), two(w1, 1)));
+        }
+      }
+      __syncwarp();
+    }
     float s[2][4];
     tile_scores<T, D>(qf, k_tile, lane, s);
     scale_and_mask(s, tile_start(i), c2, hi, hi, qscale);
@@ -407,23 +477,28 @@ void reserve_shared_memory(Kernel kernel, int bytes, bool (&done)[64], const cha
   if (device >= 0 && device < 64) done[device] = true;
 }
 
-template <class T, int D>
+template <class T, int D, bool kFp8>
 void launch(const PagedDecode& a, cudaStream_t stream) {
-  constexpr int kSmem = kSmemTotal<D>;
+  constexpr int kSmem = kFp8 ? kFp8SmemTotal<D> : kSmemTotal<D>;
   if constexpr (kSmem > 48 * 1024) {
     static bool done[64] = {};
-    reserve_shared_memory(paged_decode_mma_kernel<T, D>, kSmem, done, "paged decode attention");
+    reserve_shared_memory(paged_decode_mma_kernel<T, D, kFp8>, kSmem, done, "paged decode attention");
   }
   const dim3 grid(static_cast<unsigned>(a.kv_heads), static_cast<unsigned>(a.batch), static_cast<unsigned>(a.splits));
-  paged_decode_mma_kernel<T, D><<<grid, kWarps * 32, kSmem, stream>>>(a);
+  paged_decode_mma_kernel<T, D, kFp8><<<grid, kWarps * 32, kSmem, stream>>>(a);
   check_launch("paged decode attention (tensor cores)");
   launch_combine<T>(a, stream);
 }
 
-template <class T>
+template <class T, bool kFp8>
 void dispatch_dim(const PagedDecode& a, cudaStream_t stream) {
-  if (a.head_dim == 64) return launch<T, 64>(a, stream);
-  return launch<T, 128>(a, stream);
+  if (a.head_dim == 64) return launch<T, 64, kFp8>(a, stream);
+  return launch<T, 128, kFp8>(a, stream);
+}
+template <class T>
+void dispatch_cache(const PagedDecode& a, cudaStream_t stream) {
+  if (a.cache_fp8) return dispatch_dim<T, true>(a, stream);
+  dispatch_dim<T, false>(a, stream);
 }
 
 
@@ -619,9 +694,9 @@ bool paged_decode_mma(const PagedDecode& a, cudaStream_t stream) {
     throw std::invalid_argument("paged decode attention: RoPE tables need both tables and this step's K/V rows");
   if (!paged_decode_mma_serves(a.dtype, a.head_dim, a.heads / a.kv_heads)) return false;
   if (a.dtype == DType::kBFloat16)
-    dispatch_dim<__nv_bfloat16>(a, stream);
+    dispatch_cache<__nv_bfloat16>(a, stream);
   else
-    dispatch_dim<__half>(a, stream);
+    dispatch_cache<__half>(a, stream);
   return true;
 }
 
