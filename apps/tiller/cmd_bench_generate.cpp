@@ -32,6 +32,7 @@ namespace {
 struct GenBenchOptions {
   std::string model = "qwen2-0.5b", device = "auto", dtype = "bf16", out, logprob_match = "off", experts = "auto";
   int64_t batch = 64, prompt = 128, new_tokens = 256, block_size = 16;
+  int64_t max_batched_tokens = 0;  // 0: max(8192, prompt x min(batch, 64))
   double hbm_gbps = 4300;  // measured H200 copy bandwidth (DESIGN.md §7), for the floor
   bool no_cuda_graphs = false;
   bool no_async = false;
@@ -93,7 +94,8 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
   eo.device = device;
   eo.block_size = o.block_size;
   eo.limits.max_num_seqs = o.batch;
-  eo.limits.max_batched_tokens = std::max<int64_t>(8192, o.prompt * std::min<int64_t>(o.batch, 64));
+  eo.limits.max_batched_tokens = o.max_batched_tokens > 0 ? o.max_batched_tokens
+                                                           : std::max<int64_t>(8192, o.prompt * std::min<int64_t>(o.batch, 64));
   // On the CPU, what the batch needs at full length, twice over (the memory-sized cache of a GPU
   // would be gigabytes of zeros here).
   if (device == "cpu")
@@ -269,6 +271,10 @@ void add_bench_generate(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   g->add_option("--prompt-len", o->prompt, "Tokens per prompt")->check(CLI::Range(1, 1 << 20));
   g->add_option("--new-tokens", o->new_tokens, "Tokens generated per prompt")->check(CLI::Range(1, 1 << 20));
   g->add_option("--block-size", o->block_size, "KV block size")->check(CLI::Range(1, 1024));
+  g->add_option("--max-batched-tokens", o->max_batched_tokens,
+                "Most tokens one engine step takes (engines.max_batched_tokens); 0: max(8192, prompt x min(batch, 64)). "
+                "Long prompts at a large batch need less: a step's activations must fit beside the KV cache")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
   g->add_option("--device", o->device, "auto, cpu or cuda[:N]");
   g->add_option("--dtype", o->dtype, "bf16, fp16 or fp32");
   g->add_option("--hbm-gbps", o->hbm_gbps, "Memory bandwidth for the floor, GB/s")->check(CLI::Range(1.0, 1e6));

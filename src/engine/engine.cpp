@@ -139,9 +139,14 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
   int64_t blocks = opts.num_blocks;
   if (blocks <= 0 && opts.kv_cache_gb > 0)
     blocks = static_cast<int64_t>(opts.kv_cache_gb * (1ull << 30)) / m.runner->block_bytes();
-  if (blocks <= 0 && device.is_cuda())
+  if (blocks <= 0 && device.is_cuda()) {
+    // Memory that PyTorch's allocator caches but no tensor uses (an engine or a trainer step
+    // before this one) is free for the cache too: handed back first, or the device would not count
+    // it (a second engine in one process got 13 of 127 free GiB without this).
+    model::release_cached_device_memory(device);
     blocks = static_cast<int64_t>(static_cast<double>(model::device_free_bytes(device)) * opts.gpu_memory_fraction) /
              m.runner->block_bytes();
+  }
   if (blocks <= 0) blocks = static_cast<int64_t>(1ull << 30) / m.runner->block_bytes();
   if (m.tensor_parallel()) {  // every rank of the group holds the same number of blocks
     at::Tensor b = at::full({1}, blocks, at::kLong).to(m.control_device());
