@@ -85,6 +85,7 @@ struct Generation {
   bool stream = false;
   bool include_usage = false;
   bool tools = false;  // chat with tools (and a tool-call parser): replies' tool calls are read out
+  std::string route;   // the agent session of an /agents/<key>/v1/... path ("" for /v1/...)
 };
 
 // One finished choice, cut at its first stop string.
@@ -140,8 +141,37 @@ std::optional<ToolCalls> parse_hermes_tool_calls(const std::string& text) {
   return out;
 }
 
+// The engine server's local sessions as streams.
+class LocalStream final : public OpenAiStream {
+ public:
+  explicit LocalStream(std::unique_ptr<LocalSession> s) : s_(std::move(s)) {}
+  void send(const Request& r) override { s_->send(r); }
+  void abort(uint64_t id) override { s_->abort(id); }
+  bool next(ClientResult& out, Deadline d) override { return s_->next(out, d); }
+
+ private:
+  std::unique_ptr<LocalSession> s_;
+};
+
+class ServerBackend final : public OpenAiBackend {
+ public:
+  explicit ServerBackend(EngineServer& s) : server_(s) {}
+  std::unique_ptr<OpenAiStream> open(const std::string& route) override {
+    if (!route.empty()) return nullptr;
+    return std::make_unique<LocalStream>(server_.open_local_session());
+  }
+  bool streams_tokens() const override { return true; }
+
+ private:
+  EngineServer& server_;
+};
+
+std::shared_ptr<OpenAiBackend> engine_server_backend(EngineServer& server) {
+  return std::make_shared<ServerBackend>(server);
+}
+
 struct OpenAiServer::Impl {
-  EngineServer& server;
+  std::shared_ptr<OpenAiBackend> backend;
   std::shared_ptr<const model::Tokenizer> tok;
   model::ChatTemplate chat;
   std::vector<int64_t> eos;
@@ -157,9 +187,9 @@ struct OpenAiServer::Impl {
   std::mutex seeds_mu;
   bool stopped = false;
 
-  Impl(EngineServer& s, std::shared_ptr<const model::Tokenizer> t, const model::ChatTemplate& c, std::vector<int64_t> e,
-       int64_t len, const OpenAiOptions& o)
-      : server(s), tok(std::move(t)), chat(c), eos(std::move(e)), max_model_len(len), opts(o) {}
+  Impl(std::shared_ptr<OpenAiBackend> b, std::shared_ptr<const model::Tokenizer> t, const model::ChatTemplate& c,
+       std::vector<int64_t> e, int64_t len, const OpenAiOptions& o)
+      : backend(std::move(b)), tok(std::move(t)), chat(c), eos(std::move(e)), max_model_len(len), opts(o) {}
 
   // --- the request's common fields ---
   void check_model(const json& b) const {
@@ -292,11 +322,14 @@ struct OpenAiServer::Impl {
   // the choices go out as deltas; with stop strings it does too, so that a choice ends (and its
   // request is aborted once all its samples ended) as soon as a stop string appears.
   std::vector<Choice> generate(const Generation& g, const std::function<void(const Delta&)>& on_delta) {
-    std::unique_ptr<LocalSession> session = server.open_local_session();
+    std::unique_ptr<OpenAiStream> session = backend->open(g.route);
+    if (!session)
+      throw ApiError{404, fmt::format("no agent session '{}' (it ended, or was never opened)", g.route), "not_found_error",
+                     ""};
     const Deadline deadline = Deadline::after_seconds(opts.request_timeout_s);
     const auto count = static_cast<uint64_t>(g.prompts.size());
     const uint64_t first = next_id.fetch_add(count);
-    const bool stream = on_delta != nullptr || !g.stop.empty();
+    const bool stream = backend->streams_tokens() && (on_delta != nullptr || !g.stop.empty());
     for (uint64_t i = 0; i < count; ++i) {
       Request r;
       r.id = first + i;
@@ -610,7 +643,7 @@ struct OpenAiServer::Impl {
   }
 
   // --- HTTP ---
-  void serve(const httplib::Request& req, httplib::Response& res, bool chat_api) {
+  void serve(const httplib::Request& req, httplib::Response& res, bool chat_api, const std::string& route) {
     json body;
     try {
       body = json::parse(req.body);
@@ -618,7 +651,8 @@ struct OpenAiServer::Impl {
       throw ApiError{400, std::string("the body is not JSON: ") + e.what(), "invalid_request_error", ""};
     }
     if (!body.is_object()) throw ApiError{400, "the body must be a JSON object", "invalid_request_error", ""};
-    const Generation g = chat_api ? chat_request(body) : completion_request(body);
+    Generation g = chat_api ? chat_request(body) : completion_request(body);
+    g.route = route;
     const std::string id = response_id(chat_api ? "chatcmpl" : "cmpl");
     const int64_t now = static_cast<int64_t>(std::time(nullptr));
     const char* object = chat_api ? "chat.completion" : "text_completion";
@@ -736,7 +770,8 @@ struct OpenAiServer::Impl {
     auto guarded = [this](bool chat_api) {
       return [this, chat_api](const httplib::Request& req, httplib::Response& res) {
         try {
-          serve(req, res, chat_api);
+          // /agents/<key>/v1/...: the key is the regex's first group.
+          serve(req, res, chat_api, req.matches.size() > 1 ? req.matches[1].str() : std::string());
         } catch (const ApiError& e) {
           res.status = e.status;
           res.set_content(error_body(e), "application/json");
@@ -752,11 +787,38 @@ struct OpenAiServer::Impl {
     };
     http->Post("/v1/completions", guarded(false));
     http->Post("/v1/chat/completions", guarded(true));
-    http->Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    http->Post(R"(/agents/([A-Za-z0-9_.-]{1,128})/v1/completions)", guarded(false));
+    http->Post(R"(/agents/([A-Za-z0-9_.-]{1,128})/v1/chat/completions)", guarded(true));
+    auto models = [this](const httplib::Request&, httplib::Response& res) {
       const json m{{"id", opts.model_name}, {"object", "model"}, {"created", created}, {"owned_by", "tiller"},
                    {"max_model_len", max_model_len}};
       res.set_content(json{{"object", "list"}, {"data", json::array({m})}}.dump(), "application/json");
-    });
+    };
+    http->Get("/v1/models", models);
+    // vLLM's /tokenize: a text's token ids under the served tokenizer, for harnesses that build
+    // their prompts as ids (the next prompt: the last one, the reply's ids, then these).
+    auto tokenize = [this](const httplib::Request& req, httplib::Response& res) {
+      try {
+        json b;
+        try {
+          b = json::parse(req.body);
+        } catch (const json::exception& e) {
+          throw ApiError{400, std::string("the body is not JSON: ") + e.what(), "invalid_request_error", ""};
+        }
+        if (!b.is_object() || !present(b, "prompt") || !b.at("prompt").is_string())
+          refuse("prompt", "'prompt' (a string) is required");
+        check_model(b);
+        const std::vector<int64_t> ids = tok->encode(b.at("prompt").get<std::string>(), boolean(b, "add_special_tokens", true));
+        res.set_content(json{{"tokens", ids}, {"count", ids.size()}, {"max_model_len", max_model_len}}.dump(),
+                        "application/json");
+      } catch (const ApiError& e) {
+        res.status = e.status;
+        res.set_content(error_body(e), "application/json");
+      }
+    };
+    http->Post("/tokenize", tokenize);
+    http->Post(R"(/agents/([A-Za-z0-9_.-]{1,128})/tokenize)", tokenize);
+    http->Get(R"(/agents/([A-Za-z0-9_.-]{1,128})/v1/models)", models);
     http->Get("/health", [](const httplib::Request&, httplib::Response& res) { res.set_content("ok", "text/plain"); });
     http->set_error_handler([](const httplib::Request& req, httplib::Response& res) {
       if (!res.body.empty()) return;
@@ -782,7 +844,14 @@ struct OpenAiServer::Impl {
 OpenAiServer::OpenAiServer(EngineServer& server, std::shared_ptr<const model::Tokenizer> tokenizer,
                            const model::ChatTemplate& chat, std::vector<int64_t> eos_ids, int64_t max_model_len,
                            const OpenAiOptions& opts)
-    : impl_(std::make_unique<Impl>(server, std::move(tokenizer), chat, std::move(eos_ids), max_model_len, opts)) {
+    : OpenAiServer(engine_server_backend(server), std::move(tokenizer), chat, std::move(eos_ids), max_model_len, opts) {}
+
+OpenAiServer::OpenAiServer(std::shared_ptr<OpenAiBackend> backend, std::shared_ptr<const model::Tokenizer> tokenizer,
+                           const model::ChatTemplate& chat, std::vector<int64_t> eos_ids, int64_t max_model_len,
+                           const OpenAiOptions& opts)
+    : impl_(std::make_unique<Impl>(std::move(backend), std::move(tokenizer), chat, std::move(eos_ids), max_model_len,
+                                   opts)) {
+  TILLER_CHECK(impl_->backend != nullptr, "the OpenAI endpoint needs a backend");
   TILLER_CHECK(impl_->tok != nullptr, "the OpenAI endpoint needs the model's tokenizer");
   if (opts.tool_call_parser != "none" && opts.tool_call_parser != "hermes")
     throw ConfigError(fmt::format("tool call parser '{}': use none or hermes", opts.tool_call_parser));

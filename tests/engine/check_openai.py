@@ -95,6 +95,16 @@ try:
     models = client.models.list()
     check([m.id for m in models.data] == ["tiny"], f"/v1/models lists the served name ({[m.id for m in models.data]})")
 
+    # --- /tokenize (vLLM's): the served tokenizer's ids, as transformers gives them ---
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(str(model))
+    text = "Hello, tokenizer! 123 \u00e9t\u00e9"
+    code, body = http("POST", "/tokenize", {"prompt": text, "add_special_tokens": False})
+    check(code == 200 and json.loads(body)["tokens"] == hf.encode(text, add_special_tokens=False),
+          f"/tokenize gives transformers' ids ({code}: {body[:200]})")
+    check(http("POST", "/tokenize", {"prompt": 5})[0] == 400, "/tokenize refuses a prompt that is not text (400)")
+    check(http("POST", "/tokenize", {"prompt": "x"}, key=None)[0] == 401, "/tokenize needs the key (401)")
+
     # --- chat, greedy, against the gRPC path ---
     prompts = scratch / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": p}) + "\n" for p in ref["prompts"]), encoding="utf-8")

@@ -1,10 +1,11 @@
 // An OpenAI-compatible HTTP endpoint in front of an engine's service (docs/engine.md, "OpenAI
-// endpoint"): /v1/models, /v1/completions and /v1/chat/completions, for agent harnesses written
-// against the `openai` client. Token-faithful: the text a choice returns is the decoding of the
-// tokens the engine sampled, and with `return_token_ids` (as vLLM and SGLang take it) the prompt's
-// and the completion's token ids come back with each choice, with their log-probs under
-// `logprobs`. Requests go to the engine through EngineServer::open_local_session(): the loop, the
-// checks and the refusals of the gRPC path, without the wire.
+// endpoint"): /v1/models, /v1/completions and /v1/chat/completions (and vLLM's /tokenize: a text's
+// token ids), for agent harnesses written against the `openai` client. Token-faithful: the text a
+// choice returns is the decoding of the tokens the engine sampled, and with `return_token_ids` (as
+// vLLM and SGLang take it) the prompt's and the completion's token ids come back with each choice,
+// with their log-probs under `logprobs`. Requests go to the engine through a backend: an engine
+// server's local sessions (the loop, the checks and the refusals of the gRPC path, without the
+// wire), or a training job's agent sessions.
 //
 // What a request may carry: prompts as text or token ids (one or a list), chat messages (content
 // as text or text parts; tool calls, tool results and `tools` go to the model's chat template),
@@ -22,7 +23,11 @@
 // string ends the generation as soon as it appears (the request is aborted once all its samples
 // ended).
 //
-// Threading: the HTTP server's own pool; each request holds one local session.
+// Where requests go (OpenAiBackend): an engine server's local sessions (`tiller engine
+// --openai-port`), or a training job's agent sessions (the openai_agent sample loop), which serve
+// /agents/<key>/v1/... for each sample: the same API under a per-sample base URL.
+//
+// Threading: the HTTP server's own pool; each request holds one backend stream.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "tiller/core/deadline.h"
 #include "tiller/core/tls.h"
 
 namespace tiller::model {
@@ -42,6 +48,36 @@ class ChatTemplate;
 namespace tiller::engine {
 
 class EngineServer;
+struct Request;
+struct ClientResult;
+
+// One HTTP request's way to the engine: LocalSession's contract (server.h). send() and next() run
+// on the request's thread.
+class OpenAiStream {
+ public:
+  virtual ~OpenAiStream() = default;  // abandons what is still live (aborted)
+  // Queues `r`; a refusal comes back from next() as a result with an error (code 3: the caller's).
+  virtual void send(const Request& r) = 0;
+  virtual void abort(uint64_t request_id) = 0;
+  // The next result; false once every request sent was answered and taken. Throws TimeoutError
+  // past `deadline`.
+  virtual bool next(ClientResult& out, Deadline deadline) = 0;
+};
+
+class OpenAiBackend {
+ public:
+  virtual ~OpenAiBackend() = default;
+  // A stream for one HTTP request. `route`: the key of an /agents/<key>/v1/... path, "" for
+  // /v1/...; nullptr when the backend has no such route (the endpoint answers 404).
+  virtual std::unique_ptr<OpenAiStream> open(const std::string& route) = 0;
+  // Whether requests may stream tokens (Request::stream): choices then stream token by token and
+  // stop strings end a generation early; else each choice arrives whole.
+  virtual bool streams_tokens() const = 0;
+};
+
+// The backend of `tiller engine`: the server's local sessions (route "" only). `server` must
+// outlive what this returns.
+std::shared_ptr<OpenAiBackend> engine_server_backend(EngineServer& server);
 
 struct OpenAiOptions {
   std::string host = "127.0.0.1";
@@ -81,6 +117,10 @@ class OpenAiServer {
   // the request says ignore_eos. `chat` may have no format (chat requests are then refused).
   OpenAiServer(EngineServer& server, std::shared_ptr<const model::Tokenizer> tokenizer, const model::ChatTemplate& chat,
                std::vector<int64_t> eos_ids, int64_t max_model_len, const OpenAiOptions& opts);
+  // The same in front of any backend.
+  OpenAiServer(std::shared_ptr<OpenAiBackend> backend, std::shared_ptr<const model::Tokenizer> tokenizer,
+               const model::ChatTemplate& chat, std::vector<int64_t> eos_ids, int64_t max_model_len,
+               const OpenAiOptions& opts);
   ~OpenAiServer();  // shutdown()
   OpenAiServer(const OpenAiServer&) = delete;
   OpenAiServer& operator=(const OpenAiServer&) = delete;
