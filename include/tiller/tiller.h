@@ -18,6 +18,7 @@
 #include "tiller/dist/rank_plan.h"
 #include "tiller/reward/rule_reward.h"
 #include "tiller/reward/scorer_registry.h"
+#include "tiller/rollout/agent.h"
 #include "tiller/rollout/prompt_source.h"
 #include "tiller/rollout/sample_loop.h"
 #include "tiller/rollout/step_hooks.h"

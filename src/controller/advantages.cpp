@@ -103,6 +103,9 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
         }
         keep.push_back(ro.resp_offset[s] + t);
       }
+      // A sample its loop discarded (no model token: agent.drift = drop) has no place for its turns.
+      if (static_cast<int64_t>(keep.size()) == cu_v.back())
+        for (; next_turn < ro.turn_offset[s + 1]; ++next_turn) turn_pos.push_back(-1);
       TILLER_CHECK(next_turn == ro.turn_offset[s + 1], "sample {}: a turn ends on an observation token", s);
     }
     cu_v.push_back(static_cast<int64_t>(keep.size()));
@@ -152,6 +155,7 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
     for (int64_t s = 0; s < b; ++s)
       for (int64_t i = ro.turn_offset[s]; i < ro.turn_offset[s + 1]; ++i) {
         const float tr = ro.turn_reward[static_cast<size_t>(i)];
+        if (turn_pos[static_cast<size_t>(i)] < 0) continue;  // a discarded sample's
         p[turn_pos[static_cast<size_t>(i)]] += tr;
         p[cu_v[static_cast<size_t>(s) + 1] - 1] -= tr;
       }

@@ -85,6 +85,8 @@ RolloutCollector::RolloutCollector(const CollectorConfig& cfg, EngineSet& engine
   ctx.session_prefix = std::move(loop_sources.session_prefix);
   ctx.observation_tokens = std::move(loop_sources.observation_tokens);
   ctx.decode = std::move(loop_sources.decode);
+  ctx.tokenizer = std::move(loop_sources.tokenizer);
+  ctx.chat = std::move(loop_sources.chat);
   loop_ = def.make(ctx);
   if (!loop_) throw ConfigError(fmt::format("sample loop '{}': its factory returned no loop", cfg_.loop));
 }

@@ -93,6 +93,8 @@ struct LoopSources {
   std::function<std::vector<int64_t>(const std::string& text, bool turn_closed, bool raw)> observation_tokens;
   std::function<std::string(const std::vector<int64_t>&)> decode;
   std::string session_prefix = "tiller";  // session ids are "<prefix>-<ordinal>-<sample>"
+  std::shared_ptr<const model::Tokenizer> tokenizer;  // the actor's (openai_agent)
+  std::shared_ptr<const model::ChatTemplate> chat;
 };
 
 struct CollectorConfig {
@@ -167,6 +169,7 @@ struct StepBatch {
   // session_tokens_reused matches it when nothing is computed again).
   double env_seconds = 0;
   int64_t env_calls = 0;
+  int64_t drifts = 0;  // the samples' retokenization drifts (openai_agent)
   int64_t session_prefix_tokens = 0;
   SteadyClock::time_point formed_since, first_dispatch, last_sample, ready_at;
   bool closed = false;  // takes no more groups

@@ -101,6 +101,7 @@ void RolloutCollector::finish(int64_t group, FinishedSample f) {
   st.prompt = std::move(f.prompt);
   batch_->env_seconds += f.env_seconds;
   batch_->env_calls += f.env_calls;
+  batch_->drifts += f.drifts;
   arrive(g, std::move(st));
 }
 

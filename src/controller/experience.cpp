@@ -35,10 +35,13 @@ int64_t Rollout::add(int64_t prompt_index, int64_t sample_index, const std::vect
                  turn_info->loss_mask.size(), response.size());
     TILLER_CHECK(turn_info->ends.size() == turn_info->rewards.size(), "{} turn ends with {} rewards",
                  turn_info->ends.size(), turn_info->rewards.size());
+    // A sample a loop discarded (every mask 0: nothing of it is trained) keeps its turns' places.
+    const bool discarded = std::none_of(turn_info->loss_mask.begin(), turn_info->loss_mask.end(),
+                                        [](uint8_t m) { return m != 0; });
     for (size_t i = 0; i < turn_info->ends.size(); ++i) {
       const int64_t e = turn_info->ends[i];
-      TILLER_CHECK(e >= 0 && static_cast<size_t>(e) < response.size() && turn_info->loss_mask[static_cast<size_t>(e)] &&
-                       (i == 0 || e > turn_info->ends[i - 1]),
+      TILLER_CHECK(e >= 0 && static_cast<size_t>(e) < response.size() &&
+                       (discarded || turn_info->loss_mask[static_cast<size_t>(e)]) && (i == 0 || e > turn_info->ends[i - 1]),
                    "turn {} ends at token {} of a response of {}, not after the turn before on a model token", i, e,
                    response.size());
     }

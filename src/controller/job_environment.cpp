@@ -38,7 +38,7 @@ std::shared_ptr<env::Environment> job_environment(const JobConfig& cfg) {
 
 LoopSources make_job_loop_sources(const JobConfig& cfg, const model::Tokenizer& tokenizer) {
   LoopSources s;
-  if (cfg.multi_turn()) s.environment = job_environment(cfg);
+  if (cfg.env.type != EnvType::kNone) s.environment = job_environment(cfg);
   const model::Tokenizer* tok = &tokenizer;
   // Observations inside the chat template's tool turn.
   const model::ChatTemplate chat = model::job_chat_template(cfg.data, cfg.roles.actor.model, tokenizer);
@@ -47,6 +47,13 @@ LoopSources make_job_loop_sources(const JobConfig& cfg, const model::Tokenizer& 
   };
   s.decode = [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, true); };
   s.session_prefix = fmt::format("{}-{}", cfg.run.name, cfg.run.seed);
+  s.tokenizer = std::shared_ptr<const model::Tokenizer>(tok, [](const model::Tokenizer*) {});  // outlives the loop
+  // The agent endpoint renders chat requests with the model's template (data.chat_template), whether
+  // or not the dataset's prompts go through it (data.apply_chat_template).
+  s.chat = std::make_shared<const model::ChatTemplate>(
+      cfg.agent_loop() ? model::load_chat_template(cfg.data.chat_template, cfg.roles.actor.model, tokenizer,
+                                                   cfg.data.chat_template_kwargs)
+                       : chat);
   return s;
 }
 

@@ -43,6 +43,7 @@ Registry<SampleLoopDef>& loops() {
         new Registry<SampleLoopDef>("sample loop", [](const SampleLoopDef& d) { return d.make ? "" : "no factory (make)"; });
     reg->add("single_turn", single_turn_loop());
     reg->add("multi_turn", multi_turn_loop());
+    reg->add("openai_agent", openai_agent_loop());
     return reg;
   }();
   return *r;

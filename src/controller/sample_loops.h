@@ -8,5 +8,6 @@ namespace tiller::rollout {
 
 SampleLoopDef single_turn_loop();  // sample_loops.cpp
 SampleLoopDef multi_turn_loop();   // multi_turn_loop.cpp
+SampleLoopDef openai_agent_loop(); // agent_loop.cpp
 
 }  // namespace tiller::rollout

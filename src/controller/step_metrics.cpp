@@ -66,6 +66,7 @@ void batch_metrics(const StepBatch& b, const JobConfig& cfg, const dist::RankPla
     metrics["env/seconds_per_sample"] = b.ro.size() > 0 ? b.env_seconds / static_cast<double>(b.ro.size()) : 0.0;
     metrics["env/calls"] = static_cast<double>(b.env_calls);
     metrics["env/session_prefix_tokens"] = static_cast<double>(b.session_prefix_tokens);
+    if (cfg.agent_loop()) metrics["agent/drifts"] = static_cast<double>(b.drifts);
   }
   metrics["memory/controller_rollout_mb"] = static_cast<double>(b.ro.bytes()) / 1e6;
   if (batched) {

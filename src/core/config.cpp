@@ -304,8 +304,10 @@ void JobConfig::validate() const {
     if (!eval.greedy && eval.n_samples == 0)
       throw ConfigError("eval: eval.greedy is false and eval.n_samples is 0: no sample to evaluate; set one");
     if (multi_turn())
-      throw ConfigError("eval.prompts with env.type set: evaluation samples single-turn completions, not the "
-                        "environment's episodes; leave eval.prompts empty in multi-turn jobs");
+      throw ConfigError(fmt::format("eval.prompts with {}: evaluation samples single-turn completions, not the {}; "
+                                    "leave eval.prompts empty in multi-turn jobs",
+                                    agent_loop() ? "rollout.loop openai_agent" : "env.type set",
+                                    agent_loop() ? "harness's conversations" : "environment's episodes"));
     if (eval.reward_rule.empty() && (reward.type == RewardType::kModel || reward.type == RewardType::kEnv))
       throw ConfigError(fmt::format("eval with reward.type = {}: evaluation scores with a rule or the job's remote, "
                                     "Python or scorer reward; set eval.reward_rule (e.g. math_answer)",
@@ -331,9 +333,20 @@ void JobConfig::validate() const {
     throw ConfigError("env.type = inprocess needs env.name (the name given to tiller::env::register_env)");
   if (env.tls_ca.empty() && !env.tls_server_name.empty())
     throw ConfigError("env.tls_server_name needs env.tls_ca (TLS)");
+  if (agent_loop()) {
+    if (agent.harness.empty())
+      throw ConfigError("rollout.loop = openai_agent needs agent.harness (FILE.py:FUNCTION, or a harness registered "
+                        "in C++)");
+    if (env.type != EnvType::kNone)
+      throw ConfigError("rollout.loop = openai_agent with env.type set: the harness drives the conversation; set "
+                        "env.type = none (or use the multi_turn loop)");
+  } else if (!agent.harness.empty()) {
+    throw ConfigError("agent.harness is set but rollout.loop is not openai_agent; set rollout.loop = openai_agent");
+  }
   if (!multi_turn()) {
     if (reward.type == RewardType::kEnv)
-      throw ConfigError("reward.type = env takes the environment's rewards; set env.type (remote or inprocess)");
+      throw ConfigError("reward.type = env takes the environment's (or an agent harness's) rewards; set env.type "
+                        "(remote or inprocess), or rollout.loop = openai_agent");
     if (rollout.max_turns != 1)
       throw ConfigError(fmt::format("rollout.max_turns = {} needs an environment to answer the turns; set env.type "
                                     "(remote or inprocess) or leave max_turns at 1",

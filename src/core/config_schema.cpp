@@ -308,11 +308,12 @@ std::vector<Field> build() {
         "A registered sample loop's settings, a string in a format of its own.");
   b.add("rollout.max_turns", TILLER_FIELD(rollout.max_turns),
         "With an environment (env.type): most model turns of one sample; the episode ends at its environment's "
-        "done, at this many turns, or at rollout.max_response_tokens.")
+        "done, at this many turns, or at rollout.max_response_tokens. With an agent harness (openai_agent): the "
+        "requests one sample may send (more are refused).")
       .range(1, 1024);
   b.add("rollout.max_response_tokens", TILLER_FIELD(rollout.max_response_tokens),
-        "With an environment: most tokens after the prompt of one sample, the model's turns and the observations "
-        "together (0: max_new_tokens x max_turns). Each turn generates at most max_new_tokens, and fewer when "
+        "With an environment or an agent harness: most tokens after the prompt of one sample, the model's turns "
+        "and the observations (or the harness's text) together (0: max_new_tokens x max_turns). Each turn generates at most max_new_tokens, and fewer when "
         "this limit is near.")
       .range(0, kMaxSampleTokens);
 
@@ -526,6 +527,25 @@ std::vector<Field> build() {
         "PEM roots to verify the environment service's certificate with; set, the calls go over TLS.");
   b.add("env.tls_server_name", TILLER_FIELD(env.tls_server_name),
         "The name the environment service's certificate must carry; empty: the host of env.address.");
+
+  b.add("agent.harness", TILLER_FIELD(agent.harness),
+        "rollout.loop openai_agent: the agent harness run for each sample, FILE.py:FUNCTION (called with the "
+        "sample's base_url and api_key for the openai client; docs/agents.md) or the name of one registered in C++.");
+  b.add_enum("agent.drift", TILLER_FIELD(agent.drift),
+        "What a harness request whose prompt does not extend the sample's tokens so far (retokenization drift) "
+        "does: error (the job ends naming the sample and the first differing token), split (the sample goes on as "
+        "a new segment from that prompt; what came before is not trained), or drop (none of the sample is trained).");
+  b.add("agent.concurrency", TILLER_FIELD(agent.concurrency), "Harness calls at once (threads).").range(1, 4096);
+  b.add("agent.timeout_s", TILLER_FIELD(agent.timeout_s),
+        "Deadline of one harness call (a whole sample); past it the job ends naming the sample.")
+      .range(0.001, kMaxSeconds);
+  b.add("agent.host", TILLER_FIELD(agent.host),
+        "Address the agent endpoint listens on (the harnesses run in the controller's process: 127.0.0.1).");
+  b.add("agent.port", TILLER_FIELD(agent.port), "Port of the agent endpoint; 0: a free one.").range(0, 65535);
+  b.add("agent.tool_call_parser", TILLER_FIELD(agent.tool_call_parser),
+        "How chat replies' tool calls are read out of their text when a request gives tools: none, or hermes "
+        "(Qwen2.5's <tool_call> blocks).")
+      .one_of({"none", "hermes"});
 
   b.add("train.num_steps", TILLER_FIELD(train.num_steps), "PPO steps to run.").range(1, kMaxCount);
   b.add("train.train_batch_size", TILLER_FIELD(train.train_batch_size), "Samples per optimizer step.")
@@ -778,6 +798,7 @@ const std::vector<Section>& sections() {
       {"data", "The prompt dataset."},
       {"reward", "Where rewards come from."},
       {"env", "The environment of multi-turn rollouts (docs/training.md, \"Environments (multi-turn)\")."},
+      {"agent", "Agent harnesses behind an OpenAI-compatible endpoint (rollout.loop: openai_agent; docs/agents.md)."},
       {"train", "Optimisation of the actor and critic."},
       {"checkpoint", "Sharded checkpoints and HF export."},
       {"logging", "Logs, metrics and traces."},

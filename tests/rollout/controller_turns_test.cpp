@@ -346,8 +346,8 @@ TEST(SampleLoops, ARegisteredLoopIsTheOneThatMakesTheSamples) {
   JobConfig cfg;
   cfg.rollout.loop = "test_revis";
   EXPECT_NE(error_of([&] { job_sample_loop(cfg); })
-                .find("rollout.loop = 'test_revis': not a registered sample loop (registered: multi_turn, single_turn, "
-                      "test_revise"),
+                .find("rollout.loop = 'test_revis': not a registered sample loop (registered: multi_turn, openai_agent, "
+                      "single_turn, test_revise"),
             std::string::npos);
   EXPECT_NE(error_of([&] { job_sample_loop(cfg); }).find("did you mean 'test_revise'?"), std::string::npos);
   cfg.rollout.loop = "multi_turn";

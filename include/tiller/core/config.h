@@ -26,6 +26,7 @@ enum class ImportanceCorrection { kNone, kTis, kDecoupled, kMis };
 enum class IsLevel { kToken, kSequence, kGeometric };             // algo.is_level
 enum class RewardType { kModel, kRule, kRemote, kPython, kEnv, kScorer };
 enum class EnvType { kNone, kRemote, kInprocess };
+enum class AgentDrift { kError, kSplit, kDrop };                 // agent.drift
 enum class DeviceKind { kAuto, kCuda, kCpu };                    // cluster.device
 enum class BackendKind { kAuto, kNccl, kMpi };                   // cluster.backend
 enum class HybridScoring { kAuto, kOverlap, kAfterGenerate };     // cluster.hybrid_scoring
@@ -142,6 +143,10 @@ struct EnumNames<Fp8Scaling> {
 template <>
 struct EnumNames<KvCacheDtype> {
   static constexpr std::array<std::string_view, 2> names = {"auto", "fp8"};
+};
+template <>
+struct EnumNames<AgentDrift> {
+  static constexpr std::array<std::string_view, 3> names = {"error", "split", "drop"};
 };
 
 // The YAML spelling of `e`.
@@ -466,6 +471,17 @@ struct EnvConfig {
   std::string tls_ca, tls_server_name;
 };
 
+// Agent harnesses behind an OpenAI-compatible endpoint (rollout.loop: openai_agent; docs/agents.md).
+struct AgentConfig {
+  std::string harness;            // FILE.py:FUNCTION, or a harness registered in C++ (register_agent_harness)
+  AgentDrift drift = AgentDrift::kError;  // a request that does not extend the sample's tokens
+  std::int64_t concurrency = 16;  // harness calls at once (threads)
+  double timeout_s = 600;         // deadline of one harness call (a whole sample)
+  std::string host = "127.0.0.1"; // where the endpoint listens
+  std::int64_t port = 0;          // 0: a free port
+  std::string tool_call_parser = "none";  // none | hermes (openai_server.h)
+};
+
 // The offline trainers (tiller sft, train-rm, dpo; docs/offline.md): their data and schedule. They
 // train roles.actor.model with train.* (actor_lr, schedule, clipping, micro_batch_tokens, and
 // train_batch_size samples or pairs per optimizer step); dpo's reference is roles.ref.model (or
@@ -514,6 +530,7 @@ struct JobConfig {
   DataConfig data;
   RewardConfig reward;
   EnvConfig env;
+  AgentConfig agent;
   TrainConfig train;
   CheckpointConfig checkpoint;
   EvalConfig eval;
@@ -527,7 +544,10 @@ struct JobConfig {
   void validate_sequence_parallel() const;  // roles.*.sequence_parallel against gpus and colocation (part of validate)
   // The engines the job runs: engines.count, or with cluster.hybrid one per engines.tp actor GPUs.
   std::int64_t engine_count() const;
-  bool multi_turn() const { return env.type != EnvType::kNone; }
+  // Samples of several model turns with tokens of another origin between them (a loss mask): an
+  // environment's episodes, or an agent harness's conversations.
+  bool multi_turn() const { return env.type != EnvType::kNone || agent_loop(); }
+  bool agent_loop() const { return rollout.loop == "openai_agent"; }
   // Tokens after the prompt of one sample: max_new_tokens, or with an environment
   // rollout.max_response_tokens (0: max_new_tokens x max_turns).
   std::int64_t response_limit() const;

@@ -30,6 +30,7 @@ struct RolloutLayout {
 // A multi-turn sample's extra arrays (Rollout::add).
 struct TurnInfo {
   std::vector<uint8_t> loss_mask;  // per response token: 1 sampled by the model, 0 an observation's
+                                   // (all 0: a sample its loop discarded; none of it is trained)
   std::vector<int64_t> ends;       // per model turn: its last token's index in the response
   std::vector<float> rewards;      // per model turn: the environment's reward
 };

@@ -4,6 +4,8 @@
 //   multi_turn   an episode per sample with the job's environment (env.*): the engine generates a
 //                turn, the environment answers, its observation is appended and the next turn
 //                resumes the engine's session of the sample (docs/training.md).
+//   openai_agent an agent harness per sample (agent.*; tiller/rollout/agent.h) that talks to the
+//                policy through an OpenAI-compatible endpoint, recorded token for token.
 // A trainer of one's own registers the loop of its agent: tool calls, a judge between turns,
 // several generations per sample, anything that ends in one response per sample.
 //
@@ -40,6 +42,10 @@
 namespace tiller::env {
 class Environment;
 }
+namespace tiller::model {
+class Tokenizer;
+class ChatTemplate;
+}  // namespace tiller::model
 
 namespace tiller::rollout {
 
@@ -54,6 +60,7 @@ struct FinishedSample {
   TurnInfo turns;                // loops with `turns` only
   double env_seconds = 0;        // time spent in environment calls, for the step's metrics
   int64_t env_calls = 0;
+  int64_t drifts = 0;            // places where a prompt did not extend the sample's tokens (openai_agent)
 };
 
 // What the collector offers a loop. A group is named by its dispatch ordinal.
@@ -123,6 +130,9 @@ struct SampleLoopContext {
   std::function<std::vector<int64_t>(const std::string& text, bool turn_closed, bool raw)> observation_tokens;
   // A response's text (special tokens left out).
   std::function<std::string(const std::vector<int64_t>&)> decode;
+  // The actor's tokenizer and chat template (loops that render or parse text themselves).
+  std::shared_ptr<const model::Tokenizer> tokenizer;
+  std::shared_ptr<const model::ChatTemplate> chat;
 };
 
 struct SampleLoopDef {
