@@ -1731,6 +1731,60 @@ def check_distill():
         fail(f"a teacher with a smaller vocabulary: exit {code}:\n{log[-2000:]}")
 
 
+def check_agent():
+    """rollout.loop openai_agent (docs/agents.md): the quickstart's toy task played by
+    examples/agents/digits.py through the openai client, token-faithful, learns; a chat harness
+    whose re-rendered conversation drifts from the sampled tokens ends the job naming the token, or
+    goes on under agent.drift split."""
+    out = SCRATCH / "agent"
+    code, log = run(3, out, "eval.prompts=", f"agent.harness={REPO / 'examples' / 'agents' / 'digits.py'}:run",
+                    f"logging.rollout_records={out / 'records.jsonl'}", "logging.rollout_records_tokens=true",
+                    config="quickstart_agent.yaml")
+    if code != 0:
+        fail(f"exit code {code}:\n{log[-4000:]}")
+    rows = metrics(out)
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    print(f"agent: mean reward {first:.3f} (steps 1-3) -> {last:.3f} (steps 28-30); "
+          f"{rows[-1]['env/seconds_per_sample'] * 1e3:.0f} ms of harness a sample")
+    if not (first < 0.3 and last > 0.7):
+        fail(f"the reward did not rise clearly: {[round(r, 3) for r in rewards]}")
+    for r in rows:
+        # Three requests a sample, the last two resuming its session; no drift (token ids).
+        if r["agent/drifts"] != 0 or r["env/calls"] != 3 * r["samples"] or r["turns/mean"] != 3 or \
+                r["engine/session_resumes"] != 2 * r["samples"] or r["engine/session_misses"] != 0:
+            fail(f"step {r['step']}: {({k: v for k, v in r.items() if k.startswith(('agent', 'env', 'engine/session', 'turns'))})}")
+    recs = [r for r in records(out) if r["event"] == "trained"]
+    for rec in recs[:64]:  # the agent's " Now more:" between the turns: masked, log-prob 0
+        mask, lp = rec["loss_mask"], rec["engine_logprobs"]
+        ends = [t[0] for t in rec["turns"]]
+        if len(ends) != 3 or mask[ends[0] + 1] != 0 or lp[ends[0] + 1] != 0 or sum(mask) != rec["model_tokens"]:
+            fail(f"a record's mask or turns: {rec}")
+
+    # A chat harness that sends its conversation back as messages: the random model's text does not
+    # re-tokenize to its own tokens.
+    chat = SCRATCH / "chat_agent.py"
+    chat.write_text("import httpx\nfrom openai import OpenAI\n_http = httpx.Client(timeout=120)\n\n"
+                    "def run(base_url, api_key, model, prompt):\n"
+                    "    client = OpenAI(base_url=base_url, api_key=api_key, http_client=_http)\n"
+                    "    messages = [{'role': 'user', 'content': prompt}]\n"
+                    "    for _ in range(2):\n"
+                    "        r = client.chat.completions.create(model=model, messages=messages, max_tokens=8)\n"
+                    "        messages += [{'role': 'assistant', 'content': r.choices[0].message.content or ''},\n"
+                    "                     {'role': 'user', 'content': 'go on'}]\n"
+                    "    return 0.0\n")
+    chat_sets = ["eval.prompts=", f"agent.harness={chat}:run", "data.chat_template=chatml", "train.num_steps=2"]
+    expect_error("retokenization drift", command(3, SCRATCH / "agent_drift", *chat_sets, config="quickstart_agent.yaml"),
+                 r"prompt line [0-9]+, sample [0-9]+: request 2 of the agent harness does not extend the sample's "
+                 r"tokens: it differs at token [0-9]+ of [0-9]+ .*agent.drift = split or drop")
+    out = SCRATCH / "agent_split"
+    code, log = run(3, out, *chat_sets, "agent.drift=split", config="quickstart_agent.yaml")
+    if code != 0 or sum(r["agent/drifts"] for r in metrics(out)) == 0:
+        fail(f"agent.drift split: exit {code}, drifts {[r.get('agent/drifts') for r in metrics(out)]}:\n{log[-3000:]}")
+    print(f"agent: the chat harness drifted {sum(r['agent/drifts'] for r in metrics(out)):.0f} times in 2 steps; "
+          f"agent.drift error ended the job naming the token, split went on")
+
+
 def check_hub():
     proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fake_hub.py"), f"tiller-test/tiny-qwen2={MODEL}",
                              f"tiller-test/tiny-gen={MODEL}"], stdout=subprocess.PIPE, text=True)
@@ -1811,6 +1865,8 @@ if CASE == "hub":
     check_hub()
 elif CASE == "distill":
     check_distill()
+elif CASE == "agent":
+    check_agent()
 elif CASE == "old_logprobs":
     check_old_logprobs()
 elif CASE == "sequence_parallel":
