@@ -3,12 +3,16 @@ model may call `calculate` (Qwen2.5's <tool_call> format, agent.tool_call_parser
 harness evaluates each call and sends the result back as a tool message, for up to four replies;
 the reward is 1 when the final reply holds the label (the answer), else 0.
     python3 examples/envs/make_calculator_prompts.py data/calculator/prompts.jsonl 2000
-    mpirun -np 3 build/bin/tiller train -c configs/quickstart_agent.yaml \
+    mpirun -np 3 build/bin/tiller train -c configs/gpu/<a 1-GPU GRPO config> --set rollout.loop=openai_agent \
       --set agent.harness=examples/agents/calculator.py:run --set data.prompts=data/calculator/prompts.jsonl \
-      --set agent.tool_call_parser=hermes --set data.chat_template=chatml --set agent.drift=split
+      --set agent.tool_call_parser=hermes --set roles.actor.model=Qwen/Qwen2.5-1.5B-Instruct \
+      --set rollout.max_turns=4 --set rollout.max_response_tokens=1024 --set reward.type=env
 
-Chat requests are re-rendered from the messages, so a model whose text does not re-tokenize to its
-own tokens drifts (agent.drift: error stops the job there; split and drop go on).
+It needs a model whose chat template takes tools (Qwen2.5's; the built-in chatml has no place for
+them, and the endpoint refuses the request saying so) and a context for the tools' description
+(~750 tokens with the quickstart's tiny tokenizer, which is too small for it). Chat requests are
+re-rendered from the messages, so a model whose text does not re-tokenize to its own tokens drifts
+(agent.drift: error stops the job there; split and drop go on).
 """
 import ast
 import json
