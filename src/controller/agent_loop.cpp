@@ -24,10 +24,8 @@
 #include <fmt/format.h>
 
 #include "controller/sample_loops.h"
-#include "python/agent_harness.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
-#include "tiller/core/registry.h"
 #include "tiller/engine/openai_server.h"
 #include "tiller/engine/server.h"
 #include "tiller/model/chat_template.h"
@@ -641,29 +639,7 @@ class AgentLoop final : public SampleLoop {
   std::unordered_map<uint64_t, uint64_t> requests_;     // engine request id -> sample_key
 };
 
-Registry<AgentHarnessFactory>& harnesses() {
-  static auto* r = new Registry<AgentHarnessFactory>(
-      "agent harness", [](const AgentHarnessFactory& f) { return f ? "" : "no factory"; });
-  return *r;
-}
-
 }  // namespace
-
-void register_agent_harness(const std::string& name, AgentHarnessFactory make) {
-  harnesses().add(name, std::move(make));
-}
-
-std::vector<std::string> agent_harness_names() { return harnesses().names(); }
-
-std::shared_ptr<AgentHarness> make_agent_harness(const JobConfig& job) {
-  const std::string& spec = job.agent.harness;
-  const size_t colon = spec.rfind(':');
-  const std::string file = colon == std::string::npos ? spec : spec.substr(0, colon);
-  if (file.size() > 3 && file.compare(file.size() - 3, 3, ".py") == 0) return python::python_agent_harness(spec);
-  std::shared_ptr<AgentHarness> h = harnesses().at(spec, "agent.harness")(job);
-  if (!h) throw ConfigError(fmt::format("agent.harness = '{}': its factory made no harness", spec));
-  return h;
-}
 
 SampleLoopDef openai_agent_loop() {
   SampleLoopDef d;

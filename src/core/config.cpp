@@ -340,6 +340,9 @@ void JobConfig::validate() const {
     if (env.type != EnvType::kNone)
       throw ConfigError("rollout.loop = openai_agent with env.type set: the harness drives the conversation; set "
                         "env.type = none (or use the multi_turn loop)");
+    if (!agent.command.empty() && agent.harness != "command")
+      throw ConfigError(fmt::format("agent.command is set but agent.harness is '{}'; set agent.harness = command to "
+                                    "run it", agent.harness));
   } else if (!agent.harness.empty()) {
     throw ConfigError("agent.harness is set but rollout.loop is not openai_agent; set rollout.loop = openai_agent");
   }

@@ -530,7 +530,12 @@ std::vector<Field> build() {
 
   b.add("agent.harness", TILLER_FIELD(agent.harness),
         "rollout.loop openai_agent: the agent harness run for each sample, FILE.py:FUNCTION (called with the "
-        "sample's base_url and api_key for the openai client; docs/agents.md) or the name of one registered in C++.");
+        "sample's base_url and api_key for the openai client; docs/agents.md), command (agent.command), or the "
+        "name of one registered in C++.");
+  b.add("agent.command", TILLER_FIELD(agent.command),
+        "agent.harness command: the shell command run for each sample, with OPENAI_BASE_URL, OPENAI_API_KEY and "
+        "TILLER_AGENT_* (the prompt, label, ...) in its environment; the last line it prints is the reward "
+        "(docs/agents.md).");
   b.add_enum("agent.drift", TILLER_FIELD(agent.drift),
         "What a harness request whose prompt does not extend the sample's tokens so far (retokenization drift) "
         "does: error (the job ends naming the sample and the first differing token), split (the sample goes on as "

@@ -1,9 +1,7 @@
 #include "job/supervisor.h"
 
-#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,14 +12,14 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <thread>
 
 #include <fmt/format.h>
 
 #include "controller/checkpoint_manager.h"
+#include "core/process.h"
 #include "tiller/core/error.h"
-
-extern char** environ;
 
 namespace tiller::rollout {
 namespace {
@@ -38,8 +36,6 @@ constexpr const char* kLaunchErrors[] = {
     "srun: error: Invalid",                     // srun usage
     "srun: error: Unable to allocate resources: Invalid",
 };
-
-bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
 // The line's text from "tiller: error:" on (launchers may prefix rank output with a tag).
 std::string error_part(const std::string& line) {
@@ -84,51 +80,9 @@ namespace {
 
 class Run {
  public:
-  Run(const SupervisorOptions& o, int restarts) : o_(o) {
-    int fds[2];
-    if (::pipe2(fds, O_CLOEXEC) != 0) throw IoError(fmt::format("tiller launch: pipe: {}", std::strerror(errno)));
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
-    posix_spawnattr_t attr;
-    posix_spawnattr_init(&attr);
-    sigset_t none;
-    sigemptyset(&none);
-    posix_spawnattr_setsigmask(&attr, &none);
-    sigset_t stops;
-    sigemptyset(&stops);
-    sigaddset(&stops, SIGINT);
-    sigaddset(&stops, SIGTERM);
-    posix_spawnattr_setsigdefault(&attr, &stops);
-    // Its own process group: a Ctrl-C at the terminal reaches the supervisor, which forwards one
-    // SIGTERM, rather than reaching the launcher twice.
-    posix_spawnattr_setpgroup(&attr, 0);
-    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETPGROUP);
-
-    std::vector<std::string> env;
-    for (char** e = environ; *e; ++e)
-      if (!starts_with(*e, "TILLER_RESTARTS=")) env.emplace_back(*e);
-    env.push_back(fmt::format("TILLER_RESTARTS={}", restarts));
-    std::vector<char*> envp, argv;
-    for (auto& s : env) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::vector<std::string> args = o.command;
-    for (auto& s : args) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    const int rc = posix_spawnp(&pid_, argv[0], &actions, &attr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    posix_spawnattr_destroy(&attr);
-    ::close(fds[1]);
-    if (rc != 0) {
-      ::close(fds[0]);
-      throw ConfigError(fmt::format("tiller launch: cannot start '{}': {}", o.command.front(), std::strerror(rc)));
-    }
-    out_ = fds[0];
-  }
-  ~Run() {
-    if (out_ >= 0) ::close(out_);
-  }
+  // The launcher in a process group of its own: a Ctrl-C at the terminal reaches the supervisor,
+  // which forwards one SIGTERM, rather than reaching the launcher twice.
+  Run(const SupervisorOptions& o, int restarts) : o_(o), child_(start(o, restarts)) {}
 
   // Passes the output through until the launcher exits; a stop signal is forwarded once.
   RunOutcome wait(bool* stopped) {
@@ -141,16 +95,16 @@ class Run {
     while (open || !exited) {
       if (g_signal && !forwarded) {
         o_.log(fmt::format("tiller launch: {} received; asking the job to save and stop", strsignal(g_signal)));
-        ::kill(pid_, SIGTERM);
+        ::kill(child_->pid(), SIGTERM);
         forwarded = true;
         *stopped = true;
       }
-      if (!exited && ::waitpid(pid_, &status, WNOHANG) == pid_) exited = true;
+      if (!exited && child_->reap(&status, false)) exited = true;
       if (!open) {
         if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(50));
         continue;
       }
-      pollfd p{out_, POLLIN, 0};
+      pollfd p{child_->output_fd(), POLLIN, 0};
       // Once the launcher is gone, what is left in the pipe is read; an orphan that still holds
       // it open is not waited for.
       const int ready = ::poll(&p, 1, exited ? 200 : 100);
@@ -159,7 +113,7 @@ class Run {
         if (exited) open = false;
         continue;
       }
-      const ssize_t n = ::read(out_, buf, sizeof buf);
+      const ssize_t n = ::read(child_->output_fd(), buf, sizeof buf);
       if (n <= 0) {
         if (n < 0 && errno == EINTR) continue;
         open = false;
@@ -174,11 +128,7 @@ class Run {
       }
     }
     // A read error ended the loop early: the launcher's status is still needed (never a 0 by default).
-    while (!exited) {
-      const pid_t w = ::waitpid(pid_, &status, 0);
-      if (w == pid_) exited = true;
-      else if (w < 0 && errno != EINTR) throw IoError(fmt::format("tiller launch: waitpid: {}", std::strerror(errno)));
-    }
+    if (!exited) child_->reap(&status, true);
     if (!partial.empty()) tail.push_back(partial);
     r.tail.assign(tail.begin(), tail.end());
     if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
@@ -190,9 +140,16 @@ class Run {
   }
 
  private:
+  static std::unique_ptr<ChildProcess> start(const SupervisorOptions& o, int restarts) {
+    try {
+      return std::make_unique<ChildProcess>(o.command, std::vector<std::string>{fmt::format("TILLER_RESTARTS={}", restarts)});
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("tiller launch: {}", e.what()));
+    }
+  }
+
   const SupervisorOptions& o_;
-  pid_t pid_ = -1;
-  int out_ = -1;
+  std::unique_ptr<ChildProcess> child_;
 };
 
 // Sleeps `seconds`, or less if a stop signal arrives; true if one did.

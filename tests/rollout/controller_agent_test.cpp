@@ -54,7 +54,8 @@ def run(base_url, api_key, model, sample, step, prompt_line):
 struct AgentJob : Job {
   std::string trace;
   std::shared_ptr<model::Tokenizer> tok;
-  explicit AgentJob(const std::string& name, bool drift = false) : Job(name) {
+  // `command`: the harness runs as agent.command (python3 running the same function) instead.
+  explicit AgentJob(const std::string& name, bool drift = false, bool command = false) : Job(name) {
     cfg.rollout.loop = "openai_agent";
     cfg.rollout.max_turns = 3;
     cfg.rollout.max_new_tokens = 12;
@@ -69,6 +70,18 @@ struct AgentJob : Job {
     std::ofstream(harness) << "TRACE = " << json(trace).dump() << "\nDRIFT = " << (drift ? "True" : "False") << "\n"
                            << kHarness;
     cfg.agent.harness = harness + ":run";
+    if (command) {
+      // The command's environment carries the sample (OPENAI_BASE_URL, TILLER_AGENT_*); it prints the reward.
+      std::ofstream(harness, std::ios::app)
+          << "\nif __name__ == '__main__':\n"
+          << "    e = os.environ\n"
+          << "    r = run(e['OPENAI_BASE_URL'], e['OPENAI_API_KEY'], e['TILLER_AGENT_MODEL'], int(e['TILLER_AGENT_SAMPLE']),\n"
+          << "            int(e['TILLER_AGENT_STEP']), int(e['TILLER_AGENT_PROMPT_LINE']))\n"
+          << "    print('some output first')\n"
+          << "    print(json.dumps(r))\n";
+      cfg.agent.harness = "command";
+      cfg.agent.command = std::string(TILLER_TEST_PYTHON_INTERPRETER) + " " + harness;
+    }
     const std::string fixtures = TILLER_HF_FIXTURES;
     tok = std::shared_ptr<model::Tokenizer>(model::load_tokenizer(fixtures + "/tokenizers/qwen2").release());
     loop.tokenizer = tok;
@@ -93,9 +106,7 @@ struct AgentJob : Job {
 // then each turn's tokens and log-probs (loss mask 1) and the harness's inserted ids between them
 // (mask 0, log-prob 0); its turns end where the model's did, the last carries the harness's reward,
 // and the ids after the last turn are not in it.
-TEST(AgentLoop, SamplesAreTheHarnesssConversationsTokenForToken) {
-  SKIP_WITHOUT_PYTHON();
-  AgentJob job("agent_loop");
+void expect_conversations(AgentJob& job) {
   const json summary = json::parse(job.run());
   EXPECT_EQ(summary["steps"], 2);
   const auto recs = job.records();
@@ -142,6 +153,27 @@ TEST(AgentLoop, SamplesAreTheHarnesssConversationsTokenForToken) {
     EXPECT_EQ(m["env/calls"].get<double>(), 4 * 2 * 3);  // three answered requests a sample
     EXPECT_GT(m["env/session_prefix_tokens"].get<double>(), 0);  // turns 2 and 3 resumed the cache
   }
+}
+
+TEST(AgentLoop, SamplesAreTheHarnesssConversationsTokenForToken) {
+  SKIP_WITHOUT_PYTHON();
+  AgentJob job("agent_loop");
+  expect_conversations(job);
+}
+
+// agent.harness command: the same harness as a process per sample, its reward the last line it
+// printed; a command that fails ends the job with its output, naming the sample.
+TEST(AgentLoop, ACommandHarnessRunsForEachSample) {
+  AgentJob job("agent_command", false, true);
+  expect_conversations(job);
+  AgentJob bad("agent_command_fails", false, true);
+  bad.cfg.agent.command = "echo the agent broke; exit 3";
+  std::string error;
+  bad.run({}, &error);
+  EXPECT_NE(error.find("agent.command 'echo the agent broke; exit 3' exited with code 3; its last output: the agent "
+                       "broke (prompt line"),
+            std::string::npos)
+      << error;
 }
 
 // A request that does not extend the sample's tokens: `error` ends the job naming the sample and
@@ -205,6 +237,11 @@ TEST(AgentLoop, ConfigRefusals) {
   c.rollout.loop = "";
   EXPECT_NE(error_of([&] { c.validate(); }).find("set rollout.loop = openai_agent"), std::string::npos);
   c.rollout.loop = "openai_agent";
+  c.agent.command = "run.sh";
+  EXPECT_NE(error_of([&] { c.validate(); }).find("set agent.harness = command"), std::string::npos);
+  c.agent.command = "";
+  c.agent.harness = "command";
+  EXPECT_NE(error_of([&] { make_agent_harness(c); }).find("needs agent.command"), std::string::npos);
   c.agent.harness = "nope";
   EXPECT_NE(error_of([&] { make_agent_harness(c); }).find("agent.harness = 'nope': not a registered agent harness"),
             std::string::npos);

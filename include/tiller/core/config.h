@@ -473,7 +473,8 @@ struct EnvConfig {
 
 // Agent harnesses behind an OpenAI-compatible endpoint (rollout.loop: openai_agent; docs/agents.md).
 struct AgentConfig {
-  std::string harness;            // FILE.py:FUNCTION, or a harness registered in C++ (register_agent_harness)
+  std::string harness;            // FILE.py:FUNCTION, command (agent.command), or a harness registered in C++
+  std::string command;            // agent.harness command: the shell command run for each sample
   AgentDrift drift = AgentDrift::kError;  // a request that does not extend the sample's tokens
   std::int64_t concurrency = 16;  // harness calls at once (threads)
   double timeout_s = 600;         // deadline of one harness call (a whole sample)
