@@ -8,21 +8,19 @@
 // the model's turns (trained) and the harness's text between them (loss mask 0). A request whose
 // prompt does not extend the tokens so far is retokenization drift, handled by agent.drift.
 //
-// Threading: the HTTP threads only queue requests (AgentShared::inbox) and wait on their stream's
-// box; the harness threads only run the harness; everything else runs on the controller's thread
-// (start, generated, poll, drop), as sample_loop.h asks.
+// Threading: the HTTP threads only queue requests (AgentShared::inbox, agent_sessions.h) and wait on
+// their stream's box; the harness threads (HarnessPool) only run the harness; everything else runs
+// on the controller's thread (start, generated, poll, drop), as sample_loop.h asks.
 #include <algorithm>
 #include <cmath>
-#include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <random>
-#include <thread>
 #include <unordered_map>
-#include <unordered_set>
 
 #include <fmt/format.h>
 
+#include "controller/agent_sessions.h"
 #include "controller/sample_loops.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
@@ -34,193 +32,6 @@
 
 namespace tiller::rollout {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// The results of one HTTP request, handed over from the controller's thread.
-struct StreamBox {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<engine::ClientResult> results;
-  int64_t pending = 0;  // requests sent and not answered yet
-};
-
-// What the HTTP threads queue for the controller's thread.
-struct Inbound {
-  bool abort = false;
-  std::string route;
-  std::shared_ptr<StreamBox> box;
-  engine::Request request;   // a request: the endpoint's (its id is the endpoint's)
-  uint64_t endpoint_id = 0;  // an abort: the endpoint's id (0: every live request of the box)
-};
-
-struct AgentShared {
-  std::mutex mu;
-  std::deque<Inbound> inbox;
-  std::unordered_set<std::string> routes;  // the samples' keys that take requests
-  bool closed = false;                     // the loop is gone: requests are refused at once
-};
-
-void answer(StreamBox& box, engine::ClientResult r) {
-  {
-    std::lock_guard<std::mutex> lock(box.mu);
-    box.results.push_back(std::move(r));
-    --box.pending;
-  }
-  box.cv.notify_all();
-}
-
-void refuse(StreamBox& box, uint64_t endpoint_id, int code, std::string message) {
-  engine::ClientResult r;
-  r.sample.request_id = endpoint_id;
-  r.error_code = code;
-  r.error = std::move(message);
-  answer(box, std::move(r));
-}
-
-constexpr int kUnavailable = 14;  // gRPC's code: the endpoint answers 503
-
-class AgentStream final : public engine::OpenAiStream {
- public:
-  AgentStream(std::shared_ptr<AgentShared> shared, std::string route)
-      : shared_(std::move(shared)), route_(std::move(route)), box_(std::make_shared<StreamBox>()) {}
-  ~AgentStream() override {
-    bool live = false;
-    {
-      std::lock_guard<std::mutex> lock(box_->mu);
-      live = box_->pending > 0;
-    }
-    if (live) push({true, route_, box_, {}, 0});
-  }
-  void send(const engine::Request& r) override {
-    {
-      std::lock_guard<std::mutex> lock(box_->mu);
-      ++box_->pending;
-    }
-    push({false, route_, box_, r, r.id});
-  }
-  void abort(uint64_t id) override { push({true, route_, box_, {}, id}); }
-  bool next(engine::ClientResult& out, Deadline deadline) override {
-    std::unique_lock<std::mutex> lock(box_->mu);
-    for (;;) {
-      if (!box_->results.empty()) {
-        out = std::move(box_->results.front());
-        box_->results.pop_front();
-        return true;
-      }
-      if (box_->pending <= 0) return false;
-      if (deadline.expired())
-        throw TimeoutError(fmt::format("agent session {}: no answer from the policy within the request's deadline",
-                                       route_));
-      box_->cv.wait_for(lock, std::chrono::duration<double>(std::min(deadline.remaining_seconds(), 1.0)));
-    }
-  }
-
- private:
-  void push(Inbound in) {
-    std::unique_lock<std::mutex> lock(shared_->mu);
-    if (!shared_->closed) {
-      shared_->inbox.push_back(std::move(in));
-      return;
-    }
-    lock.unlock();
-    if (!in.abort) refuse(*in.box, in.endpoint_id, kUnavailable, "the agent sessions are closed (the run ended)");
-  }
-  std::shared_ptr<AgentShared> shared_;
-  std::string route_;
-  std::shared_ptr<StreamBox> box_;
-};
-
-class AgentBackend final : public engine::OpenAiBackend {
- public:
-  explicit AgentBackend(std::shared_ptr<AgentShared> s) : shared_(std::move(s)) {}
-  std::unique_ptr<engine::OpenAiStream> open(const std::string& route) override {
-    std::lock_guard<std::mutex> lock(shared_->mu);
-    if (route.empty() || shared_->routes.count(route) == 0) return nullptr;
-    return std::make_unique<AgentStream>(shared_, route);
-  }
-  // Choices arrive whole: the loop records each request's sample when the engine ends it.
-  bool streams_tokens() const override { return false; }
-
- private:
-  std::shared_ptr<AgentShared> shared_;
-};
-
-// The harness calls, on threads of their own; results come back through take().
-class HarnessPool {
- public:
-  struct Result {
-    uint64_t key = 0;
-    AgentOutcome outcome;
-    std::string error;
-    double seconds = 0;
-  };
-  HarnessPool(std::shared_ptr<AgentHarness> harness, int threads) : state_(std::make_shared<State>()) {
-    state_->harness = std::move(harness);
-    for (int i = 0; i < threads; ++i) std::thread([s = state_] { work(*s); }).detach();
-  }
-  ~HarnessPool() {  // calls in progress are left behind (each ends with its HTTP requests' refusals)
-    {
-      std::lock_guard<std::mutex> lock(state_->mu);
-      state_->stop = true;
-      state_->queue.clear();
-    }
-    state_->cv.notify_all();
-  }
-  void run(uint64_t key, AgentTask task, Deadline deadline) {
-    {
-      std::lock_guard<std::mutex> lock(state_->mu);
-      state_->queue.push_back({key, std::move(task), deadline});
-    }
-    state_->cv.notify_one();
-  }
-  std::vector<Result> take() {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    std::vector<Result> out(std::make_move_iterator(state_->done.begin()), std::make_move_iterator(state_->done.end()));
-    state_->done.clear();
-    return out;
-  }
-
- private:
-  struct Job {
-    uint64_t key = 0;
-    AgentTask task;
-    Deadline deadline = Deadline::never();
-  };
-  struct State {
-    std::shared_ptr<AgentHarness> harness;
-    std::mutex mu;
-    std::condition_variable cv;
-    std::deque<Job> queue;
-    std::vector<Result> done;
-    bool stop = false;
-  };
-  static void work(State& s) {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(s.mu);
-        s.cv.wait(lock, [&] { return s.stop || !s.queue.empty(); });
-        if (s.stop) return;
-        job = std::move(s.queue.front());
-        s.queue.pop_front();
-      }
-      Result r;
-      r.key = job.key;
-      const auto t0 = Clock::now();
-      try {
-        r.outcome = s.harness->run(job.task, job.deadline);
-      } catch (const std::exception& e) {
-        r.error = e.what();
-      }
-      r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-      std::lock_guard<std::mutex> lock(s.mu);
-      if (s.stop) return;
-      s.done.push_back(std::move(r));
-    }
-  }
-  std::shared_ptr<State> state_;
-};
 
 std::string random_hex(size_t bytes) {
   std::random_device rd;
@@ -246,7 +57,7 @@ class AgentLoop final : public SampleLoop {
     o.tool_call_parser = job_.agent.tool_call_parser;
     o.max_n = 1;
     key_ = o.token;
-    server_ = std::make_unique<engine::OpenAiServer>(std::make_shared<AgentBackend>(shared_), c.tokenizer, *c.chat,
+    server_ = std::make_unique<engine::OpenAiServer>(agent_backend(shared_), c.tokenizer, *c.chat,
                                                      c.sampling.stop_token_ids,
                                                      c.max_prompt_tokens + c.max_response_tokens, o);
     base_ = fmt::format("http://{}:{}", job_.agent.host, server_->port());
