@@ -71,8 +71,17 @@ class CommandHarness final : public AgentHarness {
       out.append(buf, static_cast<size_t>(n));
       if (out.size() > 2 * kKeptOutput) out.erase(0, out.size() - kKeptOutput);
     }
+    // Its output closed; the command may still be running (a child that kept the pipe went away
+    // first, or a process that closed it): it gets until the deadline.
     int status = 0;
-    child.reap(&status, true);
+    while (!child.reap(&status, false)) {
+      if (deadline.expired()) {
+        child.signal_group(SIGKILL);
+        throw TimeoutError(fmt::format("agent.command '{}' closed its output but did not exit within agent.timeout_s",
+                                       command_));
+      }
+      ::usleep(10000);
+    }
     const std::string last = last_line(out);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
       throw Error(fmt::format("agent.command '{}' {}; its last output: {}", command_,

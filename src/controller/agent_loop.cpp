@@ -357,28 +357,24 @@ class AgentLoop final : public SampleLoop {
 
   void take_turn(Sample& s, engine::SampleOutput o) {
     s.live = false;
+    // The endpoint's answer: the choice's tokens, log-probs and finish (not the routes).
     engine::ClientResult answer_to_harness;
-    answer_to_harness.sample = o;
-    answer_to_harness.sample.request_id = s.live_endpoint_id;
-    answer_to_harness.sample.sample = 0;
+    engine::SampleOutput& a = answer_to_harness.sample;
+    a.request_id = s.live_endpoint_id;
+    a.tokens = o.tokens;
+    a.logprobs = o.logprobs;
+    a.finish_reason = o.finish_reason;
+    a.prompt_tokens = o.prompt_tokens;
     if (!o.versions.empty()) answer_to_harness.weight_version = o.versions.back();
     if (s.recording) {
-      engine::SampleOutput& out = s.out;
-      const auto base = static_cast<int64_t>(out.tokens.size());
-      for (size_t i = 0; i < o.versions.size(); ++i)
-        if (out.versions.empty() || out.versions.back() != o.versions[i]) {
-          out.version_starts.push_back(base + o.version_starts[i]);
-          out.versions.push_back(o.versions[i]);
-        }
-      out.tokens.insert(out.tokens.end(), o.tokens.begin(), o.tokens.end());
-      out.logprobs.insert(out.logprobs.end(), o.logprobs.begin(), o.logprobs.end());
-      out.preemptions += o.preemptions;
-      out.finish_reason = o.finish_reason;
-      out.routes = std::move(o.routes);
-      out.route_width = o.route_width;
+      // Routing replay: the request's prompt was the sample's history, so its routes cover every token.
+      TILLER_CHECK(o.route_width == 0 || o.prompt_tokens == static_cast<int64_t>(s.history.size()),
+                   "{}: a turn's routes start from a prompt of {} tokens, the history has {}",
+                   host_.where(s.group, s.sample), o.prompt_tokens, s.history.size());
+      append_turn(s.out, o);
       if (!o.tokens.empty()) {
         s.info.loss_mask.insert(s.info.loss_mask.end(), o.tokens.size(), 1);
-        s.info.ends.push_back(static_cast<int64_t>(out.tokens.size()) - 1);
+        s.info.ends.push_back(static_cast<int64_t>(s.out.tokens.size()) - 1);
       }
       s.history.insert(s.history.end(), o.tokens.begin(), o.tokens.end());
       s.parked = {o.request_id, o.sample};

@@ -205,24 +205,11 @@ class MultiTurnLoop final : public SampleLoop {
     ep.live = false;
     ++ep.turns;
     engine::SampleOutput& o = ep.out;
-    const auto base = static_cast<int64_t>(o.tokens.size());
-    // The turn's weight versions, continuing the sample's runs (observation tokens belong to the
-    // run before them).
-    for (size_t i = 0; i < s.versions.size(); ++i)
-      if (o.versions.empty() || o.versions.back() != s.versions[i]) {
-        o.version_starts.push_back(base + s.version_starts[i]);
-        o.versions.push_back(s.versions[i]);
-      }
-    o.tokens.insert(o.tokens.end(), s.tokens.begin(), s.tokens.end());
-    o.logprobs.insert(o.logprobs.end(), s.logprobs.begin(), s.logprobs.end());
-    o.preemptions += s.preemptions;
-    o.finish_reason = s.finish_reason;
     // Routing replay: a turn's prompt is the whole history, so its routes cover every token so far.
     TILLER_CHECK(s.route_width == 0 || s.prompt_tokens == static_cast<int64_t>(ep.history.size()),
                  "{}: a turn's routes start from a prompt of {} tokens, the history has {}", host_.where(ep.group, ep.sample),
                  s.prompt_tokens, ep.history.size());
-    o.routes = std::move(s.routes);
-    o.route_width = s.route_width;
+    append_turn(o, s);
     ep.info.loss_mask.insert(ep.info.loss_mask.end(), s.tokens.size(), 1);
     ep.info.ends.push_back(static_cast<int64_t>(o.tokens.size()) - 1);
     ep.history.insert(ep.history.end(), s.tokens.begin(), s.tokens.end());

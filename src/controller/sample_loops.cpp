@@ -58,6 +58,21 @@ SampleLoopDef single_turn_loop() {
   return d;
 }
 
+void append_turn(engine::SampleOutput& o, engine::SampleOutput& s) {
+  const auto base = static_cast<int64_t>(o.tokens.size());
+  for (size_t i = 0; i < s.versions.size(); ++i)
+    if (o.versions.empty() || o.versions.back() != s.versions[i]) {
+      o.version_starts.push_back(base + s.version_starts[i]);
+      o.versions.push_back(s.versions[i]);
+    }
+  o.tokens.insert(o.tokens.end(), s.tokens.begin(), s.tokens.end());
+  o.logprobs.insert(o.logprobs.end(), s.logprobs.begin(), s.logprobs.end());
+  o.preemptions += s.preemptions;
+  o.finish_reason = s.finish_reason;
+  o.routes = std::move(s.routes);
+  o.route_width = s.route_width;
+}
+
 void register_sample_loop(const std::string& name, SampleLoopDef def) { loops().add(name, std::move(def)); }
 
 const SampleLoopDef& sample_loop(const std::string& name) { return loops().at(name, "rollout.loop"); }

@@ -18,23 +18,11 @@ namespace tiller::python {
 namespace {
 
 constexpr const char* kGlue = R"PY(
-import importlib.util, inspect, json, numbers, os, sys, traceback
+import inspect, json, numbers
+from _tiller_user_code import LoadError, first_line as _first_line, where as _where, load_function
 
 KEYS = ('base_url', 'api_key', 'model', 'prompt', 'label', 'data_source', 'extra_info', 'sample', 'step',
         'prompt_line', 'timeout_s')
-
-class LoadError(Exception):
-    pass
-
-def _first_line(e):
-    lines = str(e).strip().splitlines()
-    return f'{type(e).__name__}: {lines[0]}' if lines else type(e).__name__
-
-def _where(e, path):
-    frames = traceback.extract_tb(e.__traceback__)
-    mine = [f for f in frames if f.filename == path]
-    f = mine[-1] if mine else (frames[-1] if frames else None)
-    return f'{f.filename}:{f.lineno} (in {f.name})' if f else path
 
 class Harness:
     def __init__(self, fn, path, name):
@@ -72,27 +60,7 @@ class Harness:
         return float(r)
 
 def load(path, name):
-    path = os.path.realpath(path)
-    if not os.path.isfile(path):
-        raise LoadError('no such file')
-    folder = os.path.dirname(path)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    stem = f'tiller_agent_{abs(hash(path))}'
-    spec = importlib.util.spec_from_file_location(stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[stem] = module
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise LoadError(f'{e.filename}:{e.lineno}: SyntaxError: {e.msg}') from None
-    except BaseException as e:
-        raise LoadError(f'{_first_line(e)} at {_where(e, path)}, while loading the file') from None
-    fn = getattr(module, name, None)
-    if fn is None or not callable(fn):
-        found = sorted(k for k, v in vars(module).items()
-                       if inspect.isfunction(v) and v.__module__ == stem and not k.startswith('_'))
-        raise LoadError(f"the file has no function '{name}' (its functions: {', '.join(found) or 'none'})")
+    fn, path = load_function(path, name)
     return Harness(fn, path, name)
 )PY";
 
@@ -145,7 +113,7 @@ std::shared_ptr<rollout::AgentHarness> python_agent_harness(const std::string& s
   start();
   Gil gil;
   std::string error;
-  Ref glue = module_from_source("_tiller_agent", kGlue, error);
+  Ref glue = ensure_user_code_module(error) ? module_from_source("_tiller_agent", kGlue, error) : Ref();
   TILLER_CHECK(glue, "the Python agent glue did not load: {}", error);
   Ref harness(PyObject_CallMethod(glue.get(), "load", "ss", path.c_str(), function.c_str()));
   if (!harness) throw ConfigError(fmt::format("agent.harness {}: {}", spec, exception_text()));

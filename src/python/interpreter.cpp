@@ -115,6 +115,66 @@ std::string take_error() {
   return text.empty() ? name : name + ": " + text;
 }
 
+namespace {
+
+constexpr const char* kUserCodeSource = R"PY(
+import importlib.util, inspect, os, sys, traceback
+
+class LoadError(Exception):
+    pass
+
+def first_line(e):
+    lines = str(e).strip().splitlines()
+    return f'{type(e).__name__}: {lines[0]}' if lines else type(e).__name__
+
+def where(e, path):
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if f.filename == path]
+    if not mine:
+        f = frames[-1] if frames else None
+        return f'{f.filename}:{f.lineno} (in {f.name})' if f else path
+    f, last = mine[-1], frames[-1]
+    text = f'{f.filename}:{f.lineno} (in {f.name})'
+    if last.filename != path:
+        text += f', raised at {last.filename}:{last.lineno} (in {last.name})'
+    return text
+
+def load_function(path, name):
+    path = os.path.realpath(path)
+    if not os.path.isfile(path):
+        raise LoadError('no such file')
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    taken = sys.modules.get(stem)
+    if not stem.isidentifier() or (taken is not None and getattr(taken, '__file__', None) != path):
+        stem = f'tiller_user_{abs(hash(path))}'
+    spec = importlib.util.spec_from_file_location(stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[stem] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise LoadError(f'{e.filename}:{e.lineno}: SyntaxError: {e.msg}') from None
+    except BaseException as e:
+        raise LoadError(f'{first_line(e)} at {where(e, path)}, while loading the file') from None
+    fn = getattr(module, name, None)
+    if fn is None or not callable(fn):
+        found = sorted(k for k, v in vars(module).items()
+                       if inspect.isfunction(v) and v.__module__ == stem and not k.startswith('_'))
+        raise LoadError(f"the file has no function '{name}' (its functions: {', '.join(found) or 'none'})")
+    return fn, path
+)PY";
+
+}  // namespace
+
+bool ensure_user_code_module(std::string& error) {
+  if (PyObject* modules = PyImport_GetModuleDict(); PyDict_GetItemString(modules, "_tiller_user_code") != nullptr)
+    return true;
+  return static_cast<bool>(module_from_source("_tiller_user_code", kUserCodeSource, error));
+}
+
 std::string utf8(PyObject* s) {
   if (s == nullptr || !PyUnicode_Check(s)) return "";
   Py_ssize_t n = 0;

@@ -55,4 +55,12 @@ std::string utf8(PyObject* s);
 // Runs `source` as a fresh module named `name` and returns it; the error's text when it fails.
 Ref module_from_source(const char* name, const char* source, std::string& error);
 
+// Makes sure the module `_tiller_user_code` exists, the loading of a user's Python file that the
+// glues of Python rewards and agent harnesses import: LoadError; first_line(e) ("Type: first
+// line"); where(e, path) (the file and line in `path` an exception passed, and where it was raised
+// when elsewhere); load_function(path, name) -> (function, real path), which loads the file once as
+// a module of its own (its folder first on sys.path) and raises LoadError naming what is wrong.
+// With the GIL held; false (and the error's text) when it cannot be made.
+bool ensure_user_code_module(std::string& error);
+
 }  // namespace tiller::python

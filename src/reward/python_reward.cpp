@@ -56,13 +56,11 @@ using python::Ref;
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kGlueSource = R"PY(
-import importlib.util, inspect, json, numbers, os, sys, traceback
+import inspect, json, numbers, os, sys, traceback
+from _tiller_user_code import LoadError, first_line as _first_line, where as _where, load_function
 
 class CallTimeout(BaseException):
     """Raised inside a call that ran past reward.python_timeout_s (BaseException: `except Exception` lets it by)."""
-
-class LoadError(Exception):
-    pass
 
 class SampleError(Exception):
     def __init__(self, index, text):
@@ -77,22 +75,6 @@ class Timeout(Exception):
 VERL = ('data_source', 'solution_str', 'ground_truth', 'extra_info')
 VERL_BATCH = ('data_sources', 'solution_strs', 'ground_truths', 'extra_infos')
 TILLER = ('prompt_str', 'finish_reason', 'response_tokens')
-
-def _first_line(e):
-    lines = str(e).strip().splitlines()
-    return f'{type(e).__name__}: {lines[0]}' if lines else type(e).__name__
-
-def _where(e, path):
-    frames = traceback.extract_tb(e.__traceback__)
-    mine = [f for f in frames if f.filename == path]
-    if not mine:
-        f = frames[-1] if frames else None
-        return f'{f.filename}:{f.lineno} (in {f.name})' if f else path
-    f, last = mine[-1], frames[-1]
-    text = f'{f.filename}:{f.lineno} (in {f.name})'
-    if last.filename != path:
-        text += f', raised at {last.filename}:{last.lineno} (in {last.name})'
-    return text
 
 def _number(v):
     if isinstance(v, (str, bytes)) or not (isinstance(v, numbers.Real) or
@@ -187,30 +169,7 @@ class Scorer:
         return scores, {k: (v[0], v[1]) for k, v in extras.items()}
 
 def load(path, name, batched):
-    path = os.path.realpath(path)
-    if not os.path.isfile(path):
-        raise LoadError('no such file')
-    folder = os.path.dirname(path)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    stem = os.path.splitext(os.path.basename(path))[0]
-    taken = sys.modules.get(stem)
-    if not stem.isidentifier() or (taken is not None and getattr(taken, '__file__', None) != path):
-        stem = f'tiller_reward_{abs(hash(path))}'
-    spec = importlib.util.spec_from_file_location(stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[stem] = module
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise LoadError(f'{e.filename}:{e.lineno}: SyntaxError: {e.msg}') from None
-    except BaseException as e:
-        raise LoadError(f'{_first_line(e)} at {_where(e, path)}, while loading the file') from None
-    fn = getattr(module, name, None)
-    if fn is None or not callable(fn):
-        found = sorted(k for k, v in vars(module).items()
-                       if inspect.isfunction(v) and v.__module__ == stem and not k.startswith('_'))
-        raise LoadError(f"the file has no function '{name}' (its functions: {', '.join(found) or 'none'})")
+    fn, path = load_function(path, name)
     return Scorer(fn, path, name, batched)
 )PY";
 
@@ -291,7 +250,8 @@ PythonScorer::PythonScorer(const PythonOptions& opts) : impl_(std::make_shared<I
   m.interpreter = python::describe();
   Gil gil;
   std::string error;
-  Ref glue = python::module_from_source("_tiller_reward", kGlueSource, error);
+  Ref glue = python::ensure_user_code_module(error) ? python::module_from_source("_tiller_reward", kGlueSource, error)
+                                                   : Ref();
   TILLER_CHECK(glue, "the Python reward glue did not load: {}", error);
   Ref scorer(PyObject_CallMethod(glue.get(), "load", "ssO", m.spec.path.c_str(), m.spec.function.c_str(),
                                  opts.batched ? Py_True : Py_False));

@@ -245,6 +245,20 @@ TEST(AgentLoop, ConfigRefusals) {
   c.agent.harness = "nope";
   EXPECT_NE(error_of([&] { make_agent_harness(c); }).find("agent.harness = 'nope': not a registered agent harness"),
             std::string::npos);
+#if TILLER_HAVE_PYTHON
+  // A Python harness's load errors name the file and what to do.
+  const std::string dir = scratch("agent_load_errors");
+  std::ofstream(dir + "/h.py") << "def other():\n    pass\n\ndef needs(base_url, secret):\n    pass\n";
+  c.agent.harness = dir + "/h.py:run";
+  EXPECT_NE(error_of([&] { make_agent_harness(c); }).find("the file has no function 'run' (its functions: needs, other)"),
+            std::string::npos)
+      << error_of([&] { make_agent_harness(c); });
+  c.agent.harness = dir + "/h.py:needs";
+  EXPECT_NE(error_of([&] { make_agent_harness(c); }).find("needs() takes 'secret', which tiller does not pass"),
+            std::string::npos);
+  c.agent.harness = dir + "/missing.py:run";
+  EXPECT_NE(error_of([&] { make_agent_harness(c); }).find("missing.py:run: no such file"), std::string::npos);
+#endif
 }
 
 }  // namespace
