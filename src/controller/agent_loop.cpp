@@ -56,6 +56,8 @@ class AgentLoop final : public SampleLoop {
     o.request_timeout_s = job_.agent.timeout_s;
     o.tool_call_parser = job_.agent.tool_call_parser;
     o.max_n = 1;
+    // Every harness running at once may have a request open (a few more for /tokenize and the like).
+    o.threads = static_cast<int>(std::min<int64_t>(job_.agent.concurrency + 8, 4096));
     key_ = o.token;
     server_ = std::make_unique<engine::OpenAiServer>(agent_backend(shared_), c.tokenizer, *c.chat,
                                                      c.sampling.stop_token_ids,

@@ -747,7 +747,9 @@ struct OpenAiServer::Impl {
     } else {
       http = std::make_unique<httplib::Server>();
     }
-    const int threads = std::max(1, opts.threads);
+    if (opts.threads < 1 || opts.threads > 4096)
+      throw ConfigError(fmt::format("the OpenAI endpoint's threads = {}: allowed 1 to 4096", opts.threads));
+    const int threads = opts.threads;
     http->new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
     http->set_payload_max_length(static_cast<size_t>(opts.max_body_bytes));
     http->set_read_timeout(30, 0);

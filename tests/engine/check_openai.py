@@ -8,6 +8,7 @@ by raw HTTP, against a live engine (the qwen2-chat fixture, CPU):
 - completions from token ids, seeded, n = 3: repeatable, one choice per sample, a log-prob per
   token; streaming sends token by token, and its deltas join into the plain response's choices;
 - a stop string cuts the text before it and ends the choice with "stop";
+- 28 streamed requests at once are all served together (more than 16 server threads);
 - hostile or unsupported requests get a 4xx naming the field, never a crash;
 - with tools (--tool-call-parser hermes, Qwen2.5's template): a conversation with a tool call and
   its answer renders to transformers' chat template's text, tokenized as the tokenizer.json says;
@@ -191,6 +192,41 @@ try:
                                            stream=True, extra_body={"ignore_eos": True, "return_token_ids": True}))
     check(s2[0][:3] == (stopped["text"], stopped["token_ids"], "stop"),
           f"streamed with the stop string: the same cut ({s2[0][:3]})")
+
+    # --- concurrency: more streamed requests than cpp-httplib's default 16 threads are in the engine at once ---
+    # A request holds a server thread from its first chunk to its last, so the peak of requests
+    # between the two is at most the thread count (16 would hold an engine's batch at 16).
+    import threading
+    clients, marks, gate = 28, [], threading.Barrier(28)
+    lock = threading.Lock()
+
+    def one_stream(i):
+        body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 24, "ignore_eos": True, "seed": i,
+                           "stream": True}).encode()
+        req = urllib.request.Request(base + "/v1/completions", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        gate.wait(timeout=60)
+        with urllib.request.urlopen(req, timeout=120) as r:
+            first = True
+            for line in r:
+                if first and line.startswith(b"data: {"):
+                    with lock:
+                        marks.append((time.monotonic(), 1))
+                    first = False
+        with lock:
+            marks.append((time.monotonic(), -1))
+
+    workers = [threading.Thread(target=one_stream, args=(i,)) for i in range(clients)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=180)
+    level, peak = 0, 0
+    for _, d in sorted(marks):
+        level += d
+        peak = max(peak, level)
+    check(len(marks) == 2 * clients and peak > 16,
+          f"{clients} streamed requests at once: {peak} of them open in the engine together (> 16)")
 
     # --- hostile and unsupported requests ---
     bad = [

@@ -86,7 +86,11 @@ struct OpenAiOptions {
   TlsFiles tls;                    // cert + key: HTTPS only
   std::string model_name;          // the id /v1/models lists and requests may name
   double request_timeout_s = 600;  // a request's deadline for all its choices
-  int threads = 16;                // requests served at once (more wait for a thread)
+  // Requests served at once: each open request holds one of the HTTP server's threads until its
+  // last choice is answered, and more wait in its queue; so this caps how many sequences the
+  // endpoint's clients keep in the engine at once. Set it to the concurrency the callers bring
+  // (tiller engine: the engine's max_num_seqs; the agent loop: agent.concurrency). At most 4096.
+  int threads = 16;
   // How chat replies' tool calls are read out of their text when the request gave `tools`: "none"
   // (the text is the content), or "hermes" (Hermes' and Qwen2.5's <tool_call>{"name": ...,
   // "arguments": {...}}</tool_call> blocks become message.tool_calls, finish_reason "tool_calls").
