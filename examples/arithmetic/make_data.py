@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The arithmetic example's model, tokenizer and data (examples/arithmetic/run.sh), deterministic:
 
-  make_data.py OUT_DIR [--digits 4] [--train 200000] [--eval 1000] [--shape base|small|tiny]
+  make_data.py OUT_DIR [--digits 4] [--train 200000] [--eval 1000] [--shape base|small|mini|tiny]
 
 Task: add two numbers of up to --digits digits, with a worked answer that adds column by column,
 right to left, carrying; the last line is "#### <sum>" (what reward.rule math_answer reads):
@@ -9,7 +9,8 @@ right to left, carrying; the last line is "#### <sum>" (what reward.rule math_an
   response: " 1+7=8 2+7=9 8+3=11 4+1=5 #### 5198"
 OUT_DIR/model      a Qwen2-shaped causal LM from random weights (base: hidden 768, 12 layers, 12 heads,
                    4 KV heads, MLP 2048, tied embeddings: ~76M parameters; small: hidden 384, 6 layers,
-                   6 heads, 2 KV heads, MLP 1024, ~9M: the distillation example's student; tiny: 2
+                   6 heads, 2 KV heads, MLP 1024, ~9.5M: the distillation example's teacher; mini: hidden
+                   256, 4 layers, MLP 688, ~3M: its student; tiny: 2
                    layers of 64, for the CPU smoke test), with a byte-level tokenizer (no merges: one token per
                    character, so the model adds digit by digit)
 OUT_DIR/sft.jsonl  --train prompt/response pairs for tiller sft
@@ -47,7 +48,7 @@ def main():
     ap.add_argument("--digits", type=int, default=4)
     ap.add_argument("--train", type=int, default=200000)
     ap.add_argument("--eval", type=int, default=1000)
-    ap.add_argument("--shape", choices=["base", "small", "tiny"], default="base")
+    ap.add_argument("--shape", choices=["base", "small", "mini", "tiny"], default="base")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,6 +97,8 @@ def main():
                           intermediate_size=2048),
              "small": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
                            intermediate_size=1024),
+             "mini": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=688),
              "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           intermediate_size=176)}[args.shape]
     eos = tok.token_to_id("<|endoftext|>")

@@ -10,12 +10,14 @@
 # another engine, e.g. an FP8 one with TIS beside the bf16 run in DIR (docs/engine.md, FP8 engines):
 #   FROM_SFT=out/arithmetic GRPO_ARGS="--set engines.quantization=fp8 --set algo.importance_correction=tis
 #     --set algo.tis_cap=2" examples/arithmetic/run.sh out/arithmetic-fp8
-# On-policy distillation (docs/training.md): SHAPE=small makes a ~9M-parameter student (the same
-# tokenizer), and TEACHER=DIR (an HF model: an earlier run's final GRPO checkpoint) makes the GRPO
+# On-policy distillation (docs/training.md): SHAPE=small|mini makes a ~9.5M|~3M-parameter model (the
+# same tokenizer), and TEACHER=DIR (an HF model: an earlier run's final GRPO checkpoint) makes the GRPO
 # stage distill from it (the reference role; algo.distill_coef DISTILL_COEF, default 1, beside the
 # task reward; kl_coef 0). The student without the teacher is the control:
-#   TEACHER=out/arithmetic/grpo/checkpoints/step_000500/actor_hf SHAPE=small examples/arithmetic/run.sh out/distill
-#   SHAPE=small examples/arithmetic/run.sh out/small
+#   SHAPE=small examples/arithmetic/run.sh out/small      (the teacher)
+#   TEACHER=out/small/grpo/checkpoints/step_000500/actor_hf SHAPE=mini examples/arithmetic/run.sh out/distill
+#   SHAPE=mini examples/arithmetic/run.sh out/mini
+# EVAL_CHECKPOINTS=last: eval.py measures only the final checkpoint (default all: every kept one).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-out/arithmetic}
@@ -75,8 +77,11 @@ echo "after sft ($((t1 - t0)) s): $(cut -c1-300 "$out/eval_sft.json")"
   { tail -20 "$out/grpo.log"; exit 1; }
 t2=$(date +%s)
 # Each kept checkpoint's actor (every 50 steps, as eval.every_steps), exported as an HF directory (checkpoint.save_hf);
-# the last one is the final model.
-for ck in "$out"/grpo/checkpoints/step_*; do
+# the last one is the final model. EVAL_CHECKPOINTS=last checks only that one (tiller train's own evaluation has the
+# curve; eval.py's pass over every checkpoint takes longer than the GRPO stage).
+cks=("$out"/grpo/checkpoints/step_*)
+[ "${EVAL_CHECKPOINTS:-all}" = last ] && cks=("${cks[-1]}")
+for ck in "${cks[@]}"; do
   python3 examples/arithmetic/eval.py "$ck/actor_hf" "$out/data/eval.jsonl" "${eval_args[@]}" \
     > "$out/eval_grpo_$(basename "$ck").json"
   cp "$out/eval_grpo_$(basename "$ck").json" "$out/eval_grpo.json"
