@@ -719,6 +719,9 @@ std::vector<Field> build() {
         "A sample over offline.max_tokens: skip (counted), truncate (keep its first max_tokens tokens), or error.");
   b.add("offline.messages_key", TILLER_FIELD(offline.messages_key),
         "Key of a conversation: a list of {role, content}; every assistant turn is trained (data.apply_chat_template).");
+  b.add("offline.tools_key", TILLER_FIELD(offline.tools_key),
+        "sft: key of a record's tool schemas (a list, as an OpenAI request's tools), given to the chat template as its "
+        "tools (Qwen2.5's, Llama-3.1's write them into the prompt); absent or null: none.");
   b.add("offline.prompt_key", TILLER_FIELD(offline.prompt_key), "Key of a record's prompt (text or messages).");
   b.add("offline.response_key", TILLER_FIELD(offline.response_key), "sft: key of the response to a prompt (text).");
   b.add("offline.chosen_key", TILLER_FIELD(offline.chosen_key),

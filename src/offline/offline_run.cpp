@@ -212,6 +212,7 @@ SftDataOptions sft_options(const JobConfig& cfg, const model::Tokenizer& tok, co
                            const std::string& path_key) {
   SftDataOptions o;
   o.messages_key = cfg.offline.messages_key;
+  o.tools_key = cfg.offline.tools_key;
   o.prompt_key = cfg.offline.prompt_key;
   o.response_key = cfg.offline.response_key;
   o.input_template = cfg.data.input_template;

@@ -62,11 +62,16 @@ int64_t SftSample::trained() const {
 }
 
 SftSample encode_conversation(const std::string& where, const std::vector<model::ChatMessage>& messages,
-                              const model::Tokenizer& tok, const model::ChatTemplate& chat, size_t first_trained) {
+                              const model::Tokenizer& tok, const model::ChatTemplate& chat, size_t first_trained,
+                              const std::string& tools_json) {
   if (!chat.enabled())
     throw ConfigError(fmt::format("{}: a conversation of chat messages needs a chat template; set "
                                   "data.apply_chat_template: true",
                                   where));
+  if (!tools_json.empty() && chat.format() != model::ChatFormat::kJinja)
+    throw ConfigError(fmt::format("{}: the record has tools, and the {} chat format has no place for them; use the "
+                                  "model's own template (data.chat_template: model) or a .jinja file",
+                                  where, model::chat_format_name(chat.format())));
   bool assistant = false;
   for (size_t i = 0; i < messages.size(); ++i) {
     if (!known_role(messages[i].role))
@@ -83,12 +88,12 @@ SftSample encode_conversation(const std::string& where, const std::vector<model:
   for (size_t i = 0; i < messages.size(); ++i) {
     const model::ChatMessage& m = messages[i];
     if (m.role == "assistant") {
-      const std::string opened = upto.empty() ? std::string() : chat.render(upto, true);
+      const std::string opened = upto.empty() ? std::string() : chat.render(upto, true, tools_json);
       append(s, tok, extension(where, before, opened, i), 0);  // the assistant's header
       before = opened;
     }
     upto.push_back(m);
-    const std::string after = chat.render(upto, false);
+    const std::string after = chat.render(upto, false, tools_json);
     append(s, tok, extension(where, before, after, i), m.role == "assistant" && i >= first_trained ? 1 : 0);
     before = after;
   }
@@ -97,9 +102,14 @@ SftSample encode_conversation(const std::string& where, const std::vector<model:
 }
 
 SftSample encode_pair(const std::string& where, const std::string& prompt, const std::string& response,
-                      const model::Tokenizer& tok, const SftDataOptions& o) {
+                      const model::Tokenizer& tok, const SftDataOptions& o, const std::string& tools_json) {
   const std::string p = o.input_template.empty() ? prompt : model::apply_input_template(o.input_template, prompt);
-  if (o.chat.enabled()) return encode_conversation(where, {{"user", p}, {"assistant", response}}, tok, o.chat);
+  if (o.chat.enabled())
+    return encode_conversation(where, {{"user", p}, {"assistant", response}}, tok, o.chat, 0, tools_json);
+  if (!tools_json.empty())
+    throw ConfigError(fmt::format("{}: the record has tools, which only a chat template can write; set "
+                                  "data.apply_chat_template: true",
+                                  where));
   if (!o.eos_id)
     throw ConfigError(fmt::format("{}: without a chat template a response ends with the tokenizer's EOS token, and "
                                   "this tokenizer has none (tokenizer_config.json's eos_token)",
@@ -120,15 +130,20 @@ SftDataset::SftDataset(const std::string& path, const model::Tokenizer& tok, con
         if (o.max_samples > 0 && size() >= o.max_samples) return false;
         auto bad = [&](const std::string& what) { throw ConfigError(fmt::format("{}: {}", where, what)); };
         SftSample s;
+        std::string tools;
+        if (const nlohmann::ordered_json* t = rollout::lookup(j, o.tools_key); t != nullptr && !t->is_null()) {
+          if (!t->is_array()) bad(fmt::format("'{}' must be a list of tool schemas, not {}", o.tools_key, t->type_name()));
+          if (!t->empty()) tools = t->dump();
+        }
         if (const nlohmann::ordered_json* msgs = rollout::lookup(j, o.messages_key); msgs != nullptr && !msgs->is_null()) {
-          s = encode_conversation(where, rollout::chat_messages(where, *msgs, o.messages_key), tok, o.chat);
+          s = encode_conversation(where, rollout::chat_messages(where, *msgs, o.messages_key), tok, o.chat, 0, tools);
         } else {
           const nlohmann::ordered_json* p = rollout::lookup(j, o.prompt_key);
           const nlohmann::ordered_json* r = rollout::lookup(j, o.response_key);
           if (p == nullptr || r == nullptr || !p->is_string() || !r->is_string())
             bad(fmt::format("neither chat messages under '{}' nor text under '{}' and '{}'", o.messages_key,
                             o.prompt_key, o.response_key));
-          s = encode_pair(where, p->get<std::string>(), r->get<std::string>(), tok, o);
+          s = encode_pair(where, p->get<std::string>(), r->get<std::string>(), tok, o, tools);
         }
         s.line = number;
         if (!apply_length_policy(where, s, o.max_tokens, o.long_samples, skipped_, truncated_)) return true;

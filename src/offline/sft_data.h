@@ -31,6 +31,7 @@ enum class LongSamples { kSkip, kTruncate, kError };
 
 struct SftDataOptions {
   std::string messages_key = "messages";  // a list of {"role", "content"}
+  std::string tools_key = "tools";        // a list of tool schemas for the chat template (absent: none)
   std::string prompt_key = "prompt";      // or a prompt and a response, as text
   std::string response_key = "response";
   std::string input_template;             // "" or one "{}": the prompt of prompt/response records
@@ -53,9 +54,10 @@ struct SftSample {
 // `first_trained` on are trained (a preference pair's response after its shared prompt).
 // ConfigError, prefixed by `where`, for a role other than system, user, assistant or tool, no
 // assistant turn to train, no chat template, or a template that does not extend the conversation
-// turn by turn.
+// turn by turn. `tools_json`: a JSON list of tool schemas the template renders ("" none).
 SftSample encode_conversation(const std::string& where, const std::vector<model::ChatMessage>& messages,
-                              const model::Tokenizer& tok, const model::ChatTemplate& chat, size_t first_trained = 0);
+                              const model::Tokenizer& tok, const model::ChatTemplate& chat, size_t first_trained = 0,
+                              const std::string& tools_json = "");
 // Applies the length policy to `s` (`where` names it): false when it is left out (over max_tokens
 // under kSkip, counted in `skipped`, or cut before its first trained token); cut under kTruncate
 // (counted in `truncated`); ConfigError under kError.
@@ -64,7 +66,7 @@ bool apply_length_policy(const std::string& where, SftSample& s, int64_t max_tok
 
 // A prompt/response pair (see above).
 SftSample encode_pair(const std::string& where, const std::string& prompt, const std::string& response,
-                      const model::Tokenizer& tok, const SftDataOptions& o);
+                      const model::Tokenizer& tok, const SftDataOptions& o, const std::string& tools_json = "");
 
 // A held-out split of `n` samples: `eval` of them drawn with `seed`, the others for training, each
 // in file order. ConfigError unless 0 <= eval < n.

@@ -95,21 +95,31 @@ TEST(SftData, AConversationTrainsTheAssistantTurnsOnly) {
 // whole's: a conversation with a system message cannot be masked per turn, and says so.
 TEST(SftData, JinjaTemplatesTrainWhatTransformersWrites) {
   const auto ref = nlohmann::ordered_json::parse(test::read_text(test::hf_fixtures() + "/chat_templates/reference.json"));
-  int checked = 0;
+  int checked = 0, with_tools = 0;
   for (const std::string name : {"qwen2.5", "llama3.1", "mistral", "gemma", "deepseek"}) {
     const std::string dir = test::hf_fixtures() + "/chat_templates/" + name;
     auto tok = model::load_tokenizer(dir);
     const model::ChatTemplate chat = model::load_chat_template("model", dir, *tok);
     for (const auto& c : ref[name]["cases"]) {
-      if (c["add_generation_prompt"].get<bool>() || !c["tools"].is_null()) continue;
+      if (c["add_generation_prompt"].get<bool>()) continue;
+      // A case with tools: the record's tools (offline.tools_key) go to the template.
+      const std::string tools = c["tools"].is_null() ? "" : c["tools"].dump();
       const auto messages = rollout::chat_messages("case", c["messages"], "messages");
       if (name == "mistral" && messages.front().role == "system") {
-        EXPECT_NE(error_of([&] { encode_conversation("x.jsonl:2", messages, *tok, chat); })
+        EXPECT_NE(error_of([&] { encode_conversation("x.jsonl:2", messages, *tok, chat, 0, tools); })
                       .find("x.jsonl:2: the chat template does not extend the conversation turn by turn"),
                   std::string::npos);
         continue;
       }
-      const SftSample s = encode_conversation("case", messages, *tok, chat);
+      bool extends = true;
+      SftSample s;
+      const std::string err = error_of([&] { s = encode_conversation("case", messages, *tok, chat, 0, tools); });
+      if (!tools.empty() && err.find("does not extend the conversation turn by turn") != std::string::npos) {
+        extends = false;  // a template that writes the tools into the last user turn (Llama-3.1's)
+      }
+      ASSERT_TRUE(err.empty() || !extends) << name << ": " << err;
+      if (!extends) continue;
+      if (!tools.empty()) ++with_tools;
       EXPECT_EQ(s.tokens, c["ids"].get<std::vector<int64_t>>()) << name << ": " << c["messages"].dump();
       // Each assistant turn as its template writes it: Mistral's after a space, Llama's, Mistral's
       // and Gemma's trimmed, then its end of turn.
@@ -118,6 +128,17 @@ TEST(SftData, JinjaTemplatesTrainWhatTransformersWrites) {
           {"mistral", {" ", true, "</s>"}},          {"gemma", {"", true, "<end_of_turn>\n"}},
           {"deepseek", {"", false, "<｜end▁of▁sentence｜>"}}};
       const auto& [lead, trimmed, end] = turn.at(name);
+      if (!tools.empty() && std::any_of(messages.begin(), messages.end(), [](const model::ChatMessage& m) {
+            return m.fields_json.find("tool_calls") != std::string::npos;
+          })) {
+        // The call's turn is trained as the template writes the call (ids checked above), then the answer's.
+        const auto [trained, rest] = split_text(s, *tok);
+        EXPECT_NE(trained.find("17*3"), std::string::npos) << name << ": " << trained;
+        EXPECT_EQ(rest.find("17*3"), std::string::npos) << name << ": " << rest;
+        EXPECT_EQ(rest.find("17 + 25 = 42."), std::string::npos) << name << ": " << rest;
+        ++checked;
+        continue;
+      }
       std::string want;
       for (const auto& m : messages)
         if (m.role == "assistant") {
@@ -133,6 +154,7 @@ TEST(SftData, JinjaTemplatesTrainWhatTransformersWrites) {
     }
   }
   EXPECT_GE(checked, 9);
+  EXPECT_GE(with_tools, 3);  // Qwen2.5's, Llama-3.1's and Mistral's tool conversations
 }
 #endif
 
@@ -206,6 +228,23 @@ TEST(SftData, AFileOfRecordsWithItsPoliciesAndSplit) {
   const std::string msgs = file("msgs.jsonl", R"({"messages": [{"role": "user"}]})" "\n");
   EXPECT_NE(error_of([&] { SftDataset(msgs, qwen2(), o); }).find("msgs.jsonl:1: the messages under 'messages' must be"),
             std::string::npos);
+  // Tools (offline.tools_key) only through a template that writes them, and only as a list.
+  const std::string tools = file("tools.jsonl", R"({"q": "2+2?", "a": "4", "tools": [{"type": "function"}]})" "\n"
+                                                R"({"q": "2+2?", "a": "4", "tools": "calc"})" "\n");
+  EXPECT_NE(error_of([&] { SftDataset(tools, qwen2(), o); })
+                .find("tools.jsonl:1: the record has tools, and the chatml chat format has no place for them"),
+            std::string::npos);
+  o.tools_key = "none_here";  // another key: the records' "tools" are not read
+  EXPECT_EQ(SftDataset(tools, qwen2(), o).size(), 2);
+  o.tools_key = "tools";
+  o.chat = model::ChatFormat::kNone;
+  EXPECT_NE(error_of([&] { SftDataset(tools, qwen2(), o); }).find("tools.jsonl:1: the record has tools, which only a chat"),
+            std::string::npos);
+  const std::string bad_tools = file("bad_tools.jsonl", R"({"q": "2+2?", "a": "4", "tools": "calc"})" "\n");
+  EXPECT_NE(error_of([&] { SftDataset(bad_tools, qwen2(), o); })
+                .find("bad_tools.jsonl:1: 'tools' must be a list of tool schemas, not string"),
+            std::string::npos);
+  o.chat = model::ChatFormat::kChatML;
   o.path_key = "data.train_file";
   std::filesystem::create_directories(test::scratch_dir() + "/offline/dir");
   EXPECT_NE(error_of([&] { SftDataset(test::scratch_dir() + "/offline/dir", qwen2(), o); })

@@ -497,6 +497,7 @@ struct OfflineConfig {
   std::int64_t max_tokens = 2048;   // per sample (per pair side for preferences)
   LongSamplePolicy long_samples = LongSamplePolicy::kSkip;
   std::string messages_key = "messages";
+  std::string tools_key = "tools";
   std::string prompt_key = "prompt";
   std::string response_key = "response";
   std::string chosen_key = "chosen";
