@@ -8,9 +8,11 @@ the reward is 1 when the final reply holds the label (the answer), else 0.
       --set agent.tool_call_parser=hermes --set roles.actor.model=Qwen/Qwen2.5-1.5B-Instruct \
       --set rollout.max_turns=4 --set rollout.max_response_tokens=1024 --set reward.type=env
 
-It needs a model whose chat template takes tools (Qwen2.5's; the built-in chatml has no place for
-them, and the endpoint refuses the request saying so) and a context for the tools' description
-(~750 tokens with the quickstart's tiny tokenizer, which is too small for it). Chat requests are
+It needs a model whose chat template takes tools (Qwen2.5's, or the one examples/tool_use/ trains
+from random weights with this harness's system message and tool; the built-in chatml has no place
+for them, and the endpoint refuses the request saying so) and a context for the tools' description
+(~750 tokens with the quickstart's tiny tokenizer and Qwen2.5's template, which is too small for it).
+`conversation()` is the loop itself, which examples/tool_use/eval.py runs greedy. Chat requests are
 re-rendered from the messages, so a model whose text does not re-tokenize to its own tokens drifts
 (agent.drift: error stops the job there; split and drop go on).
 """
@@ -55,18 +57,26 @@ def calculate(arguments):
         return f"error: {type(e).__name__}"
 
 
-def run(base_url, api_key, model, prompt, label):
-    client = OpenAI(base_url=base_url, api_key=api_key, http_client=_http)
-    messages = [{"role": "system", "content": "Use the calculate tool for arithmetic, then answer."},
-                {"role": "user", "content": prompt}]
-    reply = None
+SYSTEM = "Use the calculate tool for arithmetic, then answer."
+
+
+def conversation(client, model, prompt, **sampling):
+    """The agent's turns for one problem: (messages, the final reply's text, tool calls made)."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+    reply, calls = None, 0
     for _ in range(4):
-        reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
-                                               max_tokens=32).choices[0].message
+        reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=128,
+                                               **sampling).choices[0].message
         messages.append(reply.model_dump(exclude_none=True))
         if not reply.tool_calls:
             break
         for call in reply.tool_calls:
+            calls += 1
             messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)})
-    answer = (reply.content or "") if reply else ""
+    return messages, ((reply.content or "") if reply else ""), calls
+
+
+def run(base_url, api_key, model, prompt, label):
+    client = OpenAI(base_url=base_url, api_key=api_key, http_client=_http)
+    _, answer, _ = conversation(client, model, prompt)
     return 1.0 if str(label) and str(label) in answer else 0.0
