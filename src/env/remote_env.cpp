@@ -2,16 +2,13 @@
 // client it is compiled without libtorch's include directory.
 #include "tiller/env/remote_env.h"
 
-#include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <thread>
 
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
 
 #include "rpc/credentials.h"
-#include "rpc/status.h"
+#include "rpc/retry.h"
 #include "tiller/core/error.h"
 #include "tiller/env.grpc.pb.h"
 
@@ -20,7 +17,6 @@ namespace {
 
 namespace pb = ::tiller::env::v1;
 
-constexpr double kMaxBackoffSeconds = 8;
 constexpr int kMaxMessageBytes = 64 << 20;
 
 Observation from_pb(const pb::Observation& o) {
@@ -36,34 +32,19 @@ struct RemoteEnvironment::Impl {
 
   std::string where() const { return fmt::format("environment {}", opts.address); }
 
-  // One call with its retries: `rpc(ctx)` runs it; `what` names it in errors ("Step of session s,
-  // turn 2").
+  // One call with its retries (rpc/retry.h): `rpc(ctx)` runs it; `what` names it in errors ("Step
+  // of session s, turn 2").
   template <typename Rpc>
   void call(const std::string& what, Deadline deadline, Rpc rpc) {
-    double wait = opts.backoff_seconds;
-    for (int attempt = 0;; ++attempt) {
-      if (deadline.expired())
-        throw TimeoutError(fmt::format("{}: {}: the deadline passed after {} attempt(s)", where(), what, attempt));
-      grpc::ClientContext ctx;
-      const double left = std::min(deadline.remaining_seconds(), opts.timeout_seconds);
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                                                              std::chrono::duration<double>(left)));
-      if (!opts.token.empty()) ctx.AddMetadata("x-tiller-token", opts.token);
-      const grpc::Status st = rpc(ctx);
-      if (st.ok()) return;
-      const std::string status = rpc::describe(st);
-      if (st.error_code() == grpc::StatusCode::UNAUTHENTICATED || st.error_code() == grpc::StatusCode::PERMISSION_DENIED)
-        throw ConfigError(fmt::format("{}: {} refused: {}; check the environment's token", where(), what, status));
-      if (!rpc::transient(st.error_code()) || attempt >= opts.retries || deadline.remaining_seconds() <= wait) {
-        throw CommError(fmt::format("{}: {} failed after {} attempt(s): {}{}", where(), what, attempt + 1, status,
-                                    st.error_code() == grpc::StatusCode::UNAVAILABLE ? "; is the environment running?"
-                                    : st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
-                                        ? fmt::format("; each call may take {} s", opts.timeout_seconds)
-                                        : ""));
-      }
-      std::this_thread::sleep_for(std::chrono::duration<double>(wait));
-      wait = std::min(wait * 2, kMaxBackoffSeconds);
-    }
+    rpc::RetryOptions r;
+    r.timeout_seconds = opts.timeout_seconds;
+    r.retries = opts.retries;
+    r.backoff_seconds = opts.backoff_seconds;
+    r.token = opts.token;
+    rpc::call_with_retries(r,
+                           {where(), what, "check the environment's token", "; is the environment running?",
+                            fmt::format("; each call may take {} s", opts.timeout_seconds)},
+                           deadline, rpc);
   }
 };
 

@@ -13,7 +13,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "rpc/credentials.h"
-#include "rpc/status.h"
+#include "rpc/retry.h"
 #include "tiller/core/error.h"
 #include "tiller/reward.grpc.pb.h"
 
@@ -21,11 +21,16 @@ namespace tiller::reward {
 namespace {
 
 namespace pb = ::tiller::reward::v1;
-using rpc::describe;
-using rpc::transient;
-
-constexpr double kMaxBackoffSeconds = 8;
 constexpr int kMaxMessageBytes = 256 << 20;
+
+rpc::RetryOptions retry_options(const RemoteOptions& o) {
+  rpc::RetryOptions r;
+  r.timeout_seconds = o.timeout_seconds;
+  r.retries = o.retries;
+  r.backoff_seconds = o.backoff_seconds;
+  r.token = o.token;
+  return r;
+}
 
 }  // namespace
 
@@ -82,66 +87,37 @@ BatchScores RemoteScorer::score(uint64_t step, const std::vector<RewardSample>& 
     r->set_response_tokens(s.response_tokens);
   }
   BatchScores out;
-  double wait = opts.backoff_seconds;
-  for (int attempt = 0;; ++attempt) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                         std::chrono::duration<double>(opts.timeout_seconds)));
-    if (!opts.token.empty()) ctx.AddMetadata("x-tiller-token", opts.token);
-    {
-      std::lock_guard<std::mutex> lock(m.mu);
-      if (m.cancelled) throw CommError(fmt::format("{}: the client is shutting down", where()));
-      m.active.insert(&ctx);
-    }
-    pb::ScoreResponse resp;
-    const grpc::Status st = m.stub->Score(&ctx, req, &resp);
-    {
-      std::lock_guard<std::mutex> lock(m.mu);
-      m.active.erase(&ctx);
-    }
-    if (st.ok()) {
-      out.scores.assign(resp.scores().begin(), resp.scores().end());
-      return out;
-    }
-    if (cancelled()) throw CommError(fmt::format("{}: the client is shutting down", where()));
-    if (!transient(st.error_code()) || attempt >= opts.retries) {
-      throw CommError(fmt::format("{}: Score for step {} ({} samples) failed after {} attempt(s): {}{}", where(), step,
-                                  samples.size(), attempt + 1, describe(st),
-                                  st.error_code() == grpc::StatusCode::UNAVAILABLE ? "; is the reward service running?"
-                                  : st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
-                                      ? fmt::format("; each call may take reward.remote_timeout_s = {} s",
-                                                    opts.timeout_seconds)
-                                      : ""));
-    }
-    ++out.retries;
-    if (!backoff(wait)) throw CommError(fmt::format("{}: the client is shutting down", where()));
-    wait = std::min(wait * 2, kMaxBackoffSeconds);
-  }
+  rpc::RetryHooks hooks;
+  hooks.begin = [&m](grpc::ClientContext& ctx) {
+    std::lock_guard<std::mutex> lock(m.mu);
+    if (m.cancelled) return false;
+    m.active.insert(&ctx);
+    return true;
+  };
+  hooks.end = [&m](grpc::ClientContext& ctx) {
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.active.erase(&ctx);
+  };
+  hooks.sleep = [this](double seconds) { return backoff(seconds); };
+  hooks.cancelled = [this] { return cancelled(); };
+  pb::ScoreResponse resp;
+  out.retries = rpc::call_with_retries(
+      retry_options(opts), {where(), fmt::format("Score for step {} ({} samples)", step, samples.size()), "",
+                            "; is the reward service running?",
+                            fmt::format("; each call may take reward.remote_timeout_s = {} s", opts.timeout_seconds)},
+      Deadline::never(), [&](grpc::ClientContext& ctx) { return m.stub->Score(&ctx, req, &resp); }, hooks);
+  out.scores.assign(resp.scores().begin(), resp.scores().end());
+  return out;
 }
 
 std::string RemoteScorer::check_health(Deadline deadline) {
   Impl& m = *impl_;
-  double wait = m.opts.backoff_seconds;
-  for (int attempt = 0;; ++attempt) {
-    grpc::ClientContext ctx;
-    const double left = std::min(deadline.remaining_seconds(), m.opts.timeout_seconds);
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(left)));
-    if (!m.opts.token.empty()) ctx.AddMetadata("x-tiller-token", m.opts.token);
-    pb::HealthResponse resp;
-    const grpc::Status st = m.stub->Health(&ctx, pb::HealthRequest{}, &resp);
-    if (st.ok()) return resp.name();
-    // A refused token is the config's to fix (exit code 2: tiller launch does not retry it).
-    if (st.error_code() == grpc::StatusCode::UNAUTHENTICATED || st.error_code() == grpc::StatusCode::PERMISSION_DENIED)
-      throw ConfigError(fmt::format("{}: Health failed: {}; check reward.remote_token_file", where(), describe(st)));
-    if (!transient(st.error_code()) || attempt >= m.opts.retries || deadline.remaining_seconds() <= wait) {
-      throw CommError(fmt::format("{}: Health failed after {} attempt(s): {}; start the reward service or fix the address",
-                                  where(), attempt + 1, describe(st)));
-    }
-    std::this_thread::sleep_for(std::chrono::duration<double>(wait));
-    wait = std::min(wait * 2, kMaxBackoffSeconds);
-  }
+  pb::HealthResponse resp;
+  rpc::call_with_retries(retry_options(m.opts),
+                         {where(), "Health", "check reward.remote_token_file",
+                          "; start the reward service or fix the address", "", "failed"},
+                         deadline, [&](grpc::ClientContext& ctx) { return m.stub->Health(&ctx, pb::HealthRequest{}, &resp); });
+  return resp.name();
 }
 
 }  // namespace tiller::reward
