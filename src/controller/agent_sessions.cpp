@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "core/worker_pool.h"
 #include "tiller/core/error.h"
 
 namespace tiller::rollout {
@@ -103,64 +104,38 @@ std::shared_ptr<engine::OpenAiBackend> agent_backend(std::shared_ptr<AgentShared
 }
 
 struct HarnessPool::State {
-  struct Job {
-    uint64_t key = 0;
-    AgentTask task;
-    Deadline deadline = Deadline::never();
-  };
   std::shared_ptr<AgentHarness> harness;
   std::mutex mu;
-  std::condition_variable cv;
-  std::deque<Job> queue;
   std::vector<Result> done;
-  bool stop = false;
-
-  void work() {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return stop || !queue.empty(); });
-        if (stop) return;
-        job = std::move(queue.front());
-        queue.pop_front();
-      }
-      Result r;
-      r.key = job.key;
-      const auto t0 = Clock::now();
-      try {
-        r.outcome = harness->run(job.task, job.deadline);
-      } catch (const std::exception& e) {
-        r.error = e.what();
-      }
-      r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-      std::lock_guard<std::mutex> lock(mu);
-      if (stop) return;
-      done.push_back(std::move(r));
-    }
-  }
+  std::unique_ptr<WorkerPool> pool;
 };
 
 HarnessPool::HarnessPool(std::shared_ptr<AgentHarness> harness, int threads) : state_(std::make_shared<State>()) {
+  state_->pool = std::make_unique<WorkerPool>(threads, "the agent harnesses", "agent.concurrency");
   state_->harness = std::move(harness);
-  for (int i = 0; i < threads; ++i) std::thread([s = state_] { s->work(); }).detach();
 }
 
-HarnessPool::~HarnessPool() {
-  {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->stop = true;
-    state_->queue.clear();
-  }
-  state_->cv.notify_all();
-}
+// The pool drops what is queued; a harness still running ends at its deadline and its result,
+// with nobody to take it, goes with the state.
+HarnessPool::~HarnessPool() { state_->pool->shutdown(0); }
 
 void HarnessPool::run(uint64_t key, AgentTask task, Deadline deadline) {
-  {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->queue.push_back({key, std::move(task), deadline});
-  }
-  state_->cv.notify_one();
+  // The task holds the state weakly: a harness left behind at shutdown touches no freed memory.
+  state_->pool->submit([w = std::weak_ptr<State>(state_), key, task = std::move(task), deadline] {
+    std::shared_ptr<State> s = w.lock();
+    if (!s) return;
+    Result r;
+    r.key = key;
+    const auto t0 = Clock::now();
+    try {
+      r.outcome = s->harness->run(task, deadline);
+    } catch (const std::exception& e) {
+      r.error = e.what();
+    }
+    r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->done.push_back(std::move(r));
+  });
 }
 
 std::vector<HarnessPool::Result> HarnessPool::take() {

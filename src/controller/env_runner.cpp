@@ -1,20 +1,15 @@
 #include "controller/env_runner.h"
 
 #include <chrono>
-#include <condition_variable>
-#include <deque>
 #include <mutex>
-#include <thread>
 
-#include <fmt/format.h>
-
+#include "core/worker_pool.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 
 namespace tiller::rollout {
 namespace {
 
-constexpr int kMaxThreads = 4096;
 constexpr double kShutdownGraceSeconds = 5;
 
 }  // namespace
@@ -29,30 +24,9 @@ struct EnvRunner::State {
   };
   std::shared_ptr<env::Environment> env;
   double timeout_s = 60;
-  mutable std::mutex mu;
-  std::condition_variable cv;     // workers: a call is queued, or stopping
-  std::condition_variable idle;   // the destructor: a worker finished
-  std::deque<Call> queue;
+  std::mutex mu;
   std::vector<Result> results;
-  size_t running = 0;
-  bool stopping = false;
-
-  void work() {
-    std::unique_lock<std::mutex> lock(mu);
-    for (;;) {
-      cv.wait(lock, [&] { return stopping || !queue.empty(); });
-      if (stopping) break;
-      Call c = std::move(queue.front());
-      queue.pop_front();
-      ++running;
-      lock.unlock();
-      Result r = run(c);
-      lock.lock();
-      --running;
-      if (c.kind != Call::kClose) results.push_back(std::move(r));
-      idle.notify_all();
-    }
-  }
+  std::unique_ptr<WorkerPool> pool;
 
   Result run(const Call& c) {
     Result r;
@@ -81,47 +55,40 @@ struct EnvRunner::State {
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return r;
   }
+
+  // Closes are kept through the shutdown (best effort within the grace); starts and steps are moot.
+  static void submit(const std::shared_ptr<State>& s, Call c) {
+    const bool close = c.kind == Call::kClose;
+    // The task holds the state, not the runner: a call left behind at shutdown touches no freed memory.
+    s->pool->submit(
+        [w = std::weak_ptr<State>(s), c = std::move(c)] {
+          std::shared_ptr<State> st = w.lock();
+          if (!st) return;
+          Result r = st->run(c);
+          if (c.kind == Call::kClose) return;
+          std::lock_guard<std::mutex> lock(st->mu);
+          st->results.push_back(std::move(r));
+        },
+        close);
+  }
 };
 
 EnvRunner::EnvRunner(std::shared_ptr<env::Environment> env, int threads, double timeout_s)
     : env_(std::move(env)), state_(std::make_shared<State>()) {
   TILLER_CHECK(env_ != nullptr, "EnvRunner needs an environment");
-  if (threads < 1 || threads > kMaxThreads)
-    throw ConfigError(fmt::format("env.concurrency = {}: allowed 1 to {}", threads, kMaxThreads));
   state_->env = env_;
   state_->timeout_s = timeout_s;
-  // Detached, sharing the state: a call blocked past the shutdown grace cannot touch freed memory.
-  for (int i = 0; i < threads; ++i) std::thread([s = state_] { s->work(); }).detach();
+  state_->pool = std::make_unique<WorkerPool>(threads, env_->name(), "env.concurrency");
 }
 
-EnvRunner::~EnvRunner() {
-  State& s = *state_;
-  std::unique_lock<std::mutex> lock(s.mu);
-  // Queued closes still go out (best effort within the grace); starts and steps are moot.
-  std::deque<State::Call> closes;
-  for (auto& c : s.queue)
-    if (c.kind == State::Call::kClose) closes.push_back(std::move(c));
-  s.queue = std::move(closes);
-  const auto grace = std::chrono::duration<double>(kShutdownGraceSeconds);
-  const bool drained = s.idle.wait_for(lock, grace, [&] { return s.queue.empty() && s.running == 0; });
-  s.stopping = true;
-  s.cv.notify_all();
-  if (!drained)
-    log::warn("{}: {} call(s) still running and {} queued {} s after shutdown began; left behind (each ends at "
-              "its deadline)",
-              env_->name(), s.running, s.queue.size(), kShutdownGraceSeconds);
-}
+EnvRunner::~EnvRunner() { state_->pool->shutdown(kShutdownGraceSeconds); }
 
 void EnvRunner::start(uint64_t key, env::EpisodeStart episode) {
   State::Call c;
   c.kind = State::Call::kStart;
   c.key = key;
   c.episode = std::move(episode);
-  {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->queue.push_back(std::move(c));
-  }
-  state_->cv.notify_one();
+  State::submit(state_, std::move(c));
 }
 
 void EnvRunner::step(uint64_t key, const std::string& session_id, env::Action action) {
@@ -130,22 +97,14 @@ void EnvRunner::step(uint64_t key, const std::string& session_id, env::Action ac
   c.key = key;
   c.session = session_id;
   c.action = std::move(action);
-  {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->queue.push_back(std::move(c));
-  }
-  state_->cv.notify_one();
+  State::submit(state_, std::move(c));
 }
 
 void EnvRunner::close(const std::string& session_id) {
   State::Call c;
   c.kind = State::Call::kClose;
   c.session = session_id;
-  {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->queue.push_back(std::move(c));
-  }
-  state_->cv.notify_one();
+  State::submit(state_, std::move(c));
 }
 
 std::vector<EnvRunner::Result> EnvRunner::poll() {
@@ -155,9 +114,6 @@ std::vector<EnvRunner::Result> EnvRunner::poll() {
   return out;
 }
 
-size_t EnvRunner::busy() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  return state_->queue.size() + state_->running;
-}
+size_t EnvRunner::busy() const { return state_->pool->busy(); }
 
 }  // namespace tiller::rollout

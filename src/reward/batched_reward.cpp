@@ -6,12 +6,12 @@
 
 #include <chrono>
 #include <cmath>
-#include <deque>
 #include <exception>
-#include <thread>
+#include <mutex>
 
 #include <fmt/format.h>
 
+#include "core/worker_pool.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 
@@ -57,16 +57,14 @@ struct BatchedReward::State {
   int batch_size = 1;
 
   std::mutex mu;
-  std::condition_variable cv;          // queue changes, results, stopping, workers leaving
-  std::deque<Batch> queue;
+  std::condition_variable cv;          // results
+  std::unique_ptr<WorkerPool> pool;     // a batch per task
   Batch pending;                        // the batch being filled
   uint64_t epoch = 0, step = 0;
   int64_t outstanding = 0;              // samples of this epoch sent (or queued) and not yet scored
   std::vector<std::pair<uint64_t, double>> results;
   std::exception_ptr failure;           // the first failure of this epoch
   RewardStats stats;
-  bool stopping = false;
-  int running = 0;                      // workers that have not returned
 
   // A wrong count or a score that is not finite, as one line naming the sample.
   void check(const Batch& b, const BatchScores& r) const {
@@ -81,53 +79,46 @@ struct BatchedReward::State {
     }
   }
 
-  void work() {
-    std::unique_lock<std::mutex> lock(mu);
-    for (;;) {
-      cv.wait(lock, [&] { return stopping || !queue.empty(); });
-      if (stopping) break;
-      Batch b = std::move(queue.front());
-      queue.pop_front();
-      lock.unlock();
-      BatchScores r;
-      std::exception_ptr error;
-      const auto t0 = Clock::now();
-      try {
-        r = scorer->score(b.step, b.samples);
-        check(b, r);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      const double took = std::chrono::duration<double>(Clock::now() - t0).count();
-      lock.lock();
-      if (b.epoch != epoch) continue;  // a step that was abandoned
-      stats.retries += r.retries;
-      if (!error) {
-        ++stats.calls;
-        stats.call_seconds += took;
-        for (const auto& [name, v] : r.extras) {
-          auto& s = stats.extras[name];
-          s.first += v.first;
-          s.second += v.second;
-        }
-        for (size_t i = 0; i < r.scores.size(); ++i) results.emplace_back(b.samples[i].id, r.scores[i]);
-      } else if (!failure) {
-        failure = error;
-      }
-      outstanding -= static_cast<int64_t>(b.samples.size());
-      cv.notify_all();
+  // Scores one batch on a worker (the pool's task), and files its results under its epoch.
+  void score(const Batch& b) {
+    BatchScores r;
+    std::exception_ptr error;
+    const auto t0 = Clock::now();
+    try {
+      r = scorer->score(b.step, b.samples);
+      check(b, r);
+    } catch (...) {
+      error = std::current_exception();
     }
-    --running;
+    const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+    std::lock_guard<std::mutex> lock(mu);
+    if (b.epoch != epoch) return;  // a step that was abandoned
+    stats.retries += r.retries;
+    if (!error) {
+      ++stats.calls;
+      stats.call_seconds += took;
+      for (const auto& [name, v] : r.extras) {
+        auto& s = stats.extras[name];
+        s.first += v.first;
+        s.second += v.second;
+      }
+      for (size_t i = 0; i < r.scores.size(); ++i) results.emplace_back(b.samples[i].id, r.scores[i]);
+    } else if (!failure) {
+      failure = error;
+    }
+    outstanding -= static_cast<int64_t>(b.samples.size());
     cv.notify_all();
   }
 
-  void enqueue_pending() {  // under mu
-    if (pending.samples.empty()) return;
-    pending.epoch = epoch;
-    pending.step = step;
-    queue.push_back(std::move(pending));
-    pending = Batch{};
-    cv.notify_all();
+  // Under mu. The task holds the state weakly: a call left behind at shutdown touches no freed memory.
+  static void enqueue_pending(const std::shared_ptr<State>& s) {
+    if (s->pending.samples.empty()) return;
+    s->pending.epoch = s->epoch;
+    s->pending.step = s->step;
+    s->pool->submit([w = std::weak_ptr<State>(s), b = std::move(s->pending)] {
+      if (std::shared_ptr<State> st = w.lock()) st->score(b);
+    });
+    s->pending = Batch{};
   }
 
   void rethrow_failure() {  // under mu
@@ -143,24 +134,13 @@ BatchedReward::BatchedReward(std::shared_ptr<BatchScorer> scorer, int batch_size
                                   batch_size, concurrency, kMaxBatchSize));
   state_->scorer = scorer_;
   state_->batch_size = batch_size;
-  state_->running = concurrency;
-  for (int i = 0; i < concurrency; ++i) {
-    std::thread([s = state_] { s->work(); }).detach();
-  }
+  state_->pool = std::make_unique<WorkerPool>(concurrency, scorer_->where(), "the reward's concurrency");
 }
 
 BatchedReward::~BatchedReward() {
-  State& s = *state_;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.stopping = true;
-  }
-  s.cv.notify_all();
+  state_->pool->drop_queued();
   scorer_->cancel();
-  std::unique_lock<std::mutex> lock(s.mu);
-  if (!s.cv.wait_for(lock, std::chrono::duration<double>(kShutdownGraceSeconds), [&] { return s.running == 0; }))
-    log::warn("{}: {} scoring call(s) still running {} s after shutdown began; left behind", scorer_->where(),
-              s.running, kShutdownGraceSeconds);
+  state_->pool->shutdown(kShutdownGraceSeconds);
 }
 
 void BatchedReward::begin_step(uint64_t step) {
@@ -168,7 +148,7 @@ void BatchedReward::begin_step(uint64_t step) {
   std::lock_guard<std::mutex> lock(s.mu);
   ++s.epoch;
   s.step = step;
-  s.queue.clear();
+  s.pool->drop_queued();
   s.pending = Batch{};
   s.outstanding = 0;
   s.results.clear();
@@ -181,13 +161,13 @@ void BatchedReward::add(RewardSample sample) {
   s.rethrow_failure();
   s.pending.samples.push_back(std::move(sample));
   ++s.outstanding;
-  if (static_cast<int>(s.pending.samples.size()) >= s.batch_size) s.enqueue_pending();
+  if (static_cast<int>(s.pending.samples.size()) >= s.batch_size) State::enqueue_pending(state_);
 }
 
 std::vector<std::pair<uint64_t, double>> BatchedReward::finish(Deadline deadline) {
   State& s = *state_;
   std::unique_lock<std::mutex> lock(s.mu);
-  s.enqueue_pending();
+  State::enqueue_pending(state_);
   const auto settled = [&] { return s.outstanding == 0 || s.failure; };
   bool done = true;
   if (deadline.is_never()) s.cv.wait(lock, settled);
@@ -214,7 +194,7 @@ std::vector<std::pair<uint64_t, double>> BatchedReward::poll() {
 void BatchedReward::flush() {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mu);
-  s.enqueue_pending();
+  State::enqueue_pending(state_);
 }
 
 void BatchedReward::label_step(uint64_t step) {

@@ -1,8 +1,15 @@
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <memory>
+#include <stdexcept>
+#include <thread>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "core/worker_pool.h"
 #include "tiller/core/checked_math.h"
 #include "tiller/core/deadline.h"
 #include "tiller/core/error.h"
@@ -92,6 +99,75 @@ TEST(Logging, PrefixCarriesRankAndRole) {
   std::string out = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(out.find("[5 critic] value loss 0.5"), std::string::npos) << out;
   EXPECT_EQ(out.find("hidden"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace tiller
+
+// --- WorkerPool (core/worker_pool.h): the threads of the env runner, the batched reward and the
+// agent harnesses ---
+namespace tiller {
+namespace {
+
+TEST(WorkerPool, RunsTasksKeepsClosesThroughShutdownAndLeavesABlockedTaskBehind) {
+  auto count = std::make_shared<std::atomic<int>>(0);
+  {
+    WorkerPool pool(4, "test pool", "test.concurrency");
+    for (int i = 0; i < 64; ++i) pool.submit([count] { ++*count; });
+    for (int i = 0; i < 500 && pool.busy() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    EXPECT_EQ(count->load(), 64);
+    EXPECT_EQ(pool.busy(), 0u);
+    pool.submit([] { throw std::runtime_error("a task's own failure"); });  // logged, the pool goes on
+    pool.submit([count] { ++*count; });
+    for (int i = 0; i < 500 && pool.busy() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    EXPECT_EQ(count->load(), 65);
+  }
+  // One thread held by a task: the queued ones wait; shutdown drops those not kept and runs the kept.
+  auto gate = std::make_shared<std::atomic<bool>>(false);
+  auto kept = std::make_shared<std::atomic<int>>(0), dropped = std::make_shared<std::atomic<int>>(0);
+  WorkerPool pool(1, "test pool", "test.concurrency");
+  pool.submit([gate] {
+    while (!*gate) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  for (int i = 0; i < 3; ++i) {
+    pool.submit([dropped] { ++*dropped; });
+    pool.submit([kept] { ++*kept; }, /*keep=*/true);
+  }
+  EXPECT_EQ(pool.busy(), 7u);
+  std::thread opener([gate] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    *gate = true;
+  });
+  EXPECT_TRUE(pool.shutdown(10));
+  opener.join();
+  EXPECT_EQ(kept->load(), 3);
+  EXPECT_EQ(dropped->load(), 0);
+  pool.submit([dropped] { ++*dropped; });  // after shutdown: not run
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(dropped->load(), 0);
+
+  // A task blocked past the grace is left behind: shutdown says so and returns; the task, holding
+  // only what it shares, ends later without touching the pool's owner.
+  auto stuck = std::make_shared<std::atomic<bool>>(true);
+  {
+    WorkerPool p(1, "test pool", "test.concurrency");
+    p.submit([stuck] {
+      while (*stuck) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_FALSE(p.shutdown(0.05));
+  }
+  *stuck = false;
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+
+  for (int bad : {0, WorkerPool::kMaxThreads + 1}) {
+    try {
+      WorkerPool p(bad, "x", "env.concurrency");
+      ADD_FAILURE() << bad;
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(std::string(e.what()), fmt::format("env.concurrency = {}: allowed 1 to 4096", bad));
+    }
+  }
 }
 
 }  // namespace
