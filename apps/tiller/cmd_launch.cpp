@@ -1,7 +1,7 @@
 // tiller launch: runs `tiller train` (or with --command, `tiller sft`, `train-rm` or `dpo`) under
 // mpirun (or srun) with the rank count the config needs,
 // and restarts it from the newest complete checkpoint when it fails for a reason a restart can
-// cure (rollout/supervisor.h).
+// cure (src/job/supervisor.h).
 #include <unistd.h>
 
 #include <climits>

@@ -55,7 +55,7 @@ std::vector<std::pair<std::string, const StepHookDef*>> parse_step_hooks(const s
 
 }  // namespace tiller::rollout
 
-// --- the controller's runner (rollout/hook_runner.h) ---
+// --- the controller's runner (src/controller/hook_runner.h) ---
 
 namespace tiller::rollout {
 namespace {

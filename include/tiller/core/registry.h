@@ -1,5 +1,5 @@
 // Named components that a trainer of one's own can add to: one mechanism behind every registry
-// (advantage estimators today; docs/library.md lists them). A registry holds entries by name;
+// (the algorithm pieces, reward scorers, prompt sources and step hooks; docs/library.md lists them). A registry holds entries by name;
 // tiller's built-in entries go in through the same `add` as a user's, the first time the registry
 // is used, so a user's registration before `run_main` sits beside them.
 //
