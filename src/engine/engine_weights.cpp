@@ -47,22 +47,28 @@ model::ModelWeights slice_for_tp(const model::ModelConfig& cfg, const model::Mod
   w.embed = full.embed;
   w.final_norm = full.final_norm;
   w.lm_head = full.lm_head;
+  // Each field by its HF name's split (model::tp_split_dim, the weight sync's rule too).
+  const auto cut = [&](const at::Tensor& t, const char* hf_suffix) {
+    const int dim = model::tp_split_dim(std::string("x.") + hf_suffix);
+    TILLER_CHECK(dim >= 0, "tensor parallelism does not split '{}'", hf_suffix);
+    return part(t, dim, rank, size);
+  };
   for (const auto& l : full.layers) {
     model::LayerWeights s = l;
-    s.q_proj = part(l.q_proj, 0, rank, size);
-    s.k_proj = part(l.k_proj, 0, rank, size);
-    s.v_proj = part(l.v_proj, 0, rank, size);
-    s.q_bias = part(l.q_bias, 0, rank, size);
-    s.k_bias = part(l.k_bias, 0, rank, size);
-    s.v_bias = part(l.v_bias, 0, rank, size);
-    s.o_proj = part(l.o_proj, 1, rank, size);
-    s.gate_proj = part(l.gate_proj, 0, rank, size);
-    s.up_proj = part(l.up_proj, 0, rank, size);
-    s.down_proj = part(l.down_proj, 1, rank, size);
+    s.q_proj = cut(l.q_proj, "q_proj.weight");
+    s.k_proj = cut(l.k_proj, "k_proj.weight");
+    s.v_proj = cut(l.v_proj, "v_proj.weight");
+    s.q_bias = cut(l.q_bias, "q_proj.bias");
+    s.k_bias = cut(l.k_bias, "k_proj.bias");
+    s.v_bias = cut(l.v_bias, "v_proj.bias");
+    s.o_proj = cut(l.o_proj, "o_proj.weight");
+    s.gate_proj = cut(l.gate_proj, "gate_proj.weight");
+    s.up_proj = cut(l.up_proj, "up_proj.weight");
+    s.down_proj = cut(l.down_proj, "down_proj.weight");
     for (auto& e : s.experts) {
-      e.gate_proj = part(e.gate_proj, 0, rank, size);
-      e.up_proj = part(e.up_proj, 0, rank, size);
-      e.down_proj = part(e.down_proj, 1, rank, size);
+      e.gate_proj = cut(e.gate_proj, "gate_proj.weight");
+      e.up_proj = cut(e.up_proj, "up_proj.weight");
+      e.down_proj = cut(e.down_proj, "down_proj.weight");
     }
     w.layers.push_back(std::move(s));
   }
@@ -81,11 +87,8 @@ void bind_lora_for_tp(const model::ModelConfig& cfg, const model::LoraSpec& spec
     if (it->second.sizes().vec() != p.shape)
       throw IoError(fmt::format("{}: '{}' is {}, the model and rank {} need {}", where, p.name,
                                 fmt::join(it->second.sizes(), "x"), spec.rank, fmt::join(p.shape, "x")));
-    const bool is_a = p.name.find(".lora_A.") != std::string::npos;
-    const bool row_parallel = p.name.find(".o_proj.") != std::string::npos || p.name.find(".down_proj.") != std::string::npos;
     at::Tensor t = it->second;
-    if (is_a && row_parallel) t = part(t, 1, tp_rank, tp_size);
-    if (!is_a && !row_parallel) t = part(t, 0, tp_rank, tp_size);
+    if (const int dim = model::tp_split_dim(p.name); dim >= 0) t = part(t, dim, tp_rank, tp_size);
     local[p.name] = t.to(at::Device(device), at::kFloat).contiguous();
   }
   // The rank's own shapes: its heads and MLP width (as its base slices have).

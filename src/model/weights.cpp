@@ -216,4 +216,20 @@ void save_model(const std::string& dir, const ModelConfig& c, const ModelWeights
   write_file_atomic(dir + "/config.json", to_hf_config_json(out, head == Head::kValue));
 }
 
+int tp_split_dim(const std::string& n) {
+  const auto ends_with = [&n](const std::string& suffix) {
+    return n.size() >= suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (ends_with(".lora_A.weight") || ends_with(".lora_B.weight")) {  // the projection's own split, on its side
+    const bool a = ends_with(".lora_A.weight");
+    const bool row_parallel = n.find(".o_proj.") != std::string::npos || n.find(".down_proj.") != std::string::npos;
+    return a ? (row_parallel ? 1 : -1) : (row_parallel ? -1 : 0);
+  }
+  for (const char* s : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
+                        "v_proj.bias", "gate_proj.weight", "up_proj.weight", "w1.weight", "w3.weight"})
+    if (ends_with(std::string(".") + s)) return 0;  // w1/w3/w2: Mixtral's experts
+  if (ends_with(".o_proj.weight") || ends_with(".down_proj.weight") || ends_with(".w2.weight")) return 1;
+  return -1;
+}
+
 }  // namespace tiller::model

@@ -168,18 +168,7 @@ BucketPlan BucketPlan::from_json(const std::string& text, const std::string& whe
   return p;
 }
 
-int tp_split_dim(const std::string& n) {
-  if (ends_with(n, ".lora_A.weight") || ends_with(n, ".lora_B.weight")) {  // the projection's own split, on its side
-    const bool a = ends_with(n, ".lora_A.weight");
-    const bool row_parallel = n.find(".o_proj.") != std::string::npos || n.find(".down_proj.") != std::string::npos;
-    return a ? (row_parallel ? 1 : -1) : (row_parallel ? -1 : 0);
-  }
-  for (const char* s : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
-                        "v_proj.bias", "gate_proj.weight", "up_proj.weight", "w1.weight", "w3.weight"})
-    if (ends_with(n, std::string(".") + s)) return 0;  // w1/w3/w2: Mixtral's experts
-  if (ends_with(n, ".o_proj.weight") || ends_with(n, ".down_proj.weight") || ends_with(n, ".w2.weight")) return 1;
-  return -1;
-}
+int tp_split_dim(const std::string& hf_name) { return model::tp_split_dim(hf_name); }
 
 BucketPlan make_bucket_plan(const model::ModelConfig& cfg, int senders, int tp_size, const std::string& wire_dtype,
                             int64_t bucket_bytes) {

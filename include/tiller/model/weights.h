@@ -90,6 +90,13 @@ struct ParamSpec {
 // With a tied LM head there is no "lm_head.weight" entry.
 std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg, Head head = Head::kLm);
 
+// How tensor parallelism splits the parameter named `hf_name` (the one rule of the engines'
+// slicing, engine_weights.h, and the weight sync's plan, sync::tp_split_dim): 0 (its rows) for
+// q/k/v and gate/up, weights and biases (Mixtral's experts' w1/w3 too), 1 (its columns) for
+// o_proj and down_proj (w2), -1 (whole) for everything else; a LoRA adapter follows its
+// projection on its own side: 0 for lora_B of q/k/v/gate/up, 1 for lora_A of o/down, else -1.
+int tp_split_dim(const std::string& hf_name);
+
 // Binds named tensors (HF names) into a ModelWeights, checking that every parameter is present
 // with the right shape; `where` names the source in errors. Extra names are ignored (an actor
 // checkpoint loaded as a critic has an lm_head that the critic does not use).

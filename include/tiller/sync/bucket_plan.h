@@ -111,9 +111,8 @@ BucketPlan make_lora_bucket_plan(const model::ModelConfig& cfg, const model::Lor
 // (which send under it) both build it here, so the two sides cannot disagree.
 BucketPlan job_bucket_plan(const JobConfig& job, const model::ModelConfig& actor_model, const dist::RankPlan& plan);
 
-// How the engines split parameter `hf_name` over TP ranks (engine_weights.h's slicing): 0 for
-// q/k/v and gate/up (weights and biases), 1 for o_proj and down_proj, -1 for everything else; a
-// LoRA adapter: 0 for lora_B of q/k/v/gate/up, 1 for lora_A of o/down, -1 for the others.
+// How the engines split parameter `hf_name` over TP ranks: model::tp_split_dim (weights.h), the
+// rule the engines' slicing follows too.
 int tp_split_dim(const std::string& hf_name);
 
 // One copy of an engine rank's slice: `rows` runs of `cols` elements, from the bucket at
