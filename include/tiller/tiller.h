@@ -3,6 +3,9 @@
 // A trainer that links tiller::tiller can run the same launcher as the `tiller` binary, after
 // registering its own pieces:
 //   int main(int argc, char** argv) { return tiller::run_main(argc, argv); }
+//
+// How a job runs, header by header (config, plan, models, engines, sync, controller, trainers):
+// include/README.md in the source tree.
 #pragma once
 
 #include "tiller/algo/advantage_estimator.h"
