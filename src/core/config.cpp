@@ -8,6 +8,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "config_schema.h"
+#include "core/bitwise_rules.h"
 #include "tiller/core/error.h"
 #include "tiller/core/hub.h"
 #include "tiller/core/files.h"
@@ -406,21 +407,15 @@ void JobConfig::validate() const {
                                   "roles.ref.enabled=true and roles.ref.model to the teacher",
                                   format_double(algo.distill_coef)));
   if (algo.logprob_match == LogprobMatch::kBitwise) {
-    if (engines.quantization != EngineQuantization::kNone)
-      throw ConfigError("algo.logprob_match = bitwise needs engines.quantization = none: an FP8 engine's products "
-                        "differ from the bf16 trainer's by design");
-    if (engines.kv_cache_dtype != KvCacheDtype::kAuto)
-      throw ConfigError("algo.logprob_match = bitwise needs engines.kv_cache_dtype = auto: an FP8 KV cache gives the "
-                        "engine other keys and values than the trainer's");
+    if (const std::string conflict = bitwise_engine_conflict(engines.quantization != EngineQuantization::kNone,
+                                                             engines.kv_cache_dtype != KvCacheDtype::kAuto, engines.tp);
+        !conflict.empty())
+      throw ConfigError(conflict);
     for (const char* name : {"actor", "ref"})
       if (role_by_name(*this, name).enabled && role_by_name(*this, name).fp8)
         throw ConfigError(fmt::format("algo.logprob_match = bitwise needs roles.{}.fp8 = false: FP8 GEMMs are not the "
                                       "engine's bf16 products",
                                       name));
-    if (engines.tp > 1)
-      throw ConfigError(fmt::format("algo.logprob_match = bitwise needs engines.tp = 1 (got {}): a tensor-parallel "
-                                    "engine adds partial sums across its ranks, an order the trainer does not share",
-                                    engines.tp));
   }
   if (algo.seq_mask_ratio != 0.0 && algo.seq_mask_ratio <= 1.0)
     throw ConfigError(fmt::format("algo.seq_mask_ratio = {} must be 0 (off) or > 1", format_double(algo.seq_mask_ratio)));

@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include "core/bitwise_rules.h"
+
 #ifdef TILLER_HAVE_CUDA_KERNELS
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
@@ -424,18 +426,10 @@ ModelRunner::ModelRunner(const model::ModelConfig& cfg, model::ModelWeights weig
                          int64_t block_size, dist::Communicator* tp, bool fp8, model::fp8::Scaling fp8_scaling,
                          bool fp8_kv_cache)
     : local_(config_for_rank(cfg, tp ? tp->size() : 1)), device_(device) {
-  if (fp8_kv_cache && model::batch_invariant())
-    throw ConfigError("algo.logprob_match = bitwise needs engines.kv_cache_dtype = auto: an FP8 KV cache gives the "
-                      "engine other keys and values than the trainer's");
-  if (fp8 && model::batch_invariant())
-    throw ConfigError("algo.logprob_match = bitwise needs engines.quantization = none: the trainer computes in bf16, "
-                      "an FP8 engine's products differ from its by design");
+  if (model::batch_invariant())
+    if (const std::string conflict = tiller::bitwise_engine_conflict(fp8, fp8_kv_cache, tp ? tp->size() : 1); !conflict.empty())
+      throw ConfigError(conflict);
   TILLER_CHECK(block_size > 0, "block_size must be > 0");
-  if (model::batch_invariant() && tp && tp->size() > 1)
-    throw ConfigError(fmt::format("algo.logprob_match = bitwise needs engines.tp = 1 (got {}): a tensor-parallel "
-                                  "engine adds o_proj's and down_proj's partial sums across its ranks, an order the "
-                                  "trainer's full-width matmul does not share",
-                                  tp->size()));
   if (model::batch_invariant() && model::Rope(cfg).per_sequence())
     throw ConfigError("algo.logprob_match = bitwise: the model's dynamic NTK RoPE scaling grows with the sequence the "
                       "engine is still generating, so its tables differ from the trainer's; use another rope_scaling");
