@@ -211,7 +211,8 @@ std::vector<Field> build() {
   b.add("engines.gpu_memory_fraction", TILLER_FIELD(engines.gpu_memory_fraction),
         "Fraction of the GPU memory still free once an engine has loaded its weights that its KV cache "
         "takes (measured at its start, after PyTorch's cached but unused blocks are handed back, so trainers "
-        "sharing the GPU keep the rest).")
+        "sharing the GPU keep the rest), or less where a step of engines.max_batched_tokens needs more room for "
+        "its activations than the rest (docs/engine.md).")
       .range(0.05, 1.0);
   b.add("engines.kv_cache_gb", TILLER_FIELD(engines.kv_cache_gb),
         "KV cache of each engine rank in GiB; 0: engines.gpu_memory_fraction. A fixed size does not depend on "

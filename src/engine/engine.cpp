@@ -5,6 +5,7 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include "engine/kv_sizing.h"
 #include "model/torch_compat.h"
 #include "tiller/dist/watchdog.h"
 #include "tiller/model/fp8.h"
@@ -144,8 +145,22 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
     // before this one) is free for the cache too: handed back first, or the device would not count
     // it (a second engine in one process got 13 of 127 free GiB without this).
     model::release_cached_device_memory(device);
-    blocks = static_cast<int64_t>(static_cast<double>(model::device_free_bytes(device)) * opts.gpu_memory_fraction) /
-             m.runner->block_bytes();
+    const int64_t free_bytes = model::device_free_bytes(device);
+    // A step of max_batched_tokens keeps room for its activations (kv_sizing.h), whatever the fraction.
+    const int64_t reserve = step_activation_bytes(cfg, opts.limits.max_batched_tokens, m.runner->activation_bytes(),
+                                                  tp_size, opts.limits.max_num_seqs) +
+                            (int64_t{512} << 20);
+    blocks = kv_blocks_for(free_bytes, opts.gpu_memory_fraction, m.runner->block_bytes(), reserve);
+    const auto gib = [](int64_t b) { return static_cast<double>(b) / (1ull << 30); };
+    if (blocks <= 0)
+      throw ConfigError(fmt::format("engine: a step of engines.max_batched_tokens = {} tokens needs up to {:.1f} GiB of "
+                                    "activations beside the weights, and {:.1f} GiB are free on {}: lower "
+                                    "engines.max_batched_tokens, or give the engine more memory",
+                                    opts.limits.max_batched_tokens, gib(reserve), gib(free_bytes), device.str()));
+    if (static_cast<double>(free_bytes - reserve) < static_cast<double>(free_bytes) * opts.gpu_memory_fraction)
+      log::info("engine: the KV cache leaves {:.1f} GiB of the {:.1f} free for a step's activations "
+                "(engines.max_batched_tokens = {}), more than engines.gpu_memory_fraction = {} would",
+                gib(reserve), gib(free_bytes), opts.limits.max_batched_tokens, opts.gpu_memory_fraction);
   }
   if (blocks <= 0) blocks = static_cast<int64_t>(1ull << 30) / m.runner->block_bytes();
   if (m.tensor_parallel()) {  // every rank of the group holds the same number of blocks

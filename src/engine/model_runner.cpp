@@ -476,6 +476,10 @@ int64_t ModelRunner::block_bytes() const {
   return 2 * local_.num_layers * impl_->block_size * per_token;
 }
 
+int64_t ModelRunner::activation_bytes() const {
+  return static_cast<int64_t>(impl_->weights.embed.element_size());
+}
+
 void ModelRunner::allocate_cache(const CacheOptions& o) {
   Impl& m = *impl_;
   TILLER_CHECK(o.num_blocks > 0, "the KV cache needs at least one block");

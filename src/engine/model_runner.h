@@ -45,6 +45,8 @@ class ModelRunner {
 
   // Bytes one KV block takes on this rank (every layer, K and V).
   int64_t block_bytes() const;
+  // Bytes of one activation element (the compute dtype's, the embedding's).
+  int64_t activation_bytes() const;
   struct CacheOptions {
     int64_t num_blocks = 0;
     int64_t max_model_len = 0;     // longest sequence (RoPE tables, graph block lists)

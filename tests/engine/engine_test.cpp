@@ -2,8 +2,10 @@
 // load: shared prompts, preemption, concurrency, aborts and bad requests.
 #include "engine_fixture.h"
 
+#include "engine/kv_sizing.h"
 #include "tiller/engine/engine_weights.h"
 #include "tiller/model/lora.h"
+#include "tiller/model/storage_swap.h"
 
 namespace tiller::engine {
 namespace {
@@ -380,6 +382,35 @@ TEST(EngineLora, AdaptersRunUnmergedAsTheTrainersForward) { expect_engine_runs_l
 TEST(EngineGpu, LoraAdaptersRunUnmergedUnderCudaGraphs) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no GPU";
   expect_engine_runs_lora("cuda:0", at::kBFloat16, 0.1);
+}
+
+// Sized from free memory, the KV cache leaves a step of max_batched_tokens the room its
+// activations may take (kv_sizing.h), though the fraction would give it almost everything.
+TEST(EngineGpu, TheKvCacheLeavesAStepsActivationsTheirRoom) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU";
+  const at::Device dev("cuda:0");
+  TinyModel m = tiny("tiny-qwen2", 1);
+  for (auto& [name, t] : m.named) t = t.to(dev, at::kBFloat16);
+  m.weights = model::bind_weights(m.cfg, m.named, model::Head::kLm, "tiny-qwen2");
+  EngineOptions o;
+  o.device = "cuda:0";
+  o.cuda_graphs = false;
+  o.gpu_memory_fraction = 0.99;
+  o.limits.max_batched_tokens = int64_t{1} << 24;
+  model::release_cached_device_memory(dev);
+  const int64_t free_before = model::device_free_bytes(dev);
+  const int64_t reserve = step_activation_bytes(m.cfg, o.limits.max_batched_tokens, 2, 1, o.limits.max_num_seqs);
+  ASSERT_GT(reserve, free_before / 50) << "the step must need more than the 1% the fraction leaves";
+  Engine e(m.cfg, m.weights, o);
+  const int64_t block_bytes = 2 * m.cfg.num_layers * o.block_size * m.cfg.num_kv_heads * m.cfg.head_dim * 2;
+  const int64_t cache = e.stats().kv_blocks_total * block_bytes;
+  EXPECT_LE(cache + reserve, free_before);
+  EXPECT_GT(cache, (free_before - reserve) * 9 / 10);
+  SamplingParams g;
+  g.greedy = true;
+  g.max_new_tokens = 4;
+  e.add({0, {1, 2, 3}, g, 1});
+  EXPECT_EQ(run_all(e).at({0, 0}).tokens.size(), 4u);
 }
 
 }  // namespace

@@ -7,12 +7,39 @@
 
 #include <gtest/gtest.h>
 
+#include "engine/kv_sizing.h"
 #include "tiller/core/error.h"
 #include "tiller/engine/kv_block_manager.h"
 #include "tiller/engine/scheduler.h"
 
 namespace tiller::engine {
 namespace {
+
+// The KV cache's size from free memory (kv_sizing.h): the fraction, unless a step of
+// max_batched_tokens needs more room for its activations than the fraction leaves.
+TEST(KvSizing, AStepsActivationsKeepTheirRoom) {
+  const model::ModelConfig c = model::preset("qwen2-7b");
+  const int64_t gib = int64_t{1} << 30;
+  // Qwen2.5-7B, bf16, TP 1: per token 3 x 3584 + 3 x 18944 (the MLP's rows outweigh attention's).
+  EXPECT_EQ(step_activation_bytes(c, 1, 2, 1, 0), (3 * 3584 + 3 * 18944) * 2);
+  EXPECT_EQ(step_activation_bytes(c, 1000, 2, 2, 0), 1000 * (3 * 3584 + 3 * 18944 / 2) * 2);  // TP 2: half the MLP
+  EXPECT_EQ(step_activation_bytes(c, 100, 2, 1, 256) - step_activation_bytes(c, 100, 2, 1, 0),
+            2 * 100 * c.vocab_size * 4);  // logits of at most the step's tokens
+  // The 64 x 4,096-token step that ran out of memory on an H200 (~18.5 GiB measured): bounded above it.
+  const int64_t big = step_activation_bytes(c, 64 * 4096, 2, 1, 256);
+  EXPECT_GT(big, 18 * gib + gib / 2);
+  EXPECT_LT(big, 40 * gib);
+  const int64_t block = 2 * 28 * 16 * 1024;  // 7B: 28 layers, 16 tokens, 512 K + 512 V elements of 2 bytes
+  // Default batched tokens: the fraction decides.
+  const int64_t small = step_activation_bytes(c, 8192, 2, 1, 256);
+  EXPECT_EQ(kv_blocks_for(125 * gib, 0.85, block, small), static_cast<int64_t>(125.0 * gib * 0.85) / block);
+  // A 262,144-token step: the activations decide, and the cache leaves them their room.
+  const int64_t blocks = kv_blocks_for(125 * gib, 0.85, block, big);
+  EXPECT_EQ(blocks, (125 * gib - big) / block);
+  EXPECT_GE(125 * gib - blocks * block, big);
+  EXPECT_EQ(kv_blocks_for(10 * gib, 0.85, block, big), 0);  // nothing left: the engine refuses, naming the key
+  EXPECT_EQ(kv_blocks_for(0, 0.85, block, 0), 0);
+}
 
 TEST(KvBlockManager, AppendAllocatesBlocksAsTokensArrive) {
   KvBlockManager kv(8, 4);
