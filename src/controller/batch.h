@@ -9,7 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "tiller/rollout/experience.h"
-#include "wire/protocol.h"
+#include "wire/messages.h"
 
 namespace tiller::rollout {
 

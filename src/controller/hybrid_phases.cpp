@@ -12,7 +12,7 @@
 #include "tiller/core/config.h"
 #include "tiller/core/logging.h"
 #include "wire/channel.h"
-#include "wire/protocol.h"
+#include "wire/messages.h"
 
 namespace tiller::rollout {
 namespace {

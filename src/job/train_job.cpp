@@ -37,7 +37,7 @@
 #include "tiller/sync/weight_sync.h"
 #include "tiller/zero/sharded_model.h"
 #include "trainer/role_worker.h"
-#include "wire/protocol.h"
+#include "wire/messages.h"
 
 namespace tiller::rollout {
 namespace {

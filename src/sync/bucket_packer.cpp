@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
-#include "sync/protocol.h"
+#include "sync/sync_protocol.h"
 #include "tiller/core/error.h"
 #include "tiller/zero/sharded_model.h"
 

@@ -12,7 +12,7 @@
 #include <fmt/format.h>
 
 #include "sync/bucket_packer.h"
-#include "sync/protocol.h"
+#include "sync/sync_protocol.h"
 #include "sync/slice_placer.h"
 #include "tiller/core/deadline.h"
 #include "tiller/core/error.h"

@@ -6,7 +6,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "sync/protocol.h"
+#include "sync/sync_protocol.h"
 #include "tiller/core/error.h"
 #include "tiller/engine/engine.h"
 

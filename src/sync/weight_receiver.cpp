@@ -6,7 +6,7 @@
 #include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 
-#include "sync/protocol.h"
+#include "sync/sync_protocol.h"
 #include "sync/slice_placer.h"
 #include "tiller/core/deadline.h"
 #include "tiller/core/error.h"

@@ -4,7 +4,7 @@
 #include <fmt/format.h>
 
 #include "sync/bucket_packer.h"
-#include "sync/protocol.h"
+#include "sync/sync_protocol.h"
 #include "tiller/core/deadline.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"

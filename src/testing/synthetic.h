@@ -13,7 +13,7 @@
 //   real time (tokens_per_s > 0): a thread of its own advances each engine at that many tokens/s
 //     (across its running samples) and queues completions.
 //
-// SyntheticTrainer answers every request of protocol.h with numbers derived from the tokens: the
+// SyntheticTrainer answers every request of messages.h with numbers derived from the tokens: the
 // actor's log-prob of token t is synthetic_logprob(t), the reference's 0.01 lower, values 0.5,
 // reward-model scores the share of even ids; the steps count the tokens they were given.
 #pragma once

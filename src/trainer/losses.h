@@ -1,5 +1,5 @@
 // The losses of one trainer micro-batch (private to src/trainer): what an actor or critic rank
-// computes from its forward's response rows and the controller's per-token arrays (protocol.h).
+// computes from its forward's response rows and the controller's per-token arrays (messages.h).
 //
 // The loss mask of multi-turn samples is applied here: observation tokens take no part in the
 // loss (so no gradient reaches the model through them), in the token counts, or in the clip and
@@ -13,7 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "tiller/algo/algo.h"
-#include "wire/protocol.h"
+#include "wire/messages.h"
 
 namespace tiller::rollout {
 

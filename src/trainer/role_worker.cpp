@@ -34,7 +34,7 @@
 #include "tiller/zero/checkpoint.h"
 #include "tiller/zero/sharded_model.h"
 #include "trainer/losses.h"
-#include "wire/protocol.h"
+#include "wire/messages.h"
 #include "wire/trainer_groups.h"
 
 namespace tiller::rollout {
@@ -77,7 +77,7 @@ struct MicroBatch {
   }
 };
 
-// The request's rows as the model takes them (protocol.h has checked the lengths).
+// The request's rows as the model takes them (messages.h has checked the lengths).
 MicroBatch micro_batch(const PackedSequences& m, at::Device dev) {
   const int64_t b = m.size(), first = m.first_row, n = m.held();
   const int64_t* tp = m.tokens.data_ptr<int64_t>();

@@ -1,6 +1,6 @@
 // A trainer rank of `tiller train`: the models of the roles the rank plan gives it (actor,
 // critic, reference, reward; several when colocated), serving the controller's requests
-// (protocol.h) in the order they come until it says stop. Private to src/trainer.
+// (messages.h) in the order they come until it says stop. Private to src/trainer.
 //
 // A request that fails is answered with an ErrorReply (the controller names this rank and the
 // call), then the error ends this rank too.

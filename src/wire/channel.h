@@ -1,6 +1,6 @@
 // How the controller reaches the other ranks of `tiller train` (private to src/wire).
 //
-// A Channel moves frames (protocol.h) between the controller and one rank at a time, in order
+// A Channel moves frames (messages.h) between the controller and one rank at a time, in order
 // per rank: MpiChannel over the world communicator (the real job), LocalChannel to endpoint
 // objects in the same process (the controller's unit tests and `tiller bench controller`).
 //
@@ -26,7 +26,7 @@
 
 #include "tiller/core/clock.h"
 #include "tiller/core/deadline.h"
-#include "wire/protocol.h"
+#include "wire/messages.h"
 
 namespace tiller::rollout {
 

@@ -1,4 +1,4 @@
-// The controller <-> rank messages (src/wire/protocol.h): each one survives encode and decode
+// The controller <-> rank messages (src/wire/messages.h): each one survives encode and decode
 // unchanged (every message, walked through its own field list), and a frame that disagrees with
 // itself is refused with the message's name.
 #include <ATen/ATen.h>
@@ -11,7 +11,7 @@
 #include "tiller/core/error.h"
 #include "controller/batch.h"
 #include "tiller/rollout/experience.h"
-#include "wire/protocol.h"
+#include "wire/messages.h"
 
 namespace tiller::rollout {
 namespace {

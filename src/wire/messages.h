@@ -1,5 +1,6 @@
-// The controller <-> rank messages of `tiller train` (private to src/wire): one struct per
-// message, each encoded into and decoded from a Frame here and nowhere else.
+// The controller <-> rank messages of `tiller train`: one struct per message, each encoded into
+// and decoded from a Frame here and nowhere else. Private to src: the controller, the trainer
+// ranks, the job that starts them and the in-process stand-ins (src/testing) include it.
 //
 // The wire: a Frame travels over the world communicator (MPI, CPU tensors) as a fixed-size int64
 // header that says what follows (the op, the tensors' dtypes and sizes, a few doubles, the length

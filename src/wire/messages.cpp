@@ -1,4 +1,4 @@
-#include "wire/protocol.h"
+#include "wire/messages.h"
 
 #include <cstring>
 #include <type_traits>
@@ -174,7 +174,7 @@ Frame IncomingFrame::take() {
   return std::move(frame_);
 }
 
-// --- messages: one encoder and one decoder over the field lists (protocol.h) ---
+// --- messages: one encoder and one decoder over the field lists (messages.h) ---
 
 namespace {
 
