@@ -91,8 +91,11 @@ def main():
     ap.add_argument("--tool-share", type=float, default=0.5)
     ap.add_argument("--shape", choices=["small", "tiny"], default="small")
     args = ap.parse_args()
-    if not (0 <= args.tool_share <= 1 and 0 < args.eval and 0 < args.train and 0 < args.rl <= 200000):
-        sys.exit("make_data.py: --tool-share in [0, 1], and --train, --rl (<= 200000), --eval > 0")
+    # 900 x 900 distinct problems exist; at most 600,000 are drawn (the draw below must end).
+    if not (0 <= args.tool_share <= 1 and min(args.eval, args.train, args.rl) > 0
+            and args.eval + args.train + args.rl <= 600000):
+        sys.exit("make_data.py: --tool-share must be in [0, 1], and --train, --rl, --eval > 0 with at most 600000 "
+                 "problems in all")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
@@ -103,7 +106,7 @@ def main():
     rng.shuffle(pairs)
     held, sft, rl = pairs[:args.eval], pairs[args.eval:args.eval + args.train], pairs[args.eval + args.train:]
     with open(out / "sft.jsonl", "w") as f:
-        for i, (a, b) in enumerate(sft):
+        for a, b in sft:
             f.write(json.dumps({"messages": conversation(a, b, rng.random() < args.tool_share), "tools": TOOLS}) + "\n")
     for name, rows in (("rl.jsonl", rl), ("eval.jsonl", held)):
         with open(out / name, "w") as f:

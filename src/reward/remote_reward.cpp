@@ -105,7 +105,12 @@ BatchScores RemoteScorer::score(uint64_t step, const std::vector<RewardSample>& 
       retry_options(opts), {where(), fmt::format("Score for step {} ({} samples)", step, samples.size()), "",
                             "; is the reward service running?",
                             fmt::format("; each call may take reward.remote_timeout_s = {} s", opts.timeout_seconds)},
-      Deadline::never(), [&](grpc::ClientContext& ctx) { return m.stub->Score(&ctx, req, &resp); }, hooks);
+      Deadline::never(),
+      [&](grpc::ClientContext& ctx) {
+        resp.Clear();  // nothing of a failed attempt's answer stays
+        return m.stub->Score(&ctx, req, &resp);
+      },
+      hooks);
   out.scores.assign(resp.scores().begin(), resp.scores().end());
   return out;
 }
