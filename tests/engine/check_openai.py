@@ -216,16 +216,24 @@ try:
         with lock:
             marks.append((time.monotonic(), -1))
 
-    workers = [threading.Thread(target=one_stream, args=(i,)) for i in range(clients)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=180)
-    level, peak = 0, 0
-    for _, d in sorted(marks):
-        level += d
-        peak = max(peak, level)
-    check(len(marks) == 2 * clients and peak > 16,
+    # Up to three rounds (a loaded machine may start its threads late): 16 threads never pass 16.
+    peak, complete = 0, True
+    for _ in range(3):
+        marks.clear()
+        gate.reset()
+        workers = [threading.Thread(target=one_stream, args=(i,)) for i in range(clients)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=180)
+        complete = complete and len(marks) == 2 * clients
+        level = 0
+        for _, d in sorted(marks):
+            level += d
+            peak = max(peak, level)
+        if peak > 16:
+            break
+    check(complete and peak > 16,
           f"{clients} streamed requests at once: {peak} of them open in the engine together (> 16)")
 
     # --- hostile and unsupported requests ---
