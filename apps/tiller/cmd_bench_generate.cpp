@@ -273,7 +273,8 @@ void add_bench_generate(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   g->add_option("--block-size", o->block_size, "KV block size")->check(CLI::Range(1, 1024));
   g->add_option("--max-batched-tokens", o->max_batched_tokens,
                 "Most tokens one engine step takes (engines.max_batched_tokens); 0: max(8192, prompt x min(batch, 64)). "
-                "Long prompts at a large batch need less: a step's activations must fit beside the KV cache")
+                "The engine keeps room for a step's activations beside its KV cache (docs/engine.md), so a larger value "
+                "leaves fewer KV blocks")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
   g->add_option("--device", o->device, "auto, cpu or cuda[:N]");
   g->add_option("--dtype", o->dtype, "bf16, fp16 or fp32");
