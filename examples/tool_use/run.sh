@@ -57,6 +57,10 @@ python3 - "$out" "$((t1 - t0))" "$((t2 - t1))" <<'PY'
 import json, sys
 out, sft_s, grpo_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 grpo = [json.loads(l) for l in open(f"{out}/grpo/metrics.jsonl")]
+# The harness got the record's question (not the chat-templated prompt) and made its own messages.
+first = json.loads(open(f"{out}/grpo/samples.jsonl").readline())["prompt"]
+if first.count("<|im_start|>user") != 1 or "<|im_start|>user\nWhat is " not in first:
+    sys.exit(f"tool_use: the first GRPO sample's prompt is not the harness's conversation: {first!r}")
 sft = [json.loads(l) for l in open(f"{out}/sft/metrics.jsonl")]
 print(json.dumps({
     "after_sft": json.load(open(f"{out}/eval_sft.json")), "after_grpo": json.load(open(f"{out}/eval_grpo.json")),

@@ -102,7 +102,9 @@ class AgentLoop final : public SampleLoop {
       t.base_url = fmt::format("{}/agents/{}/v1", base_, s.route);
       t.api_key = key_;
       t.model = kModelName;
-      t.prompt = p.text;
+      // Before the chat template: the harness makes its own messages (a prompt source that fills
+      // only `text` made no chat template).
+      t.prompt = p.input.empty() ? p.text : p.input;
       t.label = p.label;
       t.label_is_json = p.label_is_json;
       t.data_source = p.data_source;

@@ -68,6 +68,7 @@ Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::or
   if (input != nullptr && input->is_string()) {
     p.text = input->get<std::string>();
     if (!o.input_template.empty()) p.text = model::apply_input_template(o.input_template, p.text);
+    p.input = p.text;
     if (o.chat.enabled()) p.text = render({{"user", p.text}});
   } else if (input != nullptr && input->is_array()) {
     // Chat messages, as verl's datasets carry them: [{"role": "user", "content": "..."}, ...]; their
@@ -79,6 +80,7 @@ Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::or
       bad(fmt::format("data.input_template applies to prompts that are text, and the prompt under '{}' is chat "
                       "messages; leave data.input_template empty", o.input_key));
     p.text = render(messages);
+    p.input = input->dump();
   } else {
     bad(fmt::format("no text or list of chat messages under the input key '{}' (data.input_key)", o.input_key));
   }

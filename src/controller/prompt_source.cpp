@@ -86,6 +86,7 @@ std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const
     Prompt p;
     p.text = text;
     if (!job.data.input_template.empty()) p.text = model::apply_input_template(job.data.input_template, p.text);
+    p.input = p.text;
     if (chat.enabled()) p.text = chat.render({{"user", p.text}});
     p.tokens = tokenizer.encode(p.text, /*add_special_tokens=*/false);
     p.label = label;

@@ -335,7 +335,9 @@ SyntheticPrompts::SyntheticPrompts(int64_t count, int64_t len, int64_t vocab) {
   for (int64_t i = 0; i < count; ++i) {
     Prompt& p = prompts_[static_cast<size_t>(i)];
     p.line = i + 1;
-    p.text = fmt::format("prompt {}", i);
+    // As a chat template would have wrapped it (the agent loop's harness gets `input`).
+    p.input = fmt::format("prompt {}", i);
+    p.text = fmt::format("user: {}\nassistant:", p.input);
     for (int64_t k = 0; k < len; ++k) p.tokens.push_back(token_at(static_cast<uint64_t>(i), k, vocab));
   }
 }

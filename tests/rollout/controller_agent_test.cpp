@@ -24,7 +24,7 @@ def post(base_url, api_key, path, body):
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
-def run(base_url, api_key, model, sample, step, prompt_line):
+def run(base_url, api_key, model, sample, step, prompt_line, prompt):
     ids = [100 + sample, 101, 102, 103]
     turns, even = [], 0
     for k in range(3):
@@ -47,7 +47,7 @@ def run(base_url, api_key, model, sample, step, prompt_line):
         assert e.code == 401, e.code
     reward = even / 10
     with open(os.path.join(TRACE, f'{step}-{prompt_line}-{sample}.json'), 'w') as f:
-        json.dump({'turns': turns, 'reward': reward}, f)
+        json.dump({'turns': turns, 'reward': reward, 'prompt': prompt}, f)
     return {'score': reward}
 )PY";
 
@@ -76,7 +76,8 @@ struct AgentJob : Job {
           << "\nif __name__ == '__main__':\n"
           << "    e = os.environ\n"
           << "    r = run(e['OPENAI_BASE_URL'], e['OPENAI_API_KEY'], e['TILLER_AGENT_MODEL'], int(e['TILLER_AGENT_SAMPLE']),\n"
-          << "            int(e['TILLER_AGENT_STEP']), int(e['TILLER_AGENT_PROMPT_LINE']))\n"
+          << "            int(e['TILLER_AGENT_STEP']), int(e['TILLER_AGENT_PROMPT_LINE']),\n"
+          << "            e['TILLER_AGENT_PROMPT'])\n"
           << "    print('some output first')\n"
           << "    print(json.dumps(r))\n";
       cfg.agent.harness = "command";
@@ -114,6 +115,8 @@ void expect_conversations(AgentJob& job) {
   for (const auto& r : recs) {
     const json seen = job.seen(r);
     const auto& turns = seen["turns"];
+    // The harness's prompt is the record's before the chat template (it makes its own messages).
+    EXPECT_EQ(seen["prompt"], fmt::format("prompt {}", r["prompt_line"].get<int64_t>() - 1));
     ASSERT_EQ(turns.size(), 3u);
     std::vector<int64_t> ids, mask;
     std::vector<float> logprobs;

@@ -103,6 +103,7 @@ TEST(PromptDataset, TemplatesLabelsAndBlankLines) {
   ASSERT_EQ(d.size(), 3);
   const std::string want = model::apply_chat_template(model::ChatFormat::kChatML, {{"user", "Q: What is 2+2?\nA:"}});
   EXPECT_EQ(d.at(0).text, want);
+  EXPECT_EQ(d.at(0).input, "Q: What is 2+2?\nA:");  // before the chat template (an agent harness's prompt)
   EXPECT_EQ(d.at(0).tokens, tokenizer().encode(want, false));
   EXPECT_EQ(d.at(0).label, "4");
   EXPECT_EQ(d.at(1).label, "7");
@@ -149,6 +150,8 @@ TEST(PromptDataset, NestedKeysChatMessagesAndJsonLabels) {
   ASSERT_EQ(d.size(), 2);
   EXPECT_EQ(d.at(0).text, model::apply_chat_template(model::ChatFormat::kChatML,
                                                      {{"system", "Be brief."}, {"user", "2+2?"}}));
+  EXPECT_EQ(nlohmann::json::parse(d.at(0).input),
+            nlohmann::json::parse(R"([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}])"));
   EXPECT_EQ(d.at(0).label, "4");
   EXPECT_FALSE(d.at(0).label_is_json);
   EXPECT_EQ(d.at(0).data_source, "gsm8k");

@@ -27,7 +27,7 @@ struct AgentTask {
   std::string base_url;   // the openai client's base_url for this sample (ends in /v1)
   std::string api_key;    // the endpoint's key (Authorization: Bearer <key>)
   std::string model;      // the served model name
-  std::string prompt;     // the dataset's prompt text (after the templates)
+  std::string prompt;     // the dataset's prompt (Prompt::input: before the chat template)
   std::string label;      // the dataset's label (its JSON text when label_is_json)
   bool label_is_json = false;
   std::string data_source;

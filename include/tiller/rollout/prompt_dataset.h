@@ -56,7 +56,10 @@ struct DatasetOptions {
 
 struct Prompt {
   int64_t line = 0;              // 1-based line (JSONL) or row (parquet) in the file
-  std::string text;              // after the templates
+  std::string text;              // after the templates: what the engine reads
+  // The record's prompt before the chat template (after data.input_template), for an agent harness
+  // that makes its own messages; a record whose prompt is chat messages gives their JSON list.
+  std::string input;
   std::vector<int64_t> tokens;
   std::string label;
   bool label_is_json = false;    // the label was not a string: `label` is its JSON text
