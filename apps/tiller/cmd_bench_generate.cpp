@@ -284,8 +284,8 @@ void add_bench_generate(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   g->add_flag("--fp8", o->fp8,
               "Measure an FP8 engine (engines.quantization: fp8) after the bf16 one, on the same weights, and report "
               "both and their ratio");
-  g->add_option("--fp8-scaling", o->fp8_scaling, "The FP8 engine's scales: block or channel")
-      ->check(CLI::IsMember({"channel", "block"}));
+  g->add_option("--fp8-scaling", o->fp8_scaling, "The FP8 engine's scales: block, channel or tensor")
+      ->check(CLI::IsMember({"channel", "block", "tensor"}));
   g->add_flag("--fp8-kv", o->fp8_kv,
               "Give the FP8 engine (or, without --fp8, a second bf16 engine) an FP8 KV cache "
               "(engines.kv_cache_dtype: fp8) and report it against the bf16 one");

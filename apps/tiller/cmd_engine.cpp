@@ -208,8 +208,9 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
                   "none, or fp8: the linear layers in 128x128 blocks of e4m3, their GEMMs in FP8 (docs/engine.md)")
       ->check(CLI::IsMember({"none", "fp8"}));
   cmd->add_option("--fp8-scaling", o->engine.fp8_scaling,
-                  "With --quantization fp8: block (128x128 blocks; default) or channel (one scale per weight row and token)")
-      ->check(CLI::IsMember({"channel", "block"}));
+                  "With --quantization fp8: block (128x128 blocks; default), channel (one scale per weight row and token) "
+                  "or tensor (one per weight and one for a GEMM's activations)")
+      ->check(CLI::IsMember({"channel", "block", "tensor"}));
   cmd->add_option("--kv-cache-dtype", o->engine.kv_cache_dtype,
                   "auto (the weights' dtype) or fp8: e4m3 with a scale per token and KV head, about half the bytes "
                   "(docs/engine.md)")

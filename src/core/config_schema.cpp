@@ -120,7 +120,7 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
   b.add_enum(p + "fp8_scaling", [get](JobConfig& c) { return &get(c).fp8_scaling; },
              "roles.<role>.fp8: block (activations and gradients in groups of 128 along each GEMM's inner axis, "
              "weights in 128x128 blocks: DeepSeek-V3's recipe) or channel (one scale per row of every operand: "
-             "faster GEMMs, coarser scales).");
+             "faster GEMMs, coarser scales). tensor is the engines' only (engines.fp8_scaling).");
   if (name != "actor" && name != "critic") return;  // frozen roles train no adapters
   const std::string l = p + "lora.";
   b.add(l + "rank", [get](JobConfig& c) { return &get(c).lora.rank; },
@@ -252,9 +252,10 @@ std::vector<Field> build() {
         "algo.importance_correction (docs/engine.md, FP8 engines).");
   b.add_enum("engines.fp8_scaling", TILLER_FIELD(engines.fp8_scaling),
              "engines.quantization fp8: block (128x128 weight blocks and activation groups of 128, DeepSeek-V3's "
-             "layout) or channel (one scale per weight row and per token, vLLM's FP8-dynamic scheme). Equally fast "
-             "in the engine on Hopper (docs/benchmarks.md); block's finer scales keep the engine nearer the "
-             "trainer.");
+             "layout), channel (one scale per weight row and per token, vLLM's FP8-dynamic scheme) or tensor (one "
+             "scale per weight and one for a GEMM's activations, computed from them each time: vLLM's online "
+             "--quantization fp8). tensor has the fastest GEMMs at decode's batch sizes on Hopper; block's finer "
+             "scales keep the engine nearest the trainer (docs/engine.md, docs/benchmarks.md).");
   b.add_enum("engines.kv_cache_dtype", TILLER_FIELD(engines.kv_cache_dtype),
              "The engines' KV cache: auto (the compute dtype) or fp8 (e4m3 with one fp32 scale per cached token "
              "and KV head, amax / 448: about half the bytes, so nearly twice the tokens fit; attention reads the "

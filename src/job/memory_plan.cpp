@@ -277,8 +277,8 @@ RoleSpec role_spec(const JobConfig& cfg, Role r, const model::ModelConfig& mc, c
 
 // An FP8 engine's copies of its linear layers (engines.quantization: fp8; engine/model_runner.h):
 // one byte per element of q/k/v, o and the dense MLP (a sparse layer's shared expert; the routed
-// experts stay in the weights' dtype), and their fp32 scales (one per 128x128 block, or one per
-// row with channel scaling), on each of t TP ranks.
+// experts stay in the weights' dtype), and their fp32 scales (one per 128x128 block, one per row
+// with channel scaling, one a matrix with tensor scaling), on each of t TP ranks.
 int64_t fp8_copy_bytes(const model::ModelConfig& mc, int64_t t, Fp8Scaling scaling) {
   int64_t elements = 0, rows = 0;
   for (int64_t i = 0; i < mc.num_layers; ++i) {
@@ -286,7 +286,9 @@ int64_t fp8_copy_bytes(const model::ModelConfig& mc, int64_t t, Fp8Scaling scali
     elements += (2 * mc.q_size() + 2 * mc.kv_size()) * mc.hidden_size + 3 * mlp * mc.hidden_size;
     rows += mc.q_size() + 2 * mc.kv_size() + mc.hidden_size + (mlp > 0 ? 2 * mlp + mc.hidden_size : 0);
   }
-  const int64_t scales = scaling == Fp8Scaling::kChannel ? rows : elements / (128 * 128);
+  const int64_t scales = scaling == Fp8Scaling::kChannel  ? rows
+                         : scaling == Fp8Scaling::kTensor ? 7 * mc.num_layers  // one a matrix
+                                                          : elements / (128 * 128);
   return (elements + 4 * scales) / t;
 }
 

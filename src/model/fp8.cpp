@@ -74,7 +74,17 @@ int64_t QuantizedWeight::bytes() const {
 Scaling parse_scaling(const std::string& name, const std::string& what) {
   if (name == "block") return Scaling::kBlock;
   if (name == "channel") return Scaling::kChannel;
-  throw ConfigError(fmt::format("{} '{}': use channel or block", what, name));
+  if (name == "tensor") return Scaling::kTensor;
+  throw ConfigError(fmt::format("{} '{}': use block, channel or tensor", what, name));
+}
+
+const char* scaling_name(Scaling s) {
+  switch (s) {
+    case Scaling::kBlock: return "block";
+    case Scaling::kChannel: return "channel";
+    case Scaling::kTensor: return "tensor";
+  }
+  return "?";
 }
 
 QuantizedWeight quantize_channels(const at::Tensor& w) {
@@ -90,8 +100,26 @@ QuantizedWeight quantize_channels(const at::Tensor& w) {
   return b;
 }
 
+QuantizedWeight quantize_tensor_weight(const at::Tensor& w) {
+  if (w.dim() != 2) throw ConfigError(fmt::format("fp8: a quantized weight is 2-D, not {}-D", w.dim()));
+  const int64_t n = w.size(0), k = w.size(1);
+  QuantizedWeight b;
+  b.scaling = Scaling::kTensor;
+  b.q_storage = at::zeros({round_up(n, 16), round_up(k, 16)}, w.options().dtype(at::kFloat8_e4m3fn));
+  b.scale_storage = at::ones({1}, w.options().dtype(at::kFloat));
+  b.q = b.q_storage.narrow(0, 0, n).narrow(1, 0, k);
+  b.scale = b.scale_storage.squeeze(0);  // [] (view({}) would pick the dtype overload)
+  quantize_weight_into(w, b);
+  return b;
+}
+
 QuantizedWeight quantize_weight(const at::Tensor& w, Scaling scaling) {
-  return scaling == Scaling::kChannel ? quantize_channels(w) : quantize_blocks(w);
+  switch (scaling) {
+    case Scaling::kChannel: return quantize_channels(w);
+    case Scaling::kTensor: return quantize_tensor_weight(w);
+    case Scaling::kBlock: break;
+  }
+  return quantize_blocks(w);
 }
 
 QuantizedWeight quantize_blocks(const at::Tensor& w, int64_t block) {
@@ -116,13 +144,18 @@ void quantize_weight_into(const at::Tensor& w, QuantizedWeight& b) {
 #ifdef TILLER_HAVE_CUDA_KERNELS
   const at::ScalarType t = w.scalar_type();
   if (w.is_cuda() && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat) &&
-      (b.scaling == Scaling::kChannel || b.block == kBlock) && b.q_storage.is_contiguous() &&
+      (b.scaling != Scaling::kBlock || b.block == kBlock) && b.q_storage.is_contiguous() &&
       b.scale_storage.is_contiguous()) {
     // One pass of one kernel over the weight, padding included (zeros, scale 1): the tile kernel
     // for blocks, the row kernel for channels; the same codes and scales as the chunks below.
     const at::Tensor src = w.stride(1) == 1 ? w : w.contiguous();
     void* stream = c10::cuda::getCurrentCUDAStream(w.device().index()).stream();
-    if (b.scaling == Scaling::kChannel)
+    if (b.scaling == Scaling::kTensor) {
+      const at::Tensor partial = at::empty({cuda::kFp8TensorParts}, w.options().dtype(at::kFloat));
+      cuda::quantize_tensor_fp8(cuda::kernel_dtype(t), src.data_ptr(), src.size(0), b.q_storage.size(0), src.size(1),
+                                src.stride(0), b.q_storage.data_ptr(), b.q_storage.size(1), partial.data_ptr<float>(),
+                                b.scale_storage.data_ptr<float>(), stream);
+    } else if (b.scaling == Scaling::kChannel)
       cuda::quantize_rows_fp8(cuda::kernel_dtype(t), src.data_ptr(), src.size(0), b.q_storage.size(0), src.size(1),
                               src.stride(0), b.q_storage.data_ptr(), b.q_storage.size(1),
                               b.scale_storage.data_ptr<float>(), stream);
@@ -133,6 +166,22 @@ void quantize_weight_into(const at::Tensor& w, QuantizedWeight& b) {
     return;
   }
 #endif
+  if (b.scaling == Scaling::kTensor) {
+    // The whole weight's largest magnitude, then its codes, a few thousand rows at a time.
+    const int64_t n = w.size(0), k = w.size(1);
+    b.q_storage.zero_();  // the padding (after a sleep's drop its contents are lost)
+    const int64_t step = std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, k));
+    at::Tensor amax = at::zeros({}, w.options().dtype(at::kFloat));
+    for (int64_t i = 0; i < n; i += step)
+      amax = at::maximum(amax, w.narrow(0, i, std::min(n - i, step)).to(at::kFloat).abs().amax());
+    const at::Tensor scale = scale_of(amax);
+    for (int64_t i = 0; i < n; i += step) {
+      const int64_t rows = std::min(n - i, step);
+      b.q.narrow(0, i, rows).copy_((w.narrow(0, i, rows).to(at::kFloat) / scale).to(at::kFloat8_e4m3fn));
+    }
+    b.scale.copy_(scale);
+    return;
+  }
   if (b.scaling == Scaling::kChannel) {
     // The padding (after a sleep's drop its contents are lost): zeros, scale 1.
     const int64_t n = w.size(0), k = w.size(1);
@@ -172,6 +221,7 @@ void quantize_weight_into(const at::Tensor& w, QuantizedWeight& b) {
 
 at::Tensor dequantize_weight(const QuantizedWeight& b, c10::ScalarType dtype) {
   if (b.scaling == Scaling::kChannel) return (b.q.to(at::kFloat) * b.scale.unsqueeze(1)).to(dtype);
+  if (b.scaling == Scaling::kTensor) return (b.q.to(at::kFloat) * b.scale).to(dtype);
   const int64_t block = b.block;
   const at::Tensor blocks = as_blocks(b.q.to(at::kFloat), block);
   return from_blocks(blocks * b.scale.unsqueeze(1).unsqueeze(3), b.q.size(0), b.q.size(1)).to(dtype);
@@ -234,12 +284,39 @@ at::Tensor dequantize_rows(const GroupQuantized& g, c10::ScalarType dtype) {
   return (g.q.to(at::kFloat) * g.scale.unsqueeze(-1)).to(dtype);
 }
 
+GroupQuantized quantize_tensor(const at::Tensor& x) {
+  if (x.dim() < 1) throw ConfigError("fp8: activations need at least one axis");
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const at::ScalarType t = x.scalar_type();
+  if (x.is_cuda() && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat)) {
+    // The per-tensor FP8 GEMM's kernels (linear()).
+    const int64_t k = x.size(-1);
+    const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+    const int64_t m = x2.size(0);
+    const at::Tensor q = at::empty({m, round_up(k, 16)}, x.options().dtype(at::kFloat8_e4m3fn));
+    const at::Tensor s = at::ones({}, x.options().dtype(at::kFloat));
+    const at::Tensor partial = at::empty({cuda::kFp8TensorParts}, x.options().dtype(at::kFloat));
+    cuda::quantize_tensor_fp8(cuda::kernel_dtype(t), x2.data_ptr(), m, m, k, k, q.data_ptr(), q.size(1),
+                              partial.data_ptr<float>(), s.data_ptr<float>(),
+                              c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    return {q.narrow(1, 0, k).contiguous().view(x.sizes()), s};
+  }
+#endif
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor scale = scale_of(xf.abs().amax());
+  return {(xf / scale).to(at::kFloat8_e4m3fn), scale};
+}
+
+at::Tensor dequantize_tensor(const GroupQuantized& g, c10::ScalarType dtype) {
+  return (g.q.to(at::kFloat) * g.scale).to(dtype);
+}
+
 at::Tensor linear_emulated(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias) {
   if (x.size(-1) != w.q.size(1))
     throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.q.size(1)));
-  const at::Tensor xd = w.scaling == Scaling::kChannel
-                            ? dequantize_rows(quantize_rows(x), at::kFloat)
-                            : dequantize_groups(quantize_groups(x, w.block), at::kFloat, w.block);
+  const at::Tensor xd = w.scaling == Scaling::kChannel  ? dequantize_rows(quantize_rows(x), at::kFloat)
+                        : w.scaling == Scaling::kTensor ? dequantize_tensor(quantize_tensor(x), at::kFloat)
+                                                        : dequantize_groups(quantize_groups(x, w.block), at::kFloat, w.block);
   at::Tensor y = at::matmul(xd, dequantize_weight(w, at::kFloat).t());
   if (bias.defined()) y = y + bias.to(at::kFloat);
   return y.to(x.scalar_type());
@@ -259,10 +336,11 @@ bool tensor_cores(const at::Device& device) {
 at::Tensor linear(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias) {
 #ifdef TILLER_HAVE_CUDA_KERNELS
   const at::ScalarType t = x.scalar_type();
-  // The row-scaled GEMM (CUTLASS in torch) writes bf16 only; the block-scaled one takes 128 blocks.
-  const bool kernel_takes = w.scaling == Scaling::kChannel ? t == at::kBFloat16
-                                                           : w.block == kBlock && (t == at::kBFloat16 || t == at::kHalf ||
-                                                                                   t == at::kFloat);
+  // The row-scaled GEMM writes bf16 only; the block-scaled one takes 128 blocks.
+  const bool any_out = t == at::kBFloat16 || t == at::kHalf || t == at::kFloat;
+  const bool kernel_takes = w.scaling == Scaling::kChannel  ? t == at::kBFloat16
+                            : w.scaling == Scaling::kTensor ? any_out
+                                                            : w.block == kBlock && any_out;
   if (kernel_takes && x.is_cuda() && tensor_cores(x.device())) {
     if (x.size(-1) != w.q.size(1))
       throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.q.size(1)));
@@ -278,7 +356,16 @@ at::Tensor linear(const at::Tensor& x, const QuantizedWeight& w, const at::Tenso
     const at::Tensor q = at::empty({mp, kp}, x.options().dtype(at::kFloat8_e4m3fn));
     void* stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
     at::Tensor scale_a, scale_b;
-    if (w.scaling == Scaling::kChannel) {
+    if (w.scaling == Scaling::kTensor) {
+      // One scale for all the activations (two kernels: blocks' maxima, then the codes) and the
+      // weight's one: cuBLASLt's tensor-wise FP8 GEMM, the fastest at decode's sizes.
+      const at::Tensor s = at::empty({1}, x.options().dtype(at::kFloat));
+      const at::Tensor partial = at::empty({cuda::kFp8TensorParts}, x.options().dtype(at::kFloat));
+      cuda::quantize_tensor_fp8(cuda::kernel_dtype(t), xs.data_ptr(), m, mp, k, xs.stride(0), q.data_ptr(), kp,
+                                partial.data_ptr<float>(), s.data_ptr<float>(), stream);
+      scale_a = s;
+      scale_b = w.scale_storage;
+    } else if (w.scaling == Scaling::kChannel) {
       // One scale per row: [mp, 1] and the weight's [1, Np] (rowwise scaling).
       const at::Tensor s = at::empty({mp, 1}, x.options().dtype(at::kFloat));
       cuda::quantize_rows_fp8(cuda::kernel_dtype(t), xs.data_ptr(), m, mp, k, xs.stride(0), q.data_ptr(), kp,
@@ -485,6 +572,8 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
 }  // namespace
 
 at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling) {
+  if (scaling == Scaling::kTensor)
+    throw ConfigError("fp8 training takes block or channel scaling (tensor scaling is the engines')");
   if (x.size(-1) != w.size(1))
     throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.size(1)));
   return Fp8Linear::apply(x, w, bias.defined() ? bias : at::empty({0}, w.options()), static_cast<int64_t>(scaling));

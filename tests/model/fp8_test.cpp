@@ -122,7 +122,48 @@ TEST(Fp8, ChannelScalingScalesEachRowAndEachToken) {
   EXPECT_TRUE(at::equal(again.scale, b.scale));
   EXPECT_TRUE(at::equal(again.q_storage.view(at::kByte), b.q_storage.view(at::kByte)));
   EXPECT_EQ(parse_scaling("block", "x"), Scaling::kBlock);
-  EXPECT_THROW(parse_scaling("tensor", "x"), ConfigError);
+  EXPECT_THROW(parse_scaling("row", "x"), ConfigError);
+}
+
+// Tensor scaling: one scale for the weight and one for all the activations, amax / 448, every
+// value within e4m3's rounding of that scale; the emulated GEMM is the product of the dequantized
+// operands, and FP8 training refuses it.
+TEST(Fp8, TensorScalingHasOneScaleForTheWeightAndOneForTheActivations) {
+  at::manual_seed(13);
+  at::Tensor w = at::randn({40, 300});
+  w[3][5] = 700.f;
+  const QuantizedWeight b = quantize_weight(w, Scaling::kTensor);
+  EXPECT_EQ(b.scaling, Scaling::kTensor);
+  EXPECT_EQ(b.scale.dim(), 0);
+  EXPECT_EQ(b.scale_storage.numel(), 1);
+  ASSERT_EQ(b.q.sizes(), w.sizes());
+  EXPECT_EQ(b.q_storage.size(0) % 16, 0);
+  EXPECT_EQ(b.q_storage.size(1) % 16, 0);
+  EXPECT_FLOAT_EQ(b.scale.item<float>(), 700.f / 448.0f);
+  EXPECT_EQ(b.q[3][5].to(at::kFloat).item<float>(), 448.0f);
+  const at::Tensor d = dequantize_weight(b, at::kFloat);
+  const at::Tensor bound = at::maximum(w.abs() * std::ldexp(1.0, -4), b.scale * std::ldexp(1.0, -10));
+  EXPECT_TRUE(((d - w).abs() <= bound * 1.0001).all().item<bool>());
+  EXPECT_EQ(quantize_weight(at::zeros({4, 16}), Scaling::kTensor).scale.item<float>(), 1.0f);
+  at::Tensor x = at::randn({2, 5, 300});
+  x[1][2][9] = -50.f;
+  const GroupQuantized g = quantize_tensor(x);
+  EXPECT_EQ(g.scale.dim(), 0);
+  EXPECT_FLOAT_EQ(g.scale.item<float>(), 50.f / 448.0f);
+  const at::Tensor y = linear_emulated(x, b);
+  const at::Tensor want = at::matmul(dequantize_tensor(g, at::kFloat), d.t());
+  EXPECT_TRUE(at::allclose(y, want, 1e-6, 1e-5));
+  // The activations' one scale is the batch's: a token far larger than the rest coarsens the others.
+  const at::Tensor alone = linear_emulated(x[0], b), beside = linear_emulated(x, b)[0];
+  EXPECT_FALSE(at::equal(alone, beside));
+  // In place, from other values: what a fresh quantization gives.
+  QuantizedWeight again = quantize_weight(at::randn({40, 300}), Scaling::kTensor);
+  quantize_weight_into(w, again);
+  EXPECT_TRUE(at::equal(again.scale_storage, b.scale_storage));
+  EXPECT_TRUE(at::equal(again.q_storage.view(at::kByte), b.q_storage.view(at::kByte)));
+  EXPECT_EQ(parse_scaling("tensor", "x"), Scaling::kTensor);
+  EXPECT_STREQ(scaling_name(Scaling::kTensor), "tensor");
+  EXPECT_THROW(train_linear(x, w, at::Tensor(), Scaling::kTensor), ConfigError);
 }
 
 // The emulated FP8 GEMM is the product of the two dequantized operands in fp32, near the exact one.

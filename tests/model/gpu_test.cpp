@@ -75,8 +75,19 @@ TEST(ModelGpu, Fp8QuantizationEqualsTheCpusBitForBit) {
     EXPECT_TRUE(at::equal(gpu.scale.cpu(), cpu.scale)) << c10::toString(t);
     EXPECT_TRUE(at::equal(gpu.q.cpu().view(at::kByte), cpu.q.view(at::kByte))) << c10::toString(t);
   }
+  // One scale for the whole tensor (tensor scaling), over more values than one block's partial
+  // maximum covers, with the largest magnitude far from the first block's, and odd widths.
+  for (const at::ScalarType t : {at::kBFloat16, at::kFloat})
+    for (const int64_t k : {300, 301}) {
+      at::Tensor x = at::randn({700, k}).to(t);
+      x.narrow(0, 3, 2).mul_(1e-6);
+      x[650][7] = 97.f;
+      const fp8::GroupQuantized cpu = fp8::quantize_tensor(x), gpu = fp8::quantize_tensor(x.cuda());
+      EXPECT_TRUE(at::equal(gpu.scale.cpu(), cpu.scale)) << c10::toString(t) << " " << k;
+      EXPECT_TRUE(at::equal(gpu.q.cpu().view(at::kByte), cpu.q.view(at::kByte))) << c10::toString(t) << " " << k;
+    }
   const at::Tensor w = (at::randn({300, 200}) * 0.02).to(at::kBFloat16);
-  for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel}) {
+  for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel, fp8::Scaling::kTensor}) {
     const fp8::QuantizedWeight cpu = fp8::quantize_weight(w, sc), gpu = fp8::quantize_weight(w.cuda(), sc);
     EXPECT_TRUE(at::equal(gpu.scale_storage.cpu(), cpu.scale_storage));
     EXPECT_TRUE(at::equal(gpu.q_storage.cpu().view(at::kByte), cpu.q_storage.view(at::kByte)));
@@ -94,7 +105,7 @@ TEST(ModelGpu, Fp8GemmEqualsItsEmulation) {
     for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{1152, 896}, {96, 64}, {200, 300}}) {
       const at::Tensor x = at::randn({m, k}).to(at::kBFloat16), w = (at::randn({n, k}) * 0.05).to(at::kBFloat16);
       const at::Tensor bias = (at::randn({n}) * 0.1).to(at::kBFloat16);
-      for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel})
+      for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel, fp8::Scaling::kTensor})
       for (const bool with_bias : {false, true}) {
         const fp8::QuantizedWeight qc = fp8::quantize_weight(w, sc), qg = fp8::quantize_weight(w.cuda(), sc);
         const at::Tensor b = with_bias ? bias : at::Tensor();

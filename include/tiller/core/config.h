@@ -43,7 +43,7 @@ enum class DpoLossKind { kSigmoid, kIpo };                      // offline.dpo_l
 enum class DpoReference { kPrecompute, kOnTheFly };             // offline.dpo_reference
 enum class LogprobMatch { kOff, kBitwise };                     // algo.logprob_match (model/numerics.h)
 enum class EngineQuantization { kNone, kFp8 };                  // engines.quantization (model/fp8.h)
-enum class Fp8Scaling { kBlock, kChannel };                     // engines.fp8_scaling
+enum class Fp8Scaling { kBlock, kChannel, kTensor };            // engines.fp8_scaling (tensor: engines only)
 enum class KvCacheDtype { kAuto, kFp8 };                        // engines.kv_cache_dtype
 
 template <>
@@ -138,7 +138,7 @@ struct EnumNames<EngineQuantization> {
 };
 template <>
 struct EnumNames<Fp8Scaling> {
-  static constexpr std::array<std::string_view, 2> names = {"block", "channel"};
+  static constexpr std::array<std::string_view, 3> names = {"block", "channel", "tensor"};
 };
 template <>
 struct EnumNames<KvCacheDtype> {

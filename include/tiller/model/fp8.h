@@ -3,7 +3,11 @@
 //            checkpoint's `weight_scale_inv`: value = q * scale), activations in groups of 128
 //            along the feature axis, one scale per token and group;
 //   channel  one scale per weight row (output channel) and one per token (activation row), what
-//            vLLM's FP8-dynamic checkpoints use; faster GEMMs on Hopper (docs/benchmarks.md).
+//            vLLM's FP8-dynamic checkpoints use;
+//   tensor   one scale per weight and one for all the activations of a GEMM (computed from them
+//            each time: dynamic), what vLLM's online `--quantization fp8` does; cuBLASLt's
+//            tensor-wise GEMM is the fastest at decode's batch sizes (docs/benchmarks.md). The
+//            engines' only: FP8 training takes block or channel.
 // A block's (group's, row's) scale maps its largest magnitude to e4m3's largest finite value, 448:
 // scale = amax / 448 (1 for zeros), q = cast(x / scale), where cast is torch's float8_e4m3fn
 // conversion (round to nearest even, subnormals down to 2^-9, saturating at +-448). The same on
@@ -22,16 +26,18 @@ namespace tiller::model::fp8 {
 constexpr double kE4m3Max = 448.0;
 constexpr int64_t kBlock = 128;
 
-enum class Scaling { kBlock, kChannel };
-// "block" or "channel"; ConfigError naming `what` otherwise.
+enum class Scaling { kBlock, kChannel, kTensor };
+// "block", "channel" or "tensor"; ConfigError naming `what` otherwise.
 Scaling parse_scaling(const std::string& name, const std::string& what);
+const char* scaling_name(Scaling s);
 
 // A quantized 2-D weight [N, K]. `q_storage` [Np, Kp] float8_e4m3fn holds it zero-padded (the FP8
 // GEMM's operand: whole blocks, K to 4 blocks, for block scaling; N and K to multiples of 16 for
-// channel scaling). Block: `scale_storage` [ceil(N/block), Kp/block] fp32, one scale per block.
-// Channel: `scale_storage` [Np] fp32, one scale per row (1 past N). `q` [N, K] is q_storage's view
-// of the weight's own values and `scale` that of the scales themselves ([ceil(N/block),
-// ceil(K/block)], or [N]). All on the weight's device.
+// channel and tensor scaling). Block: `scale_storage` [ceil(N/block), Kp/block] fp32, one scale
+// per block. Channel: `scale_storage` [Np] fp32, one scale per row (1 past N). Tensor:
+// `scale_storage` [1]. `q` [N, K] is q_storage's view of the weight's own values and `scale` that
+// of the scales themselves ([ceil(N/block), ceil(K/block)], [N], or [] for tensor). All on the
+// weight's device.
 struct QuantizedWeight {
   at::Tensor q, scale;
   at::Tensor q_storage, scale_storage;
@@ -43,6 +49,8 @@ struct QuantizedWeight {
 QuantizedWeight quantize_blocks(const at::Tensor& w, int64_t block = kBlock);
 // One scale per row (Scaling::kChannel).
 QuantizedWeight quantize_channels(const at::Tensor& w);
+// One scale for the whole weight (Scaling::kTensor).
+QuantizedWeight quantize_tensor_weight(const at::Tensor& w);
 QuantizedWeight quantize_weight(const at::Tensor& w, Scaling scaling);
 // Quantizes `w` ([N, K], b's shape) into b's storages in place, in b's scaling: what
 // quantize_blocks(w) or quantize_channels(w) returns, at the same addresses (a captured CUDA graph
@@ -64,14 +72,17 @@ at::Tensor dequantize_groups(const GroupQuantized& g, c10::ScalarType dtype, int
 // Activations [..., K] with one scale per token (row): q [..., K], scale [...] fp32.
 GroupQuantized quantize_rows(const at::Tensor& x);
 at::Tensor dequantize_rows(const GroupQuantized& g, c10::ScalarType dtype);
+// Activations [..., K] with one scale for all of them: q [..., K], scale [] fp32.
+GroupQuantized quantize_tensor(const at::Tensor& x);
+at::Tensor dequantize_tensor(const GroupQuantized& g, c10::ScalarType dtype);
 
 // x [..., K] times w^T (w [N, K] quantized) with x quantized to match (groups of the block size,
-// or rows for channel scaling): what an FP8 GEMM with fp32 accumulation computes, emulated (both dequantized, the product in fp32), plus
+// rows for channel scaling, the whole of x for tensor scaling): what an FP8 GEMM with fp32 accumulation computes, emulated (both dequantized, the product in fp32), plus
 // `bias` ([N], optional) before the one rounding to x's dtype. [..., N].
 at::Tensor linear_emulated(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias = {});
 
 // The same product on the device's FP8 tensor cores where there are some (Hopper: torch's
-// _scaled_mm, block- or row-scaled, fp32 accumulation, the bias in the epilogue; the activations
+// _scaled_mm, block-, row- or tensor-scaled, fp32 accumulation, the bias in the epilogue; the activations
 // quantized by one kernel), else linear_emulated. Inference only.
 at::Tensor linear(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias = {});
 // --- FP8 training (roles.<role>.fp8; docs/training.md "FP8 training") ---

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "model/cuda/convert.cuh"
 #include "model/cuda/kernels.h"
@@ -188,6 +189,72 @@ __global__ void quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, in
     for (int j = 0; j < kSub; ++j) scale[tr * scale_stride + col0 + j] = s_col[j];
 }
 
+// The largest of a block's values of `v` (every thread's), in every thread; blockDim.x a multiple of
+// 32, at most 1024.
+__device__ float block_max(float v) {
+  __shared__ float warp_max[32];
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  __syncthreads();  // warp_max may still be read by a previous call
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = threadIdx.x < blockDim.x / 32 ? warp_max[threadIdx.x % 32] : 0.f;
+  if (threadIdx.x < 32) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    if (threadIdx.x == 0) warp_max[0] = v;
+  }
+  __syncthreads();
+  return warp_max[0];
+}
+
+// Per-tensor scaling, pass 1: each block's largest magnitude over the vectors of kVec values it
+// strides through (kVec divides k), into partial[blockIdx.x].
+template <class T, int kVec>
+__global__ void tensor_amax_kernel(const T* x, int64_t rows, int64_t k, int64_t x_stride, float* partial) {
+  using P = Pack<T, kVec>;
+  const int64_t per_row = k / kVec, total = rows * per_row;
+  float amax = 0.f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row, c = (i - r * per_row) * kVec;
+    const P v = *reinterpret_cast<const P*>(x + r * x_stride + c);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) amax = fmaxf(amax, fabsf(to_f(v.v[j])));
+  }
+  amax = block_max(amax);
+  if (threadIdx.x == 0) partial[blockIdx.x] = amax;
+}
+
+// Pass 2: the tensor's scale from the `parts` partial maxima (every block reduces them: at most a
+// few hundred floats), then the codes of [padded_rows, q_stride] (zeros past rows and k), kVec at a
+// time; block 0 writes the scale.
+template <class T, int kVec>
+__global__ void quantize_tensor_kernel(const T* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
+                                       uint8_t* q, int64_t q_stride, const float* partial, int parts, float* scale) {
+  using P = Pack<T, kVec>;
+  float amax = 0.f;
+  for (int i = threadIdx.x; i < parts; i += blockDim.x) amax = fmaxf(amax, partial[i]);
+  amax = block_max(amax);
+  const float s = amax > 0.f ? amax / 448.f : 1.f;  // IEEE division, as ATen's
+  const int64_t per_row = q_stride / kVec, total = padded_rows * per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row, c = (i - r * per_row) * kVec;
+    Pack<uint8_t, kVec> out;
+    if (r < rows && c < k) {
+      const P v = *reinterpret_cast<const P*>(x + r * x_stride + c);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) out.v[j] = __nv_cvt_float_to_fp8(to_f(v.v[j]) / s, __NV_SATFINITE, __NV_E4M3);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) out.v[j] = 0;
+    }
+    *reinterpret_cast<Pack<uint8_t, kVec>*>(q + r * q_stride + c) = out;
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale = s;
+}
+
 }  // namespace
 
 void quantize_rows_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
@@ -270,6 +337,38 @@ void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, 
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 tile quantize kernel launch: ") + cudaGetErrorString(err));
+}
+
+void quantize_tensor_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
+                         void* q, int64_t q_stride, float* partial, float* scale, void* stream) {
+  if (q_stride < k || q_stride % 4 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0 || padded_rows < rows)
+    throw std::invalid_argument("quantize_tensor_fp8: q must hold every column in 4-byte aligned rows");
+  if (padded_rows == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream);
+  constexpr int kThreads = 256;
+  with_dtype(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = k % kVec == 0 && x_stride % kVec == 0 && q_stride % kVec == 0 &&
+                     reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % kVec == 0;
+    const auto launch = [&](auto vec_width) {
+      constexpr int V = decltype(vec_width)::value;
+      const int64_t in = std::max<int64_t>(1, rows * (k / V)), out = padded_rows * (q_stride / V);
+      const auto parts = static_cast<int>(std::min<int64_t>(kFp8TensorParts, (in + kThreads - 1) / kThreads));
+      const auto blocks = static_cast<unsigned>(std::min<int64_t>(1024, (out + kThreads - 1) / kThreads));
+      tensor_amax_kernel<T, V><<<parts, kThreads, 0, s>>>(static_cast<const T*>(x), rows, k, x_stride, partial);
+      quantize_tensor_kernel<T, V><<<blocks, kThreads, 0, s>>>(static_cast<const T*>(x), rows, padded_rows, k,
+                                                                x_stride, static_cast<uint8_t*>(q), q_stride, partial,
+                                                                parts, scale);
+    };
+    if (vec)
+      launch(std::integral_constant<int, kVec>());
+    else
+      launch(std::integral_constant<int, 1>());
+  });
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("fp8 tensor quantize kernel launch: ") + cudaGetErrorString(err));
 }
 
 }  // namespace tiller::model::cuda

@@ -51,6 +51,14 @@ void quantize_groups_fp8(DType dtype, const void* x, int64_t rows, int64_t padde
 void quantize_rows_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
                        void* q, int64_t q_stride, float* scale, void* stream);
 
+// The same with one scale for the whole of x (per-tensor scaling, engines.fp8_scaling: tensor): s =
+// amax of x's rows x k values / 448 (1 for zeros), codes as above (zeros past k and past rows), and
+// *scale = s (device memory). `partial` holds kFp8TensorParts floats of scratch: a first kernel
+// writes blocks' maxima there, a second reduces them and writes the codes.
+constexpr int64_t kFp8TensorParts = 264;
+void quantize_tensor_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
+                         void* q, int64_t q_stride, float* partial, float* scale, void* stream);
+
 // FP8 quantization of x [rows, cols] by 128x128 tiles over the padded extents [padded_rows,
 // padded_cols] (multiples of 128; values past rows or cols are zeros), for the FP8 training's
 // GEMM operands (model/fp8.h):
