@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU host, one GPU: the FP8 engine against the bf16 engine on the same random weights, in
 # one `tiller bench generate --fp8` run per shape (docs/engine.md, FP8 engines), and a summary table.
-#   MODELS="0.5b 1.5b 7b" BATCHES="64 256" SCALINGS="channel block" PROMPT=128 NEW=256 scripts/gpu/bench_fp8.sh [OUT.jsonl]
+#   MODELS="0.5b 1.5b 7b" BATCHES="64 256" SCALINGS="channel block tensor" PROMPT=128 NEW=256 scripts/gpu/bench_fp8.sh [OUT.jsonl]
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 out=${1:-$(mktemp)}
