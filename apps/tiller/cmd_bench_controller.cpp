@@ -137,7 +137,7 @@ int run_controller_bench(ControllerBenchOptions o) {
   w.channel = &channel;
   w.prompts = &prompts;
   // A rule reward over the ids (the share of even ones): the per-sample work of a rule, no decoding.
-  w.rewards.rule = [](const rollout::Prompt&, const engine::SampleOutput& s) {
+  w.rewards.rule = [](const data::Prompt&, const engine::SampleOutput& s) {
     int64_t even = 0;
     for (int64_t t : s.tokens) even += (t & 1) == 0;
     return s.tokens.empty() ? 0.0 : static_cast<double>(even) / static_cast<double>(s.tokens.size());

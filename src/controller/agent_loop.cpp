@@ -85,7 +85,7 @@ class AgentLoop final : public SampleLoop {
   }
 
   void start(int64_t group) override {
-    const Prompt& p = host_.prompt(group);
+    const data::Prompt& p = host_.prompt(group);
     for (int64_t j = 0; j < ctx_.n; ++j) {
       const uint64_t key = sample_key(group, j);
       Sample& s = samples_[key];

@@ -228,7 +228,7 @@ void RolloutCollector::arrive(Group& g, Staged st) {
   load_[static_cast<size_t>(g.engine)] -= 1;
   for (uint64_t v : s.versions) g.oldest = std::min(g.oldest, v);
   if (s.versions.empty()) g.oldest = std::min(g.oldest, version_);
-  const Prompt& p = prompts_.at(g.dataset_index);
+  const data::Prompt& p = prompts_.at(g.dataset_index);
   if (rewards_.rule) st.score = static_cast<float>(rewards_.rule(p, s));
   if (rewards_.batched) {
     reward::RewardSample rs;

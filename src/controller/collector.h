@@ -60,7 +60,7 @@
 #include "tiller/core/config.h"
 #include "tiller/model/sampling_params.h"
 #include "tiller/rollout/experience.h"
-#include "tiller/rollout/prompt_dataset.h"
+#include "tiller/data/prompt_dataset.h"
 #include "tiller/rollout/prompt_source.h"
 #include "tiller/rollout/sample_loop.h"
 #include "wire/channel.h"
@@ -80,7 +80,7 @@ using SteadyClock = Clock;
 // off the controller's thread in batches (the remote service, a Python function). Neither: the
 // reward model scores them (reward.type = model).
 struct RewardSources {
-  std::function<double(const Prompt&, const engine::SampleOutput&)> rule;
+  std::function<double(const data::Prompt&, const engine::SampleOutput&)> rule;
   reward::BatchedReward* batched = nullptr;
   // Decodes a response for the batched scorer.
   std::function<std::string(const std::vector<int64_t>&)> decode;
@@ -284,7 +284,7 @@ class RolloutCollector final : private LoopHost {
   Group& live_group(int64_t ordinal, const char* call);
   // LoopHost, for the sample loop.
   int64_t samples_per_prompt() const override { return cfg_.n; }
-  const Prompt& prompt(int64_t group) const override;
+  const data::Prompt& prompt(int64_t group) const override;
   uint64_t seed(int64_t group) const override { return group_seed(group); }
   int64_t step() const override { return forming_step(); }
   std::string where(int64_t group, int64_t sample) const override { return sample_where(group, sample); }

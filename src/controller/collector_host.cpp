@@ -19,7 +19,7 @@ RolloutCollector::Group& RolloutCollector::live_group(int64_t ordinal, const cha
   return it->second;
 }
 
-const Prompt& RolloutCollector::prompt(int64_t group) const {
+const data::Prompt& RolloutCollector::prompt(int64_t group) const {
   auto it = outstanding_.find(group);
   TILLER_CHECK(it != outstanding_.end(), "sample loop '{}': prompt group {} is not outstanding", cfg_.loop, group);
   return prompts_.at(it->second.dataset_index);

@@ -40,7 +40,7 @@
 #include "tiller/model/model_config.h"
 #include "tiller/model/tokenizer.h"
 #include "tiller/reward/rule_reward.h"
-#include "tiller/rollout/prompt_dataset.h"
+#include "tiller/data/prompt_dataset.h"
 #include "tiller/sync/bucket_plan.h"
 #include "tiller/zero/checkpoint.h"
 
@@ -263,7 +263,7 @@ struct Controller::Impl {
     StepBatch& b = collector->ready_batch();
     const std::vector<uint8_t> keep = hooks.after_scoring(
         j, cfg.rollout.n_samples_per_prompt, b.ro, static_cast<int64_t>(b.groups.size()),
-        [&](int64_t g) -> const Prompt& { return w.prompts->at(b.groups[static_cast<size_t>(g)].dataset_index); },
+        [&](int64_t g) -> const data::Prompt& { return w.prompts->at(b.groups[static_cast<size_t>(g)].dataset_index); },
         w.rewards.decode);
     metrics["hooks/dropped_groups"] = static_cast<double>(std::count(keep.begin(), keep.end(), uint8_t{0}));
     collector->drop_ready_groups(keep);

@@ -49,11 +49,11 @@ uint64_t reward_id(int64_t prompt, int64_t sample, int64_t k) {
 Evaluator::Evaluator(const JobConfig& cfg, const model::Tokenizer& tok, EngineSet& engines,
                      std::vector<int64_t> stop_ids, const Clock& clock)
     : cfg_(cfg), engines_(engines), clock_(clock) {
-  DatasetOptions d = job_dataset_options(cfg, tok);
+  data::DatasetOptions d = job_dataset_options(cfg, tok);
   d.shuffle = false;
   d.max_samples = cfg.eval.max_prompts;
   try {
-    data_ = std::make_unique<PromptDataset>(cfg.eval.prompts, tok, d);
+    data_ = std::make_unique<data::PromptDataset>(cfg.eval.prompts, tok, d);
   } catch (const ConfigError& e) {
     throw ConfigError(fmt::format("eval.prompts: {}", e.what()));
   }
@@ -126,7 +126,7 @@ void Evaluator::take(Completion& c) {
   TILLER_CHECK(it != live_.end(), "{} answered evaluation request {}, which is not in flight", engines_.name(static_cast<size_t>(c.engine)),
                res.sample.request_id);
   const Request req = it->second;
-  const Prompt& p = data_->at(req.prompt);
+  const data::Prompt& p = data_->at(req.prompt);
   if (res.error_code != 0)
     throw Error(fmt::format("{} refused the evaluation prompt {} line {}: {}", engines_.name(static_cast<size_t>(c.engine)),
                             cfg_.eval.prompts, p.line, res.error));
@@ -280,7 +280,7 @@ void Evaluator::write_samples(int64_t step) const {
   if (ec) throw IoError(fmt::format("{}: cannot create the folder of evaluation samples: {}", dir, ec.message()));
   std::string text;
   const auto line = [&](int64_t i, const Sample& s, const char* kind, int64_t j) {
-    const Prompt& p = data_->at(i);
+    const data::Prompt& p = data_->at(i);
     nlohmann::ordered_json o;
     o["step"] = step;
     o["data_source"] = source_of(i);

@@ -30,7 +30,7 @@
 #include "controller/job_rewards.h"
 #include "tiller/core/clock.h"
 #include "tiller/core/config.h"
-#include "tiller/rollout/prompt_dataset.h"
+#include "tiller/data/prompt_dataset.h"
 
 namespace tiller::model {
 class Tokenizer;
@@ -78,7 +78,7 @@ class Evaluator {
   const JobConfig& cfg_;
   EngineSet& engines_;
   const Clock& clock_;
-  std::unique_ptr<PromptDataset> data_;
+  std::unique_ptr<data::PromptDataset> data_;
   JobRewards rewards_;
   std::function<std::string(const std::vector<int64_t>&)> decode_;
   model::SamplingParams greedy_, sampled_;

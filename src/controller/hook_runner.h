@@ -23,7 +23,7 @@ class StepHookRunner {
   // returns one keep flag per prompt group. Error (naming the hook) when a hook throws, changes the
   // number of samples or groups, or leaves a score that is not finite.
   std::vector<uint8_t> after_scoring(int64_t step, int64_t n_samples, Rollout& ro, int64_t groups,
-                                     const std::function<const Prompt&(int64_t group)>& prompt,
+                                     const std::function<const data::Prompt&(int64_t group)>& prompt,
                                      const std::function<std::string(const std::vector<int64_t>&)>& decode) const;
   // The step_end hooks: their metrics are appended to `metrics` (a name tiller logs already, or
   // an empty one, is an Error); true when one asked to stop (stopped_by() names it).

@@ -10,7 +10,7 @@ JobRewards make_job_rewards(const JobConfig& cfg, std::function<std::string(cons
   out.sources.decode = decode;
   if (cfg.reward.type == RewardType::kRule) {
     reward::RewardFn rule = reward::find(cfg.reward.rule);
-    out.sources.rule = [rule, decode](const Prompt& p, const engine::SampleOutput& s) {
+    out.sources.rule = [rule, decode](const data::Prompt& p, const engine::SampleOutput& s) {
       return rule(reward::Sample{p.text, decode(s.tokens), p.label});
     };
   }

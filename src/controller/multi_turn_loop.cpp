@@ -32,7 +32,7 @@ class MultiTurnLoop final : public SampleLoop {
   }
 
   void start(int64_t group) override {
-    const Prompt& p = host_.prompt(group);
+    const data::Prompt& p = host_.prompt(group);
     for (int64_t j = 0; j < ctx_.n; ++j) {
       Episode ep;
       ep.group = group;
@@ -148,7 +148,7 @@ class MultiTurnLoop final : public SampleLoop {
   void first_turns(int64_t group) {
     // Every sample's prompt: the dataset's, then Start's observation as it is (token ids, or its
     // text tokenized without a template).
-    const Prompt& p = host_.prompt(group);
+    const data::Prompt& p = host_.prompt(group);
     std::vector<Episode*> eps;
     for (int64_t j = 0; j < ctx_.n; ++j) {
       Episode& ep = episodes_.at(episode_key(group, j));

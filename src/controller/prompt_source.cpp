@@ -25,17 +25,17 @@ class FilePrompts final : public PromptSource {
                 dataset_.skipped(), dataset_.skipped() + dataset_.size(), cfg.rollout.max_prompt_tokens);
   }
   int64_t next() override { return dataset_.next(1).at(0); }
-  const Prompt& at(int64_t index) const override { return dataset_.at(index); }
-  DatasetCursor cursor() const override { return dataset_.cursor(); }
-  void seek(const DatasetCursor& c) override { dataset_.seek(c); }
+  const data::Prompt& at(int64_t index) const override { return dataset_.at(index); }
+  data::DatasetCursor cursor() const override { return dataset_.cursor(); }
+  void seek(const data::DatasetCursor& c) override { dataset_.seek(c); }
   int64_t size() const override { return dataset_.size(); }
 
  private:
-  static PromptDataset open(const JobConfig& cfg, const model::Tokenizer& tok) {
+  static data::PromptDataset open(const JobConfig& cfg, const model::Tokenizer& tok) {
     if (cfg.data.prompts.empty()) throw ConfigError("data.prompts: set the file of prompts (JSONL or parquet)");
-    return PromptDataset(cfg.data.prompts, tok, job_dataset_options(cfg, tok));
+    return data::PromptDataset(cfg.data.prompts, tok, job_dataset_options(cfg, tok));
   }
-  PromptDataset dataset_;
+  data::PromptDataset dataset_;
 };
 
 Registry<PromptSourceDef>& sources() {
@@ -55,8 +55,8 @@ Registry<PromptSourceDef>& sources() {
 
 void register_prompt_source(const std::string& name, PromptSourceDef def) { sources().add(name, std::move(def)); }
 
-DatasetOptions job_dataset_options(const JobConfig& cfg, const model::Tokenizer& tok) {
-  DatasetOptions d;
+data::DatasetOptions job_dataset_options(const JobConfig& cfg, const model::Tokenizer& tok) {
+  data::DatasetOptions d;
   d.input_key = cfg.data.input_key;
   d.label_key = cfg.data.label_key;
   d.data_source_key = cfg.data.data_source_key;
@@ -83,7 +83,7 @@ std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const
   ctx.tokenizer = &tokenizer;
   const model::ChatTemplate chat = job_chat(job, tokenizer);
   ctx.make_prompt = [&job, &tokenizer, chat](const std::string& text, const std::string& label) {
-    Prompt p;
+    data::Prompt p;
     p.text = text;
     if (!job.data.input_template.empty()) p.text = model::apply_input_template(job.data.input_template, p.text);
     p.input = p.text;

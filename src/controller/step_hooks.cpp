@@ -79,7 +79,7 @@ bool StepHookRunner::has_after_scoring() const {
 
 std::vector<uint8_t> StepHookRunner::after_scoring(
     int64_t step, int64_t n_samples, Rollout& ro, int64_t groups,
-    const std::function<const Prompt&(int64_t group)>& prompt,
+    const std::function<const data::Prompt&(int64_t group)>& prompt,
     const std::function<std::string(const std::vector<int64_t>&)>& decode) const {
   std::vector<uint8_t> keep(static_cast<size_t>(groups), 1);
   ScoredStep ss;
@@ -87,7 +87,7 @@ std::vector<uint8_t> StepHookRunner::after_scoring(
   ss.n_samples = n_samples;
   ss.rollout = &ro;
   ss.keep_group = &keep;
-  ss.prompt = [&](int64_t g) -> const Prompt& {
+  ss.prompt = [&](int64_t g) -> const data::Prompt& {
     TILLER_CHECK(g >= 0 && g < groups, "prompt group {} of a step of {}", g, groups);
     return prompt(g);
   };

@@ -19,7 +19,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "engine/cuda/paged_attention.h"
+#include "model/cuda/paged_attention.h"
 #include "model/cuda/aten_dtype.h"
 #endif
 
@@ -34,6 +34,9 @@
 #include "tiller/model/transformer.h"
 
 namespace tiller::engine {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+namespace cuda = model::cuda;  // the kernels (src/model/cuda/)
+#endif
 namespace {
 
 // A decode step's device inputs, int32, in one buffer laid out as

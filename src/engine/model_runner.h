@@ -6,7 +6,7 @@
 // Attention over the cache: new K/V are written into their slots, then each sequence attends
 // over its slots. Prefill and mixed steps gather each sequence's slots into a packed K/V for
 // varlen attention; decode steps on CUDA read the blocks in place with the paged decode kernel
-// (src/engine/cuda/), and, without tensor parallelism, replay a CUDA graph captured per batch
+// (src/model/cuda/), and, without tensor parallelism, replay a CUDA graph captured per batch
 // size bucket (1, 2, 4, 8, then multiples of 8), padding the batch up to its bucket.
 //
 // The runner fuses q/k/v into one projection and gate/up into another (the separate weights stay

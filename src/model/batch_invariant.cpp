@@ -17,7 +17,7 @@
 #ifdef TILLER_HAVE_CUDA_KERNELS
 #include <c10/cuda/CUDAStream.h>
 
-#include "engine/cuda/paged_attention.h"
+#include "model/cuda/paged_attention.h"
 #include "model/cuda/aten_dtype.h"
 #endif
 
@@ -123,7 +123,7 @@ at::Tensor softmax_cuda(const at::Tensor& x) {
 at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const VarlenSpec& s,
                           double scale) {
   const int64_t tq = q.size(0), heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
-  TILLER_CHECK(engine::cuda::paged_decode_supports(d),
+  TILLER_CHECK(cuda::paged_decode_supports(d),
                "algo.logprob_match = bitwise: head size {} has no decode attention kernel on CUDA (16, 32, 64, 128, "
                "256 do)",
                d);
@@ -133,7 +133,7 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
   // The tensor-core prefill form (16 query tokens of a sequence a tile, paged_attention.h's
   // PrefillRows: `blocks`), or each query as a decode step (`words`: keys per query, then its
   // sequence's first key).
-  const bool tiles = s.window == 0 && engine::cuda::paged_decode_prefill_serves(dtype, d, heads, kv_heads);
+  const bool tiles = s.window == 0 && cuda::paged_decode_prefill_serves(dtype, d, heads, kv_heads);
   std::vector<int32_t> blocks, words(tiles ? 0 : static_cast<size_t>(2 * tq));
   int64_t sq = 0, sk = 0;
   for (size_t i = 0; i < s.lens_q.size(); ++i) {
@@ -163,7 +163,7 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
   const at::Tensor kc = k.contiguous(), vc = v.contiguous();
   if (tiles) {
     const at::Tensor dev = upload(blocks, q.device());
-    engine::cuda::PrefillRows a;
+    cuda::PrefillRows a;
     a.dtype = dtype;
     a.q = qc.data_ptr();
     a.q_token_stride = qc.stride(0);
@@ -177,14 +177,14 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
     a.head_dim = d;
     a.scale = static_cast<float>(scale);
     try {
-      engine::cuda::paged_decode_prefill(a, stream_of(q));
+      cuda::paged_decode_prefill(a, stream_of(q));
     } catch (const std::exception& e) {
       throw Error(fmt::format("attention (algo.logprob_match = bitwise): {}", e.what()));
     }
     return out;
   }
   const at::Tensor dev = upload(words, q.device());
-  engine::cuda::PagedDecode a;
+  cuda::PagedDecode a;
   a.dtype = dtype;
   a.q_token_stride = qc.stride(0);
   a.k_cache = const_cast<void*>(kc.data_ptr());
@@ -205,7 +205,7 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
       a.out = static_cast<char*>(out.data_ptr()) + r0 * heads * d * es;
       a.seq_lens = dev.data_ptr<int32_t>() + r0;
       a.key_base = dev.data_ptr<int32_t>() + tq + r0;
-      engine::cuda::paged_decode_attention(a, stream_of(q));
+      cuda::paged_decode_attention(a, stream_of(q));
     }
   } catch (const std::exception& e) {
     throw Error(fmt::format("attention (algo.logprob_match = bitwise): {}", e.what()));

@@ -126,7 +126,7 @@ HeldOutSplit OfflineRun::split(int64_t data_size, int64_t eval_file_size, const 
   return held_out_split(data_size, cfg.offline.eval_samples, static_cast<uint64_t>(cfg.run.seed));
 }
 
-OfflineRun::Batch OfflineRun::next_batch(rollout::EpochOrder& order) {
+OfflineRun::Batch OfflineRun::next_batch(data::EpochOrder& order) {
   const int64_t n = order.size();
   Batch b;
   b.at_start = order.cursor();
@@ -137,7 +137,7 @@ OfflineRun::Batch OfflineRun::next_batch(rollout::EpochOrder& order) {
   return b;
 }
 
-int OfflineRun::train(const std::vector<int64_t>& train_ids, int64_t start, int64_t total, rollout::EpochOrder& order,
+int OfflineRun::train(const std::vector<int64_t>& train_ids, int64_t start, int64_t total, data::EpochOrder& order,
                       const std::function<Pass(const std::vector<int64_t>& ids)>& train_pass,
                       const std::function<Pass()>& eval_pass) {
   using Clock = std::chrono::steady_clock;
@@ -244,7 +244,7 @@ PreferenceDataOptions preference_options(const JobConfig& cfg, const model::Toke
   return o;
 }
 
-int64_t OfflineRun::start(const OfflineOptions& options, int64_t dataset_size, rollout::EpochOrder& order) {
+int64_t OfflineRun::start(const OfflineOptions& options, int64_t dataset_size, data::EpochOrder& order) {
   if (options.require_resume && !checkpoints_.enabled())
     throw ConfigError("--resume: checkpoint.dir is empty; set it to the directory the run saved into");
   if (checkpoints_.enabled() && (cfg.checkpoint.resume || options.require_resume)) {
@@ -297,7 +297,7 @@ int64_t OfflineRun::total_steps(int64_t samples) const {
 }
 
 OfflineRun::Schedule OfflineRun::schedule(const OfflineOptions& options, int64_t samples) {
-  Schedule s{rollout::EpochOrder(samples, cfg.data.shuffle, static_cast<uint64_t>(cfg.run.seed)), total_steps(samples), 0};
+  Schedule s{data::EpochOrder(samples, cfg.data.shuffle, static_cast<uint64_t>(cfg.run.seed)), total_steps(samples), 0};
   s.start = start(options, samples, s.order);
   plan_schedule(s.total);
   return s;
@@ -371,7 +371,7 @@ bool OfflineRun::stop_agreed() {
   return stopped_;
 }
 
-void OfflineRun::save(int64_t step, const rollout::DatasetCursor& cursor, int64_t dataset_size) {
+void OfflineRun::save(int64_t step, const data::DatasetCursor& cursor, int64_t dataset_size) {
   at::Tensor ok = at::ones({1}, at::kInt);
   if (rank == 0) checkpoints_.begin(step);  // the step's directory, incomplete until commit
   world_comm_->all_reduce(ok)->wait();      // every rank sees it before writing into it
@@ -392,7 +392,7 @@ void OfflineRun::save(int64_t step, const rollout::DatasetCursor& cursor, int64_
   saved_step_ = step;
 }
 
-void OfflineRun::maybe_save(int64_t step, const rollout::DatasetCursor& cursor, int64_t dataset_size, bool force) {
+void OfflineRun::maybe_save(int64_t step, const data::DatasetCursor& cursor, int64_t dataset_size, bool force) {
   if (!checkpoints_.enabled() || step == saved_step_) return;
   const int64_t every = cfg.checkpoint.every_steps;
   if (force || (every > 0 && step % every == 0)) save(step, cursor, dataset_size);
@@ -425,7 +425,7 @@ void OfflineRun::export_model(const std::string& checkpoint) {
   world_comm_->all_reduce(ok)->wait();
 }
 
-int OfflineRun::finish(int64_t steps_done, int64_t total, int64_t dataset_size, const rollout::DatasetCursor& cursor) {
+int OfflineRun::finish(int64_t steps_done, int64_t total, int64_t dataset_size, const data::DatasetCursor& cursor) {
   if (steps_done < total) {  // stopped by a signal
     if (checkpoints_.enabled()) {
       maybe_save(steps_done, cursor, dataset_size, /*force=*/true);

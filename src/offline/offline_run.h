@@ -34,7 +34,7 @@
 #include "tiller/core/signals.h"
 #include "tiller/dist/communicator.h"
 #include "tiller/model/model_config.h"
-#include "tiller/rollout/epoch_order.h"
+#include "tiller/data/epoch_order.h"
 #include "tiller/rollout/memory_plan.h"
 #include "tiller/rollout/metrics.h"
 #include "tiller/zero/optimizer.h"
@@ -69,7 +69,7 @@ class OfflineRun {
   // head it lacks starts as OpenRLHF's does: normal, std 1 / (hidden + 1), seeded by run.seed). Returns
   // the optimizer steps already done. ConfigError when the checkpoint was made on data of another
   // size (`dataset_size` training samples now).
-  int64_t start(const OfflineOptions& options, int64_t dataset_size, rollout::EpochOrder& order);
+  int64_t start(const OfflineOptions& options, int64_t dataset_size, data::EpochOrder& order);
   // The run's steps over `samples` training samples: offline.epochs of ceil(samples /
   // train.train_batch_size), or offline.max_steps if fewer.
   int64_t total_steps(int64_t samples) const;
@@ -77,7 +77,7 @@ class OfflineRun {
   // steps, and the steps already done (start(): a resumed run's, the order at its cursor); the
   // learning-rate schedule planned over the steps.
   struct Schedule {
-    rollout::EpochOrder order;
+    data::EpochOrder order;
     int64_t total = 0, start = 0;
   };
   Schedule schedule(const OfflineOptions& options, int64_t samples);
@@ -97,10 +97,10 @@ class OfflineRun {
   // True on every rank once any rank was asked to stop (SIGINT/SIGTERM).
   bool stop_agreed();
   // Saves a checkpoint of `step` when checkpoint.every_steps says so, or `force` (checkpoint.dir set).
-  void maybe_save(int64_t step, const rollout::DatasetCursor& cursor, int64_t dataset_size, bool force);
+  void maybe_save(int64_t step, const data::DatasetCursor& cursor, int64_t dataset_size, bool force);
   // After the loop: a run that did all `total` steps is exported as an HF checkpoint
   // (offline.export_dir); a stopped one saves where it stands. Returns the exit code.
-  int finish(int64_t steps_done, int64_t total, int64_t dataset_size, const rollout::DatasetCursor& cursor);
+  int finish(int64_t steps_done, int64_t total, int64_t dataset_size, const data::DatasetCursor& cursor);
 
   int64_t budget() const;  // tokens of one micro-batch (per sequence group)
   dist::Communicator& communicator() const { return *comm_; }  // the model's
@@ -114,10 +114,10 @@ class OfflineRun {
   // take fewer), the cursor where the step started, and the epochs done after it.
   struct Batch {
     std::vector<int64_t> picks;
-    rollout::DatasetCursor at_start;
+    data::DatasetCursor at_start;
     double epochs_done = 0;
   };
-  Batch next_batch(rollout::EpochOrder& order);
+  Batch next_batch(data::EpochOrder& order);
   // What a pass over samples reports: its metrics (unprefixed: "loss", ...), its tokens (every
   // rank's), and its part of the progress line ("loss 0.41, accuracy 0.90").
   struct Pass {
@@ -131,7 +131,7 @@ class OfflineRun {
   // held-out `eval_pass` (eval/...; every offline.eval_every steps and after the last; none when
   // null), and the checkpoints. Stops early, on every rank, when a rank is asked to (SIGTERM).
   // Returns finish()'s exit code.
-  int train(const std::vector<int64_t>& train_ids, int64_t start, int64_t total, rollout::EpochOrder& order,
+  int train(const std::vector<int64_t>& train_ids, int64_t start, int64_t total, data::EpochOrder& order,
             const std::function<Pass(const std::vector<int64_t>& ids)>& train_pass,
             const std::function<Pass()>& eval_pass);
 
@@ -152,7 +152,7 @@ class OfflineRun {
   std::unique_ptr<zero::ShardedModel> model;
 
  private:
-  void save(int64_t step, const rollout::DatasetCursor& cursor, int64_t dataset_size);
+  void save(int64_t step, const data::DatasetCursor& cursor, int64_t dataset_size);
   void export_model(const std::string& checkpoint);
 
   zero::LrSchedule schedule_;

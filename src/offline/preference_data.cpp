@@ -5,7 +5,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "controller/records.h"
+#include "data/records.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 
@@ -14,13 +14,13 @@ namespace {
 
 // Chat messages under `key` in `j` (a list of {"role", "content", ...}).
 std::vector<model::ChatMessage> messages_of(const std::string& where, const nlohmann::ordered_json& list, const std::string& key) {
-  return rollout::chat_messages(where, list, key);
+  return data::chat_messages(where, list, key);
 }
 
 // One side of a pair: the prompt (text, messages, or none) and the response under `key`.
 SftSample side(const std::string& where, const nlohmann::ordered_json* prompt, const nlohmann::ordered_json& j, const std::string& key,
                const model::Tokenizer& tok, const PreferenceDataOptions& o) {
-  const nlohmann::ordered_json* r = rollout::lookup(j, key);
+  const nlohmann::ordered_json* r = data::lookup(j, key);
   if (r == nullptr || !(r->is_string() || r->is_array()))
     throw ConfigError(fmt::format("{}: no response under '{}' (text or a list of chat messages)", where, key));
   if (prompt != nullptr && prompt->is_string() && r->is_string()) {
@@ -54,11 +54,11 @@ SftSample side(const std::string& where, const nlohmann::ordered_json* prompt, c
 PreferenceDataset::PreferenceDataset(const std::string& path, const model::Tokenizer& tok,
                                      const PreferenceDataOptions& o) {
   if (o.max_tokens < 2) throw ConfigError(fmt::format("{}: max_tokens must be >= 2", path));
-  const int64_t n = rollout::for_each_record(
+  const int64_t n = data::for_each_record(
       path, "the preference data file", o.path_key,
       [&](const std::string& where, int64_t number, const nlohmann::ordered_json& j) {
         if (o.max_samples > 0 && size() >= o.max_samples) return false;
-        const nlohmann::ordered_json* prompt = rollout::lookup(j, o.prompt_key);
+        const nlohmann::ordered_json* prompt = data::lookup(j, o.prompt_key);
         if (prompt != nullptr && prompt->is_null()) prompt = nullptr;
         if (prompt != nullptr && !prompt->is_string() && !prompt->is_array())
           throw ConfigError(fmt::format("{}: the prompt under '{}' is neither text nor a list of chat messages", where,
@@ -68,7 +68,7 @@ PreferenceDataset::PreferenceDataset(const std::string& path, const model::Token
         p.chosen = side(where, prompt, j, o.chosen_key, tok, o);
         p.rejected = side(where, prompt, j, o.rejected_key, tok, o);
         p.chosen.line = p.rejected.line = number;
-        if (const nlohmann::ordered_json* m = rollout::lookup(j, o.margin_key); m != nullptr && !m->is_null()) {
+        if (const nlohmann::ordered_json* m = data::lookup(j, o.margin_key); m != nullptr && !m->is_null()) {
           if (!m->is_number() || !std::isfinite(m->get<double>()))
             throw ConfigError(fmt::format("{}: the margin under '{}' is not a finite number", where, o.margin_key));
           p.margin = m->get<double>();

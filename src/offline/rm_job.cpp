@@ -16,7 +16,7 @@
 #include "tiller/core/logging.h"
 #include "tiller/model/tokenizer.h"
 #include "tiller/offline/offline.h"
-#include "tiller/rollout/epoch_order.h"
+#include "tiller/data/epoch_order.h"
 #include "tiller/rollout/packer.h"
 
 namespace tiller::offline {

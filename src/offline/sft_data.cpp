@@ -5,11 +5,11 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "controller/records.h"
+#include "data/records.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/model/tokenizer.h"
-#include "tiller/rollout/epoch_order.h"
+#include "tiller/data/epoch_order.h"
 
 namespace tiller::offline {
 namespace {
@@ -125,21 +125,21 @@ SftSample encode_pair(const std::string& where, const std::string& prompt, const
 
 SftDataset::SftDataset(const std::string& path, const model::Tokenizer& tok, const SftDataOptions& o) {
   if (o.max_tokens < 2) throw ConfigError(fmt::format("{}: max_tokens must be >= 2", path));
-  const int64_t n = rollout::for_each_record(
+  const int64_t n = data::for_each_record(
       path, "the SFT data file", o.path_key, [&](const std::string& where, int64_t number, const nlohmann::ordered_json& j) {
         if (o.max_samples > 0 && size() >= o.max_samples) return false;
         auto bad = [&](const std::string& what) { throw ConfigError(fmt::format("{}: {}", where, what)); };
         SftSample s;
         std::string tools;
-        if (const nlohmann::ordered_json* t = rollout::lookup(j, o.tools_key); t != nullptr && !t->is_null()) {
+        if (const nlohmann::ordered_json* t = data::lookup(j, o.tools_key); t != nullptr && !t->is_null()) {
           if (!t->is_array()) bad(fmt::format("'{}' must be a list of tool schemas, not {}", o.tools_key, t->type_name()));
           if (!t->empty()) tools = t->dump();
         }
-        if (const nlohmann::ordered_json* msgs = rollout::lookup(j, o.messages_key); msgs != nullptr && !msgs->is_null()) {
-          s = encode_conversation(where, rollout::chat_messages(where, *msgs, o.messages_key), tok, o.chat, 0, tools);
+        if (const nlohmann::ordered_json* msgs = data::lookup(j, o.messages_key); msgs != nullptr && !msgs->is_null()) {
+          s = encode_conversation(where, data::chat_messages(where, *msgs, o.messages_key), tok, o.chat, 0, tools);
         } else {
-          const nlohmann::ordered_json* p = rollout::lookup(j, o.prompt_key);
-          const nlohmann::ordered_json* r = rollout::lookup(j, o.response_key);
+          const nlohmann::ordered_json* p = data::lookup(j, o.prompt_key);
+          const nlohmann::ordered_json* r = data::lookup(j, o.response_key);
           if (p == nullptr || r == nullptr || !p->is_string() || !r->is_string())
             bad(fmt::format("neither chat messages under '{}' nor text under '{}' and '{}'", o.messages_key,
                             o.prompt_key, o.response_key));
@@ -159,7 +159,7 @@ SftDataset::SftDataset(const std::string& path, const model::Tokenizer& tok, con
 HeldOutSplit held_out_split(int64_t n, int64_t eval, uint64_t seed) {
   if (eval < 0 || eval >= n)
     throw ConfigError(fmt::format("a held-out split of {} samples out of {}: keep at least one for training", eval, n));
-  const std::vector<int64_t> order = rollout::shuffled_indices(n, seed * 1000003ull + 17);
+  const std::vector<int64_t> order = data::shuffled_indices(n, seed * 1000003ull + 17);
   HeldOutSplit s;
   s.eval.assign(order.begin(), order.begin() + eval);
   s.train.assign(order.begin() + eval, order.end());

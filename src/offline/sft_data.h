@@ -1,5 +1,5 @@
 // The samples of supervised fine-tuning (private to src/offline): conversations or prompt/response
-// pairs from a JSONL or parquet file (controller/records.h: errors name file:line), tokenized with
+// pairs from a JSONL or parquet file (data/records.h: errors name file:line), tokenized with
 // the chat template, each with the mask of the tokens the loss trains.
 //
 // What is trained. A conversation is rendered turn by turn; the tokens each turn adds are encoded

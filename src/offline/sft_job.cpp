@@ -18,7 +18,7 @@
 #include "tiller/model/model_config.h"
 #include "tiller/model/tokenizer.h"
 #include "tiller/offline/offline.h"
-#include "tiller/rollout/epoch_order.h"
+#include "tiller/data/epoch_order.h"
 #include "tiller/rollout/packer.h"
 #include "tiller/zero/sharded_model.h"
 

@@ -333,7 +333,7 @@ SyntheticPrompts::SyntheticPrompts(int64_t count, int64_t len, int64_t vocab) {
   TILLER_CHECK(count >= 1 && len >= 1 && vocab >= 2, "synthetic prompts: bad sizes");
   prompts_.resize(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) {
-    Prompt& p = prompts_[static_cast<size_t>(i)];
+    data::Prompt& p = prompts_[static_cast<size_t>(i)];
     p.line = i + 1;
     // As a chat template would have wrapped it (the agent loop's harness gets `input`).
     p.input = fmt::format("prompt {}", i);

@@ -26,7 +26,7 @@
 
 #include "controller/collector.h"
 #include "controller/engine_set.h"
-#include "tiller/rollout/prompt_dataset.h"
+#include "tiller/data/prompt_dataset.h"
 #include "wire/channel.h"
 
 namespace tiller::rollout {
@@ -148,13 +148,13 @@ class SyntheticPrompts final : public PromptSource {
  public:
   SyntheticPrompts(int64_t count, int64_t len, int64_t vocab);
   int64_t next() override;
-  const Prompt& at(int64_t index) const override { return prompts_.at(static_cast<size_t>(index)); }
-  DatasetCursor cursor() const override { return {0, cursor_}; }
-  void seek(const DatasetCursor& c) override { cursor_ = c.position; }
+  const data::Prompt& at(int64_t index) const override { return prompts_.at(static_cast<size_t>(index)); }
+  data::DatasetCursor cursor() const override { return {0, cursor_}; }
+  void seek(const data::DatasetCursor& c) override { cursor_ = c.position; }
   int64_t drawn() const { return cursor_; }
 
  private:
-  std::vector<Prompt> prompts_;
+  std::vector<data::Prompt> prompts_;
   int64_t cursor_ = 0;
 };
 

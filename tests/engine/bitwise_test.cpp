@@ -13,7 +13,7 @@
 #ifdef TILLER_HAVE_CUDA_KERNELS
 #include <c10/cuda/CUDAStream.h>
 
-#include "engine/cuda/paged_attention.h"
+#include "model/cuda/paged_attention.h"
 #endif
 
 namespace tiller::engine {
@@ -337,7 +337,7 @@ TEST(EngineGpu, BitwiseKernelRowsDoNotDependOnTheirNeighbours) {
     for (const int64_t pos : positions) rows.push_back(33 + pos);
     const at::Tensor qd = q.index_select(0, at::tensor(rows, at::kLong).to(cuda)).contiguous();
     at::Tensor decoded = at::empty_like(qd);
-    engine::cuda::PagedDecode a;
+    model::cuda::PagedDecode a;
     a.dtype = model::cuda::DType::kBFloat16;
     a.q = qd.data_ptr();
     a.q_token_stride = heads * dim;
@@ -354,7 +354,7 @@ TEST(EngineGpu, BitwiseKernelRowsDoNotDependOnTheirNeighbours) {
     a.block_size = 1;
     a.scale = 0.125f;
     a.splits = 1;
-    engine::cuda::paged_decode_attention(a, c10::cuda::getCurrentCUDAStream(0).stream());
+    model::cuda::paged_decode_attention(a, c10::cuda::getCurrentCUDAStream(0).stream());
     for (size_t i = 0; i < positions.size(); ++i)
       EXPECT_TRUE(at::equal(full[rows[i]], decoded[static_cast<int64_t>(i)]))
           << "head size " << dim << ": the decode kernel at position " << positions[i];

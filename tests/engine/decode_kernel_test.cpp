@@ -16,12 +16,15 @@
 #ifdef TILLER_HAVE_CUDA_KERNELS
 #include <c10/cuda/CUDAStream.h>
 
-#include "engine/cuda/paged_attention.h"
+#include "model/cuda/paged_attention.h"
 #include "tiller/model/fp8.h"
 #include "tiller/model/transformer.h"
 #endif
 
 namespace tiller::engine {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+namespace cuda = model::cuda;
+#endif
 namespace {
 
 #ifdef TILLER_HAVE_CUDA_KERNELS

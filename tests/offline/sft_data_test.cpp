@@ -14,10 +14,10 @@
 #include "../model/fixtures.h"
 #include "offline/preference_data.h"
 #include "offline/sft_data.h"
-#include "controller/records.h"
+#include "data/records.h"
 #include "tiller/core/error.h"
 #include "tiller/model/tokenizer.h"
-#include "tiller/rollout/epoch_order.h"
+#include "tiller/data/epoch_order.h"
 
 namespace tiller::offline {
 namespace {
@@ -104,7 +104,7 @@ TEST(SftData, JinjaTemplatesTrainWhatTransformersWrites) {
       if (c["add_generation_prompt"].get<bool>()) continue;
       // A case with tools: the record's tools (offline.tools_key) go to the template.
       const std::string tools = c["tools"].is_null() ? "" : c["tools"].dump();
-      const auto messages = rollout::chat_messages("case", c["messages"], "messages");
+      const auto messages = data::chat_messages("case", c["messages"], "messages");
       if (name == "mistral" && messages.front().role == "system") {
         EXPECT_NE(error_of([&] { encode_conversation("x.jsonl:2", messages, *tok, chat, 0, tools); })
                       .find("x.jsonl:2: the chat template does not extend the conversation turn by turn"),
@@ -301,7 +301,7 @@ TEST(PreferenceData, PairsShareThePromptAndTrainTheirResponseOnly) {
 // The order the offline trainers draw their training split in: each epoch a permutation, another
 // one the next epoch, the same for the same seed, and a resumed order continues from its cursor.
 TEST(EpochOrder, EpochsArePermutationsAndAResumeContinuesFromTheCursor) {
-  rollout::EpochOrder a(5, true, 3), b(5, true, 3);
+  data::EpochOrder a(5, true, 3), b(5, true, 3);
   const std::vector<int64_t> first = a.next(5), second = a.next(5);
   EXPECT_EQ(std::set<int64_t>(first.begin(), first.end()).size(), 5u);
   EXPECT_EQ(std::set<int64_t>(second.begin(), second.end()).size(), 5u);
@@ -309,11 +309,11 @@ TEST(EpochOrder, EpochsArePermutationsAndAResumeContinuesFromTheCursor) {
   std::vector<int64_t> want = first;
   want.insert(want.end(), {second[0], second[1]});
   EXPECT_EQ(b.next(7), want);
-  rollout::EpochOrder c(5, true, 3);
+  data::EpochOrder c(5, true, 3);
   c.seek(b.cursor(), "samples");
   EXPECT_EQ(c.next(3), (std::vector<int64_t>{second[2], second[3], second[4]}));
   EXPECT_THROW(c.seek({0, 6}, "samples"), ConfigError);
-  rollout::EpochOrder plain(3, false, 0);
+  data::EpochOrder plain(3, false, 0);
   EXPECT_EQ(plain.next(4), (std::vector<int64_t>{0, 1, 2, 0}));
 }
 

@@ -82,7 +82,7 @@ struct Job {
   std::unique_ptr<LocalChannel> channel;
   std::unique_ptr<SyntheticEngines> engines;
   std::unique_ptr<SyntheticPrompts> prompts;
-  std::function<double(const Prompt&, const engine::SampleOutput&)> reward;
+  std::function<double(const data::Prompt&, const engine::SampleOutput&)> reward;
   LoopSources loop;  // multi-turn jobs: the environment
   std::string out;
   // eval.prompts: the evaluation, its prompts tokenized with the Qwen2 fixture's tokenizer.
@@ -107,7 +107,7 @@ struct Job {
     cfg.checkpoint.dir = "";
     cfg.logging.rollout_records = out + "/records.jsonl";
     cfg.timeouts.generate_s = 30;
-    reward = [](const Prompt&, const engine::SampleOutput& s) {
+    reward = [](const data::Prompt&, const engine::SampleOutput& s) {
       double even = 0;
       for (int64_t t : s.tokens) even += t % 2 == 0;
       return s.tokens.empty() ? 0.0 : even / static_cast<double>(s.tokens.size());

@@ -327,7 +327,7 @@ TEST(ControllerInProcess, DynamicSamplingTrainsOnlyInformativeGroups) {
   Job job("filter");
   job.cfg.rollout.filter_groups = true;
   // Every third prompt's samples all score 1: no signal.
-  job.reward = [](const Prompt& p, const engine::SampleOutput& s) {
+  job.reward = [](const data::Prompt& p, const engine::SampleOutput& s) {
     return (p.line % 3 == 0) ? 1.0 : static_cast<double>(s.sample);
   };
   job.run();
@@ -520,7 +520,7 @@ TEST(ControllerInProcess, DynamicSamplingStopsAtItsCap) {
   job.cfg.rollout.filter_groups = true;
   job.cfg.rollout.filter_max_extra_batches = 1;
   job.cfg.train.num_steps = 2;
-  job.reward = [](const Prompt&, const engine::SampleOutput&) { return 1.0; };  // never informative
+  job.reward = [](const data::Prompt&, const engine::SampleOutput&) { return 1.0; };  // never informative
   const json summary = json::parse(job.run());
   EXPECT_EQ(summary["steps"], 2);
   EXPECT_EQ(summary["weight_version"], 0) << "nothing to train: no update, no sync";

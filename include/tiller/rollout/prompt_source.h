@@ -1,6 +1,6 @@
 // Where a job's prompts come from, by name (data.source), in a registry (tiller/core/registry.h;
 // docs/library.md). Built in, through the same registry: file (data.prompts: a JSONL or parquet
-// file, tiller/rollout/prompt_dataset.h). A trainer of one's own registers a source that makes its
+// file, tiller/data/prompt_dataset.h). A trainer of one's own registers a source that makes its
 // prompts as it goes: generated tasks, a curriculum, a stream from elsewhere; its factory reads
 // data.source_args (a string of its own format).
 //
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "tiller/core/config.h"
-#include "tiller/rollout/prompt_dataset.h"
+#include "tiller/data/prompt_dataset.h"
 
 namespace tiller::model {
 class Tokenizer;
@@ -32,9 +32,9 @@ class PromptSource {
  public:
   virtual ~PromptSource() = default;
   virtual int64_t next() = 0;  // the next prompt's index (the cursor moves)
-  virtual const Prompt& at(int64_t index) const = 0;
-  virtual DatasetCursor cursor() const = 0;
-  virtual void seek(const DatasetCursor& c) = 0;
+  virtual const data::Prompt& at(int64_t index) const = 0;
+  virtual data::DatasetCursor cursor() const = 0;
+  virtual void seek(const data::DatasetCursor& c) = 0;
   // Distinct prompts, so that a resume with other data is refused; -1: not a fixed set.
   virtual int64_t size() const { return -1; }
 };
@@ -45,7 +45,7 @@ struct PromptSourceContext {
   // A prompt made as the file source makes one: `text` through data.input_template and the chat
   // template (data.apply_chat_template), encoded without special tokens, with `label`; a
   // ConfigError when it is longer than rollout.max_prompt_tokens.
-  std::function<Prompt(const std::string& text, const std::string& label)> make_prompt;
+  std::function<data::Prompt(const std::string& text, const std::string& label)> make_prompt;
 };
 
 struct PromptSourceDef {
@@ -66,6 +66,6 @@ std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const
 
 // The data.* settings as a prompt dataset's options (keys, templates, the chat template, length
 // policy, order): the file source's, and evaluation's (eval.prompts).
-DatasetOptions job_dataset_options(const JobConfig& job, const model::Tokenizer& tokenizer);
+data::DatasetOptions job_dataset_options(const JobConfig& job, const model::Tokenizer& tokenizer);
 
 }  // namespace tiller::rollout

@@ -37,7 +37,7 @@
 #include "tiller/engine/engine.h"
 #include "tiller/model/sampling_params.h"
 #include "tiller/rollout/experience.h"
-#include "tiller/rollout/prompt_dataset.h"
+#include "tiller/data/prompt_dataset.h"
 
 namespace tiller::env {
 class Environment;
@@ -68,7 +68,7 @@ class LoopHost {
  public:
   virtual ~LoopHost() = default;
   virtual int64_t samples_per_prompt() const = 0;  // n
-  virtual const Prompt& prompt(int64_t group) const = 0;
+  virtual const data::Prompt& prompt(int64_t group) const = 0;
   // The group's sampling seed: its samples draw with seed(group) + sample, so that a run with the
   // same run.seed draws the same tokens.
   virtual uint64_t seed(int64_t group) const = 0;

@@ -20,7 +20,7 @@
 
 #include "tiller/rollout/experience.h"
 #include "tiller/rollout/metrics.h"
-#include "tiller/rollout/prompt_dataset.h"
+#include "tiller/data/prompt_dataset.h"
 
 namespace tiller::rollout {
 
@@ -32,7 +32,7 @@ struct ScoredStep {
   // is counted in rollout/filtered_groups (the step trains on fewer groups; none is drawn in its
   // place). Whole groups only, so group baselines always see all n samples of a prompt.
   std::vector<uint8_t>* keep_group = nullptr;
-  std::function<const Prompt&(int64_t group)> prompt;            // the group's prompt record
+  std::function<const data::Prompt&(int64_t group)> prompt;            // the group's prompt record
   std::function<std::string(int64_t sample)> response_text;      // decoded ("" without a tokenizer)
 };
 

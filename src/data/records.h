@@ -14,7 +14,7 @@
 
 #include "tiller/model/chat_template.h"
 
-namespace tiller::rollout {
+namespace tiller::data {
 
 // Calls `fn(where, number, record)` for each record in file order (`number` is the 1-based line or
 // row) until it returns false. `what` names the file in errors ("the prompt file"), `key` the
@@ -35,4 +35,4 @@ const nlohmann::ordered_json* lookup(const nlohmann::ordered_json& j, const std:
 std::vector<model::ChatMessage> chat_messages(const std::string& where, const nlohmann::ordered_json& list,
                                               const std::string& key);
 
-}  // namespace tiller::rollout
+}  // namespace tiller::data

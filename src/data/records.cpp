@@ -1,4 +1,4 @@
-#include "controller/records.h"
+#include "data/records.h"
 
 #include <sys/stat.h>
 
@@ -12,7 +12,7 @@
 #include "python/parquet.h"
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::data {
 namespace {
 
 bool is_parquet(const std::string& path) {
@@ -112,4 +112,4 @@ std::vector<model::ChatMessage> chat_messages(const std::string& where, const nl
   return out;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::data

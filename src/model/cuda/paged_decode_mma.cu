@@ -21,10 +21,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "engine/cuda/decode_common.cuh"
+#include "model/cuda/decode_common.cuh"
 #include "model/cuda/convert.cuh"
 
-namespace tiller::engine::cuda::detail {
+namespace tiller::model::cuda::detail {
 namespace {
 
 constexpr int kWarps = 4;
@@ -712,4 +712,4 @@ void paged_decode_prefill_mma(const PrefillRows& a, cudaStream_t stream) {
     run(__half{});
 }
 
-}  // namespace tiller::engine::cuda::detail
+}  // namespace tiller::model::cuda::detail

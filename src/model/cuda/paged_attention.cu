@@ -12,11 +12,11 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "engine/cuda/decode_common.cuh"
-#include "engine/cuda/paged_attention.h"
+#include "model/cuda/decode_common.cuh"
+#include "model/cuda/paged_attention.h"
 #include "model/cuda/convert.cuh"
 
-namespace tiller::engine::cuda {
+namespace tiller::model::cuda {
 namespace {
 
 using namespace detail;  // NOLINT(google-build-using-namespace): this file's own helpers
@@ -446,4 +446,4 @@ void paged_decode_attention(const PagedDecode& a, void* stream) {
   model::cuda::with_dtype(a.dtype, [&](auto t) { dispatch_dim<typename decltype(t)::type>(a, s); });
 }
 
-}  // namespace tiller::engine::cuda
+}  // namespace tiller::model::cuda

@@ -14,10 +14,10 @@
 #include "../model/fixtures.h"
 #include "tiller/core/error.h"
 #include "tiller/model/tokenizer.h"
-#include "tiller/rollout/prompt_dataset.h"
+#include "tiller/data/prompt_dataset.h"
 #include "tiller/rollout/prompt_source.h"
 
-namespace tiller::rollout {
+namespace tiller::data {
 namespace {
 
 const model::Tokenizer& tokenizer() {
@@ -324,6 +324,19 @@ TEST(PromptDataset, ShuffledEpochsResumeFromTheCursor) {
   PromptDataset plain(p, tokenizer(), o);
   EXPECT_EQ(plain.next(3), (std::vector<int64_t>{0, 1, 2}));
 }
+
+}  // namespace
+}  // namespace tiller::data
+
+// The controller's prompt sources (tiller/rollout/prompt_source.h) over the data above.
+namespace tiller::rollout {
+namespace {
+using data::DatasetCursor;
+using data::DatasetOptions;
+using data::Prompt;
+using data::PromptDataset;
+using data::tokenizer;
+using data::file;
 
 // data.source: a registered prompt source is the one the job draws from, made with the job's
 // tokenizer and templates; the built-in file source gives what PromptDataset gives; what is wrong

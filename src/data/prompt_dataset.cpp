@@ -1,4 +1,4 @@
-#include "tiller/rollout/prompt_dataset.h"
+#include "tiller/data/prompt_dataset.h"
 
 #include <sys/stat.h>
 
@@ -9,13 +9,13 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "controller/records.h"
+#include "data/records.h"
 #include "tiller/core/checked_math.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/model/tokenizer.h"
 
-namespace tiller::rollout {
+namespace tiller::data {
 namespace {
 Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::ordered_json& j, const DatasetOptions& o);
 }  // namespace
@@ -133,4 +133,4 @@ void PromptDataset::add_prompt(const std::string& where, Prompt p, const model::
 
 std::vector<int64_t> PromptDataset::next(int64_t n) { return order_.next(n); }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::data

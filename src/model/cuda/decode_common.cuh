@@ -11,9 +11,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "engine/cuda/paged_attention.h"
+#include "model/cuda/paged_attention.h"
 
-namespace tiller::engine::cuda::detail {
+namespace tiller::model::cuda::detail {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxSplits = 16;
@@ -143,4 +143,4 @@ bool paged_decode_mma_serves(DType dtype, int64_t head_dim, int64_t group);
 bool paged_decode_mma(const PagedDecode& a, cudaStream_t stream);
 void paged_decode_prefill_mma(const PrefillRows& a, cudaStream_t stream);
 
-}  // namespace tiller::engine::cuda::detail
+}  // namespace tiller::model::cuda::detail

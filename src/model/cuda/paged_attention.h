@@ -1,4 +1,5 @@
-// The engine's CUDA kernels for decode steps over the paged KV cache, with a plain C++ interface
+// The paged-attention CUDA kernels (the engine's decode steps over the paged KV cache, and the
+// bitwise mode's prefill, model/batch_invariant.cpp), with a plain C++ interface
 // (raw pointers, the stream as void*) so that no CUDA header reaches the C++ side. Built only in
 // the GPU build (TILLER_HAVE_CUDA_KERNELS); elsewhere the model runner gathers the context and
 // calls varlen attention instead.
@@ -16,9 +17,7 @@
 
 #include "model/cuda/kernels.h"
 
-namespace tiller::engine::cuda {
-
-using model::cuda::DType;
+namespace tiller::model::cuda {
 
 // Head sizes the decode kernel has instances for (16, 32, 64, 128, 256).
 bool paged_decode_supports(int64_t head_dim);
@@ -132,4 +131,4 @@ int64_t paged_decode_workspace_floats(int64_t batch, int64_t heads, int64_t head
 // Both keep the online softmax in fp32.
 void paged_decode_attention(const PagedDecode& args, void* stream);
 
-}  // namespace tiller::engine::cuda
+}  // namespace tiller::model::cuda

@@ -1,4 +1,4 @@
-#include "tiller/rollout/epoch_order.h"
+#include "tiller/data/epoch_order.h"
 
 #include <random>
 #include <utility>
@@ -7,7 +7,7 @@
 
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::data {
 
 std::vector<int64_t> shuffled_indices(int64_t n, uint64_t seed) {
   std::vector<int64_t> order(static_cast<size_t>(std::max<int64_t>(n, 0)));
@@ -54,4 +54,4 @@ void EpochOrder::seek(const DatasetCursor& c, const std::string& what) {
   order_epoch();
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::data
