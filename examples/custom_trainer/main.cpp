@@ -107,7 +107,7 @@ class DigitTasks final : public tiller::rollout::PromptSource {
       throw tiller::ConfigError("data.source_args = '" + a + "': give MIN-MAX with 0 <= MIN <= MAX <= 999999, e.g. 10-99");
   }
   int64_t next() override { return position_++; }
-  const tiller::rollout::Prompt& at(int64_t i) const override {
+  const tiller::data::Prompt& at(int64_t i) const override {
     auto it = made_.find(i);
     if (it != made_.end()) return it->second;
     static const char* words[] = {"write", "digits", "more", "count", "list", "numbers", "some", "now", "give"};
@@ -119,12 +119,12 @@ class DigitTasks final : public tiller::rollout::PromptSource {
     }
     h = mix(h);
     const int64_t number = lo_ + static_cast<int64_t>(h % static_cast<uint64_t>(hi_ - lo_ + 1));
-    tiller::rollout::Prompt p = make_(text + ":", std::to_string(number));
+    tiller::data::Prompt p = make_(text + ":", std::to_string(number));
     p.line = i + 1;
     return made_.emplace(i, std::move(p)).first->second;
   }
-  tiller::rollout::DatasetCursor cursor() const override { return {0, position_}; }
-  void seek(const tiller::rollout::DatasetCursor& c) override { position_ = c.position; }
+  tiller::data::DatasetCursor cursor() const override { return {0, position_}; }
+  void seek(const tiller::data::DatasetCursor& c) override { position_ = c.position; }
 
  private:
   static uint64_t mix(uint64_t x) {  // splitmix64's finaliser
@@ -134,11 +134,11 @@ class DigitTasks final : public tiller::rollout::PromptSource {
     x *= 0x94D049BB133111EBull;
     return x ^ (x >> 31);
   }
-  std::function<tiller::rollout::Prompt(const std::string&, const std::string&)> make_;
+  std::function<tiller::data::Prompt(const std::string&, const std::string&)> make_;
   int64_t seed_;
   int64_t lo_ = 10, hi_ = 99;
   int64_t position_ = 0;
-  mutable std::map<int64_t, tiller::rollout::Prompt> made_;
+  mutable std::map<int64_t, tiller::data::Prompt> made_;
 };
 
 

@@ -74,15 +74,7 @@ Registry<AdvantageEstimatorDef>& registry() {
 
 }  // namespace
 
-void register_advantage_estimator(const std::string& name, AdvantageEstimatorDef def) {
-  registry().add(name, std::move(def));
-}
-
-const AdvantageEstimatorDef& advantage_estimator(const std::string& name) {
-  return registry().at(name, "algo.advantage_estimator");
-}
-
-std::vector<std::string> advantage_estimator_names() { return registry().names(); }
+TILLER_REGISTRY_DEFINE(advantage_estimator, AdvantageEstimatorDef, registry, "algo.advantage_estimator")
 
 void check_config(const JobConfig& job) {
   // A step's samples split into mini-batches of train.train_batch_size (an RL job's rule: the
@@ -102,15 +94,15 @@ void check_config(const JobConfig& job) {
                                   "reference is the actor's own base with its adapters off; set them equal, or give "
                                   "roles.ref.model to load a separate reference",
                                   enum_name(job.roles.ref.dtype), enum_name(job.roles.actor.dtype)));
-  kl_estimator(job.algo.kl_estimator);
-  policy_loss_def(job.algo.policy_loss);
-  value_loss_def(job.algo.value_loss);
+  find_kl_estimator(job.algo.kl_estimator);
+  find_policy_loss(job.algo.policy_loss);
+  find_value_loss(job.algo.value_loss);
   const std::string& name = job.algo.advantage_estimator;
-  const AdvantageEstimatorDef& est = advantage_estimator(name);
+  const AdvantageEstimatorDef& est = find_advantage_estimator(name);
   if (est.needs_critic && !job.roles.critic.enabled) {
     std::vector<std::string> without;
     for (const std::string& n : advantage_estimator_names())
-      if (!advantage_estimator(n).needs_critic) without.push_back(n);
+      if (!find_advantage_estimator(n).needs_critic) without.push_back(n);
     throw ConfigError(fmt::format("algo.advantage_estimator = {} needs a critic; set roles.critic.enabled=true or "
                                   "choose one without: {}",
                                   name, fmt::join(without, ", ")));

@@ -112,15 +112,11 @@ Registry<KlEstimatorDef>& kl_registry() {
 
 }  // namespace
 
-void register_kl_estimator(const std::string& name, KlEstimatorDef def) { kl_registry().add(name, std::move(def)); }
-
-const KlEstimatorDef& kl_estimator(const std::string& name) { return kl_registry().at(name, "algo.kl_estimator"); }
-
-std::vector<std::string> kl_estimator_names() { return kl_registry().names(); }
+TILLER_REGISTRY_DEFINE(kl_estimator, KlEstimatorDef, kl_registry, "algo.kl_estimator")
 
 at::Tensor kl_estimate(const at::Tensor& logp, const at::Tensor& ref_logp, const std::string& estimator) {
   check_same(logp, ref_logp, "kl_estimate");
-  at::Tensor kl = kl_estimator(estimator).estimate(logp, ref_logp);
+  at::Tensor kl = find_kl_estimator(estimator).estimate(logp, ref_logp);
   if (!kl.defined() || kl.sizes() != logp.sizes())
     throw Error(fmt::format("KL estimator {}: it returned {} for {} log-probs; return one value per token", estimator,
                             kl.defined() ? fmt::format("{} values", kl.numel()) : "nothing", logp.numel()));
@@ -294,15 +290,7 @@ Registry<PolicyLossDef>& policy_loss_registry() {
 
 }  // namespace
 
-void register_policy_loss(const std::string& name, PolicyLossDef def) {
-  policy_loss_registry().add(name, std::move(def));
-}
-
-const PolicyLossDef& policy_loss_def(const std::string& name) {
-  return policy_loss_registry().at(name, "algo.policy_loss");
-}
-
-std::vector<std::string> policy_loss_names() { return policy_loss_registry().names(); }
+TILLER_REGISTRY_DEFINE(policy_loss, PolicyLossDef, policy_loss_registry, "algo.policy_loss")
 
 namespace {
 double per_token(const at::Tensor& sum, int64_t tokens) {
@@ -353,11 +341,7 @@ Registry<ValueLossDef>& value_loss_registry() {
 
 }  // namespace
 
-void register_value_loss(const std::string& name, ValueLossDef def) { value_loss_registry().add(name, std::move(def)); }
-
-const ValueLossDef& value_loss_def(const std::string& name) { return value_loss_registry().at(name, "algo.value_loss"); }
-
-std::vector<std::string> value_loss_names() { return value_loss_registry().names(); }
+TILLER_REGISTRY_DEFINE(value_loss, ValueLossDef, value_loss_registry, "algo.value_loss")
 
 at::Tensor entropy_bonus(const at::Tensor& entropy, double coef, double normalizer) {
   TILLER_CHECK(normalizer > 0, "entropy_bonus: normalizer must be > 0");

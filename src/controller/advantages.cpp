@@ -70,7 +70,7 @@ AdvantageSpec AdvantageSpec::from_job(const JobConfig& job, bool have_ref) {
   return s;
 }
 
-bool AdvantageSpec::skips_whitening() const { return algo::advantage_estimator(estimator).normalized; }
+bool AdvantageSpec::skips_whitening() const { return algo::find_advantage_estimator(estimator).normalized; }
 
 double overlong_penalty(int64_t length, int64_t max_new_tokens, int64_t buffer, double penalty) {
   if (buffer <= 0) return 0;
@@ -161,7 +161,7 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
       }
     return r;
   };
-  const algo::AdvantageEstimatorDef& est = algo::advantage_estimator(spec.estimator);
+  const algo::AdvantageEstimatorDef& est = algo::find_advantage_estimator(spec.estimator);
   algo::AdvantageInputs in;
   in.scores = scores;
   in.rewards = token_rewards();

@@ -134,18 +134,14 @@ Registry<AgentHarnessFactory>& harnesses() {
 
 }  // namespace
 
-void register_agent_harness(const std::string& name, AgentHarnessFactory make) {
-  harnesses().add(name, std::move(make));
-}
-
-std::vector<std::string> agent_harness_names() { return harnesses().names(); }
+TILLER_REGISTRY_DEFINE(agent_harness, AgentHarnessFactory, harnesses, "agent.harness")
 
 std::shared_ptr<AgentHarness> make_agent_harness(const JobConfig& job) {
   const std::string& spec = job.agent.harness;
   const size_t colon = spec.rfind(':');
   const std::string file = colon == std::string::npos ? spec : spec.substr(0, colon);
   if (file.size() > 3 && file.compare(file.size() - 3, 3, ".py") == 0) return python::python_agent_harness(spec);
-  std::shared_ptr<AgentHarness> h = harnesses().at(spec, "agent.harness")(job);
+  std::shared_ptr<AgentHarness> h = find_agent_harness(spec)(job);
   if (!h) throw ConfigError(fmt::format("agent.harness = '{}': its factory made no harness", spec));
   return h;
 }

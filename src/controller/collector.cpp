@@ -49,7 +49,7 @@ CollectorConfig CollectorConfig::from_job(const JobConfig& job, const std::vecto
   c.layout.critic = have_critic;
   c.loop = job_sample_loop(job);
   c.job = &job;
-  c.layout.turns = sample_loop(c.loop).turns;
+  c.layout.turns = find_sample_loop(c.loop).turns;
   c.env_threads = static_cast<int>(job.env.concurrency);
   c.env_timeout_s = job.env.timeout_s;
   c.max_turns = job.rollout.max_turns;
@@ -65,7 +65,7 @@ RolloutCollector::RolloutCollector(const CollectorConfig& cfg, EngineSet& engine
       groups_(scoring_groups(groups, cfg.score_actor)) {
   TILLER_CHECK(cfg_.batch_size >= 1 && cfg_.n >= 1 && cfg_.staleness >= 0, "collector: bad sizes");
   TILLER_CHECK(engines_.size() > 0, "collector: no engine");
-  const SampleLoopDef& def = sample_loop(cfg_.loop);
+  const SampleLoopDef& def = find_sample_loop(cfg_.loop);
   loop_turns_ = def.turns;
   TILLER_CHECK(cfg_.layout.turns == loop_turns_, "collector: layout.turns {} for the sample loop '{}' (turns {})",
                cfg_.layout.turns, cfg_.loop, loop_turns_);

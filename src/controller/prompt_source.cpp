@@ -53,7 +53,7 @@ Registry<PromptSourceDef>& sources() {
 
 }  // namespace
 
-void register_prompt_source(const std::string& name, PromptSourceDef def) { sources().add(name, std::move(def)); }
+TILLER_REGISTRY_DEFINE(prompt_source, PromptSourceDef, sources, "data.source")
 
 data::DatasetOptions job_dataset_options(const JobConfig& cfg, const model::Tokenizer& tok) {
   data::DatasetOptions d;
@@ -72,12 +72,9 @@ data::DatasetOptions job_dataset_options(const JobConfig& cfg, const model::Toke
   return d;
 }
 
-const PromptSourceDef& prompt_source(const std::string& name) { return sources().at(name, "data.source"); }
-
-std::vector<std::string> prompt_source_names() { return sources().names(); }
 
 std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const model::Tokenizer& tokenizer) {
-  const PromptSourceDef& def = prompt_source(job.data.source);
+  const PromptSourceDef& def = find_prompt_source(job.data.source);
   PromptSourceContext ctx;
   ctx.job = &job;
   ctx.tokenizer = &tokenizer;

@@ -73,15 +73,11 @@ void append_turn(engine::SampleOutput& o, engine::SampleOutput& s) {
   o.route_width = s.route_width;
 }
 
-void register_sample_loop(const std::string& name, SampleLoopDef def) { loops().add(name, std::move(def)); }
-
-const SampleLoopDef& sample_loop(const std::string& name) { return loops().at(name, "rollout.loop"); }
-
-std::vector<std::string> sample_loop_names() { return loops().names(); }
+TILLER_REGISTRY_DEFINE(sample_loop, SampleLoopDef, loops, "rollout.loop")
 
 std::string job_sample_loop(const JobConfig& job) {
   const std::string name = !job.rollout.loop.empty() ? job.rollout.loop : job.multi_turn() ? "multi_turn" : "single_turn";
-  const SampleLoopDef& def = sample_loop(name);
+  const SampleLoopDef& def = find_sample_loop(name);
   if (def.needs_environment && !job.multi_turn())
     throw ConfigError(fmt::format("rollout.loop = {}: this loop needs an environment; set env.type (inprocess or "
                                   "remote) and env.name or env.address",

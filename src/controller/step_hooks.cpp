@@ -28,11 +28,7 @@ std::string trim(const std::string& s) {
 
 }  // namespace
 
-void register_step_hook(const std::string& name, StepHookDef def) { hooks().add(name, std::move(def)); }
-
-const StepHookDef& step_hook(const std::string& name) { return hooks().at(name, "train.step_hooks"); }
-
-std::vector<std::string> step_hook_names() { return hooks().names(); }
+TILLER_REGISTRY_DEFINE(step_hook, StepHookDef, hooks, "train.step_hooks")
 
 std::vector<std::pair<std::string, const StepHookDef*>> parse_step_hooks(const std::string& list) {
   std::vector<std::pair<std::string, const StepHookDef*>> out;
@@ -46,7 +42,7 @@ std::vector<std::pair<std::string, const StepHookDef*>> parse_step_hooks(const s
                                     list));
     if (std::any_of(out.begin(), out.end(), [&](const auto& h) { return h.first == name; }))
       throw ConfigError(fmt::format("train.step_hooks = '{}': '{}' is named twice; name each hook once", list, name));
-    out.emplace_back(name, &step_hook(name));
+    out.emplace_back(name, &find_step_hook(name));
     if (comma == std::string::npos) break;
     begin = comma + 1;
   }

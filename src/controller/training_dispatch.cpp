@@ -21,7 +21,7 @@ TrainingConfig TrainingConfig::from_job(const JobConfig& job, bool have_ref) {
   c.micro_batch_tokens = job.train.micro_batch_tokens;
   c.max_new_tokens = job.response_limit();
   c.constant_normalizer =
-      algo::advantage_estimator(job.algo.advantage_estimator).loss_normalizer == algo::LossNormalizer::kConstant;
+      algo::find_advantage_estimator(job.algo.advantage_estimator).loss_normalizer == algo::LossNormalizer::kConstant;
   c.kl_loss = !job.algo.kl_in_reward && have_ref;
   c.seed = static_cast<uint64_t>(job.run.seed);
   c.actor_lr = job.train.actor_lr;

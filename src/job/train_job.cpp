@@ -270,9 +270,9 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   // rank starts: every rank sees the same registrations, so every rank refuses alike.
   algo::check_config(cfg);
   parse_step_hooks(cfg.train.step_hooks);
-  prompt_source(cfg.data.source);
+  find_prompt_source(cfg.data.source);
   job_sample_loop(cfg);
-  if (const std::string scorer = reward::job_batch_scorer(cfg); !scorer.empty()) reward::batch_scorer(scorer);
+  if (const std::string scorer = reward::job_batch_scorer(cfg); !scorer.empty()) reward::find_batch_scorer(scorer);
 
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
   const dist::DeviceChoice placed =

@@ -55,11 +55,7 @@ Registry<BatchScorerDef>& scorers() {
 
 }  // namespace
 
-void register_batch_scorer(const std::string& name, BatchScorerDef def) { scorers().add(name, std::move(def)); }
-
-const BatchScorerDef& batch_scorer(const std::string& name) { return scorers().at(name, "reward.scorer"); }
-
-std::vector<std::string> batch_scorer_names() { return scorers().names(); }
+TILLER_REGISTRY_DEFINE(batch_scorer, BatchScorerDef, scorers, "reward.scorer")
 
 std::string job_batch_scorer(const JobConfig& job) {
   switch (job.reward.type) {
@@ -73,7 +69,7 @@ std::string job_batch_scorer(const JobConfig& job) {
 ScorerSetup make_job_batch_scorer(const JobConfig& job) {
   const std::string name = job_batch_scorer(job);
   TILLER_CHECK(!name.empty(), "reward.type = {} is not scored by a batch scorer", enum_name(job.reward.type));
-  ScorerSetup s = batch_scorer(name).make(job);
+  ScorerSetup s = find_batch_scorer(name).make(job);
   if (!s.scorer)
     throw ConfigError(fmt::format("batch scorer '{}': its factory returned no scorer", name));
   if (s.batch_size < 1 || s.batch_size > 4096 || s.concurrency < 1 || s.concurrency > 4096)

@@ -65,7 +65,7 @@ MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy
   if (in.ref_logp.defined()) pin.ref_logp = pick(in.ref_logp);
   pin.clip = spec.clip;
   pin.normalizer = in.normalizer;
-  algo::PolicyLoss pl = algo::policy_loss_def(spec.policy_loss).compute(pin);
+  algo::PolicyLoss pl = algo::find_policy_loss(spec.policy_loss).compute(pin);
   out.loss = scalar_loss("policy loss", spec.policy_loss, pl.loss);
   pl.clipped_tokens = statistic(pl.clipped_tokens, logp.device());
   pl.kl_sum = statistic(pl.kl_sum, logp.device());
@@ -105,7 +105,7 @@ MicroBatchLoss critic_loss(const at::Tensor& value_rows, const TrainCriticReques
   vin.returns = pick(in.returns);
   vin.clip = spec.value_clip;
   vin.normalizer = in.normalizer;
-  algo::ValueLoss vl = algo::value_loss_def(spec.value_loss).compute(vin);
+  algo::ValueLoss vl = algo::find_value_loss(spec.value_loss).compute(vin);
   out.loss = scalar_loss("value loss", spec.value_loss, vl.loss);
   const at::Tensor zero = statistic({}, values.device());
   out.stats = at::stack({out.loss.detach().to(at::kDouble), statistic(vl.clipped_tokens, values.device()), zero, zero});

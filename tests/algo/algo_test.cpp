@@ -172,10 +172,10 @@ TEST(Algo, PlainPolicyGradientLoss) {
   in.advantages = adv;
   in.is_weights = w;
   in.normalizer = 2.0;
-  expect_values(policy_loss_def("pg").compute(in).loss, {-0.25});
-  expect_values(policy_loss_def("ppo").compute(in).loss,
+  expect_values(find_policy_loss("pg").compute(in).loss, {-0.25});
+  expect_values(find_policy_loss("ppo").compute(in).loss,
                 {policy_loss(in.logp, old, adv, in.clip, 2.0, w).loss.item<double>()});
-  EXPECT_EQ(error_of([] { policy_loss_def("ppo2"); }),
+  EXPECT_EQ(error_of([] { find_policy_loss("ppo2"); }),
             "algo.policy_loss = 'ppo2': not a registered policy loss (registered: pg, ppo); did you mean 'ppo'?");
   EXPECT_EQ(error_of([] { register_policy_loss("ppo", {}); }), "policy loss 'ppo': no compute function");
 }
@@ -188,15 +188,15 @@ TEST(Algo, ValueLossEntropyAndImportanceCap) {
   expect_values(value_loss(t({1.0, 2.0}), t({0.5, 2.0}), t({2.0, 1.0}), 0, 2.0).loss, {0.5});
   // The built-in through the registry (algo.value_loss: clipped): the same numbers.
   ValueLossInputs in{t({1.0, 2.0}), t({0.5, 2.0}), t({2.0, 1.0}), 0.2, 2.0};
-  const ValueLoss r = value_loss_def("clipped").compute(in);
+  const ValueLoss r = find_value_loss("clipped").compute(in);
   expect_values(r.loss, {0.6725});
   EXPECT_NEAR(r.clip_fraction(), 0.5, 1e-12);
   const std::vector<std::string> names = value_loss_names();
   EXPECT_NE(std::find(names.begin(), names.end(), "clipped"), names.end());
-  EXPECT_NE(error_of([] { value_loss_def("cliped"); })
+  EXPECT_NE(error_of([] { find_value_loss("cliped"); })
                 .find("algo.value_loss = 'cliped': not a registered value loss (registered: clipped"),
             std::string::npos);
-  EXPECT_NE(error_of([] { value_loss_def("cliped"); }).find("did you mean 'clipped'?"), std::string::npos);
+  EXPECT_NE(error_of([] { find_value_loss("cliped"); }).find("did you mean 'clipped'?"), std::string::npos);
   expect_values(entropy_bonus(t({1, 2, 3}), 0.01, 3.0), {-0.02});
   // exp(0 - -1) = e capped at 2; exp(-1 - 0).
   expect_values(truncated_is_weights(t({0, -1}), t({-1, 0}), 2.0), {2.0, std::exp(-1.0)});
@@ -223,17 +223,17 @@ TEST(AdvantageEstimators, BuiltInsAreRegisteredWithTheirRecords) {
     if (n.rfind("test_", 0) != 0) builtin.push_back(n);
   EXPECT_EQ(builtin,
             (std::vector<std::string>{"dr_grpo", "gae", "group_norm", "reinforce", "reinforce_baseline", "rloo"}));
-  EXPECT_TRUE(advantage_estimator("gae").needs_critic);
-  EXPECT_FALSE(advantage_estimator("gae").group_baseline);
+  EXPECT_TRUE(find_advantage_estimator("gae").needs_critic);
+  EXPECT_FALSE(find_advantage_estimator("gae").group_baseline);
   for (const char* g : {"rloo", "reinforce_baseline", "group_norm", "dr_grpo"}) {
-    EXPECT_TRUE(advantage_estimator(g).group_baseline) << g;
-    EXPECT_FALSE(advantage_estimator(g).needs_critic) << g;
+    EXPECT_TRUE(find_advantage_estimator(g).group_baseline) << g;
+    EXPECT_FALSE(find_advantage_estimator(g).needs_critic) << g;
   }
-  EXPECT_TRUE(advantage_estimator("group_norm").normalized);
-  EXPECT_TRUE(advantage_estimator("dr_grpo").normalized);
-  EXPECT_FALSE(advantage_estimator("rloo").normalized);
-  EXPECT_EQ(advantage_estimator("dr_grpo").loss_normalizer, LossNormalizer::kConstant);
-  EXPECT_EQ(advantage_estimator("group_norm").loss_normalizer, LossNormalizer::kTokenMean);
+  EXPECT_TRUE(find_advantage_estimator("group_norm").normalized);
+  EXPECT_TRUE(find_advantage_estimator("dr_grpo").normalized);
+  EXPECT_FALSE(find_advantage_estimator("rloo").normalized);
+  EXPECT_EQ(find_advantage_estimator("dr_grpo").loss_normalizer, LossNormalizer::kConstant);
+  EXPECT_EQ(find_advantage_estimator("group_norm").loss_normalizer, LossNormalizer::kTokenMean);
 }
 
 TEST(AdvantageEstimators, AnUnknownNameIsRefusedWithTheRegisteredOnesAndTheClosest) {
@@ -318,3 +318,38 @@ TEST(Registry, FindsAtAndNames) {
 
 }  // namespace
 }  // namespace tiller::algo
+
+// A registry of one's own through the two macros: one declaration, one definition, the three
+// functions every registry has; and the lookups' old names find what find_x finds.
+namespace tiller::widgets {
+struct WidgetDef {
+  int size = 0;
+};
+TILLER_REGISTRY_API(widget, WidgetDef);
+namespace {
+Registry<WidgetDef>& widgets() {
+  static auto* r = [] {
+    auto* reg = new Registry<WidgetDef>("widget", [](const WidgetDef& d) { return d.size > 0 ? "" : "no size"; });
+    reg->add("builtin", WidgetDef{3});
+    return reg;
+  }();
+  return *r;
+}
+}  // namespace
+TILLER_REGISTRY_DEFINE(widget, WidgetDef, widgets, "x.widget")
+
+namespace {
+TEST(Registry, TheMacrosGiveARegistryItsThreeFunctions) {
+  register_widget("mine", WidgetDef{5});
+  EXPECT_EQ(find_widget("mine").size, 5);
+  EXPECT_EQ(find_widget("builtin").size, 3);
+  EXPECT_EQ(widget_names(), (std::vector<std::string>{"builtin", "mine"}));
+  EXPECT_EQ(tiller::error_of([] { find_widget("mne"); }),
+            "x.widget = 'mne': not a registered widget (registered: builtin, mine); did you mean 'mine'?");
+  EXPECT_EQ(tiller::error_of([] { register_widget("empty", WidgetDef{}); }), "widget 'empty': no size");
+  // The old lookup names forward to find_x.
+  EXPECT_EQ(&algo::policy_loss_def("ppo"), &algo::find_policy_loss("ppo"));
+  EXPECT_EQ(&algo::advantage_estimator("gae"), &algo::find_advantage_estimator("gae"));
+}
+}  // namespace
+}  // namespace tiller::widgets

@@ -27,6 +27,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "tiller/core/config.h"
+#include "tiller/core/registry_api.h"
 
 namespace tiller::algo {
 
@@ -69,11 +70,11 @@ struct AdvantageEstimatorDef {
 };
 
 // Adds an estimator; a ConfigError for an invalid name, one registered already, or no function.
-void register_advantage_estimator(const std::string& name, AdvantageEstimatorDef def);
-// The estimator registered as `name`; a ConfigError naming algo.advantage_estimator, the
-// registered names and the closest one otherwise.
-const AdvantageEstimatorDef& advantage_estimator(const std::string& name);
-std::vector<std::string> advantage_estimator_names();
+// find_advantage_estimator: the estimator registered as `name`; a ConfigError naming
+// algo.advantage_estimator, the registered names and the closest one otherwise.
+TILLER_REGISTRY_API(advantage_estimator, AdvantageEstimatorDef);
+// The lookup's old name, for one release.
+inline const AdvantageEstimatorDef& advantage_estimator(const std::string& name) { return find_advantage_estimator(name); }
 
 // The job's rules that depend on the algorithm's registered pieces (the advantage and KL estimators
 // exist; a critic

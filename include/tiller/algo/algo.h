@@ -23,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "tiller/core/config.h"
+#include "tiller/core/registry_api.h"
 
 namespace tiller::algo {
 
@@ -38,11 +39,11 @@ struct KlEstimatorDef {
   std::string summary;  // one line
 };
 // A ConfigError for an invalid name, one registered already, or no function.
-void register_kl_estimator(const std::string& name, KlEstimatorDef def);
-// The estimator registered as `name`; a ConfigError naming algo.kl_estimator, the registered names
-// and the closest one otherwise.
-const KlEstimatorDef& kl_estimator(const std::string& name);
-std::vector<std::string> kl_estimator_names();
+// find_kl_estimator: the estimator registered as `name`; a ConfigError naming algo.kl_estimator,
+// the registered names and the closest one otherwise.
+TILLER_REGISTRY_API(kl_estimator, KlEstimatorDef);
+// The lookup's old name, for one release.
+inline const KlEstimatorDef& kl_estimator(const std::string& name) { return find_kl_estimator(name); }
 // The named estimator on these log-probs; its result is checked to be one value per token.
 at::Tensor kl_estimate(const at::Tensor& logp, const at::Tensor& ref_logp, const std::string& estimator);
 
@@ -147,11 +148,11 @@ struct PolicyLossDef {
   std::string summary;  // one line
 };
 // A ConfigError for an invalid name, one registered already, or no function.
-void register_policy_loss(const std::string& name, PolicyLossDef def);
-// The loss registered as `name`; a ConfigError naming algo.policy_loss, the registered names and
-// the closest one otherwise.
-const PolicyLossDef& policy_loss_def(const std::string& name);
-std::vector<std::string> policy_loss_names();
+// find_policy_loss: the loss registered as `name`; a ConfigError naming algo.policy_loss, the
+// registered names and the closest one otherwise.
+TILLER_REGISTRY_API(policy_loss, PolicyLossDef);
+// The lookup's old name, for one release.
+inline const PolicyLossDef& policy_loss_def(const std::string& name) { return find_policy_loss(name); }
 
 // Clipped value loss: 0.5 * max((v - R)^2, (old_v + clamp(v - old_v, +-clip) - R)^2) summed /
 // normalizer (clip <= 0: unclipped). clip_fraction: tokens where the clipped term was larger.
@@ -181,11 +182,11 @@ struct ValueLossDef {
   std::string summary;  // one line
 };
 // A ConfigError for an invalid name, one registered already, or no function.
-void register_value_loss(const std::string& name, ValueLossDef def);
-// The loss registered as `name`; a ConfigError naming algo.value_loss, the registered names and the
-// closest one otherwise.
-const ValueLossDef& value_loss_def(const std::string& name);
-std::vector<std::string> value_loss_names();
+// find_value_loss: the loss registered as `name`; a ConfigError naming algo.value_loss, the
+// registered names and the closest one otherwise.
+TILLER_REGISTRY_API(value_loss, ValueLossDef);
+// The lookup's old name, for one release.
+inline const ValueLossDef& value_loss_def(const std::string& name) { return find_value_loss(name); }
 // -coef * sum(entropy) / normalizer: added to the policy loss, it rewards entropy.
 at::Tensor entropy_bonus(const at::Tensor& entropy, double coef, double normalizer);
 // KL as a loss: coef * sum(kl_estimate(logp, ref_logp, k)) / normalizer (differentiable in logp).

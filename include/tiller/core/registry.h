@@ -1,5 +1,7 @@
-// Named components that a trainer of one's own can add to: one mechanism behind every registry
-// (the algorithm pieces, reward scorers, prompt sources and step hooks; docs/library.md lists them). A registry holds entries by name;
+// Named components that a trainer of one's own can add to: one mechanism behind the registries
+// (the algorithm pieces, reward scorers, prompt sources, step hooks, sample loops and agent
+// harnesses; docs/library.md lists them), each with the same three functions: register_x, find_x
+// and x_names (TILLER_REGISTRY_API below). A registry holds entries by name;
 // tiller's built-in entries go in through the same `add` as a user's, the first time the registry
 // is used, so a user's registration before `run_main` sits beside them.
 //
@@ -23,6 +25,7 @@
 #include <fmt/ranges.h>
 
 #include "tiller/core/error.h"
+#include "tiller/core/registry_api.h"
 #include "tiller/core/spelling.h"
 
 namespace tiller {
@@ -98,3 +101,12 @@ class Registry {
 };
 
 }  // namespace tiller
+
+// Defines a registry's three functions (declared by TILLER_REGISTRY_API, tiller/core/registry_api.h)
+// over the function that returns its Registry<T>, built-ins added on first use, and the config
+// key that names an entry:
+//   TILLER_REGISTRY_DEFINE(advantage_estimator, AdvantageEstimatorDef, registry, "algo.advantage_estimator")
+#define TILLER_REGISTRY_DEFINE(x, T, registry_fn, key)                                                \
+  void register_##x(const std::string& name, T entry) { registry_fn().add(name, std::move(entry)); } \
+  const T& find_##x(const std::string& name) { return registry_fn().at(name, key); }                 \
+  std::vector<std::string> x##_names() { return registry_fn().names(); }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tiller/core/config.h"
+#include "tiller/core/registry_api.h"
 #include "tiller/reward/batched_reward.h"
 
 namespace tiller::reward {
@@ -36,11 +37,11 @@ struct BatchScorerDef {
 };
 
 // A ConfigError for an invalid name, one registered already, or no factory.
-void register_batch_scorer(const std::string& name, BatchScorerDef def);
-// The scorer registered as `name`; a ConfigError naming reward.scorer, the registered names and the
-// closest one otherwise.
-const BatchScorerDef& batch_scorer(const std::string& name);
-std::vector<std::string> batch_scorer_names();
+// find_batch_scorer: the scorer registered as `name`; a ConfigError naming reward.scorer, the registered names and
+// the closest one otherwise.
+TILLER_REGISTRY_API(batch_scorer, BatchScorerDef);
+// The lookup's old name, for one release.
+inline const BatchScorerDef& batch_scorer(const std::string& name) { return find_batch_scorer(name); }
 
 // The batch scorer a job's reward uses: "remote", "python", reward.scorer (reward.type scorer), or
 // "" (rule, model and env rewards are not batch scorers).

@@ -19,6 +19,7 @@
 
 #include "tiller/core/config.h"
 #include "tiller/core/deadline.h"
+#include "tiller/core/registry_api.h"
 
 namespace tiller::rollout {
 
@@ -54,10 +55,10 @@ class AgentHarness {
 
 using AgentHarnessFactory = std::function<std::shared_ptr<AgentHarness>(const JobConfig& job)>;
 // A ConfigError for an invalid name, one registered already, or no factory.
-void register_agent_harness(const std::string& name, AgentHarnessFactory make);
-// agent.harness made: a Python FILE.py:FUNCTION, or a registered name (ConfigError naming the key,
-// the names and the closest otherwise).
+// find_agent_harness: the harness factory registered as `name`; a ConfigError naming agent.harness, the registered names and
+// the closest one otherwise.
+TILLER_REGISTRY_API(agent_harness, AgentHarnessFactory);
+// agent.harness made: a Python FILE.py:FUNCTION, or a registered name (find_agent_harness).
 std::shared_ptr<AgentHarness> make_agent_harness(const JobConfig& job);
-std::vector<std::string> agent_harness_names();
 
 }  // namespace tiller::rollout

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "tiller/data/prompt_dataset.h"
+#include "tiller/rollout/epoch_order.h"
 
 namespace tiller::rollout {
 using data::DatasetOptions;

@@ -20,7 +20,8 @@
 #include <vector>
 
 #include "tiller/core/config.h"
-#include "tiller/data/prompt_dataset.h"
+#include "tiller/core/registry_api.h"
+#include "tiller/rollout/prompt_dataset.h"  // data::Prompt, and rollout::Prompt for one release
 
 namespace tiller::model {
 class Tokenizer;
@@ -55,11 +56,11 @@ struct PromptSourceDef {
 };
 
 // A ConfigError for an invalid name, one registered already, or no factory.
-void register_prompt_source(const std::string& name, PromptSourceDef def);
-// The source registered as `name`; a ConfigError naming data.source, the registered names and the
-// closest one otherwise.
-const PromptSourceDef& prompt_source(const std::string& name);
-std::vector<std::string> prompt_source_names();
+// find_prompt_source: the source registered as `name`; a ConfigError naming data.source, the registered names and
+// the closest one otherwise.
+TILLER_REGISTRY_API(prompt_source, PromptSourceDef);
+// The lookup's old name, for one release.
+inline const PromptSourceDef& prompt_source(const std::string& name) { return find_prompt_source(name); }
 
 // The job's source (data.source), made with the job's tokenizer.
 std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const model::Tokenizer& tokenizer);

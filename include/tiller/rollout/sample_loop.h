@@ -34,10 +34,11 @@
 #include <vector>
 
 #include "tiller/core/config.h"
+#include "tiller/core/registry_api.h"
 #include "tiller/engine/engine.h"
 #include "tiller/model/sampling_params.h"
 #include "tiller/rollout/experience.h"
-#include "tiller/data/prompt_dataset.h"
+#include "tiller/rollout/prompt_dataset.h"  // data::Prompt, and rollout::Prompt for one release
 
 namespace tiller::env {
 class Environment;
@@ -144,11 +145,11 @@ struct SampleLoopDef {
 };
 
 // A ConfigError for an invalid name, one registered already, or no factory.
-void register_sample_loop(const std::string& name, SampleLoopDef def);
-// The loop registered as `name`; a ConfigError naming rollout.loop, the registered names and the
-// closest one otherwise.
-const SampleLoopDef& sample_loop(const std::string& name);
-std::vector<std::string> sample_loop_names();
+// find_sample_loop: the loop registered as `name`; a ConfigError naming rollout.loop, the registered names and
+// the closest one otherwise.
+TILLER_REGISTRY_API(sample_loop, SampleLoopDef);
+// The lookup's old name, for one release.
+inline const SampleLoopDef& sample_loop(const std::string& name) { return find_sample_loop(name); }
 // The job's loop name: rollout.loop, or multi_turn with an environment and single_turn without;
 // its definition checked against the job (an environment where it needs one).
 std::string job_sample_loop(const JobConfig& job);

@@ -18,9 +18,10 @@
 #include <utility>
 #include <vector>
 
+#include "tiller/core/registry_api.h"
 #include "tiller/rollout/experience.h"
 #include "tiller/rollout/metrics.h"
-#include "tiller/data/prompt_dataset.h"
+#include "tiller/rollout/prompt_dataset.h"  // data::Prompt, and rollout::Prompt for one release
 
 namespace tiller::rollout {
 
@@ -56,11 +57,11 @@ struct StepHookDef {
 };
 
 // A ConfigError for an invalid name, one registered already, or a hook with no function.
-void register_step_hook(const std::string& name, StepHookDef def);
-// The hook registered as `name`; a ConfigError naming train.step_hooks, the registered names and
+// find_step_hook: the hook registered as `name`; a ConfigError naming train.step_hooks, the registered names and
 // the closest one otherwise.
-const StepHookDef& step_hook(const std::string& name);
-std::vector<std::string> step_hook_names();
+TILLER_REGISTRY_API(step_hook, StepHookDef);
+// The lookup's old name, for one release.
+inline const StepHookDef& step_hook(const std::string& name) { return find_step_hook(name); }
 // The hooks of a train.step_hooks value ("", or names separated by commas, spaces allowed), in
 // order; a ConfigError for an unknown name, an empty one or one given twice.
 std::vector<std::pair<std::string, const StepHookDef*>> parse_step_hooks(const std::string& list);
