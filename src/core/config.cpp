@@ -1,6 +1,7 @@
 #include "tiller/core/config.h"
 
 #include <algorithm>
+#include <utility>
 #include <cmath>
 #include <map>
 #include <sstream>
@@ -263,13 +264,22 @@ bool is_trainer_role(const std::string& name) {
 }
 
 const RoleConfig& role_by_name(const JobConfig& c, const std::string& name) {
-  if (name == "actor") return c.roles.actor;
-  if (name == "critic") return c.roles.critic;
-  if (name == "ref") return c.roles.ref;
-  return c.roles.reward;
+  return role_config(c, parse_role(name).value_or(Role::kReward));
 }
 
 }  // namespace
+
+const RoleConfig& role_config(const JobConfig& c, Role r) {
+  switch (r) {
+    case Role::kActor: return c.roles.actor;
+    case Role::kCritic: return c.roles.critic;
+    case Role::kRef: return c.roles.ref;
+    case Role::kReward: return c.roles.reward;
+  }
+  return c.roles.actor;
+}
+
+RoleConfig& role_config(JobConfig& c, Role r) { return const_cast<RoleConfig&>(role_config(std::as_const(c), r)); }
 
 void JobConfig::validate() const {
   if (!roles.actor.enabled) throw ConfigError("roles.actor.enabled: the actor cannot be disabled");

@@ -43,16 +43,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-const RoleConfig& role_config(const JobConfig& cfg, Role role) {
-  switch (role) {
-    case Role::kActor: return cfg.roles.actor;
-    case Role::kCritic: return cfg.roles.critic;
-    case Role::kRef: return cfg.roles.ref;
-    case Role::kReward: return cfg.roles.reward;
-  }
-  return cfg.roles.actor;
-}
-
 // The model directory a role loads: its own, else the actor's (ref, critic).
 std::string role_model_dir(const JobConfig& cfg, Role role) {
   const RoleConfig& r = role_config(cfg, role);

@@ -13,6 +13,8 @@
 #include <string_view>
 #include <vector>
 
+#include "tiller/core/roles.h"
+
 namespace tiller {
 
 // Keys with a fixed set of values are enums, parsed once when the config is loaded; the YAML
@@ -566,6 +568,10 @@ struct JobConfig {
   // (docs/training.md, the hybrid engine). False outside hybrid jobs.
   bool hybrid_scores_after_generate(BackendKind backend) const;
 };
+
+// A role's settings by its Role: roles.actor, roles.critic, roles.ref or roles.reward.
+const RoleConfig& role_config(const JobConfig& c, Role r);
+RoleConfig& role_config(JobConfig& c, Role r);
 
 // The backend a plan made without the ranks assumes (tiller plan, the memory plan): cluster.backend,
 // or for auto MPI when cluster.device is cpu and NCCL otherwise, as a GPU run chooses
