@@ -1,24 +1,19 @@
 #include "controller/checkpoint_manager.h"
 
-#include <algorithm>
-#include <filesystem>
+#include <utility>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "tiller/core/error.h"
-#include "tiller/core/file_system.h"
-#include "tiller/core/files.h"
 
 namespace tiller::rollout {
 namespace {
 
-namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 
 constexpr const char* kFormat = "tiller-controller-2";
 constexpr const char* kFormatV1 = "tiller-controller-1";  // before the asynchronous pipeline: nothing in flight
-constexpr size_t kMaxStepDigits = 15;
 
 }  // namespace
 
@@ -71,76 +66,16 @@ ControllerState ControllerState::from_json(const std::string& text, const std::s
   return s;
 }
 
-CheckpointManager::CheckpointManager(std::string root, int64_t keep_last)
-    : root_(std::move(root)), keep_last_(std::max<int64_t>(1, keep_last)) {}
+CheckpointManager::CheckpointManager(std::string root, int64_t keep_last) : dirs_(std::move(root), keep_last) {}
 
-std::string CheckpointManager::dir(int64_t step) const { return fmt::format("{}/step_{:06d}", root_, step); }
+std::vector<CheckpointManager::Entry> CheckpointManager::list() const { return dirs_.list(); }
 
-std::vector<CheckpointManager::Entry> CheckpointManager::list() const {
-  std::vector<Entry> out;
-  std::error_code ec;
-  if (!enabled() || !fs::is_directory(root_, ec)) return out;
-  for (const auto& e : fs::directory_iterator(root_, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("step_", 0) != 0 || name.find('.') != std::string::npos) continue;
-    const std::string digits = name.substr(5);
-    if (digits.empty() || digits.size() > kMaxStepDigits ||
-        !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      throw ConfigError(fmt::format("checkpoint.dir = {}: '{}' is not a checkpoint name (step_ and a step number); "
-                                    "move it out of the checkpoint directory",
-                                    root_, name));
-    if (!fs::exists(e.path() / "controller.json", ec)) continue;
-    out.push_back({std::stoll(digits), e.path().string()});
-  }
-  std::sort(out.begin(), out.end(), [](const Entry& a, const Entry& b) { return a.step < b.step; });
-  return out;
-}
-
-std::string CheckpointManager::begin(int64_t step) const {
-  const std::string d = dir(step);
-  FileSystem& fsys = FileSystem::current();
-  fsys.remove_file(d + "/controller.json");  // incomplete until commit
-  fsys.make_dirs(d);
-  return d;
-}
-
-void CheckpointManager::commit(int64_t step, const ControllerState& state) const {
-  write_file_atomic(dir(step) + "/controller.json", state.to_json());
-  auto all = list();
-  while (static_cast<int64_t>(all.size()) > keep_last_) {
-    remove_tree(all.front().dir);
-    all.erase(all.begin());
-  }
-}
-
-std::vector<std::string> CheckpointManager::remove_incomplete() const {
-  std::vector<std::string> removed;
-  std::error_code ec;
-  if (!enabled() || !fs::is_directory(root_, ec)) return removed;
-  list();  // refuses a stray step_* name before anything is removed
-  std::vector<fs::path> doomed;
-  for (const auto& e : fs::directory_iterator(root_, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("step_", 0) != 0 || name.find('.') != std::string::npos || !e.is_directory(ec)) continue;
-    if (!fs::exists(e.path() / "controller.json", ec)) doomed.push_back(e.path());
-  }
-  std::sort(doomed.begin(), doomed.end());
-  for (const auto& p : doomed) {
-    remove_tree(p.string());
-    removed.push_back(p.filename().string());
-  }
-  if (!removed.empty()) fsync_dir(root_);
-  return removed;
-}
+void CheckpointManager::commit(int64_t step, const ControllerState& state) const { dirs_.commit(step, state.to_json()); }
 
 std::optional<std::pair<CheckpointManager::Entry, ControllerState>> CheckpointManager::latest() const {
-  const auto all = list();
-  if (all.empty()) return std::nullopt;
-  const Entry& e = all.back();
-  const std::string path = e.dir + "/controller.json";
-  const auto text = read_file(path);
-  if (!text) throw IoError(fmt::format("{}: cannot be read", path));
-  return std::make_pair(e, ControllerState::from_json(*text, path));
+  const auto l = dirs_.latest();
+  if (!l) return std::nullopt;
+  return std::make_pair(l->entry, ControllerState::from_json(l->marker_text, l->marker_path));
 }
 
 }  // namespace tiller::rollout

@@ -1,10 +1,6 @@
-// The controller's side of checkpoints (private to src/controller): checkpoint.dir/step_NNNNNN/
-// directories, which the trainer ranks fill with their sharded roles (zero/checkpoint.h), and
-// controller.json, the controller's own state, written last and atomically: a directory without
-// it is incomplete and never used, so a job killed while saving keeps its last checkpoint.
-//
-// Names: under checkpoint.dir, step_<digits> is a checkpoint, a name with a dot is a temporary
-// (ignored), and any other step_* name is refused with a message naming it, rather than guessed at.
+// The controller's side of checkpoints (private to src/): its state, controller.json, the marker
+// that completes a step directory of checkpoint.dir (zero/step_checkpoints.h: the layout, the
+// names, completion and pruning).
 #pragma once
 
 #include <cstdint>
@@ -13,6 +9,7 @@
 #include <vector>
 
 #include "controller/collector.h"
+#include "zero/step_checkpoints.h"
 
 namespace tiller::rollout {
 
@@ -34,36 +31,27 @@ struct ControllerState {
   static ControllerState from_json(const std::string& text, const std::string& path);
 };
 
+// The controller's view of the step directories (zero/step_checkpoints.h): the marker is a
+// ControllerState.
 class CheckpointManager {
  public:
-  struct Entry {
-    int64_t step = 0;
-    std::string dir;
-  };
-
+  using Entry = zero::StepCheckpoints::Entry;
   // An empty root: checkpoints are off.
   CheckpointManager(std::string root, int64_t keep_last);
-  bool enabled() const { return !root_.empty(); }
-  const std::string& root() const { return root_; }
-  std::string dir(int64_t step) const;  // root/step_NNNNNN
-
-  // Complete checkpoints, oldest first. ConfigError for a step_* name that is not step_<digits>.
+  bool enabled() const { return dirs_.enabled(); }
+  const std::string& root() const { return dirs_.root(); }
+  std::string dir(int64_t step) const { return dirs_.dir(step); }
   std::vector<Entry> list() const;
-  // Creates step's directory and removes its controller.json (so it counts as incomplete until
-  // commit); returns the directory. IoError names it when it cannot be made.
-  std::string begin(int64_t step) const;
+  std::string begin(int64_t step) const { return dirs_.begin(step); }
   // Writes controller.json (completing the checkpoint), then deletes the oldest complete ones
   // beyond keep_last.
   void commit(int64_t step, const ControllerState& state) const;
-  // Removes the step_<digits> directories that hold no controller.json (a save that a crash cut
-  // short) and returns their names. Only while no job writes here (the supervisor, between runs).
-  std::vector<std::string> remove_incomplete() const;
+  std::vector<std::string> remove_incomplete() const { return dirs_.remove_incomplete(); }
   // The newest complete checkpoint and its state, or nullopt.
   std::optional<std::pair<Entry, ControllerState>> latest() const;
 
  private:
-  std::string root_;
-  int64_t keep_last_;
+  zero::StepCheckpoints dirs_;
 };
 
 }  // namespace tiller::rollout

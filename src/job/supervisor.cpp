@@ -17,7 +17,7 @@
 
 #include <fmt/format.h>
 
-#include "controller/checkpoint_manager.h"
+#include "zero/step_checkpoints.h"
 #include "core/process.h"
 #include "tiller/core/error.h"
 
@@ -179,7 +179,7 @@ int supervise(const SupervisorOptions& options) {
   sigaction(SIGTERM, &sa, nullptr);
   g_signal = 0;
 
-  const CheckpointManager checkpoints(o.checkpoint_dir, 1);
+  const zero::StepCheckpoints checkpoints(o.checkpoint_dir, 1);
   if (!checkpoints.enabled() && o.max_restarts > 0)
     o.log("tiller launch: checkpoint.dir is empty, so a restart starts the run over");
   for (int restart = 0;; ++restart) {
@@ -215,7 +215,7 @@ int supervise(const SupervisorOptions& options) {
     std::string from = "from the start";
     try {
       if (const auto latest = checkpoints.enabled() ? checkpoints.latest() : std::nullopt)
-        from = fmt::format("from the checkpoint of step {}", latest->second.step);
+        from = fmt::format("from the checkpoint of step {}", latest->entry.step);
     } catch (const Error& e) {  // the job will say so itself, naming the file
       from = fmt::format("from the newest checkpoint ({})", e.what());
     }
