@@ -48,7 +48,7 @@ env = dict(os.environ, TILLER_ENGINE_TOKEN=TOKEN)
 def start(model_dir, name, *extra):
     """`tiller engine` on CPU with its OpenAI endpoint; returns the process and its serving line."""
     p = subprocess.Popen([tiller, "engine", "--model", str(model_dir), "--port", "0", "--openai-port", "0", "--device",
-                          "cpu", "--num-blocks", "128", "--block-size", "8", "--served-model-name", name, *extra],
+                          "cpu", "--num-blocks", "512", "--block-size", "8", "--served-model-name", name, *extra],
                          stdout=subprocess.PIPE, text=True, env=env)
     return p, json.loads(p.stdout.readline())
 
@@ -201,7 +201,8 @@ try:
     lock = threading.Lock()
 
     def one_stream(i):
-        body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 24, "ignore_eos": True, "seed": i,
+        # 96 tokens: long enough that the streams overlap on a loaded machine (28 x 13 blocks fit).
+        body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 96, "ignore_eos": True, "seed": i,
                            "stream": True}).encode()
         req = urllib.request.Request(base + "/v1/completions", data=body, method="POST",
                                      headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
