@@ -258,22 +258,45 @@ at::Tensor dequantize_groups(const GroupQuantized& g, c10::ScalarType dtype, int
   return from_groups(as_groups(g.q.to(at::kFloat), group) * g.scale.unsqueeze(-1), g.q.size(-1)).to(dtype);
 }
 
+namespace {
+
+#ifdef TILLER_HAVE_CUDA_KERNELS
+// Whether the GPU's activation kernels take x.
+bool kernel_quantizes(const at::Tensor& x) {
+  const at::ScalarType t = x.scalar_type();
+  return x.is_cuda() && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat);
+}
+
+// x [..., K] quantized by the row kernel (one scale per row: scales [...]) or the tensor kernels
+// (one scale: []), as the row- and tensor-scaled GEMMs (linear()) quantize their activations.
+GroupQuantized quantize_on_gpu(const at::Tensor& x, bool per_tensor) {
+  const int64_t k = x.size(-1);
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
+  const at::Tensor q = at::empty({m, round_up(k, 16)}, x.options().dtype(at::kFloat8_e4m3fn));
+  const cuda::DType t = cuda::kernel_dtype(x.scalar_type());
+  void* stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  at::Tensor s;
+  if (per_tensor) {
+    s = at::ones({}, x.options().dtype(at::kFloat));
+    const at::Tensor partial = at::empty({cuda::kFp8TensorParts}, x.options().dtype(at::kFloat));
+    cuda::quantize_tensor_fp8(t, x2.data_ptr(), m, m, k, k, q.data_ptr(), q.size(1), partial.data_ptr<float>(),
+                              s.data_ptr<float>(), stream);
+  } else {
+    s = at::empty({m}, x.options().dtype(at::kFloat));
+    cuda::quantize_rows_fp8(t, x2.data_ptr(), m, m, k, k, q.data_ptr(), q.size(1), s.data_ptr<float>(), stream);
+    s = s.view(std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - 1));
+  }
+  return {q.narrow(1, 0, k).contiguous().view(x.sizes()), s};
+}
+#endif
+
+}  // namespace
+
 GroupQuantized quantize_rows(const at::Tensor& x) {
   if (x.dim() < 1) throw ConfigError("fp8: activations need at least one axis");
 #ifdef TILLER_HAVE_CUDA_KERNELS
-  const at::ScalarType t = x.scalar_type();
-  if (x.is_cuda() && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat)) {
-    // The row-scaled FP8 GEMM's kernel (linear()).
-    const int64_t k = x.size(-1);
-    const at::Tensor x2 = x.reshape({-1, k}).contiguous();
-    const int64_t m = x2.size(0);
-    const at::Tensor q = at::empty({m, round_up(k, 16)}, x.options().dtype(at::kFloat8_e4m3fn));
-    const at::Tensor s = at::empty({m}, x.options().dtype(at::kFloat));
-    cuda::quantize_rows_fp8(cuda::kernel_dtype(t), x2.data_ptr(), m, m, k, k, q.data_ptr(), q.size(1),
-                            s.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
-    std::vector<int64_t> scale_shape(x.sizes().begin(), x.sizes().end() - 1);
-    return {q.narrow(1, 0, k).contiguous().view(x.sizes()), s.view(scale_shape)};
-  }
+  if (kernel_quantizes(x)) return quantize_on_gpu(x, /*per_tensor=*/false);
 #endif
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor scale = scale_of(xf.abs().amax(-1));
@@ -287,20 +310,7 @@ at::Tensor dequantize_rows(const GroupQuantized& g, c10::ScalarType dtype) {
 GroupQuantized quantize_tensor(const at::Tensor& x) {
   if (x.dim() < 1) throw ConfigError("fp8: activations need at least one axis");
 #ifdef TILLER_HAVE_CUDA_KERNELS
-  const at::ScalarType t = x.scalar_type();
-  if (x.is_cuda() && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat)) {
-    // The per-tensor FP8 GEMM's kernels (linear()).
-    const int64_t k = x.size(-1);
-    const at::Tensor x2 = x.reshape({-1, k}).contiguous();
-    const int64_t m = x2.size(0);
-    const at::Tensor q = at::empty({m, round_up(k, 16)}, x.options().dtype(at::kFloat8_e4m3fn));
-    const at::Tensor s = at::ones({}, x.options().dtype(at::kFloat));
-    const at::Tensor partial = at::empty({cuda::kFp8TensorParts}, x.options().dtype(at::kFloat));
-    cuda::quantize_tensor_fp8(cuda::kernel_dtype(t), x2.data_ptr(), m, m, k, k, q.data_ptr(), q.size(1),
-                              partial.data_ptr<float>(), s.data_ptr<float>(),
-                              c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
-    return {q.narrow(1, 0, k).contiguous().view(x.sizes()), s};
-  }
+  if (kernel_quantizes(x)) return quantize_on_gpu(x, /*per_tensor=*/true);
 #endif
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor scale = scale_of(xf.abs().amax());
