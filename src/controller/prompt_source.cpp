@@ -72,7 +72,6 @@ data::DatasetOptions job_dataset_options(const JobConfig& cfg, const model::Toke
   return d;
 }
 
-
 std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const model::Tokenizer& tokenizer) {
   const PromptSourceDef& def = find_prompt_source(job.data.source);
   PromptSourceContext ctx;
