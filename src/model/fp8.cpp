@@ -87,31 +87,29 @@ const char* scaling_name(Scaling s) {
   return "?";
 }
 
-QuantizedWeight quantize_channels(const at::Tensor& w) {
+namespace {
+
+// The storages of channel and tensor scaling: codes [Np, Kp] (N and K to multiples of 16), and one
+// scale per padded row (channel, [Np], 1 past N) or one scale ([1], seen as []).
+QuantizedWeight padded_rows_or_tensor(const at::Tensor& w, Scaling scaling) {
   if (w.dim() != 2) throw ConfigError(fmt::format("fp8: a quantized weight is 2-D, not {}-D", w.dim()));
-  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t n = w.size(0), k = w.size(1), np = round_up(n, 16);
   QuantizedWeight b;
-  b.scaling = Scaling::kChannel;
-  b.q_storage = at::zeros({round_up(n, 16), round_up(k, 16)}, w.options().dtype(at::kFloat8_e4m3fn));
-  b.scale_storage = at::ones({round_up(n, 16)}, w.options().dtype(at::kFloat));
+  b.scaling = scaling;
+  b.q_storage = at::zeros({np, round_up(k, 16)}, w.options().dtype(at::kFloat8_e4m3fn));
+  b.scale_storage = at::ones({scaling == Scaling::kChannel ? np : 1}, w.options().dtype(at::kFloat));
   b.q = b.q_storage.narrow(0, 0, n).narrow(1, 0, k);
-  b.scale = b.scale_storage.narrow(0, 0, n);
+  // [] for tensor scaling (view({}) would pick the dtype overload).
+  b.scale = scaling == Scaling::kChannel ? b.scale_storage.narrow(0, 0, n) : b.scale_storage.squeeze(0);
   quantize_weight_into(w, b);
   return b;
 }
 
-QuantizedWeight quantize_tensor_weight(const at::Tensor& w) {
-  if (w.dim() != 2) throw ConfigError(fmt::format("fp8: a quantized weight is 2-D, not {}-D", w.dim()));
-  const int64_t n = w.size(0), k = w.size(1);
-  QuantizedWeight b;
-  b.scaling = Scaling::kTensor;
-  b.q_storage = at::zeros({round_up(n, 16), round_up(k, 16)}, w.options().dtype(at::kFloat8_e4m3fn));
-  b.scale_storage = at::ones({1}, w.options().dtype(at::kFloat));
-  b.q = b.q_storage.narrow(0, 0, n).narrow(1, 0, k);
-  b.scale = b.scale_storage.squeeze(0);  // [] (view({}) would pick the dtype overload)
-  quantize_weight_into(w, b);
-  return b;
-}
+}  // namespace
+
+QuantizedWeight quantize_channels(const at::Tensor& w) { return padded_rows_or_tensor(w, Scaling::kChannel); }
+
+QuantizedWeight quantize_tensor_weight(const at::Tensor& w) { return padded_rows_or_tensor(w, Scaling::kTensor); }
 
 QuantizedWeight quantize_weight(const at::Tensor& w, Scaling scaling) {
   switch (scaling) {

@@ -89,7 +89,7 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
 std::string fp8_summary(const ShardedModelOptions& opts) {
   if (!opts.fp8) return "";
   return fmt::format("FP8 GEMMs in the blocks' projections ({} scales) {}",
-                     *opts.fp8 == model::fp8::Scaling::kChannel ? "channel" : "block",
+                     model::fp8::scaling_name(*opts.fp8),
                      model::fp8::tensor_cores(opts.device) ? "on tensor cores" : "emulated (no FP8 tensor cores here)");
 }
 
