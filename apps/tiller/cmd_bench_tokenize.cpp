@@ -12,7 +12,7 @@
 #include "commands.h"
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 
 namespace tiller::cli {
 namespace {
@@ -23,7 +23,7 @@ struct TokenizeBenchOptions {
 };
 
 int run_tokenize_bench(const TokenizeBenchOptions& o) {
-  const auto tok = model::load_tokenizer(o.tokenizer);
+  const auto tok = text::load_tokenizer(o.tokenizer);
   const std::optional<std::string> text = read_file(o.file);
   if (!text) throw IoError(fmt::format("{}: cannot read the text to tokenize", o.file));
   std::vector<int64_t> ids;

@@ -19,8 +19,8 @@
 #include "tiller/engine/engine_weights.h"
 #include "tiller/engine/openai_server.h"
 #include "tiller/engine/server.h"
-#include "tiller/model/chat_template.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/chat_template.h"
+#include "tiller/text/tokenizer.h"
 
 namespace tiller::cli {
 namespace {
@@ -100,8 +100,8 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
   std::unique_ptr<engine::OpenAiServer> openai;
   if (o.openai_port >= 0) {
     // The model's tokenizer and chat template, as `tiller generate` and the trainer read them.
-    std::shared_ptr<const model::Tokenizer> tok = model::load_tokenizer(o.model);
-    const model::ChatTemplate chat = model::load_chat_template(o.chat_template, o.model, *tok);
+    std::shared_ptr<const text::Tokenizer> tok = text::load_tokenizer(o.model);
+    const text::ChatTemplate chat = text::load_chat_template(o.chat_template, o.model, *tok);
     engine::OpenAiOptions ao;
     ao.host = o.host;
     ao.port = o.openai_port;
@@ -115,7 +115,7 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
     // threads held a 1.5B engine to 8k tokens/s at 64 and 256 clients, 0.16-0.32x the gRPC path).
     ao.threads = o.openai_threads > 0 ? o.openai_threads
                                       : static_cast<int>(std::min<int64_t>(o.engine.limits.max_num_seqs + 16, 4096));
-    openai = std::make_unique<engine::OpenAiServer>(server, tok, chat, model::eos_token_ids(o.model, w.config, *tok),
+    openai = std::make_unique<engine::OpenAiServer>(server, tok, chat, text::eos_token_ids(o.model, w.config, *tok),
                                                     eng.max_model_len(), ao);
     log::info("engine: OpenAI-compatible endpoint on {}://{}:{}/v1 (model '{}', chat template {})",
               o.tls_cert.empty() ? "http" : "https", o.host, openai->port(), ao.model_name, chat.name());

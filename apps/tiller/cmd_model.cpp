@@ -19,12 +19,12 @@
 #include "tiller/core/deadline.h"
 #include "tiller/core/files.h"
 #include "tiller/engine/server.h"
-#include "tiller/model/chat_template.h"
+#include "tiller/text/chat_template.h"
 #include "tiller/model/generate.h"
 #include "tiller/model/lora.h"
 #include "tiller/model/model_config.h"
 #include "tiller/model/safetensors.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/model/weights.h"
 
 namespace tiller::cli {
@@ -55,7 +55,7 @@ struct TokenizeOptions {
 };
 
 int run_tokenize(const TokenizeOptions& o) {
-  auto tok = model::load_tokenizer(o.tokenizer);
+  auto tok = text::load_tokenizer(o.tokenizer);
   const std::string text = o.file.empty() ? o.text : read_all(o.file);
   const auto ids = tok->encode(text, o.add_special);
   json tokens = json::array();
@@ -118,11 +118,11 @@ struct Prompt {
   std::vector<int64_t> ids;
 };
 
-std::vector<Prompt> read_prompts(const GenerateOptions& o, const model::Tokenizer& tok) {
+std::vector<Prompt> read_prompts(const GenerateOptions& o, const text::Tokenizer& tok) {
   std::ifstream in(o.prompts);
   if (!in) throw ConfigError(fmt::format("{}: cannot open the prompts file", o.prompts));
-  const model::ChatTemplate chat =
-      model::load_chat_template(o.chat_template, o.tokenizer.empty() ? o.model : o.tokenizer, tok,
+  const text::ChatTemplate chat =
+      text::load_chat_template(o.chat_template, o.tokenizer.empty() ? o.model : o.tokenizer, tok,
                                 o.chat_template_kwargs);
   std::vector<Prompt> out;
   std::string line;
@@ -138,10 +138,10 @@ std::vector<Prompt> read_prompts(const GenerateOptions& o, const model::Tokenize
     if (!j.is_object() || !j.contains(o.input_key))
       throw ConfigError(fmt::format("{}: no key '{}' (choose the field with --input-key)", where, o.input_key));
     const json& v = j[o.input_key];
-    std::vector<model::ChatMessage> messages;
+    std::vector<text::ChatMessage> messages;
     if (v.is_string()) {
       std::string s = v.get<std::string>();
-      if (!o.input_template.empty()) s = model::apply_input_template(o.input_template, s);
+      if (!o.input_template.empty()) s = text::apply_input_template(o.input_template, s);
       messages.push_back({"user", s});
     } else if (v.is_array()) {
       if (!chat.enabled())
@@ -190,14 +190,14 @@ int run_generate(GenerateOptions o) {
     model::bind_lora(m.config, a.spec, adapters, m.weights, o.lora);
     for (auto& [name, t] : adapters) m.tensors[name] = std::move(t);  // kept alive with the model
   }
-  auto tok = model::load_tokenizer(o.tokenizer.empty() ? o.model : o.tokenizer);
+  auto tok = text::load_tokenizer(o.tokenizer.empty() ? o.model : o.tokenizer);
   if (tok->vocab_size() > m.config.vocab_size)
     throw ConfigError(fmt::format("the tokenizer has {} tokens but the model's vocab_size is {}", tok->vocab_size(),
                                   m.config.vocab_size));
   const auto prompts = read_prompts(o, *tok);
   o.sampling.stop_token_ids = o.stop_ids;
   if (!o.ignore_eos)
-    for (int64_t e : model::eos_token_ids(o.model, m.config, *tok)) o.sampling.stop_token_ids.push_back(e);
+    for (int64_t e : text::eos_token_ids(o.model, m.config, *tok)) o.sampling.stop_token_ids.push_back(e);
   std::vector<std::vector<int64_t>> ids;
   for (const auto& p : prompts) ids.push_back(p.ids);
   const auto t0 = std::chrono::steady_clock::now();

@@ -26,8 +26,8 @@
 #include "tiller/core/logging.h"
 #include "tiller/engine/openai_server.h"
 #include "tiller/engine/server.h"
-#include "tiller/model/chat_template.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/chat_template.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/rollout/agent.h"
 
 namespace tiller::rollout {

@@ -93,8 +93,8 @@ struct LoopSources {
   std::function<std::vector<int64_t>(const std::string& text, bool turn_closed, bool raw)> observation_tokens;
   std::function<std::string(const std::vector<int64_t>&)> decode;
   std::string session_prefix = "tiller";  // session ids are "<prefix>-<ordinal>-<sample>"
-  std::shared_ptr<const model::Tokenizer> tokenizer;  // the actor's (openai_agent)
-  std::shared_ptr<const model::ChatTemplate> chat;
+  std::shared_ptr<const text::Tokenizer> tokenizer;  // the actor's (openai_agent)
+  std::shared_ptr<const text::ChatTemplate> chat;
 };
 
 struct CollectorConfig {

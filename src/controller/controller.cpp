@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <filesystem>
 #include <optional>
 #include <thread>
 
@@ -15,13 +14,10 @@
 
 #include "controller/advantages.h"
 #include "controller/checkpoint_manager.h"
-#include "controller/engine_pool.h"
 #include "controller/evaluator.h"
 #include "python/tracking.h"
 #include "controller/hook_runner.h"
 #include "controller/hybrid_phases.h"
-#include "controller/job_environment.h"
-#include "controller/job_rewards.h"
 #include "controller/off_policy.h"
 #include "controller/step_metrics.h"
 #include "controller/step_trace.h"
@@ -32,16 +28,8 @@
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
-#include "tiller/core/tls.h"
 #include "tiller/dist/rank_plan.h"
 #include "tiller/dist/watchdog.h"
-#include "tiller/env/remote_env.h"
-#include "tiller/model/chat_template.h"
-#include "tiller/model/model_config.h"
-#include "tiller/model/tokenizer.h"
-#include "tiller/reward/rule_reward.h"
-#include "tiller/data/prompt_dataset.h"
-#include "tiller/sync/bucket_plan.h"
 #include "tiller/zero/checkpoint.h"
 
 namespace tiller::rollout {
@@ -614,63 +602,5 @@ Controller::Controller(const JobConfig& cfg, const ControllerWiring& wiring)
 Controller::~Controller() = default;
 int Controller::run() { return impl_->run(); }
 std::string Controller::summary() const { return impl_->summary.dump(); }
-
-int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Communicator& world,
-                   const ControllerOptions& opts) {
-  const dist::RoleGroup* actor = plan.group(Role::kActor);
-  TILLER_CHECK(actor != nullptr, "the rank plan has no actor group");
-  const std::string actor_dir = cfg.roles.actor.model;
-  const auto tokenizer = model::load_tokenizer(actor_dir);
-  const model::ModelConfig mc = model::load_model_config(actor_dir);
-  const std::unique_ptr<PromptSource> prompts = make_job_prompt_source(cfg, *tokenizer);
-
-  const model::Tokenizer* tok = tokenizer.get();
-  JobRewards job_rewards = make_job_rewards(cfg, [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, true); });
-
-  TlsFiles engine_tls;
-  if (!cfg.engines.tls_cert.empty()) {
-    engine_tls.ca = cfg.engines.tls_ca.empty() ? cfg.engines.tls_cert : cfg.engines.tls_ca;
-    engine_tls.server_name = cfg.engines.tls_server_name;
-  }
-  EnginePool engines(opts.engine_addresses, opts.engine_token, cfg.timeouts.rpc_s, engine_tls);
-  if (engines.size() == 0) throw ConfigError("engines.count = 0: tiller train needs at least one engine");
-  MpiChannel channel(world);
-  ControllerWiring w;
-  w.plan = &plan;
-  w.engines = &engines;
-  w.channel = &channel;
-  w.prompts = prompts.get();
-  w.rewards = job_rewards.sources;
-  w.loop = make_job_loop_sources(cfg, *tokenizer);
-  w.sync_plan = sync::job_bucket_plan(cfg, mc, plan).to_json();
-  w.require_resume = opts.require_resume;
-  w.stop_token_ids = model::eos_token_ids(actor_dir, mc, *tokenizer);
-  w.decode_text = [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, false); };
-  w.attention_tokens = model::attention_cost_tokens(mc);
-  python::TrackingOptions to;
-  to.wandb_project = cfg.logging.wandb.project;
-  to.wandb_entity = cfg.logging.wandb.entity;
-  to.wandb_name = cfg.logging.wandb.name.empty() ? cfg.run.name : cfg.logging.wandb.name;
-  to.wandb_tags = cfg.logging.wandb.tags;
-  to.wandb_mode = cfg.logging.wandb.mode;
-  to.wandb_dir = cfg.logging.wandb.dir.empty() ? cfg.run.output_dir : cfg.logging.wandb.dir;
-  to.mlflow_experiment = cfg.logging.mlflow.experiment;
-  to.mlflow_tracking_uri = cfg.logging.mlflow.tracking_uri;
-  to.mlflow_run_name = cfg.logging.mlflow.run_name.empty() ? cfg.run.name : cfg.logging.mlflow.run_name;
-  to.config_yaml = to_yaml(cfg);
-  to.output_dir = cfg.run.output_dir;
-  std::unique_ptr<python::Tracking> tracking;
-  if (to.enabled()) {
-    std::error_code ec;
-    std::filesystem::create_directories(to.wandb_dir, ec);  // wandb wants its directory to exist
-    tracking = std::make_unique<python::Tracking>(to);
-  }
-  w.tracking = tracking.get();
-  std::unique_ptr<Evaluator> evaluator;
-  if (cfg.eval.enabled()) evaluator = std::make_unique<Evaluator>(cfg, *tokenizer, engines, w.stop_token_ids);
-  w.evaluator = evaluator.get();
-  Controller controller(cfg, w);
-  return controller.run();
-}
 
 }  // namespace tiller::rollout

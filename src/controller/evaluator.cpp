@@ -10,7 +10,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
 #include "tiller/core/logging.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/rollout/prompt_source.h"
 
 namespace tiller::rollout {
@@ -46,7 +46,7 @@ uint64_t reward_id(int64_t prompt, int64_t sample, int64_t k) {
 
 }  // namespace
 
-Evaluator::Evaluator(const JobConfig& cfg, const model::Tokenizer& tok, EngineSet& engines,
+Evaluator::Evaluator(const JobConfig& cfg, const text::Tokenizer& tok, EngineSet& engines,
                      std::vector<int64_t> stop_ids, const Clock& clock)
     : cfg_(cfg), engines_(engines), clock_(clock) {
   data::DatasetOptions d = job_dataset_options(cfg, tok);
@@ -63,7 +63,7 @@ Evaluator::Evaluator(const JobConfig& cfg, const model::Tokenizer& tok, EngineSe
     throw ConfigError(fmt::format("eval: {} prompts of {} x {} samples each is over {} samples an evaluation; lower "
                                   "eval.max_prompts or eval.n_samples",
                                   data_->size(), cfg.eval.prompts, per_prompt, kMaxEvalSamples));
-  const model::Tokenizer* t = &tok;
+  const text::Tokenizer* t = &tok;
   decode_ = [t](const std::vector<int64_t>& ids) { return t->decode(ids, true); };
   rewards_ = eval_rewards(cfg, decode_);
   greedy_.greedy = true;

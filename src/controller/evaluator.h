@@ -32,9 +32,9 @@
 #include "tiller/core/config.h"
 #include "tiller/data/prompt_dataset.h"
 
-namespace tiller::model {
+namespace tiller::text {
 class Tokenizer;
-}
+}  // namespace tiller::text
 
 namespace tiller::rollout {
 
@@ -45,7 +45,7 @@ class Evaluator {
 
   // Loads eval.prompts with data.*'s keys and templates (ConfigError naming the file and line).
   // `stop_ids` end a completion; `decode` gives a response's text (special tokens skipped).
-  Evaluator(const JobConfig& cfg, const model::Tokenizer& tok, EngineSet& engines, std::vector<int64_t> stop_ids,
+  Evaluator(const JobConfig& cfg, const text::Tokenizer& tok, EngineSet& engines, std::vector<int64_t> stop_ids,
             const Clock& clock = Clock::steady());
   ~Evaluator();
 

@@ -7,8 +7,8 @@
 #include "tiller/core/tls.h"
 #include "tiller/env/environment.h"
 #include "tiller/env/remote_env.h"
-#include "tiller/model/chat_template.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/chat_template.h"
+#include "tiller/text/tokenizer.h"
 
 namespace tiller::rollout {
 namespace {
@@ -36,22 +36,22 @@ std::shared_ptr<env::Environment> job_environment(const JobConfig& cfg) {
 
 }  // namespace
 
-LoopSources make_job_loop_sources(const JobConfig& cfg, const model::Tokenizer& tokenizer) {
+LoopSources make_job_loop_sources(const JobConfig& cfg, const text::Tokenizer& tokenizer) {
   LoopSources s;
   if (cfg.env.type != EnvType::kNone) s.environment = job_environment(cfg);
-  const model::Tokenizer* tok = &tokenizer;
+  const text::Tokenizer* tok = &tokenizer;
   // Observations inside the chat template's tool turn.
-  const model::ChatTemplate chat = model::job_chat_template(cfg.data, cfg.roles.actor.model, tokenizer);
+  const text::ChatTemplate chat = text::job_chat_template(cfg.data, cfg.roles.actor.model, tokenizer);
   s.observation_tokens = [tok, chat, role = cfg.env.observation_role](const std::string& text, bool closed, bool raw) {
     return tok->encode(raw ? text : chat.observation_turn(text, closed, role), /*add_special_tokens=*/false);
   };
   s.decode = [tok](const std::vector<int64_t>& ids) { return tok->decode(ids, true); };
   s.session_prefix = fmt::format("{}-{}", cfg.run.name, cfg.run.seed);
-  s.tokenizer = std::shared_ptr<const model::Tokenizer>(tok, [](const model::Tokenizer*) {});  // outlives the loop
+  s.tokenizer = std::shared_ptr<const text::Tokenizer>(tok, [](const text::Tokenizer*) {});  // outlives the loop
   // The agent endpoint renders chat requests with the model's template (data.chat_template), whether
   // or not the dataset's prompts go through it (data.apply_chat_template).
-  s.chat = std::make_shared<const model::ChatTemplate>(
-      cfg.agent_loop() ? model::load_chat_template(cfg.data.chat_template, cfg.roles.actor.model, tokenizer,
+  s.chat = std::make_shared<const text::ChatTemplate>(
+      cfg.agent_loop() ? text::load_chat_template(cfg.data.chat_template, cfg.roles.actor.model, tokenizer,
                                                    cfg.data.chat_template_kwargs)
                        : chat);
   return s;

@@ -6,13 +6,13 @@
 
 #include "controller/collector.h"
 
-namespace tiller::model {
+namespace tiller::text {
 class Tokenizer;
-}
+}  // namespace tiller::text
 
 namespace tiller::rollout {
 
 // `tokenizer` must outlive what this returns.
-LoopSources make_job_loop_sources(const JobConfig& cfg, const model::Tokenizer& tokenizer);
+LoopSources make_job_loop_sources(const JobConfig& cfg, const text::Tokenizer& tokenizer);
 
 }  // namespace tiller::rollout

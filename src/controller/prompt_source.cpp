@@ -5,20 +5,20 @@
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/core/registry.h"
-#include "tiller/model/chat_template.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/chat_template.h"
+#include "tiller/text/tokenizer.h"
 
 namespace tiller::rollout {
 namespace {
 
-model::ChatTemplate job_chat(const JobConfig& cfg, const model::Tokenizer& tok) {
-  return model::job_chat_template(cfg.data, cfg.roles.actor.model, tok);
+text::ChatTemplate job_chat(const JobConfig& cfg, const text::Tokenizer& tok) {
+  return text::job_chat_template(cfg.data, cfg.roles.actor.model, tok);
 }
 
 // data.source file: the JSONL or parquet file of data.prompts, read once, served in epochs.
 class FilePrompts final : public PromptSource {
  public:
-  FilePrompts(const JobConfig& cfg, const model::Tokenizer& tok) : dataset_(open(cfg, tok)) {
+  FilePrompts(const JobConfig& cfg, const text::Tokenizer& tok) : dataset_(open(cfg, tok)) {
     if (dataset_.skipped() > 0)
       log::warn("data: {} of {} prompts are longer than rollout.max_prompt_tokens = {} and are skipped "
                 "(data.long_prompt_policy = skip)",
@@ -31,7 +31,7 @@ class FilePrompts final : public PromptSource {
   int64_t size() const override { return dataset_.size(); }
 
  private:
-  static data::PromptDataset open(const JobConfig& cfg, const model::Tokenizer& tok) {
+  static data::PromptDataset open(const JobConfig& cfg, const text::Tokenizer& tok) {
     if (cfg.data.prompts.empty()) throw ConfigError("data.prompts: set the file of prompts (JSONL or parquet)");
     return data::PromptDataset(cfg.data.prompts, tok, job_dataset_options(cfg, tok));
   }
@@ -55,7 +55,7 @@ Registry<PromptSourceDef>& sources() {
 
 TILLER_REGISTRY_DEFINE(prompt_source, PromptSourceDef, sources, "data.source")
 
-data::DatasetOptions job_dataset_options(const JobConfig& cfg, const model::Tokenizer& tok) {
+data::DatasetOptions job_dataset_options(const JobConfig& cfg, const text::Tokenizer& tok) {
   data::DatasetOptions d;
   d.input_key = cfg.data.input_key;
   d.label_key = cfg.data.label_key;
@@ -72,16 +72,16 @@ data::DatasetOptions job_dataset_options(const JobConfig& cfg, const model::Toke
   return d;
 }
 
-std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const model::Tokenizer& tokenizer) {
+std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const text::Tokenizer& tokenizer) {
   const PromptSourceDef& def = find_prompt_source(job.data.source);
   PromptSourceContext ctx;
   ctx.job = &job;
   ctx.tokenizer = &tokenizer;
-  const model::ChatTemplate chat = job_chat(job, tokenizer);
+  const text::ChatTemplate chat = job_chat(job, tokenizer);
   ctx.make_prompt = [&job, &tokenizer, chat](const std::string& text, const std::string& label) {
     data::Prompt p;
     p.text = text;
-    if (!job.data.input_template.empty()) p.text = model::apply_input_template(job.data.input_template, p.text);
+    if (!job.data.input_template.empty()) p.text = text::apply_input_template(job.data.input_template, p.text);
     p.input = p.text;
     if (chat.enabled()) p.text = chat.render({{"user", p.text}});
     p.tokens = tokenizer.encode(p.text, /*add_special_tokens=*/false);

@@ -13,14 +13,14 @@
 #include "tiller/core/checked_math.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 
 namespace tiller::data {
 namespace {
 Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::ordered_json& j, const DatasetOptions& o);
 }  // namespace
 
-PromptDataset::PromptDataset(const std::string& path, const model::Tokenizer& tok, const DatasetOptions& o)
+PromptDataset::PromptDataset(const std::string& path, const text::Tokenizer& tok, const DatasetOptions& o)
     : opts_(o) {
   if (o.max_prompt_tokens < 1) throw ConfigError(fmt::format("{}: max_prompt_tokens must be >= 1", path));
   const int64_t per_token = tok.max_bytes_per_token();
@@ -58,7 +58,7 @@ Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::or
                       o.tools_key));
     tools = t->dump();
   }
-  const auto render = [&](const std::vector<model::ChatMessage>& messages) {
+  const auto render = [&](const std::vector<text::ChatMessage>& messages) {
     try {
       return o.chat.render(messages, true, tools);
     } catch (const ConfigError& e) {
@@ -67,13 +67,13 @@ Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::or
   };
   if (input != nullptr && input->is_string()) {
     p.text = input->get<std::string>();
-    if (!o.input_template.empty()) p.text = model::apply_input_template(o.input_template, p.text);
+    if (!o.input_template.empty()) p.text = text::apply_input_template(o.input_template, p.text);
     p.input = p.text;
     if (o.chat.enabled()) p.text = render({{"user", p.text}});
   } else if (input != nullptr && input->is_array()) {
     // Chat messages, as verl's datasets carry them: [{"role": "user", "content": "..."}, ...]; their
     // other keys (tool_calls, name, ...) go to the chat template too.
-    const std::vector<model::ChatMessage> messages = chat_messages(where, *input, o.input_key);
+    const std::vector<text::ChatMessage> messages = chat_messages(where, *input, o.input_key);
     if (!o.chat.enabled())
       bad(fmt::format("the prompt under '{}' is a list of chat messages; set data.apply_chat_template: true", o.input_key));
     if (!o.input_template.empty())
@@ -102,7 +102,7 @@ Prompt parse_prompt(const std::string& where, int64_t number, const nlohmann::or
 
 }  // namespace
 
-void PromptDataset::add_prompt(const std::string& where, Prompt p, const model::Tokenizer& tok) {
+void PromptDataset::add_prompt(const std::string& where, Prompt p, const text::Tokenizer& tok) {
   const DatasetOptions& o = opts_;
   auto bad = [&](const std::string& what) { throw ConfigError(fmt::format("{}: {}", where, what)); };
   // A prompt too long in bytes to fit max_prompt_tokens is over the limit without encoding it,

@@ -94,11 +94,11 @@ const nlohmann::ordered_json* lookup(const nlohmann::ordered_json& j, const std:
   }
 }
 
-std::vector<model::ChatMessage> chat_messages(const std::string& where, const nlohmann::ordered_json& list,
+std::vector<text::ChatMessage> chat_messages(const std::string& where, const nlohmann::ordered_json& list,
                                               const std::string& key) {
   if (!list.is_array() || list.empty())
     throw ConfigError(fmt::format("{}: the messages under '{}' must be a non-empty list", where, key));
-  std::vector<model::ChatMessage> out;
+  std::vector<text::ChatMessage> out;
   for (const auto& m : list) {
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
         !m["content"].is_string())

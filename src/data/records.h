@@ -12,7 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "tiller/model/chat_template.h"
+#include "tiller/text/chat_template.h"
 
 namespace tiller::data {
 
@@ -32,7 +32,7 @@ const nlohmann::ordered_json* lookup(const nlohmann::ordered_json& j, const std:
 // The chat messages of `list` (found under `key`): objects with string "role" and "content"; their
 // other keys (tool_calls, tool_call_id, name, ...) are kept, in their order, for Jinja chat
 // templates. ConfigError naming `where` and `key` for an empty list or a malformed message.
-std::vector<model::ChatMessage> chat_messages(const std::string& where, const nlohmann::ordered_json& list,
+std::vector<text::ChatMessage> chat_messages(const std::string& where, const nlohmann::ordered_json& list,
                                               const std::string& key);
 
 }  // namespace tiller::data

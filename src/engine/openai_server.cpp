@@ -6,87 +6,31 @@
 #include <atomic>
 #include <chrono>
 #include <map>
-#include <random>
 #include <thread>
 #include <tuple>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "engine/openai_request.h"
 #include "tiller/core/deadline.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/engine/server.h"
-#include "tiller/model/chat_template.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/chat_template.h"
+#include "tiller/text/tokenizer.h"
 
 namespace tiller::engine {
 namespace {
 
-using json = nlohmann::ordered_json;  // objects keep their keys' order: chat templates render tools and calls as sent
-
-// A request the endpoint answers with an error body: HTTP status, OpenAI error type, the field.
-struct ApiError {
-  int status = 400;
-  std::string message;
-  std::string type = "invalid_request_error";
-  std::string param;
-};
-
-[[noreturn]] void refuse(const std::string& param, const std::string& message) { throw ApiError{400, message, "invalid_request_error", param}; }
-
-std::string error_body(const ApiError& e) {
-  return json{{"error",
-               {{"message", e.message},
-                {"type", e.type},
-                {"param", e.param.empty() ? json(nullptr) : json(e.param)},
-                {"code", e.status}}}}
-      .dump();
-}
-
-// The body's fields, typed and bounded; absent or null means the default.
-bool present(const json& b, const char* key) { return b.contains(key) && !b.at(key).is_null(); }
-
-double number(const json& b, const char* key, double def, double lo, double hi) {
-  if (!present(b, key)) return def;
-  const json& v = b.at(key);
-  if (!v.is_number()) refuse(key, fmt::format("'{}' must be a number", key));
-  const double x = v.get<double>();
-  if (!(x >= lo && x <= hi)) refuse(key, fmt::format("'{}' = {} is out of range [{}, {}]", key, x, lo, hi));
-  return x;
-}
-
-int64_t integer(const json& b, const char* key, int64_t def, int64_t lo, int64_t hi) {
-  if (!present(b, key)) return def;
-  const json& v = b.at(key);
-  if (!v.is_number_integer()) refuse(key, fmt::format("'{}' must be an integer", key));
-  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(hi))
-    refuse(key, fmt::format("'{}' is out of range [{}, {}]", key, lo, hi));
-  const int64_t x = v.get<int64_t>();
-  if (x < lo || x > hi) refuse(key, fmt::format("'{}' = {} is out of range [{}, {}]", key, x, lo, hi));
-  return x;
-}
-
-bool boolean(const json& b, const char* key, bool def) {
-  if (!present(b, key)) return def;
-  if (!b.at(key).is_boolean()) refuse(key, fmt::format("'{}' must be true or false", key));
-  return b.at(key).get<bool>();
-}
-
-// What one request asks of the engine, for each of its prompts.
-struct Generation {
-  std::vector<std::vector<int64_t>> prompts;
-  model::SamplingParams params;
-  int64_t n = 1;
-  bool seeded = false;
-  std::vector<std::string> stop;
-  bool logprobs = false;
-  bool token_ids = false;
-  bool stream = false;
-  bool include_usage = false;
-  bool tools = false;  // chat with tools (and a tool-call parser): replies' tool calls are read out
-  std::string route;   // the agent session of an /agents/<key>/v1/... path ("" for /v1/...)
-};
+using openai::ApiError;
+using openai::boolean;
+using openai::error_body;
+using openai::Generation;
+using openai::integer;
+using openai::json;
+using openai::present;
+using openai::refuse;
 
 // One finished choice, cut at its first stop string.
 struct Choice {
@@ -172,8 +116,8 @@ std::shared_ptr<OpenAiBackend> engine_server_backend(EngineServer& server) {
 
 struct OpenAiServer::Impl {
   std::shared_ptr<OpenAiBackend> backend;
-  std::shared_ptr<const model::Tokenizer> tok;
-  model::ChatTemplate chat;
+  std::shared_ptr<const text::Tokenizer> tok;
+  text::ChatTemplate chat;
   std::vector<int64_t> eos;
   int64_t max_model_len = 0;
   OpenAiOptions opts;
@@ -183,103 +127,13 @@ struct OpenAiServer::Impl {
   std::atomic<uint64_t> next_id{uint64_t{1} << 62};  // apart from the ids gRPC clients choose
   std::atomic<uint64_t> next_response{1};
   int64_t created = 0;
-  std::mt19937_64 seeds{std::random_device{}()};
-  std::mutex seeds_mu;
   bool stopped = false;
+  openai::RequestReader reader;  // after what it reads against
 
-  Impl(std::shared_ptr<OpenAiBackend> b, std::shared_ptr<const model::Tokenizer> t, const model::ChatTemplate& c,
+  Impl(std::shared_ptr<OpenAiBackend> b, std::shared_ptr<const text::Tokenizer> t, const text::ChatTemplate& c,
        std::vector<int64_t> e, int64_t len, const OpenAiOptions& o)
-      : backend(std::move(b)), tok(std::move(t)), chat(c), eos(std::move(e)), max_model_len(len), opts(o) {}
-
-  // --- the request's common fields ---
-  void check_model(const json& b) const {
-    if (!present(b, "model")) return;
-    if (!b.at("model").is_string()) refuse("model", "'model' must be a string");
-    const std::string name = b.at("model").get<std::string>();
-    if (name != opts.model_name)
-      throw ApiError{404, fmt::format("The model '{}' does not exist; this server serves '{}'", name, opts.model_name),
-                     "not_found_error", "model"};
-  }
-
-  static void refuse_unsupported(const json& b) {
-    if (boolean(b, "echo", false)) refuse("echo", "'echo' is not supported");
-    if (present(b, "suffix")) refuse("suffix", "'suffix' is not supported");
-    if (present(b, "logit_bias") && !(b.at("logit_bias").is_object() && b.at("logit_bias").empty()))
-      refuse("logit_bias", "'logit_bias' is not supported");
-    if (present(b, "response_format") &&
-        !(b.at("response_format").is_object() && b.at("response_format").value("type", "") == "text"))
-      refuse("response_format", "'response_format' other than text is not supported");
-    for (const char* k : {"presence_penalty", "frequency_penalty"})
-      if (number(b, k, 0, -2, 2) != 0) refuse(k, fmt::format("'{}' is not supported (only 0)", k));
-    if (number(b, "repetition_penalty", 1, 0, 10) != 1) refuse("repetition_penalty", "'repetition_penalty' is not supported (only 1)");
-    if (present(b, "tool_choice")) {
-      const json& t = b.at("tool_choice");
-      if (!(t.is_string() && (t == "auto" || t == "none")))
-        refuse("tool_choice", "'tool_choice' may be auto or none (the model's chat template decides the calls)");
-    }
-  }
-
-  Generation sampling(const json& b, const char* max_key, int64_t default_max) {
-    Generation g;
-    refuse_unsupported(b);
-    const double temperature = number(b, "temperature", 1.0, 0, 100);
-    g.params.greedy = temperature == 0;
-    g.params.temperature = temperature == 0 ? 1.0 : temperature;
-    g.params.top_p = number(b, "top_p", 1.0, 0, 1);
-    if (g.params.top_p <= 0) refuse("top_p", "'top_p' must be in (0, 1]");
-    const int64_t vocab = tok->vocab_size();
-    const int64_t top_k = integer(b, "top_k", 0, -1, vocab);
-    g.params.top_k = top_k < 0 ? 0 : top_k;
-    g.params.min_p = number(b, "min_p", 0, 0, 1);
-    if (g.params.min_p >= 1) refuse("min_p", "'min_p' must be in [0, 1)");
-    g.params.max_new_tokens = integer(b, max_key, default_max, 1, max_model_len);
-    g.n = integer(b, "n", 1, 1, opts.max_n);
-    if (present(b, "best_of") && integer(b, "best_of", g.n, 1, opts.max_n) != g.n)
-      refuse("best_of", "'best_of' is not supported (only equal to n)");
-    g.seeded = present(b, "seed");
-    if (g.seeded) {
-      const json& s = b.at("seed");
-      if (!s.is_number_integer()) refuse("seed", "'seed' must be an integer");
-      g.params.seed = s.is_number_unsigned() ? s.get<uint64_t>() : static_cast<uint64_t>(s.get<int64_t>());
-    } else {
-      std::lock_guard<std::mutex> lock(seeds_mu);
-      g.params.seed = seeds() >> 1;
-    }
-    if (present(b, "stop")) {
-      const json& s = b.at("stop");
-      if (s.is_string()) {
-        g.stop.push_back(s.get<std::string>());
-      } else if (s.is_array() && static_cast<int64_t>(s.size()) <= opts.max_stop) {
-        for (const json& x : s) {
-          if (!x.is_string()) refuse("stop", "'stop' must be a string or a list of strings");
-          g.stop.push_back(x.get<std::string>());
-        }
-      } else {
-        refuse("stop", fmt::format("'stop' must be a string or a list of at most {} strings", opts.max_stop));
-      }
-      for (const std::string& x : g.stop)
-        if (x.empty() || static_cast<int64_t>(x.size()) > opts.max_stop_bytes)
-          refuse("stop", fmt::format("each stop string must hold 1 to {} bytes", opts.max_stop_bytes));
-    }
-    if (!boolean(b, "ignore_eos", false)) g.params.stop_token_ids = eos;
-    if (present(b, "stop_token_ids")) {
-      const json& s = b.at("stop_token_ids");
-      if (!s.is_array() || static_cast<int64_t>(s.size()) > opts.max_stop)
-        refuse("stop_token_ids", fmt::format("'stop_token_ids' must be a list of at most {} token ids", opts.max_stop));
-      for (const json& x : s) {
-        if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= vocab)
-          refuse("stop_token_ids", fmt::format("'stop_token_ids' holds ids in [0, {})", vocab));
-        g.params.stop_token_ids.push_back(x.get<int64_t>());
-      }
-    }
-    g.stream = boolean(b, "stream", false);
-    if (present(b, "stream_options")) {
-      if (!b.at("stream_options").is_object()) refuse("stream_options", "'stream_options' must be an object");
-      g.include_usage = boolean(b.at("stream_options"), "include_usage", false);
-    }
-    g.token_ids = boolean(b, "return_token_ids", false);
-    return g;
-  }
+      : backend(std::move(b)), tok(std::move(t)), chat(c), eos(std::move(e)), max_model_len(len), opts(o),
+        reader(*tok, chat, eos, max_model_len, opts) {}
 
   // --- the engine ---
   // A choice's progress while its tokens stream in.
@@ -479,123 +333,7 @@ struct OpenAiServer::Impl {
     return out;
   }
 
-  Generation completion_request(const json& b) {
-    check_model(b);
-    Generation g = sampling(b, "max_tokens", 16);
-    if (present(b, "logprobs")) {
-      const int64_t k = integer(b, "logprobs", 0, 0, 20);
-      if (k > 0)
-        refuse("logprobs", "only the sampled token's log-prob is computed: use logprobs 0 (no alternatives)");
-      g.logprobs = true;
-    }
-    if (!present(b, "prompt")) refuse("prompt", "'prompt' is required");
-    const json& p = b.at("prompt");
-    auto ids = [&](const json& a) {
-      std::vector<int64_t> out;
-      for (const json& x : a) {
-        if (!x.is_number_integer()) refuse("prompt", "a token-id prompt holds integers");
-        out.push_back(x.get<int64_t>());  // the engine checks the range
-      }
-      return out;
-    };
-    if (p.is_string()) {
-      g.prompts.push_back(tok->encode(p.get<std::string>(), /*add_special_tokens=*/true));
-    } else if (p.is_array() && !p.empty() && p.front().is_number_integer()) {
-      g.prompts.push_back(ids(p));
-    } else if (p.is_array() && !p.empty()) {
-      if (static_cast<int64_t>(p.size()) > opts.max_prompts)
-        refuse("prompt", fmt::format("at most {} prompts per request", opts.max_prompts));
-      for (const json& x : p) {
-        if (x.is_string()) g.prompts.push_back(tok->encode(x.get<std::string>(), true));
-        else if (x.is_array()) g.prompts.push_back(ids(x));
-        else refuse("prompt", "'prompt' is a string, a list of strings, token ids, or a list of token-id lists");
-      }
-    } else {
-      refuse("prompt", "'prompt' is a string, a list of strings, token ids, or a list of token-id lists");
-    }
-    for (const auto& x : g.prompts)
-      if (x.empty()) refuse("prompt", "a prompt is empty");
-    return g;
-  }
-
   // --- /v1/chat/completions ---
-  Generation chat_request(const json& b) {
-    check_model(b);
-    if (!chat.enabled())
-      refuse("messages", "this model has no chat template (tiller engine --chat-template); use /v1/completions");
-    if (!present(b, "messages") || !b.at("messages").is_array() || b.at("messages").empty() ||
-        static_cast<int64_t>(b.at("messages").size()) > opts.max_messages)
-      refuse("messages", fmt::format("'messages' must be a list of 1 to {} messages", opts.max_messages));
-    std::vector<model::ChatMessage> messages;
-    for (const json& m : b.at("messages")) {
-      if (!m.is_object() || !m.contains("role") || !m.at("role").is_string())
-        refuse("messages", "each message is an object with a 'role'");
-      model::ChatMessage msg;
-      msg.role = m.at("role").get<std::string>();
-      if (msg.role == "developer") msg.role = "system";
-      if (msg.role != "system" && msg.role != "user" && msg.role != "assistant" && msg.role != "tool")
-        refuse("messages", fmt::format("unknown role '{}' (system, developer, user, assistant, tool)", msg.role));
-      if (present(m, "content")) {
-        const json& c = m.at("content");
-        if (c.is_string()) {
-          msg.content = c.get<std::string>();
-        } else if (c.is_array()) {
-          for (const json& part : c) {
-            if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-                !part.at("text").is_string())
-              refuse("messages", "content parts other than text are not supported");
-            msg.content += part.at("text").get<std::string>();
-          }
-        } else {
-          refuse("messages", "a message's content is a string or a list of text parts");
-        }
-      }
-      json rest = m;
-      rest.erase("role");
-      rest.erase("content");
-      // OpenAI clients send a call's arguments as a JSON string; chat templates (Qwen2.5's, Llama
-      // 3.1's) write them with `tojson`, as the model wrote them: an object.
-      if (rest.contains("tool_calls") && rest.at("tool_calls").is_array())
-        for (json& call : rest.at("tool_calls"))
-          if (call.is_object() && call.contains("function") && call.at("function").is_object()) {
-            json& f = call.at("function");
-            if (f.contains("arguments") && f.at("arguments").is_string()) {
-              try {
-                json parsed = json::parse(f.at("arguments").get<std::string>());
-                if (parsed.is_object()) f["arguments"] = std::move(parsed);
-              } catch (const json::exception&) {
-                // Not JSON: the template gets the string as it was sent.
-              }
-            }
-          }
-      if (!rest.empty()) msg.fields_json = rest.dump();
-      messages.push_back(std::move(msg));
-    }
-    std::string tools;
-    if (present(b, "tools")) {
-      if (!b.at("tools").is_array()) refuse("tools", "'tools' must be a list");
-      if (!b.at("tools").empty()) tools = b.at("tools").dump();
-    }
-    const bool add_generation_prompt = boolean(b, "add_generation_prompt", true);
-    std::string text;
-    try {
-      text = chat.render(messages, add_generation_prompt, tools);
-    } catch (const ConfigError& e) {
-      refuse("messages", std::string("the chat template refused the conversation: ") + e.what());
-    }
-    std::vector<int64_t> prompt = tok->encode(text, /*add_special_tokens=*/false);
-    if (prompt.empty()) refuse("messages", "the conversation renders to no tokens");
-    const int64_t room = std::max<int64_t>(1, max_model_len - static_cast<int64_t>(prompt.size()));
-    const char* max_key = present(b, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-    Generation g = sampling(b, max_key, room);
-    if (boolean(b, "logprobs", false)) g.logprobs = true;
-    if (integer(b, "top_logprobs", 0, 0, 20) > 0)
-      refuse("top_logprobs", "only the sampled token's log-prob is computed: top_logprobs must be 0");
-    g.tools = !tools.empty() && opts.tool_call_parser == "hermes";
-    g.prompts.push_back(std::move(prompt));
-    return g;
-  }
-
   json chat_logprobs(const Choice& c) const {
     json content = json::array();
     for (size_t i = 0; i < c.tokens.size(); ++i) {
@@ -651,7 +389,7 @@ struct OpenAiServer::Impl {
       throw ApiError{400, std::string("the body is not JSON: ") + e.what(), "invalid_request_error", ""};
     }
     if (!body.is_object()) throw ApiError{400, "the body must be a JSON object", "invalid_request_error", ""};
-    Generation g = chat_api ? chat_request(body) : completion_request(body);
+    Generation g = chat_api ? reader.chat(body) : reader.completion(body);
     g.route = route;
     const std::string id = response_id(chat_api ? "chatcmpl" : "cmpl");
     const int64_t now = static_cast<int64_t>(std::time(nullptr));
@@ -809,7 +547,7 @@ struct OpenAiServer::Impl {
         }
         if (!b.is_object() || !present(b, "prompt") || !b.at("prompt").is_string())
           refuse("prompt", "'prompt' (a string) is required");
-        check_model(b);
+        reader.check_model(b);
         const std::vector<int64_t> ids = tok->encode(b.at("prompt").get<std::string>(), boolean(b, "add_special_tokens", true));
         res.set_content(json{{"tokens", ids}, {"count", ids.size()}, {"max_model_len", max_model_len}}.dump(),
                         "application/json");
@@ -843,13 +581,13 @@ struct OpenAiServer::Impl {
   }
 };
 
-OpenAiServer::OpenAiServer(EngineServer& server, std::shared_ptr<const model::Tokenizer> tokenizer,
-                           const model::ChatTemplate& chat, std::vector<int64_t> eos_ids, int64_t max_model_len,
+OpenAiServer::OpenAiServer(EngineServer& server, std::shared_ptr<const text::Tokenizer> tokenizer,
+                           const text::ChatTemplate& chat, std::vector<int64_t> eos_ids, int64_t max_model_len,
                            const OpenAiOptions& opts)
     : OpenAiServer(engine_server_backend(server), std::move(tokenizer), chat, std::move(eos_ids), max_model_len, opts) {}
 
-OpenAiServer::OpenAiServer(std::shared_ptr<OpenAiBackend> backend, std::shared_ptr<const model::Tokenizer> tokenizer,
-                           const model::ChatTemplate& chat, std::vector<int64_t> eos_ids, int64_t max_model_len,
+OpenAiServer::OpenAiServer(std::shared_ptr<OpenAiBackend> backend, std::shared_ptr<const text::Tokenizer> tokenizer,
+                           const text::ChatTemplate& chat, std::vector<int64_t> eos_ids, int64_t max_model_len,
                            const OpenAiOptions& opts)
     : impl_(std::make_unique<Impl>(std::move(backend), std::move(tokenizer), chat, std::move(eos_ids), max_model_len,
                                    opts)) {

@@ -15,7 +15,7 @@
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/offline/offline.h"
 #include "tiller/data/epoch_order.h"
 #include "tiller/rollout/packer.h"
@@ -160,7 +160,7 @@ int run_dpo(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& optio
     throw ConfigError("roles.actor.sequence_parallel: tiller dpo sums each response's log-probs on one rank and "
                       "needs whole sequences there; set it to 1");
   OfflineRun run(cfg, env, "dpo");
-  const std::unique_ptr<model::Tokenizer> tok = model::load_tokenizer(cfg.roles.actor.model);
+  const std::unique_ptr<text::Tokenizer> tok = text::load_tokenizer(cfg.roles.actor.model);
   const OfflineData<PreferenceDataset> d = load_offline_data<PreferenceDataset>(
       run, *tok, [&](const std::string& key) { return preference_options(cfg, *tok, run.model_config, key); }, "pairs");
   OfflineRun::Schedule plan = run.schedule(options, static_cast<int64_t>(d.split.train.size()));

@@ -19,10 +19,10 @@
 #include "tiller/core/logging.h"
 #include "tiller/dist/mpi_env.h"
 #include "tiller/dist/rank_plan.h"
-#include "tiller/model/chat_template.h"
+#include "tiller/text/chat_template.h"
 #include "tiller/model/lora.h"
 #include "tiller/model/storage_swap.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/model/safetensors.h"
 #include "tiller/offline/offline.h"
 #include "tiller/zero/checkpoint.h"
@@ -208,7 +208,7 @@ rollout::MemoryPlan offline_memory_plan(const JobConfig& cfg, const model::Model
   return plan;
 }
 
-SftDataOptions sft_options(const JobConfig& cfg, const model::Tokenizer& tok, const model::ModelConfig& mc,
+SftDataOptions sft_options(const JobConfig& cfg, const text::Tokenizer& tok, const model::ModelConfig& mc,
                            const std::string& path_key) {
   SftDataOptions o;
   o.messages_key = cfg.offline.messages_key;
@@ -216,8 +216,8 @@ SftDataOptions sft_options(const JobConfig& cfg, const model::Tokenizer& tok, co
   o.prompt_key = cfg.offline.prompt_key;
   o.response_key = cfg.offline.response_key;
   o.input_template = cfg.data.input_template;
-  o.chat = model::job_chat_template(cfg.data, cfg.roles.actor.model, tok);
-  const std::vector<int64_t> eos = model::eos_token_ids(cfg.roles.actor.model, mc, tok);
+  o.chat = text::job_chat_template(cfg.data, cfg.roles.actor.model, tok);
+  const std::vector<int64_t> eos = text::eos_token_ids(cfg.roles.actor.model, mc, tok);
   if (!eos.empty()) o.eos_id = eos.front();
   o.max_tokens = cfg.offline.max_tokens;
   o.long_samples = static_cast<LongSamples>(static_cast<int>(cfg.offline.long_samples));
@@ -226,7 +226,7 @@ SftDataOptions sft_options(const JobConfig& cfg, const model::Tokenizer& tok, co
   return o;
 }
 
-PreferenceDataOptions preference_options(const JobConfig& cfg, const model::Tokenizer& tok,
+PreferenceDataOptions preference_options(const JobConfig& cfg, const text::Tokenizer& tok,
                                          const model::ModelConfig& mc, const std::string& path_key) {
   const SftDataOptions s = sft_options(cfg, tok, mc, path_key);
   PreferenceDataOptions o;

@@ -40,9 +40,9 @@
 #include "tiller/zero/optimizer.h"
 #include "tiller/zero/sharded_model.h"
 
-namespace tiller::model {
+namespace tiller::text {
 class Tokenizer;
-}
+}  // namespace tiller::text
 namespace tiller::algo {
 struct PreferenceLoss;
 }
@@ -188,7 +188,7 @@ struct OfflineData {
 // Reads them (every rank; `options(path_key)` gives the dataset's options) and logs the split on
 // rank 0; `what` names the records ("samples", "pairs"). ConfigError without offline.data.
 template <typename Dataset, typename MakeOptions>
-OfflineData<Dataset> load_offline_data(const OfflineRun& run, const model::Tokenizer& tok, MakeOptions options,
+OfflineData<Dataset> load_offline_data(const OfflineRun& run, const text::Tokenizer& tok, MakeOptions options,
                                        const char* what) {
   const JobConfig& cfg = run.cfg;
   if (cfg.offline.data.empty())
@@ -206,9 +206,9 @@ OfflineData<Dataset> load_offline_data(const OfflineRun& run, const model::Token
 
 // The data options of offline.* and data.* (the chat format from the tokenizer when
 // data.apply_chat_template; its EOS ends plain-text responses); `path_key` names the file's key.
-SftDataOptions sft_options(const JobConfig& cfg, const model::Tokenizer& tok, const model::ModelConfig& mc,
+SftDataOptions sft_options(const JobConfig& cfg, const text::Tokenizer& tok, const model::ModelConfig& mc,
                            const std::string& path_key);
-PreferenceDataOptions preference_options(const JobConfig& cfg, const model::Tokenizer& tok,
+PreferenceDataOptions preference_options(const JobConfig& cfg, const text::Tokenizer& tok,
                                          const model::ModelConfig& mc, const std::string& path_key);
 
 }  // namespace tiller::offline

@@ -13,13 +13,13 @@ namespace tiller::offline {
 namespace {
 
 // Chat messages under `key` in `j` (a list of {"role", "content", ...}).
-std::vector<model::ChatMessage> messages_of(const std::string& where, const nlohmann::ordered_json& list, const std::string& key) {
+std::vector<text::ChatMessage> messages_of(const std::string& where, const nlohmann::ordered_json& list, const std::string& key) {
   return data::chat_messages(where, list, key);
 }
 
 // One side of a pair: the prompt (text, messages, or none) and the response under `key`.
 SftSample side(const std::string& where, const nlohmann::ordered_json* prompt, const nlohmann::ordered_json& j, const std::string& key,
-               const model::Tokenizer& tok, const PreferenceDataOptions& o) {
+               const text::Tokenizer& tok, const PreferenceDataOptions& o) {
   const nlohmann::ordered_json* r = data::lookup(j, key);
   if (r == nullptr || !(r->is_string() || r->is_array()))
     throw ConfigError(fmt::format("{}: no response under '{}' (text or a list of chat messages)", where, key));
@@ -30,11 +30,11 @@ SftSample side(const std::string& where, const nlohmann::ordered_json* prompt, c
     so.eos_id = o.eos_id;
     return encode_pair(where, prompt->get<std::string>(), r->get<std::string>(), tok, so);
   }
-  std::vector<model::ChatMessage> conversation;
+  std::vector<text::ChatMessage> conversation;
   if (prompt != nullptr) {
     if (prompt->is_string()) {
       const std::string p = prompt->get<std::string>();
-      conversation.push_back({"user", o.input_template.empty() ? p : model::apply_input_template(o.input_template, p)});
+      conversation.push_back({"user", o.input_template.empty() ? p : text::apply_input_template(o.input_template, p)});
     } else {
       conversation = messages_of(where, *prompt, o.prompt_key);
     }
@@ -43,7 +43,7 @@ SftSample side(const std::string& where, const nlohmann::ordered_json* prompt, c
   if (r->is_string()) {
     conversation.push_back({"assistant", r->get<std::string>()});
   } else {
-    const std::vector<model::ChatMessage> turns = messages_of(where, *r, key);
+    const std::vector<text::ChatMessage> turns = messages_of(where, *r, key);
     conversation.insert(conversation.end(), turns.begin(), turns.end());
   }
   return encode_conversation(where + " (" + key + ")", conversation, tok, o.chat, first);
@@ -51,7 +51,7 @@ SftSample side(const std::string& where, const nlohmann::ordered_json* prompt, c
 
 }  // namespace
 
-PreferenceDataset::PreferenceDataset(const std::string& path, const model::Tokenizer& tok,
+PreferenceDataset::PreferenceDataset(const std::string& path, const text::Tokenizer& tok,
                                      const PreferenceDataOptions& o) {
   if (o.max_tokens < 2) throw ConfigError(fmt::format("{}: max_tokens must be >= 2", path));
   const int64_t n = data::for_each_record(

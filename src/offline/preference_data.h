@@ -25,7 +25,7 @@ struct PreferenceDataOptions {
   std::string rejected_key = "rejected";
   std::string margin_key = "margin";   // "" or absent in a record: no margin
   std::string input_template;          // "" or one "{}": a text prompt
-  model::ChatTemplate chat;
+  text::ChatTemplate chat;
   std::optional<int64_t> eos_id;       // without a chat template: ends each response
   int64_t max_tokens = 2048;           // each side's tokens
   LongSamples long_samples = LongSamples::kSkip;
@@ -43,7 +43,7 @@ struct PreferencePair {
 
 class PreferenceDataset {
  public:
-  PreferenceDataset(const std::string& path, const model::Tokenizer& tok, const PreferenceDataOptions& o);
+  PreferenceDataset(const std::string& path, const text::Tokenizer& tok, const PreferenceDataOptions& o);
 
   int64_t size() const { return static_cast<int64_t>(pairs_.size()); }
   const PreferencePair& at(int64_t i) const { return pairs_.at(static_cast<size_t>(i)); }

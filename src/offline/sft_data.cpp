@@ -8,7 +8,7 @@
 #include "data/records.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/data/epoch_order.h"
 
 namespace tiller::offline {
@@ -17,7 +17,7 @@ namespace {
 bool known_role(const std::string& r) { return r == "system" || r == "user" || r == "assistant" || r == "tool"; }
 
 // Appends `text`'s tokens with mask value `trained`.
-void append(SftSample& s, const model::Tokenizer& tok, const std::string& text, uint8_t trained) {
+void append(SftSample& s, const text::Tokenizer& tok, const std::string& text, uint8_t trained) {
   if (text.empty()) return;
   const std::vector<int64_t> ids = tok.encode(text, /*add_special_tokens=*/false);
   s.tokens.insert(s.tokens.end(), ids.begin(), ids.end());
@@ -61,17 +61,17 @@ int64_t SftSample::trained() const {
   return n;
 }
 
-SftSample encode_conversation(const std::string& where, const std::vector<model::ChatMessage>& messages,
-                              const model::Tokenizer& tok, const model::ChatTemplate& chat, size_t first_trained,
+SftSample encode_conversation(const std::string& where, const std::vector<text::ChatMessage>& messages,
+                              const text::Tokenizer& tok, const text::ChatTemplate& chat, size_t first_trained,
                               const std::string& tools_json) {
   if (!chat.enabled())
     throw ConfigError(fmt::format("{}: a conversation of chat messages needs a chat template; set "
                                   "data.apply_chat_template: true",
                                   where));
-  if (!tools_json.empty() && chat.format() != model::ChatFormat::kJinja)
+  if (!tools_json.empty() && chat.format() != text::ChatFormat::kJinja)
     throw ConfigError(fmt::format("{}: the record has tools, and the {} chat format has no place for them; use the "
                                   "model's own template (data.chat_template: model) or a .jinja file",
-                                  where, model::chat_format_name(chat.format())));
+                                  where, text::chat_format_name(chat.format())));
   bool assistant = false;
   for (size_t i = 0; i < messages.size(); ++i) {
     if (!known_role(messages[i].role))
@@ -81,12 +81,12 @@ SftSample encode_conversation(const std::string& where, const std::vector<model:
   }
   if (!assistant) throw ConfigError(fmt::format("{}: the conversation has no assistant turn: nothing to train", where));
   SftSample s;
-  std::vector<model::ChatMessage> upto;
+  std::vector<text::ChatMessage> upto;
   // Each message's text is what the template writes for the conversation up to it beyond what it
   // wrote up to the message before (the first one's includes what the template opens with).
   std::string before;
   for (size_t i = 0; i < messages.size(); ++i) {
-    const model::ChatMessage& m = messages[i];
+    const text::ChatMessage& m = messages[i];
     if (m.role == "assistant") {
       const std::string opened = upto.empty() ? std::string() : chat.render(upto, true, tools_json);
       append(s, tok, extension(where, before, opened, i), 0);  // the assistant's header
@@ -102,8 +102,8 @@ SftSample encode_conversation(const std::string& where, const std::vector<model:
 }
 
 SftSample encode_pair(const std::string& where, const std::string& prompt, const std::string& response,
-                      const model::Tokenizer& tok, const SftDataOptions& o, const std::string& tools_json) {
-  const std::string p = o.input_template.empty() ? prompt : model::apply_input_template(o.input_template, prompt);
+                      const text::Tokenizer& tok, const SftDataOptions& o, const std::string& tools_json) {
+  const std::string p = o.input_template.empty() ? prompt : text::apply_input_template(o.input_template, prompt);
   if (o.chat.enabled())
     return encode_conversation(where, {{"user", p}, {"assistant", response}}, tok, o.chat, 0, tools_json);
   if (!tools_json.empty())
@@ -123,7 +123,7 @@ SftSample encode_pair(const std::string& where, const std::string& prompt, const
   return s;
 }
 
-SftDataset::SftDataset(const std::string& path, const model::Tokenizer& tok, const SftDataOptions& o) {
+SftDataset::SftDataset(const std::string& path, const text::Tokenizer& tok, const SftDataOptions& o) {
   if (o.max_tokens < 2) throw ConfigError(fmt::format("{}: max_tokens must be >= 2", path));
   const int64_t n = data::for_each_record(
       path, "the SFT data file", o.path_key, [&](const std::string& where, int64_t number, const nlohmann::ordered_json& j) {

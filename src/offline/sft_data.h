@@ -18,11 +18,11 @@
 #include <string>
 #include <vector>
 
-#include "tiller/model/chat_template.h"
+#include "tiller/text/chat_template.h"
 
-namespace tiller::model {
+namespace tiller::text {
 class Tokenizer;
-}
+}  // namespace tiller::text
 
 namespace tiller::offline {
 
@@ -35,7 +35,7 @@ struct SftDataOptions {
   std::string prompt_key = "prompt";      // or a prompt and a response, as text
   std::string response_key = "response";
   std::string input_template;             // "" or one "{}": the prompt of prompt/response records
-  model::ChatTemplate chat;
+  text::ChatTemplate chat;
   std::optional<int64_t> eos_id;          // without a chat template: ends each response (trained)
   int64_t max_tokens = 2048;
   LongSamples long_samples = LongSamples::kSkip;
@@ -55,8 +55,8 @@ struct SftSample {
 // ConfigError, prefixed by `where`, for a role other than system, user, assistant or tool, no
 // assistant turn to train, no chat template, or a template that does not extend the conversation
 // turn by turn. `tools_json`: a JSON list of tool schemas the template renders ("" none).
-SftSample encode_conversation(const std::string& where, const std::vector<model::ChatMessage>& messages,
-                              const model::Tokenizer& tok, const model::ChatTemplate& chat, size_t first_trained = 0,
+SftSample encode_conversation(const std::string& where, const std::vector<text::ChatMessage>& messages,
+                              const text::Tokenizer& tok, const text::ChatTemplate& chat, size_t first_trained = 0,
                               const std::string& tools_json = "");
 // Applies the length policy to `s` (`where` names it): false when it is left out (over max_tokens
 // under kSkip, counted in `skipped`, or cut before its first trained token); cut under kTruncate
@@ -66,7 +66,7 @@ bool apply_length_policy(const std::string& where, SftSample& s, int64_t max_tok
 
 // A prompt/response pair (see above).
 SftSample encode_pair(const std::string& where, const std::string& prompt, const std::string& response,
-                      const model::Tokenizer& tok, const SftDataOptions& o, const std::string& tools_json = "");
+                      const text::Tokenizer& tok, const SftDataOptions& o, const std::string& tools_json = "");
 
 // A held-out split of `n` samples: `eval` of them drawn with `seed`, the others for training, each
 // in file order. ConfigError unless 0 <= eval < n.
@@ -79,7 +79,7 @@ class SftDataset {
  public:
   // Reads and encodes every record; ConfigError naming file:line for a bad record, and when no
   // sample is left.
-  SftDataset(const std::string& path, const model::Tokenizer& tok, const SftDataOptions& o);
+  SftDataset(const std::string& path, const text::Tokenizer& tok, const SftDataOptions& o);
 
   int64_t size() const { return static_cast<int64_t>(samples_.size()); }
   const SftSample& at(int64_t i) const { return samples_.at(static_cast<size_t>(i)); }

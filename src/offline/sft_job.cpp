@@ -16,7 +16,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/model/model_config.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/offline/offline.h"
 #include "tiller/data/epoch_order.h"
 #include "tiller/rollout/packer.h"
@@ -129,7 +129,7 @@ int run_sft(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& optio
   OfflineRun run(cfg, env, "sft");
   const bool sequence_mean = cfg.offline.loss_mean == OfflineLossMean::kSequence;
   // The data: every rank reads it (same file, same order).
-  const std::unique_ptr<model::Tokenizer> tok = model::load_tokenizer(cfg.roles.actor.model);
+  const std::unique_ptr<text::Tokenizer> tok = text::load_tokenizer(cfg.roles.actor.model);
   const OfflineData<SftDataset> d = load_offline_data<SftDataset>(
       run, *tok, [&](const std::string& key) { return sft_options(cfg, *tok, run.model_config, key); }, "samples");
   OfflineRun::Schedule plan = run.schedule(options, static_cast<int64_t>(d.split.train.size()));

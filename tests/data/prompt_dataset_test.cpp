@@ -13,15 +13,15 @@
 #include "../common/error_of.h"
 #include "../model/fixtures.h"
 #include "tiller/core/error.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/data/prompt_dataset.h"
 #include "tiller/rollout/prompt_source.h"
 
 namespace tiller::data {
 namespace {
 
-const model::Tokenizer& tokenizer() {
-  static auto t = model::load_tokenizer(test::hf_fixtures() + "/tokenizers/qwen2");
+const text::Tokenizer& tokenizer() {
+  static auto t = text::load_tokenizer(test::hf_fixtures() + "/tokenizers/qwen2");
   return *t;
 }
 
@@ -47,7 +47,7 @@ std::string error_of(const std::string& path, DatasetOptions o = {}) {
 // a template's exception names the row; tools without a template are refused.
 TEST(PromptDataset, RowsThroughTheModelsJinjaTemplate) {
   const std::string dir = test::hf_fixtures() + "/chat_templates/qwen2.5";
-  auto tok = model::load_tokenizer(dir);
+  auto tok = text::load_tokenizer(dir);
   const auto ref = nlohmann::ordered_json::parse(test::read_text(test::hf_fixtures() + "/chat_templates/reference.json"));
   std::string rows, gemma_rows;
   std::vector<std::string> want;
@@ -59,7 +59,7 @@ TEST(PromptDataset, RowsThroughTheModelsJinjaTemplate) {
   }
   DatasetOptions o;
   o.input_key = "prompt";
-  o.chat = model::load_chat_template("auto", dir, *tok);
+  o.chat = text::load_chat_template("auto", dir, *tok);
   o.shuffle = false;
   o.max_prompt_tokens = 4096;
   PromptDataset d(file("jinja.jsonl", rows), *tok, o);
@@ -70,8 +70,8 @@ TEST(PromptDataset, RowsThroughTheModelsJinjaTemplate) {
   }
   // Gemma's template refuses a system message: the row is named.
   const std::string gdir = test::hf_fixtures() + "/chat_templates/gemma";
-  auto gtok = model::load_tokenizer(gdir);
-  o.chat = model::load_chat_template("auto", gdir, *gtok);
+  auto gtok = text::load_tokenizer(gdir);
+  o.chat = text::load_chat_template("auto", gdir, *gtok);
   const std::string bad = file("gemma.jsonl", R"({"prompt": [{"role": "user", "content": "a"}]})" "\n"
                                                R"({"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]})" "\n");
   try {
@@ -81,7 +81,7 @@ TEST(PromptDataset, RowsThroughTheModelsJinjaTemplate) {
     EXPECT_NE(std::string(e.what()).find("gemma.jsonl:2: "), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("System role not supported"), std::string::npos) << e.what();
   }
-  o.chat = model::ChatTemplate();
+  o.chat = text::ChatTemplate();
   EXPECT_NE(error_of(file("tools.jsonl", R"({"prompt": "a", "tools": []})" "\n"), o).find("set data.apply_chat_template"),
             std::string::npos);
 }
@@ -97,11 +97,11 @@ TEST(PromptDataset, TemplatesLabelsAndBlankLines) {
   o.input_key = "question";
   o.label_key = "answer";
   o.input_template = "Q: {}\nA:";
-  o.chat = model::ChatFormat::kChatML;
+  o.chat = text::ChatFormat::kChatML;
   o.shuffle = false;
   PromptDataset d(p, tokenizer(), o);
   ASSERT_EQ(d.size(), 3);
-  const std::string want = model::apply_chat_template(model::ChatFormat::kChatML, {{"user", "Q: What is 2+2?\nA:"}});
+  const std::string want = text::apply_chat_template(text::ChatFormat::kChatML, {{"user", "Q: What is 2+2?\nA:"}});
   EXPECT_EQ(d.at(0).text, want);
   EXPECT_EQ(d.at(0).input, "Q: What is 2+2?\nA:");  // before the chat template (an agent harness's prompt)
   EXPECT_EQ(d.at(0).tokens, tokenizer().encode(want, false));
@@ -144,11 +144,11 @@ TEST(PromptDataset, NestedKeysChatMessagesAndJsonLabels) {
   DatasetOptions o;
   o.input_key = "prompt";
   o.label_key = "reward_model.ground_truth";
-  o.chat = model::ChatFormat::kChatML;
+  o.chat = text::ChatFormat::kChatML;
   o.shuffle = false;
   PromptDataset d(p, tokenizer(), o);
   ASSERT_EQ(d.size(), 2);
-  EXPECT_EQ(d.at(0).text, model::apply_chat_template(model::ChatFormat::kChatML,
+  EXPECT_EQ(d.at(0).text, text::apply_chat_template(text::ChatFormat::kChatML,
                                                      {{"system", "Be brief."}, {"user", "2+2?"}}));
   EXPECT_EQ(nlohmann::json::parse(d.at(0).input),
             nlohmann::json::parse(R"([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}])"));
@@ -185,7 +185,7 @@ TEST(PromptDataset, AParquetFileGivesTheSamePromptsAsItsJsonlTwin) {
   DatasetOptions o;
   o.input_key = "prompt";
   o.label_key = "reward_model.ground_truth";
-  o.chat = model::ChatFormat::kChatML;
+  o.chat = text::ChatFormat::kChatML;
   o.shuffle = false;
   PromptDataset a(jsonl, tokenizer(), o), b(parquet, tokenizer(), o);
   ASSERT_EQ(a.size(), 3);
@@ -234,9 +234,9 @@ TEST(PromptDataset, LongPromptPolicies) {
 }
 
 // The real tokenizer, counting the bytes it is asked to encode.
-class CountingTokenizer final : public model::Tokenizer {
+class CountingTokenizer final : public text::Tokenizer {
  public:
-  explicit CountingTokenizer(const model::Tokenizer& t) : t_(t) {}
+  explicit CountingTokenizer(const text::Tokenizer& t) : t_(t) {}
   std::vector<int64_t> encode(const std::string& text, bool special) const override {
     encoded_bytes += static_cast<int64_t>(text.size());
     return t_.encode(text, special);
@@ -250,7 +250,7 @@ class CountingTokenizer final : public model::Tokenizer {
   mutable int64_t encoded_bytes = 0;
 
  private:
-  const model::Tokenizer& t_;
+  const text::Tokenizer& t_;
 };
 
 // One huge line used to stall start-up for hours in the tokenizer before the policy applied: the

@@ -16,18 +16,18 @@
 #include "offline/sft_data.h"
 #include "data/records.h"
 #include "tiller/core/error.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/data/epoch_order.h"
 
 namespace tiller::offline {
 namespace {
 
-const model::Tokenizer& qwen2() {
-  static auto t = model::load_tokenizer(test::hf_fixtures() + "/tokenizers/qwen2");
+const text::Tokenizer& qwen2() {
+  static auto t = text::load_tokenizer(test::hf_fixtures() + "/tokenizers/qwen2");
   return *t;
 }
-const model::Tokenizer& llama3() {
-  static auto t = model::load_tokenizer(test::hf_fixtures() + "/tokenizers/llama3");
+const text::Tokenizer& llama3() {
+  static auto t = text::load_tokenizer(test::hf_fixtures() + "/tokenizers/llama3");
   return *t;
 }
 
@@ -49,13 +49,13 @@ std::string error_of(F&& f) {
 }
 
 // The trained tokens, and the others, as text.
-std::pair<std::string, std::string> split_text(const SftSample& s, const model::Tokenizer& tok) {
+std::pair<std::string, std::string> split_text(const SftSample& s, const text::Tokenizer& tok) {
   std::vector<int64_t> on, off;
   for (size_t i = 0; i < s.tokens.size(); ++i) (s.loss_mask[i] ? on : off).push_back(s.tokens[i]);
   return {tok.decode(on), tok.decode(off)};
 }
 
-const std::vector<model::ChatMessage> kTalk = {{"system", "Be brief."},
+const std::vector<text::ChatMessage> kTalk = {{"system", "Be brief."},
                                               {"user", "What is 2+2?"},
                                               {"assistant", "4"},
                                               {"user", "And 3+3?"},
@@ -65,25 +65,25 @@ const std::vector<model::ChatMessage> kTalk = {{"system", "Be brief."},
 // Every token comes from the whole conversation as the template writes it, and exactly the
 // assistant turns' content and end of turn are trained, in ChatML and Llama-3.
 TEST(SftData, AConversationTrainsTheAssistantTurnsOnly) {
-  for (auto [chat, tok, end] : {std::tuple{model::ChatFormat::kChatML, &qwen2(), std::string("<|im_end|>\n")},
-                                std::tuple{model::ChatFormat::kLlama3, &llama3(), std::string("<|eot_id|>")}}) {
+  for (auto [chat, tok, end] : {std::tuple{text::ChatFormat::kChatML, &qwen2(), std::string("<|im_end|>\n")},
+                                std::tuple{text::ChatFormat::kLlama3, &llama3(), std::string("<|eot_id|>")}}) {
     const SftSample s = encode_conversation("talk", kTalk, *tok, chat);
     ASSERT_EQ(s.tokens.size(), s.loss_mask.size());
-    EXPECT_EQ(tok->decode(s.tokens), model::apply_chat_template(chat, kTalk, false)) << model::chat_format_name(chat);
+    EXPECT_EQ(tok->decode(s.tokens), text::apply_chat_template(chat, kTalk, false)) << text::chat_format_name(chat);
     const auto [trained, rest] = split_text(s, *tok);
-    EXPECT_EQ(trained, "4" + end + "It is 6." + end) << model::chat_format_name(chat);
+    EXPECT_EQ(trained, "4" + end + "It is 6." + end) << text::chat_format_name(chat);
     for (const char* never : {"Be brief.", "What is 2+2?", "And 3+3?", "calc: 6", "assistant"})
-      EXPECT_NE(rest.find(never), std::string::npos) << never << " should not be trained (" << model::chat_format_name(chat) << ")";
+      EXPECT_NE(rest.find(never), std::string::npos) << never << " should not be trained (" << text::chat_format_name(chat) << ")";
     EXPECT_EQ(s.loss_mask.front(), 0);
   }
-  EXPECT_NE(error_of([] { encode_conversation("x.jsonl:3", {{"user", "hi"}}, qwen2(), model::ChatFormat::kChatML); })
+  EXPECT_NE(error_of([] { encode_conversation("x.jsonl:3", {{"user", "hi"}}, qwen2(), text::ChatFormat::kChatML); })
                 .find("x.jsonl:3: the conversation has no assistant turn"),
             std::string::npos);
   EXPECT_NE(error_of([] {
-              encode_conversation("x.jsonl:4", {{"user", "hi"}, {"bot", "yo"}}, qwen2(), model::ChatFormat::kChatML);
+              encode_conversation("x.jsonl:4", {{"user", "hi"}, {"bot", "yo"}}, qwen2(), text::ChatFormat::kChatML);
             }).find("x.jsonl:4: message 2 has the role 'bot'"),
             std::string::npos);
-  EXPECT_NE(error_of([] { encode_conversation("x.jsonl:5", kTalk, qwen2(), model::ChatFormat::kNone); })
+  EXPECT_NE(error_of([] { encode_conversation("x.jsonl:5", kTalk, qwen2(), text::ChatFormat::kNone); })
                 .find("needs a chat template"),
             std::string::npos);
 }
@@ -98,8 +98,8 @@ TEST(SftData, JinjaTemplatesTrainWhatTransformersWrites) {
   int checked = 0, with_tools = 0;
   for (const std::string name : {"qwen2.5", "llama3.1", "mistral", "gemma", "deepseek"}) {
     const std::string dir = test::hf_fixtures() + "/chat_templates/" + name;
-    auto tok = model::load_tokenizer(dir);
-    const model::ChatTemplate chat = model::load_chat_template("model", dir, *tok);
+    auto tok = text::load_tokenizer(dir);
+    const text::ChatTemplate chat = text::load_chat_template("model", dir, *tok);
     for (const auto& c : ref[name]["cases"]) {
       if (c["add_generation_prompt"].get<bool>()) continue;
       // A case with tools: the record's tools (offline.tools_key) go to the template.
@@ -128,7 +128,7 @@ TEST(SftData, JinjaTemplatesTrainWhatTransformersWrites) {
           {"mistral", {" ", true, "</s>"}},          {"gemma", {"", true, "<end_of_turn>\n"}},
           {"deepseek", {"", false, "<｜end▁of▁sentence｜>"}}};
       const auto& [lead, trimmed, end] = turn.at(name);
-      if (!tools.empty() && std::any_of(messages.begin(), messages.end(), [](const model::ChatMessage& m) {
+      if (!tools.empty() && std::any_of(messages.begin(), messages.end(), [](const text::ChatMessage& m) {
             return m.fields_json.find("tool_calls") != std::string::npos;
           })) {
         // The call's turn is trained as the template writes the call (ids checked above), then the answer's.
@@ -162,10 +162,10 @@ TEST(SftData, JinjaTemplatesTrainWhatTransformersWrites) {
 // prompt (through the input template), the response and EOS, the last two trained.
 TEST(SftData, APromptAndResponsePair) {
   SftDataOptions o;
-  o.chat = model::ChatFormat::kChatML;
+  o.chat = text::ChatFormat::kChatML;
   const SftSample c = encode_pair("p", "Q?", "A.", qwen2(), o);
   EXPECT_EQ(split_text(c, qwen2()).first, "A.<|im_end|>\n");
-  o.chat = model::ChatFormat::kNone;
+  o.chat = text::ChatFormat::kNone;
   o.input_template = "Question: {}\nAnswer:";
   o.eos_id = qwen2().eos_id;
   ASSERT_TRUE(o.eos_id.has_value());
@@ -189,7 +189,7 @@ TEST(SftData, AFileOfRecordsWithItsPoliciesAndSplit) {
                                 R"({"q": "long?", "a": ")" + long_answer + R"("})" "\n"
                                 R"({"q": "3+3?", "a": "6"})" "\n");
   SftDataOptions o;
-  o.chat = model::ChatFormat::kChatML;
+  o.chat = text::ChatFormat::kChatML;
   o.prompt_key = "q";
   o.response_key = "a";
   o.max_tokens = 64;
@@ -237,14 +237,14 @@ TEST(SftData, AFileOfRecordsWithItsPoliciesAndSplit) {
   o.tools_key = "none_here";  // another key: the records' "tools" are not read
   EXPECT_EQ(SftDataset(tools, qwen2(), o).size(), 2);
   o.tools_key = "tools";
-  o.chat = model::ChatFormat::kNone;
+  o.chat = text::ChatFormat::kNone;
   EXPECT_NE(error_of([&] { SftDataset(tools, qwen2(), o); }).find("tools.jsonl:1: the record has tools, which only a chat"),
             std::string::npos);
   const std::string bad_tools = file("bad_tools.jsonl", R"({"q": "2+2?", "a": "4", "tools": "calc"})" "\n");
   EXPECT_NE(error_of([&] { SftDataset(bad_tools, qwen2(), o); })
                 .find("bad_tools.jsonl:1: 'tools' must be a list of tool schemas, not string"),
             std::string::npos);
-  o.chat = model::ChatFormat::kChatML;
+  o.chat = text::ChatFormat::kChatML;
   o.path_key = "data.train_file";
   std::filesystem::create_directories(test::scratch_dir() + "/offline/dir");
   EXPECT_NE(error_of([&] { SftDataset(test::scratch_dir() + "/offline/dir", qwen2(), o); })
@@ -261,7 +261,7 @@ TEST(PreferenceData, PairsShareThePromptAndTrainTheirResponseOnly) {
       R"({"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"}], "chosen": "4", "rejected": [{"role": "assistant", "content": "five"}]})" "\n"
       R"({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "good"}], "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "bad"}]})" "\n");
   PreferenceDataOptions o;
-  o.chat = model::ChatFormat::kChatML;
+  o.chat = text::ChatFormat::kChatML;
   PreferenceDataset d(path, qwen2(), o);
   ASSERT_EQ(d.size(), 3);
   EXPECT_TRUE(d.has_margins());

@@ -4,7 +4,7 @@
 // writes down what it saw; the trained records must be exactly that.
 #include "controller_job.h"
 
-#include "tiller/model/chat_template.h"
+#include "tiller/text/chat_template.h"
 #include "tiller/rollout/agent.h"
 
 namespace tiller::rollout {
@@ -53,7 +53,7 @@ def run(base_url, api_key, model, sample, step, prompt_line, prompt):
 
 struct AgentJob : Job {
   std::string trace;
-  std::shared_ptr<model::Tokenizer> tok;
+  std::shared_ptr<text::Tokenizer> tok;
   // `command`: the harness runs as agent.command (python3 running the same function) instead.
   explicit AgentJob(const std::string& name, bool drift = false, bool command = false) : Job(name) {
     cfg.rollout.loop = "openai_agent";
@@ -84,10 +84,10 @@ struct AgentJob : Job {
       cfg.agent.command = std::string(TILLER_TEST_PYTHON_INTERPRETER) + " " + harness;
     }
     const std::string fixtures = TILLER_HF_FIXTURES;
-    tok = std::shared_ptr<model::Tokenizer>(model::load_tokenizer(fixtures + "/tokenizers/qwen2").release());
+    tok = std::shared_ptr<text::Tokenizer>(text::load_tokenizer(fixtures + "/tokenizers/qwen2").release());
     loop.tokenizer = tok;
-    loop.chat = std::make_shared<const model::ChatTemplate>(
-        model::job_chat_template(cfg.data, fixtures + "/models/qwen2-chat", *tok));
+    loop.chat = std::make_shared<const text::ChatTemplate>(
+        text::job_chat_template(cfg.data, fixtures + "/models/qwen2-chat", *tok));
     loop.decode = [](const std::vector<int64_t>& ids) { return std::to_string(ids.size()) + " ids"; };
   }
   json seen(const json& record) const {

@@ -29,7 +29,7 @@
 #include "testing/synthetic.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/core/files.h"
 #include "tiller/dist/rank_plan.h"
 #include "tiller/env/environment.h"
@@ -86,7 +86,7 @@ struct Job {
   LoopSources loop;  // multi-turn jobs: the environment
   std::string out;
   // eval.prompts: the evaluation, its prompts tokenized with the Qwen2 fixture's tokenizer.
-  std::unique_ptr<model::Tokenizer> eval_tokenizer;
+  std::unique_ptr<text::Tokenizer> eval_tokenizer;
   std::unique_ptr<Evaluator> evaluator;
 
   explicit Job(const std::string& name, bool critic = false) {
@@ -184,7 +184,7 @@ struct Job {
     w.print_summary = false;
     if (eo.clock) w.clock = eo.clock;
     if (cfg.eval.enabled()) {
-      eval_tokenizer = model::load_tokenizer(std::string(TILLER_HF_FIXTURES) + "/tokenizers/qwen2");
+      eval_tokenizer = text::load_tokenizer(std::string(TILLER_HF_FIXTURES) + "/tokenizers/qwen2");
       evaluator = std::make_unique<Evaluator>(cfg, *eval_tokenizer, *engines, std::vector<int64_t>{});
       w.evaluator = evaluator.get();
     }

@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "tiller/core/config.h"
-#include "tiller/model/chat_template.h"
+#include "tiller/text/chat_template.h"
 #include "tiller/data/epoch_order.h"
 
 namespace tiller::model {
@@ -45,7 +45,7 @@ struct DatasetOptions {
   std::string data_source_key = "data_source";
   std::string extra_info_key = "extra_info";
   std::string input_template;                              // "" or one "{}"
-  model::ChatTemplate chat;                                // none by default
+  text::ChatTemplate chat;                                // none by default
   std::string tools_key = "tools";                         // a prompt's tool schemas (for chat templates)
   int64_t max_prompt_tokens = 1024;
   LongPromptPolicy long_prompts = LongPromptPolicy::kSkip;
@@ -71,7 +71,7 @@ class PromptDataset {
  public:
   // Reads, templates and tokenizes the whole file. ConfigError names the file and line or row (or
   // says that no prompt is left after the length policy).
-  PromptDataset(const std::string& path, const model::Tokenizer& tokenizer, const DatasetOptions& options);
+  PromptDataset(const std::string& path, const text::Tokenizer& tokenizer, const DatasetOptions& options);
 
   int64_t size() const { return static_cast<int64_t>(prompts_.size()); }
   int64_t skipped() const { return skipped_; }      // over max_prompt_tokens, policy skip
@@ -86,7 +86,7 @@ class PromptDataset {
  private:
   // Tokenizes a record's prompt (`where` names it in errors) and keeps it unless the length policy
   // skips it.
-  void add_prompt(const std::string& where, Prompt p, const model::Tokenizer& tok);
+  void add_prompt(const std::string& where, Prompt p, const text::Tokenizer& tok);
 
   std::vector<Prompt> prompts_;
   DatasetOptions opts_;

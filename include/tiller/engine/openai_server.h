@@ -40,10 +40,10 @@
 #include "tiller/core/deadline.h"
 #include "tiller/core/tls.h"
 
-namespace tiller::model {
+namespace tiller::text {
 class Tokenizer;
 class ChatTemplate;
-}  // namespace tiller::model
+}  // namespace tiller::text
 
 namespace tiller::engine {
 
@@ -119,11 +119,11 @@ class OpenAiServer {
   // Binds and serves at once; IoError naming the address when it cannot bind. `server` must
   // outlive this. `eos_ids`: the model's end-of-sequence tokens, each choice's stop tokens unless
   // the request says ignore_eos. `chat` may have no format (chat requests are then refused).
-  OpenAiServer(EngineServer& server, std::shared_ptr<const model::Tokenizer> tokenizer, const model::ChatTemplate& chat,
+  OpenAiServer(EngineServer& server, std::shared_ptr<const text::Tokenizer> tokenizer, const text::ChatTemplate& chat,
                std::vector<int64_t> eos_ids, int64_t max_model_len, const OpenAiOptions& opts);
   // The same in front of any backend.
-  OpenAiServer(std::shared_ptr<OpenAiBackend> backend, std::shared_ptr<const model::Tokenizer> tokenizer,
-               const model::ChatTemplate& chat, std::vector<int64_t> eos_ids, int64_t max_model_len,
+  OpenAiServer(std::shared_ptr<OpenAiBackend> backend, std::shared_ptr<const text::Tokenizer> tokenizer,
+               const text::ChatTemplate& chat, std::vector<int64_t> eos_ids, int64_t max_model_len,
                const OpenAiOptions& opts);
   ~OpenAiServer();  // shutdown()
   OpenAiServer(const OpenAiServer&) = delete;

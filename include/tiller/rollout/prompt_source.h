@@ -23,9 +23,9 @@
 #include "tiller/core/registry_api.h"
 #include "tiller/rollout/prompt_dataset.h"  // data::Prompt, and rollout::Prompt for one release
 
-namespace tiller::model {
+namespace tiller::text {
 class Tokenizer;
-}
+}  // namespace tiller::text
 
 namespace tiller::rollout {
 
@@ -42,7 +42,7 @@ class PromptSource {
 
 struct PromptSourceContext {
   const JobConfig* job = nullptr;
-  const model::Tokenizer* tokenizer = nullptr;
+  const text::Tokenizer* tokenizer = nullptr;
   // A prompt made as the file source makes one: `text` through data.input_template and the chat
   // template (data.apply_chat_template), encoded without special tokens, with `label`; a
   // ConfigError when it is longer than rollout.max_prompt_tokens.
@@ -63,10 +63,10 @@ TILLER_REGISTRY_API(prompt_source, PromptSourceDef);
 inline const PromptSourceDef& prompt_source(const std::string& name) { return find_prompt_source(name); }
 
 // The job's source (data.source), made with the job's tokenizer.
-std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const model::Tokenizer& tokenizer);
+std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const text::Tokenizer& tokenizer);
 
 // The data.* settings as a prompt dataset's options (keys, templates, the chat template, length
 // policy, order): the file source's, and evaluation's (eval.prompts).
-data::DatasetOptions job_dataset_options(const JobConfig& job, const model::Tokenizer& tokenizer);
+data::DatasetOptions job_dataset_options(const JobConfig& job, const text::Tokenizer& tokenizer);
 
 }  // namespace tiller::rollout

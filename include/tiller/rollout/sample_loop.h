@@ -43,10 +43,10 @@
 namespace tiller::env {
 class Environment;
 }
-namespace tiller::model {
+namespace tiller::text {
 class Tokenizer;
 class ChatTemplate;
-}  // namespace tiller::model
+}  // namespace tiller::text
 
 namespace tiller::rollout {
 
@@ -132,8 +132,8 @@ struct SampleLoopContext {
   // A response's text (special tokens left out).
   std::function<std::string(const std::vector<int64_t>&)> decode;
   // The actor's tokenizer and chat template (loops that render or parse text themselves).
-  std::shared_ptr<const model::Tokenizer> tokenizer;
-  std::shared_ptr<const model::ChatTemplate> chat;
+  std::shared_ptr<const text::Tokenizer> tokenizer;
+  std::shared_ptr<const text::ChatTemplate> chat;
 };
 
 struct SampleLoopDef {

@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-namespace tiller::model {
+namespace tiller::text {
 
 class Regex {
  public:
@@ -30,4 +30,4 @@ Behavior parse_behavior(const std::string& b, const std::string& where);
 std::vector<std::string> split_by(const std::string& s, const std::vector<std::pair<size_t, size_t>>& matches,
                                   Behavior behavior, bool invert);
 
-}  // namespace tiller::model
+}  // namespace tiller::text

@@ -1,4 +1,4 @@
-#include "tiller/model/chat_template.h"
+#include "tiller/text/chat_template.h"
 
 #include <filesystem>
 #include <optional>
@@ -13,9 +13,9 @@
 #include "tiller/core/files.h"
 #include "tiller/core/logging.h"
 #include "tiller/model/model_config.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 
-namespace tiller::model {
+namespace tiller::text {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -168,8 +168,8 @@ std::optional<JinjaSources> model_jinja(const fs::path& dir) {
 
 // What the model's stop tokens write: a turn that ended with one of them has written its end.
 std::vector<std::string> stop_texts(const fs::path& dir, const Tokenizer& tok) {
-  ModelConfig mc;
-  if (fs::exists(dir / "config.json")) mc = load_model_config(dir.string());
+  model::ModelConfig mc;
+  if (fs::exists(dir / "config.json")) mc = model::load_model_config(dir.string());
   std::vector<std::string> out;
   for (int64_t id : eos_token_ids(dir.string(), mc, tok)) {
     const std::string t = tok.id_to_token(id);
@@ -351,4 +351,4 @@ std::string apply_input_template(const std::string& input_template, const std::s
   return input_template.substr(0, at) + input + input_template.substr(at + 2);
 }
 
-}  // namespace tiller::model
+}  // namespace tiller::text

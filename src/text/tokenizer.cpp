@@ -1,4 +1,4 @@
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -10,7 +10,7 @@
 #include "tiller/core/files.h"
 #include "tiller/model/model_config.h"
 
-namespace tiller::model {
+namespace tiller::text {
 namespace {
 
 namespace fs = std::filesystem;
@@ -64,7 +64,7 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir) {
   return tok;
 }
 
-std::vector<int64_t> eos_token_ids(const std::string& dir, const model::ModelConfig& cfg, const model::Tokenizer& tok) {
+std::vector<int64_t> eos_token_ids(const std::string& dir, const model::ModelConfig& cfg, const Tokenizer& tok) {
   std::vector<int64_t> ids = cfg.eos_token_ids;
   const fs::path gen = fs::path(dir) / "generation_config.json";
   if (fs::exists(gen)) {
@@ -84,4 +84,4 @@ std::vector<int64_t> eos_token_ids(const std::string& dir, const model::ModelCon
   return ids;
 }
 
-}  // namespace tiller::model
+}  // namespace tiller::text

@@ -6,9 +6,9 @@
 #include <fmt/format.h>
 
 #include "tiller/core/error.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 
-namespace tiller::model {
+namespace tiller::text {
 namespace {
 
 class SentencePieceTokenizer final : public Tokenizer {
@@ -101,4 +101,4 @@ std::unique_ptr<Tokenizer> make_sentencepiece_tokenizer(const std::string& model
   return std::make_unique<SentencePieceTokenizer>(model_path);
 }
 
-}  // namespace tiller::model
+}  // namespace tiller::text

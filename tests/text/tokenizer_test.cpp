@@ -5,12 +5,12 @@
 
 #include <gtest/gtest.h>
 
-#include "fixtures.h"
+#include "../model/fixtures.h"
 #include "tiller/core/error.h"
-#include "tiller/model/chat_template.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/chat_template.h"
+#include "tiller/text/tokenizer.h"
 
-namespace tiller::model {
+namespace tiller::text {
 namespace {
 
 std::string tok_dir(const std::string& name) { return test::hf_fixtures() + "/tokenizers/" + name; }
@@ -272,4 +272,4 @@ TEST(ChatTemplate, ErrorsNameTheTemplateAndWhatToDo) {
 #endif
 
 }  // namespace
-}  // namespace tiller::model
+}  // namespace tiller::text

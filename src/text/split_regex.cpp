@@ -1,5 +1,5 @@
 // PCRE2 with Unicode properties on (\p{L}, \s over Unicode, ...).
-#include "model/split_regex.h"
+#include "text/split_regex.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
@@ -8,10 +8,10 @@
 
 #include <fmt/format.h>
 
-#include "model/utf8.h"
+#include "text/utf8.h"
 #include "tiller/core/error.h"
 
-namespace tiller::model {
+namespace tiller::text {
 namespace {
 
 // `tokenizers` runs its patterns through Oniguruma, whose \s is exactly \t \n \v \f \r, U+0085
@@ -154,4 +154,4 @@ std::vector<std::string> split_by(const std::string& s, const std::vector<std::p
   return out;
 }
 
-}  // namespace tiller::model
+}  // namespace tiller::text

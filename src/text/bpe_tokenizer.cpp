@@ -13,12 +13,12 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "model/split_regex.h"
-#include "model/utf8.h"
+#include "text/split_regex.h"
+#include "text/utf8.h"
 #include "tiller/core/error.h"
-#include "tiller/model/tokenizer.h"
+#include "tiller/text/tokenizer.h"
 
-namespace tiller::model {
+namespace tiller::text {
 namespace {
 
 using nlohmann::json;
@@ -524,4 +524,4 @@ std::unique_ptr<Tokenizer> make_bpe_tokenizer(const std::string& json_text, cons
   }
 }
 
-}  // namespace tiller::model
+}  // namespace tiller::text

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-namespace tiller::model::utf8 {
+namespace tiller::text::utf8 {
 
 inline std::string encode(uint32_t cp) {
   std::string s;
@@ -93,4 +93,4 @@ inline std::string lossy(const std::string& s) {
   return out;
 }
 
-}  // namespace tiller::model::utf8
+}  // namespace tiller::text::utf8
