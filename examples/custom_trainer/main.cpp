@@ -234,7 +234,7 @@ class Revise final : public tiller::rollout::SampleLoop {
 }  // namespace
 
 int main(int argc, char** argv) {
-  tiller::reward::register_fn("label_digits", label_digits);
+  tiller::reward::register_rule_reward("label_digits", label_digits);
   tiller::algo::AdvantageEstimatorDef est;
   est.compute = clipped_gae;
   est.needs_critic = true;

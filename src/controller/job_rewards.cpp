@@ -9,7 +9,7 @@ JobRewards make_job_rewards(const JobConfig& cfg, std::function<std::string(cons
   JobRewards out;
   out.sources.decode = decode;
   if (cfg.reward.type == RewardType::kRule) {
-    reward::RewardFn rule = reward::find(cfg.reward.rule);
+    reward::RewardFn rule = reward::rule_reward_for(cfg.reward.rule);
     out.sources.rule = [rule, decode](const data::Prompt& p, const engine::SampleOutput& s) {
       return rule(reward::Sample{p.text, decode(s.tokens), p.label});
     };

@@ -4,14 +4,13 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <regex>
 
 #include <fmt/format.h>
 
 #include "tiller/core/error.h"
+#include "tiller/core/registry.h"
 
 namespace tiller::reward {
 namespace {
@@ -45,20 +44,19 @@ std::optional<double> as_number(std::string s) {
   return v;
 }
 
-struct Registry {
-  std::mutex mu;
-  std::map<std::string, RewardFn> fns;
-
-  Registry() {
-    fns["math_answer"] = [](const Sample& s) {
+// The registry, the built-ins added on first use (through the same call as a user's).
+Registry<RewardFn>& registry() {
+  static Registry<RewardFn>* r = [] {
+    auto* reg = new Registry<RewardFn>("rule reward", [](const RewardFn& fn) { return fn ? "" : "no function"; });
+    reg->add("math_answer", [](const Sample& s) {
       const auto got = extract_answer(s.response_text);
       if (!got) return 0.0;
       const auto want = extract_answer(s.label);
       return answers_match(*got, want ? *want : s.label) ? 1.0 : 0.0;
-    };
-    fns["exact_match"] = [](const Sample& s) { return trim(s.response_text) == trim(s.label) ? 1.0 : 0.0; };
+    });
+    reg->add("exact_match", [](const Sample& s) { return trim(s.response_text) == trim(s.label) ? 1.0 : 0.0; });
     // The quickstart's toy tasks: a random tiny model starts near 0 and learns them in minutes.
-    fns["toy_digits"] = [](const Sample& s) {
+    reg->add("toy_digits", [](const Sample& s) {
       int64_t digits = 0, chars = 0;
       for (unsigned char c : s.response_text) {
         if ((c & 0xc0) == 0x80) continue;  // UTF-8 continuation bytes: one character each
@@ -66,21 +64,18 @@ struct Registry {
         if (c >= '0' && c <= '9') ++digits;
       }
       return chars == 0 ? 0.0 : static_cast<double>(digits) / static_cast<double>(chars);
-    };
-    fns["toy_echo"] = [](const Sample& s) {
+    });
+    reg->add("toy_echo", [](const Sample& s) {
       // Share of the label's characters that the response repeats, in order, from its start.
       const std::string want = trim(s.label), got = trim(s.response_text);
       if (want.empty()) return 0.0;
       size_t i = 0;
       while (i < want.size() && i < got.size() && want[i] == got[i]) ++i;
       return static_cast<double>(i) / static_cast<double>(want.size());
-    };
-  }
-};
-
-Registry& registry() {
-  static Registry r;
-  return r;
+    });
+    return reg;
+  }();
+  return *r;
 }
 
 }  // namespace
@@ -111,44 +106,20 @@ bool answers_match(const std::string& a, const std::string& b) {
   return trim(a) == trim(b);
 }
 
-void register_fn(const std::string& name, RewardFn fn) {
-  if (name.empty() || name.rfind("regex:", 0) == 0 || !fn)
-    throw ConfigError(fmt::format("reward '{}': a name must be non-empty, not start with 'regex:', and have a function",
-                                  name));
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  if (!r.fns.emplace(name, std::move(fn)).second)
-    throw ConfigError(fmt::format("reward '{}' is already registered", name));
-}
+TILLER_REGISTRY_DEFINE(rule_reward, RewardFn, registry, "reward.rule")
 
-RewardFn find(const std::string& spec) {
+RewardFn rule_reward_for(const std::string& spec) {
   if (spec.rfind("regex:", 0) == 0) {
     const std::string pattern = spec.substr(6);
     std::shared_ptr<const std::regex> re;
     try {
       re = std::make_shared<const std::regex>(pattern, std::regex::ECMAScript);
     } catch (const std::regex_error& e) {
-      throw ConfigError(fmt::format("reward '{}': not a valid regular expression: {}", spec, e.what()));
+      throw ConfigError(fmt::format("reward.rule = '{}': not a valid regular expression: {}", spec, e.what()));
     }
     return [re](const Sample& s) { return std::regex_match(s.response_text, *re) ? 1.0 : 0.0; };
   }
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  auto it = r.fns.find(spec);
-  if (it == r.fns.end()) {
-    std::string known;
-    for (const auto& [n, f] : r.fns) known += (known.empty() ? "" : ", ") + n;
-    throw ConfigError(fmt::format("reward '{}' is not registered (known: {}, or regex:<pattern>)", spec, known));
-  }
-  return it->second;
-}
-
-std::vector<std::string> names() {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  std::vector<std::string> out;
-  for (const auto& [n, f] : r.fns) out.push_back(n);
-  return out;
+  return find_rule_reward(spec);
 }
 
 }  // namespace tiller::reward

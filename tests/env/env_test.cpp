@@ -37,6 +37,8 @@ TEST(EnvRegistry, InProcessEnvironmentsByName) {
   register_env("test_counter", [] { return std::make_unique<Counter>(); });
   EXPECT_THROW(register_env("test_counter", [] { return std::make_unique<Counter>(); }), ConfigError);
   EXPECT_THROW(register_env("", [] { return std::make_unique<Counter>(); }), ConfigError);
+  EXPECT_THROW(register_env("test_nothing", EnvFactory()), ConfigError);
+  EXPECT_NE(find_env("test_counter")(), nullptr);
   auto e = make_env("test_counter");
   EpisodeStart s;
   s.label = "3";
@@ -46,9 +48,12 @@ TEST(EnvRegistry, InProcessEnvironmentsByName) {
     make_env("no_such_env");
     FAIL() << "an unknown environment was made";
   } catch (const ConfigError& err) {
-    EXPECT_NE(std::string(err.what()).find("no in-process environment 'no_such_env' (registered: test_counter)"),
+    const std::string what = err.what();
+    EXPECT_NE(what.find("env.name = 'no_such_env': not a registered in-process environment (registered: "
+                        "test_counter)"),
               std::string::npos)
-        << err.what();
+        << what;
+    EXPECT_NE(what.find("register it with tiller::env::register_env"), std::string::npos) << what;
   }
 }
 

@@ -8,7 +8,7 @@ namespace tiller::reward {
 namespace {
 
 double score(const std::string& spec, const std::string& response, const std::string& label = "") {
-  return find(spec)(Sample{"prompt", response, label});
+  return rule_reward_for(spec)(Sample{"prompt", response, label});
 }
 
 TEST(RuleReward, MathAnswers) {
@@ -39,7 +39,7 @@ TEST(RuleReward, ExactMatchAndRegexFormat) {
   EXPECT_EQ(score(fmt, "<think>2 + 2\nis 4</think>\n#### 4"), 1.0);
   EXPECT_EQ(score(fmt, "#### 4"), 0.0);
   try {
-    find("regex:(unclosed");
+    rule_reward_for("regex:(unclosed");
     ADD_FAILURE() << "a bad regex was accepted";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("not a valid regular expression"), std::string::npos) << e.what();
@@ -47,29 +47,37 @@ TEST(RuleReward, ExactMatchAndRegexFormat) {
 }
 
 TEST(RuleReward, RegistryTakesUserFunctions) {
-  register_fn("test_length", [](const Sample& s) { return static_cast<double>(s.response_text.size()); });
+  register_rule_reward("test_length", [](const Sample& s) { return static_cast<double>(s.response_text.size()); });
   EXPECT_EQ(score("test_length", "abcd"), 4.0);
-  EXPECT_THROW(register_fn("test_length", [](const Sample&) { return 0.0; }), ConfigError);
-  EXPECT_THROW(register_fn("regex:x", [](const Sample&) { return 0.0; }), ConfigError);
-  const auto all = names();
+  EXPECT_THROW(register_rule_reward("test_length", [](const Sample&) { return 0.0; }), ConfigError);
+  EXPECT_THROW(register_rule_reward("regex:x", [](const Sample&) { return 0.0; }), ConfigError);
+  EXPECT_THROW(register_rule_reward("test_nothing", RewardFn()), ConfigError);
+  const auto all = rule_reward_names();
   EXPECT_NE(std::find(all.begin(), all.end(), "math_answer"), all.end());
   EXPECT_NE(std::find(all.begin(), all.end(), "test_length"), all.end());
+  EXPECT_EQ(find_rule_reward("test_length")({"", "abc", ""}), 3.0);
   try {
-    find("nope");
+    rule_reward_for("toy_digit");
     ADD_FAILURE() << "an unknown reward was found";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("'nope' is not registered (known: "), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("math_answer"), std::string::npos) << e.what();
+    const std::string what = e.what();
+    EXPECT_NE(what.find("reward.rule = 'toy_digit': not a registered rule reward (registered: "), std::string::npos)
+        << what;
+    EXPECT_NE(what.find("math_answer"), std::string::npos) << what;
+    EXPECT_NE(what.find("did you mean 'toy_digits'?"), std::string::npos) << what;
   }
+  // The names before the registry scheme forward for one release.
+  register_fn("test_old_name", [](const Sample&) { return 2.0; });
+  EXPECT_EQ(find("test_old_name")({"", "", ""}), 2.0);
 }
 
 TEST(RuleReward, ToyTasks) {
-  const RewardFn digits = find("toy_digits");
+  const RewardFn digits = rule_reward_for("toy_digits");
   EXPECT_DOUBLE_EQ(digits({"", "12ab", ""}), 0.5);
   EXPECT_DOUBLE_EQ(digits({"", "2024", ""}), 1.0);
   EXPECT_DOUBLE_EQ(digits({"", "", ""}), 0.0);
   EXPECT_DOUBLE_EQ(digits({"", "\xc3\xa9" "7", ""}), 0.5);  // "é7": two characters, one digit
-  const RewardFn echo = find("toy_echo");
+  const RewardFn echo = rule_reward_for("toy_echo");
   EXPECT_DOUBLE_EQ(echo({"", "abcx", "abcd"}), 0.75);
   EXPECT_DOUBLE_EQ(echo({"", " abcd ", "abcd"}), 1.0);
   EXPECT_DOUBLE_EQ(echo({"", "zz", "abcd"}), 0.0);

@@ -122,7 +122,7 @@ TEST(ControllerInProcess, HybridStepsWithoutASyncKeepTheEnginesWeights) {
 // what the samples files say, per data source and over all; in a hybrid job the evaluation wakes
 // the engines (SyntheticEngines refuses a request to a sleeping cache).
 TEST(ControllerInProcess, EvaluationScoresHeldOutPromptsAndNeverChangesWhatTrains) {
-  reward::register_fn("test_even_length", [](const reward::Sample& s) { return s.response_text.size() % 2 == 0 ? 1.0 : 0.0; });
+  reward::register_rule_reward("test_even_length", [](const reward::Sample& s) { return s.response_text.size() % 2 == 0 ? 1.0 : 0.0; });
   const std::string prompts = scratch("eval_prompts") + "/eval.jsonl";
   {
     std::ofstream f(prompts);
@@ -200,7 +200,7 @@ TEST(ControllerInProcess, EvaluationScoresHeldOutPromptsAndNeverChangesWhatTrain
   with_eval(big);
   big.cfg.eval.prompts = many;
   big.cfg.eval.n_samples = 1024;
-  const auto tok = model::load_tokenizer(std::string(TILLER_HF_FIXTURES) + "/tokenizers/qwen2");
+  const auto tok = text::load_tokenizer(std::string(TILLER_HF_FIXTURES) + "/tokenizers/qwen2");
   SyntheticEngines engines(SyntheticEngineOptions{});
   EXPECT_NE(error_of([&] { Evaluator(big.cfg, *tok, engines, {}); }).find("lower eval.max_prompts or eval.n_samples"),
             std::string::npos);

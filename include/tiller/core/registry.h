@@ -1,9 +1,10 @@
 // Named components that a trainer of one's own can add to: one mechanism behind the registries
-// (the algorithm pieces, reward scorers, prompt sources, step hooks, sample loops and agent
-// harnesses; docs/library.md lists them), each with the same three functions: register_x, find_x
-// and x_names (TILLER_REGISTRY_API below). A registry holds entries by name;
-// tiller's built-in entries go in through the same `add` as a user's, the first time the registry
-// is used, so a user's registration before `run_main` sits beside them.
+// (the algorithm pieces, reward scorers and rule rewards, in-process environments, prompt
+// sources, step hooks, sample loops and agent harnesses; docs/library.md lists them), each with
+// the same three functions: register_x, find_x and x_names (TILLER_REGISTRY_API below). A
+// registry holds entries by name; tiller's built-in entries go in through the same `add` as a
+// user's, the first time the registry is used, so a user's registration before `run_main` sits
+// beside them.
 //
 // Names: 1 to 64 of [a-z0-9_.-]; a name is registered once (a second `add` of it is an error,
 // never a silent replacement). Looking up a name that is not there is a ConfigError naming the

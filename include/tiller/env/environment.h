@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tiller/core/deadline.h"
+#include "tiller/core/registry_api.h"
 
 namespace tiller::env {
 
@@ -63,11 +64,12 @@ class Environment {
 
 using EnvFactory = std::function<std::unique_ptr<Environment>()>;
 
-// Adds an in-process environment under `name`. ConfigError when the name is empty or taken.
-void register_env(const std::string& name, EnvFactory factory);
-// A new instance of the environment registered as `name`; ConfigError naming it and listing the
-// registered names when there is none.
+// register_env(name, factory), find_env(name) (the factory; a ConfigError naming env.name, the
+// registered names and the closest one when it is missing) and env_names() (sorted): a
+// tiller::Registry (tiller/core/registry.h), names of 1 to 64 of [a-z0-9_.-], each registered once.
+TILLER_REGISTRY_API(env, EnvFactory);
+// A new instance of the environment registered as `name`: find_env's ConfigError, which also says
+// how to register one, when there is none.
 std::unique_ptr<Environment> make_env(const std::string& name);
-std::vector<std::string> env_names();  // sorted
 
 }  // namespace tiller::env

@@ -12,16 +12,20 @@
 //   "regex:<re>"   1 when the whole response matches the ECMAScript regular expression <re>
 //                  (a format reward, e.g. "regex:(?:.|\n)*#### -?[0-9]+\s*").
 // Library users add their own before the job starts (docs/library.md):
-//   tiller::reward::register_fn("my_reward", [](const tiller::reward::Sample& s) { return score(s.response_text); });
+//   tiller::reward::register_rule_reward("my_reward", [](const tiller::reward::Sample& s) { return score(s.response_text); });
 //
-// Threading: register before the job starts; find() and the functions it returns may then be
-// called from any thread. The built-ins are pure.
+// The registry is a tiller::Registry (tiller/core/registry.h): names of 1 to 64 of [a-z0-9_.-]
+// (so none starts with "regex:"), each registered once. Threading: register before the job
+// starts; the lookups and the functions they return may then be called from any thread. The
+// built-ins are pure.
 #pragma once
 
 #include <functional>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "tiller/core/registry_api.h"
 
 namespace tiller::reward {
 
@@ -33,12 +37,18 @@ struct Sample {
 
 using RewardFn = std::function<double(const Sample&)>;
 
-// Adds `fn` under `name`. ConfigError when the name is empty, taken, or starts with "regex:".
-void register_fn(const std::string& name, RewardFn fn);
-// The function for `spec` (a registered name, or "regex:<re>"). ConfigError names the spec and
-// lists the registered names, or says what is wrong with the regular expression.
-RewardFn find(const std::string& spec);
-std::vector<std::string> names();  // sorted, built-ins included
+// register_rule_reward(name, fn), find_rule_reward(name) (a ConfigError naming reward.rule, the
+// registered names and the closest one when it is missing) and rule_reward_names() (sorted,
+// built-ins included).
+TILLER_REGISTRY_API(rule_reward, RewardFn);
+// The function for a reward.rule `spec`: a registered name, or "regex:<re>". ConfigError as
+// find_rule_reward's, or saying what is wrong with the regular expression.
+RewardFn rule_reward_for(const std::string& spec);
+
+// The names before the registry scheme, for one release.
+inline void register_fn(const std::string& name, RewardFn fn) { register_rule_reward(name, std::move(fn)); }
+inline RewardFn find(const std::string& spec) { return rule_reward_for(spec); }
+inline std::vector<std::string> names() { return rule_reward_names(); }
 
 // The final answer of a text as "math_answer" reads it, or nullopt when there is none.
 std::optional<std::string> extract_answer(const std::string& text);
