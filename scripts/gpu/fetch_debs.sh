@@ -20,3 +20,8 @@ ls -la
 mkdir -p "$here/.gpu/wheels"
 python3 -m pip download sentencepiece --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 -d "$here/.gpu/wheels" -q
+# The openai client and what it needs, for the agent harnesses and examples/tool_use (docs/agents.md).
+# The host has no network: install them there with
+#   python3 -m pip install --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl; export PYTHONPATH=/tmp/site
+python3 -m pip download openai --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_17_x86_64 -d "$here/.gpu/wheels" -q

@@ -278,6 +278,14 @@ class AgentLoop final : public SampleLoop {
             "{}: request {} of the agent harness does not extend the sample's tokens: it differs at token {} of {} "
             "(the sample has '{}', the request '{}')",
             where, s.requests, at, s.history.size(), around(s.history, at), around(prompt, at));
+        // split and drop go on past a drift; its first place in the job is worth a look (the chat
+        // template re-rendering a parsed tool call, say), so it is logged once at warning level.
+        if (job_.agent.drift != AgentDrift::kError && !drift_reported_) {
+          drift_reported_ = true;
+          log::warn("{} (step {}); agent.drift = {} goes on; agent/drifts counts this job's drifts a step, the "
+                    "rest are logged at debug level",
+                    what, host_.step(), enum_name(job_.agent.drift));
+        }
         switch (job_.agent.drift) {
           case AgentDrift::kError:
             throw Error(fmt::format("{} (step {}); agent.drift = split or drop goes on past it (docs/agents.md)", what,
@@ -445,6 +453,7 @@ class AgentLoop final : public SampleLoop {
   std::unique_ptr<HarnessPool> pool_;
   std::unique_ptr<engine::OpenAiServer> server_;
   std::string base_, key_;
+  bool drift_reported_ = false;                          // the job's first drift was logged
   std::unordered_map<uint64_t, Sample> samples_;        // by sample_key
   std::unordered_map<std::string, uint64_t> routes_;    // route -> sample_key
   std::unordered_map<uint64_t, uint64_t> requests_;     // engine request id -> sample_key

@@ -197,7 +197,15 @@ TEST(AgentLoop, RetokenizationDriftIsHandledByEachPolicy) {
   {
     AgentJob job("agent_drift_split", true);
     job.cfg.agent.drift = AgentDrift::kSplit;
+    ::testing::internal::CaptureStderr();
     job.run();
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    // The job's first drift is a warning, with its place; the other 15 go to debug.
+    const std::string warned = "agent.drift = split goes on";
+    const size_t at = log.find(warned);
+    EXPECT_NE(at, std::string::npos) << log;
+    EXPECT_EQ(log.find(warned, at + 1), std::string::npos) << log;
+    EXPECT_NE(log.find("does not extend the sample's tokens: it differs at token 2"), std::string::npos) << log;
     const auto recs = job.records();
     ASSERT_EQ(recs.size(), 2u * 4 * 2);
     for (const auto& r : recs) {
