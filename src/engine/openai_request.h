@@ -62,9 +62,10 @@ struct Generation {
 // one of its own. Thread-safe.
 class RequestReader {
  public:
-  RequestReader(const text::Tokenizer& tok, const text::ChatTemplate& chat, std::vector<int64_t> eos,
+  // Holds references: the caller keeps the tokenizer, template, ids and options alive.
+  RequestReader(const text::Tokenizer& tok, const text::ChatTemplate& chat, const std::vector<int64_t>& eos,
                 int64_t max_model_len, const OpenAiOptions& opts)
-      : tok_(tok), chat_(chat), eos_(std::move(eos)), max_model_len_(max_model_len), opts_(opts) {}
+      : tok_(tok), chat_(chat), eos_(eos), max_model_len_(max_model_len), opts_(opts) {}
 
   // A /v1/completions body: its prompts (text or token ids) and sampling.
   Generation completion(const json& body);
@@ -79,7 +80,7 @@ class RequestReader {
 
   const text::Tokenizer& tok_;
   const text::ChatTemplate& chat_;
-  const std::vector<int64_t> eos_;
+  const std::vector<int64_t>& eos_;
   const int64_t max_model_len_;
   const OpenAiOptions& opts_;
   std::mt19937_64 seeds_{std::random_device{}()};
