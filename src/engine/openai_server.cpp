@@ -123,6 +123,7 @@ struct OpenAiServer::Impl {
   OpenAiOptions opts;
   std::unique_ptr<httplib::Server> http;
   std::thread thread;
+  std::atomic<bool> listening_ended{false};  // listen_after_bind returned (its handlers' threads joined)
   int bound_port = 0;
   std::atomic<uint64_t> next_id{uint64_t{1} << 62};  // apart from the ids gRPC clients choose
   std::atomic<uint64_t> next_response{1};
@@ -577,7 +578,10 @@ struct OpenAiServer::Impl {
         throw IoError(fmt::format("the OpenAI endpoint cannot bind {}:{} (in use?)", opts.host, opts.port));
       bound_port = opts.port;
     }
-    thread = std::thread([this] { http->listen_after_bind(); });
+    thread = std::thread([this] {
+      http->listen_after_bind();
+      listening_ended = true;
+    });
   }
 };
 
@@ -606,8 +610,15 @@ void OpenAiServer::shutdown() {
   Impl& m = *impl_;
   if (m.stopped) return;
   m.stopped = true;
-  if (m.http) m.http->stop();
-  if (m.thread.joinable()) m.thread.join();
+  if (!m.thread.joinable()) return;
+  // httplib's stop() does nothing until the listen thread has begun (is_running()): a shutdown
+  // right after the start (a job that fails in its first milliseconds) would leave the accept loop
+  // running and the join below waiting forever (cpp-httplib issue 1371). So it waits for the loop
+  // to begin (a thread's start) first; once stopped, the loop ends within its 100 ms poll and its
+  // handlers at their requests' deadlines.
+  while (!m.listening_ended && !m.http->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  m.http->stop();
+  m.thread.join();
 }
 
 }  // namespace tiller::engine

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <random>
 #include <thread>
@@ -17,6 +18,8 @@
 #include "tiller/engine/server.h"
 #include "tiller/model/generate.h"
 #include "tiller/model/weights.h"
+#include "tiller/text/chat_template.h"
+#include "tiller/text/tokenizer.h"
 
 namespace tiller::engine {
 namespace {
@@ -341,6 +344,31 @@ TEST(OpenAiEndpoint, HermesToolCallsAreReadOutOfTheReply) {
   EXPECT_FALSE(parse_hermes_tool_calls("<tool_call>{\"name\": \"f\", </tool_call>").has_value());
   EXPECT_FALSE(parse_hermes_tool_calls("<tool_call>{\"arguments\": {}}</tool_call>").has_value());
   EXPECT_FALSE(parse_hermes_tool_calls("<tool_call>{\"name\": \"f\", \"arguments\": 3}</tool_call>").has_value());
+}
+
+// An endpoint shut down right after its start (a job whose agent harness fails in its first
+// milliseconds) ends: httplib's stop() before its listen loop has begun used to leave the loop
+// running and shutdown() joining it forever.
+TEST(OpenAiEndpoint, AShutdownRightAfterTheStartEnds) {
+  auto s = std::make_shared<Served>();  // shared with the thread, which a hang leaves behind
+  std::shared_ptr<const text::Tokenizer> tok =
+      text::load_tokenizer(std::string(TILLER_HF_FIXTURES) + "/tokenizers/qwen2");
+  const text::ChatTemplate chat(text::ChatFormat::kChatML);
+  OpenAiOptions o;
+  o.port = 0;
+  o.threads = 2;
+  auto done = std::make_shared<std::promise<void>>();
+  std::future<void> ended = done->get_future();
+  // On a thread of its own, so that a hang fails the test rather than holding it to ctest's limit.
+  std::thread([s, tok, chat, o, done] {
+    for (int i = 0; i < 50; ++i) {
+      OpenAiServer server(*s->server, tok, chat, {}, 64, o);
+      server.shutdown();
+    }
+    done->set_value();
+  }).detach();
+  ASSERT_EQ(ended.wait_for(std::chrono::seconds(60)), std::future_status::ready)
+      << "an OpenAI endpoint shut down right after its start did not end";
 }
 
 }  // namespace
