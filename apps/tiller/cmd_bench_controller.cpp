@@ -111,27 +111,27 @@ int run_controller_bench(ControllerBenchOptions o) {
   std::iota(ranks.begin(), ranks.end(), 0);
   nodes.nodes.push_back({"host", ranks, -1});
   const dist::RankPlan plan = dist::make_rank_plan(cfg, nodes);
-  std::vector<std::unique_ptr<rollout::RankEndpoint>> endpoints;
-  std::vector<rollout::RankEndpoint*> raw(static_cast<size_t>(plan.world_size), nullptr);
+  std::vector<std::unique_ptr<wire::RankEndpoint>> endpoints;
+  std::vector<wire::RankEndpoint*> raw(static_cast<size_t>(plan.world_size), nullptr);
   for (const auto& a : plan.ranks) {
     if (a.rank == plan.controller) continue;
     if (!a.trainer_roles.empty())
-      endpoints.push_back(std::make_unique<rollout::SyntheticTrainer>(a.trainer_roles));
+      endpoints.push_back(std::make_unique<testing::SyntheticTrainer>(a.trainer_roles));
     else
-      endpoints.push_back(std::make_unique<rollout::SyntheticEngineRank>());
+      endpoints.push_back(std::make_unique<testing::SyntheticEngineRank>());
     raw[static_cast<size_t>(a.rank)] = endpoints.back().get();
   }
-  rollout::LocalChannel channel(raw, o.trainer_threads);
-  rollout::SyntheticEngineOptions eo;
+  wire::LocalChannel channel(raw, o.trainer_threads);
+  testing::SyntheticEngineOptions eo;
   eo.engines = static_cast<size_t>(o.engines);
   eo.max_running = cfg.engines.max_num_seqs;
   eo.min_len = o.min_len;
   eo.max_len = o.max_len;
   eo.vocab = 32000;
   eo.tokens_per_s = o.engine_tokens_per_s;
-  rollout::SyntheticEngines engines(eo);
-  rollout::SyntheticPrompts prompts(4096, o.prompt_len, eo.vocab);
-  rollout::ControllerWiring w;
+  testing::SyntheticEngines engines(eo);
+  testing::SyntheticPrompts prompts(4096, o.prompt_len, eo.vocab);
+  controller::ControllerWiring w;
   w.plan = &plan;
   w.engines = &engines;
   w.channel = &channel;
@@ -146,7 +146,7 @@ int run_controller_bench(ControllerBenchOptions o) {
 
   const double cpu0 = thread_cpu_seconds();
   const auto t0 = std::chrono::steady_clock::now();
-  rollout::Controller controller(cfg, w);
+  controller::Controller controller(cfg, w);
   controller.run();
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double cpu = thread_cpu_seconds() - cpu0;

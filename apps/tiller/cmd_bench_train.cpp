@@ -41,11 +41,11 @@
 #include "tiller/dist/communicator.h"
 #include "tiller/dist/mpi_env.h"
 #include "tiller/dist/watchdog.h"
+#include "tiller/job/memory_plan.h"
 #include "tiller/model/fp8.h"
 #include "tiller/model/storage_swap.h"
 #include "tiller/model/transformer.h"
 #include "tiller/model/weights.h"
-#include "tiller/rollout/memory_plan.h"
 #include "tiller/zero/sharded_model.h"
 
 namespace tiller::cli {
@@ -88,7 +88,7 @@ E choice(const std::string& value, const char* flag) {
 
 // The memory plan of this job (rollout/memory_plan.h, as tiller train plans a trained role):
 // recompute and compute_shard resolved, and a refusal naming the rank when it cannot fit.
-rollout::MemoryPlan plan_job(const TrainBenchOptions& o, const model::ModelConfig& cfg, const at::Device& dev,
+job::MemoryPlan plan_job(const TrainBenchOptions& o, const model::ModelConfig& cfg, const at::Device& dev,
                              int world, int rank, int64_t tokens_per_rank) {
   JobConfig job;
   // The compute dtype of the run, or of the GPU run being planned.
@@ -102,14 +102,14 @@ rollout::MemoryPlan plan_job(const TrainBenchOptions& o, const model::ModelConfi
   // --gpu-memory-gb plans for that GPU (on the CPU too: to check a job before renting GPUs).
   int64_t gpu = static_cast<int64_t>(o.gpu_memory_gb * double(int64_t{1} << 30));
   if (gpu == 0 && dev.is_cuda()) gpu = model::device_memory(dev).total;
-  rollout::MemoryPlan plan = rollout::plan_trainer(job, cfg, o.frozen ? 1 : world, tokens_per_rank, gpu);
+  job::MemoryPlan plan = job::plan_trainer(job, cfg, o.frozen ? 1 : world, tokens_per_rank, gpu);
   if (!o.score) {
     // What to change: the flags not already at their least memory.
     std::string knobs = "lower --micro-batch or --seq, run on more ranks";
     if (plan.recompute != zero::Recompute::kBlocks) knobs += ", pass --recompute blocks";
     if (plan.keep_compute_shard && o.optimizer_offload != "cpu") knobs += ", pass --compute-shard cast";
     if (o.optimizer_offload != "cpu") knobs += ", or move the optimizer to the host (--optimizer-offload cpu)";
-    rollout::check_trainer_fits(plan, rank, "bench train, " + o.model, knobs);
+    job::check_trainer_fits(plan, rank, "bench train, " + o.model, knobs);
   }
   return plan;
 }
@@ -160,12 +160,12 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
   const int sp = o.sequence_parallel;
   // The plan before any allocation; every rank takes the least-memory choice of any (GPUs of
   // different sizes; one mode per sequence group).
-  rollout::MemoryPlan plan = plan_job(o, cfg, dev, comm.size(), comm.rank(), o.seq * o.micro_batch / sp);
-  at::Tensor choice = at::tensor({rollout::recompute_order(plan.recompute, plan.recompute_layers),
+  job::MemoryPlan plan = plan_job(o, cfg, dev, comm.size(), comm.rank(), o.seq * o.micro_batch / sp);
+  at::Tensor choice = at::tensor({job::recompute_order(plan.recompute, plan.recompute_layers),
                                   plan.keep_compute_shard ? 1.0 : 0.0},
                                  at::kDouble);
   bc.world->all_reduce(choice, dist::ReduceOp::kMin)->wait();
-  const auto [recompute, recompute_layers] = rollout::recompute_from_order(choice[0].item<double>());
+  const auto [recompute, recompute_layers] = job::recompute_from_order(choice[0].item<double>());
   mo.recompute = recompute;
   mo.recompute_layers = recompute_layers;
   mo.keep_compute_shard = choice[1].item<double>() > 0.5;

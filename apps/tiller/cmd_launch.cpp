@@ -62,7 +62,7 @@ int run_launch(const LaunchOptions& o) {
   // A config error ends here, never retried; the offline trainers skip the RL loop's rules.
   const JobConfig cfg =
       o.command == "train" ? algo::load_job(o.config, o.overrides) : load_config(o.config, o.overrides);
-  rollout::SupervisorOptions so;
+  job::SupervisorOptions so;
   // The offline trainers run roles.actor.gpus ranks and nothing else (tiller/offline/offline.h).
   const int world = o.command == "train" ? dist::required_world_size(cfg) : static_cast<int>(cfg.roles.actor.gpus);
   so.command = launch_line(o, world);
@@ -70,7 +70,7 @@ int run_launch(const LaunchOptions& o) {
   so.max_restarts = o.max_restarts;
   so.backoff_first_s = o.backoff_s;
   so.backoff_cap_s = std::max(o.backoff_s, 300.0);
-  return rollout::supervise(so);
+  return job::supervise(so);
 }
 
 }  // namespace

@@ -10,9 +10,9 @@
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/job/memory_plan.h"
 #include "tiller/model/model_config.h"
 #include "tiller/offline/offline.h"
-#include "tiller/rollout/memory_plan.h"
 
 namespace tiller::cli {
 namespace {
@@ -71,7 +71,7 @@ int plan_offline(const JobConfig& config, const std::string& command, const std:
     std::fputs(out.c_str(), stdout);
     return 0;
   }
-  const rollout::MemoryPlan memory = offline::offline_memory_plan(config, shape, gpu_bytes, command, /*check=*/false);
+  const job::MemoryPlan memory = offline::offline_memory_plan(config, shape, gpu_bytes, command, /*check=*/false);
   out += "\n" + memory.table();
   std::fputs(out.c_str(), stdout);
   std::fflush(stdout);
@@ -132,7 +132,7 @@ void add_plan_command(CLI::App& app, Runner& run) {
       out += "\nlaunch:\n  " + launch.command + "\n";
       // The memory plan, when the models' config.json files can be read here.
       std::string missing;
-      const rollout::ModelShapes shapes = rollout::load_model_shapes(config, &missing);
+      const job::ModelShapes shapes = job::load_model_shapes(config, &missing);
       if (!missing.empty()) {
         out += fmt::format("\nmemory plan: skipped, these models' config.json cannot be read here: {}\n", missing);
         std::fputs(out.c_str(), stdout);
@@ -143,7 +143,7 @@ void add_plan_command(CLI::App& app, Runner& run) {
       // A plan that cannot fit is an error (exit 2), naming the smallest layout that would.
       auto refuse = [&](const ConfigError& e) {
         const int per_node = *std::max_element(gpus.begin(), gpus.end());
-        const auto fit = rollout::smallest_fitting_layout(config, shapes, per_node, gpu_bytes);
+        const auto fit = job::smallest_fitting_layout(config, shapes, per_node, gpu_bytes);
         if (!fit) throw e;
         std::string line = fmt::format("tiller plan -c {} --nodes {} --gpus-per-node {}", o->config, fit->nodes, per_node);
         auto key = [](const std::string& kv) { return kv.substr(0, kv.find('=')); };
@@ -154,9 +154,9 @@ void add_plan_command(CLI::App& app, Runner& run) {
         throw ConfigError(fmt::format("{}. The smallest layout that fits: {} GPUs on {} node{} of {} ({})", e.what(),
                                       fit->gpus, fit->nodes, fit->nodes > 1 ? "s" : "", per_node, line));
       };
-      rollout::MemoryPlan memory;
+      job::MemoryPlan memory;
       try {
-        memory = rollout::plan_memory(config, plan, shapes, gpu_bytes);
+        memory = job::plan_memory(config, plan, shapes, gpu_bytes);
       } catch (const ConfigError& e) {
         std::fputs(out.c_str(), stdout);  // the rank plan, before the refusal
         std::fflush(stdout);
@@ -166,7 +166,7 @@ void add_plan_command(CLI::App& app, Runner& run) {
       std::fputs(out.c_str(), stdout);
       std::fflush(stdout);
       try {
-        rollout::check_fits(memory, config);
+        job::check_fits(memory, config);
       } catch (const ConfigError& e) {
         refuse(e);
       }

@@ -7,12 +7,12 @@
 
 #include "commands.h"
 #include "tiller/algo/advantage_estimator.h"
-#include "tiller/core/hub.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
+#include "tiller/core/hub.h"
 #include "tiller/core/signals.h"
 #include "tiller/dist/mpi_env.h"
-#include "tiller/rollout/train.h"
+#include "tiller/job/train.h"
 
 namespace tiller::cli {
 namespace {
@@ -34,9 +34,9 @@ int run_train_cmd(const TrainCmdOptions& o, int* argc, char*** argv) {
     if (!o.profile.empty()) overrides.push_back("logging.profile_steps=" + o.profile);
     JobConfig cfg = algo::load_job(o.config, overrides);
     fetch_hub_models(cfg, env);  // hub ids: from the cache, or downloaded once per node
-    rollout::TrainOptions to;
+    job::TrainOptions to;
     to.require_resume = o.resume;
-    return rollout::run_train(cfg, env, to);
+    return job::run_train(cfg, env, to);
   } catch (const std::exception& e) {
     // One line naming the rank, then the whole job ends: the other ranks may be waiting on this one.
     if (env.size() > 1) dist::MpiEnv::fail_job(env.rank(), e);

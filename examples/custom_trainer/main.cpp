@@ -69,7 +69,7 @@ tiller::algo::PolicyLoss cispo(const tiller::algo::PolicyLossInputs& in) {
 // each checkpoint (custom_trainer.json), so a run's best is known without reading its metrics.
 double best_reward = -1e300;
 
-void best_reward_after_scoring(tiller::rollout::ScoredStep& s) {
+void best_reward_after_scoring(tiller::controller::ScoredStep& s) {
   const auto& scores = s.rollout->score;
   if (scores.empty()) return;
   double sum = 0;
@@ -77,9 +77,9 @@ void best_reward_after_scoring(tiller::rollout::ScoredStep& s) {
   best_reward = std::max(best_reward, sum / static_cast<double>(scores.size()));
 }
 
-void best_reward_at_step_end(tiller::rollout::StepEnd& e) { e.add->emplace_back("custom/best_reward_mean", best_reward); }
+void best_reward_at_step_end(tiller::controller::StepEnd& e) { e.add->emplace_back("custom/best_reward_mean", best_reward); }
 
-void best_reward_at_checkpoint(const tiller::rollout::CheckpointSaved& c) {
+void best_reward_at_checkpoint(const tiller::controller::CheckpointSaved& c) {
   std::ofstream f(c.dir + "/custom_trainer.json");
   f << std::setprecision(17) << "{\"step\": " << c.step << ", \"best_reward_mean\": " << best_reward << "}\n";
   if (!f) throw tiller::IoError("cannot write " + c.dir + "/custom_trainer.json");
@@ -88,9 +88,9 @@ void best_reward_at_checkpoint(const tiller::rollout::CheckpointSaved& c) {
 // A prompt source: the quickstart's kind of task, generated instead of read from a file. Prompt i
 // is made from (run.seed, i) alone - a few of the quickstart's words and a number to say - so a
 // resumed run makes the same prompts again; data.source_args "MIN-MAX" bounds the numbers.
-class DigitTasks final : public tiller::rollout::PromptSource {
+class DigitTasks final : public tiller::controller::PromptSource {
  public:
-  DigitTasks(const tiller::rollout::PromptSourceContext& c) : make_(c.make_prompt), seed_(c.job->run.seed) {
+  DigitTasks(const tiller::controller::PromptSourceContext& c) : make_(c.make_prompt), seed_(c.job->run.seed) {
     const std::string& a = c.job->data.source_args;
     if (!a.empty()) {
       const size_t dash = a.find('-');
@@ -147,9 +147,9 @@ class DigitTasks final : public tiller::rollout::PromptSource {
 // '" digits please"') and the model answers once more, seeing its draft. The hint's tokens are the
 // loop's, not the model's: they are masked out of the loss. The draft and the revision share the
 // sample's budget (rollout.max_new_tokens) after the hint, half each.
-class Revise final : public tiller::rollout::SampleLoop {
+class Revise final : public tiller::controller::SampleLoop {
  public:
-  explicit Revise(const tiller::rollout::SampleLoopContext& c) : host_(*c.host), ctx_(c) {
+  explicit Revise(const tiller::controller::SampleLoopContext& c) : host_(*c.host), ctx_(c) {
     if (c.job->rollout.loop_args.empty())
       throw tiller::ConfigError("rollout.loop = revise: give the hint as rollout.loop_args, e.g. ' Digits:'");
     hint_ = c.observation_tokens(c.job->rollout.loop_args, false, /*raw=*/true);
@@ -197,7 +197,7 @@ class Revise final : public tiller::rollout::SampleLoop {
 
  private:
   void finish(int64_t group, tiller::engine::SampleOutput draft, tiller::engine::SampleOutput revision) {
-    tiller::rollout::FinishedSample f;
+    tiller::controller::FinishedSample f;
     f.sample = draft.sample;
     f.turns.loss_mask.assign(draft.tokens.size(), 1);
     f.turns.ends.push_back(static_cast<int64_t>(draft.tokens.size()) - 1);
@@ -224,8 +224,8 @@ class Revise final : public tiller::rollout::SampleLoop {
     host_.finish(group, std::move(f));
   }
 
-  tiller::rollout::LoopHost& host_;
-  tiller::rollout::SampleLoopContext ctx_;
+  tiller::controller::LoopHost& host_;
+  tiller::controller::SampleLoopContext ctx_;
   std::vector<int64_t> hint_;
   int64_t half_ = 1;  // the draft's tokens, and the revision's
   std::map<uint64_t, std::pair<int64_t, tiller::engine::SampleOutput>> revising_;  // request -> (group, draft)
@@ -241,23 +241,23 @@ int main(int argc, char** argv) {
   est.summary = "GAE with advantages clipped to [-2, 2]";
   tiller::algo::register_advantage_estimator("clipped_gae", est);
   tiller::algo::register_policy_loss("cispo", {cispo, "CISPO: -sg(clip(ratio)) * A * logp"});
-  tiller::rollout::StepHookDef hook;
+  tiller::controller::StepHookDef hook;
   hook.after_scoring = best_reward_after_scoring;
   hook.step_end = best_reward_at_step_end;
   hook.checkpoint = best_reward_at_checkpoint;
   hook.summary = "the best reward/mean so far, as a metric and beside each checkpoint";
-  tiller::rollout::register_step_hook("best_reward", hook);
-  tiller::rollout::register_prompt_source(
-      "digit_tasks", {[](const tiller::rollout::PromptSourceContext& c) -> std::unique_ptr<tiller::rollout::PromptSource> {
+  tiller::controller::register_step_hook("best_reward", hook);
+  tiller::controller::register_prompt_source(
+      "digit_tasks", {[](const tiller::controller::PromptSourceContext& c) -> std::unique_ptr<tiller::controller::PromptSource> {
                         return std::make_unique<DigitTasks>(c);
                       },
                       "generated quickstart tasks: a few words and a number to say"});
-  tiller::rollout::SampleLoopDef revise;
-  revise.make = [](const tiller::rollout::SampleLoopContext& c) -> std::unique_ptr<tiller::rollout::SampleLoop> {
+  tiller::controller::SampleLoopDef revise;
+  revise.make = [](const tiller::controller::SampleLoopContext& c) -> std::unique_ptr<tiller::controller::SampleLoop> {
     return std::make_unique<Revise>(c);
   };
   revise.turns = true;  // its samples carry a loss mask (the hint's tokens: 0)
   revise.summary = "a draft, the loop's hint, and a revision";
-  tiller::rollout::register_sample_loop("revise", revise);
+  tiller::controller::register_sample_loop("revise", revise);
   return tiller::run_main(argc, argv);
 }

@@ -10,6 +10,10 @@
 
 #include "tiller/algo/advantage_estimator.h"
 #include "tiller/algo/algo.h"
+#include "tiller/controller/agent.h"
+#include "tiller/controller/prompt_source.h"
+#include "tiller/controller/sample_loop.h"
+#include "tiller/controller/step_hooks.h"
 #include "tiller/core/config.h"
 #include "tiller/core/deadline.h"
 #include "tiller/core/error.h"
@@ -19,13 +23,9 @@
 #include "tiller/dist/groups.h"
 #include "tiller/dist/mpi_env.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/job/train.h"
 #include "tiller/reward/rule_reward.h"
 #include "tiller/reward/scorer_registry.h"
-#include "tiller/rollout/agent.h"
-#include "tiller/rollout/prompt_source.h"
-#include "tiller/rollout/sample_loop.h"
-#include "tiller/rollout/step_hooks.h"
-#include "tiller/rollout/train.h"
 
 namespace tiller {
 

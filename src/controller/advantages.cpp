@@ -8,7 +8,7 @@
 
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 at::Tensor floats(const std::vector<float>& v) {
@@ -278,4 +278,4 @@ AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec,
   return out;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

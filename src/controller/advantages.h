@@ -16,11 +16,11 @@
 
 #include "tiller/algo/advantage_estimator.h"
 #include "tiller/algo/algo.h"
+#include "tiller/controller/experience.h"
+#include "tiller/controller/metrics.h"
 #include "tiller/core/config.h"
-#include "tiller/rollout/experience.h"
-#include "tiller/rollout/metrics.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 struct AdvantageSpec {
   std::string estimator = "gae";  // a registered advantage estimator
@@ -62,4 +62,4 @@ double overlong_penalty(int64_t length, int64_t max_new_tokens, int64_t buffer, 
 // `ro` has n consecutive-or-not samples per group (ro.prompt, ro.sample); every group complete.
 AdvantageResult compute_advantages(const Rollout& ro, const AdvantageSpec& spec, const AdvantageState& state);
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

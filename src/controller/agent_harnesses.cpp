@@ -1,4 +1,4 @@
-// Agent harnesses (tiller/rollout/agent.h): the registry, the Python function (FILE.py:FUNCTION,
+// Agent harnesses (tiller/controller/agent.h): the registry, the Python function (FILE.py:FUNCTION,
 // python/agent_harness.h), and the built-in `command` harness: agent.command run once per sample.
 //
 // `command`: a shell command line (/bin/sh -c), in a process group of its own, with the sample's
@@ -23,11 +23,11 @@
 
 #include "core/process.h"
 #include "python/agent_harness.h"
+#include "tiller/controller/agent.h"
 #include "tiller/core/error.h"
 #include "tiller/core/registry.h"
-#include "tiller/rollout/agent.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 constexpr size_t kKeptOutput = 64 << 10;  // the last bytes of a command's output kept for its reward and errors
@@ -146,4 +146,4 @@ std::shared_ptr<AgentHarness> make_agent_harness(const JobConfig& job) {
   return h;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

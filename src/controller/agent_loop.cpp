@@ -1,4 +1,4 @@
-// The openai_agent sample loop (tiller/rollout/agent.h, docs/agents.md): each sample is one call
+// The openai_agent sample loop (tiller/controller/agent.h, docs/agents.md): each sample is one call
 // of the job's agent harness, which talks to the policy through an OpenAI-compatible endpoint at a
 // base URL of the sample's own. The endpoint (engine/openai_server.h) renders chat requests with the
 // model's chat template and hands each request to this loop's backend; the loop, on the
@@ -22,15 +22,15 @@
 
 #include "controller/agent_sessions.h"
 #include "controller/sample_loops.h"
+#include "tiller/controller/agent.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/engine/openai_server.h"
 #include "tiller/engine/server.h"
 #include "tiller/text/chat_template.h"
 #include "tiller/text/tokenizer.h"
-#include "tiller/rollout/agent.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 std::string random_hex(size_t bytes) {
@@ -470,4 +470,4 @@ SampleLoopDef openai_agent_loop() {
   return d;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -8,7 +8,7 @@
 #include "core/worker_pool.h"
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 void answer(StreamBox& box, engine::ClientResult r) {
   {
@@ -145,4 +145,4 @@ std::vector<HarnessPool::Result> HarnessPool::take() {
   return out;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -16,11 +16,11 @@
 #include <unordered_set>
 #include <vector>
 
+#include "tiller/controller/agent.h"
 #include "tiller/engine/openai_server.h"
 #include "tiller/engine/server.h"
-#include "tiller/rollout/agent.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 // The results of one HTTP request, handed over from the controller's thread.
 struct StreamBox {
@@ -77,4 +77,4 @@ class HarnessPool {
   std::shared_ptr<State> state_;
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -7,13 +7,13 @@
 
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
-PackedSequences pack_sequences(const Rollout& ro, const std::vector<int64_t>& samples) {
+wire::PackedSequences pack_sequences(const Rollout& ro, const std::vector<int64_t>& samples) {
   int64_t total = 0;
   for (int64_t s : samples) total += ro.seq_len(s);
   const auto n = static_cast<int64_t>(samples.size());
-  PackedSequences b;
+  wire::PackedSequences b;
   b.tokens = at::empty({total}, at::kLong);
   b.seq_lens = at::empty({n}, at::kLong);
   b.prompt_lens = at::empty({n}, at::kLong);
@@ -81,4 +81,4 @@ void scatter_tokens(const Rollout& ro, std::vector<float>& values, const std::ve
   }
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -8,13 +8,13 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "tiller/rollout/experience.h"
+#include "tiller/controller/experience.h"
 #include "wire/messages.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 // `samples`' sequences back to back, with their lengths and prompt lengths.
-PackedSequences pack_sequences(const Rollout& ro, const std::vector<int64_t>& samples);
+wire::PackedSequences pack_sequences(const Rollout& ro, const std::vector<int64_t>& samples);
 // A per-response-token array's values of `samples`, concatenated (float [sum of response lengths]).
 at::Tensor gather_tokens(const Rollout& ro, const std::vector<float>& values, const std::vector<int64_t>& samples);
 // The loss mask of `samples` (layout.turns), laid out as gather_tokens lays out values (uint8).
@@ -24,4 +24,4 @@ at::Tensor gather_mask(const Rollout& ro, const std::vector<int64_t>& samples);
 void scatter_tokens(const Rollout& ro, std::vector<float>& values, const std::vector<int64_t>& samples,
                     const at::Tensor& t);
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

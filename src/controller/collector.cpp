@@ -9,7 +9,7 @@
 #include "tiller/core/logging.h"
 #include "tiller/reward/batched_reward.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 // Samples queued on one engine, in units of engines.max_num_seqs, beyond which dispatch waits:
@@ -58,11 +58,11 @@ CollectorConfig CollectorConfig::from_job(const JobConfig& job, const std::vecto
   return c;
 }
 
-RolloutCollector::RolloutCollector(const CollectorConfig& cfg, EngineSet& engines, TrainerLink& link,
-                                   PromptSource& prompts, RewardSources rewards, const std::vector<TrainerGroup>& groups,
+RolloutCollector::RolloutCollector(const CollectorConfig& cfg, EngineSet& engines, wire::TrainerLink& link,
+                                   PromptSource& prompts, RewardSources rewards, const std::vector<wire::TrainerGroup>& groups,
                                    LoopSources loop_sources)
     : cfg_(cfg), engines_(engines), link_(link), prompts_(prompts), rewards_(std::move(rewards)),
-      groups_(scoring_groups(groups, cfg.score_actor)) {
+      groups_(wire::scoring_groups(groups, cfg.score_actor)) {
   TILLER_CHECK(cfg_.batch_size >= 1 && cfg_.n >= 1 && cfg_.staleness >= 0, "collector: bad sizes");
   TILLER_CHECK(engines_.size() > 0, "collector: no engine");
   const SampleLoopDef& def = find_sample_loop(cfg_.loop);
@@ -556,4 +556,4 @@ void RolloutCollector::close() {
   engines_.close();
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

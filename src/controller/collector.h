@@ -35,7 +35,7 @@
 // every group, with every reward. take_batch() hands it over and starts forming the next.
 //
 // Samples. How a group's n samples are made is the job's sample loop's business
-// (tiller/rollout/sample_loop.h: single_turn, multi_turn with an environment, or a user's): the
+// (tiller/controller/sample_loop.h: single_turn, multi_turn with an environment, or a user's): the
 // collector starts the loop on each group it dispatches, routes the engines' answers to it, and
 // takes each finished sample back; the collector is the loop's LoopHost.
 //
@@ -56,21 +56,22 @@
 
 #include "controller/engine_set.h"
 #include "controller/score_rounds.h"
+#include "tiller/controller/experience.h"
+#include "tiller/controller/prompt_source.h"
+#include "tiller/controller/sample_loop.h"
 #include "tiller/core/clock.h"
 #include "tiller/core/config.h"
-#include "tiller/model/sampling_params.h"
-#include "tiller/rollout/experience.h"
 #include "tiller/data/prompt_dataset.h"
-#include "tiller/rollout/prompt_source.h"
-#include "tiller/rollout/sample_loop.h"
+#include "tiller/model/sampling_params.h"
 #include "wire/channel.h"
 #include "wire/trainer_groups.h"
+#include "zero/run_checkpoints.h"
 
 namespace tiller::reward {
 class BatchedReward;
 }
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 using SteadyClock = Clock;
 
@@ -132,10 +133,7 @@ struct CollectorConfig {
 };
 
 // A prompt dispatched and not trained: what a checkpoint keeps so that a resumed run sends it again.
-struct PendingPrompt {
-  int64_t ordinal = 0;        // its dispatch ordinal (request id and seed)
-  int64_t dataset_index = 0;
-};
+using PendingPrompt = zero::RunState::Prompt;
 
 // One step's samples, from forming to trained.
 struct StepBatch {
@@ -178,8 +176,8 @@ struct StepBatch {
 class RolloutCollector final : private LoopHost {
  public:
   // `groups` are the scoring groups (trainer_groups.h); all references must outlive the collector.
-  RolloutCollector(const CollectorConfig& cfg, EngineSet& engines, TrainerLink& link, PromptSource& prompts,
-                   RewardSources rewards, const std::vector<TrainerGroup>& groups, LoopSources loop_sources = {});
+  RolloutCollector(const CollectorConfig& cfg, EngineSet& engines, wire::TrainerLink& link, PromptSource& prompts,
+                   RewardSources rewards, const std::vector<wire::TrainerGroup>& groups, LoopSources loop_sources = {});
   ~RolloutCollector() override;
 
   // Opens the streams and starts forming `first_step` with the engines at `version`. `resend`
@@ -306,10 +304,10 @@ class RolloutCollector final : private LoopHost {
 
   CollectorConfig cfg_;
   EngineSet& engines_;
-  TrainerLink& link_;
+  wire::TrainerLink& link_;
   PromptSource& prompts_;
   RewardSources rewards_;
-  std::vector<TrainerGroup> groups_;  // those that take score requests (scoring_groups)
+  std::vector<wire::TrainerGroup> groups_;  // those that take score requests (scoring_groups)
 
   uint64_t version_ = 0;
   int64_t next_ordinal_ = 0;
@@ -339,4 +337,4 @@ class RolloutCollector final : private LoopHost {
   RoleSet held_;                                       // roles not yet released for the forming step
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -1,4 +1,4 @@
-// The collector as its sample loop's host (collector.h, tiller/rollout/sample_loop.h): requests
+// The collector as its sample loop's host (collector.h, tiller/controller/sample_loop.h): requests
 // sent to a group's engine and tracked until their last sample is back, finished samples checked
 // and handed on to arrive().
 #include <cmath>
@@ -8,7 +8,7 @@
 #include "controller/collector.h"
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 RolloutCollector::Group& RolloutCollector::live_group(int64_t ordinal, const char* call) {
   auto it = outstanding_.find(ordinal);
@@ -105,4 +105,4 @@ void RolloutCollector::finish(int64_t group, FinishedSample f) {
   arrive(g, std::move(st));
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -13,9 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "controller/advantages.h"
-#include "controller/checkpoint_manager.h"
 #include "controller/evaluator.h"
-#include "python/tracking.h"
 #include "controller/hook_runner.h"
 #include "controller/hybrid_phases.h"
 #include "controller/off_policy.h"
@@ -23,6 +21,7 @@
 #include "controller/step_trace.h"
 #include "controller/training_dispatch.h"
 #include "core/process.h"
+#include "python/tracking.h"
 #include "tiller/algo/algo.h"
 #include "tiller/core/clock.h"
 #include "tiller/core/config.h"
@@ -31,8 +30,9 @@
 #include "tiller/dist/rank_plan.h"
 #include "tiller/dist/watchdog.h"
 #include "tiller/zero/checkpoint.h"
+#include "zero/run_checkpoints.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 using json = nlohmann::ordered_json;
@@ -74,17 +74,17 @@ struct Controller::Impl {
   const JobConfig& cfg;
   ControllerWiring w;
   const dist::RankPlan& plan;
-  std::vector<TrainerGroup> groups;
-  const TrainerGroup* actor_group = nullptr;
-  const TrainerGroup* critic_group = nullptr;
+  std::vector<wire::TrainerGroup> groups;
+  const wire::TrainerGroup* actor_group = nullptr;
+  const wire::TrainerGroup* critic_group = nullptr;
   std::vector<int> trainers;  // every trainer rank once
-  TrainerLink link;
+  wire::TrainerLink link;
   CollectorConfig collect_cfg;
   std::unique_ptr<RolloutCollector> collector;
   std::unique_ptr<TrainingDispatch> training;
   AdvantageSpec adv_spec;
   OffPolicySpec off_policy_spec;
-  CheckpointManager checkpoints;
+  zero::RunCheckpoints checkpoints;
   std::unique_ptr<StepTrace> trace;
   std::unique_ptr<StepOutputs> outputs;
   std::unique_ptr<HybridPhases> hybrid;  // cluster.hybrid
@@ -125,13 +125,13 @@ struct Controller::Impl {
         checkpoints(c.checkpoint.dir, c.checkpoint.keep_last),
         hooks(c.train.step_hooks),
         kl_ctl(c.algo.kl_coef, c.algo.target_kl, c.algo.kl_horizon) {
-    groups = trainer_groups(plan);
+    groups = wire::trainer_groups(plan);
     for (const auto& g : groups) {
       if (g.has(Role::kActor)) actor_group = &g;
       if (g.has(Role::kCritic)) critic_group = &g;
     }
     TILLER_CHECK(actor_group != nullptr, "the rank plan has no actor group");
-    trainers = trainer_ranks(groups);
+    trainers = wire::trainer_ranks(groups);
     const bool have_ref = plan.group(Role::kRef) != nullptr;
     collect_cfg = CollectorConfig::from_job(cfg, w.stop_token_ids, have_ref, critic_group != nullptr);
     collect_cfg.clock = w.clock;
@@ -299,8 +299,8 @@ struct Controller::Impl {
     w.engines->begin_update(v, plan_id);
     sync_seconds_on_actor = sync_wire_bytes = 0;
     for (int rank : actor_group->ranks)
-      link.call(rank, SyncRequest{v}.encode(), cfg.timeouts.weight_sync_s, "the weight sync", [this](Frame&& f) {
-        const SyncReply r = SyncReply::decode(std::move(f));
+      link.call(rank, wire::SyncRequest{v}.encode(), cfg.timeouts.weight_sync_s, "the weight sync", [this](wire::Frame&& f) {
+        const wire::SyncReply r = wire::SyncReply::decode(std::move(f));
         sync_seconds_on_actor = std::max(sync_seconds_on_actor, r.seconds);
         sync_wire_bytes = r.wire_bytes;
       });
@@ -334,8 +334,8 @@ struct Controller::Impl {
   void collect_traces(int64_t j) {
     if (!trace->any()) return;
     for (int r : trainers)
-      link.call(r, TraceRequest{}.encode(), cfg.timeouts.collective_s, "collecting the trace", [this, r, j](Frame&& f) {
-        const TraceReply t = TraceReply::decode(std::move(f));
+      link.call(r, wire::TraceRequest{}.encode(), cfg.timeouts.collective_s, "collecting the trace", [this, r, j](wire::Frame&& f) {
+        const wire::TraceReply t = wire::TraceReply::decode(std::move(f));
         for (size_t i = 0; i < t.names.size(); ++i) trace->span(j, t.names[i], r, t.begin_us[i], t.end_us[i]);
       });
     drain(trainers);
@@ -352,10 +352,10 @@ struct Controller::Impl {
     const double w0 = wall_us();
     const std::string dir = checkpoints.begin(step);
     for (int r : trainers)
-      link.call(r, SaveRequest{dir}.encode(), cfg.timeouts.collective_s * 4, "the checkpoint save",
-                [](Frame&& f) { DoneReply::decode(std::move(f)); });
+      link.call(r, wire::SaveRequest{dir}.encode(), cfg.timeouts.collective_s * 4, "the checkpoint save",
+                [](wire::Frame&& f) { wire::DoneReply::decode(std::move(f)); });
     drain(trainers);
-    ControllerState st;
+    zero::RunState st;
     st.step = step;
     st.weight_version = version;
     st.actor_updates = training->updates(Role::kActor);
@@ -396,8 +396,8 @@ struct Controller::Impl {
                                     "has {}; resume with the same data",
                                     path, st.dataset_size, cfg.data.source, cfg.data.prompts, w.prompts->size()));
     for (int r : trainers)
-      link.call(r, LoadRequest{entry.dir}.encode(), cfg.timeouts.collective_s * 4, "loading the checkpoint",
-                [](Frame&& f) { DoneReply::decode(std::move(f)); });
+      link.call(r, wire::LoadRequest{entry.dir}.encode(), cfg.timeouts.collective_s * 4, "loading the checkpoint",
+                [](wire::Frame&& f) { wire::DoneReply::decode(std::move(f)); });
     link.drain(trainers, [] { std::this_thread::sleep_for(std::chrono::milliseconds(kIdleWaitMs)); });
     step = st.step;
     training->set_updates(st.actor_updates, st.critic_updates);
@@ -486,8 +486,8 @@ struct Controller::Impl {
       if (std::find(ranks.begin(), ranks.end(), e.ranks.front()) == ranks.end()) ranks.push_back(e.ranks.front());
     double peak = peak_rss_mb();
     for (int r : ranks)
-      link.call(r, StopRequest{}.encode(), cfg.timeouts.collective_s, "stopping",
-                [&peak](Frame&& f) { peak = std::max(peak, StopReply::decode(std::move(f)).peak_host_mb); });
+      link.call(r, wire::StopRequest{}.encode(), cfg.timeouts.collective_s, "stopping",
+                [&peak](wire::Frame&& f) { peak = std::max(peak, wire::StopReply::decode(std::move(f)).peak_host_mb); });
     link.drain(ranks, [] { std::this_thread::sleep_for(std::chrono::milliseconds(kIdleWaitMs)); });
     w.channel->flush(Deadline::after_seconds(cfg.timeouts.collective_s));
     summary["host_peak_mb"] = peak;
@@ -519,7 +519,7 @@ struct Controller::Impl {
     // The watchdog's line for this rank (dist/watchdog.h): the calls it waits for. Kept when the run
     // ends on an error, which the watchdog's lines are printed after.
     struct StatusSource {
-      explicit StatusSource(const TrainerLink& link) {
+      explicit StatusSource(const wire::TrainerLink& link) {
         dist::Watchdog::set_status_source([pending = link.pending_source()] {
           const std::string p = pending();
           return p.empty() ? p : "waiting for " + p;
@@ -603,4 +603,4 @@ Controller::~Controller() = default;
 int Controller::run() { return impl_->run(); }
 std::string Controller::summary() const { return impl_->summary.dump(); }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -36,7 +36,7 @@ struct RankPlan;
 class Communicator;
 }  // namespace tiller::dist
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 // What the controller works with; everything outlives it.
 class Evaluator;
@@ -44,7 +44,7 @@ class Evaluator;
 struct ControllerWiring {
   const dist::RankPlan* plan = nullptr;
   EngineSet* engines = nullptr;
-  Channel* channel = nullptr;
+  wire::Channel* channel = nullptr;
   PromptSource* prompts = nullptr;  // its cursor goes into checkpoints
   RewardSources rewards;
   LoopSources loop;                     // the sample loop's environment (null: none) and tokenizer
@@ -90,4 +90,4 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
 void request_stop();
 bool stop_requested();
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -19,7 +19,7 @@
 #include "tiller/sync/bucket_plan.h"
 #include "tiller/text/tokenizer.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Communicator& world,
                    const ControllerOptions& opts) {
@@ -40,7 +40,7 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   }
   EnginePool engines(opts.engine_addresses, opts.engine_token, cfg.timeouts.rpc_s, engine_tls);
   if (engines.size() == 0) throw ConfigError("engines.count = 0: tiller train needs at least one engine");
-  MpiChannel channel(world);
+  wire::MpiChannel channel(world);
   ControllerWiring w;
   w.plan = &plan;
   w.engines = &engines;
@@ -79,4 +79,4 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   return controller.run();
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

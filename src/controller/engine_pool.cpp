@@ -6,7 +6,7 @@
 
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 EnginePool::EnginePool(std::vector<std::string> addresses, const std::string& token, double rpc_timeout_s,
                        const TlsFiles& tls)
@@ -168,4 +168,4 @@ void EnginePool::close() {
   in.queue.clear();
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -15,7 +15,7 @@
 
 #include "controller/engine_set.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 class EnginePool final : public EngineSet {
  public:
@@ -59,4 +59,4 @@ class EnginePool final : public EngineSet {
   double rpc_timeout_s_;
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -12,7 +12,7 @@
 
 #include "tiller/engine/server.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 struct Completion {
   int engine = 0;
@@ -56,4 +56,4 @@ class EngineSet {
   virtual void close() = 0;
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -7,7 +7,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 constexpr double kShutdownGraceSeconds = 5;
@@ -116,4 +116,4 @@ std::vector<EnvRunner::Result> EnvRunner::poll() {
 
 size_t EnvRunner::busy() const { return state_->pool->busy(); }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -17,7 +17,7 @@
 
 #include "tiller/env/environment.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 class EnvRunner {
  public:
@@ -52,4 +52,4 @@ class EnvRunner {
   std::shared_ptr<State> state_;
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

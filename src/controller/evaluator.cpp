@@ -6,14 +6,14 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "tiller/controller/prompt_source.h"
 #include "tiller/core/deadline.h"
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
 #include "tiller/core/logging.h"
 #include "tiller/text/tokenizer.h"
-#include "tiller/rollout/prompt_source.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 namespace fs = std::filesystem;
@@ -305,4 +305,4 @@ void Evaluator::write_samples(int64_t step) const {
   write_file_atomic(fmt::format("{}/step_{}.jsonl", dir, step), text);
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

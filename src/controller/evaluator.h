@@ -36,7 +36,7 @@ namespace tiller::text {
 class Tokenizer;
 }  // namespace tiller::text
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 class Evaluator {
  public:
@@ -103,4 +103,4 @@ class Evaluator {
   SteadyClock::time_point last_progress_;
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -1,11 +1,11 @@
-#include "tiller/rollout/experience.h"
+#include "tiller/controller/experience.h"
 
 #include <algorithm>
 #include <limits>
 
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 void append_ids(std::vector<int32_t>& out, const std::vector<int64_t>& ids) {
@@ -219,4 +219,4 @@ size_t Rollout::bytes() const {
   return b;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -1,4 +1,4 @@
-// Runs the job's step hooks (tiller/rollout/step_hooks.h) for the controller (private to
+// Runs the job's step hooks (tiller/controller/step_hooks.h) for the controller (private to
 // src/controller): each hook's call wrapped so that what it throws names the hook and the point, and
 // what it hands back checked before the step goes on.
 #pragma once
@@ -9,9 +9,9 @@
 #include <utility>
 #include <vector>
 
-#include "tiller/rollout/step_hooks.h"
+#include "tiller/controller/step_hooks.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 class StepHookRunner {
  public:
@@ -36,4 +36,4 @@ class StepHookRunner {
   std::string stopped_by_;
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -14,7 +14,7 @@
 #include "wire/channel.h"
 #include "wire/messages.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
@@ -36,22 +36,22 @@ double engine_memory(const std::vector<engine::ServerMemory>& mem, const std::st
 
 }  // namespace
 
-HybridPhases::HybridPhases(const JobConfig& cfg, EngineSet& engines, TrainerLink& link, std::vector<int> trainer_ranks,
+HybridPhases::HybridPhases(const JobConfig& cfg, EngineSet& engines, wire::TrainerLink& link, std::vector<int> trainer_ranks,
                            StepTrace& trace)
     : cfg_(cfg), engines_(engines), link_(link), ranks_(std::move(trainer_ranks)), trace_(trace) {}
 
 double HybridPhases::trainers(bool offload, int64_t step, const std::string& phase, const std::string& ended,
                               const Put& put) {
-  std::vector<PhaseReply> replies(ranks_.size());
+  std::vector<wire::PhaseReply> replies(ranks_.size());
   for (size_t i = 0; i < ranks_.size(); ++i)
-    link_.call(ranks_[i], PhaseRequest{offload}.encode(), cfg_.timeouts.collective_s,
+    link_.call(ranks_[i], wire::PhaseRequest{offload}.encode(), cfg_.timeouts.collective_s,
                offload ? "offloading the trainer state" : "reloading the trainer state",
-               [&replies, i](Frame&& f) { replies[i] = PhaseReply::decode(std::move(f)); });
+               [&replies, i](wire::Frame&& f) { replies[i] = wire::PhaseReply::decode(std::move(f)); });
   link_.drain(ranks_, [] { std::this_thread::sleep_for(std::chrono::milliseconds(1)); });
   double moved = 0, allocated = 0, reserved = 0, peak = 0;
   const double now = wall_us();
   for (size_t i = 0; i < ranks_.size(); ++i) {
-    const PhaseReply& r = replies[i];
+    const wire::PhaseReply& r = replies[i];
     moved += r.moved_bytes;
     allocated = std::max(allocated, r.allocated);
     reserved = std::max(reserved, r.reserved);
@@ -119,4 +119,4 @@ void HybridPhases::before_sync(int64_t step, const Put& put) {
   (void)put;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

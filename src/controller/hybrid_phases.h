@@ -28,17 +28,20 @@ namespace tiller {
 struct JobConfig;
 }
 
-namespace tiller::rollout {
+namespace tiller::wire {
+class TrainerLink;
+}  // namespace tiller::wire
+
+namespace tiller::controller {
 
 class EngineSet;
-class TrainerLink;
 class StepTrace;
 
 class HybridPhases {
  public:
   // `put(key, value)` adds a metric of the current step. All must outlive the phases.
   using Put = std::function<void(const std::string&, double)>;
-  HybridPhases(const JobConfig& cfg, EngineSet& engines, TrainerLink& link, std::vector<int> trainer_ranks,
+  HybridPhases(const JobConfig& cfg, EngineSet& engines, wire::TrainerLink& link, std::vector<int> trainer_ranks,
                StepTrace& trace);
 
   void generate(int64_t step, const Put& put);
@@ -59,7 +62,7 @@ class HybridPhases {
 
   const JobConfig& cfg_;
   EngineSet& engines_;
-  TrainerLink& link_;
+  wire::TrainerLink& link_;
   std::vector<int> ranks_;
   StepTrace& trace_;
   bool generating_ = false;
@@ -68,4 +71,4 @@ class HybridPhases {
   double sleep_seconds_ = 0;  // this step's, score and train phases together
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

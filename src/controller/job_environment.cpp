@@ -10,7 +10,7 @@
 #include "tiller/text/chat_template.h"
 #include "tiller/text/tokenizer.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 std::shared_ptr<env::Environment> job_environment(const JobConfig& cfg) {
@@ -57,4 +57,4 @@ LoopSources make_job_loop_sources(const JobConfig& cfg, const text::Tokenizer& t
   return s;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

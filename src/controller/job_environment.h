@@ -10,9 +10,9 @@ namespace tiller::text {
 class Tokenizer;
 }  // namespace tiller::text
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 // `tokenizer` must outlive what this returns.
 LoopSources make_job_loop_sources(const JobConfig& cfg, const text::Tokenizer& tokenizer);
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -3,7 +3,7 @@
 #include "tiller/reward/rule_reward.h"
 #include "tiller/reward/scorer_registry.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 JobRewards make_job_rewards(const JobConfig& cfg, std::function<std::string(const std::vector<int64_t>&)> decode) {
   JobRewards out;
@@ -23,4 +23,4 @@ JobRewards make_job_rewards(const JobConfig& cfg, std::function<std::string(cons
   return out;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

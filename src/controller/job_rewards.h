@@ -13,7 +13,7 @@
 #include "tiller/core/config.h"
 #include "tiller/reward/batched_reward.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 struct JobRewards {
   RewardSources sources;                            // sources.batched points into `batched`
@@ -23,4 +23,4 @@ struct JobRewards {
 // `decode`: a response's text from its ids (the tokenizer's, special tokens skipped).
 JobRewards make_job_rewards(const JobConfig& cfg, std::function<std::string(const std::vector<int64_t>&)> decode);
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

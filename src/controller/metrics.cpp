@@ -1,4 +1,4 @@
-#include "tiller/rollout/metrics.h"
+#include "tiller/controller/metrics.h"
 
 #include <unistd.h>
 
@@ -13,7 +13,7 @@
 
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 // Protobuf wire encoding, just what an Event with one scalar summary needs.
@@ -172,4 +172,4 @@ void JsonlWriter::append(const std::string& text) {
     throw IoError(fmt::format("{}: cannot write: {}", path_, std::strerror(errno)));
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

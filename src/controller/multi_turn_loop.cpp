@@ -1,4 +1,4 @@
-// The multi_turn sample loop (tiller/rollout/sample_loop.h): each sample is an episode with the
+// The multi_turn sample loop (tiller/controller/sample_loop.h): each sample is an episode with the
 // job's environment. Start gives its observation after the prompt; then per turn the engine
 // generates, the environment answers (Step) and the observation's tokens are appended; the next
 // turn resumes the engine's parked session of the sample (its KV cache), so only the observation
@@ -20,7 +20,7 @@
 #include "tiller/core/error.h"
 #include "tiller/env/environment.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 class MultiTurnLoop final : public SampleLoop {
@@ -290,4 +290,4 @@ SampleLoopDef multi_turn_loop() {
   return d;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

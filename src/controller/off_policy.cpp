@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstring>
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 OffPolicySpec OffPolicySpec::from_job(const JobConfig& job) {
   return {job.algo.importance_correction, job.algo.tis_cap,     job.algo.seq_mask_ratio,
@@ -188,4 +188,4 @@ OffPolicy off_policy(const Rollout& ro, const OffPolicySpec& spec, uint64_t prox
   return out;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

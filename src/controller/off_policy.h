@@ -17,11 +17,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "tiller/controller/experience.h"
+#include "tiller/controller/metrics.h"
 #include "tiller/core/config.h"
-#include "tiller/rollout/experience.h"
-#include "tiller/rollout/metrics.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 struct OffPolicySpec {
   ImportanceCorrection correction = ImportanceCorrection::kNone;
@@ -56,4 +56,4 @@ struct OffPolicy {
 // tokens of older versions (asynchronous rollouts) differ by design and are not counted there.
 OffPolicy off_policy(const Rollout& ro, const OffPolicySpec& spec, uint64_t proximal_version);
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -1,11 +1,11 @@
-#include "tiller/rollout/packer.h"
+#include "tiller/controller/packer.h"
 
 #include <algorithm>
 #include <numeric>
 
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 double sample_cost(int64_t tokens, double attention_tokens) {
   const auto n = static_cast<double>(tokens);
@@ -93,4 +93,4 @@ std::optional<Round> StreamingPacker::next_round(bool flush) {
   return round;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -1,4 +1,4 @@
-#include "tiller/rollout/prompt_source.h"
+#include "tiller/controller/prompt_source.h"
 
 #include <fmt/format.h>
 
@@ -8,7 +8,7 @@
 #include "tiller/text/chat_template.h"
 #include "tiller/text/tokenizer.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 text::ChatTemplate job_chat(const JobConfig& cfg, const text::Tokenizer& tok) {
@@ -98,4 +98,4 @@ std::unique_ptr<PromptSource> make_job_prompt_source(const JobConfig& job, const
   return s;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

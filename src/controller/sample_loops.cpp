@@ -5,7 +5,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/registry.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 // single_turn: one engine request of n samples per group; a sample is the engine's answer.
@@ -89,4 +89,4 @@ std::string job_sample_loop(const JobConfig& job) {
   return name;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -1,10 +1,10 @@
-// The built-in sample loops (tiller/rollout/sample_loop.h), private to src/controller: the
+// The built-in sample loops (tiller/controller/sample_loop.h), private to src/controller: the
 // registry adds them through the same `add` as a user's loop.
 #pragma once
 
-#include "tiller/rollout/sample_loop.h"
+#include "tiller/controller/sample_loop.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 SampleLoopDef single_turn_loop();  // sample_loops.cpp
 SampleLoopDef multi_turn_loop();   // multi_turn_loop.cpp
@@ -16,4 +16,4 @@ SampleLoopDef openai_agent_loop(); // agent_loop.cpp
 // routes cover its whole prompt, so the last turn's are the sample's). Moves the turn's routes.
 void append_turn(engine::SampleOutput& sample, engine::SampleOutput& turn);
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

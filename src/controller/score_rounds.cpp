@@ -7,9 +7,9 @@
 #include "tiller/core/checked_math.h"
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
-ScoreRounds::ScoreRounds(const TrainerGroup& group, int64_t budget, double temperature, double timeout_s)
+ScoreRounds::ScoreRounds(const wire::TrainerGroup& group, int64_t budget, double temperature, double timeout_s)
     : group_(&group),
       packer_(group.data_parallel(), checked_mul(budget, int64_t{group.sequence_parallel}, "micro_batch_tokens x S")),
       temperature_(temperature),
@@ -24,26 +24,26 @@ namespace {
 
 // The answers of one micro-batch's slices, joined in slice order once all are in.
 struct SliceAnswers {
-  std::vector<ScoreReply> parts;
+  std::vector<wire::ScoreReply> parts;
   size_t left = 0;
 
   // Per-role tensors of every part, concatenated (undefined when the parts have none).
-  static at::Tensor join(const std::vector<ScoreReply>& parts, at::Tensor ScoreReply::*field) {
+  static at::Tensor join(const std::vector<wire::ScoreReply>& parts, at::Tensor wire::ScoreReply::*field) {
     std::vector<at::Tensor> ts;
     for (const auto& p : parts)
       if ((p.*field).defined()) ts.push_back(p.*field);
     if (ts.empty()) return {};
     return ts.size() == 1 ? ts[0] : at::cat(ts);
   }
-  ScoreReply joined() const {
-    ScoreReply r = parts.front();
+  wire::ScoreReply joined() const {
+    wire::ScoreReply r = parts.front();
     for (size_t i = 1; i < parts.size(); ++i)
       for (size_t k = 0; k < r.seconds.size(); ++k) {
         r.seconds[k] += parts[i].seconds[k];
         r.bench[k] = std::max(r.bench[k], parts[i].bench[k]);
       }
-    for (auto field : {&ScoreReply::actor_logp, &ScoreReply::actor_entropy, &ScoreReply::critic_values,
-                       &ScoreReply::ref_logp, &ScoreReply::reward_scores})
+    for (auto field : {&wire::ScoreReply::actor_logp, &wire::ScoreReply::actor_entropy, &wire::ScoreReply::critic_values,
+                       &wire::ScoreReply::ref_logp, &wire::ScoreReply::reward_scores})
       r.*field = join(parts, field);
     return r;
   }
@@ -51,7 +51,7 @@ struct SliceAnswers {
 
 }  // namespace
 
-void ScoreRounds::post(TrainerLink& link, Rollout& ro, ScoreTotals& totals, bool flush) {
+void ScoreRounds::post(wire::TrainerLink& link, Rollout& ro, ScoreTotals& totals, bool flush) {
   const int sp = group_->sequence_parallel;
   while (*in_flight_ < kRoundsInFlight) {
     std::optional<Round> round = packer_.next_round(flush);
@@ -61,14 +61,14 @@ void ScoreRounds::post(TrainerLink& link, Rollout& ro, ScoreTotals& totals, bool
     // The round's last answer takes it off the count.
     auto answers_left = std::make_shared<size_t>(round->size());
     for (size_t k = 0; k < round->size(); ++k) {
-      const PackedSequences whole = pack_sequences(ro, (*round)[k]);
+      const wire::PackedSequences whole = pack_sequences(ro, (*round)[k]);
       const RoleSet roles = group_->roles;
       auto answers = std::make_shared<SliceAnswers>();
       answers->parts.resize(static_cast<size_t>(sp));
       answers->left = static_cast<size_t>(sp);
       // Once every slice has answered: into the step's arrays.
       auto finish = [&ro, &totals, samples = (*round)[k], roles, rows = whole.rows(), answers_left,
-                     in_flight = in_flight_, scored = scored_](const ScoreReply& r) {
+                     in_flight = in_flight_, scored = scored_](const wire::ScoreReply& r) {
         for (size_t i = 0; i < static_cast<size_t>(kRoleCount); ++i) {
           totals.seconds[i] += r.seconds[i];
           totals.bench[i] = std::max(totals.bench[i], r.bench[i]);
@@ -97,15 +97,15 @@ void ScoreRounds::post(TrainerLink& link, Rollout& ro, ScoreTotals& totals, bool
         *scored += static_cast<int64_t>(samples.size());
         if (--*answers_left == 0) --*in_flight;
       };
-      const std::vector<PackedSequences> slices = whole.cut(sp);
+      const std::vector<wire::PackedSequences> slices = whole.cut(sp);
       for (int j = 0; j < sp; ++j) {
-        ScoreRequest req;
+        wire::ScoreRequest req;
         req.batch = slices[static_cast<size_t>(j)];
         req.temperature = temperature_;
-        const PackedSequences asked = req.batch;
+        const wire::PackedSequences asked = req.batch;
         link.call(group_->ranks[k * static_cast<size_t>(sp) + static_cast<size_t>(j)], req.encode(), timeout_s_,
-                  "scoring", [asked, roles, answers, j, finish](Frame&& f) {
-                    ScoreReply r = ScoreReply::decode(std::move(f), asked);
+                  "scoring", [asked, roles, answers, j, finish](wire::Frame&& f) {
+                    wire::ScoreReply r = wire::ScoreReply::decode(std::move(f), asked);
                     if (!(r.roles == roles))
                       throw CommError(
                           fmt::format("it answered for roles {:x}, it holds {:x}", r.roles.bits(), roles.bits()));
@@ -117,4 +117,4 @@ void ScoreRounds::post(TrainerLink& link, Rollout& ro, ScoreTotals& totals, bool
   }
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -17,12 +17,12 @@
 #include <cstdint>
 #include <memory>
 
-#include "tiller/rollout/experience.h"
-#include "tiller/rollout/packer.h"
+#include "tiller/controller/experience.h"
+#include "tiller/controller/packer.h"
 #include "wire/channel.h"
 #include "wire/trainer_groups.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 // What the scoring of a step came to, summed over the groups.
 struct ScoreTotals {
@@ -40,17 +40,17 @@ class ScoreRounds {
 
   // `budget`: tokens per micro-batch and rank (rollout.micro_batch_tokens); `timeout_s`: how long a rank
   // may take over one micro-batch once it is free to.
-  ScoreRounds(const TrainerGroup& group, int64_t budget, double temperature, double timeout_s);
+  ScoreRounds(const wire::TrainerGroup& group, int64_t budget, double temperature, double timeout_s);
 
   void add(int64_t sample, int64_t tokens);
   // Posts the rounds that are due (with `flush`, whatever is pending: no sample will follow).
-  void post(TrainerLink& link, Rollout& ro, ScoreTotals& totals, bool flush);
+  void post(wire::TrainerLink& link, Rollout& ro, ScoreTotals& totals, bool flush);
   int64_t added() const { return added_; }
   int64_t scored() const { return *scored_; }
   bool done() const { return packer_.pending() == 0 && *in_flight_ == 0; }
 
  private:
-  const TrainerGroup* group_;
+  const wire::TrainerGroup* group_;
   StreamingPacker packer_;
   double temperature_, timeout_s_;
   int64_t added_ = 0;
@@ -59,4 +59,4 @@ class ScoreRounds {
   std::shared_ptr<int64_t> scored_ = std::make_shared<int64_t>(0);
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -1,4 +1,4 @@
-#include "tiller/rollout/step_hooks.h"
+#include "tiller/controller/step_hooks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,7 +10,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/registry.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 Registry<StepHookDef>& hooks() {
@@ -49,11 +49,11 @@ std::vector<std::pair<std::string, const StepHookDef*>> parse_step_hooks(const s
   return out;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller
 
 // --- the controller's runner (src/controller/hook_runner.h) ---
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 template <typename F>
@@ -140,4 +140,4 @@ void StepHookRunner::checkpoint(int64_t step, const std::string& dir) const {
     if (h->checkpoint) call(name, "checkpoint", [&] { h->checkpoint(CheckpointSaved{step, dir}); });
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

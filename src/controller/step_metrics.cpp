@@ -9,7 +9,7 @@
 #include "tiller/dist/rank_plan.h"
 #include "tiller/reward/batched_reward.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 double value_or(const json& j, const char* key, double fallback = 0) {
@@ -143,4 +143,4 @@ void session_metrics(const std::vector<engine::EngineStats>& before, const std::
   metrics["engine/recomputed_sequences"] = preemptions;  // preempted, or rebuilt after a weight update
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -14,7 +14,7 @@ namespace tiller::dist {
 struct RankPlan;
 }
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 using json = nlohmann::ordered_json;
 
@@ -36,4 +36,4 @@ void idle_metrics(double step_s, const JobConfig& cfg, const dist::RankPlan& pla
 void session_metrics(const std::vector<engine::EngineStats>& before, const std::vector<engine::EngineStats>& now,
                      json& metrics);
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

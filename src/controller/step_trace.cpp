@@ -10,7 +10,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/files.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 using json = nlohmann::ordered_json;
@@ -247,4 +247,4 @@ void StepOutputs::record(const StepBatch& batch, uint64_t trained_version,
   }
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

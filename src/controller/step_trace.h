@@ -16,13 +16,13 @@
 #include <vector>
 
 #include "controller/collector.h"
-#include "tiller/rollout/metrics.h"
+#include "tiller/controller/metrics.h"
 
 namespace tiller::python {
 class Tracking;
 }
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 // "3", "3,5", "3-5" -> the set of steps; ConfigError naming logging.profile_steps otherwise.
 std::set<int64_t> parse_steps(const std::string& spec);
@@ -82,4 +82,4 @@ class StepOutputs {
   std::unique_ptr<JsonlWriter> samples_;
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

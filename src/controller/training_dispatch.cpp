@@ -12,7 +12,7 @@
 #include "tiller/core/checked_math.h"
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 TrainingConfig TrainingConfig::from_job(const JobConfig& job, bool have_ref) {
   TrainingConfig c;
@@ -37,8 +37,8 @@ TrainingConfig TrainingConfig::from_job(const JobConfig& job, bool have_ref) {
   return c;
 }
 
-TrainingDispatch::TrainingDispatch(const TrainingConfig& cfg, TrainerLink& link, const TrainerGroup* actor,
-                                   const TrainerGroup* critic)
+TrainingDispatch::TrainingDispatch(const TrainingConfig& cfg, wire::TrainerLink& link, const wire::TrainerGroup* actor,
+                                   const wire::TrainerGroup* critic)
     : cfg_(cfg), link_(link), actor_(actor), critic_(critic) {
   TILLER_CHECK(actor_ != nullptr, "training dispatch: no actor group");
 }
@@ -106,12 +106,12 @@ void TrainingDispatch::post_step(size_t i) {
       std::vector<double> rank_tokens;
       for (size_t k = 0; k < p.steps[i][r].size(); ++k) {
         const std::vector<int64_t>& mb = p.steps[i][r][k];
-        const PackedSequences whole = pack_sequences(ro, mb);
+        const wire::PackedSequences whole = pack_sequences(ro, mb);
         rank_tokens.push_back(static_cast<double>(whole.rows()) / sp);
         (*acc_)[p.role].rows += static_cast<double>(whole.rows());
         // Each rank of the sequence group gets its rows, and its part of each per-token array.
-        const std::vector<PackedSequences> slices = whole.cut(sp);
-        auto part = [](const at::Tensor& t, const PackedSequences& s) {
+        const std::vector<wire::PackedSequences> slices = whole.cut(sp);
+        auto part = [](const at::Tensor& t, const wire::PackedSequences& s) {
           return t.narrow(0, s.response_before(), s.response_tokens()).contiguous();
         };
         // The micro-batch's per-token arrays, once; each slice takes its range.
@@ -123,10 +123,10 @@ void TrainingDispatch::post_step(size_t i) {
         const at::Tensor old_values = tokens_of(ro.values, !actor), returns = tokens_of(ro.returns, !actor);
         const at::Tensor loss_mask = ro.layout.turns ? gather_mask(ro, mb) : at::Tensor();
         for (int j = 0; j < sp; ++j) {
-          const PackedSequences& slice = slices[static_cast<size_t>(j)];
+          const wire::PackedSequences& slice = slices[static_cast<size_t>(j)];
           const int rank = p.group->ranks[k * static_cast<size_t>(sp) + static_cast<size_t>(j)];
           if (actor) {
-            TrainActorRequest m;
+            wire::TrainActorRequest m;
             m.batch = slice;
             m.old_logp = part(old_logp, slice);
             m.advantages = part(advantages, slice);
@@ -138,7 +138,7 @@ void TrainingDispatch::post_step(size_t i) {
             m.kl_coef = cfg_.kl_loss ? kl_coef_ : 0.0;
             link_.send(rank, m.encode());
           } else {
-            TrainCriticRequest m;
+            wire::TrainCriticRequest m;
             m.batch = slice;
             m.old_values = part(old_values, slice);
             m.returns = part(returns, slice);
@@ -165,10 +165,10 @@ void TrainingDispatch::post_step(size_t i) {
     (*acc_)[p.role].lr = lr;
     (*acc_)[p.role].updates += 1;
     for (int rank : p.group->ranks)
-      link_.call(rank, StepRequest{p.role, lr}.encode(), cfg_.timeout_s,
+      link_.call(rank, wire::StepRequest{p.role, lr}.encode(), cfg_.timeout_s,
                  actor ? "the actor's update" : "the critic's update",
-                 [acc = acc_, left = answers_left_, i, role = p.role, ranks](Frame&& f) {
-                   const StepStats s = StepReply::decode(std::move(f)).stats;
+                 [acc = acc_, left = answers_left_, i, role = p.role, ranks](wire::Frame&& f) {
+                   const wire::StepStats s = wire::StepReply::decode(std::move(f)).stats;
                    Totals& t = (*acc)[role];
                    t.loss += s.loss;
                    t.clip_tokens += s.clip_tokens;
@@ -288,4 +288,4 @@ Metrics TrainingDispatch::efficiency(double phase_s) const {
   return m;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -22,13 +22,13 @@
 
 #include "controller/collector.h"
 #include "controller/off_policy.h"
-#include "tiller/rollout/metrics.h"
-#include "tiller/rollout/packer.h"
+#include "tiller/controller/metrics.h"
+#include "tiller/controller/packer.h"
 #include "tiller/zero/optimizer.h"
 #include "wire/channel.h"
 #include "wire/trainer_groups.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 
 struct TrainingConfig {
   int64_t train_batch_size = 1;
@@ -51,8 +51,8 @@ class TrainingDispatch {
   static constexpr int kStepsInFlight = 2;
 
   // `actor` must not be null; `critic` is null without one. Both outlive the dispatch.
-  TrainingDispatch(const TrainingConfig& cfg, TrainerLink& link, const TrainerGroup* actor,
-                   const TrainerGroup* critic);
+  TrainingDispatch(const TrainingConfig& cfg, wire::TrainerLink& link, const wire::TrainerGroup* actor,
+                   const wire::TrainerGroup* critic);
 
   // Begins training `batch` (its advantages and returns filled in; it must stay put until done()):
   // the actor's optimizer steps when `train_actor`, the critic's when there is one.
@@ -79,7 +79,7 @@ class TrainingDispatch {
 
  private:
   struct RolePlan {
-    const TrainerGroup* group = nullptr;
+    const wire::TrainerGroup* group = nullptr;
     Role role = Role::kActor;
     std::vector<std::vector<Round>> steps;  // per optimizer step: its lockstep rounds
     std::vector<double> normalizers;        // per optimizer step
@@ -100,9 +100,9 @@ class TrainingDispatch {
   void post_step(size_t i);
 
   TrainingConfig cfg_;
-  TrainerLink& link_;
-  const TrainerGroup* actor_;
-  const TrainerGroup* critic_;
+  wire::TrainerLink& link_;
+  const wire::TrainerGroup* actor_;
+  const wire::TrainerGroup* critic_;
   const StepBatch* batch_ = nullptr;
   const OffPolicy* off_policy_ = nullptr;
   double kl_coef_ = 0;
@@ -114,4 +114,4 @@ class TrainingDispatch {
   int64_t actor_updates_ = 0, critic_updates_ = 0;
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -1,4 +1,4 @@
-#include "tiller/rollout/memory_plan.h"
+#include "tiller/job/memory_plan.h"
 
 #include <algorithm>
 #include <array>
@@ -15,7 +15,7 @@
 #include "tiller/zero/sequence_parallel.h"
 #include "tiller/zero/sharded_model.h"
 
-namespace tiller::rollout {
+namespace tiller::job {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
@@ -623,4 +623,4 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
   });
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::job

@@ -1,7 +1,7 @@
-// The memory plan's verdicts (tiller/rollout/memory_plan.h): whether each rank fits its GPU and
+// The memory plan's verdicts (tiller/job/memory_plan.h): whether each rank fits its GPU and
 // host, the table tiller plan prints, and the smallest layout that fits when one does not. The
 // estimates themselves are memory_plan.cpp's.
-#include "tiller/rollout/memory_plan.h"
+#include "tiller/job/memory_plan.h"
 
 #include <algorithm>
 #include <array>
@@ -13,7 +13,7 @@
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
 
-namespace tiller::rollout {
+namespace tiller::job {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
@@ -238,4 +238,4 @@ ModelShapes load_model_shapes(const JobConfig& cfg, std::string* missing) {
   return out;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::job

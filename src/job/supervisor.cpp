@@ -17,11 +17,11 @@
 
 #include <fmt/format.h>
 
-#include "zero/step_checkpoints.h"
 #include "core/process.h"
 #include "tiller/core/error.h"
+#include "zero/step_checkpoints.h"
 
-namespace tiller::rollout {
+namespace tiller::job {
 namespace {
 
 std::atomic<int> g_signal{0};
@@ -228,4 +228,4 @@ int supervise(const SupervisorOptions& options) {
   }
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::job

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-namespace tiller::rollout {
+namespace tiller::job {
 
 // How one run ended: its exit code (or the signal that killed the launcher) and the last lines of
 // its output, where a failing rank printed "tiller: error: ...".
@@ -51,4 +51,4 @@ struct SupervisorOptions {
 // output passes through to stdout. Returns the exit code to leave with: 0, or the last run's.
 int supervise(const SupervisorOptions& options);
 
-}  // namespace tiller::rollout
+}  // namespace tiller::job

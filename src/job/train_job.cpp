@@ -1,8 +1,8 @@
+#include "tiller/controller/prompt_source.h"
+#include "tiller/controller/sample_loop.h"
+#include "tiller/controller/step_hooks.h"
+#include "tiller/job/train.h"
 #include "tiller/reward/scorer_registry.h"
-#include "tiller/rollout/prompt_source.h"
-#include "tiller/rollout/sample_loop.h"
-#include "tiller/rollout/step_hooks.h"
-#include "tiller/rollout/train.h"
 
 #include <unistd.h>
 
@@ -29,17 +29,17 @@
 #include "tiller/engine/engine.h"
 #include "tiller/engine/engine_weights.h"
 #include "tiller/engine/server.h"
+#include "tiller/job/memory_plan.h"
 #include "tiller/model/model_config.h"
 #include "tiller/model/numerics.h"
 #include "tiller/model/storage_swap.h"
-#include "tiller/rollout/memory_plan.h"
 #include "tiller/sync/hybrid_handoff.h"
 #include "tiller/sync/weight_sync.h"
 #include "tiller/zero/sharded_model.h"
 #include "trainer/role_worker.h"
 #include "wire/messages.h"
 
-namespace tiller::rollout {
+namespace tiller::job {
 namespace {
 
 // A fresh shared secret for the engines' gRPC services: only this job's controller can call them.
@@ -51,8 +51,8 @@ std::string random_token() {
 }
 
 // Waits for the controller's next frame without aborting the communicator on a long wait.
-Frame wait_for_controller(dist::Communicator& world, int controller, const std::function<void()>& check) {
-  IncomingFrame next(world, controller);
+wire::Frame wait_for_controller(dist::Communicator& world, int controller, const std::function<void()>& check) {
+  wire::IncomingFrame next(world, controller);
   auto backoff = std::chrono::microseconds(100);
   while (!next.poll()) {
     check();
@@ -65,7 +65,7 @@ Frame wait_for_controller(dist::Communicator& world, int controller, const std::
 // What a rank owns while it runs, held by run_train so that a failure ends the job with all of it
 // alive (MpiEnv::fail_job): tearing down an engine or a ZeRO group mid-collective would block.
 struct RankObjects {
-  std::unique_ptr<RoleWorker> worker;
+  std::unique_ptr<trainer::RoleWorker> worker;
   std::unique_ptr<engine::Engine> engine;
   std::unique_ptr<sync::WeightReceiver> receiver;
   std::unique_ptr<engine::EngineServer> server;
@@ -148,8 +148,8 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
 engine::EngineServer& serve_engine(const JobConfig& cfg, const dist::RankPlan& plan, int rank,
                                    dist::Communicator& world, const std::string& hostname, RankObjects& own) {
   const auto& me = plan.ranks.at(static_cast<size_t>(rank));
-  const EngineHello hello =
-      EngineHello::decode(recv_frame(world, plan.controller, Deadline::after_seconds(cfg.timeouts.startup_s)));
+  const wire::EngineHello hello =
+      wire::EngineHello::decode(wire::recv_frame(world, plan.controller, Deadline::after_seconds(cfg.timeouts.startup_s)));
   engine::ServerOptions so;
   const int64_t port = cfg.engines.port == 0 ? 0 : cfg.engines.port + me.engine;
   so.address = fmt::format("{}:{}", cfg.engines.host, port);
@@ -158,8 +158,8 @@ engine::EngineServer& serve_engine(const JobConfig& cfg, const dist::RankPlan& p
   so.tls.key = cfg.engines.tls_key;
   so.max_wait_seconds = std::max(cfg.timeouts.weight_sync_s, cfg.timeouts.rpc_s);
   own.server = std::make_unique<engine::EngineServer>(*own.engine, so);
-  const EngineAddress addr{fmt::format("{}:{}", hostname, own.server->port())};
-  for (auto& wk : send_frame(world, plan.controller, addr.encode()))
+  const wire::EngineAddress addr{fmt::format("{}:{}", hostname, own.server->port())};
+  for (auto& wk : wire::send_frame(world, plan.controller, addr.encode()))
     wk->wait(Deadline::after_seconds(cfg.timeouts.startup_s));
   log::info("engine {} serving on {} ({} KV blocks, pid {})", me.engine, addr.address,
             own.engine->stats().kv_blocks_total, static_cast<int64_t>(getpid()));
@@ -180,7 +180,7 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   }
   eng.calibrate_if_due();  // logging.efficiency: before serving (its followers follow already)
   engine::EngineServer& server = serve_engine(cfg, plan, rank, world, hostname, own);
-  StopRequest::decode(wait_for_controller(world, plan.controller, [&] {
+  wire::StopRequest::decode(wait_for_controller(world, plan.controller, [&] {
     const std::string failure = server.error();
     if (!failure.empty()) throw Error(fmt::format("engine {}: its loop failed: {}", me.engine, failure));
   }));
@@ -189,7 +189,7 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
   const engine::EngineStats s = eng.stats();
   log::info("engine {}: {} requests, {} generated tokens in {} steps", me.engine, s.requests_finished,
             s.generated_tokens, s.steps);
-  for (auto& wk : send_frame(world, plan.controller, StopReply{peak_rss_mb()}.encode()))
+  for (auto& wk : wire::send_frame(world, plan.controller, wire::StopReply{peak_rss_mb()}.encode()))
     wk->wait(Deadline::after_seconds(cfg.timeouts.rpc_s));
   return 0;
 }
@@ -202,7 +202,7 @@ int run_engine_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, 
 int run_hybrid_rank(const JobConfig& cfg, const dist::RankPlan& plan, int rank, dist::GroupCommunicators& groups,
                     dist::Communicator& world, const std::string& device, const std::string& hostname,
                     int64_t kv_bytes, RankObjects& own) {
-  own.worker = std::make_unique<RoleWorker>(cfg, plan, rank, groups, world, device);
+  own.worker = std::make_unique<trainer::RoleWorker>(cfg, plan, rank, groups, world, device);
   engine::Engine& eng = make_engine(cfg, plan, rank, groups, device, kv_bytes, /*start_asleep=*/true, own);
   own.sink = std::make_unique<sync::LocalWeightSink>(eng, cfg.timeouts.weight_sync_s);
   eng.set_weight_sink(own.sink.get());
@@ -237,26 +237,26 @@ int run_rank(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& option
   if (env.rank() == plan.controller) {
     StopSignalWatcher watcher([] {
       log::warn("signal received: finishing this step, saving a checkpoint, then stopping");
-      request_stop();
+      controller::request_stop();
     });
     // The engines' shared secret, then their addresses.
-    ControllerOptions co;
+    controller::ControllerOptions co;
     co.engine_token = random_token();
     co.require_resume = options.require_resume;
     std::vector<std::vector<dist::WorkPtr>> sends;
-    for (const auto& e : plan.engines) sends.push_back(send_frame(world, e.ranks.front(), EngineHello{co.engine_token}.encode()));
+    for (const auto& e : plan.engines) sends.push_back(wire::send_frame(world, e.ranks.front(), wire::EngineHello{co.engine_token}.encode()));
     for (const auto& e : plan.engines)
       co.engine_addresses.push_back(
-          EngineAddress::decode(recv_frame(world, e.ranks.front(), Deadline::after_seconds(cfg.timeouts.startup_s)))
+          wire::EngineAddress::decode(wire::recv_frame(world, e.ranks.front(), Deadline::after_seconds(cfg.timeouts.startup_s)))
               .address);
     for (auto& v : sends)
       for (auto& w : v) w->wait(Deadline::after_seconds(cfg.timeouts.startup_s));
-    return run_controller(cfg, plan, world, co);
+    return controller::run_controller(cfg, plan, world, co);
   }
   if (me.engine >= 0 && !me.trainer_roles.empty())
     return run_hybrid_rank(cfg, plan, env.rank(), groups, world, device, env.hostname(), hybrid_kv_bytes, own);
   if (me.engine >= 0) return run_engine_rank(cfg, plan, env.rank(), groups, world, device, env.hostname(), own);
-  own.worker = std::make_unique<RoleWorker>(cfg, plan, env.rank(), groups, world, device);
+  own.worker = std::make_unique<trainer::RoleWorker>(cfg, plan, env.rank(), groups, world, device);
   own.worker->serve();
   return 0;
 }
@@ -269,9 +269,9 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   // A job built in code (not through algo::load_job) gets the algorithm's checks here, before any
   // rank starts: every rank sees the same registrations, so every rank refuses alike.
   algo::check_config(cfg);
-  parse_step_hooks(cfg.train.step_hooks);
-  find_prompt_source(cfg.data.source);
-  job_sample_loop(cfg);
+  controller::parse_step_hooks(cfg.train.step_hooks);
+  controller::find_prompt_source(cfg.data.source);
+  controller::job_sample_loop(cfg);
   if (const std::string scorer = reward::job_batch_scorer(cfg); !scorer.empty()) reward::find_batch_scorer(scorer);
 
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();
@@ -396,4 +396,4 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
   }
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::job

@@ -12,13 +12,13 @@
 #include "offline/offline_run.h"
 #include "offline/preference_data.h"
 #include "tiller/algo/preference.h"
+#include "tiller/controller/packer.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
-#include "tiller/text/tokenizer.h"
-#include "tiller/offline/offline.h"
 #include "tiller/data/epoch_order.h"
-#include "tiller/rollout/packer.h"
+#include "tiller/offline/offline.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/zero/sharded_model.h"
 
 namespace tiller::offline {
@@ -83,7 +83,7 @@ class DpoTrainer {
   at::Tensor precompute(const PreferenceDataset& data, const std::vector<int64_t>& ids) {
     at::Tensor out = at::zeros({static_cast<int64_t>(ids.size()), 2}, at::TensorOptions().dtype(at::kDouble).device(run_.device));
     at::NoGradGuard no_grad;
-    for (const rollout::Round& round : rounds(data, ids)) {
+    for (const controller::Round& round : rounds(data, ids)) {
       const std::vector<int64_t>& mine = round.at(static_cast<size_t>(run_.dp_rank));
       const PairBatch b = pair_batch(data, ids, mine, run_.device);
       const at::Tensor lp = ref_->token_logprobs(b.slice, b.targets);
@@ -102,7 +102,7 @@ class DpoTrainer {
     double tokens = 0;
     std::optional<at::NoGradGuard> no_grad;
     if (!train) no_grad.emplace();
-    for (const rollout::Round& round : rounds(data, ids)) {
+    for (const controller::Round& round : rounds(data, ids)) {
       const std::vector<int64_t>& mine = round.at(static_cast<size_t>(run_.dp_rank));
       const PairBatch b = pair_batch(data, ids, mine, run_.device);
       tokens += static_cast<double>(b.tokens);
@@ -136,14 +136,14 @@ class DpoTrainer {
   void drop_reference() { ref_.reset(); }
 
  private:
-  std::vector<rollout::Round> rounds(const PreferenceDataset& data, const std::vector<int64_t>& ids) const {
+  std::vector<controller::Round> rounds(const PreferenceDataset& data, const std::vector<int64_t>& ids) const {
     std::vector<int64_t> order(ids.size()), lens;
     for (size_t i = 0; i < ids.size(); ++i) {
       order[i] = static_cast<int64_t>(i);
       const PreferencePair& p = data.at(ids[i]);
       lens.push_back(p.rows());
     }
-    return rollout::plan_rounds(order, lens, run_.dp, run_.budget(), run_.attention_tokens);
+    return controller::plan_rounds(order, lens, run_.dp, run_.budget(), run_.attention_tokens);
   }
 
   const JobConfig& cfg_;

@@ -19,12 +19,12 @@
 #include "tiller/core/logging.h"
 #include "tiller/dist/mpi_env.h"
 #include "tiller/dist/rank_plan.h"
-#include "tiller/text/chat_template.h"
 #include "tiller/model/lora.h"
-#include "tiller/model/storage_swap.h"
-#include "tiller/text/tokenizer.h"
 #include "tiller/model/safetensors.h"
+#include "tiller/model/storage_swap.h"
 #include "tiller/offline/offline.h"
+#include "tiller/text/chat_template.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/zero/checkpoint.h"
 
 namespace tiller::offline {
@@ -68,12 +68,12 @@ OfflineRun::OfflineRun(const JobConfig& c, dist::MpiEnv& env, const std::string&
   // The plan before any allocation; every rank takes the least-memory choice of any.
   int64_t gpu_bytes = static_cast<int64_t>(cfg.cluster.gpu_memory_gb * double(int64_t{1} << 30));
   if (gpu_bytes == 0 && !cpu) gpu_bytes = model::device_memory(device).total;
-  const rollout::MemoryPlan plan = offline_memory_plan(cfg, model_config, cpu ? 0 : gpu_bytes, name, !cpu);
-  at::Tensor choice = at::tensor({rollout::recompute_order(plan.recompute, plan.recompute_layers),
+  const job::MemoryPlan plan = offline_memory_plan(cfg, model_config, cpu ? 0 : gpu_bytes, name, !cpu);
+  at::Tensor choice = at::tensor({job::recompute_order(plan.recompute, plan.recompute_layers),
                                   plan.keep_compute_shard ? 1.0 : 0.0},
                                  at::kDouble);
   world_comm_->all_reduce(choice, dist::ReduceOp::kMin)->wait();
-  const auto [recompute, layers] = rollout::recompute_from_order(choice[0].item<double>());
+  const auto [recompute, layers] = job::recompute_from_order(choice[0].item<double>());
   zero::ShardedModelOptions mo = zero::role_options("actor", cfg.roles.actor, cfg.train, true, head, device);
   if (head == model::Head::kValue && cfg.roles.actor.lora.rank > 0)
     throw ConfigError(fmt::format("roles.actor.lora.rank = {}: tiller {} trains a reward model's full weights (its "
@@ -99,9 +99,9 @@ OfflineRun::OfflineRun(const JobConfig& c, dist::MpiEnv& env, const std::string&
 
   if (rank == 0) {
     const std::string out = cfg.run.output_dir;
-    jsonl_ = std::make_unique<rollout::JsonlWriter>(cfg.logging.metrics_jsonl.empty() ? out + "/metrics.jsonl"
+    jsonl_ = std::make_unique<controller::JsonlWriter>(cfg.logging.metrics_jsonl.empty() ? out + "/metrics.jsonl"
                                                                                        : cfg.logging.metrics_jsonl);
-    tensorboard_ = std::make_unique<rollout::TensorBoardWriter>(
+    tensorboard_ = std::make_unique<controller::TensorBoardWriter>(
         cfg.logging.tensorboard_dir.empty() ? out + "/tensorboard" : cfg.logging.tensorboard_dir);
     log::info("tiller {}: rank 0 pid {}; {} ranks on {} ({} backend), sequence groups of {}, model {}", name,
               static_cast<int64_t>(getpid()), world, cpu ? "CPU" : "GPUs", comm_->backend(), sp, cfg.roles.actor.model);
@@ -142,8 +142,8 @@ int OfflineRun::train(const std::vector<int64_t>& train_ids, int64_t start, int6
                       const std::function<Pass()>& eval_pass) {
   using Clock = std::chrono::steady_clock;
   const int64_t n = static_cast<int64_t>(train_ids.size());
-  auto prefixed = [](const std::string& prefix, const rollout::Metrics& m) {
-    rollout::Metrics out;
+  auto prefixed = [](const std::string& prefix, const controller::Metrics& m) {
+    controller::Metrics out;
     for (const auto& [k, v] : m) out.emplace_back(prefix + k, v);
     return out;
   };
@@ -151,7 +151,7 @@ int OfflineRun::train(const std::vector<int64_t>& train_ids, int64_t start, int6
     if (!eval_pass) return;
     const auto t0 = Clock::now();
     const Pass e = eval_pass();
-    rollout::Metrics m = prefixed("eval/", e.metrics);
+    controller::Metrics m = prefixed("eval/", e.metrics);
     m.emplace_back("time/eval", std::chrono::duration<double>(Clock::now() - t0).count());
     log_metrics(step, m);
     if (rank == 0) log::info("step {}/{}: eval {}", step, total, e.summary);
@@ -166,7 +166,7 @@ int OfflineRun::train(const std::vector<int64_t>& train_ids, int64_t start, int6
     const StepOutcome st = optimizer_step(step);
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     const double rate = s.tokens / seconds / static_cast<double>(world);
-    rollout::Metrics m = prefixed("train/", s.metrics);
+    controller::Metrics m = prefixed("train/", s.metrics);
     m.insert(m.end(), {{"train/tokens", s.tokens},
                        {"train/grad_norm", st.grad_norm},
                        {"train/clip_factor", st.clip_factor},
@@ -192,10 +192,10 @@ int OfflineRun::train(const std::vector<int64_t>& train_ids, int64_t start, int6
   return finish(done, total, n, order.cursor());
 }
 
-rollout::MemoryPlan offline_memory_plan(const JobConfig& cfg, const model::ModelConfig& shape, int64_t gpu_bytes,
+job::MemoryPlan offline_memory_plan(const JobConfig& cfg, const model::ModelConfig& shape, int64_t gpu_bytes,
                                         const std::string& command, bool check) {
-  rollout::MemoryPlan plan =
-      rollout::plan_trainer(cfg, shape, cfg.roles.actor.gpus, cfg.train.micro_batch_tokens, gpu_bytes);
+  job::MemoryPlan plan =
+      job::plan_trainer(cfg, shape, cfg.roles.actor.gpus, cfg.train.micro_batch_tokens, gpu_bytes);
   if (check) {
     std::string knobs = "lower train.micro_batch_tokens, raise roles.actor.gpus";
     if (plan.recompute != zero::Recompute::kBlocks) knobs += ", set train.recompute=blocks";
@@ -203,7 +203,7 @@ rollout::MemoryPlan offline_memory_plan(const JobConfig& cfg, const model::Model
       knobs += ", set train.compute_shard=cast";
     if (cfg.roles.actor.optimizer_offload != OptimizerOffload::kCpu)
       knobs += ", or move the optimizer to the host (roles.actor.optimizer_offload=cpu)";
-    rollout::check_trainer_fits(plan, 0, "tiller " + command + ", " + cfg.roles.actor.model, knobs);
+    job::check_trainer_fits(plan, 0, "tiller " + command + ", " + cfg.roles.actor.model, knobs);
   }
   return plan;
 }
@@ -358,7 +358,7 @@ at::Tensor OfflineRun::sum(const at::Tensor& t) {
   return x.cpu();
 }
 
-void OfflineRun::log_metrics(int64_t step, const rollout::Metrics& metrics) {
+void OfflineRun::log_metrics(int64_t step, const controller::Metrics& metrics) {
   if (rank != 0) return;
   jsonl_->write(step, metrics);
   tensorboard_->scalars(step, metrics);
@@ -379,7 +379,7 @@ void OfflineRun::save(int64_t step, const data::DatasetCursor& cursor, int64_t d
   so.source_model = cfg.roles.actor.model;
   zero::save_checkpoint(*model, checkpoints_.dir(step) + "/actor", so);
   if (rank == 0) {
-    rollout::ControllerState st;
+    zero::RunState st;
     st.step = step;
     st.actor_updates = step;
     st.dataset_epoch = cursor.epoch;

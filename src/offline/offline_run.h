@@ -25,20 +25,20 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "controller/checkpoint_manager.h"
 #include "offline/preference_data.h"
 #include "offline/sft_data.h"
+#include "tiller/controller/metrics.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/core/signals.h"
-#include "tiller/dist/communicator.h"
-#include "tiller/model/model_config.h"
 #include "tiller/data/epoch_order.h"
-#include "tiller/rollout/memory_plan.h"
-#include "tiller/rollout/metrics.h"
+#include "tiller/dist/communicator.h"
+#include "tiller/job/memory_plan.h"
+#include "tiller/model/model_config.h"
 #include "tiller/zero/optimizer.h"
 #include "tiller/zero/sharded_model.h"
+#include "zero/run_checkpoints.h"
 
 namespace tiller::text {
 class Tokenizer;
@@ -93,7 +93,7 @@ class OfflineRun {
   // `t` (fp64, on the run's device) summed over every rank; returned on the host.
   at::Tensor sum(const at::Tensor& t);
   // Rank 0: appends the metrics of `step` to the JSONL file and TensorBoard.
-  void log_metrics(int64_t step, const rollout::Metrics& metrics);
+  void log_metrics(int64_t step, const controller::Metrics& metrics);
   // True on every rank once any rank was asked to stop (SIGINT/SIGTERM).
   bool stop_agreed();
   // Saves a checkpoint of `step` when checkpoint.every_steps says so, or `force` (checkpoint.dir set).
@@ -121,7 +121,7 @@ class OfflineRun {
   // What a pass over samples reports: its metrics (unprefixed: "loss", ...), its tokens (every
   // rank's), and its part of the progress line ("loss 0.41, accuracy 0.90").
   struct Pass {
-    rollout::Metrics metrics;
+    controller::Metrics metrics;
     double tokens = 0;
     std::string summary;
   };
@@ -156,10 +156,10 @@ class OfflineRun {
   void export_model(const std::string& checkpoint);
 
   zero::LrSchedule schedule_;
-  rollout::CheckpointManager checkpoints_;
+  zero::RunCheckpoints checkpoints_;
   int64_t saved_step_ = -1;
-  std::unique_ptr<rollout::JsonlWriter> jsonl_;
-  std::unique_ptr<rollout::TensorBoardWriter> tensorboard_;
+  std::unique_ptr<controller::JsonlWriter> jsonl_;
+  std::unique_ptr<controller::TensorBoardWriter> tensorboard_;
   std::atomic<bool> stop_requested_{false};
   bool stopped_ = false;
   std::unique_ptr<StopSignalWatcher> watcher_;

@@ -11,13 +11,13 @@
 #include "offline/offline_run.h"
 #include "offline/preference_data.h"
 #include "tiller/algo/preference.h"
+#include "tiller/controller/packer.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
-#include "tiller/text/tokenizer.h"
-#include "tiller/offline/offline.h"
 #include "tiller/data/epoch_order.h"
-#include "tiller/rollout/packer.h"
+#include "tiller/offline/offline.h"
+#include "tiller/text/tokenizer.h"
 
 namespace tiller::offline {
 namespace {
@@ -34,13 +34,13 @@ PreferenceSums run_pairs(OfflineRun& run, const PreferenceDataset& data, const s
     lens.push_back(p.rows());
   }
   const double pairs = static_cast<double>(ids.size()), step_rows = pair_rows(data, ids);
-  const std::vector<rollout::Round> rounds = rollout::plan_rounds(order, lens, run.dp, run.budget(), run.attention_tokens);
+  const std::vector<controller::Round> rounds = controller::plan_rounds(order, lens, run.dp, run.budget(), run.attention_tokens);
   // loss, chosen, rejected, correct, margin sums
   at::Tensor acc = at::zeros({5}, at::TensorOptions().dtype(at::kDouble).device(run.device));
   double tokens = 0;
   std::optional<at::NoGradGuard> no_grad;
   if (!train) no_grad.emplace();
-  for (const rollout::Round& round : rounds) {
+  for (const controller::Round& round : rounds) {
     const std::vector<int64_t>& mine = round.at(static_cast<size_t>(run.dp_rank));
     zero::SequenceSlice slice;
     std::vector<int64_t> all, last;

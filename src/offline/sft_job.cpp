@@ -12,14 +12,14 @@
 #include "offline/offline_run.h"
 #include "offline/sft_data.h"
 #include "tiller/algo/sft_loss.h"
+#include "tiller/controller/packer.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
-#include "tiller/model/model_config.h"
-#include "tiller/text/tokenizer.h"
-#include "tiller/offline/offline.h"
 #include "tiller/data/epoch_order.h"
-#include "tiller/rollout/packer.h"
+#include "tiller/model/model_config.h"
+#include "tiller/offline/offline.h"
+#include "tiller/text/tokenizer.h"
 #include "tiller/zero/sharded_model.h"
 
 namespace tiller::offline {
@@ -83,12 +83,12 @@ Sums run_rounds(OfflineRun& run, const SftDataset& data, const std::vector<int64
   const double step_rows = static_cast<double>(std::max<int64_t>(1, std::accumulate(lens.begin(), lens.end(), int64_t{0})));
   std::vector<int64_t> order(ids.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  const std::vector<rollout::Round> rounds = rollout::plan_rounds(order, lens, run.dp, run.budget(), run.attention_tokens);
+  const std::vector<controller::Round> rounds = controller::plan_rounds(order, lens, run.dp, run.budget(), run.attention_tokens);
   at::Tensor acc = at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(run.device));  // loss, nll, trained
   double tokens = 0;
   std::optional<at::NoGradGuard> no_grad;
   if (!train) no_grad.emplace();
-  for (const rollout::Round& round : rounds) {
+  for (const controller::Round& round : rounds) {
     std::vector<const SftSample*> mine;
     for (int64_t i : round.at(static_cast<size_t>(run.dp_rank))) mine.push_back(&data.at(ids[static_cast<size_t>(i)]));
     const SftMicroBatch mb = sft_micro_batch(mine, run, sequence_mean);

@@ -75,12 +75,12 @@ std::string exception_text() {
   return s ? utf8(s.get()) : std::string("an unprintable Python error");
 }
 
-class PythonHarness final : public rollout::AgentHarness {
+class PythonHarness final : public controller::AgentHarness {
  public:
   PythonHarness(std::string spec, PyObject* harness) : spec_(std::move(spec)), harness_(harness) {}
   // harness_ is never released: a call left running at shutdown may hold the GIL for good.
 
-  rollout::AgentOutcome run(const rollout::AgentTask& t, Deadline deadline) override {
+  controller::AgentOutcome run(const controller::AgentTask& t, Deadline deadline) override {
     nlohmann::json label = t.label;
     if (t.label_is_json) label = nlohmann::json::parse(t.label, nullptr, /*allow_exceptions=*/false);
     nlohmann::json extra = nullptr;
@@ -93,7 +93,7 @@ class PythonHarness final : public rollout::AgentHarness {
     Gil gil;
     Ref r(PyObject_CallMethod(harness_, "run", "s", text.c_str()));
     if (!r) throw Error(fmt::format("agent.harness {}: {}", spec_, exception_text()));
-    rollout::AgentOutcome out;
+    controller::AgentOutcome out;
     if (r.get() != Py_None) out.reward = PyFloat_AsDouble(r.get());
     return out;
   }
@@ -106,7 +106,7 @@ class PythonHarness final : public rollout::AgentHarness {
 
 }  // namespace
 
-std::shared_ptr<rollout::AgentHarness> python_agent_harness(const std::string& spec) {
+std::shared_ptr<controller::AgentHarness> python_agent_harness(const std::string& spec) {
   const size_t colon = spec.rfind(':');
   const std::string path = colon == std::string::npos ? spec : spec.substr(0, colon);
   const std::string function = colon == std::string::npos ? "run" : spec.substr(colon + 1);
@@ -122,7 +122,7 @@ std::shared_ptr<rollout::AgentHarness> python_agent_harness(const std::string& s
 
 #else
 
-std::shared_ptr<rollout::AgentHarness> python_agent_harness(const std::string& spec) {
+std::shared_ptr<controller::AgentHarness> python_agent_harness(const std::string& spec) {
   start();  // throws the ConfigError that says this build has no Python
   throw ConfigError(fmt::format("agent.harness {}: this build has no embedded Python", spec));
 }

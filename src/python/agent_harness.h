@@ -1,4 +1,4 @@
-// agent.harness = FILE.py:FUNCTION (tiller/rollout/agent.h): the user's agent as a Python function,
+// agent.harness = FILE.py:FUNCTION (tiller/controller/agent.h): the user's agent as a Python function,
 // run by the embedded interpreter (interpreter.h) on the openai_agent loop's threads.
 //
 // The file is loaded once as a module of its own (its folder first on sys.path). The function is
@@ -20,11 +20,11 @@
 #include <memory>
 #include <string>
 
-#include "tiller/rollout/agent.h"
+#include "tiller/controller/agent.h"
 
 namespace tiller::python {
 
 // Loads FILE.py:FUNCTION (ConfigError as above; also when this build has no Python).
-std::shared_ptr<rollout::AgentHarness> python_agent_harness(const std::string& spec);
+std::shared_ptr<controller::AgentHarness> python_agent_harness(const std::string& spec);
 
 }  // namespace tiller::python

@@ -8,7 +8,7 @@
 
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::testing {
 namespace {
 
 uint64_t mix(uint64_t x) {  // splitmix64
@@ -22,7 +22,7 @@ int64_t token_at(uint64_t seed, int64_t pos, int64_t vocab) {
   return static_cast<int64_t>(mix(seed * 1315423911ull + static_cast<uint64_t>(pos)) % static_cast<uint64_t>(vocab));
 }
 
-at::Tensor float_per_token(const PackedSequences& b, const std::function<float(int64_t)>& f) {
+at::Tensor float_per_token(const wire::PackedSequences& b, const std::function<float(int64_t)>& f) {
   TILLER_CHECK(b.whole(), "the synthetic trainer scores whole micro-batches (no sequence parallelism)");
   at::Tensor out = at::empty({b.response_tokens()}, at::kFloat);
   float* p = out.data_ptr<float>();
@@ -86,7 +86,7 @@ void SyntheticEngines::admit(Engine& e) {
 }
 
 void SyntheticEngines::finish(Seq& s, const char* reason) {
-  Completion c;
+  controller::Completion c;
   c.engine = -1;
   engine::SampleOutput& o = c.result.sample;
   o.request_id = s.request;
@@ -152,7 +152,7 @@ void SyntheticEngines::abort(size_t i, uint64_t request_id) {
   cv_.notify_all();
 }
 
-bool SyntheticEngines::next(Completion& out, int wait_ms) {
+bool SyntheticEngines::next(controller::Completion& out, int wait_ms) {
   std::unique_lock<std::mutex> lock(mu_);
   if (done_.empty() && wait_ms > 0 && opts_.tokens_per_s <= 0 && !paused_) {
     // Virtual time passes only while the caller waits: one decode step of every engine.
@@ -260,12 +260,12 @@ void SyntheticEngines::close() {
 
 // --- SyntheticTrainer ---
 
-std::vector<Frame> SyntheticTrainer::handle(Frame f) {
-  std::vector<Frame> out;
+std::vector<wire::Frame> SyntheticTrainer::handle(wire::Frame f) {
+  std::vector<wire::Frame> out;
   switch (f.op) {
-    case Op::kScore: {
-      const ScoreRequest r = ScoreRequest::decode(std::move(f));
-      ScoreReply a;
+    case wire::Op::kScore: {
+      const wire::ScoreRequest r = wire::ScoreRequest::decode(std::move(f));
+      wire::ScoreReply a;
       a.roles = roles_;
       if (roles_.has(Role::kActor)) {
         a.actor_logp = float_per_token(r.batch, [](int64_t t) { return synthetic_logprob(t); });
@@ -280,21 +280,21 @@ std::vector<Frame> SyntheticTrainer::handle(Frame f) {
       out.push_back(a.encode());
       break;
     }
-    case Op::kTrainActor: {
-      const TrainActorRequest r = TrainActorRequest::decode(std::move(f));
+    case wire::Op::kTrainActor: {
+      const wire::TrainActorRequest r = wire::TrainActorRequest::decode(std::move(f));
       pending_[role_index(Role::kActor)] += r.batch.response_tokens();
       break;
     }
-    case Op::kTrainCritic: {
-      const TrainCriticRequest r = TrainCriticRequest::decode(std::move(f));
+    case wire::Op::kTrainCritic: {
+      const wire::TrainCriticRequest r = wire::TrainCriticRequest::decode(std::move(f));
       pending_[role_index(Role::kCritic)] += r.batch.response_tokens();
       break;
     }
-    case Op::kStep: {
-      const StepRequest r = StepRequest::decode(std::move(f));
+    case wire::Op::kStep: {
+      const wire::StepRequest r = wire::StepRequest::decode(std::move(f));
       TILLER_CHECK(roles_.has(r.role), "synthetic trainer: a step of {} it does not hold", role_name(r.role));
       const auto i = static_cast<size_t>(role_index(r.role));
-      StepReply a;
+      wire::StepReply a;
       a.stats.tokens = static_cast<double>(pending_[i]);
       a.stats.loss = 0.5;
       a.stats.grad_norm = 1.0;
@@ -304,27 +304,27 @@ std::vector<Frame> SyntheticTrainer::handle(Frame f) {
       out.push_back(a.encode());
       break;
     }
-    case Op::kSync:
-      SyncRequest::decode(std::move(f));
+    case wire::Op::kSync:
+      wire::SyncRequest::decode(std::move(f));
       ++syncs_;
-      out.push_back(SyncReply{0.001, 1e6}.encode());
+      out.push_back(wire::SyncReply{0.001, 1e6}.encode());
       break;
-    case Op::kSave: SaveRequest::decode(std::move(f)); out.push_back(DoneReply{}.encode()); break;
-    case Op::kLoad: LoadRequest::decode(std::move(f)); out.push_back(DoneReply{}.encode()); break;
-    case Op::kTrace: TraceRequest::decode(std::move(f)); out.push_back(TraceReply{}.encode()); break;
-    case Op::kStop: StopRequest::decode(std::move(f)); out.push_back(StopReply{0}.encode()); break;
-    case Op::kPhase:
-      phases_.push_back(PhaseRequest::decode(std::move(f)).offload ? "offload" : "reload");
-      out.push_back(PhaseReply{}.encode());
+    case wire::Op::kSave: wire::SaveRequest::decode(std::move(f)); out.push_back(wire::DoneReply{}.encode()); break;
+    case wire::Op::kLoad: wire::LoadRequest::decode(std::move(f)); out.push_back(wire::DoneReply{}.encode()); break;
+    case wire::Op::kTrace: wire::TraceRequest::decode(std::move(f)); out.push_back(wire::TraceReply{}.encode()); break;
+    case wire::Op::kStop: wire::StopRequest::decode(std::move(f)); out.push_back(wire::StopReply{0}.encode()); break;
+    case wire::Op::kPhase:
+      phases_.push_back(wire::PhaseRequest::decode(std::move(f)).offload ? "offload" : "reload");
+      out.push_back(wire::PhaseReply{}.encode());
       break;
-    default: throw CommError(fmt::format("synthetic trainer: unexpected '{}'", op_name(f.op)));
+    default: throw CommError(fmt::format("synthetic trainer: unexpected '{}'", wire::op_name(f.op)));
   }
   return out;
 }
 
-std::vector<Frame> SyntheticEngineRank::handle(Frame f) {
-  StopRequest::decode(std::move(f));
-  return {StopReply{0}.encode()};
+std::vector<wire::Frame> SyntheticEngineRank::handle(wire::Frame f) {
+  wire::StopRequest::decode(std::move(f));
+  return {wire::StopReply{0}.encode()};
 }
 
 // --- SyntheticPrompts ---
@@ -344,4 +344,4 @@ SyntheticPrompts::SyntheticPrompts(int64_t count, int64_t len, int64_t vocab) {
 
 int64_t SyntheticPrompts::next() { return cursor_++ % static_cast<int64_t>(prompts_.size()); }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::testing

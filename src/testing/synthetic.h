@@ -29,7 +29,7 @@
 #include "tiller/data/prompt_dataset.h"
 #include "wire/channel.h"
 
-namespace tiller::rollout {
+namespace tiller::testing {
 
 // The log-prob the synthetic engines and actor give token id t.
 float synthetic_logprob(int64_t t);
@@ -47,7 +47,7 @@ struct SyntheticEngineOptions {
   int stalled_engine = -1;  // this engine takes requests and never decodes (a hung engine)
 };
 
-class SyntheticEngines final : public EngineSet {
+class SyntheticEngines final : public controller::EngineSet {
  public:
   explicit SyntheticEngines(const SyntheticEngineOptions& opts);
   ~SyntheticEngines() override;
@@ -58,7 +58,7 @@ class SyntheticEngines final : public EngineSet {
   void open() override;
   void submit(size_t i, const engine::Request& r, uint64_t min_weight_version) override;
   void abort(size_t i, uint64_t request_id) override;
-  bool next(Completion& out, int wait_ms) override;
+  bool next(controller::Completion& out, int wait_ms) override;
   void begin_update(uint64_t version, uint64_t plan_id) override;
   void end_update(uint64_t version, double timeout_s) override;
   void release_session(size_t, engine::SessionKey) override {}  // keeps no KV cache to park
@@ -102,7 +102,7 @@ class SyntheticEngines final : public EngineSet {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Engine> engines_;
-  std::deque<Completion> done_;
+  std::deque<controller::Completion> done_;
   uint64_t version_ = 0;
   bool paused_ = false, stopping_ = false;
   int sleep_level_ = 0;  // 0 awake; 1 no cache; 2 no cache, no weights
@@ -112,10 +112,10 @@ class SyntheticEngines final : public EngineSet {
   std::thread clock_;
 };
 
-class SyntheticTrainer final : public RankEndpoint {
+class SyntheticTrainer final : public wire::RankEndpoint {
  public:
   explicit SyntheticTrainer(RoleSet roles) : roles_(roles) {}
-  std::vector<Frame> handle(Frame f) override;
+  std::vector<wire::Frame> handle(wire::Frame f) override;
   // What it was given: tokens per role, optimizer steps per role, syncs.
   int64_t trained_tokens(Role r) const { return tokens_[static_cast<size_t>(role_index(r))]; }
   int64_t steps(Role r) const { return steps_[static_cast<size_t>(role_index(r))]; }
@@ -138,13 +138,13 @@ class SyntheticTrainer final : public RankEndpoint {
 };
 
 // An engine leader's endpoint: it only answers StopRequest.
-class SyntheticEngineRank final : public RankEndpoint {
+class SyntheticEngineRank final : public wire::RankEndpoint {
  public:
-  std::vector<Frame> handle(Frame f) override;
+  std::vector<wire::Frame> handle(wire::Frame f) override;
 };
 
 // Prompts of `len` tokens (ids from the index), labels empty, an endless supply.
-class SyntheticPrompts final : public PromptSource {
+class SyntheticPrompts final : public controller::PromptSource {
  public:
   SyntheticPrompts(int64_t count, int64_t len, int64_t vocab);
   int64_t next() override;
@@ -158,4 +158,4 @@ class SyntheticPrompts final : public PromptSource {
   int64_t cursor_ = 0;
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::testing

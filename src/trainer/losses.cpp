@@ -9,7 +9,7 @@
 #include "tiller/core/error.h"
 #include "tiller/core/registry.h"
 
-namespace tiller::rollout {
+namespace tiller::trainer {
 namespace {
 
 // The trained tokens of a micro-batch's per-token arrays: the positions its loss mask keeps (all
@@ -48,7 +48,7 @@ at::Tensor statistic(const at::Tensor& t, const at::Device& device) {
 
 }  // namespace
 
-MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy_rows, const TrainActorRequest& in,
+MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy_rows, const wire::TrainActorRequest& in,
                           const ActorLossSpec& spec) {
   MicroBatchLoss out;
   const Trained pick(in.loss_mask, logp_rows);  // every per-token array at the same positions
@@ -93,7 +93,7 @@ MicroBatchLoss actor_loss(const at::Tensor& logp_rows, const at::Tensor& entropy
   return out;
 }
 
-MicroBatchLoss critic_loss(const at::Tensor& value_rows, const TrainCriticRequest& in, const CriticLossSpec& spec) {
+MicroBatchLoss critic_loss(const at::Tensor& value_rows, const wire::TrainCriticRequest& in, const CriticLossSpec& spec) {
   MicroBatchLoss out;
   const Trained pick(in.loss_mask, value_rows);
   const at::Tensor values = pick(value_rows);
@@ -112,4 +112,4 @@ MicroBatchLoss critic_loss(const at::Tensor& value_rows, const TrainCriticReques
   return out;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::trainer

@@ -15,7 +15,7 @@
 #include "tiller/algo/algo.h"
 #include "wire/messages.h"
 
-namespace tiller::rollout {
+namespace tiller::trainer {
 
 struct MicroBatchLoss {
   at::Tensor loss;          // scalar, differentiable; undefined when no token of the micro-batch trains
@@ -38,13 +38,13 @@ struct ActorLossSpec {
 
 // `logp` and `entropy`: float [R], the forward's values at the request's response rows (on the
 // model's device; logp differentiable).
-MicroBatchLoss actor_loss(const at::Tensor& logp, const at::Tensor& entropy, const TrainActorRequest& in,
+MicroBatchLoss actor_loss(const at::Tensor& logp, const at::Tensor& entropy, const wire::TrainActorRequest& in,
                           const ActorLossSpec& spec);
 struct CriticLossSpec {
   std::string value_loss = "clipped";  // a registered value loss
   double value_clip = 0.2;
 };
 // `values`: float [R] at the response rows (differentiable).
-MicroBatchLoss critic_loss(const at::Tensor& values, const TrainCriticRequest& in, const CriticLossSpec& spec);
+MicroBatchLoss critic_loss(const at::Tensor& values, const wire::TrainCriticRequest& in, const CriticLossSpec& spec);
 
-}  // namespace tiller::rollout
+}  // namespace tiller::trainer

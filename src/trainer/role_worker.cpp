@@ -37,7 +37,7 @@
 #include "wire/messages.h"
 #include "wire/trainer_groups.h"
 
-namespace tiller::rollout {
+namespace tiller::trainer {
 
 namespace {
 
@@ -68,7 +68,7 @@ struct MicroBatch {
 };
 
 // The request's rows as the model takes them (messages.h has checked the lengths).
-MicroBatch micro_batch(const PackedSequences& m, at::Device dev) {
+MicroBatch micro_batch(const wire::PackedSequences& m, at::Device dev) {
   const int64_t b = m.size(), first = m.first_row, n = m.held();
   const int64_t* tp = m.tokens.data_ptr<int64_t>();
   const int64_t* sl = m.seq_lens.data_ptr<int64_t>();
@@ -130,7 +130,7 @@ struct RoleWorker::Impl {
   std::map<Role, double> bench_train, bench_score;
   // Statistics of the micro-batches since the role's last optimizer step: the host's, and the
   // losses' sums on the device (MicroBatchLoss::stats), read once, at the step.
-  std::map<Role, StepStats> acc;
+  std::map<Role, wire::StepStats> acc;
   std::map<Role, at::Tensor> acc_device;
   std::map<Role, std::vector<std::string>> acc_metric_names;  // of acc_device[role]'s stats past the fourth
   std::vector<std::string> span_names;
@@ -260,11 +260,11 @@ struct RoleWorker::Impl {
     return rate;
   }
 
-  ScoreReply score(const ScoreRequest& in) {
+  wire::ScoreReply score(const wire::ScoreRequest& in) {
     c10::AutoGradMode no_grad(false);
     const MicroBatch mb = micro_batch(in.batch, device);
-    ScoreReply out;
-    out.roles = scored_roles(cfg.train.old_logprobs != OldLogprobs::kForward, roles);
+    wire::ScoreReply out;
+    out.roles = wire::scored_roles(cfg.train.old_logprobs != OldLogprobs::kForward, roles);
     for (Role role : kRoles)
       if (out.roles.has(role) && cfg.logging.efficiency) {
         if (!bench_score.count(role)) bench_score[role] = calibrate(role, false, mb);
@@ -297,7 +297,7 @@ struct RoleWorker::Impl {
     return out;
   }
 
-  void train_actor(const TrainActorRequest& in) {
+  void train_actor(const wire::TrainActorRequest& in) {
     const MicroBatch mb = micro_batch(in.batch, device);
     if (cfg.logging.efficiency && !bench_train.count(Role::kActor)) {
       bench_train[Role::kActor] = calibrate(Role::kActor, true, mb);
@@ -308,7 +308,7 @@ struct RoleWorker::Impl {
     zero::ShardedModel& m = *models.at(Role::kActor);
     at::Tensor entropy;
     at::Tensor lp = m.token_logprobs(mb.actor_slice(), mb.targets, temperature, &entropy);
-    StepStats& a = acc[Role::kActor];
+    wire::StepStats& a = acc[Role::kActor];
     // Multi-turn samples: only the model's tokens train (losses.h applies the loss mask).
     ActorLossSpec spec;
     spec.clip = {cfg.algo.clip_eps_low, cfg.algo.clip_eps_high, cfg.algo.dual_clip};
@@ -330,7 +330,7 @@ struct RoleWorker::Impl {
     span("train.actor", w0);
   }
 
-  void train_critic(const TrainCriticRequest& in) {
+  void train_critic(const wire::TrainCriticRequest& in) {
     const MicroBatch mb = micro_batch(in.batch, device);
     if (cfg.logging.efficiency && !bench_train.count(Role::kCritic)) {
       bench_train[Role::kCritic] = calibrate(Role::kCritic, true, mb);
@@ -340,7 +340,7 @@ struct RoleWorker::Impl {
     const double w0 = wall_us();
     zero::ShardedModel& m = *models.at(Role::kCritic);
     at::Tensor v = m.values(mb.slice);
-    StepStats& a = acc[Role::kCritic];
+    wire::StepStats& a = acc[Role::kCritic];
     const MicroBatchLoss l = critic_loss(v.index_select(0, mb.resp_rows), in, {cfg.algo.value_loss, cfg.algo.value_clip});
     if (!l.loss.defined()) {
       m.add_router_loss(v.sum() * 0, in.step_rows).backward();
@@ -365,10 +365,10 @@ struct RoleWorker::Impl {
     acc[role].tokens += static_cast<double>(l.tokens);
   }
 
-  StepReply step(const StepRequest& in) {
+  wire::StepReply step(const wire::StepRequest& in) {
     TILLER_CHECK(roles.has(in.role), "rank {}: an optimizer step of {}, which this rank does not hold", rank,
                  role_name(in.role));
-    StepStats& a = acc[in.role];
+    wire::StepStats& a = acc[in.role];
     // The micro-batches were queued without waiting for the device: what they still run counts
     // as training, and their statistics come back in one copy.
     {
@@ -390,7 +390,7 @@ struct RoleWorker::Impl {
     const auto t0 = Clock::now();
     const double w0 = wall_us();
     const zero::StepResult r = models.at(in.role)->step(in.lr);
-    StepReply out;
+    wire::StepReply out;
     out.stats = acc[in.role];
     acc.erase(in.role);
     out.stats.grad_norm = r.grad_norm;
@@ -410,7 +410,7 @@ struct RoleWorker::Impl {
     return out;
   }
 
-  SyncReply sync_weights(const SyncRequest& in) {
+  wire::SyncReply sync_weights(const wire::SyncRequest& in) {
     TILLER_CHECK(sender != nullptr || handoff != nullptr, "rank {}: a weight sync, but this rank sends none", rank);
     const double w0 = wall_us();
     // A hybrid rank's training blocks go back to the driver first: the sync's NCCL buffers are
@@ -421,7 +421,7 @@ struct RoleWorker::Impl {
     return {s.seconds, static_cast<double>(s.wire_bytes)};
   }
 
-  DoneReply save(const SaveRequest& in) {
+  wire::DoneReply save(const wire::SaveRequest& in) {
     const double w0 = wall_us();
     for (Role role : kRoles) {
       if (!roles.has(role) || !role_trains(role)) continue;  // frozen roles do not change
@@ -433,7 +433,7 @@ struct RoleWorker::Impl {
     return {};
   }
 
-  DoneReply load_state(const LoadRequest& in) {
+  wire::DoneReply load_state(const wire::LoadRequest& in) {
     for (Role role : kRoles)
       if (roles.has(role) && role_trains(role))
         zero::load_checkpoint(*models.at(role), in.dir + "/" + std::string(role_name(role)));
@@ -441,9 +441,9 @@ struct RoleWorker::Impl {
   }
 
   // The hybrid engine's phases: the offloaded roles' state off the device or back.
-  PhaseReply phase(const PhaseRequest& in) {
+  wire::PhaseReply phase(const wire::PhaseRequest& in) {
     const double w0 = wall_us();
-    PhaseReply out;
+    wire::PhaseReply out;
     for (Role role : kRoles) {
       if (!roles.has(role) || !role_config(cfg, role).offload || !models.count(role)) continue;
       zero::ShardedModel& m = *models.at(role);
@@ -461,8 +461,8 @@ struct RoleWorker::Impl {
     return out;
   }
 
-  TraceReply trace() {
-    TraceReply out;
+  wire::TraceReply trace() {
+    wire::TraceReply out;
     out.names.swap(span_names);
     out.begin_us.swap(span_begin);
     out.end_us.swap(span_end);
@@ -470,19 +470,19 @@ struct RoleWorker::Impl {
   }
 
   // The answer to `in`, if it has one.
-  std::optional<Frame> handle(Frame in) {
+  std::optional<wire::Frame> handle(wire::Frame in) {
     switch (in.op) {
-      case Op::kScore: return score(ScoreRequest::decode(std::move(in))).encode();
-      case Op::kTrainActor: train_actor(TrainActorRequest::decode(std::move(in))); return std::nullopt;
-      case Op::kTrainCritic: train_critic(TrainCriticRequest::decode(std::move(in))); return std::nullopt;
-      case Op::kStep: return step(StepRequest::decode(std::move(in))).encode();
-      case Op::kSync: return sync_weights(SyncRequest::decode(std::move(in))).encode();
-      case Op::kSave: return save(SaveRequest::decode(std::move(in))).encode();
-      case Op::kLoad: return load_state(LoadRequest::decode(std::move(in))).encode();
-      case Op::kTrace: TraceRequest::decode(std::move(in)); return trace().encode();
-      case Op::kPhase: return phase(PhaseRequest::decode(std::move(in))).encode();
+      case wire::Op::kScore: return score(wire::ScoreRequest::decode(std::move(in))).encode();
+      case wire::Op::kTrainActor: train_actor(wire::TrainActorRequest::decode(std::move(in))); return std::nullopt;
+      case wire::Op::kTrainCritic: train_critic(wire::TrainCriticRequest::decode(std::move(in))); return std::nullopt;
+      case wire::Op::kStep: return step(wire::StepRequest::decode(std::move(in))).encode();
+      case wire::Op::kSync: return sync_weights(wire::SyncRequest::decode(std::move(in))).encode();
+      case wire::Op::kSave: return save(wire::SaveRequest::decode(std::move(in))).encode();
+      case wire::Op::kLoad: return load_state(wire::LoadRequest::decode(std::move(in))).encode();
+      case wire::Op::kTrace: wire::TraceRequest::decode(std::move(in)); return trace().encode();
+      case wire::Op::kPhase: return phase(wire::PhaseRequest::decode(std::move(in))).encode();
       default:
-        throw CommError(fmt::format("rank {}: unexpected message '{}' from the controller", rank, op_name(in.op)));
+        throw CommError(fmt::format("rank {}: unexpected message '{}' from the controller", rank, wire::op_name(in.op)));
     }
   }
 };
@@ -511,12 +511,12 @@ void RoleWorker::serve() {
   const double idle_s = m.cfg.timeouts.generate_s + m.cfg.timeouts.train_s + m.cfg.timeouts.weight_sync_s +
                         m.cfg.timeouts.collective_s;
   std::vector<dist::WorkPtr> sending;
-  auto reply = [&](const Frame& f) {
+  auto reply = [&](const wire::Frame& f) {
     for (auto& w : sending) w->wait();
-    sending = send_frame(m.world, controller, f);
+    sending = wire::send_frame(m.world, controller, f);
   };
   for (;;) {
-    IncomingFrame next(m.world, controller);
+    wire::IncomingFrame next(m.world, controller);
     const Deadline deadline = Deadline::after_seconds(idle_s);
     auto backoff = std::chrono::microseconds(50);
     std::optional<dist::WaitScope> waiting;
@@ -530,21 +530,21 @@ void RoleWorker::serve() {
       backoff = std::min(backoff * 2, kMaxIdleBackoff);
     }
     waiting.reset();
-    Frame in = next.take();
-    dist::Watchdog::set_phase(fmt::format("{} request", op_name(in.op)));
+    wire::Frame in = next.take();
+    dist::Watchdog::set_phase(fmt::format("{} request", wire::op_name(in.op)));
     // The watchdog's tests: this rank never enters the collectives of the request.
-    if (dist::fault_hang_requested(op_name(in.op))) dist::hang_here(op_name(in.op));
+    if (dist::fault_hang_requested(wire::op_name(in.op))) dist::hang_here(wire::op_name(in.op));
     try {
-      if (in.op == Op::kStop) {
-        StopRequest::decode(std::move(in));
-        reply(StopReply{peak_rss_mb()}.encode());
+      if (in.op == wire::Op::kStop) {
+        wire::StopRequest::decode(std::move(in));
+        reply(wire::StopReply{peak_rss_mb()}.encode());
         for (auto& w : sending) w->wait();
         return;
       }
-      if (std::optional<Frame> out = m.handle(std::move(in))) reply(*out);
+      if (std::optional<wire::Frame> out = m.handle(std::move(in))) reply(*out);
     } catch (const std::exception& e) {
       try {
-        reply(ErrorReply{e.what()}.encode());
+        reply(wire::ErrorReply{e.what()}.encode());
         for (auto& w : sending) w->wait(Deadline::after_seconds(kErrorReplySeconds));
       } catch (...) {
       }
@@ -553,4 +553,4 @@ void RoleWorker::serve() {
   }
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::trainer

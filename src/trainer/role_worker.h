@@ -22,7 +22,7 @@ namespace tiller::sync {
 class LocalWeightSink;
 }
 
-namespace tiller::rollout {
+namespace tiller::trainer {
 
 class RoleWorker {
  public:
@@ -40,4 +40,4 @@ class RoleWorker {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::trainer

@@ -6,7 +6,7 @@
 
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::wire {
 
 // --- MpiChannel ---
 
@@ -214,4 +214,4 @@ void TrainerLink::drain(const std::vector<int>& ranks, const std::function<void(
   }
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::wire

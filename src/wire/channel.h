@@ -28,7 +28,7 @@
 #include "tiller/core/deadline.h"
 #include "wire/messages.h"
 
-namespace tiller::rollout {
+namespace tiller::wire {
 
 class Channel {
  public:
@@ -149,4 +149,4 @@ class TrainerLink {
   bool snapshot_shown_ = false;  // snapshot_ is not empty (poll()'s thread)
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::wire

@@ -8,7 +8,7 @@
 
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::wire {
 namespace {
 
 // --- the wire ---
@@ -471,4 +471,4 @@ std::string TrainActorRequest::check() const { return check_train(normalizer, st
 
 std::string TrainCriticRequest::check() const { return check_train(normalizer, step_rows); }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::wire

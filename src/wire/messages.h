@@ -40,7 +40,7 @@
 #include "tiller/dist/communicator.h"
 #include "wire/packed_sequences.h"
 
-namespace tiller::rollout {
+namespace tiller::wire {
 
 // --- The wire --------------------------------------------------------------------------------
 
@@ -461,4 +461,4 @@ using Messages = std::tuple<ScoreRequest, ScoreReply, TrainActorRequest, TrainCr
                             SyncRequest, SyncReply, SaveRequest, LoadRequest, DoneReply, TraceRequest, TraceReply,
                             StopRequest, StopReply, PhaseRequest, PhaseReply, EngineHello, EngineAddress, ErrorReply>;
 
-}  // namespace tiller::rollout
+}  // namespace tiller::wire

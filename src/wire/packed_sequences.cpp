@@ -7,7 +7,7 @@
 #include "tiller/core/error.h"
 #include "tiller/zero/sequence_parallel.h"
 
-namespace tiller::rollout {
+namespace tiller::wire {
 
 namespace {
 
@@ -79,4 +79,4 @@ std::vector<PackedSequences> PackedSequences::cut(int parts) const {
   return out;
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::wire

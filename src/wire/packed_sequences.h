@@ -6,7 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace tiller::rollout {
+namespace tiller::wire {
 
 // Whole sequences packed back to back (prompt + response each), or, under sequence parallelism,
 // one rank's rows of such a packed row (zero/sequence_parallel.h: SequenceSplit cuts it).
@@ -36,4 +36,4 @@ struct PackedSequences {
   std::vector<PackedSequences> cut(int parts) const;
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::wire

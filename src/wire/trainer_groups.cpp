@@ -6,7 +6,7 @@
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
 
-namespace tiller::rollout {
+namespace tiller::wire {
 
 RoleSet scored_roles(bool score_actor, RoleSet held) {
   RoleSet out;
@@ -60,4 +60,4 @@ std::vector<int> trainer_ranks(const std::vector<TrainerGroup>& groups) {
   return {ranks.begin(), ranks.end()};
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::wire

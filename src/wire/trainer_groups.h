@@ -12,7 +12,7 @@ namespace tiller::dist {
 struct RankPlan;
 }
 
-namespace tiller::rollout {
+namespace tiller::wire {
 
 struct TrainerGroup {
   std::vector<int> ranks;  // group rank i = ranks[i]
@@ -38,4 +38,4 @@ std::vector<TrainerGroup> scoring_groups(const std::vector<TrainerGroup>& groups
 // Every trainer rank once, ascending.
 std::vector<int> trainer_ranks(const std::vector<TrainerGroup>& groups);
 
-}  // namespace tiller::rollout
+}  // namespace tiller::wire

@@ -12,10 +12,10 @@
 
 #include "../common/error_of.h"
 #include "../model/fixtures.h"
+#include "tiller/controller/prompt_source.h"
 #include "tiller/core/error.h"
-#include "tiller/text/tokenizer.h"
 #include "tiller/data/prompt_dataset.h"
-#include "tiller/rollout/prompt_source.h"
+#include "tiller/text/tokenizer.h"
 
 namespace tiller::data {
 namespace {
@@ -328,8 +328,8 @@ TEST(PromptDataset, ShuffledEpochsResumeFromTheCursor) {
 }  // namespace
 }  // namespace tiller::data
 
-// The controller's prompt sources (tiller/rollout/prompt_source.h) over the data above.
-namespace tiller::rollout {
+// The controller's prompt sources (tiller/controller/prompt_source.h) over the data above.
+namespace tiller::controller {
 namespace {
 using data::DatasetCursor;
 using data::DatasetOptions;
@@ -417,4 +417,4 @@ TEST(PromptSources, ARegisteredSourceIsTheOneTheJobDrawsFrom) {
 }
 
 }  // namespace
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

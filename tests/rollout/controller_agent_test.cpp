@@ -4,10 +4,10 @@
 // writes down what it saw; the trained records must be exactly that.
 #include "controller_job.h"
 
+#include "tiller/controller/agent.h"
 #include "tiller/text/chat_template.h"
-#include "tiller/rollout/agent.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 // The harness: three turns of `max_tokens` 6 on token-id prompts, the ids 900 + turn and 950
@@ -273,4 +273,4 @@ TEST(AgentLoop, ConfigRefusals) {
 }
 
 }  // namespace
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

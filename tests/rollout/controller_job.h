@@ -19,7 +19,6 @@
 #include "../common/error_of.h"
 #include "../core/faulty_file_system.h"
 #include "controller/advantages.h"
-#include "controller/checkpoint_manager.h"
 #include "controller/controller.h"
 #include "controller/evaluator.h"
 #include "controller/job_rewards.h"
@@ -27,17 +26,18 @@
 #include "controller/training_dispatch.h"
 #include "job/supervisor.h"
 #include "testing/synthetic.h"
+#include "tiller/controller/sample_loop.h"
+#include "tiller/controller/step_hooks.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
-#include "tiller/text/tokenizer.h"
 #include "tiller/core/files.h"
 #include "tiller/dist/rank_plan.h"
 #include "tiller/env/environment.h"
 #include "tiller/reward/scorer_registry.h"
-#include "tiller/rollout/sample_loop.h"
-#include "tiller/rollout/step_hooks.h"
+#include "tiller/text/tokenizer.h"
+#include "zero/run_checkpoints.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 namespace fs = std::filesystem;
@@ -77,11 +77,11 @@ double metric(const Metrics& m, const std::string& key) {
 struct Job {
   JobConfig cfg;
   dist::RankPlan plan;
-  std::vector<std::unique_ptr<RankEndpoint>> endpoints;
-  std::vector<SyntheticTrainer*> trainers;
-  std::unique_ptr<LocalChannel> channel;
-  std::unique_ptr<SyntheticEngines> engines;
-  std::unique_ptr<SyntheticPrompts> prompts;
+  std::vector<std::unique_ptr<wire::RankEndpoint>> endpoints;
+  std::vector<testing::SyntheticTrainer*> trainers;
+  std::unique_ptr<wire::LocalChannel> channel;
+  std::unique_ptr<testing::SyntheticEngines> engines;
+  std::unique_ptr<testing::SyntheticPrompts> prompts;
   std::function<double(const data::Prompt&, const engine::SampleOutput&)> reward;
   LoopSources loop;  // multi-turn jobs: the environment
   std::string out;
@@ -126,16 +126,16 @@ struct Job {
 
   // Runs the job with rank 1 (the actor's) answered by `actor` and the engines' ranks by stand-ins
   // (call make_plan() first); returns the message of the Error the run ended with, "" if none.
-  std::string run_with_actor(RankEndpoint& actor, const Clock* clock = nullptr) {
-    SyntheticEngineRank engine_rank;
-    std::vector<RankEndpoint*> raw(static_cast<size_t>(plan.world_size), &engine_rank);
+  std::string run_with_actor(wire::RankEndpoint& actor, const Clock* clock = nullptr) {
+    testing::SyntheticEngineRank engine_rank;
+    std::vector<wire::RankEndpoint*> raw(static_cast<size_t>(plan.world_size), &engine_rank);
     raw[0] = nullptr;
     raw[1] = &actor;
-    LocalChannel channel(raw);
-    SyntheticEngineOptions eo;
+    wire::LocalChannel channel(raw);
+    testing::SyntheticEngineOptions eo;
     eo.engines = 2;
-    SyntheticEngines synthetic(eo);
-    SyntheticPrompts source(64, 5, eo.vocab);
+    testing::SyntheticEngines synthetic(eo);
+    testing::SyntheticPrompts source(64, 5, eo.vocab);
     ControllerWiring w;
     w.plan = &plan;
     w.engines = &synthetic;
@@ -154,26 +154,26 @@ struct Job {
   }
 
   // Runs the job; with `error`, a run that throws stores the message there instead of failing.
-  std::string run(SyntheticEngineOptions eo = {}, std::string* error = nullptr) {
+  std::string run(testing::SyntheticEngineOptions eo = {}, std::string* error = nullptr) {
     make_plan();
-    std::vector<RankEndpoint*> raw(static_cast<size_t>(plan.world_size), nullptr);
+    std::vector<wire::RankEndpoint*> raw(static_cast<size_t>(plan.world_size), nullptr);
     for (const auto& a : plan.ranks) {
       if (a.rank == plan.controller) continue;
       if (!a.trainer_roles.empty()) {
-        auto t = std::make_unique<SyntheticTrainer>(a.trainer_roles);
+        auto t = std::make_unique<testing::SyntheticTrainer>(a.trainer_roles);
         trainers.push_back(t.get());
         endpoints.push_back(std::move(t));
       } else {
-        endpoints.push_back(std::make_unique<SyntheticEngineRank>());
+        endpoints.push_back(std::make_unique<testing::SyntheticEngineRank>());
       }
       raw[static_cast<size_t>(a.rank)] = endpoints.back().get();
     }
-    channel = std::make_unique<LocalChannel>(raw);
+    channel = std::make_unique<wire::LocalChannel>(raw);
     eo.engines = static_cast<size_t>(cfg.engine_count());
     eo.max_running = cfg.engines.max_num_seqs;
-    engines = std::make_unique<SyntheticEngines>(eo);
+    engines = std::make_unique<testing::SyntheticEngines>(eo);
     for (auto* t : trainers) t->watch(engines.get());
-    prompts = std::make_unique<SyntheticPrompts>(64, 5, eo.vocab);
+    prompts = std::make_unique<testing::SyntheticPrompts>(64, 5, eo.vocab);
     ControllerWiring w;
     w.plan = &plan;
     w.engines = engines.get();
@@ -221,4 +221,4 @@ struct Job {
 };
 
 }  // namespace
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

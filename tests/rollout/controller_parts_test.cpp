@@ -2,7 +2,7 @@
 // values, checkpoints on disk, and the supervisor of `tiller launch`.
 #include "controller_job.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 // --- advantages ----------------------------------------------------------------------------------
@@ -240,8 +240,8 @@ TEST(OffPolicy, TokensDifferingCountsTheScoringVersionsTokensBitForBit) {
 
 TEST(Checkpoints, CompleteOnlyOnceCommittedAndPrunedToKeepLast) {
   const std::string root = scratch("ckpt");
-  CheckpointManager m(root, 2);
-  ControllerState st;
+  zero::RunCheckpoints m(root, 2);
+  zero::RunState st;
   st.weight_version = 3;
   st.outstanding = {{17, 4}, {18, 9}};
   st.next_ordinal = 19;
@@ -274,8 +274,8 @@ TEST(Checkpoints, CompleteOnlyOnceCommittedAndPrunedToKeepLast) {
 // cut-short save are what remove_incomplete() clears.
 TEST(Checkpoints, AFaultWhileCommittingLeavesThePreviousCheckpoint) {
   const std::string root = scratch("ckpt_faults");
-  CheckpointManager m(root, 3);
-  ControllerState st;
+  zero::RunCheckpoints m(root, 3);
+  zero::RunState st;
   st.step = 1;
   m.begin(1);
   m.commit(1, st);
@@ -307,7 +307,7 @@ TEST(Checkpoints, AStrayStepNameIsRefusedByName) {
   const std::string root = scratch("ckpt_names");
   fs::create_directories(root + "/step_000002.tmp-123");  // a temporary: ignored
   fs::create_directories(root + "/notes");                // not ours: ignored
-  CheckpointManager m(root, 2);
+  zero::RunCheckpoints m(root, 2);
   EXPECT_TRUE(m.list().empty());
   fs::create_directories(root + "/step_final");
   try {
@@ -325,35 +325,35 @@ TEST(Checkpoints, StateOfTheFirstFormatLoadsWithNothingInFlight) {
   const std::string v1 = R"({"format":"tiller-controller-1","step":4,"weight_version":4,"actor_updates":8,
     "critic_updates":8,"dataset":{"epoch":0,"position":64,"size":256},"kl_coef":0.01,
     "reward_moments":{"mean":0,"m2":0,"count":0}})";
-  const ControllerState s = ControllerState::from_json(v1, "c.json");
+  const zero::RunState s = zero::RunState::from_json(v1, "c.json");
   EXPECT_EQ(s.step, 4);
   EXPECT_TRUE(s.outstanding.empty());
   EXPECT_EQ(s.next_ordinal, 0);
-  EXPECT_THROW(ControllerState::from_json("{\"format\":\"other\"}", "c.json"), IoError);
-  EXPECT_THROW(ControllerState::from_json("{\"format\":\"tiller-controller-2\",\"step\":1}", "c.json"), IoError);
-  EXPECT_THROW(ControllerState::from_json("not json", "c.json"), IoError);
+  EXPECT_THROW(zero::RunState::from_json("{\"format\":\"other\"}", "c.json"), IoError);
+  EXPECT_THROW(zero::RunState::from_json("{\"format\":\"tiller-controller-2\",\"step\":1}", "c.json"), IoError);
+  EXPECT_THROW(zero::RunState::from_json("not json", "c.json"), IoError);
 }
 
 // --- the supervisor (tiller launch) -----------------------------------------------------------
 
 TEST(Supervisor, DiagnosisTellsCurableFromConfigErrors) {
-  EXPECT_EQ(diagnose({0, 0, {}}).verdict, Verdict::kDone);
+  EXPECT_EQ(job::diagnose({0, 0, {}}).verdict, job::Verdict::kDone);
   // A rank that died: the first error line is the cause, and a restart may cure it.
-  const Diagnosis died = diagnose({137, 0, {"[12:00] [info] step 3/8", "tiller: error: rank 2: engine 0 (host:1) "
+  const job::Diagnosis died = job::diagnose({137, 0, {"[12:00] [info] step 3/8", "tiller: error: rank 2: engine 0 (host:1) "
                                            "stream ended", "tiller: error: rank 0: later noise"}});
-  EXPECT_EQ(died.verdict, Verdict::kRestart);
+  EXPECT_EQ(died.verdict, job::Verdict::kRestart);
   EXPECT_EQ(died.cause, "tiller: error: rank 2: engine 0 (host:1) stream ended (exit code 137)");
-  const Diagnosis killed = diagnose({1, 0, {"mpirun noticed that process rank 3 with PID 7 on node n exited on signal 9 "
+  const job::Diagnosis killed = job::diagnose({1, 0, {"mpirun noticed that process rank 3 with PID 7 on node n exited on signal 9 "
                                             "(Killed)."}});
-  EXPECT_EQ(killed.verdict, Verdict::kRestart);
+  EXPECT_EQ(killed.verdict, job::Verdict::kRestart);
   EXPECT_NE(killed.cause.find("exited on signal 9"), std::string::npos);
   // Exit code 2 is a config or usage error, from any rank: never retried.
-  EXPECT_EQ(diagnose({2, 0, {"tiller: error: rank 0: data/p: is a directory"}}).verdict, Verdict::kGiveUp);
-  EXPECT_EQ(diagnose({1, 0, {"There are not enough slots available in the system"}}).verdict, Verdict::kGiveUp);
-  EXPECT_EQ(diagnose({0, 9, {}}).verdict, Verdict::kRestart);
-  EXPECT_DOUBLE_EQ(backoff_seconds(1, 10, 300), 10);
-  EXPECT_DOUBLE_EQ(backoff_seconds(3, 10, 300), 40);
-  EXPECT_DOUBLE_EQ(backoff_seconds(9, 10, 300), 300);
+  EXPECT_EQ(job::diagnose({2, 0, {"tiller: error: rank 0: data/p: is a directory"}}).verdict, job::Verdict::kGiveUp);
+  EXPECT_EQ(job::diagnose({1, 0, {"There are not enough slots available in the system"}}).verdict, job::Verdict::kGiveUp);
+  EXPECT_EQ(job::diagnose({0, 9, {}}).verdict, job::Verdict::kRestart);
+  EXPECT_DOUBLE_EQ(job::backoff_seconds(1, 10, 300), 10);
+  EXPECT_DOUBLE_EQ(job::backoff_seconds(3, 10, 300), 40);
+  EXPECT_DOUBLE_EQ(job::backoff_seconds(9, 10, 300), 300);
 }
 
 // Real processes (sh): a job that fails once is restarted with TILLER_RESTARTS=1 and finishes; an
@@ -362,19 +362,19 @@ TEST(Supervisor, DiagnosisTellsCurableFromConfigErrors) {
 TEST(Supervisor, RestartsACurableFailureAndNothingElse) {
   const std::string d = scratch("supervisor");
   fs::create_directories(d + "/ckpt/step_000002");
-  ControllerState st;
+  zero::RunState st;
   st.step = 2;
   write_file_atomic(d + "/ckpt/step_000002/controller.json", st.to_json());
   fs::create_directories(d + "/ckpt/step_000004/actor");  // cut short: no controller.json
   std::vector<std::string> lines;
-  SupervisorOptions o;
+  job::SupervisorOptions o;
   o.checkpoint_dir = d + "/ckpt";
   o.max_restarts = 2;
   o.backoff_first_s = 0.01;
   o.log = [&](const std::string& l) { lines.push_back(l); };
   o.command = {"sh", "-c", "echo run $TILLER_RESTARTS >> " + d + "/runs; if [ ! -e " + d +
                                "/failed ]; then touch " + d + "/failed; echo 'tiller: error: rank 1: boom'; exit 1; fi"};
-  EXPECT_EQ(supervise(o), 0);
+  EXPECT_EQ(job::supervise(o), 0);
   EXPECT_EQ(*read_file(d + "/runs"), "run 0\nrun 1\n");
   EXPECT_FALSE(fs::exists(d + "/ckpt/step_000004"));
   EXPECT_TRUE(fs::exists(d + "/ckpt/step_000002/controller.json"));
@@ -387,16 +387,16 @@ TEST(Supervisor, RestartsACurableFailureAndNothingElse) {
 
   lines.clear();
   o.command = {"sh", "-c", "echo x >> " + d + "/config_runs; echo 'tiller: error: rank 0: bad key'; exit 2"};
-  EXPECT_EQ(supervise(o), 2);
+  EXPECT_EQ(job::supervise(o), 2);
   EXPECT_EQ(*read_file(d + "/config_runs"), "x\n");
   EXPECT_TRUE(logged("not restarting: a config or launch error"));
 
   lines.clear();
   o.command = {"sh", "-c", "echo x >> " + d + "/always; exit 3"};
-  EXPECT_EQ(supervise(o), 3);
+  EXPECT_EQ(job::supervise(o), 3);
   EXPECT_EQ(*read_file(d + "/always"), "x\nx\nx\n");  // the run and its 2 restarts
   EXPECT_TRUE(logged("all 2 restart(s) are used: exit code 3"));
 }
 
 }  // namespace
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

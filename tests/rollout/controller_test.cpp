@@ -5,7 +5,7 @@
 #include "controller_job.h"
 #include "tiller/reward/rule_reward.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 // cluster.hybrid: each step the trainers offload, the engines wake and generate, then sleep while
@@ -201,7 +201,7 @@ TEST(ControllerInProcess, EvaluationScoresHeldOutPromptsAndNeverChangesWhatTrain
   big.cfg.eval.prompts = many;
   big.cfg.eval.n_samples = 1024;
   const auto tok = text::load_tokenizer(std::string(TILLER_HF_FIXTURES) + "/tokenizers/qwen2");
-  SyntheticEngines engines(SyntheticEngineOptions{});
+  testing::SyntheticEngines engines(testing::SyntheticEngineOptions{});
   EXPECT_NE(error_of([&] { Evaluator(big.cfg, *tok, engines, {}); }).find("lower eval.max_prompts or eval.n_samples"),
             std::string::npos);
   big.cfg.eval.max_prompts = 100;
@@ -267,7 +267,7 @@ TEST(ControllerInProcess, PartialRolloutsCarryTokensOfTwoVersions) {
   job.cfg.rollout.mode = RolloutMode::kAsync;
   job.cfg.rollout.max_staleness = 1;
   job.cfg.rollout.partial = true;
-  SyntheticEngineOptions eo;
+  testing::SyntheticEngineOptions eo;
   eo.min_len = 8;
   eo.max_len = 64;
   job.run(eo);
@@ -295,7 +295,7 @@ TEST(ControllerInProcess, DropPolicyDropsGroupsThatWouldLagTooFar) {
   job.cfg.rollout.stale_policy = StalePolicy::kDrop;
   job.cfg.rollout.partial = true;
   job.cfg.train.num_steps = 10;
-  SyntheticEngineOptions eo;
+  testing::SyntheticEngineOptions eo;
   eo.min_len = 1;
   eo.max_len = 200;  // a few very long samples straggle behind many short ones
   eo.max_running = 64;
@@ -552,7 +552,7 @@ TEST(ControllerInProcess, AStalledEngineIsNamedWithWhatItOwes) {
   Job job("stalled");
   job.cfg.timeouts.generate_s = 30;
   ManualClock clock;
-  SyntheticEngineOptions eo;
+  testing::SyntheticEngineOptions eo;
   eo.clock = &clock;
   eo.seconds_per_step = 0.25;
   eo.stalled_engine = 1;
@@ -579,15 +579,15 @@ TEST(ControllerInProcess, ASaveSlowerThanItsDeadlineIsNamedAndNotCommitted) {
   job.cfg.timeouts.collective_s = 10;  // the save's deadline is 4x this
   job.make_plan();
   ManualClock clock;
-  SyntheticTrainer actor(job.plan.ranks[1].trainer_roles);
-  struct SlowDisk final : RankEndpoint {
-    SyntheticTrainer* t;
+  testing::SyntheticTrainer actor(job.plan.ranks[1].trainer_roles);
+  struct SlowDisk final : wire::RankEndpoint {
+    testing::SyntheticTrainer* t;
     ManualClock* clock;
     int saves = 0;
     bool stuck = false;
-    std::vector<Frame> handle(Frame f) override {
+    std::vector<wire::Frame> handle(wire::Frame f) override {
       if (stuck) return {};  // still writing: what came after the save waits behind it
-      if (f.op == Op::kSave && ++saves == 2) {  // the second save does not finish in time
+      if (f.op == wire::Op::kSave && ++saves == 2) {  // the second save does not finish in time
         clock->advance(41);
         stuck = true;
         return {};
@@ -600,7 +600,7 @@ TEST(ControllerInProcess, ASaveSlowerThanItsDeadlineIsNamedAndNotCommitted) {
   const std::string error = job.run_with_actor(slow, &clock);
   EXPECT_NE(error.find("rank 1 (actor+ref) did not answer the checkpoint save within 40 s"), std::string::npos)
       << error;
-  CheckpointManager m(job.cfg.checkpoint.dir, 2);
+  zero::RunCheckpoints m(job.cfg.checkpoint.dir, 2);
   ASSERT_EQ(m.list().size(), 1u);
   EXPECT_EQ(m.latest()->second.step, 2);
   EXPECT_EQ(m.remove_incomplete(), std::vector<std::string>{"step_000004"});
@@ -609,11 +609,11 @@ TEST(ControllerInProcess, ASaveSlowerThanItsDeadlineIsNamedAndNotCommitted) {
 TEST(ControllerInProcess, ATrainerRankFailureNamesTheRankAndTheCall) {
   Job job("failing");
   job.make_plan();
-  SyntheticTrainer actor(job.plan.ranks[1].trainer_roles);
-  struct ActorThatFails final : RankEndpoint {
-    SyntheticTrainer* t;
-    std::vector<Frame> handle(Frame f) override {
-      if (f.op == Op::kStep) throw Error("CUDA out of memory");
+  testing::SyntheticTrainer actor(job.plan.ranks[1].trainer_roles);
+  struct ActorThatFails final : wire::RankEndpoint {
+    testing::SyntheticTrainer* t;
+    std::vector<wire::Frame> handle(wire::Frame f) override {
+      if (f.op == wire::Op::kStep) throw Error("CUDA out of memory");
       return t->handle(std::move(f));
     }
   } failing;
@@ -624,4 +624,4 @@ TEST(ControllerInProcess, ATrainerRankFailureNamesTheRankAndTheCall) {
 }
 
 }  // namespace
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -2,7 +2,7 @@
 // with an in-process environment, and a registered sample loop.
 #include "controller_job.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 // --- multi-turn samples ------------------------------------------------------------------------
@@ -156,7 +156,7 @@ TEST(ControllerInProcess, MultiTurnSamplesInTheAsynchronousPipeline) {
     job.cfg.train.num_steps = 8;
     job.cfg.rollout.max_new_tokens = 40;
     job.cfg.rollout.max_response_tokens = 100;
-    SyntheticEngineOptions eo;
+    testing::SyntheticEngineOptions eo;
     eo.min_len = 1;
     eo.max_len = 40;
     job.run(eo);
@@ -192,7 +192,7 @@ TEST(ControllerInProcess, AFailingEnvironmentEndsTheJobNamingTheSample) {
   EXPECT_NE(error.find(", step 1)"), std::string::npos) << error;
 }
 
-// --- sample loops (tiller/rollout/sample_loop.h) ----------------------------------------------------
+// --- sample loops (tiller/controller/sample_loop.h) ----------------------------------------------------
 
 // A loop of the kind an agent writes: each sample drafts (the group's one request of n), then
 // revises once (a request of one sample whose prompt is the prompt, the draft and two marker ids of
@@ -381,4 +381,4 @@ TEST(SampleLoops, ARegisteredLoopIsTheOneThatMakesTheSamples) {
 }
 
 }  // namespace
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

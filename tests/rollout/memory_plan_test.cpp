@@ -9,10 +9,10 @@
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
+#include "tiller/job/memory_plan.h"
 #include "tiller/model/model_config.h"
-#include "tiller/rollout/memory_plan.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 constexpr int64_t kGiB = int64_t{1} << 30;
@@ -48,11 +48,11 @@ dist::RankPlan plan_of(const JobConfig& c, int gpus) {
   return dist::make_rank_plan(c, dist::NodeMap::fill_by_slot({gpus}, dist::required_world_size(c)));
 }
 
-ModelShapes shapes() {
+job::ModelShapes shapes() {
   return {{"actor", qwen7b()}, {"critic", qwen7b()}, {"ref", qwen7b()}};
 }
 
-int64_t item(const PhaseMemory& p, const std::string& name) {
+int64_t item(const job::PhaseMemory& p, const std::string& name) {
   for (const auto& [n, b] : p.items)
     if (n == name) return b;
   return 0;
@@ -61,13 +61,13 @@ int64_t item(const PhaseMemory& p, const std::string& name) {
 TEST(MemoryPlan, CountsShardsStateAndTheEngine) {
   JobConfig c = hybrid_job(4);
   c.train.compute_shard = ComputeShard::kKeep;
-  const MemoryPlan m = plan_memory(c, plan_of(c, 4), shapes(), 0);
+  const job::MemoryPlan m = job::plan_memory(c, plan_of(c, 4), shapes(), 0);
   ASSERT_EQ(m.ranks.size(), 4u);
-  const RankMemory& r = m.ranks[0];
+  const job::RankMemory& r = m.ranks[0];
   EXPECT_EQ(r.label, "actor+critic+ref+engine0.tp0");
   ASSERT_EQ(r.phases.size(), 3u);
-  const PhaseMemory& train = r.phases[1];
-  EXPECT_EQ(train.phase, Phase::kTrain);
+  const job::PhaseMemory& train = r.phases[1];
+  EXPECT_EQ(train.phase, job::Phase::kTrain);
   // bf16 shards of 7.6e9 parameters over 4 ranks: ~3.8 GB; AdamW state 16 bytes/param/4: ~30 GB.
   EXPECT_NEAR(static_cast<double>(item(train, "actor weights")) / 1e9, 3.8, 0.1);
   EXPECT_NEAR(static_cast<double>(item(train, "actor state")) / 1e9, 30.5, 0.5);
@@ -83,32 +83,32 @@ TEST(MemoryPlan, CountsShardsStateAndTheEngine) {
   // kernel takes no temporaries in the sync).
   JobConfig f = c;
   f.engines.quantization = EngineQuantization::kFp8;
-  const RankMemory fr = plan_memory(f, plan_of(f, 4), shapes(), 0).ranks[0];
-  for (const PhaseMemory& p : fr.phases)
+  const job::RankMemory fr = job::plan_memory(f, plan_of(f, 4), shapes(), 0).ranks[0];
+  for (const job::PhaseMemory& p : fr.phases)
     EXPECT_NEAR(static_cast<double>(item(p, "engine FP8 weights")) / 1e9, 6.52, 0.02) << static_cast<int>(p.phase);
   EXPECT_EQ(item(fr.phases[1], "FP8 GEMM operands"), 0);
   // FP8 training: the largest GEMM's e4m3 operands, the gate/up projections' input gradient at
   // 16384 tokens: (16384 + 3584) x 18944 bytes, 1/16 more for scales and padding (~0.40 GB);
   // in training only (the reference is not FP8 here).
   f.roles.actor.fp8 = true;
-  const RankMemory f8 = plan_memory(f, plan_of(f, 4), shapes(), 0).ranks[0];
+  const job::RankMemory f8 = job::plan_memory(f, plan_of(f, 4), shapes(), 0).ranks[0];
   EXPECT_EQ(item(f8.phases[1], "FP8 GEMM operands"), (16384 + 3584) * int64_t{18944} * 17 / 16);
   EXPECT_EQ(item(f8.phases[0], "FP8 GEMM operands"), 0);
 
   // train.compute_shard cast: the trained roles hold no bf16 shard (the frozen reference does).
   c.train.compute_shard = ComputeShard::kCast;
-  const PhaseMemory cast = plan_memory(c, plan_of(c, 4), shapes(), 0).ranks[0].phases[1];
+  const job::PhaseMemory cast = job::plan_memory(c, plan_of(c, 4), shapes(), 0).ranks[0].phases[1];
   EXPECT_EQ(item(cast, "actor weights"), 0);
   EXPECT_EQ(item(cast, "critic weights"), 0);
   EXPECT_EQ(item(cast, "ref weights"), item(train, "ref weights"));
   // The optimizer on the host: the device keeps the gradients (4 bytes/param/4: ~7.6 GB) and the
   // bf16 shard; the host the masters and moments (12 bytes/param/4: ~22.8 GB).
   c.roles.actor.optimizer_offload = OptimizerOffload::kCpu;
-  const RankMemory host = plan_memory(c, plan_of(c, 4), shapes(), 0).ranks[0];
+  const job::RankMemory host = job::plan_memory(c, plan_of(c, 4), shapes(), 0).ranks[0];
   EXPECT_NEAR(static_cast<double>(item(host.phases[1], "actor state")) / 1e9, 7.6, 0.1);
   EXPECT_NEAR(static_cast<double>(item(host.phases[1], "actor weights")) / 1e9, 3.8, 0.1);
   EXPECT_NEAR(static_cast<double>(host.host_bytes) / 1e9, 22.9, 0.2);
-  EXPECT_NE(plan_memory(c, plan_of(c, 4), shapes(), 0).table().find("host memory"), std::string::npos);
+  EXPECT_NE(job::plan_memory(c, plan_of(c, 4), shapes(), 0).table().find("host memory"), std::string::npos);
 }
 
 // Context parallelism (roles.<r>.context_parallel): inside a block's attention each rank holds the
@@ -119,13 +119,13 @@ TEST(MemoryPlan, ContextParallelCountsTheGatheredKeysAndValues) {
   JobConfig c = hybrid_job(4);
   c.roles.actor.sequence_parallel = 4;
   c.roles.critic.enabled = false;
-  const PhaseMemory none = plan_memory(c, plan_of(c, 4), shapes(), 0).ranks.at(0).phases.at(1);
+  const job::PhaseMemory none = job::plan_memory(c, plan_of(c, 4), shapes(), 0).ranks.at(0).phases.at(1);
   EXPECT_EQ(item(none, "context-parallel keys and values"), 0);
   c.roles.actor.context_parallel = 4;
-  const PhaseMemory all = plan_memory(c, plan_of(c, 4), shapes(), 0).ranks.at(0).phases.at(1);
+  const job::PhaseMemory all = job::plan_memory(c, plan_of(c, 4), shapes(), 0).ranks.at(0).phases.at(1);
   EXPECT_EQ(item(all, "context-parallel keys and values"), int64_t{2} * 4 * 16384 * 2 * 512 * 2);
   c.roles.actor.context_parallel = 2;
-  const PhaseMemory half = plan_memory(c, plan_of(c, 4), shapes(), 0).ranks.at(0).phases.at(1);
+  const job::PhaseMemory half = job::plan_memory(c, plan_of(c, 4), shapes(), 0).ranks.at(0).phases.at(1);
   EXPECT_EQ(item(half, "context-parallel keys and values"), int64_t{2} * 4 * 16384 * 2 * 512 * 2 / 2);
 }
 
@@ -136,9 +136,9 @@ TEST(MemoryPlan, ALoraActorHoldsItsBaseFrozenAndItsAdaptersWhole) {
   JobConfig c;
   c.roles.actor.gpus = 2;
   c.train.micro_batch_tokens = 4096;
-  const PhaseMemory full = plan_trainer(c, qwen7b(), 2, 4096, 80 * kGiB).ranks.at(0).phases.at(0);
+  const job::PhaseMemory full = job::plan_trainer(c, qwen7b(), 2, 4096, 80 * kGiB).ranks.at(0).phases.at(0);
   c.roles.actor.lora.rank = 16;
-  const PhaseMemory lora = plan_trainer(c, qwen7b(), 2, 4096, 80 * kGiB).ranks.at(0).phases.at(0);
+  const job::PhaseMemory lora = job::plan_trainer(c, qwen7b(), 2, 4096, 80 * kGiB).ranks.at(0).phases.at(0);
   EXPECT_GT(item(full, "actor state"), 40 * kGiB);
   EXPECT_EQ(item(lora, "actor state"), 0);
   EXPECT_EQ(item(lora, "gradient buffers"), 0);
@@ -146,7 +146,7 @@ TEST(MemoryPlan, ALoraActorHoldsItsBaseFrozenAndItsAdaptersWhole) {
   const int64_t adapters = item(lora, "actor LoRA adapters (fp32 values, gradients, moments)");
   EXPECT_EQ(adapters, int64_t{16} * 28 * 16 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944)));
   c.roles.actor.lora.target_modules = "q_proj,v_proj";
-  const PhaseMemory qv = plan_trainer(c, qwen7b(), 2, 4096, 80 * kGiB).ranks.at(0).phases.at(0);
+  const job::PhaseMemory qv = job::plan_trainer(c, qwen7b(), 2, 4096, 80 * kGiB).ranks.at(0).phases.at(0);
   EXPECT_EQ(item(qv, "actor LoRA adapters (fp32 values, gradients, moments)"),
             int64_t{16} * 28 * 16 * ((3584 + 3584) + (3584 + 512)));
 }
@@ -157,13 +157,13 @@ TEST(MemoryPlan, ALoraActorHoldsItsBaseFrozenAndItsAdaptersWhole) {
 // adapters (fp32) beside its weights.
 TEST(MemoryPlan, LoraInTrainTakesTheReferenceFromTheActorsBase) {
   JobConfig c = hybrid_job(2);
-  const MemoryPlan full = plan_memory(c, plan_of(c, 2), shapes(), 0);
+  const job::MemoryPlan full = job::plan_memory(c, plan_of(c, 2), shapes(), 0);
   c.roles.actor.lora.rank = 16;
   c.roles.critic.lora.rank = 16;
   c.roles.critic.lora.target_modules = "q_proj,v_proj";
-  const MemoryPlan m = plan_memory(c, plan_of(c, 2), shapes(), 0);
-  const PhaseMemory& train = m.ranks.at(0).phases.at(1);
-  const PhaseMemory& full_train = full.ranks.at(0).phases.at(1);
+  const job::MemoryPlan m = job::plan_memory(c, plan_of(c, 2), shapes(), 0);
+  const job::PhaseMemory& train = m.ranks.at(0).phases.at(1);
+  const job::PhaseMemory& full_train = full.ranks.at(0).phases.at(1);
   EXPECT_GT(item(full_train, "ref weights"), 7 * kGiB / 2);
   EXPECT_EQ(item(train, "ref weights"), 0);
   ASSERT_EQ(m.notes.size(), 1u);
@@ -179,7 +179,7 @@ TEST(MemoryPlan, LoraInTrainTakesTheReferenceFromTheActorsBase) {
   EXPECT_LT(train.total() + 40 * kGiB, full_train.total());
   // A reference with a model of its own is loaded as before.
   c.roles.ref.model = "/elsewhere";
-  EXPECT_EQ(item(plan_memory(c, plan_of(c, 2), shapes(), 0).ranks.at(0).phases.at(1), "ref weights"),
+  EXPECT_EQ(item(job::plan_memory(c, plan_of(c, 2), shapes(), 0).ranks.at(0).phases.at(1), "ref weights"),
             item(full_train, "ref weights"));
 }
 
@@ -188,27 +188,27 @@ TEST(MemoryPlan, TheHybridKvCacheIsWhatTheGeneratePhaseLeaves) {
   c.roles.actor.offload = c.roles.critic.offload = true;
   c.engines.sleep_level = 2;
   const int64_t gpu = 141 * kGiB;
-  const MemoryPlan m = plan_memory(c, plan_of(c, 4), shapes(), gpu);
-  const RankMemory& r = m.ranks[0];
-  const PhaseMemory& gen = r.phases[0];
+  const job::MemoryPlan m = job::plan_memory(c, plan_of(c, 4), shapes(), gpu);
+  const job::RankMemory& r = m.ranks[0];
+  const job::PhaseMemory& gen = r.phases[0];
   EXPECT_EQ(item(gen, "actor state"), 0);  // offloaded while generating
   EXPECT_GT(r.kv_cache_bytes, 20 * kGiB);
-  EXPECT_EQ(gen.total(), static_cast<int64_t>(c.engines.gpu_memory_fraction * static_cast<double>(gpu - kReserveBytes)))
+  EXPECT_EQ(gen.total(), static_cast<int64_t>(c.engines.gpu_memory_fraction * static_cast<double>(gpu - job::kReserveBytes)))
       << "the cache takes what the fraction leaves";
   // At most max_num_seqs full-length sequences: 16 x 2048 tokens x 56 KiB per token (bf16, 4 KV heads of 128, 28 layers).
   JobConfig few = c;
   few.engines.max_num_seqs = 16;
-  EXPECT_EQ(plan_memory(few, plan_of(few, 4), shapes(), gpu).ranks[0].kv_cache_bytes, 16 * 2048 * 2 * 28 * 512 * 2);
+  EXPECT_EQ(job::plan_memory(few, plan_of(few, 4), shapes(), gpu).ranks[0].kv_cache_bytes, 16 * 2048 * 2 * 28 * 512 * 2);
   // An FP8 KV cache (engines.kv_cache_dtype fp8): a byte per element and a 4-byte scale per token
   // and KV head, 4 x (128 + 4) bytes where bf16 takes 4 x 256.
   few.engines.kv_cache_dtype = KvCacheDtype::kFp8;
-  EXPECT_EQ(plan_memory(few, plan_of(few, 4), shapes(), gpu).ranks[0].kv_cache_bytes, 16 * 2048 * 2 * 28 * 4 * 132);
+  EXPECT_EQ(job::plan_memory(few, plan_of(few, 4), shapes(), gpu).ranks[0].kv_cache_bytes, 16 * 2048 * 2 * 28 * 4 * 132);
   EXPECT_EQ(item(r.phases[1], "engine weights"), 0);  // level 2: freed in training
   EXPECT_EQ(m.overflow(), nullptr) << m.table();
-  EXPECT_NO_THROW(check_fits(m, c));
+  EXPECT_NO_THROW(job::check_fits(m, c));
   // Without offload, the state stays on the GPU while generating: less cache.
   JobConfig kept = hybrid_job(4);
-  EXPECT_LT(plan_memory(kept, plan_of(kept, 4), shapes(), gpu).ranks[0].kv_cache_bytes, r.kv_cache_bytes);
+  EXPECT_LT(job::plan_memory(kept, plan_of(kept, 4), shapes(), gpu).ranks[0].kv_cache_bytes, r.kv_cache_bytes);
 }
 
 // Hybrid engines at TP 2 over NCCL (planned for GPUs) score after generating: the generate phase
@@ -221,15 +221,15 @@ TEST(MemoryPlan, HybridTensorParallelEnginesScoreInAPhaseOfTheirOwn) {
   c.engines.tp = 2;
   c.validate();
   const int64_t gpu = 80 * kGiB;
-  const MemoryPlan m = plan_memory(c, plan_of(c, 4), shapes(), gpu);
-  const RankMemory& r = m.ranks.at(0);
+  const job::MemoryPlan m = job::plan_memory(c, plan_of(c, 4), shapes(), gpu);
+  const job::RankMemory& r = m.ranks.at(0);
   EXPECT_EQ(r.label, "actor+critic+ref+engine0.tp0");
   ASSERT_EQ(r.phases.size(), 4u);
-  EXPECT_EQ(r.phases[0].phase, Phase::kGenerate);
-  EXPECT_EQ(r.phases[1].phase, Phase::kScore);
-  EXPECT_EQ(r.phases[2].phase, Phase::kTrain);
-  EXPECT_EQ(r.phases[3].phase, Phase::kSync);
-  const PhaseMemory &gen = r.phases[0], &score = r.phases[1];
+  EXPECT_EQ(r.phases[0].phase, job::Phase::kGenerate);
+  EXPECT_EQ(r.phases[1].phase, job::Phase::kScore);
+  EXPECT_EQ(r.phases[2].phase, job::Phase::kTrain);
+  EXPECT_EQ(r.phases[3].phase, job::Phase::kSync);
+  const job::PhaseMemory &gen = r.phases[0], &score = r.phases[1];
   EXPECT_EQ(item(gen, "activations (scoring)"), 0);
   EXPECT_GT(item(score, "activations (scoring)"), 0);
   EXPECT_EQ(item(score, "engine kv cache"), 0);
@@ -240,17 +240,17 @@ TEST(MemoryPlan, HybridTensorParallelEnginesScoreInAPhaseOfTheirOwn) {
   // Scoring beside the cache (overlap) leaves the cache less room.
   JobConfig overlap = c;
   overlap.cluster.hybrid_scoring = HybridScoring::kOverlap;
-  const RankMemory o = plan_memory(overlap, plan_of(overlap, 4), shapes(), gpu).ranks.at(0);
+  const job::RankMemory o = job::plan_memory(overlap, plan_of(overlap, 4), shapes(), gpu).ranks.at(0);
   ASSERT_EQ(o.phases.size(), 3u);
   EXPECT_EQ(r.kv_cache_bytes - o.kv_cache_bytes, item(o.phases[0], "activations (scoring)"));
   // Planned on the CPU's MPI, auto overlaps.
   JobConfig cpu = c;
   cpu.cluster.device = DeviceKind::kCpu;
-  EXPECT_EQ(plan_memory(cpu, plan_of(cpu, 4), shapes(), 0).ranks.at(0).phases.size(), 3u);
+  EXPECT_EQ(job::plan_memory(cpu, plan_of(cpu, 4), shapes(), 0).ranks.at(0).phases.size(), 3u);
   // At sleep level 0 the cache stays through the scoring.
   c.engines.sleep_level = 0;
   c.engines.kv_cache_gb = 4;
-  EXPECT_EQ(item(plan_memory(c, plan_of(c, 4), shapes(), 0).ranks.at(0).phases[1], "engine kv cache"), 4 * kGiB);
+  EXPECT_EQ(item(job::plan_memory(c, plan_of(c, 4), shapes(), 0).ranks.at(0).phases[1], "engine kv cache"), 4 * kGiB);
 }
 
 TEST(MemoryPlan, APlanThatCannotFitIsRefusedNamingTheRole) {
@@ -258,7 +258,7 @@ TEST(MemoryPlan, APlanThatCannotFitIsRefusedNamingTheRole) {
   const JobConfig c = hybrid_job(1);
   std::string msg;
   try {
-    plan_memory(c, plan_of(c, 1), shapes(), 80 * kGiB);
+    job::plan_memory(c, plan_of(c, 1), shapes(), 80 * kGiB);
   } catch (const ConfigError& e) {
     msg = e.what();
   }
@@ -267,10 +267,10 @@ TEST(MemoryPlan, APlanThatCannotFitIsRefusedNamingTheRole) {
   // With a fixed cache the plan is made, and the fit check refuses it.
   JobConfig fixed = hybrid_job(1);
   fixed.engines.kv_cache_gb = 2;
-  const MemoryPlan m = plan_memory(fixed, plan_of(fixed, 1), shapes(), 80 * kGiB);
+  const job::MemoryPlan m = job::plan_memory(fixed, plan_of(fixed, 1), shapes(), 80 * kGiB);
   ASSERT_NE(m.overflow(), nullptr);
   try {
-    check_fits(m, fixed);
+    job::check_fits(m, fixed);
     ADD_FAILURE() << "a plan that cannot fit passed";
   } catch (const ConfigError& e) {
     msg = e.what();
@@ -284,7 +284,7 @@ TEST(MemoryPlan, APlanThatCannotFitIsRefusedNamingTheRole) {
   // A cache of 40 GiB makes generating the largest phase: offloading is what helps there.
   fixed.engines.kv_cache_gb = 40;
   try {
-    check_fits(plan_memory(fixed, plan_of(fixed, 1), shapes(), 80 * kGiB), fixed);
+    job::check_fits(job::plan_memory(fixed, plan_of(fixed, 1), shapes(), 80 * kGiB), fixed);
     ADD_FAILURE() << "a plan that cannot fit passed";
   } catch (const ConfigError& e) {
     msg = e.what();
@@ -298,7 +298,7 @@ TEST(MemoryPlan, APlanThatCannotFitIsRefusedNamingTheRole) {
   fixed.engines.sleep_level = 2;
   fixed.engines.kv_cache_gb = 70;
   try {
-    check_fits(plan_memory(fixed, plan_of(fixed, 1), shapes(), 80 * kGiB), fixed);
+    job::check_fits(job::plan_memory(fixed, plan_of(fixed, 1), shapes(), 80 * kGiB), fixed);
     ADD_FAILURE() << "a plan that cannot fit passed";
   } catch (const ConfigError& e) {
     msg = e.what();
@@ -317,7 +317,7 @@ TEST(MemoryPlan, SeparatePoolsPlanTrainersAndEnginesApart) {
   c.rollout.n_samples_per_prompt = 4;
   c.engines.max_num_seqs = 4096;
   c.validate();
-  const MemoryPlan m = plan_memory(c, plan_of(c, 4), shapes(), 141 * kGiB);
+  const job::MemoryPlan m = job::plan_memory(c, plan_of(c, 4), shapes(), 141 * kGiB);
   ASSERT_EQ(m.ranks.size(), 4u);
   EXPECT_EQ(m.ranks[0].label, "actor+ref");
   EXPECT_EQ(m.ranks[0].kv_cache_bytes, 0);
@@ -340,11 +340,11 @@ TEST(MemoryPlan, RecomputeAutoKeepsTheMostActivationsThatFit) {
   c.train.micro_batch_tokens = 8192;
   c.validate();
   const dist::RankPlan plan = plan_of(c, 5);
-  auto planned = [&](int64_t gib) { return plan_memory(c, plan, shapes(), gib * kGiB); };
+  auto planned = [&](int64_t gib) { return job::plan_memory(c, plan, shapes(), gib * kGiB); };
   // The most kept activations first, then the bf16 shard if it still fits: on 141 GiB every
   // activation and the shard; on 80 GiB the MLP halves of every block; smaller GPUs keep them in
   // fewer blocks (the rest recompute whole blocks), and a small one none.
-  const MemoryPlan big = planned(141), mid = planned(80), less = planned(60), small = planned(45);
+  const job::MemoryPlan big = planned(141), mid = planned(80), less = planned(60), small = planned(45);
   EXPECT_EQ(big.recompute, zero::Recompute::kNone) << big.table();
   EXPECT_TRUE(big.keep_compute_shard) << big.table();
   EXPECT_EQ(mid.recompute, zero::Recompute::kAttentionOnly) << mid.table();
@@ -354,7 +354,7 @@ TEST(MemoryPlan, RecomputeAutoKeepsTheMostActivationsThatFit) {
   EXPECT_LT(less.recompute_layers, 28) << less.table();
   EXPECT_FALSE(less.keep_compute_shard) << less.table();
   EXPECT_EQ(small.recompute, zero::Recompute::kBlocks) << small.table();
-  for (const MemoryPlan* m : {&big, &mid, &less, &small}) EXPECT_EQ(m->overflow(), nullptr) << m->table();
+  for (const job::MemoryPlan* m : {&big, &mid, &less, &small}) EXPECT_EQ(m->overflow(), nullptr) << m->table();
   EXPECT_NE(big.table().find("train.recompute: none (auto"), std::string::npos) << big.table();
   EXPECT_NE(less.table().find(fmt::format("train.recompute: attention_only in the first {} blocks (auto",
                                           less.recompute_layers)),
@@ -366,12 +366,12 @@ TEST(MemoryPlan, RecomputeAutoKeepsTheMostActivationsThatFit) {
   more.train.recompute = RecomputeChoice::kAttentionOnly;
   more.train.recompute_layers = less.recompute_layers + 1;
   more.train.compute_shard = ComputeShard::kCast;
-  const MemoryPlan one_more = plan_memory(more, plan, shapes(), 60 * kGiB);
+  const job::MemoryPlan one_more = job::plan_memory(more, plan, shapes(), 60 * kGiB);
   bool fits = true;
   for (const auto& r : one_more.ranks)
     for (const auto& p : r.phases) {
       const int64_t act = item(p, "activations (train.micro_batch_tokens)");
-      fits = fits && activations_fit(p.total() - act, act, one_more.gpu_bytes);
+      fits = fits && job::activations_fit(p.total() - act, act, one_more.gpu_bytes);
     }
   EXPECT_FALSE(fits) << "a block more of activations fits: auto did not keep the most\n" << one_more.table();
   // No GPU size: the least memory.
@@ -381,19 +381,19 @@ TEST(MemoryPlan, RecomputeAutoKeepsTheMostActivationsThatFit) {
   // The 7B shape at 8192 tokens: blocks keep one input per layer (1.5 GiB; 5.6 GiB with a block's
   // backward in flight and the logits' chunk), none ~32 GiB more.
   const auto act = [&](zero::Recompute r) {
-    return train_activation_bytes(qwen7b(), 8192, 2, r);
+    return job::train_activation_bytes(qwen7b(), 8192, 2, r);
   };
   EXPECT_LT(act(zero::Recompute::kBlocks), 6 * kGiB);
   EXPECT_GT(act(zero::Recompute::kAttentionOnly), act(zero::Recompute::kBlocks) + 25 * kGiB);
   EXPECT_GT(act(zero::Recompute::kNone), act(zero::Recompute::kAttentionOnly) + 3 * kGiB);
 
   c.train.recompute = RecomputeChoice::kBlocks;
-  const MemoryPlan set = planned(141);
+  const job::MemoryPlan set = planned(141);
   EXPECT_EQ(set.recompute, zero::Recompute::kBlocks);
   EXPECT_EQ(item(set.ranks[0].phases[1], "activations (train.micro_batch_tokens)"), act(zero::Recompute::kBlocks));
   // A set mode that does not fit is refused like any plan that does not fit.
   c.train.recompute = RecomputeChoice::kNone;
-  EXPECT_THROW(check_fits(planned(48), c), ConfigError);
+  EXPECT_THROW(job::check_fits(planned(48), c), ConfigError);
 }
 
 // The ranks agree on the least kept activations with a min all-reduce of one number per choice.
@@ -406,8 +406,8 @@ TEST(MemoryPlan, LongSequencesKeepWhatEachCardHolds) {
   JobConfig c;
   c.roles.actor.dtype = Precision::kBf16;
   const model::ModelConfig shape = model::preset("qwen2-1.5b");
-  const MemoryPlan h100 = plan_trainer(c, shape, 2, 8192 * 16 / 2, 80 * kGiB);
-  const MemoryPlan h200 = plan_trainer(c, shape, 2, 8192 * 16 / 2, 141 * kGiB);
+  const job::MemoryPlan h100 = job::plan_trainer(c, shape, 2, 8192 * 16 / 2, 80 * kGiB);
+  const job::MemoryPlan h200 = job::plan_trainer(c, shape, 2, 8192 * 16 / 2, 141 * kGiB);
   EXPECT_TRUE(h100.fits());
   EXPECT_TRUE(h200.fits());
   EXPECT_EQ(h100.recompute, zero::Recompute::kAttentionOnly);
@@ -419,7 +419,7 @@ TEST(MemoryPlan, LongSequencesKeepWhatEachCardHolds) {
   c.train.recompute = RecomputeChoice::kAttentionOnly;  // in every block, as on the larger card
   std::string msg;
   try {
-    check_trainer_fits(plan_trainer(c, shape, 2, 8192 * 16 / 2, 80 * kGiB), 0, "bench train, qwen2-1.5b", "lower --seq");
+    job::check_trainer_fits(job::plan_trainer(c, shape, 2, 8192 * 16 / 2, 80 * kGiB), 0, "bench train, qwen2-1.5b", "lower --seq");
   } catch (const ConfigError& e) {
     msg = e.what();
   }
@@ -434,13 +434,13 @@ TEST(MemoryPlan, RecomputeChoicesOrderByWhatTheyKeep) {
       {Recompute::kAttentionOnly, -1}, {Recompute::kNone, 3}, {Recompute::kNone, -1}};
   double last = -1;
   for (const auto& [mode, layers] : ascending) {
-    const double o = recompute_order(mode, layers);
+    const double o = job::recompute_order(mode, layers);
     EXPECT_GT(o, last) << zero::recompute_name(mode) << " " << layers;
     last = o;
-    EXPECT_EQ(recompute_from_order(o), std::make_pair(mode, layers)) << zero::recompute_name(mode) << " " << layers;
+    EXPECT_EQ(job::recompute_from_order(o), std::make_pair(mode, layers)) << zero::recompute_name(mode) << " " << layers;
     EXPECT_EQ(static_cast<double>(static_cast<float>(o)), o) << "not exact in a float";
   }
 }
 
 }  // namespace
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

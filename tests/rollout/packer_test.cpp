@@ -5,10 +5,10 @@
 #include <numeric>
 #include <set>
 
-#include "tiller/rollout/metrics.h"
-#include "tiller/rollout/packer.h"
+#include "tiller/controller/metrics.h"
+#include "tiller/controller/packer.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 int64_t tokens_of(const std::vector<int64_t>& ids, const std::vector<int64_t>& tokens) {
@@ -134,4 +134,4 @@ TEST(Metrics, Crc32cMatchesTheStandardCheckValues) {
 }
 
 }  // namespace
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -8,23 +8,23 @@
 #include <tuple>
 
 #include "../common/error_of.h"
-#include "tiller/core/error.h"
 #include "controller/batch.h"
-#include "tiller/rollout/experience.h"
+#include "tiller/controller/experience.h"
+#include "tiller/core/error.h"
 #include "wire/messages.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 at::Tensor longs(std::vector<int64_t> v) { return at::tensor(v, at::kLong); }
 at::Tensor floats(std::vector<float> v) { return at::tensor(v, at::kFloat); }
 
 // Two sequences: 3 + 2 tokens (prompt 2) and 4 tokens (prompt 1): 1 + 3 response tokens.
-PackedSequences batch() {
+wire::PackedSequences batch() {
   return {longs({5, 6, 7, 8, 9, 1, 2, 3, 4}), longs({5, 4}), longs({2, 1})};
 }
 
-void expect_batch(const PackedSequences& a, const PackedSequences& b) {
+void expect_batch(const wire::PackedSequences& a, const wire::PackedSequences& b) {
   EXPECT_TRUE(at::equal(a.tokens, b.tokens));
   EXPECT_TRUE(at::equal(a.seq_lens, b.seq_lens));
   EXPECT_TRUE(at::equal(a.prompt_lens, b.prompt_lens));
@@ -38,14 +38,14 @@ struct Fill {
   bool present = true;
   double next = 1;
   size_t n_lines = 0;
-  at::Tensor make(at::ScalarType dtype, Rows rows) {
-    const int64_t n = rows == Rows::kResponse ? 6 : rows == Rows::kEnds ? 2 : rows == Rows::kLines ? static_cast<int64_t>(n_lines) : 3;
+  at::Tensor make(at::ScalarType dtype, wire::Rows rows) {
+    const int64_t n = rows == wire::Rows::kResponse ? 6 : rows == wire::Rows::kEnds ? 2 : rows == wire::Rows::kLines ? static_cast<int64_t>(n_lines) : 3;
     next += 1;
     return (at::arange(n, at::kDouble) + next).remainder(dtype == at::kByte ? 2 : 1000).to(dtype);
   }
-  void batch(PackedSequences& b) { b = tiller::rollout::batch(); }
-  void tensor(at::Tensor& t, const char*, at::ScalarType dtype, Rows rows) { t = make(dtype, rows); }
-  void optional(at::Tensor& t, const char*, at::ScalarType dtype, Rows rows) {
+  void batch(wire::PackedSequences& b) { b = tiller::controller::batch(); }
+  void tensor(at::Tensor& t, const char*, at::ScalarType dtype, wire::Rows rows) { t = make(dtype, rows); }
+  void optional(at::Tensor& t, const char*, at::ScalarType dtype, wire::Rows rows) {
     t = present ? make(dtype, rows) : at::Tensor();
   }
   void num(double& x, const char*) { x = next++ + 0.5; }
@@ -85,14 +85,14 @@ struct Show {
     for (int64_t i = 0; i < d.numel(); ++i) out << d.data_ptr<double>()[i] << ",";
     out << "];";
   }
-  void batch(PackedSequences& b) {
+  void batch(wire::PackedSequences& b) {
     put("tokens", b.tokens);
     put("seq_lens", b.seq_lens);
     put("prompt_lens", b.prompt_lens);
     out << "window=" << b.first_row << "," << b.next_token << ";";
   }
-  void tensor(at::Tensor& t, const char* what, at::ScalarType, Rows) { put(what, t); }
-  void optional(at::Tensor& t, const char* what, at::ScalarType, Rows) { put(what, t); }
+  void tensor(at::Tensor& t, const char* what, at::ScalarType, wire::Rows) { put(what, t); }
+  void optional(at::Tensor& t, const char* what, at::ScalarType, wire::Rows) { put(what, t); }
   void num(double& x, const char* what) { out << what << "=" << x << ";"; }
   void flag(bool& b, const char* what) { out << what << "=" << b << ";"; }
   void version(uint64_t& v, const char* what) { out << what << "=" << v << ";"; }
@@ -129,8 +129,8 @@ std::string show(M m) {
 }
 
 template <typename M>
-M decode_any(const Frame& f) {
-  if constexpr (std::is_same_v<M, ScoreReply>) {
+M decode_any(const wire::Frame& f) {
+  if constexpr (std::is_same_v<M, wire::ScoreReply>) {
     return M::decode(f, batch());
   } else {
     return M::decode(f);
@@ -148,10 +148,10 @@ TEST(Protocol, EveryMessageRoundTripsEveryFieldOfItsList) {
             Fill fill;
             fill.present = present;
             m.fields(fill);
-            const Frame f = m.encode();
+            const wire::Frame f = m.encode();
             EXPECT_EQ(f.op, M::kOp);
             const std::string want = show(m), got = show(decode_any<M>(f));
-            EXPECT_EQ(got, want) << op_name(M::kOp) << (present ? "" : " (optional fields absent)");
+            EXPECT_EQ(got, want) << wire::op_name(M::kOp) << (present ? "" : " (optional fields absent)");
             if (!want.empty()) {
               EXPECT_NE(want.find('='), std::string::npos);
             }
@@ -160,13 +160,13 @@ TEST(Protocol, EveryMessageRoundTripsEveryFieldOfItsList) {
         };
         (one(proto), ...);
       },
-      Messages{});
+      wire::Messages{});
   EXPECT_EQ(messages, 20);
 }
 
 TEST(Protocol, ScoreRequestRoundTrips) {
-  ScoreRequest r{batch(), 0.7};
-  const ScoreRequest d = ScoreRequest::decode(r.encode());
+  wire::ScoreRequest r{batch(), 0.7};
+  const wire::ScoreRequest d = wire::ScoreRequest::decode(r.encode());
   expect_batch(d.batch, r.batch);
   EXPECT_EQ(d.temperature, 0.7);
   EXPECT_EQ(d.batch.response_tokens(), 6);
@@ -174,7 +174,7 @@ TEST(Protocol, ScoreRequestRoundTrips) {
 
 TEST(Protocol, ScoreReplyRoundTripsEveryRoleSet) {
   for (unsigned bits = 1; bits < 16; ++bits) {
-    ScoreReply r;
+    wire::ScoreReply r;
     r.roles = RoleSet::from_bits(bits);
     const at::Tensor per_token = floats({-1, -2, -3, -4, -5, -6});
     if (r.roles.has(Role::kActor)) {
@@ -185,7 +185,7 @@ TEST(Protocol, ScoreReplyRoundTripsEveryRoleSet) {
     if (r.roles.has(Role::kRef)) r.ref_logp = per_token * 4;
     if (r.roles.has(Role::kReward)) r.reward_scores = floats({0.25, 0.75});
     r.seconds = {1, 2, 3, 4};
-    const ScoreReply d = ScoreReply::decode(r.encode(), batch());
+    const wire::ScoreReply d = wire::ScoreReply::decode(r.encode(), batch());
     EXPECT_EQ(d.roles.bits(), bits);
     EXPECT_EQ(d.seconds, r.seconds);
     for (auto [got, want] : {std::pair{d.actor_logp, r.actor_logp}, {d.actor_entropy, r.actor_entropy},
@@ -198,16 +198,16 @@ TEST(Protocol, ScoreReplyRoundTripsEveryRoleSet) {
 }
 
 TEST(Protocol, ScoreReplyOfTheWrongSizeIsRefused) {
-  ScoreReply r;
+  wire::ScoreReply r;
   r.roles.add(Role::kRef);
   r.ref_logp = floats({-1, -2});  // the request has 6 response tokens
-  EXPECT_NE(error_of([&] { ScoreReply::decode(r.encode(), batch()); }).find("reference log-probs has 2 elements, expected 6"),
+  EXPECT_NE(error_of([&] { wire::ScoreReply::decode(r.encode(), batch()); }).find("reference log-probs has 2 elements, expected 6"),
             std::string::npos);
 }
 
 TEST(Protocol, TrainActorRequestRoundTripsWithAndWithoutItsOptionalTensors) {
   for (int variant = 0; variant < 8; ++variant) {
-    TrainActorRequest r;
+    wire::TrainActorRequest r;
     r.batch = batch();
     r.old_logp = floats({-1, -2, -3, -4, -5, -6});
     r.advantages = floats({1, 0, -1, 2, 0, 1});
@@ -217,7 +217,7 @@ TEST(Protocol, TrainActorRequestRoundTripsWithAndWithoutItsOptionalTensors) {
     r.normalizer = 12;
     r.kl_coef = 0.05;
     r.step_rows = 40;
-    const TrainActorRequest d = TrainActorRequest::decode(r.encode());
+    const wire::TrainActorRequest d = wire::TrainActorRequest::decode(r.encode());
     expect_batch(d.batch, r.batch);
     EXPECT_TRUE(at::equal(d.old_logp, r.old_logp));
     EXPECT_TRUE(at::equal(d.advantages, r.advantages));
@@ -235,9 +235,9 @@ TEST(Protocol, TrainActorRequestRoundTripsWithAndWithoutItsOptionalTensors) {
 
 TEST(Protocol, TrainCriticRequestRoundTrips) {
   for (bool masked : {false, true}) {
-    TrainCriticRequest r{batch(), floats({1, 2, 3, 4, 5, 6}), floats({6, 5, 4, 3, 2, 1}), {}, 6};
+    wire::TrainCriticRequest r{batch(), floats({1, 2, 3, 4, 5, 6}), floats({6, 5, 4, 3, 2, 1}), {}, 6};
     if (masked) r.loss_mask = at::tensor(std::vector<uint8_t>{0, 1, 1, 1, 0, 1}, at::kByte);
-    const TrainCriticRequest d = TrainCriticRequest::decode(r.encode());
+    const wire::TrainCriticRequest d = wire::TrainCriticRequest::decode(r.encode());
     expect_batch(d.batch, r.batch);
     EXPECT_TRUE(at::equal(d.old_values, r.old_values));
     EXPECT_TRUE(at::equal(d.returns, r.returns));
@@ -246,20 +246,20 @@ TEST(Protocol, TrainCriticRequestRoundTrips) {
     EXPECT_EQ(d.normalizer, 6);
   }
   // A mask of the wrong size is refused with what it is.
-  TrainCriticRequest bad{batch(), floats({1, 2, 3, 4, 5, 6}), floats({6, 5, 4, 3, 2, 1}), {}, 6};
+  wire::TrainCriticRequest bad{batch(), floats({1, 2, 3, 4, 5, 6}), floats({6, 5, 4, 3, 2, 1}), {}, 6};
   bad.loss_mask = at::ones({5}, at::kByte);
-  EXPECT_NE(error_of([&] { TrainCriticRequest::decode(bad.encode()); }).find("loss mask"), std::string::npos);
+  EXPECT_NE(error_of([&] { wire::TrainCriticRequest::decode(bad.encode()); }).find("loss mask"), std::string::npos);
 }
 
 TEST(Protocol, StepMessagesRoundTrip) {
-  const StepRequest d = StepRequest::decode(StepRequest{Role::kCritic, 3e-6}.encode());
+  const wire::StepRequest d = wire::StepRequest::decode(wire::StepRequest{Role::kCritic, 3e-6}.encode());
   EXPECT_EQ(d.role, Role::kCritic);
   EXPECT_EQ(d.lr, 3e-6);
-  EXPECT_NE(error_of([] { StepRequest::decode(StepRequest{Role::kRef, 1}.encode()); }).find("does not train"),
+  EXPECT_NE(error_of([] { wire::StepRequest::decode(wire::StepRequest{Role::kRef, 1}.encode()); }).find("does not train"),
             std::string::npos);
-  StepReply r;
+  wire::StepReply r;
   r.stats = {1.5, true, 2.5, 3, 4, 5, 6, 7, 8, 9};
-  const StepStats s = StepReply::decode(r.encode()).stats;
+  const wire::StepStats s = wire::StepReply::decode(r.encode()).stats;
   EXPECT_EQ(s.grad_norm, 1.5);
   EXPECT_TRUE(s.skipped);
   EXPECT_EQ(s.loss, 2.5);
@@ -275,49 +275,49 @@ TEST(Protocol, StepMessagesRoundTrip) {
   // A policy loss's named metrics travel after the fixed scalars, their names one per line.
   r.stats.loss_metrics = {{"weight_mean", 0.75}, {"ratio.max", 3.5}};
   r.stats.peak_device_gb = 61.25;
-  const StepStats m = StepReply::decode(r.encode()).stats;
+  const wire::StepStats m = wire::StepReply::decode(r.encode()).stats;
   ASSERT_EQ(m.loss_metrics.size(), 2u);
   EXPECT_EQ(m.loss_metrics[0], (std::pair<std::string, double>{"weight_mean", 0.75}));
   EXPECT_EQ(m.loss_metrics[1], (std::pair<std::string, double>{"ratio.max", 3.5}));
   EXPECT_EQ(m.peak_host_mb, 9);
   EXPECT_EQ(m.peak_device_gb, 61.25);
-  Frame bad = r.encode();
+  wire::Frame bad = r.encode();
   bad.text += "extra\n";  // a name without its value
-  EXPECT_NE(error_of([&] { StepReply::decode(bad); }).find("loss metrics has 2 elements, expected 3"), std::string::npos)
-      << error_of([&] { StepReply::decode(bad); });
+  EXPECT_NE(error_of([&] { wire::StepReply::decode(bad); }).find("loss metrics has 2 elements, expected 3"), std::string::npos)
+      << error_of([&] { wire::StepReply::decode(bad); });
 }
 
 TEST(Protocol, ControlMessagesRoundTrip) {
-  EXPECT_EQ(SyncRequest::decode(SyncRequest{42}.encode()).version, 42u);
-  const SyncReply s = SyncReply::decode(SyncReply{0.05, 1.5e10}.encode());
+  EXPECT_EQ(wire::SyncRequest::decode(wire::SyncRequest{42}.encode()).version, 42u);
+  const wire::SyncReply s = wire::SyncReply::decode(wire::SyncReply{0.05, 1.5e10}.encode());
   EXPECT_EQ(s.seconds, 0.05);
   EXPECT_EQ(s.wire_bytes, 1.5e10);
-  EXPECT_EQ(SaveRequest::decode(SaveRequest{"out/step_000003"}.encode()).dir, "out/step_000003");
-  EXPECT_EQ(LoadRequest::decode(LoadRequest{"ckpt/step_000001"}.encode()).dir, "ckpt/step_000001");
-  DoneReply::decode(DoneReply{}.encode());
-  TraceRequest::decode(TraceRequest{}.encode());
-  StopRequest::decode(StopRequest{}.encode());
-  EXPECT_EQ(StopReply::decode(StopReply{123.5}.encode()).peak_host_mb, 123.5);
-  EXPECT_EQ(EngineHello::decode(EngineHello{"secret"}.encode()).token, "secret");
-  EXPECT_EQ(EngineAddress::decode(EngineAddress{"node1:50051"}.encode()).address, "node1:50051");
-  EXPECT_EQ(ErrorReply::decode(ErrorReply{"CUDA out of memory"}.encode()).what, "CUDA out of memory");
+  EXPECT_EQ(wire::SaveRequest::decode(wire::SaveRequest{"out/step_000003"}.encode()).dir, "out/step_000003");
+  EXPECT_EQ(wire::LoadRequest::decode(wire::LoadRequest{"ckpt/step_000001"}.encode()).dir, "ckpt/step_000001");
+  wire::DoneReply::decode(wire::DoneReply{}.encode());
+  wire::TraceRequest::decode(wire::TraceRequest{}.encode());
+  wire::StopRequest::decode(wire::StopRequest{}.encode());
+  EXPECT_EQ(wire::StopReply::decode(wire::StopReply{123.5}.encode()).peak_host_mb, 123.5);
+  EXPECT_EQ(wire::EngineHello::decode(wire::EngineHello{"secret"}.encode()).token, "secret");
+  EXPECT_EQ(wire::EngineAddress::decode(wire::EngineAddress{"node1:50051"}.encode()).address, "node1:50051");
+  EXPECT_EQ(wire::ErrorReply::decode(wire::ErrorReply{"CUDA out of memory"}.encode()).what, "CUDA out of memory");
 }
 
 TEST(Protocol, TraceReplyRoundTrips) {
-  TraceReply r;
+  wire::TraceReply r;
   r.names = {"score.actor", "train.actor", "sync"};
   r.begin_us = {1, 3, 5};
   r.end_us = {2, 4, 6};
-  const TraceReply d = TraceReply::decode(r.encode());
+  const wire::TraceReply d = wire::TraceReply::decode(r.encode());
   EXPECT_EQ(d.names, r.names);
   EXPECT_EQ(d.begin_us, r.begin_us);
   EXPECT_EQ(d.end_us, r.end_us);
-  EXPECT_TRUE(TraceReply::decode(TraceReply{}.encode()).names.empty());
+  EXPECT_TRUE(wire::TraceReply::decode(wire::TraceReply{}.encode()).names.empty());
 }
 
 // Sequence parallelism: the controller's cut and the counts each slice's answers are checked by.
 TEST(Protocol, SlicesOfAPackedRowCoverItsRowsAndResponseTokensInOrder) {
-  const PackedSequences whole = batch();  // rows 0-4: prompt 2 (response rows 1-3); rows 5-8: prompt 1 (rows 5-7)
+  const wire::PackedSequences whole = batch();  // rows 0-4: prompt 2 (response rows 1-3); rows 5-8: prompt 1 (rows 5-7)
   EXPECT_TRUE(whole.whole());
   EXPECT_EQ(whole.rows(), 9);
   for (int parts : {1, 2, 3, 4, 9, 12}) {
@@ -329,7 +329,7 @@ TEST(Protocol, SlicesOfAPackedRowCoverItsRowsAndResponseTokensInOrder) {
       EXPECT_EQ(s.response_before(), responses) << parts;
       EXPECT_EQ(s.ends_before(), ends) << parts;
       // Each slice survives the wire, window and all.
-      const ScoreRequest d = ScoreRequest::decode(ScoreRequest{s, 1.0}.encode());
+      const wire::ScoreRequest d = wire::ScoreRequest::decode(wire::ScoreRequest{s, 1.0}.encode());
       EXPECT_EQ(d.batch.first_row, s.first_row);
       EXPECT_EQ(d.batch.next_token, s.next_token);
       EXPECT_EQ(d.batch.response_tokens(), s.response_tokens());
@@ -353,30 +353,30 @@ TEST(Protocol, SlicesOfAPackedRowCoverItsRowsAndResponseTokensInOrder) {
 }
 
 TEST(Protocol, AFrameThatDisagreesWithItselfIsRefusedByName) {
-  Frame f = ScoreRequest{batch(), 1.0}.encode();
+  wire::Frame f = wire::ScoreRequest{batch(), 1.0}.encode();
   f.tensors[3] = longs({5, 0});  // rows past the end of the packed row
-  EXPECT_NE(error_of([&] { ScoreRequest::decode(f); }).find("malformed 'score' message: rows [5, 14) of a packed row of 9"),
+  EXPECT_NE(error_of([&] { wire::ScoreRequest::decode(f); }).find("malformed 'score' message: rows [5, 14) of a packed row of 9"),
             std::string::npos);
-  Frame g = ScoreRequest{batch(), 1.0}.encode();
+  wire::Frame g = wire::ScoreRequest{batch(), 1.0}.encode();
   g.tensors[2] = longs({5, 1});  // a prompt as long as its sequence: no response
-  EXPECT_NE(error_of([&] { ScoreRequest::decode(g); }).find("sample 0: prompt of 5 tokens in a sequence of 5"),
+  EXPECT_NE(error_of([&] { wire::ScoreRequest::decode(g); }).find("sample 0: prompt of 5 tokens in a sequence of 5"),
             std::string::npos);
   // A reply where a request was expected, and an error reply where a result was.
-  EXPECT_NE(error_of([] { StepRequest::decode(DoneReply{}.encode()); }).find("expected a 'step' message, got 'done'"),
+  EXPECT_NE(error_of([] { wire::StepRequest::decode(wire::DoneReply{}.encode()); }).find("expected a 'step' message, got 'done'"),
             std::string::npos);
-  EXPECT_EQ(error_of([] { StepReply::decode(ErrorReply{"rank 3 ran out of memory"}.encode()); }),
+  EXPECT_EQ(error_of([] { wire::StepReply::decode(wire::ErrorReply{"rank 3 ran out of memory"}.encode()); }),
             "rank 3 ran out of memory");
-  Frame h = TrainActorRequest{batch(), floats({1, 2, 3, 4, 5, 6}), floats({1, 2, 3, 4, 5, 6}), {}, {}, {}, 0, 0}.encode();
-  EXPECT_NE(error_of([&] { TrainActorRequest::decode(h); }).find("normalizer 0"), std::string::npos);
-  TrainActorRequest rows{batch(), floats({1, 2, 3, 4, 5, 6}), floats({1, 2, 3, 4, 5, 6}), {}, {}, {}, 1, 0};
+  wire::Frame h = wire::TrainActorRequest{batch(), floats({1, 2, 3, 4, 5, 6}), floats({1, 2, 3, 4, 5, 6}), {}, {}, {}, 0, 0}.encode();
+  EXPECT_NE(error_of([&] { wire::TrainActorRequest::decode(h); }).find("normalizer 0"), std::string::npos);
+  wire::TrainActorRequest rows{batch(), floats({1, 2, 3, 4, 5, 6}), floats({1, 2, 3, 4, 5, 6}), {}, {}, {}, 1, 0};
   rows.step_rows = -3;  // the router losses' weights
-  EXPECT_NE(error_of([&] { TrainActorRequest::decode(rows.encode()); }).find("step_rows -3"), std::string::npos);
+  EXPECT_NE(error_of([&] { wire::TrainActorRequest::decode(rows.encode()); }).find("step_rows -3"), std::string::npos);
 }
 
 }  // namespace
-}  // namespace tiller::rollout
+}  // namespace tiller::controller
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 // Routing replay: the engine's experts travel from the rollout (samples with and without routes,
@@ -390,27 +390,27 @@ TEST(Protocol, RoutesTravelWithTheBatchAndAreCutWithItsRows) {
   ro.set_routes({0, 1, 2, 3, 1, 2, 3, 0, 2, 3, 0, 1, 3, 0, 1, 2}, 4);
   ro.add(0, 1, {1}, {2, 3, 4}, {-1, -1, -1}, false, {}, none, 1);  // no routes recorded
   EXPECT_THROW(ro.set_routes({0, 1, 2}, 4), std::exception);  // not whole rows
-  const PackedSequences b = pack_sequences(ro, {0, 1});
+  const wire::PackedSequences b = pack_sequences(ro, {0, 1});
   ASSERT_TRUE(b.routes.defined());
   ASSERT_EQ(b.routes.size(0), 9);
   ASSERT_EQ(b.routes.size(1), 4);
   EXPECT_EQ(b.routes[3][2].item<int16_t>(), 1);
   for (int64_t r : {4, 5, 6, 7, 8}) EXPECT_EQ(b.routes[r][0].item<int16_t>(), -1) << "row " << r;
-  const ScoreRequest d = ScoreRequest::decode(ScoreRequest{b, 1.0}.encode());
+  const wire::ScoreRequest d = wire::ScoreRequest::decode(wire::ScoreRequest{b, 1.0}.encode());
   ASSERT_TRUE(d.batch.routes.defined());
   EXPECT_TRUE(at::equal(d.batch.routes, b.routes));
   int64_t rows = 0;
-  for (const PackedSequences& s : b.cut(2)) {
+  for (const wire::PackedSequences& s : b.cut(2)) {
     ASSERT_TRUE(s.routes.defined());
     EXPECT_TRUE(at::equal(s.routes, b.routes.narrow(0, s.first_row, s.held())));
-    const ScoreRequest ds = ScoreRequest::decode(ScoreRequest{s, 1.0}.encode());
+    const wire::ScoreRequest ds = wire::ScoreRequest::decode(wire::ScoreRequest{s, 1.0}.encode());
     EXPECT_TRUE(at::equal(ds.batch.routes, s.routes));
     rows += s.held();
   }
   EXPECT_EQ(rows, 9);
   // Without routes nothing extra travels.
-  EXPECT_FALSE(ScoreRequest::decode(ScoreRequest{batch(), 1.0}.encode()).batch.routes.defined());
+  EXPECT_FALSE(wire::ScoreRequest::decode(wire::ScoreRequest{batch(), 1.0}.encode()).batch.routes.defined());
 }
 
 }  // namespace
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

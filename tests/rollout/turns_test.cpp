@@ -9,11 +9,11 @@
 
 #include "controller/advantages.h"
 #include "controller/off_policy.h"
+#include "tiller/controller/experience.h"
 #include "tiller/core/error.h"
-#include "tiller/rollout/experience.h"
 #include "trainer/losses.h"
 
-namespace tiller::rollout {
+namespace tiller::controller {
 namespace {
 
 RolloutLayout turns_layout(bool critic = false) {
@@ -206,7 +206,7 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
   const at::Tensor m = at::tensor(mask, at::kByte);
   const at::Tensor obs = m.logical_not();
   auto request = [&](double perturb) {
-    TrainActorRequest r;
+    wire::TrainActorRequest r;
     r.old_logp = at::tensor(std::vector<float>{-1.1f, -0.9f, -2, -2, -2, -1.3f, -0.7f});
     r.advantages = at::tensor(std::vector<float>{0.5f, 0.5f, 0, 0, 0, -1.f, -1.f});
     r.ref_logp = at::tensor(std::vector<float>{-1.f, -1.f, -1, -1, -1, -1.2f, -0.8f});
@@ -218,7 +218,7 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
     r.kl_coef = 0.1;
     return r;
   };
-  ActorLossSpec spec;
+  trainer::ActorLossSpec spec;
   spec.entropy_coef = 0.01;
   spec.kl_estimator = "k3";
   const std::vector<float> lp{-1.f, -1.f, -5.f, -4.f, -3.f, -1.2f, -0.9f};
@@ -227,7 +227,7 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
   std::vector<double> losses;
   for (double perturb : {0.0, 3.0, -7.0}) {
     at::Tensor logp = at::tensor(lp).set_requires_grad(true);
-    const MicroBatchLoss l = actor_loss(logp, at::tensor(ent), request(perturb), spec);
+    const trainer::MicroBatchLoss l = trainer::actor_loss(logp, at::tensor(ent), request(perturb), spec);
     EXPECT_EQ(l.tokens, 4);
     l.loss.backward();
     losses.push_back(l.loss.item<double>());
@@ -243,21 +243,21 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
   EXPECT_GT(grads[0].abs().sum().item<double>(), 0);
   // The model tokens alone, unmasked: the same loss.
   const at::Tensor keep = at::nonzero(m).reshape({-1});
-  TrainActorRequest alone = request(0);
+  wire::TrainActorRequest alone = request(0);
   for (at::Tensor* t : {&alone.old_logp, &alone.advantages, &alone.ref_logp, &alone.is_weights})
     *t = t->index_select(0, keep);
   alone.loss_mask = at::Tensor();
-  const MicroBatchLoss l = actor_loss(at::tensor(lp).index_select(0, keep), at::tensor(ent).index_select(0, keep), alone, spec);
+  const trainer::MicroBatchLoss l = trainer::actor_loss(at::tensor(lp).index_select(0, keep), at::tensor(ent).index_select(0, keep), alone, spec);
   EXPECT_NEAR(l.loss.item<double>(), losses[0], 1e-6);
   // The critic likewise.
   for (double perturb : {0.0, 5.0}) {
-    TrainCriticRequest c;
+    wire::TrainCriticRequest c;
     c.old_values = at::tensor(std::vector<float>{0.1f, 0.2f, 0, 0, 0, 0.3f, 0.4f}) + obs.to(at::kFloat) * perturb;
     c.returns = at::tensor(std::vector<float>{1, 1, 0, 0, 0, 0.5f, 0.5f}) - obs.to(at::kFloat) * perturb;
     c.loss_mask = m;
     c.normalizer = 4;
     at::Tensor v = at::tensor(std::vector<float>{0.2f, 0.2f, 3, 3, 3, 0.2f, 0.2f}).set_requires_grad(true);
-    const MicroBatchLoss cl = critic_loss(v, c, {"clipped", 0.2});
+    const trainer::MicroBatchLoss cl = trainer::critic_loss(v, c, {"clipped", 0.2});
     cl.loss.backward();
     EXPECT_EQ(cl.tokens, 4);
     EXPECT_TRUE(at::equal(v.grad().masked_select(obs), at::zeros({3})));
@@ -265,9 +265,9 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
   }
   EXPECT_EQ(losses[3], losses[4]);
   // A micro-batch of observation tokens only trains nothing (the rank still runs its collectives).
-  TrainActorRequest none = request(0);
+  wire::TrainActorRequest none = request(0);
   none.loss_mask = at::zeros({7}, at::kByte);
-  EXPECT_FALSE(actor_loss(at::tensor(lp), at::tensor(ent), none, spec).loss.defined());
+  EXPECT_FALSE(trainer::actor_loss(at::tensor(lp), at::tensor(ent), none, spec).loss.defined());
 
   // A registered policy loss is the one the rank uses (algo.policy_loss), on the trained tokens
   // only, with the KL loss and the entropy bonus added by the rank; its statistics, left undefined,
@@ -285,12 +285,12 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
     return true;
   }();
   ASSERT_TRUE(registered);
-  ActorLossSpec plain;  // no KL loss (kl_coef 0 below), no entropy bonus
+  trainer::ActorLossSpec plain;  // no KL loss (kl_coef 0 below), no entropy bonus
   plain.policy_loss = "test_square";
-  TrainActorRequest r = request(0);
+  wire::TrainActorRequest r = request(0);
   r.kl_coef = 0;
   at::Tensor logp = at::tensor(lp).set_requires_grad(true);
-  const MicroBatchLoss sq = actor_loss(logp, at::tensor(ent), r, plain);
+  const trainer::MicroBatchLoss sq = trainer::actor_loss(logp, at::tensor(ent), r, plain);
   // (1 + 1 + 1.44 + 0.81) / 4
   EXPECT_NEAR(sq.loss.item<double>(), 4.25 / 4, 1e-6);
   sq.loss.backward();
@@ -315,19 +315,19 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
     return true;
   }();
   ASSERT_TRUE(registered_value);
-  TrainCriticRequest c;
+  wire::TrainCriticRequest c;
   c.old_values = at::tensor(std::vector<float>{0.1f, 0.2f, 0, 0, 0, 0.3f, 0.4f});
   c.returns = at::tensor(std::vector<float>{1, 1, 9, 9, 9, 0.5f, -0.5f});
   c.loss_mask = m;
   c.normalizer = 4;
   at::Tensor v = at::tensor(std::vector<float>{0.2f, 0.2f, 3, 3, 3, 0.2f, 0.2f}).set_requires_grad(true);
-  const MicroBatchLoss l1 = critic_loss(v, c, {"test_l1", 0.2});
+  const trainer::MicroBatchLoss l1 = trainer::critic_loss(v, c, {"test_l1", 0.2});
   EXPECT_NEAR(l1.loss.item<double>(), (0.8 + 0.8 + 0.3 + 0.7) / 4, 1e-6);
   l1.loss.backward();
   EXPECT_TRUE(at::allclose(v.grad(), at::tensor(std::vector<float>{-0.25f, -0.25f, 0, 0, 0, -0.25f, 0.25f})));
   EXPECT_EQ(l1.stats[1].item<double>(), 0.0);  // no clipped tokens given: 0
-  EXPECT_THROW(critic_loss(v, c, {"test_l2", 0.2}), ConfigError);
+  EXPECT_THROW(trainer::critic_loss(v, c, {"test_l2", 0.2}), ConfigError);
 }
 
 }  // namespace
-}  // namespace tiller::rollout
+}  // namespace tiller::controller

@@ -80,7 +80,7 @@ inline const AdvantageEstimatorDef& advantage_estimator(const std::string& name)
 // exist; a critic
 // when it needs one and none otherwise; groups of two or more for a group baseline). `load_config`
 // checks the rest; every command that loads a job calls this after it (load_job does both), and
-// rollout::run_train checks it again for a job built in code.
+// job::run_train checks it again for a job built in code.
 void check_config(const JobConfig& job);
 // load_config(path, overrides), then check_config.
 JobConfig load_job(const std::string& path, const std::vector<std::string>& overrides = {});

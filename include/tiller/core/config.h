@@ -274,7 +274,7 @@ struct RolloutConfig {
   double top_p = 1.0;
   std::int64_t top_k = -1;
   std::int64_t micro_batch_tokens = 16384;
-  // How a prompt's samples are made: a registered sample loop (tiller/rollout/sample_loop.h); ""
+  // How a prompt's samples are made: a registered sample loop (tiller/controller/sample_loop.h); ""
   // picks multi_turn with an environment (env.type), single_turn without.
   std::string loop;
   std::string loop_args;  // its settings, in a format of its own
@@ -338,7 +338,7 @@ struct AlgoConfig {
 };
 
 struct DataConfig {
-  std::string source = "file";  // a registered prompt source (tiller/rollout/prompt_source.h)
+  std::string source = "file";  // a registered prompt source (tiller/controller/prompt_source.h)
   std::string source_args;      // its settings, in a format of its own
   std::string prompts;
   std::string input_key = "input";
@@ -401,7 +401,7 @@ struct TrainConfig {
   std::int64_t optimizer_threads = 0;  // host AdamW's threads per rank (optimizer_offload: cpu); 0: cores / local ranks
   Precision reduce_dtype = Precision::kFp32;  // what gradients are reduce-scattered in
   OldLogprobs old_logprobs = OldLogprobs::kRecompute;  // where the PPO ratio's old log-probs come from
-  std::string step_hooks;  // registered step hooks, by name, comma-separated (tiller/rollout/step_hooks.h)
+  std::string step_hooks;  // registered step hooks, by name, comma-separated (tiller/controller/step_hooks.h)
 };
 
 // Evaluation during RL (docs/training.md, "Evaluation"): held-out prompts on the job's engines.

@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <string>
 
-#include "tiller/rollout/memory_plan.h"
+#include "tiller/job/memory_plan.h"
 
 namespace tiller {
 struct JobConfig;
@@ -47,7 +47,7 @@ int run_dpo(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& optio
 // plans it at start-up; `tiller plan --command` prints it. A reward model is planned with the LM
 // head (a slight overestimate); DPO's reference on the fly is not counted. With `check`,
 // ConfigError naming what to change when it cannot fit.
-rollout::MemoryPlan offline_memory_plan(const JobConfig& cfg, const model::ModelConfig& shape, int64_t gpu_bytes,
+job::MemoryPlan offline_memory_plan(const JobConfig& cfg, const model::ModelConfig& shape, int64_t gpu_bytes,
                                         const std::string& command, bool check);
 
 }  // namespace tiller::offline

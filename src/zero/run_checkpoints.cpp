@@ -1,4 +1,4 @@
-#include "controller/checkpoint_manager.h"
+#include "zero/run_checkpoints.h"
 
 #include <utility>
 
@@ -7,7 +7,7 @@
 
 #include "tiller/core/error.h"
 
-namespace tiller::rollout {
+namespace tiller::zero {
 namespace {
 
 using json = nlohmann::ordered_json;
@@ -17,7 +17,7 @@ constexpr const char* kFormatV1 = "tiller-controller-1";  // before the asynchro
 
 }  // namespace
 
-std::string ControllerState::to_json() const {
+std::string RunState::to_json() const {
   json st;
   st["format"] = kFormat;
   st["step"] = step;
@@ -33,8 +33,8 @@ std::string ControllerState::to_json() const {
   return st.dump(2) + "\n";
 }
 
-ControllerState ControllerState::from_json(const std::string& text, const std::string& path) {
-  ControllerState s;
+RunState RunState::from_json(const std::string& text, const std::string& path) {
+  RunState s;
   try {
     const json st = json::parse(text);
     const std::string format = st.value("format", "");
@@ -66,16 +66,16 @@ ControllerState ControllerState::from_json(const std::string& text, const std::s
   return s;
 }
 
-CheckpointManager::CheckpointManager(std::string root, int64_t keep_last) : dirs_(std::move(root), keep_last) {}
+RunCheckpoints::RunCheckpoints(std::string root, int64_t keep_last) : dirs_(std::move(root), keep_last) {}
 
-std::vector<CheckpointManager::Entry> CheckpointManager::list() const { return dirs_.list(); }
+std::vector<RunCheckpoints::Entry> RunCheckpoints::list() const { return dirs_.list(); }
 
-void CheckpointManager::commit(int64_t step, const ControllerState& state) const { dirs_.commit(step, state.to_json()); }
+void RunCheckpoints::commit(int64_t step, const RunState& state) const { dirs_.commit(step, state.to_json()); }
 
-std::optional<std::pair<CheckpointManager::Entry, ControllerState>> CheckpointManager::latest() const {
+std::optional<std::pair<RunCheckpoints::Entry, RunState>> RunCheckpoints::latest() const {
   const auto l = dirs_.latest();
   if (!l) return std::nullopt;
-  return std::make_pair(l->entry, ControllerState::from_json(l->marker_text, l->marker_path));
+  return std::make_pair(l->entry, RunState::from_json(l->marker_text, l->marker_path));
 }
 
-}  // namespace tiller::rollout
+}  // namespace tiller::zero

@@ -1,6 +1,6 @@
-// The controller's side of checkpoints (private to src/): its state, controller.json, the marker
-// that completes a step directory of checkpoint.dir (zero/step_checkpoints.h: the layout, the
-// names, completion and pruning).
+// A run's checkpoints with their state (private to src/): RunState, what controller.json holds,
+// the marker that completes a step directory of checkpoint.dir (step_checkpoints.h: the layout,
+// the names, completion and pruning). `tiller train`'s controller and the offline runner write it.
 #pragma once
 
 #include <cstdint>
@@ -8,13 +8,18 @@
 #include <string>
 #include <vector>
 
-#include "controller/collector.h"
 #include "zero/step_checkpoints.h"
 
-namespace tiller::rollout {
+namespace tiller::zero {
 
 // What controller.json holds: where the run stands, and (async) what was in flight.
-struct ControllerState {
+struct RunState {
+  // A prompt dispatched and not trained: a resumed run sends it again.
+  struct Prompt {
+    int64_t ordinal = 0;        // its dispatch ordinal (request id and seed)
+    int64_t dataset_index = 0;
+  };
+
   int64_t step = 0;              // steps completed
   uint64_t weight_version = 0;   // syncs done
   int64_t actor_updates = 0, critic_updates = 0;
@@ -23,21 +28,20 @@ struct ControllerState {
   double reward_mean = 0, reward_m2 = 0;
   int64_t reward_count = 0;
   // Prompts dispatched and not trained (sent again on resume), and the next dispatch ordinal.
-  std::vector<PendingPrompt> outstanding;
+  std::vector<Prompt> outstanding;
   int64_t next_ordinal = 0;
 
   std::string to_json() const;
   // IoError naming `path` when the text is not a controller state.
-  static ControllerState from_json(const std::string& text, const std::string& path);
+  static RunState from_json(const std::string& text, const std::string& path);
 };
 
-// The controller's view of the step directories (zero/step_checkpoints.h): the marker is a
-// ControllerState.
-class CheckpointManager {
+// The step directories (step_checkpoints.h) whose marker is a RunState.
+class RunCheckpoints {
  public:
-  using Entry = zero::StepCheckpoints::Entry;
+  using Entry = StepCheckpoints::Entry;
   // An empty root: checkpoints are off.
-  CheckpointManager(std::string root, int64_t keep_last);
+  RunCheckpoints(std::string root, int64_t keep_last);
   bool enabled() const { return dirs_.enabled(); }
   const std::string& root() const { return dirs_.root(); }
   std::string dir(int64_t step) const { return dirs_.dir(step); }
@@ -45,13 +49,13 @@ class CheckpointManager {
   std::string begin(int64_t step) const { return dirs_.begin(step); }
   // Writes controller.json (completing the checkpoint), then deletes the oldest complete ones
   // beyond keep_last.
-  void commit(int64_t step, const ControllerState& state) const;
+  void commit(int64_t step, const RunState& state) const;
   std::vector<std::string> remove_incomplete() const { return dirs_.remove_incomplete(); }
   // The newest complete checkpoint and its state, or nullopt.
-  std::optional<std::pair<Entry, ControllerState>> latest() const;
+  std::optional<std::pair<Entry, RunState>> latest() const;
 
  private:
-  zero::StepCheckpoints dirs_;
+  StepCheckpoints dirs_;
 };
 
-}  // namespace tiller::rollout
+}  // namespace tiller::zero
