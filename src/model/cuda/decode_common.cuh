@@ -138,7 +138,8 @@ void launch_combine(const PagedDecode& a, cudaStream_t stream) {
 
 // The tensor-core kernel (paged_decode_mma.cu): bf16/fp16, head sizes 64 and 128, 2 to 16 query
 // heads per KV head. paged_decode_mma launches it (and the combine) and returns true, or returns
-// false when the shape is not one it serves.
+// false when the shape is not one it serves. paged_decode_prefill_mma (paged_prefill_mma.cu) runs its
+// bitwise prefill form.
 bool paged_decode_mma_serves(DType dtype, int64_t head_dim, int64_t group);
 bool paged_decode_mma(const PagedDecode& a, cudaStream_t stream);
 void paged_decode_prefill_mma(const PrefillRows& a, cudaStream_t stream);
