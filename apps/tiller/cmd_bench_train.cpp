@@ -86,7 +86,7 @@ E choice(const std::string& value, const char* flag) {
   throw ConfigError(fmt::format("{} {}: not one of its choices", flag, value));
 }
 
-// The memory plan of this job (rollout/memory_plan.h, as tiller train plans a trained role):
+// The memory plan of this job (job/memory_plan.h, as tiller train plans a trained role):
 // recompute and compute_shard resolved, and a refusal naming the rank when it cannot fit.
 job::MemoryPlan plan_job(const TrainBenchOptions& o, const model::ModelConfig& cfg, const at::Device& dev,
                              int world, int rank, int64_t tokens_per_rank) {

@@ -1,4 +1,4 @@
-// tiller train: a PPO job under mpirun (rollout/train.h).
+// tiller train: a PPO job under mpirun (job/train.h).
 
 #include <cstdio>
 
@@ -25,7 +25,7 @@ struct TrainCmdOptions {
 };
 
 int run_train_cmd(const TrainCmdOptions& o, int* argc, char*** argv) {
-  // SIGINT/SIGTERM go to the controller's watcher thread (rollout/train.h): blocked before MPI
+  // SIGINT/SIGTERM go to the controller's watcher thread (job/train.h): blocked before MPI
   // (or anything else) starts a thread, so no other thread takes the default action.
   block_stop_signals();
   dist::MpiEnv env(argc, argv);

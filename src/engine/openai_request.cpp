@@ -1,4 +1,5 @@
-// Reading an OpenAI request's body (openai_request.h).
+// Reading an OpenAI request's body (openai_request.h), and the tool calls in a reply's text
+// (parse_hermes_tool_calls, tiller/engine/openai_server.h).
 #include "engine/openai_request.h"
 
 #include <algorithm>
@@ -6,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "tiller/core/error.h"
+#include "tiller/engine/openai_server.h"
 #include "tiller/text/chat_template.h"
 #include "tiller/text/tokenizer.h"
 
@@ -223,7 +225,7 @@ Generation RequestReader::chat(const json& b) {
             try {
               json parsed = json::parse(f.at("arguments").get<std::string>());
               if (parsed.is_object()) f["arguments"] = std::move(parsed);
-            } catch (const json::exception&) {
+            } catch (const openai::json::exception&) {
               // Not JSON: the template gets the string as it was sent.
             }
           }
@@ -257,3 +259,50 @@ Generation RequestReader::chat(const json& b) {
 }
 
 }  // namespace tiller::engine::openai
+
+namespace tiller::engine {
+namespace {
+
+std::string trim(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t\r\n"), b = s.find_last_not_of(" \t\r\n");
+  return a == std::string::npos ? "" : s.substr(a, b - a + 1);
+}
+
+}  // namespace
+
+std::optional<ToolCalls> parse_hermes_tool_calls(const std::string& text) {
+  static const std::string kOpen = "<tool_call>", kClose = "</tool_call>";
+  size_t at = text.find(kOpen);
+  if (at == std::string::npos) return std::nullopt;
+  ToolCalls out;
+  out.content = trim(text.substr(0, at));
+  while (at != std::string::npos) {
+    const size_t body = at + kOpen.size();
+    const size_t end = text.find(kClose, body);
+    // An unclosed last block (the reply ran out of tokens, or stopped at </tool_call>) counts
+    // when its JSON is whole.
+    const std::string inner = trim(text.substr(body, end == std::string::npos ? std::string::npos : end - body));
+    openai::json call;
+    try {
+      call = openai::json::parse(inner);
+    } catch (const openai::json::exception&) {
+      return std::nullopt;
+    }
+    if (!call.is_object() || !call.contains("name") || !call.at("name").is_string()) return std::nullopt;
+    openai::json args = call.value("arguments", openai::json::object());
+    if (args.is_string()) {  // some models write the arguments as a JSON string
+      try {
+        args = openai::json::parse(args.get<std::string>());
+      } catch (const openai::json::exception&) {
+        return std::nullopt;
+      }
+    }
+    if (!args.is_object()) return std::nullopt;
+    out.calls.emplace_back(call.at("name").get<std::string>(), args.dump());
+    if (end == std::string::npos) break;
+    at = text.find(kOpen, end + kClose.size());
+  }
+  return out;
+}
+
+}  // namespace tiller::engine

@@ -43,47 +43,7 @@ struct Choice {
 
 std::string finish_of(const std::string& engine_reason) { return engine_reason == "length" ? "length" : "stop"; }
 
-std::string trim(const std::string& s) {
-  const size_t a = s.find_first_not_of(" \t\r\n"), b = s.find_last_not_of(" \t\r\n");
-  return a == std::string::npos ? "" : s.substr(a, b - a + 1);
-}
-
 }  // namespace
-
-std::optional<ToolCalls> parse_hermes_tool_calls(const std::string& text) {
-  static const std::string kOpen = "<tool_call>", kClose = "</tool_call>";
-  size_t at = text.find(kOpen);
-  if (at == std::string::npos) return std::nullopt;
-  ToolCalls out;
-  out.content = trim(text.substr(0, at));
-  while (at != std::string::npos) {
-    const size_t body = at + kOpen.size();
-    const size_t end = text.find(kClose, body);
-    // An unclosed last block (the reply ran out of tokens, or stopped at </tool_call>) counts
-    // when its JSON is whole.
-    const std::string inner = trim(text.substr(body, end == std::string::npos ? std::string::npos : end - body));
-    json call;
-    try {
-      call = json::parse(inner);
-    } catch (const json::exception&) {
-      return std::nullopt;
-    }
-    if (!call.is_object() || !call.contains("name") || !call.at("name").is_string()) return std::nullopt;
-    json args = call.value("arguments", json::object());
-    if (args.is_string()) {  // some models write the arguments as a JSON string
-      try {
-        args = json::parse(args.get<std::string>());
-      } catch (const json::exception&) {
-        return std::nullopt;
-      }
-    }
-    if (!args.is_object()) return std::nullopt;
-    out.calls.emplace_back(call.at("name").get<std::string>(), args.dump());
-    if (end == std::string::npos) break;
-    at = text.find(kOpen, end + kClose.size());
-  }
-  return out;
-}
 
 // The engine server's local sessions as streams.
 class LocalStream final : public OpenAiStream {

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "job/activation_memory.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
@@ -19,9 +20,6 @@ namespace tiller::job {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-// Rows of the LM head's fp32 logits chunk (zero::ShardedModelOptions::logprob_chunk_rows).
-constexpr int64_t kLogitRows = 1024;
-
 
 int64_t dtype_bytes(Precision dtype) { return dtype == Precision::kFp32 ? 4 : 2; }
 
@@ -132,73 +130,7 @@ RoleFootprint footprint(const RoleSpec& r, bool keep_compute_shard) {
   return f;
 }
 
-// Per token, the elements of the MLP's gate, up and product: a sparse layer runs experts_per_token
-// experts (and the shared one) on it, each on a gathered copy of the token whose scaled output is
-// kept too, beside the router's probabilities.
-int64_t mlp_elements(const model::ModelConfig& c) {
-  if (!c.moe()) return 3 * c.intermediate_size;
-  return 3 * (c.experts_per_token * c.moe_intermediate_size + c.shared_expert_intermediate_size) +
-         2 * c.experts_per_token * c.hidden_size + c.num_experts;
-}
 
-// One block's intermediate tensors per token (q/k/v, attention out, norms, the MLP's gate, up and
-// product), twice over for what autograd keeps and the recomputation's temporaries.
-int64_t block_internals_per_token(const model::ModelConfig& c, int64_t bytes) {
-  return 2 * (4 * c.hidden_size + c.q_size() + 2 * c.kv_size() + mlp_elements(c)) * bytes;
-}
-
-}  // namespace
-
-namespace {
-
-// What LoRA adds per token to a kept block half (bytes): each adapted group's input (q/k/v and
-// gate/up share theirs: cast once) in fp32 for the A gradients, in place of the copy the frozen
-// base's projections no longer keep for their weight gradients; and each adapter's rank-r
-// intermediate for its B gradient. {attention half, MLP half}.
-std::pair<int64_t, int64_t> lora_activation_bytes(const model::ModelConfig& c, int64_t bytes, const model::LoraSpec& l) {
-  auto on = [&](model::LoraModule m) { return l.targets[static_cast<size_t>(m)] ? 1 : 0; };
-  using M = model::LoraModule;
-  const int64_t f = 4 - bytes, r4 = 4 * l.rank;
-  const int64_t qkv = on(M::kQ) + on(M::kK) + on(M::kV), gu = on(M::kGate) + on(M::kUp);
-  const int64_t attention = (qkv > 0 ? f * c.hidden_size : 0) + on(M::kO) * f * c.q_size() + (qkv + on(M::kO)) * r4;
-  const int64_t mlp = (gu > 0 ? f * c.hidden_size : 0) + on(M::kDown) * f * c.intermediate_size + (gu + on(M::kDown)) * r4;
-  return {attention, mlp};
-}
-
-}  // namespace
-
-int64_t train_activation_bytes(const model::ModelConfig& c, int64_t tokens, int64_t bytes, zero::Recompute mode,
-                               int64_t layers, const model::LoraSpec* lora) {
-  // What autograd keeps of one block per token (elements; zero/sharded_model.cpp's modes):
-  // the block's input; the attention half's normed input, RoPE'd q and k, v and the attention
-  // output (q and k twice more before RoPE with qk_norm); the MLP half's input, normed input,
-  // gate, up and their product.
-  const int64_t input = c.hidden_size;
-  const int64_t attention = c.hidden_size + 2 * c.q_size() + 2 * c.kv_size() + (c.qk_norm ? c.q_size() + c.kv_size() : 0);
-  const int64_t mlp = 2 * c.hidden_size + mlp_elements(c);
-  int64_t extra = 0;
-  if (mode == zero::Recompute::kAttentionOnly) extra = mlp;
-  if (mode == zero::Recompute::kNone) extra = attention + mlp;
-  const int64_t keeping = layers < 0 ? c.num_layers : std::min(layers, c.num_layers);
-  // One block's backward in flight: what it recomputes (kBlocks, kAttentionOnly) and the
-  // gradients of its activations.
-  int64_t per_token = (c.num_layers * input + keeping * extra) * bytes + block_internals_per_token(c, bytes);
-  if (lora && lora->enabled()) {
-    const auto [la, lm] = lora_activation_bytes(c, bytes, *lora);
-    if (mode == zero::Recompute::kAttentionOnly) per_token += keeping * lm;
-    if (mode == zero::Recompute::kNone) per_token += keeping * (la + lm);
-    per_token += 2 * (la + lm);  // the block in flight
-  }
-  // The LM head's chunk of logits: in fp32 with its softmax and gradient (3 copies); in bf16 the
-  // fused kernel turns the logits into their gradient in place (one copy, and its temporaries).
-  return tokens * per_token + kLogitRows * c.vocab_size * (bytes == 4 ? 12 : 2 * bytes);
-}
-
-namespace {
-
-int64_t score_activations(const model::ModelConfig& c, int64_t tokens, int64_t bytes) {
-  return tokens * (block_internals_per_token(c, bytes) / 2 + 2 * c.hidden_size * bytes) + kLogitRows * c.vocab_size * 4 * 2;
-}
 
 const model::ModelConfig* find_shape(const ModelShapes& shapes, const std::string& key) {
   auto it = shapes.find(key);
@@ -358,7 +290,7 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
                                                     spec.lora ? &spec.lora_spec : nullptr));
         grad_buffers = std::max(grad_buffers, f.grad_buffers);
       }
-      act_score = std::max(act_score, score_activations(*mc, cfg.rollout.micro_batch_tokens, spec.dtype_bytes));
+      act_score = std::max(act_score, score_activation_bytes(*mc, cfg.rollout.micro_batch_tokens, spec.dtype_bytes));
       // Context parallelism: inside one block's attention a rank holds the whole row's keys and
       // values for its heads (R x its own), and in the backward their gradient as well.
       if (const int64_t cp = role_config(cfg, r).context_parallel; g && cp > 1 && g->sequence_parallel > 1) {
@@ -479,35 +411,7 @@ bool fits_with_margin(const MemoryPlan& m) {
   return true;
 }
 
-}  // namespace
 
-namespace {
-constexpr int64_t kAllLayers = int64_t{1} << 20;  // above any layer count (train.recompute_layers' bound)
-}
-
-double recompute_order(zero::Recompute mode, int64_t layers) {
-  switch (mode) {
-    case zero::Recompute::kBlocks: return 0;
-    case zero::Recompute::kAttentionOnly: return static_cast<double>(layers < 0 ? kAllLayers : std::min(layers, kAllLayers));
-    case zero::Recompute::kNone: return static_cast<double>(layers < 0 ? 2 * kAllLayers : kAllLayers + std::min(layers, kAllLayers));
-  }
-  return 0;
-}
-
-std::pair<zero::Recompute, int64_t> recompute_from_order(double order) {
-  const auto o = static_cast<int64_t>(order);
-  if (o <= 0) return {zero::Recompute::kBlocks, -1};
-  if (o < kAllLayers) return {zero::Recompute::kAttentionOnly, o};
-  if (o == kAllLayers) return {zero::Recompute::kAttentionOnly, -1};
-  if (o < 2 * kAllLayers) return {zero::Recompute::kNone, o - kAllLayers};
-  return {zero::Recompute::kNone, -1};
-}
-
-bool activations_fit(int64_t others, int64_t activations, int64_t gpu_bytes) {
-  return others + activations + activations / 8 + reserve_bytes(others + activations) <= gpu_bytes;
-}
-
-namespace {
 
 // train.recompute (with train.recompute_layers) and train.compute_shard: what they set, or for
 // `auto` the first choice in this order whose plan fits every rank with the activations' margin:

@@ -1,4 +1,4 @@
-// The memory plan (rollout/memory_plan.h): what it counts per rank and phase, how the hybrid KV
+// The memory plan (job/memory_plan.h): what it counts per rank and phase, how the hybrid KV
 // cache is sized against the generate phase's footprint, and a plan that cannot fit refused with
 // the rank, its roles and what to change.
 #include <cstdio>

@@ -98,7 +98,7 @@ std::vector<std::string> preset_names();
 int64_t context_limit(const ModelConfig& cfg);
 // The sequence length at which a causal sequence's attention (2 L heads head_dim FLOPs per token,
 // each way) costs as much as the rest of a block (2 x its parameters per token): the packer's
-// weight for long samples (rollout/packer.h).
+// weight for long samples (controller/packer.h).
 double attention_cost_tokens(const ModelConfig& cfg);
 
 // Parameter count of the causal LM (lm_head counted once when tied; every expert).

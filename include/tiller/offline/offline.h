@@ -11,7 +11,7 @@
 // Launched like tiller train: `mpirun -np roles.actor.gpus tiller sft -c cfg.yaml`. Each rank reads
 // the data itself (the same file, the same order), so the ranks agree on every step's samples
 // without communicating; a step's samples are packed into micro-batches of at most
-// train.micro_batch_tokens and dealt to the ranks in lockstep rounds (rollout/packer.h), empty
+// train.micro_batch_tokens and dealt to the ranks in lockstep rounds (controller/packer.h), empty
 // micro-batches where a round has fewer than the ranks. Under roles.actor.sequence_parallel S,
 // each group of S consecutive ranks shares a micro-batch.
 #pragma once
@@ -42,7 +42,7 @@ int run_sft(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& optio
 int run_train_rm(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& options = {});
 int run_dpo(const JobConfig& cfg, dist::MpiEnv& env, const OfflineOptions& options = {});
 
-// The trained model's memory plan (rollout/memory_plan.h: plan_trainer over roles.actor.gpus ranks
+// The trained model's memory plan (job/memory_plan.h: plan_trainer over roles.actor.gpus ranks
 // at train.micro_batch_tokens per rank) on GPUs of `gpu_bytes` (0: no choice by size), as the job
 // plans it at start-up; `tiller plan --command` prints it. A reward model is planned with the LM
 // head (a slight overestimate); DPO's reference on the fly is not counted. With `check`,
