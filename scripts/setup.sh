@@ -29,6 +29,7 @@ apt_packages=(
   libgtest-dev libgmock-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libsentencepiece-dev libpcre2-dev libutf8proc-dev
+  libzstd-dev libxxhash-dev
   libcpp-httplib-dev
   python3-dev
   openssl

@@ -4,14 +4,15 @@
 # tool's `carry`; scripts/gpu/build.sh unpacks them with dpkg -x into .gpu/prefix.
 # Packages: PCRE2, utf8proc and SentencePiece (tokenizers); gRPC C++ 1.51 with what it links
 # (Abseil, RE2, c-ares, OpenSSL headers) and the static protobuf of the engine service; cpp-httplib
-# (the OpenAI endpoint) with brotli.
+# (the OpenAI endpoint) with brotli; zstd and xxHash (delta weight sync).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 packages=(libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3
           libutf8proc-dev libutf8proc2 libsentencepiece-dev libsentencepiece0 libprotobuf-lite32
           libgrpc++-dev libgrpc-dev libgrpc++1.51 libgrpc29 protobuf-compiler-grpc libprotobuf-dev
           libabsl-dev libabsl20220623 libre2-dev libre2-9 libc-ares-dev libc-ares2 libssl-dev libssl3
-          zlib1g-dev libcpp-httplib-dev libcpp-httplib0.11 libbrotli-dev libbrotli1)
+          zlib1g-dev libcpp-httplib-dev libcpp-httplib0.11 libbrotli-dev libbrotli1
+          libzstd-dev libzstd1 libxxhash-dev libxxhash0)
 mkdir -p "$here/.gpu/debs"
 cd "$here/.gpu/debs"
 apt-get download "${packages[@]}"

@@ -1,0 +1,256 @@
+#include "sync/delta_codec.h"
+
+#include <xxhash.h>
+#include <zstd.h>
+
+#include <cstring>
+#include <vector>
+
+#include <fmt/format.h>
+
+namespace tiller::sync {
+namespace {
+
+void check_sizes(size_t n, int element_bytes) {
+  if (element_bytes != 1 && element_bytes != 2 && element_bytes != 4)
+    throw ConfigError(fmt::format("delta sync: element size {} bytes: use 1 (fp8), 2 (bf16, fp16) or 4 (fp32)",
+                                  element_bytes));
+  if (n > kMaxBucketBytes)
+    throw ConfigError(fmt::format("delta sync: a bucket of {} bytes is over the {} allowed", n, kMaxBucketBytes));
+  if (n % static_cast<size_t>(element_bytes) != 0)
+    throw ConfigError(fmt::format("delta sync: a bucket of {} bytes is not whole elements of {} bytes", n,
+                                  element_bytes));
+}
+
+// out[p * m + i] = in[i * E + p]: each byte place of the m elements together.
+void to_planes(const uint8_t* in, size_t m, int e, uint8_t* out) {
+  for (int p = 0; p < e; ++p) {
+    uint8_t* o = out + static_cast<size_t>(p) * m;
+    for (size_t i = 0; i < m; ++i) o[i] = in[i * static_cast<size_t>(e) + static_cast<size_t>(p)];
+  }
+}
+
+void from_planes(const uint8_t* in, size_t m, int e, uint8_t* out) {
+  for (int p = 0; p < e; ++p) {
+    const uint8_t* s = in + static_cast<size_t>(p) * m;
+    for (size_t i = 0; i < m; ++i) out[i * static_cast<size_t>(e) + static_cast<size_t>(p)] = s[i];
+  }
+}
+
+std::string compress(const std::vector<uint8_t>& raw, int level) {
+  std::string out(ZSTD_compressBound(raw.size()), '\0');
+  const size_t z = ZSTD_compress(out.data(), out.size(), raw.data(), raw.size(), level);
+  if (ZSTD_isError(z)) throw Error(fmt::format("delta sync: zstd: {}", ZSTD_getErrorName(z)));
+  out.resize(z);
+  return out;
+}
+
+// The payload's frame, which must hold exactly `expected` bytes.
+std::vector<uint8_t> decompress(const std::string& payload, size_t expected, const char* form) {
+  const unsigned long long declared = ZSTD_getFrameContentSize(payload.data(), payload.size());
+  if (declared != expected)
+    throw DeltaMismatch(fmt::format("delta sync: a {} payload that declares {} bytes, expected {}", form,
+                                    declared == ZSTD_CONTENTSIZE_ERROR     ? std::string("no frame")
+                                    : declared == ZSTD_CONTENTSIZE_UNKNOWN ? std::string("an unknown size")
+                                                                           : std::to_string(declared),
+                                    expected));
+  std::vector<uint8_t> out(expected);
+  const size_t got = ZSTD_decompress(out.data(), out.size(), payload.data(), payload.size());
+  if (ZSTD_isError(got) || got != expected)
+    throw DeltaMismatch(fmt::format("delta sync: a {} payload that does not decode ({})", form,
+                                    ZSTD_isError(got) ? ZSTD_getErrorName(got) : "short"));
+  return out;
+}
+
+void put_varint(std::vector<uint8_t>& out, uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<uint8_t>(v | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<uint8_t>(v));
+}
+
+// A LEB128 value at `at` (advanced past it); false past `end` or over 64 bits.
+bool get_varint(const uint8_t*& at, const uint8_t* end, uint64_t& v) {
+  v = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    if (at == end) return false;
+    const uint8_t b = *at++;
+    v |= static_cast<uint64_t>(b & 0x7f) << shift;
+    if ((b & 0x80) == 0) return true;
+  }
+  return false;
+}
+
+bool same_element(const uint8_t* a, const uint8_t* b, int e) {
+  switch (e) {
+    case 1: return a[0] == b[0];
+    case 2: return std::memcmp(a, b, 2) == 0;
+    default: return std::memcmp(a, b, 4) == 0;
+  }
+}
+
+// The sparse form before compression: the count, the gaps (index - previous index - 1, the first
+// from -1), then the changed elements' XOR with the base, in planes (`x`: the whole XOR).
+std::vector<uint8_t> sparse_raw(const uint8_t* x, size_t m, int e, uint64_t changed) {
+  std::vector<uint8_t> raw;
+  raw.reserve(static_cast<size_t>(changed) * (static_cast<size_t>(e) + 2) + 10);
+  put_varint(raw, changed);
+  std::vector<uint8_t> values;
+  values.reserve(static_cast<size_t>(changed) * static_cast<size_t>(e));
+  static const uint8_t kZero[4] = {0, 0, 0, 0};
+  uint64_t prev_plus_one = 0;
+  for (size_t i = 0; i < m; ++i) {
+    const uint8_t* a = x + i * static_cast<size_t>(e);
+    if (same_element(a, kZero, e)) continue;
+    put_varint(raw, i - prev_plus_one);
+    prev_plus_one = i + 1;
+    values.insert(values.end(), a, a + e);
+  }
+  const size_t at = raw.size();
+  raw.resize(at + values.size());
+  to_planes(values.data(), static_cast<size_t>(changed), e, raw.data() + at);
+  return raw;
+}
+
+}  // namespace
+
+const char* delta_form_name(DeltaForm f) {
+  switch (f) {
+    case DeltaForm::kFull: return "full";
+    case DeltaForm::kXor: return "xor";
+    case DeltaForm::kSparse: return "sparse";
+  }
+  return "unknown";
+}
+
+uint64_t bucket_hash(const void* data, size_t n) { return XXH3_64bits(data, n); }
+
+EncodedBucket encode_bucket(const void* next_v, const void* base_v, size_t n, const DeltaOptions& opts) {
+  const int e = opts.element_bytes;
+  check_sizes(n, e);
+  if (opts.zstd_level < 1 || opts.zstd_level > 19)
+    throw ConfigError(fmt::format("delta sync: zstd level {}: allowed 1 to 19", opts.zstd_level));
+  if (!(opts.sparse_below >= 0 && opts.sparse_below <= 1))
+    throw ConfigError(fmt::format("delta sync: sparse_below = {}: allowed 0 to 1", opts.sparse_below));
+  const auto* next = static_cast<const uint8_t*>(next_v);
+  const auto* base = static_cast<const uint8_t*>(base_v);
+  const size_t m = n / static_cast<size_t>(e);
+  EncodedBucket out;
+  out.bytes = n;
+  out.hash = bucket_hash(next, n);
+  std::vector<uint8_t> planes(n);
+  if (base == nullptr) {
+    out.form = DeltaForm::kFull;
+    out.changed = m;
+    to_planes(next, m, e, planes.data());
+    out.payload = compress(planes, opts.zstd_level);
+    return out;
+  }
+  out.base_hash = bucket_hash(base, n);
+  std::vector<uint8_t> x(n);
+  uint64_t changed = 0;
+  for (size_t i = 0; i < m; ++i) {
+    bool differs = false;
+    for (int p = 0; p < e; ++p) {
+      const size_t k = i * static_cast<size_t>(e) + static_cast<size_t>(p);
+      x[k] = next[k] ^ base[k];
+      differs |= x[k] != 0;
+    }
+    changed += differs ? 1 : 0;
+  }
+  out.changed = changed;
+  to_planes(x.data(), m, e, planes.data());
+  out.form = DeltaForm::kXor;
+  out.payload = compress(planes, opts.zstd_level);
+  if (static_cast<double>(changed) <= opts.sparse_below * static_cast<double>(m)) {
+    std::string sparse = compress(sparse_raw(x.data(), m, e, changed), opts.zstd_level);
+    if (sparse.size() < out.payload.size()) {
+      out.form = DeltaForm::kSparse;
+      out.payload = std::move(sparse);
+    }
+  }
+  return out;
+}
+
+void decode_bucket(const EncodedBucket& enc, void* inout_v, size_t n, int e) {
+  check_sizes(n, e);
+  if (enc.bytes != n)
+    throw DeltaMismatch(fmt::format("delta sync: an encoding of {} bytes for a bucket of {}", enc.bytes, n));
+  auto* inout = static_cast<uint8_t*>(inout_v);
+  const size_t m = n / static_cast<size_t>(e);
+  auto result_mismatch = [&] {
+    return DeltaMismatch(fmt::format("delta sync: the {} bucket decoded to other bytes than the sender's (hash "
+                                     "{:016x}, expected {:016x})",
+                                     delta_form_name(enc.form), bucket_hash(inout, n), enc.hash));
+  };
+  if (enc.form == DeltaForm::kFull) {
+    const std::vector<uint8_t> planes = decompress(enc.payload, n, "full");
+    std::vector<uint8_t> bytes(n);
+    from_planes(planes.data(), m, e, bytes.data());
+    if (bucket_hash(bytes.data(), n) != enc.hash)
+      throw DeltaMismatch(fmt::format("delta sync: the full bucket's bytes do not hash to the sender's {:016x}",
+                                      enc.hash));
+    std::memcpy(inout, bytes.data(), n);
+    return;
+  }
+  if (enc.form != DeltaForm::kXor && enc.form != DeltaForm::kSparse)
+    throw DeltaMismatch(fmt::format("delta sync: unknown form {}", static_cast<int>(enc.form)));
+  const uint64_t have = bucket_hash(inout, n);
+  if (have != enc.base_hash)
+    throw DeltaMismatch(fmt::format("delta sync: this copy of the bucket (hash {:016x}) is not the one the delta was "
+                                    "made against ({:016x})",
+                                    have, enc.base_hash));
+  if (enc.form == DeltaForm::kXor) {
+    const std::vector<uint8_t> planes = decompress(enc.payload, n, "xor");
+    std::vector<uint8_t> x(n);
+    from_planes(planes.data(), m, e, x.data());
+    for (size_t k = 0; k < n; ++k) inout[k] ^= x[k];
+    if (bucket_hash(inout, n) != enc.hash) {
+      const DeltaMismatch err = result_mismatch();
+      for (size_t k = 0; k < n; ++k) inout[k] ^= x[k];  // back to the base
+      throw err;
+    }
+    return;
+  }
+  // Sparse: the raw form's size is not declared up front; it is at most the count's varint, a
+  // 10-byte gap and the value of every element.
+  const uint64_t bound = 10 + static_cast<uint64_t>(m) * (10 + static_cast<uint64_t>(e));
+  const unsigned long long declared = ZSTD_getFrameContentSize(enc.payload.data(), enc.payload.size());
+  if (declared == ZSTD_CONTENTSIZE_ERROR || declared == ZSTD_CONTENTSIZE_UNKNOWN || declared > bound)
+    throw DeltaMismatch("delta sync: a sparse payload without a frame of a size its bucket allows");
+  const std::vector<uint8_t> raw = decompress(enc.payload, static_cast<size_t>(declared), "sparse");
+  const uint8_t* at = raw.data();
+  const uint8_t* end = raw.data() + raw.size();
+  uint64_t count = 0;
+  if (!get_varint(at, end, count) || count > m)
+    throw DeltaMismatch("delta sync: a sparse payload with a bad count of elements");
+  std::vector<uint64_t> index(static_cast<size_t>(count));
+  uint64_t next_min = 0;
+  for (uint64_t& i : index) {
+    uint64_t gap = 0;
+    if (!get_varint(at, end, gap) || gap >= m || next_min + gap >= m)
+      throw DeltaMismatch("delta sync: a sparse payload with an index outside its bucket");
+    i = next_min + gap;
+    next_min = i + 1;
+  }
+  if (static_cast<uint64_t>(end - at) != count * static_cast<uint64_t>(e))
+    throw DeltaMismatch("delta sync: a sparse payload whose values do not match its count");
+  std::vector<uint8_t> values(static_cast<size_t>(count) * static_cast<size_t>(e));
+  from_planes(at, static_cast<size_t>(count), e, values.data());
+  auto apply = [&] {  // XOR is its own inverse: applied twice, the base is back
+    for (size_t k = 0; k < index.size(); ++k) {
+      uint8_t* dst = inout + index[k] * static_cast<uint64_t>(e);
+      const uint8_t* v = values.data() + k * static_cast<size_t>(e);
+      for (int p = 0; p < e; ++p) dst[p] ^= v[p];
+    }
+  };
+  apply();
+  if (bucket_hash(inout, n) != enc.hash) {
+    const DeltaMismatch err = result_mismatch();
+    apply();
+    throw err;
+  }
+}
+
+}  // namespace tiller::sync
