@@ -194,31 +194,7 @@ ServerStats EngineClient::stats() {
   pb::StatsResponse r;
   grpc::Status st = impl_->stub->Stats(&ctx, pb::StatsRequest(), &r);
   if (!st.ok()) raise(impl_->opts.address, "Stats", st);
-  ServerStats s;
-  s.engine.running = r.running();
-  s.engine.waiting = r.waiting();
-  s.engine.kv_blocks_total = r.kv_blocks_total();
-  s.engine.kv_blocks_free = r.kv_blocks_free();
-  s.engine.steps = r.steps();
-  s.engine.prompt_tokens = r.prompt_tokens();
-  s.engine.generated_tokens = r.generated_tokens();
-  s.engine.preemptions = r.preemptions();
-  s.engine.requests_finished = r.requests_finished();
-  s.engine.launched_ahead = r.launched_ahead();
-  s.engine.kv_rebuilds = r.kv_rebuilds();
-  s.engine.prefill_tokens = r.prefill_tokens();
-  s.engine.sessions_parked = r.sessions_parked();
-  s.engine.session_resumes = r.session_resumes();
-  s.engine.session_tokens_reused = r.session_tokens_reused();
-  s.engine.session_misses = r.session_misses();
-  s.engine.session_evictions = r.session_evictions();
-  s.engine.seconds_in_steps = r.seconds_in_steps();
-  s.engine.bench_tokens_per_s = r.bench_tokens_per_s();
-  s.engine.device_peak_gb = r.device_peak_gb();
-  s.kv_cache_usage = r.kv_cache_usage();
-  s.tokens_per_second = r.tokens_per_second();
-  s.weight_version = r.weight_version();
-  return s;
+  return from_proto(r);
 }
 
 std::vector<uint64_t> EngineClient::abort(const std::vector<uint64_t>& ids) {
@@ -266,18 +242,6 @@ uint64_t EngineClient::end_weight_update(uint64_t version, double timeout_s) {
   if (!st.ok()) raise(impl_->opts.address, "EndWeightUpdate", st);
   return r.weight_version();
 }
-
-namespace {
-ServerMemory from_proto(const pb::MemoryResponse& r) {
-  ServerMemory m;
-  m.engine.weight_bytes = r.weight_bytes();
-  m.engine.kv_cache_bytes = r.kv_cache_bytes();
-  m.engine.sleep_level = r.sleep_level();
-  m.engine.device_allocated = m.device_allocated = r.device_allocated();
-  m.engine.device_reserved = m.device_reserved = r.device_reserved();
-  return m;
-}
-}  // namespace
 
 ServerMemory EngineClient::sleep(int level) {
   grpc::ClientContext ctx;

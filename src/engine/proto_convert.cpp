@@ -106,4 +106,78 @@ SampleOutput from_proto(const v1::SampleResult& s) {
   return o;
 }
 
+void to_proto(const EngineStats& s, double tokens_per_second, uint64_t weight_version, v1::StatsResponse& r) {
+  r.set_running(s.running);
+  r.set_waiting(s.waiting);
+  r.set_kv_blocks_total(s.kv_blocks_total);
+  r.set_kv_blocks_free(s.kv_blocks_free);
+  r.set_kv_cache_usage(s.kv_blocks_total
+                           ? 1.0 - static_cast<double>(s.kv_blocks_free) / static_cast<double>(s.kv_blocks_total)
+                           : 0.0);
+  r.set_tokens_per_second(tokens_per_second);
+  r.set_steps(s.steps);
+  r.set_prompt_tokens(s.prompt_tokens);
+  r.set_generated_tokens(s.generated_tokens);
+  r.set_preemptions(s.preemptions);
+  r.set_requests_finished(s.requests_finished);
+  r.set_launched_ahead(s.launched_ahead);
+  r.set_kv_rebuilds(s.kv_rebuilds);
+  r.set_seconds_in_steps(s.seconds_in_steps);
+  r.set_bench_tokens_per_s(s.bench_tokens_per_s);
+  r.set_device_peak_gb(s.device_peak_gb);
+  r.set_prefill_tokens(s.prefill_tokens);
+  r.set_sessions_parked(s.sessions_parked);
+  r.set_session_resumes(s.session_resumes);
+  r.set_session_tokens_reused(s.session_tokens_reused);
+  r.set_session_misses(s.session_misses);
+  r.set_session_evictions(s.session_evictions);
+  r.set_weight_version(weight_version);
+}
+
+ServerStats from_proto(const v1::StatsResponse& r) {
+  ServerStats s;
+  s.engine.running = r.running();
+  s.engine.waiting = r.waiting();
+  s.engine.kv_blocks_total = r.kv_blocks_total();
+  s.engine.kv_blocks_free = r.kv_blocks_free();
+  s.engine.steps = r.steps();
+  s.engine.prompt_tokens = r.prompt_tokens();
+  s.engine.generated_tokens = r.generated_tokens();
+  s.engine.preemptions = r.preemptions();
+  s.engine.requests_finished = r.requests_finished();
+  s.engine.launched_ahead = r.launched_ahead();
+  s.engine.kv_rebuilds = r.kv_rebuilds();
+  s.engine.prefill_tokens = r.prefill_tokens();
+  s.engine.sessions_parked = r.sessions_parked();
+  s.engine.session_resumes = r.session_resumes();
+  s.engine.session_tokens_reused = r.session_tokens_reused();
+  s.engine.session_misses = r.session_misses();
+  s.engine.session_evictions = r.session_evictions();
+  s.engine.seconds_in_steps = r.seconds_in_steps();
+  s.engine.bench_tokens_per_s = r.bench_tokens_per_s();
+  s.engine.device_peak_gb = r.device_peak_gb();
+  s.kv_cache_usage = r.kv_cache_usage();
+  s.tokens_per_second = r.tokens_per_second();
+  s.weight_version = r.weight_version();
+  return s;
+}
+
+void to_proto(const EngineMemory& m, v1::MemoryResponse& r) {
+  r.set_weight_bytes(m.weight_bytes);
+  r.set_kv_cache_bytes(m.kv_cache_bytes);
+  r.set_sleep_level(m.sleep_level);
+  r.set_device_allocated(m.device_allocated);
+  r.set_device_reserved(m.device_reserved);
+}
+
+ServerMemory from_proto(const v1::MemoryResponse& r) {
+  ServerMemory m;
+  m.engine.weight_bytes = r.weight_bytes();
+  m.engine.kv_cache_bytes = r.kv_cache_bytes();
+  m.engine.sleep_level = r.sleep_level();
+  m.engine.device_allocated = m.device_allocated = r.device_allocated();
+  m.engine.device_reserved = m.device_reserved = r.device_reserved();
+  return m;
+}
+
 }  // namespace tiller::engine

@@ -19,4 +19,13 @@ SampleOutput from_proto(const v1::SampleResult& s);
 // One message of a Generate stream as its reader sees it: a sample, or a refused request.
 ClientResult from_proto(const v1::GenerateStreamResponse& r);
 
+// The answer of Stats: the engine's counters, the cache's usage, the recent throughput and the
+// weight version it serves.
+void to_proto(const EngineStats& s, double tokens_per_second, uint64_t weight_version, v1::StatsResponse& r);
+ServerStats from_proto(const v1::StatsResponse& r);
+
+// The answer of Sleep and Wake: the leader rank's engine memory and its process's device memory.
+void to_proto(const EngineMemory& m, v1::MemoryResponse& r);
+ServerMemory from_proto(const v1::MemoryResponse& r);
+
 }  // namespace tiller::engine

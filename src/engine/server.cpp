@@ -56,15 +56,6 @@ struct Route {
   int64_t remaining = 0;  // samples not yet returned
 };
 
-// The answer of Sleep and Wake: the leader rank's engine memory and its process's device memory.
-void fill_memory(const Engine& engine, pb::MemoryResponse* resp) {
-  const EngineMemory m = engine.memory();
-  resp->set_weight_bytes(m.weight_bytes);
-  resp->set_kv_cache_bytes(m.kv_cache_bytes);
-  resp->set_sleep_level(m.sleep_level);
-  resp->set_device_allocated(m.device_allocated);
-  resp->set_device_reserved(m.device_reserved);
-}
 
 }  // namespace
 
@@ -374,31 +365,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
   grpc::Status Stats(grpc::ServerContext* ctx, const pb::StatsRequest*, pb::StatsResponse* resp) override {
     if (auto st = check_token(ctx); !st.ok()) return st;
     std::lock_guard<std::mutex> lock(snap_mu);
-    resp->set_running(snap.running);
-    resp->set_waiting(snap.waiting);
-    resp->set_kv_blocks_total(snap.kv_blocks_total);
-    resp->set_kv_blocks_free(snap.kv_blocks_free);
-    resp->set_kv_cache_usage(snap.kv_blocks_total
-                                 ? 1.0 - static_cast<double>(snap.kv_blocks_free) / static_cast<double>(snap.kv_blocks_total)
-                                 : 0.0);
-    resp->set_tokens_per_second(tokens_per_second);
-    resp->set_steps(snap.steps);
-    resp->set_prompt_tokens(snap.prompt_tokens);
-    resp->set_generated_tokens(snap.generated_tokens);
-    resp->set_preemptions(snap.preemptions);
-    resp->set_requests_finished(snap.requests_finished);
-    resp->set_launched_ahead(snap.launched_ahead);
-    resp->set_kv_rebuilds(snap.kv_rebuilds);
-    resp->set_seconds_in_steps(snap.seconds_in_steps);
-    resp->set_bench_tokens_per_s(snap.bench_tokens_per_s);
-    resp->set_device_peak_gb(snap.device_peak_gb);
-    resp->set_prefill_tokens(snap.prefill_tokens);
-    resp->set_sessions_parked(snap.sessions_parked);
-    resp->set_session_resumes(snap.session_resumes);
-    resp->set_session_tokens_reused(snap.session_tokens_reused);
-    resp->set_session_misses(snap.session_misses);
-    resp->set_session_evictions(snap.session_evictions);
-    resp->set_weight_version(weight_version);
+    to_proto(snap, tokens_per_second, weight_version, *resp);
     return grpc::Status::OK;
   }
 
@@ -455,7 +422,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
         throw InvalidRequest(fmt::format("{} requests are live; the engine sleeps only when idle", routes.size()));
       deliver(engine.drain());
       engine.sleep(level);
-      fill_memory(engine, resp);
+      to_proto(engine.memory(), *resp);
       update_snapshot();
       return true;
     }, done);
@@ -470,7 +437,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
       engine.wake(weights, cache);
       // A hybrid engine starts asleep: its benchmark runs at its first wake (logging.efficiency).
       if (cache) engine.calibrate_if_due();
-      fill_memory(engine, resp);
+      to_proto(engine.memory(), *resp);
       update_snapshot();
       return true;
     }, done);
