@@ -188,6 +188,7 @@ void add_bench_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   add_bench_generate(bench, run, argc, argv);
   add_bench_train(bench, run, argc, argv);
   add_bench_sync(bench, run, argc, argv);
+  add_bench_push(bench, run, argc, argv);
   add_bench_controller(bench, run);
   add_bench_tokenize(bench, run);
   add_bench_adamw(bench, run, argc, argv);

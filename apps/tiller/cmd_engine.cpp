@@ -19,6 +19,7 @@
 #include "tiller/engine/engine_weights.h"
 #include "tiller/engine/openai_server.h"
 #include "tiller/engine/server.h"
+#include "tiller/sync/weight_push.h"
 #include "tiller/text/chat_template.h"
 #include "tiller/text/tokenizer.h"
 
@@ -40,6 +41,7 @@ struct EngineCmdOptions {
   bool no_cuda_graphs = false;
   bool no_async = false;
   double timeout_s = 120;
+  double sync_timeout_s = 600;
 };
 
 // An engine reachable from other machines serves only callers with its token, unless the user
@@ -87,6 +89,10 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
     engine::bind_lora_for_tp(w.config, a.spec, a.tensors, w.weights, env.rank(), o.tp, o.engine.device, o.lora);
   }
   engine::Engine eng(w.config, std::move(w.weights), o.engine, tp);
+  // Weight syncs pushed by a job's actor ranks (delta sync, docs/sync.md): this engine is no rank of
+  // that job, so its weights come over its own service.
+  sync::PushReceiver pushed(eng, tp, o.sync_timeout_s);
+  eng.set_weight_sink(&pushed);
   if (!eng.is_leader()) {
     eng.follow();
     return 0;
@@ -235,6 +241,9 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
       ->check(CLI::Range(int64_t{1}, engine::kMaxModelLen));
   cmd->add_option("--token-file", o->token_file,
                   "File whose first line is the shared secret clients must send (default: $TILLER_ENGINE_TOKEN)");
+  cmd->add_option("--sync-timeout", o->sync_timeout_s,
+                  "Seconds one pushed weight sync may take, from Begin to the last bucket in place")
+      ->check(CLI::Range(0.001, 1e7));
   cmd->add_option("--timeout", o->timeout_s, "TP: seconds a rank waits for the others before giving up")->check(CLI::Range(0.001, 1e7));
   cmd->callback([&run, o, &argc, &argv] { run = [o, &argc, &argv] { return run_engine(*o, &argc, &argv); }; });
 }

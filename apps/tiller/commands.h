@@ -81,6 +81,7 @@ void add_launch_command(CLI::App& app, Runner& run);
 void add_offline_commands(CLI::App& app, Runner& run, int& argc, char**& argv);
 void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv);
 void add_bench_sync(CLI::App* bench, Runner& run, int& argc, char**& argv);
+void add_bench_push(CLI::App* bench, Runner& run, int& argc, char**& argv);
 void add_bench_controller(CLI::App* bench, Runner& run);
 void add_bench_tokenize(CLI::App* bench, Runner& run);
 void add_bench_adamw(CLI::App* bench, Runner& run, int& argc, char**& argv);

@@ -243,6 +243,47 @@ uint64_t EngineClient::end_weight_update(uint64_t version, double timeout_s) {
   return r.weight_version();
 }
 
+struct WeightPushStream::Impl {
+  std::string address;
+  grpc::ClientContext ctx;
+  pb::PushWeightsResponse answer;
+  std::unique_ptr<grpc::ClientWriter<pb::WeightChunk>> writer;
+  bool finished = false;
+};
+
+WeightPushStream::WeightPushStream(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+WeightPushStream::~WeightPushStream() {
+  if (impl_ && !impl_->finished) impl_->ctx.TryCancel();
+}
+
+bool WeightPushStream::write(const WeightChunk& c) {
+  pb::WeightChunk m;
+  to_proto(c, m);
+  return impl_->writer->Write(m);
+}
+
+PushAnswer WeightPushStream::finish() {
+  Impl& m = *impl_;
+  m.finished = true;
+  m.writer->WritesDone();
+  const grpc::Status st = m.writer->Finish();
+  if (!st.ok()) raise(m.address, "PushWeights", st);
+  PushAnswer a;
+  a.applied = m.answer.applied();
+  for (const auto& r : m.answer.resend()) a.resend.emplace_back(r.bucket(), r.offset());
+  a.reason = m.answer.reason();
+  return a;
+}
+
+std::unique_ptr<WeightPushStream> EngineClient::push_weights(Deadline deadline) {
+  auto s = std::make_unique<WeightPushStream::Impl>();
+  s->address = impl_->opts.address;
+  impl_->prepare(s->ctx, deadline);
+  s->writer = impl_->stub->PushWeights(&s->ctx, &s->answer);
+  return std::unique_ptr<WeightPushStream>(new WeightPushStream(std::move(s)));
+}
+
 ServerMemory EngineClient::sleep(int level) {
   grpc::ClientContext ctx;
   impl_->prepare(ctx, impl_->unary());

@@ -223,6 +223,11 @@ int Engine::tp_rank() const { return impl_->tp ? impl_->tp->rank() : 0; }
 std::map<std::string, at::Tensor> Engine::parameters() const { return impl_->runner->parameters(); }
 
 void Engine::set_weight_sink(WeightSink* sink) { impl_->sink = sink; }
+WeightSink* Engine::weight_sink() const { return impl_->sink; }
+
+std::string WeightSink::take_chunk(const WeightChunk&, double) {
+  throw InvalidRequest("this engine takes its weights over the sync communicator of its job, not pushed chunks");
+}
 
 const std::string& Engine::weights_broken() const { return impl_->broken; }
 

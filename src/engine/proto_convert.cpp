@@ -180,4 +180,34 @@ ServerMemory from_proto(const v1::MemoryResponse& r) {
   return m;
 }
 
+void to_proto(const WeightChunk& c, v1::WeightChunk& m) {
+  m.set_version(c.version);
+  m.set_plan_id(c.plan_id);
+  m.set_sender(c.sender);
+  m.set_bucket(c.bucket);
+  m.set_offset(c.offset);
+  m.set_bytes(c.bytes);
+  m.set_form(c.form);
+  m.set_base_hash(c.base_hash);
+  m.set_hash(c.hash);
+  m.set_changed(c.changed);
+  m.set_payload(c.payload);
+}
+
+WeightChunk from_proto(v1::WeightChunk&& m) {
+  WeightChunk c;
+  c.version = m.version();
+  c.plan_id = m.plan_id();
+  c.sender = m.sender();
+  c.bucket = m.bucket();
+  c.offset = m.offset();
+  c.bytes = m.bytes();
+  c.form = m.form();
+  c.base_hash = m.base_hash();
+  c.hash = m.hash();
+  c.changed = m.changed();
+  c.payload = std::move(*m.mutable_payload());
+  return c;
+}
+
 }  // namespace tiller::engine

@@ -28,4 +28,8 @@ ServerStats from_proto(const v1::StatsResponse& r);
 void to_proto(const EngineMemory& m, v1::MemoryResponse& r);
 ServerMemory from_proto(const v1::MemoryResponse& r);
 
+// A pushed chunk of a delta sync (the payload is moved, not copied: it is most of the message).
+void to_proto(const WeightChunk& c, v1::WeightChunk& m);
+WeightChunk from_proto(v1::WeightChunk&& m);
+
 }  // namespace tiller::engine

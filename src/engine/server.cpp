@@ -413,6 +413,42 @@ struct EngineServer::Impl final : pb::Engine::Service {
     return st;
   }
 
+  // Runs on the handler's thread, not the loop's: the sink applies chunks to its copy of the
+  // buckets while the loop thread waits in its receive() (and places the finished buckets).
+  grpc::Status PushWeights(grpc::ServerContext* ctx, grpc::ServerReader<pb::WeightChunk>* reader,
+                           pb::PushWeightsResponse* resp) override {
+    if (auto st = check_token(ctx); !st.ok()) return st;
+    WeightSink* sink = engine.weight_sink();
+    if (!sink) return {grpc::StatusCode::FAILED_PRECONDITION, "this engine takes no weight sync (it has no weight sink)"};
+    pb::WeightChunk msg;
+    int64_t applied = 0;
+    while (reader->Read(&msg)) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (stopping) return {grpc::StatusCode::UNAVAILABLE, "the engine is shutting down"};
+      }
+      const WeightChunk c = from_proto(std::move(msg));
+      try {
+        const std::string why = sink->take_chunk(c, opts.max_wait_seconds);
+        if (why.empty()) {
+          ++applied;
+        } else {
+          auto* r = resp->add_resend();
+          r->set_bucket(c.bucket);
+          r->set_offset(c.offset);
+          if (resp->reason().empty()) resp->set_reason(why);
+        }
+      } catch (const InvalidRequest& e) {
+        return {grpc::StatusCode::INVALID_ARGUMENT, e.what()};
+      } catch (const std::exception& e) {
+        return {grpc::StatusCode::FAILED_PRECONDITION, e.what()};
+      }
+      msg.Clear();
+    }
+    resp->set_applied(applied);
+    return grpc::Status::OK;
+  }
+
   grpc::Status Sleep(grpc::ServerContext* ctx, const pb::SleepRequest* req, pb::MemoryResponse* resp) override {
     if (auto st = check_token(ctx); !st.ok()) return st;
     bool done = false;

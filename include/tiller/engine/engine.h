@@ -271,6 +271,7 @@ class Engine {
   std::map<std::string, at::Tensor> parameters() const;
   // Every TP rank, before serving or following: where syncs deliver. Must outlive the engine.
   void set_weight_sink(WeightSink* sink);
+  WeightSink* weight_sink() const;  // null until set
   // Leader: checks a serialized bucket plan against this rank's weights, then installs it on
   // every TP rank; returns its id. Throws InvalidRequest naming what does not fit.
   uint64_t install_sync_plan(const std::string& plan);

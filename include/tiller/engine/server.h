@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tiller/core/deadline.h"
@@ -136,6 +137,32 @@ class GenerateSession {
   std::unique_ptr<Impl> impl_;
 };
 
+// What an engine answered to one PushWeights stream: the chunks it applied, and those it could not
+// (by bucket and offset), to be pushed again in full, with the first one's reason.
+struct PushAnswer {
+  int64_t applied = 0;
+  std::vector<std::pair<int, uint64_t>> resend;
+  std::string reason;
+};
+
+// One PushWeights stream (delta sync, docs/sync.md): write chunks, then finish() for the answer.
+// One thread at a time.
+class WeightPushStream {
+ public:
+  ~WeightPushStream();  // cancels the stream unless finished
+  // False when the stream has failed (finish() then says why).
+  bool write(const WeightChunk& c);
+  // Ends the stream and returns the engine's answer. Throws InvalidRequest (a chunk the engine
+  // refused), TimeoutError past the stream's deadline, CommError otherwise, each naming the engine.
+  PushAnswer finish();
+
+ private:
+  friend class EngineClient;
+  struct Impl;
+  explicit WeightPushStream(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 // Errors: CommError naming the address and the gRPC status (UNAVAILABLE: is the engine
 // running?), TimeoutError past a deadline. Thread-safe (gRPC channels are).
 class EngineClient {
@@ -159,6 +186,9 @@ class EngineClient {
   uint64_t install_sync_plan(const std::string& plan);
   uint64_t begin_weight_update(uint64_t version, bool abort_running = false, uint64_t plan_id = 0);
   uint64_t end_weight_update(uint64_t version, double timeout_s = 0);
+  // Delta sync: a stream of chunks of the update Begin named (with the installed plan's id), open
+  // until `deadline`.
+  std::unique_ptr<WeightPushStream> push_weights(Deadline deadline);
   // The hybrid engine's phases (Engine::sleep / wake). InvalidRequest when the engine is busy.
   ServerMemory sleep(int level);
   ServerMemory wake(bool weights, bool cache);
