@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "controller/engine_rendezvous.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/core/signals.h"
@@ -42,6 +43,7 @@ struct EngineCmdOptions {
   bool no_async = false;
   double timeout_s = 120;
   double sync_timeout_s = 600;
+  std::string join_dir, advertise;
 };
 
 // An engine reachable from other machines serves only callers with its token, unless the user
@@ -126,6 +128,16 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
     log::info("engine: OpenAI-compatible endpoint on {}://{}:{}/v1 (model '{}', chat template {})",
               o.tls_cert.empty() ? "http" : "https", o.host, openai->port(), ao.model_name, chat.name());
   }
+  // A job's rendezvous folder (engines.rendezvous_dir): the job takes this engine in at its next
+  // weight sync. The announcement goes when the engine stops.
+  std::string announced;
+  if (!o.join_dir.empty()) {
+    std::string host = o.advertise;
+    if (host.empty()) host = (o.host == "0.0.0.0" || o.host == "::" || o.host.empty()) ? env.hostname() : o.host;
+    const std::string address = fmt::format("{}:{}", host, server.port());
+    announced = controller::announce_engine(o.join_dir, address, static_cast<long>(getpid()));
+    log::info("engine: announced as {} in {}", address, announced);
+  }
   std::printf("%s\n", nlohmann::json{{"event", "serving"},
                                      {"port", server.port()},
                                      {"openai_port", openai ? openai->port() : -1},
@@ -146,6 +158,7 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
     });
     server.wait();
   }
+  if (!announced.empty()) std::remove(announced.c_str());
   if (openai) openai->shutdown();
   const std::string failure = server.error();
   server.shutdown();
@@ -159,15 +172,11 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
 }  // namespace
 
 std::string read_engine_token(const std::string& file, const char* flag) {
-  if (file.empty()) {
-    const char* env = std::getenv("TILLER_ENGINE_TOKEN");
-    return env ? env : "";
+  try {
+    return sync::standalone_engine_token(file);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("{} {}", flag, e.what()));
   }
-  std::ifstream in(file);
-  std::string token;
-  if (!in || !std::getline(in, token) || token.empty())
-    throw ConfigError(fmt::format("{} {}: cannot read a token from its first line", flag, file));
-  return token;
 }
 
 void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
@@ -241,6 +250,12 @@ void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
       ->check(CLI::Range(int64_t{1}, engine::kMaxModelLen));
   cmd->add_option("--token-file", o->token_file,
                   "File whose first line is the shared secret clients must send (default: $TILLER_ENGINE_TOKEN)");
+  cmd->add_option("--join", o->join_dir,
+                  "A running job's engines.rendezvous_dir: announce this engine there once it serves; the job takes "
+                  "it in at its next weight sync (docs/cluster.md, standalone engines)");
+  cmd->add_option("--advertise", o->advertise,
+                  "The host the job reaches this engine by (default: --host, or this machine's name when --host is "
+                  "0.0.0.0)");
   cmd->add_option("--sync-timeout", o->sync_timeout_s,
                   "Seconds one pushed weight sync may take, from Begin to the last bucket in place")
       ->check(CLI::Range(0.001, 1e7));

@@ -33,6 +33,7 @@ CollectorConfig CollectorConfig::from_job(const JobConfig& job, const std::vecto
   c.critic_warmup_steps = job.train.critic_warmup_steps;
   c.num_steps = job.train.num_steps;
   c.max_in_flight_per_engine = job.engines.max_num_seqs * kQueuedPerSeqSlot;
+  c.min_engines = job.engines.standalone() ? job.engines.min_count : 1;
   c.progress_timeout_s = job.timeouts.generate_s;
   c.score_timeout_s = job.timeouts.train_s;
   c.score_micro_batch_tokens = r.micro_batch_tokens;
@@ -103,6 +104,7 @@ void RolloutCollector::start(int64_t first_step, uint64_t version, const std::ve
   in_flight_.assign(engines_.size(), 0);
   load_.assign(engines_.size(), 0);
   last_progress_.assign(engines_.size(), cfg_.clock->now());
+  moved_off_.assign(engines_.size(), 0);
   engines_.open();
   open_ = true;
   begin_forming(first_step, version, RoleSet{});
@@ -155,9 +157,7 @@ uint64_t RolloutCollector::group_seed(int64_t ordinal) const {
 }
 
 void RolloutCollector::send(int64_t ordinal, int64_t dataset_index) {
-  size_t e = 0;
-  for (size_t i = 1; i < load_.size(); ++i)
-    if (load_[i] < load_[e]) e = i;
+  const size_t e = least_loaded();
   Group g;
   g.ordinal = ordinal;
   g.dataset_index = dataset_index;
@@ -174,7 +174,7 @@ void RolloutCollector::dispatch() {
   if (paused_) return;
   const int64_t cap = capacity();
   while (static_cast<int64_t>(outstanding_.size()) < cap) {
-    if (*std::min_element(load_.begin(), load_.end()) >= cfg_.max_in_flight_per_engine) return;
+    if (load_[least_loaded()] >= cfg_.max_in_flight_per_engine) return;
     if (!resend_.empty()) {
       const PendingPrompt p = resend_.back();
       resend_.pop_back();
@@ -186,8 +186,8 @@ void RolloutCollector::dispatch() {
 }
 
 void RolloutCollector::take(Completion& c) {
-  if (!c.failure.empty()) throw CommError("generation failed: " + c.failure);
   const auto e = static_cast<size_t>(c.engine);
+  if (!c.failure.empty()) return engine_failed(e, c.failure);
   TILLER_CHECK(e < in_flight_.size(), "a completion from engine {} of {}", e, in_flight_.size());
   if (c.result.sample.request_id >= side_base_ && side_sink_) {
     last_progress_[e] = cfg_.clock->now();  // the engine is working
@@ -198,6 +198,13 @@ void RolloutCollector::take(Completion& c) {
   auto req = live_.find(res.sample.request_id);
   TILLER_CHECK(req != live_.end(), "{} answered request {}, which no sample loop sent", engines_.name(e),
                res.sample.request_id);
+  // A request sent again after its engine left: the samples that came back before are repeats.
+  auto& back = req->second.back;
+  const auto index = static_cast<size_t>(res.sample.sample);
+  if (res.error_code == 0 && index < back.size()) {
+    if (back[index]) return;
+    back[index] = 1;
+  }
   const Live l = req->second;
   if (--req->second.remaining <= 0) live_.erase(req);
   auto it = outstanding_.find(l.group);
@@ -403,9 +410,15 @@ void RolloutCollector::check_progress() {
                            stalled.empty() ? "" : "; ", engines_.name(e), in_flight_[e], prompts,
                            seconds_between(last_progress_[e], now));
   }
-  if (!stalled.empty())
-    throw TimeoutError(fmt::format("generation stalled (timeouts.generate_s = {} s): {}", cfg_.progress_timeout_s,
-                                   stalled));
+  if (stalled.empty()) return;
+  const std::string why = fmt::format("generation stalled (timeouts.generate_s = {} s): {}", cfg_.progress_timeout_s,
+                                      stalled);
+  std::vector<size_t> late;
+  for (size_t e = 0; e < in_flight_.size(); ++e)
+    if (in_flight_[e] > 0 && seconds_between(last_progress_[e], now) >= cfg_.progress_timeout_s) late.push_back(e);
+  for (size_t e : late)
+    if (!engines_.retire(e, why)) throw TimeoutError(why);
+  for (size_t e : late) move_off(e);
 }
 
 bool RolloutCollector::pump(int wait_ms) {

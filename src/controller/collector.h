@@ -108,6 +108,8 @@ struct CollectorConfig {
   int64_t critic_warmup_steps = 0;
   int64_t num_steps = 1;
   int64_t max_in_flight_per_engine = 1;  // samples; dispatch waits beyond
+  // Standalone engines (the set can lose some): the job ends when fewer than this remain.
+  int64_t min_engines = 1;
   double progress_timeout_s = 1800;      // timeouts.generate_s
   const Clock* clock = &Clock::steady();  // of the progress deadline and the phase times
   double score_timeout_s = 600;
@@ -216,6 +218,10 @@ class RolloutCollector final : private LoopHost {
   }
   // While paused no prompt is dispatched (a sync that waits out the samples in flight).
   void pause_dispatch(bool paused) { paused_ = paused; }
+  // The engine set changed (standalone engines): the engines that joined take prompts from now on;
+  // the requests in flight on engines that left (retired by the set) go to the others, whole, and
+  // their samples that came back already stay. Throws when fewer than min_engines remain.
+  void engines_changed();
   // While held no score request goes to any trainer group; the forming step's samples wait in its
   // arrays and are posted once released (cluster.hybrid_scoring = after_generate: no trainer
   // collective while the engines generate on the same GPUs).
@@ -249,6 +255,8 @@ class RolloutCollector final : private LoopHost {
     int64_t remaining = 0;
     bool keep_session = false;
     bool aborted = false;
+    engine::Request request;    // sent again, whole, when its engine leaves the job
+    std::vector<uint8_t> back;  // per sample: came back (a resent request's repeats are dropped)
   };
   struct Group {
     int64_t ordinal = 0;
@@ -300,6 +308,12 @@ class RolloutCollector final : private LoopHost {
   void take_async_scores();
   void post_scoring();
   void check_progress();
+  // Engine e failed (`why`): retired from the set and its requests moved (move_off), or, when the
+  // set cannot lose engines, the error that ends the job.
+  void engine_failed(size_t e, const std::string& why);
+  // The requests in flight on retired engine e, and its groups, to the live engines.
+  void move_off(size_t e);
+  size_t least_loaded() const;  // among the live engines
   void begin_forming(int64_t step, uint64_t train_version, RoleSet held);
 
   CollectorConfig cfg_;
@@ -319,6 +333,7 @@ class RolloutCollector final : private LoopHost {
   std::vector<int64_t> in_flight_;        // samples of engine requests not returned, per engine
   std::vector<int64_t> load_;             // samples dispatched and not arrived, per engine (dispatch balance)
   std::vector<SteadyClock::time_point> last_progress_;
+  std::vector<uint8_t> moved_off_;        // per engine: retired, and its work moved
   std::unordered_map<uint64_t, AsyncSlot> async_slots_;
   uint64_t next_uid_ = 0;
   bool async_unflushed_ = false;

@@ -42,9 +42,13 @@ uint64_t RolloutCollector::generate(int64_t group, engine::Request r, bool whole
                             group, cfg_.n));
   const auto e = static_cast<size_t>(g.engine);
   if (in_flight_[e] == 0) last_progress_[e] = cfg_.clock->now();
-  engines_.submit(e, r, version_);
   in_flight_[e] += r.n;
-  live_[r.id] = {group, g.engine, r.n, r.keep_session, false};
+  live_[r.id] = {group, g.engine, r.n, r.keep_session, false, r, std::vector<uint8_t>(static_cast<size_t>(r.n), 0)};
+  try {
+    engines_.submit(e, r, version_);
+  } catch (const CommError& err) {  // its stream broke: a standalone engine leaves, the request moves
+    engine_failed(e, fmt::format("{}: {}", engines_.name(e), err.what()));
+  }
   return r.id;
 }
 

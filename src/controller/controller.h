@@ -40,6 +40,7 @@ namespace tiller::controller {
 
 // What the controller works with; everything outlives it.
 class Evaluator;
+class EngineRendezvous;
 
 struct ControllerWiring {
   const dist::RankPlan* plan = nullptr;
@@ -58,6 +59,11 @@ struct ControllerWiring {
   // Token ids to text, special tokens kept (the samples file, records' text); null: ids only.
   std::function<std::string(const std::vector<int64_t>&)> decode_text;
   python::Tracking* tracking = nullptr;  // logging.wandb / logging.mlflow (null: none)
+  // Standalone engines (engines.addresses / engines.rendezvous_dir): each one's host:port, in the
+  // engine set's order, which every weight sync names to the actor ranks; and where engines that
+  // join later announce themselves (null: none join).
+  std::vector<std::string> standalone_engines;
+  EngineRendezvous* rendezvous = nullptr;
 };
 
 class Controller {
@@ -76,7 +82,7 @@ class Controller {
 };
 
 struct ControllerOptions {
-  std::vector<std::string> engine_addresses;  // engine i's host:port
+  std::vector<std::string> engine_addresses;  // engine i's host:port (the job's engine ranks)
   std::string engine_token;
   bool require_resume = false;
 };

@@ -7,6 +7,7 @@
 
 #include "controller/controller.h"
 #include "controller/engine_pool.h"
+#include "controller/engine_rendezvous.h"
 #include "controller/evaluator.h"
 #include "controller/job_environment.h"
 #include "controller/job_rewards.h"
@@ -17,6 +18,7 @@
 #include "tiller/dist/rank_plan.h"
 #include "tiller/model/model_config.h"
 #include "tiller/sync/bucket_plan.h"
+#include "tiller/sync/weight_push.h"
 #include "tiller/text/tokenizer.h"
 
 namespace tiller::controller {
@@ -38,8 +40,17 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
     engine_tls.ca = cfg.engines.tls_ca.empty() ? cfg.engines.tls_cert : cfg.engines.tls_ca;
     engine_tls.server_name = cfg.engines.tls_server_name;
   }
-  EnginePool engines(opts.engine_addresses, opts.engine_token, cfg.timeouts.rpc_s, engine_tls);
-  if (engines.size() == 0) throw ConfigError("engines.count = 0: tiller train needs at least one engine");
+  std::vector<std::string> addresses = opts.engine_addresses;
+  std::string token = opts.engine_token;
+  std::unique_ptr<EngineRendezvous> rendezvous;
+  if (cfg.engines.standalone()) {
+    addresses = standalone_engines_at_start(cfg, rendezvous);
+    token = sync::standalone_engine_token(cfg.engines.token_file);
+  }
+  EnginePool engines(addresses, token, cfg.timeouts.rpc_s, engine_tls, cfg.engines.standalone());
+  if (engines.size() == 0)
+    throw ConfigError("engines.count = 0: tiller train needs at least one engine (engines.count, or standalone ones: "
+                      "engines.addresses, engines.rendezvous_dir)");
   wire::MpiChannel channel(world);
   ControllerWiring w;
   w.plan = &plan;
@@ -72,6 +83,8 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
     tracking = std::make_unique<python::Tracking>(to);
   }
   w.tracking = tracking.get();
+  if (cfg.engines.standalone()) w.standalone_engines = addresses;
+  w.rendezvous = rendezvous.get();
   std::unique_ptr<Evaluator> evaluator;
   if (cfg.eval.enabled()) evaluator = std::make_unique<Evaluator>(cfg, *tokenizer, engines, w.stop_token_ids);
   w.evaluator = evaluator.get();

@@ -20,14 +20,19 @@ namespace tiller::controller {
 class EnginePool final : public EngineSet {
  public:
   // `addresses[i]` is engine i's host:port; each call but the streams has `rpc_timeout_s`.
-  // `tls`: dial the engines over TLS when tls.ca is set.
+  // `tls`: dial the engines over TLS when tls.ca is set. `elastic`: standalone engines, which the
+  // job can lose (retire) and gain (add_engine).
   EnginePool(std::vector<std::string> addresses, const std::string& token, double rpc_timeout_s,
-             const TlsFiles& tls = {});
+             const TlsFiles& tls = {}, bool elastic = false);
   ~EnginePool() override;
 
   size_t size() const override { return clients_.size(); }
   std::string name(size_t i) const override;
   uint64_t install_sync_plan(const std::string& plan_json) override;
+  size_t add_engine(const std::string& address) override;
+  bool retire(size_t i, const std::string& why) override;
+  bool retired(size_t i) const override { return retired_.at(i); }
+  const std::string& address(size_t i) const { return addresses_.at(i); }
   void open() override;
   void submit(size_t i, const engine::Request& r, uint64_t min_weight_version) override;
   void abort(size_t i, uint64_t request_id) override;
@@ -41,7 +46,18 @@ class EnginePool final : public EngineSet {
   void close() override;
 
  private:
+  void open_stream(size_t i);
+
   std::vector<std::string> addresses_;
+  std::string token_;
+  TlsFiles tls_;
+  std::string plan_json_;  // installed on every engine, and on those that join
+  bool opened_ = false;
+  bool elastic_ = false;
+  std::vector<bool> retired_;
+  std::vector<engine::EngineStats> last_stats_;  // a retired engine's counters stay as they were
+  // A call to engine i failed: retire it when the set is elastic (logged), else throw `what`.
+  void failed(size_t i, const std::string& what);
   std::vector<std::unique_ptr<engine::EngineClient>> clients_;
   std::vector<std::unique_ptr<engine::GenerateSession>> sessions_;
   std::vector<std::thread> readers_;

@@ -10,6 +10,9 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "tiller/core/error.h"
 #include "tiller/engine/server.h"
 
 namespace tiller::controller {
@@ -29,6 +32,29 @@ class EngineSet {
   // Checks the sync plan against every engine and installs it; returns its id (0: the engines
   // take no sync, as synthetic ones). InvalidRequest names what does not fit.
   virtual uint64_t install_sync_plan(const std::string& plan_json) = 0;
+  // Standalone engines (engines.rendezvous_dir): takes the engine serving at `address` into the
+  // set (the sync plan installed on it, its stream opened if the others' are) and returns its
+  // index. Errors name the engine. A set that cannot grow refuses.
+  virtual size_t add_engine(const std::string& address) {
+    throw ConfigError(fmt::format("engine {}: this job's engines are fixed at its start", address));
+  }
+  // Standalone engines: takes engine i out of the job for good (it died, stalled, failed a sync):
+  // its stream is cancelled and no call reaches it again; size() and the indexes stay. False when
+  // this set cannot lose an engine (the job's own engine ranks: the job cannot go on without one).
+  virtual bool retire(size_t i, const std::string& why) {
+    (void)i;
+    (void)why;
+    return false;
+  }
+  virtual bool retired(size_t i) const {
+    (void)i;
+    return false;
+  }
+  size_t live_count() const {
+    size_t n = 0;
+    for (size_t i = 0; i < size(); ++i) n += retired(i) ? 0 : 1;
+    return n;
+  }
   // Opens the request streams, once; they stay open until close().
   virtual void open() = 0;
   // Sends `r` (r.n samples) to engine `i`; it refuses it unless its weights are at least
@@ -40,7 +66,8 @@ class EngineSet {
   virtual bool next(Completion& out, int wait_ms) = 0;
   // The weight update of every engine (docs/sync.md): begin pauses each after its current step
   // and, with a plan id, makes it receive the sync; end waits for the receive (until timeout_s)
-  // and resumes it at `version`. Samples in flight continue with the new weights.
+  // and resumes it at `version`. Samples in flight continue with the new weights. Retired engines
+  // are skipped; a set that can lose engines retires one that fails here instead of throwing.
   virtual void begin_update(uint64_t version, uint64_t plan_id) = 0;
   virtual void end_update(uint64_t version, double timeout_s) = 0;
   // The hybrid engine's phases: every engine sleeps at `level` (1 or 2) or wakes (the weights'

@@ -100,9 +100,10 @@ std::string Evaluator::source_of(int64_t prompt) const {
 void Evaluator::send_more(uint64_t version) {
   const int64_t cap = std::max<int64_t>(1, cfg_.engines.max_num_seqs);
   while (next_ < queue_.size()) {
-    size_t e = 0;
-    for (size_t i = 1; i < in_flight_.size(); ++i)
-      if (in_flight_[i] < in_flight_[e]) e = i;
+    size_t e = in_flight_.size();  // the least busy engine still in the job
+    for (size_t i = 0; i < in_flight_.size(); ++i)
+      if (!engines_.retired(i) && (e == in_flight_.size() || in_flight_[i] < in_flight_[e])) e = i;
+    if (e == in_flight_.size()) throw CommError("evaluation: no engine is left in the job");
     const auto [prompt, greedy] = queue_[next_];
     const int64_t n = greedy ? 1 : cfg_.eval.n_samples;
     if (in_flight_[e] > 0 && in_flight_[e] + n > cap) return;  // every engine is full

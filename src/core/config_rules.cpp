@@ -57,6 +57,19 @@ void JobConfig::validate() const {
           target, role_by_name(*this, target).colocate_with, role_by_name(*this, target).colocate_with));
     }
   }
+  if (engines.standalone()) {
+    if (engines.count != 0)
+      throw ConfigError(fmt::format("engines.addresses / engines.rendezvous_dir name standalone engines, and "
+                                    "engines.count = {} asks for engine ranks too: a job's engines are one or the "
+                                    "other; set engines.count=0",
+                                    engines.count));
+    if (cluster.hybrid)
+      throw ConfigError("cluster.hybrid puts the engines in the actor's ranks; standalone engines "
+                        "(engines.addresses, engines.rendezvous_dir) need cluster.hybrid=false");
+    if (roles.actor.lora.rank > 0)
+      throw ConfigError("roles.actor.lora with standalone engines: their push sends the full weights; LoRA's "
+                        "adapter-only sync runs over the job's own engine ranks (engines.count)");
+  }
   if (reward.type == RewardType::kModel && !roles.reward.enabled) {
     throw ConfigError("reward.type = model needs the reward role; set roles.reward.enabled=true and roles.reward.model");
   }

@@ -212,6 +212,30 @@ void add_layout_fields(Builder& b) {
   b.add("engines.sync_bucket_mb", TILLER_FIELD(engines.sync_bucket_mb),
         "Largest bucket of the weight broadcast from the actor to the engines, in MiB.")
       .range(1, 65536);
+  b.add("engines.addresses", TILLER_FIELD(engines.addresses),
+        "Standalone engines (tiller engine, started on their own: not ranks of this job), as host:port, "
+        "comma-separated. With them (or engines.rendezvous_dir) engines.count must be 0; the actor ranks push each "
+        "weight sync to them over gRPC as deltas (docs/cluster.md, docs/sync.md).");
+  b.add("engines.rendezvous_dir", TILLER_FIELD(engines.rendezvous_dir),
+        "A folder every standalone engine of the job can write and the controller read: an engine started with "
+        "tiller engine --join DIR announces itself there, and the controller takes it into the job at the next "
+        "weight sync (full weights first, then deltas).");
+  b.add("engines.min_count", TILLER_FIELD(engines.min_count),
+        "Standalone engines: how many the job waits for at its start (within timeouts.startup_s), and the fewest it "
+        "goes on with: when engines leave (die, stall) and fewer remain, the job ends.")
+      .range(1, 4096);
+  b.add("engines.token_file", TILLER_FIELD(engines.token_file),
+        "Standalone engines: a file whose first line is their shared secret (tiller engine --token-file); every "
+        "actor rank and the controller read it. Empty: $TILLER_ENGINE_TOKEN.");
+  b.add("engines.delta_sync", TILLER_FIELD(engines.delta_sync),
+        "Standalone engines: push what changed since the engine's copy (XOR or sparse, zstd, checked by hashes); "
+        "false: every push in full.");
+  b.add("engines.push_chunk_mb", TILLER_FIELD(engines.push_chunk_mb),
+        "Standalone engines: the size of a pushed chunk, MiB (each is encoded and checked on its own).")
+      .range(1, 32);
+  b.add("engines.push_threads", TILLER_FIELD(engines.push_threads),
+        "Standalone engines: each actor rank's encoding threads (0: the hardware's, at most 16).")
+      .range(0, 256);
 }
 
 }  // namespace tiller::config_schema::detail

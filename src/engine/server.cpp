@@ -1,6 +1,8 @@
 #include "tiller/engine/server.h"
 
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <condition_variable>
 #include <deque>
 #include <future>
@@ -55,6 +57,35 @@ struct Route {
   std::shared_ptr<StreamState> stream;
   int64_t remaining = 0;  // samples not yet returned
 };
+
+// Fault injection for the tests of a job that loses an engine (docs/cluster.md, standalone
+// engines): $TILLER_ENGINE_FAULT = ACTION:PHASE[:N] makes this engine's service, the Nth time
+// (default 1) it reaches PHASE, exit at once with code 137 as if killed (ACTION exit), or stop
+// there for good, answering nothing more from that thread (stall). PHASE: step (a generation
+// step on the loop thread), push (a pushed chunk of a weight sync, on its handler's thread).
+void fault_point(const char* phase) {
+  static const std::string spec = [] {
+    const char* v = std::getenv("TILLER_ENGINE_FAULT");
+    return std::string(v ? v : "");
+  }();
+  if (spec.empty()) return;
+  static std::atomic<long> reached{0};
+  const auto first = spec.find(':');
+  if (first == std::string::npos) return;
+  const std::string action = spec.substr(0, first);
+  const auto second = spec.find(':', first + 1);
+  const std::string where = spec.substr(first + 1, second == std::string::npos ? std::string::npos : second - first - 1);
+  const long n = second == std::string::npos ? 1 : std::atol(spec.c_str() + second + 1);
+  if (where != phase || ++reached < n) return;
+  if (action == "exit") {
+    log::warn("TILLER_ENGINE_FAULT: the engine exits at '{}' #{} (a test of losing an engine)", phase, n);
+    std::_Exit(137);
+  }
+  if (action == "stall") {
+    log::warn("TILLER_ENGINE_FAULT: the engine stalls at '{}' #{} (a test of losing an engine)", phase, n);
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(60));
+  }
+}
 
 
 }  // namespace
@@ -230,6 +261,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
         if (!paused && engine.has_work()) {
           // The snapshot before the outputs: a client that saw a sample end reads counters that
           // include the step that ended it.
+          fault_point("step");
           const std::vector<SampleOutput> outs = engine.step();
           update_snapshot();
           deliver(outs);
@@ -428,6 +460,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
         if (stopping) return {grpc::StatusCode::UNAVAILABLE, "the engine is shutting down"};
       }
       const WeightChunk c = from_proto(std::move(msg));
+      fault_point("push");
       try {
         const std::string why = sink->take_chunk(c, opts.max_wait_seconds);
         if (why.empty()) {

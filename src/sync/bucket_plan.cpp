@@ -308,11 +308,13 @@ std::vector<SliceCopy> slice_copies(const BucketPlan& plan, const PlanSegment& g
 BucketPlan job_bucket_plan(const JobConfig& job, const model::ModelConfig& actor_model, const dist::RankPlan& plan) {
   const dist::RoleGroup* actor = plan.group(Role::kActor);
   TILLER_CHECK(actor != nullptr, "the rank plan has no actor group");
+  // Standalone engines are no ranks of the plan: their TP size is the config's.
+  const int engine_tp = plan.engines.empty() ? static_cast<int>(job.engines.tp) : plan.engine_tp();
   if (job.roles.actor.lora.rank > 0)  // the adapters alone (the spec as the actor builds it)
     return make_lora_bucket_plan(actor_model,
                                  zero::lora_spec(job.roles.actor.lora, actor_model, "roles.actor.lora.target_modules"),
-                                 static_cast<int>(actor->ranks.size()), plan.engine_tp(), job.engines.sync_bucket_mb << 20);
-  return make_bucket_plan(actor_model, static_cast<int>(actor->ranks.size()), plan.engine_tp(),
+                                 static_cast<int>(actor->ranks.size()), engine_tp, job.engines.sync_bucket_mb << 20);
+  return make_bucket_plan(actor_model, static_cast<int>(actor->ranks.size()), engine_tp,
                           job.roles.actor.dtype == Precision::kBf16 ? "bf16" : "fp32", job.engines.sync_bucket_mb << 20);
 }
 

@@ -11,7 +11,9 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <deque>
 #include <mutex>
 #include <thread>
@@ -54,6 +56,18 @@ engine::WeightChunk to_chunk(const EncodedBucket& e, uint64_t version, uint64_t 
 }
 
 }  // namespace
+
+std::string standalone_engine_token(const std::string& token_file) {
+  if (token_file.empty()) {
+    const char* env = std::getenv("TILLER_ENGINE_TOKEN");
+    return env ? env : "";
+  }
+  std::ifstream in(token_file);
+  std::string token;
+  if (!in || !std::getline(in, token) || token.empty())
+    throw ConfigError(fmt::format("{}: cannot read a token from its first line", token_file));
+  return token;
+}
 
 bool PushStats::all_succeeded() const {
   return std::all_of(failed.begin(), failed.end(), [](const std::string& f) { return f.empty(); });
@@ -153,9 +167,11 @@ PushStats WeightPusher::push(uint64_t version, const std::vector<PushTarget>& en
         sent += static_cast<int64_t>(c.payload.size());
         return;
       }
-      s->finish();  // throws the stream's status
+      const auto broken = std::move(s);  // finished here, never again below
+      broken->finish();                  // throws the stream's status
       fail(j, fmt::format("{}: the push stream closed early", engines[j].name));
     } catch (const std::exception& e) {
+      s.reset();  // cancelled unless finished
       fail(j, fmt::format("{}: {}", engines[j].name, e.what()));
     }
   };
@@ -280,8 +296,13 @@ PushStats WeightPusher::push(uint64_t version, const std::vector<PushTarget>& en
         break;
       }
       const uint64_t bytes = std::min(m.opts.chunk_bytes, m.bucket_bytes(k) - offset);
-      const EncodedBucket enc = encode_bucket(m.base[k].get() + offset, nullptr, bytes, full);
-      write(s, j, to_chunk(enc, version, m.plan.id, m.rank, k, offset));
+      try {
+        const EncodedBucket enc = encode_bucket(m.base[k].get() + offset, nullptr, bytes, full);
+        write(s, j, to_chunk(enc, version, m.plan.id, m.rank, k, offset));
+      } catch (const std::exception& e) {
+        fail(j, fmt::format("{}: encoding bucket {} at byte {} again: {}", engines[j].name, k, offset, e.what()));
+        break;
+      }
       ++st.resent_chunks;
     }
     if (!s || failed(j)) continue;

@@ -30,6 +30,8 @@
 #include "tiller/model/transformer.h"
 #include "tiller/sync/bucket_plan.h"
 #include "tiller/sync/hybrid_handoff.h"
+#include "tiller/engine/server.h"
+#include "tiller/sync/weight_push.h"
 #include "tiller/sync/weight_sync.h"
 #include "tiller/zero/checkpoint.h"
 #include "tiller/zero/sharded_model.h"
@@ -122,6 +124,9 @@ struct RoleWorker::Impl {
   std::map<Role, std::unique_ptr<dist::Communicator>> sequence_groups;  // declared first: models refer to them
   std::map<Role, std::unique_ptr<zero::ShardedModel>> models;
   std::unique_ptr<sync::WeightSender> sender;
+  // Standalone engines (engines.addresses / rendezvous_dir): the push, and a client per engine.
+  std::unique_ptr<sync::WeightPusher> pusher;
+  std::map<std::string, std::unique_ptr<engine::EngineClient>> engine_clients;
   std::unique_ptr<sync::HybridHandoff> handoff;  // hybrid: to this process's engine
   bool ref_is_actor_base = false;  // the reference's forwards are the actor's with its adapters off
   double temperature = 1.0;
@@ -151,6 +156,15 @@ struct RoleWorker::Impl {
       sender = std::make_unique<sync::WeightSender>(actor, *groups.weight_sync,
                                                     sync::job_bucket_plan(cfg, actor.config(), plan),
                                                     cfg.timeouts.weight_sync_s);
+    }
+    if (roles.has(Role::kActor) && cfg.engines.standalone()) {
+      auto& actor = *models.at(Role::kActor);
+      sync::PushOptions po;
+      po.timeout_s = cfg.timeouts.weight_sync_s;
+      po.chunk_bytes = static_cast<uint64_t>(cfg.engines.push_chunk_mb) << 20;
+      po.threads = static_cast<int>(cfg.engines.push_threads);
+      po.delta = cfg.engines.delta_sync;
+      pusher = std::make_unique<sync::WeightPusher>(actor, sync::job_bucket_plan(cfg, actor.config(), plan), po);
     }
   }
 
@@ -410,7 +424,41 @@ struct RoleWorker::Impl {
     return out;
   }
 
+  // The push to standalone engines: every actor rank its buckets, to every engine the request names.
+  wire::SyncReply push_weights(const wire::SyncRequest& in) {
+    const double w0 = wall_us();
+    std::vector<sync::PushTarget> targets;
+    for (const std::string& a : in.targets) {
+      auto& c = engine_clients[a];
+      if (!c) {
+        engine::ClientOptions co;
+        co.address = a;
+        co.token = sync::standalone_engine_token(cfg.engines.token_file);
+        co.timeout_seconds = cfg.timeouts.rpc_s;
+        if (!cfg.engines.tls_cert.empty()) {
+          co.tls.ca = cfg.engines.tls_ca.empty() ? cfg.engines.tls_cert : cfg.engines.tls_ca;
+          co.tls.server_name = cfg.engines.tls_server_name;
+        }
+        c = std::make_unique<engine::EngineClient>(co);
+      }
+      targets.push_back({"engine " + a, c.get()});
+    }
+    const sync::PushStats s = pusher->push(in.version, targets);
+    wire::SyncReply reply{s.seconds, static_cast<double>(s.sent_bytes), {}};
+    for (size_t j = 0; j < s.failed.size(); ++j)
+      if (!s.failed[j].empty()) {
+        log::warn("the push of weight version {} failed: {}", in.version, s.failed[j]);
+        reply.failed.push_back(in.targets[j]);
+      }
+    span("sync", w0);
+    return reply;
+  }
+
   wire::SyncReply sync_weights(const wire::SyncRequest& in) {
+    if (!in.targets.empty()) {
+      TILLER_CHECK(pusher != nullptr, "rank {}: a push to standalone engines, but this rank pushes none", rank);
+      return push_weights(in);
+    }
     TILLER_CHECK(sender != nullptr || handoff != nullptr, "rank {}: a weight sync, but this rank sends none", rank);
     const double w0 = wall_us();
     // A hybrid rank's training blocks go back to the driver first: the sync's NCCL buffers are

@@ -295,10 +295,15 @@ struct StepReply {
 
 struct SyncRequest {
   static constexpr Op kOp = Op::kSync;
+  static constexpr size_t kMaxTargets = 4096;
   uint64_t version = 0;
+  // Standalone engines (engines.addresses / rendezvous_dir): the host:port of each engine the
+  // actor ranks push this version to. Empty: the sync communicator's engines.
+  std::vector<std::string> targets;
   template <typename V>
   void fields(V& v) {
     v.version(version, "weight version");
+    v.lines(targets, "engine addresses", kMaxTargets);
   }
   Frame encode() const;
   static SyncRequest decode(Frame f);
@@ -308,10 +313,14 @@ struct SyncReply {
   static constexpr Op kOp = Op::kSyncReply;
   double seconds = 0;
   double wire_bytes = 0;
+  // A push to standalone engines: the addresses of those this rank's push failed to (its log says
+  // why); the controller takes them out of the job.
+  std::vector<std::string> failed;
   template <typename V>
   void fields(V& v) {
     v.num(seconds, "seconds");
     v.num(wire_bytes, "wire_bytes");
+    v.lines(failed, "engines whose push failed", SyncRequest::kMaxTargets);
   }
   Frame encode() const;
   static SyncReply decode(Frame f);

@@ -761,6 +761,113 @@ def check_remote():
         stop_server(slow)
 
 
+def start_engine(name, token, *flags, env=None):
+    """A standalone `tiller engine` on the fixture's model; returns it and its port."""
+    log = open(SCRATCH / f"{name}.log", "w")
+    proc = subprocess.Popen([TILLER, "engine", "--model", str(MODEL), "--port", "0", "--device", "cpu",
+                             "--max-num-seqs", "64", "--token-file", str(token), *flags],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})})
+    line = proc.stdout.readline()
+    try:
+        port = json.loads(line)["port"]
+    except (ValueError, KeyError):
+        proc.kill()
+        fail(f"engine {name} did not start: {line!r} {(SCRATCH / f'{name}.log').read_text()[-2000:]}")
+    return proc, port
+
+
+def stop_engines(procs):
+    for p in procs:
+        if p is None or p.poll() is not None:
+            continue
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def standalone_run(name, token, sets, join_at, steps):
+    """A GRPO job on standalone engines: A (engines.addresses), B (announced in the rendezvous
+    folder before the start; it exits as if killed at its 40th generation step, mid-generation), and
+    C, started once step `join_at` is logged, which joins at the next weight sync. Returns the
+    output folder and the log."""
+    rdv = SCRATCH / f"{name}_rendezvous"
+    shutil.rmtree(rdv, ignore_errors=True)
+    engines = []
+    out = SCRATCH / name
+    try:
+        a, port = start_engine(f"{name}_a", token)
+        engines.append(a)
+        b, _ = start_engine(f"{name}_b", token, "--join", str(rdv), "--advertise", "127.0.0.1",
+                            env={"TILLER_ENGINE_FAULT": "exit:step:40"})
+        engines.append(b)
+        proc, lines = start(2, out, *GRPO, "engines.count=0", f"engines.addresses=127.0.0.1:{port}",
+                            f"engines.rendezvous_dir={rdv}", f"engines.token_file={token}",
+                            "engines.push_chunk_mb=1", f"train.num_steps={steps}", *sets)
+        wait_for(proc, rf"step {join_at}/", 300, lines)
+        c, _ = start_engine(f"{name}_c", token, "--join", str(rdv), "--advertise", "127.0.0.1")
+        engines.append(c)
+        code, log = finish(proc, lines, 600)
+        if code != 0:
+            fail(f"{name}: exit code {code}:\n{log[-4000:]}")
+    finally:
+        stop_engines(engines)
+    if b.returncode != 137:
+        fail(f"{name}: engine B should have exited at its fault (137), not {b.returncode}")
+    moved = re.search(r"engine 1 \(127\.0\.0\.1:\d+\) left the job; \d+ prompt group\(s\) and \d+ request\(s\).*", log)
+    if not moved:
+        fail(f"{name}: no line says engine 1 left and its work moved:\n{log[-3000:]}")
+    print(f"{name}: {moved.group(0)}")
+    if not re.search(r"engine 2 \(127\.0\.0\.1:\d+\) joined", log):
+        fail(f"{name}: no line says engine 2 joined:\n{log[-3000:]}")
+    served = re.findall(r"served (\d+) requests", (SCRATCH / f"{name}_c.log").read_text())
+    if not served or int(served[-1]) == 0:
+        fail(f"{name}: the joined engine served no request: {(SCRATCH / f'{name}_c.log').read_text()[-2000:]}")
+    # C stopped on a signal and took its announcement back; B was killed and could not.
+    left = sorted(p.name for p in rdv.glob("*.json"))
+    if len(left) != 1:
+        fail(f"{name}: announcements left: {left} (only the killed engine's should be)")
+    return out, log
+
+
+def check_standalone():
+    """GRPO on standalone engines (docs/cluster.md): one engine dies mid-generation, its requests move
+    to the other and the step completes; a third joins at step 5 through the rendezvous folder and
+    takes prompts; the actor pushes every version as deltas over gRPC; the run learns. Then the
+    same in the asynchronous pipeline with partial rollouts, whose staleness bound must hold."""
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    token = SCRATCH / "engine.token"
+    token.write_text("standalone-secret\n")
+    out, log = standalone_run("standalone", token, [], join_at=5, steps=30)
+    rows = metrics(out)
+    counts = [r.get("engines/count") for r in rows]
+    rewards = [r["reward/mean"] for r in rows]
+    first_r, last_r = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    print(f"{CASE}: mean reward {first_r:.3f} -> {last_r:.3f}; engines in the job per step {counts}")
+    if [r["step"] for r in rows] != list(range(1, 31)):
+        fail(f"steps in metrics.jsonl: {[r['step'] for r in rows]}")
+    if 1 not in counts or counts[-1] != 2:
+        fail(f"engines/count per step should fall to 1 (B died) and end at 2 (C joined): {counts}")
+    if not (first_r < 0.3 and last_r > 0.7):
+        fail(f"the reward did not rise clearly: {[round(r, 3) for r in rewards]}")
+    if any(r["samples"] != rows[0]["samples"] for r in rows):
+        fail(f"a step lost samples: {[r['samples'] for r in rows]}")
+    # Deltas: after the first push each sync sends less than the full weights, but the join's,
+    # which carries the new engine's full copy as well.
+    wire = [r["sync/wire_mb"] for r in rows]
+    joined_at = max(i for i, c in enumerate(counts) if c == 1) + 1
+    if not all(0 < w < wire[0] for i, w in enumerate(wire) if i not in (0, joined_at)):
+        fail(f"sync/wire_mb per step: {wire}")
+    if not wire[joined_at] > wire[joined_at - 1]:
+        fail(f"the join's sync ({wire[joined_at]} MB) should carry a full copy beside the deltas: {wire}")
+    out, _ = standalone_run("standalone_async", token,
+                            ["rollout.mode=async", "rollout.max_staleness=1", "rollout.partial=true", "eval.prompts=",
+                             f"logging.rollout_records={SCRATCH / 'standalone_async' / 'records.jsonl'}"],
+                            join_at=3, steps=10)
+    check_lags(out, 1, "standalone_async")
+
+
 def check_python():
     toy = REPO / "examples" / "rewards" / "toy_digits.py"
     python = ["reward.type=python", f"reward.python={toy}:compute_score", "reward.python_batch_size=8",
@@ -1901,6 +2008,8 @@ elif CASE == "bad_inputs":
     check_bad_inputs()
 elif CASE == "remote":
     check_remote()
+elif CASE == "standalone":
+    check_standalone()
 elif CASE == "python":
     check_python()
 elif CASE == "entropy":

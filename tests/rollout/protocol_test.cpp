@@ -292,6 +292,14 @@ TEST(Protocol, ControlMessagesRoundTrip) {
   const wire::SyncReply s = wire::SyncReply::decode(wire::SyncReply{0.05, 1.5e10}.encode());
   EXPECT_EQ(s.seconds, 0.05);
   EXPECT_EQ(s.wire_bytes, 1.5e10);
+  EXPECT_TRUE(s.failed.empty());
+  // A push to standalone engines: its targets, and those it failed to.
+  const wire::SyncRequest push =
+      wire::SyncRequest::decode(wire::SyncRequest{7, {"node3:50051", "10.0.0.2:41233"}}.encode());
+  EXPECT_EQ(push.version, 7u);
+  EXPECT_EQ(push.targets, (std::vector<std::string>{"node3:50051", "10.0.0.2:41233"}));
+  EXPECT_EQ(wire::SyncReply::decode(wire::SyncReply{0.5, 1e6, {"node3:50051"}}.encode()).failed,
+            std::vector<std::string>{"node3:50051"});
   EXPECT_EQ(wire::SaveRequest::decode(wire::SaveRequest{"out/step_000003"}.encode()).dir, "out/step_000003");
   EXPECT_EQ(wire::LoadRequest::decode(wire::LoadRequest{"ckpt/step_000001"}.encode()).dir, "ckpt/step_000001");
   wire::DoneReply::decode(wire::DoneReply{}.encode());

@@ -263,6 +263,17 @@ struct EnginesConfig {
   KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
   // TLS of the engines' gRPC services (the controller dials them by host name).
   std::string tls_cert, tls_key, tls_ca, tls_server_name;
+  // Standalone engines (`tiller engine`, not ranks of the job; docs/cluster.md): their host:port
+  // (comma-separated) at the start, and/or a folder where engines that join later announce
+  // themselves (`tiller engine --join DIR`). The actor ranks push them each sync as deltas.
+  std::string addresses;
+  std::string rendezvous_dir;
+  std::int64_t min_count = 1;       // standalone engines the job waits for at its start
+  std::string token_file;           // their shared secret (first line); empty: $TILLER_ENGINE_TOKEN
+  bool delta_sync = true;           // false: every push in full
+  std::int64_t push_chunk_mb = 8;   // the pushed chunks
+  std::int64_t push_threads = 0;    // each actor rank's encoding threads (0: the hardware's, at most 16)
+  bool standalone() const { return !addresses.empty() || !rendezvous_dir.empty(); }
 };
 
 struct RolloutConfig {

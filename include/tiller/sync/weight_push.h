@@ -76,6 +76,10 @@ struct PushStats {
   bool all_succeeded() const;
 };
 
+// The standalone engines' shared secret: the first line of `token_file`, or $TILLER_ENGINE_TOKEN
+// when it is empty ("" when neither). ConfigError naming the file when it has no first line.
+std::string standalone_engine_token(const std::string& token_file);
+
 class WeightPusher {
  public:
   // Every actor rank (`actor.rank()` sends the plan's buckets whose sender it is). `plan` must be
