@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
-#include "controller/engine_rendezvous.h"
+#include "controller/standalone_engines.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 #include "tiller/core/signals.h"

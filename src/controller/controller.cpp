@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "controller/advantages.h"
-#include "controller/engine_rendezvous.h"
+#include "controller/standalone_engines.h"
 #include "controller/evaluator.h"
 #include "controller/hook_runner.h"
 #include "controller/hybrid_phases.h"
@@ -297,42 +297,30 @@ struct Controller::Impl {
   // The weights of the actor to every engine at version `v` (the engines pause for it).
   void push_weights(uint64_t v) {
     if (hybrid) hybrid->before_sync(step + 1, put_metric());
-    if (w.rendezvous) admit_joined_engines(*w.rendezvous, *w.engines, *collector, w.standalone_engines, v);
+    if (w.standalone) w.standalone->admit(*w.engines, *collector, v);
     w.engines->begin_update(v, plan_id);
     sync_seconds_on_actor = sync_wire_bytes = 0;
     std::vector<std::string> failed;  // standalone engines an actor rank could not push to
     for (int rank : actor_group->ranks)
-      link.call(rank, wire::SyncRequest{v, live_standalone_engines()}.encode(), cfg.timeouts.weight_sync_s, "the weight sync", [this, &failed](wire::Frame&& f) {
+      link.call(rank, wire::SyncRequest{v, w.standalone ? w.standalone->targets(*w.engines) : std::vector<std::string>{}}.encode(), cfg.timeouts.weight_sync_s, "the weight sync", [this, &failed](wire::Frame&& f) {
         const wire::SyncReply r = wire::SyncReply::decode(std::move(f));
         failed.insert(failed.end(), r.failed.begin(), r.failed.end());
         sync_seconds_on_actor = std::max(sync_seconds_on_actor, r.seconds);
         // Pushed to standalone engines, each actor rank sends its own buckets; else every rank
         // reports the whole plan.
-        sync_wire_bytes = w.standalone_engines.empty() ? r.wire_bytes : sync_wire_bytes + r.wire_bytes;
+        sync_wire_bytes = w.standalone ? sync_wire_bytes + r.wire_bytes : r.wire_bytes;
       });
     const auto idle = [] { std::this_thread::sleep_for(std::chrono::milliseconds(kIdleWaitMs)); };
-    if (w.standalone_engines.empty()) {
+    if (!w.standalone) {
       w.engines->end_update(v, cfg.timeouts.weight_sync_s);
       link.drain(actor_group->ranks, idle);
     } else {
-      // The pushes first: an engine an actor rank could not push to leaves before End, which
-      // would wait for its buckets until the engine's deadline.
-      link.drain(actor_group->ranks, idle);
-      for (size_t i = 0; i < w.standalone_engines.size(); ++i)
-        if (std::find(failed.begin(), failed.end(), w.standalone_engines[i]) != failed.end())
-          w.engines->retire(i, fmt::format("the push of version {} to it failed (the actor ranks' log says why)", v));
+      link.drain(actor_group->ranks, idle);  // the pushes first: who failed leaves before End
+      w.standalone->retire_failed(*w.engines, failed, v);
       w.engines->end_update(v, cfg.timeouts.weight_sync_s);
       collector->engines_changed();  // the requests of the engines that left move to the others
     }
     version = v;
-  }
-
-  // The standalone engines still in the job: the targets of a push.
-  std::vector<std::string> live_standalone_engines() const {
-    std::vector<std::string> out;
-    for (size_t i = 0; i < w.standalone_engines.size(); ++i)
-      if (!w.engines->retired(i)) out.push_back(w.standalone_engines[i]);
-    return out;
   }
 
   void sync_weights(int64_t j) {

@@ -40,7 +40,7 @@ namespace tiller::controller {
 
 // What the controller works with; everything outlives it.
 class Evaluator;
-class EngineRendezvous;
+class StandaloneEngines;
 
 struct ControllerWiring {
   const dist::RankPlan* plan = nullptr;
@@ -59,11 +59,9 @@ struct ControllerWiring {
   // Token ids to text, special tokens kept (the samples file, records' text); null: ids only.
   std::function<std::string(const std::vector<int64_t>&)> decode_text;
   python::Tracking* tracking = nullptr;  // logging.wandb / logging.mlflow (null: none)
-  // Standalone engines (engines.addresses / engines.rendezvous_dir): each one's host:port, in the
-  // engine set's order, which every weight sync names to the actor ranks; and where engines that
-  // join later announce themselves (null: none join).
-  std::vector<std::string> standalone_engines;
-  EngineRendezvous* rendezvous = nullptr;
+  // Standalone engines (engines.addresses / engines.rendezvous_dir): who they are, who joins,
+  // who each push goes to (null: the job's own engine ranks).
+  StandaloneEngines* standalone = nullptr;
 };
 
 class Controller {

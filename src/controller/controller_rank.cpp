@@ -7,7 +7,7 @@
 
 #include "controller/controller.h"
 #include "controller/engine_pool.h"
-#include "controller/engine_rendezvous.h"
+#include "controller/standalone_engines.h"
 #include "controller/evaluator.h"
 #include "controller/job_environment.h"
 #include "controller/job_rewards.h"
@@ -42,9 +42,10 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
   }
   std::vector<std::string> addresses = opts.engine_addresses;
   std::string token = opts.engine_token;
-  std::unique_ptr<EngineRendezvous> rendezvous;
+  std::unique_ptr<StandaloneEngines> standalone;
   if (cfg.engines.standalone()) {
-    addresses = standalone_engines_at_start(cfg, rendezvous);
+    standalone = std::make_unique<StandaloneEngines>(cfg);
+    addresses = standalone->addresses();
     token = sync::standalone_engine_token(cfg.engines.token_file);
   }
   EnginePool engines(addresses, token, cfg.timeouts.rpc_s, engine_tls, cfg.engines.standalone());
@@ -83,8 +84,7 @@ int run_controller(const JobConfig& cfg, const dist::RankPlan& plan, dist::Commu
     tracking = std::make_unique<python::Tracking>(to);
   }
   w.tracking = tracking.get();
-  if (cfg.engines.standalone()) w.standalone_engines = addresses;
-  w.rendezvous = rendezvous.get();
+  w.standalone = standalone.get();
   std::unique_ptr<Evaluator> evaluator;
   if (cfg.eval.enabled()) evaluator = std::make_unique<Evaluator>(cfg, *tokenizer, engines, w.stop_token_ids);
   w.evaluator = evaluator.get();

@@ -1,4 +1,4 @@
-#include "controller/engine_rendezvous.h"
+#include "controller/standalone_engines.h"
 
 #include "controller/collector.h"
 #include "controller/engine_set.h"
@@ -121,9 +121,10 @@ std::vector<std::string> EngineRendezvous::poll() {
   return out;
 }
 
-std::vector<std::string> standalone_engines_at_start(const JobConfig& cfg,
-                                                     std::unique_ptr<EngineRendezvous>& rendezvous) {
-  std::vector<std::string> out = parse_engine_addresses(cfg.engines.addresses, "engines.addresses");
+StandaloneEngines::StandaloneEngines(const JobConfig& cfg) {
+  std::vector<std::string>& out = addresses_;
+  std::unique_ptr<EngineRendezvous>& rendezvous = rendezvous_;
+  out = parse_engine_addresses(cfg.engines.addresses, "engines.addresses");
   if (!cfg.engines.rendezvous_dir.empty()) {
     rendezvous = std::make_unique<EngineRendezvous>(cfg.engines.rendezvous_dir);
     for (const auto& a : out) rendezvous->know(a);
@@ -171,24 +172,34 @@ std::vector<std::string> standalone_engines_at_start(const JobConfig& cfg,
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
   for (const auto& a : out) log::info("standalone engine at {}", a);
+}
+
+void StandaloneEngines::admit(EngineSet& engines, RolloutCollector& collector, uint64_t version) {
+  if (!rendezvous_) return;
+  for (const std::string& a : rendezvous_->poll()) {
+    try {
+      const size_t i = engines.add_engine(a);
+      addresses_.push_back(a);
+      collector.engines_changed();
+      log::info("{} joined: it takes version {} in full at this sync, then prompts", engines.name(i), version);
+    } catch (const std::exception& e) {
+      log::warn("engine {} (announced in {}) could not join: {}", a, rendezvous_->dir(), e.what());
+    }
+  }
+}
+
+std::vector<std::string> StandaloneEngines::targets(const EngineSet& engines) const {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < addresses_.size(); ++i)
+    if (!engines.retired(i)) out.push_back(addresses_[i]);
   return out;
 }
 
-size_t admit_joined_engines(EngineRendezvous& rendezvous, EngineSet& engines, RolloutCollector& collector,
-                            std::vector<std::string>& addresses, uint64_t version) {
-  size_t joined = 0;
-  for (const std::string& a : rendezvous.poll()) {
-    try {
-      const size_t i = engines.add_engine(a);
-      addresses.push_back(a);
-      collector.engines_changed();
-      ++joined;
-      log::info("{} joined: it takes version {} in full at this sync, then prompts", engines.name(i), version);
-    } catch (const std::exception& e) {
-      log::warn("engine {} (announced in {}) could not join: {}", a, rendezvous.dir(), e.what());
-    }
-  }
-  return joined;
+void StandaloneEngines::retire_failed(EngineSet& engines, const std::vector<std::string>& failed,
+                                      uint64_t version) const {
+  for (size_t i = 0; i < addresses_.size(); ++i)
+    if (std::find(failed.begin(), failed.end(), addresses_[i]) != failed.end())
+      engines.retire(i, fmt::format("the push of version {} to it failed (the actor ranks' log says why)", version));
 }
 
 }  // namespace tiller::controller

@@ -48,12 +48,27 @@ class EngineRendezvous {
 // collector, and appends their addresses to `addresses` (the sync's targets). An engine that
 // cannot join (unreachable, the plan does not fit it) is skipped with a warning naming it: the
 // job goes on with the others. Returns how many joined.
-// The standalone engines a job starts with: engines.addresses, then those announced in
-// engines.rendezvous_dir (making `rendezvous`), waiting up to timeouts.startup_s until there are
-// engines.min_count. TimeoutError saying how many came, and where they were looked for.
-std::vector<std::string> standalone_engines_at_start(const JobConfig& cfg, std::unique_ptr<EngineRendezvous>& rendezvous);
+// The standalone engines of a job as the controller tracks them from one weight sync to the next.
+class StandaloneEngines {
+ public:
+  // engines.addresses, then the engines announced in engines.rendezvous_dir (one that does not
+  // answer is skipped), waiting up to timeouts.startup_s until there are engines.min_count.
+  // TimeoutError saying how many came and where they were looked for.
+  explicit StandaloneEngines(const JobConfig& cfg);
+  // Every engine's host:port, in the engine set's order (those that left included).
+  const std::vector<std::string>& addresses() const { return addresses_; }
+  // Before a sync: the engines announced since the last one join `engines` and the collector. One
+  // that cannot join (unreachable, the plan does not fit it) is skipped with a warning naming it.
+  void admit(EngineSet& engines, RolloutCollector& collector, uint64_t version);
+  // The push's targets: the engines still in the job.
+  std::vector<std::string> targets(const EngineSet& engines) const;
+  // After the pushes, before End (which would wait for their buckets): the engines an actor rank
+  // could not push to leave the job.
+  void retire_failed(EngineSet& engines, const std::vector<std::string>& failed, uint64_t version) const;
 
-size_t admit_joined_engines(EngineRendezvous& rendezvous, EngineSet& engines, RolloutCollector& collector,
-                            std::vector<std::string>& addresses, uint64_t version);
+ private:
+  std::vector<std::string> addresses_;
+  std::unique_ptr<EngineRendezvous> rendezvous_;
+};
 
 }  // namespace tiller::controller

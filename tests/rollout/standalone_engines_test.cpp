@@ -1,4 +1,4 @@
-// Standalone engines' addresses and announcements (src/controller/engine_rendezvous.h), and the
+// Standalone engines' addresses and announcements (src/controller/standalone_engines.h), and the
 // config rules of a job that uses them.
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -8,7 +8,7 @@
 #include <fstream>
 #include <string>
 
-#include "controller/engine_rendezvous.h"
+#include "controller/standalone_engines.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 
