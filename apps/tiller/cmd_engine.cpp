@@ -1,6 +1,7 @@
 // tiller engine: one inference engine behind its gRPC service (under mpirun for --tp > 1).
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -44,6 +45,7 @@ struct EngineCmdOptions {
   double timeout_s = 120;
   double sync_timeout_s = 600;
   std::string join_dir, advertise;
+  std::string drain, tls_ca;  // --drain HOST:PORT: drain that engine, and exit
 };
 
 // An engine reachable from other machines serves only callers with its token, unless the user
@@ -62,7 +64,22 @@ std::string engine_token_for(const EngineCmdOptions& o) {
   return token;
 }
 
+// tiller engine --drain HOST:PORT: tells a running engine to drain, and prints what it still holds.
+int drain_engine(const EngineCmdOptions& o) {
+  engine::ClientOptions co;
+  co.address = o.drain;
+  co.token = read_engine_token(o.token_file, "--token-file");
+  co.tls.ca = o.tls_ca;
+  co.timeout_seconds = o.timeout_s;
+  engine::EngineClient client(co);
+  const int64_t live = client.drain();
+  std::printf("%s\n", nlohmann::json{{"event", "draining"}, {"engine", o.drain}, {"live_requests", live}}.dump().c_str());
+  return 0;
+}
+
 int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
+  if (!o.drain.empty()) return drain_engine(o);
+  if (o.model.empty()) throw ConfigError("tiller engine: --model is required (or --drain HOST:PORT)");
   block_stop_signals();  // taken by the watcher below; before any thread starts
   const std::string token = engine_token_for(o);  // before any work: a refusal costs nothing
 
@@ -152,9 +169,18 @@ int run_engine(EngineCmdOptions o, int* argc, char*** argv) {
                           .c_str());
   std::fflush(stdout);
   {
+    // The first signal drains (the requests it holds finish, a job moves the rest elsewhere); the
+    // second stops at once.
+    std::atomic<int> signals{0};
     StopSignalWatcher watcher([&] {
-      log::info("engine: stopping on a signal");
-      server.shutdown();
+      if (signals++ == 0) {
+        log::info("engine: draining on a signal (a second one stops it at once)");
+        if (!announced.empty()) std::remove(announced.c_str());  // no job takes it in any more
+        server.drain();
+      } else {
+        log::info("engine: stopping on a second signal");
+        server.shutdown();
+      }
     });
     server.wait();
   }
@@ -182,7 +208,12 @@ std::string read_engine_token(const std::string& file, const char* flag) {
 void add_engine_command(CLI::App& app, Runner& run, int& argc, char**& argv) {
   auto* cmd = app.add_subcommand("engine", "Serve one inference engine over gRPC (mpirun -np N for --tp N)");
   auto o = std::make_shared<EngineCmdOptions>();
-  cmd->add_option("--model", o->model, "HF model directory (config.json + safetensors), or a hub id (Org/Name[@rev]): from the HF cache, or downloaded")->required();
+  cmd->add_option("--model", o->model, "HF model directory (config.json + safetensors), or a hub id (Org/Name[@rev]): from the HF cache, or downloaded");
+  cmd->add_option("--drain", o->drain,
+                  "HOST:PORT of a running engine to drain (it finishes its requests, takes no new one, then stops; a "
+                  "job moves its prompts elsewhere), with --token-file and --tls-ca as it needs; SIGTERM to the "
+                  "engine does the same");
+  cmd->add_option("--tls-ca", o->tls_ca, "With --drain: PEM roots to verify the engine's certificate (dials TLS)");
   cmd->add_option("--host", o->host,
                   "Address to bind (default 127.0.0.1: this machine only; another address needs a token or "
                   "--insecure)");

@@ -12,6 +12,8 @@
 namespace tiller::controller {
 namespace {
 
+constexpr int kUnavailable = 14;  // grpc::StatusCode::UNAVAILABLE: the engine drains
+
 // Samples queued on one engine, in units of engines.max_num_seqs, beyond which dispatch waits:
 // enough that an engine never idles between two of the controller's rounds.
 constexpr int64_t kQueuedPerSeqSlot = 2;
@@ -105,6 +107,7 @@ void RolloutCollector::start(int64_t first_step, uint64_t version, const std::ve
   load_.assign(engines_.size(), 0);
   last_progress_.assign(engines_.size(), cfg_.clock->now());
   moved_off_.assign(engines_.size(), 0);
+  draining_.assign(engines_.size(), 0);
   engines_.open();
   open_ = true;
   begin_forming(first_step, version, RoleSet{});
@@ -188,6 +191,8 @@ void RolloutCollector::dispatch() {
 void RolloutCollector::take(Completion& c) {
   const auto e = static_cast<size_t>(c.engine);
   if (!c.failure.empty()) return engine_failed(e, c.failure);
+  if (c.result.error_code == kUnavailable && c.result.sample.request_id == engine::kDrainNotice)
+    return engine_draining(e);
   TILLER_CHECK(e < in_flight_.size(), "a completion from engine {} of {}", e, in_flight_.size());
   if (c.result.sample.request_id >= side_base_ && side_sink_) {
     last_progress_[e] = cfg_.clock->now();  // the engine is working
@@ -196,6 +201,11 @@ void RolloutCollector::take(Completion& c) {
   }
   const engine::ClientResult& res = c.result;
   auto req = live_.find(res.sample.request_id);
+  if (res.error_code == kUnavailable && req != live_.end()) {  // sent before its drain's notice came
+    engine_draining(e);
+    resend(res.sample.request_id);
+    return;
+  }
   TILLER_CHECK(req != live_.end(), "{} answered request {}, which no sample loop sent", engines_.name(e),
                res.sample.request_id);
   // A request sent again after its engine left: the samples that came back before are repeats.
@@ -216,6 +226,8 @@ void RolloutCollector::take(Completion& c) {
   }
   in_flight_[e] -= 1;
   last_progress_[e] = cfg_.clock->now();
+  if (draining_[e] && in_flight_[e] == 0 && engines_.retire(e, "drained: every request it held finished"))
+    moved_off_[e] = 1;
   const bool aborted_by_engine = res.sample.finish_reason == "abort";
   if (it == outstanding_.end() || l.aborted) {
     // A sample of a group dropped (or a request aborted) while it was generating; one that

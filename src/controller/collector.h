@@ -313,6 +313,16 @@ class RolloutCollector final : private LoopHost {
   void engine_failed(size_t e, const std::string& why);
   // The requests in flight on retired engine e, and its groups, to the live engines.
   void move_off(size_t e);
+  // Engine e drains (its notice, or a request it refused): its prompt groups move to the others,
+  // its requests finish there, and it leaves the job once they have.
+  void engine_draining(size_t e);
+  // Request `id` (live) again on another engine, whole.
+  void resend(uint64_t id);
+  // Engine e may take prompts: in the job and not draining.
+  bool usable(size_t e) const { return !engines_.retired(e) && !draining_[e]; }
+  size_t usable_count() const;
+  // Engine e's groups to the others (for their next requests).
+  int64_t move_groups(size_t e);
   size_t least_loaded() const;  // among the live engines
   void begin_forming(int64_t step, uint64_t train_version, RoleSet held);
 
@@ -334,6 +344,7 @@ class RolloutCollector final : private LoopHost {
   std::vector<int64_t> load_;             // samples dispatched and not arrived, per engine (dispatch balance)
   std::vector<SteadyClock::time_point> last_progress_;
   std::vector<uint8_t> moved_off_;        // per engine: retired, and its work moved
+  std::vector<uint8_t> draining_;         // per engine: draining (no new prompt; leaves when idle)
   std::unordered_map<uint64_t, AsyncSlot> async_slots_;
   uint64_t next_uid_ = 0;
   bool async_unflushed_ = false;

@@ -32,6 +32,7 @@ class EnginePool final : public EngineSet {
   size_t add_engine(const std::string& address) override;
   bool retire(size_t i, const std::string& why) override;
   bool retired(size_t i) const override { return retired_.at(i); }
+  bool elastic() const override { return elastic_; }
   const std::string& address(size_t i) const { return addresses_.at(i); }
   void open() override;
   void submit(size_t i, const engine::Request& r, uint64_t min_weight_version) override;

@@ -46,6 +46,7 @@ class EngineSet {
     (void)why;
     return false;
   }
+  virtual bool elastic() const { return false; }  // retire() takes engines out
   virtual bool retired(size_t i) const {
     (void)i;
     return false;

@@ -284,6 +284,15 @@ std::unique_ptr<WeightPushStream> EngineClient::push_weights(Deadline deadline) 
   return std::unique_ptr<WeightPushStream>(new WeightPushStream(std::move(s)));
 }
 
+int64_t EngineClient::drain() {
+  grpc::ClientContext ctx;
+  impl_->prepare(ctx, impl_->unary());
+  pb::DrainResponse r;
+  grpc::Status st = impl_->stub->Drain(&ctx, pb::DrainRequest(), &r);
+  if (!st.ok()) raise(impl_->opts.address, "Drain", st);
+  return r.live_requests();
+}
+
 ServerMemory EngineClient::sleep(int level) {
   grpc::ClientContext ctx;
   impl_->prepare(ctx, impl_->unary());

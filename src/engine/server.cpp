@@ -10,6 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -110,6 +111,7 @@ struct EngineServer::Impl final : pb::Engine::Service {
   uint64_t installed_plan = 0;                 // the sync plan's id, 0: none
   bool sync_requested = false;                 // the update in progress receives a sync
   std::optional<WeightSink::Result> sync_result;
+  bool draining = false;                        // Drain: no new request; stop once the last is done
   std::mt19937_64 seeds{std::random_device{}()};
   std::deque<std::pair<Clock::time_point, int64_t>> rate_window;
 
@@ -120,6 +122,10 @@ struct EngineServer::Impl final : pb::Engine::Service {
   uint64_t weight_version = 0;
   bool updating = false;
   bool broken = false;
+
+  // Every open Generate stream (a drain tells each one), guarded by streams_mu.
+  std::mutex streams_mu;
+  std::set<std::shared_ptr<StreamState>> open_streams;
 
   std::thread loop;
   std::mutex done_mu;
@@ -187,6 +193,9 @@ struct EngineServer::Impl final : pb::Engine::Service {
       e->set_message(msg);
       stream->push(std::move(r), true);
     };
+    if (draining)
+      return refuse(grpc::StatusCode::UNAVAILABLE,
+                    fmt::format("request {}: the engine is draining (it takes no new request)", g.request_id()));
     if (!engine.weights_broken().empty())
       return refuse(grpc::StatusCode::FAILED_PRECONDITION,
                     fmt::format("request {}: {}", g.request_id(), engine.weights_broken()));
@@ -267,6 +276,10 @@ struct EngineServer::Impl final : pb::Engine::Service {
           deliver(outs);
           continue;
         }
+        if (draining && routes.empty() && !paused) {
+          log::info("engine: drained (no request left); it stops serving");
+          break;
+        }
         if (Clock::now() - last_beat > std::chrono::duration<double>(opts.heartbeat_seconds)) {
           engine.heartbeat();
           last_beat = Clock::now();
@@ -300,6 +313,10 @@ struct EngineServer::Impl final : pb::Engine::Service {
                         grpc::ServerReaderWriter<pb::GenerateStreamResponse, pb::GenerateStreamRequest>* rw) override {
     if (auto st = check_token(ctx); !st.ok()) return st;
     auto stream = std::make_shared<StreamState>();
+    {
+      std::lock_guard<std::mutex> lock(streams_mu);
+      open_streams.insert(stream);
+    }
     std::thread reader([&] {
       pb::GenerateStreamRequest req;
       while (rw->Read(&req)) {
@@ -353,6 +370,10 @@ struct EngineServer::Impl final : pb::Engine::Service {
         ok = false;
         break;
       }
+    }
+    {
+      std::lock_guard<std::mutex> lock(streams_mu);
+      open_streams.erase(stream);
     }
     {
       std::lock_guard<std::mutex> lock(stream->mu);
@@ -480,6 +501,36 @@ struct EngineServer::Impl final : pb::Engine::Service {
     }
     resp->set_applied(applied);
     return grpc::Status::OK;
+  }
+
+  grpc::Status Drain(grpc::ServerContext* ctx, const pb::DrainRequest*, pb::DrainResponse* resp) override {
+    if (auto st = check_token(ctx); !st.ok()) return st;
+    int64_t live = 0;
+    auto st = call<int64_t>(ctx, [this] { return start_draining(); }, live);
+    if (!st.ok()) return st;
+    tell_streams_draining();
+    resp->set_live_requests(live);
+    return grpc::Status::OK;
+  }
+
+  // --- loop thread ---
+  int64_t start_draining() {
+    if (!draining) log::info("engine: draining: no new request; {} to finish, then it stops", routes.size());
+    draining = true;
+    return static_cast<int64_t>(routes.size());
+  }
+
+  // Any thread: every open Generate stream hears that the engine drains (kDrainNotice, UNAVAILABLE).
+  void tell_streams_draining() {
+    std::lock_guard<std::mutex> lock(streams_mu);
+    for (const auto& stream : open_streams) {
+      pb::GenerateStreamResponse r;
+      auto* e = r.mutable_error();
+      e->set_request_id(kDrainNotice);
+      e->set_code(static_cast<int32_t>(grpc::StatusCode::UNAVAILABLE));
+      e->set_message("the engine is draining: it finishes its requests, takes no new one, then stops");
+      stream->push(std::move(r), false);
+    }
   }
 
   grpc::Status Sleep(grpc::ServerContext* ctx, const pb::SleepRequest* req, pb::MemoryResponse* resp) override {
@@ -653,6 +704,12 @@ void EngineServer::shutdown() {
   m.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   if (m.loop.joinable()) m.loop.join();
   m.done_cv.notify_all();
+}
+
+void EngineServer::drain() {
+  Impl& m = *impl_;
+  m.post([&m] { m.start_draining(); });
+  m.tell_streams_draining();
 }
 
 void EngineServer::wait() {

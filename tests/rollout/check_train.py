@@ -787,11 +787,13 @@ def stop_engines(procs):
             p.kill()
 
 
-def standalone_run(name, token, sets, join_at, steps):
+def standalone_run(name, token, sets, join_at, steps, drain_at=None, fault="exit:step:40"):
     """A GRPO job on standalone engines: A (engines.addresses), B (announced in the rendezvous
-    folder before the start; it exits as if killed at its 40th generation step, mid-generation), and
-    C, started once step `join_at` is logged, which joins at the next weight sync. Returns the
-    output folder and the log."""
+    folder before the start; at its 40th generation step, mid-generation, it exits as if killed, or
+    with `fault` stall:step:40 stops answering), and
+    C, started once step `join_at` is logged, which joins at the next weight sync. With `drain_at`,
+    A is drained (tiller engine --drain) once that step is logged. Returns the output folder and
+    the log."""
     rdv = SCRATCH / f"{name}_rendezvous"
     shutil.rmtree(rdv, ignore_errors=True)
     engines = []
@@ -800,7 +802,7 @@ def standalone_run(name, token, sets, join_at, steps):
         a, port = start_engine(f"{name}_a", token)
         engines.append(a)
         b, _ = start_engine(f"{name}_b", token, "--join", str(rdv), "--advertise", "127.0.0.1",
-                            env={"TILLER_ENGINE_FAULT": "exit:step:40"})
+                            env={"TILLER_ENGINE_FAULT": fault})
         engines.append(b)
         proc, lines = start(2, out, *GRPO, "engines.count=0", f"engines.addresses=127.0.0.1:{port}",
                             f"engines.rendezvous_dir={rdv}", f"engines.token_file={token}",
@@ -808,12 +810,27 @@ def standalone_run(name, token, sets, join_at, steps):
         wait_for(proc, rf"step {join_at}/", 300, lines)
         c, _ = start_engine(f"{name}_c", token, "--join", str(rdv), "--advertise", "127.0.0.1")
         engines.append(c)
+        if drain_at is not None:
+            wait_for(proc, rf"step {drain_at}/", 300, lines)
+            d = subprocess.run([TILLER, "engine", "--drain", f"127.0.0.1:{port}", "--token-file", str(token)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+            if d.returncode != 0 or '"event":"draining"' not in d.stdout:
+                fail(f"{name}: tiller engine --drain: exit code {d.returncode}: {d.stdout}")
+            try:
+                a.wait(timeout=120)  # it stops on its own once its requests are done
+            except subprocess.TimeoutExpired:
+                fail(f"{name}: the drained engine did not stop: {(SCRATCH / f'{name}_a.log').read_text()[-2000:]}")
+            if a.returncode != 0:
+                fail(f"{name}: the drained engine exited with {a.returncode}")
         code, log = finish(proc, lines, 600)
         if code != 0:
             fail(f"{name}: exit code {code}:\n{log[-4000:]}")
     finally:
+        if fault.startswith("stall") and b.poll() is None:
+            b.kill()  # its loop is stuck for good: a signal's drain would never end
+            b.wait()
         stop_engines(engines)
-    if b.returncode != 137:
+    if fault.startswith("exit") and b.returncode != 137:
         fail(f"{name}: engine B should have exited at its fault (137), not {b.returncode}")
     moved = re.search(r"engine 1 \(127\.0\.0\.1:\d+\) left the job; \d+ prompt group\(s\) and \d+ request\(s\).*", log)
     if not moved:
@@ -834,12 +851,15 @@ def standalone_run(name, token, sets, join_at, steps):
 def check_standalone():
     """GRPO on standalone engines (docs/cluster.md): one engine dies mid-generation, its requests move
     to the other and the step completes; a third joins at step 5 through the rendezvous folder and
-    takes prompts; the actor pushes every version as deltas over gRPC; the run learns. Then the
-    same in the asynchronous pipeline with partial rollouts, whose staleness bound must hold."""
+    takes prompts; the first is drained at step 15 and stops on its own; the actor pushes every
+    version as deltas over gRPC; the run learns. Then the asynchronous pipeline with partial
+    rollouts and an engine that stalls: its staleness bound must hold."""
     SCRATCH.mkdir(parents=True, exist_ok=True)
     token = SCRATCH / "engine.token"
     token.write_text("standalone-secret\n")
-    out, log = standalone_run("standalone", token, [], join_at=5, steps=30)
+    out, log = standalone_run("standalone", token, [], join_at=5, steps=30, drain_at=15)
+    if not re.search(r"engine 0 \(127\.0\.0\.1:\d+\) is draining", log):
+        fail(f"no line says engine 0 drains:\n{log[-3000:]}")
     rows = metrics(out)
     counts = [r.get("engines/count") for r in rows]
     rewards = [r["reward/mean"] for r in rows]
@@ -847,8 +867,9 @@ def check_standalone():
     print(f"{CASE}: mean reward {first_r:.3f} -> {last_r:.3f}; engines in the job per step {counts}")
     if [r["step"] for r in rows] != list(range(1, 31)):
         fail(f"steps in metrics.jsonl: {[r['step'] for r in rows]}")
-    if 1 not in counts or counts[-1] != 2:
-        fail(f"engines/count per step should fall to 1 (B died) and end at 2 (C joined): {counts}")
+    if counts[0] != 2 or 1 not in counts[:6] or 2 not in counts[6:15] or counts[-1] != 1:
+        fail(f"engines/count per step should fall to 1 (B died), rise to 2 (C joined), end at 1 (A drained): "
+             f"{counts}")
     if not (first_r < 0.3 and last_r > 0.7):
         fail(f"the reward did not rise clearly: {[round(r, 3) for r in rewards]}")
     if any(r["samples"] != rows[0]["samples"] for r in rows):
@@ -856,15 +877,21 @@ def check_standalone():
     # Deltas: after the first push each sync sends less than the full weights, but the join's,
     # which carries the new engine's full copy as well.
     wire = [r["sync/wire_mb"] for r in rows]
-    joined_at = max(i for i, c in enumerate(counts) if c == 1) + 1
+    joined_at = counts.index(2, 1)
     if not all(0 < w < wire[0] for i, w in enumerate(wire) if i not in (0, joined_at)):
         fail(f"sync/wire_mb per step: {wire}")
     if not wire[joined_at] > wire[joined_at - 1]:
         fail(f"the join's sync ({wire[joined_at]} MB) should carry a full copy beside the deltas: {wire}")
-    out, _ = standalone_run("standalone_async", token,
-                            ["rollout.mode=async", "rollout.max_staleness=1", "rollout.partial=true", "eval.prompts=",
-                             f"logging.rollout_records={SCRATCH / 'standalone_async' / 'records.jsonl'}"],
-                            join_at=3, steps=10)
+    # Asynchronous, partial rollouts, and B stalls instead (found by timeouts.generate_s).
+    out, log = standalone_run("standalone_async", token,
+                              ["rollout.mode=async", "rollout.max_staleness=1", "rollout.partial=true", "eval.prompts=",
+                               "timeouts.generate_s=5", "timeouts.rpc_s=5",
+                               f"logging.rollout_records={SCRATCH / 'standalone_async' / 'records.jsonl'}"],
+                              join_at=3, steps=10, fault="stall:step:40")
+    # Found stalled with samples in flight, or by a weight sync's Begin that it did not answer.
+    if not re.search(r"engine 1 \(127\.0\.0\.1:\d+\) leaves the job: (generation stalled|weight sync \d+: .* "
+                     r"refused to begin)", log):
+        fail(f"standalone_async: no line says the stalled engine left:\n{log[-3000:]}")
     check_lags(out, 1, "standalone_async")
 
 

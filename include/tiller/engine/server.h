@@ -61,8 +61,11 @@ class EngineServer {
   // Stops accepting calls, ends open streams (their requests are aborted) and the loop thread.
   // Thread-safe; idempotent.
   void shutdown();
-  // Blocks until shutdown() was called (by another thread or a signal handler's thread).
+  // Blocks until shutdown() was called (by another thread or a signal handler's thread), the loop
+  // failed, or a drain ended (every request finished).
   void wait();
+  // Starts a drain (as the Drain call does). Thread-safe.
+  void drain();
   // The loop thread's failure, if it died (empty while healthy).
   std::string error() const;
   // An in-process stream on this server's engine. Thread-safe.
@@ -74,6 +77,10 @@ class EngineServer {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// The request id of a drain's notice on a Generate stream (a RequestError with code UNAVAILABLE):
+// no request has it.
+constexpr uint64_t kDrainNotice = ~uint64_t{0};
 
 struct ClientOptions {
   std::string address;           // host:port
@@ -189,6 +196,9 @@ class EngineClient {
   // Delta sync: a stream of chunks of the update Begin named (with the installed plan's id), open
   // until `deadline`.
   std::unique_ptr<WeightPushStream> push_weights(Deadline deadline);
+  // Drain (proto/tiller/engine.proto): no new request, the live ones finished, then the engine stops
+  // serving. Returns how many requests it still holds.
+  int64_t drain();
   // The hybrid engine's phases (Engine::sleep / wake). InvalidRequest when the engine is busy.
   ServerMemory sleep(int level);
   ServerMemory wake(bool weights, bool cache);
