@@ -133,16 +133,9 @@ StandaloneEngines::StandaloneEngines(const JobConfig& cfg) {
   const Deadline deadline = Deadline::after_seconds(cfg.timeouts.startup_s);
   bool told = false;
   // An announcement a killed engine left behind names nothing that answers: skipped.
-  const std::string token = sync::standalone_engine_token(cfg.engines.token_file);
   auto answers = [&](const std::string& a) {
-    engine::ClientOptions o;
-    o.address = a;
-    o.token = token;
-    o.timeout_seconds = std::min(cfg.timeouts.rpc_s, 10.0);
-    if (!cfg.engines.tls_cert.empty()) {
-      o.tls.ca = cfg.engines.tls_ca.empty() ? cfg.engines.tls_cert : cfg.engines.tls_ca;
-      o.tls.server_name = cfg.engines.tls_server_name;
-    }
+    engine::ClientOptions o = sync::standalone_engine_client(cfg, a);
+    o.timeout_seconds = std::min(o.timeout_seconds, 10.0);
     try {
       engine::EngineClient(o).health();
       return true;

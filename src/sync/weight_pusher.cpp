@@ -24,6 +24,7 @@
 #include "sync/bucket_packer.h"
 #include "sync/delta_codec.h"
 #include "sync/sync_protocol.h"
+#include "tiller/core/config.h"
 #include "tiller/core/deadline.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
@@ -67,6 +68,18 @@ std::string standalone_engine_token(const std::string& token_file) {
   if (!in || !std::getline(in, token) || token.empty())
     throw ConfigError(fmt::format("{}: cannot read a token from its first line", token_file));
   return token;
+}
+
+engine::ClientOptions standalone_engine_client(const JobConfig& job, const std::string& address) {
+  engine::ClientOptions o;
+  o.address = address;
+  o.token = standalone_engine_token(job.engines.token_file);
+  o.timeout_seconds = job.timeouts.rpc_s;
+  if (!job.engines.tls_cert.empty()) {
+    o.tls.ca = job.engines.tls_ca.empty() ? job.engines.tls_cert : job.engines.tls_ca;
+    o.tls.server_name = job.engines.tls_server_name;
+  }
+  return o;
 }
 
 bool PushStats::all_succeeded() const {

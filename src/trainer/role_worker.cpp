@@ -430,17 +430,7 @@ struct RoleWorker::Impl {
     std::vector<sync::PushTarget> targets;
     for (const std::string& a : in.targets) {
       auto& c = engine_clients[a];
-      if (!c) {
-        engine::ClientOptions co;
-        co.address = a;
-        co.token = sync::standalone_engine_token(cfg.engines.token_file);
-        co.timeout_seconds = cfg.timeouts.rpc_s;
-        if (!cfg.engines.tls_cert.empty()) {
-          co.tls.ca = cfg.engines.tls_ca.empty() ? cfg.engines.tls_cert : cfg.engines.tls_ca;
-          co.tls.server_name = cfg.engines.tls_server_name;
-        }
-        c = std::make_unique<engine::EngineClient>(co);
-      }
+      if (!c) c = std::make_unique<engine::EngineClient>(sync::standalone_engine_client(cfg, a));
       targets.push_back({"engine " + a, c.get()});
     }
     const sync::PushStats s = pusher->push(in.version, targets);

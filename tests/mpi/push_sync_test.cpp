@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "engine_checks.h"
 #include "mpi_env_for_tests.h"
 #include "tiller/engine/engine.h"
 #include "tiller/engine/engine_weights.h"
@@ -143,22 +144,15 @@ model::NamedTensors actor_weights(PushRig& r) {
 }
 
 void expect_engine_holds(PushRig& r, const model::NamedTensors& want_full, const std::string& what) {
-  const auto want = model::named_weights(
-      r.cfg,
-      engine::slice_for_tp(r.cfg, model::bind_weights(r.cfg, want_full, model::Head::kLm, "actor"), r.engine->tp_rank(),
-                           r.engine->tp_size()),
-      model::Head::kLm);
-  const auto got = r.engine->parameters();
-  ASSERT_EQ(got.size(), want.size());
-  for (const auto& [n, t] : want)
-    EXPECT_TRUE(at::equal(got.at(n).cpu(), t)) << what << ": " << n << " differs on world rank " << r.me;
+  expect_engine_slices(r.cfg, *r.engine, want_full, r.me, what);
 }
 
 // Versions 1..syncs: the actor steps (from version 2), rank 0 begins the update on every engine,
 // every actor rank pushes, rank 0 ends it; `check` runs on actors and leaders after each.
 void run_syncs(PushRig& r, const sync::BucketPlan& plan, sync::PushOptions opts, int syncs,
                const std::function<void(int version, const sync::PushStats&)>& after_push,
-               const std::function<void(int version)>& check) {
+               const std::function<void(int version)>& check,
+               const std::function<void(int version)>& between = nullptr) {
   if (r.is_follower()) {
     r.engine->follow();
     return;
@@ -182,6 +176,7 @@ void run_syncs(PushRig& r, const sync::BucketPlan& plan, sync::PushOptions opts,
       for (auto& c : r.clients) EXPECT_EQ(c->end_weight_update(static_cast<uint64_t>(v), 60), static_cast<uint64_t>(v));
     r.barrier();
     check(v);
+    if (between) between(v);
   }
   r.barrier();
   if (r.is_leader()) {
@@ -219,6 +214,43 @@ TEST(PushSync, TenDeltaSyncsLeaveEveryEngineWithTheActorsBytes) {
     }
     EXPECT_LT(stats[10].sent_bytes * 5, stats[10].raw_bytes * r.engines()) << "lr 1e-6 should change few weights";
     EXPECT_GT(stats[10].sparse_chunks, 0);
+  }
+}
+
+TEST(PushSync, AnEngineThatComesLateTakesEveryChunkInFullAndHoldsTheActorsBytes) {
+  for (const PushLayout l : push_layouts(comm().size())) {
+    if (l.tp != 1) continue;  // the leader swaps its receiver: no followers to swap with it
+    PushRig r(l);
+    const sync::BucketPlan plan = sync::make_bucket_plan(r.cfg, l.actors, l.tp, "bf16", 20000);
+    sync::PushOptions opts;
+    opts.chunk_bytes = 64 << 10;
+    std::map<int, sync::PushStats> stats;
+    std::unique_ptr<sync::PushReceiver> fresh;
+    run_syncs(
+        r, plan, opts, 7, [&](int v, const sync::PushStats& st) { stats[v] = st; },
+        [&](int v) {
+          const model::NamedTensors want = actor_weights(r);
+          if (r.is_leader()) expect_engine_holds(r, want, "after version " + std::to_string(v));
+        },
+        [&](int v) {
+          if (v != 5) return;
+          // After version 5 every engine starts over as one that joins would: a new receiver with no
+          // copy of any bucket, and the plan installed again.
+          if (r.is_leader()) {
+            fresh = std::make_unique<sync::PushReceiver>(*r.engine, nullptr, 60);
+            r.engine->set_weight_sink(fresh.get());
+          }
+          r.barrier();
+          if (r.me == 0)
+            for (auto& c : r.clients) c->install_sync_plan(plan.to_json());
+          r.barrier();
+        });
+    if (!r.is_actor()) continue;
+    // Version 6: every delta is refused (no base on the engine) and pushed again in full; version 7
+    // is deltas again.
+    EXPECT_EQ(stats[6].resent_chunks, stats[6].chunks * r.engines());
+    EXPECT_EQ(stats[7].resent_chunks, 0);
+    EXPECT_EQ(stats[7].full_chunks, 0);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "engine_checks.h"
 #include "mpi_env_for_tests.h"
 #include "tiller/engine/engine.h"
 #include "tiller/engine/engine_weights.h"
@@ -154,14 +155,7 @@ void expect_engine_holds(const Rig& r, const model::NamedTensors& actor_full, at
                          const std::string& what) {
   model::NamedTensors w;
   for (const auto& [n, t] : actor_full) w[n] = t.to(wire);
-  const auto want = model::named_weights(
-      r.cfg, engine::slice_for_tp(r.cfg, model::bind_weights(r.cfg, w, model::Head::kLm, "actor"), r.engine->tp_rank(),
-                                  r.engine->tp_size()),
-      model::Head::kLm);
-  const auto got = r.engine->parameters();
-  ASSERT_EQ(got.size(), want.size());
-  for (const auto& [n, t] : want)
-    EXPECT_TRUE(at::equal(got.at(n).cpu(), t)) << what << ": " << n << " differs on world rank " << r.me;
+  expect_engine_slices(r.cfg, *r.engine, w, r.me, what);
 }
 
 // One sync of `plan` at version 1 through every rank of the rig: the engines' leaders install the

@@ -791,7 +791,7 @@ def standalone_run(name, token, sets, join_at, steps, drain_at=None, fault="exit
     """A GRPO job on standalone engines: A (engines.addresses), B (announced in the rendezvous
     folder before the start; at its 40th generation step, mid-generation, it exits as if killed, or
     with `fault` stall:step:40 stops answering), and
-    C, started once step `join_at` is logged, which joins at the next weight sync. With `drain_at`,
+    with `join_at` C, started once that step is logged, which joins at the next weight sync. With `drain_at`,
     A is drained (tiller engine --drain) once that step is logged. Returns the output folder and
     the log."""
     rdv = SCRATCH / f"{name}_rendezvous"
@@ -807,11 +807,15 @@ def standalone_run(name, token, sets, join_at, steps, drain_at=None, fault="exit
         proc, lines = start(2, out, *GRPO, "engines.count=0", f"engines.addresses=127.0.0.1:{port}",
                             f"engines.rendezvous_dir={rdv}", f"engines.token_file={token}",
                             "engines.push_chunk_mb=1", f"train.num_steps={steps}", *sets)
-        wait_for(proc, rf"step {join_at}/", 300, lines)
-        c, _ = start_engine(f"{name}_c", token, "--join", str(rdv), "--advertise", "127.0.0.1")
-        engines.append(c)
+        if join_at is not None:
+            wait_for(proc, rf"step {join_at}/", 300, lines)
+            c, _ = start_engine(f"{name}_c", token, "--join", str(rdv), "--advertise", "127.0.0.1")
+            engines.append(c)
         if drain_at is not None:
-            wait_for(proc, rf"step {drain_at}/", 300, lines)
+            # Only once C is in (on a loaded machine it may join late): A's drain must leave an engine.
+            wait_for(proc, r"engine 2 \(127\.0\.0\.1:\d+\) joined", 300, lines)
+            if not any(re.search(rf"step {drain_at}/", l) for l in lines):
+                wait_for(proc, rf"step {drain_at}/", 300, lines)
             d = subprocess.run([TILLER, "engine", "--drain", f"127.0.0.1:{port}", "--token-file", str(token)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
             if d.returncode != 0 or '"event":"draining"' not in d.stdout:
@@ -836,15 +840,20 @@ def standalone_run(name, token, sets, join_at, steps, drain_at=None, fault="exit
     if not moved:
         fail(f"{name}: no line says engine 1 left and its work moved:\n{log[-3000:]}")
     print(f"{name}: {moved.group(0)}")
-    if not re.search(r"engine 2 \(127\.0\.0\.1:\d+\) joined", log):
+    if join_at is not None and not re.search(r"engine 2 \(127\.0\.0\.1:\d+\) joined", log):
         fail(f"{name}: no line says engine 2 joined:\n{log[-3000:]}")
-    served = re.findall(r"served (\d+) requests", (SCRATCH / f"{name}_c.log").read_text())
-    if not served or int(served[-1]) == 0:
-        fail(f"{name}: the joined engine served no request: {(SCRATCH / f'{name}_c.log').read_text()[-2000:]}")
-    # C stopped on a signal and took its announcement back; B was killed and could not.
+    why = re.search(r"engine 1 \(127\.0\.0\.1:\d+\) leaves the job: .*", log)
+    if not why:
+        fail(f"{name}: no line says why engine 1 left:\n{log[-3000:]}")
+    print(f"{name}: {why.group(0)[:200]}")
+    if join_at is not None:
+        served = re.findall(r"served (\d+) requests", (SCRATCH / f"{name}_c.log").read_text())
+        if not served or int(served[-1]) == 0:
+            fail(f"{name}: the joined engine served no request: {(SCRATCH / f'{name}_c.log').read_text()[-2000:]}")
+    # C stopped on a signal and took its announcement back; B was killed (or stalled) and could not.
     left = sorted(p.name for p in rdv.glob("*.json"))
     if len(left) != 1:
-        fail(f"{name}: announcements left: {left} (only the killed engine's should be)")
+        fail(f"{name}: announcements left: {left} (only B's should be)")
     return out, log
 
 
@@ -853,7 +862,8 @@ def check_standalone():
     to the other and the step completes; a third joins at step 5 through the rendezvous folder and
     takes prompts; the first is drained at step 15 and stops on its own; the actor pushes every
     version as deltas over gRPC; the run learns. Then the asynchronous pipeline with partial
-    rollouts and an engine that stalls: its staleness bound must hold."""
+    rollouts and an engine that stalls (no join: on a loaded machine one may come only at the last
+    step): its staleness bound must hold."""
     SCRATCH.mkdir(parents=True, exist_ok=True)
     token = SCRATCH / "engine.token"
     token.write_text("standalone-secret\n")
@@ -867,7 +877,8 @@ def check_standalone():
     print(f"{CASE}: mean reward {first_r:.3f} -> {last_r:.3f}; engines in the job per step {counts}")
     if [r["step"] for r in rows] != list(range(1, 31)):
         fail(f"steps in metrics.jsonl: {[r['step'] for r in rows]}")
-    if counts[0] != 2 or 1 not in counts[:6] or 2 not in counts[6:15] or counts[-1] != 1:
+    falls = counts.index(1) if 1 in counts else len(counts)
+    if counts[0] != 2 or 2 not in counts[falls:] or counts[-1] != 1:
         fail(f"engines/count per step should fall to 1 (B died), rise to 2 (C joined), end at 1 (A drained): "
              f"{counts}")
     if not (first_r < 0.3 and last_r > 0.7):
@@ -877,7 +888,7 @@ def check_standalone():
     # Deltas: after the first push each sync sends less than the full weights, but the join's,
     # which carries the new engine's full copy as well.
     wire = [r["sync/wire_mb"] for r in rows]
-    joined_at = counts.index(2, 1)
+    joined_at = counts.index(2, falls)
     if not all(0 < w < wire[0] for i, w in enumerate(wire) if i not in (0, joined_at)):
         fail(f"sync/wire_mb per step: {wire}")
     if not wire[joined_at] > wire[joined_at - 1]:
@@ -887,10 +898,11 @@ def check_standalone():
                               ["rollout.mode=async", "rollout.max_staleness=1", "rollout.partial=true", "eval.prompts=",
                                "timeouts.generate_s=5", "timeouts.rpc_s=5",
                                f"logging.rollout_records={SCRATCH / 'standalone_async' / 'records.jsonl'}"],
-                              join_at=3, steps=10, fault="stall:step:40")
-    # Found stalled with samples in flight, or by a weight sync's Begin that it did not answer.
-    if not re.search(r"engine 1 \(127\.0\.0\.1:\d+\) leaves the job: (generation stalled|weight sync \d+: .* "
-                     r"refused to begin)", log):
+                              join_at=None, steps=10, fault="stall:step:40")
+    # Found stalled with samples in flight, or by a weight sync it did not answer (its Begin, End or
+    # push), whichever comes first.
+    if not re.search(r"engine 1 \(127\.0\.0\.1:\d+\) leaves the job: (generation stalled|weight sync \d+|the push "
+                     r"of version \d+)", log):
         fail(f"standalone_async: no line says the stalled engine left:\n{log[-3000:]}")
     check_lags(out, 1, "standalone_async")
 

@@ -24,9 +24,13 @@
 #include <string>
 #include <vector>
 
+#include "tiller/engine/server.h"
 #include "tiller/engine/weight_sink.h"
 #include "tiller/sync/bucket_plan.h"
 
+namespace tiller {
+struct JobConfig;
+}
 namespace tiller::dist {
 class Communicator;
 }
@@ -35,7 +39,6 @@ class ShardedModel;
 }
 namespace tiller::engine {
 class Engine;
-class EngineClient;
 }  // namespace tiller::engine
 
 namespace tiller::sync {
@@ -79,6 +82,9 @@ struct PushStats {
 // The standalone engines' shared secret: the first line of `token_file`, or $TILLER_ENGINE_TOKEN
 // when it is empty ("" when neither). ConfigError naming the file when it has no first line.
 std::string standalone_engine_token(const std::string& token_file);
+// How a job's ranks dial a standalone engine at `address`: its secret (engines.token_file), TLS as
+// engines.tls_* say, and timeouts.rpc_s.
+engine::ClientOptions standalone_engine_client(const JobConfig& job, const std::string& address);
 
 class WeightPusher {
  public:
