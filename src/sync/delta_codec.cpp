@@ -265,10 +265,20 @@ EncodedBucket encode_bucket(const void* next_v, const void* base_v, size_t n, co
   return out;
 }
 
-void decode_bucket(const EncodedBucket& enc, void* inout_v, size_t n, int e) {
+void decode_bucket(const EncodedBucket& enc, void* inout, size_t n, int element_bytes) {
+  decode_bucket(enc.form, enc.bytes, enc.base_hash, enc.hash, enc.payload, inout, n, element_bytes);
+}
+
+void decode_bucket(DeltaForm form, uint64_t bytes, uint64_t base_hash, uint64_t hash, const std::string& payload,
+                   void* inout_v, size_t n, int e) {
+  struct {
+    DeltaForm form;
+    uint64_t base_hash, hash;
+    const std::string& payload;
+  } enc{form, base_hash, hash, payload};
   check_sizes(n, e);
-  if (enc.bytes != n)
-    throw DeltaMismatch(fmt::format("delta sync: an encoding of {} bytes for a bucket of {}", enc.bytes, n));
+  if (bytes != n)
+    throw DeltaMismatch(fmt::format("delta sync: an encoding of {} bytes for a bucket of {}", bytes, n));
   auto* inout = static_cast<uint8_t*>(inout_v);
   const size_t m = n / static_cast<size_t>(e);
   auto result_mismatch = [&] {

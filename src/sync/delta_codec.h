@@ -67,5 +67,8 @@ EncodedBucket encode_bucket(const void* next, const void* base, size_t n, const 
 // does not decode to the bucket's size, or the result's hash is not the sender's: the caller then
 // asks for the bucket in full. ConfigError for a bad element_bytes or size.
 void decode_bucket(const EncodedBucket& e, void* inout, size_t n, int element_bytes);
+// The same for an encoding whose payload lives elsewhere (a received chunk's): read, not copied.
+void decode_bucket(DeltaForm form, uint64_t bytes, uint64_t base_hash, uint64_t hash, const std::string& payload,
+                   void* inout, size_t n, int element_bytes);
 
 }  // namespace tiller::sync

@@ -181,16 +181,10 @@ std::string PushReceiver::take_chunk(const engine::WeightChunk& c, double wait_s
   uint8_t* dst = m.copies[k].get() + c.offset;
   lock.unlock();
 
-  EncodedBucket enc;
-  enc.form = static_cast<DeltaForm>(c.form);
-  enc.bytes = c.bytes;
-  enc.base_hash = c.base_hash;
-  enc.hash = c.hash;
-  enc.changed = c.changed;
-  enc.payload = c.payload;
   std::string refused;
-  try {
-    decode_bucket(enc, dst, c.bytes, m.element_bytes);
+  try {  // the payload read where it arrived, not copied
+    decode_bucket(static_cast<DeltaForm>(c.form), c.bytes, c.base_hash, c.hash, c.payload, dst, c.bytes,
+                  m.element_bytes);
   } catch (const DeltaMismatch& err) {
     refused = fmt::format("bucket {} at byte {}: {}", k, c.offset, err.what());
   }

@@ -39,7 +39,7 @@ using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-engine::WeightChunk to_chunk(const EncodedBucket& e, uint64_t version, uint64_t plan_id, int sender, size_t bucket,
+engine::WeightChunk to_chunk(EncodedBucket&& e, uint64_t version, uint64_t plan_id, int sender, size_t bucket,
                              uint64_t offset) {
   engine::WeightChunk c;
   c.version = version;
@@ -52,7 +52,7 @@ engine::WeightChunk to_chunk(const EncodedBucket& e, uint64_t version, uint64_t 
   c.base_hash = e.base_hash;
   c.hash = e.hash;
   c.changed = e.changed;
-  c.payload = e.payload;
+  c.payload = std::move(e.payload);
   return c;
 }
 
@@ -208,13 +208,13 @@ PushStats WeightPusher::push(uint64_t version, const std::vector<PushTarget>& en
       try {
         const auto te = Clock::now();
         uint8_t* base = m.base[job.bucket].get() + job.offset;
-        const EncodedBucket enc = encode_bucket(job.src, job.delta ? base : nullptr, job.bytes, dopts);
+        EncodedBucket enc = encode_bucket(job.src, job.delta ? base : nullptr, job.bytes, dopts);
         std::memcpy(base, job.src, job.bytes);  // the base moves on: a resend is of these bytes
         encode_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - te).count();
         ++chunks;
         changed += static_cast<int64_t>(enc.changed);
         (enc.form == DeltaForm::kFull ? nfull : enc.form == DeltaForm::kXor ? nxor : nsparse) += 1;
-        const engine::WeightChunk c = to_chunk(enc, version, m.plan.id, m.rank, job.bucket, job.offset);
+        const engine::WeightChunk c = to_chunk(std::move(enc), version, m.plan.id, m.rank, job.bucket, job.offset);
         for (size_t j = 0; j < E; ++j) {
           if (m.opts.on_chunk) {
             engine::WeightChunk damaged = c;
@@ -310,8 +310,8 @@ PushStats WeightPusher::push(uint64_t version, const std::vector<PushTarget>& en
       }
       const uint64_t bytes = std::min(m.opts.chunk_bytes, m.bucket_bytes(k) - offset);
       try {
-        const EncodedBucket enc = encode_bucket(m.base[k].get() + offset, nullptr, bytes, full);
-        write(s, j, to_chunk(enc, version, m.plan.id, m.rank, k, offset));
+        write(s, j, to_chunk(encode_bucket(m.base[k].get() + offset, nullptr, bytes, full), version, m.plan.id, m.rank, k,
+                             offset));
       } catch (const std::exception& e) {
         fail(j, fmt::format("{}: encoding bucket {} at byte {} again: {}", engines[j].name, k, offset, e.what()));
         break;
