@@ -23,6 +23,10 @@
 namespace tiller::engine {
 namespace {
 
+// How long the endpoint waits for a request's bytes (and a client for a response's) before it
+// gives the connection up.
+constexpr int kReadTimeoutS = 30;
+
 using openai::ApiError;
 using openai::boolean;
 using openai::error_body;
@@ -451,8 +455,8 @@ struct OpenAiServer::Impl {
     const int threads = opts.threads;
     http->new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
     http->set_payload_max_length(static_cast<size_t>(opts.max_body_bytes));
-    http->set_read_timeout(30, 0);
-    http->set_write_timeout(30, 0);
+    http->set_read_timeout(kReadTimeoutS, 0);
+    http->set_write_timeout(kReadTimeoutS, 0);
     http->set_keep_alive_timeout(2);  // idle client connections do not hold shutdown() long
     http->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (opts.token.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
@@ -523,9 +527,14 @@ struct OpenAiServer::Impl {
     http->Get("/health", [](const httplib::Request&, httplib::Response& res) { res.set_content("ok", "text/plain"); });
     http->set_error_handler([](const httplib::Request& req, httplib::Response& res) {
       if (!res.body.empty()) return;
-      const std::string what = res.status == 404   ? fmt::format("no such route: {} {}", req.method, req.path)
-                               : res.status == 413 ? "the request body is over the endpoint's limit"
-                                                   : fmt::format("HTTP {}", res.status);
+      // A 400 with no body is the HTTP server's own: it could not read the request.
+      const std::string what =
+          res.status == 404   ? fmt::format("no such route: {} {}", req.method, req.path)
+          : res.status == 413 ? "the request body is over the endpoint's limit"
+          : res.status == 400 ? fmt::format("the request could not be read: a malformed request line or header, or a "
+                                            "body that did not arrive within the endpoint's {} s read timeout",
+                                            kReadTimeoutS)
+                              : fmt::format("HTTP {}", res.status);
       res.set_content(error_body(ApiError{res.status, what, res.status == 404 ? "not_found_error" : "invalid_request_error",
                                           ""}),
                       "application/json");

@@ -271,6 +271,17 @@ try:
     check(code == 404 and "does not exist" in text, f"another model's name: 404 ({code})")
     code, _ = http("POST", "/v1/nothing", {})
     check(code == 404, f"an unknown route: 404 ({code})")
+    # A request the HTTP server cannot read (here a malformed request line) gets a JSON error that
+    # says so, not a bare "HTTP 400".
+    import socket
+    with socket.create_connection(("127.0.0.1", info["openai_port"]), timeout=30) as sock:
+        sock.sendall(b"NOT A REQUEST\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, text = answer.decode(errors="replace").partition("\r\n\r\n")
+    check(head.startswith("HTTP/1.1 400") and "could not be read" in json.loads(text)["error"]["message"],
+          f"an unreadable request: 400 naming why ({answer[:200]!r})")
     # The server still serves after all that.
     r = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
     check(len(r.choices) == 1 and r.choices[0].finish_reason in ("length", "stop"), "the endpoint still serves")
