@@ -40,6 +40,7 @@ struct GenBenchOptions {
   bool fp8 = false;  // also an FP8 engine on the same weights, after the bf16 one
   bool fp8_kv = false;  // that engine (or, without fp8, a bf16 one) with an FP8 KV cache
   std::string fp8_scaling = "block";
+  bool fp8_unfused = false;  // with --fp8 and tensor scaling: also the FP8 engine without its fused quantization
   std::string profile;
   int64_t profile_steps = 5;
   int tp = 1;                   // > 1: one engine over that many ranks (mpirun -np tp)
@@ -86,7 +87,7 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
   }
   // One engine on `weights` (with `quantization`), measured; empty JSON on a TP follower.
   auto measure = [&](const std::string& quantization, const std::string& kv_cache_dtype, model::ModelWeights weights,
-                     bool profile) -> nlohmann::ordered_json {
+                     bool profile, bool fp8_fused = true) -> nlohmann::ordered_json {
   engine::EngineOptions eo;
   eo.quantization = quantization;
   eo.kv_cache_dtype = kv_cache_dtype;
@@ -103,6 +104,7 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
   eo.cuda_graphs = !o.no_cuda_graphs;
   eo.async_scheduling = !o.no_async;
   eo.rope_in_attention = !o.no_rope_in_attention;
+  eo.fp8_fused = fp8_fused;
   engine::Engine e(cfg, std::move(weights), eo, o.tp > 1 ? &rc.comm() : nullptr);
   if (!e.is_leader()) {
     e.follow();  // the leader's steps, until its shutdown()
@@ -197,6 +199,7 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
                            {"cuda_graphs", e.cuda_graphs()},
                            {"async_scheduling", eo.async_scheduling},
                            {"rope_in_attention", eo.rope_in_attention},
+                           {"fp8_fused", eo.fp8_fused},
                            {"launched_ahead", stats.launched_ahead - steps_before.launched_ahead},
                            {"preemptions", stats.preemptions - steps_before.preemptions},
                            {"kv_blocks", stats.kv_blocks_total}};
@@ -244,6 +247,9 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
     // The same weights twice: the bf16 engine first (its fused copies are freed with it), then the
     // FP8 one (FP8 weights, an FP8 KV cache, or both), and their ratio.
     const nlohmann::ordered_json base = measure("none", "auto", w, false);
+    const nlohmann::ordered_json unfused =
+        o.fp8 && o.fp8_unfused ? measure("fp8", o.fp8_kv ? "fp8" : "auto", w, false, /*fp8_fused=*/false)
+                               : nlohmann::ordered_json();
     const nlohmann::ordered_json q =
         measure(o.fp8 ? "fp8" : "none", o.fp8_kv ? "fp8" : "auto", std::move(w), !o.profile.empty());
     if (!base.is_null()) {
@@ -252,6 +258,12 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
            {"fp8_decode_speedup", b > 0 ? f / b : 0},
            {"fp8_speedup", base["tokens_per_s"].get<double>() > 0
                                ? q["tokens_per_s"].get<double>() / base["tokens_per_s"].get<double>() : 0}};
+      if (!unfused.is_null()) {
+        const double u = unfused["decode_tokens_per_s"].get<double>();
+        j["fp8_unfused"] = unfused;
+        j["fp8_unfused_decode_speedup"] = b > 0 ? u / b : 0;
+        j["fusion_decode_speedup"] = u > 0 ? f / u : 0;
+      }
     }
   }
   if (j.is_null()) return 0;  // a TP follower
@@ -286,6 +298,9 @@ void add_bench_generate(CLI::App* bench, Runner& run, int& argc, char**& argv) {
               "both and their ratio");
   g->add_option("--fp8-scaling", o->fp8_scaling, "The FP8 engine's scales: block, channel or tensor")
       ->check(CLI::IsMember({"channel", "block", "tensor"}));
+  g->add_flag("--fp8-unfused", o->fp8_unfused,
+              "With --fp8 --fp8-scaling tensor: also measure the FP8 engine with one FP8 linear at a time "
+              "(engines' fp8_fused off: the same numerics), between the bf16 and the fused ones, and report the ratio");
   g->add_flag("--fp8-kv", o->fp8_kv,
               "Give the FP8 engine (or, without --fp8, a second bf16 engine) an FP8 KV cache "
               "(engines.kv_cache_dtype: fp8) and report it against the bf16 one");

@@ -174,6 +174,7 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
   cache.max_model_len = m.max_model_len;
   cache.cuda_graphs = opts.cuda_graphs;
   cache.rope_in_attention = opts.rope_in_attention;
+  cache.fp8_fused = opts.fp8_fused;
   cache.max_graph_batch =
       opts.max_graph_batch > 0 ? opts.max_graph_batch : std::min<int64_t>(opts.limits.max_num_seqs, 512);
   m.cache_options = cache;

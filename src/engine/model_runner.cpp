@@ -64,6 +64,7 @@ struct ModelRunner::Impl {
   at::Tensor cos_table, sin_table;  // [max_model_len, head_dim] unless RoPE is dynamic
   bool paged = false;               // decode steps through the paged kernel
   bool paged_rope = false;          // ... which also applies RoPE (PagedKv::rotate_with)
+  bool fp8_fused = true;            // CacheOptions::fp8_fused
   std::vector<int32_t> words;       // host staging of decode inputs
   std::unique_ptr<model::StorageSwap> weight_swap;  // the weights' storages (sleep level 2)
   bool fp8 = false;                                 // the projections' FP8 copies are used
@@ -128,11 +129,12 @@ struct ModelRunner::Impl {
     if (tp && tp->size() > 1)
       ctx.reduce_partial_sums = [comm = tp](at::Tensor& x) { comm->all_reduce(x)->wait_on_stream(); };
     ctx.fuse_residual = true;
+    ctx.fp8_fused = fp8_fused;
     ctx.recorded_routes = recording;
     at::Tensor x = model::embed(weights.embed, in.tokens);
     for (int64_t l = 0; l < local.num_layers; ++l) x = model::block_forward(local, l, weights.layers[l], x, ctx);
     if (norm && ctx.deferred.defined())
-      return model::add_rms_norm(x, ctx.deferred, weights.final_norm, local.rms_norm_eps);
+      return model::add_rms_norm(x, model::take_deferred(ctx), weights.final_norm, local.rms_norm_eps);
     if (norm) return model::final_norm(local, weights.final_norm, x);
     model::add_deferred(x, ctx);
     return x;
@@ -232,6 +234,7 @@ void ModelRunner::allocate_cache(const CacheOptions& o) {
   if (m.fp8_kv)
     m.cache_scale = at::zeros({local_.num_layers, 2, slots, local_.num_kv_heads}, m.weights.embed.options().dtype(at::kFloat));
   num_blocks_ = o.num_blocks;
+  m.fp8_fused = o.fp8_fused;
   const at::ScalarType dtype = m.weights.embed.scalar_type();
   // RoPE tables once for every position (the same values rope.tables() computes per step);
   // dynamic NTK depends on each sequence's length and stays per step.
@@ -581,6 +584,7 @@ at::Tensor ModelRunner::run_packed(const StepBatch& b, bool sample) {
   if (m.tp && m.tp->size() > 1)
     ctx.reduce_partial_sums = [comm = m.tp](at::Tensor& x) { comm->all_reduce(x)->wait_on_stream(); };
   ctx.fuse_residual = true;
+  ctx.fp8_fused = m.fp8_fused;
   ctx.recorded_routes = m.recording;
   at::Tensor x = model::embed(m.weights.embed, tokens);
   for (int64_t l = 0; l < local_.num_layers; ++l) x = model::block_forward(local_, l, m.weights.layers[l], x, ctx);

@@ -14,6 +14,7 @@
 #include "model/cuda/aten_dtype.h"
 #endif
 
+#include "model/fp8_rows.h"
 #include "tiller/core/error.h"
 
 namespace tiller::model::fp8 {
@@ -109,7 +110,10 @@ QuantizedWeight padded_rows_or_tensor(const at::Tensor& w, Scaling scaling) {
 
 QuantizedWeight quantize_channels(const at::Tensor& w) { return padded_rows_or_tensor(w, Scaling::kChannel); }
 
-QuantizedWeight quantize_tensor_weight(const at::Tensor& w) { return padded_rows_or_tensor(w, Scaling::kTensor); }
+QuantizedWeight quantize_tensor_weight(const at::Tensor& w) {
+  if (w.is_cuda()) unit_scale(w.device());  // the GEMM's activation scale, made before any capture
+  return padded_rows_or_tensor(w, Scaling::kTensor);
+}
 
 QuantizedWeight quantize_weight(const at::Tensor& w, Scaling scaling) {
   switch (scaling) {
@@ -322,9 +326,9 @@ at::Tensor dequantize_tensor(const GroupQuantized& g, c10::ScalarType dtype) {
 at::Tensor linear_emulated(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias) {
   if (x.size(-1) != w.q.size(1))
     throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.q.size(1)));
-  const at::Tensor xd = w.scaling == Scaling::kChannel  ? dequantize_rows(quantize_rows(x), at::kFloat)
-                        : w.scaling == Scaling::kTensor ? dequantize_tensor(quantize_tensor(x), at::kFloat)
-                                                        : dequantize_groups(quantize_groups(x, w.block), at::kFloat, w.block);
+  if (w.scaling == Scaling::kTensor) return tensor_scaled_linear(x, w, bias, /*emulate=*/true);
+  const at::Tensor xd = w.scaling == Scaling::kChannel ? dequantize_rows(quantize_rows(x), at::kFloat)
+                                                       : dequantize_groups(quantize_groups(x, w.block), at::kFloat, w.block);
   at::Tensor y = at::matmul(xd, dequantize_weight(w, at::kFloat).t());
   if (bias.defined()) y = y + bias.to(at::kFloat);
   return y.to(x.scalar_type());
@@ -342,13 +346,13 @@ bool tensor_cores(const at::Device& device) {
 }
 
 at::Tensor linear(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias) {
+  if (w.scaling == Scaling::kTensor)  // per-token activations, the GEMM tensor-wise (model/fp8_rows.h)
+    return tensor_scaled_linear(x, w, bias, /*emulate=*/!(x.is_cuda() && tensor_cores(x.device())));
 #ifdef TILLER_HAVE_CUDA_KERNELS
   const at::ScalarType t = x.scalar_type();
   // The row-scaled GEMM writes bf16 only; the block-scaled one takes 128 blocks.
   const bool any_out = t == at::kBFloat16 || t == at::kHalf || t == at::kFloat;
-  const bool kernel_takes = w.scaling == Scaling::kChannel  ? t == at::kBFloat16
-                            : w.scaling == Scaling::kTensor ? any_out
-                                                            : w.block == kBlock && any_out;
+  const bool kernel_takes = w.scaling == Scaling::kChannel ? t == at::kBFloat16 : w.block == kBlock && any_out;
   if (kernel_takes && x.is_cuda() && tensor_cores(x.device())) {
     if (x.size(-1) != w.q.size(1))
       throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.q.size(1)));
@@ -364,16 +368,7 @@ at::Tensor linear(const at::Tensor& x, const QuantizedWeight& w, const at::Tenso
     const at::Tensor q = at::empty({mp, kp}, x.options().dtype(at::kFloat8_e4m3fn));
     void* stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
     at::Tensor scale_a, scale_b;
-    if (w.scaling == Scaling::kTensor) {
-      // One scale for all the activations (two kernels: blocks' maxima, then the codes) and the
-      // weight's one: cuBLASLt's tensor-wise FP8 GEMM, the fastest at decode's sizes.
-      const at::Tensor s = at::empty({1}, x.options().dtype(at::kFloat));
-      const at::Tensor partial = at::empty({cuda::kFp8TensorParts}, x.options().dtype(at::kFloat));
-      cuda::quantize_tensor_fp8(cuda::kernel_dtype(t), xs.data_ptr(), m, mp, k, xs.stride(0), q.data_ptr(), kp,
-                                partial.data_ptr<float>(), s.data_ptr<float>(), stream);
-      scale_a = s;
-      scale_b = w.scale_storage;
-    } else if (w.scaling == Scaling::kChannel) {
+    if (w.scaling == Scaling::kChannel) {
       // One scale per row: [mp, 1] and the weight's [1, Np] (rowwise scaling).
       const at::Tensor s = at::empty({mp, 1}, x.options().dtype(at::kFloat));
       cuda::quantize_rows_fp8(cuda::kernel_dtype(t), xs.data_ptr(), m, mp, k, xs.stride(0), q.data_ptr(), kp,

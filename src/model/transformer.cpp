@@ -11,92 +11,13 @@
 #endif
 
 #include "model/batch_invariant.h"
+#include "model/block_parts.h"
+#include "model/fp8_rows.h"
 #include "model/host_upload.h"
 #include "tiller/core/error.h"
 #include "tiller/model/numerics.h"
 
 namespace tiller::model {
-
-PackedBatch PackedBatch::pack(const std::vector<std::vector<int64_t>>& seqs, at::Device device,
-                              const std::vector<int64_t>& start_positions) {
-  TILLER_CHECK(start_positions.empty() || start_positions.size() == seqs.size(),
-               "{} start positions for {} sequences", start_positions.size(), seqs.size());
-  PackedBatch b;
-  std::vector<int64_t> tokens, positions;
-  std::vector<int32_t> cu{0};
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    const int64_t start = start_positions.empty() ? 0 : start_positions[i];
-    for (size_t j = 0; j < seqs[i].size(); ++j) {
-      tokens.push_back(seqs[i][j]);
-      positions.push_back(start + static_cast<int64_t>(j));
-    }
-    b.seq_lens.push_back(static_cast<int64_t>(seqs[i].size()));
-    TILLER_CHECK(tokens.size() < (1u << 31), "a packed batch holds at most 2^31 tokens");
-    cu.push_back(static_cast<int32_t>(tokens.size()));
-  }
-  const auto n = static_cast<int64_t>(tokens.size());
-  b.tokens = at::from_blob(tokens.data(), {n}, at::kLong).to(device);
-  b.positions = at::from_blob(positions.data(), {n}, at::kLong).to(device);
-  b.cu_seqlens = at::from_blob(cu.data(), {static_cast<int64_t>(cu.size())}, at::kInt).to(device);
-  if (device.is_cpu()) {  // from_blob does not copy for CPU -> CPU
-    b.tokens = b.tokens.clone();
-    b.positions = b.positions.clone();
-    b.cu_seqlens = b.cu_seqlens.clone();
-  }
-  return b;
-}
-
-DenseKvCache::DenseKvCache(int64_t layers, int64_t seqs)
-    : k(layers, std::vector<at::Tensor>(seqs)), v(layers, std::vector<at::Tensor>(seqs)), lens(seqs, 0) {}
-
-// Appends this layer's new K/V per sequence; attention reads the packed cache + new, sequence by
-// sequence. The lengths advance after the last layer.
-at::Tensor DenseKvCache::attend(int64_t layer, const at::Tensor& q, const at::Tensor& nk_all, const at::Tensor& nv_all,
-                                const VarlenSpec& spec, double scale, AttentionBackend backend) {
-  std::vector<at::Tensor> ks, vs;
-  int64_t offset = 0;
-  for (size_t i = 0; i < spec.lens_q.size(); ++i) {
-    at::Tensor nk = nk_all.narrow(0, offset, spec.lens_q[i]), nv = nv_all.narrow(0, offset, spec.lens_q[i]);
-    offset += spec.lens_q[i];
-    at::Tensor& ck = k[layer][i];
-    at::Tensor& cv = v[layer][i];
-    ck = ck.defined() ? at::cat({ck, nk}, 0) : nk.clone();
-    cv = cv.defined() ? at::cat({cv, nv}, 0) : nv.clone();
-    ks.push_back(ck);
-    vs.push_back(cv);
-  }
-  if (layer == static_cast<int64_t>(k.size()) - 1)
-    for (size_t i = 0; i < spec.lens_q.size(); ++i) lens[i] += spec.lens_q[i];
-  return varlen_attention(q, at::cat(ks, 0), at::cat(vs, 0), spec, scale, backend);
-}
-
-BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
-                                at::ScalarType dtype, DenseKvCache* cache, AttentionBackend backend) {
-  BlockContext ctx;
-  std::tie(ctx.cos, ctx.sin) = rope.tables(batch.positions, dtype, batch.seq_lens);
-  ctx.backend = backend;
-  ctx.cache = cache;
-  ctx.replay_routes = batch.routes;
-  if (!cache) {
-    ctx.attn = VarlenSpec::self(batch.cu_seqlens, batch.seq_lens);
-    return ctx;
-  }
-  TILLER_CHECK(static_cast<int64_t>(cache->lens.size()) == batch.num_seqs(), "cache has {} sequences, batch {}",
-               cache->lens.size(), batch.num_seqs());
-  VarlenSpec& s = ctx.attn;
-  s.cu_q = batch.cu_seqlens;
-  s.lens_q = batch.seq_lens;
-  std::vector<int32_t> cu_k{0};
-  for (size_t i = 0; i < batch.seq_lens.size(); ++i) {
-    const int64_t lk = cache->lens[i] + batch.seq_lens[i];
-    s.lens_k.push_back(lk);
-    s.max_q = std::max(s.max_q, batch.seq_lens[i]);
-    s.max_k = std::max(s.max_k, lk);
-    cu_k.push_back(cu_k.back() + static_cast<int32_t>(lk));
-  }
-  s.cu_k = at::from_blob(cu_k.data(), {static_cast<int64_t>(cu_k.size())}, at::kInt).clone().to(batch.tokens.device());
-  return ctx;
-}
 
 // ATen's rms_norm: one fused kernel each way on CUDA, statistics in fp32 for half types (as HF;
 // the weight is applied before rounding to the input type rather than after).
@@ -181,40 +102,14 @@ at::Tensor lora_input(const at::Tensor& x, const LayerWeights& w, const BlockCon
 
 namespace {
 
-// The attention sublayer's output projection for normed input h [T, hidden] (before the residual add).
-at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& h,
-                         BlockContext& ctx) {
-  const int64_t t = h.size(0);
+// Attention over q, k and v ([T, q_size], [T, kv_size] each, or [T, heads, head_dim]): their views
+// as heads, the q/k norms and RoPE unless `rotated` says attend_qkv has rotated them, then the
+// cache's attention or the varlen one: [T, q_size].
+at::Tensor attend(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, at::Tensor q, at::Tensor k,
+                  const at::Tensor& v, bool rotated, BlockContext& ctx) {
+  const int64_t t = q.size(0);
   const bool rotate = !(ctx.cache && ctx.cache->applies_rope());  // else the cache's attention rotates
-  at::Tensor q, k, v;
-  const at::Tensor hl = lora_input(h, w, ctx, {LoraModule::kQ, LoraModule::kK, LoraModule::kV});
-  if (w.qkv_proj.defined()) {
-    at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias, &w.qkv_fp8, &ctx);
-    if (has_lora(w, ctx, {LoraModule::kQ, LoraModule::kK, LoraModule::kV}))
-      qkv = at::cat({with_lora(qkv.narrow(1, 0, cfg.q_size()), hl, w, LoraModule::kQ, ctx, layer),
-                     with_lora(qkv.narrow(1, cfg.q_size(), cfg.kv_size()), hl, w, LoraModule::kK, ctx, layer),
-                     with_lora(qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size()), hl, w, LoraModule::kV,
-                               ctx, layer)},
-                    1);
-    v = qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size()).view({t, cfg.num_kv_heads, cfg.head_dim});
-    if (!cfg.qk_norm && rotate) {
-      // q and k are side by side in each row: one RoPE over [T, heads + kv_heads, head_dim].
-      const at::Tensor qk = apply_rope(qkv.narrow(1, 0, cfg.q_size() + cfg.kv_size())
-                                           .view({t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim}),
-                                       ctx.cos, ctx.sin);
-      q = qk.narrow(1, 0, cfg.num_heads);
-      k = qk.narrow(1, cfg.num_heads, cfg.num_kv_heads);
-    } else {
-      q = qkv.narrow(1, 0, cfg.q_size());
-      k = qkv.narrow(1, cfg.q_size(), cfg.kv_size());
-    }
-  } else {
-    q = with_lora(project(h, w.q_proj, w.q_bias, nullptr, &ctx), hl, w, LoraModule::kQ, ctx, layer);
-    k = with_lora(project(h, w.k_proj, w.k_bias, nullptr, &ctx), hl, w, LoraModule::kK, ctx, layer);
-    v = with_lora(project(h, w.v_proj, w.v_bias, nullptr, &ctx), hl, w, LoraModule::kV, ctx, layer)
-            .view({t, cfg.num_kv_heads, cfg.head_dim});
-  }
-  if (!w.qkv_proj.defined() || cfg.qk_norm || !rotate) {
+  if (!rotated) {
     q = q.view({t, cfg.num_heads, cfg.head_dim});
     k = k.view({t, cfg.num_kv_heads, cfg.head_dim});
     if (cfg.qk_norm) {
@@ -232,7 +127,52 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
   at::Tensor attn = ctx.cache       ? ctx.cache->attend(layer, q, k, v, spec, scale, ctx.backend)
                    : ctx.attention ? ctx.attention(q, k, v, spec, scale, ctx.backend)
                                    : varlen_attention(q, k, v, spec, scale, ctx.backend);
-  const at::Tensor flat = attn.reshape({t, cfg.q_size()});
+  return attn.reshape({t, cfg.q_size()});
+}
+
+}  // namespace
+
+at::Tensor attend_qkv(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& qkv,
+                      BlockContext& ctx) {
+  const int64_t t = qkv.size(0);
+  const bool rotate = !(ctx.cache && ctx.cache->applies_rope());
+  const at::Tensor v = qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size()).view({t, cfg.num_kv_heads, cfg.head_dim});
+  if (!cfg.qk_norm && rotate) {
+    // q and k are side by side in each row: one RoPE over [T, heads + kv_heads, head_dim].
+    const at::Tensor qk = apply_rope(
+        qkv.narrow(1, 0, cfg.q_size() + cfg.kv_size()).view({t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim}),
+        ctx.cos, ctx.sin);
+    return attend(cfg, layer, w, qk.narrow(1, 0, cfg.num_heads), qk.narrow(1, cfg.num_heads, cfg.num_kv_heads), v,
+                  /*rotated=*/true, ctx);
+  }
+  return attend(cfg, layer, w, qkv.narrow(1, 0, cfg.q_size()), qkv.narrow(1, cfg.q_size(), cfg.kv_size()), v,
+                /*rotated=*/false, ctx);
+}
+
+namespace {
+
+// The attention sublayer's output projection for normed input h [T, hidden] (before the residual add).
+at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& h,
+                         BlockContext& ctx) {
+  const int64_t t = h.size(0);
+  const at::Tensor hl = lora_input(h, w, ctx, {LoraModule::kQ, LoraModule::kK, LoraModule::kV});
+  at::Tensor flat;
+  if (w.qkv_proj.defined()) {
+    at::Tensor qkv = project(h, w.qkv_proj, w.qkv_bias, &w.qkv_fp8, &ctx);
+    if (has_lora(w, ctx, {LoraModule::kQ, LoraModule::kK, LoraModule::kV}))
+      qkv = at::cat({with_lora(qkv.narrow(1, 0, cfg.q_size()), hl, w, LoraModule::kQ, ctx, layer),
+                     with_lora(qkv.narrow(1, cfg.q_size(), cfg.kv_size()), hl, w, LoraModule::kK, ctx, layer),
+                     with_lora(qkv.narrow(1, cfg.q_size() + cfg.kv_size(), cfg.kv_size()), hl, w, LoraModule::kV,
+                               ctx, layer)},
+                    1);
+    flat = attend_qkv(cfg, layer, w, qkv, ctx);
+  } else {
+    const at::Tensor q = with_lora(project(h, w.q_proj, w.q_bias, nullptr, &ctx), hl, w, LoraModule::kQ, ctx, layer);
+    const at::Tensor k = with_lora(project(h, w.k_proj, w.k_bias, nullptr, &ctx), hl, w, LoraModule::kK, ctx, layer);
+    const at::Tensor v = with_lora(project(h, w.v_proj, w.v_bias, nullptr, &ctx), hl, w, LoraModule::kV, ctx, layer)
+                             .view({t, cfg.num_kv_heads, cfg.head_dim});
+    flat = attend(cfg, layer, w, q, k, v, /*rotated=*/false, ctx);
+  }
   at::Tensor o = with_lora(project(flat, w.o_proj, {}, &w.o_fp8, &ctx), flat, w, LoraModule::kO, ctx, layer);
   if (ctx.reduce_partial_sums) ctx.reduce_partial_sums(o);
   return o;
@@ -484,11 +424,11 @@ at::Tensor mlp_out(const ModelConfig& cfg, int64_t layer, const LayerWeights& w,
 at::Tensor block_forward(const ModelConfig& cfg, int64_t layer, const LayerWeights& w, const at::Tensor& x,
                          BlockContext& ctx) {
   if (!ctx.fuse_residual) return mlp_residual(cfg, layer, w, attention_residual(cfg, layer, w, x, ctx), ctx);
+  if (x.size(0) > 0 && fp8_fused_block(w, ctx)) return fp8_block_forward(cfg, layer, w, x, ctx);
   at::Tensor stream = x;  // the residual stream, updated in place
   at::Tensor h;
   if (ctx.deferred.defined()) {
-    h = add_rms_norm(stream, ctx.deferred, w.input_norm, cfg.rms_norm_eps);
-    ctx.deferred = at::Tensor();
+    h = add_rms_norm(stream, take_deferred(ctx), w.input_norm, cfg.rms_norm_eps);
   } else {
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps);
   }
@@ -550,9 +490,17 @@ int64_t sparse_index(const ModelConfig& cfg, int64_t layer) {
 int64_t sparse_layers(const ModelConfig& cfg) { return sparse_index(cfg, cfg.num_layers); }
 
 void add_deferred(at::Tensor& x, BlockContext& ctx) {
-  if (!ctx.deferred.defined()) return;
-  x.add_(ctx.deferred);
+  if (ctx.deferred.defined()) x.add_(take_deferred(ctx));
+}
+
+at::Tensor take_deferred(BlockContext& ctx) {
+  at::Tensor d = std::move(ctx.deferred);
   ctx.deferred = at::Tensor();
+  if (ctx.deferred_scale.defined()) {
+    fp8::scale_rows_(d, ctx.deferred_scale);
+    ctx.deferred_scale = at::Tensor();
+  }
+  return d;
 }
 
 at::Tensor final_norm(const ModelConfig& cfg, const at::Tensor& weight, const at::Tensor& x) {

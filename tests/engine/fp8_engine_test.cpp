@@ -74,7 +74,7 @@ std::map<std::pair<uint64_t, int64_t>, SampleOutput> greedy(Engine& e, const std
 // least 80% of the tokens within 2e-5, the mean |difference| below 2e-3 and >= 90% of the argmaxes
 // alike (measured 2026-11-28: >= 0.9 within 2e-5, mean <= 4e-4, every argmax alike).
 TEST(Fp8Engine, EqualsTheModelWithTheSameQuantizedProjections) {
-  for (const std::string scaling : {"channel", "block"})
+  for (const std::string scaling : {"channel", "block", "tensor"})
     for (const std::string preset : {"tiny-qwen2", "tiny-llama", "tiny-qwen3-moe"}) {
       const TinyModel m = tiny(preset);
       const TinyModel q = quantized(m, model::fp8::parse_scaling(scaling, "test"));
@@ -102,6 +102,26 @@ TEST(Fp8Engine, EqualsTheModelWithTheSameQuantizedProjections) {
       EXPECT_LT(diff / static_cast<double>(tokens), 2e-3) << scaling << " " << preset;
       EXPECT_GE(share(same), 0.9) << scaling << " " << preset;
     }
+}
+
+// Tensor scaling's fused layers (BlockContext::fp8_fused: the norms and SwiGLU quantize, the
+// readers of each GEMM apply its rows' scales) against the same engine one FP8 linear at a time:
+// the same tokens and bitwise the same log-probs, for a model with q/k/v biases, one without, and
+// a mixture of experts (its sparse layers stay unfused, so a fused layer's deferred scales reach
+// an unfused norm and back).
+TEST(Fp8Engine, TensorScalingsFusedLayersEqualOneLinearAtATime) {
+  for (const std::string preset : {"tiny-qwen2", "tiny-llama", "tiny-qwen3-moe"}) {
+    const TinyModel m = tiny(preset);
+    EngineOptions fused = fp8_options("tensor"), one_at_a_time = fused;
+    one_at_a_time.fp8_fused = false;
+    const auto ps = prompts(9, 23, m.cfg.vocab_size);
+    Engine a(m.cfg, m.weights, fused), b(m.cfg, m.weights, one_at_a_time);
+    const auto x = greedy(a, ps, 12), y = greedy(b, ps, 12);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      EXPECT_EQ(x.at({i, 0}).tokens, y.at({i, 0}).tokens) << preset << " prompt " << i;
+      EXPECT_EQ(x.at({i, 0}).logprobs, y.at({i, 0}).logprobs) << preset << " prompt " << i;
+    }
+  }
 }
 
 // LoRA on an FP8 base: the adapters stay fp32 and run unmerged beside the FP8 projections; the
@@ -172,8 +192,6 @@ Gap fp8_gap(double range, const std::string& scaling) {
 // At initializer_range 0.05 (measured 2026-11-28: greedy agreement 0.86, mean |gap| 0.020, max
 // 0.086; 0.02 gives 1.0 / 0.0027 / 0.011, 0.25's huge logits 0.25 / 0.33 / 2.5). Each operand's
 // relative error is at most 2^-4.
-// Tensor scaling too: its activations' one scale is the whole batch's (so no per-sequence model
-// quantizes as the engine does, and EqualsTheModelWithTheSameQuantizedProjections leaves it out).
 TEST(Fp8Engine, StaysWithinAStatedBoundOfTheUnquantizedModel) {
   for (const std::string scaling : {"channel", "block", "tensor"}) {
     const Gap g = fp8_gap(0.05, scaling);
@@ -246,6 +264,18 @@ TEST(EngineGpu, Fp8EngineUnderCudaGraphsStaysNearBf16AndSyncsInPlace) {
   Engine e(a.cfg, a.weights, o);
   EXPECT_TRUE(e.cuda_graphs());
   const auto x = greedy(bf16, ps, 12), y = greedy(e, ps, 12);
+  if (scaling == "tensor") {
+    // The fused layers' kernels (the quantizing norm and SwiGLU, the rows' scales) against one FP8
+    // linear at a time: bit for bit, under the graphs too.
+    EngineOptions unfused = o;
+    unfused.fp8_fused = false;
+    Engine u(a.cfg, a.weights, unfused);
+    const auto z = greedy(u, ps, 12);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      EXPECT_EQ(z.at({i, 0}).tokens, y.at({i, 0}).tokens) << "prompt " << i;
+      EXPECT_EQ(z.at({i, 0}).logprobs, y.at({i, 0}).logprobs) << "prompt " << i;
+    }
+  }
   int64_t same = 0, total = 0;
   double gap = 0;
   for (size_t i = 0; i < ps.size(); ++i) {

@@ -7,8 +7,10 @@
 
 #include <ATen/ATen.h>
 
+#include "model/fp8_rows.h"
 #include "tiller/core/error.h"
 #include "tiller/model/fp8.h"
+#include "tiller/model/transformer.h"
 
 namespace tiller::model::fp8 {
 namespace {
@@ -125,10 +127,11 @@ TEST(Fp8, ChannelScalingScalesEachRowAndEachToken) {
   EXPECT_THROW(parse_scaling("row", "x"), ConfigError);
 }
 
-// Tensor scaling: one scale for the weight and one for all the activations, amax / 448, every
-// value within e4m3's rounding of that scale; the emulated GEMM is the product of the dequantized
-// operands, and FP8 training refuses it.
-TEST(Fp8, TensorScalingHasOneScaleForTheWeightAndOneForTheActivations) {
+// Tensor scaling: one scale for the weight and one per token, amax / 448, every value within
+// e4m3's rounding of its scale; the emulated GEMM is the product of the token's codes and the
+// dequantized weight, rounded, then times the token's scale plus the bias (rounded again); FP8
+// training refuses it.
+TEST(Fp8, TensorScalingHasOneScaleForTheWeightAndOneForEachToken) {
   at::manual_seed(13);
   at::Tensor w = at::randn({40, 300});
   w[3][5] = 700.f;
@@ -145,17 +148,27 @@ TEST(Fp8, TensorScalingHasOneScaleForTheWeightAndOneForTheActivations) {
   const at::Tensor bound = at::maximum(w.abs() * std::ldexp(1.0, -4), b.scale * std::ldexp(1.0, -10));
   EXPECT_TRUE(((d - w).abs() <= bound * 1.0001).all().item<bool>());
   EXPECT_EQ(quantize_weight(at::zeros({4, 16}), Scaling::kTensor).scale.item<float>(), 1.0f);
+  // A whole tensor's one scale (what the weight's quantization computes).
   at::Tensor x = at::randn({2, 5, 300});
   x[1][2][9] = -50.f;
-  const GroupQuantized g = quantize_tensor(x);
-  EXPECT_EQ(g.scale.dim(), 0);
-  EXPECT_FLOAT_EQ(g.scale.item<float>(), 50.f / 448.0f);
-  const at::Tensor y = linear_emulated(x, b);
-  const at::Tensor want = at::matmul(dequantize_tensor(g, at::kFloat), d.t());
-  EXPECT_TRUE(at::allclose(y, want, 1e-6, 1e-5));
-  // The activations' one scale is the batch's: a token far larger than the rest coarsens the others.
+  const GroupQuantized whole = quantize_tensor(x);
+  EXPECT_EQ(whole.scale.dim(), 0);
+  EXPECT_FLOAT_EQ(whole.scale.item<float>(), 50.f / 448.0f);
+  // The activations: one scale per token.
+  const at::Tensor bias = at::randn({40}).to(at::kBFloat16);
+  for (const at::ScalarType t : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor xt = x.to(t);
+    const GroupQuantized g = quantize_rows(xt);
+    EXPECT_FLOAT_EQ(g.scale[1][2].item<float>(), 50.f / 448.0f);
+    const at::Tensor y = linear_emulated(xt, b, bias);
+    ASSERT_EQ(y.scalar_type(), t);
+    const at::Tensor unscaled = at::matmul(g.q.to(at::kFloat), d.t()).to(t);
+    const at::Tensor want = (unscaled.to(at::kFloat) * g.scale.unsqueeze(-1) + bias.to(at::kFloat)).to(t);
+    EXPECT_TRUE(at::allclose(y.to(at::kFloat), want.to(at::kFloat), t == at::kFloat ? 1e-6 : 8e-3, 1e-5)) << t;
+  }
+  // A token far larger than the rest no longer coarsens the others: each row is its own.
   const at::Tensor alone = linear_emulated(x[0], b), beside = linear_emulated(x, b)[0];
-  EXPECT_FALSE(at::equal(alone, beside));
+  EXPECT_TRUE(at::allclose(alone, beside, 1e-6, 1e-6));
   // In place, from other values: what a fresh quantization gives.
   QuantizedWeight again = quantize_weight(at::randn({40, 300}), Scaling::kTensor);
   quantize_weight_into(w, again);
@@ -164,6 +177,70 @@ TEST(Fp8, TensorScalingHasOneScaleForTheWeightAndOneForTheActivations) {
   EXPECT_EQ(parse_scaling("tensor", "x"), Scaling::kTensor);
   EXPECT_STREQ(scaling_name(Scaling::kTensor), "tensor");
   EXPECT_THROW(train_linear(x, w, at::Tensor(), Scaling::kTensor), ConfigError);
+}
+
+// Tensor scaling's pieces (model/fp8_rows.h): the padded row codes, the unscaled product, the
+// rows' scales with the bias, and the fused norm and SwiGLU, each what it says it computes; and
+// the fused forms equal the unfused sequences they name, bit for bit.
+TEST(Fp8, TensorScalingsFusedPiecesEqualTheirUnfusedSequences) {
+  at::manual_seed(21);
+  for (const at::ScalarType t : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(t);
+    const int64_t rows = 5, k = 40, n = 24;
+    const at::Tensor x = at::randn({rows, k}).to(t);
+    const RowCodes c = quantize_row_codes(x);
+    ASSERT_EQ(c.q.sizes(), (std::vector<int64_t>{16, 48}));
+    ASSERT_EQ(c.scale.sizes(), (std::vector<int64_t>{16}));
+    EXPECT_EQ(c.rows, rows);
+    EXPECT_EQ(c.k, k);
+    const GroupQuantized g = quantize_rows(x);
+    EXPECT_TRUE(at::equal(c.q.narrow(0, 0, rows).narrow(1, 0, k).view(at::kByte), g.q.view(at::kByte)));
+    EXPECT_EQ(c.q.narrow(1, k, 8).to(at::kFloat).abs().sum().item<float>(), 0.f);
+    EXPECT_EQ(c.q.narrow(0, rows, 11).to(at::kFloat).abs().sum().item<float>(), 0.f);
+    EXPECT_TRUE(at::equal(c.scale.narrow(0, 0, rows), g.scale));
+    EXPECT_TRUE(at::equal(c.scale.narrow(0, rows, 11), at::ones({11})));
+    // The unscaled product: the codes times the dequantized weight, once rounded.
+    const QuantizedWeight w = quantize_weight(at::randn({n, k}), Scaling::kTensor);
+    const at::Tensor y = unscaled_product(c, w, t);
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{rows, n}));
+    EXPECT_TRUE(at::equal(y, at::matmul(g.q.to(at::kFloat), dequantize_weight(w, at::kFloat).t()).to(t)));
+    // The rows' scales and the bias: fp32 product, fp32 sum, one rounding to y's dtype.
+    const at::Tensor bias = at::randn({n}).to(t);
+    const at::Tensor z = y.clone();
+    scale_rows_(z, c.scale, bias);
+    EXPECT_TRUE(at::equal(z, (y.to(at::kFloat) * g.scale.unsqueeze(1) + bias.to(at::kFloat)).to(t)));
+    // The fused norm against scale_rows_, add_rms_norm, quantize_row_codes; with and without scales.
+    const at::Tensor weight = (at::rand({k}) + 0.5).to(t);
+    for (const bool scaled : {true, false}) {
+      at::Tensor s1 = at::randn({rows, k}).to(t), s2 = s1.clone();
+      const at::Tensor add = (at::randn({rows, k}) * 30).to(t), add_scale = at::rand({rows}) * 0.1;
+      const RowCodes fused = add_rms_norm_codes(s1, add, scaled ? add_scale : at::Tensor(), weight, 1e-6);
+      at::Tensor a = add.clone();
+      if (scaled) scale_rows_(a, add_scale);
+      const RowCodes want = quantize_row_codes(add_rms_norm(s2, a, weight, 1e-6));
+      EXPECT_TRUE(at::equal(s1, s2)) << scaled;
+      EXPECT_TRUE(at::equal(fused.q.view(at::kByte), want.q.view(at::kByte))) << scaled;
+      EXPECT_TRUE(at::equal(fused.scale, want.scale)) << scaled;
+    }
+    // The fused SwiGLU against scale_rows_, swiglu_packed, quantize_row_codes; its input kept.
+    const at::Tensor gu = (at::randn({rows, 2 * k}) * 20).to(t), before = gu.clone();
+    const RowCodes act = swiglu_codes(gu, c.scale);
+    const at::Tensor scaled_gu = gu.clone();
+    scale_rows_(scaled_gu, c.scale);
+    const RowCodes want = quantize_row_codes(swiglu_packed(scaled_gu));
+    EXPECT_TRUE(at::equal(gu, before));
+    EXPECT_TRUE(at::equal(act.q.view(at::kByte), want.q.view(at::kByte)));
+    EXPECT_TRUE(at::equal(act.scale, want.scale));
+    // tensor_scaled_linear is the three in a row, for any leading shape.
+    const at::Tensor x3 = x.view({1, rows, k});
+    EXPECT_TRUE(at::equal(linear(x3, w, bias), z.view({1, rows, n})));
+    EXPECT_EQ(linear(at::randn({0, k}).to(t), w).sizes(), (std::vector<int64_t>{0, n}));
+  }
+  EXPECT_THROW(unscaled_product(quantize_row_codes(at::randn({2, 8})), quantize_weight(at::randn({4, 16}), Scaling::kTensor),
+                                at::kFloat),
+               ConfigError);
+  EXPECT_THROW(unscaled_product(quantize_row_codes(at::randn({2, 16})), quantize_blocks(at::randn({4, 16})), at::kFloat),
+               Error);
 }
 
 // The emulated FP8 GEMM is the product of the two dequantized operands in fp32, near the exact one.

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "fixtures.h"
+#include "model/fp8_rows.h"
 #include "tiller/model/attention.h"
 #include "tiller/model/fp8.h"
 #include "tiller/model/safetensors.h"
@@ -118,6 +119,64 @@ TEST(ModelGpu, Fp8GemmEqualsItsEmulation) {
         EXPECT_LT(d.frob_rel, 4e-3) << m << "x" << n << "x" << k << " bias " << with_bias << " " << int(sc);
       }
     }
+}
+
+// Tensor scaling's fused kernels on the GPU (model/fp8_rows.h: the quantizing residual norm and
+// SwiGLU, the rows' scales with a bias) against the unfused kernels they stand for, bit for bit:
+// codes, scales and the residual stream, with and without an addend's scales, for rows a decode
+// graph uses and prefill's, widths in whole 16-byte vectors and not, bf16 and fp32; and near the
+// CPU's (the norm's sums run in another order there).
+TEST(ModelGpu, Fp8TensorScalingsFusedKernelsEqualTheUnfusedOnesBitForBit) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  at::manual_seed(31);
+  const at::Device gpu("cuda:0");
+  for (const at::ScalarType t : {at::kBFloat16, at::kFloat})
+    for (const int64_t rows : {1, 3, 64, 300})
+      for (const int64_t k : {896, 100, 3584}) {
+        SCOPED_TRACE(fmt::format("{} rows {} k {}", c10::toString(t), rows, k));
+        const at::Tensor weight = (at::rand({k}) + 0.5).to(gpu, t);
+        const at::Tensor scales = (at::rand({rows}) * 0.1).to(gpu);
+        for (const bool scaled : {true, false}) {
+          at::Tensor s1 = at::randn({rows, k}).to(gpu, t), s2 = s1.clone(), s3 = s1.cpu();
+          const at::Tensor add = (at::randn({rows, k}) * 30).to(gpu, t);
+          const fp8::RowCodes fused = fp8::add_rms_norm_codes(s1, add, scaled ? scales : at::Tensor(), weight, 1e-6);
+          at::Tensor a = add.clone();
+          if (scaled) fp8::scale_rows_(a, scales);
+          const fp8::RowCodes want = fp8::quantize_row_codes(add_rms_norm(s2, a, weight, 1e-6));
+          EXPECT_TRUE(at::equal(s1, s2)) << scaled;
+          EXPECT_TRUE(at::equal(fused.q.view(at::kByte), want.q.view(at::kByte))) << scaled;
+          EXPECT_TRUE(at::equal(fused.scale, want.scale)) << scaled;
+          const fp8::RowCodes cpu =
+              fp8::add_rms_norm_codes(s3, add.cpu(), scaled ? scales.cpu() : at::Tensor(), weight.cpu(), 1e-6);
+          const double same = (cpu.q.view(at::kByte) == fused.q.cpu().view(at::kByte)).to(at::kDouble).mean().item<double>();
+          EXPECT_GT(same, 0.97) << scaled;
+          EXPECT_LT(compare(fused.scale.cpu(), cpu.scale).max_rel, 1e-2) << scaled;
+        }
+        const at::Tensor gu = (at::randn({rows, 2 * k}) * 20).to(gpu, t);
+        const fp8::RowCodes act = fp8::swiglu_codes(gu, scales);
+        const at::Tensor g = gu.clone();
+        fp8::scale_rows_(g, scales);
+        const fp8::RowCodes want = fp8::quantize_row_codes(swiglu_packed(g));
+        EXPECT_TRUE(at::equal(act.q.view(at::kByte), want.q.view(at::kByte)));
+        EXPECT_TRUE(at::equal(act.scale, want.scale));
+        // The rows' scales with a bias: the CPU's fp32 product and sum, bit for bit.
+        const at::Tensor y = (at::randn({rows, k}) * 3).to(gpu, t), bias = at::randn({k}).to(gpu, t);
+        const at::Tensor yg = y.clone(), yc = y.cpu();
+        fp8::scale_rows_(yg, scales, bias);
+        fp8::scale_rows_(yc, scales.cpu(), bias.cpu());
+        EXPECT_TRUE(at::equal(yg.cpu(), yc));
+      }
+  // SwiGLU rows past 48 KiB of shared memory (the kernel's opt-in), bf16 and fp32.
+  for (const at::ScalarType t : {at::kBFloat16, at::kFloat}) {
+    const int64_t rows = 3, k = 30000;
+    const at::Tensor gu = (at::randn({rows, 2 * k}) * 20).to(gpu, t), scales = (at::rand({rows}) * 0.1).to(gpu);
+    const fp8::RowCodes act = fp8::swiglu_codes(gu, scales);
+    const at::Tensor g = gu.clone();
+    fp8::scale_rows_(g, scales);
+    const fp8::RowCodes want = fp8::quantize_row_codes(swiglu_packed(g));
+    EXPECT_TRUE(at::equal(act.q.view(at::kByte), want.q.view(at::kByte))) << c10::toString(t);
+    EXPECT_TRUE(at::equal(act.scale, want.scale)) << c10::toString(t);
+  }
 }
 
 // FP8 training's GEMMs on the tensor cores (scaled_product: the tile kernels for blocks and

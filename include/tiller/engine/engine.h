@@ -87,14 +87,20 @@ struct EngineOptions {
   // head size 64 or 128, query-head groups of 2 to 16): no RoPE launch per layer. Off: a separate
   // RoPE kernel, as prefill does (for comparisons).
   bool rope_in_attention = true;
+  // With fp8_scaling "tensor": the norms and SwiGLU quantize their output rows in the same kernel
+  // and the kernels that read each FP8 GEMM's output apply its rows' scales (no quantization
+  // launches of their own; model/transformer.h BlockContext::fp8_fused). Off: one FP8 linear at a
+  // time, with the same numerics (for comparisons).
+  bool fp8_fused = true;
   // "fp8": the linear layers' weights are also held in 128x128 blocks of e4m3, quantized at load
   // and again after every weight sync, and their GEMMs run in FP8 (Hopper's tensor cores; emulated
   // elsewhere) with activations quantized per token and group of 128 (docs/engine.md, "FP8
   // engines"). "none": the weights' dtype throughout.
   std::string quantization = "none";
-  // The FP8 engine's scales: "block" (128x128 weight blocks, activation groups of 128) or
-  // "channel" (one per weight row and per token). As fast as each other in the engine
-  // (docs/benchmarks.md); block's finer scales keep the engine nearer the trainer.
+  // The FP8 engine's scales: "block" (128x128 weight blocks, activation groups of 128),
+  // "channel" (one per weight row and per token) or "tensor" (one per weight and one per token,
+  // the fastest: fp8_fused below). Block's finer scales keep the engine nearer the trainer
+  // (docs/engine.md, docs/benchmarks.md).
   std::string fp8_scaling = "block";
   // "fp8": the KV cache holds e4m3 codes with one fp32 scale per (token, KV head) row, about half
   // the bytes of bf16, and attention reads them dequantized (docs/engine.md, "FP8 KV cache").

@@ -4,10 +4,11 @@
 //            along the feature axis, one scale per token and group;
 //   channel  one scale per weight row (output channel) and one per token (activation row), what
 //            vLLM's FP8-dynamic checkpoints use;
-//   tensor   one scale per weight and one for all the activations of a GEMM (computed from them
-//            each time: dynamic), what vLLM's online `--quantization fp8` does; cuBLASLt's
-//            tensor-wise GEMM is the fastest at decode's batch sizes (docs/benchmarks.md). The
-//            engines' only: FP8 training takes block or channel.
+//   tensor   one scale per weight and one per token (activation row), the token's applied after
+//            cuBLASLt's tensor-wise GEMM (the fastest at decode's batch sizes, docs/benchmarks.md)
+//            by the kernel that reads its output; the engine's norms and SwiGLU quantize their
+//            output rows in the same pass (model/fp8_rows.h). The engines' only: FP8 training
+//            takes block or channel.
 // A block's (group's, row's) scale maps its largest magnitude to e4m3's largest finite value, 448:
 // scale = amax / 448 (1 for zeros), q = cast(x / scale), where cast is torch's float8_e4m3fn
 // conversion (round to nearest even, subnormals down to 2^-9, saturating at +-448). The same on
@@ -72,18 +73,23 @@ at::Tensor dequantize_groups(const GroupQuantized& g, c10::ScalarType dtype, int
 // Activations [..., K] with one scale per token (row): q [..., K], scale [...] fp32.
 GroupQuantized quantize_rows(const at::Tensor& x);
 at::Tensor dequantize_rows(const GroupQuantized& g, c10::ScalarType dtype);
-// Activations [..., K] with one scale for all of them: q [..., K], scale [] fp32.
+// Activations [..., K] with one scale for all of them: q [..., K], scale [] fp32 (what a
+// tensor-scaled weight's quantization computes; tensor scaling's activations go per row).
 GroupQuantized quantize_tensor(const at::Tensor& x);
 at::Tensor dequantize_tensor(const GroupQuantized& g, c10::ScalarType dtype);
 
 // x [..., K] times w^T (w [N, K] quantized) with x quantized to match (groups of the block size,
-// rows for channel scaling, the whole of x for tensor scaling): what an FP8 GEMM with fp32 accumulation computes, emulated (both dequantized, the product in fp32), plus
-// `bias` ([N], optional) before the one rounding to x's dtype. [..., N].
+// rows for channel and tensor scaling): what an FP8 GEMM with fp32 accumulation computes,
+// emulated (both dequantized, the product in fp32), plus `bias` ([N], optional) before the one
+// rounding to x's dtype. [..., N]. Tensor scaling rounds twice, as its GEMM does: the product of
+// x's codes and the weight to x's dtype, then that times the row's scale plus the bias
+// (model/fp8_rows.h).
 at::Tensor linear_emulated(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias = {});
 
 // The same product on the device's FP8 tensor cores where there are some (Hopper: torch's
-// _scaled_mm, block-, row- or tensor-scaled, fp32 accumulation, the bias in the epilogue; the activations
-// quantized by one kernel), else linear_emulated. Inference only.
+// _scaled_mm, block-, row- or tensor-scaled, fp32 accumulation; the activations quantized by one
+// kernel; the bias in the epilogue, or for tensor scaling with the rows' scales after it), else
+// linear_emulated. Inference only.
 at::Tensor linear(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias = {});
 // --- FP8 training (roles.<role>.fp8; docs/training.md "FP8 training") ---
 // How one operand of a product is scaled along the product's contraction axis (K): one scale per

@@ -127,6 +127,14 @@ struct BlockContext {
   // norm; after the last block, add_deferred() or add_rms_norm(x, deferred, final norm) adds it.
   bool fuse_residual = false;
   at::Tensor deferred;
+  // With fuse_residual, a layer whose four projections are tensor-scaled FP8 (the engine's
+  // engines.fp8_scaling: tensor) runs them as fused FP8 GEMMs: the norms and SwiGLU quantize
+  // their outputs, and the kernels that read a GEMM's output apply its rows' scales
+  // (model/fp8_rows.h); `deferred` is then the down projection's product before its rows'
+  // scales, `deferred_scale` (fp32 [>= T]) those scales. Off: the same numerics, one FP8 linear
+  // at a time (for comparisons).
+  bool fp8_fused = true;
+  at::Tensor deferred_scale;
   // Mixture-of-experts routing (routing replay, docs/training.md). `replay_routes`, when defined:
   // int16 [T, sparse layers, k] on the host, row t's experts in each sparse layer (layer order),
   // taken instead of the router's top-k; the router's probabilities at those experts still weight
@@ -173,6 +181,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& add, const at::Tensor& weight, double eps);
 // The residual stream after the last block of a fuse_residual forward: x += ctx.deferred.
 void add_deferred(at::Tensor& x, BlockContext& ctx);
+// ctx.deferred with its rows' scales applied (deferred_scale), taken out of ctx (both left
+// undefined): the addend of the next norm.
+at::Tensor take_deferred(BlockContext& ctx);
 // silu(gate) * up as one autograd node (its backward: two fused elementwise kernels).
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 // silu(gate) * up from the fused gate/up projection's output [T, 2 I] (gate first): [T, I]. One

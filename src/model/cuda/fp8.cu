@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "model/cuda/convert.cuh"
+#include "model/cuda/fp8_codes.cuh"
 #include "model/cuda/kernels.h"
 
 namespace tiller::model::cuda {
@@ -40,11 +41,11 @@ __global__ void quantize_groups_kernel(const T* x, int64_t rows, int64_t padded_
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  const float s = amax > 0.f ? amax / 448.f : 1.f;  // IEEE division, as ATen's
+  const float s = fp8_scale(amax);
   uint32_t packed = 0;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
-    const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(v[i] / s, __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8_storage_t b = fp8_code(v[i], s);
     packed |= static_cast<uint32_t>(b) << (8 * i);
   }
   *reinterpret_cast<uint32_t*>(q + r * q_stride + col) = packed;
@@ -81,7 +82,7 @@ __global__ void quantize_rows_kernel(const T* x, int64_t rows, int64_t k, int64_
   }
   __syncthreads();
   amax = partial[0];
-  const float s = amax > 0.f ? amax / 448.f : 1.f;  // IEEE division, as ATen's
+  const float s = fp8_scale(amax);
   // Whole vectors up to q_stride (a multiple of kVec): past k (or a padding row) they are zeros.
   for (int64_t j = kVec * static_cast<int64_t>(threadIdx.x); j < q_stride;
        j += kVec * static_cast<int64_t>(blockDim.x)) {
@@ -89,7 +90,7 @@ __global__ void quantize_rows_kernel(const T* x, int64_t rows, int64_t k, int64_
     if (live && j < k) {
       const P v = *reinterpret_cast<const P*>(row + j);
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) out.v[i] = __nv_cvt_float_to_fp8(to_f(v.v[i]) / s, __NV_SATFINITE, __NV_E4M3);
+      for (int i = 0; i < kVec; ++i) out.v[i] = fp8_code(to_f(v.v[i]), s);
     } else {
 #pragma unroll
       for (int i = 0; i < kVec; ++i) out.v[i] = 0;
@@ -189,25 +190,6 @@ __global__ void quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, in
     for (int j = 0; j < kSub; ++j) scale[tr * scale_stride + col0 + j] = s_col[j];
 }
 
-// The largest of a block's values of `v` (every thread's), in every thread; blockDim.x a multiple of
-// 32, at most 1024.
-__device__ float block_max(float v) {
-  __shared__ float warp_max[32];
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  __syncthreads();  // warp_max may still be read by a previous call
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = threadIdx.x < blockDim.x / 32 ? warp_max[threadIdx.x % 32] : 0.f;
-  if (threadIdx.x < 32) {
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-    if (threadIdx.x == 0) warp_max[0] = v;
-  }
-  __syncthreads();
-  return warp_max[0];
-}
-
 // Per-tensor scaling, pass 1: each block's largest magnitude over the vectors of kVec values it
 // strides through (kVec divides k), into partial[blockIdx.x].
 template <class T, int kVec>
@@ -236,7 +218,7 @@ __global__ void quantize_tensor_kernel(const T* x, int64_t rows, int64_t padded_
   float amax = 0.f;
   for (int i = threadIdx.x; i < parts; i += blockDim.x) amax = fmaxf(amax, partial[i]);
   amax = block_max(amax);
-  const float s = amax > 0.f ? amax / 448.f : 1.f;  // IEEE division, as ATen's
+  const float s = fp8_scale(amax);
   const int64_t per_row = q_stride / kVec, total = padded_rows * per_row;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -245,7 +227,7 @@ __global__ void quantize_tensor_kernel(const T* x, int64_t rows, int64_t padded_
     if (r < rows && c < k) {
       const P v = *reinterpret_cast<const P*>(x + r * x_stride + c);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) out.v[j] = __nv_cvt_float_to_fp8(to_f(v.v[j]) / s, __NV_SATFINITE, __NV_E4M3);
+      for (int j = 0; j < kVec; ++j) out.v[j] = fp8_code(to_f(v.v[j]), s);
     } else {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) out.v[j] = 0;
@@ -253,6 +235,32 @@ __global__ void quantize_tensor_kernel(const T* x, int64_t rows, int64_t padded_
     *reinterpret_cast<Pack<uint8_t, kVec>*>(q + r * q_stride + c) = out;
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale = s;
+}
+
+// y = T(y * scale[row] (+ bias[col])) in place, kVec values at a time (kVec divides n and the row
+// stride): fp32 product, then fp32 sum, each rounded on its own (no fused multiply-add), as the
+// CPU's ATen ops compute them.
+template <class T, int kVec>
+__global__ void scale_rows_kernel(T* y, int64_t rows, int64_t n, int64_t y_stride, const float* scale,
+                                  const T* bias) {
+  using P = Pack<T, kVec>;
+  const int64_t per_row = n / kVec, total = rows * per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row, c = (i - r * per_row) * kVec;
+    P* at = reinterpret_cast<P*>(y + r * y_stride + c);
+    P v = *at;
+    const float s = scale[r];
+    if (bias != nullptr) {
+      const P b = *reinterpret_cast<const P*>(bias + c);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v.v[j] = from_f<T>(__fadd_rn(__fmul_rn(to_f(v.v[j]), s), to_f(b.v[j])));
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v.v[j] = from_f<T>(__fmul_rn(to_f(v.v[j]), s));
+    }
+    *at = v;
+  }
 }
 
 }  // namespace
@@ -369,6 +377,32 @@ void quantize_tensor_fp8(DType dtype, const void* x, int64_t rows, int64_t padde
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("fp8 tensor quantize kernel launch: ") + cudaGetErrorString(err));
+}
+
+void scale_rows(DType dtype, void* y, int64_t rows, int64_t n, int64_t y_stride, const float* scale, const void* bias,
+                void* stream) {
+  if (rows == 0 || n == 0) return;
+  if (y_stride < n) throw std::invalid_argument("scale_rows: the row stride is shorter than a row");
+  const auto s = static_cast<cudaStream_t>(stream);
+  with_dtype(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    const bool vec = n % kVec == 0 && y_stride % kVec == 0 && aligned(y) && aligned(bias);
+    const auto launch = [&](auto vec_width) {
+      constexpr int V = decltype(vec_width)::value;
+      const int64_t items = rows * (n / V);
+      const auto blocks = static_cast<unsigned>(std::min<int64_t>(4096, (items + 255) / 256));
+      scale_rows_kernel<T, V><<<blocks, 256, 0, s>>>(static_cast<T*>(y), rows, n, y_stride, scale,
+                                                     static_cast<const T*>(bias));
+    };
+    if (vec)
+      launch(std::integral_constant<int, kVec>());
+    else
+      launch(std::integral_constant<int, 1>());
+  });
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw std::runtime_error(std::string("scale_rows kernel launch: ") + cudaGetErrorString(err));
 }
 
 }  // namespace tiller::model::cuda

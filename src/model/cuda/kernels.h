@@ -36,6 +36,28 @@ void swiglu_backward(DType dtype, const void* gate, const void* up, const void* 
 void add_rms_norm(DType dtype, void* x, const void* add, const void* weight, void* out, int64_t tokens, int64_t width,
                   int64_t x_stride, int64_t add_stride, int64_t out_stride, float eps, void* stream);
 
+// add_rms_norm for a tensor-scaled FP8 engine (engines.fp8_scaling: tensor): x = T(x + a) in place
+// with a = T(add * add_scale[r]) (add_scale: the rows' scales of a tensor-scaled product, as
+// scale_rows applies them; null: a = add), the normed row T(x * rstd * weight) as add_rms_norm
+// computes it, then quantized as quantize_rows_fp8 quantizes it: codes into q [padded_rows,
+// q_stride] (zeros past width and in the rows [rows, padded_rows), scale 1 there), scale[r].
+void add_rms_norm_fp8(DType dtype, void* x, const void* add, const float* add_scale, const void* weight, int64_t rows,
+                      int64_t padded_rows, int64_t width, int64_t x_stride, int64_t add_stride, void* q,
+                      int64_t q_stride, float* scale, float eps, void* stream);
+// silu(g) * u of a tensor-scaled fused gate/up product x [rows, 2 * width] (row stride x_stride)
+// whose rows' scales x_scale[r] are still to apply: g = T(x_g * s), u = T(x_u * s) (scale_rows'
+// rounding), a = T(silu(g) * u) (swiglu_packed's), each row of a quantized as quantize_rows_fp8
+// quantizes it: codes into q [padded_rows, q_stride], scale[r] (1 for the padding rows).
+// A row of a waits in shared memory: width * the element's bytes at most kSwigluFp8MaxBytes.
+constexpr int64_t kSwigluFp8MaxBytes = 200 * 1024;
+void swiglu_fp8(DType dtype, const void* x, int64_t x_stride, const float* x_scale, int64_t rows, int64_t padded_rows,
+                int64_t width, void* q, int64_t q_stride, float* scale, void* stream);
+// The rows' scales of a tensor-scaled FP8 product applied in place: y[r, j] = T(y[r, j] * scale[r]
+// + bias[j]) (bias null: no sum; of `dtype`), the product and the sum rounded to fp32 each (no
+// fused multiply-add), rows of stride y_stride.
+void scale_rows(DType dtype, void* y, int64_t rows, int64_t n, int64_t y_stride, const float* scale, const void* bias,
+                void* stream);
+
 // FP8 (e4m3) quantization of activations x [rows, k] (row stride in elements of `dtype`) in
 // `groups` groups of 128 features (groups * 128 >= k): for row r and group g, s = amax / 448 (1
 // for a group of zeros), q[r * q_stride + j] = e4m3(x / s) as torch's float8_e4m3fn cast rounds it

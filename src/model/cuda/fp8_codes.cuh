@@ -1,0 +1,39 @@
+// What every FP8 (e4m3) activation kernel shares, so that they quantize alike bit for bit: a
+// row's (group's, tensor's) scale from its largest magnitude, a value's code, and a block's
+// largest value. CUDA translation units only.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace tiller::model::cuda {
+
+// amax / 448 by IEEE division (as ATen's), 1 for a block of zeros (whatever its scale, it stays zeros).
+__device__ __forceinline__ float fp8_scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
+
+// v / s as torch's float8_e4m3fn cast rounds it: nearest even, saturating at +-448.
+__device__ __forceinline__ uint8_t fp8_code(float v, float s) {
+  return __nv_cvt_float_to_fp8(v / s, __NV_SATFINITE, __NV_E4M3);
+}
+
+// The largest of a block's values of `v` (every thread's), in every thread; blockDim.x a multiple of
+// 32, at most 1024. A maximum is exact, so the order of the reduction does not matter.
+__device__ inline float block_max(float v) {
+  __shared__ float warp_max[32];
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  __syncthreads();  // warp_max may still be read by a previous call
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = threadIdx.x < blockDim.x / 32 ? warp_max[threadIdx.x % 32] : 0.f;
+  if (threadIdx.x < 32) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    if (threadIdx.x == 0) warp_max[0] = v;
+  }
+  __syncthreads();
+  return warp_max[0];
+}
+
+}  // namespace tiller::model::cuda
