@@ -1,12 +1,14 @@
 // Element conversions and vector packs shared by the model's CUDA kernels: fp32 math on
-// bf16/fp16/fp32 storage.
+// bf16/fp16/fp32 storage; and a kernel's opt-in to more than 48 KiB of shared memory.
 // CUDA translation units only.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <stdexcept>
+#include <string>
 
 #include "model/cuda/kernels.h"
 
@@ -55,5 +57,20 @@ template <class T, int kVec>
 struct alignas(sizeof(T) * kVec) Pack {
   T v[kVec];
 };
+
+// Opts `kernel` in to `bytes` of dynamic shared memory (above the default 48 KiB), once per
+// device (`done`: the kernel's flags by device).
+template <class Kernel>
+void reserve_shared_memory(Kernel kernel, int bytes, bool (&done)[64], const char* what) {
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": cudaGetDevice failed: " + cudaGetErrorString(err));
+  if (device >= 0 && device < 64 && done[device]) return;
+  if (const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      err != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": cannot reserve " + std::to_string(bytes) +
+                             " bytes of shared memory: " + cudaGetErrorString(err));
+  if (device >= 0 && device < 64) done[device] = true;
+}
 
 }  // namespace tiller::model::cuda

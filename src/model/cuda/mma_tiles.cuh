@@ -1,8 +1,8 @@
 // The tensor-core tiles of the decode-attention kernel (paged_decode_mma.cu) and its bitwise
 // prefill form (paged_prefill_mma.cu), shared so that the two round alike: the m16n8k16 MMA and
 // ldmatrix wrappers, the XOR-swizzled tile layout, the per-warp pipeline's sizes, one 16-key tile
-// of the online softmax, and the opt-in to more than 48 KiB of shared memory. CUDA translation
-// units only.
+// of the online softmax (their opt-in to more than 48 KiB of shared memory: convert.cuh's
+// reserve_shared_memory). CUDA translation units only.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+
+#include "model/cuda/convert.cuh"
 
 namespace tiller::model::cuda::detail {
 
@@ -194,21 +196,5 @@ __device__ __forceinline__ void online_step(const float (&s)[2][4], float& m_lo,
     mma16816<T>(o[n + 1], pa, vb[2], vb[3]);
   }
 }
-
-// Opts `kernel` in to `bytes` of dynamic shared memory (above the default 48 KiB), once per
-// device (`done`: the kernel's flags by device).
-template <class Kernel>
-void reserve_shared_memory(Kernel kernel, int bytes, bool (&done)[64], const char* what) {
-  int device = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-    throw std::runtime_error(std::string(what) + ": cudaGetDevice failed: " + cudaGetErrorString(err));
-  if (device >= 0 && device < 64 && done[device]) return;
-  if (const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-      err != cudaSuccess)
-    throw std::runtime_error(std::string(what) + ": cannot reserve " + std::to_string(bytes) +
-                             " bytes of shared memory: " + cudaGetErrorString(err));
-  if (device >= 0 && device < 64) done[device] = true;
-}
-
 
 }  // namespace tiller::model::cuda::detail

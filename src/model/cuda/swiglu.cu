@@ -174,11 +174,9 @@ void swiglu_fp8(DType dtype, const void* x, int64_t x_stride, const float* x_sca
     if (smem > static_cast<size_t>(kSwigluFp8MaxBytes))
       throw std::invalid_argument("swiglu_fp8: a row wider than its shared memory holds");
     const auto go = [&](auto kernel, int64_t vecs) {
-      if (smem > 48 * 1024) {  // past the default: opt in (a function attribute, not a stream operation)
-        const cudaError_t err =
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-        if (err != cudaSuccess)
-          throw std::runtime_error(std::string("swiglu_fp8 shared memory: ") + cudaGetErrorString(err));
+      if (smem > 48 * 1024) {  // past the default: the most any row takes, once per device (before a capture)
+        static bool done[64] = {};
+        reserve_shared_memory(kernel, static_cast<int>(kSwigluFp8MaxBytes), done, "swiglu_fp8");
       }
       const auto threads = static_cast<unsigned>(std::clamp<int64_t>((vecs / 2 + 31) / 32 * 32, 128, 1024));
       kernel<<<grid, threads, smem, s>>>(static_cast<const T*>(x), x_stride, x_scale, rows, width,
