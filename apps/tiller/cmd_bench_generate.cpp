@@ -51,6 +51,8 @@ struct GenBenchOptions {
 using Clock = std::chrono::steady_clock;
 
 int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
+  if (o.fp8_unfused && !(o.fp8 && o.fp8_scaling == "tensor"))
+    throw ConfigError("bench generate --fp8-unfused compares tensor scaling's fused layers: add --fp8 --fp8-scaling tensor");
   apply_logprob_match(o.logprob_match);
   apply_expert_kernels(o.experts);
   const int gpus = at::detail::getCUDAHooks().getNumGPUs();

@@ -180,8 +180,10 @@ TEST(Fp8, TensorScalingHasOneScaleForTheWeightAndOneForEachToken) {
 }
 
 // Tensor scaling's pieces (model/fp8_rows.h): the padded row codes, the unscaled product, the
-// rows' scales with the bias, and the fused norm and SwiGLU, each what it says it computes; and
-// the fused forms equal the unfused sequences they name, bit for bit.
+// rows' scales with the bias, each what it says it computes; and the fused norm and SwiGLU equal
+// the unfused sequences they name, bit for bit. On the CPU the fused forms are those sequences,
+// so here that checks their interface (the scales applied or not, the input left alone); the
+// kernels are checked by ModelGpu.Fp8TensorScalingsFusedKernelsEqualTheUnfusedOnesBitForBit.
 TEST(Fp8, TensorScalingsFusedPiecesEqualTheirUnfusedSequences) {
   at::manual_seed(21);
   for (const at::ScalarType t : {at::kFloat, at::kBFloat16}) {
