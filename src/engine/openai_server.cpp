@@ -2,7 +2,11 @@
 
 #include <httplib.h>
 
+#include <sys/socket.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -26,6 +30,12 @@ namespace {
 // How long the endpoint waits for a request's bytes (and a client for a response's) before it
 // gives the connection up.
 constexpr int kReadTimeoutS = 30;
+// Connections the kernel holds for the endpoint to accept. cpp-httplib 0.11 listens with 5
+// (compiled into the library): a burst of harness connections on a loaded host overflowed it
+// (/proc/net/netstat's ListenOverflows), a connection that waited out its handshake could send its
+// request after the endpoint's 2 s keep-alive wait, and the endpoint then closed it unread: the
+// client saw a reset (e2e.engine.openai's 28 streams, about one run in seven under ctest -j2).
+constexpr int kListenBacklog = 1024;
 
 using openai::ApiError;
 using openai::boolean;
@@ -539,6 +549,13 @@ struct OpenAiServer::Impl {
                                           ""}),
                       "application/json");
     });
+    // The listening socket, kept to raise its backlog once bound (cpp-httplib applies these options
+    // to it before it listens).
+    socket_t listening = INVALID_SOCKET;
+    http->set_socket_options([&listening](socket_t sock) {
+      httplib::default_socket_options(sock);
+      listening = sock;
+    });
     if (opts.port == 0) {
       bound_port = http->bind_to_any_port(opts.host);
       if (bound_port <= 0) throw IoError(fmt::format("the OpenAI endpoint cannot bind {}:<any port>", opts.host));
@@ -547,6 +564,12 @@ struct OpenAiServer::Impl {
         throw IoError(fmt::format("the OpenAI endpoint cannot bind {}:{} (in use?)", opts.host, opts.port));
       bound_port = opts.port;
     }
+    http->set_socket_options(httplib::default_socket_options);  // `listening` goes out of scope
+    if (listening == INVALID_SOCKET)
+      throw IoError(fmt::format("the OpenAI endpoint on {}:{}: its listening socket was not seen", opts.host, bound_port));
+    if (::listen(listening, kListenBacklog) != 0)
+      throw IoError(fmt::format("the OpenAI endpoint cannot raise its listen backlog to {} on {}:{}: {}",
+                                kListenBacklog, opts.host, bound_port, std::strerror(errno)));
     thread = std::thread([this] {
       http->listen_after_bind();
       listening_ended = true;
