@@ -1,7 +1,7 @@
-// FP8 (e4m3) quantization of activations per token and group of 128 features (one warp per (row,
-// group), four values per lane, the group's largest magnitude by a warp reduction), per token
-// (one block per row), and of 128x128 tiles (one block per tile: the FP8 training's weights and
-// transposed operands); kernels.h.
+// FP8 (e4m3) quantization of activations per token and group of 128 features (a block per 64
+// rows of a group, four threads a row), per token (one block per row), and of 128x128 tiles (one
+// block per tile: the FP8 training's weights and transposed operands); kernels.h. The training
+// kernels divide by a scale through its reciprocal (Fp8Divider: the same codes as the division).
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -19,37 +19,86 @@ namespace tiller::model::cuda {
 namespace {
 
 constexpr int kGroup = 128;
-constexpr int kPerLane = kGroup / 32;
 // quantize_tiles_fp8's modes (kernels.h)
 constexpr int kTile = 0, kTileTransposed = 1, kColumnsTransposed = 2;
 
-template <class T>
-__global__ void quantize_groups_kernel(const T* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
-                                       uint8_t* q, int64_t q_stride, int64_t groups, float* scale,
-                                       int64_t scale_stride) {
-  const int64_t warp = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (warp >= padded_rows * groups) return;
-  const int64_t r = warp / groups, g = warp % groups;
-  const int64_t col = g * kGroup + lane * kPerLane;
-  float v[kPerLane];
+// The largest magnitude of a pack's values, from the packed values themselves (bf16x2 / fp16x2
+// maxima: no fp32 copy of the pack stays live). Like fmaxf, a maximum passes NaNs over.
+template <class T, int kVec>
+__device__ __forceinline__ float pack_amax(const Pack<T, kVec>& p) {
+  if constexpr (std::is_same_v<T, float>) {
+    float a = 0.f;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) a = fmaxf(a, fabsf(p.v[j]));
+    return a;
+  } else {
+    using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+    const T2* two = reinterpret_cast<const T2*>(p.v);
+    T2 m = __habs2(two[0]);
+#pragma unroll
+    for (int j = 1; j < kVec / 2; ++j) m = __hmax2(m, __habs2(two[j]));
+    return fmaxf(0.f, fmaxf(to_f(m.x), to_f(m.y)));
+  }
+}
+
+// Four codes of a pack's values from `first`, as one 32-bit word (the first in its low byte).
+template <class T, int kVec>
+__device__ __forceinline__ uint32_t pack_codes4(const Pack<T, kVec>& p, int first, const Fp8Divider& d) {
+  uint32_t w = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) w |= static_cast<uint32_t>(d.code(to_f(p.v[first + j]))) << (8 * j);
+  return w;
+}
+
+// A block of 256 threads quantizes 64 rows of one group: four threads a row, 32 values each (16-byte
+// loads where the layout allows them, kVecLoads; else value by value), the group's largest magnitude
+// over the four, and 32 codes a thread (two 16-byte stores, kVecStores; else 4-byte ones). The
+// threads of a row read 256 contiguous bytes; the block's scales are 64 consecutive floats.
+constexpr int kGroupRowsPerBlock = 64, kGroupThreadValues = kGroup / 4;
+template <class T, bool kVecLoads, bool kVecStores>
+__global__ void __launch_bounds__(256) quantize_groups_kernel(const T* x, int64_t rows, int64_t padded_rows, int64_t k,
+                                                              int64_t x_stride, uint8_t* q, int64_t q_stride,
+                                                              float* scale, int64_t scale_stride) {
+  constexpr int kVec = 16 / sizeof(T), kPacks = kGroupThreadValues / kVec;
+  const int64_t r = blockIdx.x * static_cast<int64_t>(kGroupRowsPerBlock) + threadIdx.x / 4;
+  const int64_t g = blockIdx.y;
+  const int64_t col = g * kGroup + (threadIdx.x % 4) * kGroupThreadValues;
+  Pack<T, kVec> p[kPacks];
+  if (kVecLoads && r < rows && col + kGroupThreadValues <= k) {
+#pragma unroll
+    for (int i = 0; i < kPacks; ++i) p[i] = *reinterpret_cast<const Pack<T, kVec>*>(x + r * x_stride + col + i * kVec);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kGroupThreadValues; ++i) {
+      const int64_t c = col + i;
+      p[i / kVec].v[i % kVec] = r < rows && c < k ? x[r * x_stride + c] : from_f<T>(0.f);
+    }
+  }
   float amax = 0.f;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    v[i] = r < rows && col + i < k ? to_f(x[r * x_stride + col + i]) : 0.f;
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
+  for (int i = 0; i < kPacks; ++i) amax = fmaxf(amax, pack_amax(p[i]));
+  // The four threads of a row are lanes 4m .. 4m + 3; every lane takes part (no early exit).
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  if (r >= padded_rows) return;
+  const Fp8Divider d(fp8_scale(amax));
+  uint8_t* out = q + r * q_stride + col;
 #pragma unroll
-  for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  const float s = fp8_scale(amax);
-  uint32_t packed = 0;
+  for (int i = 0; i < kGroupThreadValues / 16; ++i) {
+    uint32_t w[4];
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const __nv_fp8_storage_t b = fp8_code(v[i], s);
-    packed |= static_cast<uint32_t>(b) << (8 * i);
+    for (int b = 0; b < 4; ++b) {
+      const int first = 16 * i + 4 * b;
+      w[b] = pack_codes4(p[first / kVec], first % kVec, d);
+    }
+    if (kVecStores) {
+      reinterpret_cast<uint4*>(out)[i] = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) reinterpret_cast<uint32_t*>(out)[4 * i + b] = w[b];
+    }
   }
-  *reinterpret_cast<uint32_t*>(q + r * q_stride + col) = packed;
-  if (lane == 0) scale[g * scale_stride + r] = s;
+  if (threadIdx.x % 4 == 0) scale[g * scale_stride + r] = d.s;
 }
 
 // One block per row: the row's largest magnitude by a block reduction, then the values again
@@ -100,94 +149,101 @@ __global__ void quantize_rows_kernel(const T* x, int64_t rows, int64_t k, int64_
   if (threadIdx.x == 0) scale[r] = s;
 }
 
-// One 128x128 tile of x per block of 256 threads, each holding an 8x8 sub-block: rows 8 (t % 16)
-// .. + 7 and columns 8 (t / 16) .. + 7 of the tile, read as one 16-byte vector per row where the
-// layout allows (kVec = 8 two-byte values; else value by value). The scale is the tile's (kTile,
-// kTileTransposed: a block reduction) or each column's (kColumnsTransposed: over the thread's 8
-// rows, then the 16 lanes that share the columns). A thread writes its codes from registers: 8
-// bytes of an output row each, which the 16 lanes of a half warp make one 128-byte row of the
-// transposed output (or 16-byte pieces of 16 rows of the tile's own layout). No shared tile.
-template <class T, bool kVecLoads>
-__global__ void quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride, int mode, uint8_t* q,
-                                      int64_t q_stride, float* scale, int64_t scale_stride) {
-  constexpr int kSub = 8;
-  __shared__ float warp_amax[8];
-  const int t = threadIdx.x, rb = t % 16, cb = t / 16;
+// One 128x128 tile of x per block of 256 threads. Each thread loads kPasses 16-byte vectors
+// (kVecLoads; else value by value), a tile row read by 128 / kVec threads together. kTile keeps
+// them in registers and writes their codes in the same layout (a half warp writes 128 contiguous
+// bytes of a row). The transposed modes stage the tile in shared memory (conflict-free: a warp
+// reads 32 consecutive columns of one row), then thread (c, h) reads column c's rows 64h .. 64h
+// + 63 and writes them as 64 contiguous codes of output row c (16-byte stores where q's rows are
+// 16-byte aligned: `wide`). The scale is the tile's (a block reduction) or each column's
+// (kColumnsTransposed: the two halves' maxima through shared memory). Dynamic shared memory: the
+// tile, 128 x 128 values of T (transposed modes only).
+template <class T, bool kVecLoads, int kMode>
+__global__ void __launch_bounds__(256, 3) quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride,
+                                                                uint8_t* q, int64_t q_stride, bool wide, float* scale,
+                                                                int64_t scale_stride) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kRowThreads = kGroup / kVec;       // threads that load one tile row
+  constexpr int kRowsPerPass = 256 / kRowThreads;  // tile rows loaded per pass
+  constexpr int kPasses = kGroup / kRowsPerPass;   // vectors per thread
+  const int t = threadIdx.x;
   const int64_t tr = blockIdx.y, tc = blockIdx.x;  // the tile's row and column
-  const int64_t row0 = tr * kGroup + rb * kSub, col0 = tc * kGroup + cb * kSub;
-  float v[kSub][kSub];  // [row][column] of the sub-block
+  const int lr = t / kRowThreads, lc = (t % kRowThreads) * kVec;
+  const int64_t col = tc * kGroup + lc;
+  const T* src = x + (tr * kGroup + lr) * x_stride + col;
+  Pack<T, kVec> p[kPasses];
 #pragma unroll
-  for (int i = 0; i < kSub; ++i) {
-    const int64_t row = row0 + i;
-    if (kVecLoads && row < rows && col0 + kSub <= cols) {
-      const Pack<T, kSub> p = *reinterpret_cast<const Pack<T, kSub>*>(x + row * x_stride + col0);
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) v[i][j] = to_f(p.v[j]);
+  for (int i = 0; i < kPasses; ++i) {
+    const int64_t row = tr * kGroup + i * kRowsPerPass + lr;
+    if (kVecLoads && row < rows && col + kVec <= cols) {
+      p[i] = *reinterpret_cast<const Pack<T, kVec>*>(src + i * kRowsPerPass * x_stride);
     } else {
 #pragma unroll
-      for (int j = 0; j < kSub; ++j) v[i][j] = row < rows && col0 + j < cols ? to_f(x[row * x_stride + col0 + j]) : 0.f;
+      for (int j = 0; j < kVec; ++j)
+        p[i].v[j] = row < rows && col + j < cols ? src[i * kRowsPerPass * x_stride + j] : from_f<T>(0.f);
     }
   }
-  float s_col[kSub];  // the scale of each of the thread's columns
-  if (mode == kColumnsTransposed) {
+  float amax = 0.f;
+  if constexpr (kMode != kColumnsTransposed) {
 #pragma unroll
-    for (int j = 0; j < kSub; ++j) {
-      float a = 0.f;
+    for (int i = 0; i < kPasses; ++i) amax = fmaxf(amax, pack_amax(p[i]));
+  }
+  if constexpr (kMode == kTile) {
+    const Fp8Divider d(fp8_scale(block_max(amax)));
+    uint8_t* out = q + (tr * kGroup + lr) * q_stride + col;
 #pragma unroll
-      for (int i = 0; i < kSub; ++i) a = fmaxf(a, fabsf(v[i][j]));
-#pragma unroll
-      for (int off = 1; off < 16; off *= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, off));  // the 16 row blocks
-      s_col[j] = a > 0.f ? a / 448.f : 1.f;  // IEEE division, as ATen's
+    for (int i = 0; i < kPasses; ++i) {
+      uint8_t* o = out + i * kRowsPerPass * q_stride;
+      if constexpr (kVec == 8)
+        *reinterpret_cast<uint2*>(o) = make_uint2(pack_codes4(p[i], 0, d), pack_codes4(p[i], 4, d));
+      else
+        *reinterpret_cast<uint32_t*>(o) = pack_codes4(p[i], 0, d);
     }
+    if (t == 0) scale[tr * scale_stride + tc] = d.s;
   } else {
-    float a = 0.f;
+    extern __shared__ __align__(16) unsigned char tile_bytes[];
+    __shared__ float col_max[2][kGroup];
+    T* tile = reinterpret_cast<T*>(tile_bytes);  // [kGroup][kGroup]
 #pragma unroll
-    for (int i = 0; i < kSub; ++i)
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) a = fmaxf(a, fabsf(v[i][j]));
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, off));
-    if (t % 32 == 0) warp_amax[t / 32] = a;
+    for (int i = 0; i < kPasses; ++i)
+      *reinterpret_cast<Pack<T, kVec>*>(tile + (i * kRowsPerPass + lr) * kGroup + lc) = p[i];
     __syncthreads();
-    a = warp_amax[0];
+    const int c = t % kGroup, h = t / kGroup;  // the thread's column and half of the rows
+    const T* column = tile + h * (kGroup / 2) * kGroup + c;
+    float s;
+    if constexpr (kMode == kColumnsTransposed) {
+      float a = 0.f;
+#pragma unroll 16
+      for (int i = 0; i < kGroup / 2; ++i) a = fmaxf(a, fabsf(to_f(column[i * kGroup])));
+      col_max[h][c] = a;
+      __syncthreads();
+      s = fp8_scale(fmaxf(col_max[0][c], col_max[1][c]));
+    } else {
+      s = fp8_scale(block_max(amax));
+    }
+    const Fp8Divider d(s);
+    // 64 codes: four 16-byte stores where q allows them (`wide`), else eight of 8 bytes.
+    uint8_t* out = q + (tc * kGroup + c) * q_stride + tr * kGroup + h * (kGroup / 2);
+#pragma unroll 1
+    for (int w = 0; w < kGroup / 2 / 16; ++w) {
+      uint32_t packed[4];
 #pragma unroll
-    for (int w = 1; w < 8; ++w) a = fmaxf(a, warp_amax[w]);
-    const float s = a > 0.f ? a / 448.f : 1.f;
+      for (int b = 0; b < 4; ++b) {
+        packed[b] = 0;
 #pragma unroll
-    for (int j = 0; j < kSub; ++j) s_col[j] = s;
-  }
-  if (mode == kTile) {
-    // Row i of the sub-block: 8 codes at q[row0 + i][col0 ..].
-#pragma unroll
-    for (int i = 0; i < kSub; ++i) {
-      uint2 packed = make_uint2(0, 0);
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        const uint32_t code = __nv_cvt_float_to_fp8(v[i][j] / s_col[j], __NV_SATFINITE, __NV_E4M3);
-        if (j < 4) packed.x |= code << (8 * j);
-        else packed.y |= code << (8 * (j - 4));
+        for (int j = 0; j < 4; ++j)
+          packed[b] |= static_cast<uint32_t>(d.code(to_f(column[(16 * w + 4 * b + j) * kGroup]))) << (8 * j);
       }
-      *reinterpret_cast<uint2*>(q + (row0 + i) * q_stride + col0) = packed;
+      if (wide) {
+        reinterpret_cast<uint4*>(out)[w] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      } else {
+        reinterpret_cast<uint2*>(out)[2 * w] = make_uint2(packed[0], packed[1]);
+        reinterpret_cast<uint2*>(out)[2 * w + 1] = make_uint2(packed[2], packed[3]);
+      }
     }
-    if (t == 0) scale[tr * scale_stride + tc] = s_col[0];
-    return;
+    if (kMode == kTileTransposed && t == 0) scale[tc * scale_stride + tr] = s;
+    if (kMode == kColumnsTransposed && h == 0) scale[tr * scale_stride + tc * kGroup + c] = s;
   }
-  // Transposed: column j of the sub-block is 8 codes of output row col0 + j, at its columns row0 ...
-#pragma unroll
-  for (int j = 0; j < kSub; ++j) {
-    uint2 packed = make_uint2(0, 0);
-#pragma unroll
-    for (int i = 0; i < kSub; ++i) {
-      const uint32_t code = __nv_cvt_float_to_fp8(v[i][j] / s_col[j], __NV_SATFINITE, __NV_E4M3);
-      if (i < 4) packed.x |= code << (8 * i);
-      else packed.y |= code << (8 * (i - 4));
-    }
-    *reinterpret_cast<uint2*>(q + (col0 + j) * q_stride + row0) = packed;
-  }
-  if (mode == kTileTransposed && t == 0) scale[tc * scale_stride + tr] = s_col[0];
-  if (mode == kColumnsTransposed && rb == 0)
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) scale[tr * scale_stride + col0 + j] = s_col[j];
 }
 
 // Per-tensor scaling, pass 1: each block's largest magnitude over the vectors of kVec values it
@@ -295,16 +351,26 @@ void quantize_groups_fp8(DType dtype, const void* x, int64_t rows, int64_t padde
       reinterpret_cast<uintptr_t>(q) % 4 != 0 || padded_rows < rows || scale_stride < padded_rows)
     throw std::invalid_argument("quantize_groups_fp8: q must hold whole groups in 4-byte aligned rows, and the "
                                 "scales every padded row");
-  const int64_t warps = padded_rows * groups;
-  if (warps == 0) return;
-  const int threads = 256;
-  const auto blocks = static_cast<unsigned>((warps * 32 + threads - 1) / threads);
+  if (groups > 65535)
+    throw std::invalid_argument("quantize_groups_fp8: " + std::to_string(groups) +
+                                " groups of 128 a row; at most 65535 (8,388,480 features)");
+  if (padded_rows == 0 || groups == 0) return;
+  const dim3 grid(static_cast<unsigned>((padded_rows + kGroupRowsPerBlock - 1) / kGroupRowsPerBlock),
+                  static_cast<unsigned>(groups));
   const auto s = static_cast<cudaStream_t>(stream);
+  const bool wide = q_stride % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0;
   with_dtype(dtype, [&](auto type) {
     using T = typename decltype(type)::type;
-    quantize_groups_kernel<T><<<blocks, threads, 0, s>>>(static_cast<const T*>(x), rows, padded_rows, k, x_stride,
-                                                         static_cast<uint8_t*>(q), q_stride, groups, scale,
-                                                         scale_stride);
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = k % kVec == 0 && x_stride % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    const auto launch = [&](auto kernel) {
+      kernel<<<grid, 256, 0, s>>>(static_cast<const T*>(x), rows, padded_rows, k, x_stride, static_cast<uint8_t*>(q),
+                                  q_stride, scale, scale_stride);
+    };
+    if (vec && wide) launch(quantize_groups_kernel<T, true, true>);
+    else if (vec) launch(quantize_groups_kernel<T, true, false>);
+    else if (wide) launch(quantize_groups_kernel<T, false, true>);
+    else launch(quantize_groups_kernel<T, false, false>);
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 quantize kernel launch: ") + cudaGetErrorString(err));
@@ -328,20 +394,27 @@ void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, 
   const auto s = static_cast<cudaStream_t>(stream);
   if (q_stride % 8 != 0 || reinterpret_cast<uintptr_t>(q) % 8 != 0)
     throw std::invalid_argument("quantize_tiles_fp8: q's rows must be 8-byte aligned");
+  const bool wide = q_stride % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0;
   with_dtype(dtype, [&](auto type) {
     using T = typename decltype(type)::type;
-    constexpr int kSub = 8;
-    // One 16-byte load per sub-block row: 8 values of two bytes, rows that start 16-byte aligned.
-    const bool vec = sizeof(T) == 2 && cols % kSub == 0 && x_stride % kSub == 0 &&
-                     reinterpret_cast<uintptr_t>(x) % 16 == 0;
-    if (vec)
-      quantize_tiles_kernel<T, true><<<grid, 256, 0, s>>>(static_cast<const T*>(x), rows, cols, x_stride,
-                                                          static_cast<int>(mode), static_cast<uint8_t*>(q), q_stride,
-                                                          scale, scale_stride);
-    else
-      quantize_tiles_kernel<T, false><<<grid, 256, 0, s>>>(static_cast<const T*>(x), rows, cols, x_stride,
-                                                           static_cast<int>(mode), static_cast<uint8_t*>(q), q_stride,
-                                                           scale, scale_stride);
+    constexpr int kVec = 16 / sizeof(T);
+    // The transposed modes stage the tile in shared memory: 32 KiB of two-byte values, 64 KiB of
+    // fp32 (above the default 48 KiB: reserved once per device).
+    const int tile_bytes = transposed ? kGroup * kGroup * static_cast<int>(sizeof(T)) : 0;
+    const bool vec = cols % kVec == 0 && x_stride % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    const auto launch = [&](auto kernel, bool (&reserved)[64]) {
+      if (sizeof(T) > 2 && transposed) reserve_shared_memory(kernel, tile_bytes, reserved, "quantize_tiles_fp8");
+      kernel<<<grid, 256, tile_bytes, s>>>(static_cast<const T*>(x), rows, cols, x_stride, static_cast<uint8_t*>(q),
+                                           q_stride, wide, scale, scale_stride);
+    };
+    static bool reserved[2][3][64] = {};  // by vec, mode and device
+    bool(&done)[64] = reserved[vec][static_cast<int>(mode)];
+    if (vec && mode == Fp8Tiles::kTile) launch(quantize_tiles_kernel<T, true, kTile>, done);
+    if (vec && mode == Fp8Tiles::kTileTransposed) launch(quantize_tiles_kernel<T, true, kTileTransposed>, done);
+    if (vec && mode == Fp8Tiles::kColumnsTransposed) launch(quantize_tiles_kernel<T, true, kColumnsTransposed>, done);
+    if (!vec && mode == Fp8Tiles::kTile) launch(quantize_tiles_kernel<T, false, kTile>, done);
+    if (!vec && mode == Fp8Tiles::kTileTransposed) launch(quantize_tiles_kernel<T, false, kTileTransposed>, done);
+    if (!vec && mode == Fp8Tiles::kColumnsTransposed) launch(quantize_tiles_kernel<T, false, kColumnsTransposed>, done);
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 tile quantize kernel launch: ") + cudaGetErrorString(err));

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "model/fp8_quotient.h"
+
 namespace tiller::model::cuda {
 
 // amax / 448 by IEEE division (as ATen's), 1 for a block of zeros (whatever its scale, it stays zeros).
@@ -16,6 +18,20 @@ __device__ __forceinline__ float fp8_scale(float amax) { return amax > 0.f ? ama
 __device__ __forceinline__ uint8_t fp8_code(float v, float s) {
   return __nv_cvt_float_to_fp8(v / s, __NV_SATFINITE, __NV_E4M3);
 }
+
+// fp8_code(v, s) for the many values one scale divides, through s's reciprocal where
+// fp8_quotient.h shows it equal to the division (the same codes, a fraction of the instructions).
+struct Fp8Divider {
+  float s, r;
+  bool reciprocal;
+  __device__ explicit Fp8Divider(float scale)
+      : s(scale), r(1.f / scale), reciprocal(scale >= fp8::kQuotientMinScale && scale <= fp8::kQuotientMaxScale) {}
+  __device__ __forceinline__ uint8_t code(float v) const {
+    // An infinite v makes the scale infinite, outside the range: it divides outright.
+    const float q = reciprocal ? fp8::quotient_by_reciprocal(v, s, r) : v / s;
+    return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+  }
+};
 
 // The largest of a block's values of `v` (every thread's), in every thread; blockDim.x a multiple of
 // 32, at most 1024. A maximum is exact, so the order of the reduction does not matter.

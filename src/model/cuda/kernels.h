@@ -63,7 +63,8 @@ void scale_rows(DType dtype, void* y, int64_t rows, int64_t n, int64_t y_stride,
 // for a group of zeros), q[r * q_stride + j] = e4m3(x / s) as torch's float8_e4m3fn cast rounds it
 // (nearest even, saturating at 448), zeros for the padding columns [k, groups * 128) and padding
 // rows [rows, padded_rows) (scale 1), and scale[g * scale_stride + r] = s (group-major: the layout
-// of cuBLASLt's 1x128 scales). q is byte storage. Math in fp32.
+// of cuBLASLt's 1x128 scales). q is byte storage. Math in fp32. At most 65,535 groups (8.4M
+// features) a row.
 void quantize_groups_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
                          void* q, int64_t q_stride, int64_t groups, float* scale, int64_t scale_stride, void* stream);
 
