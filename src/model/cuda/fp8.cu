@@ -149,100 +149,127 @@ __global__ void quantize_rows_kernel(const T* x, int64_t rows, int64_t k, int64_
   if (threadIdx.x == 0) scale[r] = s;
 }
 
-// One 128x128 tile of x per block of 256 threads. Each thread loads kPasses 16-byte vectors
-// (kVecLoads; else value by value), a tile row read by 128 / kVec threads together. kTile keeps
-// them in registers and writes their codes in the same layout (a half warp writes 128 contiguous
-// bytes of a row). The transposed modes stage the tile in shared memory (conflict-free: a warp
-// reads 32 consecutive columns of one row), then thread (c, h) reads column c's rows 64h .. 64h
-// + 63 and writes them as 64 contiguous codes of output row c (16-byte stores where q's rows are
-// 16-byte aligned: `wide`). The scale is the tile's (a block reduction) or each column's
-// (kColumnsTransposed: the two halves' maxima through shared memory). Dynamic shared memory: the
-// tile, 128 x 128 values of T (transposed modes only).
-template <class T, bool kVecLoads, int kMode>
-__global__ void __launch_bounds__(256, 3) quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride,
-                                                                uint8_t* q, int64_t q_stride, bool wide, float* scale,
-                                                                int64_t scale_stride) {
+// 16-byte copies global -> shared that run while the block computes (cp.async, bypassing L1);
+// `valid` false zero-fills the 16 bytes without reading.
+__device__ __forceinline__ void copy_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until all but the most recent group of copies have landed.
+__device__ __forceinline__ void copy_async_wait_previous() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+// 128x128 tiles of x, each block looping over tiles id = blockIdx.x, + gridDim.x, ... (tile row
+// id / tiles_c, column id % tiles_c) with two tile buffers in shared memory: the next tile's
+// 16-byte copies (kAsync: rows whose vectors are whole and aligned; else values loaded one by one)
+// land while the current one is quantized. A tile row is copied by 128 / kVec threads, 16 (bf16) or
+// 8 (fp32) rows a pass. kTile reads the tile back in the same layout (conflict-free 16-byte reads)
+// and writes codes in x's layout; the transposed modes read columns (a warp reads 32 consecutive
+// values of a row) and thread (c, h) writes column c's rows 64h .. 64h + 63 as 64 contiguous codes
+// of output row c (16-byte stores where q's rows are 16-byte aligned: `wide`). The scale is the
+// tile's (a block reduction) or each column's (kColumnsTransposed: the two halves' maxima through
+// shared memory). Dynamic shared memory: 2 x 128 x 128 values of T.
+template <class T, bool kAsync, int kMode>
+__global__ void __launch_bounds__(256) quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride,
+                                                             int64_t tiles_c, int64_t tiles, uint8_t* q,
+                                                             int64_t q_stride, bool wide, float* scale,
+                                                             int64_t scale_stride) {
   constexpr int kVec = 16 / sizeof(T);
-  constexpr int kRowThreads = kGroup / kVec;       // threads that load one tile row
-  constexpr int kRowsPerPass = 256 / kRowThreads;  // tile rows loaded per pass
+  constexpr int kRowThreads = kGroup / kVec;       // threads that copy one tile row
+  constexpr int kRowsPerPass = 256 / kRowThreads;  // tile rows copied per pass
   constexpr int kPasses = kGroup / kRowsPerPass;   // vectors per thread
-  const int t = threadIdx.x;
-  const int64_t tr = blockIdx.y, tc = blockIdx.x;  // the tile's row and column
-  const int lr = t / kRowThreads, lc = (t % kRowThreads) * kVec;
-  const int64_t col = tc * kGroup + lc;
-  const T* src = x + (tr * kGroup + lr) * x_stride + col;
-  Pack<T, kVec> p[kPasses];
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int64_t row = tr * kGroup + i * kRowsPerPass + lr;
-    if (kVecLoads && row < rows && col + kVec <= cols) {
-      p[i] = *reinterpret_cast<const Pack<T, kVec>*>(src + i * kRowsPerPass * x_stride);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j)
-        p[i].v[j] = row < rows && col + j < cols ? src[i * kRowsPerPass * x_stride + j] : from_f<T>(0.f);
-    }
-  }
-  float amax = 0.f;
-  if constexpr (kMode != kColumnsTransposed) {
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) amax = fmaxf(amax, pack_amax(p[i]));
-  }
-  if constexpr (kMode == kTile) {
-    const Fp8Divider d(fp8_scale(block_max(amax)));
-    uint8_t* out = q + (tr * kGroup + lr) * q_stride + col;
+  extern __shared__ __align__(16) unsigned char tile_bytes[];
+  __shared__ float col_max[2][kGroup];
+  const int t = threadIdx.x, lr = t / kRowThreads, lc = (t % kRowThreads) * kVec;
+  T* const buffers = reinterpret_cast<T*>(tile_bytes);  // [2][kGroup][kGroup]
+
+  const auto load = [&](int64_t id, T* dst) {
+    const int64_t tr = id / tiles_c, tc = id % tiles_c;
+    const int64_t col = tc * kGroup + lc;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      uint8_t* o = out + i * kRowsPerPass * q_stride;
-      if constexpr (kVec == 8)
-        *reinterpret_cast<uint2*>(o) = make_uint2(pack_codes4(p[i], 0, d), pack_codes4(p[i], 4, d));
-      else
-        *reinterpret_cast<uint32_t*>(o) = pack_codes4(p[i], 0, d);
+      const int rr = i * kRowsPerPass + lr;
+      const int64_t row = tr * kGroup + rr;
+      T* d = dst + rr * kGroup + lc;
+      if constexpr (kAsync) {
+        const bool in = row < rows && col < cols;  // cols % kVec == 0: a vector is wholly in or out
+        copy_async16(d, in ? x + row * x_stride + col : x, in);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) d[j] = row < rows && col + j < cols ? x[row * x_stride + col + j] : from_f<T>(0.f);
+      }
     }
-    if (t == 0) scale[tr * scale_stride + tc] = d.s;
-  } else {
-    extern __shared__ __align__(16) unsigned char tile_bytes[];
-    __shared__ float col_max[2][kGroup];
-    T* tile = reinterpret_cast<T*>(tile_bytes);  // [kGroup][kGroup]
+    if constexpr (kAsync) copy_async_commit();
+  };
+  // The largest magnitude of the thread's vectors of the tile (the layout they were copied in).
+  const auto vectors_amax = [&](const T* tile) {
+    float a = 0.f;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i)
-      *reinterpret_cast<Pack<T, kVec>*>(tile + (i * kRowsPerPass + lr) * kGroup + lc) = p[i];
+      a = fmaxf(a, pack_amax(*reinterpret_cast<const Pack<T, kVec>*>(tile + (i * kRowsPerPass + lr) * kGroup + lc)));
+    return a;
+  };
+
+  int64_t id = blockIdx.x;
+  if (id < tiles) load(id, buffers);
+  for (int it = 0; id < tiles; id += gridDim.x, ++it) {
+    const T* tile = buffers + (it & 1) * kGroup * kGroup;
+    const int64_t tr = id / tiles_c, tc = id % tiles_c;
+    if (id + gridDim.x < tiles) load(id + gridDim.x, buffers + ((it + 1) & 1) * kGroup * kGroup);
+    else if (kAsync) copy_async_commit();  // an empty group: the wait below still means this tile
+    if constexpr (kAsync) copy_async_wait_previous();
     __syncthreads();
-    const int c = t % kGroup, h = t / kGroup;  // the thread's column and half of the rows
-    const T* column = tile + h * (kGroup / 2) * kGroup + c;
-    float s;
-    if constexpr (kMode == kColumnsTransposed) {
-      float a = 0.f;
-#pragma unroll 16
-      for (int i = 0; i < kGroup / 2; ++i) a = fmaxf(a, fabsf(to_f(column[i * kGroup])));
-      col_max[h][c] = a;
-      __syncthreads();
-      s = fp8_scale(fmaxf(col_max[0][c], col_max[1][c]));
+    if constexpr (kMode == kTile) {
+      const Fp8Divider d(fp8_scale(block_max(vectors_amax(tile))));
+      uint8_t* out = q + (tr * kGroup + lr) * q_stride + tc * kGroup + lc;
+#pragma unroll
+      for (int i = 0; i < kPasses; ++i) {
+        const auto& p = *reinterpret_cast<const Pack<T, kVec>*>(tile + (i * kRowsPerPass + lr) * kGroup + lc);
+        uint8_t* o = out + i * kRowsPerPass * q_stride;
+        if constexpr (kVec == 8)
+          *reinterpret_cast<uint2*>(o) = make_uint2(pack_codes4(p, 0, d), pack_codes4(p, 4, d));
+        else
+          *reinterpret_cast<uint32_t*>(o) = pack_codes4(p, 0, d);
+      }
+      if (t == 0) scale[tr * scale_stride + tc] = d.s;
     } else {
-      s = fp8_scale(block_max(amax));
-    }
-    const Fp8Divider d(s);
-    // 64 codes: four 16-byte stores where q allows them (`wide`), else eight of 8 bytes.
-    uint8_t* out = q + (tc * kGroup + c) * q_stride + tr * kGroup + h * (kGroup / 2);
-#pragma unroll 1
-    for (int w = 0; w < kGroup / 2 / 16; ++w) {
-      uint32_t packed[4];
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        packed[b] = 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          packed[b] |= static_cast<uint32_t>(d.code(to_f(column[(16 * w + 4 * b + j) * kGroup]))) << (8 * j);
-      }
-      if (wide) {
-        reinterpret_cast<uint4*>(out)[w] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      const int c = t % kGroup, h = t / kGroup;  // the thread's column and half of the rows
+      const T* column = tile + h * (kGroup / 2) * kGroup + c;
+      float s;
+      if constexpr (kMode == kColumnsTransposed) {
+        float a = 0.f;
+#pragma unroll 16
+        for (int i = 0; i < kGroup / 2; ++i) a = fmaxf(a, fabsf(to_f(column[i * kGroup])));
+        col_max[h][c] = a;
+        __syncthreads();
+        s = fp8_scale(fmaxf(col_max[0][c], col_max[1][c]));
       } else {
-        reinterpret_cast<uint2*>(out)[2 * w] = make_uint2(packed[0], packed[1]);
-        reinterpret_cast<uint2*>(out)[2 * w + 1] = make_uint2(packed[2], packed[3]);
+        s = fp8_scale(block_max(vectors_amax(tile)));
       }
+      const Fp8Divider d(s);
+      // 64 codes: four 16-byte stores where q allows them (`wide`), else eight of 8 bytes.
+      uint8_t* out = q + (tc * kGroup + c) * q_stride + tr * kGroup + h * (kGroup / 2);
+#pragma unroll 1
+      for (int w = 0; w < kGroup / 2 / 16; ++w) {
+        uint32_t packed[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          packed[b] = 0;
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            packed[b] |= static_cast<uint32_t>(d.code(to_f(column[(16 * w + 4 * b + j) * kGroup]))) << (8 * j);
+        }
+        if (wide) {
+          reinterpret_cast<uint4*>(out)[w] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        } else {
+          reinterpret_cast<uint2*>(out)[2 * w] = make_uint2(packed[0], packed[1]);
+          reinterpret_cast<uint2*>(out)[2 * w + 1] = make_uint2(packed[2], packed[3]);
+        }
+      }
+      if (kMode == kTileTransposed && t == 0) scale[tc * scale_stride + tr] = s;
+      if (kMode == kColumnsTransposed && h == 0) scale[tr * scale_stride + tc * kGroup + c] = s;
     }
-    if (kMode == kTileTransposed && t == 0) scale[tc * scale_stride + tr] = s;
-    if (kMode == kColumnsTransposed && h == 0) scale[tr * scale_stride + tc * kGroup + c] = s;
+    __syncthreads();  // the tile's buffer takes the copies of two tiles on
   }
 }
 
@@ -390,31 +417,39 @@ void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, 
     throw std::invalid_argument("quantize_tiles_fp8: the padded extents must be whole tiles that q (4-byte aligned "
                                 "rows) and the scales hold");
   if (tiles_r == 0 || tiles_c == 0) return;
-  const dim3 grid(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r));
   const auto s = static_cast<cudaStream_t>(stream);
   if (q_stride % 8 != 0 || reinterpret_cast<uintptr_t>(q) % 8 != 0)
     throw std::invalid_argument("quantize_tiles_fp8: q's rows must be 8-byte aligned");
   const bool wide = q_stride % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0;
+  const int64_t tiles = tiles_r * tiles_c;
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
+    throw std::runtime_error("quantize_tiles_fp8: cannot read the device's multiprocessor count");
   with_dtype(dtype, [&](auto type) {
     using T = typename decltype(type)::type;
     constexpr int kVec = 16 / sizeof(T);
-    // The transposed modes stage the tile in shared memory: 32 KiB of two-byte values, 64 KiB of
-    // fp32 (above the default 48 KiB: reserved once per device).
-    const int tile_bytes = transposed ? kGroup * kGroup * static_cast<int>(sizeof(T)) : 0;
-    const bool vec = cols % kVec == 0 && x_stride % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    // Two tile buffers: 64 KiB of two-byte values, 128 KiB of fp32 (above the default 48 KiB:
+    // reserved once per device). The grid: as many blocks as fit at once, each looping over tiles.
+    const int tile_bytes = 2 * kGroup * kGroup * static_cast<int>(sizeof(T));
+    const bool async = cols % kVec == 0 && x_stride % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
     const auto launch = [&](auto kernel, bool (&reserved)[64]) {
-      if (sizeof(T) > 2 && transposed) reserve_shared_memory(kernel, tile_bytes, reserved, "quantize_tiles_fp8");
-      kernel<<<grid, 256, tile_bytes, s>>>(static_cast<const T*>(x), rows, cols, x_stride, static_cast<uint8_t*>(q),
-                                           q_stride, wide, scale, scale_stride);
+      reserve_shared_memory(kernel, tile_bytes, reserved, "quantize_tiles_fp8");
+      int per_sm = 0;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, tile_bytes) != cudaSuccess || per_sm <= 0)
+        throw std::runtime_error("quantize_tiles_fp8: no block of the tile kernel fits a multiprocessor");
+      const auto blocks = static_cast<unsigned>(std::min<int64_t>(tiles, static_cast<int64_t>(per_sm) * sms));
+      kernel<<<blocks, 256, tile_bytes, s>>>(static_cast<const T*>(x), rows, cols, x_stride, tiles_c, tiles,
+                                             static_cast<uint8_t*>(q), q_stride, wide, scale, scale_stride);
     };
-    static bool reserved[2][3][64] = {};  // by vec, mode and device
-    bool(&done)[64] = reserved[vec][static_cast<int>(mode)];
-    if (vec && mode == Fp8Tiles::kTile) launch(quantize_tiles_kernel<T, true, kTile>, done);
-    if (vec && mode == Fp8Tiles::kTileTransposed) launch(quantize_tiles_kernel<T, true, kTileTransposed>, done);
-    if (vec && mode == Fp8Tiles::kColumnsTransposed) launch(quantize_tiles_kernel<T, true, kColumnsTransposed>, done);
-    if (!vec && mode == Fp8Tiles::kTile) launch(quantize_tiles_kernel<T, false, kTile>, done);
-    if (!vec && mode == Fp8Tiles::kTileTransposed) launch(quantize_tiles_kernel<T, false, kTileTransposed>, done);
-    if (!vec && mode == Fp8Tiles::kColumnsTransposed) launch(quantize_tiles_kernel<T, false, kColumnsTransposed>, done);
+    static bool reserved[2][3][64] = {};  // by async, mode and device
+    bool(&done)[64] = reserved[async][static_cast<int>(mode)];
+    if (async && mode == Fp8Tiles::kTile) launch(quantize_tiles_kernel<T, true, kTile>, done);
+    if (async && mode == Fp8Tiles::kTileTransposed) launch(quantize_tiles_kernel<T, true, kTileTransposed>, done);
+    if (async && mode == Fp8Tiles::kColumnsTransposed) launch(quantize_tiles_kernel<T, true, kColumnsTransposed>, done);
+    if (!async && mode == Fp8Tiles::kTile) launch(quantize_tiles_kernel<T, false, kTile>, done);
+    if (!async && mode == Fp8Tiles::kTileTransposed) launch(quantize_tiles_kernel<T, false, kTileTransposed>, done);
+    if (!async && mode == Fp8Tiles::kColumnsTransposed) launch(quantize_tiles_kernel<T, false, kColumnsTransposed>, done);
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 tile quantize kernel launch: ") + cudaGetErrorString(err));
