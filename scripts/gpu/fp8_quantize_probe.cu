@@ -1,7 +1,8 @@
 // FP8 training's quantization kernels alone (src/model/cuda/fp8.cu: quantize_groups_fp8 and
 // quantize_tiles_fp8) at the 7B step's shapes: microseconds and GB/s a launch, and a hash of every
 // output, so that two builds of fp8.cu (e.g. HEAD's and the working tree's) can be compared bit for
-// bit; and Fp8Divider (fp8_codes.cuh) against the division over every pair of bf16 values.
+// bit; and Fp8Divider (fp8_codes.cuh) against the division over every pair of bf16 values, with one
+// correction and with two.
 //   nvcc -std=c++17 -O2 -arch=sm_90 -I src -o probe scripts/gpu/fp8_quantize_probe.cu src/model/cuda/fp8.cu
 //   ./probe            # one line per case: name, us, GB/s, hash
 #include <cuda_bf16.h>
@@ -150,9 +151,11 @@ __global__ void divider_check(unsigned long long* code_diff, unsigned long long*
     if (!(fabsf(v) <= amax)) continue;
     ++n;
     const float exact = v / s;
-    if (d.code(v) != __nv_cvt_float_to_fp8(exact, __NV_SATFINITE, __NV_E4M3)) ++cd;
+    const uint8_t want = __nv_cvt_float_to_fp8(exact, __NV_SATFINITE, __NV_E4M3);
+    if (d.code<1>(v) != want || d.code<2>(v) != want || (d.code2<1>(v, -v) & 0xFF) != want) ++cd;
     if (d.reciprocal && fabsf(v) >= 0x1p-100f && fabsf(exact) >= 0x1p-100f &&
-        __float_as_uint(tiller::model::fp8::quotient_by_reciprocal(v, s, d.r)) != __float_as_uint(exact))
+        (__float_as_uint(tiller::model::fp8::quotient_by_reciprocal<1>(v, s, d.r)) != __float_as_uint(exact) ||
+         __float_as_uint(tiller::model::fp8::quotient_by_reciprocal<2>(v, s, d.r)) != __float_as_uint(exact)))
       ++qd;
   }
   atomicAdd(code_diff, cd);

@@ -24,10 +24,11 @@ std::vector<float> values(const at::Tensor& t) {
 }
 
 // The quantization kernels divide by a group's scale through its reciprocal (fp8_quotient.h):
-// equal to the division bit for bit, for every bf16 value against every 61st bf16 amax it fits
+// equal to the division bit for bit, with one correction (what two-byte inputs take) and with two
+// (fp32), for every bf16 value and every fp16 value against every 61st amax of its type it fits
 // under (the GPU probe, scripts/gpu/fp8_quantize_probe.cu, and a one-off run here went over all of
-// them, and every fp16 pair); where the claim does not hold, both quotients are below 2^-12 with
-// the value's sign, an e4m3 zero. (Without the corrections, this fails.)
+// them); where the claim does not hold, both quotients are below 2^-12 with the value's sign, an
+// e4m3 zero. (Without the corrections, this fails.)
 TEST(Fp8, TheReciprocalQuotientEqualsTheDivision) {
   const auto from_bits = [](uint32_t u) {
     float f;
@@ -39,29 +40,36 @@ TEST(Fp8, TheReciprocalQuotientEqualsTheDivision) {
     std::memcpy(&u, &f, 4);
     return u;
   };
-  int64_t pairs = 0, exact = 0;
-  for (uint32_t a = 1; a < 0x7f80; a += 61) {
-    const float amax = from_bits(a << 16);
-    const float s = amax / 448.f;
-    if (!(s >= kQuotientMinScale && s <= kQuotientMaxScale)) continue;
-    const float r = 1.f / s;
-    for (uint32_t vb = 0; vb < 0x10000; vb += 1) {
-      const float v = from_bits(vb << 16);
-      if (!(std::fabs(v) <= amax)) continue;
-      ++pairs;
-      const float want = v / s, got = quotient_by_reciprocal(v, s, r);
-      if (bits(got) == bits(want)) {
-        ++exact;
-        continue;
+  const auto bf16 = [&](uint32_t b) { return from_bits(b << 16); };
+  const auto fp16 = [](uint32_t b) { return static_cast<float>(c10::Half(static_cast<uint16_t>(b), c10::Half::from_bits())); };
+  for (const bool half : {false, true}) {
+    const uint32_t finite_end = half ? 0x7c00 : 0x7f80;  // the first infinity's bits
+    int64_t pairs = 0, exact = 0;
+    for (uint32_t a = 1; a < finite_end; a += 61) {
+      const float amax = half ? fp16(a) : bf16(a);
+      const float s = amax / 448.f;
+      if (!(s >= kQuotientMinScale && s <= kQuotientMaxScale)) continue;
+      const float r = 1.f / s;
+      for (uint32_t vb = 0; vb < 0x10000; vb += 1) {
+        const float v = half ? fp16(vb) : bf16(vb);
+        if (!(std::fabs(v) <= amax)) continue;
+        ++pairs;
+        const float want = v / s;
+        for (const float got : {quotient_by_reciprocal<1>(v, s, r), quotient_by_reciprocal<2>(v, s, r)}) {
+          if (bits(got) == bits(want)) {
+            ++exact;
+            continue;
+          }
+          ASSERT_FALSE(std::fabs(v) >= 0x1p-100f && std::fabs(want) >= 0x1p-100f) << "v " << v << " s " << s;
+          ASSERT_LT(std::fabs(got), 0x1p-12f) << "v " << v << " s " << s;
+          ASSERT_LT(std::fabs(want), 0x1p-12f) << "v " << v << " s " << s;
+          ASSERT_EQ(std::signbit(got), std::signbit(v));
+        }
       }
-      ASSERT_FALSE(std::fabs(v) >= 0x1p-100f && std::fabs(want) >= 0x1p-100f) << "v " << v << " s " << s;
-      ASSERT_LT(std::fabs(got), 0x1p-12f) << "v " << v << " s " << s;
-      ASSERT_LT(std::fabs(want), 0x1p-12f) << "v " << v << " s " << s;
-      ASSERT_EQ(std::signbit(got), std::signbit(v));
     }
+    EXPECT_GT(pairs, half ? 5000000 : 10000000);
+    EXPECT_GT(exact, 2 * pairs * 99 / 100);
   }
-  EXPECT_GT(pairs, 10000000);
-  EXPECT_GT(exact, pairs * 99 / 100);
 }
 
 // A block whose largest magnitude is 448 has scale 1, so its values are e4m3's own: round to

@@ -44,10 +44,9 @@ __device__ __forceinline__ float pack_amax(const Pack<T, kVec>& p) {
 // Four codes of a pack's values from `first`, as one 32-bit word (the first in its low byte).
 template <class T, int kVec>
 __device__ __forceinline__ uint32_t pack_codes4(const Pack<T, kVec>& p, int first, const Fp8Divider& d) {
-  uint32_t w = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) w |= static_cast<uint32_t>(d.code(to_f(p.v[first + j]))) << (8 * j);
-  return w;
+  constexpr int kC = kQuotientCorrections<T>;
+  return d.code2<kC>(to_f(p.v[first]), to_f(p.v[first + 1])) |
+         d.code2<kC>(to_f(p.v[first + 2]), to_f(p.v[first + 3])) << 16;
 }
 
 // A block of 256 threads quantizes 64 rows of one group: four threads a row, 32 values each (16-byte
@@ -170,7 +169,7 @@ __device__ __forceinline__ void copy_async_wait_previous() { asm volatile("cp.as
 // tile's (a block reduction) or each column's (kColumnsTransposed: the two halves' maxima through
 // shared memory). Dynamic shared memory: 2 x 128 x 128 values of T.
 template <class T, bool kAsync, int kMode>
-__global__ void __launch_bounds__(256) quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride,
+__global__ void __launch_bounds__(256, 3) quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride,
                                                              int64_t tiles_c, int64_t tiles, uint8_t* q,
                                                              int64_t q_stride, bool wide, float* scale,
                                                              int64_t scale_stride) {
@@ -179,7 +178,7 @@ __global__ void __launch_bounds__(256) quantize_tiles_kernel(const T* x, int64_t
   constexpr int kRowsPerPass = 256 / kRowThreads;  // tile rows copied per pass
   constexpr int kPasses = kGroup / kRowsPerPass;   // vectors per thread
   extern __shared__ __align__(16) unsigned char tile_bytes[];
-  __shared__ float col_max[2][kGroup];
+  __shared__ float col_max[4][kGroup];
   const int t = threadIdx.x, lr = t / kRowThreads, lc = (t % kRowThreads) * kVec;
   T* const buffers = reinterpret_cast<T*>(tile_bytes);  // [2][kGroup][kGroup]
 
@@ -233,41 +232,71 @@ __global__ void __launch_bounds__(256) quantize_tiles_kernel(const T* x, int64_t
       }
       if (t == 0) scale[tr * scale_stride + tc] = d.s;
     } else {
-      const int c = t % kGroup, h = t / kGroup;  // the thread's column and half of the rows
-      const T* column = tile + h * (kGroup / 2) * kGroup + c;
-      float s;
+      // Thread (cp, qr) reads the columns 2cp and 2cp + 1 over the rows 32qr .. 32qr + 31 as pairs
+      // (a warp reads 32 consecutive pairs of a row: conflict-free) and writes them as 32 codes
+      // of output rows 2cp and 2cp + 1.
+      constexpr int kQuarter = kGroup / 4;
+      const int cp = t % (kGroup / 2), qr = t / (kGroup / 2);
+      const T* base = tile + qr * kQuarter * kGroup + 2 * cp;
+      Pack<T, 2> v[kQuarter];
+#pragma unroll
+      for (int i = 0; i < kQuarter; ++i) v[i] = *reinterpret_cast<const Pack<T, 2>*>(base + i * kGroup);
+      float s0, s1;
       if constexpr (kMode == kColumnsTransposed) {
-        float a = 0.f;
-#pragma unroll 16
-        for (int i = 0; i < kGroup / 2; ++i) a = fmaxf(a, fabsf(to_f(column[i * kGroup])));
-        col_max[h][c] = a;
-        __syncthreads();
-        s = fp8_scale(fmaxf(col_max[0][c], col_max[1][c]));
-      } else {
-        s = fp8_scale(block_max(vectors_amax(tile)));
-      }
-      const Fp8Divider d(s);
-      // 64 codes: four 16-byte stores where q allows them (`wide`), else eight of 8 bytes.
-      uint8_t* out = q + (tc * kGroup + c) * q_stride + tr * kGroup + h * (kGroup / 2);
-#pragma unroll 1
-      for (int w = 0; w < kGroup / 2 / 16; ++w) {
-        uint32_t packed[4];
+        float a0 = 0.f, a1 = 0.f;
+        if constexpr (sizeof(T) == 2) {  // pairwise maxima of the packed pairs (as pack_amax)
+          using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+          T2 m = __habs2(*reinterpret_cast<const T2*>(v[0].v));
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          packed[b] = 0;
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            packed[b] |= static_cast<uint32_t>(d.code(to_f(column[(16 * w + 4 * b + j) * kGroup]))) << (8 * j);
-        }
-        if (wide) {
-          reinterpret_cast<uint4*>(out)[w] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+          for (int i = 1; i < kQuarter; ++i) m = __hmax2(m, __habs2(*reinterpret_cast<const T2*>(v[i].v)));
+          a0 = fmaxf(0.f, to_f(m.x));
+          a1 = fmaxf(0.f, to_f(m.y));
         } else {
-          reinterpret_cast<uint2*>(out)[2 * w] = make_uint2(packed[0], packed[1]);
-          reinterpret_cast<uint2*>(out)[2 * w + 1] = make_uint2(packed[2], packed[3]);
+#pragma unroll
+          for (int i = 0; i < kQuarter; ++i) {
+            a0 = fmaxf(a0, fabsf(v[i].v[0]));
+            a1 = fmaxf(a1, fabsf(v[i].v[1]));
+          }
+        }
+        col_max[qr][2 * cp] = a0;
+        col_max[qr][2 * cp + 1] = a1;
+        __syncthreads();
+        s0 = fp8_scale(fmaxf(fmaxf(col_max[0][2 * cp], col_max[1][2 * cp]), fmaxf(col_max[2][2 * cp], col_max[3][2 * cp])));
+        s1 = fp8_scale(fmaxf(fmaxf(col_max[0][2 * cp + 1], col_max[1][2 * cp + 1]),
+                             fmaxf(col_max[2][2 * cp + 1], col_max[3][2 * cp + 1])));
+      } else {
+        s0 = s1 = fp8_scale(block_max(vectors_amax(tile)));
+      }
+      const Fp8Divider d0(s0), d1(s1);
+      constexpr int kC = kQuotientCorrections<T>;
+      uint32_t w0[kQuarter / 4], w1[kQuarter / 4];
+#pragma unroll
+      for (int b = 0; b < kQuarter / 4; ++b) {
+        w0[b] = d0.code2<kC>(to_f(v[4 * b].v[0]), to_f(v[4 * b + 1].v[0])) |
+                d0.code2<kC>(to_f(v[4 * b + 2].v[0]), to_f(v[4 * b + 3].v[0])) << 16;
+        w1[b] = d1.code2<kC>(to_f(v[4 * b].v[1]), to_f(v[4 * b + 1].v[1])) |
+                d1.code2<kC>(to_f(v[4 * b + 2].v[1]), to_f(v[4 * b + 3].v[1])) << 16;
+      }
+      // 32 codes a row: two 16-byte stores where q allows them (`wide`), else four of 8 bytes.
+      uint8_t* out0 = q + (tc * kGroup + 2 * cp) * q_stride + tr * kGroup + qr * kQuarter;
+      uint8_t* out1 = out0 + q_stride;
+#pragma unroll
+      for (int w = 0; w < kQuarter / 16; ++w) {
+        if (wide) {
+          reinterpret_cast<uint4*>(out0)[w] = make_uint4(w0[4 * w], w0[4 * w + 1], w0[4 * w + 2], w0[4 * w + 3]);
+          reinterpret_cast<uint4*>(out1)[w] = make_uint4(w1[4 * w], w1[4 * w + 1], w1[4 * w + 2], w1[4 * w + 3]);
+        } else {
+          reinterpret_cast<uint2*>(out0)[2 * w] = make_uint2(w0[4 * w], w0[4 * w + 1]);
+          reinterpret_cast<uint2*>(out0)[2 * w + 1] = make_uint2(w0[4 * w + 2], w0[4 * w + 3]);
+          reinterpret_cast<uint2*>(out1)[2 * w] = make_uint2(w1[4 * w], w1[4 * w + 1]);
+          reinterpret_cast<uint2*>(out1)[2 * w + 1] = make_uint2(w1[4 * w + 2], w1[4 * w + 3]);
         }
       }
-      if (kMode == kTileTransposed && t == 0) scale[tc * scale_stride + tr] = s;
-      if (kMode == kColumnsTransposed && h == 0) scale[tr * scale_stride + tc * kGroup + c] = s;
+      if (kMode == kTileTransposed && t == 0) scale[tc * scale_stride + tr] = s0;
+      if (kMode == kColumnsTransposed && qr == 0) {
+        scale[tr * scale_stride + tc * kGroup + 2 * cp] = s0;
+        scale[tr * scale_stride + tc * kGroup + 2 * cp + 1] = s1;
+      }
     }
     __syncthreads();  // the tile's buffer takes the copies of two tiles on
   }

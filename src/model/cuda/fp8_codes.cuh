@@ -21,15 +21,29 @@ __device__ __forceinline__ uint8_t fp8_code(float v, float s) {
 
 // fp8_code(v, s) for the many values one scale divides, through s's reciprocal where
 // fp8_quotient.h shows it equal to the division (the same codes, a fraction of the instructions).
+// kCorrections: 1 for values read from two-byte storage (exact for every bf16 and fp16 value), 2
+// for fp32 (kQuotientCorrections<T>).
+template <class T>
+constexpr int kQuotientCorrections = sizeof(T) == 2 ? 1 : 2;
 struct Fp8Divider {
   float s, r;
   bool reciprocal;
   __device__ explicit Fp8Divider(float scale)
       : s(scale), r(1.f / scale), reciprocal(scale >= fp8::kQuotientMinScale && scale <= fp8::kQuotientMaxScale) {}
-  __device__ __forceinline__ uint8_t code(float v) const {
+  template <int kCorrections = 2>
+  __device__ __forceinline__ float quotient(float v) const {
     // An infinite v makes the scale infinite, outside the range: it divides outright.
-    const float q = reciprocal ? fp8::quotient_by_reciprocal(v, s, r) : v / s;
-    return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+    return reciprocal ? fp8::quotient_by_reciprocal<kCorrections>(v, s, r) : v / s;
+  }
+  template <int kCorrections = 2>
+  __device__ __forceinline__ uint8_t code(float v) const {
+    return __nv_cvt_float_to_fp8(quotient<kCorrections>(v), __NV_SATFINITE, __NV_E4M3);
+  }
+  // Two codes in one conversion: a's in the low byte.
+  template <int kCorrections = 2>
+  __device__ __forceinline__ uint32_t code2(float a, float b) const {
+    return __nv_cvt_float2_to_fp8x2(make_float2(quotient<kCorrections>(a), quotient<kCorrections>(b)), __NV_SATFINITE,
+                                    __NV_E4M3);
   }
 };
 
