@@ -41,7 +41,9 @@ TEST(Fp8, TheReciprocalQuotientEqualsTheDivision) {
     return u;
   };
   const auto bf16 = [&](uint32_t b) { return from_bits(b << 16); };
-  const auto fp16 = [](uint32_t b) { return static_cast<float>(c10::Half(static_cast<uint16_t>(b), c10::Half::from_bits())); };
+  const auto fp16 = [](uint32_t b) {
+    return static_cast<float>(c10::Half(static_cast<uint16_t>(b), c10::Half::from_bits()));
+  };
   for (const bool half : {false, true}) {
     const uint32_t finite_end = half ? 0x7c00 : 0x7f80;  // the first infinity's bits
     int64_t pairs = 0, exact = 0;

@@ -1,7 +1,8 @@
 // FP8 (e4m3) quantization of activations per token and group of 128 features (a block per 64
-// rows of a group, four threads a row), per token (one block per row), and of 128x128 tiles (one
-// block per tile: the FP8 training's weights and transposed operands); kernels.h. The training
-// kernels divide by a scale through its reciprocal (Fp8Divider: the same codes as the division).
+// rows of a group, four threads a row), per token (one block per row), and of 128x128 tiles (each
+// block looping over tiles, the next one's copies in flight: the FP8 training's weights and
+// transposed operands); kernels.h. The training kernels divide by a scale through its reciprocal
+// (Fp8Divider: the same codes as the division).
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -163,16 +164,15 @@ __device__ __forceinline__ void copy_async_wait_previous() { asm volatile("cp.as
 // 16-byte copies (kAsync: rows whose vectors are whole and aligned; else values loaded one by one)
 // land while the current one is quantized. A tile row is copied by 128 / kVec threads, 16 (bf16) or
 // 8 (fp32) rows a pass. kTile reads the tile back in the same layout (conflict-free 16-byte reads)
-// and writes codes in x's layout; the transposed modes read columns (a warp reads 32 consecutive
-// values of a row) and thread (c, h) writes column c's rows 64h .. 64h + 63 as 64 contiguous codes
-// of output row c (16-byte stores where q's rows are 16-byte aligned: `wide`). The scale is the
-// tile's (a block reduction) or each column's (kColumnsTransposed: the two halves' maxima through
-// shared memory). Dynamic shared memory: 2 x 128 x 128 values of T.
+// and writes codes in x's layout; the transposed modes read pairs of columns (a warp reads 32
+// consecutive pairs of a row) and write each column's 32 rows of the thread as 32 contiguous codes
+// of its output row (16-byte stores where q's rows are 16-byte aligned: `wide`). The scale is the
+// tile's (a block reduction) or each column's (kColumnsTransposed: the four quarters' maxima
+// through shared memory). Dynamic shared memory: 2 x 128 x 128 values of T.
 template <class T, bool kAsync, int kMode>
-__global__ void __launch_bounds__(256, 3) quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride,
-                                                             int64_t tiles_c, int64_t tiles, uint8_t* q,
-                                                             int64_t q_stride, bool wide, float* scale,
-                                                             int64_t scale_stride) {
+__global__ void __launch_bounds__(256, 3)
+    quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride, int64_t tiles_c, int64_t tiles,
+                          uint8_t* q, int64_t q_stride, bool wide, float* scale, int64_t scale_stride) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kRowThreads = kGroup / kVec;       // threads that copy one tile row
   constexpr int kRowsPerPass = 256 / kRowThreads;  // tile rows copied per pass
@@ -195,7 +195,8 @@ __global__ void __launch_bounds__(256, 3) quantize_tiles_kernel(const T* x, int6
         copy_async16(d, in ? x + row * x_stride + col : x, in);
       } else {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) d[j] = row < rows && col + j < cols ? x[row * x_stride + col + j] : from_f<T>(0.f);
+        for (int j = 0; j < kVec; ++j)
+          d[j] = row < rows && col + j < cols ? x[row * x_stride + col + j] : from_f<T>(0.f);
       }
     }
     if constexpr (kAsync) copy_async_commit();
@@ -261,9 +262,11 @@ __global__ void __launch_bounds__(256, 3) quantize_tiles_kernel(const T* x, int6
         col_max[qr][2 * cp] = a0;
         col_max[qr][2 * cp + 1] = a1;
         __syncthreads();
-        s0 = fp8_scale(fmaxf(fmaxf(col_max[0][2 * cp], col_max[1][2 * cp]), fmaxf(col_max[2][2 * cp], col_max[3][2 * cp])));
-        s1 = fp8_scale(fmaxf(fmaxf(col_max[0][2 * cp + 1], col_max[1][2 * cp + 1]),
-                             fmaxf(col_max[2][2 * cp + 1], col_max[3][2 * cp + 1])));
+        const auto column_scale = [&](int c) {
+          return fp8_scale(fmaxf(fmaxf(col_max[0][c], col_max[1][c]), fmaxf(col_max[2][c], col_max[3][c])));
+        };
+        s0 = column_scale(2 * cp);
+        s1 = column_scale(2 * cp + 1);
       } else {
         s0 = s1 = fp8_scale(block_max(vectors_amax(tile)));
       }
@@ -478,7 +481,8 @@ void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, 
     if (async && mode == Fp8Tiles::kColumnsTransposed) launch(quantize_tiles_kernel<T, true, kColumnsTransposed>, done);
     if (!async && mode == Fp8Tiles::kTile) launch(quantize_tiles_kernel<T, false, kTile>, done);
     if (!async && mode == Fp8Tiles::kTileTransposed) launch(quantize_tiles_kernel<T, false, kTileTransposed>, done);
-    if (!async && mode == Fp8Tiles::kColumnsTransposed) launch(quantize_tiles_kernel<T, false, kColumnsTransposed>, done);
+    if (!async && mode == Fp8Tiles::kColumnsTransposed)
+      launch(quantize_tiles_kernel<T, false, kColumnsTransposed>, done);
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 tile quantize kernel launch: ") + cudaGetErrorString(err));
