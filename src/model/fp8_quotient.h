@@ -1,6 +1,6 @@
 // v / s as IEEE division rounds it, from s's reciprocal: for kernels that divide many values by
-// one scale (FP8 quantization divides 128 or more values by each scale), a multiply and four FMAs
-// in place of a division each. Host and device (the CPU test checks the claim below).
+// one scale (FP8 quantization divides 128 or more values by each scale), a multiply and two or four
+// FMAs in place of a division each. Host and device (the CPU test checks the claim below).
 #pragma once
 
 #include <math.h>
