@@ -201,8 +201,8 @@ void add_bench_forward(CLI::App* bench, Runner& run) {
   fw->add_flag("--fp8", o->fp8,
                "Also time forward and forward+backward with FP8 training's GEMMs (roles.<r>.fp8) on the same weights, "
                "reported beside bf16 with the speedups");
-  fw->add_option("--fp8-scaling", o->fp8_scaling, "The FP8 GEMMs' scales: block or channel")
-      ->check(CLI::IsMember({"block", "channel"}));
+  fw->add_option("--fp8-scaling", o->fp8_scaling, "The FP8 GEMMs' scales: block, channel or tensor")
+      ->check(CLI::IsMember({"block", "channel", "tensor"}));
   fw->callback([&run, o] { run = [o] { return run_forward(*o); }; });
 }
 

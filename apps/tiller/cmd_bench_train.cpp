@@ -443,8 +443,8 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   tr->add_flag("--fp8", o->fp8,
                "After the bf16 steps, time the same steps with FP8 training's GEMMs (roles.<r>.fp8) and report them "
                "beside, with the speedup");
-  tr->add_option("--fp8-scaling", o->fp8_scaling, "The FP8 GEMMs' scales: block or channel")
-      ->check(CLI::IsMember({"block", "channel"}));
+  tr->add_option("--fp8-scaling", o->fp8_scaling, "The FP8 GEMMs' scales: block, channel or tensor")
+      ->check(CLI::IsMember({"block", "channel", "tensor"}));
   tr->add_flag("--score", o->score,
                "Time the actor's scoring pass (forward without autograd, log-probs and entropies to the host) "
                "instead of training steps");

@@ -230,10 +230,6 @@ void JobConfig::validate() const {
   }
   for (const char* name : {"actor", "critic", "ref", "reward"}) {
     const RoleConfig& r = role_by_name(*this, name);
-    if (r.enabled && r.fp8 && r.fp8_scaling == Fp8Scaling::kTensor)
-      throw ConfigError(fmt::format("roles.{}.fp8_scaling = tensor is the engines' (engines.fp8_scaling); FP8 "
-                                    "training takes block or channel",
-                                    name));
     if (r.enabled && r.fp8 && r.dtype != Precision::kBf16)
       throw ConfigError(fmt::format("roles.{}.fp8 keeps bf16 activations around its FP8 GEMMs; set roles.{}.dtype = "
                                     "bf16 or roles.{}.fp8 = false",

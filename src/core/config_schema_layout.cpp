@@ -67,8 +67,9 @@ void add_role(Builder& b, const std::string& name, RoleConfig& (*get)(JobConfig&
         "dtype bf16 and, on GPUs, compute capability 9.x. A frozen role (ref, reward) then scores in FP8 too.");
   b.add_enum(p + "fp8_scaling", [get](JobConfig& c) { return &get(c).fp8_scaling; },
              "roles.<role>.fp8: block (activations and gradients in groups of 128 along each GEMM's inner axis, "
-             "weights in 128x128 blocks: DeepSeek-V3's recipe) or channel (one scale per row of every operand: "
-             "faster GEMMs, coarser scales). tensor is the engines' only (engines.fp8_scaling).");
+             "weights in 128x128 blocks: DeepSeek-V3's recipe), channel (one scale per row of every operand) or "
+             "tensor (one scale per operand of each GEMM: the fastest GEMMs, the coarsest scales; docs/training.md "
+             "says what each costs).");
   if (name != "actor" && name != "critic") return;  // frozen roles train no adapters
   const std::string l = p + "lora.";
   b.add(l + "rank", [get](JobConfig& c) { return &get(c).lora.rank; },

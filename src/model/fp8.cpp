@@ -273,6 +273,18 @@ bool kernel_quantizes(const at::Tensor& x) {
 // (one scale: []), as the row- and tensor-scaled GEMMs (linear()) quantize their activations.
 GroupQuantized quantize_on_gpu(const at::Tensor& x, bool per_tensor) {
   const int64_t k = x.size(-1);
+  if (per_tensor && x.dim() == 2 && x.stride(0) == 1 && x.stride(1) != 1 && x.size(0) > 1) {
+    // A transposed view of a row-major [k, m] tensor: its transpose's codes straight from it.
+    const at::Tensor src = x.t();
+    const int64_t m = x.size(0), mp = round_up(m, kBlock), kp = round_up(k, kBlock);
+    const at::Tensor q = at::empty({mp, kp}, x.options().dtype(at::kFloat8_e4m3fn));
+    const at::Tensor s = at::ones({}, x.options().dtype(at::kFloat));
+    const at::Tensor partial = at::empty({cuda::kFp8TensorParts}, x.options().dtype(at::kFloat));
+    cuda::quantize_tensor_transposed_fp8(cuda::kernel_dtype(x.scalar_type()), src.data_ptr(), k, m, src.stride(0), kp,
+                                         mp, q.data_ptr(), kp, partial.data_ptr<float>(), s.data_ptr<float>(),
+                                         c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    return {q.narrow(0, 0, m).narrow(1, 0, k).contiguous(), s};
+  }
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0);
   const at::Tensor q = at::empty({m, round_up(k, 16)}, x.options().dtype(at::kFloat8_e4m3fn));
@@ -408,6 +420,7 @@ at::Tensor emulated_operand(const at::Tensor& x, Operand o) {
     case Operand::kRows: return dequantize_rows(quantize_rows(x), at::kFloat);
     case Operand::kGroups: return dequantize_groups(quantize_groups(x), at::kFloat);
     case Operand::kBlocks: return dequantize_weight(quantize_blocks(x), at::kFloat);
+    case Operand::kTensor: return dequantize_tensor(quantize_tensor(x), at::kFloat);
   }
   return {};
 }
@@ -430,6 +443,21 @@ DeviceOperand device_operand(at::Tensor x, Operand o, int64_t rows_p, int64_t kp
   const auto f32 = x.options().dtype(at::kFloat);
   DeviceOperand d;
   d.q = at::empty({rows_p, kp}, f8);
+  if (o == Operand::kTensor) {
+    // One scale ([]: _scaled_mm's tensor-wise form); a transposed view by tiles, from its source.
+    d.scale = at::empty({}, f32);
+    const at::Tensor partial = at::empty({cuda::kFp8TensorParts}, f32);
+    if (transposed_view(x)) {
+      const at::Tensor src = x.t();  // [k, rows], row-major
+      cuda::quantize_tensor_transposed_fp8(dt, src.data_ptr(), k, rows, src.stride(0), kp, rows_p, d.q.data_ptr(), kp,
+                                           partial.data_ptr<float>(), d.scale.data_ptr<float>(), stream);
+    } else {
+      if (!row_major(x)) x = x.contiguous();
+      cuda::quantize_tensor_fp8(dt, x.data_ptr(), rows, rows_p, k, x.stride(0), d.q.data_ptr(), kp,
+                                partial.data_ptr<float>(), d.scale.data_ptr<float>(), stream);
+    }
+    return d;
+  }
   if (o == Operand::kRows) {
     if (!row_major(x)) x = x.contiguous();
     const at::Tensor s = at::empty({rows_p}, f32);
@@ -483,6 +511,8 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
   TILLER_CHECK(oa != Operand::kBlocks, "fp8: 128x128 blocks are the second operand's scaling");
   TILLER_CHECK((oa == Operand::kRows) == (ob == Operand::kRows),
                "fp8: row scaling on one operand needs it on the other");
+  TILLER_CHECK((oa == Operand::kTensor) == (ob == Operand::kTensor),
+               "fp8: tensor scaling on one operand needs it on the other");
   TILLER_CHECK(!bias.defined() || bias.numel() == n, "fp8: a bias of {} for {} outputs", bias.numel(), n);
   if (m == 0 || n == 0 || k == 0) {
     at::Tensor y = at::zeros({m, n}, a.options().dtype(out));
@@ -499,13 +529,17 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
     };
     const at::Tensor ak = as_kernels_take(a), bk = as_kernels_take(b);
     void* stream = c10::cuda::getCurrentCUDAStream(ak.device().index()).stream();
-    const bool rows = oa == Operand::kRows;
-    // The contraction to 4 blocks (the block-scaled GEMM's scale rows, quantize_blocks), the rows
-    // to whole 16-row tiles, or whole 128-row tiles where a tile kernel quantizes them.
-    const int64_t kp = rows ? round_up(k, 16) : round_up(k, 4 * kBlock);
+    // The contraction to 4 blocks (the block-scaled GEMM's scale rows, quantize_blocks), to 16
+    // (row and tensor scaling) or, where a tile kernel quantizes a tensor-scaled operand, to whole
+    // tiles; the rows to whole 16-row tiles, or whole 128-row tiles where a tile kernel quantizes them.
+    const bool tiled_tensor = oa == Operand::kTensor && (transposed_view(ak) || transposed_view(bk));
+    const int64_t kp = oa == Operand::kRows || (oa == Operand::kTensor && !tiled_tensor) ? round_up(k, 16)
+                       : oa == Operand::kTensor                                          ? round_up(k, kBlock)
+                                                                                         : round_up(k, 4 * kBlock);
     auto padded = [&](const at::Tensor& x, Operand o) {
-      return o == Operand::kBlocks || (o == Operand::kGroups && transposed_view(x)) ? round_up(x.size(0), kBlock)
-                                                                                    : round_up(x.size(0), 16);
+      return o == Operand::kBlocks || ((o == Operand::kGroups || o == Operand::kTensor) && transposed_view(x))
+                 ? round_up(x.size(0), kBlock)
+                 : round_up(x.size(0), 16);
     };
     const int64_t mp = padded(ak, oa), np = padded(bk, ob);
     const DeviceOperand qa = device_operand(ak, oa, mp, kp, false, stream);
@@ -538,6 +572,8 @@ struct Recipe {
 Recipe recipe(Scaling s) {
   if (s == Scaling::kChannel)
     return {Operand::kRows, Operand::kRows, Operand::kRows, Operand::kRows, Operand::kRows, Operand::kRows};
+  if (s == Scaling::kTensor)
+    return {Operand::kTensor, Operand::kTensor, Operand::kTensor, Operand::kTensor, Operand::kTensor, Operand::kTensor};
   return {Operand::kGroups, Operand::kBlocks, Operand::kGroups, Operand::kBlocks, Operand::kGroups, Operand::kGroups};
 }
 
@@ -575,8 +611,6 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
 }  // namespace
 
 at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling) {
-  if (scaling == Scaling::kTensor)
-    throw ConfigError("fp8 training takes block or channel scaling (tensor scaling is the engines')");
   if (x.size(-1) != w.size(1))
     throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.size(1)));
   return Fp8Linear::apply(x, w, bias.defined() ? bias : at::empty({0}, w.options()), static_cast<int64_t>(scaling));

@@ -74,7 +74,9 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
   o.router_aux_coef = role.router_aux_loss_coef;
   o.router_z_coef = role.router_z_loss_coef;
   if (role.fp8)
-    o.fp8 = role.fp8_scaling == Fp8Scaling::kChannel ? model::fp8::Scaling::kChannel : model::fp8::Scaling::kBlock;
+    o.fp8 = role.fp8_scaling == Fp8Scaling::kChannel  ? model::fp8::Scaling::kChannel
+            : role.fp8_scaling == Fp8Scaling::kTensor ? model::fp8::Scaling::kTensor
+                                                      : model::fp8::Scaling::kBlock;
   return o;
 }
 

@@ -261,10 +261,12 @@ TEST(Config, CrossKeyChecks) {
   EXPECT_NE(config_error([] { parse_config("algo: {logprob_match: bitwise}\nengines: {kv_cache_dtype: fp8}", "j"); })
                 .find("needs engines.kv_cache_dtype = auto"),
             std::string::npos);
-  // Tensor scaling is the engines': FP8 training refuses it.
+  // Tensor scaling for the engines and for FP8 training; an unknown scaling names its key.
   EXPECT_NO_THROW(parse_config("engines: {quantization: fp8, fp8_scaling: tensor}", "j"));
-  EXPECT_NE(config_error([] { parse_config("roles: {actor: {fp8: true, fp8_scaling: tensor}}", "j"); })
-                .find("roles.actor.fp8_scaling = tensor is the engines' (engines.fp8_scaling)"),
+  EXPECT_EQ(parse_config("roles: {actor: {fp8: true, fp8_scaling: tensor}}", "j").roles.actor.fp8_scaling,
+            Fp8Scaling::kTensor);
+  EXPECT_NE(config_error([] { parse_config("roles: {actor: {fp8: true, fp8_scaling: rows}}", "j"); })
+                .find("roles.actor.fp8_scaling"),
             std::string::npos);
 }
 

@@ -230,7 +230,7 @@ TEST(Fp8, TensorScalingHasOneScaleForTheWeightAndOneForEachToken) {
   EXPECT_TRUE(at::equal(again.q_storage.view(at::kByte), b.q_storage.view(at::kByte)));
   EXPECT_EQ(parse_scaling("tensor", "x"), Scaling::kTensor);
   EXPECT_STREQ(scaling_name(Scaling::kTensor), "tensor");
-  EXPECT_THROW(train_linear(x, w, at::Tensor(), Scaling::kTensor), ConfigError);
+  EXPECT_THROW(parse_scaling("rows", "x"), ConfigError);
 }
 
 // Tensor scaling's pieces (model/fp8_rows.h): the padded row codes, the unscaled product, the
@@ -320,15 +320,16 @@ TEST(Fp8, TheEmulatedLinearIsTheProductOfTheDequantizedOperands) {
 
 // FP8 training's linear (train_linear): its output and both gradients are the scaled products of
 // the recipe's operands (block: x in groups, w in blocks; gy in groups, w^T in blocks; gy^T and
-// x^T in groups of tokens; channel: rows everywhere), each near the exact product, and the bias
-// gradient is the output gradient's sum.
+// x^T in groups of tokens; channel: rows everywhere; tensor: one scale per operand), each near the
+// exact product, and the bias gradient is the output gradient's sum.
 TEST(Fp8, TrainLinearsGemmsAreTheRecipesScaledProducts) {
   at::manual_seed(11);
   const at::Tensor x0 = at::randn({37, 200}), w0 = at::randn({96, 200}) * 0.05, b0 = at::randn({96});
   const at::Tensor gy = at::randn({37, 96});
-  for (const Scaling s : {Scaling::kBlock, Scaling::kChannel}) {
+  for (const Scaling s : {Scaling::kBlock, Scaling::kChannel, Scaling::kTensor}) {
     const bool block = s == Scaling::kBlock;
-    const Operand act = block ? Operand::kGroups : Operand::kRows, wt = block ? Operand::kBlocks : Operand::kRows;
+    const Operand act = block ? Operand::kGroups : s == Scaling::kTensor ? Operand::kTensor : Operand::kRows;
+    const Operand wt = block ? Operand::kBlocks : act;
     at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true),
                b = b0.clone().requires_grad_(true);
     const at::Tensor y = train_linear(x, w, b, s);
@@ -344,8 +345,8 @@ TEST(Fp8, TrainLinearsGemmsAreTheRecipesScaledProducts) {
     };
     for (const auto& [got, want] : {std::pair{y.detach(), at::addmm(b0, x0, w0.t())},
                                     std::pair{x.grad(), at::matmul(gy, w0)}, std::pair{w.grad(), at::matmul(gy.t(), x0)}}) {
-      EXPECT_LT(rel(got, want), 0.06) << (block ? "block" : "channel");
-      EXPECT_GT(rel(got, want), 1e-4) << (block ? "block" : "channel");
+      EXPECT_LT(rel(got, want), 0.06) << scaling_name(s);
+      EXPECT_GT(rel(got, want), 1e-4) << scaling_name(s);
     }
   }
   // A frozen weight (a LoRA base) gets no gradient; the input still does.
@@ -369,6 +370,15 @@ TEST(Fp8, ScaledProductTakesTransposedViewsAndRefusesOtherCombinations) {
   EXPECT_THROW(scaled_product(a, a, Operand::kBlocks, Operand::kGroups, at::kFloat), Error);
   EXPECT_THROW(scaled_product(a, a, Operand::kRows, Operand::kGroups, at::kFloat), Error);
   EXPECT_THROW(scaled_product(a, b, Operand::kRows, Operand::kRows, at::kFloat), Error);
+  EXPECT_THROW(scaled_product(a, a, Operand::kTensor, Operand::kGroups, at::kFloat), Error);
+  EXPECT_THROW(scaled_product(a, a, Operand::kRows, Operand::kTensor, at::kFloat), Error);
+  // Tensor scaling: one scale over the operand, whatever its layout; the product of the two
+  // dequantized operands.
+  const at::Tensor tt = scaled_product(a.t(), b.t(), Operand::kTensor, Operand::kTensor, at::kFloat);
+  EXPECT_TRUE(at::equal(tt, scaled_product(a.t().contiguous(), b.t().contiguous(), Operand::kTensor, Operand::kTensor,
+                                           at::kFloat)));
+  EXPECT_TRUE(at::equal(tt, at::matmul(dequantize_tensor(quantize_tensor(a.t()), at::kFloat),
+                                       dequantize_tensor(quantize_tensor(b.t()), at::kFloat).t())));
   const at::Tensor bias = at::randn({48});
   EXPECT_TRUE(at::equal(scaled_product(at::zeros({3, 0}), at::zeros({48, 0}), Operand::kGroups, Operand::kBlocks,
                                        at::kFloat, bias),

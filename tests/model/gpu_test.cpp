@@ -86,6 +86,12 @@ TEST(ModelGpu, Fp8QuantizationEqualsTheCpusBitForBit) {
       const fp8::GroupQuantized cpu = fp8::quantize_tensor(x), gpu = fp8::quantize_tensor(x.cuda());
       EXPECT_TRUE(at::equal(gpu.scale.cpu(), cpu.scale)) << c10::toString(t) << " " << k;
       EXPECT_TRUE(at::equal(gpu.q.cpu().view(at::kByte), cpu.q.view(at::kByte))) << c10::toString(t) << " " << k;
+      // x^T as a view: the transposed tile kernel (FP8 training's backward operands), the same
+      // scale and codes as x^T's copy.
+      const fp8::GroupQuantized cpu_t = fp8::quantize_tensor(x.t()), gpu_t = fp8::quantize_tensor(x.cuda().t());
+      EXPECT_TRUE(at::equal(gpu_t.scale.cpu(), cpu_t.scale)) << c10::toString(t) << " " << k << " transposed";
+      EXPECT_TRUE(at::equal(gpu_t.q.cpu().view(at::kByte), cpu_t.q.contiguous().view(at::kByte)))
+          << c10::toString(t) << " " << k << " transposed";
     }
   const at::Tensor w = (at::randn({300, 200}) * 0.02).to(at::kBFloat16);
   for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel, fp8::Scaling::kTensor}) {
@@ -190,7 +196,8 @@ TEST(ModelGpu, Fp8TrainingGemmsEqualTheirEmulation) {
   at::manual_seed(13);
   using fp8::Operand;
   const std::vector<std::pair<Operand, Operand>> recipes = {
-      {Operand::kGroups, Operand::kBlocks}, {Operand::kGroups, Operand::kGroups}, {Operand::kRows, Operand::kRows}};
+      {Operand::kGroups, Operand::kBlocks}, {Operand::kGroups, Operand::kGroups}, {Operand::kRows, Operand::kRows},
+      {Operand::kTensor, Operand::kTensor}};
   for (const auto& [m, n, k] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{300, 200, 700}, {512, 1152, 896},
                                                                                    {5, 96, 64}}) {
     const at::Tensor a = at::randn({m, k}).to(at::kBFloat16), b = (at::randn({n, k}) * 0.05).to(at::kBFloat16);
@@ -211,7 +218,7 @@ TEST(ModelGpu, Fp8TrainingGemmsEqualTheirEmulation) {
   }
   const at::Tensor x0 = at::randn({300, 640}).to(at::kBFloat16), w0 = (at::randn({384, 640}) * 0.05).to(at::kBFloat16);
   const at::Tensor gy = at::randn({300, 384}).to(at::kBFloat16);
-  for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel}) {
+  for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel, fp8::Scaling::kTensor}) {
     at::Tensor xc = x0.clone().requires_grad_(true), wc = w0.clone().requires_grad_(true);
     at::Tensor xg = x0.cuda().requires_grad_(true), wg = w0.cuda().requires_grad_(true);
     const at::Tensor yc = fp8::train_linear(xc, wc, {}, sc), yg = fp8::train_linear(xg, wg, {}, sc);

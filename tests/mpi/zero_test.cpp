@@ -265,14 +265,18 @@ TEST(Zero, KeptActivationsInTheFirstBlocksOnly) {
 // running the same FP8 GEMMs (model::BlockContext::fp8_training), within the rounding a different
 // gradient summation order can move an e4m3 code by: block scaling on Qwen2 (biases, tied head)
 // with whole blocks recomputed, channel scaling on a Llama value head with the activations kept,
-// and block scaling under a LoRA adapter (the frozen base in FP8). Over SP 2 slices each rank
+// tensor scaling on Qwen3 (q/k norms) with attention recomputed, and block scaling under a LoRA
+// adapter (the frozen base in FP8). Over SP 2 slices each rank
 // quantizes its weight gradient's operands over its own tokens, so that case is held to bf16's
 // GPU bounds instead (zero_fixture.h).
 TEST(Zero, Fp8TrainingEqualsTheUnshardedFp8Reference) {
   const auto block = [](zero::ShardedModelOptions& o) { o.fp8 = model::fp8::Scaling::kBlock; };
   const auto channel = [](zero::ShardedModelOptions& o) { o.fp8 = model::fp8::Scaling::kChannel; };
+  const auto tensor = [](zero::ShardedModelOptions& o) { o.fp8 = model::fp8::Scaling::kTensor; };
   expect_sharded_equals_unsharded("tiny-qwen2", Head::kLm, 1, 0, false, zero::Recompute::kBlocks, at::kFloat, block);
   expect_sharded_equals_unsharded("tiny-llama", Head::kValue, 1, 0, false, zero::Recompute::kNone, at::kFloat, channel);
+  expect_sharded_equals_unsharded("tiny-qwen3", Head::kLm, 1, 0, false, zero::Recompute::kAttentionOnly, at::kFloat,
+                                  tensor);
   if (comm().size() % 2 == 0)
     expect_sharded_equals_unsharded("tiny-qwen2", Head::kLm, 2, 0, false, zero::Recompute::kAttentionOnly, at::kFloat,
                                     block);
@@ -329,7 +333,8 @@ TEST(Zero, Fp8TrainingFollowsTheLossCurveWithout) {
   };
   const std::vector<double> plain = run(std::nullopt);
   EXPECT_LT(plain.back(), plain.front() / 10) << "the task is not learned: the comparison would say nothing";
-  for (const auto scaling : {model::fp8::Scaling::kBlock, model::fp8::Scaling::kChannel}) {
+  for (const auto scaling :
+       {model::fp8::Scaling::kBlock, model::fp8::Scaling::kChannel, model::fp8::Scaling::kTensor}) {
     const std::vector<double> fp8 = run(scaling);
     double worst = 0;
     bool differs = false;
@@ -337,7 +342,7 @@ TEST(Zero, Fp8TrainingFollowsTheLossCurveWithout) {
       worst = std::max(worst, std::abs(fp8[i] - plain[i]) / std::max(plain[i], 0.5));
       differs |= fp8[i] != plain[i];
     }
-    const char* name = scaling == model::fp8::Scaling::kBlock ? "block" : "channel";
+    const char* name = model::fp8::scaling_name(scaling);
     EXPECT_TRUE(differs) << name << ": FP8 changed nothing";
     EXPECT_LT(worst, kFp8LossBound) << name;
     if (me == 0)

@@ -45,7 +45,7 @@ enum class DpoLossKind { kSigmoid, kIpo };                      // offline.dpo_l
 enum class DpoReference { kPrecompute, kOnTheFly };             // offline.dpo_reference
 enum class LogprobMatch { kOff, kBitwise };                     // algo.logprob_match (model/numerics.h)
 enum class EngineQuantization { kNone, kFp8 };                  // engines.quantization (model/fp8.h)
-enum class Fp8Scaling { kBlock, kChannel, kTensor };            // engines.fp8_scaling (tensor: engines only)
+enum class Fp8Scaling { kBlock, kChannel, kTensor };            // engines.fp8_scaling, roles.<r>.fp8_scaling
 enum class KvCacheDtype { kAuto, kFp8 };                        // engines.kv_cache_dtype
 
 template <>

@@ -7,8 +7,8 @@
 //   tensor   one scale per weight and one per token (activation row), the token's applied after
 //            cuBLASLt's tensor-wise GEMM (the fastest at decode's batch sizes, docs/benchmarks.md)
 //            by the kernel that reads its output; the engine's norms and SwiGLU quantize their
-//            output rows in the same pass (model/fp8_rows.h). The engines' only: FP8 training
-//            takes block or channel.
+//            output rows in the same pass (model/fp8_rows.h). FP8 training's tensor scaling
+//            is one scale per operand of each GEMM (train_linear).
 // A block's (group's, row's) scale maps its largest magnitude to e4m3's largest finite value, 448:
 // scale = amax / 448 (1 for zeros), q = cast(x / scale), where cast is torch's float8_e4m3fn
 // conversion (round to nearest even, subnormals down to 2^-9, saturating at +-448). The same on
@@ -93,13 +93,15 @@ at::Tensor linear_emulated(const at::Tensor& x, const QuantizedWeight& w, const 
 at::Tensor linear(const at::Tensor& x, const QuantizedWeight& w, const at::Tensor& bias = {});
 // --- FP8 training (roles.<role>.fp8; docs/training.md "FP8 training") ---
 // How one operand of a product is scaled along the product's contraction axis (K): one scale per
-// row (kRows), per row and group of 128 (kGroups, the 1x128 layout), or per 128x128 block (kBlocks).
-enum class Operand { kRows, kGroups, kBlocks };
+// row (kRows), per row and group of 128 (kGroups, the 1x128 layout), per 128x128 block (kBlocks), or
+// one scale for the whole operand (kTensor).
+enum class Operand { kRows, kGroups, kBlocks, kTensor };
 // a [M, K] times b^T (b [N, K]) with both operands quantized now (current scaling) as `oa` and
 // `ob` say, fp32 accumulation, plus `bias` ([N], optional) before the one rounding to `out`.
 // Either operand may be a transposed view of a row-major tensor (the backward's gy^T, x^T, w^T):
 // the GPU quantizes it by tiles without a transposed copy. On Hopper tensor cores (torch's
-// _scaled_mm) for (kGroups, kBlocks), (kGroups, kGroups) and (kRows, kRows) with bf16 out;
+// _scaled_mm) for (kGroups, kBlocks), (kGroups, kGroups), (kRows, kRows) and (kTensor, kTensor)
+// with bf16 out;
 // emulated otherwise, or with `emulate`: the same quantization, the product in fp32.
 at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, Operand ob, c10::ScalarType out,
                           const at::Tensor& bias = {}, bool emulate = false);
@@ -110,6 +112,8 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
 //            wgrad    gy^T and x^T in groups of 128 tokens
 //   channel  every operand one scale per row of the product's contraction (token, output or input
 //            channel)
+//   tensor   every operand one scale (its largest magnitude over the whole micro-batch or weight):
+//            the fastest GEMMs, the coarsest scales
 // Outputs and gradients in x's dtype; the bias gradient summed in fp32. Nothing is kept for the
 // backward beyond x and w themselves (what at::linear keeps): the backward quantizes again.
 at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling);

@@ -20,8 +20,9 @@ namespace tiller::model::cuda {
 namespace {
 
 constexpr int kGroup = 128;
-// quantize_tiles_fp8's modes (kernels.h)
-constexpr int kTile = 0, kTileTransposed = 1, kColumnsTransposed = 2;
+// quantize_tiles_fp8's modes (kernels.h), and x^T with one scale for the whole tensor
+// (quantize_tensor_transposed_fp8)
+constexpr int kTile = 0, kTileTransposed = 1, kColumnsTransposed = 2, kTensorTransposed = 3;
 
 // The largest magnitude of a pack's values, from the packed values themselves (bf16x2 / fp16x2
 // maxima: no fp32 copy of the pack stays live). Like fmaxf, a maximum passes NaNs over.
@@ -167,12 +168,15 @@ __device__ __forceinline__ void copy_async_wait_previous() { asm volatile("cp.as
 // and writes codes in x's layout; the transposed modes read pairs of columns (a warp reads 32
 // consecutive pairs of a row) and write each column's 32 rows of the thread as 32 contiguous codes
 // of its output row (16-byte stores where q's rows are 16-byte aligned: `wide`). The scale is the
-// tile's (a block reduction) or each column's (kColumnsTransposed: the four quarters' maxima
-// through shared memory). Dynamic shared memory: 2 x 128 x 128 values of T.
+// tile's (a block reduction), each column's (kColumnsTransposed: the four quarters' maxima
+// through shared memory) or the tensor's (kTensorTransposed: every block reduces the `parts`
+// partial maxima of tensor_amax_kernel first; block 0 writes it to scale[0]). Dynamic shared
+// memory: 2 x 128 x 128 values of T.
 template <class T, bool kAsync, int kMode>
 __global__ void __launch_bounds__(256, 3)
     quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride, int64_t tiles_c, int64_t tiles,
-                          uint8_t* q, int64_t q_stride, bool wide, float* scale, int64_t scale_stride) {
+                          uint8_t* q, int64_t q_stride, bool wide, float* scale, int64_t scale_stride,
+                          const float* partial, int parts) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kRowThreads = kGroup / kVec;       // threads that copy one tile row
   constexpr int kRowsPerPass = 256 / kRowThreads;  // tile rows copied per pass
@@ -212,6 +216,13 @@ __global__ void __launch_bounds__(256, 3)
 
   int64_t id = blockIdx.x;
   if (id < tiles) load(id, buffers);
+  float tensor_scale = 1.f;
+  if constexpr (kMode == kTensorTransposed) {
+    float a = 0.f;
+    for (int i = t; i < parts; i += blockDim.x) a = fmaxf(a, partial[i]);
+    tensor_scale = fp8_scale(block_max(a));
+    if (blockIdx.x == 0 && t == 0) scale[0] = tensor_scale;
+  }
   for (int it = 0; id < tiles; id += gridDim.x, ++it) {
     const T* tile = buffers + (it & 1) * kGroup * kGroup;
     const int64_t tr = id / tiles_c, tc = id % tiles_c;
@@ -267,6 +278,8 @@ __global__ void __launch_bounds__(256, 3)
         };
         s0 = column_scale(2 * cp);
         s1 = column_scale(2 * cp + 1);
+      } else if constexpr (kMode == kTensorTransposed) {
+        s0 = s1 = tensor_scale;
       } else {
         s0 = s1 = fp8_scale(block_max(vectors_amax(tile)));
       }
@@ -435,29 +448,37 @@ void quantize_groups_fp8(DType dtype, const void* x, int64_t rows, int64_t padde
   if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 quantize kernel launch: ") + cudaGetErrorString(err));
 }
 
-void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
-                        int64_t padded_rows, int64_t padded_cols, Fp8Tiles mode, void* q, int64_t q_stride,
-                        float* scale, int64_t scale_stride, void* stream) {
-  const bool transposed = mode != Fp8Tiles::kTile;
-  const int64_t out_cols = transposed ? padded_rows : padded_cols;
-  const int64_t tiles_r = padded_rows / kGroup, tiles_c = padded_cols / kGroup;
-  const int64_t scale_rows = mode == Fp8Tiles::kTile ? tiles_c : mode == Fp8Tiles::kTileTransposed ? tiles_r
-                                                                                                   : padded_cols;
-  if (padded_rows % kGroup != 0 || padded_cols % kGroup != 0 || padded_rows < rows || padded_cols < cols ||
-      q_stride < out_cols || q_stride % 4 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0 ||
-      scale_stride < scale_rows || tiles_r > 65535 || tiles_c > 2147483647)
-    throw std::invalid_argument("quantize_tiles_fp8: the padded extents must be whole tiles that q (4-byte aligned "
-                                "rows) and the scales hold");
-  if (tiles_r == 0 || tiles_c == 0) return;
-  const auto s = static_cast<cudaStream_t>(stream);
-  if (q_stride % 8 != 0 || reinterpret_cast<uintptr_t>(q) % 8 != 0)
-    throw std::invalid_argument("quantize_tiles_fp8: q's rows must be 8-byte aligned");
-  const bool wide = q_stride % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0;
-  const int64_t tiles = tiles_r * tiles_c;
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
+namespace {
+
+// Blocks of the tile kernel that fit a multiprocessor at once, times the multiprocessors: asked of
+// the runtime once per kernel and device (with the shared-memory reservation), then kept.
+struct TileLaunch {
+  bool reserved[64] = {};
+  int blocks[64] = {};
+};
+template <class Kernel>
+int64_t resident_blocks(Kernel kernel, int tile_bytes, TileLaunch& l) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) throw std::runtime_error("quantize_tiles_fp8: cudaGetDevice failed");
+  const bool cached = device >= 0 && device < 64;
+  if (cached && l.blocks[device] > 0) return l.blocks[device];
+  reserve_shared_memory(kernel, tile_bytes, l.reserved, "quantize_tiles_fp8");
+  int sms = 0, per_sm = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
     throw std::runtime_error("quantize_tiles_fp8: cannot read the device's multiprocessor count");
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, tile_bytes) != cudaSuccess || per_sm <= 0)
+    throw std::runtime_error("quantize_tiles_fp8: no block of the tile kernel fits a multiprocessor");
+  if (cached) l.blocks[device] = per_sm * sms;
+  return static_cast<int64_t>(per_sm) * sms;
+}
+
+// The tile kernel in `mode` (kTile .. kTensorTransposed) over x [rows, cols] padded to [padded_rows,
+// padded_cols]; `partial` / `parts`: kTensorTransposed's partial maxima.
+void launch_tiles(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride, int64_t padded_rows,
+                  int64_t padded_cols, int mode, void* q, int64_t q_stride, float* scale, int64_t scale_stride,
+                  const float* partial, int parts, cudaStream_t s) {
+  const int64_t tiles = (padded_rows / kGroup) * (padded_cols / kGroup);
+  const bool wide = q_stride % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0;
   with_dtype(dtype, [&](auto type) {
     using T = typename decltype(type)::type;
     constexpr int kVec = 16 / sizeof(T);
@@ -465,27 +486,61 @@ void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, 
     // reserved once per device). The grid: as many blocks as fit at once, each looping over tiles.
     const int tile_bytes = 2 * kGroup * kGroup * static_cast<int>(sizeof(T));
     const bool async = cols % kVec == 0 && x_stride % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-    const auto launch = [&](auto kernel, bool (&reserved)[64]) {
-      reserve_shared_memory(kernel, tile_bytes, reserved, "quantize_tiles_fp8");
-      int per_sm = 0;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, tile_bytes) != cudaSuccess || per_sm <= 0)
-        throw std::runtime_error("quantize_tiles_fp8: no block of the tile kernel fits a multiprocessor");
-      const auto blocks = static_cast<unsigned>(std::min<int64_t>(tiles, static_cast<int64_t>(per_sm) * sms));
-      kernel<<<blocks, 256, tile_bytes, s>>>(static_cast<const T*>(x), rows, cols, x_stride, tiles_c, tiles,
-                                             static_cast<uint8_t*>(q), q_stride, wide, scale, scale_stride);
+    static TileLaunch launches[2][4];  // by async and mode (and, through the lambda, T)
+    TileLaunch& l = launches[async][mode];
+    const auto launch = [&](auto kernel) {
+      const auto blocks = static_cast<unsigned>(std::min<int64_t>(tiles, resident_blocks(kernel, tile_bytes, l)));
+      kernel<<<blocks, 256, tile_bytes, s>>>(static_cast<const T*>(x), rows, cols, x_stride, padded_cols / kGroup,
+                                             tiles, static_cast<uint8_t*>(q), q_stride, wide, scale, scale_stride,
+                                             partial, parts);
     };
-    static bool reserved[2][3][64] = {};  // by async, mode and device
-    bool(&done)[64] = reserved[async][static_cast<int>(mode)];
-    if (async && mode == Fp8Tiles::kTile) launch(quantize_tiles_kernel<T, true, kTile>, done);
-    if (async && mode == Fp8Tiles::kTileTransposed) launch(quantize_tiles_kernel<T, true, kTileTransposed>, done);
-    if (async && mode == Fp8Tiles::kColumnsTransposed) launch(quantize_tiles_kernel<T, true, kColumnsTransposed>, done);
-    if (!async && mode == Fp8Tiles::kTile) launch(quantize_tiles_kernel<T, false, kTile>, done);
-    if (!async && mode == Fp8Tiles::kTileTransposed) launch(quantize_tiles_kernel<T, false, kTileTransposed>, done);
-    if (!async && mode == Fp8Tiles::kColumnsTransposed)
-      launch(quantize_tiles_kernel<T, false, kColumnsTransposed>, done);
+    const auto pick = [&](auto async_c) {
+      constexpr bool A = decltype(async_c)::value;
+      switch (mode) {
+        case kTile: launch(quantize_tiles_kernel<T, A, kTile>); break;
+        case kTileTransposed: launch(quantize_tiles_kernel<T, A, kTileTransposed>); break;
+        case kColumnsTransposed: launch(quantize_tiles_kernel<T, A, kColumnsTransposed>); break;
+        default: launch(quantize_tiles_kernel<T, A, kTensorTransposed>); break;
+      }
+    };
+    if (async)
+      pick(std::true_type());
+    else
+      pick(std::false_type());
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 tile quantize kernel launch: ") + cudaGetErrorString(err));
+}
+
+// The extents' checks the tile launchers share.
+void check_tiles(const char* what, int64_t rows, int64_t cols, int64_t padded_rows, int64_t padded_cols, void* q,
+                 int64_t q_stride, int64_t out_cols) {
+  if (padded_rows % kGroup != 0 || padded_cols % kGroup != 0 || padded_rows < rows || padded_cols < cols ||
+      q_stride < out_cols || q_stride % 8 != 0 || reinterpret_cast<uintptr_t>(q) % 8 != 0)
+    throw std::invalid_argument(std::string(what) + ": the padded extents must be whole tiles that q (8-byte "
+                                "aligned rows) holds");
+  // Tile ids are int64; a tile row or column index stays far inside it.
+  if (padded_rows / kGroup > 2147483647 || padded_cols / kGroup > 2147483647)
+    throw std::invalid_argument(std::string(what) + ": more than 2^31 tiles along an axis");
+}
+
+}  // namespace
+
+void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
+                        int64_t padded_rows, int64_t padded_cols, Fp8Tiles mode, void* q, int64_t q_stride,
+                        float* scale, int64_t scale_stride, void* stream) {
+  const bool transposed = mode != Fp8Tiles::kTile;
+  check_tiles("quantize_tiles_fp8", rows, cols, padded_rows, padded_cols, q, q_stride,
+              transposed ? padded_rows : padded_cols);
+  const int64_t tiles_r = padded_rows / kGroup, tiles_c = padded_cols / kGroup;
+  const int64_t scale_rows = mode == Fp8Tiles::kTile ? tiles_c : mode == Fp8Tiles::kTileTransposed ? tiles_r
+                                                                                                   : padded_cols;
+  if (scale_stride < scale_rows)
+    throw std::invalid_argument("quantize_tiles_fp8: a scale row of " + std::to_string(scale_stride) +
+                                " floats cannot hold " + std::to_string(scale_rows));
+  if (tiles_r == 0 || tiles_c == 0) return;
+  launch_tiles(dtype, x, rows, cols, x_stride, padded_rows, padded_cols, static_cast<int>(mode), q, q_stride, scale,
+               scale_stride, nullptr, 0, static_cast<cudaStream_t>(stream));
 }
 
 void quantize_tensor_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
@@ -518,6 +573,36 @@ void quantize_tensor_fp8(DType dtype, const void* x, int64_t rows, int64_t padde
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("fp8 tensor quantize kernel launch: ") + cudaGetErrorString(err));
+}
+
+void quantize_tensor_transposed_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
+                                    int64_t padded_rows, int64_t padded_cols, void* q, int64_t q_stride,
+                                    float* partial, float* scale, void* stream) {
+  check_tiles("quantize_tensor_transposed_fp8", rows, cols, padded_rows, padded_cols, q, q_stride, padded_rows);
+  if (padded_rows == 0 || padded_cols == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream);
+  constexpr int kThreads = 256;
+  int parts = 0;
+  with_dtype(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = cols % kVec == 0 && x_stride % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    const auto amax = [&](auto vec_width) {
+      constexpr int V = decltype(vec_width)::value;
+      const int64_t in = std::max<int64_t>(1, rows * (cols / V));
+      parts = static_cast<int>(std::min<int64_t>(kFp8TensorParts, (in + kThreads - 1) / kThreads));
+      tensor_amax_kernel<T, V><<<parts, kThreads, 0, s>>>(static_cast<const T*>(x), rows, cols, x_stride, partial);
+    };
+    if (vec)
+      amax(std::integral_constant<int, kVec>());
+    else
+      amax(std::integral_constant<int, 1>());
+  });
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("fp8 tensor amax kernel launch: ") + cudaGetErrorString(err));
+  launch_tiles(dtype, x, rows, cols, x_stride, padded_rows, padded_cols, kTensorTransposed, q, q_stride, scale, 1,
+               partial, parts, s);
 }
 
 void scale_rows(DType dtype, void* y, int64_t rows, int64_t n, int64_t y_stride, const float* scale, const void* bias,

@@ -98,6 +98,16 @@ void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, 
                         int64_t padded_rows, int64_t padded_cols, Fp8Tiles mode, void* q, int64_t q_stride,
                         float* scale, int64_t scale_stride, void* stream);
 
+// x^T's codes with one scale for the whole of x (FP8 training's tensor scaling, the backward's
+// transposed operands): s = amax of x [rows, cols] / 448 (1 for zeros), q [padded_cols,
+// padded_rows] = e4m3(x^T / s) (zeros past cols and rows), *scale = s: the codes and scale
+// quantize_tensor_fp8 gives x^T's contiguous copy. Padded extents whole tiles of 128, q's rows
+// 8-byte aligned; `partial` holds kFp8TensorParts floats of scratch. Nothing is written when a
+// padded extent is 0.
+void quantize_tensor_transposed_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
+                                    int64_t padded_rows, int64_t padded_cols, void* q, int64_t q_stride,
+                                    float* partial, float* scale, void* stream);
+
 // One token per row of logits [rows, vocab] (row stride given, in elements of `dtype`) for the
 // rows' parameters params [rows][3] (temperature, min_p, u): a temperature of 0 takes the first
 // maximum; otherwise the first token whose cumulative mass passes u times the total, over
