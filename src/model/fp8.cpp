@@ -278,10 +278,9 @@ GroupQuantized quantize_on_gpu(const at::Tensor& x, bool per_tensor) {
     const at::Tensor src = x.t();
     const int64_t m = x.size(0), mp = round_up(m, kBlock), kp = round_up(k, kBlock);
     const at::Tensor q = at::empty({mp, kp}, x.options().dtype(at::kFloat8_e4m3fn));
-    const at::Tensor s = at::ones({}, x.options().dtype(at::kFloat));
-    const at::Tensor partial = at::empty({cuda::kFp8TensorParts}, x.options().dtype(at::kFloat));
-    cuda::quantize_tensor_transposed_fp8(cuda::kernel_dtype(x.scalar_type()), src.data_ptr(), k, m, src.stride(0), kp,
-                                         mp, q.data_ptr(), kp, partial.data_ptr<float>(), s.data_ptr<float>(),
+    const at::Tensor s = tensor_scale(x);
+    cuda::quantize_scaled_transposed_fp8(cuda::kernel_dtype(x.scalar_type()), src.data_ptr(), k, m, src.stride(0), kp,
+                                         mp, q.data_ptr(), kp, s.data_ptr<float>(),
                                          c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
     return {q.narrow(0, 0, m).narrow(1, 0, k).contiguous(), s};
   }
@@ -306,6 +305,24 @@ GroupQuantized quantize_on_gpu(const at::Tensor& x, bool per_tensor) {
 #endif
 
 }  // namespace
+
+at::Tensor tensor_scale(const at::Tensor& x) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (kernel_quantizes(x) && x.dim() == 2 && (x.stride(1) == 1 || x.stride(0) == 1)) {
+    // Row-major, or a transposed view read through its row-major source (the same largest magnitude).
+    const at::Tensor src = x.stride(1) == 1 || x.size(1) <= 1 ? x : x.t();
+    const at::Tensor s = at::empty({}, x.options().dtype(at::kFloat));
+    const at::Tensor partial = at::empty({cuda::kFp8TensorParts}, x.options().dtype(at::kFloat));
+    cuda::tensor_scale_fp8(cuda::kernel_dtype(x.scalar_type()), src.data_ptr(), src.size(0), src.size(1),
+                           src.size(0) > 1 ? src.stride(0) : src.size(1), partial.data_ptr<float>(),
+                           s.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    return s;
+  }
+  if (kernel_quantizes(x)) return tensor_scale(x.reshape({-1, x.size(-1)}).contiguous());
+#endif
+  if (x.numel() == 0) return at::ones({}, x.options().dtype(at::kFloat));
+  return scale_of(x.to(at::kFloat).abs().amax());
+}
 
 GroupQuantized quantize_rows(const at::Tensor& x) {
   if (x.dim() < 1) throw ConfigError("fp8: activations need at least one axis");
@@ -414,8 +431,13 @@ at::Tensor linear(const at::Tensor& x, const QuantizedWeight& w, const at::Tenso
 
 namespace {
 
-// An operand of scaled_product as a dense [rows, k] tensor, quantized and dequantized to fp32.
-at::Tensor emulated_operand(const at::Tensor& x, Operand o) {
+// An operand of scaled_product as a dense [rows, k] tensor, quantized and dequantized to fp32
+// (`known`: a tensor-scaled operand's scale, as tensor_scale(x) gives it).
+at::Tensor emulated_operand(const at::Tensor& x, Operand o, const at::Tensor& known) {
+  if (o == Operand::kTensor && known.defined()) {
+    const at::Tensor s = known.to(x.device(), at::kFloat);
+    return (x.to(at::kFloat) / s).to(at::kFloat8_e4m3fn).to(at::kFloat) * s;
+  }
   switch (o) {
     case Operand::kRows: return dequantize_rows(quantize_rows(x), at::kFloat);
     case Operand::kGroups: return dequantize_groups(quantize_groups(x), at::kFloat);
@@ -436,7 +458,8 @@ bool transposed_view(const at::Tensor& x) { return !row_major(x) && (x.stride(0)
 struct DeviceOperand {
   at::Tensor q, scale;
 };
-DeviceOperand device_operand(at::Tensor x, Operand o, int64_t rows_p, int64_t kp, bool as_b, void* stream) {
+DeviceOperand device_operand(at::Tensor x, Operand o, int64_t rows_p, int64_t kp, bool as_b, const at::Tensor& known,
+                             void* stream) {
   const int64_t rows = x.size(0), k = x.size(1);
   const auto dt = cuda::kernel_dtype(x.scalar_type());
   const auto f8 = x.options().dtype(at::kFloat8_e4m3fn);
@@ -444,17 +467,17 @@ DeviceOperand device_operand(at::Tensor x, Operand o, int64_t rows_p, int64_t kp
   DeviceOperand d;
   d.q = at::empty({rows_p, kp}, f8);
   if (o == Operand::kTensor) {
-    // One scale ([]: _scaled_mm's tensor-wise form); a transposed view by tiles, from its source.
-    d.scale = at::empty({}, f32);
-    const at::Tensor partial = at::empty({cuda::kFp8TensorParts}, f32);
+    // One scale ([]: _scaled_mm's tensor-wise form), given or found now; a transposed view by
+    // tiles, from its source.
+    if (!row_major(x) && !transposed_view(x)) x = x.contiguous();
+    d.scale = known.defined() ? known.to(f32) : tensor_scale(x);
     if (transposed_view(x)) {
       const at::Tensor src = x.t();  // [k, rows], row-major
-      cuda::quantize_tensor_transposed_fp8(dt, src.data_ptr(), k, rows, src.stride(0), kp, rows_p, d.q.data_ptr(), kp,
-                                           partial.data_ptr<float>(), d.scale.data_ptr<float>(), stream);
+      cuda::quantize_scaled_transposed_fp8(dt, src.data_ptr(), k, rows, src.stride(0), kp, rows_p, d.q.data_ptr(), kp,
+                                           d.scale.data_ptr<float>(), stream);
     } else {
-      if (!row_major(x)) x = x.contiguous();
-      cuda::quantize_tensor_fp8(dt, x.data_ptr(), rows, rows_p, k, x.stride(0), d.q.data_ptr(), kp,
-                                partial.data_ptr<float>(), d.scale.data_ptr<float>(), stream);
+      cuda::quantize_scaled_fp8(dt, x.data_ptr(), rows, rows_p, k, x.stride(0), d.q.data_ptr(), kp,
+                                d.scale.data_ptr<float>(), stream);
     }
     return d;
   }
@@ -502,7 +525,7 @@ DeviceOperand device_operand(at::Tensor x, Operand o, int64_t rows_p, int64_t kp
 }  // namespace
 
 at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, Operand ob, c10::ScalarType out,
-                          const at::Tensor& bias, bool emulate) {
+                          const at::Tensor& bias, bool emulate, const at::Tensor& scale_a, const at::Tensor& scale_b) {
   TILLER_CHECK(a.dim() == 2 && b.dim() == 2, "fp8: a product of {}-D and {}-D operands; both are 2-D", a.dim(),
                b.dim());
   TILLER_CHECK(a.size(1) == b.size(1), "fp8: a product of [{}, {}] and [{}, {}]^T: the inner sizes differ", a.size(0),
@@ -514,6 +537,9 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
   TILLER_CHECK((oa == Operand::kTensor) == (ob == Operand::kTensor),
                "fp8: tensor scaling on one operand needs it on the other");
   TILLER_CHECK(!bias.defined() || bias.numel() == n, "fp8: a bias of {} for {} outputs", bias.numel(), n);
+  TILLER_CHECK((!scale_a.defined() || (oa == Operand::kTensor && scale_a.numel() == 1)) &&
+                   (!scale_b.defined() || (ob == Operand::kTensor && scale_b.numel() == 1)),
+               "fp8: a known scale is one value, for a tensor-scaled operand");
   if (m == 0 || n == 0 || k == 0) {
     at::Tensor y = at::zeros({m, n}, a.options().dtype(out));
     return bias.defined() ? y + bias.to(out) : y;
@@ -542,8 +568,8 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
                  : round_up(x.size(0), 16);
     };
     const int64_t mp = padded(ak, oa), np = padded(bk, ob);
-    const DeviceOperand qa = device_operand(ak, oa, mp, kp, false, stream);
-    const DeviceOperand qb = device_operand(bk, ob, np, kp, true, stream);
+    const DeviceOperand qa = device_operand(ak, oa, mp, kp, false, scale_a.defined() ? scale_a.reshape({}) : scale_a, stream);
+    const DeviceOperand qb = device_operand(bk, ob, np, kp, true, scale_b.defined() ? scale_b.reshape({}) : scale_b, stream);
     const bool epilogue_bias = bias.defined() && np == n;
     at::Tensor y = at::_scaled_mm(qa.q, qb.q.t(), qa.scale, qb.scale,
                                   epilogue_bias ? std::optional<at::Tensor>(bias.to(out)) : std::nullopt,
@@ -555,7 +581,7 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
   }
 #endif
   (void)emulate;
-  at::Tensor y = at::matmul(emulated_operand(a, oa), emulated_operand(b, ob).t());
+  at::Tensor y = at::matmul(emulated_operand(a, oa, scale_a), emulated_operand(b, ob, scale_b).t());
   if (bias.defined()) y = y + bias.to(at::kFloat);
   return y.to(out);
 }
@@ -589,7 +615,15 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     const int64_t k = x.size(-1), n = w.size(0);
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
     shape.push_back(n);
-    return scaled_product(x.reshape({-1, k}), w, r.fwd_a, r.fwd_b, x.scalar_type(), bias).view(shape);
+    const at::Tensor x2 = x.reshape({-1, k});
+    if (static_cast<Scaling>(scaling) == Scaling::kTensor) {
+      // x's and w's scales, found once: the backward's x^T and w^T take them again.
+      const at::Tensor sx = tensor_scale(x2), sw = tensor_scale(w);
+      ctx->saved_data["sx"] = sx;
+      ctx->saved_data["sw"] = sw;
+      return scaled_product(x2, w, r.fwd_a, r.fwd_b, x.scalar_type(), bias, false, sx, sw).view(shape);
+    }
+    return scaled_product(x2, w, r.fwd_a, r.fwd_b, x.scalar_type(), bias).view(shape);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -600,8 +634,17 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     const at::Tensor x2 = x.reshape({-1, k});
     const at::Tensor gy = grads[0].reshape({-1, n});
     at::Tensor gx, gw, gb;
-    if (ctx->needs_input_grad(0)) gx = scaled_product(gy, w.t(), r.dgrad_a, r.dgrad_b, x.scalar_type()).view(x.sizes());
-    if (ctx->needs_input_grad(1)) gw = scaled_product(gy.t(), x2.t(), r.wgrad_a, r.wgrad_b, w.scalar_type());
+    // Tensor scaling: gy's scale once for both products, x's and w's from the forward.
+    at::Tensor sg, sx, sw;
+    if (static_cast<Scaling>(ctx->saved_data["scaling"].toInt()) == Scaling::kTensor) {
+      sg = tensor_scale(gy);
+      sx = ctx->saved_data["sx"].toTensor();
+      sw = ctx->saved_data["sw"].toTensor();
+    }
+    if (ctx->needs_input_grad(0))
+      gx = scaled_product(gy, w.t(), r.dgrad_a, r.dgrad_b, x.scalar_type(), {}, false, sg, sw).view(x.sizes());
+    if (ctx->needs_input_grad(1))
+      gw = scaled_product(gy.t(), x2.t(), r.wgrad_a, r.wgrad_b, w.scalar_type(), {}, false, sg, sx);
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2))
       gb = gy.sum(0, false, at::kFloat).to(gy.scalar_type());
     return {gx, gw, gb, at::Tensor()};

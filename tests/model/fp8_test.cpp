@@ -379,6 +379,14 @@ TEST(Fp8, ScaledProductTakesTransposedViewsAndRefusesOtherCombinations) {
                                            at::kFloat)));
   EXPECT_TRUE(at::equal(tt, at::matmul(dequantize_tensor(quantize_tensor(a.t()), at::kFloat),
                                        dequantize_tensor(quantize_tensor(b.t()), at::kFloat).t())));
+  // Its scales given (what train_linear passes on): the same product; tensor_scale is
+  // quantize_tensor's scale; a given scale is one value, for a tensor-scaled operand.
+  EXPECT_TRUE(at::equal(tensor_scale(a), quantize_tensor(a).scale));
+  EXPECT_TRUE(at::equal(tt, scaled_product(a.t(), b.t(), Operand::kTensor, Operand::kTensor, at::kFloat, {}, false,
+                                           tensor_scale(a), tensor_scale(b))));
+  EXPECT_THROW(scaled_product(a, a, Operand::kGroups, Operand::kGroups, at::kFloat, {}, false, tensor_scale(a)), Error);
+  EXPECT_THROW(scaled_product(a, a, Operand::kTensor, Operand::kTensor, at::kFloat, {}, false, at::ones({2})), Error);
+  EXPECT_EQ(tensor_scale(at::zeros({0, 4})).item<float>(), 1.f);
   const at::Tensor bias = at::randn({48});
   EXPECT_TRUE(at::equal(scaled_product(at::zeros({3, 0}), at::zeros({48, 0}), Operand::kGroups, Operand::kBlocks,
                                        at::kFloat, bias),

@@ -92,6 +92,12 @@ TEST(ModelGpu, Fp8QuantizationEqualsTheCpusBitForBit) {
       EXPECT_TRUE(at::equal(gpu_t.scale.cpu(), cpu_t.scale)) << c10::toString(t) << " " << k << " transposed";
       EXPECT_TRUE(at::equal(gpu_t.q.cpu().view(at::kByte), cpu_t.q.contiguous().view(at::kByte)))
           << c10::toString(t) << " " << k << " transposed";
+      // The scale alone: of rows back to back, of strided rows, of a transposed view.
+      const at::Tensor xg = x.cuda();
+      EXPECT_TRUE(at::equal(fp8::tensor_scale(xg).cpu(), cpu.scale)) << c10::toString(t) << " " << k;
+      EXPECT_TRUE(at::equal(fp8::tensor_scale(xg.narrow(1, 2, k - 5)).cpu(), fp8::tensor_scale(x.narrow(1, 2, k - 5))))
+          << c10::toString(t) << " " << k << " strided";
+      EXPECT_TRUE(at::equal(fp8::tensor_scale(xg.t()).cpu(), cpu.scale)) << c10::toString(t) << " " << k;
     }
   const at::Tensor w = (at::randn({300, 200}) * 0.02).to(at::kBFloat16);
   for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel, fp8::Scaling::kTensor}) {

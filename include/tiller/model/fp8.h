@@ -76,6 +76,9 @@ at::Tensor dequantize_rows(const GroupQuantized& g, c10::ScalarType dtype);
 // Activations [..., K] with one scale for all of them: q [..., K], scale [] fp32 (what a
 // tensor-scaled weight's quantization computes; tensor scaling's activations go per row).
 GroupQuantized quantize_tensor(const at::Tensor& x);
+// quantize_tensor(x)'s scale alone: amax / 448 over all of x (1 for zeros or none), [] fp32 on x's
+// device (one pass over x on a GPU, which may be a transposed view).
+at::Tensor tensor_scale(const at::Tensor& x);
 at::Tensor dequantize_tensor(const GroupQuantized& g, c10::ScalarType dtype);
 
 // x [..., K] times w^T (w [N, K] quantized) with x quantized to match (groups of the block size,
@@ -102,9 +105,12 @@ enum class Operand { kRows, kGroups, kBlocks, kTensor };
 // the GPU quantizes it by tiles without a transposed copy. On Hopper tensor cores (torch's
 // _scaled_mm) for (kGroups, kBlocks), (kGroups, kGroups), (kRows, kRows) and (kTensor, kTensor)
 // with bf16 out;
-// emulated otherwise, or with `emulate`: the same quantization, the product in fp32.
+// emulated otherwise, or with `emulate`: the same quantization, the product in fp32. `scale_a` /
+// `scale_b`: a tensor-scaled operand's scale when its caller has it already (tensor_scale of that
+// operand, or of the tensor it is a view of): the same product without the pass that finds it.
 at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, Operand ob, c10::ScalarType out,
-                          const at::Tensor& bias = {}, bool emulate = false);
+                          const at::Tensor& bias = {}, bool emulate = false, const at::Tensor& scale_a = {},
+                          const at::Tensor& scale_b = {});
 // x [..., K] times w^T (w [N, K], as the ZeRO-3 gather made it) plus `bias`, as one autograd node
 // whose three GEMMs run in FP8 with current scaling. The operands, by `scaling`:
 //   block    forward  x in 1x128 groups, w in 128x128 blocks (DeepSeek-V3's recipe)
@@ -115,7 +121,8 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
 //   tensor   every operand one scale (its largest magnitude over the whole micro-batch or weight):
 //            the fastest GEMMs, the coarsest scales
 // Outputs and gradients in x's dtype; the bias gradient summed in fp32. Nothing is kept for the
-// backward beyond x and w themselves (what at::linear keeps): the backward quantizes again.
+// backward beyond x and w themselves (what at::linear keeps; tensor scaling keeps their two scales
+// too): the backward quantizes again.
 at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling);
 
 // Whether linear() runs on FP8 tensor cores on `device` (a GPU of compute capability 9.x in the

@@ -169,14 +169,13 @@ __device__ __forceinline__ void copy_async_wait_previous() { asm volatile("cp.as
 // consecutive pairs of a row) and write each column's 32 rows of the thread as 32 contiguous codes
 // of its output row (16-byte stores where q's rows are 16-byte aligned: `wide`). The scale is the
 // tile's (a block reduction), each column's (kColumnsTransposed: the four quarters' maxima
-// through shared memory) or the tensor's (kTensorTransposed: every block reduces the `parts`
-// partial maxima of tensor_amax_kernel first; block 0 writes it to scale[0]). Dynamic shared
-// memory: 2 x 128 x 128 values of T.
+// through shared memory) or the tensor's, given (kTensorTransposed: *tensor_scale). Dynamic
+// shared memory: 2 x 128 x 128 values of T.
 template <class T, bool kAsync, int kMode>
 __global__ void __launch_bounds__(256, 3)
     quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride, int64_t tiles_c, int64_t tiles,
                           uint8_t* q, int64_t q_stride, bool wide, float* scale, int64_t scale_stride,
-                          const float* partial, int parts) {
+                          const float* tensor_scale) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kRowThreads = kGroup / kVec;       // threads that copy one tile row
   constexpr int kRowsPerPass = 256 / kRowThreads;  // tile rows copied per pass
@@ -216,13 +215,6 @@ __global__ void __launch_bounds__(256, 3)
 
   int64_t id = blockIdx.x;
   if (id < tiles) load(id, buffers);
-  float tensor_scale = 1.f;
-  if constexpr (kMode == kTensorTransposed) {
-    float a = 0.f;
-    for (int i = t; i < parts; i += blockDim.x) a = fmaxf(a, partial[i]);
-    tensor_scale = fp8_scale(block_max(a));
-    if (blockIdx.x == 0 && t == 0) scale[0] = tensor_scale;
-  }
   for (int it = 0; id < tiles; id += gridDim.x, ++it) {
     const T* tile = buffers + (it & 1) * kGroup * kGroup;
     const int64_t tr = id / tiles_c, tc = id % tiles_c;
@@ -279,7 +271,7 @@ __global__ void __launch_bounds__(256, 3)
         s0 = column_scale(2 * cp);
         s1 = column_scale(2 * cp + 1);
       } else if constexpr (kMode == kTensorTransposed) {
-        s0 = s1 = tensor_scale;
+        s0 = s1 = *tensor_scale;
       } else {
         s0 = s1 = fp8_scale(block_max(vectors_amax(tile)));
       }
@@ -318,51 +310,79 @@ __global__ void __launch_bounds__(256, 3)
   }
 }
 
-// Per-tensor scaling, pass 1: each block's largest magnitude over the vectors of kVec values it
-// strides through (kVec divides k), into partial[blockIdx.x].
+// The largest magnitude of a vector of kVec values (pack_amax; fabsf for single values).
 template <class T, int kVec>
-__global__ void tensor_amax_kernel(const T* x, int64_t rows, int64_t k, int64_t x_stride, float* partial) {
-  using P = Pack<T, kVec>;
-  const int64_t per_row = k / kVec, total = rows * per_row;
-  float amax = 0.f;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / per_row, c = (i - r * per_row) * kVec;
-    const P v = *reinterpret_cast<const P*>(x + r * x_stride + c);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) amax = fmaxf(amax, fabsf(to_f(v.v[j])));
-  }
-  amax = block_max(amax);
-  if (threadIdx.x == 0) partial[blockIdx.x] = amax;
+__device__ __forceinline__ float vector_amax(const Pack<T, kVec>& p) {
+  if constexpr (kVec == 1)
+    return fmaxf(0.f, fabsf(to_f(p.v[0])));
+  else
+    return pack_amax(p);
 }
 
-// Pass 2: the tensor's scale from the `parts` partial maxima (every block reduces them: at most a
-// few hundred floats), then the codes of [padded_rows, q_stride] (zeros past rows and k), kVec at a
-// time; block 0 writes the scale.
+// Per-tensor scaling, pass 1: each block's largest magnitude into partial[blockIdx.x]. Flat
+// (rows of x back to back, n_vec vectors of kVec values): four vectors in flight a thread; else
+// rows of `per_row` vectors at x_stride, a block per row at a time.
 template <class T, int kVec>
-__global__ void quantize_tensor_kernel(const T* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
-                                       uint8_t* q, int64_t q_stride, const float* partial, int parts, float* scale) {
+__global__ void __launch_bounds__(256) tensor_amax_kernel(const T* x, int64_t rows, int64_t per_row,
+                                                          int64_t x_stride, bool flat, float* partial) {
   using P = Pack<T, kVec>;
-  float amax = 0.f;
-  for (int i = threadIdx.x; i < parts; i += blockDim.x) amax = fmaxf(amax, partial[i]);
-  amax = block_max(amax);
-  const float s = fp8_scale(amax);
-  const int64_t per_row = q_stride / kVec, total = padded_rows * per_row;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / per_row, c = (i - r * per_row) * kVec;
-    Pack<uint8_t, kVec> out;
+  const P* v = reinterpret_cast<const P*>(x);
+  float a = 0.f;
+  if (flat) {
+    const int64_t n = rows * per_row, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+      const P v0 = v[i], v1 = v[i + stride], v2 = v[i + 2 * stride], v3 = v[i + 3 * stride];
+      a = fmaxf(a, fmaxf(fmaxf(vector_amax(v0), vector_amax(v1)), fmaxf(vector_amax(v2), vector_amax(v3))));
+    }
+    for (; i < n; i += stride) a = fmaxf(a, vector_amax(v[i]));
+  } else {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+      const P* row = reinterpret_cast<const P*>(x + r * x_stride);
+      for (int64_t j = threadIdx.x; j < per_row; j += blockDim.x) a = fmaxf(a, vector_amax(row[j]));
+    }
+  }
+  a = block_max(a);
+  if (threadIdx.x == 0) partial[blockIdx.x] = a;
+}
+
+// Pass 2: the tensor's scale from the `parts` partial maxima, by one block.
+__global__ void __launch_bounds__(256) tensor_scale_kernel(const float* partial, int parts, float* scale) {
+  float a = 0.f;
+  for (int i = threadIdx.x; i < parts; i += blockDim.x) a = fmaxf(a, partial[i]);
+  a = block_max(a);
+  if (threadIdx.x == 0) *scale = fp8_scale(a);
+}
+
+// The codes of [padded_rows, q_stride] with the scale *scale (zeros past rows and k), kVec values
+// a thread and step: block (bx, by) takes 256 vectors of rows by, by + gridDim.y, ...
+template <class T, int kVec>
+__global__ void __launch_bounds__(256) quantize_scaled_kernel(const T* x, int64_t rows, int64_t padded_rows, int64_t k,
+                                                              int64_t x_stride, uint8_t* q, int64_t q_stride,
+                                                              const float* scale) {
+  using P = Pack<T, kVec>;
+  constexpr int kC = kQuotientCorrections<T>;
+  const Fp8Divider d(*scale);
+  const int64_t c = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * kVec;
+  if (c >= q_stride) return;
+  for (int64_t r = blockIdx.y; r < padded_rows; r += gridDim.y) {
+    uint8_t* out = q + r * q_stride + c;
     if (r < rows && c < k) {
       const P v = *reinterpret_cast<const P*>(x + r * x_stride + c);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) out.v[j] = fp8_code(to_f(v.v[j]), s);
+      if constexpr (kVec == 8) {
+        *reinterpret_cast<uint2*>(out) = make_uint2(pack_codes4(v, 0, d), pack_codes4(v, 4, d));
+      } else if constexpr (kVec == 4) {
+        *reinterpret_cast<uint32_t*>(out) = pack_codes4(v, 0, d);
+      } else {
+        out[0] = d.code<kC>(to_f(v.v[0]));
+      }
     } else {
+      Pack<uint8_t, kVec> zero;
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) out.v[j] = 0;
+      for (int j = 0; j < kVec; ++j) zero.v[j] = 0;
+      *reinterpret_cast<Pack<uint8_t, kVec>*>(out) = zero;
     }
-    *reinterpret_cast<Pack<uint8_t, kVec>*>(q + r * q_stride + c) = out;
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0) *scale = s;
 }
 
 // y = T(y * scale[row] (+ bias[col])) in place, kVec values at a time (kVec divides n and the row
@@ -473,10 +493,10 @@ int64_t resident_blocks(Kernel kernel, int tile_bytes, TileLaunch& l) {
 }
 
 // The tile kernel in `mode` (kTile .. kTensorTransposed) over x [rows, cols] padded to [padded_rows,
-// padded_cols]; `partial` / `parts`: kTensorTransposed's partial maxima.
+// padded_cols]; `tensor_scale`: kTensorTransposed's scale (device memory).
 void launch_tiles(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride, int64_t padded_rows,
                   int64_t padded_cols, int mode, void* q, int64_t q_stride, float* scale, int64_t scale_stride,
-                  const float* partial, int parts, cudaStream_t s) {
+                  const float* tensor_scale, cudaStream_t s) {
   const int64_t tiles = (padded_rows / kGroup) * (padded_cols / kGroup);
   const bool wide = q_stride % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0;
   with_dtype(dtype, [&](auto type) {
@@ -492,7 +512,7 @@ void launch_tiles(DType dtype, const void* x, int64_t rows, int64_t cols, int64_
       const auto blocks = static_cast<unsigned>(std::min<int64_t>(tiles, resident_blocks(kernel, tile_bytes, l)));
       kernel<<<blocks, 256, tile_bytes, s>>>(static_cast<const T*>(x), rows, cols, x_stride, padded_cols / kGroup,
                                              tiles, static_cast<uint8_t*>(q), q_stride, wide, scale, scale_stride,
-                                             partial, parts);
+                                             tensor_scale);
     };
     const auto pick = [&](auto async_c) {
       constexpr bool A = decltype(async_c)::value;
@@ -540,16 +560,45 @@ void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, 
                                 " floats cannot hold " + std::to_string(scale_rows));
   if (tiles_r == 0 || tiles_c == 0) return;
   launch_tiles(dtype, x, rows, cols, x_stride, padded_rows, padded_cols, static_cast<int>(mode), q, q_stride, scale,
-               scale_stride, nullptr, 0, static_cast<cudaStream_t>(stream));
+               scale_stride, nullptr, static_cast<cudaStream_t>(stream));
 }
 
-void quantize_tensor_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
-                         void* q, int64_t q_stride, float* partial, float* scale, void* stream) {
-  if (q_stride < k || q_stride % 4 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0 || padded_rows < rows)
-    throw std::invalid_argument("quantize_tensor_fp8: q must hold every column in 4-byte aligned rows");
-  if (padded_rows == 0) return;
+void tensor_scale_fp8(DType dtype, const void* x, int64_t rows, int64_t k, int64_t x_stride, float* partial,
+                      float* scale, void* stream) {
+  if (rows < 0 || k < 0 || (rows > 1 && x_stride < k))
+    throw std::invalid_argument("tensor_scale_fp8: the row stride is shorter than a row");
   const auto s = static_cast<cudaStream_t>(stream);
   constexpr int kThreads = 256;
+  int parts = 1;
+  with_dtype(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = k % kVec == 0 && x_stride % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    const bool flat = x_stride == k || rows <= 1;
+    const auto launch = [&](auto vec_width) {
+      constexpr int V = decltype(vec_width)::value;
+      const int64_t per_row = k / V, n = rows * per_row;
+      const int64_t blocks = flat ? (n + 4 * kThreads - 1) / (4 * kThreads) : rows;
+      parts = static_cast<int>(std::clamp<int64_t>(blocks, 1, kFp8TensorParts));
+      tensor_amax_kernel<T, V><<<parts, kThreads, 0, s>>>(static_cast<const T*>(x), rows, per_row, x_stride, flat,
+                                                           partial);
+    };
+    if (vec)
+      launch(std::integral_constant<int, kVec>());
+    else
+      launch(std::integral_constant<int, 1>());
+  });
+  tensor_scale_kernel<<<1, kThreads, 0, s>>>(partial, parts, scale);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 tensor scale kernel launch: ") + cudaGetErrorString(err));
+}
+
+void quantize_scaled_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
+                         void* q, int64_t q_stride, const float* scale, void* stream) {
+  if (q_stride < k || q_stride % 4 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0 || padded_rows < rows)
+    throw std::invalid_argument("quantize_scaled_fp8: q must hold every column in 4-byte aligned rows");
+  if (padded_rows == 0 || q_stride == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream);
   with_dtype(dtype, [&](auto type) {
     using T = typename decltype(type)::type;
     constexpr int kVec = 16 / sizeof(T);
@@ -557,13 +606,11 @@ void quantize_tensor_fp8(DType dtype, const void* x, int64_t rows, int64_t padde
                      reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % kVec == 0;
     const auto launch = [&](auto vec_width) {
       constexpr int V = decltype(vec_width)::value;
-      const int64_t in = std::max<int64_t>(1, rows * (k / V)), out = padded_rows * (q_stride / V);
-      const auto parts = static_cast<int>(std::min<int64_t>(kFp8TensorParts, (in + kThreads - 1) / kThreads));
-      const auto blocks = static_cast<unsigned>(std::min<int64_t>(1024, (out + kThreads - 1) / kThreads));
-      tensor_amax_kernel<T, V><<<parts, kThreads, 0, s>>>(static_cast<const T*>(x), rows, k, x_stride, partial);
-      quantize_tensor_kernel<T, V><<<blocks, kThreads, 0, s>>>(static_cast<const T*>(x), rows, padded_rows, k,
-                                                                x_stride, static_cast<uint8_t*>(q), q_stride, partial,
-                                                                parts, scale);
+      // 256 vectors a block across, and about 16 blocks a multiprocessor's worth of rows down.
+      const int64_t across = (q_stride / V + 255) / 256;
+      const int64_t down = std::clamp<int64_t>(2048 / across, 1, std::min<int64_t>(padded_rows, 65535));
+      quantize_scaled_kernel<T, V><<<dim3(static_cast<unsigned>(across), static_cast<unsigned>(down)), 256, 0, s>>>(
+          static_cast<const T*>(x), rows, padded_rows, k, x_stride, static_cast<uint8_t*>(q), q_stride, scale);
     };
     if (vec)
       launch(std::integral_constant<int, kVec>());
@@ -572,37 +619,25 @@ void quantize_tensor_fp8(DType dtype, const void* x, int64_t rows, int64_t padde
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
-    throw std::runtime_error(std::string("fp8 tensor quantize kernel launch: ") + cudaGetErrorString(err));
+    throw std::runtime_error(std::string("fp8 scaled quantize kernel launch: ") + cudaGetErrorString(err));
 }
 
-void quantize_tensor_transposed_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
+void quantize_tensor_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
+                         void* q, int64_t q_stride, float* partial, float* scale, void* stream) {
+  if (q_stride < k || q_stride % 4 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0 || padded_rows < rows)
+    throw std::invalid_argument("quantize_tensor_fp8: q must hold every column in 4-byte aligned rows");
+  if (padded_rows == 0) return;
+  tensor_scale_fp8(dtype, x, rows, k, x_stride, partial, scale, stream);
+  quantize_scaled_fp8(dtype, x, rows, padded_rows, k, x_stride, q, q_stride, scale, stream);
+}
+
+void quantize_scaled_transposed_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
                                     int64_t padded_rows, int64_t padded_cols, void* q, int64_t q_stride,
-                                    float* partial, float* scale, void* stream) {
-  check_tiles("quantize_tensor_transposed_fp8", rows, cols, padded_rows, padded_cols, q, q_stride, padded_rows);
+                                    const float* scale, void* stream) {
+  check_tiles("quantize_scaled_transposed_fp8", rows, cols, padded_rows, padded_cols, q, q_stride, padded_rows);
   if (padded_rows == 0 || padded_cols == 0) return;
-  const auto s = static_cast<cudaStream_t>(stream);
-  constexpr int kThreads = 256;
-  int parts = 0;
-  with_dtype(dtype, [&](auto type) {
-    using T = typename decltype(type)::type;
-    constexpr int kVec = 16 / sizeof(T);
-    const bool vec = cols % kVec == 0 && x_stride % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-    const auto amax = [&](auto vec_width) {
-      constexpr int V = decltype(vec_width)::value;
-      const int64_t in = std::max<int64_t>(1, rows * (cols / V));
-      parts = static_cast<int>(std::min<int64_t>(kFp8TensorParts, (in + kThreads - 1) / kThreads));
-      tensor_amax_kernel<T, V><<<parts, kThreads, 0, s>>>(static_cast<const T*>(x), rows, cols, x_stride, partial);
-    };
-    if (vec)
-      amax(std::integral_constant<int, kVec>());
-    else
-      amax(std::integral_constant<int, 1>());
-  });
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("fp8 tensor amax kernel launch: ") + cudaGetErrorString(err));
-  launch_tiles(dtype, x, rows, cols, x_stride, padded_rows, padded_cols, kTensorTransposed, q, q_stride, scale, 1,
-               partial, parts, s);
+  launch_tiles(dtype, x, rows, cols, x_stride, padded_rows, padded_cols, kTensorTransposed, q, q_stride, nullptr, 1,
+               scale, static_cast<cudaStream_t>(stream));
 }
 
 void scale_rows(DType dtype, void* y, int64_t rows, int64_t n, int64_t y_stride, const float* scale, const void* bias,

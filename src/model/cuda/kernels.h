@@ -74,13 +74,19 @@ void quantize_groups_fp8(DType dtype, const void* x, int64_t rows, int64_t padde
 void quantize_rows_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
                        void* q, int64_t q_stride, float* scale, void* stream);
 
-// The same with one scale for the whole of x (per-tensor scaling, engines.fp8_scaling: tensor): s =
-// amax of x's rows x k values / 448 (1 for zeros), codes as above (zeros past k and past rows), and
-// *scale = s (device memory). `partial` holds kFp8TensorParts floats of scratch: a first kernel
-// writes blocks' maxima there, a second reduces them and writes the codes.
-constexpr int64_t kFp8TensorParts = 264;
+// The same with one scale for the whole of x (per-tensor scaling: engines.fp8_scaling and
+// roles.<r>.fp8_scaling tensor): s = amax of x's rows x k values / 448 (1 for zeros), codes as
+// above (zeros past k and past rows), and *scale = s (device memory). `partial` holds
+// kFp8TensorParts floats of scratch. In two steps, each on its own:
+//   tensor_scale_fp8     s alone (the blocks' maxima into `partial`, then one block reduces them);
+//   quantize_scaled_fp8  the codes with a given s (*scale, device memory; read, not written).
+constexpr int64_t kFp8TensorParts = 1056;
 void quantize_tensor_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
                          void* q, int64_t q_stride, float* partial, float* scale, void* stream);
+void tensor_scale_fp8(DType dtype, const void* x, int64_t rows, int64_t k, int64_t x_stride, float* partial,
+                      float* scale, void* stream);
+void quantize_scaled_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
+                         void* q, int64_t q_stride, const float* scale, void* stream);
 
 // FP8 quantization of x [rows, cols] by 128x128 tiles over the padded extents [padded_rows,
 // padded_cols] (multiples of 128; values past rows or cols are zeros), for the FP8 training's
@@ -98,15 +104,13 @@ void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, 
                         int64_t padded_rows, int64_t padded_cols, Fp8Tiles mode, void* q, int64_t q_stride,
                         float* scale, int64_t scale_stride, void* stream);
 
-// x^T's codes with one scale for the whole of x (FP8 training's tensor scaling, the backward's
-// transposed operands): s = amax of x [rows, cols] / 448 (1 for zeros), q [padded_cols,
-// padded_rows] = e4m3(x^T / s) (zeros past cols and rows), *scale = s: the codes and scale
-// quantize_tensor_fp8 gives x^T's contiguous copy. Padded extents whole tiles of 128, q's rows
-// 8-byte aligned; `partial` holds kFp8TensorParts floats of scratch. Nothing is written when a
-// padded extent is 0.
-void quantize_tensor_transposed_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
+// x^T's codes with a given scale for the whole of x (FP8 training's tensor scaling, the backward's
+// transposed operands): q [padded_cols, padded_rows] = e4m3(x^T / *scale) (zeros past cols and
+// rows), x [rows, cols] row-major: what quantize_scaled_fp8 gives x^T's contiguous copy, by the
+// tile kernel. Padded extents whole tiles of 128, q's rows 8-byte aligned.
+void quantize_scaled_transposed_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
                                     int64_t padded_rows, int64_t padded_cols, void* q, int64_t q_stride,
-                                    float* partial, float* scale, void* stream);
+                                    const float* scale, void* stream);
 
 // One token per row of logits [rows, vocab] (row stride given, in elements of `dtype`) for the
 // rows' parameters params [rows][3] (temperature, min_p, u): a temperature of 0 takes the first
