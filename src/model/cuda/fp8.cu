@@ -165,11 +165,12 @@ __device__ __forceinline__ void copy_async_wait_previous() { asm volatile("cp.as
 // 16-byte copies (kAsync: rows whose vectors are whole and aligned; else values loaded one by one)
 // land while the current one is quantized. A tile row is copied by 128 / kVec threads, 16 (bf16) or
 // 8 (fp32) rows a pass. kTile reads the tile back in the same layout (conflict-free 16-byte reads)
-// and writes codes in x's layout; the transposed modes read pairs of columns (a warp reads 32
-// consecutive pairs of a row) and write each column's 32 rows of the thread as 32 contiguous codes
-// of its output row (16-byte stores where q's rows are 16-byte aligned: `wide`). The scale is the
-// tile's (a block reduction), each column's (kColumnsTransposed: the four quarters' maxima
-// through shared memory) or the tensor's, given (kTensorTransposed: *tensor_scale). Dynamic
+// and writes codes in x's layout; the transposed modes stage the tile swizzled, read pairs of
+// columns over 16 rows a thread (a warp: 4 pairs of 8 rows at once, on distinct banks) and write
+// each column's 16 rows as 16 contiguous codes of its output row (16-byte stores where q's rows
+// are 16-byte aligned: `wide`; a warp's store fills 128-byte lines). The scale is the tile's (a
+// block reduction), each column's (kColumnsTransposed: over the thread's rows, then the warp's
+// lanes that hold the column) or the tensor's, given (kTensorTransposed: *tensor_scale). Dynamic
 // shared memory: 2 x 128 x 128 values of T.
 template <class T, bool kAsync, int kMode>
 __global__ void __launch_bounds__(256, 3)
@@ -181,9 +182,15 @@ __global__ void __launch_bounds__(256, 3)
   constexpr int kRowsPerPass = 256 / kRowThreads;  // tile rows copied per pass
   constexpr int kPasses = kGroup / kRowsPerPass;   // vectors per thread
   extern __shared__ __align__(16) unsigned char tile_bytes[];
-  __shared__ float col_max[4][kGroup];
   const int t = threadIdx.x, lr = t / kRowThreads, lc = (t % kRowThreads) * kVec;
   T* const buffers = reinterpret_cast<T*>(tile_bytes);  // [2][kGroup][kGroup]
+  // The transposed modes store a row's 16-byte chunks XOR-swizzled by its 16-row band: chunk c of
+  // row r at c ^ ((r / 16) % 8 * sizeof(T) / 2), so that the 8 rows a warp reads at once (16
+  // apart) fall on distinct banks (two-byte values; fp32's 256 bytes take two wavefronts, the
+  // fewest). kTile keeps x's layout.
+  const auto swizzled_chunk = [](int row, int chunk) {
+    return kMode == kTile ? chunk : chunk ^ ((row >> 4) & 7) * static_cast<int>(sizeof(T) / 2);
+  };
 
   const auto load = [&](int64_t id, T* dst) {
     const int64_t tr = id / tiles_c, tc = id % tiles_c;
@@ -192,7 +199,7 @@ __global__ void __launch_bounds__(256, 3)
     for (int i = 0; i < kPasses; ++i) {
       const int rr = i * kRowsPerPass + lr;
       const int64_t row = tr * kGroup + rr;
-      T* d = dst + rr * kGroup + lc;
+      T* d = dst + rr * kGroup + swizzled_chunk(rr, lc / kVec) * kVec;
       if constexpr (kAsync) {
         const bool in = row < rows && col < cols;  // cols % kVec == 0: a vector is wholly in or out
         copy_async16(d, in ? x + row * x_stride + col : x, in);
@@ -236,75 +243,72 @@ __global__ void __launch_bounds__(256, 3)
       }
       if (t == 0) scale[tr * scale_stride + tc] = d.s;
     } else {
-      // Thread (cp, qr) reads the columns 2cp and 2cp + 1 over the rows 32qr .. 32qr + 31 as pairs
-      // (a warp reads 32 consecutive pairs of a row: conflict-free) and writes them as 32 codes
-      // of output rows 2cp and 2cp + 1.
-      constexpr int kQuarter = kGroup / 4;
-      const int cp = t % (kGroup / 2), qr = t / (kGroup / 2);
-      const T* base = tile + qr * kQuarter * kGroup + 2 * cp;
-      Pack<T, 2> v[kQuarter];
+      // Lane p + 4s of warp g takes the rows 16s .. 16s + 15 of two column pairs, 16g + 2p + 8h for
+      // h = 0, 1, one pair at a time: the warp reads 4 consecutive pairs of each of 8 rows at once
+      // (on distinct banks: the swizzle). It writes each column's 16 codes as 16 contiguous bytes
+      // of its output row: a warp's store fills whole 128-byte lines of 4 output rows.
+      constexpr int kRows = kGroup / 8;
+      constexpr int kC = kQuotientCorrections<T>;
+      const int lane = t % 32, s = lane / 4, first = 16 * (t / 32) + 2 * (lane % 4);
+      uint8_t* const out_base = q + (tc * kGroup) * q_stride + tr * kGroup + kRows * s;
+      float one = 1.f;  // the tile's or the tensor's scale
+      if constexpr (kMode == kTensorTransposed)
+        one = *tensor_scale;
+      else if constexpr (kMode == kTileTransposed)
+        one = fp8_scale(block_max(vectors_amax(tile)));
 #pragma unroll
-      for (int i = 0; i < kQuarter; ++i) v[i] = *reinterpret_cast<const Pack<T, 2>*>(base + i * kGroup);
-      float s0, s1;
-      if constexpr (kMode == kColumnsTransposed) {
-        float a0 = 0.f, a1 = 0.f;
-        if constexpr (sizeof(T) == 2) {  // pairwise maxima of the packed pairs (as pack_amax)
-          using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-          T2 m = __habs2(*reinterpret_cast<const T2*>(v[0].v));
+      for (int h = 0; h < 2; ++h) {
+        const int col = first + 8 * h;
+        const T* const base = tile + kRows * s * kGroup + swizzled_chunk(kRows * s, col / kVec) * kVec + col % kVec;
+        Pack<T, 2> v[kRows];
 #pragma unroll
-          for (int i = 1; i < kQuarter; ++i) m = __hmax2(m, __habs2(*reinterpret_cast<const T2*>(v[i].v)));
-          a0 = fmaxf(0.f, to_f(m.x));
-          a1 = fmaxf(0.f, to_f(m.y));
-        } else {
+        for (int i = 0; i < kRows; ++i) v[i] = *reinterpret_cast<const Pack<T, 2>*>(base + i * kGroup);
+        float sc[2] = {one, one};
+        if constexpr (kMode == kColumnsTransposed) {
+          // Each column's largest magnitude over the thread's 16 rows, then over the 8 lanes of
+          // the warp that hold the same columns (lanes 4 apart).
+          float a[2];
+          if constexpr (sizeof(T) == 2) {  // pairwise maxima of the packed pairs (as pack_amax)
+            using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+            T2 m = __habs2(*reinterpret_cast<const T2*>(v[0].v));
 #pragma unroll
-          for (int i = 0; i < kQuarter; ++i) {
-            a0 = fmaxf(a0, fabsf(v[i].v[0]));
-            a1 = fmaxf(a1, fabsf(v[i].v[1]));
+            for (int i = 1; i < kRows; ++i) m = __hmax2(m, __habs2(*reinterpret_cast<const T2*>(v[i].v)));
+            a[0] = fmaxf(0.f, to_f(m.x));
+            a[1] = fmaxf(0.f, to_f(m.y));
+          } else {
+            a[0] = a[1] = 0.f;
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) {
+              a[0] = fmaxf(a[0], fabsf(v[i].v[0]));
+              a[1] = fmaxf(a[1], fabsf(v[i].v[1]));
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int off = 4; off < 32; off *= 2) a[j] = fmaxf(a[j], __shfl_xor_sync(0xffffffffu, a[j], off));
+            sc[j] = fp8_scale(a[j]);
           }
         }
-        col_max[qr][2 * cp] = a0;
-        col_max[qr][2 * cp + 1] = a1;
-        __syncthreads();
-        const auto column_scale = [&](int c) {
-          return fp8_scale(fmaxf(fmaxf(col_max[0][c], col_max[1][c]), fmaxf(col_max[2][c], col_max[3][c])));
-        };
-        s0 = column_scale(2 * cp);
-        s1 = column_scale(2 * cp + 1);
-      } else if constexpr (kMode == kTensorTransposed) {
-        s0 = s1 = *tensor_scale;
-      } else {
-        s0 = s1 = fp8_scale(block_max(vectors_amax(tile)));
-      }
-      const Fp8Divider d0(s0), d1(s1);
-      constexpr int kC = kQuotientCorrections<T>;
-      uint32_t w0[kQuarter / 4], w1[kQuarter / 4];
 #pragma unroll
-      for (int b = 0; b < kQuarter / 4; ++b) {
-        w0[b] = d0.code2<kC>(to_f(v[4 * b].v[0]), to_f(v[4 * b + 1].v[0])) |
-                d0.code2<kC>(to_f(v[4 * b + 2].v[0]), to_f(v[4 * b + 3].v[0])) << 16;
-        w1[b] = d1.code2<kC>(to_f(v[4 * b].v[1]), to_f(v[4 * b + 1].v[1])) |
-                d1.code2<kC>(to_f(v[4 * b + 2].v[1]), to_f(v[4 * b + 3].v[1])) << 16;
-      }
-      // 32 codes a row: two 16-byte stores where q allows them (`wide`), else four of 8 bytes.
-      uint8_t* out0 = q + (tc * kGroup + 2 * cp) * q_stride + tr * kGroup + qr * kQuarter;
-      uint8_t* out1 = out0 + q_stride;
+        for (int j = 0; j < 2; ++j) {
+          const Fp8Divider d(sc[j]);
+          uint32_t w[4];
 #pragma unroll
-      for (int w = 0; w < kQuarter / 16; ++w) {
-        if (wide) {
-          reinterpret_cast<uint4*>(out0)[w] = make_uint4(w0[4 * w], w0[4 * w + 1], w0[4 * w + 2], w0[4 * w + 3]);
-          reinterpret_cast<uint4*>(out1)[w] = make_uint4(w1[4 * w], w1[4 * w + 1], w1[4 * w + 2], w1[4 * w + 3]);
-        } else {
-          reinterpret_cast<uint2*>(out0)[2 * w] = make_uint2(w0[4 * w], w0[4 * w + 1]);
-          reinterpret_cast<uint2*>(out0)[2 * w + 1] = make_uint2(w0[4 * w + 2], w0[4 * w + 3]);
-          reinterpret_cast<uint2*>(out1)[2 * w] = make_uint2(w1[4 * w], w1[4 * w + 1]);
-          reinterpret_cast<uint2*>(out1)[2 * w + 1] = make_uint2(w1[4 * w + 2], w1[4 * w + 3]);
+          for (int b = 0; b < 4; ++b)
+            w[b] = d.code2<kC>(to_f(v[4 * b].v[j]), to_f(v[4 * b + 1].v[j])) |
+                   d.code2<kC>(to_f(v[4 * b + 2].v[j]), to_f(v[4 * b + 3].v[j])) << 16;
+          uint8_t* const out = out_base + (col + j) * q_stride;
+          if (wide) {
+            *reinterpret_cast<uint4*>(out) = make_uint4(w[0], w[1], w[2], w[3]);
+          } else {
+            reinterpret_cast<uint2*>(out)[0] = make_uint2(w[0], w[1]);
+            reinterpret_cast<uint2*>(out)[1] = make_uint2(w[2], w[3]);
+          }
+          if (kMode == kColumnsTransposed && s == 0) scale[tr * scale_stride + tc * kGroup + col + j] = sc[j];
         }
       }
-      if (kMode == kTileTransposed && t == 0) scale[tc * scale_stride + tr] = s0;
-      if (kMode == kColumnsTransposed && qr == 0) {
-        scale[tr * scale_stride + tc * kGroup + 2 * cp] = s0;
-        scale[tr * scale_stride + tc * kGroup + 2 * cp + 1] = s1;
-      }
+      if (kMode == kTileTransposed && t == 0) scale[tc * scale_stride + tr] = one;
     }
     __syncthreads();  // the tile's buffer takes the copies of two tiles on
   }
