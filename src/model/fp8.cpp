@@ -568,8 +568,9 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
                  : round_up(x.size(0), 16);
     };
     const int64_t mp = padded(ak, oa), np = padded(bk, ob);
-    const DeviceOperand qa = device_operand(ak, oa, mp, kp, false, scale_a.defined() ? scale_a.reshape({}) : scale_a, stream);
-    const DeviceOperand qb = device_operand(bk, ob, np, kp, true, scale_b.defined() ? scale_b.reshape({}) : scale_b, stream);
+    const auto scalar = [](const at::Tensor& s) { return s.defined() ? s.reshape({}) : s; };
+    const DeviceOperand qa = device_operand(ak, oa, mp, kp, false, scalar(scale_a), stream);
+    const DeviceOperand qb = device_operand(bk, ob, np, kp, true, scalar(scale_b), stream);
     const bool epilogue_bias = bias.defined() && np == n;
     at::Tensor y = at::_scaled_mm(qa.q, qb.q.t(), qa.scale, qb.scale,
                                   epilogue_bias ? std::optional<at::Tensor>(bias.to(out)) : std::nullopt,

@@ -104,10 +104,10 @@ enum class Operand { kRows, kGroups, kBlocks, kTensor };
 // Either operand may be a transposed view of a row-major tensor (the backward's gy^T, x^T, w^T):
 // the GPU quantizes it by tiles without a transposed copy. On Hopper tensor cores (torch's
 // _scaled_mm) for (kGroups, kBlocks), (kGroups, kGroups), (kRows, kRows) and (kTensor, kTensor)
-// with bf16 out;
-// emulated otherwise, or with `emulate`: the same quantization, the product in fp32. `scale_a` /
-// `scale_b`: a tensor-scaled operand's scale when its caller has it already (tensor_scale of that
-// operand, or of the tensor it is a view of): the same product without the pass that finds it.
+// with bf16 out; emulated otherwise, or with `emulate`: the same quantization, the product in
+// fp32. `scale_a` / `scale_b`: a tensor-scaled operand's scale when its caller has it already
+// (tensor_scale of that operand, or of the tensor it is a view of): the same product without the
+// pass that finds it.
 at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, Operand ob, c10::ScalarType out,
                           const at::Tensor& bias = {}, bool emulate = false, const at::Tensor& scale_a = {},
                           const at::Tensor& scale_b = {});

@@ -594,7 +594,8 @@ void tensor_scale_fp8(DType dtype, const void* x, int64_t rows, int64_t k, int64
   });
   tensor_scale_kernel<<<1, kThreads, 0, s>>>(partial, parts, scale);
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw std::runtime_error(std::string("fp8 tensor scale kernel launch: ") + cudaGetErrorString(err));
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("fp8 tensor scale kernel launch: ") + cudaGetErrorString(err));
 }
 
 void quantize_scaled_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
