@@ -1,8 +1,10 @@
-// FP8 training's quantization kernels alone (src/model/cuda/fp8.cu: quantize_groups_fp8 and
-// quantize_tiles_fp8) at the 7B step's shapes: microseconds and GB/s a launch, and a hash of every
-// output, so that two builds of fp8.cu (e.g. HEAD's and the working tree's) can be compared bit for
-// bit; and Fp8Divider (fp8_codes.cuh) against the division over every pair of bf16 values, with one
-// correction and with two.
+// FP8 training's quantization kernels alone (src/model/cuda/fp8.cu: quantize_groups_fp8,
+// quantize_tiles_fp8, and tensor scaling's tensor_scale_fp8 with quantize_scaled_fp8 or
+// quantize_scaled_transposed_fp8) at the 7B step's shapes: microseconds and GB/s a launch, and a
+// hash of every output, so that two builds of fp8.cu (e.g. HEAD's and the working tree's) can be
+// compared bit for bit; and Fp8Divider (fp8_codes.cuh) against the division over every pair of
+// bf16 values, with one correction and with two. The tensor cases need a build that has them
+// (from 2026-11-29).
 //   nvcc -std=c++17 -O2 -arch=sm_90 -I src -o probe scripts/gpu/fp8_quantize_probe.cu src/model/cuda/fp8.cu
 //   ./probe            # one line per case: name, us, GB/s, hash
 #include <cuda_bf16.h>
@@ -137,6 +139,56 @@ void run(const char* what, int mode, int64_t rows, int64_t cols, int64_t stride,
   CHECK(cudaFree(s));
 }
 
+// Tensor scaling (roles.<r>.fp8_scaling: tensor): the tensor's scale (tensor_scale_fp8) and its
+// codes for that scale, x's own layout (quantize_scaled_fp8) or x^T by tiles
+// (quantize_scaled_transposed_fp8); timed together, as train_linear runs them.
+template <class T>
+void run_tensor(const char* what, bool transposed, int64_t rows, int64_t cols, int64_t stride, int reps) {
+  T* x;
+  CHECK(cudaMalloc(&x, rows * stride * sizeof(T)));
+  fill<T><<<(rows * stride + 255) / 256, 256>>>(x, rows, cols, stride, 11u + static_cast<uint32_t>(rows ^ cols));
+  CHECK(cudaGetLastError());
+  const int64_t pr = transposed ? up(rows, 128) : up(rows, 16), pc = transposed ? up(cols, 128) : up(cols, 16);
+  const int64_t q_rows = transposed ? pc : pr, q_cols = transposed ? pr : pc;
+  uint8_t* q;
+  float *s, *partial;
+  CHECK(cudaMalloc(&q, q_rows * q_cols));
+  CHECK(cudaMalloc(&s, sizeof(float)));
+  CHECK(cudaMalloc(&partial, kFp8TensorParts * sizeof(float)));
+  CHECK(cudaMemset(q, 0xAB, q_rows * q_cols));
+  auto launch = [&] {
+    tensor_scale_fp8(Dt<T>::v, x, rows, cols, stride, partial, s, nullptr);
+    if (transposed)
+      quantize_scaled_transposed_fp8(Dt<T>::v, x, rows, cols, stride, pr, pc, q, q_cols, s, nullptr);
+    else
+      quantize_scaled_fp8(Dt<T>::v, x, rows, pr, cols, stride, q, q_cols, s, nullptr);
+  };
+  launch();
+  CHECK(cudaDeviceSynchronize());
+  std::vector<uint8_t> hq(q_rows * q_cols), hs(sizeof(float));
+  CHECK(cudaMemcpy(hq.data(), q, hq.size(), cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(hs.data(), s, hs.size(), cudaMemcpyDeviceToHost));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  CHECK(cudaEventRecord(a));
+  for (int i = 0; i < reps; ++i) launch();
+  CHECK(cudaEventRecord(b));
+  CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  CHECK(cudaEventElapsedTime(&ms, a, b));
+  const double us = ms * 1e3 / reps;
+  // x read twice (its maximum, then its codes), the codes written once.
+  const double bytes = 2.0 * rows * cols * sizeof(T) + static_cast<double>(q_rows) * q_cols;
+  std::printf("%-34s %-4s %6lld x %6lld  %9.1f us  %7.0f GB/s  q %016llx s %016llx\n", what, Dt<T>::name,
+              static_cast<long long>(rows), static_cast<long long>(cols), us, bytes / us / 1e3,
+              static_cast<unsigned long long>(fnv(hq)), static_cast<unsigned long long>(fnv(hs)));
+  CHECK(cudaFree(x));
+  CHECK(cudaFree(q));
+  CHECK(cudaFree(s));
+  CHECK(cudaFree(partial));
+}
+
 // Every bf16 v against every finite positive bf16 amax >= |v|: Fp8Divider's code against the
 // division's, and the quotients themselves where fp8_quotient.h says they are equal.
 __global__ void divider_check(unsigned long long* code_diff, unsigned long long* quot_diff,
@@ -195,6 +247,21 @@ int main(int argc, char** argv) {
     run<float>(names[mode + 1], mode, 1000, 1000, 1000, 3);
     run<float>(names[mode + 1], mode, 999, 1001, 1003, 3);
     run<float>(names[mode + 1], mode, 257, 260, 264, 3);
+  }
+  // Tensor scaling: the 7B shapes, then the edges.
+  run_tensor<__nv_bfloat16>("tensor  x/gy [M, 18944]", false, 8192, 18944, 18944, reps);
+  run_tensor<__nv_bfloat16>("tensor^T x/gy [M, 18944]", true, 8192, 18944, 18944, reps);
+  run_tensor<__nv_bfloat16>("tensor  x/gy [M, 3584]", false, 8192, 3584, 3584, reps);
+  run_tensor<__nv_bfloat16>("tensor^T x/gy [M, 3584]", true, 8192, 3584, 3584, reps);
+  run_tensor<__nv_bfloat16>("tensor  w [18944, 3584]", false, 18944, 3584, 3584, reps);
+  run_tensor<__nv_bfloat16>("tensor^T w [18944, 3584]", true, 18944, 3584, 3584, reps);
+  for (const bool tr : {false, true}) {
+    const char* name = tr ? "tensor^T" : "tensor";
+    run_tensor<__nv_bfloat16>(name, tr, 999, 1001, 1003, 3);
+    run_tensor<__nv_bfloat16>(name, tr, 300, 136, 144, 3);
+    run_tensor<__half>(name, tr, 999, 1001, 1003, 3);
+    run_tensor<float>(name, tr, 1000, 1000, 1000, 3);
+    run_tensor<float>(name, tr, 257, 260, 264, 3);
   }
   return 0;
 }
