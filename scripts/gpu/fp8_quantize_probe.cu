@@ -81,13 +81,45 @@ struct Dt<float> {
 
 int64_t up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
+// x [rows, stride] on the device, filled (fill) for `seed`.
+template <class T>
+T* filled(int64_t rows, int64_t cols, int64_t stride, uint32_t seed) {
+  T* x;
+  CHECK(cudaMalloc(&x, rows * stride * sizeof(T)));
+  fill<T><<<(rows * stride + 255) / 256, 256>>>(x, rows, cols, stride, seed);
+  CHECK(cudaGetLastError());
+  return x;
+}
+
+// Runs `launch` once and hashes its codes q and scales s (device buffers of the given sizes), then
+// times `reps` more launches and prints one line: name, shape, microseconds, GB/s over `bytes`.
+template <class T, class F>
+void measure(const char* what, int64_t rows, int64_t cols, F&& launch, int reps, const uint8_t* q, size_t q_bytes,
+             const float* s, size_t s_bytes, double bytes) {
+  launch();
+  CHECK(cudaDeviceSynchronize());
+  std::vector<uint8_t> hq(q_bytes), hs(s_bytes);
+  CHECK(cudaMemcpy(hq.data(), q, hq.size(), cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(hs.data(), s, hs.size(), cudaMemcpyDeviceToHost));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  CHECK(cudaEventRecord(a));
+  for (int i = 0; i < reps; ++i) launch();
+  CHECK(cudaEventRecord(b));
+  CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  CHECK(cudaEventElapsedTime(&ms, a, b));
+  const double us = ms * 1e3 / reps;
+  std::printf("%-34s %-4s %6lld x %6lld  %9.1f us  %7.0f GB/s  q %016llx s %016llx\n", what, Dt<T>::name,
+              static_cast<long long>(rows), static_cast<long long>(cols), us, bytes / us / 1e3,
+              static_cast<unsigned long long>(fnv(hq)), static_cast<unsigned long long>(fnv(hs)));
+}
+
 // mode -1: groups; else the tiles mode.
 template <class T>
 void run(const char* what, int mode, int64_t rows, int64_t cols, int64_t stride, int reps) {
-  T* x;
-  CHECK(cudaMalloc(&x, rows * stride * sizeof(T)));
-  fill<T><<<(rows * stride + 255) / 256, 256>>>(x, rows, cols, stride, 7u + static_cast<uint32_t>(rows ^ cols));
-  CHECK(cudaGetLastError());
+  T* const x = filled<T>(rows, cols, stride, 7u + static_cast<uint32_t>(rows ^ cols));
   int64_t q_rows, q_cols, s_count, s_stride;
   int64_t pr, pc;
   if (mode < 0) {
@@ -114,26 +146,9 @@ void run(const char* what, int mode, int64_t rows, int64_t cols, int64_t stride,
       quantize_tiles_fp8(Dt<T>::v, x, rows, cols, stride, pr, pc, static_cast<Fp8Tiles>(mode), q, q_cols, s,
                          s_stride, nullptr);
   };
-  launch();
-  CHECK(cudaDeviceSynchronize());
-  std::vector<uint8_t> hq(q_rows * q_cols), hs(s_count * sizeof(float));
-  CHECK(cudaMemcpy(hq.data(), q, hq.size(), cudaMemcpyDeviceToHost));
-  CHECK(cudaMemcpy(hs.data(), s, hs.size(), cudaMemcpyDeviceToHost));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  CHECK(cudaEventRecord(a));
-  for (int i = 0; i < reps; ++i) launch();
-  CHECK(cudaEventRecord(b));
-  CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, a, b));
-  const double us = ms * 1e3 / reps;
   const double bytes = static_cast<double>(rows) * cols * sizeof(T) + static_cast<double>(q_rows) * q_cols +
                        static_cast<double>(s_count) * 4;
-  std::printf("%-34s %-4s %6lld x %6lld  %9.1f us  %7.0f GB/s  q %016llx s %016llx\n", what, Dt<T>::name,
-              static_cast<long long>(rows), static_cast<long long>(cols), us, bytes / us / 1e3,
-              static_cast<unsigned long long>(fnv(hq)), static_cast<unsigned long long>(fnv(hs)));
+  measure<T>(what, rows, cols, launch, reps, q, q_rows * q_cols, s, s_count * sizeof(float), bytes);
   CHECK(cudaFree(x));
   CHECK(cudaFree(q));
   CHECK(cudaFree(s));
@@ -144,10 +159,7 @@ void run(const char* what, int mode, int64_t rows, int64_t cols, int64_t stride,
 // (quantize_scaled_transposed_fp8); timed together, as train_linear runs them.
 template <class T>
 void run_tensor(const char* what, bool transposed, int64_t rows, int64_t cols, int64_t stride, int reps) {
-  T* x;
-  CHECK(cudaMalloc(&x, rows * stride * sizeof(T)));
-  fill<T><<<(rows * stride + 255) / 256, 256>>>(x, rows, cols, stride, 11u + static_cast<uint32_t>(rows ^ cols));
-  CHECK(cudaGetLastError());
+  T* const x = filled<T>(rows, cols, stride, 11u + static_cast<uint32_t>(rows ^ cols));
   const int64_t pr = transposed ? up(rows, 128) : up(rows, 16), pc = transposed ? up(cols, 128) : up(cols, 16);
   const int64_t q_rows = transposed ? pc : pr, q_cols = transposed ? pr : pc;
   uint8_t* q;
@@ -163,26 +175,9 @@ void run_tensor(const char* what, bool transposed, int64_t rows, int64_t cols, i
     else
       quantize_scaled_fp8(Dt<T>::v, x, rows, pr, cols, stride, q, q_cols, s, nullptr);
   };
-  launch();
-  CHECK(cudaDeviceSynchronize());
-  std::vector<uint8_t> hq(q_rows * q_cols), hs(sizeof(float));
-  CHECK(cudaMemcpy(hq.data(), q, hq.size(), cudaMemcpyDeviceToHost));
-  CHECK(cudaMemcpy(hs.data(), s, hs.size(), cudaMemcpyDeviceToHost));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  CHECK(cudaEventRecord(a));
-  for (int i = 0; i < reps; ++i) launch();
-  CHECK(cudaEventRecord(b));
-  CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, a, b));
-  const double us = ms * 1e3 / reps;
   // x read twice (its maximum, then its codes), the codes written once.
   const double bytes = 2.0 * rows * cols * sizeof(T) + static_cast<double>(q_rows) * q_cols;
-  std::printf("%-34s %-4s %6lld x %6lld  %9.1f us  %7.0f GB/s  q %016llx s %016llx\n", what, Dt<T>::name,
-              static_cast<long long>(rows), static_cast<long long>(cols), us, bytes / us / 1e3,
-              static_cast<unsigned long long>(fnv(hq)), static_cast<unsigned long long>(fnv(hs)));
+  measure<T>(what, rows, cols, launch, reps, q, q_rows * q_cols, s, sizeof(float), bytes);
   CHECK(cudaFree(x));
   CHECK(cudaFree(q));
   CHECK(cudaFree(s));
