@@ -5,6 +5,7 @@
 
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
+#include "tiller/model/fp8.h"
 #include "tiller/zero/flat_layout.h"
 #include "tiller/zero/host_adamw.h"
 #include "tiller/zero/optimizer.h"
@@ -283,6 +284,17 @@ TEST(RoleOptions, FromTheJobConfig) {
     EXPECT_NE(std::string(e.what()).find("roles.actor.replicate"), std::string::npos) << e.what();
   }
   role.replicate = false;
+  // roles.<r>.fp8 and its scaling, each to the model's own.
+  EXPECT_FALSE(role_options("actor", role, train, true, model::Head::kLm, at::kCPU).fp8.has_value());
+  role.fp8 = true;
+  using model::fp8::Scaling;
+  for (const auto& [key, scaling] : {std::pair{Fp8Scaling::kBlock, Scaling::kBlock},
+                                     std::pair{Fp8Scaling::kChannel, Scaling::kChannel},
+                                     std::pair{Fp8Scaling::kTensor, Scaling::kTensor}}) {
+    role.fp8_scaling = key;
+    EXPECT_EQ(role_options("actor", role, train, true, model::Head::kLm, at::kCPU).fp8, scaling);
+  }
+  role.fp8 = false;
   role.dtype = Precision::kFp32;
   EXPECT_EQ(role_options("critic", role, train, true, model::Head::kValue, at::kCPU).compute_dtype, at::kFloat);
   role.optimizer_offload = OptimizerOffload::kCpu;
