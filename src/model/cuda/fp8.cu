@@ -1,7 +1,7 @@
 // FP8 (e4m3) quantization of activations per token and group of 128 features (a block per 64
-// rows of a group, four threads a row), per token (one block per row), and of 128x128 tiles (each
-// block looping over tiles, the next one's copies in flight: the FP8 training's weights and
-// transposed operands); kernels.h. The training kernels divide by a scale through its reciprocal
+// rows of a group, four threads a row), per token (one block per row), per tensor (its maximum,
+// then the codes for a given scale), and of 128x128 tiles (each block looping over tiles, the next
+// one's copies in flight: the FP8 training's weights and transposed operands); kernels.h. The training kernels divide by a scale through its reciprocal
 // (Fp8Divider: the same codes as the division).
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -20,8 +20,8 @@ namespace tiller::model::cuda {
 namespace {
 
 constexpr int kGroup = 128;
-// quantize_tiles_fp8's modes (kernels.h), and x^T with one scale for the whole tensor
-// (quantize_tensor_transposed_fp8)
+// quantize_tiles_fp8's modes (kernels.h), and x^T with one given scale for the whole tensor
+// (quantize_scaled_transposed_fp8)
 constexpr int kTile = 0, kTileTransposed = 1, kColumnsTransposed = 2, kTensorTransposed = 3;
 
 // The largest magnitude of a pack's values, from the packed values themselves (bf16x2 / fp16x2
@@ -323,9 +323,9 @@ __device__ __forceinline__ float vector_amax(const Pack<T, kVec>& p) {
     return pack_amax(p);
 }
 
-// Per-tensor scaling, pass 1: each block's largest magnitude into partial[blockIdx.x]. Flat
-// (rows of x back to back, n_vec vectors of kVec values): four vectors in flight a thread; else
-// rows of `per_row` vectors at x_stride, a block per row at a time.
+// Per-tensor scaling, pass 1: each block's largest magnitude into partial[blockIdx.x]. `flat` (rows
+// of x back to back: rows x per_row vectors of kVec values as one run): four vectors in flight a
+// thread; else rows of `per_row` vectors at x_stride, a block per row at a time.
 template <class T, int kVec>
 __global__ void __launch_bounds__(256) tensor_amax_kernel(const T* x, int64_t rows, int64_t per_row,
                                                           int64_t x_stride, bool flat, float* partial) {

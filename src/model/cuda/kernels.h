@@ -98,7 +98,8 @@ void quantize_scaled_fp8(DType dtype, const void* x, int64_t rows, int64_t padde
 //   kColumnsTransposed  x^T in groups of 128 along x's rows (one scale per column of x and tile row):
 //                       q [padded_cols, padded_rows], scale[tile_row * scale_stride + col] (the 1x128
 //                       layout of quantize_groups_fp8 for x^T).
-// Scales s = amax / 448 (1 for zeros), codes e4m3(x / s) as torch's cast rounds them.
+// Scales s = amax / 448 (1 for zeros), codes e4m3(x / s) as torch's cast rounds them. q's rows
+// 8-byte aligned (q and q_stride); std::invalid_argument otherwise.
 enum class Fp8Tiles { kTile = 0, kTileTransposed = 1, kColumnsTransposed = 2 };
 void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
                         int64_t padded_rows, int64_t padded_cols, Fp8Tiles mode, void* q, int64_t q_stride,
