@@ -3,8 +3,9 @@
 // quantize_scaled_transposed_fp8) at the 7B step's shapes: microseconds and GB/s a launch, and a
 // hash of every output, so that two builds of fp8.cu (e.g. HEAD's and the working tree's) can be
 // compared bit for bit; and Fp8Divider (fp8_codes.cuh) against the division over every pair of
-// bf16 values, with one correction and with two. The tensor cases need a build that has them
-// (from 2026-11-29).
+// bf16 values, with one correction and with two; and quantize_scaled_both_fp8 against the two
+// kernels it stands for, byte for byte. The tensor cases need a build that has them (from
+// 2026-11-29; the "both" ones from the sixteenth session's).
 //   nvcc -std=c++17 -O2 -arch=sm_90 -I src -o probe scripts/gpu/fp8_quantize_probe.cu src/model/cuda/fp8.cu
 //   ./probe            # one line per case: name, us, GB/s, hash
 #include <cuda_bf16.h>
@@ -184,6 +185,68 @@ void run_tensor(const char* what, bool transposed, int64_t rows, int64_t cols, i
   CHECK(cudaFree(partial));
 }
 
+// Both layouts from one read (quantize_scaled_both_fp8: the training's gy and x with tensor
+// scaling) against the two kernels it replaces, for a scale found first: the codes compared byte for
+// byte, each way timed (x read once against twice).
+template <class T>
+void run_both(const char* what, int64_t rows, int64_t cols, int64_t stride, int64_t q_cols, int reps) {
+  T* const x = filled<T>(rows, cols, stride, 13u + static_cast<uint32_t>(rows ^ cols));
+  const int64_t pr = up(rows, 128), pc = up(cols, 128), q_rows = up(rows, 16);
+  uint8_t *qt[2], *q[2];
+  float *s, *partial;
+  for (int i = 0; i < 2; ++i) {
+    CHECK(cudaMalloc(&qt[i], pc * pr));
+    CHECK(cudaMalloc(&q[i], q_rows * q_cols));
+    CHECK(cudaMemset(qt[i], 0xAB - i, pc * pr));
+    CHECK(cudaMemset(q[i], 0xCD - i, q_rows * q_cols));
+  }
+  CHECK(cudaMalloc(&s, sizeof(float)));
+  CHECK(cudaMalloc(&partial, kFp8TensorParts * sizeof(float)));
+  tensor_scale_fp8(Dt<T>::v, x, rows, cols, stride, partial, s, nullptr);
+  auto separate = [&] {
+    quantize_scaled_transposed_fp8(Dt<T>::v, x, rows, cols, stride, pr, pc, qt[0], pr, s, nullptr);
+    quantize_scaled_fp8(Dt<T>::v, x, rows, q_rows, cols, stride, q[0], q_cols, s, nullptr);
+  };
+  auto both = [&] {
+    quantize_scaled_both_fp8(Dt<T>::v, x, rows, cols, stride, pr, pc, qt[1], pr, q[1], q_rows, q_cols, q_cols, s,
+                             nullptr);
+  };
+  separate();
+  both();
+  CHECK(cudaDeviceSynchronize());
+  bool same = true;
+  for (const auto& [bufs, n] : {std::pair{qt, pc * pr}, std::pair{q, q_rows * q_cols}}) {
+    std::vector<uint8_t> a(n), b(n);
+    CHECK(cudaMemcpy(a.data(), bufs[0], n, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(b.data(), bufs[1], n, cudaMemcpyDeviceToHost));
+    same = same && a == b;
+  }
+  float ms[2] = {0, 0};
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int way = 0; way < 2; ++way) {
+    CHECK(cudaEventRecord(a));
+    for (int i = 0; i < reps; ++i) way == 0 ? separate() : both();
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    CHECK(cudaEventElapsedTime(&ms[way], a, b));
+  }
+  const double codes = static_cast<double>(pc) * pr + static_cast<double>(q_rows) * q_cols;
+  const double in = static_cast<double>(rows) * cols * sizeof(T);
+  std::printf("both %-29s %-4s %6lld x %6lld  separate %8.1f us (%5.0f GB/s)  both %8.1f us (%5.0f GB/s)  %s\n", what,
+              Dt<T>::name, static_cast<long long>(rows), static_cast<long long>(cols), ms[0] * 1e3 / reps,
+              (2 * in + codes) / (ms[0] * 1e3 / reps) / 1e3, ms[1] * 1e3 / reps,
+              (in + codes) / (ms[1] * 1e3 / reps) / 1e3, same ? "codes equal" : "CODES DIFFER");
+  for (int i = 0; i < 2; ++i) {
+    CHECK(cudaFree(qt[i]));
+    CHECK(cudaFree(q[i]));
+  }
+  CHECK(cudaFree(x));
+  CHECK(cudaFree(s));
+  CHECK(cudaFree(partial));
+}
+
 // Every bf16 v against every finite positive bf16 amax >= |v|: Fp8Divider's code against the
 // division's, and the quotients themselves where fp8_quotient.h says they are equal.
 __global__ void divider_check(unsigned long long* code_diff, unsigned long long* quot_diff,
@@ -258,5 +321,17 @@ int main(int argc, char** argv) {
     run_tensor<float>(name, tr, 1000, 1000, 1000, 3);
     run_tensor<float>(name, tr, 257, 260, 264, 3);
   }
+  // Both layouts at once: gy of the MLP's and the attention's products (x's codes 16-column
+  // padded, gy's to whole tiles), then the edges.
+  run_both<__nv_bfloat16>("gy [M, 37888]", 8192, 37888, 37888, 37888, reps);
+  run_both<__nv_bfloat16>("x [M, 3584]", 8192, 3584, 3584, 3584, reps);
+  run_both<__nv_bfloat16>("x [M, 18944]", 8192, 18944, 18944, 18944, reps);
+  run_both<__nv_bfloat16>("gy [M, 512]", 8192, 512, 512, 512, reps);
+  run_both<__nv_bfloat16>("ragged", 999, 1001, 1003, 1008, 3);
+  run_both<__nv_bfloat16>("ragged, tiles", 999, 1001, 1003, 1024, 3);
+  run_both<__nv_bfloat16>("aligned", 300, 136, 144, 144, 3);
+  run_both<__half>("ragged", 999, 1001, 1003, 1008, 3);
+  run_both<float>("ragged", 257, 260, 264, 272, 3);
+  run_both<float>("whole", 1000, 1000, 1000, 1024, 3);
   return 0;
 }

@@ -1,8 +1,9 @@
 // FP8 (e4m3) quantization of activations per token and group of 128 features (a block per 64
 // rows of a group, four threads a row), per token (one block per row), per tensor (its maximum,
 // then the codes for a given scale), and of 128x128 tiles (each block looping over tiles, the next
-// one's copies in flight: the FP8 training's weights and transposed operands); kernels.h. The training kernels divide by a scale through its reciprocal
-// (Fp8Divider: the same codes as the division).
+// one's copies in flight: the FP8 training's weights and transposed operands, and tensor scaling's
+// two layouts of one tensor from one read); kernels.h. The training kernels divide by a scale
+// through its reciprocal (Fp8Divider: the same codes as the division).
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -20,9 +21,10 @@ namespace tiller::model::cuda {
 namespace {
 
 constexpr int kGroup = 128;
-// quantize_tiles_fp8's modes (kernels.h), and x^T with one given scale for the whole tensor
-// (quantize_scaled_transposed_fp8)
-constexpr int kTile = 0, kTileTransposed = 1, kColumnsTransposed = 2, kTensorTransposed = 3;
+// quantize_tiles_fp8's modes (kernels.h), x^T with one given scale for the whole tensor
+// (quantize_scaled_transposed_fp8), and x^T and x with it from one read (quantize_scaled_both_fp8)
+constexpr int kTile = 0, kTileTransposed = 1, kColumnsTransposed = 2, kTensorTransposed = 3, kTensorBoth = 4;
+constexpr int kTileModes = 5;
 
 // The largest magnitude of a pack's values, from the packed values themselves (bf16x2 / fp16x2
 // maxima: no fp32 copy of the pack stays live). Like fmaxf, a maximum passes NaNs over.
@@ -157,6 +159,13 @@ __device__ __forceinline__ void copy_async16(void* smem, const void* gmem, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// The tile kernel's codes of x in x's layout (kTensorBoth): q [rows, cols] at `stride`, past x's
+// extents zeros; rows and cols within the padded tiles, cols a multiple of the vector width.
+struct DirectCodes {
+  uint8_t* q = nullptr;
+  int64_t rows = 0, cols = 0, stride = 0;
+};
+
 // Waits until all but the most recent group of copies have landed.
 __device__ __forceinline__ void copy_async_wait_previous() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
@@ -170,13 +179,15 @@ __device__ __forceinline__ void copy_async_wait_previous() { asm volatile("cp.as
 // each column's 16 rows as 16 contiguous codes of its output row (16-byte stores where q's rows
 // are 16-byte aligned: `wide`; a warp's store fills 128-byte lines). The scale is the tile's (a
 // block reduction), each column's (kColumnsTransposed: over the thread's rows, then the warp's
-// lanes that hold the column) or the tensor's, given (kTensorTransposed: *tensor_scale). Dynamic
-// shared memory: 2 x 128 x 128 values of T.
+// lanes that hold the column) or the tensor's, given (kTensorTransposed, kTensorBoth:
+// *tensor_scale). kTensorBoth also writes x's codes in x's layout (`direct`) from the thread's own
+// vectors of the staged tile, before the transposed reads. Dynamic shared memory: 2 x 128 x 128
+// values of T.
 template <class T, bool kAsync, int kMode>
 __global__ void __launch_bounds__(256, 3)
     quantize_tiles_kernel(const T* x, int64_t rows, int64_t cols, int64_t x_stride, int64_t tiles_c, int64_t tiles,
                           uint8_t* q, int64_t q_stride, bool wide, float* scale, int64_t scale_stride,
-                          const float* tensor_scale) {
+                          const float* tensor_scale, DirectCodes direct) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kRowThreads = kGroup / kVec;       // threads that copy one tile row
   constexpr int kRowsPerPass = 256 / kRowThreads;  // tile rows copied per pass
@@ -252,8 +263,26 @@ __global__ void __launch_bounds__(256, 3)
       const int lane = t % 32, s = lane / 4, first = 16 * (t / 32) + 2 * (lane % 4);
       uint8_t* const out_base = q + (tc * kGroup) * q_stride + tr * kGroup + kRows * s;
       float one = 1.f;  // the tile's or the tensor's scale
-      if constexpr (kMode == kTensorTransposed)
+      if constexpr (kMode == kTensorTransposed || kMode == kTensorBoth)
         one = *tensor_scale;
+      if constexpr (kMode == kTensorBoth) {
+        // x's codes in x's layout: the thread's vectors as it copied them (a tile row's 16 or 32
+        // threads write its 128 codes side by side), within direct's extents (whole vectors).
+        const Fp8Divider d(one);
+        const int64_t col = tc * kGroup + lc;
+#pragma unroll
+        for (int i = 0; i < kPasses; ++i) {
+          const int rr = i * kRowsPerPass + lr;
+          const int64_t row = tr * kGroup + rr;
+          if (row >= direct.rows || col >= direct.cols) continue;
+          const auto& p = *reinterpret_cast<const Pack<T, kVec>*>(tile + rr * kGroup + swizzled_chunk(rr, lc / kVec) * kVec);
+          uint8_t* const o = direct.q + row * direct.stride + col;
+          if constexpr (kVec == 8)
+            *reinterpret_cast<uint2*>(o) = make_uint2(pack_codes4(p, 0, d), pack_codes4(p, 4, d));
+          else
+            *reinterpret_cast<uint32_t*>(o) = pack_codes4(p, 0, d);
+        }
+      }
       else if constexpr (kMode == kTileTransposed)
         one = fp8_scale(block_max(vectors_amax(tile)));
 #pragma unroll
@@ -500,7 +529,7 @@ int64_t resident_blocks(Kernel kernel, int tile_bytes, TileLaunch& l) {
 // padded_cols]; `tensor_scale`: kTensorTransposed's scale (device memory).
 void launch_tiles(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride, int64_t padded_rows,
                   int64_t padded_cols, int mode, void* q, int64_t q_stride, float* scale, int64_t scale_stride,
-                  const float* tensor_scale, cudaStream_t s) {
+                  const float* tensor_scale, cudaStream_t s, DirectCodes direct = {}) {
   const int64_t tiles = (padded_rows / kGroup) * (padded_cols / kGroup);
   const bool wide = q_stride % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0;
   with_dtype(dtype, [&](auto type) {
@@ -510,13 +539,13 @@ void launch_tiles(DType dtype, const void* x, int64_t rows, int64_t cols, int64_
     // reserved once per device). The grid: as many blocks as fit at once, each looping over tiles.
     const int tile_bytes = 2 * kGroup * kGroup * static_cast<int>(sizeof(T));
     const bool async = cols % kVec == 0 && x_stride % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-    static TileLaunch launches[2][4];  // by async and mode (and, through the lambda, T)
+    static TileLaunch launches[2][kTileModes];  // by async and mode (and, through the lambda, T)
     TileLaunch& l = launches[async][mode];
     const auto launch = [&](auto kernel) {
       const auto blocks = static_cast<unsigned>(std::min<int64_t>(tiles, resident_blocks(kernel, tile_bytes, l)));
       kernel<<<blocks, 256, tile_bytes, s>>>(static_cast<const T*>(x), rows, cols, x_stride, padded_cols / kGroup,
                                              tiles, static_cast<uint8_t*>(q), q_stride, wide, scale, scale_stride,
-                                             tensor_scale);
+                                             tensor_scale, direct);
     };
     const auto pick = [&](auto async_c) {
       constexpr bool A = decltype(async_c)::value;
@@ -524,7 +553,8 @@ void launch_tiles(DType dtype, const void* x, int64_t rows, int64_t cols, int64_
         case kTile: launch(quantize_tiles_kernel<T, A, kTile>); break;
         case kTileTransposed: launch(quantize_tiles_kernel<T, A, kTileTransposed>); break;
         case kColumnsTransposed: launch(quantize_tiles_kernel<T, A, kColumnsTransposed>); break;
-        default: launch(quantize_tiles_kernel<T, A, kTensorTransposed>); break;
+        case kTensorTransposed: launch(quantize_tiles_kernel<T, A, kTensorTransposed>); break;
+        default: launch(quantize_tiles_kernel<T, A, kTensorBoth>); break;
       }
     };
     if (async)
@@ -598,6 +628,15 @@ void tensor_scale_fp8(DType dtype, const void* x, int64_t rows, int64_t k, int64
     throw std::runtime_error(std::string("fp8 tensor scale kernel launch: ") + cudaGetErrorString(err));
 }
 
+void fp8_scale_of_partials(const float* partial, int parts, float* scale, void* stream) {
+  if (parts < 0 || parts > kFp8TensorParts || (parts > 0 && partial == nullptr))
+    throw std::invalid_argument("fp8_scale_of_partials: between 0 and kFp8TensorParts partial maxima");
+  tensor_scale_kernel<<<1, 256, 0, static_cast<cudaStream_t>(stream)>>>(partial, parts, scale);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("fp8 tensor scale kernel launch: ") + cudaGetErrorString(err));
+}
+
 void quantize_scaled_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
                          void* q, int64_t q_stride, const float* scale, void* stream) {
   if (q_stride < k || q_stride % 4 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0 || padded_rows < rows)
@@ -643,6 +682,21 @@ void quantize_scaled_transposed_fp8(DType dtype, const void* x, int64_t rows, in
   if (padded_rows == 0 || padded_cols == 0) return;
   launch_tiles(dtype, x, rows, cols, x_stride, padded_rows, padded_cols, kTensorTransposed, q, q_stride, nullptr, 1,
                scale, static_cast<cudaStream_t>(stream));
+}
+
+void quantize_scaled_both_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
+                              int64_t padded_rows, int64_t padded_cols, void* q_t, int64_t q_t_stride, void* q,
+                              int64_t q_rows, int64_t q_cols, int64_t q_stride, const float* scale, void* stream) {
+  check_tiles("quantize_scaled_both_fp8", rows, cols, padded_rows, padded_cols, q_t, q_t_stride, padded_rows);
+  const int vec = dtype == DType::kFloat ? 4 : 8;  // the bytes of a thread's codes of one vector
+  if (q_rows < rows || q_rows > padded_rows || q_cols < cols || q_cols > padded_cols || q_cols % vec != 0 ||
+      q_stride < q_cols || q_stride % vec != 0 || reinterpret_cast<uintptr_t>(q) % vec != 0)
+    throw std::invalid_argument("quantize_scaled_both_fp8: x's codes [" + std::to_string(q_rows) + ", " +
+                                std::to_string(q_cols) + "] must hold x within the padded tiles, in whole " +
+                                std::to_string(vec) + "-byte vectors of aligned rows");
+  if (padded_rows == 0 || padded_cols == 0) return;
+  launch_tiles(dtype, x, rows, cols, x_stride, padded_rows, padded_cols, kTensorBoth, q_t, q_t_stride, nullptr, 1,
+               scale, static_cast<cudaStream_t>(stream), DirectCodes{static_cast<uint8_t*>(q), q_rows, q_cols, q_stride});
 }
 
 void scale_rows(DType dtype, void* y, int64_t rows, int64_t n, int64_t y_stride, const float* scale, const void* bias,

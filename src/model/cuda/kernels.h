@@ -25,10 +25,15 @@ void swiglu_packed(DType dtype, const void* x, void* out, int64_t tokens, int64_
 // The same for separate gate and up [tokens, width] (inner dim contiguous, row strides given) into
 // out [tokens, width] (contiguous); and its backward for contiguous gate, up and output gradient
 // grad: grad_gate = grad * up * silu'(gate), grad_up = grad * silu(gate) (contiguous). Math in fp32.
+// With `partial` (kFp8TensorParts floats; twice that for the backward) the kernel also finds the
+// tensor scale of what it writes (into `scale`, out's; `scale` grad_gate's and `scale_up`
+// grad_up's), the one tensor_scale_fp8 finds (FP8 tensor-scaled training's scales without a pass
+// of their own). Each scale a float of its own: cuBLASLt takes no scale at an offset of 4 bytes.
 void swiglu(DType dtype, const void* gate, int64_t gate_stride, const void* up, int64_t up_stride, void* out,
-            int64_t tokens, int64_t width, void* stream);
+            int64_t tokens, int64_t width, void* stream, float* partial = nullptr, float* scale = nullptr);
 void swiglu_backward(DType dtype, const void* gate, const void* up, const void* grad, void* grad_gate, void* grad_up,
-                     int64_t tokens, int64_t width, void* stream);
+                     int64_t tokens, int64_t width, void* stream, float* partial = nullptr, float* scale = nullptr,
+                     float* scale_up = nullptr);
 
 // The residual add and the RMSNorm after it, for rows of width `width` (strides in elements):
 // x = T(x + add) in place, then out = T(x * rsqrt(mean(x^2) + eps) * weight), math in fp32 (what
@@ -87,6 +92,9 @@ void tensor_scale_fp8(DType dtype, const void* x, int64_t rows, int64_t k, int64
                       float* scale, void* stream);
 void quantize_scaled_fp8(DType dtype, const void* x, int64_t rows, int64_t padded_rows, int64_t k, int64_t x_stride,
                          void* q, int64_t q_stride, const float* scale, void* stream);
+// *scale = the scale of the largest of partial[0 .. parts) (none: 1): tensor_scale_fp8's second
+// pass, for kernels that find their outputs' maxima.
+void fp8_scale_of_partials(const float* partial, int parts, float* scale, void* stream);
 
 // FP8 quantization of x [rows, cols] by 128x128 tiles over the padded extents [padded_rows,
 // padded_cols] (multiples of 128; values past rows or cols are zeros), for the FP8 training's
@@ -112,6 +120,14 @@ void quantize_tiles_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, 
 void quantize_scaled_transposed_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
                                     int64_t padded_rows, int64_t padded_cols, void* q, int64_t q_stride,
                                     const float* scale, void* stream);
+// Both layouts' codes with the given scale from one read of x: x^T's as
+// quantize_scaled_transposed_fp8 writes them (q_t [padded_cols, padded_rows]) and x's as
+// quantize_scaled_fp8 writes them (q [q_rows, q_cols], zeros past rows and cols; rows <= q_rows <=
+// padded_rows, cols <= q_cols <= padded_cols, q_cols and q's row stride multiples of 8 bytes, 4
+// for fp32, q aligned to them): the training's gy (dgrad and wgrad) and x (forward and wgrad).
+void quantize_scaled_both_fp8(DType dtype, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
+                              int64_t padded_rows, int64_t padded_cols, void* q_t, int64_t q_t_stride, void* q,
+                              int64_t q_rows, int64_t q_cols, int64_t q_stride, const float* scale, void* stream);
 
 // One token per row of logits [rows, vocab] (row stride given, in elements of `dtype`) for the
 // rows' parameters params [rows][3] (temperature, min_p, u): a temperature of 0 takes the first

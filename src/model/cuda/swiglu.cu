@@ -1,6 +1,7 @@
 // silu(gate) * up (the fused gate/up projection's output, or separate gate and up) and its
-// backward: one read of each input, one write of each output; and, for a tensor-scaled FP8
-// engine, the fused projection's unscaled rows in, the product's rows quantized out.
+// backward: one read of each input, one write of each output, optionally with the outputs' tensor
+// scales for FP8 training; and, for a tensor-scaled FP8 engine, the fused projection's unscaled
+// rows in, the product's rows quantized out.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -20,13 +21,16 @@ namespace {
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // kVec elements per thread (16 bytes) when the rows allow it, else 1. Forward: out = silu(g) u.
-// Backward (grad given): dg = grad u silu'(g), du = grad silu(g), written to out and out2.
-template <class T, int kVec, bool kBackward>
+// Backward (grad given): dg = grad u silu'(g), du = grad silu(g), written to out and out2. With
+// kAmax, each block's largest magnitude of what it wrote into partial[blockIdx.x] (of out2:
+// partial2[blockIdx.x]), as tensor_amax_kernel finds it (the rounded values; NaNs passed over).
+template <class T, int kVec, bool kBackward, bool kAmax>
 __global__ void swiglu_kernel(const T* gate, int64_t g_stride, const T* up, int64_t u_stride, const T* grad, T* out,
-                              T* out2, int64_t tokens, int64_t width) {
+                              T* out2, int64_t tokens, int64_t width, float* partial, float* partial2) {
   using P = Pack<T, kVec>;
   const int64_t per_row = width / kVec;
   const int64_t total = tokens * per_row;
+  float a = 0.f, a2 = 0.f;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = idx / per_row, j = (idx % per_row) * kVec;
@@ -40,6 +44,7 @@ __global__ void swiglu_kernel(const T* gate, int64_t g_stride, const T* up, int6
         const float gv = to_f(g.v[i]), uv = to_f(u.v[i]), dv = to_f(d.v[i]), sg = sigmoid(gv);
         o.v[i] = from_f<T>(dv * uv * (sg * (1.f + gv * (1.f - sg))));
         o2.v[i] = from_f<T>(dv * (gv * sg));
+        if constexpr (kAmax) a2 = fmaxf(a2, fabsf(to_f(o2.v[i])));
       }
       *reinterpret_cast<P*>(out2 + t * width + j) = o2;
     } else {
@@ -49,7 +54,19 @@ __global__ void swiglu_kernel(const T* gate, int64_t g_stride, const T* up, int6
         o.v[i] = from_f<T>(gv / (1.f + expf(-gv)) * to_f(u.v[i]));
       }
     }
+    if constexpr (kAmax) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) a = fmaxf(a, fabsf(to_f(o.v[i])));
+    }
     *reinterpret_cast<P*>(out + t * width + j) = o;
+  }
+  if constexpr (kAmax) {
+    a = block_max(a);
+    if (threadIdx.x == 0) partial[blockIdx.x] = a;
+    if constexpr (kBackward) {
+      a2 = block_max(a2);
+      if (threadIdx.x == 0) partial2[blockIdx.x] = a2;
+    }
   }
 }
 
@@ -107,26 +124,44 @@ __global__ void __launch_bounds__(1024, 2) swiglu_fp8_kernel(const T* x, int64_t
   if (threadIdx.x == 0) scale[r] = out_scale;
 }
 
+// `partial` (kFp8TensorParts floats, twice for the backward), `scale` and `scale2` (the backward's
+// second output's): the outputs' tensor scales too, from at most kFp8TensorParts blocks' maxima.
 template <class T, bool kBackward>
 void launch(const void* gate, int64_t g_stride, const void* up, int64_t u_stride, const void* grad, void* out,
-            void* out2, int64_t tokens, int64_t width, cudaStream_t s) {
+            void* out2, int64_t tokens, int64_t width, cudaStream_t s, float* partial = nullptr,
+            float* scale = nullptr, float* scale2 = nullptr) {
   constexpr int kVec = 16 / sizeof(T);
   auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool vec = width % kVec == 0 && g_stride % kVec == 0 && u_stride % kVec == 0 && aligned(gate) &&
                    aligned(up) && aligned(grad) && aligned(out) && aligned(out2);
   const int64_t items = tokens * (vec ? width / kVec : width);
-  if (items == 0) return;
+  const bool amax = partial != nullptr;
+  if (amax && (scale == nullptr || (kBackward && scale2 == nullptr)))
+    throw std::invalid_argument("swiglu: the outputs' maxima need a scale for each output");
+  if (items == 0) {
+    if (amax) fp8_scale_of_partials(nullptr, 0, scale, s);  // nothing: scale 1
+    if (amax && kBackward) fp8_scale_of_partials(nullptr, 0, scale2, s);
+    return;
+  }
   const int threads = 256;
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>((items + threads - 1) / threads, 65535 * 8));
+  const auto blocks = static_cast<unsigned>(
+      std::min<int64_t>((items + threads - 1) / threads, amax ? kFp8TensorParts : int64_t{65535} * 8));
   auto go = [&](auto kernel) {
     kernel<<<blocks, threads, 0, s>>>(static_cast<const T*>(gate), g_stride, static_cast<const T*>(up), u_stride,
                                       static_cast<const T*>(grad), static_cast<T*>(out), static_cast<T*>(out2), tokens,
-                                      width);
+                                      width, partial, amax ? partial + kFp8TensorParts : nullptr);
   };
-  if (vec) go(swiglu_kernel<T, kVec, kBackward>);
-  else go(swiglu_kernel<T, 1, kBackward>);
+  if (amax) {
+    if (vec) go(swiglu_kernel<T, kVec, kBackward, true>);
+    else go(swiglu_kernel<T, 1, kBackward, true>);
+  } else {
+    if (vec) go(swiglu_kernel<T, kVec, kBackward, false>);
+    else go(swiglu_kernel<T, 1, kBackward, false>);
+  }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("swiglu kernel launch: ") + cudaGetErrorString(err));
+  if (amax) fp8_scale_of_partials(partial, static_cast<int>(blocks), scale, s);
+  if (amax && kBackward) fp8_scale_of_partials(partial + kFp8TensorParts, static_cast<int>(blocks), scale2, s);
 }
 
 }  // namespace
@@ -142,18 +177,20 @@ void swiglu_packed(DType dtype, const void* x, void* out, int64_t tokens, int64_
 }
 
 void swiglu(DType dtype, const void* gate, int64_t gate_stride, const void* up, int64_t up_stride, void* out,
-            int64_t tokens, int64_t width, void* stream) {
+            int64_t tokens, int64_t width, void* stream, float* partial, float* scale) {
   const auto s = static_cast<cudaStream_t>(stream);
   with_dtype(dtype, [&](auto t) {
-    launch<typename decltype(t)::type, false>(gate, gate_stride, up, up_stride, nullptr, out, nullptr, tokens, width, s);
+    launch<typename decltype(t)::type, false>(gate, gate_stride, up, up_stride, nullptr, out, nullptr, tokens, width, s,
+                                              partial, scale);
   });
 }
 
 void swiglu_backward(DType dtype, const void* gate, const void* up, const void* grad, void* grad_gate, void* grad_up,
-                     int64_t tokens, int64_t width, void* stream) {
+                     int64_t tokens, int64_t width, void* stream, float* partial, float* scale, float* scale_up) {
   const auto s = static_cast<cudaStream_t>(stream);
   with_dtype(dtype, [&](auto t) {
-    launch<typename decltype(t)::type, true>(gate, width, up, width, grad, grad_gate, grad_up, tokens, width, s);
+    launch<typename decltype(t)::type, true>(gate, width, up, width, grad, grad_gate, grad_up, tokens, width, s,
+                                             partial, scale, scale_up);
   });
 }
 
