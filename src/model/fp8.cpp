@@ -2,8 +2,10 @@
 #include "tiller/model/fp8.h"
 
 #include <algorithm>
+#include <stdexcept>
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -15,6 +17,7 @@
 #endif
 
 #include "model/fp8_rows.h"
+#include "model/fp8_train.h"
 #include "tiller/core/error.h"
 
 namespace tiller::model::fp8 {
@@ -520,7 +523,64 @@ DeviceOperand device_operand(at::Tensor x, Operand o, int64_t rows_p, int64_t kp
   d.scale = s.t();
   return d;
 }
+
+// The tensor-core product of quantized operands a [>= m, kp] and b [>= n, kp] (codes and scales
+// as _scaled_mm takes them) plus `bias` [n], as [m, n] in `out`.
+at::Tensor tensor_core_product(const at::Tensor& qa, const at::Tensor& sa, const at::Tensor& qb, const at::Tensor& sb,
+                               int64_t m, int64_t n, const at::Tensor& bias, c10::ScalarType out) {
+  const bool epilogue_bias = bias.defined() && qb.size(0) == n;
+  at::Tensor y = at::_scaled_mm(qa, qb.t(), sa, sb,
+                                epilogue_bias ? std::optional<at::Tensor>(bias.to(out)) : std::nullopt, std::nullopt,
+                                out);
+  if (qa.size(0) != m) y = y.narrow(0, 0, m);
+  if (qb.size(0) != n) y = y.narrow(1, 0, n);
+  if (bias.defined() && !epilogue_bias) y = y + bias.to(out);
+  return y.contiguous();
+}
+
+void* current_stream(const at::Tensor& x) { return c10::cuda::getCurrentCUDAStream(x.device().index()).stream(); }
+
+// x [rows, k] (row-major)'s codes with the tensor scale s: x's [round_up(rows, 16), kp] (kp a
+// multiple of 16, at least k) and, with `transposed`, x^T's [round_up(k, 128), round_up(rows, 128)]
+// from the same read; `direct` off: x^T's alone.
+struct TensorCodes {
+  at::Tensor q, q_t;
+};
+TensorCodes tensor_codes(const at::Tensor& x, const at::Tensor& s, int64_t kp, bool direct, bool transposed) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  const auto f8 = x.options().dtype(at::kFloat8_e4m3fn);
+  const auto dt = cuda::kernel_dtype(x.scalar_type());
+  const int64_t stride = rows > 1 ? x.stride(0) : k;
+  TensorCodes c;
+  if (direct) c.q = at::empty({round_up(rows, 16), kp}, f8);
+  if (transposed) c.q_t = at::empty({round_up(k, kBlock), round_up(rows, kBlock)}, f8);
+  if (direct && transposed)
+    cuda::quantize_scaled_both_fp8(dt, x.data_ptr(), rows, k, stride, c.q_t.size(1), c.q_t.size(0), c.q_t.data_ptr(),
+                                   c.q_t.size(1), c.q.data_ptr(), c.q.size(0), kp, kp, s.data_ptr<float>(),
+                                   current_stream(x));
+  else if (direct)
+    cuda::quantize_scaled_fp8(dt, x.data_ptr(), rows, c.q.size(0), k, stride, c.q.data_ptr(), kp, s.data_ptr<float>(),
+                              current_stream(x));
+  else if (transposed)
+    cuda::quantize_scaled_transposed_fp8(dt, x.data_ptr(), rows, k, stride, c.q_t.size(1), c.q_t.size(0),
+                                         c.q_t.data_ptr(), c.q_t.size(1), s.data_ptr<float>(), current_stream(x));
+  return c;
+}
 #endif
+
+// Whether train_linear's tensor scaling runs on tensor cores from codes it keeps (x [..., K] and
+// w [N, K] bf16 on a Hopper GPU, none of the sizes 0): the forward quantizes x once for both its
+// layouts, the backward gy once for both, and x^T's codes, not x, wait for the backward.
+bool tensor_training_on_gpu(const at::Tensor& x, const at::Tensor& w) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  return x.is_cuda() && w.device() == x.device() && x.scalar_type() == at::kBFloat16 &&
+         w.scalar_type() == at::kBFloat16 && x.numel() > 0 && w.numel() > 0 && tensor_cores(x.device());
+#else
+  (void)x;
+  (void)w;
+  return false;
+#endif
+}
 
 }  // namespace
 
@@ -571,14 +631,7 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
     const auto scalar = [](const at::Tensor& s) { return s.defined() ? s.reshape({}) : s; };
     const DeviceOperand qa = device_operand(ak, oa, mp, kp, false, scalar(scale_a), stream);
     const DeviceOperand qb = device_operand(bk, ob, np, kp, true, scalar(scale_b), stream);
-    const bool epilogue_bias = bias.defined() && np == n;
-    at::Tensor y = at::_scaled_mm(qa.q, qb.q.t(), qa.scale, qb.scale,
-                                  epilogue_bias ? std::optional<at::Tensor>(bias.to(out)) : std::nullopt,
-                                  std::nullopt, out);
-    if (mp != m) y = y.narrow(0, 0, m);
-    if (np != n) y = y.narrow(1, 0, n);
-    if (bias.defined() && !epilogue_bias) y = y + bias.to(out);
-    return y.contiguous();
+    return tensor_core_product(qa.q, qa.scale, qb.q, qb.scale, m, n, bias, out);
   }
 #endif
   (void)emulate;
@@ -604,14 +657,73 @@ Recipe recipe(Scaling s) {
   return {Operand::kGroups, Operand::kBlocks, Operand::kGroups, Operand::kBlocks, Operand::kGroups, Operand::kGroups};
 }
 
+// Tensor scaling on tensor cores (tensor_training_on_gpu): the forward takes x's codes from
+// `in` (train_input), finds w's scale and codes, and keeps w, the two scales and x^T's codes; the
+// backward finds gy's scale, quantizes gy once for both layouts and w^T from the kept scale.
+at::Tensor tensor_forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                          const TrainInput& in) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const int64_t k = x.size(-1), n = w.size(0), m = x.numel() / k;
+  TILLER_CHECK(in.codes.size(0) == round_up(m, 16) && in.codes.size(1) == round_up(k, 16),
+               "fp8: shared codes [{}, {}] for an input of {} rows of {}", in.codes.size(0), in.codes.size(1), m, k);
+  const at::Tensor sw = tensor_scale(w);
+  const DeviceOperand qw = device_operand(row_major(w) ? w : w.contiguous(), Operand::kTensor, round_up(n, 16),
+                                          in.codes.size(1), true, sw, current_stream(w));
+  ctx->save_for_backward({w});
+  ctx->saved_data["sx"] = in.scale;
+  ctx->saved_data["sw"] = sw;
+  ctx->saved_data["x_sizes"] = x.sizes().vec();
+  if (in.codes_t.defined()) ctx->saved_data["x_t"] = in.codes_t;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(n);
+  return tensor_core_product(in.codes, in.scale, qw.q, sw, m, n, bias, x.scalar_type()).view(shape);
+#else
+  (void)ctx, (void)x, (void)w, (void)bias, (void)in;
+  throw std::logic_error("fp8: tensor-core training without the GPU build");
+#endif
+}
+
+std::vector<at::Tensor> tensor_backward(AutogradContext* ctx, const at::Tensor& w, const at::Tensor& grad,
+                                        bool need_gx, bool need_gw) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const std::vector<int64_t> x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+  const int64_t k = w.size(1), n = w.size(0);
+  at::Tensor gy = grad.reshape({-1, n});
+  if (!row_major(gy)) gy = gy.contiguous();
+  const int64_t m = gy.size(0);
+  const at::Tensor sg = tensor_scale(gy), sw = ctx->saved_data["sw"].toTensor();
+  // gy's codes for dgrad (its contraction N padded to w^T's tiles) and gy^T's for wgrad, one read.
+  const TensorCodes g = tensor_codes(gy, sg, round_up(n, kBlock), need_gx, need_gw);
+  at::Tensor gx, gw;
+  if (need_gx) {
+    const DeviceOperand qwt = device_operand(w.t(), Operand::kTensor, round_up(k, kBlock), round_up(n, kBlock), true,
+                                             sw, current_stream(w));
+    gx = tensor_core_product(g.q, sg, qwt.q, sw, m, k, {}, grad.scalar_type()).view(x_sizes);
+  }
+  if (need_gw) {
+    TILLER_CHECK(ctx->saved_data.count("x_t") > 0,
+                 "fp8: a weight gradient of a linear whose forward ran without one in view (x^T's codes not kept)");
+    gw = tensor_core_product(g.q_t, sg, ctx->saved_data["x_t"].toTensor(), ctx->saved_data["sx"].toTensor(), n, k,
+                             {}, w.scalar_type());
+  }
+  return {gx, gw, gy};
+#else
+  (void)ctx, (void)w, (void)grad, (void)need_gx, (void)need_gw;
+  throw std::logic_error("fp8: tensor-core training without the GPU build");
+#endif
+}
+
 struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
-  // `bias`: empty ([0]) for none (autograd takes no undefined inputs).
+  // `bias`: empty ([0]) for none (autograd takes no undefined inputs). `shared`: x's codes for
+  // tensor scaling on tensor cores (train_input), or null for the other paths.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias_in,
-                            int64_t scaling) {
+                            int64_t scaling, const TrainInput* shared) {
     const at::Tensor bias = bias_in.numel() > 0 ? bias_in : at::Tensor();
-    ctx->save_for_backward({x, w});
     ctx->saved_data["scaling"] = scaling;
     ctx->saved_data["bias"] = bias.defined();
+    ctx->saved_data["tensor_cores"] = shared != nullptr;
+    if (shared) return tensor_forward(ctx, x, w, bias, *shared);
+    ctx->save_for_backward({x, w});
     const Recipe r = recipe(static_cast<Scaling>(scaling));
     const int64_t k = x.size(-1), n = w.size(0);
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
@@ -628,6 +740,12 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
+    const bool has_bias = ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2);
+    if (ctx->saved_data["tensor_cores"].toBool()) {
+      const auto g = tensor_backward(ctx, saved[0], grads[0], ctx->needs_input_grad(0), ctx->needs_input_grad(1));
+      const at::Tensor gb = has_bias ? g[2].sum(0, false, at::kFloat).to(g[2].scalar_type()) : at::Tensor();
+      return {g[0], g[1], gb, at::Tensor(), at::Tensor()};
+    }
     const at::Tensor& x = saved[0];
     const at::Tensor& w = saved[1];
     const Recipe r = recipe(static_cast<Scaling>(ctx->saved_data["scaling"].toInt()));
@@ -646,18 +764,173 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
       gx = scaled_product(gy, w.t(), r.dgrad_a, r.dgrad_b, x.scalar_type(), {}, false, sg, sw).view(x.sizes());
     if (ctx->needs_input_grad(1))
       gw = scaled_product(gy.t(), x2.t(), r.wgrad_a, r.wgrad_b, w.scalar_type(), {}, false, sg, sx);
-    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2))
-      gb = gy.sum(0, false, at::kFloat).to(gy.scalar_type());
-    return {gx, gw, gb, at::Tensor()};
+    if (has_bias) gb = gy.sum(0, false, at::kFloat).to(gy.scalar_type());
+    return {gx, gw, gb, at::Tensor(), at::Tensor()};
+  }
+};
+
+// train_swiglu's node: x [.., K] by w_gate and w_up [N, K] into gate and up (kept for the
+// backward, as swiglu keeps them), act = silu(gate) * up with its scale (a second output, not
+// differentiable).
+struct Fp8SwiGlu : public torch::autograd::Function<Fp8SwiGlu> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
+                               const TrainInput* in) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+    const int64_t k = x.size(-1), n = wg.size(0), m = x.numel() / k, kp = in->codes.size(1);
+    TILLER_CHECK(in->codes.size(0) == round_up(m, 16) && kp == round_up(k, 16),
+                 "fp8: shared codes [{}, {}] for an input of {} rows of {}", in->codes.size(0), kp, m, k);
+    void* stream = current_stream(x);
+    const auto project = [&](const at::Tensor& w, const at::Tensor& sw) {
+      const DeviceOperand q = device_operand(row_major(w) ? w : w.contiguous(), Operand::kTensor, round_up(n, 16), kp,
+                                             true, sw, stream);
+      return tensor_core_product(in->codes, in->scale, q.q, sw, m, n, {}, x.scalar_type());
+    };
+    const at::Tensor swg = tensor_scale(wg), swu = tensor_scale(wu);
+    const at::Tensor gate = project(wg, swg), up = project(wu, swu);
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+    shape.push_back(n);
+    at::Tensor act = at::empty(shape, gate.options());
+    const at::Tensor scale = at::empty({}, gate.options().dtype(at::kFloat));
+    const at::Tensor partial = at::empty({cuda::kFp8TensorParts}, scale.options());
+    cuda::swiglu(cuda::kernel_dtype(gate.scalar_type()), gate.data_ptr(), n, up.data_ptr(), n, act.data_ptr(), m, n,
+                 stream, partial.data_ptr<float>(), scale.data_ptr<float>());
+    ctx->save_for_backward({wg, wu, gate, up});
+    ctx->saved_data["sx"] = in->scale;
+    ctx->saved_data["swg"] = swg;
+    ctx->saved_data["swu"] = swu;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    if (in->codes_t.defined()) ctx->saved_data["x_t"] = in->codes_t;
+    ctx->mark_non_differentiable({scale});
+    return {act, scale};
+#else
+    (void)ctx, (void)x, (void)wg, (void)wu, (void)in;
+    throw std::logic_error("fp8: tensor-core training without the GPU build");
+#endif
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &wg = saved[0], &wu = saved[1], &gate = saved[2], &up = saved[3];
+    const int64_t m = gate.size(0), n = gate.size(1), k = wg.size(1);
+    const at::Tensor d = grads[0].reshape({m, n}).contiguous();
+    void* stream = current_stream(d);
+    // silu's backward with the scales of both input gradients.
+    at::Tensor dg = at::empty({m, n}, gate.options()), du = at::empty({m, n}, gate.options());
+    // Each scale a tensor of its own (cuBLASLt refuses a scale 4 bytes into an allocation).
+    const at::Tensor scales[2] = {at::empty({}, gate.options().dtype(at::kFloat)),
+                                  at::empty({}, gate.options().dtype(at::kFloat))};
+    const at::Tensor partial = at::empty({2 * cuda::kFp8TensorParts}, scales[0].options());
+    cuda::swiglu_backward(cuda::kernel_dtype(gate.scalar_type()), gate.data_ptr(), up.data_ptr(), d.data_ptr(),
+                          dg.data_ptr(), du.data_ptr(), m, n, stream, partial.data_ptr<float>(),
+                          scales[0].data_ptr<float>(), scales[1].data_ptr<float>());
+    const bool need_gx = ctx->needs_input_grad(0);
+    at::Tensor gx, gw[2];
+    const at::Tensor* ws[2] = {&wg, &wu};
+    const at::Tensor gys[2] = {dg, du};
+    const char* sw_keys[2] = {"swg", "swu"};
+    for (int i = 0; i < 2; ++i) {
+      const bool need_gw = ctx->needs_input_grad(1 + i);
+      const at::Tensor& sg = scales[i];
+      const at::Tensor sw = ctx->saved_data[sw_keys[i]].toTensor();
+      const TensorCodes g = tensor_codes(gys[i], sg, round_up(n, kBlock), need_gx, need_gw);
+      if (need_gx) {
+        const DeviceOperand qwt = device_operand(ws[i]->t(), Operand::kTensor, round_up(k, kBlock),
+                                                 round_up(n, kBlock), true, sw, stream);
+        const at::Tensor part = tensor_core_product(g.q, sg, qwt.q, sw, m, k, {}, gate.scalar_type());
+        gx = gx.defined() ? gx + part : part;
+      }
+      if (need_gw) {
+        TILLER_CHECK(ctx->saved_data.count("x_t") > 0,
+                     "fp8: a weight gradient of a SwiGLU projection whose forward ran without one in view");
+        gw[i] = tensor_core_product(g.q_t, sg, ctx->saved_data["x_t"].toTensor(), ctx->saved_data["sx"].toTensor(),
+                                    n, k, {}, ws[i]->scalar_type());
+      }
+    }
+    if (gx.defined()) gx = gx.view(ctx->saved_data["x_sizes"].toIntVector());
+    return {gx, gw[0], gw[1], at::Tensor()};
+#else
+    (void)ctx, (void)grads;
+    throw std::logic_error("fp8: tensor-core training without the GPU build");
+#endif
   }
 };
 
 }  // namespace
 
-at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling) {
+at::Tensor train_swiglu(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up, const TrainInput& in,
+                        TrainInput& act_in, bool down_weight_gradient) {
+  act_in = {};
+  if (!in.defined() || !tensor_training_on_gpu(x, w_gate) || !tensor_training_on_gpu(x, w_up) ||
+      w_gate.sizes() != w_up.sizes() || w_gate.size(1) != x.size(-1))
+    return {};
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  TrainInput own = in;
+  const bool weight_gradients = c10::GradMode::is_enabled() && (w_gate.requires_grad() || w_up.requires_grad());
+  if (weight_gradients && !own.codes_t.defined()) {
+    at::Tensor x2 = x.reshape({-1, x.size(-1)});
+    if (!row_major(x2)) x2 = x2.contiguous();
+    own.codes_t = tensor_codes(x2, own.scale, 0, false, true).q_t;
+  }
+  if (!weight_gradients) own.codes_t = at::Tensor();
+  const variable_list out = Fp8SwiGlu::apply(x, w_gate, w_up, static_cast<const TrainInput*>(&own));
+  // The down projection's input: the product's codes for the scale its kernel found.
+  const at::Tensor act2 = out[0].reshape({-1, out[0].size(-1)});
+  act_in.scale = out[1];
+  TensorCodes c = tensor_codes(act2, act_in.scale, round_up(act2.size(1), 16), true,
+                               down_weight_gradient && c10::GradMode::is_enabled());
+  act_in.codes = std::move(c.q);
+  act_in.codes_t = std::move(c.q_t);
+  return out[0];
+#else
+  (void)down_weight_gradient;
+  return {};
+#endif
+}
+
+TrainInput train_input(const at::Tensor& x, Scaling scaling, bool weight_gradients) {
+  TrainInput in;
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  if (scaling != Scaling::kTensor || x.dim() < 1 || !x.is_cuda() || x.scalar_type() != at::kBFloat16 ||
+      x.numel() == 0 || !tensor_cores(x.device()))
+    return in;
+  at::Tensor x2 = x.reshape({-1, x.size(-1)});
+  if (!row_major(x2)) x2 = x2.contiguous();
+  in.scale = tensor_scale(x2);
+  TensorCodes c = tensor_codes(x2, in.scale, round_up(x2.size(1), 16), true, weight_gradients);
+  in.codes = std::move(c.q);
+  in.codes_t = std::move(c.q_t);
+#else
+  (void)x, (void)scaling, (void)weight_gradients;
+#endif
+  return in;
+}
+
+at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling,
+                        const TrainInput& shared) {
   if (x.size(-1) != w.size(1))
     throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.size(1)));
-  return Fp8Linear::apply(x, w, bias.defined() ? bias : at::empty({0}, w.options()), static_cast<int64_t>(scaling));
+  const at::Tensor b = bias.defined() ? bias : at::empty({0}, w.options());
+  if (scaling != Scaling::kTensor || !tensor_training_on_gpu(x, w))
+    return Fp8Linear::apply(x, w, b, static_cast<int64_t>(scaling), static_cast<const TrainInput*>(nullptr));
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  // x's codes (and x^T's, where this weight's gradient will be taken) from `shared` or found now.
+  const bool weight_gradient = c10::GradMode::is_enabled() && w.requires_grad();
+  TrainInput in = shared.defined() ? shared : train_input(x, scaling, weight_gradient);
+  if (weight_gradient && !in.codes_t.defined()) {
+    at::Tensor x2 = x.reshape({-1, x.size(-1)});
+    if (!row_major(x2)) x2 = x2.contiguous();
+    in.codes_t = tensor_codes(x2, in.scale, 0, false, true).q_t;
+  }
+  if (!weight_gradient) in.codes_t = at::Tensor();
+  return Fp8Linear::apply(x, w, b, static_cast<int64_t>(scaling), static_cast<const TrainInput*>(&in));
+#else
+  (void)shared;
+  return Fp8Linear::apply(x, w, b, static_cast<int64_t>(scaling), static_cast<const TrainInput*>(nullptr));
+#endif
+}
+
+at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling) {
+  return train_linear(x, w, bias, scaling, TrainInput{});
 }
 
 }  // namespace tiller::model::fp8

@@ -13,6 +13,7 @@
 #include "model/batch_invariant.h"
 #include "model/block_parts.h"
 #include "model/fp8_rows.h"
+#include "model/fp8_train.h"
 #include "model/host_upload.h"
 #include "tiller/core/error.h"
 #include "tiller/model/numerics.h"
@@ -32,12 +33,25 @@ namespace {
 
 // x's projection by w (and bias b), or by its FP8 form when the engine quantized it, or in FP8
 // training's GEMMs when `ctx` asks for them.
+// `shared`: x's FP8 codes for the training linears that take x (shared_fp8_input).
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {},
-                   const fp8::QuantizedWeight* q = nullptr, const BlockContext* ctx = nullptr) {
+                   const fp8::QuantizedWeight* q = nullptr, const BlockContext* ctx = nullptr,
+                   const fp8::TrainInput& shared = {}) {
   if (q && q->defined()) return fp8::linear(x, *q, b);
-  if (ctx && ctx->fp8_training) return fp8::train_linear(x, w, b, *ctx->fp8_training);
+  if (ctx && ctx->fp8_training) return fp8::train_linear(x, w, b, *ctx->fp8_training, shared);
   if (batch_invariant()) return invariant::linear(x, w, b);
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
+}
+
+// x quantized once for FP8 training's projections of it by `ws` (q/k/v, gate/up: tensor scaling on
+// tensor cores; fp8_train.h), with x^T's codes where one of their gradients will be taken; empty
+// where each projection quantizes x itself.
+fp8::TrainInput shared_fp8_input(const at::Tensor& x, const BlockContext& ctx,
+                                 std::initializer_list<const at::Tensor*> ws) {
+  if (!ctx.fp8_training) return {};
+  bool weight_gradients = false;
+  for (const at::Tensor* w : ws) weight_gradients = weight_gradients || w->requires_grad();
+  return fp8::train_input(x, *ctx.fp8_training, weight_gradients && c10::GradMode::is_enabled());
 }
 
 // splitmix64's finaliser on int64 lanes (wrapping multiplies; logical shifts as arithmetic ones masked).
@@ -167,9 +181,10 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
                     1);
     flat = attend_qkv(cfg, layer, w, qkv, ctx);
   } else {
-    const at::Tensor q = with_lora(project(h, w.q_proj, w.q_bias, nullptr, &ctx), hl, w, LoraModule::kQ, ctx, layer);
-    const at::Tensor k = with_lora(project(h, w.k_proj, w.k_bias, nullptr, &ctx), hl, w, LoraModule::kK, ctx, layer);
-    const at::Tensor v = with_lora(project(h, w.v_proj, w.v_bias, nullptr, &ctx), hl, w, LoraModule::kV, ctx, layer)
+    const fp8::TrainInput in = shared_fp8_input(h, ctx, {&w.q_proj, &w.k_proj, &w.v_proj});
+    const at::Tensor q = with_lora(project(h, w.q_proj, w.q_bias, nullptr, &ctx, in), hl, w, LoraModule::kQ, ctx, layer);
+    const at::Tensor k = with_lora(project(h, w.k_proj, w.k_bias, nullptr, &ctx, in), hl, w, LoraModule::kK, ctx, layer);
+    const at::Tensor v = with_lora(project(h, w.v_proj, w.v_bias, nullptr, &ctx, in), hl, w, LoraModule::kV, ctx, layer)
                              .view({t, cfg.num_kv_heads, cfg.head_dim});
     flat = attend(cfg, layer, w, q, k, v, /*rotated=*/false, ctx);
   }
@@ -182,6 +197,7 @@ at::Tensor attention_out(const ModelConfig& cfg, int64_t layer, const LayerWeigh
 // with its LoRA adapters.
 at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h, const BlockContext& ctx, int64_t layer) {
   at::Tensor act;
+  fp8::TrainInput act_in;  // act's FP8 codes where train_swiglu made them
   if (w.gate_up_proj.defined() && !has_lora(w, ctx, {LoraModule::kGate, LoraModule::kUp})) {
     act = swiglu_packed(project(h, w.gate_up_proj, {}, &w.gate_up_fp8, &ctx));
   } else if (w.gate_up_proj.defined()) {
@@ -192,10 +208,15 @@ at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h, const BlockCont
                  with_lora(gu.narrow(1, i, i), hl, w, LoraModule::kUp, ctx, layer));
   } else {
     const at::Tensor hl = lora_input(h, w, ctx, {LoraModule::kGate, LoraModule::kUp});
-    act = swiglu(with_lora(project(h, w.gate_proj, {}, nullptr, &ctx), hl, w, LoraModule::kGate, ctx, layer),
-                 with_lora(project(h, w.up_proj, {}, nullptr, &ctx), hl, w, LoraModule::kUp, ctx, layer));
+    const fp8::TrainInput in = shared_fp8_input(h, ctx, {&w.gate_proj, &w.up_proj});
+    if (in.defined() && !has_lora(w, ctx, {LoraModule::kGate, LoraModule::kUp}))
+      act = fp8::train_swiglu(h, w.gate_proj, w.up_proj, in, act_in,
+                              c10::GradMode::is_enabled() && w.down_proj.requires_grad());
+    if (!act.defined())
+      act = swiglu(with_lora(project(h, w.gate_proj, {}, nullptr, &ctx, in), hl, w, LoraModule::kGate, ctx, layer),
+                   with_lora(project(h, w.up_proj, {}, nullptr, &ctx, in), hl, w, LoraModule::kUp, ctx, layer));
   }
-  return with_lora(project(act, w.down_proj, {}, &w.down_fp8, &ctx), act, w, LoraModule::kDown, ctx, layer);
+  return with_lora(project(act, w.down_proj, {}, &w.down_fp8, &ctx, act_in), act, w, LoraModule::kDown, ctx, layer);
 }
 
 // RouterLoss's two losses of one sparse layer over its first `rows` rows; `routed`: each expert's

@@ -120,9 +120,11 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
 //            channel)
 //   tensor   every operand one scale (its largest magnitude over the whole micro-batch or weight):
 //            the fastest GEMMs, the coarsest scales
-// Outputs and gradients in x's dtype; the bias gradient summed in fp32. Nothing is kept for the
-// backward beyond x and w themselves (what at::linear keeps; tensor scaling keeps their two scales
-// too): the backward quantizes again.
+// Outputs and gradients in x's dtype; the bias gradient summed in fp32. Kept for the backward: x
+// and w (what at::linear keeps; tensor scaling their two scales too), and the backward quantizes
+// again; except tensor scaling on tensor cores (bf16), which keeps w, the scales and x^T's e4m3
+// codes (half x's bytes), found with x's in the forward's one read of x, and reads gy once for both
+// its layouts.
 at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling);
 
 // Whether linear() runs on FP8 tensor cores on `device` (a GPU of compute capability 9.x in the
