@@ -10,6 +10,7 @@
 
 #include "fixtures.h"
 #include "model/fp8_rows.h"
+#include "model/fp8_train.h"
 #include "tiller/model/attention.h"
 #include "tiller/model/fp8.h"
 #include "tiller/model/safetensors.h"
@@ -238,6 +239,141 @@ TEST(ModelGpu, Fp8TrainingGemmsEqualTheirEmulation) {
       EXPECT_LT(d.frob_rel, 4e-3) << name << " scaling " << static_cast<int>(sc);
     }
   }
+}
+
+// Tensor-scaled FP8 training on tensor cores from the codes it keeps (fp8_train.h): train_input's
+// codes of x and x^T (one read) equal the CPU's quantize_tensor of x and of x^T's copy bit for bit,
+// ragged and strided; train_linear's output and gradients equal the scaled products it replaces
+// (scaled_product of x and w, of gy and w^T, of gy^T and x^T with the same scales) bit for bit;
+// three linears of one shared input equal three that quantize it each; train_swiglu equals the MLP's
+// projections and SwiGLU run one by one; the forward keeps x^T's codes, not x.
+TEST(ModelGpu, Fp8TensorTrainingFromKeptCodesEqualsTheScaledProducts) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  if (!fp8::tensor_cores(at::Device("cuda:0"))) GTEST_SKIP() << "no FP8 tensor cores (compute capability 9.x)";
+  at::manual_seed(17);
+  const auto bytes = [](const at::Tensor& t) { return t.cpu().contiguous().view(at::kByte); };
+  // train_input's two layouts: whole tiles, ragged rows and columns, columns off the 16-byte
+  // vectors (the kernel's value-by-value loads), and a strided view.
+  for (const auto& [m, k, strided] : std::vector<std::tuple<int64_t, int64_t, bool>>{
+           {256, 384, false}, {300, 200, false}, {37, 301, false}, {130, 260, true}}) {
+    const at::Tensor full = at::randn({m, strided ? k + 24 : k}).to(at::kBFloat16);
+    full[m / 2][11] = 61.f;
+    const at::Tensor x = strided ? full.narrow(1, 8, k) : full;
+    const at::Tensor xg = strided ? full.cuda().narrow(1, 8, k) : full.cuda();
+    const fp8::TrainInput in = fp8::train_input(xg, fp8::Scaling::kTensor, true);
+    const std::string what = fmt::format("{}x{}{}", m, k, strided ? " strided" : "");
+    ASSERT_TRUE(in.defined()) << what;
+    const fp8::GroupQuantized cpu = fp8::quantize_tensor(x), cpu_t = fp8::quantize_tensor(x.t().contiguous());
+    EXPECT_TRUE(at::equal(in.scale.cpu(), cpu.scale)) << what;
+    const int64_t mp = (m + 15) / 16 * 16, kp = (k + 15) / 16 * 16;
+    ASSERT_EQ(in.codes.sizes(), (std::vector<int64_t>{mp, kp})) << what;
+    ASSERT_EQ(in.codes_t.sizes(), (std::vector<int64_t>{(k + 127) / 128 * 128, (m + 127) / 128 * 128})) << what;
+    EXPECT_TRUE(at::equal(bytes(in.codes.narrow(0, 0, m).narrow(1, 0, k)), bytes(cpu.q))) << what;
+    EXPECT_TRUE(at::equal(bytes(in.codes_t.narrow(0, 0, k).narrow(1, 0, m)), bytes(cpu_t.q))) << what;
+    // The padding is zeros (the GEMM's contraction runs over it).
+    EXPECT_EQ(bytes(in.codes).sum().item<int64_t>(), bytes(cpu.q).sum().item<int64_t>()) << what;
+    EXPECT_EQ(bytes(in.codes_t).sum().item<int64_t>(), bytes(cpu_t.q).sum().item<int64_t>()) << what;
+    EXPECT_FALSE(fp8::train_input(xg, fp8::Scaling::kTensor, false).codes_t.defined()) << what;
+  }
+  EXPECT_FALSE(fp8::train_input(at::randn({4, 32}).cuda(), fp8::Scaling::kTensor, true).defined()) << "fp32";
+  EXPECT_FALSE(fp8::train_input(at::randn({4, 32}).to(at::kBFloat16).cuda(), fp8::Scaling::kBlock, true).defined());
+
+  const auto t = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+  for (const auto& [m, n, k] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{512, 384, 640}, {300, 200, 700}, {5, 96, 64}}) {
+    const std::string what = fmt::format("{}x{}x{}", m, n, k);
+    const at::Tensor x0 = at::randn({m, k}, t), w0 = at::randn({n, k}, t) * 0.05, b0 = at::randn({n}, t) * 0.1;
+    const at::Tensor gy = at::randn({m, n}, t);
+    at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true),
+               b = b0.clone().requires_grad_(true);
+    const at::Tensor y = fp8::train_linear(x, w, b, fp8::Scaling::kTensor);
+    y.backward(gy);
+    using fp8::Operand;
+    const at::Tensor sx = fp8::tensor_scale(x0), sw = fp8::tensor_scale(w0), sg = fp8::tensor_scale(gy);
+    const at::Tensor want_y = fp8::scaled_product(x0, w0, Operand::kTensor, Operand::kTensor, at::kBFloat16, b0,
+                                                  false, sx, sw);
+    const at::Tensor want_gx = fp8::scaled_product(gy, w0.t(), Operand::kTensor, Operand::kTensor, at::kBFloat16, {},
+                                                   false, sg, sw);
+    const at::Tensor want_gw = fp8::scaled_product(gy.t(), x0.t(), Operand::kTensor, Operand::kTensor,
+                                                   at::kBFloat16, {}, false, sg, sx);
+    EXPECT_TRUE(at::equal(y, want_y)) << what << " output";
+    EXPECT_TRUE(at::equal(x.grad(), want_gx)) << what << " input gradient";
+    EXPECT_TRUE(at::equal(w.grad(), want_gw)) << what << " weight gradient";
+    EXPECT_TRUE(at::equal(b.grad(), gy.sum(0, false, at::kFloat).to(at::kBFloat16))) << what << " bias gradient";
+
+    // q/k/v: three weights of one input, its codes shared, against each linear on its own.
+    std::vector<at::Tensor> ws, ys[2], grads[2];
+    for (int64_t j = 0; j < 3; ++j) ws.push_back(at::randn({n / (j + 1), k}, t) * 0.05);
+    for (const bool shared : {false, true}) {
+      at::Tensor xs = x0.clone().requires_grad_(true);
+      std::vector<at::Tensor> wl;
+      for (const at::Tensor& w_ : ws) wl.push_back(w_.clone().requires_grad_(true));
+      const fp8::TrainInput in = shared ? fp8::train_input(xs, fp8::Scaling::kTensor, true) : fp8::TrainInput{};
+      at::Tensor loss = at::zeros({}, t.dtype(at::kFloat));
+      for (size_t j = 0; j < wl.size(); ++j) {
+        ys[shared].push_back(fp8::train_linear(xs, wl[j], {}, fp8::Scaling::kTensor, in));
+        loss = loss + (ys[shared].back().to(at::kFloat) * (1.0 + static_cast<double>(j))).sum();
+      }
+      loss.backward();
+      grads[shared].push_back(xs.grad());
+      for (const at::Tensor& w_ : wl) grads[shared].push_back(w_.grad());
+    }
+    for (size_t j = 0; j < ys[0].size(); ++j) EXPECT_TRUE(at::equal(ys[1][j], ys[0][j])) << what << " output " << j;
+    for (size_t j = 0; j < grads[0].size(); ++j)
+      EXPECT_TRUE(at::equal(grads[1][j], grads[0][j])) << what << " gradient " << j;
+  }
+
+  // The MLP: train_swiglu (the two projections and SwiGLU as one node, the scales of its product
+  // and of its input gradients from the SwiGLU kernels) then the down projection from its codes,
+  // against train_linear, swiglu and train_linear: bit for bit, forward and backward.
+  for (const auto& [m, k, n] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{512, 384, 1536}, {300, 640, 1000}}) {
+    const std::string what = fmt::format("mlp {}x{}x{}", m, k, n);
+    const at::Tensor x0 = at::randn({m, k}, t), g0 = at::randn({m, k}, t);
+    const at::Tensor ws0[3] = {at::randn({n, k}, t) * 0.05, at::randn({n, k}, t) * 0.05, at::randn({k, n}, t) * 0.05};
+    at::Tensor ys[2], grads[2][4], scales[2];
+    for (const bool fused : {false, true}) {
+      at::Tensor x = x0.clone().requires_grad_(true), ws[3];
+      for (int j = 0; j < 3; ++j) ws[j] = ws0[j].clone().requires_grad_(true);
+      const fp8::TrainInput in = fp8::train_input(x, fp8::Scaling::kTensor, true);
+      fp8::TrainInput act_in;
+      at::Tensor act;
+      if (fused) {
+        act = fp8::train_swiglu(x, ws[0], ws[1], in, act_in, true);
+        ASSERT_TRUE(act.defined()) << what;
+        scales[1] = act_in.scale;
+      } else {
+        act = swiglu(fp8::train_linear(x, ws[0], {}, fp8::Scaling::kTensor, in),
+                     fp8::train_linear(x, ws[1], {}, fp8::Scaling::kTensor, in));
+        scales[0] = fp8::tensor_scale(act.detach());
+      }
+      ys[fused] = fp8::train_linear(act, ws[2], {}, fp8::Scaling::kTensor, act_in);
+      ys[fused].backward(g0);
+      grads[fused][0] = x.grad();
+      for (int j = 0; j < 3; ++j) grads[fused][j + 1] = ws[j].grad();
+    }
+    EXPECT_TRUE(at::equal(scales[1], scales[0])) << what << " the product's scale";
+    EXPECT_TRUE(at::equal(ys[1], ys[0])) << what << " output";
+    for (int j = 0; j < 4; ++j) EXPECT_TRUE(at::equal(grads[1][j], grads[0][j])) << what << " gradient " << j;
+  }
+  EXPECT_FALSE(([&] {
+    fp8::TrainInput act_in;
+    const at::Tensor x = at::randn({4, 64}, t);
+    return fp8::train_swiglu(x, at::randn({32, 64}, t), at::randn({32, 64}, t), fp8::TrainInput{}, act_in, false)
+        .defined();
+  })()) << "without x's codes";
+
+  // What the forward keeps: w, the scales and x^T's codes (half of x's bytes), not x.
+  const at::Device dev("cuda:0");
+  const at::Tensor base = at::randn({4096, 1024}, t).requires_grad_(true), w = (at::randn({512, 1024}, t) * 0.05);
+  at::Tensor y;
+  const int64_t before = device_memory(dev).allocated;
+  {
+    const at::Tensor x = base * 2;  // freed when nothing keeps it
+    y = fp8::train_linear(x, w.clone().requires_grad_(true), {}, fp8::Scaling::kTensor);
+  }
+  const int64_t kept = device_memory(dev).allocated - before - y.numel() * 2;
+  EXPECT_GE(kept, base.numel());  // x^T's codes
+  EXPECT_LT(kept, base.numel() * 2) << "the forward keeps x (" << base.numel() * 2 << " bytes)";
 }
 
 TEST(ModelGpu, ACappedAllocatorRunsOutAtTheCap) {
