@@ -11,6 +11,7 @@
 
 #include "model/fp8_quotient.h"
 #include "model/fp8_rows.h"
+#include "model/fp8_train.h"
 #include "tiller/core/error.h"
 #include "tiller/model/fp8.h"
 #include "tiller/model/transformer.h"
@@ -354,6 +355,18 @@ TEST(Fp8, TrainLinearsGemmsAreTheRecipesScaledProducts) {
   train_linear(x, w0, {}, Scaling::kBlock).backward(gy);
   EXPECT_TRUE(at::equal(x.grad(), scaled_product(gy, w0.t(), Operand::kGroups, Operand::kBlocks, at::kFloat)));
   EXPECT_THROW(train_linear(at::randn({2, 100}), w0, {}, Scaling::kBlock), ConfigError);
+  // Shared codes are the GPU's (model/fp8_train.h): on the CPU train_input is empty, train_swiglu
+  // declines, and train_linear quantizes x itself, as without them.
+  const at::Tensor xb = x0.to(at::kBFloat16), wb = w0.to(at::kBFloat16);
+  const TrainInput none = train_input(xb, Scaling::kTensor, true);
+  EXPECT_FALSE(none.defined());
+  TrainInput act_in;
+  EXPECT_FALSE(train_swiglu(xb, wb, wb, none, act_in, true).defined());
+  EXPECT_FALSE(act_in.defined());
+  at::Tensor xs = xb.clone().requires_grad_(true), xp = xb.clone().requires_grad_(true);
+  train_linear(xs, wb, {}, Scaling::kTensor, none).backward(gy.to(at::kBFloat16));
+  train_linear(xp, wb, {}, Scaling::kTensor).backward(gy.to(at::kBFloat16));
+  EXPECT_TRUE(at::equal(xs.grad(), xp.grad()));
 }
 
 // scaled_product's operands: a transposed view is quantized as its contiguous copy; the recipe's
