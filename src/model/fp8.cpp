@@ -566,6 +566,21 @@ TensorCodes tensor_codes(const at::Tensor& x, const at::Tensor& s, int64_t kp, b
                                          c.q_t.data_ptr(), c.q_t.size(1), s.data_ptr<float>(), current_stream(x));
   return c;
 }
+
+// x [..., K] as the rows [M, K] the kernels read (a copy only where x's layout is not row-major).
+at::Tensor kernel_rows(const at::Tensor& x) {
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+  return row_major(x2) ? x2 : x2.contiguous();
+}
+
+// `in` (x's scale and codes) with x^T's codes where a weight gradient will be taken (found now if
+// `in` lacks them), without them otherwise.
+void keep_transposed(TrainInput& in, const at::Tensor& x, bool weight_gradient) {
+  if (!weight_gradient)
+    in.codes_t = at::Tensor();
+  else if (!in.codes_t.defined())
+    in.codes_t = tensor_codes(kernel_rows(x), in.scale, 0, false, true).q_t;
+}
 #endif
 
 // Whether train_linear's tensor scaling runs on tensor cores from codes it keeps (x [..., K] and
@@ -688,8 +703,7 @@ std::vector<at::Tensor> tensor_backward(AutogradContext* ctx, const at::Tensor& 
 #ifdef TILLER_HAVE_CUDA_KERNELS
   const std::vector<int64_t> x_sizes = ctx->saved_data["x_sizes"].toIntVector();
   const int64_t k = w.size(1), n = w.size(0);
-  at::Tensor gy = grad.reshape({-1, n});
-  if (!row_major(gy)) gy = gy.contiguous();
+  const at::Tensor gy = kernel_rows(grad);  // [M, N]
   const int64_t m = gy.size(0);
   const at::Tensor sg = tensor_scale(gy), sw = ctx->saved_data["sw"].toTensor();
   // gy's codes for dgrad (its contraction N padded to w^T's tiles) and gy^T's for wgrad, one read.
@@ -837,7 +851,10 @@ struct Fp8SwiGlu : public torch::autograd::Function<Fp8SwiGlu> {
         const DeviceOperand qwt = device_operand(ws[i]->t(), Operand::kTensor, round_up(k, kBlock),
                                                  round_up(n, kBlock), true, sw, stream);
         const at::Tensor part = tensor_core_product(g.q, sg, qwt.q, sw, m, k, {}, gate.scalar_type());
-        gx = gx.defined() ? gx + part : part;
+        if (gx.defined())
+          gx.add_(part);  // gx is this node's own tensor: the sum in place, the same bf16 values
+        else
+          gx = part;
       }
       if (need_gw) {
         TILLER_CHECK(ctx->saved_data.count("x_t") > 0,
@@ -865,16 +882,10 @@ at::Tensor train_swiglu(const at::Tensor& x, const at::Tensor& w_gate, const at:
     return {};
 #ifdef TILLER_HAVE_CUDA_KERNELS
   TrainInput own = in;
-  const bool weight_gradients = c10::GradMode::is_enabled() && (w_gate.requires_grad() || w_up.requires_grad());
-  if (weight_gradients && !own.codes_t.defined()) {
-    at::Tensor x2 = x.reshape({-1, x.size(-1)});
-    if (!row_major(x2)) x2 = x2.contiguous();
-    own.codes_t = tensor_codes(x2, own.scale, 0, false, true).q_t;
-  }
-  if (!weight_gradients) own.codes_t = at::Tensor();
+  keep_transposed(own, x, c10::GradMode::is_enabled() && (w_gate.requires_grad() || w_up.requires_grad()));
   const variable_list out = Fp8SwiGlu::apply(x, w_gate, w_up, static_cast<const TrainInput*>(&own));
   // The down projection's input: the product's codes for the scale its kernel found.
-  const at::Tensor act2 = out[0].reshape({-1, out[0].size(-1)});
+  const at::Tensor act2 = kernel_rows(out[0]);
   act_in.scale = out[1];
   TensorCodes c = tensor_codes(act2, act_in.scale, round_up(act2.size(1), 16), true,
                                down_weight_gradient && c10::GradMode::is_enabled());
@@ -893,8 +904,7 @@ TrainInput train_input(const at::Tensor& x, Scaling scaling, bool weight_gradien
   if (scaling != Scaling::kTensor || x.dim() < 1 || !x.is_cuda() || x.scalar_type() != at::kBFloat16 ||
       x.numel() == 0 || !tensor_cores(x.device()))
     return in;
-  at::Tensor x2 = x.reshape({-1, x.size(-1)});
-  if (!row_major(x2)) x2 = x2.contiguous();
+  const at::Tensor x2 = kernel_rows(x);
   in.scale = tensor_scale(x2);
   TensorCodes c = tensor_codes(x2, in.scale, round_up(x2.size(1), 16), true, weight_gradients);
   in.codes = std::move(c.q);
@@ -916,12 +926,7 @@ at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   // x's codes (and x^T's, where this weight's gradient will be taken) from `shared` or found now.
   const bool weight_gradient = c10::GradMode::is_enabled() && w.requires_grad();
   TrainInput in = shared.defined() ? shared : train_input(x, scaling, weight_gradient);
-  if (weight_gradient && !in.codes_t.defined()) {
-    at::Tensor x2 = x.reshape({-1, x.size(-1)});
-    if (!row_major(x2)) x2 = x2.contiguous();
-    in.codes_t = tensor_codes(x2, in.scale, 0, false, true).q_t;
-  }
-  if (!weight_gradient) in.codes_t = at::Tensor();
+  keep_transposed(in, x, weight_gradient);
   return Fp8Linear::apply(x, w, b, static_cast<int64_t>(scaling), static_cast<const TrainInput*>(&in));
 #else
   (void)shared;
