@@ -77,6 +77,7 @@ struct TrainBenchOptions {
   bool frozen = false; // with score: a frozen model (the reference and reward roles)
   bool fp8 = false;     // the same steps again with FP8 training's GEMMs (roles.<r>.fp8)
   std::string fp8_scaling = "block";
+  std::string fp8_accumulation = "fast";  // roles.<r>.fp8_fast_accumulation
 };
 
 // A flag's value as the config's enum (the flags take the config keys' spellings).
@@ -263,7 +264,7 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
   // --fp8: the same steps again with FP8 training's GEMMs, on the weights the first run left.
   at::Tensor t8;
   if (o.fp8) {
-    model.set_fp8(model::fp8::parse_scaling(o.fp8_scaling, "--fp8-scaling"));
+    model.set_fp8(model::fp8::parse_scaling(o.fp8_scaling, "--fp8-scaling"), o.fp8_accumulation == "fast");
     t8 = timed();
   }
   const double step = t[0].item<double>(), fb = t[1].item<double>(), opt = t[2].item<double>(),
@@ -289,6 +290,7 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
     const double s8 = t8[0].item<double>();
     nlohmann::ordered_json f;
     f["scaling"] = o.fp8_scaling;
+    f["forward_accumulation"] = o.fp8_scaling == "tensor" ? o.fp8_accumulation : "fp32";
     f["step_s"] = s8;
     f["tokens_per_s_per_gpu"] = tokens / s8;
     f[rate_key] = flops_per_token * tokens / s8 / (std::string(rate_key) == "tflops" ? 1e12 : 989e12);
@@ -445,6 +447,10 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
                "beside, with the speedup");
   tr->add_option("--fp8-scaling", o->fp8_scaling, "The FP8 GEMMs' scales: block, channel or tensor")
       ->check(CLI::IsMember({"block", "channel", "tensor"}));
+  tr->add_option("--fp8-accumulation", o->fp8_accumulation,
+                 "Tensor scaling's forward GEMMs: fast (no fp32 promotion of the partial sums, "
+                 "roles.<r>.fp8_fast_accumulation: true) or fp32")
+      ->check(CLI::IsMember({"fast", "fp32"}));
   tr->add_flag("--score", o->score,
                "Time the actor's scoring pass (forward without autograd, log-probs and entropies to the host) "
                "instead of training steps");

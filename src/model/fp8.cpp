@@ -525,13 +525,14 @@ DeviceOperand device_operand(at::Tensor x, Operand o, int64_t rows_p, int64_t kp
 }
 
 // The tensor-core product of quantized operands a [>= m, kp] and b [>= n, kp] (codes and scales
-// as _scaled_mm takes them) plus `bias` [n], as [m, n] in `out`.
+// as _scaled_mm takes them) plus `bias` [n], as [m, n] in `out`. `fast`: cuBLASLt's fast
+// accumulation (tensor scaling's forward; docs/training.md).
 at::Tensor tensor_core_product(const at::Tensor& qa, const at::Tensor& sa, const at::Tensor& qb, const at::Tensor& sb,
-                               int64_t m, int64_t n, const at::Tensor& bias, c10::ScalarType out) {
+                               int64_t m, int64_t n, const at::Tensor& bias, c10::ScalarType out, bool fast = false) {
   const bool epilogue_bias = bias.defined() && qb.size(0) == n;
   at::Tensor y = at::_scaled_mm(qa, qb.t(), sa, sb,
                                 epilogue_bias ? std::optional<at::Tensor>(bias.to(out)) : std::nullopt, std::nullopt,
-                                out);
+                                out, fast);
   if (qa.size(0) != m) y = y.narrow(0, 0, m);
   if (qb.size(0) != n) y = y.narrow(1, 0, n);
   if (bias.defined() && !epilogue_bias) y = y + bias.to(out);
@@ -600,7 +601,8 @@ bool tensor_training_on_gpu(const at::Tensor& x, const at::Tensor& w) {
 }  // namespace
 
 at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, Operand ob, c10::ScalarType out,
-                          const at::Tensor& bias, bool emulate, const at::Tensor& scale_a, const at::Tensor& scale_b) {
+                          const at::Tensor& bias, bool emulate, const at::Tensor& scale_a, const at::Tensor& scale_b,
+                          bool fast_accumulation) {
   TILLER_CHECK(a.dim() == 2 && b.dim() == 2, "fp8: a product of {}-D and {}-D operands; both are 2-D", a.dim(),
                b.dim());
   TILLER_CHECK(a.size(1) == b.size(1), "fp8: a product of [{}, {}] and [{}, {}]^T: the inner sizes differ", a.size(0),
@@ -615,6 +617,7 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
   TILLER_CHECK((!scale_a.defined() || (oa == Operand::kTensor && scale_a.numel() == 1)) &&
                    (!scale_b.defined() || (ob == Operand::kTensor && scale_b.numel() == 1)),
                "fp8: a known scale is one value, for a tensor-scaled operand");
+  TILLER_CHECK(!fast_accumulation || oa == Operand::kTensor, "fp8: fast accumulation is for tensor-scaled products");
   if (m == 0 || n == 0 || k == 0) {
     at::Tensor y = at::zeros({m, n}, a.options().dtype(out));
     return bias.defined() ? y + bias.to(out) : y;
@@ -646,10 +649,10 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
     const auto scalar = [](const at::Tensor& s) { return s.defined() ? s.reshape({}) : s; };
     const DeviceOperand qa = device_operand(ak, oa, mp, kp, false, scalar(scale_a), stream);
     const DeviceOperand qb = device_operand(bk, ob, np, kp, true, scalar(scale_b), stream);
-    return tensor_core_product(qa.q, qa.scale, qb.q, qb.scale, m, n, bias, out);
+    return tensor_core_product(qa.q, qa.scale, qb.q, qb.scale, m, n, bias, out, fast_accumulation);
   }
 #endif
-  (void)emulate;
+  (void)emulate, (void)fast_accumulation;
   at::Tensor y = at::matmul(emulated_operand(a, oa, scale_a), emulated_operand(b, ob, scale_b).t());
   if (bias.defined()) y = y + bias.to(at::kFloat);
   return y.to(out);
@@ -676,7 +679,7 @@ Recipe recipe(Scaling s) {
 // `in` (train_input), finds w's scale and codes, and keeps w, the two scales and x^T's codes; the
 // backward finds gy's scale, quantizes gy once for both layouts and w^T from the kept scale.
 at::Tensor tensor_forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                          const TrainInput& in) {
+                          const TrainInput& in, bool fast) {
 #ifdef TILLER_HAVE_CUDA_KERNELS
   const int64_t k = x.size(-1), n = w.size(0), m = x.numel() / k;
   TILLER_CHECK(in.codes.size(0) == round_up(m, 16) && in.codes.size(1) == round_up(k, 16),
@@ -691,9 +694,9 @@ at::Tensor tensor_forward(AutogradContext* ctx, const at::Tensor& x, const at::T
   if (in.codes_t.defined()) ctx->saved_data["x_t"] = in.codes_t;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(n);
-  return tensor_core_product(in.codes, in.scale, qw.q, sw, m, n, bias, x.scalar_type()).view(shape);
+  return tensor_core_product(in.codes, in.scale, qw.q, sw, m, n, bias, x.scalar_type(), fast).view(shape);
 #else
-  (void)ctx, (void)x, (void)w, (void)bias, (void)in;
+  (void)ctx, (void)x, (void)w, (void)bias, (void)in, (void)fast;
   throw std::logic_error("fp8: tensor-core training without the GPU build");
 #endif
 }
@@ -729,14 +732,15 @@ std::vector<at::Tensor> tensor_backward(AutogradContext* ctx, const at::Tensor& 
 
 struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
   // `bias`: empty ([0]) for none (autograd takes no undefined inputs). `shared`: x's codes for
-  // tensor scaling on tensor cores (train_input), or null for the other paths.
+  // tensor scaling on tensor cores (train_input), or null for the other paths. `fast`: the
+  // forward's fast accumulation (tensor scaling on tensor cores).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias_in,
-                            int64_t scaling, const TrainInput* shared) {
+                            int64_t scaling, const TrainInput* shared, bool fast) {
     const at::Tensor bias = bias_in.numel() > 0 ? bias_in : at::Tensor();
     ctx->saved_data["scaling"] = scaling;
     ctx->saved_data["bias"] = bias.defined();
     ctx->saved_data["tensor_cores"] = shared != nullptr;
-    if (shared) return tensor_forward(ctx, x, w, bias, *shared);
+    if (shared) return tensor_forward(ctx, x, w, bias, *shared, fast);
     ctx->save_for_backward({x, w});
     const Recipe r = recipe(static_cast<Scaling>(scaling));
     const int64_t k = x.size(-1), n = w.size(0);
@@ -748,7 +752,7 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
       const at::Tensor sx = tensor_scale(x2), sw = tensor_scale(w);
       ctx->saved_data["sx"] = sx;
       ctx->saved_data["sw"] = sw;
-      return scaled_product(x2, w, r.fwd_a, r.fwd_b, x.scalar_type(), bias, false, sx, sw).view(shape);
+      return scaled_product(x2, w, r.fwd_a, r.fwd_b, x.scalar_type(), bias, false, sx, sw, fast).view(shape);
     }
     return scaled_product(x2, w, r.fwd_a, r.fwd_b, x.scalar_type(), bias).view(shape);
   }
@@ -758,7 +762,7 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     if (ctx->saved_data["tensor_cores"].toBool()) {
       const auto g = tensor_backward(ctx, saved[0], grads[0], ctx->needs_input_grad(0), ctx->needs_input_grad(1));
       const at::Tensor gb = has_bias ? g[2].sum(0, false, at::kFloat).to(g[2].scalar_type()) : at::Tensor();
-      return {g[0], g[1], gb, at::Tensor(), at::Tensor()};
+      return {g[0], g[1], gb, at::Tensor(), at::Tensor(), at::Tensor()};
     }
     const at::Tensor& x = saved[0];
     const at::Tensor& w = saved[1];
@@ -779,7 +783,7 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     if (ctx->needs_input_grad(1))
       gw = scaled_product(gy.t(), x2.t(), r.wgrad_a, r.wgrad_b, w.scalar_type(), {}, false, sg, sx);
     if (has_bias) gb = gy.sum(0, false, at::kFloat).to(gy.scalar_type());
-    return {gx, gw, gb, at::Tensor(), at::Tensor()};
+    return {gx, gw, gb, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -788,7 +792,7 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
 // differentiable).
 struct Fp8SwiGlu : public torch::autograd::Function<Fp8SwiGlu> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
-                               const TrainInput* in) {
+                               const TrainInput* in, bool fast) {
 #ifdef TILLER_HAVE_CUDA_KERNELS
     const int64_t k = x.size(-1), n = wg.size(0), m = x.numel() / k, kp = in->codes.size(1);
     TILLER_CHECK(in->codes.size(0) == round_up(m, 16) && kp == round_up(k, 16),
@@ -797,7 +801,7 @@ struct Fp8SwiGlu : public torch::autograd::Function<Fp8SwiGlu> {
     const auto project = [&](const at::Tensor& w, const at::Tensor& sw) {
       const DeviceOperand q = device_operand(row_major(w) ? w : w.contiguous(), Operand::kTensor, round_up(n, 16), kp,
                                              true, sw, stream);
-      return tensor_core_product(in->codes, in->scale, q.q, sw, m, n, {}, x.scalar_type());
+      return tensor_core_product(in->codes, in->scale, q.q, sw, m, n, {}, x.scalar_type(), fast);
     };
     const at::Tensor swg = tensor_scale(wg), swu = tensor_scale(wu);
     const at::Tensor gate = project(wg, swg), up = project(wu, swu);
@@ -817,7 +821,7 @@ struct Fp8SwiGlu : public torch::autograd::Function<Fp8SwiGlu> {
     ctx->mark_non_differentiable({scale});
     return {act, scale};
 #else
-    (void)ctx, (void)x, (void)wg, (void)wu, (void)in;
+    (void)ctx, (void)x, (void)wg, (void)wu, (void)in, (void)fast;
     throw std::logic_error("fp8: tensor-core training without the GPU build");
 #endif
   }
@@ -864,7 +868,7 @@ struct Fp8SwiGlu : public torch::autograd::Function<Fp8SwiGlu> {
       }
     }
     if (gx.defined()) gx = gx.view(ctx->saved_data["x_sizes"].toIntVector());
-    return {gx, gw[0], gw[1], at::Tensor()};
+    return {gx, gw[0], gw[1], at::Tensor(), at::Tensor()};
 #else
     (void)ctx, (void)grads;
     throw std::logic_error("fp8: tensor-core training without the GPU build");
@@ -875,7 +879,7 @@ struct Fp8SwiGlu : public torch::autograd::Function<Fp8SwiGlu> {
 }  // namespace
 
 at::Tensor train_swiglu(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up, const TrainInput& in,
-                        TrainInput& act_in, bool down_weight_gradient) {
+                        TrainInput& act_in, bool down_weight_gradient, bool fast_accumulation) {
   act_in = {};
   if (!in.defined() || !tensor_training_on_gpu(x, w_gate) || !tensor_training_on_gpu(x, w_up) ||
       w_gate.sizes() != w_up.sizes() || w_gate.size(1) != x.size(-1))
@@ -883,7 +887,7 @@ at::Tensor train_swiglu(const at::Tensor& x, const at::Tensor& w_gate, const at:
 #ifdef TILLER_HAVE_CUDA_KERNELS
   TrainInput own = in;
   keep_transposed(own, x, c10::GradMode::is_enabled() && (w_gate.requires_grad() || w_up.requires_grad()));
-  const variable_list out = Fp8SwiGlu::apply(x, w_gate, w_up, static_cast<const TrainInput*>(&own));
+  const variable_list out = Fp8SwiGlu::apply(x, w_gate, w_up, static_cast<const TrainInput*>(&own), fast_accumulation);
   // The down projection's input: the product's codes for the scale its kernel found.
   const at::Tensor act2 = kernel_rows(out[0]);
   act_in.scale = out[1];
@@ -893,7 +897,7 @@ at::Tensor train_swiglu(const at::Tensor& x, const at::Tensor& w_gate, const at:
   act_in.codes_t = std::move(c.q_t);
   return out[0];
 #else
-  (void)down_weight_gradient;
+  (void)down_weight_gradient, (void)fast_accumulation;
   return {};
 #endif
 }
@@ -916,26 +920,29 @@ TrainInput train_input(const at::Tensor& x, Scaling scaling, bool weight_gradien
 }
 
 at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling,
-                        const TrainInput& shared) {
+                        const TrainInput& shared, bool fast_accumulation) {
   if (x.size(-1) != w.size(1))
     throw ConfigError(fmt::format("fp8: x has {} features and the weight {}", x.size(-1), w.size(1)));
   const at::Tensor b = bias.defined() ? bias : at::empty({0}, w.options());
+  // Fast accumulation is tensor scaling's on tensor cores; the other paths accumulate in fp32.
+  const bool fast = fast_accumulation && scaling == Scaling::kTensor && x.is_cuda() && tensor_cores(x.device());
   if (scaling != Scaling::kTensor || !tensor_training_on_gpu(x, w))
-    return Fp8Linear::apply(x, w, b, static_cast<int64_t>(scaling), static_cast<const TrainInput*>(nullptr));
+    return Fp8Linear::apply(x, w, b, static_cast<int64_t>(scaling), static_cast<const TrainInput*>(nullptr), fast);
 #ifdef TILLER_HAVE_CUDA_KERNELS
   // x's codes (and x^T's, where this weight's gradient will be taken) from `shared` or found now.
   const bool weight_gradient = c10::GradMode::is_enabled() && w.requires_grad();
   TrainInput in = shared.defined() ? shared : train_input(x, scaling, weight_gradient);
   keep_transposed(in, x, weight_gradient);
-  return Fp8Linear::apply(x, w, b, static_cast<int64_t>(scaling), static_cast<const TrainInput*>(&in));
+  return Fp8Linear::apply(x, w, b, static_cast<int64_t>(scaling), static_cast<const TrainInput*>(&in), fast);
 #else
   (void)shared;
-  return Fp8Linear::apply(x, w, b, static_cast<int64_t>(scaling), static_cast<const TrainInput*>(nullptr));
+  return Fp8Linear::apply(x, w, b, static_cast<int64_t>(scaling), static_cast<const TrainInput*>(nullptr), fast);
 #endif
 }
 
-at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling) {
-  return train_linear(x, w, bias, scaling, TrainInput{});
+at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling,
+                        bool fast_accumulation) {
+  return train_linear(x, w, bias, scaling, TrainInput{}, fast_accumulation);
 }
 
 }  // namespace tiller::model::fp8

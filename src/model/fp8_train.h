@@ -23,16 +23,17 @@ TrainInput train_input(const at::Tensor& x, Scaling scaling, bool weight_gradien
 
 // train_linear (tiller/model/fp8.h) with x's codes from `shared` (train_input of this x, or empty).
 at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling,
-                        const TrainInput& shared);
+                        const TrainInput& shared, bool fast_accumulation = false);
 
 // silu(x w_gate^T) * (x w_up^T), the dense MLP's first half, as one autograd node for tensor
 // scaling on tensor cores: both projections from x's codes `in` (train_input of x; defined), and
 // the SwiGLU kernel finding its product's scale and, in the backward, its two input gradients'
 // scales, without passes of their own; the same values as the two train_linear and swiglu, bit for
 // bit. `act_in` receives the product's codes for the down projection (with x^T's where
-// `down_weight_gradient`). Undefined where it does not apply (weights not bf16 on x's GPU): the
-// caller runs the projections and swiglu itself.
+// `down_weight_gradient`). `fast_accumulation`: the two projections' as train_linear's. Undefined
+// where it does not apply (weights not bf16 on x's GPU): the caller runs the projections and
+// swiglu itself.
 at::Tensor train_swiglu(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up, const TrainInput& in,
-                        TrainInput& act_in, bool down_weight_gradient);
+                        TrainInput& act_in, bool down_weight_gradient, bool fast_accumulation = false);
 
 }  // namespace tiller::model::fp8

@@ -38,7 +38,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
                    const fp8::QuantizedWeight* q = nullptr, const BlockContext* ctx = nullptr,
                    const fp8::TrainInput& shared = {}) {
   if (q && q->defined()) return fp8::linear(x, *q, b);
-  if (ctx && ctx->fp8_training) return fp8::train_linear(x, w, b, *ctx->fp8_training, shared);
+  if (ctx && ctx->fp8_training)
+    return fp8::train_linear(x, w, b, *ctx->fp8_training, shared, ctx->fp8_fast_accumulation);
   if (batch_invariant()) return invariant::linear(x, w, b);
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
@@ -211,7 +212,7 @@ at::Tensor dense_mlp(const LayerWeights& w, const at::Tensor& h, const BlockCont
     const fp8::TrainInput in = shared_fp8_input(h, ctx, {&w.gate_proj, &w.up_proj});
     if (in.defined() && !has_lora(w, ctx, {LoraModule::kGate, LoraModule::kUp}))
       act = fp8::train_swiglu(h, w.gate_proj, w.up_proj, in, act_in,
-                              c10::GradMode::is_enabled() && w.down_proj.requires_grad());
+                              c10::GradMode::is_enabled() && w.down_proj.requires_grad(), ctx.fp8_fast_accumulation);
     if (!act.defined())
       act = swiglu(with_lora(project(h, w.gate_proj, {}, nullptr, &ctx, in), hl, w, LoraModule::kGate, ctx, layer),
                    with_lora(project(h, w.up_proj, {}, nullptr, &ctx, in), hl, w, LoraModule::kUp, ctx, layer));

@@ -77,14 +77,18 @@ ShardedModelOptions role_options(const std::string& name, const RoleConfig& role
     o.fp8 = role.fp8_scaling == Fp8Scaling::kChannel  ? model::fp8::Scaling::kChannel
             : role.fp8_scaling == Fp8Scaling::kTensor ? model::fp8::Scaling::kTensor
                                                       : model::fp8::Scaling::kBlock;
+  o.fp8_fast_accumulation = role.fp8_fast_accumulation;
   return o;
 }
 
 std::string fp8_summary(const ShardedModelOptions& opts) {
   if (!opts.fp8) return "";
-  return fmt::format("FP8 GEMMs in the blocks' projections ({} scales) {}",
-                     model::fp8::scaling_name(*opts.fp8),
-                     model::fp8::tensor_cores(opts.device) ? "on tensor cores" : "emulated (no FP8 tensor cores here)");
+  const bool cores = model::fp8::tensor_cores(opts.device);
+  return fmt::format("FP8 GEMMs in the blocks' projections ({} scales) {}{}", model::fp8::scaling_name(*opts.fp8),
+                     cores ? "on tensor cores" : "emulated (no FP8 tensor cores here)",
+                     cores && *opts.fp8 == model::fp8::Scaling::kTensor && opts.fp8_fast_accumulation
+                         ? ", the forward's with fast accumulation"
+                         : "");
 }
 
 model::LoraSpec lora_spec(const LoraConfig& lora, const model::ModelConfig& cfg, const std::string& key) {

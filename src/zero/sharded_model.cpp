@@ -156,6 +156,7 @@ at::Tensor whole_batch(Impl& m, const model::PackedBatch& batch, Head&& head) {
   model::BlockContext bctx =
       model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
   bctx.fp8_training = m.opts.fp8;
+  bctx.fp8_fast_accumulation = m.opts.fp8_fast_accumulation;
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   if (graph) m.training_routing(bctx, batch.num_tokens());
   m.lora_context(bctx, graph, 0);
@@ -210,11 +211,12 @@ int ShardedModel::context_parallel() const {
   return impl_->sequence_groups.keys ? impl_->sequence_groups.keys->size() : 1;
 }
 
-void ShardedModel::set_fp8(std::optional<model::fp8::Scaling> scaling) {
+void ShardedModel::set_fp8(std::optional<model::fp8::Scaling> scaling, bool fast_accumulation) {
   ShardedModelOptions o = impl_->opts;
   o.fp8 = scaling;
   check_fp8(o);
   impl_->opts.fp8 = scaling;
+  impl_->opts.fp8_fast_accumulation = fast_accumulation;
 }
 
 void ShardedModel::set_recompute(Recompute mode, int64_t layers) {
@@ -253,6 +255,7 @@ at::Tensor ShardedModel::token_logprobs(const SequenceSlice& slice, const at::Te
   if (graph) m.training_routing(in.ctx, in.rows);  // this rank's real rows
   m.lora_context(in.ctx, graph, slice.first_row);
   in.ctx.fp8_training = m.opts.fp8;
+  in.ctx.fp8_fast_accumulation = m.opts.fp8_fast_accumulation;
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
   at::Tensor lp = run_lm_head(m, x, tgt, temperature, entropy, graph);
@@ -269,6 +272,7 @@ at::Tensor ShardedModel::values(const SequenceSlice& slice) {
   if (graph) m.training_routing(in.ctx, in.rows);
   m.lora_context(in.ctx, graph, slice.first_row);
   in.ctx.fp8_training = m.opts.fp8;
+  in.ctx.fp8_fast_accumulation = m.opts.fp8_fast_accumulation;
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
   at::Tensor v = run_value_head(m, x, graph);

@@ -341,6 +341,7 @@ struct ShardedModel::Impl {
     ctx.attn = model::VarlenSpec::self(cu, lens);
     ctx.backend = opts.attention;
     ctx.fp8_training = opts.fp8;
+    ctx.fp8_fast_accumulation = opts.fp8_fast_accumulation;
     use_sequence_groups(ctx, sequence_groups);  // the recomputation exchanges as its forward did
     return ctx;
   }

@@ -268,6 +268,13 @@ TEST(Config, CrossKeyChecks) {
   EXPECT_NE(config_error([] { parse_config("roles: {actor: {fp8: true, fp8_scaling: rows}}", "j"); })
                 .find("roles.actor.fp8_scaling"),
             std::string::npos);
+  // The forward's fast accumulation: on unless the role says otherwise, for each role.
+  EXPECT_TRUE(parse_config("roles: {actor: {fp8: true}}", "j").roles.actor.fp8_fast_accumulation);
+  EXPECT_FALSE(
+      parse_config("roles: {ref: {fp8: true, fp8_fast_accumulation: false}}", "j").roles.ref.fp8_fast_accumulation);
+  EXPECT_NE(config_error([] { parse_config("roles: {actor: {fp8_fast_accumulation: sometimes}}", "j"); })
+                .find("roles.actor.fp8_fast_accumulation"),
+            std::string::npos);
 }
 
 TEST(Config, HybridRules) {

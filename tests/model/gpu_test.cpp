@@ -221,22 +221,31 @@ TEST(ModelGpu, Fp8TrainingGemmsEqualTheirEmulation) {
                                              static_cast<int>(ob), transposed);
         EXPECT_LT(d.max_rel, 1e-2) << what;
         EXPECT_LT(d.frob_rel, 4e-3) << what;
+        if (oa != Operand::kTensor) continue;
+        // The forward's fast accumulation: within the same bounds of the fp32 emulation.
+        const Diff f = compare(fp8::scaled_product(ga, gb, oa, ob, at::kBFloat16, bias.cuda(), false, {}, {}, true),
+                               want);
+        EXPECT_LT(f.max_rel, 1e-2) << what << " fast accumulation";
+        EXPECT_LT(f.frob_rel, 4e-3) << what << " fast accumulation";
       }
   }
   const at::Tensor x0 = at::randn({300, 640}).to(at::kBFloat16), w0 = (at::randn({384, 640}) * 0.05).to(at::kBFloat16);
   const at::Tensor gy = at::randn({300, 384}).to(at::kBFloat16);
-  for (const fp8::Scaling sc : {fp8::Scaling::kBlock, fp8::Scaling::kChannel, fp8::Scaling::kTensor}) {
+  for (const auto& [sc, fast] : std::vector<std::pair<fp8::Scaling, bool>>{{fp8::Scaling::kBlock, false},
+                                                                          {fp8::Scaling::kChannel, false},
+                                                                          {fp8::Scaling::kTensor, false},
+                                                                          {fp8::Scaling::kTensor, true}}) {
     at::Tensor xc = x0.clone().requires_grad_(true), wc = w0.clone().requires_grad_(true);
     at::Tensor xg = x0.cuda().requires_grad_(true), wg = w0.cuda().requires_grad_(true);
-    const at::Tensor yc = fp8::train_linear(xc, wc, {}, sc), yg = fp8::train_linear(xg, wg, {}, sc);
+    const at::Tensor yc = fp8::train_linear(xc, wc, {}, sc, fast), yg = fp8::train_linear(xg, wg, {}, sc, fast);
     yc.backward(gy);
     yg.backward(gy.cuda());
     for (const auto& [got, want, name] : {std::tuple{yg.detach(), yc.detach(), "output"},
                                           std::tuple{xg.grad(), xc.grad(), "input gradient"},
                                           std::tuple{wg.grad(), wc.grad(), "weight gradient"}}) {
       const Diff d = compare(got, want);
-      EXPECT_LT(d.max_rel, 1e-2) << name << " scaling " << static_cast<int>(sc);
-      EXPECT_LT(d.frob_rel, 4e-3) << name << " scaling " << static_cast<int>(sc);
+      EXPECT_LT(d.max_rel, 1e-2) << name << " scaling " << static_cast<int>(sc) << " fast " << fast;
+      EXPECT_LT(d.frob_rel, 4e-3) << name << " scaling " << static_cast<int>(sc) << " fast " << fast;
     }
   }
 }
@@ -300,6 +309,18 @@ TEST(ModelGpu, Fp8TensorTrainingFromKeptCodesEqualsTheScaledProducts) {
     EXPECT_TRUE(at::equal(x.grad(), want_gx)) << what << " input gradient";
     EXPECT_TRUE(at::equal(w.grad(), want_gw)) << what << " weight gradient";
     EXPECT_TRUE(at::equal(b.grad(), gy.sum(0, false, at::kFloat).to(at::kBFloat16))) << what << " bias gradient";
+    {
+      // Fast accumulation: the forward's product with it, the gradients' as without (they promote).
+      at::Tensor xf = x0.clone().requires_grad_(true), wf = w0.clone().requires_grad_(true);
+      const at::Tensor yf = fp8::train_linear(xf, wf, b0, fp8::Scaling::kTensor, true);
+      yf.backward(gy);
+      EXPECT_TRUE(at::equal(yf, fp8::scaled_product(x0, w0, Operand::kTensor, Operand::kTensor, at::kBFloat16, b0,
+                                                    false, sx, sw, true)))
+          << what << " fast output";
+      if (m * k >= 512 * 640) EXPECT_FALSE(at::equal(yf, y)) << what << " fast accumulation changed nothing";
+      EXPECT_TRUE(at::equal(xf.grad(), want_gx)) << what << " fast: input gradient";
+      EXPECT_TRUE(at::equal(wf.grad(), want_gw)) << what << " fast: weight gradient";
+    }
 
     // q/k/v: three weights of one input, its codes shared, against each linear on its own.
     std::vector<at::Tensor> ws, ys[2], grads[2];
@@ -330,6 +351,7 @@ TEST(ModelGpu, Fp8TensorTrainingFromKeptCodesEqualsTheScaledProducts) {
     const std::string what = fmt::format("mlp {}x{}x{}", m, k, n);
     const at::Tensor x0 = at::randn({m, k}, t), g0 = at::randn({m, k}, t);
     const at::Tensor ws0[3] = {at::randn({n, k}, t) * 0.05, at::randn({n, k}, t) * 0.05, at::randn({k, n}, t) * 0.05};
+    for (const bool fast : {false, true}) {
     at::Tensor ys[2], grads[2][4], scales[2];
     for (const bool fused : {false, true}) {
       at::Tensor x = x0.clone().requires_grad_(true), ws[3];
@@ -338,22 +360,24 @@ TEST(ModelGpu, Fp8TensorTrainingFromKeptCodesEqualsTheScaledProducts) {
       fp8::TrainInput act_in;
       at::Tensor act;
       if (fused) {
-        act = fp8::train_swiglu(x, ws[0], ws[1], in, act_in, true);
+        act = fp8::train_swiglu(x, ws[0], ws[1], in, act_in, true, fast);
         ASSERT_TRUE(act.defined()) << what;
         scales[1] = act_in.scale;
       } else {
-        act = swiglu(fp8::train_linear(x, ws[0], {}, fp8::Scaling::kTensor, in),
-                     fp8::train_linear(x, ws[1], {}, fp8::Scaling::kTensor, in));
+        act = swiglu(fp8::train_linear(x, ws[0], {}, fp8::Scaling::kTensor, in, fast),
+                     fp8::train_linear(x, ws[1], {}, fp8::Scaling::kTensor, in, fast));
         scales[0] = fp8::tensor_scale(act.detach());
       }
-      ys[fused] = fp8::train_linear(act, ws[2], {}, fp8::Scaling::kTensor, act_in);
+      ys[fused] = fp8::train_linear(act, ws[2], {}, fp8::Scaling::kTensor, act_in, fast);
       ys[fused].backward(g0);
       grads[fused][0] = x.grad();
       for (int j = 0; j < 3; ++j) grads[fused][j + 1] = ws[j].grad();
     }
-    EXPECT_TRUE(at::equal(scales[1], scales[0])) << what << " the product's scale";
-    EXPECT_TRUE(at::equal(ys[1], ys[0])) << what << " output";
-    for (int j = 0; j < 4; ++j) EXPECT_TRUE(at::equal(grads[1][j], grads[0][j])) << what << " gradient " << j;
+    EXPECT_TRUE(at::equal(scales[1], scales[0])) << what << " the product's scale, fast " << fast;
+    EXPECT_TRUE(at::equal(ys[1], ys[0])) << what << " output, fast " << fast;
+    for (int j = 0; j < 4; ++j)
+      EXPECT_TRUE(at::equal(grads[1][j], grads[0][j])) << what << " gradient " << j << ", fast " << fast;
+    }
   }
   EXPECT_FALSE(([&] {
     fp8::TrainInput act_in;

@@ -294,6 +294,10 @@ TEST(RoleOptions, FromTheJobConfig) {
     role.fp8_scaling = key;
     EXPECT_EQ(role_options("actor", role, train, true, model::Head::kLm, at::kCPU).fp8, scaling);
   }
+  // roles.<r>.fp8_fast_accumulation (the forward's fast accumulation, on by default).
+  EXPECT_TRUE(role_options("actor", role, train, true, model::Head::kLm, at::kCPU).fp8_fast_accumulation);
+  role.fp8_fast_accumulation = false;
+  EXPECT_FALSE(role_options("actor", role, train, true, model::Head::kLm, at::kCPU).fp8_fast_accumulation);
   role.fp8 = false;
   role.dtype = Precision::kFp32;
   EXPECT_EQ(role_options("critic", role, train, true, model::Head::kValue, at::kCPU).compute_dtype, at::kFloat);

@@ -218,6 +218,9 @@ struct RoleConfig {
   // fp8_scaling (block: 1x128 activations, 128x128 weights; channel: one scale per row).
   bool fp8 = false;
   Fp8Scaling fp8_scaling = Fp8Scaling::kBlock;
+  // Tensor scaling's forward GEMMs without the fp32 promotion of the partial sums (Transformer
+  // Engine's forward); the gradients' GEMMs always promote.
+  bool fp8_fast_accumulation = true;
 };
 
 struct RolesConfig {

@@ -107,10 +107,11 @@ enum class Operand { kRows, kGroups, kBlocks, kTensor };
 // with bf16 out; emulated otherwise, or with `emulate`: the same quantization, the product in
 // fp32. `scale_a` / `scale_b`: a tensor-scaled operand's scale when its caller has it already
 // (tensor_scale of that operand, or of the tensor it is a view of): the same product without the
-// pass that finds it.
+// pass that finds it. `fast_accumulation`: a tensor-scaled product on tensor cores without the
+// fp32 promotion of the tensor cores' partial sums (tensor scaling only; the emulation ignores it).
 at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, Operand ob, c10::ScalarType out,
                           const at::Tensor& bias = {}, bool emulate = false, const at::Tensor& scale_a = {},
-                          const at::Tensor& scale_b = {});
+                          const at::Tensor& scale_b = {}, bool fast_accumulation = false);
 // x [..., K] times w^T (w [N, K], as the ZeRO-3 gather made it) plus `bias`, as one autograd node
 // whose three GEMMs run in FP8 with current scaling. The operands, by `scaling`:
 //   block    forward  x in 1x128 groups, w in 128x128 blocks (DeepSeek-V3's recipe)
@@ -124,8 +125,11 @@ at::Tensor scaled_product(const at::Tensor& a, const at::Tensor& b, Operand oa, 
 // and w (what at::linear keeps; tensor scaling their two scales too), and the backward quantizes
 // again; except tensor scaling on tensor cores (bf16), which keeps w, the scales and x^T's e4m3
 // codes (half x's bytes), found with x's in the forward's one read of x, and reads gy once for both
-// its layouts.
-at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling);
+// its layouts. `fast_accumulation` (roles.<role>.fp8_fast_accumulation): tensor scaling's forward
+// GEMM on tensor cores accumulates without the fp32 promotion of the partial sums, as Transformer
+// Engine's forward does; the gradients' GEMMs always promote.
+at::Tensor train_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Scaling scaling,
+                        bool fast_accumulation = false);
 
 // Whether linear() runs on FP8 tensor cores on `device` (a GPU of compute capability 9.x in the
 // GPU build, with block size 128).

@@ -167,6 +167,8 @@ struct BlockContext {
   // layer's shared expert too; not the router, the adapters or the routed experts) through
   // fp8::train_linear in this scaling. Unset: in the weights' dtype.
   std::optional<fp8::Scaling> fp8_training;
+  // The forward GEMMs' fast accumulation (roles.<role>.fp8_fast_accumulation; fp8::train_linear).
+  bool fp8_fast_accumulation = false;
 };
 BlockContext make_block_context(const ModelConfig& cfg, const Rope& rope, const PackedBatch& batch,
                                 at::ScalarType dtype, DenseKvCache* cache = nullptr,

@@ -110,6 +110,9 @@ struct ShardedModelOptions {
   // as without. On CUDA it needs Hopper's FP8 tensor cores and bf16 compute (ConfigError at
   // construction otherwise); on the CPU it is emulated.
   std::optional<model::fp8::Scaling> fp8;
+  // Tensor scaling's forward GEMMs on tensor cores without the fp32 promotion of the partial sums
+  // (roles.<role>.fp8_fast_accumulation; model::BlockContext::fp8_fast_accumulation).
+  bool fp8_fast_accumulation = true;
 };
 
 // What opts.fp8 runs, for the log: "FP8 GEMMs in the blocks' projections (block scales) on tensor
@@ -184,8 +187,9 @@ class ShardedModel {
   // use one mode. Not collective.
   void set_recompute(Recompute mode, int64_t layers = -1);
   // FP8 training on or off from the next forward (ShardedModelOptions::fp8, checked as at
-  // construction): benchmarks time both on the same weights.
-  void set_fp8(std::optional<model::fp8::Scaling> scaling);
+  // construction): benchmarks time both on the same weights. `fast_accumulation`:
+  // ShardedModelOptions::fp8_fast_accumulation.
+  void set_fp8(std::optional<model::fp8::Scaling> scaling, bool fast_accumulation = true);
   // token_logprobs / values of this rank's rows of a packed row ([n] for the slice's n rows;
   // `targets` [n]: each row's next token). With S = 1 the slice is the whole row. Collective over
   // the model's communicator and the sequence group.
