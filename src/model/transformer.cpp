@@ -530,12 +530,14 @@ at::Tensor final_norm(const ModelConfig& cfg, const at::Tensor& weight, const at
 }
 
 at::Tensor forward_hidden(const ModelConfig& cfg, const ModelWeights& w, const PackedBatch& batch, DenseKvCache* cache,
-                          AttentionBackend backend, std::optional<fp8::Scaling> fp8_training) {
+                          AttentionBackend backend, std::optional<fp8::Scaling> fp8_training,
+                          bool fp8_fast_accumulation) {
   TILLER_CHECK(static_cast<int64_t>(w.layers.size()) == cfg.num_layers, "weights have {} layers, config {}",
                w.layers.size(), cfg.num_layers);
   const Rope rope(cfg);
   BlockContext ctx = make_block_context(cfg, rope, batch, w.embed.scalar_type(), cache, backend);
   ctx.fp8_training = fp8_training;
+  ctx.fp8_fast_accumulation = fp8_fast_accumulation;
   at::Tensor x = embed(w.embed, batch.tokens);
   for (int64_t i = 0; i < cfg.num_layers; ++i) x = block_forward(cfg, i, w.layers[i], x, ctx);
   return final_norm(cfg, w.final_norm, x);

@@ -214,11 +214,12 @@ int64_t sparse_index(const ModelConfig& cfg, int64_t layer);
 int64_t sparse_layers(const ModelConfig& cfg);
 at::Tensor final_norm(const ModelConfig& cfg, const at::Tensor& weight, const at::Tensor& x);
 
-// Embedding, every block and the final norm: [T, hidden]. `fp8_training`: the blocks' GEMMs as
-// BlockContext::fp8_training says.
+// Embedding, every block and the final norm: [T, hidden]. `fp8_training`, `fp8_fast_accumulation`:
+// the blocks' GEMMs as BlockContext's fields of those names say (the fast forward by default, as
+// roles.<r>.fp8_fast_accumulation's default).
 at::Tensor forward_hidden(const ModelConfig& cfg, const ModelWeights& w, const PackedBatch& batch,
                           DenseKvCache* cache = nullptr, AttentionBackend backend = AttentionBackend::kAuto,
-                          std::optional<fp8::Scaling> fp8_training = std::nullopt);
+                          std::optional<fp8::Scaling> fp8_training = std::nullopt, bool fp8_fast_accumulation = true);
 
 // Full logits [T, vocab] in fp32. Only for short inputs and tests: prefer token_logprobs.
 at::Tensor logits(const at::Tensor& hidden, const at::Tensor& lm_head);
