@@ -352,31 +352,31 @@ TEST(ModelGpu, Fp8TensorTrainingFromKeptCodesEqualsTheScaledProducts) {
     const at::Tensor x0 = at::randn({m, k}, t), g0 = at::randn({m, k}, t);
     const at::Tensor ws0[3] = {at::randn({n, k}, t) * 0.05, at::randn({n, k}, t) * 0.05, at::randn({k, n}, t) * 0.05};
     for (const bool fast : {false, true}) {
-    at::Tensor ys[2], grads[2][4], scales[2];
-    for (const bool fused : {false, true}) {
-      at::Tensor x = x0.clone().requires_grad_(true), ws[3];
-      for (int j = 0; j < 3; ++j) ws[j] = ws0[j].clone().requires_grad_(true);
-      const fp8::TrainInput in = fp8::train_input(x, fp8::Scaling::kTensor, true);
-      fp8::TrainInput act_in;
-      at::Tensor act;
-      if (fused) {
-        act = fp8::train_swiglu(x, ws[0], ws[1], in, act_in, true, fast);
-        ASSERT_TRUE(act.defined()) << what;
-        scales[1] = act_in.scale;
-      } else {
-        act = swiglu(fp8::train_linear(x, ws[0], {}, fp8::Scaling::kTensor, in, fast),
-                     fp8::train_linear(x, ws[1], {}, fp8::Scaling::kTensor, in, fast));
-        scales[0] = fp8::tensor_scale(act.detach());
+      at::Tensor ys[2], grads[2][4], scales[2];
+      for (const bool fused : {false, true}) {
+        at::Tensor x = x0.clone().requires_grad_(true), ws[3];
+        for (int j = 0; j < 3; ++j) ws[j] = ws0[j].clone().requires_grad_(true);
+        const fp8::TrainInput in = fp8::train_input(x, fp8::Scaling::kTensor, true);
+        fp8::TrainInput act_in;
+        at::Tensor act;
+        if (fused) {
+          act = fp8::train_swiglu(x, ws[0], ws[1], in, act_in, true, fast);
+          ASSERT_TRUE(act.defined()) << what;
+          scales[1] = act_in.scale;
+        } else {
+          act = swiglu(fp8::train_linear(x, ws[0], {}, fp8::Scaling::kTensor, in, fast),
+                       fp8::train_linear(x, ws[1], {}, fp8::Scaling::kTensor, in, fast));
+          scales[0] = fp8::tensor_scale(act.detach());
+        }
+        ys[fused] = fp8::train_linear(act, ws[2], {}, fp8::Scaling::kTensor, act_in, fast);
+        ys[fused].backward(g0);
+        grads[fused][0] = x.grad();
+        for (int j = 0; j < 3; ++j) grads[fused][j + 1] = ws[j].grad();
       }
-      ys[fused] = fp8::train_linear(act, ws[2], {}, fp8::Scaling::kTensor, act_in, fast);
-      ys[fused].backward(g0);
-      grads[fused][0] = x.grad();
-      for (int j = 0; j < 3; ++j) grads[fused][j + 1] = ws[j].grad();
-    }
-    EXPECT_TRUE(at::equal(scales[1], scales[0])) << what << " the product's scale, fast " << fast;
-    EXPECT_TRUE(at::equal(ys[1], ys[0])) << what << " output, fast " << fast;
-    for (int j = 0; j < 4; ++j)
-      EXPECT_TRUE(at::equal(grads[1][j], grads[0][j])) << what << " gradient " << j << ", fast " << fast;
+      EXPECT_TRUE(at::equal(scales[1], scales[0])) << what << " the product's scale, fast " << fast;
+      EXPECT_TRUE(at::equal(ys[1], ys[0])) << what << " output, fast " << fast;
+      for (int j = 0; j < 4; ++j)
+        EXPECT_TRUE(at::equal(grads[1][j], grads[0][j])) << what << " gradient " << j << ", fast " << fast;
     }
   }
   EXPECT_FALSE(([&] {
