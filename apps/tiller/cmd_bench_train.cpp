@@ -290,7 +290,9 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
     const double s8 = t8[0].item<double>();
     nlohmann::ordered_json f;
     f["scaling"] = o.fp8_scaling;
-    f["forward_accumulation"] = o.fp8_scaling == "tensor" ? o.fp8_accumulation : "fp32";
+    // Fast only where tensor scaling runs on tensor cores (the emulation accumulates in fp32).
+    f["forward_accumulation"] =
+        o.fp8_scaling == "tensor" && model::fp8::tensor_cores(dev) ? o.fp8_accumulation : std::string("fp32");
     f["step_s"] = s8;
     f["tokens_per_s_per_gpu"] = tokens / s8;
     f[rate_key] = flops_per_token * tokens / s8 / (std::string(rate_key) == "tflops" ? 1e12 : 989e12);

@@ -155,8 +155,7 @@ at::Tensor whole_batch(Impl& m, const model::PackedBatch& batch, Head&& head) {
   TILLER_CHECK(m.sequence == nullptr, "a sequence-parallel model takes slices (SequenceSlice), not whole batches");
   model::BlockContext bctx =
       model::make_block_context(m.cfg, m.rope, batch, m.opts.compute_dtype, nullptr, m.opts.attention);
-  bctx.fp8_training = m.opts.fp8;
-  bctx.fp8_fast_accumulation = m.opts.fp8_fast_accumulation;
+  m.fp8_context(bctx);
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   if (graph) m.training_routing(bctx, batch.num_tokens());
   m.lora_context(bctx, graph, 0);
@@ -254,8 +253,7 @@ at::Tensor ShardedModel::token_logprobs(const SequenceSlice& slice, const at::Te
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   if (graph) m.training_routing(in.ctx, in.rows);  // this rank's real rows
   m.lora_context(in.ctx, graph, slice.first_row);
-  in.ctx.fp8_training = m.opts.fp8;
-  in.ctx.fp8_fast_accumulation = m.opts.fp8_fast_accumulation;
+  m.fp8_context(in.ctx);
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
   at::Tensor lp = run_lm_head(m, x, tgt, temperature, entropy, graph);
@@ -271,8 +269,7 @@ at::Tensor ShardedModel::values(const SequenceSlice& slice) {
   const bool graph = m.opts.trainable && at::GradMode::is_enabled();
   if (graph) m.training_routing(in.ctx, in.rows);
   m.lora_context(in.ctx, graph, slice.first_row);
-  in.ctx.fp8_training = m.opts.fp8;
-  in.ctx.fp8_fast_accumulation = m.opts.fp8_fast_accumulation;
+  m.fp8_context(in.ctx);
   c10::AutoGradMode grad_mode(graph);
   at::Tensor x = run_trunk(m, in.tokens, in.ctx, graph);
   at::Tensor v = run_value_head(m, x, graph);

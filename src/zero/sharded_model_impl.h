@@ -332,6 +332,11 @@ struct ShardedModel::Impl {
   }
 
   // --- the segments' computations ---
+  // FP8 training's fields of a block context, as opts say (every forward and recomputation).
+  void fp8_context(model::BlockContext& ctx) const {
+    ctx.fp8_training = opts.fp8;
+    ctx.fp8_fast_accumulation = opts.fp8_fast_accumulation;
+  }
   // The context of a block from the tensors BlockSegment saves: RoPE tables and the packing.
   model::BlockContext block_context(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cu,
                                     const std::vector<int64_t>& lens) const {
@@ -340,8 +345,7 @@ struct ShardedModel::Impl {
     ctx.sin = sin;
     ctx.attn = model::VarlenSpec::self(cu, lens);
     ctx.backend = opts.attention;
-    ctx.fp8_training = opts.fp8;
-    ctx.fp8_fast_accumulation = opts.fp8_fast_accumulation;
+    fp8_context(ctx);
     use_sequence_groups(ctx, sequence_groups);  // the recomputation exchanges as its forward did
     return ctx;
   }
