@@ -35,7 +35,8 @@ import json, sys
 losses = [json.loads(l)["eval/loss"] for l in open(sys.argv[1]) if "eval/loss" in l]
 print(f"sft: last eval loss {losses[-1]:.4f}")
 if losses[-1] > float(sys.argv[2]):
-    sys.exit(f"fp8_mismatch: the SFT model did not learn the tool's format (eval loss above {sys.argv[2]}); run again")
+    sys.exit(f"fp8_mismatch: the SFT model stayed on its plateau (eval loss {losses[-1]:.3f}, above {sys.argv[2]}: "
+             "GRPO from it scores no reward; docs/agents.md); run again, with SFT_ARGS='--set offline.max_steps=N' for more steps")
 PY
 for engine in bf16 ${SCALINGS:-block tensor}; do
   extra=()
