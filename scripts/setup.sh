@@ -79,5 +79,5 @@ cmake -S "$here" -B "$build_dir" -G Ninja \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
   -DCMAKE_PREFIX_PATH="$torch_prefix" \
   -DTILLER_PYTHON=ON -DPython3_EXECUTABLE="$python_exe" \
-  -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
+  -DCMAKE_CXX_COMPILER_LAUNCHER="env;CCACHE_SLOPPINESS=pch_defines,time_macros;ccache"
 cmake --build "$build_dir"
