@@ -40,7 +40,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
         --set offline.eval_samples=50 --set offline.eval_every=3)
   grpo+=(--set cluster.device=cpu --set roles.actor.dtype=fp32 --set roles.ref.dtype=fp32 --set train.num_steps=2
          --set rollout.batch_size=8 --set rollout.max_new_tokens=24 --set train.train_batch_size=64
-         --set engines.max_num_seqs=64 --set eval.every_steps=1 --set eval.max_new_tokens=24)
+         --set engines.max_num_seqs=64 --set eval.every_steps=1 --set eval.max_new_tokens=24
+         --set engines.kv_cache_gb=0.0625)  # not the CPU's default 1 GiB, zeroed at every wake
 fi
 if [ -n "${FROM_SFT:-}" ] && [ "$(cd "$FROM_SFT" 2>/dev/null && pwd)" = "$(mkdir -p "$out" && cd "$out" && pwd)" ]; then
   echo "run.sh: FROM_SFT must be another run's directory, not the output $out" >&2

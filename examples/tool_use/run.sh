@@ -30,7 +30,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
         --set offline.eval_every=2 --set train.train_batch_size=64)
   grpo+=(--set cluster.device=cpu --set roles.actor.dtype=fp32 --set roles.ref.dtype=fp32 --set train.num_steps=2
          --set rollout.batch_size=4 --set rollout.n_samples_per_prompt=4 --set train.train_batch_size=16
-         --set engines.max_num_seqs=32 --set agent.concurrency=16 --set checkpoint.every_steps=2)
+         --set engines.max_num_seqs=32 --set agent.concurrency=16 --set checkpoint.every_steps=2
+         --set engines.kv_cache_gb=0.0625)  # not the CPU's default 1 GiB, zeroed at every wake
   device=cpu
   limit=16
 fi

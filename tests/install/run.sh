@@ -37,7 +37,7 @@ python3 "$repo/scripts/make_quickstart.py" "$work/model" "$work/prompts.jsonl" >
 sets=(--set "roles.actor.model=$work/model" --set "roles.critic.model=$work/model"
       --set "data.prompts=$work/prompts.jsonl" --set "run.output_dir=$work/out"
       --set "checkpoint.dir=$work/out/checkpoints" --set reward.rule=label_digits
-      --set "eval.prompts=$work/eval.jsonl")
+      --set "eval.prompts=$work/eval.jsonl" --set engines.kv_cache_gb=0.0625)  # 64 MiB: see check_train.py
 run() {  # BINARY [--set ...]
   local bin=$1; shift
   "$mpirun" --oversubscribe --allow-run-as-root -np 4 "$bin" train -c "$repo/configs/quickstart.yaml" "${sets[@]}" "$@"
