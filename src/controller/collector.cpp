@@ -208,16 +208,21 @@ void RolloutCollector::take(Completion& c) {
   }
   TILLER_CHECK(req != live_.end(), "{} answered request {}, which no sample loop sent", engines_.name(e),
                res.sample.request_id);
-  // A request sent again after its engine left: the samples that came back before are repeats.
-  auto& back = req->second.back;
+  // A request sent again after its engine left: the samples that came back before are repeats,
+  // and it stays in live_ until the last of them is back too (they come in any order).
+  Live& live = req->second;
   const auto index = static_cast<size_t>(res.sample.sample);
-  if (res.error_code == 0 && index < back.size()) {
-    if (back[index]) return;
-    back[index] = 1;
+  if (res.error_code == 0 && index < live.back.size()) {
+    if (live.back[index]) {
+      if (--live.repeats <= 0 && live.remaining <= 0) live_.erase(req);
+      return;
+    }
+    live.back[index] = 1;
   }
-  const Live l = req->second;
-  if (--req->second.remaining <= 0) live_.erase(req);
-  auto it = outstanding_.find(l.group);
+  const int64_t group = live.group;
+  const bool keep_session = live.keep_session, aborted = live.aborted;
+  if (--live.remaining <= 0 && live.repeats <= 0) live_.erase(req);
+  auto it = outstanding_.find(group);
   if (res.error_code != 0) {
     const std::string where = it == outstanding_.end()
                                   ? std::string("a request")
@@ -229,16 +234,16 @@ void RolloutCollector::take(Completion& c) {
   if (draining_[e] && in_flight_[e] == 0 && engines_.retire(e, "drained: every request it held finished"))
     moved_off_[e] = 1;
   const bool aborted_by_engine = res.sample.finish_reason == "abort";
-  if (it == outstanding_.end() || l.aborted) {
+  if (it == outstanding_.end() || aborted) {
     // A sample of a group dropped (or a request aborted) while it was generating; one that
     // finished before its abort arrived left its cache parked.
-    if (l.keep_session && !aborted_by_engine) engines_.release_session(e, {res.sample.request_id, res.sample.sample});
+    if (keep_session && !aborted_by_engine) engines_.release_session(e, {res.sample.request_id, res.sample.sample});
     return;
   }
   if (aborted_by_engine)
     throw Error(fmt::format("{} aborted sample {} of prompt line {} that the controller did not drop", engines_.name(e),
                             res.sample.sample, prompts_.at(it->second.dataset_index).line));
-  loop_->generated(l.group, res.sample.request_id, std::move(c.result.sample));
+  loop_->generated(group, res.sample.request_id, std::move(c.result.sample));
 }
 
 void RolloutCollector::arrive(Group& g, Staged st) {
@@ -437,6 +442,9 @@ bool RolloutCollector::pump(int wait_ms) {
   TILLER_CHECK(open_, "RolloutCollector::pump before start() or after close()");
   bool any = false;
   const size_t before = outstanding_.size() + static_cast<size_t>(next_ordinal_);
+  // An engine retired by someone else (the evaluation found it dead or stalled): its work moves.
+  for (size_t e = 0; e < moved_off_.size(); ++e)
+    if (!moved_off_[e] && engines_.retired(e)) move_off(e);
   if (rewards_.batched) {
     const size_t slots = async_slots_.size();
     take_async_scores();

@@ -248,7 +248,7 @@ class RolloutCollector final : private LoopHost {
     float turn_rewards = 0;  // their sum
     std::vector<int64_t> prompt;  // the loop's prompt (empty: the dataset's)
   };
-  // An engine request a loop sent, until its last sample is back.
+  // An engine request a loop sent, until its last sample (and, once resent, its last repeat) is back.
   struct Live {
     int64_t group = 0;     // ordinal
     int engine = 0;
@@ -257,6 +257,7 @@ class RolloutCollector final : private LoopHost {
     bool aborted = false;
     engine::Request request;    // sent again, whole, when its engine leaves the job
     std::vector<uint8_t> back;  // per sample: came back (a resent request's repeats are dropped)
+    int64_t repeats = 0;        // resent: samples back already that its engine still sends again
   };
   struct Group {
     int64_t ordinal = 0;

@@ -85,6 +85,7 @@ void RolloutCollector::resend(uint64_t id) {
   if (in_flight_[dest] == 0) last_progress_[dest] = cfg_.clock->now();
   in_flight_[dest] += l.remaining;
   l.engine = static_cast<int>(dest);
+  l.repeats = l.request.n - l.remaining;
   engines_.submit(dest, l.request, version_);
 }
 
@@ -100,8 +101,9 @@ void RolloutCollector::move_off(size_t e) {
   std::map<size_t, int64_t> to;  // engine -> requests moved there
   int64_t samples = 0;
   const int64_t groups = move_groups(e);
-  for (auto it = live_.begin(); it != live_.end();) {  // aborted there: nothing more comes back
-    if (it->second.engine == static_cast<int>(e) && it->second.aborted) it = live_.erase(it);
+  // Aborted there, or every sample back and only repeats owed: nothing more comes back.
+  for (auto it = live_.begin(); it != live_.end();) {
+    if (it->second.engine == static_cast<int>(e) && (it->second.aborted || it->second.remaining <= 0)) it = live_.erase(it);
     else ++it;
   }
   for (auto& [id, l] : live_) {
@@ -113,6 +115,7 @@ void RolloutCollector::move_off(size_t e) {
     in_flight_[dest] += l.remaining;
     l.engine = static_cast<int>(dest);
     // The whole request again, its seed as before: the samples already back are dropped as repeats.
+    l.repeats = l.request.n - l.remaining;
     engines_.submit(dest, l.request, version_);
     ++to[dest];
     samples += l.remaining;

@@ -54,7 +54,7 @@ uint64_t RolloutCollector::generate(int64_t group, engine::Request r, bool whole
 
 void RolloutCollector::abort(int64_t group, uint64_t request) {
   auto it = live_.find(request);
-  if (it == live_.end() || it->second.aborted) return;  // every sample is back already
+  if (it == live_.end() || it->second.aborted || it->second.remaining <= 0) return;  // every sample is back already
   TILLER_CHECK(it->second.group == group, "sample loop '{}': request {} is not prompt group {}'s", cfg_.loop, request,
                group);
   it->second.aborted = true;

@@ -125,8 +125,9 @@ bool EnginePool::next(Completion& out, int wait_ms) {
     if (!in.cv.wait_for(lock, std::chrono::milliseconds(wait_ms), [&] { return !in.queue.empty(); })) return false;
     out = std::move(in.queue.front());
     in.queue.pop_front();
-    // A retired engine's stream was cancelled: its end is no news.
-    if (!out.failure.empty() && retired_.at(static_cast<size_t>(out.engine))) continue;
+    // A retired engine's stream was cancelled: its end is no news, and what it sent before is
+    // moot (its requests went to the others whole, which send every sample again).
+    if (retired_.at(static_cast<size_t>(out.engine))) continue;
     return true;
   }
 }

@@ -39,7 +39,8 @@ class EngineSet {
     throw ConfigError(fmt::format("engine {}: this job's engines are fixed at its start", address));
   }
   // Standalone engines: takes engine i out of the job for good (it died, stalled, failed a sync):
-  // its stream is cancelled and no call reaches it again; size() and the indexes stay. False when
+  // its stream is cancelled, no call reaches it again and next() gives nothing more of it (not
+  // even what it sent before); size() and the indexes stay. False when
   // this set cannot lose an engine (the job's own engine ranks: the job cannot go on without one).
   virtual bool retire(size_t i, const std::string& why) {
     (void)i;

@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <mutex>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "core/worker_pool.h"
 #include "tiller/core/error.h"
@@ -26,6 +28,10 @@ struct EnvRunner::State {
   double timeout_s = 60;
   std::mutex mu;
   std::vector<Result> results;
+  // Per session, its Start or Step queued or running, and the sessions whose Close waits for it:
+  // a Close never overtakes (or runs beside) its session's last call (a group dropped mid-call).
+  std::unordered_map<std::string, int> active;
+  std::unordered_set<std::string> close_after;
   std::unique_ptr<WorkerPool> pool;
 
   Result run(const Call& c) {
@@ -56,9 +62,23 @@ struct EnvRunner::State {
     return r;
   }
 
+  static const std::string& session_of(const Call& c) {
+    return c.kind == Call::kStart ? c.episode.session_id : c.session;
+  }
+
   // Closes are kept through the shutdown (best effort within the grace); starts and steps are moot.
   static void submit(const std::shared_ptr<State>& s, Call c) {
     const bool close = c.kind == Call::kClose;
+    if (close) {
+      std::lock_guard<std::mutex> lock(s->mu);
+      if (s->active.count(c.session)) {  // after its call in flight, from the worker that ends it
+        s->close_after.insert(c.session);
+        return;
+      }
+    } else {
+      std::lock_guard<std::mutex> lock(s->mu);
+      ++s->active[session_of(c)];
+    }
     // The task holds the state, not the runner: a call left behind at shutdown touches no freed memory.
     s->pool->submit(
         [w = std::weak_ptr<State>(s), c = std::move(c)] {
@@ -66,8 +86,22 @@ struct EnvRunner::State {
           if (!st) return;
           Result r = st->run(c);
           if (c.kind == Call::kClose) return;
-          std::lock_guard<std::mutex> lock(st->mu);
-          st->results.push_back(std::move(r));
+          bool close_now = false;
+          {
+            std::lock_guard<std::mutex> lock(st->mu);
+            st->results.push_back(std::move(r));
+            auto a = st->active.find(session_of(c));
+            if (a != st->active.end() && --a->second <= 0) {
+              st->active.erase(a);
+              close_now = st->close_after.erase(session_of(c)) > 0;
+            }
+          }
+          if (close_now) {
+            Call cl;
+            cl.kind = Call::kClose;
+            cl.session = session_of(c);
+            submit(st, std::move(cl));
+          }
         },
         close);
   }

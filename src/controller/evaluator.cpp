@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -35,6 +36,8 @@ JobRewards eval_rewards(const JobConfig& cfg, std::function<std::string(const st
 // kPromptStride + j, apart from the rollouts' (collector.cpp) and the same at every evaluation, so
 // that two evaluations differ only by the weights. kPromptStride is above eval.n_samples' bound.
 constexpr uint64_t kEvalSeedBase = 0x5eed0000ull, kSeedStride = 1000003ull, kPromptStride = 1024ull;
+
+constexpr int kUnavailable = 14;  // grpc::StatusCode::UNAVAILABLE: the engine drains
 
 // The most samples one evaluation scores (prompts x (greedy + n_samples)).
 constexpr int64_t kMaxEvalSamples = 4 << 20;
@@ -97,12 +100,20 @@ std::string Evaluator::source_of(int64_t prompt) const {
   return s.empty() ? file_source_ : s;
 }
 
-void Evaluator::send_more(uint64_t version) {
+bool Evaluator::usable(size_t e) const { return !engines_.retired(e) && !draining_[e]; }
+
+size_t Evaluator::least_busy() const {
+  size_t e = in_flight_.size();
+  for (size_t i = 0; i < in_flight_.size(); ++i)
+    if (usable(i) && (e == in_flight_.size() || in_flight_[i] < in_flight_[e])) e = i;
+  return e;
+}
+
+void Evaluator::send_more() {
   const int64_t cap = std::max<int64_t>(1, cfg_.engines.max_num_seqs);
+  move_off();
   while (next_ < queue_.size()) {
-    size_t e = in_flight_.size();  // the least busy engine still in the job
-    for (size_t i = 0; i < in_flight_.size(); ++i)
-      if (!engines_.retired(i) && (e == in_flight_.size() || in_flight_[i] < in_flight_[e])) e = i;
+    const size_t e = least_busy();
     if (e == in_flight_.size()) throw CommError("evaluation: no engine is left in the job");
     const auto [prompt, greedy] = queue_[next_];
     const int64_t n = greedy ? 1 : cfg_.eval.n_samples;
@@ -114,11 +125,74 @@ void Evaluator::send_more(uint64_t version) {
     r.params = greedy ? greedy_ : sampled_;
     r.params.seed = kEvalSeedBase + static_cast<uint64_t>(cfg_.run.seed) * kSeedStride +
                     static_cast<uint64_t>(prompt) * kPromptStride;
-    engines_.submit(e, r, version);
-    live_[r.id] = Request{prompt, greedy, static_cast<int>(e), n};
-    in_flight_[e] += n;
+    const uint64_t id = r.id;
+    live_[id] = Request{prompt, greedy, static_cast<int>(e), n, std::move(r), std::vector<uint8_t>(static_cast<size_t>(n), 0)};
     ++next_;
+    if (!submit(e, live_[id])) move_off();
   }
+}
+
+bool Evaluator::submit(size_t e, const Request& r) {
+  if (in_flight_[e] == 0) progress_[e] = clock_.now();
+  in_flight_[e] += r.owed;
+  try {
+    engines_.submit(e, r.request, version_);
+  } catch (const CommError& err) {  // its stream broke: a standalone engine leaves (move_off sends it on)
+    if (!engines_.retire(e, fmt::format("{}: {}", engines_.name(e), err.what()))) throw;
+    return false;
+  }
+  return true;
+}
+
+void Evaluator::move(Request& r) {
+  const size_t dest = least_busy();
+  if (dest == in_flight_.size())
+    throw CommError(fmt::format("evaluation: {} left the job and no engine is left", engines_.name(static_cast<size_t>(r.engine))));
+  in_flight_[static_cast<size_t>(r.engine)] -= r.owed;
+  r.engine = static_cast<int>(dest);
+  r.owed = r.request.n;  // the whole request again, its seed as before
+  last_progress_ = clock_.now();
+  submit(dest, r);
+}
+
+void Evaluator::move_off() {
+  if (retired_count() == retired_seen_) return;  // none left since the last look
+  std::map<size_t, std::pair<int64_t, int64_t>> moved;  // engine that left -> requests, samples owed
+  // Again while a move found its engine gone too; each round retires one more, so it ends.
+  for (bool again = true; again;) {
+    again = false;
+    for (auto& [id, r] : live_) {
+      const auto e = static_cast<size_t>(r.engine);
+      if (!engines_.retired(e)) continue;
+      auto& [requests, samples] = moved[e];
+      ++requests;
+      for (uint8_t b : r.back) samples += b ? 0 : 1;
+      move(r);
+      again = again || engines_.retired(static_cast<size_t>(r.engine));
+    }
+  }
+  retired_seen_ = retired_count();
+  for (const auto& [e, m] : moved)
+    log::warn("evaluation: {} request(s) ({} samples) of {} move to the {} engine(s) left", m.first, m.second,
+              engines_.name(e), engines_.live_count());
+}
+
+void Evaluator::check_progress(int64_t step) {
+  const auto now = clock_.now();
+  for (size_t e = 0; e < in_flight_.size(); ++e) {
+    if (engines_.retired(e) || in_flight_[e] <= 0 || seconds_between(progress_[e], now) <= cfg_.timeouts.generate_s)
+      continue;
+    const std::string why = fmt::format(
+        "evaluation after step {}: {} has {} samples in flight and returned none for {:.0f} s (timeouts.generate_s); "
+        "{} of {} samples of {} are in",
+        step, engines_.name(e), in_flight_[e], seconds_between(progress_[e], now), returned_, expected_,
+        cfg_.eval.prompts);
+    if (!engines_.retire(e, why)) throw TimeoutError(why);  // standalone engines: its requests move
+  }
+  if (seconds_between(last_progress_, now) > cfg_.timeouts.generate_s)  // whatever holds them back
+    throw TimeoutError(fmt::format("evaluation after step {}: no sample came back for {:.0f} s "
+                                   "(timeouts.generate_s); {} of {} samples of {} are in",
+                                   step, seconds_between(last_progress_, now), returned_, expected_, cfg_.eval.prompts));
 }
 
 void Evaluator::take(Completion& c) {
@@ -126,25 +200,39 @@ void Evaluator::take(Completion& c) {
   auto it = live_.find(res.sample.request_id);
   TILLER_CHECK(it != live_.end(), "{} answered evaluation request {}, which is not in flight", engines_.name(static_cast<size_t>(c.engine)),
                res.sample.request_id);
-  const Request req = it->second;
-  const data::Prompt& p = data_->at(req.prompt);
+  Request& live = it->second;
+  const auto e = static_cast<size_t>(c.engine);
+  if (live.engine != c.engine) return;  // moved off an engine that left: the new one sends every sample
+  const data::Prompt& p = data_->at(live.prompt);
+  if (res.error_code == kUnavailable && engines_.elastic()) {  // sent before its drain's notice came
+    draining_[e] = 1;
+    move(live);
+    return;
+  }
   if (res.error_code != 0)
-    throw Error(fmt::format("{} refused the evaluation prompt {} line {}: {}", engines_.name(static_cast<size_t>(c.engine)),
-                            cfg_.eval.prompts, p.line, res.error));
+    throw Error(fmt::format("{} refused the evaluation prompt {} line {}: {}", engines_.name(e), cfg_.eval.prompts,
+                            p.line, res.error));
   if (res.sample.finish_reason == "abort")
-    throw Error(fmt::format("{} aborted the evaluation of {} line {}", engines_.name(static_cast<size_t>(c.engine)),
-                            cfg_.eval.prompts, p.line));
-  if (--it->second.remaining <= 0) live_.erase(it);
-  in_flight_[static_cast<size_t>(req.engine)] -= 1;
+    throw Error(fmt::format("{} aborted the evaluation of {} line {}", engines_.name(e), cfg_.eval.prompts, p.line));
+  in_flight_[e] -= 1;
+  progress_[e] = last_progress_ = clock_.now();
+  const auto index = static_cast<size_t>(res.sample.sample);
+  TILLER_CHECK(index < live.back.size(), "{} answered sample {} of evaluation request {} of {} samples", engines_.name(e),
+               res.sample.sample, res.sample.request_id, live.back.size());
+  const bool repeat = live.back[index] != 0;
+  live.back[index] = 1;
+  const int64_t prompt = live.prompt;
+  const bool greedy = live.greedy;
+  if (--live.owed <= 0) live_.erase(it);
+  if (repeat) return;
   ++returned_;
-  last_progress_ = clock_.now();
   Sample s;
   s.tokens = static_cast<int64_t>(res.sample.tokens.size());
   s.finish_reason = res.sample.finish_reason;
   if (rewards_.sources.rule) s.reward = rewards_.sources.rule(p, res.sample);
   if (rewards_.sources.batched) {
     reward::RewardSample rs;
-    rs.id = reward_id(req.prompt, req.greedy ? -1 : res.sample.sample, cfg_.eval.n_samples);
+    rs.id = reward_id(prompt, greedy ? -1 : res.sample.sample, cfg_.eval.n_samples);
     rs.prompt = p.text;
     rs.response = decode_(res.sample.tokens);
     rs.label = p.label;
@@ -157,11 +245,11 @@ void Evaluator::take(Completion& c) {
     rs.response_tokens = s.tokens;
     rewards_.sources.batched->add(std::move(rs));
   }
-  if (keep_[static_cast<size_t>(req.prompt)]) s.ids = res.sample.tokens;
-  if (req.greedy) {
-    greedy_samples_[static_cast<size_t>(req.prompt)] = std::move(s);
+  if (keep_[static_cast<size_t>(prompt)]) s.ids = res.sample.tokens;
+  if (greedy) {
+    greedy_samples_[static_cast<size_t>(prompt)] = std::move(s);
   } else {
-    sampled_samples_[static_cast<size_t>(req.prompt)].at(static_cast<size_t>(res.sample.sample)) = std::move(s);
+    sampled_samples_[static_cast<size_t>(prompt)].at(static_cast<size_t>(res.sample.sample)) = std::move(s);
   }
 }
 
@@ -175,6 +263,7 @@ std::vector<std::pair<std::string, double>> Evaluator::run(int64_t step, uint64_
     if (k > 0) queue_.emplace_back(i, false);
   }
   next_ = 0;
+  version_ = version;
   live_.clear();
   in_flight_.assign(engines_.size(), 0);
   greedy_samples_.assign(static_cast<size_t>(n_prompts), Sample{});
@@ -188,18 +277,18 @@ std::vector<std::pair<std::string, double>> Evaluator::run(int64_t step, uint64_
       ++c;
     }
   }
+  draining_.assign(engines_.size(), 0);
+  progress_.assign(engines_.size(), clock_.now());
+  last_progress_ = clock_.now();
+  retired_seen_ = retired_count();
   returned_ = 0;
   expected_ = n_prompts * ((cfg_.eval.greedy ? 1 : 0) + k);
   if (rewards_.sources.batched) rewards_.sources.batched->begin_step(static_cast<uint64_t>(step));
-  last_progress_ = clock_.now();
-  send_more(version);
+  send_more();
   while (returned_ < expected_) {
     pump();
-    send_more(version);
-    if (seconds_between(last_progress_, clock_.now()) > cfg_.timeouts.generate_s)
-      throw TimeoutError(fmt::format("evaluation after step {}: no sample came back for {:.0f} s "
-                                     "(timeouts.generate_s); {} of {} samples of {} are in",
-                                     step, cfg_.timeouts.generate_s, returned_, expected_, cfg_.eval.prompts));
+    check_progress(step);
+    send_more();
   }
   if (rewards_.sources.batched) {
     for (const auto& [id, score] : rewards_.sources.batched->finish(Deadline::after_seconds(cfg_.timeouts.generate_s))) {

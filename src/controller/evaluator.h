@@ -15,6 +15,10 @@
 // steps, when no weight update can come (every eval sample is of one weight version), with the
 // engines awake (hybrid jobs wake them first).
 //
+// An engine that leaves the job during an evaluation (standalone engines: it died, stalled, or was
+// drained) has its requests sent again, whole and with their seeds, to the others; the samples
+// already back stay and their repeats are dropped.
+//
 // Threading: the controller's thread.
 #pragma once
 
@@ -70,7 +74,21 @@ class Evaluator {
     std::string finish_reason;
     std::vector<int64_t> ids;
   };
-  void send_more(uint64_t version);
+  struct Request;
+  void send_more();
+  bool usable(size_t e) const;
+  size_t least_busy() const;  // in_flight_.size() when no engine is usable
+  size_t retired_count() const { return engines_.size() - engines_.live_count(); }
+  // Sends the requests of engines that left the job (or drain) to the others; the samples already
+  // back stay. CommError when no engine is left.
+  void move_off();
+  void move(Request& r);  // to the least busy usable engine
+  // Sends r (r.owed samples) to engine e; an engine whose stream broke is retired, when the set
+  // allows it (false: move_off() sends the request on), else CommError.
+  bool submit(size_t e, const Request& r);
+  // An engine with samples in flight that returned none for timeouts.generate_s is retired
+  // (standalone engines) or ends the job (TimeoutError naming it).
+  void check_progress(int64_t step);
   std::vector<std::pair<std::string, double>> metrics() const;
   void write_samples(int64_t step) const;
   std::string source_of(int64_t prompt) const;
@@ -89,18 +107,24 @@ class Evaluator {
     int64_t prompt = 0;
     bool greedy = false;
     int engine = 0;
-    int64_t remaining = 0;
+    int64_t owed = 0;           // samples its engine still sends (every one, after a move)
+    engine::Request request;    // sent again, whole, when its engine leaves the job or drains
+    std::vector<uint8_t> back;  // per sample: came back (a moved request's repeats are dropped)
   };
   std::vector<std::pair<int64_t, bool>> queue_;  // (prompt, greedy) to send, in order
   size_t next_ = 0;
   std::map<uint64_t, Request> live_;
   std::vector<int64_t> in_flight_;  // samples per engine
+  std::vector<uint8_t> draining_;   // per engine: it refused a request as draining (this evaluation)
+  size_t retired_seen_ = 0;         // engines retired at move_off()'s last look (only grows)
   uint64_t next_id_ = kRequestBase;
+  uint64_t version_ = 0;  // the weights evaluated
   std::vector<Sample> greedy_samples_;                // per prompt
   std::vector<std::vector<Sample>> sampled_samples_;  // per prompt, k each
   std::vector<uint8_t> keep_;                         // per prompt: its samples go to the samples file
   int64_t returned_ = 0, expected_ = 0;
-  SteadyClock::time_point last_progress_;
+  std::vector<SteadyClock::time_point> progress_;  // per engine: its last sample, or its first in flight
+  SteadyClock::time_point last_progress_;          // any engine's last sample (or a move)
 };
 
 }  // namespace tiller::controller

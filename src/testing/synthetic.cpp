@@ -47,6 +47,23 @@ SyntheticEngines::SyntheticEngines(const SyntheticEngineOptions& opts) : opts_(o
   TILLER_CHECK(opts_.engines >= 1 && opts_.min_len >= 1 && opts_.max_len >= opts_.min_len && opts_.vocab >= 2 &&
                    opts_.max_running >= 1,
                "synthetic engines: bad options");
+  TILLER_CHECK(opts_.dying_engine < 0 || (static_cast<size_t>(opts_.dying_engine) < opts_.engines && opts_.tokens_per_s <= 0),
+               "synthetic engines: a dying engine needs virtual time and an index below the engine count");
+}
+
+bool SyntheticEngines::retire(size_t i, const std::string&) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (opts_.dying_engine < 0) return false;
+  Engine& e = engines_.at(i);
+  e.retired = true;
+  e.running.clear();
+  e.waiting.clear();
+  return true;
+}
+
+bool SyntheticEngines::retired(size_t i) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engines_.at(i).retired;
 }
 
 SyntheticEngines::~SyntheticEngines() { close(); }
@@ -64,6 +81,8 @@ void SyntheticEngines::submit(size_t i, const engine::Request& r, uint64_t min_w
   TILLER_CHECK(sleep_level_ == 0, "synthetic engine {}: a request while asleep (level {})", i, sleep_level_);
   TILLER_CHECK(!weights_lost_, "synthetic engine {}: a request after its weights were freed (sleep 2) with no sync since", i);
   Engine& e = engines_.at(i);
+  TILLER_CHECK(!e.retired, "a request to synthetic engine {}, which left the job", i);
+  if (e.dead) throw CommError(fmt::format("synthetic engine {}: Generate failed: Socket closed (14)", i));
   ++e.requests;
   for (int64_t j = 0; j < r.n; ++j) {
     Seq s;
@@ -156,13 +175,29 @@ bool SyntheticEngines::next(controller::Completion& out, int wait_ms) {
   std::unique_lock<std::mutex> lock(mu_);
   if (done_.empty() && wait_ms > 0 && opts_.tokens_per_s <= 0 && !paused_) {
     // Virtual time passes only while the caller waits: one decode step of every engine.
-    for (size_t i = 0; i < engines_.size(); ++i)
-      if (static_cast<int>(i) != opts_.stalled_engine) advance(engines_[i], 1);
+    for (size_t i = 0; i < engines_.size(); ++i) {
+      Engine& e = engines_[i];
+      if (static_cast<int>(i) == opts_.stalled_engine || e.dead || e.retired) continue;
+      advance(e, 1);
+      if (static_cast<int>(i) == opts_.dying_engine && ++e.steps >= opts_.die_after_steps) {
+        // Its process ends: what it finished is out already, the rest is lost, its stream fails.
+        e.dead = true;
+        e.running.clear();
+        e.waiting.clear();
+        controller::Completion c;
+        c.engine = static_cast<int>(i);
+        c.failure = fmt::format("synthetic engine {}: Generate failed: Socket closed (14)", i);
+        done_.push_back(std::move(c));
+      }
+    }
     if (opts_.clock) opts_.clock->advance(opts_.seconds_per_step);
   }
   TILLER_CHECK(opts_.stalled_engine < 0 || opts_.tokens_per_s <= 0, "a stalled synthetic engine needs virtual time");
   if (done_.empty() && wait_ms > 0 && opts_.tokens_per_s > 0)
     cv_.wait_for(lock, std::chrono::milliseconds(wait_ms), [&] { return !done_.empty() || stopping_; });
+  // A retired engine's completions (what it sent before it left, its stream's end) are moot, as
+  // in EnginePool.
+  while (!done_.empty() && engines_.at(static_cast<size_t>(done_.front().engine)).retired) done_.pop_front();
   if (done_.empty()) return false;
   out = std::move(done_.front());
   done_.pop_front();

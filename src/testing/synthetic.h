@@ -45,6 +45,11 @@ struct SyntheticEngineOptions {
   ManualClock* clock = nullptr;
   double seconds_per_step = 0;
   int stalled_engine = -1;  // this engine takes requests and never decodes (a hung engine)
+  // Virtual time: this engine dies after its die_after_steps-th decode step, as a standalone engine
+  // whose process ends: its stream fails (a Completion with the failure) and a request to it throws
+  // CommError. The set is elastic then (retire() takes an engine out, as EnginePool's).
+  int dying_engine = -1;
+  int64_t die_after_steps = 0;
 };
 
 class SyntheticEngines final : public controller::EngineSet {
@@ -61,6 +66,9 @@ class SyntheticEngines final : public controller::EngineSet {
   bool next(controller::Completion& out, int wait_ms) override;
   void begin_update(uint64_t version, uint64_t plan_id) override;
   void end_update(uint64_t version, double timeout_s) override;
+  bool retire(size_t i, const std::string& why) override;
+  bool elastic() const override { return opts_.dying_engine >= 0; }
+  bool retired(size_t i) const override;
   void release_session(size_t, engine::SessionKey) override {}  // keeps no KV cache to park
   std::vector<engine::EngineStats> stats() override { return {}; }
   // Sleep and wake keep the real engines' rules: sleep only when idle, no request while the cache
@@ -91,6 +99,8 @@ class SyntheticEngines final : public controller::EngineSet {
     std::vector<Seq> running;
     int64_t requests = 0;
     double credit = 0;  // real time: tokens it may still produce
+    int64_t steps = 0;  // decode steps taken (virtual time)
+    bool dead = false, retired = false;
   };
   // Under mu_: advances engine e by `steps` decode steps, queueing what finishes.
   void advance(Engine& e, int64_t steps);

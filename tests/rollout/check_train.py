@@ -864,9 +864,9 @@ def standalone_run(name, token, sets, join_at, steps, drain_at=None, fault="exit
 
 
 def check_standalone():
-    """GRPO on standalone engines (docs/cluster.md): one engine dies mid-generation, its requests move
-    to the other and the step completes; a third joins at step 5 through the rendezvous folder and
-    takes prompts; the first is drained at step 15 and stops on its own; the actor pushes every
+    """GRPO on standalone engines (docs/cluster.md): one engine dies mid-generation (a step's, or
+    the evaluation's before it), its requests move to the other and the step completes; a third
+    joins at step 5 through the rendezvous folder and takes prompts; the first is drained at step 15 and stops on its own; the actor pushes every
     version as deltas over gRPC; the run learns. Then the asynchronous pipeline with partial
     rollouts and an engine that stalls (no join: on a loaded machine one may come only at the last
     step): its staleness bound must hold."""
@@ -883,8 +883,10 @@ def check_standalone():
     print(f"{CASE}: mean reward {first_r:.3f} -> {last_r:.3f}; engines in the job per step {counts}")
     if [r["step"] for r in rows] != list(range(1, 31)):
         fail(f"steps in metrics.jsonl: {[r['step'] for r in rows]}")
+    # B dies at its 40th generation step: in step 1's generation, or (on a slow machine, where the
+    # requests come in more rounds) already in the evaluation before it, whose requests then move.
     falls = counts.index(1) if 1 in counts else len(counts)
-    if counts[0] != 2 or 2 not in counts[falls:] or counts[-1] != 1:
+    if counts[0] not in (1, 2) or 2 not in counts[falls:] or counts[-1] != 1:
         fail(f"engines/count per step should fall to 1 (B died), rise to 2 (C joined), end at 1 (A drained): "
              f"{counts}")
     if not (first_r < 0.3 and last_r > 0.7):

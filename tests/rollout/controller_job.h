@@ -185,7 +185,8 @@ struct Job {
     if (eo.clock) w.clock = eo.clock;
     if (cfg.eval.enabled()) {
       eval_tokenizer = text::load_tokenizer(std::string(TILLER_HF_FIXTURES) + "/tokenizers/qwen2");
-      evaluator = std::make_unique<Evaluator>(cfg, *eval_tokenizer, *engines, std::vector<int64_t>{});
+      evaluator = std::make_unique<Evaluator>(cfg, *eval_tokenizer, *engines, std::vector<int64_t>{},
+                                              eo.clock ? static_cast<const Clock&>(*eo.clock) : Clock::steady());
       w.evaluator = evaluator.get();
     }
     Controller c(cfg, w);

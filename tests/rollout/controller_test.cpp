@@ -208,6 +208,67 @@ TEST(ControllerInProcess, EvaluationScoresHeldOutPromptsAndNeverChangesWhatTrain
   EXPECT_EQ(Evaluator(big.cfg, *tok, engines, {}).prompts(), 100);
 }
 
+// A standalone engine that dies mid-evaluation or mid-step, or stalls (retired after
+// timeouts.generate_s without a sample): its requests go, whole, to the engine left, the samples
+// that came back before it left stay and their repeats are dropped, so the job ends with exactly
+// the samples and evaluation of a job whose engines all lived (the synthetic engines draw by seed,
+// wherever a request runs).
+TEST(ControllerInProcess, AnEngineThatDiesMidEvaluationOrMidStepLosesNoSample) {
+  const std::string prompts = scratch("eval_dies_prompts") + "/eval.jsonl";
+  {
+    std::ofstream f(prompts);
+    for (int i = 0; i < 10; ++i) f << json{{"input", "question " + std::to_string(i)}}.dump() << "\n";
+  }
+  const auto by_key = [](std::vector<json> rows, std::vector<std::string> keys) {
+    std::map<std::string, std::string> out;
+    for (json& r : rows) {
+      std::string k;
+      for (const auto& key : keys) k += r[key].dump() + "/";
+      r.erase("engine");
+      EXPECT_TRUE(out.emplace(k, r.dump()).second) << "twice: " << k;
+    }
+    return out;
+  };
+  for (const std::string how : {"dies_eval", "dies_step", "stalls_eval"}) {
+    const bool eval = how != "dies_step";
+    const std::string tag = "_" + how;
+    Job lived("lives" + tag), died("leaves" + tag);
+    for (Job* job : {&lived, &died}) {
+      job->cfg.train.num_steps = 3;
+      job->cfg.engines.max_num_seqs = 8;
+      if (!eval) continue;
+      job->cfg.eval.prompts = prompts;
+      job->cfg.eval.every_steps = 2;
+      job->cfg.eval.before_train = true;
+      job->cfg.eval.n_samples = 3;
+      job->cfg.eval.samples_per_source = -1;
+    }
+    lived.run();
+    ManualClock clock;  // a bookkeeping slip would end the run at timeouts.generate_s, not hang it
+    testing::SyntheticEngineOptions eo;
+    eo.clock = &clock;
+    eo.seconds_per_step = 0.25;
+    eo.dying_engine = 1;
+    eo.die_after_steps = 8;  // within the first evaluation, or the first step's generation, with samples of
+                             // its requests back already (found by trying)
+    if (how == "stalls_eval") {
+      eo.stalled_engine = 1;  // from the start: it never decodes, so never dies
+      died.cfg.timeouts.generate_s = 30;
+    }
+    EXPECT_EQ(json::parse(died.run(eo))["event"], "done") << tag;
+    EXPECT_EQ(by_key(died.records(), {"ordinal", "sample"}), by_key(lived.records(), {"ordinal", "sample"})) << tag;
+    const auto rows = died.lines("metrics.jsonl");
+    ASSERT_FALSE(rows.empty());
+    EXPECT_EQ(rows.back()["engines/count"], 1) << tag;
+    if (!eval) continue;
+    for (const int64_t step : {0, 2, 3}) {
+      const std::string file = "eval/step_" + std::to_string(step) + ".jsonl";
+      ASSERT_EQ(died.lines(file).size(), 10u * 4) << step;
+      EXPECT_EQ(by_key(died.lines(file), {"line", "kind", "sample"}), by_key(lived.lines(file), {"line", "kind", "sample"})) << step;
+    }
+  }
+}
+
 TEST(ControllerInProcess, SyncModeTrainsEveryStepOnPolicy) {
   Job job("sync");
   const json summary = json::parse(job.run());

@@ -2,6 +2,11 @@
 // with an in-process environment, and a registered sample loop.
 #include "controller_job.h"
 
+#include <condition_variable>
+#include <thread>
+
+#include "controller/env_runner.h"
+
 namespace tiller::controller {
 namespace {
 
@@ -179,6 +184,59 @@ TEST(ControllerInProcess, MultiTurnSamplesInTheAsynchronousPipeline) {
     EXPECT_TRUE(job.game->open.empty()) << job.game->open.size() << " sessions left open (drop " << drop << ")";
   }
   EXPECT_GT(spanning, 0) << "no episode spanned a weight sync";
+}
+
+// A group dropped while its episode's Start (or Step) is on the environment: the Close waits for
+// that call to end and then runs, never before or beside it (else the session would open after
+// its Close and stay open); a Close with nothing in flight runs at once.
+TEST(EnvRunner, ACloseWaitsForItsSessionsCallInFlight) {
+  struct Gated final : env::Environment {
+    env::Observation start(const env::EpisodeStart& e, Deadline) override {
+      std::unique_lock<std::mutex> lock(mu);
+      log.push_back("start " + e.session_id + " begins");
+      cv.notify_all();
+      cv.wait_for(lock, std::chrono::seconds(20), [&] { return open_gate; });
+      log.push_back("start " + e.session_id + " ends");
+      return {};
+    }
+    env::StepResult step(const std::string&, const env::Action&, Deadline) override { return {}; }
+    void close(const std::string& session, Deadline) override {
+      std::lock_guard<std::mutex> lock(mu);
+      log.push_back("close " + session);
+      cv.notify_all();
+    }
+    std::string name() const override { return "env gated (in-process)"; }
+    std::mutex mu;
+    std::condition_variable cv;
+    bool open_gate = false;
+    std::vector<std::string> log;
+  };
+  auto env = std::make_shared<Gated>();
+  EnvRunner runner(env, 4, 30);
+  env::EpisodeStart e;
+  e.session_id = "a";
+  runner.start(1, e);
+  {
+    std::unique_lock<std::mutex> lock(env->mu);
+    ASSERT_TRUE(env->cv.wait_for(lock, std::chrono::seconds(20), [&] { return !env->log.empty(); }));
+  }
+  runner.close("a");  // while its Start runs
+  runner.close("b");  // nothing in flight
+  {
+    std::unique_lock<std::mutex> lock(env->mu);
+    ASSERT_TRUE(env->cv.wait_for(lock, std::chrono::seconds(20), [&] {
+      return std::find(env->log.begin(), env->log.end(), "close b") != env->log.end();
+    }));
+    env->cv.wait_for(lock, std::chrono::milliseconds(100));  // time for a Close that would overtake
+    EXPECT_EQ(env->log, (std::vector<std::string>{"start a begins", "close b"}));
+    env->open_gate = true;
+    env->cv.notify_all();
+  }
+  for (int i = 0; i < 2000 && runner.busy() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(runner.busy(), 0u);
+  std::lock_guard<std::mutex> lock(env->mu);
+  EXPECT_EQ(env->log, (std::vector<std::string>{"start a begins", "close b", "start a ends", "close a"}));
+  EXPECT_EQ(runner.poll().size(), 1u);  // the Start's answer (its group is gone: the loop ignores it)
 }
 
 // A failing environment call ends the job with its message and the sample it was for.
