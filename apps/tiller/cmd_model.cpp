@@ -284,10 +284,16 @@ struct InitOptions {
   uint64_t seed = 0;
   bool value_head = false;
   bool config_only = false;
+  double rope_yarn = 0;  // > 1: YaRN RoPE scaling by this factor
 };
 
 int run_init(const InitOptions& o) {
   model::ModelConfig cfg = model::preset(o.preset);
+  if (o.rope_yarn > 0) {  // Qwen2.5's way to 128k: the same weights, YaRN over the trained context
+    cfg.rope_scaling.type = "yarn";
+    cfg.rope_scaling.factor = o.rope_yarn;
+    cfg.rope_scaling.original_max_position_embeddings = cfg.max_position_embeddings;
+  }
   const model::Head head = o.value_head ? model::Head::kValue : model::Head::kLm;
   if (o.config_only) {  // the shape alone: what tiller plan's memory plan reads
     fs::create_directories(o.out);
@@ -388,6 +394,10 @@ void add_model_commands(CLI::App& app, Runner& run) {
   init->add_flag("--value-head", io->value_head, "A value model (score head) instead of a causal LM");
   init->add_flag("--config-only", io->config_only, "Write config.json alone (a shape for tiller plan), no weights");
   init->add_option("--tokenizer-from", io->tokenizer_from, "Copy tokenizer files from this directory");
+  init->add_option("--rope-yarn", io->rope_yarn,
+                   "YaRN RoPE scaling by this factor over the preset's context (rope_scaling in config.json; 4 takes "
+                   "the Qwen2.5 shapes from 32k to 128k, as Qwen documents)")
+      ->check(CLI::Range(1.0, 64.0));
   init->callback([&run, io] { run = [io] { return run_init(*io); }; });
 }
 

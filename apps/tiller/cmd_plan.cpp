@@ -138,6 +138,13 @@ void add_plan_command(CLI::App& app, Runner& run) {
         std::fputs(out.c_str(), stdout);
         return 0;
       }
+      // A sample longer than the job's engines' model holds: what tiller train refuses at its start
+      // (standalone engines check their own).
+      if (!config.engines.standalone()) {
+        const bool own_engine_model = shapes.count("engine") > 0;
+        job::check_engine_context(config, shapes.at(own_engine_model ? "engine" : "actor"),
+                                  own_engine_model ? config.engines.model : config.roles.actor.model);
+      }
       const double gb = o->gpu_memory_gb > 0 ? o->gpu_memory_gb : config.cluster.gpu_memory_gb;
       const auto gpu_bytes = static_cast<int64_t>(gb * (1ull << 30));
       // A plan that cannot fit is an error (exit 2), naming the smallest layout that would.

@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "tiller/core/checked_math.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
@@ -217,6 +218,18 @@ std::optional<LayoutSuggestion> smallest_fitting_layout(const JobConfig& cfg, co
     }
   }
   return std::nullopt;
+}
+
+int64_t check_engine_context(const JobConfig& cfg, const model::ModelConfig& engine, const std::string& dir) {
+  const char* sum = cfg.multi_turn() ? "rollout.max_prompt_tokens + the response limit (rollout.max_response_tokens)"
+                                     : "rollout.max_prompt_tokens + rollout.max_new_tokens";
+  const int64_t max_model_len = checked_add(cfg.rollout.max_prompt_tokens, cfg.response_limit(), sum);
+  const int64_t limit = model::context_limit(engine);
+  if (max_model_len > limit)
+    throw ConfigError(fmt::format("{} = {} exceeds the context of {} ({} tokens: max_position_embeddings, with its "
+                                  "RoPE scaling); lower them, or use a model made for longer contexts (rope_scaling)",
+                                  sum, max_model_len, dir, limit));
+  return max_model_len;
 }
 
 ModelShapes load_model_shapes(const JobConfig& cfg, std::string* missing) {

@@ -17,7 +17,6 @@
 #include "controller/controller.h"
 #include "core/process.h"
 #include "tiller/algo/advantage_estimator.h"
-#include "tiller/core/checked_math.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
@@ -86,14 +85,7 @@ engine::Engine& make_engine(const JobConfig& cfg, const dist::RankPlan& plan, in
   const std::string dir = cfg.engines.model.empty() ? cfg.roles.actor.model : cfg.engines.model;
   // Before the weights load: a context the model was not made for is a config error, not an
   // allocation of RoPE tables for it.
-  const char* sum = cfg.multi_turn() ? "rollout.max_prompt_tokens + the response limit (rollout.max_response_tokens)"
-                                     : "rollout.max_prompt_tokens + rollout.max_new_tokens";
-  const int64_t max_model_len = checked_add(cfg.rollout.max_prompt_tokens, cfg.response_limit(), sum);
-  const int64_t limit = model::context_limit(model::load_model_config(dir));
-  if (max_model_len > limit)
-    throw ConfigError(fmt::format("{} = {} exceeds the context of {} ({} tokens: max_position_embeddings, with its "
-                                  "RoPE scaling); lower them",
-                                  sum, max_model_len, dir, limit));
+  const int64_t max_model_len = job::check_engine_context(cfg, model::load_model_config(dir), dir);
   engine::EngineWeights w = engine::load_engine_weights(dir, me.engine_tp_rank, tp, std::string(enum_name(cfg.roles.actor.dtype)), device);
   if (cfg.roles.actor.lora.rank > 0) {
     // The actor's adapters, unmerged beside the base as the trainer runs them, starting where the

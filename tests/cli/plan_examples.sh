@@ -17,6 +17,9 @@ for spec in 0.5b 1.5b 7b 32b 72b 1.5b-rm 7b-rm; do
   [ "$spec" != "$size" ] && flags+=(--value-head)
   "$tiller" init-model --preset "qwen2-$size" --out "models/qwen2.5-$spec" "${flags[@]}" > /dev/null
 done
+for size in 1.5b 7b; do  # 128k positions (YaRN by 4): the long-sample configs
+  "$tiller" init-model --preset "qwen2-$size" --out "models/qwen2.5-$size-128k" --config-only --rope-yarn 4 > /dev/null
+done
 "$tiller" init-model --preset qwen3-30b-a3b-8l --out models/qwen3-30b-a3b-8l --config-only > /dev/null
 # The hub models of configs/real, as huggingface_hub lays them out (refs/main -> snapshots/<commit>):
 # the Qwen2.5 shapes from the presets, Llama-3.1-8B and its reward model from their published
@@ -73,6 +76,16 @@ expect_refusal() {  # PATTERN ARGS...
   fi
   echo "refused as expected: $(tail -1 <<< "$out" | grep -Eo "$pattern")"
 }
+# A sample longer than the model's context (128k on the 32k shape without its YaRN scaling) is
+# refused by the plan, as tiller train refuses it at its start.
+code=0
+out=$("$tiller" plan -c "$repo/configs/gpu/qwen2.5-1.5b-grpo-long-hybrid-2gpu.yaml" --nodes 1 --gpus-per-node 2 \
+      --set roles.actor.model=models/qwen2.5-1.5b 2>&1) || code=$?
+if [ "$code" -ne 2 ] || ! grep -q "max_new_tokens = 131072 exceeds the context of models/qwen2.5-1.5b (32768 tokens" <<< "$out"; then
+  echo "FAIL: the 128k config on the 32k model: exit $code, expected 2 and the context's refusal:" >&2
+  echo "$out" | tail -3 >&2; exit 1
+fi
+echo "refused as expected: the 128k config on the 32k model"
 expect_refusal "has no room for a KV cache.*The smallest layout that fits: 8 GPUs on 2 nodes of 4" \
   --gpus-per-node 4 --gpu-memory-gb 80 --host-memory-gb 512
 expect_refusal "node 0 needs [0-9.]+ GiB of host memory.*The smallest layout that fits: 8 GPUs on 2 nodes of 4" \

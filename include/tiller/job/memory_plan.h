@@ -184,6 +184,13 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
 // largest items and what to change, in the words of `knobs` (the command's flags).
 void check_trainer_fits(const MemoryPlan& m, int rank, const std::string& role, const std::string& knobs);
 
+// Throws ConfigError when the engines' model (`engine`, of directory `dir`: engines.model, else the
+// actor's) cannot hold a sample: rollout.max_prompt_tokens + the response limit over its context
+// (max_position_embeddings with its RoPE scaling). tiller train checks it on each engine rank
+// before the weights load, tiller plan with the other checks. Returns the longest sample (the
+// engines' max_model_len).
+int64_t check_engine_context(const JobConfig& cfg, const model::ModelConfig& engine, const std::string& dir);
+
 // The shapes of the job's models, read from their config.json files; a role whose model cannot
 // be read is left out (and `missing` says which, when given).
 ModelShapes load_model_shapes(const JobConfig& cfg, std::string* missing = nullptr);
