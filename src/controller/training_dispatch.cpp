@@ -151,6 +151,7 @@ void TrainingDispatch::post_step(size_t i) {
       }
       Totals& t = (*acc_)[p.role];
       t.ranks = static_cast<double>(p.group->ranks.size());
+      t.rank_ids = p.group->ranks;
       t.round_max_tokens += *std::max_element(rank_tokens.begin(), rank_tokens.end());
       t.round_mean_tokens += std::accumulate(rank_tokens.begin(), rank_tokens.end(), 0.0) / rank_tokens.size();
       t.rounds += 1;
@@ -276,14 +277,25 @@ Metrics TrainingDispatch::metrics() const {
 Metrics TrainingDispatch::efficiency(double phase_s) const {
   Metrics m;
   if (!acc_ || phase_s <= 0) return m;
+  std::map<int, double> busy_s;  // world rank -> its roles' work at their benchmark rates
+  bool every_bench = true;
   for (const auto& [role, t] : *acc_) {
     const std::string r(role_name(role));
     const double rate = t.rows / (std::max(1.0, t.ranks) * phase_s);
     m.emplace_back("throughput/train_tokens_per_s_per_gpu." + r, rate);
-    if (t.bench_n <= 0) continue;
+    if (t.bench_n <= 0) {
+      every_bench = false;
+      continue;
+    }
     const double bench = t.bench_sum / t.bench_n;
     m.emplace_back("throughput/train_bench_tokens_per_s." + r, bench);
     m.emplace_back("efficiency/train." + r, rate / bench);
+    for (int rank : t.rank_ids) busy_s[rank] += t.rows / (std::max(1.0, t.ranks) * bench);
+  }
+  if (every_bench && !busy_s.empty()) {
+    double busiest = 0;
+    for (const auto& [rank, s] : busy_s) busiest = std::max(busiest, s);
+    m.emplace_back("efficiency/train", busiest / phase_s);
   }
   return m;
 }

@@ -68,7 +68,10 @@ class TrainingDispatch {
   // Each trained role's rate in a training phase of `phase_s` seconds (its micro-batches' tokens
   // over its GPUs and the phase) beside its ranks' mean benchmark at the job's shapes:
   // throughput/train_tokens_per_s_per_gpu.<role>, throughput/train_bench_tokens_per_s.<role> and
-  // efficiency/train.<role> (their ratio; without a benchmark, the first alone).
+  // efficiency/train.<role> (their ratio; without a benchmark, the first alone); and the phase's
+  // efficiency/train: the busiest rank's work at its roles' benchmark rates over the phase, where
+  // the roles colocated on a rank add up (they train there one after the other, so each role's
+  // own ratio is its share of the phase, not its speed).
   Metrics efficiency(double phase_s) const;
   // Optimizer steps taken over the run, per role (the learning-rate schedules count them).
   int64_t updates(Role role) const { return role == Role::kActor ? actor_updates_ : critic_updates_; }
@@ -92,6 +95,7 @@ class TrainingDispatch {
     double round_max_tokens = 0, round_mean_tokens = 0, rounds = 0;
     double rows = 0;    // every token of the role's micro-batches (prompts included), over its ranks
     double ranks = 1;   // the role's GPUs
+    std::vector<int> rank_ids;  // their world ranks (colocated roles share them)
     double bench_sum = 0, bench_n = 0;  // the ranks' training benchmarks (StepStats::bench_tokens_per_s)
     std::map<std::string, double> loss_metrics;  // the policy loss's named sums over ranks and steps
     at::Tensor expert_load;  // a mixture of experts: tokens per expert [sparse layers, experts], over ranks and steps

@@ -268,8 +268,14 @@ def check_learns(np_, *sets):
                 "throughput/generate_bench_tokens_per_s"]:
         if not rows[-1].get(key, 0) > 0:
             fail(f"metric {key} missing or not positive: {rows[-1].get(key)}")
-    if not all(s.get("efficiency", {}).get(k, 0) > 0 for k in ("generate", "score.actor", "train.actor")):
+    if not all(s.get("efficiency", {}).get(k, 0) > 0 for k in ("generate", "score.actor", "train.actor", "train")):
         fail(f"the summary has no efficiency: {s}")
+    # The phase's efficiency/train: the busiest rank's work at its roles' benchmark rates. GRPO
+    # trains the actor alone; this PPO has the critic on ranks of its own, so the slower role's.
+    for r in rows:
+        roles = [r["efficiency/train.actor"]] + ([r["efficiency/train.critic"]] if "efficiency/train.critic" in r else [])
+        if abs(r["efficiency/train"] - max(roles)) > 1e-9 * max(roles):
+            fail(f"step {r['step']}: efficiency/train {r['efficiency/train']} is not the busiest rank's, {max(roles)}")
     check_eval(out, 30)
     if "critic/loss" in rows[-1] and CASE == "grpo":
         fail("GRPO reported a critic")
@@ -1326,6 +1332,12 @@ def check_hybrid():
     log = run_ok(2, out, "cluster.hybrid=true", "roles.critic.colocate_with=actor", "roles.actor.offload=true",
                  "roles.critic.offload=true")
     expect_learned(out, "hybrid: PPO in one process")
+    # Colocated, the actor and the critic train one after the other on the same rank: the phase's
+    # efficiency is their two shares together.
+    for r in metrics(out):
+        both = r["efficiency/train.actor"] + r["efficiency/train.critic"]
+        if abs(r["efficiency/train"] - both) > 1e-9 * both:
+            fail(f"step {r['step']}: efficiency/train {r['efficiency/train']} is not the colocated roles' sum {both}")
     s = summary(log)
     if s["event"] != "done" or s["steps"] != 30 or s["weight_version"] != 30:
         fail(f"summary {s}")
