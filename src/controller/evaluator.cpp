@@ -147,7 +147,8 @@ bool Evaluator::submit(size_t e, const Request& r) {
 void Evaluator::move(Request& r) {
   const size_t dest = least_busy();
   if (dest == in_flight_.size())
-    throw CommError(fmt::format("evaluation: {} left the job and no engine is left", engines_.name(static_cast<size_t>(r.engine))));
+    throw CommError(fmt::format("evaluation: no engine is left to take the requests of {}, which left the job or drains",
+                                engines_.name(static_cast<size_t>(r.engine))));
   in_flight_[static_cast<size_t>(r.engine)] -= r.owed;
   r.engine = static_cast<int>(dest);
   r.owed = r.request.n;  // the whole request again, its seed as before
