@@ -3,7 +3,6 @@
 #include <chrono>
 #include <mutex>
 #include <unordered_map>
-#include <unordered_set>
 
 #include "core/worker_pool.h"
 #include "tiller/core/error.h"
@@ -28,10 +27,16 @@ struct EnvRunner::State {
   double timeout_s = 60;
   std::mutex mu;
   std::vector<Result> results;
-  // Per session, its Start or Step queued or running, and the sessions whose Close waits for it:
-  // a Close never overtakes (or runs beside) its session's last call (a group dropped mid-call).
-  std::unordered_map<std::string, int> active;
-  std::unordered_set<std::string> close_after;
+  // The sessions with a Start or Step queued or running (one at a time: the loop waits for each
+  // answer): a Close never runs before or beside its session's call. A Close wanted while the call
+  // is queued makes that call skip the environment (a skipped Start opens nothing, so nothing is
+  // closed); while it runs, the Close follows it, from the worker that ends it.
+  struct Pending {
+    bool step = false;     // a Step: the session is open on the environment
+    bool running = false;  // a worker has begun it
+    bool close = false;    // a Close waits for it
+  };
+  std::unordered_map<std::string, Pending> pending;
   std::unique_ptr<WorkerPool> pool;
 
   Result run(const Call& c) {
@@ -66,44 +71,81 @@ struct EnvRunner::State {
     return c.kind == Call::kStart ? c.episode.session_id : c.session;
   }
 
+  static void submit_close(const std::shared_ptr<State>& s, const std::string& session) {
+    Call c;
+    c.kind = Call::kClose;
+    c.session = session;
+    submit(s, std::move(c));
+  }
+
   // Closes are kept through the shutdown (best effort within the grace); starts and steps are moot.
   static void submit(const std::shared_ptr<State>& s, Call c) {
     const bool close = c.kind == Call::kClose;
-    if (close) {
+    {
       std::lock_guard<std::mutex> lock(s->mu);
-      if (s->active.count(c.session)) {  // after its call in flight, from the worker that ends it
-        s->close_after.insert(c.session);
-        return;
+      if (close) {
+        if (auto p = s->pending.find(c.session); p != s->pending.end()) {
+          p->second.close = true;
+          return;
+        }
+      } else {
+        TILLER_CHECK(!s->pending.count(session_of(c)), "environment session {}: a call while its last is in flight",
+                     session_of(c));
+        s->pending[session_of(c)] = Pending{c.kind == Call::kStep, false, false};
       }
-    } else {
-      std::lock_guard<std::mutex> lock(s->mu);
-      ++s->active[session_of(c)];
     }
     // The task holds the state, not the runner: a call left behind at shutdown touches no freed memory.
     s->pool->submit(
         [w = std::weak_ptr<State>(s), c = std::move(c)] {
           std::shared_ptr<State> st = w.lock();
           if (!st) return;
-          Result r = st->run(c);
-          if (c.kind == Call::kClose) return;
-          bool close_now = false;
+          if (c.kind == Call::kClose) {
+            st->run(c);
+            return;
+          }
+          const std::string& session = session_of(c);
+          bool skip = false, close_now = false;
           {
             std::lock_guard<std::mutex> lock(st->mu);
-            st->results.push_back(std::move(r));
-            auto a = st->active.find(session_of(c));
-            if (a != st->active.end() && --a->second <= 0) {
-              st->active.erase(a);
-              close_now = st->close_after.erase(session_of(c)) > 0;
+            auto p = st->pending.find(session);
+            if (p == st->pending.end() || p->second.close) {  // closed while it waited: the group is gone
+              skip = true;
+              close_now = p != st->pending.end() && p->second.step;
+              if (p != st->pending.end()) st->pending.erase(p);
+            } else {
+              p->second.running = true;
             }
           }
-          if (close_now) {
-            Call cl;
-            cl.kind = Call::kClose;
-            cl.session = session_of(c);
-            submit(st, std::move(cl));
+          if (!skip) {
+            Result r = st->run(c);
+            std::lock_guard<std::mutex> lock(st->mu);
+            st->results.push_back(std::move(r));
+            if (auto p = st->pending.find(session); p != st->pending.end()) {
+              close_now = p->second.close;
+              st->pending.erase(p);
+            }
           }
+          if (close_now) submit_close(st, session);
         },
         close);
+  }
+
+  // Shutdown: the queued Steps of sessions whose Close waits are dropped unrun, so their Closes go
+  // now (kept); a running call's Close follows it, within the grace.
+  static void close_waiting(const std::shared_ptr<State>& s) {
+    std::vector<std::string> now;
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      for (auto p = s->pending.begin(); p != s->pending.end();) {
+        if (p->second.close && !p->second.running) {
+          if (p->second.step) now.push_back(p->first);
+          p = s->pending.erase(p);
+        } else {
+          ++p;
+        }
+      }
+    }
+    for (const std::string& session : now) submit_close(s, session);
   }
 };
 
@@ -115,7 +157,10 @@ EnvRunner::EnvRunner(std::shared_ptr<env::Environment> env, int threads, double 
   state_->pool = std::make_unique<WorkerPool>(threads, env_->name(), "env.concurrency");
 }
 
-EnvRunner::~EnvRunner() { state_->pool->shutdown(kShutdownGraceSeconds); }
+EnvRunner::~EnvRunner() {
+  State::close_waiting(state_);
+  state_->pool->shutdown(kShutdownGraceSeconds);
+}
 
 void EnvRunner::start(uint64_t key, env::EpisodeStart episode) {
   State::Call c;
@@ -134,12 +179,7 @@ void EnvRunner::step(uint64_t key, const std::string& session_id, env::Action ac
   State::submit(state_, std::move(c));
 }
 
-void EnvRunner::close(const std::string& session_id) {
-  State::Call c;
-  c.kind = State::Call::kClose;
-  c.session = session_id;
-  State::submit(state_, std::move(c));
-}
+void EnvRunner::close(const std::string& session_id) { State::submit_close(state_, session_id); }
 
 std::vector<EnvRunner::Result> EnvRunner::poll() {
   std::lock_guard<std::mutex> lock(state_->mu);

@@ -40,7 +40,8 @@ class EnvRunner {
   void start(uint64_t key, env::EpisodeStart episode);
   void step(uint64_t key, const std::string& session_id, env::Action action);
   // Runs once the session's Start or Step in flight (a group dropped mid-call) has ended, never
-  // before or beside it; at once when none is.
+  // before or beside it; at once when none is. A call still queued is skipped instead (and a
+  // skipped Start opened nothing: no Close follows it).
   void close(const std::string& session_id);
   // The answers that came in since the last poll, in the order they came.
   std::vector<Result> poll();

@@ -78,8 +78,13 @@ for tp, launcher in [(1, []), (2, mpirun + ["-np", "2"])]:
             check(row["response_ids"] == ref["greedy"][i][:12] or row["response_ids"] == reference_greedy[i]["response_ids"],
                   f"tp {tp} prompt {i}: engine greedy ids equal HF's")
             check(row["response_ids"] == reference_greedy[i]["response_ids"], f"tp {tp} prompt {i}: greedy equals the reference")
-            check(all(abs(a - b) < 1e-4 for a, b in zip(row["logprobs"], reference_greedy[i]["logprobs"])),
-                  f"tp {tp} prompt {i}: greedy log-probs equal the reference's")
+            diffs = [abs(a - b) for a, b in zip(row["logprobs"], reference_greedy[i]["logprobs"])]
+            worst = max(range(len(diffs)), key=diffs.__getitem__) if diffs else 0
+            # Seen once in a loaded local run, not reproduced: the numbers say by how much and where.
+            check(all(d < 1e-4 for d in diffs),
+                  f"tp {tp} prompt {i}: greedy log-probs equal the reference's (largest difference "
+                  f"{max(diffs, default=0):.3g} at token {worst}: {row['logprobs'][worst:worst + 1]} against "
+                  f"{reference_greedy[i]['logprobs'][worst:worst + 1]})")
         seeded = generate(f"engine{tp}_sampled", sampled + ["--engine", address])
         again = generate(f"engine{tp}_sampled_again", sampled + ["--engine", address])
         diverged = 0
