@@ -207,6 +207,9 @@ struct Controller::Impl {
 
   // --- background work ---------------------------------------------------------------------------
 
+  // Seconds from `t` (taken from w.clock, as every time point here is) to now on that clock.
+  double since(SteadyClock::time_point t) const { return seconds_between(t, w.clock->now()); }
+
   // One round of what runs all along: the collector, the ranks' answers, the training's posts.
   // Waits up to kIdleWaitMs for a completion when nothing happened; true when anything did.
   bool pump() {
@@ -241,7 +244,7 @@ struct Controller::Impl {
     if (critic_group && !empty) will_train.add(Role::kCritic);
     std::unique_ptr<StepBatch> b = collector->take_batch(will_train);
     if (w.rewards.batched) w.rewards.batched->label_step(static_cast<uint64_t>(j + 1));
-    metrics["time/wait_batch"] = seconds_since(t0);
+    metrics["time/wait_batch"] = since(t0);
     return b;
   }
 
@@ -256,7 +259,7 @@ struct Controller::Impl {
         w.rewards.decode);
     metrics["hooks/dropped_groups"] = static_cast<double>(std::count(keep.begin(), keep.end(), uint8_t{0}));
     collector->drop_ready_groups(keep);
-    metrics["time/hooks"] = seconds_since(t0);
+    metrics["time/hooks"] = since(t0);
   }
 
   void advantages(StepBatch& b) {
@@ -267,7 +270,7 @@ struct Controller::Impl {
     reward_moments = r.state.reward_moments;
     kl_ctl.update(r.kl_mean_per_sample, b.ro.size());
     for (const auto& [k, v] : r.metrics) metrics[k] = v;
-    metrics["time/advantage"] = seconds_since(t0);
+    metrics["time/advantage"] = since(t0);
   }
 
   void train(const StepBatch& b, const OffPolicy& op, bool train_actor) {
@@ -284,7 +287,7 @@ struct Controller::Impl {
     }
     if (!critic_released) collector->release(Role::kCritic);
     for (const auto& [k, v] : training->metrics()) metrics[k] = v;
-    metrics["time/train"] = seconds_since(t0);
+    metrics["time/train"] = since(t0);
     for (const auto& [k, v] : training->efficiency(metrics["time/train"].get<double>())) metrics[k] = v;
     trace->span(b.step, "train", -1, w0, wall_us());
     if (train_actor) {
@@ -339,7 +342,7 @@ struct Controller::Impl {
     if (!hybrid) collector->pause_dispatch(false);
     collector->release(Role::kActor);
     metrics["time/sync_wait_in_flight"] = std::chrono::duration<double>(t1 - t0).count();
-    metrics["time/sync"] = seconds_since(t1);
+    metrics["time/sync"] = since(t1);
     metrics["sync/seconds_on_actor"] = sync_seconds_on_actor;
     metrics["sync/wire_mb"] = sync_wire_bytes / 1e6;
     metrics["engines/count"] = static_cast<double>(w.engines->live_count());  // in the job now
@@ -390,9 +393,9 @@ struct Controller::Impl {
                       cfg.roles.actor.dtype == Precision::kFp32 ? at::kFloat : at::kBFloat16);
       log::info("checkpoint: step {}: the actor exported to {}/actor_hf", step, dir);
     }
-    metrics["time/checkpoint"] = seconds_since(t0);
+    metrics["time/checkpoint"] = since(t0);
     trace->span(step, "checkpoint", -1, w0, wall_us());
-    log::info("checkpoint: step {} saved in {} ({:.1f} s)", step, dir, seconds_since(t0));
+    log::info("checkpoint: step {} saved in {} ({:.1f} s)", step, dir, since(t0));
     hooks.checkpoint(step, dir);
   }
 
@@ -449,7 +452,7 @@ struct Controller::Impl {
     const bool saving = (cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0) || last || signal;
     if (saving) save();
     evaluate(step, last);
-    const double step_s = seconds_since(step_end);
+    const double step_s = since(step_end);
     step_end = w.clock->now();
     metrics["time/step"] = step_s;
     metrics["throughput/tokens_per_s"] = step_s > 0 ? static_cast<double>(b->generated_tokens) / step_s : 0.0;
@@ -477,7 +480,7 @@ struct Controller::Impl {
     for (size_t i = metrics.size(); i < flat.size(); ++i) metrics[flat[i].first] = flat[i].second;
     outputs->write(step, flat);
     if (step % cfg.logging.every_steps == 0 || last) {
-      const double per_step = seconds_since(run_start) / static_cast<double>(std::max<int64_t>(1, step - first_step));
+      const double per_step = since(run_start) / static_cast<double>(std::max<int64_t>(1, step - first_step));
       log::info("step {}/{} | reward {:.3f} ± {:.3f} | kl {:.4f} | entropy {:.3f} | len {:.1f} | gen {:.2f}s "
                 "train {:.2f}s sync {:.2f}s{}{} | {:.1f} s/step | ETA {}",
                 step, cfg.train.num_steps, value_or(metrics, "reward/mean"), value_or(metrics, "reward/std"),
@@ -583,7 +586,7 @@ struct Controller::Impl {
     if (w.tracking) w.tracking->finish(true);
     summary["event"] = stopped_by_signal ? "stopped" : "done";
     summary["steps"] = step;
-    summary["seconds"] = seconds_since(run_start);
+    summary["seconds"] = since(run_start);
     summary["weight_version"] = version;
     if (!last_metrics.empty()) {
       summary["reward_mean"] = last_metrics.value("reward/mean", 0.0);

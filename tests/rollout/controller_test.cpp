@@ -224,7 +224,6 @@ TEST(ControllerInProcess, AnEngineThatDiesMidEvaluationOrMidStepLosesNoSample) {
     for (json& r : rows) {
       std::string k;
       for (const auto& key : keys) k += r[key].dump() + "/";
-      r.erase("engine");
       EXPECT_TRUE(out.emplace(k, r.dump()).second) << "twice: " << k;
     }
     return out;
@@ -260,6 +259,12 @@ TEST(ControllerInProcess, AnEngineThatDiesMidEvaluationOrMidStepLosesNoSample) {
     const auto rows = died.lines("metrics.jsonl");
     ASSERT_FALSE(rows.empty());
     EXPECT_EQ(rows.back()["engines/count"], 1) << tag;
+    for (const json& row : rows)  // every phase time on the job's (virtual) clock
+      for (const auto& [key, value] : row.items())
+        if (key.rfind("time/", 0) == 0) EXPECT_GE(value.get<double>(), 0.0) << key << " at step " << row["step"];
+    // The first evaluation (step 0, before any generation) outlasts the engine's 8 decode steps of
+    // 0.25 s: it died inside it.
+    if (how == "dies_eval") EXPECT_GT(rows.front()["time/eval"].get<double>(), 8 * 0.25);
     if (!eval) continue;
     for (const int64_t step : {0, 2, 3}) {
       const std::string file = "eval/step_" + std::to_string(step) + ".jsonl";
