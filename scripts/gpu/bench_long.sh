@@ -6,6 +6,8 @@
 # is recorded with its error instead of ending the script.
 #   MODEL=qwen2-7b NGPU=4 SP=4 TOKENS=32768 LENS="8192 32768 65536 131072" scripts/gpu/bench_long.sh [OUT.json]
 # CP=R: of the SP ranks, R groups all-gather keys instead of splitting heads (context parallelism).
+# GPU_MEMORY_GB=G plans for (and caps each rank's allocator at) a G GiB GPU; PYTORCH_CUDA_ALLOC_CONF,
+# when set, reaches the ranks (expandable_segments:True against PyTorch's default).
 # RUN_TIMEOUT (s, default 300) ends a run that takes longer; STACKS_DIR=dir keeps its ranks' stacks.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
@@ -17,11 +19,15 @@ model=${MODEL:-qwen2-7b}
 per_gpu=${TOKENS:-32768}
 steps=${STEPS:-4}
 tmp=$(mktemp -d)
+extra=()
+[ -n "${GPU_MEMORY_GB:-}" ] && extra+=(--gpu-memory-gb "$GPU_MEMORY_GB")
+mpi_env=()
+[ -n "${PYTORCH_CUDA_ALLOC_CONF:-}" ] && mpi_env+=(-x PYTORCH_CUDA_ALLOC_CONF)
 bench() {  # name seq micro-batch sp cp
   # A run past RUN_TIMEOUT (s) is ended; its ranks' stacks (stacks.sh) go to STACKS_DIR first, if set.
   mpirun -np "$n" --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE \
-      -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS "$gpu_build/bin/tiller" bench train --model "$model" \
-      --seq "$2" --micro-batch "$3" --sequence-parallel "$4" --context-parallel "$5" --steps "$steps" \
+      -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS "${mpi_env[@]}" "$gpu_build/bin/tiller" bench train --model "$model" \
+      --seq "$2" --micro-batch "$3" --sequence-parallel "$4" --context-parallel "$5" --steps "$steps" "${extra[@]}" \
       --out "$tmp/$1.json" > "$tmp/$1.log" 2>&1 &
   local job=$! waited=0 code=0
   while kill -0 "$job" 2>/dev/null && [ "$waited" -lt "${RUN_TIMEOUT:-300}" ]; do sleep 1; waited=$((waited + 1)); done

@@ -21,11 +21,12 @@ tiller=$gpu_build/bin/tiller
 mpi=(mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
      -x NVSHMEM_DISABLE_NVLS -x LD_LIBRARY_PATH)
 [ -n "${NCCL_DEBUG:-}" ] && mpi+=(-x NCCL_DEBUG)
+[ -n "${PYTORCH_CUDA_ALLOC_CONF:-}" ] && mpi+=(-x PYTORCH_CUDA_ALLOC_CONF)
 gpus=$(nvidia-smi -L | wc -l)
 $python scripts/make_quickstart.py > /dev/null
 read -r -a common_sets <<< "${SET:-}"
 for name in "$@"; do
-  dir=$out/${name//[:,=]/_}
+  dir=$out/${name//[:,=\/]/_}
   overrides=()
   if [[ $name == *:* ]]; then
     IFS=, read -r -a kvs <<< "${name#*:}"
@@ -44,7 +45,7 @@ for name in "$@"; do
     line=$(grep -m1 '^#   mpirun -np ' "$cfg")
     np=$(sed 's/.*-np \([0-9]*\).*/\1/' <<< "$line")
     need=$(grep -m1 '^#   tiller plan ' "$cfg" | sed 's/.*--gpus-per-node \([0-9]*\).*/\1/')
-    sizes=$(grep -o 'models/qwen2.5-[0-9.]*b\(-rm\)\?\|models/qwen3-30b-a3b-8l' "$cfg" | sed 's#models/qwen2.5-##; s#models/##' |
+    sizes=$(grep -o 'models/qwen2.5-[0-9.]*b\(-rm\|-128k\)\?\|models/qwen3-30b-a3b-8l' "$cfg" | sed 's#models/qwen2.5-##; s#models/##' |
             sort -u | tr '\n' ' ')
     # shellcheck disable=SC2086
     bash scripts/gpu/make_models.sh $sizes
