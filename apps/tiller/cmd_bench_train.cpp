@@ -69,6 +69,7 @@ struct TrainBenchOptions {
   std::string recompute = "auto";  // train.recompute's choices
   int64_t recompute_layers = -1;      // train.recompute_layers's
   std::string compute_shard = "auto";  // train.compute_shard's
+  std::string expandable_segments = "auto";  // cluster.expandable_segments's
   std::string optimizer_offload = "none";  // roles.<r>.optimizer_offload's
   int optimizer_threads = 0;
   double gpu_memory_gb = 0;  // the plan's GPU size; 0: the device's
@@ -98,6 +99,8 @@ job::MemoryPlan plan_job(const TrainBenchOptions& o, const model::ModelConfig& c
   job.train.recompute = choice<RecomputeChoice>(o.recompute, "--recompute");
   job.train.recompute_layers = o.recompute_layers;
   job.train.compute_shard = choice<ComputeShard>(o.compute_shard, "--compute-shard");
+  job.cluster.expandable_segments = choice<ExpandableSegments>(o.expandable_segments, "--expandable-segments");
+  job.roles.actor.sequence_parallel = o.sequence_parallel;  // the allocator's choice looks at it
   job.train.reduce_dtype = choice<Precision>(o.reduce_dtype, "--reduce-dtype");
   job.roles.actor.fp8 = o.fp8;  // its GEMM operands: the plan covers the larger of the two runs
   // --gpu-memory-gb plans for that GPU (on the CPU too: to check a job before renting GPUs).
@@ -163,13 +166,15 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
   // different sizes; one mode per sequence group).
   job::MemoryPlan plan = plan_job(o, cfg, dev, comm.size(), comm.rank(), o.seq * o.micro_batch / sp);
   at::Tensor choice = at::tensor({job::recompute_order(plan.recompute, plan.recompute_layers),
-                                  plan.keep_compute_shard ? 1.0 : 0.0},
+                                  plan.keep_compute_shard ? 1.0 : 0.0, plan.expandable_segments ? 0.0 : 1.0},
                                  at::kDouble);
   bc.world->all_reduce(choice, dist::ReduceOp::kMin)->wait();
   const auto [recompute, recompute_layers] = job::recompute_from_order(choice[0].item<double>());
   mo.recompute = recompute;
   mo.recompute_layers = recompute_layers;
   mo.keep_compute_shard = choice[1].item<double>() > 0.5;
+  // The caching allocator as tiller train sets it (cluster.expandable_segments), before the model loads.
+  const bool expandable = dev.is_cuda() && model::set_expandable_segments(choice[2].item<double>() < 0.5);
   zero::ShardedModel model(cfg, comm, mo);
   if (comm.size() % sp != 0)
     throw ConfigError(fmt::format("--sequence-parallel {} must divide the {} ranks", sp, comm.size()));
@@ -351,10 +356,8 @@ int train_bench(const TrainBenchOptions& o, dist::MpiEnv& env) {
   r["compute_shard"] = mo.keep_compute_shard ? "keep" : "cast";
   r["optimizer_offload"] = o.optimizer_offload;
   r["reduce_dtype"] = o.reduce_dtype;
-  {
-    const char* conf = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
-    r["expandable_segments"] = conf && std::string(conf).find("expandable_segments:True") != std::string::npos;
-  }
+  r["expandable_segments"] = expandable;
+  r["expandable_segments_reason"] = plan.allocator_reason;
   r["tokens_per_gpu_per_step"] = tokens;
   r["steps_timed"] = o.steps - 2;
   r["step_s"] = step;
@@ -431,6 +434,11 @@ void add_bench_train(CLI::App* bench, Runner& run, int& argc, char**& argv) {
                  "auto (keep when the memory plan fits it), keep (a persistent bf16 copy of the shards) or cast (each "
                  "gather casts the fp32 master shard)")
       ->check(CLI::IsMember({"auto", "keep", "cast"}));
+  tr->add_option("--expandable-segments", o->expandable_segments,
+                 "The caching allocator's expandable segments, as cluster.expandable_segments: auto (on where the "
+                 "default allocator's fragmentation would not fit the GPU), on or off (a PYTORCH_CUDA_ALLOC_CONF "
+                 "naming expandable_segments wins)")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   tr->add_option("--optimizer-offload", o->optimizer_offload,
                  "none, or cpu: fp32 masters and AdamW moments in host memory, AdamW on the CPU")
       ->check(CLI::IsMember({"none", "cpu"}));

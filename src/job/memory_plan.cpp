@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "job/activation_memory.h"
+#include "tiller/core/checked_math.h"
 #include "tiller/core/config.h"
 #include "tiller/core/error.h"
 #include "tiller/dist/rank_plan.h"
@@ -173,6 +174,14 @@ int64_t RankMemory::peak() const {
   return p ? p->total() : 0;
 }
 
+int64_t largest_activation_bytes(const model::ModelConfig& c, int64_t tokens, int64_t dtype_bytes) {
+  const int64_t routed = c.moe() ? c.moe_intermediate_size * std::max<int64_t>(c.experts_per_token, 1) : 0;
+  const int64_t widest =
+      std::max({c.intermediate_size, c.shared_expert_intermediate_size, routed, c.q_size() + 2 * c.kv_size()});
+  return checked_mul(checked_mul(tokens, widest, "micro-batch tokens x widest activation"), dtype_bytes,
+                     "largest activation bytes");
+}
+
 namespace {
 
 constexpr const char* kTrainActivations = "activations (train.micro_batch_tokens)";
@@ -265,9 +274,11 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
         continue;
       }
       // Sequence parallelism: the role's heads must split S ways (the ranks check again at load).
-      if (g && g->sequence_parallel > 1)
+      if (g && g->sequence_parallel > 1) {
+        rm.sequence_group = true;
         zero::check_sequence_parallel(*mc, g->sequence_parallel, "roles." + name + ".sequence_parallel",
                                       static_cast<int>(role_config(cfg, r).context_parallel));
+      }
       const RoleSpec spec = role_spec(cfg, r, *mc, g);
       const RoleFootprint f = footprint(spec, keep_compute_shard);
       add(gen, name + " weights", f.weights_generate);
@@ -291,6 +302,11 @@ MemoryPlan plan_with(const JobConfig& cfg, const dist::RankPlan& plan, const Mod
         grad_buffers = std::max(grad_buffers, f.grad_buffers);
       }
       act_score = std::max(act_score, score_activation_bytes(*mc, cfg.rollout.micro_batch_tokens, spec.dtype_bytes));
+      if (spec.trainable || spec.lora)
+        rm.largest_activation = std::max(
+            rm.largest_activation, largest_activation_bytes(*mc, cfg.train.micro_batch_tokens, spec.dtype_bytes));
+      rm.largest_activation = std::max(
+          rm.largest_activation, largest_activation_bytes(*mc, cfg.rollout.micro_batch_tokens, spec.dtype_bytes));
       // Context parallelism: inside one block's attention a rank holds the whole row's keys and
       // values for its heads (R x its own), and in the backward their gradient as well.
       if (const int64_t cp = role_config(cfg, r).context_parallel; g && cp > 1 && g->sequence_parallel > 1) {
@@ -462,6 +478,51 @@ MemoryPlan choose(const TrainConfig& t, int64_t layers, int64_t gpu_bytes, bool 
   return reasons(std::move(least), "auto: keeping more activations does not fit", "auto: keeping it does not fit");
 }
 
+// cluster.expandable_segments: what it sets, or for `auto` whether the default allocator's holes
+// (default_allocator_slack) fit beside every rank's peak; with `off` a note when they do not.
+void choose_allocator(MemoryPlan& m, ExpandableSegments choice) {
+  const RankMemory* over = nullptr;
+  int64_t largest = 0;
+  bool any_group = false;
+  for (const RankMemory& r : m.ranks) {
+    largest = std::max(largest, r.largest_activation);
+    const int64_t need = r.peak() + kReserveBytes + default_allocator_slack(r.peak(), r.largest_activation);
+    if (!over && r.sequence_group && m.gpu_bytes > 0 && !m.shared_gpus && !m.on_cpu && need > m.gpu_bytes) over = &r;
+    any_group = any_group || r.sequence_group;
+  }
+  auto holes = [&](const RankMemory& r) {
+    return fmt::format("rank {} ({}): peak {} GiB, its largest activation {} GiB, up to {} GiB of the default "
+                       "allocator's holes beside it, {} GiB held back: over {} GiB",
+                       r.rank, r.label, gib(r.peak()), gib(r.largest_activation),
+                       gib(default_allocator_slack(r.peak(), r.largest_activation)), gib(kReserveBytes),
+                       gib(m.gpu_bytes));
+  };
+  switch (choice) {
+    case ExpandableSegments::kOn:
+      m.expandable_segments = true;
+      m.allocator_reason = "set by cluster.expandable_segments";
+      return;
+    case ExpandableSegments::kOff:
+      m.expandable_segments = false;
+      m.allocator_reason = "set by cluster.expandable_segments";
+      if (over)
+        m.notes.push_back("cluster.expandable_segments = off: " + holes(*over) +
+                          " (set it to auto or on, or lower the micro-batch tokens)");
+      return;
+    case ExpandableSegments::kAuto: break;
+  }
+  m.expandable_segments = over != nullptr;
+  if (m.on_cpu) m.allocator_reason = "auto: the ranks compute on CPUs";
+  else if (m.shared_gpus) m.allocator_reason = "auto: ranks share GPUs";
+  else if (m.gpu_bytes <= 0) m.allocator_reason = "auto: no GPU size to plan with; tiller train plans with its GPU's";
+  else if (over) m.allocator_reason = "auto: " + holes(*over);
+  else if (!any_group) m.allocator_reason = "auto: no sequence groups (their long samples are where the default's holes grew)";
+  else
+    m.allocator_reason = fmt::format("auto: the default allocator's holes (up to {} times the largest activation, "
+                                     "{} GiB) fit",
+                                     kFragmentationPerLargestTensor, gib(largest));
+}
+
 }  // namespace
 
 MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const ModelShapes& shapes, int64_t gpu_bytes) {
@@ -483,6 +544,7 @@ MemoryPlan plan_memory(const JobConfig& cfg, const dist::RankPlan& plan, const M
                           return plan_with(cfg, plan, shapes, gpu_bytes, mode, kept, keep);
                         });
   p.on_cpu = cfg.cluster.device == DeviceKind::kCpu;
+  choose_allocator(p, cfg.cluster.expandable_segments);
   return p;
 }
 
@@ -501,7 +563,7 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
   spec.trainable = lora.rank <= 0;
   spec.host_optimizer = cfg.roles.actor.optimizer_offload == OptimizerOffload::kCpu;
   spec.reduce_bytes = cfg.train.reduce_dtype == Precision::kBf16 ? 2 : 4;
-  return choose(cfg.train, shape.num_layers, gpu_bytes, false, [&](zero::Recompute mode, int64_t kept, bool keep) {
+  MemoryPlan planned = choose(cfg.train, shape.num_layers, gpu_bytes, false, [&](zero::Recompute mode, int64_t kept, bool keep) {
     MemoryPlan out;
     out.recompute = mode;
     out.recompute_layers = kept;
@@ -512,6 +574,8 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
     RankMemory rm;
     rm.label = "actor";
     rm.host_bytes = f.host;
+    rm.largest_activation = largest_activation_bytes(shape, tokens, spec.dtype_bytes);
+    rm.sequence_group = cfg.roles.actor.sequence_parallel > 1;
     PhaseMemory train{Phase::kTrain, {}};
     add(train, "actor weights", f.weights_train);
     add(train, "actor state", f.state);
@@ -525,6 +589,8 @@ MemoryPlan plan_trainer(const JobConfig& cfg, const model::ModelConfig& shape, i
     out.ranks.push_back(std::move(rm));
     return out;
   });
+  choose_allocator(planned, cfg.cluster.expandable_segments);
+  return planned;
 }
 
 }  // namespace tiller::job

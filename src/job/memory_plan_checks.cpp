@@ -88,11 +88,12 @@ std::string MemoryPlan::table() const {
                       : gpu_bytes > 0 ? fmt::format(" on {} GiB GPUs", gib(gpu_bytes))
                                       : std::string(" (set cluster.gpu_memory_gb to check the fit)"));
   }
-  out += fmt::format("train.recompute: {} ({}); train.compute_shard: {} ({}):\n",
+  out += fmt::format("train.recompute: {} ({}); train.compute_shard: {} ({}); cluster.expandable_segments: {} ({}):\n",
                      recompute_layers < 0 ? std::string(zero::recompute_name(recompute))
                                           : fmt::format("{} in the first {} blocks", zero::recompute_name(recompute),
                                                         recompute_layers),
-                     recompute_reason, keep_compute_shard ? "keep" : "cast", compute_shard_reason);
+                     recompute_reason, keep_compute_shard ? "keep" : "cast", compute_shard_reason,
+                     expandable_segments ? "on" : "off", allocator_reason);
   for (const std::string& n : notes) out += "  " + n + "\n";
   for (const auto& r : ranks) {
     out += fmt::format("  rank {} ({}): peak {}{}{}\n", r.rank, r.label, gib(r.peak()),

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <random>
 #include <thread>
 
@@ -324,14 +325,17 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
     const bool sized = gpu_bytes > 0 && !cpu;
     // No say: above every choice (no rank sized at all, on CPU: each keeps its least-memory plan).
     constexpr double kNoSay = 1e12;
+    // cluster.expandable_segments likewise: on (0) if any rank planned it.
     at::Tensor choice = at::tensor({sized ? recompute_order(memory.recompute, memory.recompute_layers) : kNoSay,
-                                    sized ? (memory.keep_compute_shard ? 1.0 : 0.0) : kNoSay},
+                                    sized ? (memory.keep_compute_shard ? 1.0 : 0.0) : kNoSay,
+                                    sized ? (memory.expandable_segments ? 0.0 : 1.0) : kNoSay},
                                    at::kDouble);
     world->all_reduce(choice, dist::ReduceOp::kMin)->wait();
     const bool gpu_ranks_chose = choice[0].item<double>() < kNoSay;
     if (!gpu_ranks_chose) {
       choice[0] = recompute_order(memory.recompute, memory.recompute_layers);
       choice[1] = memory.keep_compute_shard ? 1.0 : 0.0;
+      choice[2] = memory.expandable_segments ? 0.0 : 1.0;
     }
     const auto [agreed, layers] = recompute_from_order(choice[0].item<double>());
     if (agreed != memory.recompute || layers != memory.recompute_layers)
@@ -344,12 +348,28 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
     if (keep != memory.keep_compute_shard) memory.compute_shard_reason += "; cast as another rank planned";
     memory.keep_compute_shard = keep;
     job.train.compute_shard = keep ? ComputeShard::kKeep : ComputeShard::kCast;
+    const bool expandable = choice[2].item<double>() < 0.5;
+    if (expandable != memory.expandable_segments) memory.allocator_reason += "; on, as another rank planned";
+    memory.expandable_segments = expandable;
+    job.cluster.expandable_segments = expandable ? ExpandableSegments::kOn : ExpandableSegments::kOff;
     // The table of what was agreed (the controller's shows the GPU ranks' choice).
     if (missing.empty()) {
-      const std::string mode_why = memory.recompute_reason, shard_why = memory.compute_shard_reason;
+      const std::string mode_why = memory.recompute_reason, shard_why = memory.compute_shard_reason,
+                        allocator_why = memory.allocator_reason;
       memory = plan_memory(job, plan, shapes, cpu ? 0 : gpu_bytes);
       memory.recompute_reason = sized || !gpu_ranks_chose ? mode_why : "as the GPU ranks planned";
       memory.compute_shard_reason = sized || !gpu_ranks_chose ? shard_why : "as the GPU ranks planned";
+      memory.allocator_reason = sized || !gpu_ranks_chose ? allocator_why : "as the GPU ranks planned";
+    }
+  }
+  // The caching allocator of a GPU rank, before its models load (job/memory_plan.h says why).
+  if (!cpu && me.gpu >= 0) {
+    const bool in_force = model::set_expandable_segments(memory.expandable_segments);
+    if (in_force != memory.expandable_segments) {
+      const char* env_conf = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
+      log::warn("cluster.expandable_segments: the plan asks {}, but expandable segments are {} "
+                "(PYTORCH_CUDA_ALLOC_CONF={})",
+                memory.expandable_segments ? "on" : "off", in_force ? "on" : "off", env_conf ? env_conf : "(unset)");
     }
   }
   int64_t kv_bytes = 0;

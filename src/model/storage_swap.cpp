@@ -191,6 +191,18 @@ int64_t cap_device_memory(const at::Device& device, int64_t bytes) {
 #endif
 }
 
+bool set_expandable_segments(bool on) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  const char* env = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
+  if (env == nullptr || std::string(env).find("expandable_segments") == std::string::npos)
+    c10::CachingAllocator::setAllocatorSettings(on ? "expandable_segments:True" : "expandable_segments:False");
+  return c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::expandable_segments();
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 int64_t device_free_bytes(const at::Device& device) {
 #ifdef TILLER_HAVE_CUDA_KERNELS
   if (!device.is_cuda()) return 0;

@@ -70,10 +70,12 @@ OfflineRun::OfflineRun(const JobConfig& c, dist::MpiEnv& env, const std::string&
   if (gpu_bytes == 0 && !cpu) gpu_bytes = model::device_memory(device).total;
   const job::MemoryPlan plan = offline_memory_plan(cfg, model_config, cpu ? 0 : gpu_bytes, name, !cpu);
   at::Tensor choice = at::tensor({job::recompute_order(plan.recompute, plan.recompute_layers),
-                                  plan.keep_compute_shard ? 1.0 : 0.0},
+                                  plan.keep_compute_shard ? 1.0 : 0.0, plan.expandable_segments ? 0.0 : 1.0},
                                  at::kDouble);
   world_comm_->all_reduce(choice, dist::ReduceOp::kMin)->wait();
   const auto [recompute, layers] = job::recompute_from_order(choice[0].item<double>());
+  // cluster.expandable_segments: on if any rank planned it, before the model loads.
+  if (!cpu) model::set_expandable_segments(choice[2].item<double>() < 0.5);
   zero::ShardedModelOptions mo = zero::role_options("actor", cfg.roles.actor, cfg.train, true, head, device);
   if (head == model::Head::kValue && cfg.roles.actor.lora.rank > 0)
     throw ConfigError(fmt::format("roles.actor.lora.rank = {}: tiller {} trains a reward model's full weights (its "

@@ -86,6 +86,16 @@ if [ "$code" -ne 2 ] || ! grep -q "max_new_tokens = 131072 exceeds the context o
   echo "$out" | tail -3 >&2; exit 1
 fi
 echo "refused as expected: the 128k config on the 32k model"
+# The 128k-sample layouts plan PyTorch's expandable segments (cluster.expandable_segments auto):
+# in their sequence groups, beside activations of a GiB, the default allocator's holes would not fit
+# an 80 GB GPU; the 1.5B GRPO example (no sequence groups) keeps the default.
+for f in qwen2.5-1.5b-grpo-long-hybrid-2gpu:2 qwen2.5-7b-grpo-long-hybrid-4gpu:4 qwen2.5-1.5b-grpo-2gpu:2; do
+  out=$("$tiller" plan -c "$repo/configs/gpu/${f%:*}.yaml" --nodes 1 --gpus-per-node "${f#*:}" --gpu-memory-gb 80 2>&1)
+  want="cluster.expandable_segments: on (auto: rank"
+  [[ $f == qwen2.5-1.5b-grpo-2gpu:* ]] && want="cluster.expandable_segments: off (auto: no sequence groups"
+  grep -qF "$want" <<< "$out" || { echo "FAIL: ${f%:*} on 80 GB GPUs: no '$want' in its plan:" >&2; echo "$out" >&2; exit 1; }
+  echo "${f%:*}: $(grep -o 'cluster.expandable_segments: [a-z]*' <<< "$out")"
+done
 expect_refusal "has no room for a KV cache.*The smallest layout that fits: 8 GPUs on 2 nodes of 4" \
   --gpus-per-node 4 --gpu-memory-gb 80 --host-memory-gb 512
 expect_refusal "node 0 needs [0-9.]+ GiB of host memory.*The smallest layout that fits: 8 GPUs on 2 nodes of 4" \

@@ -3,6 +3,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/GradMode.h>
 #include <cstdio>
+#include <cstdlib>
 #include <tuple>
 
 #include <fmt/format.h>
@@ -412,6 +413,45 @@ TEST(ModelGpu, ACappedAllocatorRunsOutAtTheCap) {
   EXPECT_EQ(model::cap_device_memory(dev, 0), 0);
   EXPECT_GT(model::device_free_bytes(dev), int64_t{3} << 30);
   EXPECT_NO_THROW(at::empty({int64_t{3} << 30}, at::TensorOptions().dtype(at::kByte).device(dev)));
+}
+
+// cluster.expandable_segments (job/memory_plan.h): the default allocator cuts a cached 512 MiB block
+// for a 96 MiB tensor, and the 416 MiB left beside it cannot take a 600 MiB tensor: under a cap of
+// 1 GiB above what the process holds, the 600 MiB allocation fails with 696 MiB in tensors. With
+// expandable segments turned on at run time the segment grows instead, and it fits. A
+// PYTORCH_CUDA_ALLOC_CONF that names expandable_segments decides instead.
+TEST(ModelGpu, ExpandableSegmentsTurnedOnAtRunTimeLeaveNoHoles) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  const at::Device dev(at::kCUDA, 0);
+  const auto bytes = at::TensorOptions().dtype(at::kByte).device(dev);
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  auto fragment_then_allocate = [&]() {
+    model::release_cached_device_memory(dev);
+    const int64_t base = model::device_memory(dev).reserved;
+    EXPECT_GT(model::cap_device_memory(dev, base + (int64_t{1} << 30)), 0);
+    at::Tensor a = at::empty({512 * kMiB}, bytes);
+    a.reset();  // a cached 512 MiB block
+    const at::Tensor b = at::empty({96 * kMiB}, bytes);  // cut from it
+    bool fitted = true;
+    try {
+      const at::Tensor d = at::empty({600 * kMiB}, bytes);
+    } catch (const c10::Error&) {
+      fitted = false;
+    }
+    model::cap_device_memory(dev, 0);
+    return fitted;
+  };
+  ASSERT_EQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), nullptr) << "the test sets the allocator itself";
+  EXPECT_FALSE(model::set_expandable_segments(false));
+  EXPECT_FALSE(fragment_then_allocate()) << "the default allocator's hole took the 600 MiB";
+  EXPECT_TRUE(model::set_expandable_segments(true));
+  EXPECT_TRUE(fragment_then_allocate()) << "expandable segments left a hole";
+  // The user's variable wins over the plan's choice.
+  setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", 1);
+  EXPECT_TRUE(model::set_expandable_segments(false));
+  unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  EXPECT_FALSE(model::set_expandable_segments(false));
+  model::release_cached_device_memory(dev);
 }
 
 TEST(ModelGpu, HostAdamWEqualsCudaFusedAdamW) {

@@ -427,6 +427,95 @@ TEST(MemoryPlan, LongSequencesKeepWhatEachCardHolds) {
   EXPECT_NE(msg.find("on a 80.00 GiB GPU (train.recompute attention_only"), std::string::npos) << msg;
 }
 
+// cluster.expandable_segments: auto turns PyTorch's expandable segments on where a rank in a
+// sequence group would not fit with the default allocator's holes (18 of the largest activation,
+// measured) beside its peak: the 1.5B shape at 65,536 tokens a rank in a group of 2 on a 79 GiB GPU
+// (it ran out of memory there on 2×H200, 2026-11-30, with 19.1-19.9 GiB held in holes), not at 8k
+// tokens, not without a sequence group (the same tokens in 4k samples fitted), nor the 7B shape at
+// 8,192 tokens a rank on an 80 GB H100 (it trained there with the default allocator, 2026-11-25).
+TEST(MemoryPlan, ExpandableSegmentsWhereTheDefaultAllocatorsHolesWouldNotFit) {
+  JobConfig c;
+  c.roles.actor.dtype = Precision::kBf16;
+  const model::ModelConfig shape = model::preset("qwen2-1.5b");
+  const job::MemoryPlan no_group = job::plan_trainer(c, shape, 2, 65536, 79 * kGiB);
+  EXPECT_FALSE(no_group.expandable_segments) << no_group.allocator_reason;
+  EXPECT_NE(no_group.allocator_reason.find("auto: no sequence groups"), std::string::npos) << no_group.allocator_reason;
+  c.roles.actor.sequence_parallel = 2;
+  // An MLP's gate output: 65,536 tokens x 8,960 x 2 bytes.
+  EXPECT_EQ(job::largest_activation_bytes(shape, 65536, 2), int64_t{65536} * 8960 * 2);
+  const job::MemoryPlan long_samples = job::plan_trainer(c, shape, 2, 65536, 79 * kGiB);
+  EXPECT_TRUE(long_samples.fits()) << long_samples.table();
+  EXPECT_EQ(long_samples.ranks.at(0).largest_activation, int64_t{65536} * 8960 * 2);
+  EXPECT_TRUE(long_samples.expandable_segments) << long_samples.allocator_reason;
+  EXPECT_NE(long_samples.allocator_reason.find("auto: rank 0 (actor): peak 64.37 GiB, its largest activation 1.09 GiB, "
+                                               "up to 19.69 GiB of the default allocator's holes"),
+            std::string::npos)
+      << long_samples.allocator_reason;
+  EXPECT_NE(long_samples.table().find("cluster.expandable_segments: on (auto: rank 0"), std::string::npos);
+  const job::MemoryPlan short_samples = job::plan_trainer(c, shape, 2, 8192, 79 * kGiB);
+  EXPECT_FALSE(short_samples.expandable_segments) << short_samples.allocator_reason;
+  EXPECT_NE(short_samples.allocator_reason.find("auto: the default allocator's holes (up to 18 times the largest "
+                                                "activation, 0.14 GiB) fit"),
+            std::string::npos)
+      << short_samples.allocator_reason;
+  const job::MemoryPlan seven = job::plan_trainer(c, qwen7b(), 2, 8192, static_cast<int64_t>(79.6 * kGiB));
+  EXPECT_TRUE(seven.fits()) << seven.table();
+  EXPECT_FALSE(seven.expandable_segments) << seven.allocator_reason;
+  // Set: on or off whatever the plan; off where the holes would not fit says so in the plan's notes.
+  c.cluster.expandable_segments = ExpandableSegments::kOn;
+  EXPECT_TRUE(job::plan_trainer(c, shape, 2, 8192, 79 * kGiB).expandable_segments);
+  c.cluster.expandable_segments = ExpandableSegments::kOff;
+  const job::MemoryPlan off = job::plan_trainer(c, shape, 2, 65536, 79 * kGiB);
+  EXPECT_FALSE(off.expandable_segments);
+  EXPECT_EQ(off.allocator_reason, "set by cluster.expandable_segments");
+  ASSERT_EQ(off.notes.size(), 1u) << off.table();
+  EXPECT_NE(off.notes[0].find("cluster.expandable_segments = off: rank 0 (actor): peak 64.37 GiB"), std::string::npos)
+      << off.notes[0];
+  EXPECT_NE(off.table().find("set it to auto or on"), std::string::npos);
+  EXPECT_TRUE(job::plan_trainer(c, shape, 2, 8192, 79 * kGiB).notes.empty());
+  // Without a GPU size there is nothing to fit: auto leaves the default.
+  c.cluster.expandable_segments = ExpandableSegments::kAuto;
+  const job::MemoryPlan unsized = job::plan_trainer(c, shape, 2, 65536, 0);
+  EXPECT_FALSE(unsized.expandable_segments);
+  EXPECT_NE(unsized.allocator_reason.find("no GPU size"), std::string::npos) << unsized.allocator_reason;
+}
+
+// The 128k-sample hybrid GRPO (configs/gpu/qwen2.5-1.5b-grpo-long-hybrid-2gpu.yaml) on 79 GiB GPUs:
+// its scoring and training micro-batches of 65,536 tokens a rank plan expandable segments on each
+// actor rank; the same job at 8k samples does not.
+TEST(MemoryPlan, TheLongSampleHybridJobPlansExpandableSegments) {
+  JobConfig c;
+  c.cluster.hybrid = true;
+  c.roles.actor.gpus = 2;
+  c.roles.actor.sequence_parallel = 2;
+  c.roles.actor.dtype = Precision::kBf16;
+  c.roles.critic.enabled = false;
+  c.roles.ref.colocate_with = "actor";
+  c.rollout.batch_size = 8;
+  c.rollout.n_samples_per_prompt = 4;
+  c.rollout.max_prompt_tokens = 2048;
+  c.rollout.max_new_tokens = 129024;
+  c.rollout.micro_batch_tokens = 65536;
+  c.train.micro_batch_tokens = 65536;
+  c.train.train_batch_size = 32;
+  c.engines.max_num_seqs = 16;
+  c.algo.advantage_estimator = "group_norm";
+  c.validate();
+  model::ModelConfig shape = model::preset("qwen2-1.5b");
+  shape.max_position_embeddings = 131072;
+  const job::ModelShapes s{{"actor", shape}, {"ref", shape}};
+  const job::MemoryPlan m = job::plan_memory(c, plan_of(c, 2), s, 79 * kGiB);
+  EXPECT_TRUE(m.fits()) << m.table();
+  EXPECT_TRUE(m.expandable_segments) << m.table();
+  EXPECT_NE(m.table().find("cluster.expandable_segments: on (auto: rank 1 (actor+ref+engine0.tp0)"), std::string::npos)
+      << m.table();
+  c.rollout.max_new_tokens = 6144;
+  c.rollout.micro_batch_tokens = c.train.micro_batch_tokens = 8192;
+  c.validate();
+  const job::MemoryPlan short_samples = job::plan_memory(c, plan_of(c, 2), s, 79 * kGiB);
+  EXPECT_FALSE(short_samples.expandable_segments) << short_samples.table();
+}
+
 TEST(MemoryPlan, RecomputeChoicesOrderByWhatTheyKeep) {
   using zero::Recompute;
   const std::vector<std::pair<Recompute, int64_t>> ascending{

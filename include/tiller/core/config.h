@@ -32,6 +32,7 @@ enum class AgentDrift { kError, kSplit, kDrop };                 // agent.drift
 enum class DeviceKind { kAuto, kCuda, kCpu };                    // cluster.device
 enum class BackendKind { kAuto, kNccl, kMpi };                   // cluster.backend
 enum class HybridScoring { kAuto, kOverlap, kAfterGenerate };     // cluster.hybrid_scoring
+enum class ExpandableSegments { kAuto, kOn, kOff };               // cluster.expandable_segments
 enum class Precision { kBf16, kFp32 };                           // roles.*.dtype, train.reduce_dtype
 enum class OptimizerOffload { kNone, kCpu };
 enum class LongPromptPolicy { kSkip, kTruncateLeft, kError };    // data.long_prompt_policy
@@ -83,6 +84,10 @@ struct EnumNames<BackendKind> {
 template <>
 struct EnumNames<HybridScoring> {
   static constexpr std::array<std::string_view, 3> names = {"auto", "overlap", "after_generate"};
+};
+template <>
+struct EnumNames<ExpandableSegments> {
+  static constexpr std::array<std::string_view, 3> names = {"auto", "on", "off"};
 };
 template <>
 struct EnumNames<Precision> {
@@ -183,6 +188,9 @@ struct ClusterConfig {
   HybridScoring hybrid_scoring = HybridScoring::kAuto;
   double gpu_memory_gb = 0;        // per GPU, for the memory plan; 0: the device's (tiller train)
   double host_memory_gb = 0;       // per node, for the memory plan; 0: the node's (tiller train)
+  // PyTorch's caching allocator on the GPUs: expandable segments (on), its default (off), or what
+  // the memory plan chooses (auto: on where the default's fragmentation would not fit; job/memory_plan.h).
+  ExpandableSegments expandable_segments = ExpandableSegments::kAuto;
 };
 
 // One trainer role (actor, critic, ref, reward): a ZeRO-3 group of `gpus` ranks, or colocated in

@@ -42,6 +42,7 @@
 // compares them with measured peaks.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -73,6 +74,21 @@ inline constexpr int64_t kReserveBytes = int64_t{3} << 30;
 inline constexpr int64_t kAllocatorSlackDivisor = 16;
 // kReserveBytes and the allocator's slack for a rank whose tensors peak at `peak` bytes.
 inline int64_t reserve_bytes(int64_t peak) { return kReserveBytes + peak / kAllocatorSlackDivisor; }
+// PyTorch's caching allocator, without expandable segments, cuts a cached block for a smaller
+// tensor, and the holes between the pieces still in use cannot take a tensor of the block's size.
+// Measured (2×H200 capped at 79 GiB, 2026-11-30): a 1.5B model at 65,536 tokens a rank in a
+// sequence group of 2 (samples of 32k and 128k; 1.09 GiB MLP outputs) held 19.1-19.9 GiB
+// unallocated when it ran out of memory, 17.5-18.2 times its largest tensor; with expandable
+// segments the same step peaked at 60.7 GiB allocated and fitted. The same tokens in 4k samples
+// without a sequence group fitted with the default allocator, as 7B hybrid jobs at 16k tokens a
+// rank did on 80 GB H100s: the plan counts this many of the largest tensor for ranks in sequence
+// groups (at least the peak's 1/16 it holds back anyway).
+inline constexpr int64_t kFragmentationPerLargestTensor = 18;
+// What the default allocator holds unallocated beside `peak` bytes of tensors whose largest is
+// `largest`: the peak's 1/16 (reserve_bytes) or kFragmentationPerLargestTensor of the largest.
+inline int64_t default_allocator_slack(int64_t peak, int64_t largest) {
+  return std::max(peak / kAllocatorSlackDivisor, kFragmentationPerLargestTensor * largest);
+}
 
 enum class Phase { kGenerate, kScore, kTrain, kSync };
 const char* phase_name(Phase p);
@@ -94,6 +110,11 @@ struct RankMemory {
   // Host memory: the optimizer on the host (optimizer_offload: cpu: fp32 masters, moments,
   // staging) and the state a hybrid trainer moves there while generating (roles.<r>.offload).
   int64_t host_bytes = 0;
+  // The largest single activation tensor of its training or scoring micro-batches (an MLP's gate or
+  // up output, or the q/k/v projection's, at the most tokens a micro-batch gives this rank).
+  int64_t largest_activation = 0;
+  // A role on this rank splits its samples over a sequence group (roles.<r>.sequence_parallel > 1).
+  bool sequence_group = false;
   int64_t peak() const;
   const PhaseMemory* peak_phase() const;
 };
@@ -111,6 +132,11 @@ struct MemoryPlan {
   // (the mode first: kept activations buy more time per byte than the cast does).
   bool keep_compute_shard = false;
   std::string compute_shard_reason;
+  // PyTorch's caching allocator with expandable segments (cluster.expandable_segments): set, or for
+  // `auto` on when some rank in a sequence group would not fit its GPU with its peak, the default
+  // allocator's holes (default_allocator_slack) and kReserveBytes; and why.
+  bool expandable_segments = false;
+  std::string allocator_reason;
   bool shared_gpus = false;      // cluster.ranks_per_gpu > 1: ranks share GPUs; no fit check
   bool on_cpu = false;           // cluster.device = cpu: the estimates are host memory
   // Per node (cluster.host_memory_gb); 0: unknown (no host fit check). A node fits when its ranks'
@@ -132,6 +158,11 @@ struct MemoryPlan {
 // The models' shapes by role (those the plan runs; the engine's is the actor's unless
 // engines.model is set: pass it as "engine").
 using ModelShapes = std::map<std::string, model::ModelConfig>;
+
+// The largest single activation tensor of a micro-batch of `tokens` tokens: the widest of an MLP's
+// gate/up outputs (a mixture of experts' routed tokens counted top-k times), the shared expert's
+// and the q/k/v projection's output, in the compute dtype.
+int64_t largest_activation_bytes(const model::ModelConfig& c, int64_t tokens, int64_t dtype_bytes);
 
 // Bytes of activations one training micro-batch of `tokens` holds at its peak under `mode` in its
 // first `layers` blocks (< 0: all) and kBlocks in the others (`dtype_bytes` per element of the
