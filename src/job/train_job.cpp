@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <random>
 #include <thread>
 
@@ -363,15 +362,7 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
     }
   }
   // The caching allocator of a GPU rank, before its models load (job/memory_plan.h says why).
-  if (!cpu && me.gpu >= 0) {
-    const bool in_force = model::set_expandable_segments(memory.expandable_segments);
-    if (in_force != memory.expandable_segments) {
-      const char* env_conf = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
-      log::warn("cluster.expandable_segments: the plan asks {}, but expandable segments are {} "
-                "(PYTORCH_CUDA_ALLOC_CONF={})",
-                memory.expandable_segments ? "on" : "off", in_force ? "on" : "off", env_conf ? env_conf : "(unset)");
-    }
-  }
+  if (!cpu && me.gpu >= 0) model::set_expandable_segments(memory.expandable_segments);
   int64_t kv_bytes = 0;
   for (const auto& r : memory.ranks)
     if (r.rank == env.rank() && plan.hybrid) kv_bytes = r.kv_cache_bytes;

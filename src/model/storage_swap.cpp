@@ -11,6 +11,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "tiller/core/error.h"
+#include "tiller/core/logging.h"
 
 #ifdef TILLER_HAVE_CUDA_KERNELS
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -196,7 +197,12 @@ bool set_expandable_segments(bool on) {
   const char* env = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
   if (env == nullptr || std::string(env).find("expandable_segments") == std::string::npos)
     c10::CachingAllocator::setAllocatorSettings(on ? "expandable_segments:True" : "expandable_segments:False");
-  return c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::expandable_segments();
+  const bool in_force = c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::expandable_segments();
+  if (in_force != on)
+    log::warn("cluster.expandable_segments: the memory plan asks {}, but expandable segments are {} "
+              "(PYTORCH_CUDA_ALLOC_CONF={})",
+              on ? "on" : "off", in_force ? "on" : "off", env ? env : "(unset: the platform has none)");
+  return in_force;
 #else
   (void)on;
   return false;

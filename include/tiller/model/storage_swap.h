@@ -70,8 +70,8 @@ int64_t cap_device_memory(const at::Device& device, int64_t bytes);
 // Turns expandable segments of PyTorch's CUDA caching allocator on or off for the segments it maps
 // from now on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True at run time, as
 // torch.cuda.memory._set_allocator_settings does). Unless PYTORCH_CUDA_ALLOC_CONF names
-// expandable_segments: the user's setting wins. Returns the setting in force afterwards; false
-// in a build without CUDA kernels.
+// expandable_segments: the user's setting wins (a warning says so). Returns the setting in force
+// afterwards; false in a build without CUDA kernels.
 bool set_expandable_segments(bool on);
 // Bytes a new allocation on `device` can still take: the driver's free memory, and under a cap
 // (cap_device_memory) no more than the cap leaves beside what the allocator holds. 0 on CPU. An
