@@ -9,11 +9,13 @@
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <fmt/format.h>
 
 #include "tiller/core/error.h"
 #include "tiller/core/logging.h"
 
 #ifdef TILLER_HAVE_CUDA_KERNELS
+#include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
@@ -197,11 +199,16 @@ bool set_expandable_segments(bool on) {
   const char* env = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
   if (env == nullptr || std::string(env).find("expandable_segments") == std::string::npos)
     c10::CachingAllocator::setAllocatorSettings(on ? "expandable_segments:True" : "expandable_segments:False");
-  const bool in_force = c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::expandable_segments();
+  // The setting as parsed. Not CUDAAllocatorConfig::expandable_segments(): that inline accessor
+  // answers false (with a warning, "not supported on this platform") in any translation unit
+  // built without PyTorch's own PYTORCH_C10_DRIVER_API_SUPPORTED, although c10_cuda, built with
+  // it, honours the setting (ModelGpu.ExpandableSegmentsTurnedOnAtRunTimeLeaveNoHoles).
+  const bool in_force = c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments();
   if (in_force != on)
-    log::warn("cluster.expandable_segments: the memory plan asks {}, but expandable segments are {} "
-              "(PYTORCH_CUDA_ALLOC_CONF={})",
-              on ? "on" : "off", in_force ? "on" : "off", env ? env : "(unset: the platform has none)");
+    log::warn("cluster.expandable_segments: the memory plan asks {}, but {} expandable segments {}",
+              on ? "on" : "off",
+              env ? fmt::format("PYTORCH_CUDA_ALLOC_CONF={} turns", env) : std::string("PyTorch's allocator keeps"),
+              in_force ? "on" : "off");
   return in_force;
 #else
   (void)on;
