@@ -37,6 +37,7 @@ struct GenBenchOptions {
   bool no_cuda_graphs = false;
   bool no_async = false;
   bool no_rope_in_attention = false;
+  int64_t decode_pack_keys = engine::EngineOptions{}.decode_pack_keys;
   bool fp8 = false;  // also an FP8 engine on the same weights, after the bf16 one
   bool fp8_kv = false;  // that engine (or, without fp8, a bf16 one) with an FP8 KV cache
   std::string fp8_scaling = "block";
@@ -106,6 +107,7 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
   eo.cuda_graphs = !o.no_cuda_graphs;
   eo.async_scheduling = !o.no_async;
   eo.rope_in_attention = !o.no_rope_in_attention;
+  eo.decode_pack_keys = o.decode_pack_keys;
   eo.fp8_fused = fp8_fused;
   engine::Engine e(cfg, std::move(weights), eo, o.tp > 1 ? &rc.comm() : nullptr);
   if (!e.is_leader()) {
@@ -201,6 +203,7 @@ int run_bench_generate(const GenBenchOptions& o, int* argc, char*** argv) {
                            {"cuda_graphs", e.cuda_graphs()},
                            {"async_scheduling", eo.async_scheduling},
                            {"rope_in_attention", eo.rope_in_attention},
+                           {"decode_pack_keys", eo.decode_pack_keys},
                            {"fp8_fused", eo.fp8_fused},
                            {"launched_ahead", stats.launched_ahead - steps_before.launched_ahead},
                            {"preemptions", stats.preemptions - steps_before.preemptions},
@@ -310,6 +313,10 @@ void add_bench_generate(CLI::App* bench, Runner& run, int& argc, char**& argv) {
   add_expert_kernels(g, o->experts);
   g->add_flag("--no-rope-in-attention", o->no_rope_in_attention,
               "Rotate q and k with a RoPE kernel before decode attention instead of inside it");
+  g->add_option("--decode-pack-keys", o->decode_pack_keys,
+                "Decode attention serves a sequence's KV head on one warp instead of four while its keys (per KV "
+                "split) number at most this; 0: always four")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   g->add_flag("--no-async-scheduling", o->no_async,
               "Wait for each step's draws before launching the next (no host/GPU overlap)");
   g->add_option("--profile", o->profile, "Write a Chrome trace of --profile-steps decode steps here");

@@ -135,6 +135,9 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
   if (opts.kv_cache_dtype != "auto" && opts.kv_cache_dtype != "fp8")
     throw ConfigError(fmt::format("engine KV cache dtype '{}': use auto or fp8", opts.kv_cache_dtype));
   const bool fp8_kv = opts.kv_cache_dtype == "fp8";
+  if (opts.decode_pack_keys < 0 || opts.decode_pack_keys > (int64_t{1} << 20))
+    throw ConfigError(fmt::format("engine decode_pack_keys = {} is out of range: must be in [0, {}]",
+                                  opts.decode_pack_keys, int64_t{1} << 20));
   m.runner = std::make_unique<ModelRunner>(cfg, std::move(weights), device, opts.block_size, tp, fp8, scaling, fp8_kv);
   m.runner->set_record_routes(opts.record_routes);
   int64_t blocks = opts.num_blocks;
@@ -174,6 +177,7 @@ Engine::Engine(const model::ModelConfig& cfg, model::ModelWeights weights, const
   cache.max_model_len = m.max_model_len;
   cache.cuda_graphs = opts.cuda_graphs;
   cache.rope_in_attention = opts.rope_in_attention;
+  cache.decode_pack_keys = opts.decode_pack_keys;
   cache.fp8_fused = opts.fp8_fused;
   cache.max_graph_batch =
       opts.max_graph_batch > 0 ? opts.max_graph_batch : std::min<int64_t>(opts.limits.max_num_seqs, 512);

@@ -65,6 +65,7 @@ struct ModelRunner::Impl {
   bool paged = false;               // decode steps through the paged kernel
   bool paged_rope = false;          // ... which also applies RoPE (PagedKv::rotate_with)
   bool fp8_fused = true;            // CacheOptions::fp8_fused
+  int64_t pack_keys = 0;            // DecodeInputs::pack_keys: CacheOptions::decode_pack_keys, 0 when bitwise
   std::vector<int32_t> words;       // host staging of decode inputs
   std::unique_ptr<model::StorageSwap> weight_swap;  // the weights' storages (sleep level 2)
   bool fp8 = false;                                 // the projections' FP8 copies are used
@@ -235,6 +236,7 @@ void ModelRunner::allocate_cache(const CacheOptions& o) {
     m.cache_scale = at::zeros({local_.num_layers, 2, slots, local_.num_kv_heads}, m.weights.embed.options().dtype(at::kFloat));
   num_blocks_ = o.num_blocks;
   m.fp8_fused = o.fp8_fused;
+  m.pack_keys = model::batch_invariant() ? 0 : o.decode_pack_keys;
   const at::ScalarType dtype = m.weights.embed.scalar_type();
   // RoPE tables once for every position (the same values rope.tables() computes per step);
   // dynamic NTK depends on each sequence's length and stays per step.
@@ -364,6 +366,9 @@ at::Tensor ModelRunner::Impl::run_decode_graph(const StepBatch& b, std::vector<a
                     : cuda::paged_decode_splits(kernel_dtype(weights.embed.scalar_type()), local.head_dim, rows,
                                                 local.num_heads, local.num_kv_heads, 0, device.index());
     g.splits = in.splits;
+    in.pack_keys = cuda::paged_decode_pack_keys(kernel_dtype(weights.embed.scalar_type()), local.head_dim, rows,
+                                                local.num_heads, local.num_kv_heads, in.splits, pack_keys,
+                                                device.index());
     const std::vector<int64_t> lens(static_cast<size_t>(rows), 1);
     if (!capture_stream) capture_stream = c10::cuda::getStreamFromPool(false, device.index());
     c10::cuda::CUDAStream side = *capture_stream;
@@ -448,6 +453,9 @@ void ModelRunner::launch(const StepBatch& b, bool sample) {
                     : cuda::paged_decode_splits(kernel_dtype(m.weights.embed.scalar_type()), local_.head_dim, n,
                                                 local_.num_heads, local_.num_kv_heads,
                                                 *std::max_element(b.lens_k.begin(), b.lens_k.end()), device_.index());
+    in.pack_keys = cuda::paged_decode_pack_keys(kernel_dtype(m.weights.embed.scalar_type()), local_.head_dim, n,
+                                                local_.num_heads, local_.num_kv_heads, in.splits, m.pack_keys,
+                                                device_.index());
 #endif
     at::Tensor x = m.decode_hidden(in, b.lens_q, /*norm=*/false);
     if (rows_all) h = model::final_norm(local_, m.weights.final_norm, sample_rows(x));

@@ -53,6 +53,7 @@ class ModelRunner {
     bool cuda_graphs = true;       // decode steps on CUDA without TP; ignored elsewhere
     int64_t max_graph_batch = 256; // larger decode batches run eagerly
     bool rope_in_attention = true; // EngineOptions::rope_in_attention
+    int64_t decode_pack_keys = 0;  // EngineOptions::decode_pack_keys
     bool fp8_fused = true;         // EngineOptions::fp8_fused (BlockContext::fp8_fused)
   };
   // Allocates the KV cache (again after release_cache(); its contents start at zero).

@@ -118,6 +118,7 @@ at::Tensor PagedKv::attend_decode(int64_t layer, const at::Tensor& kc, const at:
   a.window = spec.window;
   a.scale = static_cast<float>(scale);
   a.splits = in.splits;
+  a.pack_keys = in.pack_keys;
   a.workspace = ws > 0 ? workspace.data_ptr<float>() : nullptr;
   a.slots = in.slots.data_ptr<int32_t>();
   if (fp8) {  // this step's rows quantized into the cache first; the kernel reads them from there

@@ -20,7 +20,8 @@ namespace tiller::engine {
 // slot (-1), no keys (length 0), which the kernels skip.
 struct DecodeInputs {
   at::Tensor tokens, positions, slots, seq_lens, offsets, blocks;
-  int64_t splits = 1;  // of the paged decode kernel
+  int64_t splits = 1;     // of the paged decode kernel
+  int64_t pack_keys = 0;  // its PagedDecode::pack_keys
 };
 
 // Host words of a decode step for a buffer of `rows` rows (>= the batch).

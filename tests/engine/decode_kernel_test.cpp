@@ -1,8 +1,10 @@
 // The decode-attention kernels on their own, against fp32 attention computed with ATen from the
 // same inputs: every dtype, both kernels (tensor cores for bf16/fp16 query-head groups, CUDA
 // cores otherwise), ragged shuffled block lists, block sizes that do not divide the lengths,
-// windows, empty sequences, a strided query, split counts from 1 to 16, and the step's own K/V
-// rows stored by the call; and RoPE inside the tensor-core kernel against the RoPE kernel.
+// windows, empty sequences, a strided query, split counts from 1 to 16, the step's own K/V rows
+// stored by the call, and the tensor-core kernel's items on four warps, on one (pack_keys: all of
+// them, or the short ones beside long ones); and RoPE inside the tensor-core kernel against the
+// RoPE kernel.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +17,7 @@
 
 #ifdef TILLER_HAVE_CUDA_KERNELS
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 
 #include "model/cuda/paged_attention.h"
 #include "tiller/model/fp8.h"
@@ -43,9 +46,9 @@ cuda::DType kernel_dtype(at::ScalarType t) {
 // call must store the row into the cache and attend to the new values. With `fp8`, the cache is
 // FP8 (PagedDecode::cache_fp8): every row quantized by write_kv_fp8, whose codes and scales must
 // equal the CPU's model::fp8::quantize_rows bit for bit, and the reference attends over the rows
-// dequantized to the dtype.
+// dequantized to the dtype. `pack_keys`: PagedDecode::pack_keys.
 std::pair<double, double> decode_error(const DecodeCase& c, int64_t splits_wanted, uint64_t seed, bool step_rows,
-                                       bool fp8 = false) {
+                                       bool fp8 = false, int64_t pack_keys = 0) {
   const at::Device dev("cuda:0");
   const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(dev);
   std::mt19937_64 rng(seed);
@@ -139,6 +142,7 @@ std::pair<double, double> decode_error(const DecodeCase& c, int64_t splits_wante
   a.block_size = c.block_size;
   a.window = c.window;
   a.scale = static_cast<float>(scale);
+  a.pack_keys = pack_keys;
   a.splits = splits_wanted > 0 ? splits_wanted
                                : cuda::paged_decode_splits(a.dtype, dim, batch, c.heads, c.kv_heads, max_len, 0);
   at::Tensor ws;
@@ -219,20 +223,44 @@ TEST(EngineGpu, PagedDecodeKernelsEqualFp32Attention) {
       {at::kFloat, 128, 28, 4, 16, 0},     {at::kBFloat16, 128, 4, 4, 16, 0}, {at::kBFloat16, 256, 8, 2, 16, 0},
       {at::kFloat, 64, 14, 2, 5, 37},      {at::kHalf, 32, 6, 2, 3, 0},
   };
-  for (const DecodeCase& c : cases) {
-    for (int64_t splits : {0, 1, 3, 16}) {
-      const bool step_rows = splits != 1;
-      SCOPED_TRACE(::testing::Message() << c10::toString(c.dtype) << " head_dim " << c.head_dim << " heads "
-                                        << c.heads << "/" << c.kv_heads << " block " << c.block_size << " window "
-                                        << c.window << " splits " << splits << (step_rows ? " step rows" : ""));
-      const auto [max_err, mean_err] = decode_error(c, splits, 11 + static_cast<uint64_t>(splits), step_rows);
-      // fp32: summation order only. bf16/fp16: the inputs are exact in both paths, so what
-      // remains is P rounded to the input type and the rounded output (~2^-8 relative in bf16).
-      const bool fp32 = c.dtype == at::kFloat;
-      EXPECT_LT(max_err, fp32 ? 2e-5 : c.dtype == at::kHalf ? 4e-3 : 2e-2);
-      EXPECT_LT(mean_err, fp32 ? 2e-6 : c.dtype == at::kHalf ? 5e-4 : 3e-3);
-    }
-  }
+  // pack_keys 300: the lengths up to 300 (and shorter splits) on one warp, 1000 on four.
+  for (const DecodeCase& c : cases)
+    for (int64_t splits : {0, 1, 3, 16})
+      for (int64_t pack : {int64_t{0}, int64_t{300}, int64_t{1} << 20}) {
+        const bool step_rows = splits != 1;
+        SCOPED_TRACE(::testing::Message() << c10::toString(c.dtype) << " head_dim " << c.head_dim << " heads "
+                                          << c.heads << "/" << c.kv_heads << " block " << c.block_size << " window "
+                                          << c.window << " splits " << splits << (step_rows ? " step rows" : "")
+                                          << " pack_keys " << pack);
+        const auto [max_err, mean_err] =
+            decode_error(c, splits, 11 + static_cast<uint64_t>(splits), step_rows, false, pack);
+        // fp32: summation order only. bf16/fp16: the inputs are exact in both paths, so what
+        // remains is P rounded to the input type and the rounded output (~2^-8 relative in bf16).
+        const bool fp32 = c.dtype == at::kFloat;
+        EXPECT_LT(max_err, fp32 ? 2e-5 : c.dtype == at::kHalf ? 4e-3 : 2e-2);
+        EXPECT_LT(mean_err, fp32 ? 2e-6 : c.dtype == at::kHalf ? 5e-4 : 3e-3);
+      }
+#endif
+}
+
+// Where the engine asks for one-warp items: only for the tensor-core kernel's shapes, and only
+// where its four-warp grid would take more than two waves of the GPU.
+TEST(EngineGpu, PagedDecodePacksOnlyGridsPastTwoWaves) {
+#ifndef TILLER_HAVE_CUDA_KERNELS
+  GTEST_SKIP() << "not the CUDA build";
+#else
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  const auto bf16 = cuda::DType::kBFloat16;
+  // Head size 128: 3 four-warp blocks an SM; 64: 4.
+  EXPECT_EQ(cuda::paged_decode_pack_keys(bf16, 128, 3 * sms / 2, 28, 4, 1, 512, 0), 0);
+  EXPECT_EQ(cuda::paged_decode_pack_keys(bf16, 128, 3 * sms / 2 + 1, 28, 4, 1, 512, 0), 512);
+  EXPECT_EQ(cuda::paged_decode_pack_keys(bf16, 64, 2 * sms, 14, 2, 2, 512, 0), 0);
+  EXPECT_EQ(cuda::paged_decode_pack_keys(bf16, 64, 2 * sms, 14, 2, 3, 512, 0), 512);
+  EXPECT_EQ(cuda::paged_decode_pack_keys(bf16, 128, 4096, 28, 4, 1, 0, 0), 0);                  // not wanted
+  EXPECT_EQ(cuda::paged_decode_pack_keys(cuda::DType::kFloat, 128, 4096, 28, 4, 1, 512, 0), 0);  // CUDA cores
+  EXPECT_EQ(cuda::paged_decode_pack_keys(bf16, 256, 4096, 8, 2, 1, 512, 0), 0);
 #endif
 }
 
@@ -251,14 +279,16 @@ TEST(EngineGpu, Fp8KvCacheDecodeEqualsAttentionOverItsDequantizedRows) {
       {at::kBFloat16, 256, 8, 2, 16, 0},  {at::kBFloat16, 16, 4, 4, 3, 0},   {at::kHalf, 64, 14, 2, 16, 37},
   };
   for (const DecodeCase& c : cases)
-    for (int64_t splits : {0, 1, 3, 16}) {
-      SCOPED_TRACE(::testing::Message() << c10::toString(c.dtype) << " head_dim " << c.head_dim << " heads "
-                                        << c.heads << "/" << c.kv_heads << " block " << c.block_size << " window "
-                                        << c.window << " splits " << splits);
-      const auto [max_err, mean_err] = decode_error(c, splits, 23 + static_cast<uint64_t>(splits), false, true);
-      EXPECT_LT(max_err, c.dtype == at::kHalf ? 4e-3 : 2e-2);
-      EXPECT_LT(mean_err, c.dtype == at::kHalf ? 5e-4 : 3e-3);
-    }
+    for (int64_t splits : {0, 1, 3, 16})
+      for (int64_t pack : {int64_t{0}, int64_t{300}}) {
+        SCOPED_TRACE(::testing::Message() << c10::toString(c.dtype) << " head_dim " << c.head_dim << " heads "
+                                          << c.heads << "/" << c.kv_heads << " block " << c.block_size << " window "
+                                          << c.window << " splits " << splits << " pack_keys " << pack);
+        const auto [max_err, mean_err] =
+            decode_error(c, splits, 23 + static_cast<uint64_t>(splits), false, true, pack);
+        EXPECT_LT(max_err, c.dtype == at::kHalf ? 4e-3 : 2e-2);
+        EXPECT_LT(mean_err, c.dtype == at::kHalf ? 5e-4 : 3e-3);
+      }
 #endif
 }
 
@@ -282,76 +312,87 @@ TEST(EngineGpu, PagedDecodeRotatesLikeTheRopeKernel) {
   const auto batch = static_cast<int64_t>(lens.size());
   for (const DecodeCase& c : cases) {
     ASSERT_TRUE(cuda::paged_decode_rotates(kernel_dtype(c.dtype), c.head_dim, c.heads, c.kv_heads));
-    for (int64_t splits : {1, 3, 16}) {
-      SCOPED_TRACE(::testing::Message() << c10::toString(c.dtype) << " head_dim " << c.head_dim << " heads "
-                                        << c.heads << "/" << c.kv_heads << " splits " << splits);
-      const int64_t dim = c.head_dim;
-      std::vector<int32_t> offsets, blocks, slots;
-      for (int32_t len : lens) {
-        offsets.push_back(static_cast<int32_t>(blocks.size()));
-        const auto first = static_cast<int32_t>(blocks.size());
-        for (int64_t i = 0; i < (len + c.block_size - 1) / c.block_size; ++i) blocks.push_back(static_cast<int32_t>(blocks.size()));
-        slots.push_back(len == 0 ? -1 : static_cast<int32_t>((first + (len - 1) / c.block_size) * c.block_size + (len - 1) % c.block_size));
-      }
-      const int64_t cache_rows = (static_cast<int64_t>(blocks.size()) + 1) * c.block_size;
-      at::manual_seed(7 + static_cast<uint64_t>(splits));
-      const at::Tensor k_cache0 = at::randn({cache_rows, c.kv_heads, dim}, fp32).to(c.dtype);
-      const at::Tensor v_cache0 = at::randn({cache_rows, c.kv_heads, dim}, fp32).to(c.dtype);
-      const at::Tensor qkv = at::randn({batch, (c.heads + 2 * c.kv_heads) * dim}, fp32).to(c.dtype);
-      const at::Tensor q = qkv.narrow(1, 0, c.heads * dim).view({batch, c.heads, dim});
-      const at::Tensor k_new = qkv.narrow(1, c.heads * dim, c.kv_heads * dim).view({batch, c.kv_heads, dim});
-      const at::Tensor v_new = qkv.narrow(1, (c.heads + c.kv_heads) * dim, c.kv_heads * dim).view({batch, c.kv_heads, dim});
-      // HF tables at each sequence's last position.
-      const at::Tensor pos = (at::tensor(lens, at::kFloat).to(dev) - 1).clamp_min(0);
-      const at::Tensor inv = at::pow(10000.0, -at::arange(0, dim, 2, fp32) / static_cast<double>(dim));
-      const at::Tensor ang = at::cat({pos.unsqueeze(1) * inv, pos.unsqueeze(1) * inv}, 1);
-      const at::Tensor cos = ang.cos().to(c.dtype), sin = ang.sin().to(c.dtype);
-      auto i32 = [&](const std::vector<int32_t>& v) { return at::tensor(v, at::TensorOptions().dtype(at::kInt)).to(dev); };
-      const at::Tensor d_lens = i32(lens), d_offsets = i32(offsets), d_blocks = i32(blocks), d_slots = i32(slots);
-      at::Tensor ws = at::empty({std::max<int64_t>(1, cuda::paged_decode_workspace_floats(batch, c.heads, dim, splits))}, fp32);
-      // One call: (query, step K, their token strides, tables or none) -> (output, K cache, V cache).
-      auto call = [&](const at::Tensor& qq, const at::Tensor& kk, bool tables) {
-        at::Tensor kc = k_cache0.clone(), vc = v_cache0.clone();
-        at::Tensor out = at::full({batch, c.heads, dim}, 7.0, fp32.dtype(c.dtype));
-        cuda::PagedDecode a;
-        a.dtype = kernel_dtype(c.dtype);
-        a.q = qq.data_ptr();
-        a.q_token_stride = qq.stride(0);
-        a.k_cache = kc.data_ptr();
-        a.v_cache = vc.data_ptr();
-        a.out = out.data_ptr();
-        a.seq_lens = d_lens.data_ptr<int32_t>();
-        a.offsets = d_offsets.data_ptr<int32_t>();
-        a.blocks = d_blocks.data_ptr<int32_t>();
-        a.batch = batch;
-        a.heads = c.heads;
-        a.kv_heads = c.kv_heads;
-        a.head_dim = dim;
-        a.block_size = c.block_size;
-        a.window = c.window;
-        a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
-        a.splits = splits;
-        a.workspace = splits > 1 ? ws.data_ptr<float>() : nullptr;
-        a.k_new = kk.data_ptr();
-        a.v_new = v_new.data_ptr();
-        a.k_new_stride = kk.stride(0);
-        a.v_new_stride = v_new.stride(0);
-        a.slots = d_slots.data_ptr<int32_t>();
-        if (tables) {
-          a.rope_cos = cos.data_ptr();
-          a.rope_sin = sin.data_ptr();
+    for (int64_t splits : {1, 3, 16})
+      for (int64_t pack : {int64_t{0}, int64_t{300}}) {
+        SCOPED_TRACE(::testing::Message() << c10::toString(c.dtype) << " head_dim " << c.head_dim << " heads "
+                                          << c.heads << "/" << c.kv_heads << " splits " << splits << " pack_keys " << pack);
+        const int64_t dim = c.head_dim;
+        std::vector<int32_t> offsets, blocks, slots;
+        for (int32_t len : lens) {
+          offsets.push_back(static_cast<int32_t>(blocks.size()));
+          const auto first = static_cast<int32_t>(blocks.size());
+          for (int64_t i = 0; i < (len + c.block_size - 1) / c.block_size; ++i) blocks.push_back(static_cast<int32_t>(blocks.size()));
+          slots.push_back(len == 0 ? -1 : static_cast<int32_t>((first + (len - 1) / c.block_size) * c.block_size + (len - 1) % c.block_size));
         }
-        cuda::paged_decode_attention(a, c10::cuda::getCurrentCUDAStream(0).stream());
-        return std::make_tuple(out, kc, vc);
-      };
-      const auto [out_fused, kc_fused, vc_fused] = call(q, k_new, true);
-      const auto [out_ref, kc_ref, vc_ref] = call(model::apply_rope(q, cos, sin), model::apply_rope(k_new, cos, sin), false);
-      EXPECT_TRUE(at::equal(out_fused, out_ref)) << "max difference "
-                                                 << (out_fused.to(at::kFloat) - out_ref.to(at::kFloat)).abs().max().item<double>();
-      EXPECT_TRUE(at::equal(kc_fused, kc_ref));
-      EXPECT_TRUE(at::equal(vc_fused, vc_ref));
-      EXPECT_FALSE(at::equal(kc_fused, k_cache0));  // the step's keys went in
-    }
+        const int64_t cache_rows = (static_cast<int64_t>(blocks.size()) + 1) * c.block_size;
+        at::manual_seed(7 + static_cast<uint64_t>(splits));
+        const at::Tensor k_cache0 = at::randn({cache_rows, c.kv_heads, dim}, fp32).to(c.dtype);
+        const at::Tensor v_cache0 = at::randn({cache_rows, c.kv_heads, dim}, fp32).to(c.dtype);
+        const at::Tensor qkv = at::randn({batch, (c.heads + 2 * c.kv_heads) * dim}, fp32).to(c.dtype);
+        const at::Tensor q = qkv.narrow(1, 0, c.heads * dim).view({batch, c.heads, dim});
+        const at::Tensor k_new = qkv.narrow(1, c.heads * dim, c.kv_heads * dim).view({batch, c.kv_heads, dim});
+        const at::Tensor v_new = qkv.narrow(1, (c.heads + c.kv_heads) * dim, c.kv_heads * dim).view({batch, c.kv_heads, dim});
+        // HF tables at each sequence's last position.
+        const at::Tensor pos = (at::tensor(lens, at::kFloat).to(dev) - 1).clamp_min(0);
+        const at::Tensor inv = at::pow(10000.0, -at::arange(0, dim, 2, fp32) / static_cast<double>(dim));
+        const at::Tensor ang = at::cat({pos.unsqueeze(1) * inv, pos.unsqueeze(1) * inv}, 1);
+        const at::Tensor cos = ang.cos().to(c.dtype), sin = ang.sin().to(c.dtype);
+        auto i32 = [&](const std::vector<int32_t>& v) { return at::tensor(v, at::TensorOptions().dtype(at::kInt)).to(dev); };
+        const at::Tensor d_lens = i32(lens), d_offsets = i32(offsets), d_blocks = i32(blocks), d_slots = i32(slots);
+        at::Tensor ws = at::empty({std::max<int64_t>(1, cuda::paged_decode_workspace_floats(batch, c.heads, dim, splits))}, fp32);
+        // One call: (query, step K, their token strides, tables or none) -> (output, K cache, V cache).
+        auto call = [&](const at::Tensor& qq, const at::Tensor& kk, bool tables, int64_t pack_keys) {
+          at::Tensor kc = k_cache0.clone(), vc = v_cache0.clone();
+          at::Tensor out = at::full({batch, c.heads, dim}, 7.0, fp32.dtype(c.dtype));
+          cuda::PagedDecode a;
+          a.dtype = kernel_dtype(c.dtype);
+          a.q = qq.data_ptr();
+          a.q_token_stride = qq.stride(0);
+          a.k_cache = kc.data_ptr();
+          a.v_cache = vc.data_ptr();
+          a.out = out.data_ptr();
+          a.seq_lens = d_lens.data_ptr<int32_t>();
+          a.offsets = d_offsets.data_ptr<int32_t>();
+          a.blocks = d_blocks.data_ptr<int32_t>();
+          a.batch = batch;
+          a.heads = c.heads;
+          a.kv_heads = c.kv_heads;
+          a.head_dim = dim;
+          a.block_size = c.block_size;
+          a.window = c.window;
+          a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
+          a.splits = splits;
+          a.pack_keys = pack_keys;
+          a.workspace = splits > 1 ? ws.data_ptr<float>() : nullptr;
+          a.k_new = kk.data_ptr();
+          a.v_new = v_new.data_ptr();
+          a.k_new_stride = kk.stride(0);
+          a.v_new_stride = v_new.stride(0);
+          a.slots = d_slots.data_ptr<int32_t>();
+          if (tables) {
+            a.rope_cos = cos.data_ptr();
+            a.rope_sin = sin.data_ptr();
+          }
+          cuda::paged_decode_attention(a, c10::cuda::getCurrentCUDAStream(0).stream());
+          return std::make_tuple(out, kc, vc);
+        };
+        const auto [out_fused, kc_fused, vc_fused] = call(q, k_new, true, pack);
+        const auto [out_ref, kc_ref, vc_ref] =
+            call(model::apply_rope(q, cos, sin), model::apply_rope(k_new, cos, sin), false, pack);
+        EXPECT_TRUE(at::equal(out_fused, out_ref)) << "max difference "
+                                                   << (out_fused.to(at::kFloat) - out_ref.to(at::kFloat)).abs().max().item<double>();
+        EXPECT_TRUE(at::equal(kc_fused, kc_ref));
+        EXPECT_TRUE(at::equal(vc_fused, vc_ref));
+        EXPECT_FALSE(at::equal(kc_fused, k_cache0));  // the step's keys went in
+        // One warp's online softmax over a sequence's tiles is not four warps' merged (with one split,
+      // where sequences of 17 to 300 keys have several tiles), so the short items ran on one warp.
+      if (pack > 0 && splits == 1) {
+          const auto [out_wide, kc_wide, vc_wide] = call(q, k_new, true, 0);
+          EXPECT_FALSE(at::equal(out_fused, out_wide)) << "pack_keys " << pack << " put no item on one warp";
+          EXPECT_TRUE(at::equal(kc_fused, kc_wide));
+          EXPECT_TRUE(at::equal(vc_fused, vc_wide));
+        }
+      }
   }
 #endif
 }

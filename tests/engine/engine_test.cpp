@@ -2,6 +2,8 @@
 // load: shared prompts, preemption, concurrency, aborts and bad requests.
 #include "engine_fixture.h"
 
+#include <fmt/format.h>
+
 #include "engine/kv_sizing.h"
 #include "tiller/engine/engine_weights.h"
 #include "tiller/model/lora.h"
@@ -91,6 +93,26 @@ TEST(Engine, MaxModelLenPastTheModelsContextNeedsRopeScaling) {
   m.cfg.rope_scaling.factor = 2.0;
   Engine e(m.cfg, m.weights, o);
   EXPECT_EQ(e.max_model_len(), 4096);
+}
+
+// decode_pack_keys is bounded (the decode kernel's threshold for one-warp items).
+TEST(Engine, DecodePackKeysOutOfRangeIsRefused) {
+  TinyModel m = tiny("tiny-llama", 1);
+  for (int64_t bad : {int64_t{-1}, (int64_t{1} << 20) + 1}) {
+    EngineOptions o = small_options();
+    o.decode_pack_keys = bad;
+    try {
+      Engine e(m.cfg, m.weights, o);
+      ADD_FAILURE() << "decode_pack_keys " << bad << " was accepted";
+    } catch (const ConfigError& err) {
+      EXPECT_NE(std::string(err.what()).find(fmt::format("decode_pack_keys = {} is out of range", bad)),
+                std::string::npos)
+          << err.what();
+    }
+  }
+  EngineOptions o = small_options();
+  o.decode_pack_keys = 0;
+  Engine e(m.cfg, m.weights, o);
 }
 
 TEST(Engine, SamplesOfAPromptShareItsBlocksAndSurvivePreemption) {

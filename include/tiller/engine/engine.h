@@ -87,6 +87,11 @@ struct EngineOptions {
   // head size 64 or 128, query-head groups of 2 to 16): no RoPE launch per layer. Off: a separate
   // RoPE kernel, as prefill does (for comparisons).
   bool rope_in_attention = true;
+  // Decode attention runs a sequence's KV head on one warp instead of four while its keys (per KV
+  // split) number at most this (short contexts), in batches whose four-warp grid would take more
+  // than two waves of the GPU (model/cuda/paged_attention.h paged_decode_pack_keys); 0: always four
+  // (for comparisons). At most 1 << 20. Off in algo.logprob_match = bitwise.
+  int64_t decode_pack_keys = 512;
   // With fp8_scaling "tensor": the norms and SwiGLU quantize their output rows in the same kernel
   // and the kernels that read each FP8 GEMM's output apply its rows' scales (no quantization
   // launches of their own; model/transformer.h BlockContext::fp8_fused). Off: one FP8 linear at a

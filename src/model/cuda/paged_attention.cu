@@ -402,6 +402,14 @@ int64_t paged_decode_splits(DType dtype, int64_t head_dim, int64_t batch, int64_
   return splits;
 }
 
+int64_t paged_decode_pack_keys(DType dtype, int64_t head_dim, int64_t batch, int64_t heads, int64_t kv_heads,
+                               int64_t splits, int64_t wanted, int device) {
+  if (wanted <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || !paged_decode_mma_serves(dtype, head_dim, heads / kv_heads))
+    return 0;
+  const int64_t per_sm = head_dim > 64 ? 3 : 4;  // the tensor-core kernel's blocks per SM (kBlocksPerSm)
+  return batch * kv_heads * splits > 2 * per_sm * static_cast<int64_t>(multiprocessors(device)) ? wanted : 0;
+}
+
 int64_t paged_decode_workspace_floats(int64_t batch, int64_t heads, int64_t head_dim, int64_t splits) {
   return splits > 1 ? batch * heads * splits * (head_dim + 1) : 0;
 }

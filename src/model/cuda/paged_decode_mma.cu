@@ -1,15 +1,20 @@
 // Decode attention on tensor cores (bf16/fp16, head size 64 or 128, 2 to 16 query heads per KV
 // head). See paged_attention.h for the contract.
 //
-// A thread block of 4 warps serves one (sequence, KV head, split). The KV head's query heads
-// are the 16 rows of an m16n8k16 MMA tile (rows past the group are zero), so every K/V row is
-// read once for all of them. The warps take the split's 16-key tiles in turn, each with its own
-// 3-stage cp.async pipeline into XOR-swizzled shared memory (no barriers in the loop, ldmatrix
-// without bank conflicts) and its own online softmax (log2 units, fp32):
+// A thread block of 4 warps serves one (sequence, KV head, split): an item. The KV head's query
+// heads are the 16 rows of an m16n8k16 MMA tile (rows past the group are zero), so every K/V row
+// is read once for all of them. The warps take the split's 16-key tiles in turn, each with its own
+// cp.async pipeline into XOR-swizzled shared memory (no barriers in the loop, ldmatrix without
+// bank conflicts) and its own online softmax (log2 units, fp32):
 //   S = Q K^T   two n8 tiles of keys x D/16 k-steps, K via ldmatrix;
 //   P = exp2(S - m), rescale O, P rounded to the input type as the A operand of
 //   O += P V    D/8 n8 tiles of the head dimension, V via ldmatrix.trans.
 // The warps' states merge through shared memory at the end (decode_common.cuh).
+// Short items (PagedDecode::pack_keys; the engine asks for them where the four-warp grid would
+// take more than two waves, paged_decode_pack_keys) run on one warp each instead, four of them in
+// one block: at a 150-token context each of 4 warps had 2-3 tiles and paid the fixed costs (the
+// block-list and Q loads, RoPE of Q, the merge) for them; 7B at batch 256 on H200: 51 -> 40 us
+// a layer.
 // With RoPE tables (PagedDecode::rope_cos), q and this step's key arrive before RoPE: the kernel
 // rotates the Q fragments in registers and the step's key once per warp into shared memory, from
 // where the tiles and the cache store take it: the rotation costs no launch and no block barrier.
@@ -28,17 +33,20 @@
 namespace tiller::model::cuda::detail {
 namespace {
 
+// One warp's part of the item (sequence b, KV head, split) that W warps serve: the split's key
+// tiles w, w + W, w + 2W, ... (W = 1: all of them), through the warp's own pipeline at `base` in
+// shared memory (with RoPE, its copy of the step's rotated key at `k_rot`). Leaves the warp's
+// online-softmax state: o, and m and l of its rows r and r + 8 (l summed over this lane's columns
+// only), every copy drained.
 template <class T, int D, bool kFp8>
-__global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma_kernel(PagedDecode a) {
+__device__ __forceinline__ void attend(const PagedDecode& a, int kv_head, int b, int split, int w, int W,
+                                       uint32_t base, T* k_rot, float (&o)[D / 8][4], float& m_lo, float& m_hi,
+                                       float& l_lo, float& l_hi) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per K/V row
   constexpr int kTileBytes = kKeys * D * 2;
   constexpr int kStages = detail::kStagesOf<D>;
-  static_assert(kWarps * kTileRows * (D + 2) * 4 <= kSmemBytes<D>, "the merge reuses the pipeline's memory");
-  static_assert(kWarps * kTileRows * (D + 2) * 4 <= kFp8SmemTotal<D>, "the merge reuses the pipeline's memory");
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32;
   const int group = static_cast<int>(a.heads / a.kv_heads);
-  const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
   const int head0 = kv_head * group;
   const SplitRange range = split_range(a, b, split, kKeys);
   const int lo = range.lo, hi = range.hi;
@@ -52,8 +60,6 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
   const T* k_new = last >= 0 ? k_row : nullptr;
   const T* v_new = last >= 0 ? static_cast<const T*>(a.v_new) + b * a.v_new_stride + kv_head * D : nullptr;
   const T* qp = static_cast<const T*>(a.q) + b * a.q_token_stride + static_cast<int64_t>(head0) * D;
-  // With RoPE: each warp's copy of the step's key, rotated, past the pipeline's memory.
-  T* k_rot = reinterpret_cast<T*>(smem + kSmemBytes<D>) + warp * D;
   const uint32_t k_rot_addr = static_cast<uint32_t>(__cvta_generic_to_shared(k_rot));
   const int32_t* blocks = a.key_base ? nullptr : a.blocks + a.offsets[b];
   const int key0 = a.key_base ? a.key_base[b] : 0;
@@ -62,13 +68,11 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
   const T* kc = static_cast<const T*>(a.k_cache) + kv_head * D;
   const T* vc = static_cast<const T*>(a.v_cache) + kv_head * D;
   const int tiles = hi > lo ? (hi - lo + kKeys - 1) / kKeys : 0;
-  const int mine = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;  // this warp's tiles
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
-                        warp * (kFp8 ? kFp8WarpBytes<D> : kStages * 2 * kTileBytes);
+  const int mine = tiles > w ? (tiles - w + W - 1) / W : 0;  // this warp's tiles
   // FP8: stage i's codes and scales, and the T tile the MMAs read (K, then V).
   const uint32_t conv_tile = base + kStages * kFp8StageBytes<D>;
   auto fp8_stage = [&](int i) { return base + (i % kStages) * kFp8StageBytes<D>; };
-  auto tile_start = [&](int i) { return lo + (warp + i * kWarps) * kKeys; };
+  auto tile_start = [&](int i) { return lo + (w + i * W) * kKeys; };
   // Cache slot of key `lane` of this warp's tile i (lanes < kKeys); -1 past the end, -2 for the
   // step's own key (read from k_new/v_new).
   auto key_slot = [&](int i) -> int {
@@ -196,10 +200,10 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
       }
   }
 
-  float o[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;  // rows r and r + 8
+  m_lo = m_hi = -INFINITY;  // rows r and r + 8
+  l_lo = l_hi = 0.f;
   const float qscale = a.scale * kLog2e;
 
   int next = first[kStages - 1];
@@ -245,43 +249,131 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
     __syncwarp();  // every lane has read this stage before it is refilled
   }
   cp_async_wait<0>();
-  __syncthreads();
+}
 
-  // Merge the warps: each row's sum over its 4 lanes, then the shared-memory merge.
+// This step's K/V rows into the cache (the rotated key from `k_rot` with RoPE), by one warp of the
+// item's split 0. Any time will do: the kernel reads a sequence's last key from k_new / k_rot,
+// never from its cache row.
+template <class T, int D>
+__device__ __forceinline__ void store_step_rows(const PagedDecode& a, int kv_head, int b, const T* k_rot, int lane) {
+  if (!a.k_new || lane >= D / 8 || a.seq_lens[b] < 1) return;
+  const int slot = a.slots[b];
+  if (slot < 0) return;
+  const T* k_new = static_cast<const T*>(a.k_new) + b * a.k_new_stride + kv_head * D;
+  const T* v_new = static_cast<const T*>(a.v_new) + b * a.v_new_stride + kv_head * D;
+  const int64_t at = static_cast<int64_t>(slot) * a.kv_heads * D + kv_head * D + lane * 8;
+  reinterpret_cast<uint4*>(static_cast<T*>(a.k_cache) + at)[0] =
+      reinterpret_cast<const uint4*>((a.rope_cos ? k_rot : k_new) + lane * 8)[0];
+  reinterpret_cast<uint4*>(static_cast<T*>(a.v_cache) + at)[0] = reinterpret_cast<const uint4*>(v_new + lane * 8)[0];
+}
+
+// A one-warp item's result, as store_merged writes a merge of one part: the output (o / l, or 0
+// for a row without keys) with one split, else the split's output and log-sum-exp in the workspace.
+template <class T, int D>
+__device__ __forceinline__ void store_warp(const PagedDecode& a, int kv_head, int b, int split, int lane,
+                                           const float (&o)[D / 8][4], float m_lo, float m_hi, float l_lo,
+                                           float l_hi) {
 #pragma unroll
   for (int off = 1; off < 4; off <<= 1) {
     l_lo += __shfl_xor_sync(kFull, l_lo, off);
     l_hi += __shfl_xor_sync(kFull, l_hi, off);
   }
-  auto* s_m = reinterpret_cast<float*>(smem);  // [kWarps][kTileRows]
-  float* s_l = s_m + kWarps * kTileRows;       // [kWarps][kTileRows]
-  float* s_acc = s_l + kWarps * kTileRows;     // [kWarps][kTileRows][D]
-  const int row_lo = warp * kTileRows + r, row_hi = row_lo + 8;
-  if (lane % 4 == 0) {
-    s_m[row_lo] = m_lo;
-    s_m[row_hi] = m_hi;
-    s_l[row_lo] = l_lo;
-    s_l[row_hi] = l_hi;
-  }
+  const int group = static_cast<int>(a.heads / a.kv_heads), splits = static_cast<int>(a.splits);
+  const int r = lane / 4, c2 = 2 * (lane % 4);
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    s_acc[row_lo * D + n * 8 + c2] = o[n][0];
-    s_acc[row_lo * D + n * 8 + c2 + 1] = o[n][1];
-    s_acc[row_hi * D + n * 8 + c2] = o[n][2];
-    s_acc[row_hi * D + n * 8 + c2 + 1] = o[n][3];
-  }
-  __syncthreads();
-  store_merged<T, D>(a, s_m, s_l, s_acc, kWarps, kTileRows, group, head0, b, split);
-  if (last >= 0 && split == 0 && warp == 0 && lane < kChunks) {
-    const int slot = a.slots[b];
-    if (slot >= 0) {
-      const int64_t at = static_cast<int64_t>(slot) * a.kv_heads * D + kv_head * D + lane * 8;
-      reinterpret_cast<uint4*>(static_cast<T*>(a.k_cache) + at)[0] =
-          reinterpret_cast<const uint4*>((rope ? k_rot : k_new) + lane * 8)[0];
-      reinterpret_cast<uint4*>(static_cast<T*>(a.v_cache) + at)[0] =
-          reinterpret_cast<const uint4*>(v_new + lane * 8)[0];
+  for (int half = 0; half < 2; ++half) {
+    const int row = r + 8 * half;
+    if (row >= group) continue;
+    const float m = half ? m_hi : m_lo, l = half ? l_hi : l_lo;
+    const int64_t bh = static_cast<int64_t>(b) * a.heads + kv_head * group + row;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const float v0 = l > 0.f ? o[n][2 * half] / l : 0.f, v1 = l > 0.f ? o[n][2 * half + 1] / l : 0.f;
+      if (splits == 1) {
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(a.out) + bh * D + n * 8 + c2) = pack2<T>(v0, v1);
+      } else {
+        float* ws = a.workspace + (bh * splits + split) * D + n * 8 + c2;
+        ws[0] = v0;
+        ws[1] = v1;
+      }
     }
+    if (splits > 1 && lane % 4 == 0)
+      a.workspace[a.batch * a.heads * splits * D + bh * splits + split] = l > 0.f ? m + log2f(l) : -INFINITY;
   }
+}
+
+// Block (KV head, sequence, split). Its item runs on its 4 warps, which merge their states through
+// shared memory; but an item of at most a.pack_keys keys in the split (a short context: the 4
+// warps' fixed costs would outweigh their share of the tiles) runs on one warp, in the block of
+// the item numbered (sequence x KV heads + KV head) down to a multiple of 4, whose warp w serves
+// that item + w. Which items pack is read from the lengths on the device, so a captured graph
+// serves every length.
+template <class T, int D, bool kFp8>
+__global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma_kernel(PagedDecode a) {
+  constexpr int kTileBytes = kKeys * D * 2;
+  constexpr int kStages = detail::kStagesOf<D>;
+  static_assert(kWarps * kTileRows * (D + 2) * 4 <= kSmemBytes<D>, "the merge reuses the pipeline's memory");
+  static_assert(kWarps * kTileRows * (D + 2) * 4 <= kFp8SmemTotal<D>, "the merge reuses the pipeline's memory");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int kv_heads = static_cast<int>(gridDim.x), split = static_cast<int>(blockIdx.z);
+  const int item = static_cast<int>(blockIdx.y) * kv_heads + static_cast<int>(blockIdx.x);
+  const int items = kv_heads * static_cast<int>(gridDim.y);
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
+                        warp * (kFp8 ? kFp8WarpBytes<D> : kStages * 2 * kTileBytes);
+  // With RoPE: each warp's copy of the step's key, rotated, past the pipeline's memory.
+  T* k_rot = reinterpret_cast<T*>(smem + kSmemBytes<D>) + warp * D;
+  auto packs = [&](int b) {
+    if (a.pack_keys <= 0) return false;
+    const SplitRange range = split_range(a, b, split, kKeys);
+    return range.hi - range.lo <= a.pack_keys;
+  };
+  float o[D / 8][4];
+  float m_lo, m_hi, l_lo, l_hi;
+  const bool wide = !packs(static_cast<int>(blockIdx.y));  // block-uniform
+  if (wide) {
+    const int kv_head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.y);
+    attend<T, D, kFp8>(a, kv_head, b, split, warp, kWarps, base, k_rot, o, m_lo, m_hi, l_lo, l_hi);
+    __syncthreads();
+    // Merge the warps: each row's sum over its 4 lanes, then the shared-memory merge.
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      l_lo += __shfl_xor_sync(kFull, l_lo, off);
+      l_hi += __shfl_xor_sync(kFull, l_hi, off);
+    }
+    const int r = lane / 4, c2 = 2 * (lane % 4);
+    auto* s_m = reinterpret_cast<float*>(smem);  // [kWarps][kTileRows]
+    float* s_l = s_m + kWarps * kTileRows;       // [kWarps][kTileRows]
+    float* s_acc = s_l + kWarps * kTileRows;     // [kWarps][kTileRows][D]
+    const int row_lo = warp * kTileRows + r, row_hi = row_lo + 8;
+    if (lane % 4 == 0) {
+      s_m[row_lo] = m_lo;
+      s_m[row_hi] = m_hi;
+      s_l[row_lo] = l_lo;
+      s_l[row_hi] = l_hi;
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      s_acc[row_lo * D + n * 8 + c2] = o[n][0];
+      s_acc[row_lo * D + n * 8 + c2 + 1] = o[n][1];
+      s_acc[row_hi * D + n * 8 + c2] = o[n][2];
+      s_acc[row_hi * D + n * 8 + c2 + 1] = o[n][3];
+    }
+    __syncthreads();
+    const int group = static_cast<int>(a.heads / a.kv_heads);
+    store_merged<T, D>(a, s_m, s_l, s_acc, kWarps, kTileRows, group, kv_head * group, b, split);
+    if (split == 0 && warp == 0) store_step_rows<T, D>(a, kv_head, b, k_rot, lane);
+  }
+  if (a.pack_keys <= 0 || item % kWarps != 0) return;
+  if (wide) __syncthreads();  // the merge has read its shared memory before the pipelines refill it
+  const int mine = item + warp;
+  if (mine >= items) return;
+  const int kv_head = mine % kv_heads, b = mine / kv_heads;
+  if (!packs(b)) return;  // its own block serves it
+  attend<T, D, kFp8>(a, kv_head, b, split, 0, 1, base, k_rot, o, m_lo, m_hi, l_lo, l_hi);
+  __syncwarp();
+  store_warp<T, D>(a, kv_head, b, split, lane, o, m_lo, m_hi, l_lo, l_hi);
+  if (split == 0) store_step_rows<T, D>(a, kv_head, b, k_rot, lane);
 }
 
 
