@@ -305,36 +305,39 @@ TEST(EngineGpu, BitwiseKernelRowsDoNotDependOnTheirNeighbours) {
     EXPECT_LT((lp.to(at::kDouble) - want).abs().max().item<double>(), 1e-4);
   }
   // Attention (bf16; head sizes of the tensor-core and the CUDA-core kernels): every query of a
-  // packed prefill equals a decode step over its keys, and the ordinary kernel to rounding.
+  // packed prefill equals a decode step over its keys, and the ordinary kernel to rounding. The
+  // third sequence gives each of the decode kernel's 4 parts several tiles (230 keys: 15 tiles).
   for (const auto& [heads, kv_heads, dim] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{14, 2, 64}, {12, 2, 128}, {4, 2, 16}}) {
-    const at::Tensor q = at::randn({70, heads, dim}, cuda).to(at::kBFloat16);
-    const at::Tensor k = at::randn({70, kv_heads, dim}, cuda).to(at::kBFloat16);
-    const at::Tensor v = at::randn({70, kv_heads, dim}, cuda).to(at::kBFloat16);
-    const auto cu = at::tensor(std::vector<int32_t>{0, 33, 70}, at::kInt).to(cuda);
-    const model::VarlenSpec spec = model::VarlenSpec::self(cu, {33, 37});
+    const at::Tensor q = at::randn({300, heads, dim}, cuda).to(at::kBFloat16);
+    const at::Tensor k = at::randn({300, kv_heads, dim}, cuda).to(at::kBFloat16);
+    const at::Tensor v = at::randn({300, kv_heads, dim}, cuda).to(at::kBFloat16);
+    const auto cu = at::tensor(std::vector<int32_t>{0, 33, 70, 300}, at::kInt).to(cuda);
+    const model::VarlenSpec spec = model::VarlenSpec::self(cu, {33, 37, 230});
     const at::Tensor full = model::invariant::attention_forward(q, k, v, spec, 0.125);
-    for (const int64_t pos : {0, 15, 16, 36}) {  // of the second sequence
+    for (const auto& [start, pos] : std::vector<std::pair<int64_t, int64_t>>{
+             {33, 0}, {33, 15}, {33, 16}, {33, 36}, {70, 63}, {70, 64}, {70, 130}, {70, 229}}) {
       model::VarlenSpec step;
       step.lens_q = {1};
       step.lens_k = {pos + 1};
-      const at::Tensor one = model::invariant::attention_forward(q.narrow(0, 33 + pos, 1), k.narrow(0, 33, pos + 1),
-                                                                 v.narrow(0, 33, pos + 1), step, 0.125);
-      EXPECT_TRUE(at::equal(full[33 + pos], one[0])) << "head size " << dim << " position " << pos;
+      const at::Tensor one = model::invariant::attention_forward(q.narrow(0, start + pos, 1), k.narrow(0, start, pos + 1),
+                                                                 v.narrow(0, start, pos + 1), step, 0.125);
+      EXPECT_TRUE(at::equal(full[start + pos], one[0])) << "head size " << dim << " position " << pos << " of the sequence at " << start;
     }
 #ifdef TILLER_HAVE_CUDA_KERNELS
     // The engine's decode kernel itself (one split; the cache's block list the sequence's rows,
     // blocks of one slot) for the same queries: the same bits.
-    const std::vector<int64_t> positions{0, 5, 15, 16, 17, 31, 36};
+    const std::vector<std::pair<int64_t, int64_t>> positions{{33, 0},  {33, 5},  {33, 15}, {33, 16},  {33, 17},
+                                                             {33, 31}, {33, 36}, {70, 47}, {70, 200}, {70, 229}};
     std::vector<int32_t> lens, offsets, ids;
-    for (const int64_t pos : positions) {
+    for (const auto& [start, pos] : positions) {
       lens.push_back(static_cast<int32_t>(pos + 1));
       offsets.push_back(static_cast<int32_t>(ids.size()));
-      for (int64_t t = 0; t <= pos; ++t) ids.push_back(static_cast<int32_t>(33 + t));
+      for (int64_t t = 0; t <= pos; ++t) ids.push_back(static_cast<int32_t>(start + t));
     }
     auto dev_ints = [&](const std::vector<int32_t>& v) { return at::tensor(v, at::kInt).to(cuda); };
     const at::Tensor d_lens = dev_ints(lens), d_offsets = dev_ints(offsets), d_ids = dev_ints(ids);
     std::vector<int64_t> rows;
-    for (const int64_t pos : positions) rows.push_back(33 + pos);
+    for (const auto& [start, pos] : positions) rows.push_back(start + pos);
     const at::Tensor qd = q.index_select(0, at::tensor(rows, at::kLong).to(cuda)).contiguous();
     at::Tensor decoded = at::empty_like(qd);
     model::cuda::PagedDecode a;
@@ -357,7 +360,7 @@ TEST(EngineGpu, BitwiseKernelRowsDoNotDependOnTheirNeighbours) {
     model::cuda::paged_decode_attention(a, c10::cuda::getCurrentCUDAStream(0).stream());
     for (size_t i = 0; i < positions.size(); ++i)
       EXPECT_TRUE(at::equal(full[rows[i]], decoded[static_cast<int64_t>(i)]))
-          << "head size " << dim << ": the decode kernel at position " << positions[i];
+          << "head size " << dim << ": the decode kernel at row " << rows[i];
 #endif
     const at::Tensor ref = model::varlen_attention(q, k, v, spec, 0.125, model::AttentionBackend::kReference);
     EXPECT_LT((full.to(at::kFloat) - ref.to(at::kFloat)).abs().max().item<double>(), 0.05) << dim;

@@ -1,14 +1,14 @@
 // algo.logprob_match = bitwise: the prefill form of the tensor-core decode kernel
-// (paged_decode_mma.cu; paged_attention.h's PrefillRows). One warp serves one PrefillRows block of
-// up to 16 query tokens of one query head (the MMA tile's rows); a thread block holds
-// kPrefillWarps such warps, each with its own cp.async pipeline. A row's arithmetic is the decode
-// kernel's for that token (the tile functions of mma_tiles.cuh):
-//  - first a pass over the K tiles finds each row's maximum scaled score: the maximum over the
-//    decode kernel's 4 partial states, which their merge takes first (a maximum is exact);
-//  - then for each part w (the decode kernel's warp w: key tiles w, w + 4, ...) the same online
-//    softmax over the same tiles, each row masked at its own length (tiles past a row's keys are
-//    masked whole, which leaves its state as it was; an empty state stays empty), folded into
-//    the merged sums right away in part order with merge_parts' formulas.
+// (paged_decode_mma.cu; paged_attention.h's PrefillRows). A thread block of kWarps warps serves
+// one PrefillRows block of up to 16 query tokens of one query head (the MMA tile's rows), laid out
+// as the decode kernel's block: warp w runs the decode kernel's part w (key tiles w, w + 4, ...)
+// with the same online softmax over the same tiles, each row masked at its own length (tiles past
+// a row's keys are masked whole, which leaves its state as it was; an empty state stays empty),
+// and the parts merge through shared memory with the decode kernel's own merge (merge_parts). A
+// row's arithmetic is thus the decode kernel's for that token.
+// The first form ran the 4 parts one after another on one warp, after a pass over K for the rows'
+// maxima (each K tile read twice, 8x the steps in a row per item); this one reads each tile once.
+// Blocks run the longest rows first (the list's last), so that the causal tail is short.
 #include <algorithm>
 #include <cstdint>
 
@@ -18,19 +18,19 @@
 namespace tiller::model::cuda::detail {
 namespace {
 
-constexpr int kPrefillWarps = 4;
 template <int D>
-constexpr int kPrefillSmem = kPrefillWarps * kStagesOf<D> * 2 * kKeys * D * 2;
+constexpr int kPrefillSmem = kSmemBytes<D>;  // the decode kernel's pipelines; the merge reuses them
 
 template <class T, int D>
-__global__ void __launch_bounds__(kPrefillWarps * 32) paged_prefill_mma_kernel(PrefillRows a) {
+__global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_prefill_mma_kernel(PrefillRows a) {
   constexpr int kChunks = D / 8;
   constexpr int kTileBytes = kKeys * D * 2;
   constexpr int kStages = detail::kStagesOf<D>;
+  static_assert(kWarps * kTileRows * (D + 2) * 4 <= kPrefillSmem<D>, "the merge reuses the pipeline's memory");
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kPrefillWarps + warp;  // (row block, head)
-  if (item >= a.count * a.heads) return;  // warp-uniform; no block barrier below
+  // (row block, head), the list's last first.
+  const int64_t item = a.count * a.heads - 1 - static_cast<int64_t>(blockIdx.x);
   const int head = static_cast<int>(item % a.heads);
   const int32_t* info = a.blocks + 4 * (item / a.heads);
   const int q_row0 = info[0], rows = info[1], key0 = info[2], pos0 = info[3];
@@ -44,7 +44,28 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) paged_prefill_mma_kernel(P
   const T* vc = static_cast<const T*>(a.v) + static_cast<int64_t>(key0) * row_elems + kv_head * D;
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * kStages * 2 * kTileBytes;
   const int tiles = (hi + kKeys - 1) / kKeys;
+  const int mine = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;  // this warp's tiles
+  auto tile_start = [&](int i) { return (warp + i * kWarps) * kKeys; };
   const float qscale = a.scale * kLog2e;
+
+  // This warp's tile i into the pipeline (K and V).
+  auto issue = [&](int i) {
+    if (i < mine) {  // warp-uniform
+      const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
+#pragma unroll
+      for (int j = 0; j < kKeys * kChunks / 32; ++j) {
+        const int c = lane + 32 * j, key = c / kChunks, col = c % kChunks;
+        const int t = tile_start(i) + key;
+        const bool ok = t < hi;
+        const int64_t at = ok ? static_cast<int64_t>(t) * row_elems + col * 8 : 0;
+        cp_async16(k_tile + tile_offset<D>(key, col), kc + at, ok);
+        cp_async16(v_tile + tile_offset<D>(key, col), vc + at, ok);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
 
   uint32_t qf[D / 16][4];
   {
@@ -61,112 +82,56 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) paged_prefill_mma_kernel(P
       qf[kk][3] = ld(r + 8, kk * 16 + 8 + c2);
     }
   }
-  // The tiles at `starts(i)` for i < count into the pipeline: K always, V with `with_v`.
-  auto issue = [&](int i, int count, int start, bool with_v) {
-    if (i < count) {
-      const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
-#pragma unroll
-      for (int j = 0; j < kKeys * kChunks / 32; ++j) {
-        const int c = lane + 32 * j, key = c / kChunks, col = c % kChunks;
-        const int t = start + key;
-        const bool ok = t < hi;
-        const int64_t at = ok ? static_cast<int64_t>(t) * row_elems + col * 8 : 0;
-        cp_async16(k_tile + tile_offset<D>(key, col), kc + at, ok);
-        if (with_v) cp_async16(v_tile + tile_offset<D>(key, col), vc + at, ok);
-      }
-    }
-    cp_async_commit();
-  };
-  auto scores = [&](int i, int t0, float (&s)[2][4]) {
-    tile_scores<T, D>(qf, base + (i % kStages) * 2 * kTileBytes, lane, s);
-    scale_and_mask(s, t0, c2, hi_lo, hi_hi, qscale);
-  };
 
-  // Pass 1: each row's maximum over all its keys.
-  float g_lo = -INFINITY, g_hi = -INFINITY;
+  float o[D / 8][4];
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue(i, tiles, i * kKeys, false);
-  for (int i = 0; i < tiles; ++i) {
-    issue(i + kStages - 1, tiles, (i + kStages - 1) * kKeys, false);
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+  for (int i = 0; i < mine; ++i) {
+    issue(i + kStages - 1);
     cp_async_wait<kStages - 1>();
     __syncwarp();
+    const uint32_t k_tile = base + (i % kStages) * 2 * kTileBytes;
     float s[2][4];
-    scores(i, i * kKeys, s);
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        g_lo = fmaxf(g_lo, s[n][e]);
-        g_hi = fmaxf(g_hi, s[n][2 + e]);
-      }
-    __syncwarp();
+    tile_scores<T, D>(qf, k_tile, lane, s);
+    scale_and_mask(s, tile_start(i), c2, hi_lo, hi_hi, qscale);
+    online_step<T, D>(s, m_lo, m_hi, l_lo, l_hi, o, k_tile + kTileBytes, lane);
+    __syncwarp();  // every lane has read this stage before it is refilled
   }
   cp_async_wait<0>();
-  __syncwarp();
+  __syncthreads();  // every warp is done with the pipelines before the merge reuses them
+
+  // The decode kernel's merge: each row's sum over its 4 lanes, then the parts in order.
 #pragma unroll
   for (int off = 1; off < 4; off <<= 1) {
-    g_lo = fmaxf(g_lo, __shfl_xor_sync(kFull, g_lo, off));
-    g_hi = fmaxf(g_hi, __shfl_xor_sync(kFull, g_hi, off));
+    l_lo += __shfl_xor_sync(kFull, l_lo, off);
+    l_hi += __shfl_xor_sync(kFull, l_hi, off);
   }
-
-  // Pass 2: the parts, each folded into the merged sums as merge_parts does.
-  float acc[D / 8][4];
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  float sum_lo = 0.f, sum_hi = 0.f;
-  for (int part = 0; part < kWarps; ++part) {
-    const int mine = tiles > part ? (tiles - part + kWarps - 1) / kWarps : 0;
-    auto tile_start = [&](int i) { return (part + i * kWarps) * kKeys; };
-#pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) issue(i, mine, tile_start(i), true);
-    float o[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
-    for (int i = 0; i < mine; ++i) {
-      issue(i + kStages - 1, mine, tile_start(i + kStages - 1), true);
-      cp_async_wait<kStages - 1>();
-      __syncwarp();
-      float s[2][4];
-      scores(i, tile_start(i), s);
-      online_step<T, D>(s, m_lo, m_hi, l_lo, l_hi, o, base + (i % kStages) * 2 * kTileBytes + kTileBytes, lane);
-      __syncwarp();
-    }
-    cp_async_wait<0>();
-    __syncwarp();
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      l_lo += __shfl_xor_sync(kFull, l_lo, off);
-      l_hi += __shfl_xor_sync(kFull, l_hi, off);
-    }
-    // merge_parts: parts with no key are skipped; the weights against the rows' maxima. Row r
-    // holds fragment elements 0 and 1, row r + 8 elements 2 and 3.
-    auto fold = [&](float m, float g, float l, float& sum, int e0) {
-      if (m == -INFINITY) return;
-      const float w = exp2f(m - g);
-      sum = fmaf(l, w, sum);
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        acc[n][e0] = fmaf(o[n][e0], w, acc[n][e0]);
-        acc[n][e0 + 1] = fmaf(o[n][e0 + 1], w, acc[n][e0 + 1]);
-      }
-    };
-    fold(m_lo, g_lo, l_lo, sum_lo, 0);
-    fold(m_hi, g_hi, l_hi, sum_hi, 2);
+  auto* s_m = reinterpret_cast<float*>(smem);  // [kWarps][kTileRows]
+  float* s_l = s_m + kWarps * kTileRows;       // [kWarps][kTileRows]
+  float* s_acc = s_l + kWarps * kTileRows;     // [kWarps][kTileRows][D]
+  const int row_lo = warp * kTileRows + r, row_hi = row_lo + 8;
+  if (lane % 4 == 0) {
+    s_m[row_lo] = m_lo;
+    s_m[row_hi] = m_hi;
+    s_l[row_lo] = l_lo;
+    s_l[row_hi] = l_hi;
   }
-  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(q_row0) * a.heads + head) * D;
-  const int64_t row_stride = a.heads * D;
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
-    const int d = n * 8 + c2;
-    if (r < rows) {
-      store(out + r * row_stride + d, sum_lo > 0.f ? acc[n][0] / sum_lo : 0.f);
-      store(out + r * row_stride + d + 1, sum_lo > 0.f ? acc[n][1] / sum_lo : 0.f);
-    }
-    if (r + 8 < rows) {
-      store(out + (r + 8) * row_stride + d, sum_hi > 0.f ? acc[n][2] / sum_hi : 0.f);
-      store(out + (r + 8) * row_stride + d + 1, sum_hi > 0.f ? acc[n][3] / sum_hi : 0.f);
-    }
+    s_acc[row_lo * D + n * 8 + c2] = o[n][0];
+    s_acc[row_lo * D + n * 8 + c2 + 1] = o[n][1];
+    s_acc[row_hi * D + n * 8 + c2] = o[n][2];
+    s_acc[row_hi * D + n * 8 + c2 + 1] = o[n][3];
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(q_row0) * a.heads + head) * D;
+  const int64_t row_stride = a.heads * D;
+  for (int idx = threadIdx.x; idx < rows * D; idx += kWarps * 32) {
+    const int g = idx / D, d = idx % D;
+    float mx, sum, acc;
+    merge_parts<D>(s_m, s_l, s_acc, kWarps, kTileRows, g, d, mx, sum, acc);
+    store(out + g * row_stride + d, sum > 0.f ? acc / sum : 0.f);
   }
 }
 
@@ -177,15 +142,14 @@ void launch_prefill(const PrefillRows& a, cudaStream_t stream) {
     static bool done[64] = {};
     reserve_shared_memory(paged_prefill_mma_kernel<T, D>, kSmem, done, "bitwise prefill attention");
   }
-  // Blocks of kPrefillWarps (row block, head) items; at most 2^31 - 1 items a launch.
+  // One block a (row block, head); at most 2^31 - 1 blocks a launch.
   const int64_t per_launch = std::max<int64_t>(1, int64_t{0x7fffffff} / a.heads);
   for (int64_t b0 = 0; b0 < a.count; b0 += per_launch) {
     PrefillRows part = a;
     part.blocks = a.blocks + 4 * b0;
     part.count = std::min<int64_t>(per_launch, a.count - b0);
-    const int64_t items = part.count * a.heads;
-    const dim3 grid(static_cast<unsigned>((items + kPrefillWarps - 1) / kPrefillWarps));
-    paged_prefill_mma_kernel<T, D><<<grid, kPrefillWarps * 32, kSmem, stream>>>(part);
+    const dim3 grid(static_cast<unsigned>(part.count * a.heads));
+    paged_prefill_mma_kernel<T, D><<<grid, kWarps * 32, kSmem, stream>>>(part);
     check_launch("bitwise prefill attention (tensor cores)");
   }
 }
