@@ -488,6 +488,12 @@ at::Tensor logprobs(const at::Tensor& logits, const at::Tensor& targets, const s
 }
 
 std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& freqs, double scaling) {
+#ifdef TILLER_HAVE_CUDA_KERNELS
+  // On the GPU, where the engine's table and the trainer's come from alike: no copy to the host
+  // and back, which synchronised every forward with the device and took ~15 ms of host work at
+  // 8k tokens (0.5B scoring on H200: 14.6 ms of a 37.6 ms step idle).
+  if (freqs.is_cuda()) return rope_tables_cuda(freqs, scaling);
+#endif
   const at::Tensor f = freqs.to(at::kCPU, at::kFloat).contiguous();
   at::Tensor c = at::empty(f.sizes(), f.options()), s = at::empty(f.sizes(), f.options());
   const float* fp = f.data_ptr<float>();

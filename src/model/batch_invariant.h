@@ -55,8 +55,10 @@ at::Tensor softmax(const at::Tensor& x);
 // the invariance promise; on CUDA from the same pass).
 at::Tensor logprobs(const at::Tensor& logits, const at::Tensor& targets, const std::vector<float>& temperatures,
                     at::Tensor* entropy = nullptr);
-// cos and sin of freqs [T, D] (fp32), times `scaling`, element by element with the C library's
-// functions (no vector path whose result depends on where an element sits).
+// cos and sin of freqs [T, D] (fp32), times `scaling`, element by element (no vector path whose
+// result depends on where an element sits): on the CPU with the C library's functions, on CUDA
+// with CUDA's (on the tensor's device; the two differ in the last bits, and each side of the
+// bitwise promise runs on one kind of device).
 std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& freqs, double scaling);
 
 // The one-line error for a tensor the kernels do not take (CUDA tensors of fp64, or any CUDA

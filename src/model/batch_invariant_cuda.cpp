@@ -69,6 +69,14 @@ at::Tensor softmax_cuda(const at::Tensor& x) {
   return out;
 }
 
+std::pair<at::Tensor, at::Tensor> rope_tables_cuda(const at::Tensor& freqs, double scaling) {
+  const at::Tensor f = freqs.to(at::kFloat).contiguous();
+  at::Tensor c = at::empty(f.sizes(), f.options()), s = at::empty(f.sizes(), f.options());
+  cuda::invariant_rope_tables(f.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), f.numel(),
+                              static_cast<float>(scaling), scaling != 1.0, stream_of(freqs));
+  return {c, s};
+}
+
 at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const VarlenSpec& s,
                           double scale) {
   const int64_t tq = q.size(0), heads = q.size(1), kv_heads = k.size(1), d = q.size(2);

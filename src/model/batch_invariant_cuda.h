@@ -3,6 +3,7 @@
 // compiled in the GPU build only.
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -17,6 +18,7 @@ void* stream_of(const at::Tensor& t);
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
 at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor softmax_cuda(const at::Tensor& x);
+std::pair<at::Tensor, at::Tensor> rope_tables_cuda(const at::Tensor& freqs, double scaling);
 // The trainer's (and the engine's prefill) attention in the engine's decode kernel's order: its
 // prefill form where the tensor-core kernel serves the shape (PrefillRows, 16 tokens a tile),
 // else each query as a decode step over its own keys (PagedDecode::key_base); one split either

@@ -304,6 +304,19 @@ TEST(EngineGpu, BitwiseKernelRowsDoNotDependOnTheirNeighbours) {
             .squeeze(1);
     EXPECT_LT((lp.to(at::kDouble) - want).abs().max().item<double>(), 1e-4);
   }
+  // RoPE tables on the GPU (no trip through the host): a row's values do not depend on the rows
+  // beside it, and agree with the C library's to float rounding.
+  {
+    const at::Tensor freqs = at::arange(0, 4000, at::kFloat).to(cuda).unsqueeze(1) *
+                             at::rand({64}, at::kFloat).to(cuda).unsqueeze(0);
+    const auto [c, s] = model::invariant::rope_tables(freqs, 1.25);
+    EXPECT_TRUE(c.is_cuda() && s.is_cuda());
+    const auto [c1, s1] = model::invariant::rope_tables(freqs.narrow(0, 1234, 7), 1.25);
+    EXPECT_TRUE(at::equal(c.narrow(0, 1234, 7), c1) && at::equal(s.narrow(0, 1234, 7), s1));
+    const auto [hc, hs] = model::invariant::rope_tables(freqs.cpu(), 1.25);
+    EXPECT_LT((c.cpu() - hc).abs().max().item<double>(), 1e-5);
+    EXPECT_LT((s.cpu() - hs).abs().max().item<double>(), 1e-5);
+  }
   // Attention (bf16; head sizes of the tensor-core and the CUDA-core kernels): every query of a
   // packed prefill equals a decode step over its keys, and the ordinary kernel to rounding. The
   // third sequence gives each of the decode kernel's 4 parts several tiles (230 keys: 15 tiles).

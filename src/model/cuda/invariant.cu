@@ -207,7 +207,34 @@ __global__ void __launch_bounds__(kThreads) softmax_rows_kernel(const float* x, 
   for (int64_t j = threadIdx.x; j < width; j += kThreads) orow[j] /= sum;
 }
 
+// cos and sin of each fp32 element, times scaling: one thread an element, CUDA's cosf and sinf
+// (no fast-math forms), so an element's result depends on its value alone.
+__global__ void rope_tables_kernel(const float* freqs, float* cos_out, float* sin_out, int64_t n, float scaling,
+                                   bool scaled) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float f = freqs[i];
+  float c = cosf(f), s = sinf(f);
+  if (scaled) {
+    c *= scaling;
+    s *= scaling;
+  }
+  cos_out[i] = c;
+  sin_out[i] = s;
+}
+
 }  // namespace
+
+void invariant_rope_tables(const float* freqs, float* cos_out, float* sin_out, int64_t n, float scaling, bool scaled,
+                           void* stream) {
+  if (n == 0) return;
+  constexpr int kBlock = 256;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  if (blocks > 0x7fffffff) throw std::invalid_argument("invariant RoPE tables: more than 2^39 elements");
+  rope_tables_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(
+      freqs, cos_out, sin_out, n, scaling, scaled);
+  check_launch("invariant RoPE tables");
+}
 
 void invariant_softmax(const float* x, float* out, int64_t rows, int64_t width, void* stream) {
   if (rows == 0 || width == 0) return;

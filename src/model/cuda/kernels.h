@@ -161,6 +161,10 @@ void invariant_rms_norm(DType dtype, const void* x, const void* weight, void* ou
 // same bits as the two steps apart (x rows and add rows at their strides, in elements).
 void invariant_add_rms_norm(DType dtype, void* x, const void* add, const void* weight, void* out, int64_t rows,
                             int64_t width, int64_t x_stride, int64_t add_stride, float eps, void* stream);
+// cos and sin of n fp32 values (contiguous), each times `scaling` when `scaled`, element by
+// element (invariant.cu): the RoPE tables of the bitwise mode, computed where they are used.
+void invariant_rope_tables(const float* freqs, float* cos_out, float* sin_out, int64_t n, float scaling, bool scaled,
+                           void* stream);
 // softmax of contiguous fp32 rows [rows, width] into out (contiguous, fp32) (invariant.cu).
 void invariant_softmax(const float* x, float* out, int64_t rows, int64_t width, void* stream);
 // log softmax(z / t)[target] per row of logits [rows, vocab] (row stride in elements), fp32
