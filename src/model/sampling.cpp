@@ -78,14 +78,18 @@ SampledTokens sample_on_gpu(const at::Tensor& logits, const SamplingRows& rows) 
 #endif
 
 namespace {
-SampledTokens draw(const at::Tensor& logits_in, const SamplingRows& rows);
+// `one_kernel`: set when the GPU's one-kernel sampler drew (its log-probs are invariant::logprobs').
+SampledTokens draw(const at::Tensor& logits_in, const SamplingRows& rows, bool* one_kernel);
 }  // namespace
 
 SampledTokens sample_tokens(const at::Tensor& logits_in, const SamplingRows& rows) {
-  SampledTokens out = draw(logits_in, rows);
-  if (batch_invariant() && out.tokens.numel() > 0) {
-    // The reported log-prob from the kernel the trainer's head uses (numerics.h), at the row's
-    // temperature (1 for greedy rows, as the rules say).
+  bool one_kernel = false;
+  SampledTokens out = draw(logits_in, rows, &one_kernel);
+  // The bitwise mode reports the log-prob the trainer's head computes (numerics.h), at the row's
+  // temperature (1 for greedy rows, as the rules say). The GPU's one-kernel sampler computes it
+  // already: invariant::logprobs on CUDA is its pass 1 (sampler.cu), so only the other paths
+  // (top-k, top-p, the CPU) compute it a second time.
+  if (batch_invariant() && !one_kernel && out.tokens.numel() > 0) {
     std::vector<float> t(rows.temperature.size());
     for (size_t i = 0; i < t.size(); ++i) t[i] = rows.temperature[i] > 0 ? rows.temperature[i] : 1.0f;
     out.logprobs = invariant::logprobs(logits_in, out.tokens, t).to(at::kFloat);
@@ -95,7 +99,7 @@ SampledTokens sample_tokens(const at::Tensor& logits_in, const SamplingRows& row
 
 namespace {
 
-SampledTokens draw(const at::Tensor& logits_in, const SamplingRows& rows) {
+SampledTokens draw(const at::Tensor& logits_in, const SamplingRows& rows, bool* one_kernel) {
   TILLER_CHECK(logits_in.dim() == 2 && (logits_in.scalar_type() == at::kFloat ||
                                         logits_in.scalar_type() == at::kBFloat16 ||
                                         logits_in.scalar_type() == at::kHalf),
@@ -130,8 +134,10 @@ SampledTokens draw(const at::Tensor& logits_in, const SamplingRows& rows) {
     host[5 * b + i] = top_k ? static_cast<float>(rows.top_k[i]) : 0.0f;
   }
 #ifdef TILLER_HAVE_CUDA_KERNELS
-  if (logits_in.is_cuda() && max_k == 0 && !any_top_p && logits_in.stride(1) == 1)
+  if (logits_in.is_cuda() && max_k == 0 && !any_top_p && logits_in.stride(1) == 1) {
+    *one_kernel = true;
     return sample_on_gpu(logits_in, rows);
+  }
 #endif
   const at::Tensor logits = logits_in.to(at::kFloat);
   at::Tensor greedy_tokens = logits.argmax(1);

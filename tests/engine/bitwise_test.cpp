@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "model/batch_invariant.h"
+#include "tiller/model/sampling.h"
 #include "tiller/model/numerics.h"
 
 #ifdef TILLER_HAVE_CUDA_KERNELS
@@ -303,6 +304,28 @@ TEST(EngineGpu, BitwiseKernelRowsDoNotDependOnTheirNeighbours) {
             .gather(1, tgt.unsqueeze(1))
             .squeeze(1);
     EXPECT_LT((lp.to(at::kDouble) - want).abs().max().item<double>(), 1e-4);
+    // The sampler's log-prob of its draw is this kernel's, bit for bit (so the engine reports it
+    // without a second pass): greedy rows (at temperature 1) and sampled ones, a vocabulary that
+    // is not a multiple of 8 and rows off the 16-byte boundary too. The entropy from the same pass.
+    for (const at::Tensor& logits : {z, shifted(at::randn({9, 1001}, cuda).to(dtype) * 3)}) {
+      model::SamplingRows rows;
+      std::vector<float> t;
+      for (int64_t r = 0; r < 9; ++r) {
+        const float temp = r % 3 == 0 ? 0.f : temps[static_cast<size_t>(r)];
+        rows.add(temp, 1.f, 0, 0.f, model::sampling_uniform(7, r));
+        t.push_back(temp > 0 ? temp : 1.f);
+      }
+      const model::SampledTokens drawn = model::sample_tokens(logits, rows);
+      at::Tensor ent;
+      const at::Tensor again = model::invariant::logprobs(logits, drawn.tokens, t, &ent);
+      EXPECT_TRUE(at::equal(drawn.logprobs, again)) << "the sampler's log-probs against the kernel's, vocab "
+                                                    << logits.size(1);
+      EXPECT_TRUE(at::equal(again, model::invariant::logprobs(logits, drawn.tokens, t))) << "with and without entropy";
+      const at::Tensor y = logits.to(at::kDouble) /
+                           at::tensor(std::vector<double>(t.begin(), t.end()), at::kDouble).to(cuda).unsqueeze(1);
+      const at::Tensor h = -(at::softmax(y, -1) * at::log_softmax(y, -1)).sum(-1);
+      EXPECT_LT((ent.to(at::kDouble) - h).abs().max().item<double>(), 1e-3) << "entropy, vocab " << logits.size(1);
+    }
   }
   // RoPE tables on the GPU (no trip through the host): a row's values do not depend on the rows
   // beside it, and agree with the C library's to float rounding.

@@ -143,52 +143,6 @@ __global__ void __launch_bounds__(kThreads) rms_norm_rows_kernel(T* x, const T* 
   }
 }
 
-// logprobs[r] = z[target] - max(z) - log(sum(exp(z - max(z)))), z = logits[r] / temperature.
-constexpr int kLogprobThreads = 1024;
-template <class T>
-__global__ void __launch_bounds__(kLogprobThreads) logprob_rows_kernel(const T* logits, int64_t vocab,
-                                                                       int64_t row_stride, const int64_t* targets,
-                                                                       const float* temperatures, bool per_row,
-                                                                       float* out, float* entropy) {
-  __shared__ float partial[kLogprobThreads / 32];
-  const int64_t r = blockIdx.x;
-  const T* z = logits + r * row_stride;
-  const float t = temperatures[per_row ? r : 0];
-  const int64_t chunks = vocab / kVec, tail = vocab % kVec;
-  const bool vec = vector_ok<T>(z);
-  float mx = -INFINITY;
-  for (int64_t c = threadIdx.x; c < chunks; c += kLogprobThreads) {
-    const Chunk<T> v = load_chunk(z + c * kVec, vec);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) mx = fmaxf(mx, v.v[i] / t);
-  }
-  if (threadIdx.x < tail) mx = fmaxf(mx, to_f(z[chunks * kVec + threadIdx.x]) / t);
-  mx = block_max<kLogprobThreads>(mx, partial);
-  // The normaliser, and for the entropy the sum of exp(y - mx) (y - mx): H = log(sum) - that / sum.
-  float sum = 0.f, weighted = 0.f;
-  for (int64_t c = threadIdx.x; c < chunks; c += kLogprobThreads) {
-    const Chunk<T> v = load_chunk(z + c * kVec, vec);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      const float d = v.v[i] / t - mx, e = expf(d);
-      sum += e;
-      if (entropy) weighted = fmaf(e, d, weighted);
-    }
-  }
-  if (threadIdx.x < tail) {
-    const float d = to_f(z[chunks * kVec + threadIdx.x]) / t - mx, e = expf(d);
-    sum += e;
-    if (entropy) weighted = fmaf(e, d, weighted);
-  }
-  sum = block_sum<kLogprobThreads>(sum, partial);
-  if (entropy) weighted = block_sum<kLogprobThreads>(weighted, partial);
-  if (threadIdx.x == 0) {
-    const int64_t target = targets[r];
-    out[r] = target >= 0 && target < vocab ? to_f(z[target]) / t - mx - logf(sum) : NAN;
-    if (entropy) entropy[r] = logf(sum) - weighted / sum;
-  }
-}
-
 // softmax(x[r]) in fp32 (a mixture of experts' router).
 __global__ void __launch_bounds__(kThreads) softmax_rows_kernel(const float* x, float* out, int64_t width) {
   __shared__ float partial[kWarps];
@@ -267,19 +221,6 @@ void invariant_add_rms_norm(DType dtype, void* x, const void* add, const void* w
         x_stride, add_stride, eps);
   });
   check_launch("invariant residual add and RMSNorm");
-}
-
-void invariant_logprobs(DType dtype, const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
-                        const int64_t* targets, const float* temperatures, bool per_row, float* logprobs,
-                        float* entropy, void* stream) {
-  if (rows == 0) return;
-  if (rows > 0x7fffffff) throw std::invalid_argument("invariant log-probs: more than 2^31 - 1 rows");
-  with_dtype(dtype, [&](auto t) {
-    using T = typename decltype(t)::type;
-    logprob_rows_kernel<T><<<static_cast<unsigned>(rows), kLogprobThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(logits), vocab, row_stride, targets, temperatures, per_row, logprobs, entropy);
-  });
-  check_launch("invariant log-probs");
 }
 
 }  // namespace tiller::model::cuda

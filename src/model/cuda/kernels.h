@@ -170,7 +170,9 @@ void invariant_softmax(const float* x, float* out, int64_t rows, int64_t width, 
 // log softmax(z / t)[target] per row of logits [rows, vocab] (row stride in elements), fp32
 // [rows], t = temperatures[r] (per_row) or temperatures[0]; both device arrays. NaN for a target
 // outside [0, vocab). With `entropy`, also each row's entropy of softmax(z / t) (not part of the
-// invariance promise, but computed in the same pass) (invariant.cu).
+// invariance promise, but computed in the same pass). The row's log-sum-exp is sample_rows' own
+// pass 1 (sampler.cu), so sample_rows reports the same bits for the token it draws at t (a
+// temperature of 0 there counts as 1 here).
 void invariant_logprobs(DType dtype, const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
                         const int64_t* targets, const float* temperatures, bool per_row, float* logprobs,
                         float* entropy, void* stream);

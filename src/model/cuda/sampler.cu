@@ -60,12 +60,26 @@ __device__ __forceinline__ Vec<T> load8(const T* x, int i, int hi, bool vec) {
   return r;
 }
 
-// Running (max, sum of exp2(v - max)) pairs, merged.
-__device__ __forceinline__ void merge_lse(float& m, float& s, float m2, float s2) {
+// Running (max m, sum s of exp2(z - m)) pairs in log2 units, merged; with kEntropy also w, the sum
+// of exp2(z - m) (z - m) (the entropy's numerator). Every product and sum is rounded on its own
+// (__fmul_rn, __fadd_rn: never contracted into an FMA), so that the sampler and the bitwise
+// mode's log-prob kernel, which inline these into different kernels, compute the same bits.
+template <bool kEntropy = false>
+__device__ __forceinline__ void merge_lse(float& m, float& s, float& w, float m2, float s2, float w2) {
   const float mx = fmaxf(m, m2);
   if (mx == -INFINITY) return;
-  s = s * exp2f(m - mx) + s2 * exp2f(m2 - mx);
+  const float f = exp2f(m - mx), f2 = exp2f(m2 - mx);
+  if constexpr (kEntropy) {
+    const float a = s > 0.f ? __fmul_rn(f, __fadd_rn(w, __fmul_rn(s, m - mx))) : 0.f;
+    const float b = s2 > 0.f ? __fmul_rn(f2, __fadd_rn(w2, __fmul_rn(s2, m2 - mx))) : 0.f;
+    w = __fadd_rn(a, b);
+  }
+  s = __fadd_rn(__fmul_rn(s, f), __fmul_rn(s2, f2));
   m = mx;
+}
+__device__ __forceinline__ void merge_lse(float& m, float& s, float m2, float s2) {
+  float w = 0.f;
+  merge_lse<false>(m, s, w, m2, s2, 0.f);
 }
 
 // The warp's tokens [lo, hi) in steps of kStep (lane l takes tokens l * 8 .. l * 8 + 7 of each),
@@ -105,6 +119,76 @@ __device__ __forceinline__ float inclusive_scan(float v, int lane) {
   return v;
 }
 
+// A row's ranges: warp w takes a contiguous range of a multiple of 8 tokens, cut into chunks of a
+// multiple of kStep tokens (at most kMaxChunks a warp). Depends on the vocabulary alone.
+struct RowLayout {
+  int n, per, chunk, steps_per_chunk;
+  __device__ explicit RowLayout(int vocab) : n(vocab) {
+    per = ((n + kWarps - 1) / kWarps + kPer - 1) / kPer * kPer;
+    chunk = (per + kMaxChunks - 1) / kMaxChunks;
+    chunk = max(kMinChunk, (chunk + kStep - 1) / kStep * kStep);
+    steps_per_chunk = chunk / kStep;
+  }
+  __device__ int lo(int w) const { return min(n, w * per); }
+  __device__ int hi(int w) const { return min(n, lo(w) + per); }
+  __device__ int chunks(int w) const { return (hi(w) - lo(w) + chunk - 1) / chunk; }
+};
+
+// log2(e) / temperature: logits -> log2 units of x / T (a temperature <= 0, greedy, counts as 1).
+__device__ __forceinline__ float log2_scale(float temperature) {
+  return temperature > 0.f ? __fmul_rn(__fdiv_rn(1.f, temperature), kLog2e) : kLog2e;
+}
+// log softmax(x / T)[token] from the token's logit, the scale and the row's log2 partition function.
+__device__ __forceinline__ float logprob_of(float x, float k, float lse2) {
+  return __fdiv_rn(__fsub_rn(__fmul_rn(x, k), lse2), kLog2e);
+}
+
+// Pass 1 of one warp over its range [lo, hi) of a row: each lane's running (max, sum) of z = x k
+// over its tokens, the warp's pairs merged at the end of every chunk (lane order of the butterfly,
+// then the chunks in order) into the warp's (wm, ws) (and ww with kEntropy). value(i, x) sees every
+// token first (the sampler's argmax); chunk(c, cm, cs) every chunk's warp-wide pair.
+template <bool kEntropy, class T, class Value, class Chunk>
+__device__ __forceinline__ void warp_lse(const T* x, int lo, int hi, int steps_per_chunk, bool vec, int lane, float k,
+                                         float& wm, float& ws, float& ww, Value&& value, Chunk&& chunk) {
+  float lm = -INFINITY, ls = 0.f, lw = 0.f;  // this lane's share of the current chunk
+  wm = -INFINITY;
+  ws = ww = 0.f;
+  const int steps = hi > lo ? (hi - lo + kStep - 1) / kStep : 0;
+  stream_range(x, lo, hi, vec, lane, [&](int s, int i0, const float (&v)[kPer]) {
+    float local = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      value(i0 + e, v[e]);
+      local = fmaxf(local, __fmul_rn(v[e], k));
+    }
+    if (local != -INFINITY) {
+      if (local > lm) {
+        const float f = exp2f(lm - local);
+        if constexpr (kEntropy) lw = ls > 0.f ? __fmul_rn(f, __fadd_rn(lw, __fmul_rn(ls, lm - local))) : 0.f;
+        ls = __fmul_rn(ls, f);
+        lm = local;
+      }
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) {
+        const float d = __fmul_rn(v[e], k) - lm, p = exp2f(d);
+        ls = __fadd_rn(ls, p);
+        if constexpr (kEntropy) lw = p > 0.f ? __fadd_rn(lw, __fmul_rn(p, d)) : lw;
+      }
+    }
+    if ((s + 1) % steps_per_chunk == 0 || s + 1 == steps) {  // warp-uniform: the chunk ends
+      float cm = lm, cs = ls, cw = lw;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+        merge_lse<kEntropy>(cm, cs, cw, __shfl_xor_sync(kFull, cm, off), __shfl_xor_sync(kFull, cs, off),
+                            __shfl_xor_sync(kFull, cw, off));
+      chunk(s / steps_per_chunk, cm, cs);
+      merge_lse<kEntropy>(wm, ws, ww, cm, cs, cw);
+      lm = -INFINITY;
+      ls = lw = 0.f;
+    }
+  });
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(const T* logits, int vocab, int64_t row_stride,
                                                                bool vec, const float* params, int64_t* tokens,
@@ -117,57 +201,33 @@ __global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(const T* logit
   const T* x = logits + row * row_stride;
   const float temperature = params[3 * row], min_p = params[3 * row + 1], u = params[3 * row + 2];
   const bool greedy = !(temperature > 0.f);
-  const float k = (greedy ? 1.f : 1.f / temperature) * kLog2e;  // logits -> log2 units of x / T
-  const int n = vocab;
-
-  // The warps' ranges (multiples of 8 tokens) and chunks (multiples of kStep, <= kMaxChunks each).
-  const int per = ((n + kWarps - 1) / kWarps + kPer - 1) / kPer * kPer;
-  int chunk = (per + kMaxChunks - 1) / kMaxChunks;
-  chunk = max(kMinChunk, (chunk + kStep - 1) / kStep * kStep);
-  const int steps_per_chunk = chunk / kStep;
-  auto range_lo = [&](int w) { return min(n, w * per); };
-  auto range_hi = [&](int w) { return min(n, range_lo(w) + per); };
-  auto chunks_of = [&](int w) { return (range_hi(w) - range_lo(w) + chunk - 1) / chunk; };
+  const float k = log2_scale(temperature);  // logits -> log2 units of x / T
+  const RowLayout layout(vocab);
+  const int n = vocab, chunk = layout.chunk, steps_per_chunk = layout.steps_per_chunk;
+  auto range_lo = [&](int w) { return layout.lo(w); };
+  auto range_hi = [&](int w) { return layout.hi(w); };
+  auto chunks_of = [&](int w) { return layout.chunks(w); };
   const int lo = range_lo(warp), hi = range_hi(warp), chunks = chunks_of(warp);
 
   // Pass 1.
   float best = -INFINITY;
   int arg = INT_MAX;
-  float lm = -INFINITY, ls = 0.f;  // this lane's share of the current chunk
-  float wm = -INFINITY, ws = 0.f;  // the warp's chunks so far
+  float wm, ws, ww;  // the warp's chunks
   const int steps = hi > lo ? (hi - lo + kStep - 1) / kStep : 0;
-  stream_range(x, lo, hi, vec, lane, [&](int s, int i0, const float (&v)[kPer]) {
-    float local = -INFINITY;
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      if (v[e] > best) {  // a lane's tokens come in increasing order: the first maximum stays
-        best = v[e];
-        arg = i0 + e;
-      }
-      local = fmaxf(local, v[e] * k);
-    }
-    if (local != -INFINITY) {
-      if (local > lm) {
-        ls *= exp2f(lm - local);
-        lm = local;
-      }
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) ls += exp2f(v[e] * k - lm);
-    }
-    if ((s + 1) % steps_per_chunk == 0 || s + 1 == steps) {  // warp-uniform: the chunk ends
-      float cm = lm, cs = ls;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1)
-        merge_lse(cm, cs, __shfl_xor_sync(kFull, cm, off), __shfl_xor_sync(kFull, cs, off));
-      if (lane == 0) {
-        s_cm[warp][s / steps_per_chunk] = cm;
-        s_cs[warp][s / steps_per_chunk] = cs;
-      }
-      merge_lse(wm, ws, cm, cs);
-      lm = -INFINITY;
-      ls = 0.f;
-    }
-  });
+  warp_lse<false>(
+      x, lo, hi, steps_per_chunk, vec, lane, k, wm, ws, ww,
+      [&](int i, float v) {
+        if (v > best) {  // a lane's tokens come in increasing order: the first maximum stays
+          best = v;
+          arg = i;
+        }
+      },
+      [&](int c, float cm, float cs) {
+        if (lane == 0) {
+          s_cm[warp][c] = cm;
+          s_cs[warp][c] = cs;
+        }
+      });
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     const float b2 = __shfl_xor_sync(kFull, best, off);
@@ -197,10 +257,10 @@ __global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(const T* logit
     }
     arg = wi < n ? wi : 0;
   }
-  const float lse2 = m + log2f(s);  // log2 of the row's partition function
+  const float lse2 = __fadd_rn(m, log2f(s));  // log2 of the row's partition function
   auto write = [&](int token) {
     tokens[row] = token;
-    logprobs[row] = (to_f(x[token]) * k - lse2) / kLog2e;
+    logprobs[row] = logprob_of(to_f(x[token]), k, lse2);
   };
   if (greedy) {
     if (threadIdx.x == 0) write(arg);
@@ -326,7 +386,66 @@ __global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(const T* logit
   if (lane == 0) write(token >= 0 ? token : last >= 0 ? last : arg);
 }
 
+// algo.logprob_match = bitwise (kernels.h: invariant_logprobs): log softmax(x / T)[target] of a
+// row by the sampler's own pass 1 (warp_lse, the warps merged in order), so that the log-prob the
+// sampler reports for its draw is this kernel's for the same row and temperature, bit for bit,
+// and the engine need not compute it again. With `entropy`, the entropy from the same pass.
+template <class T>
+__global__ void __launch_bounds__(kThreads, 2) lse_logprob_rows_kernel(const T* logits, int vocab, int64_t row_stride,
+                                                                    bool vec, const int64_t* targets,
+                                                                    const float* temperatures, bool per_row,
+                                                                    float* logprobs, float* entropy) {
+  __shared__ float s_wm[kWarps], s_ws[kWarps], s_ww[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * row_stride;
+  const float k = log2_scale(temperatures[per_row ? row : 0]);
+  const RowLayout layout(vocab);
+  float wm, ws, ww;
+  auto none = [](auto...) {};
+  if (entropy)
+    warp_lse<true>(x, layout.lo(warp), layout.hi(warp), layout.steps_per_chunk, vec, lane, k, wm, ws, ww, none, none);
+  else
+    warp_lse<false>(x, layout.lo(warp), layout.hi(warp), layout.steps_per_chunk, vec, lane, k, wm, ws, ww, none, none);
+  if (lane == 0) {
+    s_wm[warp] = wm;
+    s_ws[warp] = ws;
+    s_ww[warp] = ww;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  float m = -INFINITY, s = 0.f, w = 0.f;
+  for (int i = 0; i < kWarps; ++i) {
+    float m1 = m, s1 = s;
+    merge_lse(m, s, s_wm[i], s_ws[i]);  // the sampler's merge
+    if (entropy) merge_lse<true>(m1, s1, w, s_wm[i], s_ws[i], s_ww[i]);
+  }
+  const float lse2 = __fadd_rn(m, log2f(s));
+  const int64_t target = targets[row];
+  logprobs[row] = target >= 0 && target < vocab ? logprob_of(to_f(x[target]), k, lse2) : NAN;
+  if (entropy) entropy[row] = s > 0.f ? (log2f(s) - w / s) * 0.6931471805599453f : NAN;
+}
+
 }  // namespace
+
+void invariant_logprobs(DType dtype, const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
+                        const int64_t* targets, const float* temperatures, bool per_row, float* logprobs,
+                        float* entropy, void* stream) {
+  if (rows == 0) return;
+  if (rows > 0x7fffffff) throw std::invalid_argument("invariant log-probs: more than 2^31 - 1 rows");
+  if (vocab <= 0 || vocab > kMaxVocab)
+    throw std::invalid_argument("invariant log-probs: vocabulary of " + std::to_string(vocab) + " tokens (1 to 2^30)");
+  const int64_t bytes = dtype == DType::kFloat ? 4 : 2;
+  const bool vec = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && (row_stride * bytes) % 16 == 0 && vocab % 8 == 0;
+  with_dtype(dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    lse_logprob_rows_kernel<<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const T*>(logits), static_cast<int>(vocab), row_stride, vec, targets, temperatures, per_row,
+        logprobs, entropy);
+  });
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw std::runtime_error(std::string("invariant log-probs launch: ") + cudaGetErrorString(err));
+}
 
 void sample_rows(DType dtype, const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
                  const float* params, int64_t* tokens, float* logprobs, void* stream) {
