@@ -12,6 +12,8 @@
 // The draw is the inverse-CDF draw of the ATen sampler; it reads the row about once instead of a
 // block-wide scan with two barriers per 4096 tokens. The row's draw depends only on the row
 // (its logits, parameters and uniform), never on the batch.
+// Pass 1 (warp_lse, then the warps merged in order) is also the bitwise mode's log-prob head
+// (invariant_logprobs, below): the log-prob this kernel reports for its draw is that kernel's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
