@@ -210,6 +210,16 @@ TEST(Bitwise, KernelRowsDoNotDependOnTheirNeighbours) {
     EXPECT_LT((n.to(at::kFloat) - at::rms_norm(x, {72}, nw, 1e-6).to(at::kFloat)).abs().max().item<double>(),
               dtype == at::kFloat ? 1e-5 : 0.05);
   }
+  // The value head in the mode (a critic's, a reward model's): each row's value alone, where the
+  // ordinary matmul's rows change with the number of rows.
+  {
+    ScopedNumerics bitwise(Numerics::kBatchInvariant);
+    const at::Tensor h = at::randn({37, 72}), score = at::randn({1, 72});
+    const at::Tensor all = model::values(h, score);
+    for (const int64_t r : {0, 5, 17, 36})
+      EXPECT_TRUE(at::equal(all[r], model::values(h.narrow(0, r, 1), score)[0])) << "value row " << r;
+    EXPECT_LT((all - at::matmul(h, score.t()).squeeze(-1)).abs().max().item<double>(), 1e-4);
+  }
   // Gradients in fp64: the ordinary formulas.
   const at::Tensor x = at::randn({6, 8}, at::kDouble).requires_grad_(),
                    w = at::randn({5, 8}, at::kDouble).requires_grad_(), b = at::randn({5}, at::kDouble).requires_grad_();
