@@ -197,4 +197,42 @@ __device__ __forceinline__ void online_step(const float (&s)[2][4], float& m_lo,
   }
 }
 
+// The block's partial softmax states in its shared memory, as merge_parts (decode_common.cuh)
+// reads them: m and l [kWarps][kTileRows], then the unnormalised outputs [kWarps][kTileRows][D].
+struct PartStates {
+  float *m, *l, *acc;
+};
+__device__ __forceinline__ PartStates part_states(unsigned char* smem) {
+  auto* m = reinterpret_cast<float*>(smem);
+  return {m, m + kWarps * kTileRows, m + 2 * kWarps * kTileRows};
+}
+
+// Warp `warp`'s state (its rows r and r + 8, l still this lane's share) into part `warp` of the
+// block's states: each row's l summed over its 4 lanes, then stored with m and o. The caller
+// makes the block's pipelines idle before (the states reuse their memory) and syncs after.
+template <int D>
+__device__ __forceinline__ void stash_part(const PartStates& st, int warp, int lane, const float (&o)[D / 8][4],
+                                           float m_lo, float m_hi, float l_lo, float l_hi) {
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l_lo += __shfl_xor_sync(kFull, l_lo, off);
+    l_hi += __shfl_xor_sync(kFull, l_hi, off);
+  }
+  const int r = lane / 4, c2 = 2 * (lane % 4);
+  const int row_lo = warp * kTileRows + r, row_hi = row_lo + 8;
+  if (lane % 4 == 0) {
+    st.m[row_lo] = m_lo;
+    st.m[row_hi] = m_hi;
+    st.l[row_lo] = l_lo;
+    st.l[row_hi] = l_hi;
+  }
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    st.acc[row_lo * D + n * 8 + c2] = o[n][0];
+    st.acc[row_lo * D + n * 8 + c2 + 1] = o[n][1];
+    st.acc[row_hi * D + n * 8 + c2] = o[n][2];
+    st.acc[row_hi * D + n * 8 + c2 + 1] = o[n][3];
+  }
+}
+
 }  // namespace tiller::model::cuda::detail

@@ -335,33 +335,12 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_decode_mma
     const int kv_head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.y);
     attend<T, D, kFp8>(a, kv_head, b, split, warp, kWarps, base, k_rot, o, m_lo, m_hi, l_lo, l_hi);
     __syncthreads();
-    // Merge the warps: each row's sum over its 4 lanes, then the shared-memory merge.
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      l_lo += __shfl_xor_sync(kFull, l_lo, off);
-      l_hi += __shfl_xor_sync(kFull, l_hi, off);
-    }
-    const int r = lane / 4, c2 = 2 * (lane % 4);
-    auto* s_m = reinterpret_cast<float*>(smem);  // [kWarps][kTileRows]
-    float* s_l = s_m + kWarps * kTileRows;       // [kWarps][kTileRows]
-    float* s_acc = s_l + kWarps * kTileRows;     // [kWarps][kTileRows][D]
-    const int row_lo = warp * kTileRows + r, row_hi = row_lo + 8;
-    if (lane % 4 == 0) {
-      s_m[row_lo] = m_lo;
-      s_m[row_hi] = m_hi;
-      s_l[row_lo] = l_lo;
-      s_l[row_hi] = l_hi;
-    }
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      s_acc[row_lo * D + n * 8 + c2] = o[n][0];
-      s_acc[row_lo * D + n * 8 + c2 + 1] = o[n][1];
-      s_acc[row_hi * D + n * 8 + c2] = o[n][2];
-      s_acc[row_hi * D + n * 8 + c2 + 1] = o[n][3];
-    }
+    // Merge the warps through shared memory.
+    const PartStates st = part_states(smem);
+    stash_part<D>(st, warp, lane, o, m_lo, m_hi, l_lo, l_hi);
     __syncthreads();
     const int group = static_cast<int>(a.heads / a.kv_heads);
-    store_merged<T, D>(a, s_m, s_l, s_acc, kWarps, kTileRows, group, kv_head * group, b, split);
+    store_merged<T, D>(a, st.m, st.l, st.acc, kWarps, kTileRows, group, kv_head * group, b, split);
     if (split == 0 && warp == 0) store_step_rows<T, D>(a, kv_head, b, k_rot, lane);
   }
   if (a.pack_keys <= 0 || item % kWarps != 0) return;

@@ -101,36 +101,16 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm<D>) paged_prefill_mm
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the pipelines before the merge reuses them
 
-  // The decode kernel's merge: each row's sum over its 4 lanes, then the parts in order.
-#pragma unroll
-  for (int off = 1; off < 4; off <<= 1) {
-    l_lo += __shfl_xor_sync(kFull, l_lo, off);
-    l_hi += __shfl_xor_sync(kFull, l_hi, off);
-  }
-  auto* s_m = reinterpret_cast<float*>(smem);  // [kWarps][kTileRows]
-  float* s_l = s_m + kWarps * kTileRows;       // [kWarps][kTileRows]
-  float* s_acc = s_l + kWarps * kTileRows;     // [kWarps][kTileRows][D]
-  const int row_lo = warp * kTileRows + r, row_hi = row_lo + 8;
-  if (lane % 4 == 0) {
-    s_m[row_lo] = m_lo;
-    s_m[row_hi] = m_hi;
-    s_l[row_lo] = l_lo;
-    s_l[row_hi] = l_hi;
-  }
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    s_acc[row_lo * D + n * 8 + c2] = o[n][0];
-    s_acc[row_lo * D + n * 8 + c2 + 1] = o[n][1];
-    s_acc[row_hi * D + n * 8 + c2] = o[n][2];
-    s_acc[row_hi * D + n * 8 + c2 + 1] = o[n][3];
-  }
+  // The decode kernel's merge: the parts through shared memory, then in order.
+  const PartStates st = part_states(smem);
+  stash_part<D>(st, warp, lane, o, m_lo, m_hi, l_lo, l_hi);
   __syncthreads();
   T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(q_row0) * a.heads + head) * D;
   const int64_t row_stride = a.heads * D;
   for (int idx = threadIdx.x; idx < rows * D; idx += kWarps * 32) {
     const int g = idx / D, d = idx % D;
     float mx, sum, acc;
-    merge_parts<D>(s_m, s_l, s_acc, kWarps, kTileRows, g, d, mx, sum, acc);
+    merge_parts<D>(st.m, st.l, st.acc, kWarps, kTileRows, g, d, mx, sum, acc);
     store(out + g * row_stride + d, sum > 0.f ? acc / sum : 0.f);
   }
 }
