@@ -16,7 +16,9 @@ std::vector<Round> plan_rounds(const std::vector<int64_t>& samples, const std::v
                                int64_t budget, double attention_tokens) {
   TILLER_CHECK(ranks >= 1 && budget >= 1, "plan_rounds: {} ranks, budget {}", ranks, budget);
   auto len = [&](int64_t s) { return tokens.at(static_cast<size_t>(s)); };
-  // Costliest first (ties: by id, so the plan is a function of its inputs).
+  // Costliest first (ties: in the order given). The plan depends on that order and the lengths,
+  // never on the ids' values: the training's ids number samples as they arrived, which timing
+  // decides, and a micro-batch's rows in another order sum its gradient in another order.
   std::vector<int64_t> order = samples;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len(a) > len(b); });
   // The fewest rounds: first-fit decreasing counts the micro-batches the budget needs.
@@ -54,9 +56,13 @@ std::vector<Round> plan_rounds(const std::vector<int64_t>& samples, const std::v
   }
   // Rounds of similar micro-batches: a round's time is its slowest rank's.
   std::stable_sort(slots.begin(), slots.end(), [](const Slot& a, const Slot& b) { return a.cost > b.cost; });
+  std::vector<size_t> position(tokens.size());
+  for (size_t i = 0; i < samples.size(); ++i) position.at(static_cast<size_t>(samples[i])) = i;
   std::vector<Round> out(rounds, Round(static_cast<size_t>(ranks)));
   for (size_t i = 0; i < slots.size(); ++i) {
-    std::sort(slots[i].ids.begin(), slots[i].ids.end());
+    std::sort(slots[i].ids.begin(), slots[i].ids.end(), [&](int64_t a, int64_t b) {
+      return position[static_cast<size_t>(a)] < position[static_cast<size_t>(b)];
+    });
     out[i / static_cast<size_t>(ranks)][i % static_cast<size_t>(ranks)] = std::move(slots[i].ids);
   }
   while (out.size() > 1 && std::all_of(out.back().begin(), out.back().end(), [](const auto& m) { return m.empty(); }))

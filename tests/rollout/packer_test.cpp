@@ -17,7 +17,8 @@ int64_t tokens_of(const std::vector<int64_t>& ids, const std::vector<int64_t>& t
   return n;
 }
 
-// Every sample exactly once, every micro-batch within the budget unless it is one long sample.
+// Every sample exactly once, every micro-batch within the budget unless it is one long sample
+// (the samples are given in id order here, so each micro-batch lists them ascending).
 void expect_valid(const std::vector<Round>& rounds, const std::vector<int64_t>& tokens, int ranks, int64_t budget,
                   size_t samples) {
   std::multiset<int64_t> seen;
@@ -97,6 +98,35 @@ TEST(Packer, PlanRoundsGivesEveryRankARoundEvenWhenEmpty) {
   const auto none = plan_rounds({}, tokens, 2, 64);
   ASSERT_EQ(none.size(), 1u);
   EXPECT_TRUE(none[0][0].empty() && none[0][1].empty());
+}
+
+TEST(Packer, PlanRoundsDependsOnTheOrderGivenNotOnTheIds) {
+  // The training numbers samples in arrival order, which timing decides, and hands them over in a
+  // fixed order: the same samples under other ids must get the same micro-batches, their samples
+  // in the same order (the gradient's sums follow the rows' order).
+  const std::vector<int64_t> lens = {33, 17, 40, 17, 25, 33, 9, 40, 12, 28, 17, 31};
+  const std::vector<int64_t> given = {7, 2, 11, 0, 5, 9, 1, 4, 10, 3, 8, 6};
+  std::vector<int64_t> relabel(lens.size());  // id s is called relabel[s] in the second run
+  std::iota(relabel.begin(), relabel.end(), 0);
+  std::reverse(relabel.begin(), relabel.end());
+  std::swap(relabel[2], relabel[5]);
+  std::vector<int64_t> lens2(lens.size()), given2;
+  for (size_t s = 0; s < lens.size(); ++s) lens2[static_cast<size_t>(relabel[s])] = lens[s];
+  for (int64_t s : given) given2.push_back(relabel[static_cast<size_t>(s)]);
+  for (int ranks : {1, 2, 3}) {
+    const auto a = plan_rounds(given, lens, ranks, 80), b = plan_rounds(given2, lens2, ranks, 80);
+    ASSERT_EQ(a.size(), b.size()) << ranks << " ranks";
+    for (size_t r = 0; r < a.size(); ++r)
+      for (size_t k = 0; k < a[r].size(); ++k) {
+        std::vector<int64_t> mapped;
+        for (int64_t s : a[r][k]) mapped.push_back(relabel[static_cast<size_t>(s)]);
+        EXPECT_EQ(mapped, b[r][k]) << ranks << " ranks, round " << r << ", rank " << k;
+        // Within a micro-batch the samples keep the order they were given in.
+        std::vector<size_t> at;
+        for (int64_t s : a[r][k]) at.push_back(static_cast<size_t>(std::find(given.begin(), given.end(), s) - given.begin()));
+        EXPECT_TRUE(std::is_sorted(at.begin(), at.end()));
+      }
+  }
 }
 
 TEST(Packer, StreamingRoundsWaitForAFullRoundThenFlush) {

@@ -34,7 +34,9 @@ double sample_cost(int64_t tokens, double attention_tokens);
 // cheapest micro-batch of any round that has room (a sample over the budget only to an empty
 // one); then the micro-batches are sorted by cost and dealt out in rounds, so the costliest run
 // side by side and a long sample's round holds the other ranks' fullest micro-batches rather than
-// stalling rounds of small ones. Each micro-batch lists its samples in ascending id order.
+// stalling rounds of small ones. Each micro-batch lists its samples in their order in `samples`,
+// and the plan depends on that order and the lengths only, not on the ids' values (the same
+// samples under other ids get the same plan).
 std::vector<Round> plan_rounds(const std::vector<int64_t>& samples, const std::vector<int64_t>& tokens, int ranks,
                                int64_t budget, double attention_tokens = 0);
 
