@@ -243,6 +243,10 @@ struct Controller::Impl {
     if (j > cfg.train.critic_warmup_steps && !empty) will_train.add(Role::kActor);
     if (critic_group && !empty) will_train.add(Role::kCritic);
     std::unique_ptr<StepBatch> b = collector->take_batch(will_train);
+    // From here the samples are in (prompt, sample) order, not arrival order: the advantages'
+    // sums (whitening, reward normalisation, the KL controller's input) and the training's
+    // micro-batches are then the same in every run of a job.
+    b->ro.canonicalize();
     if (w.rewards.batched) w.rewards.batched->label_step(static_cast<uint64_t>(j + 1));
     metrics["time/wait_batch"] = since(t0);
     return b;

@@ -156,6 +156,78 @@ int64_t Rollout::add_from(const Rollout& o, int64_t s, int64_t prompt_index) {
   return d;
 }
 
+namespace {
+
+// `v` as segments [off[s], off[s + 1]) taken in `order`; `off` becomes their new offsets.
+template <typename T>
+void permute_segments(std::vector<T>& v, std::vector<int64_t>& off, const std::vector<int64_t>& order) {
+  std::vector<T> out;
+  out.reserve(v.size());
+  std::vector<int64_t> new_off{0};
+  new_off.reserve(off.size());
+  for (int64_t s : order) {
+    out.insert(out.end(), v.begin() + off[static_cast<size_t>(s)], v.begin() + off[static_cast<size_t>(s) + 1]);
+    new_off.push_back(static_cast<int64_t>(out.size()));
+  }
+  v = std::move(out);
+  off = std::move(new_off);
+}
+
+template <typename T>
+void permute(std::vector<T>& v, const std::vector<int64_t>& order) {
+  std::vector<T> out;
+  out.reserve(order.size());
+  for (int64_t s : order) out.push_back(v[static_cast<size_t>(s)]);
+  v = std::move(out);
+}
+
+}  // namespace
+
+bool Rollout::canonicalize() {
+  const int64_t b = size();
+  std::vector<int64_t> order(static_cast<size_t>(b));
+  for (int64_t s = 0; s < b; ++s) order[static_cast<size_t>(s)] = s;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return std::make_pair(prompt[x], sample[x]) < std::make_pair(prompt[y], sample[y]);
+  });
+  if (std::is_sorted(order.begin(), order.end())) return false;
+  // The per-token arrays, each a sample's response_len values at resp_offset.
+  const std::vector<int64_t> resp_before = resp_offset;
+  for (std::vector<float>* v : {&engine_logp, &logp, &advantages, &ref_logp, &values, &returns}) {
+    if (v->empty()) continue;
+    std::vector<int64_t> off(resp_before);
+    off.push_back(response_tokens());
+    permute_segments(*v, off, order);
+  }
+  if (!loss_mask.empty()) {
+    std::vector<int64_t> off(resp_before);
+    off.push_back(static_cast<int64_t>(loss_mask.size()));
+    permute_segments(loss_mask, off, order);
+  }
+  {
+    std::vector<int64_t> off(seq_offset);
+    off.push_back(static_cast<int64_t>(tokens.size()));
+    permute_segments(tokens, off, order);
+    off.pop_back();
+    seq_offset = std::move(off);
+  }
+  std::vector<int64_t> run_off = run_offset;
+  permute_segments(run_start, run_off, order);
+  permute_segments(run_version, run_offset, order);
+  permute_segments(routes, route_offset, order);
+  if (layout.turns) {
+    std::vector<int64_t> turn_off = turn_offset;
+    permute_segments(turn_end, turn_off, order);
+    permute_segments(turn_reward, turn_offset, order);
+  }
+  for (std::vector<int64_t>* v : {&prompt, &sample, &prompt_len, &response_len}) permute(*v, order);
+  permute(truncated, order);
+  permute(score, order);
+  resp_offset.assign(static_cast<size_t>(b), 0);
+  for (int64_t s = 1; s < b; ++s) resp_offset[static_cast<size_t>(s)] = resp_offset[static_cast<size_t>(s) - 1] + response_len[s - 1];
+  return true;
+}
+
 int64_t Rollout::model_tokens(int64_t s) const {
   if (!layout.turns) return response_len[s];
   int64_t n = 0;

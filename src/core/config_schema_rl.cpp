@@ -123,8 +123,8 @@ void add_rl_fields(Builder& b) {
              "off: the fastest kernels, and the engine's log-probs differ from the trainer's in their last bits "
              "(mismatch/*). bitwise: every rank runs batch-invariant forward kernels (one reduction order whatever "
              "the batch), so each sampled token's engine log-prob equals the trainer's bit for bit "
-             "(mismatch/tokens_differing is 0) and the first mini-batch's PPO ratio is exactly 1. CPU and CUDA; "
-             "needs engines.tp = 1 (docs/training.md).");
+             "(mismatch/tokens_differing is 0) and the first mini-batch's PPO ratio is exactly 1, and a synchronous "
+             "run on the CPU is reproducible to the bit. CPU and CUDA; needs engines.tp = 1 (docs/training.md).");
   b.add("algo.routing_replay", TILLER_FIELD(algo.routing_replay),
         "Routing replay (mixture-of-experts actors): the engine records the experts that routed every prompt and "
         "generated token, the controller ships them with the micro-batches, and the actor's scoring and training "

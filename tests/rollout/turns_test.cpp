@@ -1,6 +1,7 @@
 // Multi-turn samples on the controller's and the ranks' side, without a model: the host arrays'
 // loss mask and turn rewards, the advantages over the model's tokens only, the off-policy weights,
-// and the losses a trainer rank computes (observation tokens never reach the gradient).
+// the losses a trainer rank computes (observation tokens never reach the gradient), and a rollout
+// put in (prompt, sample) order with all of its arrays.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -327,6 +328,76 @@ TEST(Turns, MaskedTokensNeverReachTheGradient) {
   EXPECT_TRUE(at::allclose(v.grad(), at::tensor(std::vector<float>{-0.25f, -0.25f, 0, 0, 0, -0.25f, 0.25f})));
   EXPECT_EQ(l1.stats[1].item<double>(), 0.0);  // no clipped tokens given: 0
   EXPECT_THROW(trainer::critic_loss(v, c, {"test_l2", 0.2}), ConfigError);
+}
+
+// Samples are appended as they arrive; canonicalize() puts them in (prompt, sample) order with
+// every array that belongs to them: the same rollout as one filled in that order.
+TEST(Turns, CanonicalizeGivesTheRolloutFilledInPromptSampleOrder) {
+  RolloutLayout layout = turns_layout(/*critic=*/true);
+  layout.ref = true;
+  auto add = [](Rollout& ro, int64_t g, int64_t s) {
+    const int64_t k = g * 10 + s;
+    const int64_t len = 3 + (k * 7) % 5;  // responses of 3 to 7 tokens
+    std::vector<int64_t> prompt_ids(static_cast<size_t>(1 + g), 100 + k), response;
+    std::vector<float> logprobs;
+    TurnInfo t;
+    for (int64_t i = 0; i < len; ++i) {
+      response.push_back(200 + k * 10 + i);
+      logprobs.push_back(-0.01f * static_cast<float>(k * 10 + i));
+      t.loss_mask.push_back(i == 1 && s == 1 ? 0 : 1);
+    }
+    t.ends = {len - 1};
+    t.rewards = {0.5f * static_cast<float>(k)};
+    // Two weight versions in the odd samples' tokens.
+    const std::vector<int64_t> starts = s % 2 ? std::vector<int64_t>{0, 2} : std::vector<int64_t>{};
+    const std::vector<uint64_t> versions = s % 2 ? std::vector<uint64_t>{3, 4} : std::vector<uint64_t>{};
+    const int64_t id = ro.add(g, s, prompt_ids, response, logprobs, k % 3 == 0, starts, versions, 5, &t);
+    std::vector<int16_t> routes(static_cast<size_t>(2 * (1 + g)), static_cast<int16_t>(k));
+    ro.set_routes(routes, 2);
+    ro.score[static_cast<size_t>(id)] = static_cast<float>(k);
+    for (int64_t i = 0; i < len; ++i) {
+      const auto at = static_cast<size_t>(ro.resp_offset[static_cast<size_t>(id)] + i);
+      const auto v = static_cast<float>(k * 10 + i);
+      ro.logp[at] = v + 0.1f;
+      ro.ref_logp[at] = v + 0.2f;
+      ro.values[at] = v + 0.3f;
+      ro.returns[at] = v + 0.4f;
+      ro.advantages[at] = v + 0.5f;
+    }
+  };
+  const std::vector<std::pair<int64_t, int64_t>> arrival = {{2, 1}, {0, 1}, {1, 0}, {2, 0}, {0, 0}, {1, 1}};
+  Rollout ro(layout), want(layout);
+  for (const auto& [g, s] : arrival) add(ro, g, s);
+  for (int64_t g = 0; g < 3; ++g)
+    for (int64_t s = 0; s < 2; ++s) add(want, g, s);
+  EXPECT_TRUE(ro.canonicalize());
+  EXPECT_EQ(ro.prompt, want.prompt);
+  EXPECT_EQ(ro.sample, want.sample);
+  EXPECT_EQ(ro.seq_offset, want.seq_offset);
+  EXPECT_EQ(ro.prompt_len, want.prompt_len);
+  EXPECT_EQ(ro.response_len, want.response_len);
+  EXPECT_EQ(ro.resp_offset, want.resp_offset);
+  EXPECT_EQ(ro.truncated, want.truncated);
+  EXPECT_EQ(ro.score, want.score);
+  EXPECT_EQ(ro.run_offset, want.run_offset);
+  EXPECT_EQ(ro.run_start, want.run_start);
+  EXPECT_EQ(ro.run_version, want.run_version);
+  EXPECT_EQ(ro.tokens, want.tokens);
+  EXPECT_EQ(ro.engine_logp, want.engine_logp);
+  EXPECT_EQ(ro.logp, want.logp);
+  EXPECT_EQ(ro.advantages, want.advantages);
+  EXPECT_EQ(ro.ref_logp, want.ref_logp);
+  EXPECT_EQ(ro.values, want.values);
+  EXPECT_EQ(ro.returns, want.returns);
+  EXPECT_EQ(ro.loss_mask, want.loss_mask);
+  EXPECT_EQ(ro.turn_offset, want.turn_offset);
+  EXPECT_EQ(ro.turn_end, want.turn_end);
+  EXPECT_EQ(ro.turn_reward, want.turn_reward);
+  EXPECT_EQ(ro.routes, want.routes);
+  EXPECT_EQ(ro.route_offset, want.route_offset);
+  EXPECT_EQ(ro.route_width, want.route_width);
+  EXPECT_FALSE(ro.canonicalize());  // already in order: nothing moves
+  EXPECT_EQ(ro.tokens, want.tokens);
 }
 
 }  // namespace

@@ -93,6 +93,11 @@ struct Rollout {
   bool has_routes(int64_t s) const { return route_offset[s + 1] > route_offset[s]; }
   // Appends sample `s` of `other` (same layout), with every array it has.
   int64_t add_from(const Rollout& other, int64_t s, int64_t prompt_index);
+  // Puts the samples in (prompt, sample) order, every array with them, in place (one array's copy
+  // at a time). Samples are appended as they arrive, which timing decides; the step's sums over
+  // samples and tokens (whitening, reward normalisation, the KL metric, a user's estimator) then
+  // add in an order that does not depend on it. Returns false when the order was already so.
+  bool canonicalize();
   // The oldest and newest weight version among sample s's tokens.
   uint64_t oldest_version(int64_t s) const;
   uint64_t newest_version(int64_t s) const;
