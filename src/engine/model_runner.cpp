@@ -249,10 +249,11 @@ void ModelRunner::allocate_cache(const CacheOptions& o) {
   m.paged = device_.is_cuda() && cuda::paged_decode_supports(local_.head_dim) &&
             (dtype == at::kBFloat16 || dtype == at::kHalf || (dtype == at::kFloat && !m.fp8_kv)) &&
             o.num_blocks * m.block_size < (int64_t{1} << 31);  // slots and block ids travel as int32
-  // algo.logprob_match = bitwise: RoPE by the same kernel as the trainer's (not fused here), and
-  // one KV split per query (decode_splits), so that a decode step sums its keys as the trainer's
-  // attention (the same kernel, model/batch_invariant.h) does.
-  m.paged_rope = m.paged && o.rope_in_attention && !model::batch_invariant() && !m.fp8_kv &&
+  // algo.logprob_match = bitwise: one KV split per query (decode_splits), so that a decode step
+  // sums its keys as the trainer's attention (the same kernel, model/batch_invariant.h) does. RoPE
+  // fused here gives the RoPE kernel's bits (the trainer's in the mode too: both round each
+  // rope_pair to the dtype; EngineGpu.PagedDecodeRotatesLikeTheRopeKernel), so the mode fuses it.
+  m.paged_rope = m.paged && o.rope_in_attention && !m.fp8_kv &&
                  cuda::paged_decode_rotates(kernel_dtype(dtype), local_.head_dim, local_.num_heads, local_.num_kv_heads);
   // A mixture of experts is captured when its experts run as grouped GEMMs on the device; the
   // per-expert loop groups the tokens on the host, which a graph cannot replay.
