@@ -24,6 +24,18 @@ void* stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.
 
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   const int64_t k = w.size(1), n = w.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  if (n == 1) {  // a value head: one dot product a row (cuBLASLt's kernels for one column are not probed)
+    const at::Tensor wc = w.to(x.scalar_type()).contiguous();
+    const at::Tensor bc = b.defined() ? b.to(x.scalar_type()).contiguous() : at::Tensor();
+    at::Tensor x2 = x.reshape({-1, k});
+    if (x2.stride(1) != 1) x2 = x2.contiguous();
+    at::Tensor out = at::empty({x2.size(0)}, x.options().memory_format(at::MemoryFormat::Contiguous));
+    cuda::invariant_row_dot(cuda::kernel_dtype(x.scalar_type()), x2.data_ptr(), x2.stride(0), wc.data_ptr(),
+                            bc.defined() ? bc.data_ptr() : nullptr, out.data_ptr(), x2.size(0), k, stream_of(x));
+    return out.view(shape);
+  }
   TILLER_CHECK(k * x.element_size() % 16 == 0,
                "algo.logprob_match = bitwise: a matmul over {} inputs ({} bytes a row) needs rows of a multiple of 16 "
                "bytes on CUDA",
@@ -47,8 +59,6 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     throw Error(e.what());
   }
   if (b.defined()) out.add_(b.to(x.scalar_type()));
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
   return out.view(shape);
 }
 

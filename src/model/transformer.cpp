@@ -556,9 +556,9 @@ at::Tensor values(const at::Tensor& hidden, const at::Tensor& score) {
   // algo.logprob_match = bitwise: each value one dot product in one order whatever the batch, so
   // that a critic's values (and the returns and advantages made from them) do not depend on how its
   // scoring packed the samples; the ordinary CPU matmul's rows change with M (31 of 37 rows of a
-  // [37, 72] x [72, 1] product against one row at a time). On the CPU; CUDA keeps the ordinary
-  // matmul until the invariant GEMM has been run at one output column on a GPU.
-  if (batch_invariant() && !hidden.is_cuda()) return invariant::linear(hidden, score).squeeze(-1).to(at::kFloat);
+  // [37, 72] x [72, 1] product against one row at a time). On CUDA one thread block a row
+  // (invariant_row_dot).
+  if (batch_invariant()) return invariant::linear(hidden, score).squeeze(-1).to(at::kFloat);
   return at::matmul(hidden, score.t()).squeeze(-1).to(at::kFloat);
 }
 

@@ -276,6 +276,25 @@ TEST(EngineGpu, BitwiseKernelRowsDoNotDependOnTheirNeighbours) {
         EXPECT_GT(differ, 0) << "the ordinary matmul's rows did not change with M here";
       }
     }
+    // The value head (one output column): each row's value alone, off a vector boundary too, and
+    // within rounding of the ordinary matmul; its gradients the ordinary ones.
+    {
+      const at::Tensor h = at::randn({1000, 1536}, cuda).to(dtype), score = at::randn({1, 1536}, cuda).to(dtype);
+      const at::Tensor all = model::values(h, score);
+      for (const int64_t m : {1, 3, 64, 999})
+        EXPECT_TRUE(at::equal(all.narrow(0, 1000 - m, m), model::values(h.narrow(0, 1000 - m, m), score)))
+            << "value rows, the last " << m;
+      at::Tensor flat = at::empty({h.numel() + 1}, h.options());
+      at::Tensor off = flat.narrow(0, 1, h.numel()).view(h.sizes());
+      off.copy_(h);
+      EXPECT_TRUE(at::equal(all, model::values(off, score)));
+      const at::Tensor ref = at::matmul(h, score.t()).squeeze(-1).to(at::kFloat);
+      EXPECT_LT((all - ref).abs().max().item<double>() / ref.abs().max().item<double>(), dtype == at::kFloat ? 1e-5 : 1e-2);
+      const at::Tensor hg = h.to(at::kFloat).requires_grad_(), sg = score.to(at::kFloat).requires_grad_();
+      model::values(hg, sg).sum().backward();
+      EXPECT_TRUE(at::allclose(hg.grad(), sg.detach().expand({1000, 1536}), 1e-6, 1e-6));
+      EXPECT_TRUE(at::allclose(sg.grad(), hg.detach().sum(0, true), 1e-3, 1e-3));
+    }
     const at::Tensor x = at::randn({300, 896}, cuda).to(dtype), nw = at::rand({896}, cuda).to(dtype);
     const at::Tensor n = model::invariant::rms_norm(x, nw, 1e-6);
     EXPECT_TRUE(at::equal(n.narrow(0, 17, 3), model::invariant::rms_norm(x.narrow(0, 17, 3), nw, 1e-6)));

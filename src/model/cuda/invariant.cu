@@ -143,6 +143,30 @@ __global__ void __launch_bounds__(kThreads) rms_norm_rows_kernel(T* x, const T* 
   }
 }
 
+// out[r] = T(x[r] . w) (+ bias): a one-column product, the sum in fp32 in the rows' one order
+// (each thread's chunks, then the block's threads; a value head's, where a GEMM's kernel for one
+// output column would follow the batch).
+template <class T>
+__global__ void __launch_bounds__(kThreads) row_dot_kernel(const T* x, int64_t x_stride, const T* w, const T* bias,
+                                                            T* out, int64_t width) {
+  __shared__ float partial[kWarps];
+  const T* xr = x + blockIdx.x * x_stride;
+  const int64_t chunks = width / kVec, tail = width % kVec;
+  const bool vec = vector_ok<T>(xr) && vector_ok<T>(w);
+  float acc = 0.f;
+  for (int64_t c = threadIdx.x; c < chunks; c += kThreads) {
+    const Chunk<T> a = load_chunk(xr + c * kVec, vec), b = load_chunk(w + c * kVec, vec);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc = fmaf(a.v[i], b.v[i], acc);
+  }
+  if (threadIdx.x < tail) {
+    const int64_t j = chunks * kVec + threadIdx.x;
+    acc = fmaf(to_f(xr[j]), to_f(w[j]), acc);
+  }
+  const float total = block_sum(acc, partial);
+  if (threadIdx.x == 0) out[blockIdx.x] = from_f<T>(bias ? total + to_f(*bias) : total);
+}
+
 // softmax(x[r]) in fp32 (a mixture of experts' router).
 __global__ void __launch_bounds__(kThreads) softmax_rows_kernel(const float* x, float* out, int64_t width) {
   __shared__ float partial[kWarps];
@@ -195,6 +219,19 @@ void invariant_softmax(const float* x, float* out, int64_t rows, int64_t width, 
   if (rows > 0x7fffffff) throw std::invalid_argument("invariant softmax: more than 2^31 - 1 rows");
   softmax_rows_kernel<<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, out, width);
   check_launch("invariant softmax");
+}
+
+void invariant_row_dot(DType dtype, const void* x, int64_t x_stride, const void* w, const void* bias, void* out,
+                       int64_t rows, int64_t width, void* stream) {
+  if (rows == 0) return;
+  if (rows > 0x7fffffff) throw std::invalid_argument("invariant one-column product: more than 2^31 - 1 rows");
+  with_dtype(dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    row_dot_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const T*>(x), x_stride, static_cast<const T*>(w), static_cast<const T*>(bias), static_cast<T*>(out),
+        width);
+  });
+  check_launch("invariant one-column product");
 }
 
 void invariant_rms_norm(DType dtype, const void* x, const void* weight, void* out, int64_t rows, int64_t width,

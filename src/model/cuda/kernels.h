@@ -165,6 +165,11 @@ void invariant_add_rms_norm(DType dtype, void* x, const void* add, const void* w
 // element (invariant.cu): the RoPE tables of the bitwise mode, computed where they are used.
 void invariant_rope_tables(const float* freqs, float* cos_out, float* sin_out, int64_t n, float scaling, bool scaled,
                            void* stream);
+// out[r] = T(x[r] . w + bias) for rows [rows, width] at row stride x_stride (elements), w [width]
+// and bias (one element, or null) contiguous, out [rows]: the sum in fp32 in one order per row
+// (invariant.cu). A value head's one-column product, which a GEMM would sum as the batch decides.
+void invariant_row_dot(DType dtype, const void* x, int64_t x_stride, const void* w, const void* bias, void* out,
+                       int64_t rows, int64_t width, void* stream);
 // softmax of contiguous fp32 rows [rows, width] into out (contiguous, fp32) (invariant.cu).
 void invariant_softmax(const float* x, float* out, int64_t rows, int64_t width, void* stream);
 // log softmax(z / t)[target] per row of logits [rows, vocab] (row stride in elements), fp32
