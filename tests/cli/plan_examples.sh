@@ -67,10 +67,10 @@ echo "$n example configs plan (configs/gpu and configs/real)"
 # What does not fit is refused with the smallest layout that does: the 72B LoRA example on 80 GB
 # GPUs (no room for a KV cache beside the base and its engine slice), and full-weight 72B, whose
 # AdamW state on the host (872 GB) is more than one 4-GPU host's 512 GiB.
-expect_refusal() {  # PATTERN ARGS...
+expect_refusal() {  # PATTERN ARGS... (CONFIG: the config's name, the 72B LoRA 4-GPU example by default)
   local pattern=$1; shift
   local out code=0
-  out=$("$tiller" plan -c "$repo/configs/gpu/qwen2.5-72b-lora-grpo-hybrid-4gpu.yaml" --nodes 1 "$@" 2>&1) || code=$?
+  out=$("$tiller" plan -c "$repo/configs/gpu/${CONFIG:-qwen2.5-72b-lora-grpo-hybrid-4gpu}.yaml" --nodes 1 "$@" 2>&1) || code=$?
   if [ "$code" -ne 2 ] || ! grep -Eq "$pattern" <<< "$out"; then
     echo "FAIL: tiller plan $*: exit $code, expected 2 and /$pattern/:" >&2; echo "$out" | tail -5 >&2; exit 1
   fi
@@ -103,3 +103,19 @@ expect_refusal "node 0 needs [0-9.]+ GiB of host memory.*The smallest layout tha
   --set roles.actor.optimizer_offload=cpu --set roles.actor.offload=true
 expect_refusal "The smallest layout that fits: 16 GPUs on 2 nodes of 8 .*roles.actor.optimizer_offload=cpu" \
   --gpus-per-node 8 --gpu-memory-gb 80 --host-memory-gb 560 --set roles.actor.lora.rank=0 --set roles.actor.gpus=8
+# The 8-GPU examples (issue 63): the 32B full-weight job with engines at TP 2 (its config), 4 and 8
+# all fit 80 GB GPUs; full-weight 72B on one 8-GPU host fits 141 GB GPUs with 2 TB of host memory
+# (its config's header, planned above) and is refused on the 560 GiB hosts of the 8-GPU machines
+# the device tool lends, naming 2 nodes.
+for v in "4 2" "8 1"; do
+  set -- $v
+  out=$("$tiller" plan -c "$repo/configs/gpu/qwen2.5-32b-grpo-hybrid-8gpu.yaml" --nodes 1 --gpus-per-node 8 \
+        --gpu-memory-gb 80 --host-memory-gb 512 --set engines.tp="$1" --set engines.count="$2" 2>&1) ||
+    { echo "FAIL: the 32B 8-GPU example with engines at TP $1:" >&2; echo "$out" | tail -3 >&2; exit 1; }
+  grep -q "(TP $1), inside the actor's processes" <<< "$out" && ! grep -q "DOES NOT FIT" <<< "$out" ||
+    { echo "FAIL: the 32B 8-GPU example at TP $1 does not plan as $2 engine(s) that fit:" >&2; echo "$out" >&2; exit 1; }
+  echo "qwen2.5-32b-grpo-hybrid-8gpu at TP $1: fits 80 GB"
+done
+CONFIG=qwen2.5-72b-grpo-hybrid-8gpu expect_refusal \
+  "node 0 needs 8[0-9.]+ GiB of host memory.*The smallest layout that fits: 16 GPUs on 2 nodes of 8" \
+  --gpus-per-node 8 --gpu-memory-gb 141 --host-memory-gb 560
