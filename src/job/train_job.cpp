@@ -7,12 +7,10 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <mutex>
 #include <random>
 #include <thread>
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 
@@ -36,6 +34,7 @@
 #include "tiller/model/storage_swap.h"
 #include "tiller/sync/hybrid_handoff.h"
 #include "tiller/sync/weight_sync.h"
+#include "tiller/zero/checkpoint.h"
 #include "tiller/zero/sharded_model.h"
 #include "trainer/role_worker.h"
 #include "wire/messages.h"
@@ -302,20 +301,8 @@ int run_train(const JobConfig& cfg, dist::MpiEnv& env, const TrainOptions& optio
     device = fmt::format("cuda:{}", me.gpu);
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(me.gpu)));
   }
-  // The process's default generators (the CPU's, and its GPU's) from the run's seed and the rank.
-  // Nothing in a step draws from them (the engines' sampling and the weights' initialisation have
-  // generators of their own), but ATen seeds the CPU's from the system's entropy and checkpoints
-  // save their states: two runs of one job would write different files, and a user's op that
-  // draws from them would not repeat.
-  {
-    const uint64_t seed = static_cast<uint64_t>(cfg.run.seed) * 1000003ull + static_cast<uint64_t>(env.rank());
-    std::vector<at::Generator> gens = {at::detail::getDefaultCPUGenerator()};
-    if (device != "cpu") gens.push_back(at::globalContext().defaultGenerator(at::Device(device)));
-    for (at::Generator& g : gens) {
-      std::lock_guard<std::mutex> lock(g.mutex());
-      g.set_current_seed(seed);
-    }
-  }
+  // The default generators, whose states checkpoints save, from the run's seed and the rank.
+  zero::seed_default_generators(static_cast<uint64_t>(cfg.run.seed), env.rank(), at::Device(device));
   // The memory plan: on GPUs every rank checks that its phases fit (the same verdict everywhere),
   // and a hybrid engine's KV cache is what its generate phase leaves.
   int64_t gpu_bytes = static_cast<int64_t>(cfg.cluster.gpu_memory_gb * (1ull << 30));

@@ -53,6 +53,8 @@ OfflineRun::OfflineRun(const JobConfig& c, dist::MpiEnv& env, const std::string&
     device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(gpu));
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);
   }
+  // The default generators, whose states checkpoints save, from the run's seed and the rank.
+  zero::seed_default_generators(static_cast<uint64_t>(cfg.run.seed), rank, device);
   if (backend == BackendKind::kNccl) {
     device_comm_ = dist::MpiEnv::nccl(*world_comm_, device.index(), name, cfg.timeouts.startup_s);
     comm_ = device_comm_.get();

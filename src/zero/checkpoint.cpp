@@ -5,6 +5,8 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <mutex>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -263,6 +265,16 @@ void load_checkpoint(ShardedModel& model, const std::string& dir_in) {
 }
 
 int64_t checkpoint_steps(const std::string& dir) { return read_meta(resolve(dir)).value("steps", int64_t{0}); }
+
+void seed_default_generators(uint64_t seed, int rank, const at::Device& device) {
+  const uint64_t s = seed * 1000003ull + static_cast<uint64_t>(rank);
+  std::vector<at::Generator> gens = {at::detail::getDefaultCPUGenerator()};
+  if (device.is_cuda()) gens.push_back(at::globalContext().defaultGenerator(device));
+  for (at::Generator& g : gens) {
+    std::lock_guard<std::mutex> lock(g.mutex());
+    g.set_current_seed(s);
+  }
+}
 
 namespace {
 

@@ -19,6 +19,7 @@ CASE:
   resume      --resume from the step-10 checkpoint of a run (copied alone into a fresh directory)
               gives that run's steps 11 to the end exactly; SIGTERM to rank 0 of two stops both ranks
               after the step, which is saved, with exit 0; --resume with no checkpoint is refused.
+              A second run of the job writes the same step-10 checkpoint files, byte for byte.
   chat        conversations (data/sft/toy_chat.jsonl, ChatML, some with two assistant turns) with the
               sequence mean: the loss falls; a parquet twin of the file gives the same losses.
   bad_inputs  a malformed line (named by file:line), a missing offline.data, and a rank count that is
@@ -270,6 +271,17 @@ def check_resume(cmd, *sets):
 
 def case_resume():
     check_resume("sft")
+    # Two runs of one job write the same checkpoint files, byte for byte (the default generators,
+    # whose states they hold, seeded from run.seed and the rank).
+    again = SCRATCH / "full_sft_again"
+    run(1, again, "checkpoint.keep_last=100", cmd="sft")
+    step = Path("checkpoints") / "step_000010"
+    files = sorted(p.relative_to(SCRATCH / "full_sft") for p in (SCRATCH / "full_sft" / step).rglob("*") if p.is_file())
+    if not any(f.suffix == ".safetensors" for f in files):
+        fail(f"no checkpoint shard among {files}")
+    for f in files:
+        if (SCRATCH / "full_sft" / f).read_bytes() != (again / f).read_bytes():
+            fail(f"two runs of one SFT job wrote different {f}")
     # SIGTERM to rank 0 of two mid-run: both ranks finish the step, save it and exit 0.
     stop = SCRATCH / "stop"
     shutil.rmtree(stop, ignore_errors=True)

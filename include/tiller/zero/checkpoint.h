@@ -18,6 +18,7 @@
 // must be on a file system every rank of the group sees (as DeepSpeed's checkpoints).
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -41,6 +42,12 @@ void save_checkpoint(ShardedModel& model, const std::string& dir, const SaveOpti
 // ConfigError when the checkpoint does not fit the model (world size, shapes, head), IoError
 // when a file is missing or corrupt; on every rank, naming the rank that failed.
 void load_checkpoint(ShardedModel& model, const std::string& dir);
+
+// Seeds the process's default generators (the CPU's, and `device`'s when it is a GPU), whose
+// states the checkpoints save, from a run's seed and the process's rank. ATen seeds the CPU's from
+// the system's entropy: without this two runs of one job would write different checkpoint files,
+// and an op that draws from them would not repeat. Call once at start-up, before any resume.
+void seed_default_generators(uint64_t seed, int rank, const at::Device& device);
 
 // Optimizer steps recorded in a checkpoint (reads meta.json only).
 int64_t checkpoint_steps(const std::string& dir);
